@@ -1,0 +1,34 @@
+//! The vocabulary every farmap crate speaks.
+//!
+//! A farmap region is a byte range cut into equally sized *chunks* (the last one may be
+//! shorter). Everything that holds or moves a region is a [`Store`]: an async, chunk-addressed
+//! object that reads and writes whole chunks as owned [`bytes::Bytes`], with `&self` methods so
+//! that any number of tasks can use one store at once through an `Arc<dyn Store>`.
+//!
+//! - [`Geometry`], [`ChunkIdx`], [`ChunkRange`]: the shape of a region and how to name parts of it.
+//! - [`Caps`]: what a store can do, reported separately from its data operations.
+//! - [`StoreError`] and [`ErrorKind`]: one error type for every store, mapped to an errno for
+//!   kernel-facing frontends and classified as retryable or not.
+//! - [`ChunkStatus`]: what a store knows about a chunk without reading it (zero or data).
+//! - [`size`]: parsing and printing of sizes (binary suffixes in, MB = 10^6 bytes out).
+//!
+//! This crate has no runtime dependency and no `unsafe`.
+#![forbid(unsafe_code)]
+#![warn(missing_docs)]
+
+mod caps;
+mod error;
+mod geometry;
+pub mod size;
+mod store;
+mod zeros;
+
+pub use caps::Caps;
+pub use error::{ErrorKind, StoreError, StoreResult};
+pub use geometry::{
+    ChunkIdx, ChunkRange, Geometry, GeometryError, DEFAULT_CHUNK_SIZE, MAX_CHUNK_SIZE,
+    MIN_CHUNK_SIZE,
+};
+pub use size::{format_size, parse_size, MbPerSec, SizeError};
+pub use store::{BoxFuture, ChunkStatus, Store};
+pub use zeros::{is_zero, zero_chunk};

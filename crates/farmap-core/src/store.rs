@@ -1,0 +1,137 @@
+//! The chunk [`Store`] trait.
+
+use std::fmt;
+use std::future::Future;
+use std::pin::Pin;
+use std::sync::Arc;
+
+use bytes::Bytes;
+
+use crate::{Caps, ChunkIdx, ChunkRange, Geometry, StoreError, StoreResult};
+
+/// A boxed, `Send` future: what every [`Store`] method returns, so that `Arc<dyn Store>` works.
+pub type BoxFuture<'a, T> = Pin<Box<dyn Future<Output = T> + Send + 'a>>;
+
+/// What a store knows about a chunk without reading it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum ChunkStatus {
+    /// The chunk reads as zeros (never written, trimmed, or a hole).
+    Zero,
+    /// The chunk holds data (which may still happen to be zeros).
+    Data,
+    /// The store cannot tell without reading.
+    Unknown,
+}
+
+/// A chunk-addressed region store: the leaf (memory, file, directory, Redis, S3, a remote
+/// farmap host...) or a stage wrapping another store.
+///
+/// # Contract
+/// - Every method takes `&self`; a store is shared as `Arc<dyn Store>` by any number of tasks.
+/// - `read` returns exactly [`Geometry::chunk_len`] bytes. A chunk never written (or trimmed)
+///   reads as zeros.
+/// - `write` takes exactly [`Geometry::chunk_len`] bytes and replaces the chunk whole: a
+///   concurrent `read` of the same chunk sees the old or the new content, never a mix.
+/// - Indices outside the region fail with [`ErrorKind::OutOfRange`](crate::ErrorKind), wrong
+///   lengths with `InvalidInput`, writes to a store without [`Caps::WRITE`] with `ReadOnly`.
+/// - `flush` returns once every write that completed before it was called is durable in the
+///   sense the store's [`Caps::FLUSH`] promises; for a store without it, `flush` succeeds and
+///   promises nothing beyond "written".
+/// - `trim` makes the chunks of a range read as zeros (releasing space where
+///   [`Caps::TRIM`] says so).
+///
+/// There are no default method bodies: a stage must decide, for every operation, what it does
+/// (a silent pass-through is how a new operation bypasses a cache or a tracker unnoticed).
+pub trait Store: Send + Sync + fmt::Debug + 'static {
+    /// The size and chunk size of the region. Constant for the store's lifetime.
+    fn geometry(&self) -> Geometry;
+
+    /// What this store can do. Constant for the store's lifetime.
+    fn caps(&self) -> Caps;
+
+    /// Reads chunk `idx` whole.
+    fn read(&self, idx: ChunkIdx) -> BoxFuture<'_, StoreResult<Bytes>>;
+
+    /// Replaces chunk `idx` whole with `data`.
+    fn write(&self, idx: ChunkIdx, data: Bytes) -> BoxFuture<'_, StoreResult<()>>;
+
+    /// Makes every completed write durable (see [`Caps::FLUSH`]).
+    fn flush(&self) -> BoxFuture<'_, StoreResult<()>>;
+
+    /// Makes the chunks of `range` read as zeros.
+    fn trim(&self, range: ChunkRange) -> BoxFuture<'_, StoreResult<()>>;
+
+    /// What the store knows about chunk `idx` without reading it.
+    fn status(&self, idx: ChunkIdx) -> BoxFuture<'_, StoreResult<ChunkStatus>>;
+}
+
+macro_rules! forward_store {
+    ($ty:ty) => {
+        impl<S: Store + ?Sized> Store for $ty {
+            fn geometry(&self) -> Geometry {
+                (**self).geometry()
+            }
+            fn caps(&self) -> Caps {
+                (**self).caps()
+            }
+            fn read(&self, idx: ChunkIdx) -> BoxFuture<'_, StoreResult<Bytes>> {
+                (**self).read(idx)
+            }
+            fn write(&self, idx: ChunkIdx, data: Bytes) -> BoxFuture<'_, StoreResult<()>> {
+                (**self).write(idx, data)
+            }
+            fn flush(&self) -> BoxFuture<'_, StoreResult<()>> {
+                (**self).flush()
+            }
+            fn trim(&self, range: ChunkRange) -> BoxFuture<'_, StoreResult<()>> {
+                (**self).trim(range)
+            }
+            fn status(&self, idx: ChunkIdx) -> BoxFuture<'_, StoreResult<ChunkStatus>> {
+                (**self).status(idx)
+            }
+        }
+    };
+}
+
+// Shared and boxed stores are stores: `Arc<dyn Store>` is the common currency.
+forward_store!(Arc<S>);
+forward_store!(Box<S>);
+
+impl Geometry {
+    /// Checks that `idx` names a chunk of this region.
+    pub fn check_idx(&self, idx: ChunkIdx) -> StoreResult<()> {
+        if self.contains(idx) {
+            Ok(())
+        } else {
+            Err(StoreError::out_of_range(format!(
+                "{idx} is past the end of a region of {} chunks",
+                self.chunk_count()
+            )))
+        }
+    }
+
+    /// Checks that `idx` is in the region and `len` is exactly its length.
+    pub fn check_write(&self, idx: ChunkIdx, len: usize) -> StoreResult<()> {
+        self.check_idx(idx)?;
+        let want = self.chunk_len(idx);
+        if len == want {
+            Ok(())
+        } else {
+            Err(StoreError::invalid(format!(
+                "write of {len} bytes to {idx}, which is {want} bytes long"
+            )))
+        }
+    }
+
+    /// Checks that `range` lies within the region.
+    pub fn check_range(&self, range: ChunkRange) -> StoreResult<()> {
+        if range.end.0 <= self.chunk_count() {
+            Ok(())
+        } else {
+            Err(StoreError::out_of_range(format!(
+                "{range} reaches past the end of a region of {} chunks",
+                self.chunk_count()
+            )))
+        }
+    }
+}
