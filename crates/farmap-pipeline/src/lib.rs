@@ -1,0 +1,43 @@
+//! farmap's stages: each one a [`Store`](farmap_core::Store) that owns an inner store.
+//!
+//! ```text
+//!   frontend (uffd / fuse / nbd / ublk / CLI)
+//!        │ byte ranges
+//!   ┌────▼─────┐
+//!   │Unaligned │  byte ranges → whole chunks; partial chunks read-modify-written
+//!   └────┬─────┘  under a per-chunk lock
+//!   ┌────▼─────┐
+//!   │  Gated   │  holds all I/O while closed (migration finalize)
+//!   └────┬─────┘
+//!   ┌────▼─────┐
+//!   │ Tracked  │  records dirty chunks after each write; take_dirty()
+//!   └────┬─────┘
+//!   ┌────▼─────┐        ┌────────┐
+//!   │  Pusher  │───────▶│ remote │  write-back of dirty chunks: N workers, interval,
+//!   └────┬─────┘        └───▲────┘  retries; flush() = everything pushed
+//!   ┌────▼─────┐            │
+//!   │  Cached  │────────────┘  local store + presence map; a miss fetches from the
+//!   └────┬─────┘  ▲            remote once, however many wait for it
+//!        │        │ Puller: background prefetch, N async workers, order policy,
+//!     local       │ prioritize(), progress, cancel
+//!
+//!   Delayed · Faulty · Counting: latency/bandwidth, injected errors, statistics;
+//!   stack them anywhere (benchmarks and tests use them).
+//! ```
+//!
+//! Every stage decides for every [`Store`](farmap_core::Store) method what it does; none
+//! forwards by default. Each stage documents its concurrency contract.
+#![forbid(unsafe_code)]
+
+pub mod cached;
+pub mod counting;
+pub mod delayed;
+pub mod dirty;
+pub mod faulty;
+pub mod gated;
+pub mod puller;
+pub mod pusher;
+pub mod retry;
+pub mod timer;
+pub mod tracked;
+pub mod unaligned;

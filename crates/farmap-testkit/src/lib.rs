@@ -1,0 +1,18 @@
+//! Test kit for farmap stores and stages.
+//!
+//! - [`conformance`]: the suite every [`Store`](farmap_core::Store) runs: round trips, zeros
+//!   for chunks never written, exact lengths, out-of-range errors, trim, status, and concurrent
+//!   readers and writers that must never see a torn chunk.
+//! - [`PatternStore`]: a read-only store whose every byte is a function of its offset, with
+//!   [`pattern_bytes`] as the oracle to compare against.
+//! - [`strategies`]: proptest strategies for operation sequences run against a plain `Vec<u8>`.
+#![forbid(unsafe_code)]
+
+pub mod conformance;
+mod model;
+mod pattern;
+pub mod strategies;
+
+pub use conformance::{run_conformance, run_read_only_conformance};
+pub use model::ModelStore;
+pub use pattern::{pattern_byte, pattern_bytes, PatternStore};

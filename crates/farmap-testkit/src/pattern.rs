@@ -1,0 +1,133 @@
+//! A read-only store whose content is a pure function of the byte offset.
+
+use bytes::{Bytes, BytesMut};
+use farmap_core::{
+    BoxFuture, Caps, ChunkIdx, ChunkRange, ChunkStatus, ErrorKind, Geometry, Store, StoreError,
+    StoreResult,
+};
+
+/// The byte at `offset` of the pattern with `seed`: a hash of the 8-byte word it lies in.
+pub fn pattern_byte(seed: u64, offset: u64) -> u8 {
+    word(seed, offset / 8).to_le_bytes()[(offset % 8) as usize]
+}
+
+fn word(seed: u64, w: u64) -> u64 {
+    // splitmix64 of (seed, word index): cheap, and every word differs.
+    let mut z = w
+        .wrapping_add(seed.wrapping_mul(0x9E37_79B9_7F4A_7C15))
+        .wrapping_add(0x9E37_79B9_7F4A_7C15);
+    z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+    z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+    z ^ (z >> 31)
+}
+
+/// The pattern bytes `offset..offset+len` for `seed`.
+pub fn pattern_bytes(seed: u64, offset: u64, len: usize) -> Vec<u8> {
+    let mut out = Vec::with_capacity(len);
+    let mut o = offset;
+    let end = offset + len as u64;
+    while o < end && !o.is_multiple_of(8) {
+        out.push(pattern_byte(seed, o));
+        o += 1;
+    }
+    while o + 8 <= end {
+        out.extend_from_slice(&word(seed, o / 8).to_le_bytes());
+        o += 8;
+    }
+    while o < end {
+        out.push(pattern_byte(seed, o));
+        o += 1;
+    }
+    out
+}
+
+/// A read-only store whose byte at offset `o` is [`pattern_byte`]`(seed, o)`: an oracle for
+/// anything that moves data (pullers, caches, network transports, frontends).
+#[derive(Debug, Clone)]
+pub struct PatternStore {
+    geometry: Geometry,
+    seed: u64,
+}
+
+impl PatternStore {
+    /// A pattern store of the given shape.
+    pub fn new(geometry: Geometry, seed: u64) -> Self {
+        Self { geometry, seed }
+    }
+
+    /// The seed of the pattern.
+    pub fn seed(&self) -> u64 {
+        self.seed
+    }
+
+    /// The expected content of `offset..offset+len`.
+    pub fn expected(&self, offset: u64, len: usize) -> Vec<u8> {
+        pattern_bytes(self.seed, offset, len)
+    }
+}
+
+impl Store for PatternStore {
+    fn geometry(&self) -> Geometry {
+        self.geometry
+    }
+
+    fn caps(&self) -> Caps {
+        Caps::STATUS | Caps::PARALLEL
+    }
+
+    fn read(&self, idx: ChunkIdx) -> BoxFuture<'_, StoreResult<Bytes>> {
+        Box::pin(async move {
+            self.geometry.check_idx(idx)?;
+            let len = self.geometry.chunk_len(idx);
+            let mut buf = BytesMut::with_capacity(len);
+            buf.extend_from_slice(&pattern_bytes(self.seed, self.geometry.offset_of(idx), len));
+            Ok(buf.freeze())
+        })
+    }
+
+    fn write(&self, idx: ChunkIdx, _data: Bytes) -> BoxFuture<'_, StoreResult<()>> {
+        Box::pin(async move {
+            self.geometry.check_idx(idx)?;
+            Err(StoreError::new(
+                ErrorKind::ReadOnly,
+                "the pattern store is read-only",
+            ))
+        })
+    }
+
+    fn flush(&self) -> BoxFuture<'_, StoreResult<()>> {
+        Box::pin(async { Ok(()) })
+    }
+
+    fn trim(&self, range: ChunkRange) -> BoxFuture<'_, StoreResult<()>> {
+        Box::pin(async move {
+            self.geometry.check_range(range)?;
+            Err(StoreError::new(
+                ErrorKind::ReadOnly,
+                "the pattern store is read-only",
+            ))
+        })
+    }
+
+    fn status(&self, idx: ChunkIdx) -> BoxFuture<'_, StoreResult<ChunkStatus>> {
+        Box::pin(async move {
+            self.geometry.check_idx(idx)?;
+            Ok(ChunkStatus::Data)
+        })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn pattern_is_a_function_of_offset() {
+        let a = pattern_bytes(7, 3, 100);
+        for (i, b) in a.iter().enumerate() {
+            assert_eq!(*b, pattern_byte(7, 3 + i as u64));
+        }
+        assert_ne!(pattern_bytes(7, 0, 64), pattern_bytes(8, 0, 64));
+        assert_ne!(pattern_bytes(7, 0, 64), pattern_bytes(7, 64, 64));
+    }
+}
