@@ -1,0 +1,567 @@
+//! A store in a directory: one file per written chunk.
+
+mod handles;
+mod meta;
+
+use std::collections::{BTreeSet, HashSet};
+use std::fmt;
+use std::fs::{self, File, OpenOptions};
+use std::io::{self, Write};
+use std::os::unix::fs::FileExt;
+use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::Arc;
+
+use bytes::Bytes;
+use farmap_core::{
+    is_zero, zero_chunk, BoxFuture, Caps, ChunkIdx, ChunkRange, ChunkStatus, ErrorKind, Geometry,
+    Store, StoreError, StoreResult, DEFAULT_CHUNK_SIZE,
+};
+use parking_lot::Mutex;
+
+use crate::blocking::blocking;
+use crate::stripes::Stripes;
+use handles::HandleCache;
+use meta::{sync_dir, Meta, META_FILE, META_TEMP};
+
+/// log2 of the number of chunks per subdirectory.
+const GROUP_SHIFT: u32 = 12;
+/// Name of the subdirectory holding temporary files (not a hex number, so never a group).
+const TEMP_DIR: &str = "tmp";
+/// Shards of the set of chunks written since the last flush.
+const UNFLUSHED_SHARDS: u64 = 16;
+/// A trim touching more chunks of one subdirectory than this lists the subdirectory instead
+/// of trying to remove every chunk file by name.
+const LIST_THRESHOLD: u64 = 64;
+
+/// Makes temporary file names unique within the process (the process id makes them unique
+/// across processes).
+static TEMP_COUNTER: AtomicU64 = AtomicU64::new(0);
+
+/// How [`DirStore::open`] opens its directory.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct DirOptions {
+    /// Region size. Needed to create a store; when reopening, it must match the metadata.
+    pub size: Option<u64>,
+    /// Chunk size in bytes. When creating: [`DEFAULT_CHUNK_SIZE`] if `None`; when reopening, it
+    /// must match the metadata if given.
+    pub chunk_size: Option<u32>,
+    /// Most chunk files kept open for reading (least recently used ones are closed); `0`
+    /// opens and closes a file for every read.
+    pub max_open_files: usize,
+    /// Open for reading only: nothing in the directory is created, changed or removed.
+    pub read_only: bool,
+}
+
+impl Default for DirOptions {
+    fn default() -> Self {
+        Self {
+            size: None,
+            chunk_size: None,
+            max_open_files: 256,
+            read_only: false,
+        }
+    }
+}
+
+/// A region stored as a directory of chunk files: only written chunks take space.
+///
+/// # Layout
+/// ```text
+/// <dir>/farmap-dir.meta                  "farmap-dir 1", size=..., chunk=...
+/// <dir>/0000/0000000000000a1f.chunk      chunk 0xa1f (chunks 0..4096 live in 0000/)
+/// <dir>/0001/0000000000001000.chunk      chunk 0x1000
+/// <dir>/tmp/                             writes in progress (emptied on open)
+/// ```
+/// Chunk files are named by their full index in hex and grouped 4096 to a subdirectory named
+/// by `index >> 12`, so no directory grows past 4096 chunk files whatever the region size,
+/// neighbouring chunks share a directory, and a trim can skip a subdirectory that does not
+/// exist. A missing chunk file reads as zeros; writing an all-zero chunk removes its file.
+///
+/// # Crash safety
+/// A write goes to a new file in `tmp/` that is then renamed over the chunk's name, so a chunk
+/// file is always one whole write (a crash before the next flush may lose the write, but never
+/// mixes two). `flush` syncs every chunk file written since the last flush, then the
+/// subdirectories whose entries changed, then the top directory if a subdirectory was created:
+/// everything written or trimmed before `flush` survives a crash once it returns.
+///
+/// # Concurrency
+/// - Reads and writes of different chunks run in parallel on Tokio's blocking pool.
+/// - Read handles are cached (at most `max_open_files`, least recently used closed first). A
+///   rename replaces a chunk's inode, so a write or trim drops the chunk's cached handle while
+///   holding the chunk's stripe lock (one of 1024 `RwLock<()>`), which readers hold while
+///   looking up, opening and caching a handle: no stale handle survives a write.
+/// - A read of a chunk being rewritten sees the old or the new file, whole.
+/// - One process per directory: another process writing the same directory breaks these
+///   guarantees (opening a store clears `tmp/`).
+pub struct DirStore {
+    inner: Arc<Inner>,
+}
+
+struct Inner {
+    root: PathBuf,
+    temp_dir: PathBuf,
+    geometry: Geometry,
+    read_only: bool,
+    stripes: Stripes,
+    handles: HandleCache,
+    /// Chunks renamed into place since the last flush, sharded by index.
+    unflushed: Box<[Mutex<HashSet<u64>>]>,
+    /// Subdirectories whose entries were removed since the last flush.
+    trimmed_groups: Mutex<HashSet<u64>>,
+    /// Whether a subdirectory was created since the last flush.
+    new_groups: AtomicBool,
+    /// Serializes flushes: a flush must not return while an earlier one is still syncing
+    /// what it took. Never taken on the read or write path.
+    flush_lock: Mutex<()>,
+}
+
+impl DirStore {
+    /// Opens the store in directory `path`, creating it (and the directory) when `opts.size`
+    /// is given and there is no store there yet.
+    ///
+    /// Refuses, with an error naming the path: a size or chunk size that disagrees with the
+    /// stored metadata ([`InvalidInput`](ErrorKind::InvalidInput), naming both values), a
+    /// missing store without a size ([`NotFound`](ErrorKind::NotFound), saying `?size=` creates
+    /// it), and a non-empty directory without metadata (`InvalidInput`: it is someone else's).
+    /// Temporary files left by a crash are removed (unless read-only).
+    pub fn open(path: &Path, opts: DirOptions) -> StoreResult<Self> {
+        let shown = path.display();
+        let exists = match fs::metadata(path) {
+            Ok(m) if m.is_dir() => true,
+            Ok(_) => return Err(StoreError::invalid(format!("{shown} is not a directory"))),
+            Err(e) if e.kind() == io::ErrorKind::NotFound => false,
+            Err(e) => return Err(StoreError::io(format!("cannot open {shown}"), e)),
+        };
+        let found = if exists { meta::read(path)? } else { None };
+        let meta = match found {
+            Some(m) => {
+                m.check_matches(path, opts.size, opts.chunk_size)?;
+                m
+            }
+            None => create(path, exists, &opts)?,
+        };
+        let geometry = meta.geometry().map_err(|e| {
+            StoreError::new(
+                ErrorKind::Corrupt,
+                format!("{shown}/{META_FILE} describes an impossible region"),
+            )
+            .with_source(e)
+        })?;
+        let temp_dir = path.join(TEMP_DIR);
+        if !opts.read_only {
+            clear_temp_dir(&temp_dir)?;
+        }
+        Ok(Self {
+            inner: Arc::new(Inner {
+                root: path.to_owned(),
+                temp_dir,
+                geometry,
+                read_only: opts.read_only,
+                stripes: Stripes::new(),
+                handles: HandleCache::new(opts.max_open_files),
+                unflushed: (0..UNFLUSHED_SHARDS)
+                    .map(|_| Mutex::new(HashSet::new()))
+                    .collect(),
+                trimmed_groups: Mutex::new(HashSet::new()),
+                new_groups: AtomicBool::new(false),
+                flush_lock: Mutex::new(()),
+            }),
+        })
+    }
+
+    /// The directory the store was opened in.
+    pub fn path(&self) -> &Path {
+        &self.inner.root
+    }
+
+    /// Number of chunk files held open in the read handle cache.
+    pub fn open_files(&self) -> usize {
+        self.inner.handles.len()
+    }
+
+    /// Number of chunks written since the last successful flush (their files are not yet known
+    /// to be durable).
+    pub fn unflushed_chunks(&self) -> usize {
+        self.inner.unflushed.iter().map(|s| s.lock().len()).sum()
+    }
+
+    fn check_writable(&self) -> StoreResult<()> {
+        if self.inner.read_only {
+            Err(StoreError::new(
+                ErrorKind::ReadOnly,
+                format!("{} was opened read-only", self.inner.root.display()),
+            ))
+        } else {
+            Ok(())
+        }
+    }
+}
+
+/// Creates a store's metadata in `path` (creating the directory if `exists` is false).
+fn create(path: &Path, exists: bool, opts: &DirOptions) -> StoreResult<Meta> {
+    let shown = path.display();
+    let Some(size) = opts.size else {
+        let what = if exists {
+            format!("{shown} holds no farmap directory store ({META_FILE} is missing)")
+        } else {
+            format!("{shown} does not exist")
+        };
+        return Err(StoreError::new(
+            ErrorKind::NotFound,
+            format!("{what}; add ?size= (e.g. ?size=1GiB) to create one"),
+        ));
+    };
+    if opts.read_only {
+        return Err(StoreError::new(
+            ErrorKind::NotFound,
+            format!("{shown} holds no farmap directory store (a read-only store is not created)"),
+        ));
+    }
+    let meta = Meta {
+        size,
+        chunk_size: u64::from(opts.chunk_size.unwrap_or(DEFAULT_CHUNK_SIZE)),
+    };
+    meta.geometry().map_err(|e| {
+        StoreError::invalid(format!("cannot create a store in {shown}")).with_source(e)
+    })?;
+    if exists {
+        // Only our own half-written metadata may be there already.
+        let entries =
+            fs::read_dir(path).map_err(|e| StoreError::io(format!("cannot list {shown}"), e))?;
+        for entry in entries {
+            let entry = entry.map_err(|e| StoreError::io(format!("cannot list {shown}"), e))?;
+            if entry.file_name() != META_TEMP {
+                return Err(StoreError::invalid(format!(
+                    "{shown} is not empty and holds no {META_FILE}: refusing to create a store \
+                     over what is there (use an empty or new directory)"
+                )));
+            }
+        }
+    } else {
+        fs::create_dir_all(path)
+            .map_err(|e| StoreError::io(format!("cannot create directory {shown}"), e))?;
+        let parent = path.parent().filter(|p| !p.as_os_str().is_empty());
+        sync_dir(parent.unwrap_or(Path::new(".")))?;
+    }
+    meta::write(path, &meta)?;
+    Ok(meta)
+}
+
+/// Creates `dir` if needed and removes every file in it (writes interrupted by a crash).
+fn clear_temp_dir(dir: &Path) -> StoreResult<()> {
+    let err = |e| {
+        StoreError::io(
+            format!("cannot clear temporary files in {}", dir.display()),
+            e,
+        )
+    };
+    match fs::create_dir(dir) {
+        Ok(()) => return Ok(()),
+        Err(e) if e.kind() == io::ErrorKind::AlreadyExists => {}
+        Err(e) => return Err(err(e)),
+    }
+    for entry in fs::read_dir(dir).map_err(err)? {
+        match fs::remove_file(entry.map_err(err)?.path()) {
+            Ok(()) => {}
+            Err(e) if e.kind() == io::ErrorKind::NotFound => {}
+            Err(e) => return Err(err(e)),
+        }
+    }
+    Ok(())
+}
+
+impl Inner {
+    fn group_dir(&self, group: u64) -> PathBuf {
+        self.root.join(format!("{group:04x}"))
+    }
+
+    fn chunk_path(&self, idx: u64) -> PathBuf {
+        self.group_dir(idx >> GROUP_SHIFT)
+            .join(format!("{idx:016x}.chunk"))
+    }
+
+    fn io_error(&self, what: impl fmt::Display, err: io::Error) -> StoreError {
+        StoreError::io(format!("{what} in {}", self.root.display()), err)
+    }
+
+    fn read_chunk(&self, idx: ChunkIdx) -> StoreResult<Bytes> {
+        let len = self.geometry.chunk_len(idx);
+        let Some(file) = self.handle(idx)? else {
+            return Ok(zero_chunk(len));
+        };
+        // The file is never changed in place, so reading it needs no lock.
+        let mut buf = vec![0u8; len];
+        file.read_exact_at(&mut buf, 0)
+            .map_err(|e| self.io_error(format_args!("reading {idx}"), e))?;
+        Ok(Bytes::from(buf))
+    }
+
+    /// An open handle of chunk `idx`'s file (cached), or `None` if it has no file.
+    fn handle(&self, idx: ChunkIdx) -> StoreResult<Option<Arc<File>>> {
+        // Held from the look-up to the insertion, so no write can replace the file in between.
+        let _shared = self.stripes.read(idx.0);
+        if let Some(file) = self.handles.get(idx.0) {
+            return Ok(Some(file));
+        }
+        let path = self.chunk_path(idx.0);
+        let file = match File::open(&path) {
+            Ok(f) => f,
+            Err(e) if e.kind() == io::ErrorKind::NotFound => return Ok(None),
+            Err(e) => return Err(self.io_error(format_args!("opening {idx}"), e)),
+        };
+        let len = file
+            .metadata()
+            .map_err(|e| self.io_error(format_args!("reading the length of {idx}"), e))?
+            .len();
+        let want = self.geometry.chunk_len(idx);
+        if len != want as u64 {
+            return Err(StoreError::new(
+                ErrorKind::Corrupt,
+                format!(
+                    "{} is {len} bytes but {idx} is {want} bytes long",
+                    path.display()
+                ),
+            ));
+        }
+        let file = Arc::new(file);
+        self.handles.insert(idx.0, file.clone());
+        Ok(Some(file))
+    }
+
+    fn write_chunk(&self, idx: ChunkIdx, data: &[u8]) -> StoreResult<()> {
+        if is_zero(data) {
+            return self.remove_chunk(idx.0);
+        }
+        let n = TEMP_COUNTER.fetch_add(1, Ordering::Relaxed);
+        let temp = self
+            .temp_dir
+            .join(format!("{:016x}-{}-{n}.tmp", idx.0, std::process::id()));
+        let written = OpenOptions::new()
+            .write(true)
+            .create_new(true)
+            .open(&temp)
+            .and_then(|mut f| f.write_all(data))
+            .map_err(|e| self.io_error(format_args!("writing {idx} to {}", temp.display()), e))
+            .and_then(|()| self.install(idx, &temp));
+        if written.is_err() {
+            // Best effort: a leftover is removed on the next open anyway.
+            let _ = fs::remove_file(&temp);
+        }
+        written?;
+        self.unflushed[(idx.0 % UNFLUSHED_SHARDS) as usize]
+            .lock()
+            .insert(idx.0);
+        Ok(())
+    }
+
+    /// Renames the finished temporary file `temp` over chunk `idx`'s file.
+    fn install(&self, idx: ChunkIdx, temp: &Path) -> StoreResult<()> {
+        let path = self.chunk_path(idx.0);
+        let err = |e| self.io_error(format_args!("renaming {} into place", temp.display()), e);
+        let _exclusive = self.stripes.write(idx.0);
+        match fs::rename(temp, &path) {
+            Ok(()) => {}
+            // The chunk's subdirectory does not exist yet: the first write of its group.
+            Err(e) if e.kind() == io::ErrorKind::NotFound => {
+                self.create_group(idx.0 >> GROUP_SHIFT)?;
+                fs::rename(temp, &path).map_err(err)?;
+            }
+            Err(e) => return Err(err(e)),
+        }
+        self.handles.remove(idx.0);
+        Ok(())
+    }
+
+    fn create_group(&self, group: u64) -> StoreResult<()> {
+        match fs::create_dir(self.group_dir(group)) {
+            Ok(()) => {
+                self.new_groups.store(true, Ordering::SeqCst);
+                Ok(())
+            }
+            Err(e) if e.kind() == io::ErrorKind::AlreadyExists => Ok(()),
+            Err(e) => Err(self.io_error(format_args!("creating subdirectory {group:04x}"), e)),
+        }
+    }
+
+    /// Removes chunk `idx`'s file, if any: it reads as zeros from now on.
+    fn remove_chunk(&self, idx: u64) -> StoreResult<()> {
+        let path = self.chunk_path(idx);
+        let _exclusive = self.stripes.write(idx);
+        let removed = match fs::remove_file(&path) {
+            Ok(()) => true,
+            Err(e) if e.kind() == io::ErrorKind::NotFound => false,
+            Err(e) => return Err(self.io_error(format_args!("removing {}", path.display()), e)),
+        };
+        self.handles.remove(idx);
+        if removed {
+            self.trimmed_groups.lock().insert(idx >> GROUP_SHIFT);
+        }
+        Ok(())
+    }
+
+    fn trim_range(&self, range: ChunkRange) -> StoreResult<()> {
+        let (first, last) = (
+            range.start.0 >> GROUP_SHIFT,
+            (range.end.0 - 1) >> GROUP_SHIFT,
+        );
+        for group in first..=last {
+            let chunks = (range.start.0.max(group << GROUP_SHIFT))
+                ..(range.end.0.min((group + 1) << GROUP_SHIFT));
+            let dir = self.group_dir(group);
+            if chunks.end - chunks.start <= LIST_THRESHOLD {
+                for idx in chunks {
+                    self.remove_chunk(idx)?;
+                }
+                continue;
+            }
+            let entries = match fs::read_dir(&dir) {
+                Ok(entries) => entries,
+                // Nothing was ever written in this group.
+                Err(e) if e.kind() == io::ErrorKind::NotFound => continue,
+                Err(e) => return Err(self.io_error(format_args!("listing {}", dir.display()), e)),
+            };
+            for entry in entries {
+                let entry = entry
+                    .map_err(|e| self.io_error(format_args!("listing {}", dir.display()), e))?;
+                let name = entry.file_name();
+                let idx = name
+                    .to_str()
+                    .and_then(|n| n.strip_suffix(".chunk"))
+                    .and_then(|n| u64::from_str_radix(n, 16).ok());
+                if let Some(idx) = idx.filter(|i| chunks.contains(i)) {
+                    self.remove_chunk(idx)?;
+                }
+            }
+        }
+        Ok(())
+    }
+
+    fn chunk_status(&self, idx: ChunkIdx) -> StoreResult<ChunkStatus> {
+        match fs::symlink_metadata(self.chunk_path(idx.0)) {
+            Ok(_) => Ok(ChunkStatus::Data),
+            Err(e) if e.kind() == io::ErrorKind::NotFound => Ok(ChunkStatus::Zero),
+            Err(e) => Err(self.io_error(format_args!("looking up {idx}"), e)),
+        }
+    }
+
+    /// Syncs the files and directories changed since the last flush. On failure, everything
+    /// taken for this flush is put back, so that the next flush tries again.
+    fn flush_all(&self) -> StoreResult<()> {
+        let _serial = self.flush_lock.lock();
+        let chunks: Vec<u64> = self
+            .unflushed
+            .iter()
+            .flat_map(|s| s.lock().drain().collect::<Vec<_>>())
+            .collect();
+        let mut groups: BTreeSet<u64> = self.trimmed_groups.lock().drain().collect();
+        groups.extend(chunks.iter().map(|idx| idx >> GROUP_SHIFT));
+        let new_groups = self.new_groups.swap(false, Ordering::SeqCst);
+        let result = self.sync(&chunks, &groups, new_groups);
+        if result.is_err() {
+            for idx in chunks {
+                self.unflushed[(idx % UNFLUSHED_SHARDS) as usize]
+                    .lock()
+                    .insert(idx);
+            }
+            self.trimmed_groups.lock().extend(groups);
+            if new_groups {
+                self.new_groups.store(true, Ordering::SeqCst);
+            }
+        }
+        result
+    }
+
+    fn sync(&self, chunks: &[u64], groups: &BTreeSet<u64>, root: bool) -> StoreResult<()> {
+        for &idx in chunks {
+            let path = self.chunk_path(idx);
+            match File::open(&path).and_then(|f| f.sync_data()) {
+                Ok(()) => {}
+                // Trimmed (or zeroed) since: its removal is synced with its directory.
+                Err(e) if e.kind() == io::ErrorKind::NotFound => {}
+                Err(e) => return Err(self.io_error(format_args!("syncing {}", path.display()), e)),
+            }
+        }
+        for &group in groups {
+            sync_dir(&self.group_dir(group))?;
+        }
+        if root {
+            sync_dir(&self.root)?;
+        }
+        Ok(())
+    }
+}
+
+impl fmt::Debug for DirStore {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("DirStore")
+            .field("path", &self.inner.root)
+            .field("geometry", &self.inner.geometry)
+            .field("read_only", &self.inner.read_only)
+            .field("open_files", &self.open_files())
+            .field("max_open_files", &self.inner.handles.capacity())
+            .finish()
+    }
+}
+
+impl Store for DirStore {
+    fn geometry(&self) -> Geometry {
+        self.inner.geometry
+    }
+
+    fn caps(&self) -> Caps {
+        let caps = Caps::WRITE | Caps::FLUSH | Caps::TRIM | Caps::STATUS | Caps::PARALLEL;
+        if self.inner.read_only {
+            caps.without(Caps::WRITE | Caps::TRIM)
+        } else {
+            caps
+        }
+    }
+
+    fn read(&self, idx: ChunkIdx) -> BoxFuture<'_, StoreResult<Bytes>> {
+        Box::pin(async move {
+            self.inner.geometry.check_idx(idx)?;
+            let inner = self.inner.clone();
+            blocking(move || inner.read_chunk(idx)).await
+        })
+    }
+
+    fn write(&self, idx: ChunkIdx, data: Bytes) -> BoxFuture<'_, StoreResult<()>> {
+        Box::pin(async move {
+            self.check_writable()?;
+            self.inner.geometry.check_write(idx, data.len())?;
+            let inner = self.inner.clone();
+            blocking(move || inner.write_chunk(idx, &data)).await
+        })
+    }
+
+    fn flush(&self) -> BoxFuture<'_, StoreResult<()>> {
+        Box::pin(async move {
+            if self.inner.read_only {
+                return Ok(());
+            }
+            let inner = self.inner.clone();
+            blocking(move || inner.flush_all()).await
+        })
+    }
+
+    fn trim(&self, range: ChunkRange) -> BoxFuture<'_, StoreResult<()>> {
+        Box::pin(async move {
+            self.check_writable()?;
+            self.inner.geometry.check_range(range)?;
+            if range.is_empty() {
+                return Ok(());
+            }
+            let inner = self.inner.clone();
+            blocking(move || inner.trim_range(range)).await
+        })
+    }
+
+    fn status(&self, idx: ChunkIdx) -> BoxFuture<'_, StoreResult<ChunkStatus>> {
+        Box::pin(async move {
+            self.inner.geometry.check_idx(idx)?;
+            let inner = self.inner.clone();
+            blocking(move || inner.chunk_status(idx)).await
+        })
+    }
+}

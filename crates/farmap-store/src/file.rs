@@ -1,0 +1,315 @@
+//! A store in one file (sparse when created), with positional I/O and no global lock.
+
+use std::fmt;
+use std::fs::{File, OpenOptions};
+use std::io;
+use std::os::unix::fs::FileExt;
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+
+use bytes::Bytes;
+use farmap_core::{
+    format_size, zero_chunk, BoxFuture, Caps, ChunkIdx, ChunkRange, ChunkStatus, ErrorKind,
+    Geometry, Store, StoreError, StoreResult, DEFAULT_CHUNK_SIZE, MAX_CHUNK_SIZE,
+};
+use rustix::fs::{FallocateFlags, SeekFrom};
+use rustix::io::Errno;
+
+use crate::blocking::blocking;
+use crate::stripes::{Stripes, STRIPES};
+
+/// How [`FileStore::open`] opens its file.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct FileOptions {
+    /// Region size. `None`: the file must exist and be non-empty, and its length is the size.
+    /// `Some(size)`: a missing (or empty) file is created sparse with this length; an existing
+    /// file of another length is refused.
+    pub size: Option<u64>,
+    /// Chunk size in bytes (a power of two from 4 KiB to 4 MiB).
+    pub chunk_size: u32,
+    /// Open for reading only: writes and trims fail with [`ErrorKind::ReadOnly`], and the file
+    /// is never created or resized.
+    pub read_only: bool,
+}
+
+impl Default for FileOptions {
+    fn default() -> Self {
+        Self {
+            size: None,
+            chunk_size: DEFAULT_CHUNK_SIZE,
+            read_only: false,
+        }
+    }
+}
+
+/// A region stored in one regular file: chunk `i` at byte offset `i * chunk_size`.
+///
+/// - `flush` is `fdatasync`: written chunks survive a crash once it returns.
+/// - `trim` punches holes (`fallocate(PUNCH_HOLE | KEEP_SIZE)`), releasing the blocks; on a
+///   file system that cannot punch holes it writes zeros instead.
+/// - `status` asks the file system with `lseek(SEEK_DATA)`: a hole is
+///   [`Zero`](ChunkStatus::Zero), anything else [`Data`](ChunkStatus::Data). On a file system
+///   without hole support every chunk reports `Data`.
+/// - The last chunk is shorter when the size is not a multiple of the chunk size.
+///
+/// # Concurrency
+/// - One shared `File`, used only with positional I/O (`pread`/`pwrite`), and no lock over the
+///   whole file: operations on different chunks run in parallel on Tokio's blocking pool.
+/// - Chunks are guarded by 1024 striped `RwLock<()>` (chunk `i` uses stripe `i % 1024`): reads
+///   share a stripe, a write or trim holds it alone, so a read never sees half a write.
+/// - Other processes writing the same file get no such guarantee.
+pub struct FileStore {
+    inner: Arc<Inner>,
+}
+
+struct Inner {
+    path: PathBuf,
+    file: File,
+    geometry: Geometry,
+    read_only: bool,
+    stripes: Stripes,
+}
+
+impl FileStore {
+    /// Opens (or, with a size and not read-only, creates) the file at `path`.
+    ///
+    /// Errors name the path: a missing file without a size is
+    /// [`NotFound`](ErrorKind::NotFound) and says that `?size=` creates it; a size that
+    /// disagrees with the file's length, an empty file without a size, or a bad chunk size is
+    /// [`InvalidInput`](ErrorKind::InvalidInput); failures to open keep the I/O error's kind
+    /// (`PermissionDenied`, ...).
+    pub fn open(path: &Path, opts: FileOptions) -> StoreResult<Self> {
+        let shown = path.display();
+        let geometry_of = |size: u64| {
+            Geometry::new(size, u64::from(opts.chunk_size)).map_err(|e| {
+                StoreError::invalid(format!(
+                    "{shown} cannot hold a region of {size} bytes in chunks of {} bytes",
+                    opts.chunk_size
+                ))
+                .with_source(e)
+            })
+        };
+        // Check the geometry before creating anything.
+        let wanted = opts.size.map(geometry_of).transpose()?;
+        let create = !opts.read_only && opts.size.is_some();
+        let file = OpenOptions::new()
+            .read(true)
+            .write(!opts.read_only)
+            .create(create)
+            .open(path)
+            .map_err(|e| match (e.kind(), opts.size) {
+                (io::ErrorKind::NotFound, None) => StoreError::new(
+                    ErrorKind::NotFound,
+                    format!("{shown} does not exist; add ?size= (e.g. ?size=1GiB) to create it"),
+                ),
+                (io::ErrorKind::NotFound, Some(_)) if opts.read_only => StoreError::new(
+                    ErrorKind::NotFound,
+                    format!("{shown} does not exist (a read-only store does not create it)"),
+                ),
+                _ if create => StoreError::io(format!("cannot open or create {shown}"), e),
+                _ => StoreError::io(format!("cannot open {shown}"), e),
+            })?;
+        let meta = file
+            .metadata()
+            .map_err(|e| StoreError::io(format!("cannot stat {shown}"), e))?;
+        if !meta.is_file() {
+            return Err(StoreError::invalid(format!(
+                "{shown} is not a regular file"
+            )));
+        }
+        let len = meta.len();
+        let geometry = match (wanted, opts.size) {
+            (Some(g), Some(size)) if len == size => g,
+            (Some(g), Some(size)) if len == 0 && !opts.read_only => {
+                // Freshly created (or empty): extend without allocating any block.
+                file.set_len(size).map_err(|e| {
+                    StoreError::io(format!("cannot extend {shown} to {}", format_size(size)), e)
+                })?;
+                g
+            }
+            (_, Some(size)) => {
+                return Err(StoreError::invalid(format!(
+                    "{shown} is {len} bytes but size={} was asked for",
+                    format_size(size)
+                )))
+            }
+            (_, None) if len == 0 => {
+                return Err(StoreError::invalid(format!(
+                    "{shown} is empty; add ?size= (e.g. ?size=1GiB) to give the region a size"
+                )))
+            }
+            (_, None) => geometry_of(len)?,
+        };
+        Ok(Self {
+            inner: Arc::new(Inner {
+                path: path.to_owned(),
+                file,
+                geometry,
+                read_only: opts.read_only,
+                stripes: Stripes::new(),
+            }),
+        })
+    }
+
+    /// The path the store was opened with.
+    pub fn path(&self) -> &Path {
+        &self.inner.path
+    }
+
+    fn check_writable(&self) -> StoreResult<()> {
+        if self.inner.read_only {
+            Err(StoreError::new(
+                ErrorKind::ReadOnly,
+                format!("{} was opened read-only", self.inner.path.display()),
+            ))
+        } else {
+            Ok(())
+        }
+    }
+}
+
+impl Inner {
+    fn io_error(&self, what: impl fmt::Display, err: io::Error) -> StoreError {
+        StoreError::io(format!("{what} of {}", self.path.display()), err)
+    }
+
+    fn read_chunk(&self, idx: ChunkIdx) -> StoreResult<Bytes> {
+        let mut buf = vec![0u8; self.geometry.chunk_len(idx)];
+        let _shared = self.stripes.read(idx.0);
+        self.file
+            .read_exact_at(&mut buf, self.geometry.offset_of(idx))
+            .map_err(|e| self.io_error(format_args!("reading {idx}"), e))?;
+        Ok(Bytes::from(buf))
+    }
+
+    fn write_chunk(&self, idx: ChunkIdx, data: &[u8]) -> StoreResult<()> {
+        let _exclusive = self.stripes.write(idx.0);
+        self.file
+            .write_all_at(data, self.geometry.offset_of(idx))
+            .map_err(|e| self.io_error(format_args!("writing {idx}"), e))
+    }
+
+    fn trim_range(&self, range: ChunkRange) -> StoreResult<()> {
+        // Batches of at most STRIPES chunks: each batch is one fallocate call under the write
+        // locks of all its stripes (distinct, since the chunks are consecutive).
+        let mut start = range.start.0;
+        while start < range.end.0 {
+            let end = (start + STRIPES as u64).min(range.end.0);
+            let _exclusive = self.stripes.write_batch(start, end);
+            let from = self.geometry.offset_of(ChunkIdx(start));
+            let to = self.geometry.byte_range(ChunkIdx(end - 1)).end;
+            self.punch(from, to - from)
+                .map_err(|e| self.io_error(format_args!("trimming chunks {start}..{end}"), e))?;
+            start = end;
+        }
+        Ok(())
+    }
+
+    /// Releases the blocks of `len` bytes at `offset`, or writes zeros there when the file
+    /// system cannot punch holes.
+    fn punch(&self, offset: u64, len: u64) -> io::Result<()> {
+        let flags = FallocateFlags::PUNCH_HOLE | FallocateFlags::KEEP_SIZE;
+        match rustix::fs::fallocate(&self.file, flags, offset, len) {
+            Ok(()) => Ok(()),
+            Err(Errno::OPNOTSUPP | Errno::NOSYS) => {
+                let mut at = offset;
+                while at < offset + len {
+                    let n = (offset + len - at).min(u64::from(MAX_CHUNK_SIZE));
+                    self.file.write_all_at(&zero_chunk(n as usize), at)?;
+                    at += n;
+                }
+                Ok(())
+            }
+            Err(e) => Err(e.into()),
+        }
+    }
+
+    fn chunk_status(&self, idx: ChunkIdx) -> StoreResult<ChunkStatus> {
+        let range = self.geometry.byte_range(idx);
+        match rustix::fs::seek(&self.file, SeekFrom::Data(range.start)) {
+            Ok(next_data) if next_data < range.end => Ok(ChunkStatus::Data),
+            Ok(_) => Ok(ChunkStatus::Zero),
+            // No data at or after the offset: a hole up to the end of the file.
+            Err(Errno::NXIO) => Ok(ChunkStatus::Zero),
+            Err(e) => Err(self.io_error(format_args!("finding data in {idx}"), e.into())),
+        }
+    }
+}
+
+impl fmt::Debug for FileStore {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("FileStore")
+            .field("path", &self.inner.path)
+            .field("geometry", &self.inner.geometry)
+            .field("read_only", &self.inner.read_only)
+            .finish()
+    }
+}
+
+impl Store for FileStore {
+    fn geometry(&self) -> Geometry {
+        self.inner.geometry
+    }
+
+    fn caps(&self) -> Caps {
+        let caps = Caps::WRITE | Caps::FLUSH | Caps::TRIM | Caps::STATUS | Caps::PARALLEL;
+        if self.inner.read_only {
+            caps.without(Caps::WRITE | Caps::TRIM)
+        } else {
+            caps
+        }
+    }
+
+    fn read(&self, idx: ChunkIdx) -> BoxFuture<'_, StoreResult<Bytes>> {
+        Box::pin(async move {
+            self.inner.geometry.check_idx(idx)?;
+            let inner = self.inner.clone();
+            blocking(move || inner.read_chunk(idx)).await
+        })
+    }
+
+    fn write(&self, idx: ChunkIdx, data: Bytes) -> BoxFuture<'_, StoreResult<()>> {
+        Box::pin(async move {
+            self.check_writable()?;
+            self.inner.geometry.check_write(idx, data.len())?;
+            let inner = self.inner.clone();
+            blocking(move || inner.write_chunk(idx, &data)).await
+        })
+    }
+
+    fn flush(&self) -> BoxFuture<'_, StoreResult<()>> {
+        Box::pin(async move {
+            if self.inner.read_only {
+                return Ok(());
+            }
+            let inner = self.inner.clone();
+            blocking(move || {
+                inner
+                    .file
+                    .sync_data()
+                    .map_err(|e| inner.io_error("flushing", e))
+            })
+            .await
+        })
+    }
+
+    fn trim(&self, range: ChunkRange) -> BoxFuture<'_, StoreResult<()>> {
+        Box::pin(async move {
+            self.check_writable()?;
+            self.inner.geometry.check_range(range)?;
+            if range.is_empty() {
+                return Ok(());
+            }
+            let inner = self.inner.clone();
+            blocking(move || inner.trim_range(range)).await
+        })
+    }
+
+    fn status(&self, idx: ChunkIdx) -> BoxFuture<'_, StoreResult<ChunkStatus>> {
+        Box::pin(async move {
+            self.inner.geometry.check_idx(idx)?;
+            let inner = self.inner.clone();
+            blocking(move || inner.chunk_status(idx)).await
+        })
+    }
+}
