@@ -375,7 +375,7 @@ async fn check_no_torn_reads(store: Arc<dyn Store>, g: Geometry) {
                 for _ in 0..ROUNDS {
                     let data = store.read(idx).await.expect("read");
                     assert!(
-                        contents.iter().any(|c| *c == data),
+                        contents.contains(&data),
                         "a read of {idx} racing a write of it saw a torn chunk"
                     );
                 }
