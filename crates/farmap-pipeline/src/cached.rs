@@ -1,1 +1,688 @@
-//! (being written)
+//! [`Cached`]: a local store in front of a remote one, with a per-chunk presence map; and
+//! [`Fill`], what a [`Puller`](crate::puller::Puller) fills.
+
+use std::fmt;
+use std::pin::pin;
+use std::sync::atomic::{AtomicU64, AtomicU8, Ordering};
+
+use bytes::Bytes;
+use farmap_core::{
+    BoxFuture, Caps, ChunkIdx, ChunkRange, ChunkStatus, Geometry, Store, StoreError, StoreResult,
+};
+use tokio::sync::Notify;
+
+/// Something a [`Puller`](crate::puller::Puller) can fill chunk by chunk: a [`Cached`] store,
+/// or a userfaultfd region whose pages are fetched on demand.
+pub trait Fill: Send + Sync + 'static {
+    /// The shape of the region.
+    fn geometry(&self) -> Geometry;
+
+    /// Whether chunk `idx` is already there (a cheap check: the puller asks before fetching).
+    fn is_present(&self, idx: ChunkIdx) -> bool;
+
+    /// Makes chunk `idx` present, fetching it if nobody else is; returns once it is present
+    /// (or the fetch failed).
+    fn fetch(&self, idx: ChunkIdx) -> BoxFuture<'_, StoreResult<()>>;
+}
+
+// Per-chunk states. Busy means one task owns the chunk (fetching it, or writing or trimming
+// it while it was absent); BusyWaited is Busy with at least one task waiting, so that the
+// owner wakes waiters only when there are some.
+const ABSENT: u8 = 0;
+const BUSY: u8 = 1;
+const BUSY_WAITED: u8 = 2;
+const PRESENT: u8 = 3;
+
+/// Most wake-up stripes: waiters on chunks that share a stripe wake each other (and go back
+/// to sleep), which is harmless and rare with this many.
+const MAX_STRIPES: usize = 1024;
+
+/// A local store (memory, file, directory) in front of a remote store, with a presence map:
+/// chunks are fetched from the remote on first touch and served locally afterwards.
+///
+/// - A read of a present chunk reads the local store (the presence check is one atomic load).
+/// - A read of an absent chunk fetches it: reads the remote, writes the local, marks it
+///   present, and returns the data.
+/// - A write goes **only** to the local store, and makes the chunk present without fetching
+///   it (the write replaces the chunk whole). Writing back to the remote is the job of a
+///   [`Pusher`](crate::pusher::Pusher) stacked above this stage.
+/// - A trim trims the local store and marks the chunks present (as zeros). The remote is not
+///   trimmed: like a write, a trim is a local change; a `Pusher` above this stage tracks it
+///   and writes the zero chunks back. Trimming the remote here instead would make it
+///   disagree with data not yet pushed, and would bypass the `Pusher`'s ordering.
+/// - `status` asks the local store for present chunks, the remote for the others; `flush`
+///   flushes the local store only.
+///
+/// # Concurrency
+/// - Each chunk is Absent, Busy or Present. Absent→Busy is a compare-and-swap: exactly one
+///   task fetches a chunk however many miss it at once; the others wait for it.
+/// - Waiters sleep on one of up to 1024 striped [`Notify`]s and register before re-checking
+///   the state, so no wake-up is lost; nobody spins.
+/// - A fetch never overwrites a newer write: a write to a Busy chunk waits for the fetch to
+///   finish and then writes over it. A write to an Absent chunk takes the chunk Busy itself,
+///   so a fetch cannot start under it.
+/// - A failed (or cancelled) fetch returns the chunk to Absent and wakes the waiters, who
+///   retry as fetchers; the error goes to the task that fetched.
+/// - Present is final: once present, a chunk is read and written locally with no lock, and
+///   concurrent writes to it are ordered by the local store.
+/// - Trims take every absent chunk of their range Busy in ascending order; fetchers and
+///   writers never wait while holding a chunk Busy, so this cannot deadlock.
+pub struct Cached<L, R> {
+    local: L,
+    remote: R,
+    geometry: Geometry,
+    state: Box<[AtomicU8]>,
+    present: AtomicU64,
+    stripes: Box<[Notify]>,
+}
+
+impl<L: Store, R: Store> Cached<L, R> {
+    /// A cache of `remote` kept in `local`, with every chunk absent. The geometries must be
+    /// equal. Whatever `local` holds now is ignored and overwritten as chunks are fetched.
+    pub fn new(local: L, remote: R) -> StoreResult<Self> {
+        let geometry = local.geometry();
+        if remote.geometry() != geometry {
+            return Err(StoreError::invalid(format!(
+                "the local store ({geometry}) and the remote store ({}) of a cache must have \
+                 the same geometry",
+                remote.geometry()
+            )));
+        }
+        let chunks = geometry.chunk_count() as usize;
+        let stripes = chunks.next_power_of_two().min(MAX_STRIPES);
+        Ok(Self {
+            local,
+            remote,
+            geometry,
+            state: (0..chunks).map(|_| AtomicU8::new(ABSENT)).collect(),
+            present: AtomicU64::new(0),
+            stripes: (0..stripes).map(|_| Notify::new()).collect(),
+        })
+    }
+
+    /// The shape of the region (inherent, so that callers with both [`Store`] and [`Fill`] in
+    /// scope need not say which).
+    pub fn geometry(&self) -> Geometry {
+        self.geometry
+    }
+
+    /// The local store.
+    pub fn local(&self) -> &L {
+        &self.local
+    }
+
+    /// The remote store.
+    pub fn remote(&self) -> &R {
+        &self.remote
+    }
+
+    /// Whether chunk `idx` is present locally (false for an index outside the region).
+    pub fn is_present(&self, idx: ChunkIdx) -> bool {
+        self.state
+            .get(idx.as_usize())
+            .is_some_and(|s| s.load(Ordering::Acquire) == PRESENT)
+    }
+
+    /// Number of chunks present locally.
+    pub fn present_count(&self) -> u64 {
+        self.present.load(Ordering::Acquire)
+    }
+
+    /// Whether every chunk is present (the remote is no longer needed for reads).
+    pub fn is_complete(&self) -> bool {
+        self.present_count() == self.geometry.chunk_count()
+    }
+
+    /// Makes chunk `idx` present: returns at once if it is, waits if another task fetches it,
+    /// fetches it otherwise.
+    pub async fn fetch(&self, idx: ChunkIdx) -> StoreResult<()> {
+        self.geometry.check_idx(idx)?;
+        if self.is_present(idx) {
+            return Ok(());
+        }
+        self.ensure(idx).await.map(|_| ())
+    }
+
+    fn stripe(&self, idx: ChunkIdx) -> &Notify {
+        &self.stripes[idx.as_usize() & (self.stripes.len() - 1)]
+    }
+
+    /// Takes chunk `idx` Busy if it is absent (waiting while another task holds it Busy);
+    /// `None` if it is present. `idx` must be in range.
+    async fn claim(&self, idx: ChunkIdx) -> Option<Claim<'_, L, R>> {
+        let st = &self.state[idx.as_usize()];
+        loop {
+            match st.load(Ordering::Acquire) {
+                PRESENT => return None,
+                ABSENT => {
+                    if st
+                        .compare_exchange(ABSENT, BUSY, Ordering::AcqRel, Ordering::Acquire)
+                        .is_ok()
+                    {
+                        return Some(Claim {
+                            cached: self,
+                            idx,
+                            armed: true,
+                        });
+                    }
+                }
+                _ => self.wait_while_busy(idx).await,
+            }
+        }
+    }
+
+    /// Sleeps until chunk `idx` is (probably) no longer Busy; the caller re-checks.
+    async fn wait_while_busy(&self, idx: ChunkIdx) {
+        let st = &self.state[idx.as_usize()];
+        let mut notified = pin!(self.stripe(idx).notified());
+        // Register first: a release after this point wakes us even before we poll.
+        notified.as_mut().enable();
+        loop {
+            match st.load(Ordering::Acquire) {
+                BUSY_WAITED => break,
+                BUSY => {
+                    if st
+                        .compare_exchange(BUSY, BUSY_WAITED, Ordering::AcqRel, Ordering::Acquire)
+                        .is_ok()
+                    {
+                        break;
+                    }
+                }
+                _ => return,
+            }
+        }
+        notified.await;
+    }
+
+    /// Fetches absent chunk `idx` (or waits for whoever does); returns the data if this call
+    /// fetched it, `None` if the chunk turned out present. `idx` must be in range.
+    async fn ensure(&self, idx: ChunkIdx) -> StoreResult<Option<Bytes>> {
+        let Some(claim) = self.claim(idx).await else {
+            return Ok(None);
+        };
+        // On an error (or if this future is dropped), `claim` returns the chunk to Absent.
+        let data = self.remote.read(idx).await.map_err(|e| {
+            StoreError::new(e.kind(), format!("fetching {idx} from the remote store"))
+                .with_source(e)
+        })?;
+        self.local.write(idx, data.clone()).await.map_err(|e| {
+            StoreError::new(e.kind(), format!("storing fetched {idx} locally")).with_source(e)
+        })?;
+        claim.release(PRESENT);
+        Ok(Some(data))
+    }
+}
+
+/// Ownership of a Busy chunk; returns it to Absent (waking waiters) unless released.
+struct Claim<'a, L: Store, R: Store> {
+    cached: &'a Cached<L, R>,
+    idx: ChunkIdx,
+    armed: bool,
+}
+
+impl<L: Store, R: Store> Claim<'_, L, R> {
+    fn release(mut self, to: u8) {
+        self.armed = false;
+        release(self.cached, self.idx, to);
+    }
+
+    /// Forgets the claim without releasing: the caller releases `idx` itself.
+    fn disarm(mut self) {
+        self.armed = false;
+    }
+}
+
+impl<L: Store, R: Store> Drop for Claim<'_, L, R> {
+    fn drop(&mut self) {
+        if self.armed {
+            release(self.cached, self.idx, ABSENT);
+        }
+    }
+}
+
+fn release<L: Store, R: Store>(cached: &Cached<L, R>, idx: ChunkIdx, to: u8) {
+    let prev = cached.state[idx.as_usize()].swap(to, Ordering::AcqRel);
+    debug_assert!(
+        prev == BUSY || prev == BUSY_WAITED,
+        "released a chunk not Busy"
+    );
+    if to == PRESENT {
+        cached.present.fetch_add(1, Ordering::AcqRel);
+    }
+    if prev == BUSY_WAITED {
+        cached.stripe(idx).notify_waiters();
+    }
+}
+
+/// The chunks of a range a trim holds Busy; returned to Absent unless released.
+struct RangeClaim<'a, L: Store, R: Store> {
+    cached: &'a Cached<L, R>,
+    held: Vec<ChunkIdx>,
+}
+
+impl<L: Store, R: Store> RangeClaim<'_, L, R> {
+    fn release(mut self, to: u8) {
+        for idx in std::mem::take(&mut self.held) {
+            release(self.cached, idx, to);
+        }
+    }
+}
+
+impl<L: Store, R: Store> Drop for RangeClaim<'_, L, R> {
+    fn drop(&mut self) {
+        for idx in std::mem::take(&mut self.held) {
+            release(self.cached, idx, ABSENT);
+        }
+    }
+}
+
+impl<L: Store, R: Store> Store for Cached<L, R> {
+    fn geometry(&self) -> Geometry {
+        self.geometry
+    }
+
+    fn caps(&self) -> Caps {
+        let (l, r) = (self.local.caps(), self.remote.caps());
+        let mut caps = l & (Caps::WRITE | Caps::FLUSH | Caps::TRIM);
+        for both in [Caps::STATUS, Caps::PARALLEL] {
+            if l.contains(both) && r.contains(both) {
+                caps = caps | both;
+            }
+        }
+        caps
+    }
+
+    fn read(&self, idx: ChunkIdx) -> BoxFuture<'_, StoreResult<Bytes>> {
+        // Hot path: a present chunk is the local store's business, with no future of ours
+        // around its future (`is_present` is false outside the region).
+        if self.is_present(idx) {
+            return self.local.read(idx);
+        }
+        Box::pin(async move {
+            self.geometry.check_idx(idx)?;
+            match self.ensure(idx).await? {
+                Some(data) => Ok(data),
+                None => self.local.read(idx).await,
+            }
+        })
+    }
+
+    fn write(&self, idx: ChunkIdx, data: Bytes) -> BoxFuture<'_, StoreResult<()>> {
+        if self.is_present(idx) {
+            // Present is final: the local store checks the length and orders racing writes.
+            return self.local.write(idx, data);
+        }
+        Box::pin(async move {
+            self.geometry.check_write(idx, data.len())?;
+            match self.claim(idx).await {
+                None => self.local.write(idx, data).await,
+                Some(claim) => {
+                    self.local.write(idx, data).await?;
+                    claim.release(PRESENT);
+                    Ok(())
+                }
+            }
+        })
+    }
+
+    fn flush(&self) -> BoxFuture<'_, StoreResult<()>> {
+        self.local.flush()
+    }
+
+    fn trim(&self, range: ChunkRange) -> BoxFuture<'_, StoreResult<()>> {
+        Box::pin(async move {
+            self.geometry.check_range(range)?;
+            let mut held = RangeClaim {
+                cached: self,
+                held: Vec::new(),
+            };
+            for idx in range.iter() {
+                if let Some(claim) = self.claim(idx).await {
+                    claim.disarm();
+                    held.held.push(idx);
+                }
+            }
+            self.local.trim(range).await?;
+            held.release(PRESENT);
+            Ok(())
+        })
+    }
+
+    fn status(&self, idx: ChunkIdx) -> BoxFuture<'_, StoreResult<ChunkStatus>> {
+        if self.is_present(idx) {
+            self.local.status(idx)
+        } else {
+            // Absent, Busy, or outside the region (the remote says so).
+            self.remote.status(idx)
+        }
+    }
+}
+
+impl<L: Store, R: Store> Fill for Cached<L, R> {
+    fn geometry(&self) -> Geometry {
+        self.geometry
+    }
+
+    fn is_present(&self, idx: ChunkIdx) -> bool {
+        Cached::is_present(self, idx)
+    }
+
+    fn fetch(&self, idx: ChunkIdx) -> BoxFuture<'_, StoreResult<()>> {
+        Box::pin(Cached::fetch(self, idx))
+    }
+}
+
+impl<L: fmt::Debug, R: fmt::Debug> fmt::Debug for Cached<L, R> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("Cached")
+            .field("geometry", &self.geometry)
+            .field("present", &self.present.load(Ordering::Relaxed))
+            .field("local", &self.local)
+            .field("remote", &self.remote)
+            .finish()
+    }
+}
+
+/// A store wrapper for unit tests: runs a hook before each operation (to count, record,
+/// delay, block or fail it).
+#[cfg(test)]
+pub(crate) mod test_support {
+    use super::*;
+    use std::sync::Arc;
+
+    /// Which operation a hook sees.
+    #[derive(Debug, Clone, Copy, PartialEq, Eq)]
+    pub(crate) enum Op {
+        Read,
+        Write,
+        Flush,
+    }
+
+    pub(crate) type Hook =
+        Arc<dyn Fn(Op, ChunkIdx) -> BoxFuture<'static, StoreResult<()>> + Send + Sync>;
+
+    pub(crate) struct Hooked<S> {
+        pub(crate) inner: S,
+        hook: Hook,
+    }
+
+    impl<S> Hooked<S> {
+        pub(crate) fn new(
+            inner: S,
+            hook: impl Fn(Op, ChunkIdx) -> BoxFuture<'static, StoreResult<()>> + Send + Sync + 'static,
+        ) -> Self {
+            Self {
+                inner,
+                hook: Arc::new(hook),
+            }
+        }
+    }
+
+    impl<S: fmt::Debug> fmt::Debug for Hooked<S> {
+        fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+            f.debug_struct("Hooked")
+                .field("inner", &self.inner)
+                .finish()
+        }
+    }
+
+    impl<S: Store> Store for Hooked<S> {
+        fn geometry(&self) -> Geometry {
+            self.inner.geometry()
+        }
+        fn caps(&self) -> Caps {
+            self.inner.caps()
+        }
+        fn read(&self, idx: ChunkIdx) -> BoxFuture<'_, StoreResult<Bytes>> {
+            Box::pin(async move {
+                (self.hook)(Op::Read, idx).await?;
+                self.inner.read(idx).await
+            })
+        }
+        fn write(&self, idx: ChunkIdx, data: Bytes) -> BoxFuture<'_, StoreResult<()>> {
+            Box::pin(async move {
+                (self.hook)(Op::Write, idx).await?;
+                self.inner.write(idx, data).await
+            })
+        }
+        fn flush(&self) -> BoxFuture<'_, StoreResult<()>> {
+            Box::pin(async move {
+                (self.hook)(Op::Flush, ChunkIdx(0)).await?;
+                self.inner.flush().await
+            })
+        }
+        fn trim(&self, range: ChunkRange) -> BoxFuture<'_, StoreResult<()>> {
+            self.inner.trim(range)
+        }
+        fn status(&self, idx: ChunkIdx) -> BoxFuture<'_, StoreResult<ChunkStatus>> {
+            self.inner.status(idx)
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::test_support::{Hooked, Op};
+    use super::*;
+    use farmap_core::{is_zero, ErrorKind};
+    use farmap_testkit::{ModelStore, PatternStore};
+    use std::sync::atomic::AtomicUsize;
+    use std::sync::Arc;
+    use std::time::Duration;
+
+    fn geometry() -> Geometry {
+        Geometry::new(32 * 4096, 4096).unwrap()
+    }
+
+    fn pattern(idx: ChunkIdx) -> Vec<u8> {
+        farmap_testkit::pattern_bytes(7, idx.0 * 4096, 4096)
+    }
+
+    #[test]
+    fn geometries_must_match() {
+        let a = Geometry::new(8 * 4096, 4096).unwrap();
+        let b = Geometry::new(8 * 4096, 8192).unwrap();
+        let err = Cached::new(ModelStore::new(a), ModelStore::new(b)).unwrap_err();
+        assert_eq!(err.kind(), ErrorKind::InvalidInput);
+        assert!(err.context().contains(&a.to_string()), "{err}");
+        assert!(err.context().contains(&b.to_string()), "{err}");
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn concurrent_misses_fetch_once() {
+        let g = geometry();
+        let reads = Arc::new(AtomicUsize::new(0));
+        let counter = reads.clone();
+        let remote = Hooked::new(PatternStore::new(g, 7), move |op, _| {
+            if op == Op::Read {
+                counter.fetch_add(1, Ordering::SeqCst);
+            }
+            Box::pin(async {
+                tokio::time::sleep(Duration::from_millis(20)).await;
+                Ok(())
+            })
+        });
+        let c = Arc::new(Cached::new(ModelStore::new(g), remote).unwrap());
+        let tasks: Vec<_> = (0..64)
+            .map(|i| {
+                let c = c.clone();
+                tokio::spawn(async move {
+                    if i % 2 == 0 {
+                        c.read(ChunkIdx(3)).await.unwrap()
+                    } else {
+                        c.fetch(ChunkIdx(3)).await.unwrap();
+                        c.local().read(ChunkIdx(3)).await.unwrap()
+                    }
+                })
+            })
+            .collect();
+        for t in tasks {
+            assert!(t.await.unwrap()[..] == pattern(ChunkIdx(3))[..]);
+        }
+        assert_eq!(
+            reads.load(Ordering::SeqCst),
+            1,
+            "one remote read for 64 misses"
+        );
+        assert!(c.is_present(ChunkIdx(3)));
+        assert_eq!(c.present_count(), 1);
+        c.read(ChunkIdx(3)).await.unwrap();
+        assert_eq!(
+            reads.load(Ordering::SeqCst),
+            1,
+            "a present chunk is read locally"
+        );
+    }
+
+    /// A remote whose reads block until `release` is notified, announcing `entered` first.
+    fn blocking_remote(
+        g: Geometry,
+    ) -> (
+        Hooked<PatternStore>,
+        Arc<Notify>,
+        Arc<tokio::sync::Semaphore>,
+    ) {
+        let entered = Arc::new(Notify::new());
+        let release = Arc::new(tokio::sync::Semaphore::new(0));
+        let (e, r) = (entered.clone(), release.clone());
+        let remote = Hooked::new(PatternStore::new(g, 7), move |_, _| {
+            let (e, r) = (e.clone(), r.clone());
+            Box::pin(async move {
+                e.notify_one();
+                r.acquire().await.expect("open").forget();
+                Ok(())
+            })
+        });
+        (remote, entered, release)
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_write_during_a_slow_fetch_is_not_overwritten() {
+        let g = geometry();
+        let (remote, entered, release) = blocking_remote(g);
+        let c = Arc::new(Cached::new(ModelStore::new(g), remote).unwrap());
+        let idx = ChunkIdx(5);
+        let reader = tokio::spawn({
+            let c = c.clone();
+            async move { c.read(idx).await.unwrap() }
+        });
+        entered.notified().await;
+        let new = Bytes::from(vec![0xAB; 4096]);
+        let writer = tokio::spawn({
+            let (c, new) = (c.clone(), new.clone());
+            async move { c.write(idx, new).await.unwrap() }
+        });
+        tokio::time::sleep(Duration::from_millis(30)).await;
+        assert!(
+            !writer.is_finished(),
+            "the write waits for the fetch in progress"
+        );
+        release.add_permits(1);
+        assert!(
+            reader.await.unwrap()[..] == pattern(idx)[..],
+            "the fetch saw the remote"
+        );
+        writer.await.unwrap();
+        assert!(
+            c.read(idx).await.unwrap() == new,
+            "the write survives the fetch"
+        );
+        assert!(c.local().read(idx).await.unwrap() == new);
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn writes_to_absent_chunks_do_not_fetch() {
+        let g = geometry();
+        let reads = Arc::new(AtomicUsize::new(0));
+        let counter = reads.clone();
+        let remote = Hooked::new(PatternStore::new(g, 7), move |_, _| {
+            counter.fetch_add(1, Ordering::SeqCst);
+            Box::pin(async { Ok(()) })
+        });
+        let c = Cached::new(ModelStore::new(g), remote).unwrap();
+        c.write(ChunkIdx(1), Bytes::from(vec![9; 4096]))
+            .await
+            .unwrap();
+        c.trim(ChunkRange::new(ChunkIdx(2), ChunkIdx(4)))
+            .await
+            .unwrap();
+        assert_eq!(reads.load(Ordering::SeqCst), 0);
+        assert_eq!(c.present_count(), 3);
+        assert!(
+            is_zero(&c.read(ChunkIdx(3)).await.unwrap()),
+            "trimmed reads zero"
+        );
+        assert_eq!(c.status(ChunkIdx(3)).await.unwrap(), ChunkStatus::Zero);
+        assert_eq!(
+            c.status(ChunkIdx(9)).await.unwrap(),
+            ChunkStatus::Data,
+            "remote's"
+        );
+        assert!(c.read(ChunkIdx(9)).await.unwrap()[..] == pattern(ChunkIdx(9))[..]);
+        assert_eq!(reads.load(Ordering::SeqCst), 1);
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_failed_fetch_surfaces_and_a_later_read_retries() {
+        let g = geometry();
+        let calls = Arc::new(AtomicUsize::new(0));
+        let counter = calls.clone();
+        let remote = Hooked::new(PatternStore::new(g, 7), move |_, _| {
+            let n = counter.fetch_add(1, Ordering::SeqCst);
+            Box::pin(async move {
+                tokio::time::sleep(Duration::from_millis(10)).await;
+                if n == 0 {
+                    Err(StoreError::new(ErrorKind::Io, "injected"))
+                } else {
+                    Ok(())
+                }
+            })
+        });
+        let c = Arc::new(Cached::new(ModelStore::new(g), remote).unwrap());
+        let idx = ChunkIdx(7);
+        // Two readers miss together: the fetcher fails, the waiter retries and succeeds.
+        let a = tokio::spawn({
+            let c = c.clone();
+            async move { c.read(idx).await }
+        });
+        let b = tokio::spawn({
+            let c = c.clone();
+            async move { c.read(idx).await }
+        });
+        let (a, b) = (a.await.unwrap(), b.await.unwrap());
+        let (errs, oks): (Vec<_>, Vec<_>) = [a, b].into_iter().partition(|r| r.is_err());
+        assert_eq!(errs.len(), 1, "exactly the failed fetcher sees the error");
+        let err = errs.into_iter().next().unwrap().unwrap_err();
+        assert_eq!(err.kind(), ErrorKind::Io);
+        assert!(err.context().contains("fetching chunk 7"), "{err}");
+        assert!(oks[0].as_ref().unwrap()[..] == pattern(idx)[..]);
+        assert_eq!(calls.load(Ordering::SeqCst), 2);
+        assert!(c.is_present(idx));
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_cancelled_fetch_leaves_the_chunk_absent() {
+        let g = geometry();
+        let (remote, entered, release) = blocking_remote(g);
+        let c = Arc::new(Cached::new(ModelStore::new(g), remote).unwrap());
+        let idx = ChunkIdx(2);
+        let fetch = tokio::spawn({
+            let c = c.clone();
+            async move { c.fetch(idx).await }
+        });
+        entered.notified().await;
+        let waiter = tokio::spawn({
+            let c = c.clone();
+            async move { c.read(idx).await.unwrap() }
+        });
+        tokio::time::sleep(Duration::from_millis(10)).await;
+        fetch.abort();
+        assert!(fetch.await.unwrap_err().is_cancelled());
+        // The waiter becomes the fetcher: it needs one more permit.
+        entered.notified().await;
+        assert!(!c.is_present(idx));
+        release.add_permits(1);
+        assert!(waiter.await.unwrap()[..] == pattern(idx)[..]);
+        assert!(c.is_present(idx));
+    }
+}

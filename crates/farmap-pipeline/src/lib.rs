@@ -41,3 +41,15 @@ pub mod retry;
 pub mod timer;
 pub mod tracked;
 pub mod unaligned;
+
+pub use cached::{Cached, Fill};
+pub use counting::{Counting, Counts};
+pub use delayed::{DelayOptions, Delayed};
+pub use dirty::DirtySet;
+pub use faulty::{FaultPlan, FaultTrigger, Faulty, OpSet};
+pub use gated::{GateState, Gated};
+pub use puller::{PullFailure, PullOptions, PullOrder, PullProgress, PullReport, Puller};
+pub use pusher::{PushOptions, PushStats, Pusher};
+pub use retry::{retry, RetryPolicy};
+pub use tracked::Tracked;
+pub use unaligned::Unaligned;

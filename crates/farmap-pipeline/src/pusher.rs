@@ -1,1 +1,642 @@
-//! (being written)
+//! [`Pusher`]: write-back of dirty chunks from a local store to a remote one, in the
+//! background on an interval and completely on `flush`.
+
+use std::fmt;
+use std::pin::pin;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::{Arc, Weak};
+use std::time::Duration;
+
+use bytes::Bytes;
+use farmap_core::{
+    BoxFuture, Caps, ChunkIdx, ChunkRange, ChunkStatus, Geometry, Store, StoreError, StoreResult,
+};
+use futures::StreamExt;
+use parking_lot::Mutex;
+use tokio::sync::{Notify, RwLock};
+use tokio::task::JoinHandle;
+
+use crate::dirty::DirtySet;
+use crate::retry::{retry, RetryPolicy};
+
+/// How a [`Pusher`] writes back.
+#[derive(Debug, Clone)]
+pub struct PushOptions {
+    /// Chunk pushes in flight at once (at least 1 is used).
+    pub workers: usize,
+    /// How often the background task pushes what is dirty; `None` pushes only on `flush`.
+    pub interval: Option<Duration>,
+    /// Retries of reads, writes and flushes that fail with a retryable error.
+    pub retry: RetryPolicy,
+}
+
+impl Default for PushOptions {
+    /// 16 pushes in flight, every second, the default retry policy.
+    fn default() -> Self {
+        Self {
+            workers: 16,
+            interval: Some(Duration::from_secs(1)),
+            retry: RetryPolicy::default(),
+        }
+    }
+}
+
+/// What a [`Pusher`] has done so far.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct PushStats {
+    /// Chunks written to the remote.
+    pub pushed_chunks: u64,
+    /// Bytes of those chunks.
+    pub pushed_bytes: u64,
+    /// Pushes that failed after their retries (the chunk was marked dirty again).
+    pub failed_pushes: u64,
+    /// The most recent failure (of a push, or of a flush), with its causes.
+    pub last_error: Option<String>,
+}
+
+/// A stage that writes every write (and trim) to its inner store and, later, to a remote:
+/// the write-back half of a managed mount (`Pusher` over `Arc<Cached<local, remote>>`, with
+/// the same remote).
+///
+/// - Writes and trims go to the inner store; each chunk is marked dirty **after** the inner
+///   operation completes (see [`Tracked`](crate::tracked::Tracked) for why).
+/// - Reads and status go to the inner store.
+/// - A background task (when [`PushOptions::interval`] is set) takes the dirty set on every
+///   tick and pushes each chunk: reads it from the inner store, writes it to the remote.
+/// - [`flush`](Store::flush) returns `Ok` only when every chunk written before it was called
+///   is in the remote and the remote (and the inner store) are flushed. If any chunk could
+///   not be pushed, it returns the first error; the chunk stays dirty for the next try.
+///
+/// # Concurrency
+/// - App writes never wait for pushes or flushes.
+/// - Background rounds hold a read guard of one `RwLock` from before they take the dirty set
+///   until their last push has finished (or failed and been marked dirty again). A flush
+///   takes the write guard, which waits for the round in flight and holds off new ones, then
+///   takes the dirty set itself: a chunk taken by a round but not yet in the remote is
+///   therefore never missed by a flush.
+/// - Rounds and flushes exclude each other, so one chunk is never pushed twice at once, and
+///   pushes of the same chunk reach the remote in the order their data was read.
+/// - A push interrupted (a flush future dropped) marks its chunks dirty again.
+/// - Dropping the `Pusher` stops the background task; chunks still dirty are **not** pushed.
+///   Call [`shutdown`](Self::shutdown) for a final flush.
+pub struct Pusher<S, R> {
+    shared: Arc<Shared<S, R>>,
+    stop: Arc<Stop>,
+    background: Option<JoinHandle<()>>,
+}
+
+struct Shared<S, R> {
+    inner: S,
+    remote: R,
+    dirty: DirtySet,
+    gate: RwLock<()>,
+    workers: usize,
+    policy: RetryPolicy,
+    pushed_chunks: AtomicU64,
+    pushed_bytes: AtomicU64,
+    failed_pushes: AtomicU64,
+    last_error: Mutex<Option<String>>,
+}
+
+/// A stop signal the background task waits on without keeping the shared state alive.
+#[derive(Default)]
+struct Stop {
+    stopped: AtomicBool,
+    event: Notify,
+}
+
+impl Stop {
+    fn stop(&self) {
+        self.stopped.store(true, Ordering::Release);
+        self.event.notify_waiters();
+    }
+
+    async fn wait(&self) {
+        let mut notified = pin!(self.event.notified());
+        notified.as_mut().enable();
+        if !self.stopped.load(Ordering::Acquire) {
+            notified.await;
+        }
+    }
+}
+
+/// Chunks taken from the dirty set and being pushed; marked dirty again if dropped armed.
+struct Taken<'a> {
+    dirty: &'a DirtySet,
+    chunks: Vec<ChunkIdx>,
+    armed: bool,
+}
+
+impl Drop for Taken<'_> {
+    fn drop(&mut self) {
+        if self.armed {
+            for &idx in &self.chunks {
+                self.dirty.mark(idx);
+            }
+        }
+    }
+}
+
+impl<S: Store, R: Store> Shared<S, R> {
+    /// Pushes one chunk: inner read, remote write, both retried.
+    async fn push_one(&self, idx: ChunkIdx) -> StoreResult<()> {
+        let wrap = |what: &'static str| {
+            move |e: StoreError| {
+                StoreError::new(e.kind(), format!("pushing {idx}: {what}")).with_source(e)
+            }
+        };
+        let data: Bytes = retry(self.policy, || self.inner.read(idx))
+            .await
+            .map_err(wrap("reading it locally"))?;
+        let len = data.len() as u64;
+        retry(self.policy, || self.remote.write(idx, data.clone()))
+            .await
+            .map_err(wrap("writing it to the remote store"))?;
+        self.pushed_chunks.fetch_add(1, Ordering::Relaxed);
+        self.pushed_bytes.fetch_add(len, Ordering::Relaxed);
+        Ok(())
+    }
+
+    /// Takes the dirty set and pushes it; failed chunks are marked dirty again. Returns the
+    /// first error. The caller holds a guard of `gate`.
+    async fn push_dirty(&self) -> Option<StoreError> {
+        let mut taken = Taken {
+            dirty: &self.dirty,
+            chunks: self.dirty.take(),
+            armed: true,
+        };
+        let first_error = Mutex::new(None);
+        futures::stream::iter(taken.chunks.iter().copied())
+            .for_each_concurrent(self.workers, |idx| {
+                let first_error = &first_error;
+                async move {
+                    if let Err(e) = self.push_one(idx).await {
+                        self.dirty.mark(idx);
+                        self.failed_pushes.fetch_add(1, Ordering::Relaxed);
+                        *self.last_error.lock() = Some(e.to_owned_lossy().to_string());
+                        first_error.lock().get_or_insert(e);
+                    }
+                }
+            })
+            .await;
+        taken.armed = false;
+        first_error.into_inner()
+    }
+
+    async fn background_round(&self) {
+        let _round = self.gate.read().await;
+        // Errors are recorded in the stats and the chunks stay dirty: the next round or
+        // flush retries them, and a flush reports them.
+        let _ = self.push_dirty().await;
+    }
+
+    async fn flush(&self) -> StoreResult<()> {
+        // Waits for the background round in flight, holds off new ones; app writes go on.
+        let _exclusive = self.gate.write().await;
+        if let Some(e) = self.push_dirty().await {
+            return Err(e);
+        }
+        let (remote, inner) = futures::join!(
+            retry(self.policy, || self.remote.flush()),
+            self.inner.flush()
+        );
+        let result = remote
+            .map_err(|e| {
+                StoreError::new(e.kind(), "flushing the remote store after a push").with_source(e)
+            })
+            .and(inner);
+        if let Err(e) = &result {
+            *self.last_error.lock() = Some(e.to_owned_lossy().to_string());
+        }
+        result
+    }
+}
+
+async fn run_background<S: Store, R: Store>(
+    shared: Weak<Shared<S, R>>,
+    stop: Arc<Stop>,
+    interval: Duration,
+) {
+    loop {
+        tokio::select! {
+            _ = tokio::time::sleep(interval) => {}
+            _ = stop.wait() => return,
+        }
+        let Some(shared) = shared.upgrade() else {
+            return;
+        };
+        shared.background_round().await;
+    }
+}
+
+impl<S: Store, R: Store> Pusher<S, R> {
+    /// Writes through to `inner` and back to `remote`, which must have the same geometry.
+    /// Starts the background task when `opts.interval` is set.
+    ///
+    /// # Panics
+    /// With an interval, outside a tokio runtime.
+    pub fn new(inner: S, remote: R, opts: PushOptions) -> StoreResult<Self> {
+        let geometry = inner.geometry();
+        if remote.geometry() != geometry {
+            return Err(StoreError::invalid(format!(
+                "the local store ({geometry}) and the remote store ({}) of a pusher must have \
+                 the same geometry",
+                remote.geometry()
+            )));
+        }
+        let shared = Arc::new(Shared {
+            dirty: DirtySet::new(geometry.chunk_count()),
+            inner,
+            remote,
+            gate: RwLock::new(()),
+            workers: opts.workers.max(1),
+            policy: opts.retry,
+            pushed_chunks: AtomicU64::new(0),
+            pushed_bytes: AtomicU64::new(0),
+            failed_pushes: AtomicU64::new(0),
+            last_error: Mutex::new(None),
+        });
+        let stop = Arc::new(Stop::default());
+        let background = opts.interval.map(|interval| {
+            tokio::spawn(run_background(
+                Arc::downgrade(&shared),
+                stop.clone(),
+                interval,
+            ))
+        });
+        Ok(Self {
+            shared,
+            stop,
+            background,
+        })
+    }
+
+    /// Number of chunks written and not yet taken for a push.
+    pub fn dirty_count(&self) -> u64 {
+        self.shared.dirty.count()
+    }
+
+    /// What has been pushed, and the last failure.
+    pub fn stats(&self) -> PushStats {
+        let s = &self.shared;
+        PushStats {
+            pushed_chunks: s.pushed_chunks.load(Ordering::Relaxed),
+            pushed_bytes: s.pushed_bytes.load(Ordering::Relaxed),
+            failed_pushes: s.failed_pushes.load(Ordering::Relaxed),
+            last_error: s.last_error.lock().clone(),
+        }
+    }
+
+    /// The inner (local) store. Writes made directly to it are not pushed.
+    pub fn inner(&self) -> &S {
+        &self.shared.inner
+    }
+
+    /// The remote store.
+    pub fn remote(&self) -> &R {
+        &self.shared.remote
+    }
+
+    /// Stops the background task and flushes a last time; returns the flush's result.
+    /// On an error, the chunks that could not be pushed are lost with the `Pusher`: call
+    /// [`flush`](Store::flush) until it succeeds first if they must not be.
+    pub async fn shutdown(mut self) -> StoreResult<()> {
+        self.stop.stop();
+        if let Some(task) = self.background.take() {
+            // The task only ends by returning; a panic in a store is re-raised here.
+            if let Err(e) = task.await {
+                if e.is_panic() {
+                    std::panic::resume_unwind(e.into_panic());
+                }
+            }
+        }
+        self.shared.flush().await
+    }
+}
+
+impl<S, R> Drop for Pusher<S, R> {
+    /// Stops the background task (a round in flight finishes). Does not flush.
+    fn drop(&mut self) {
+        self.stop.stop();
+    }
+}
+
+impl<S: Store, R: Store> Store for Pusher<S, R> {
+    fn geometry(&self) -> Geometry {
+        self.shared.inner.geometry()
+    }
+
+    /// The inner store's caps, except `FLUSH`, which is the remote's: a flush makes data
+    /// durable in the remote.
+    fn caps(&self) -> Caps {
+        let s = &self.shared;
+        s.inner.caps().without(Caps::FLUSH) | (s.remote.caps() & Caps::FLUSH)
+    }
+
+    fn read(&self, idx: ChunkIdx) -> BoxFuture<'_, StoreResult<Bytes>> {
+        self.shared.inner.read(idx)
+    }
+
+    fn write(&self, idx: ChunkIdx, data: Bytes) -> BoxFuture<'_, StoreResult<()>> {
+        Box::pin(async move {
+            let s = &self.shared;
+            let result = s.inner.write(idx, data).await;
+            // Marked even if the write failed: it may have landed (see `Tracked`).
+            if s.dirty.capacity() > idx.0 {
+                s.dirty.mark(idx);
+            }
+            result
+        })
+    }
+
+    fn flush(&self) -> BoxFuture<'_, StoreResult<()>> {
+        Box::pin(self.shared.flush())
+    }
+
+    fn trim(&self, range: ChunkRange) -> BoxFuture<'_, StoreResult<()>> {
+        Box::pin(async move {
+            let s = &self.shared;
+            let result = s.inner.trim(range).await;
+            if range.end.0 <= s.dirty.capacity() {
+                s.dirty.mark_range(range);
+            }
+            result
+        })
+    }
+
+    fn status(&self, idx: ChunkIdx) -> BoxFuture<'_, StoreResult<ChunkStatus>> {
+        self.shared.inner.status(idx)
+    }
+}
+
+impl<S: fmt::Debug, R: fmt::Debug> fmt::Debug for Pusher<S, R> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let s = &self.shared;
+        f.debug_struct("Pusher")
+            .field("dirty", &s.dirty.count())
+            .field("pushed_chunks", &s.pushed_chunks.load(Ordering::Relaxed))
+            .field("background", &self.background.is_some())
+            .field("inner", &s.inner)
+            .field("remote", &s.remote)
+            .finish()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::cached::test_support::{Hooked, Op};
+    use farmap_core::ErrorKind;
+    use farmap_testkit::ModelStore;
+    use std::sync::atomic::AtomicUsize;
+    use tokio::sync::Semaphore;
+
+    fn geometry() -> Geometry {
+        Geometry::new(32 * 4096, 4096).unwrap()
+    }
+
+    fn chunk(byte: u8) -> Bytes {
+        Bytes::from(vec![byte; 4096])
+    }
+
+    fn manual() -> PushOptions {
+        PushOptions {
+            workers: 4,
+            interval: None,
+            retry: RetryPolicy::immediate(3),
+        }
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn pusher_conforms() {
+        farmap_testkit::run_conformance(|g| async move {
+            let opts = PushOptions {
+                interval: Some(Duration::from_millis(1)),
+                ..PushOptions::default()
+            };
+            let p = Pusher::new(ModelStore::new(g), ModelStore::new(g), opts).unwrap();
+            Arc::new(p) as Arc<dyn Store>
+        })
+        .await;
+    }
+
+    #[tokio::test]
+    async fn flush_pushes_everything_written_and_trimmed() {
+        let g = geometry();
+        let remote = Arc::new(ModelStore::new(g));
+        remote.write(ChunkIdx(9), chunk(9)).await.unwrap();
+        let local = ModelStore::new(g);
+        local.write(ChunkIdx(9), chunk(9)).await.unwrap();
+        let p = Pusher::new(local, remote.clone(), manual()).unwrap();
+        for i in 0..5 {
+            p.write(ChunkIdx(i), chunk(i as u8 + 1)).await.unwrap();
+        }
+        p.trim(ChunkRange::single(ChunkIdx(9))).await.unwrap();
+        assert_eq!(p.dirty_count(), 6);
+        assert!(
+            remote.snapshot() != p.inner().snapshot(),
+            "nothing pushed yet"
+        );
+        p.flush().await.unwrap();
+        assert!(remote.snapshot() == p.inner().snapshot());
+        assert_eq!(p.dirty_count(), 0);
+        let stats = p.stats();
+        assert_eq!((stats.pushed_chunks, stats.pushed_bytes), (6, 6 * 4096));
+        assert_eq!(stats.failed_pushes, 0);
+        p.flush().await.unwrap();
+        assert_eq!(p.stats().pushed_chunks, 6, "nothing dirty, nothing pushed");
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn the_background_task_pushes_on_its_interval() {
+        let g = geometry();
+        let remote = Arc::new(ModelStore::new(g));
+        let opts = PushOptions {
+            interval: Some(Duration::from_millis(5)),
+            ..manual()
+        };
+        let p = Pusher::new(ModelStore::new(g), remote.clone(), opts).unwrap();
+        p.write(ChunkIdx(3), chunk(3)).await.unwrap();
+        for _ in 0..200 {
+            if remote.read(ChunkIdx(3)).await.unwrap() == chunk(3) {
+                break;
+            }
+            tokio::time::sleep(Duration::from_millis(5)).await;
+        }
+        assert!(remote.read(ChunkIdx(3)).await.unwrap() == chunk(3));
+        assert_eq!(p.dirty_count(), 0);
+        drop(p);
+        // Dropped: the task stops and pushes nothing more (the store is not written again).
+        tokio::time::sleep(Duration::from_millis(20)).await;
+        assert_eq!(Arc::strong_count(&remote), 1, "the background task let go");
+    }
+
+    /// A remote whose writes of chunk 0 block on `gate` (announcing `entered`) and whose
+    /// writes fail while `failing` holds an error kind; `writes` counts write attempts.
+    struct GatedRemote {
+        store: Arc<Hooked<ModelStore>>,
+        gate: Arc<Semaphore>,
+        entered: Arc<Notify>,
+        failing: Arc<Mutex<Option<ErrorKind>>>,
+        writes: Arc<AtomicUsize>,
+    }
+
+    fn gated_remote(g: Geometry) -> GatedRemote {
+        let gate = Arc::new(Semaphore::new(0));
+        let entered = Arc::new(Notify::new());
+        let failing = Arc::new(Mutex::new(None));
+        let writes = Arc::new(AtomicUsize::new(0));
+        let (gt, en, fl, wr) = (
+            gate.clone(),
+            entered.clone(),
+            failing.clone(),
+            writes.clone(),
+        );
+        let remote = Hooked::new(ModelStore::new(g), move |op, idx| {
+            let (gt, en) = (gt.clone(), en.clone());
+            let fail = *fl.lock();
+            if op == Op::Write {
+                wr.fetch_add(1, Ordering::SeqCst);
+            }
+            Box::pin(async move {
+                if op == Op::Write && idx == ChunkIdx(0) {
+                    en.notify_one();
+                    gt.acquire().await.expect("open").forget();
+                }
+                match fail {
+                    Some(k) if op == Op::Write => Err(StoreError::new(k, "injected")),
+                    _ => Ok(()),
+                }
+            })
+        });
+        GatedRemote {
+            store: Arc::new(remote),
+            gate,
+            entered,
+            failing,
+            writes,
+        }
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn flush_waits_for_a_push_in_flight() {
+        let g = geometry();
+        let GatedRemote {
+            store: remote,
+            gate,
+            entered,
+            ..
+        } = gated_remote(g);
+        let opts = PushOptions {
+            interval: Some(Duration::from_millis(1)),
+            ..manual()
+        };
+        let p = Arc::new(Pusher::new(ModelStore::new(g), remote.clone(), opts).unwrap());
+        p.write(ChunkIdx(0), chunk(7)).await.unwrap();
+        entered.notified().await;
+        // The background round holds chunk 0: its bit is clear but the remote lacks it.
+        assert_eq!(p.dirty_count(), 0);
+        let flush = tokio::spawn({
+            let p = p.clone();
+            async move { p.flush().await }
+        });
+        tokio::time::sleep(Duration::from_millis(30)).await;
+        assert!(!flush.is_finished(), "flush waits for the background push");
+        // App writes are not blocked by the flush.
+        tokio::time::timeout(Duration::from_secs(1), p.write(ChunkIdx(1), chunk(1)))
+            .await
+            .expect("a write during a flush completes")
+            .unwrap();
+        gate.add_permits(1000);
+        flush.await.unwrap().unwrap();
+        assert!(remote.inner.read(ChunkIdx(0)).await.unwrap() == chunk(7));
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_failed_push_fails_the_flush_and_stays_dirty() {
+        let g = geometry();
+        let GatedRemote {
+            store: remote,
+            gate,
+            failing,
+            writes,
+            ..
+        } = gated_remote(g);
+        gate.add_permits(1000);
+        let p = Pusher::new(ModelStore::new(g), remote.clone(), manual()).unwrap();
+        p.write(ChunkIdx(4), chunk(4)).await.unwrap();
+        p.write(ChunkIdx(5), chunk(5)).await.unwrap();
+        *failing.lock() = Some(ErrorKind::Timeout);
+        let e = p.flush().await.unwrap_err();
+        assert_eq!(e.kind(), ErrorKind::Timeout);
+        assert!(e.context().contains("pushing chunk"), "{e}");
+        assert_eq!(
+            writes.load(Ordering::SeqCst),
+            6,
+            "3 attempts for each chunk"
+        );
+        assert_eq!(p.dirty_count(), 2, "failed chunks are dirty again");
+        *failing.lock() = Some(ErrorKind::Corrupt);
+        assert_eq!(p.flush().await.unwrap_err().kind(), ErrorKind::Corrupt);
+        assert_eq!(
+            writes.load(Ordering::SeqCst),
+            8,
+            "permanent errors are not retried"
+        );
+        let stats = p.stats();
+        assert_eq!(stats.failed_pushes, 4);
+        assert!(stats.last_error.unwrap().contains("injected"));
+        *failing.lock() = None;
+        p.flush().await.unwrap();
+        assert!(remote.inner.snapshot() == p.inner().snapshot());
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_dropped_flush_leaves_its_chunks_dirty() {
+        let g = geometry();
+        let GatedRemote {
+            store: remote,
+            gate,
+            entered,
+            ..
+        } = gated_remote(g);
+        let p = Pusher::new(ModelStore::new(g), remote.clone(), manual()).unwrap();
+        p.write(ChunkIdx(0), chunk(1)).await.unwrap();
+        p.write(ChunkIdx(2), chunk(2)).await.unwrap();
+        {
+            let flush = p.flush();
+            tokio::select! {
+                _ = flush => panic!("the flush cannot finish while chunk 0 is blocked"),
+                _ = entered.notified() => {}
+            }
+        }
+        assert_eq!(p.dirty_count(), 2, "both chunks are dirty again");
+        gate.add_permits(1000);
+        p.flush().await.unwrap();
+        assert!(remote.inner.snapshot() == p.inner().snapshot());
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn shutdown_flushes() {
+        let g = geometry();
+        let remote = Arc::new(ModelStore::new(g));
+        let opts = PushOptions {
+            interval: Some(Duration::from_secs(3600)),
+            ..manual()
+        };
+        let p = Pusher::new(ModelStore::new(g), remote.clone(), opts).unwrap();
+        p.write(ChunkIdx(31), chunk(31)).await.unwrap();
+        p.shutdown().await.unwrap();
+        assert!(remote.read(ChunkIdx(31)).await.unwrap() == chunk(31));
+        assert_eq!(Arc::strong_count(&remote), 1);
+    }
+
+    #[test]
+    fn geometries_must_match() {
+        let a = Geometry::new(8 * 4096, 4096).unwrap();
+        let b = Geometry::new(9 * 4096, 4096).unwrap();
+        let e = Pusher::new(ModelStore::new(a), ModelStore::new(b), manual()).unwrap_err();
+        assert_eq!(e.kind(), ErrorKind::InvalidInput);
+        assert!(e.context().contains(&b.to_string()), "{e}");
+    }
+}

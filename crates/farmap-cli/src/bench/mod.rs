@@ -1,0 +1,73 @@
+//! `farmap bench`: benchmarks of the data paths, each with a reference measured in the same
+//! run. With `--json`, one JSON object per line on stdout.
+
+use std::process::ExitCode;
+use std::time::Duration;
+
+use clap::Subcommand;
+
+mod pull;
+
+#[derive(Debug, Subcommand)]
+pub enum BenchCommand {
+    /// Background pull (Cached + Puller) from a store behind an emulated round trip into
+    /// dense local memory, against memcpy and the ideal workers × chunk / rtt.
+    Pull(pull::PullArgs),
+}
+
+pub async fn run(cmd: BenchCommand) -> anyhow::Result<ExitCode> {
+    match cmd {
+        BenchCommand::Pull(args) => pull::run(args).await,
+    }
+}
+
+/// Parses `10ms`, `0`, `0.5ms`, `250us`, `1s` into a duration.
+pub fn parse_duration(s: &str) -> Result<Duration, String> {
+    let t = s.trim();
+    let split = t
+        .find(|c: char| !(c.is_ascii_digit() || c == '.'))
+        .unwrap_or(t.len());
+    let (num, unit) = t.split_at(split);
+    let v: f64 = num
+        .parse()
+        .map_err(|_| format!("invalid duration {s:?}: expected e.g. 10ms, 250us, 1s"))?;
+    let secs = match unit {
+        "s" => v,
+        "ms" | "" => v / 1e3,
+        "us" | "µs" => v / 1e6,
+        "ns" => v / 1e9,
+        _ => {
+            return Err(format!(
+                "invalid duration {s:?}: unit must be s, ms, us or ns"
+            ))
+        }
+    };
+    if !secs.is_finite() || !(0.0..=3600.0).contains(&secs) {
+        return Err(format!(
+            "invalid duration {s:?}: must be between 0 and 1 hour"
+        ));
+    }
+    Ok(Duration::from_secs_f64(secs))
+}
+
+/// Parses a size (binary suffixes) for clap.
+pub fn parse_size_arg(s: &str) -> Result<u64, String> {
+    farmap::parse_size(s).map_err(|e| e.to_string())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn durations() {
+        assert_eq!(parse_duration("10ms").unwrap(), Duration::from_millis(10));
+        assert_eq!(parse_duration("0").unwrap(), Duration::ZERO);
+        assert_eq!(parse_duration("0ms").unwrap(), Duration::ZERO);
+        assert_eq!(parse_duration("250us").unwrap(), Duration::from_micros(250));
+        assert_eq!(parse_duration("1.5s").unwrap(), Duration::from_millis(1500));
+        assert!(parse_duration("ten").is_err());
+        assert!(parse_duration("10 parsecs").is_err());
+        assert!(parse_duration("5h").is_err());
+    }
+}

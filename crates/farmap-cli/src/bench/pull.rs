@@ -1,0 +1,231 @@
+//! `farmap bench pull`: background-pull throughput.
+//!
+//! Setup (not timed): the source store is filled with random data; a dense, pre-allocated
+//! local store is built. Timed: from the puller's first request to the last chunk stored in
+//! local memory. Reference, measured in the same run: memcpy of the same chunk size between
+//! two pre-touched buffers, and the ideal `min(workers × chunk / rtt, memcpy)`.
+
+use std::hint::black_box;
+use std::process::ExitCode;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use anyhow::{bail, Context};
+use bytes::Bytes;
+use clap::Args;
+use farmap::pipeline::{Cached, DelayOptions, Delayed, PullOptions, PullOrder, Puller};
+use farmap::store::DenseMemoryStore;
+use farmap::{format_size, open_store, Geometry, Store, StoreSpec};
+use rand::{RngCore, SeedableRng};
+use serde::Serialize;
+
+use super::{parse_duration, parse_size_arg};
+use crate::output;
+
+#[derive(Debug, Args)]
+pub struct PullArgs {
+    /// The store pulled from; it is filled with random data first.
+    #[arg(long, default_value = "memory:1GiB")]
+    store: StoreSpec,
+    /// Chunk size (overrides the spec's chunk=).
+    #[arg(long, value_parser = parse_size_arg)]
+    chunk: Option<u64>,
+    /// Latency added to every read of the store (an emulated round trip), e.g. 10ms.
+    #[arg(long, default_value = "10ms", value_parser = parse_duration)]
+    rtt: Duration,
+    /// Concurrent pull workers (async tasks, not threads).
+    #[arg(long, default_value_t = 256, value_parser = clap::value_parser!(u32).range(1..=1_000_000))]
+    workers: u32,
+    /// Repeat the timed pull this many times (one result line each).
+    #[arg(long, default_value_t = 1, value_parser = clap::value_parser!(u32).range(1..=100))]
+    runs: u32,
+    /// Allow filling an existing file or directory store with random data.
+    #[arg(long)]
+    overwrite: bool,
+    /// One JSON object per run on stdout, no progress bar.
+    #[arg(long)]
+    json: bool,
+}
+
+#[derive(Debug, Serialize)]
+struct PullResult {
+    bench: &'static str,
+    case: &'static str,
+    store: String,
+    size_bytes: u64,
+    chunk_bytes: u32,
+    rtt_ms: f64,
+    workers: u32,
+    run: u32,
+    elapsed_ms: f64,
+    mb_per_s: f64,
+    memcpy_mb_per_s: f64,
+    ideal_mb_per_s: f64,
+    ratio_to_ideal: f64,
+    chunks: u64,
+    failed_chunks: u64,
+    verified: bool,
+}
+
+/// memcpy throughput in MB/s, copying chunk-sized pieces between two pre-touched buffers
+/// (best of three passes over up to 256 MiB).
+fn measure_memcpy(size: u64, chunk: usize) -> f64 {
+    let n = (size.min(256 << 20) as usize).max(chunk);
+    let src = vec![0x5au8; n];
+    let mut dst = vec![0xa5u8; n];
+    let mut best = f64::MAX;
+    for _ in 0..3 {
+        let t = Instant::now();
+        for (d, s) in dst.chunks_mut(chunk).zip(src.chunks(chunk)) {
+            d.copy_from_slice(black_box(s));
+        }
+        black_box(&mut dst);
+        best = best.min(t.elapsed().as_secs_f64());
+    }
+    n as f64 / best / 1e6
+}
+
+async fn fill_random(store: &dyn Store, quiet: bool) -> anyhow::Result<()> {
+    let g = store.geometry();
+    let bar = output::byte_bar(g.size(), "filling", quiet);
+    let mut rng = rand::rngs::SmallRng::seed_from_u64(0xfa2_3a9);
+    for idx in g.all().iter() {
+        let mut buf = vec![0u8; g.chunk_len(idx)];
+        rng.fill_bytes(&mut buf);
+        store
+            .write(idx, Bytes::from(buf))
+            .await
+            .with_context(|| format!("filling {idx} of the source store"))?;
+        bar.inc(g.chunk_len(idx) as u64);
+    }
+    store
+        .flush()
+        .await
+        .context("flushing the filled source store")?;
+    bar.finish_and_clear();
+    Ok(())
+}
+
+pub async fn run(mut args: PullArgs) -> anyhow::Result<ExitCode> {
+    if let Some(c) = args.chunk {
+        args.store.chunk_size = Some(
+            u32::try_from(c)
+                .ok()
+                .filter(|c| Geometry::new(1, u64::from(*c)).is_ok())
+                .ok_or_else(|| {
+                    anyhow::anyhow!("--chunk {c} is not a power of two from 4KiB to 4MiB")
+                })?,
+        );
+    }
+    if !args.store.creates() && !args.overwrite {
+        bail!(
+            "{} exists; the benchmark would overwrite it with random data (pass --overwrite to allow)",
+            args.store
+        );
+    }
+    let quiet = args.json;
+    let source = open_store(&args.store).context("opening the benchmark store")?;
+    let g = source.geometry();
+    let chunk = g.chunk_size();
+    fill_random(source.as_ref(), quiet).await?;
+    let memcpy = tokio::task::spawn_blocking(move || measure_memcpy(g.size(), chunk as usize))
+        .await
+        .context("measuring memcpy")?;
+    let rtt_s = args.rtt.as_secs_f64();
+    let ideal = if rtt_s > 0.0 {
+        (f64::from(args.workers) * f64::from(chunk) / rtt_s / 1e6).min(memcpy)
+    } else {
+        memcpy
+    };
+
+    for run in 1..=args.runs {
+        // Setup, untimed: dense local memory, every page touched.
+        let local = DenseMemoryStore::new(g);
+        let remote = Delayed::new(
+            source.clone(),
+            DelayOptions {
+                latency: args.rtt,
+                bandwidth: None,
+            },
+        );
+        let cached = Arc::new(Cached::new(local, remote)?);
+        let bar = output::byte_bar(g.size(), "pulling", quiet);
+        let opts = PullOptions {
+            workers: args.workers as usize,
+            order: PullOrder::Sequential,
+            ..PullOptions::default()
+        };
+
+        let started = Instant::now();
+        let puller = Puller::start(cached.clone(), opts);
+        let report = if bar.is_hidden() {
+            puller.wait().await
+        } else {
+            let wait = puller.wait();
+            tokio::pin!(wait);
+            loop {
+                tokio::select! {
+                    r = &mut wait => break r,
+                    _ = tokio::time::sleep(Duration::from_millis(100)) => {
+                        bar.set_position(puller.progress().done_chunks * u64::from(chunk));
+                    }
+                }
+            }
+        };
+        let elapsed = started.elapsed();
+        bar.finish_and_clear();
+
+        // Verify, untimed: every chunk of local memory equals the source.
+        let mut verified = cached.is_complete();
+        for idx in g.all().iter() {
+            if !verified {
+                break;
+            }
+            let want = source.read(idx).await?;
+            let got = cached.read(idx).await?;
+            verified = want == got;
+        }
+        let progress = puller.progress();
+        let mb = output::mb_per_s(g.size(), elapsed);
+        let result = PullResult {
+            bench: "pull",
+            case: "cached-puller",
+            store: args.store.to_string(),
+            size_bytes: g.size(),
+            chunk_bytes: chunk,
+            rtt_ms: rtt_s * 1e3,
+            workers: args.workers,
+            run,
+            elapsed_ms: output::round1(elapsed.as_secs_f64() * 1e3),
+            mb_per_s: mb,
+            memcpy_mb_per_s: output::round1(memcpy),
+            ideal_mb_per_s: output::round1(ideal),
+            ratio_to_ideal: (mb / ideal * 1000.0).round() / 1000.0,
+            chunks: g.chunk_count(),
+            failed_chunks: progress.failed_chunks,
+            verified,
+        };
+        let _ = report;
+        if args.json {
+            output::json_line(&result)?;
+        } else {
+            println!(
+                "pull {} in {} chunks, rtt {} ms, {} workers: {:.1} MB/s in {:.1} ms = {:.2} × ideal {:.1} MB/s (memcpy {:.1} MB/s){}",
+                format_size(g.size()),
+                format_size(u64::from(chunk)),
+                result.rtt_ms,
+                args.workers,
+                result.mb_per_s,
+                result.elapsed_ms,
+                result.ratio_to_ideal,
+                result.ideal_mb_per_s,
+                result.memcpy_mb_per_s,
+                if verified { ", verified" } else { ", VERIFICATION FAILED" }
+            );
+        }
+        if !verified {
+            bail!("the pulled data differs from the source (or chunks failed to pull)");
+        }
+    }
+    Ok(ExitCode::SUCCESS)
+}

@@ -1,0 +1,72 @@
+//! `farmap info`: what a store is and how much of it holds data.
+
+use std::process::ExitCode;
+
+use anyhow::Context;
+use clap::Args;
+use farmap::{format_size, open_store, ChunkStatus, StoreSpec};
+use serde::Serialize;
+
+use crate::output;
+
+#[derive(Debug, Args)]
+pub struct InfoArgs {
+    /// The store, as a spec (see below).
+    spec: StoreSpec,
+    /// Print one JSON object instead of text.
+    #[arg(long)]
+    json: bool,
+}
+
+#[derive(Debug, Serialize)]
+struct Info {
+    spec: String,
+    size_bytes: u64,
+    chunk_bytes: u32,
+    chunks: u64,
+    caps: Vec<&'static str>,
+    zero_chunks: u64,
+    data_chunks: u64,
+    unknown_chunks: u64,
+}
+
+pub async fn run(args: InfoArgs) -> anyhow::Result<ExitCode> {
+    let store = open_store(&args.spec)?;
+    let g = store.geometry();
+    let (mut zero, mut data, mut unknown) = (0, 0, 0);
+    for idx in g.all().iter() {
+        match store
+            .status(idx)
+            .await
+            .with_context(|| format!("reading the status of {idx}"))?
+        {
+            ChunkStatus::Zero => zero += 1,
+            ChunkStatus::Data => data += 1,
+            ChunkStatus::Unknown => unknown += 1,
+        }
+    }
+    let info = Info {
+        spec: args.spec.to_string(),
+        size_bytes: g.size(),
+        chunk_bytes: g.chunk_size(),
+        chunks: g.chunk_count(),
+        caps: store.caps().names().collect(),
+        zero_chunks: zero,
+        data_chunks: data,
+        unknown_chunks: unknown,
+    };
+    if args.json {
+        output::json_line(&info)?;
+    } else {
+        println!("store:    {}", info.spec);
+        println!("size:     {} ({} bytes)", format_size(g.size()), g.size());
+        println!(
+            "chunks:   {} of {}",
+            g.chunk_count(),
+            format_size(u64::from(g.chunk_size()))
+        );
+        println!("caps:     {}", store.caps());
+        println!("data:     {data} chunks hold data, {zero} are known zero, {unknown} unknown");
+    }
+    Ok(ExitCode::SUCCESS)
+}

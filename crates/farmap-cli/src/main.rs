@@ -1,0 +1,77 @@
+//! `farmap`: the command-line face of farmap.
+//!
+//! Results (and `--json` lines) go to stdout; progress bars and logs go to stderr.
+
+use std::process::ExitCode;
+
+use clap::{Parser, Subcommand};
+
+mod bench;
+mod cp;
+mod info;
+mod output;
+
+/// Store specs, shown in every command's help.
+const SPEC_HELP: &str = "\
+STORE SPECS:
+  memory:SIZE                 sparse memory (only written chunks use RAM)
+  file:PATH                   an existing file; its length is the region size
+  file:PATH?size=SIZE         a file, created sparse if missing
+  dir:PATH?size=SIZE          a directory with one file per chunk
+Options after '?', joined by '&': size=SIZE, chunk=SIZE (power of two, 4KiB..4MiB,
+default 64KiB), ro (read-only file/dir), max-open=N (dir). Sizes take binary suffixes:
+KiB, MiB, GiB, TiB (K, M, G, T mean the same). Throughput is printed in MB/s (10^6 bytes).";
+
+/// farmap makes a memory region live somewhere else (a file, a directory of chunks, ...)
+/// while applications use it as plain memory, and moves live regions between hosts.
+#[derive(Debug, Parser)]
+#[command(name = "farmap", version, after_help = SPEC_HELP)]
+struct Cli {
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Debug, Subcommand)]
+enum Command {
+    /// Show a store's size, chunk size, capabilities and how much of it holds data.
+    #[command(after_help = SPEC_HELP)]
+    Info(info::InfoArgs),
+    /// Copy a whole region from one store to another, in parallel, with progress.
+    ///
+    /// Chunks that read as zeros are skipped where the destination already reads zeros.
+    /// The destination is flushed (made durable) before the command reports success.
+    /// Sizes must match; a destination that does not exist yet takes the source's size.
+    #[command(after_help = SPEC_HELP)]
+    Cp(cp::CpArgs),
+    /// Measure a data path against a reference measured in the same run.
+    #[command(subcommand)]
+    Bench(bench::BenchCommand),
+}
+
+fn main() -> ExitCode {
+    let cli = Cli::parse();
+    let rt = match tokio::runtime::Builder::new_multi_thread()
+        .enable_all()
+        .build()
+    {
+        Ok(rt) => rt,
+        Err(e) => {
+            eprintln!("farmap: cannot start the async runtime: {e}");
+            return ExitCode::FAILURE;
+        }
+    };
+    let result = rt.block_on(async {
+        match cli.command {
+            Command::Info(args) => info::run(args).await,
+            Command::Cp(args) => cp::run(args).await,
+            Command::Bench(cmd) => bench::run(cmd).await,
+        }
+    });
+    match result {
+        Ok(code) => code,
+        Err(err) => {
+            eprintln!("farmap: {}", output::error_chain(&err));
+            ExitCode::FAILURE
+        }
+    }
+}

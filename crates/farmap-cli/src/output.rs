@@ -1,0 +1,63 @@
+//! Output conventions: results on stdout (human or one JSON object per line), progress on
+//! stderr, errors as one line with their causes.
+
+use std::io::{IsTerminal, Write};
+use std::time::Duration;
+
+use indicatif::{ProgressBar, ProgressDrawTarget, ProgressStyle};
+use serde::Serialize;
+
+/// Prints `value` as one JSON line on stdout.
+pub fn json_line<T: Serialize>(value: &T) -> anyhow::Result<()> {
+    let mut out = std::io::stdout().lock();
+    serde_json::to_writer(&mut out, value)?;
+    out.write_all(b"\n")?;
+    out.flush()?;
+    Ok(())
+}
+
+/// An error with its whole chain of causes on one line: "a: b: c".
+pub fn error_chain(err: &anyhow::Error) -> String {
+    let mut parts: Vec<String> = Vec::new();
+    for cause in err.chain() {
+        let s = cause.to_string();
+        // Skip causes whose text the previous message already contains.
+        if parts.last().is_some_and(|p| p.contains(&s)) {
+            continue;
+        }
+        parts.push(s);
+    }
+    parts.join(": ")
+}
+
+/// A byte progress bar on stderr, hidden when stderr is not a terminal or when `quiet`.
+pub fn byte_bar(total: u64, what: &str, quiet: bool) -> ProgressBar {
+    if quiet || !std::io::stderr().is_terminal() {
+        return ProgressBar::hidden();
+    }
+    let bar = ProgressBar::with_draw_target(Some(total), ProgressDrawTarget::stderr_with_hz(10));
+    bar.set_style(
+        ProgressStyle::with_template(
+            "{msg} [{bar:40}] {decimal_bytes}/{decimal_total_bytes} {decimal_bytes_per_sec} eta {eta}",
+        )
+        .expect("valid template")
+        .progress_chars("=> "),
+    );
+    bar.set_message(what.to_owned());
+    bar.enable_steady_tick(Duration::from_millis(100));
+    bar
+}
+
+/// Megabytes (10^6 bytes) per second, rounded to 0.1.
+pub fn mb_per_s(bytes: u64, elapsed: Duration) -> f64 {
+    let secs = elapsed.as_secs_f64();
+    if secs == 0.0 {
+        return 0.0;
+    }
+    round1(bytes as f64 / secs / 1e6)
+}
+
+/// Rounds to one decimal.
+pub fn round1(v: f64) -> f64 {
+    (v * 10.0).round() / 10.0
+}

@@ -1,0 +1,214 @@
+//! The `farmap` binary, run for real.
+
+use std::path::Path;
+use std::process::{Command, Output};
+
+fn farmap(args: &[&str]) -> Output {
+    Command::new(env!("CARGO_BIN_EXE_farmap"))
+        .args(args)
+        .output()
+        .expect("run farmap")
+}
+
+fn stdout(o: &Output) -> String {
+    String::from_utf8_lossy(&o.stdout).into_owned()
+}
+
+fn stderr(o: &Output) -> String {
+    String::from_utf8_lossy(&o.stderr).into_owned()
+}
+
+fn file_spec(p: &Path, opts: &str) -> String {
+    format!("file:{}{opts}", p.display())
+}
+
+#[test]
+fn help_explains_every_command_and_specs() {
+    let o = farmap(&["--help"]);
+    assert!(o.status.success());
+    let out = stdout(&o);
+    for word in ["info", "cp", "bench", "STORE SPECS", "memory:SIZE", "KiB"] {
+        assert!(out.contains(word), "--help lacks {word:?}:\n{out}");
+    }
+    let o = farmap(&["bench", "pull", "--help"]);
+    assert!(o.status.success());
+    for word in ["--rtt", "--workers", "--chunk", "--json", "--store"] {
+        assert!(stdout(&o).contains(word), "bench pull --help lacks {word}");
+    }
+}
+
+#[test]
+fn bad_specs_give_one_line_errors() {
+    for (spec, want) in [
+        ("nope:1G", "unknown store scheme"),
+        ("memory:12XB", "unknown suffix"),
+        ("memory:1GiB?size=2GiB", "conflicting sizes"),
+        ("file:/nonexistent-dir/x.img", "x.img"),
+    ] {
+        let o = farmap(&["info", spec]);
+        assert!(!o.status.success(), "{spec} should fail");
+        let err = stderr(&o);
+        // The problem is named on the first line (clap may add its "try --help" hint after).
+        let first = err.lines().next().unwrap_or_default();
+        assert!(
+            first.contains(want),
+            "{spec}: {err:?} lacks {want:?} on its first line"
+        );
+        assert!(!err.contains("panicked"), "{err}");
+    }
+}
+
+#[test]
+fn cp_round_trips_file_to_dir_to_file_and_skips_zeros() {
+    let dir = tempfile::tempdir().unwrap();
+    let a = dir.path().join("a.img");
+    // 1 MiB + 1000 bytes: a short last chunk; data in the first and last 64 KiB only.
+    let size = (1 << 20) + 1000;
+    let mut content = vec![0u8; size];
+    for (i, b) in content.iter_mut().enumerate().take(65536) {
+        *b = (i % 251) as u8 + 1;
+    }
+    for b in content.iter_mut().skip(size - 70000) {
+        *b = 7;
+    }
+    std::fs::write(&a, &content).unwrap();
+    let chunks = dir.path().join("chunks");
+    let o = farmap(&[
+        "cp",
+        "--json",
+        &file_spec(&a, "?chunk=4KiB"),
+        &format!("dir:{}?chunk=64KiB", chunks.display()),
+    ]);
+    assert!(o.status.success(), "cp to dir: {}", stderr(&o));
+    let report: serde_json::Value = serde_json::from_str(stdout(&o).trim()).unwrap();
+    assert_eq!(report["size_bytes"], size as u64);
+    assert_eq!(report["complete"], true);
+    assert!(
+        report["skipped_zero_bytes"].as_u64().unwrap() >= 800_000,
+        "zero blocks must be skipped: {report}"
+    );
+    let b = dir.path().join("b.img");
+    let o = farmap(&[
+        "cp",
+        "-q",
+        &format!("dir:{}", chunks.display()),
+        &file_spec(&b, ""),
+    ]);
+    assert!(o.status.success(), "cp back: {}", stderr(&o));
+    assert!(stdout(&o).contains("copied"));
+    assert_eq!(
+        std::fs::read(&b).unwrap(),
+        content,
+        "round trip must be exact"
+    );
+
+    // A destination of another size is refused and left alone.
+    let c = dir.path().join("c.img");
+    std::fs::write(&c, vec![9u8; 8192]).unwrap();
+    let o = farmap(&["cp", &file_spec(&a, ""), &file_spec(&c, "")]);
+    assert!(!o.status.success());
+    assert!(stderr(&o).contains("sizes differ"), "{}", stderr(&o));
+    assert_eq!(std::fs::read(&c).unwrap(), vec![9u8; 8192]);
+}
+
+#[test]
+fn cp_overwrites_stale_data_with_zeros() {
+    let dir = tempfile::tempdir().unwrap();
+    let a = dir.path().join("a.img");
+    let b = dir.path().join("b.img");
+    std::fs::write(&a, vec![0u8; 256 << 10]).unwrap();
+    std::fs::write(&b, vec![0xffu8; 256 << 10]).unwrap();
+    let o = farmap(&["cp", "-q", &file_spec(&a, ""), &file_spec(&b, "")]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    assert!(std::fs::read(&b).unwrap().iter().all(|&x| x == 0));
+}
+
+#[test]
+fn bench_pull_prints_one_json_line_per_run() {
+    let o = farmap(&[
+        "bench",
+        "pull",
+        "--store",
+        "memory:16MiB",
+        "--chunk",
+        "64KiB",
+        "--rtt",
+        "1ms",
+        "--workers",
+        "32",
+        "--runs",
+        "2",
+        "--json",
+    ]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    let lines: Vec<_> = stdout(&o).lines().map(str::to_owned).collect();
+    assert_eq!(lines.len(), 2, "one line per run: {lines:?}");
+    for line in lines {
+        let v: serde_json::Value = serde_json::from_str(&line).unwrap();
+        for key in [
+            "bench",
+            "case",
+            "store",
+            "size_bytes",
+            "chunk_bytes",
+            "rtt_ms",
+            "workers",
+            "mb_per_s",
+            "memcpy_mb_per_s",
+            "ideal_mb_per_s",
+        ] {
+            assert!(v.get(key).is_some(), "{key} missing from {v}");
+        }
+        assert_eq!(v["bench"], "pull");
+        assert_eq!(v["size_bytes"], 16u64 << 20);
+        assert_eq!(v["chunk_bytes"], 65536);
+        assert_eq!(v["verified"], true);
+        let ideal = v["ideal_mb_per_s"].as_f64().unwrap();
+        // 32 workers × 64 KiB / 1 ms ≈ 2097 MB/s, unless memcpy is slower.
+        assert!(ideal > 0.0 && ideal <= 2097.2, "{v}");
+        assert!(v["mb_per_s"].as_f64().unwrap() > 0.0);
+    }
+}
+
+#[test]
+fn bench_pull_refuses_to_overwrite_an_existing_file() {
+    let dir = tempfile::tempdir().unwrap();
+    let a = dir.path().join("precious.img");
+    std::fs::write(&a, vec![1u8; 65536]).unwrap();
+    let o = farmap(&["bench", "pull", "--store", &file_spec(&a, ""), "--json"]);
+    assert!(!o.status.success());
+    assert!(stderr(&o).contains("--overwrite"), "{}", stderr(&o));
+    assert_eq!(std::fs::read(&a).unwrap(), vec![1u8; 65536]);
+}
+
+#[test]
+fn permission_errors_name_the_path() {
+    // Root ignores permission bits, so run farmap as `nobody` (setpriv is part of util-linux).
+    use std::os::unix::fs::PermissionsExt;
+    if Command::new("setpriv").arg("--version").output().is_err() {
+        assert!(
+            std::env::var("CI").as_deref() != Ok("true"),
+            "setpriv is needed in CI"
+        );
+        eprintln!("skipped: setpriv (util-linux) is not installed");
+        return;
+    }
+    let dir = tempfile::tempdir().unwrap();
+    std::fs::set_permissions(dir.path(), std::fs::Permissions::from_mode(0o755)).unwrap();
+    let path = dir.path().join("locked.img");
+    std::fs::write(&path, vec![0u8; 65536]).unwrap();
+    std::fs::set_permissions(&path, std::fs::Permissions::from_mode(0o600)).unwrap();
+    let o = Command::new("setpriv")
+        .args(["--reuid=65534", "--regid=65534", "--clear-groups", "--"])
+        .arg(env!("CARGO_BIN_EXE_farmap"))
+        .args(["info", &file_spec(&path, "")])
+        .output()
+        .unwrap();
+    if !stderr(&o).contains("farmap: ") {
+        panic!("farmap could not be started as nobody: {}", stderr(&o));
+    }
+    assert!(!o.status.success());
+    let err = stderr(&o);
+    assert!(err.contains("locked.img"), "{err}");
+    assert!(err.contains("permission denied"), "{err}");
+}

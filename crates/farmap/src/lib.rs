@@ -1,0 +1,37 @@
+//! farmap makes a Linux memory region live somewhere else — a file, a directory of chunks,
+//! or (soon) Redis, S3, Cassandra or another farmap host — while applications use it as plain
+//! memory.
+//!
+//! This crate is the public face: it re-exports what applications use and turns store specs
+//! (`memory:256MiB`, `file:./disk.img?size=1GiB`, `dir:./chunks?size=1GiB&chunk=1MiB`) into
+//! stores.
+//!
+//! ```no_run
+//! # async fn demo() -> Result<(), Box<dyn std::error::Error>> {
+//! use farmap::{open_store, StoreSpec};
+//! let spec: StoreSpec = "memory:64MiB?chunk=4KiB".parse()?;
+//! let store = open_store(&spec)?;
+//! let chunk = store.read(farmap::ChunkIdx(0)).await?;
+//! assert!(farmap::is_zero(&chunk));
+//! # Ok(()) }
+//! ```
+#![forbid(unsafe_code)]
+#![warn(missing_docs)]
+
+pub mod spec;
+
+pub use farmap_core::{
+    format_size, is_zero, parse_size, zero_chunk, BoxFuture, Caps, ChunkIdx, ChunkRange,
+    ChunkStatus, ErrorKind, Geometry, MbPerSec, Store, StoreError, StoreResult, DEFAULT_CHUNK_SIZE,
+};
+pub use spec::{open_store, OpenError, SpecError, SpecKind, StoreSpec};
+
+/// The local stores.
+pub mod store {
+    pub use farmap_store::*;
+}
+
+/// The stages that wrap stores.
+pub mod pipeline {
+    pub use farmap_pipeline::*;
+}

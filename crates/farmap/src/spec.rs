@@ -1,0 +1,530 @@
+//! Store specs: how a user names a store on the command line or in configuration.
+//!
+//! | spec | store |
+//! |---|---|
+//! | `memory:256MiB` | sparse memory, 256 MiB |
+//! | `file:./disk.img` | an existing file; its length is the region size |
+//! | `file:./disk.img?size=1GiB` | a file, created sparse if missing (an existing file must be 1 GiB) |
+//! | `dir:./chunks?size=1GiB` | a directory with one file per chunk (created if missing) |
+//!
+//! Options go after `?`, separated by `&`: `size=` (region size), `chunk=` (chunk size, a power
+//! of two from 4KiB to 4MiB, default 64KiB), `ro` (read-only; file and dir), `max-open=`
+//! (open file handles kept by a dir store). Sizes take binary suffixes: KiB, MiB, GiB, TiB
+//! (K, M, G, T mean the same).
+
+use std::fmt;
+use std::path::{Path, PathBuf};
+use std::str::FromStr;
+use std::sync::Arc;
+
+use farmap_core::{format_size, parse_size, Geometry, SizeError, Store, StoreError};
+use farmap_store::{DirOptions, DirStore, FileOptions, FileStore, MemoryStore};
+
+/// The schemes farmap knows, for error messages.
+const KNOWN: &str = "memory, file, dir";
+
+/// Why a store spec could not be understood. Each message is one line naming the problem.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[non_exhaustive]
+pub enum SpecError {
+    /// No `scheme:` prefix.
+    #[error("store spec {spec:?} has no scheme: write it as memory:SIZE, file:PATH or dir:PATH")]
+    NoScheme {
+        /// The spec as given.
+        spec: String,
+    },
+    /// A scheme farmap does not know.
+    #[error("unknown store scheme {scheme:?} in {spec:?} (known: {KNOWN})")]
+    UnknownScheme {
+        /// The scheme as given.
+        scheme: String,
+        /// The spec as given.
+        spec: String,
+    },
+    /// A size or chunk size that does not parse.
+    #[error("{what} in {spec:?}: {source}")]
+    BadSize {
+        /// Which value (`size`, `chunk`...).
+        what: &'static str,
+        /// The spec as given.
+        spec: String,
+        /// The parse error.
+        #[source]
+        source: SizeError,
+    },
+    /// A chunk size that is not a power of two from 4 KiB to 4 MiB.
+    #[error("chunk size {chunk} in {spec:?} is not a power of two from 4KiB to 4MiB")]
+    BadChunk {
+        /// The chunk size asked for.
+        chunk: String,
+        /// The spec as given.
+        spec: String,
+    },
+    /// Two different sizes for the same store.
+    #[error("conflicting sizes in {spec:?}: {first} and {second}")]
+    ConflictingSize {
+        /// The spec as given.
+        spec: String,
+        /// One size.
+        first: String,
+        /// The other.
+        second: String,
+    },
+    /// A store that needs a size got none.
+    #[error("{spec:?} needs a size: write {hint}")]
+    MissingSize {
+        /// The spec as given.
+        spec: String,
+        /// How to give one.
+        hint: String,
+    },
+    /// An option the scheme does not take.
+    #[error("unknown option {option:?} in {spec:?} (this scheme takes: {takes})")]
+    UnknownOption {
+        /// The option as given.
+        option: String,
+        /// The spec as given.
+        spec: String,
+        /// The options the scheme takes.
+        takes: &'static str,
+    },
+    /// An option given a value it cannot take.
+    #[error("bad value for {option} in {spec:?}: {reason}")]
+    BadOption {
+        /// The option name.
+        option: &'static str,
+        /// The spec as given.
+        spec: String,
+        /// What is wrong.
+        reason: String,
+    },
+    /// An empty path.
+    #[error("{spec:?} names no path")]
+    EmptyPath {
+        /// The spec as given.
+        spec: String,
+    },
+}
+
+/// Why a store could not be opened.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum OpenError {
+    /// The store refused: missing file, conflicting size on disk, permissions...
+    #[error("cannot open {spec}")]
+    Store {
+        /// The spec, displayed.
+        spec: String,
+        /// What the store said.
+        #[source]
+        source: StoreError,
+    },
+    /// The geometry is invalid.
+    #[error("cannot open {spec}: {source}")]
+    Geometry {
+        /// The spec, displayed.
+        spec: String,
+        /// What is wrong with it.
+        #[source]
+        source: farmap_core::GeometryError,
+    },
+}
+
+/// Which store a spec names, with its scheme-specific settings.
+#[derive(Debug, Clone, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum SpecKind {
+    /// Sparse memory.
+    Memory,
+    /// One file.
+    File {
+        /// Path of the file.
+        path: PathBuf,
+    },
+    /// A directory with one file per chunk.
+    Dir {
+        /// Path of the directory.
+        path: PathBuf,
+        /// Open file handles kept, if set.
+        max_open_files: Option<usize>,
+    },
+}
+
+/// A parsed store spec. `Display` gives it back in canonical form.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct StoreSpec {
+    /// The store.
+    pub kind: SpecKind,
+    /// Region size, if the spec gives one.
+    pub size: Option<u64>,
+    /// Chunk size, if the spec gives one.
+    pub chunk_size: Option<u32>,
+    /// Open read-only.
+    pub read_only: bool,
+}
+
+impl StoreSpec {
+    /// The chunk size this spec will use.
+    pub fn chunk_size_or_default(&self) -> u32 {
+        self.chunk_size.unwrap_or(farmap_core::DEFAULT_CHUNK_SIZE)
+    }
+
+    /// The path of a file or dir store.
+    pub fn path(&self) -> Option<&Path> {
+        match &self.kind {
+            SpecKind::Memory => None,
+            SpecKind::File { path } | SpecKind::Dir { path, .. } => Some(path),
+        }
+    }
+
+    /// Whether opening this spec would create something new (a memory store, or a file or
+    /// directory store whose path does not exist yet).
+    pub fn creates(&self) -> bool {
+        self.path().is_none_or(|p| !p.exists())
+    }
+
+    /// Sets the size when the spec has none and would create its store (used by `cp` so that
+    /// `farmap cp SRC file:./new.img` takes the source's size).
+    pub fn default_size_for_new(&mut self, size: u64) {
+        if self.size.is_none() && self.creates() {
+            self.size = Some(size);
+        }
+    }
+}
+
+fn parse_chunk(value: &str, spec: &str) -> Result<u32, SpecError> {
+    let bytes = parse_size(value).map_err(|source| SpecError::BadSize {
+        what: "chunk size",
+        spec: spec.to_owned(),
+        source,
+    })?;
+    let ok = bytes.is_power_of_two()
+        && (u64::from(farmap_core::MIN_CHUNK_SIZE)..=u64::from(farmap_core::MAX_CHUNK_SIZE))
+            .contains(&bytes);
+    if !ok {
+        return Err(SpecError::BadChunk {
+            chunk: value.to_owned(),
+            spec: spec.to_owned(),
+        });
+    }
+    Ok(bytes as u32)
+}
+
+fn set_size(slot: &mut Option<u64>, value: &str, spec: &str) -> Result<(), SpecError> {
+    let bytes = parse_size(value).map_err(|source| SpecError::BadSize {
+        what: "size",
+        spec: spec.to_owned(),
+        source,
+    })?;
+    if bytes == 0 {
+        return Err(SpecError::BadOption {
+            option: "size",
+            spec: spec.to_owned(),
+            reason: "a region cannot be empty".into(),
+        });
+    }
+    match *slot {
+        Some(prev) if prev != bytes => Err(SpecError::ConflictingSize {
+            spec: spec.to_owned(),
+            first: format_size(prev),
+            second: format_size(bytes),
+        }),
+        _ => {
+            *slot = Some(bytes);
+            Ok(())
+        }
+    }
+}
+
+impl FromStr for StoreSpec {
+    type Err = SpecError;
+
+    fn from_str(spec: &str) -> Result<Self, SpecError> {
+        let (scheme, rest) = spec.split_once(':').ok_or_else(|| SpecError::NoScheme {
+            spec: spec.to_owned(),
+        })?;
+        let (body, query) = match rest.split_once('?') {
+            Some((b, q)) => (b, Some(q)),
+            None => (rest, None),
+        };
+        let mut size = None;
+        let mut chunk_size = None;
+        let mut read_only = false;
+        let mut max_open_files = None;
+        let scheme_lc = scheme.to_ascii_lowercase();
+        let takes = match scheme_lc.as_str() {
+            "memory" | "mem" => "size, chunk",
+            "file" => "size, chunk, ro",
+            "dir" => "size, chunk, ro, max-open",
+            _ => {
+                return Err(SpecError::UnknownScheme {
+                    scheme: scheme.to_owned(),
+                    spec: spec.to_owned(),
+                })
+            }
+        };
+        for pair in query
+            .into_iter()
+            .flat_map(|q| q.split('&'))
+            .filter(|p| !p.is_empty())
+        {
+            let (key, value) = pair.split_once('=').unwrap_or((pair, ""));
+            let allowed = takes.split(", ").any(|k| k == key);
+            if !allowed {
+                return Err(SpecError::UnknownOption {
+                    option: key.to_owned(),
+                    spec: spec.to_owned(),
+                    takes,
+                });
+            }
+            match key {
+                "size" => set_size(&mut size, value, spec)?,
+                "chunk" => chunk_size = Some(parse_chunk(value, spec)?),
+                "ro" => {
+                    read_only = match value {
+                        "" | "1" | "true" | "yes" => true,
+                        "0" | "false" | "no" => false,
+                        _ => {
+                            return Err(SpecError::BadOption {
+                                option: "ro",
+                                spec: spec.to_owned(),
+                                reason: format!("{value:?} is not true or false"),
+                            })
+                        }
+                    }
+                }
+                "max-open" => {
+                    let n: usize = value.parse().ok().filter(|n| *n > 0).ok_or_else(|| {
+                        SpecError::BadOption {
+                            option: "max-open",
+                            spec: spec.to_owned(),
+                            reason: format!("{value:?} is not a positive whole number"),
+                        }
+                    })?;
+                    max_open_files = Some(n);
+                }
+                _ => unreachable!("checked against the scheme's options"),
+            }
+        }
+        let path = || {
+            if body.is_empty() {
+                Err(SpecError::EmptyPath {
+                    spec: spec.to_owned(),
+                })
+            } else {
+                Ok(PathBuf::from(body))
+            }
+        };
+        let kind = match scheme_lc.as_str() {
+            "memory" | "mem" => {
+                if !body.is_empty() {
+                    set_size(&mut size, body, spec)?;
+                }
+                if size.is_none() {
+                    return Err(SpecError::MissingSize {
+                        spec: spec.to_owned(),
+                        hint: "memory:256MiB".into(),
+                    });
+                }
+                SpecKind::Memory
+            }
+            "file" => SpecKind::File { path: path()? },
+            _ => SpecKind::Dir {
+                path: path()?,
+                max_open_files,
+            },
+        };
+        Ok(StoreSpec {
+            kind,
+            size,
+            chunk_size,
+            read_only,
+        })
+    }
+}
+
+impl fmt::Display for StoreSpec {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let mut opts = Vec::new();
+        match &self.kind {
+            SpecKind::Memory => write!(f, "memory:{}", format_size(self.size.unwrap_or(0)))?,
+            SpecKind::File { path } => {
+                write!(f, "file:{}", path.display())?;
+                if let Some(s) = self.size {
+                    opts.push(format!("size={}", format_size(s)));
+                }
+            }
+            SpecKind::Dir {
+                path,
+                max_open_files,
+            } => {
+                write!(f, "dir:{}", path.display())?;
+                if let Some(s) = self.size {
+                    opts.push(format!("size={}", format_size(s)));
+                }
+                if let Some(n) = max_open_files {
+                    opts.push(format!("max-open={n}"));
+                }
+            }
+        }
+        if let Some(c) = self.chunk_size {
+            opts.push(format!("chunk={}", format_size(u64::from(c))));
+        }
+        if self.read_only {
+            opts.push("ro".into());
+        }
+        if !opts.is_empty() {
+            write!(f, "?{}", opts.join("&"))?;
+        }
+        Ok(())
+    }
+}
+
+/// Opens (or creates) the store a spec names.
+pub fn open_store(spec: &StoreSpec) -> Result<Arc<dyn Store>, OpenError> {
+    let chunk = spec.chunk_size_or_default();
+    let store_err = |source| OpenError::Store {
+        spec: spec.to_string(),
+        source,
+    };
+    Ok(match &spec.kind {
+        SpecKind::Memory => {
+            let size = spec.size.expect("memory specs always carry a size");
+            let g =
+                Geometry::new(size, u64::from(chunk)).map_err(|source| OpenError::Geometry {
+                    spec: spec.to_string(),
+                    source,
+                })?;
+            Arc::new(MemoryStore::new(g))
+        }
+        SpecKind::File { path } => Arc::new(
+            FileStore::open(
+                path,
+                FileOptions {
+                    size: spec.size,
+                    chunk_size: chunk,
+                    read_only: spec.read_only,
+                },
+            )
+            .map_err(store_err)?,
+        ),
+        SpecKind::Dir {
+            path,
+            max_open_files,
+        } => {
+            let mut opts = DirOptions {
+                size: spec.size,
+                chunk_size: spec.chunk_size,
+                read_only: spec.read_only,
+                ..DirOptions::default()
+            };
+            if let Some(n) = max_open_files {
+                opts.max_open_files = *n;
+            }
+            Arc::new(DirStore::open(path, opts).map_err(store_err)?)
+        }
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn parse(s: &str) -> Result<StoreSpec, SpecError> {
+        s.parse()
+    }
+
+    #[test]
+    fn good_specs() {
+        let m = parse("memory:256MiB").unwrap();
+        assert_eq!(m.kind, SpecKind::Memory);
+        assert_eq!(m.size, Some(256 << 20));
+        assert_eq!(m.chunk_size, None);
+        assert_eq!(m.to_string(), "memory:256MiB");
+
+        let m = parse("memory:1G?chunk=4K").unwrap();
+        assert_eq!(m.size, Some(1 << 30));
+        assert_eq!(m.chunk_size, Some(4096));
+        assert_eq!(m.to_string(), "memory:1GiB?chunk=4KiB");
+
+        let f = parse("file:./disk.img").unwrap();
+        assert_eq!(
+            f.kind,
+            SpecKind::File {
+                path: "./disk.img".into()
+            }
+        );
+        assert_eq!(f.size, None);
+
+        let f = parse("file:./disk.img?size=1GiB&chunk=1MiB&ro").unwrap();
+        assert_eq!(f.size, Some(1 << 30));
+        assert_eq!(f.chunk_size, Some(1 << 20));
+        assert!(f.read_only);
+
+        let d = parse("dir:/tmp/chunks?size=1GiB&max-open=32").unwrap();
+        assert_eq!(
+            d.kind,
+            SpecKind::Dir {
+                path: "/tmp/chunks".into(),
+                max_open_files: Some(32)
+            }
+        );
+        assert_eq!(parse(&d.to_string()).unwrap(), d, "display round-trips");
+        assert_eq!(
+            parse("memory:1GiB?size=1024MiB").unwrap().size,
+            Some(1 << 30)
+        );
+    }
+
+    #[test]
+    fn bad_specs_name_the_problem() {
+        let cases = [
+            ("nope:1G", "unknown store scheme \"nope\""),
+            ("./disk.img", "has no scheme"),
+            ("memory:", "needs a size"),
+            ("memory:12XB", "unknown suffix"),
+            ("memory:1GiB?size=2GiB", "conflicting sizes"),
+            ("memory:1GiB?chunk=3KiB", "not a power of two"),
+            ("memory:1GiB?chunk=8MiB", "not a power of two"),
+            ("memory:1GiB?ro", "unknown option \"ro\""),
+            ("file:?size=1G", "names no path"),
+            ("file:x?bogus=1", "unknown option \"bogus\""),
+            ("dir:x?max-open=0", "bad value for max-open"),
+            ("file:x?size=0", "cannot be empty"),
+        ];
+        for (spec, want) in cases {
+            let err = parse(spec).expect_err(spec).to_string();
+            assert!(
+                err.contains(want),
+                "{spec}: {err:?} should contain {want:?}"
+            );
+            assert!(!err.contains('\n'), "one-line errors: {err:?}");
+        }
+    }
+
+    #[tokio::test]
+    async fn opens_file_and_dir_specs() {
+        let dir = tempfile::tempdir().unwrap();
+        let file = dir.path().join("disk.img");
+        let spec = parse(&format!("file:{}?size=1MiB&chunk=4KiB", file.display())).unwrap();
+        assert!(spec.creates());
+        let s = open_store(&spec).unwrap();
+        assert_eq!(s.geometry().size(), 1 << 20);
+        assert_eq!(s.geometry().chunk_size(), 4096);
+        // Reopening without a size takes the file's length.
+        let again = open_store(&parse(&format!("file:{}", file.display())).unwrap()).unwrap();
+        assert_eq!(again.geometry().size(), 1 << 20);
+        // A missing file without size is a clear error naming the path.
+        let missing = dir.path().join("missing.img");
+        let err = open_store(&parse(&format!("file:{}", missing.display())).unwrap())
+            .map(|_| ())
+            .unwrap_err();
+        let chain = format!("{err}: {}", std::error::Error::source(&err).unwrap());
+        assert!(chain.contains("missing.img"), "{chain}");
+
+        let chunks = dir.path().join("chunks");
+        let d =
+            open_store(&parse(&format!("dir:{}?size=1MiB", chunks.display())).unwrap()).unwrap();
+        assert_eq!(d.geometry().size(), 1 << 20);
+    }
+}
