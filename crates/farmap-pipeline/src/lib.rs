@@ -49,7 +49,7 @@ pub use dirty::DirtySet;
 pub use faulty::{FaultPlan, FaultTrigger, Faulty, OpSet};
 pub use gated::{GateState, Gated};
 pub use puller::{PullFailure, PullOptions, PullOrder, PullProgress, PullReport, Puller};
-pub use pusher::{PushOptions, PushStats, Pusher};
+pub use pusher::{DirtySource, PushOptions, PushStats, Pusher};
 pub use retry::{retry, RetryPolicy};
 pub use tracked::Tracked;
 pub use unaligned::Unaligned;

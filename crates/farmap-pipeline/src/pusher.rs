@@ -85,10 +85,21 @@ pub struct Pusher<S, R> {
     background: Option<JoinHandle<()>>,
 }
 
+/// Where a [`Pusher`] finds chunks written behind its back — a userfaultfd region whose
+/// application writes memory directly, say — drained into the pusher's dirty set at the start
+/// of every background round and every flush, under the same exclusion as the push itself.
+pub trait DirtySource: Send + Sync + 'static {
+    /// Marks in `into` every chunk written since the last call and starts tracking anew,
+    /// atomically with respect to concurrent writers (a write is reported by this call or by
+    /// the next one, never lost).
+    fn collect(&self, into: &DirtySet) -> StoreResult<()>;
+}
+
 struct Shared<S, R> {
     inner: S,
     remote: R,
     dirty: DirtySet,
+    source: Option<Arc<dyn DirtySource>>,
     gate: RwLock<()>,
     workers: usize,
     policy: RetryPolicy,
@@ -160,6 +171,12 @@ impl<S: Store, R: Store> Shared<S, R> {
     /// Takes the dirty set and pushes it; failed chunks are marked dirty again. Returns the
     /// first error. The caller holds a guard of `gate`.
     async fn push_dirty(&self) -> Option<StoreError> {
+        if let Some(source) = &self.source {
+            if let Err(e) = source.collect(&self.dirty) {
+                *self.last_error.lock() = Some(e.to_owned_lossy().to_string());
+                return Some(e);
+            }
+        }
         let mut taken = Taken {
             dirty: &self.dirty,
             chunks: self.dirty.take(),
@@ -236,6 +253,26 @@ impl<S: Store, R: Store> Pusher<S, R> {
     /// # Panics
     /// With an interval, outside a tokio runtime.
     pub fn new(inner: S, remote: R, opts: PushOptions) -> StoreResult<Self> {
+        Self::build(inner, remote, opts, None)
+    }
+
+    /// Like [`new`](Self::new), and also pushes the chunks that `source` reports written
+    /// (collected at the start of every round and every flush).
+    pub fn with_source(
+        inner: S,
+        remote: R,
+        opts: PushOptions,
+        source: Arc<dyn DirtySource>,
+    ) -> StoreResult<Self> {
+        Self::build(inner, remote, opts, Some(source))
+    }
+
+    fn build(
+        inner: S,
+        remote: R,
+        opts: PushOptions,
+        source: Option<Arc<dyn DirtySource>>,
+    ) -> StoreResult<Self> {
         let geometry = inner.geometry();
         if remote.geometry() != geometry {
             return Err(StoreError::invalid(format!(
@@ -246,6 +283,7 @@ impl<S: Store, R: Store> Pusher<S, R> {
         }
         let shared = Arc::new(Shared {
             dirty: DirtySet::new(geometry.chunk_count()),
+            source,
             inner,
             remote,
             gate: RwLock::new(()),
@@ -269,6 +307,14 @@ impl<S: Store, R: Store> Pusher<S, R> {
             stop,
             background,
         })
+    }
+
+    /// Marks `idx` dirty, as if it had been written through this pusher (for writes made
+    /// to the inner store directly). Out-of-range indices are ignored.
+    pub fn mark_dirty(&self, idx: ChunkIdx) {
+        if self.shared.inner.geometry().contains(idx) {
+            self.shared.dirty.mark(idx);
+        }
     }
 
     /// Number of chunks written and not yet taken for a push.
@@ -405,6 +451,55 @@ mod tests {
             interval: None,
             retry: RetryPolicy::immediate(3),
         }
+    }
+
+    /// Reports chunks written to the inner store behind the pusher's back, once each.
+    #[derive(Default)]
+    struct Behind {
+        written: Mutex<Vec<ChunkIdx>>,
+        fail: AtomicBool,
+    }
+
+    impl DirtySource for Behind {
+        fn collect(&self, into: &DirtySet) -> StoreResult<()> {
+            if self.fail.load(Ordering::SeqCst) {
+                return Err(StoreError::new(ErrorKind::Io, "scan failed"));
+            }
+            for idx in self.written.lock().drain(..) {
+                into.mark(idx);
+            }
+            Ok(())
+        }
+    }
+
+    #[tokio::test]
+    async fn flush_pushes_what_a_dirty_source_reports() {
+        let g = geometry();
+        let source = Arc::new(Behind::default());
+        let remote = Arc::new(ModelStore::new(g));
+        let pusher =
+            Pusher::with_source(ModelStore::new(g), remote.clone(), manual(), source.clone())
+                .unwrap();
+        // Written to the inner store directly: only the source knows.
+        pusher.inner().write(ChunkIdx(3), chunk(7)).await.unwrap();
+        source.written.lock().push(ChunkIdx(3));
+        source.fail.store(true, Ordering::SeqCst);
+        let err = pusher.flush().await.unwrap_err();
+        assert_eq!(
+            err.context(),
+            "scan failed",
+            "a failing source fails the flush"
+        );
+        source.fail.store(false, Ordering::SeqCst);
+        pusher.flush().await.unwrap();
+        assert_eq!(remote.read(ChunkIdx(3)).await.unwrap(), chunk(7));
+        // mark_dirty is the same door for a single chunk.
+        pusher.inner().write(ChunkIdx(4), chunk(9)).await.unwrap();
+        pusher.mark_dirty(ChunkIdx(4));
+        pusher.mark_dirty(ChunkIdx(10_000));
+        assert_eq!(pusher.dirty_count(), 1);
+        pusher.flush().await.unwrap();
+        assert_eq!(remote.read(ChunkIdx(4)).await.unwrap(), chunk(9));
     }
 
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
