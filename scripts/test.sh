@@ -34,8 +34,10 @@ RUSTDOCFLAGS="-D warnings" cargo doc --locked --workspace --no-deps --quiet
 
 # --- tests ---------------------------------------------------------------------------------
 step "cargo test"
-cargo test --locked --workspace --all-targets 2>&1 | tee target/test-output.txt
-cargo test --locked --workspace --doc
+log=$(mktemp)
+trap 'rm -f "$log"' EXIT
+cargo test --locked --workspace --all-targets 2>&1 | tee "$log"
+cargo test --locked --workspace --doc 2>&1 | tee -a "$log"
 
-# One closing line for CI: totals over every test binary.
-awk '/^test result:/ { p += $4; f += $6; i += $8 } END { printf "\n%d passed, %d failed, %d skipped\n", p, f, i }' target/test-output.txt
+# One closing line for CI: totals over every test binary ("skipped" counts ignored tests).
+awk '/^test result:/ { p += $4; f += $6; i += $8 } END { printf "\n%d passed, %d failed, %d skipped\n", p, f, i }' "$log"
