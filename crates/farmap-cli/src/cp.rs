@@ -8,7 +8,8 @@ use std::time::Instant;
 use anyhow::{bail, Context};
 use clap::Args;
 use farmap::pipeline::Unaligned;
-use farmap::{format_size, is_zero, open_store, zero_chunk, Caps, ChunkStatus, Store, StoreSpec};
+use farmap::spec::open_store_async;
+use farmap::{format_size, is_zero, zero_chunk, Caps, ChunkStatus, Store, StoreSpec};
 use futures::stream::{self, StreamExt, TryStreamExt};
 use serde::Serialize;
 
@@ -60,10 +61,14 @@ async fn known_zero(store: &dyn Store, offset: u64, len: u64) -> anyhow::Result<
 }
 
 pub async fn run(mut args: CpArgs) -> anyhow::Result<ExitCode> {
-    let src = open_store(&args.src).context("opening the source")?;
+    let src = open_store_async(&args.src)
+        .await
+        .context("opening the source")?;
     let size = src.geometry().size();
     args.dst.default_size_for_new(size);
-    let dst = open_store(&args.dst).context("opening the destination")?;
+    let dst = open_store_async(&args.dst)
+        .await
+        .context("opening the destination")?;
     let dst_size = dst.geometry().size();
     if dst_size != size {
         bail!(

@@ -4,7 +4,8 @@ use std::process::ExitCode;
 
 use anyhow::Context;
 use clap::Args;
-use farmap::{format_size, open_store, ChunkStatus, StoreSpec};
+use farmap::spec::open_store_async;
+use farmap::{format_size, ChunkStatus, StoreSpec};
 use serde::Serialize;
 
 use crate::output;
@@ -31,7 +32,7 @@ struct Info {
 }
 
 pub async fn run(args: InfoArgs) -> anyhow::Result<ExitCode> {
-    let store = open_store(&args.spec)?;
+    let store = open_store_async(&args.spec).await?;
     let g = store.geometry();
     let (mut zero, mut data, mut unknown) = (0, 0, 0);
     for idx in g.all().iter() {

@@ -10,6 +10,8 @@ mod bench;
 mod cp;
 mod info;
 mod output;
+mod proxy;
+mod serve;
 
 /// Store specs, shown in every command's help.
 const SPEC_HELP: &str = "\
@@ -46,6 +48,12 @@ enum Command {
     /// Measure a data path against a reference measured in the same run.
     #[command(subcommand)]
     Bench(bench::BenchCommand),
+    /// Forward TCP connections through an emulated slow link (added round-trip time and
+    /// bandwidth), for benchmarks and tests; runs until Ctrl-C.
+    Proxy(proxy::ProxyArgs),
+    /// Serve a store to other hosts (farmap://, farmaps://, farmap+unix: clients) until Ctrl-C.
+    #[command(after_help = SPEC_HELP)]
+    Serve(serve::ServeArgs),
 }
 
 fn main() -> ExitCode {
@@ -65,6 +73,8 @@ fn main() -> ExitCode {
             Command::Info(args) => info::run(args).await,
             Command::Cp(args) => cp::run(args).await,
             Command::Bench(cmd) => bench::run(cmd).await,
+            Command::Proxy(args) => proxy::run(args).await,
+            Command::Serve(args) => serve::run(args).await,
         }
     });
     match result {

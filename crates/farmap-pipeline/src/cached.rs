@@ -63,8 +63,8 @@ const MAX_STRIPES: usize = 1024;
 ///   so a fetch cannot start under it.
 /// - A failed (or cancelled) fetch returns the chunk to Absent and wakes the waiters, who
 ///   retry as fetchers; the error goes to the task that fetched.
-/// - Present is final: once present, a chunk is read and written locally with no lock, and
-///   concurrent writes to it are ordered by the local store.
+/// - Present is final unless [`evict`](Cached::evict)ed: once present, a chunk is read and
+///   written locally with no lock, and concurrent writes to it are ordered by the local store.
 /// - Trims take every absent chunk of their range Busy in ascending order; fetchers and
 ///   writers never wait while holding a chunk Busy, so this cannot deadlock.
 pub struct Cached<L, R> {
@@ -131,6 +131,26 @@ impl<L: Store, R: Store> Cached<L, R> {
     /// Whether every chunk is present (the remote is no longer needed for reads).
     pub fn is_complete(&self) -> bool {
         self.present_count() == self.geometry.chunk_count()
+    }
+
+    /// Returns present chunk `idx` to absent, so that its next read or fetch fetches it from
+    /// the remote again; returns whether it was present (false for a chunk absent, being
+    /// fetched, or outside the region). For a local store that lost a chunk behind the
+    /// cache's back: a userfaultfd region whose pages the application discarded.
+    ///
+    /// A read or write of the chunk that is already past its presence check completes
+    /// against the local store.
+    pub fn evict(&self, idx: ChunkIdx) -> bool {
+        let Some(st) = self.state.get(idx.as_usize()) else {
+            return false;
+        };
+        let evicted = st
+            .compare_exchange(PRESENT, ABSENT, Ordering::AcqRel, Ordering::Acquire)
+            .is_ok();
+        if evicted {
+            self.present.fetch_sub(1, Ordering::AcqRel);
+        }
+        evicted
     }
 
     /// Makes chunk `idx` present: returns at once if it is, waits if another task fetches it,
@@ -658,6 +678,31 @@ mod tests {
         assert!(oks[0].as_ref().unwrap()[..] == pattern(idx)[..]);
         assert_eq!(calls.load(Ordering::SeqCst), 2);
         assert!(c.is_present(idx));
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn an_evicted_chunk_is_fetched_again() {
+        let g = geometry();
+        let reads = Arc::new(AtomicUsize::new(0));
+        let counter = reads.clone();
+        let remote = Hooked::new(PatternStore::new(g, 7), move |_, _| {
+            counter.fetch_add(1, Ordering::SeqCst);
+            Box::pin(async { Ok(()) })
+        });
+        let c = Cached::new(ModelStore::new(g), remote).unwrap();
+        assert!(!c.evict(ChunkIdx(4)), "an absent chunk is not evicted");
+        assert!(!c.evict(ChunkIdx(99)), "nor one outside the region");
+        c.fetch(ChunkIdx(4)).await.unwrap();
+        assert!(c.evict(ChunkIdx(4)));
+        assert!(!c.is_present(ChunkIdx(4)));
+        assert_eq!(c.present_count(), 0);
+        c.fetch(ChunkIdx(4)).await.unwrap();
+        assert_eq!(
+            reads.load(Ordering::SeqCst),
+            2,
+            "fetched again from the remote"
+        );
+        assert_eq!(c.present_count(), 1);
     }
 
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -2,9 +2,10 @@
 //! or (soon) Redis, S3, Cassandra or another farmap host — while applications use it as plain
 //! memory.
 //!
-//! This crate is the public face: it re-exports what applications use and turns store specs
-//! (`memory:256MiB`, `file:./disk.img?size=1GiB`, `dir:./chunks?size=1GiB&chunk=1MiB`) into
-//! stores.
+//! This crate is the public face: it maps [regions](region) (memory that fetches from a store
+//! on touch and writes changes back: [`open_region`]), re-exports what applications use, and
+//! turns store specs (`memory:256MiB`, `file:./disk.img?size=1GiB`,
+//! `dir:./chunks?size=1GiB&chunk=1MiB`) into stores.
 //!
 //! ```no_run
 //! # async fn demo() -> Result<(), Box<dyn std::error::Error>> {
@@ -18,11 +19,16 @@
 #![forbid(unsafe_code)]
 #![warn(missing_docs)]
 
+pub mod region;
 pub mod spec;
 
 pub use farmap_core::{
     format_size, is_zero, parse_size, zero_chunk, BoxFuture, Caps, ChunkIdx, ChunkRange,
     ChunkStatus, ErrorKind, Geometry, MbPerSec, Store, StoreError, StoreResult, DEFAULT_CHUNK_SIZE,
+};
+pub use region::{
+    open_region, OpenRegionError, Region, RegionError, RegionMode, RegionOptions, RegionStats,
+    TrackingMode, WriteTracking,
 };
 pub use spec::{open_store, OpenError, SpecError, SpecKind, StoreSpec};
 

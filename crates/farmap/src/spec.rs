@@ -6,22 +6,37 @@
 //! | `file:./disk.img` | an existing file; its length is the region size |
 //! | `file:./disk.img?size=1GiB` | a file, created sparse if missing (an existing file must be 1 GiB) |
 //! | `dir:./chunks?size=1GiB` | a directory with one file per chunk (created if missing) |
+//! | `farmap://host:7400` | a region served by `farmap serve` (TCP) |
+//! | `farmaps://host:7400?ca=ca.pem` | the same over TLS; `cert=`/`key=` for mutual TLS, `name=` |
+//! | `farmap+unix:/run/farmap.sock` | a region served on a Unix socket |
 //!
 //! Options go after `?`, separated by `&`: `size=` (region size), `chunk=` (chunk size, a power
 //! of two from 4KiB to 4MiB, default 64KiB), `ro` (read-only; file and dir), `max-open=`
 //! (open file handles kept by a dir store). Sizes take binary suffixes: KiB, MiB, GiB, TiB
 //! (K, M, G, T mean the same).
+//!
+//! Remote stores take their size and chunk size from the server. Their options:
+//! `connections=` (pool size), `timeout=` (per request: `500ms`, `30s`, `2m`), and for
+//! `farmaps://`: `ca=` (PEM file of the CA that signed the server's certificate; required),
+//! `cert=` and `key=` (the client's certificate and key, for servers that require one), and
+//! `name=` (the name the server's certificate must carry; default: the host).
+//! Remote stores are opened with [`open_store_async`].
 
 use std::fmt;
 use std::path::{Path, PathBuf};
 use std::str::FromStr;
 use std::sync::Arc;
+use std::time::Duration;
 
 use farmap_core::{format_size, parse_size, Geometry, SizeError, Store, StoreError};
+use farmap_net::{RemoteAddr, RemoteStore, TlsClientConfig};
+use remote::RemoteOptions;
+
+mod remote;
 use farmap_store::{DirOptions, DirStore, FileOptions, FileStore, MemoryStore};
 
 /// The schemes farmap knows, for error messages.
-const KNOWN: &str = "memory, file, dir";
+const KNOWN: &str = "memory, file, dir, farmap, farmaps, farmap+unix";
 
 /// Why a store spec could not be understood. Each message is one line naming the problem.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
@@ -104,6 +119,24 @@ pub enum SpecError {
         /// The spec as given.
         spec: String,
     },
+    /// A remote spec whose address is not `//host:port`.
+    #[error("{spec:?} names no server: write {hint}")]
+    BadAddress {
+        /// The spec as given.
+        spec: String,
+        /// How to write it.
+        hint: &'static str,
+    },
+    /// An option the spec cannot do without.
+    #[error("{spec:?} needs {option}=: {why}")]
+    MissingOption {
+        /// The option.
+        option: &'static str,
+        /// The spec as given.
+        spec: String,
+        /// What it is for.
+        why: &'static str,
+    },
 }
 
 /// Why a store could not be opened.
@@ -118,6 +151,12 @@ pub enum OpenError {
         /// What the store said.
         #[source]
         source: StoreError,
+    },
+    /// A remote spec given to the synchronous [`open_store`].
+    #[error("cannot open {spec} without an async runtime: remote stores are opened with open_store_async")]
+    NeedsAsync {
+        /// The spec, displayed.
+        spec: String,
     },
     /// The geometry is invalid.
     #[error("cannot open {spec}: {source}")]
@@ -148,6 +187,17 @@ pub enum SpecKind {
         /// Open file handles kept, if set.
         max_open_files: Option<usize>,
     },
+    /// A region served by a farmap server (`farmap://`, `farmaps://`, `farmap+unix:`).
+    Remote {
+        /// The server.
+        addr: RemoteAddr,
+        /// TLS settings (`farmaps://`).
+        tls: Option<TlsClientConfig>,
+        /// Connections in the pool, if set.
+        connections: Option<usize>,
+        /// Deadline of each request, if set.
+        timeout: Option<Duration>,
+    },
 }
 
 /// A parsed store spec. `Display` gives it back in canonical form.
@@ -172,15 +222,23 @@ impl StoreSpec {
     /// The path of a file or dir store.
     pub fn path(&self) -> Option<&Path> {
         match &self.kind {
-            SpecKind::Memory => None,
+            SpecKind::Memory | SpecKind::Remote { .. } => None,
             SpecKind::File { path } | SpecKind::Dir { path, .. } => Some(path),
         }
     }
 
     /// Whether opening this spec would create something new (a memory store, or a file or
-    /// directory store whose path does not exist yet).
+    /// directory store whose path does not exist yet). A remote store is never created.
     pub fn creates(&self) -> bool {
-        self.path().is_none_or(|p| !p.exists())
+        match &self.kind {
+            SpecKind::Remote { .. } => false,
+            _ => self.path().is_none_or(|p| !p.exists()),
+        }
+    }
+
+    /// Whether this spec names a store on another host (opened with [`open_store_async`]).
+    pub fn is_remote(&self) -> bool {
+        matches!(self.kind, SpecKind::Remote { .. })
     }
 
     /// Sets the size when the spec has none and would create its store (used by `cp` so that
@@ -251,11 +309,14 @@ impl FromStr for StoreSpec {
         let mut chunk_size = None;
         let mut read_only = false;
         let mut max_open_files = None;
+        let mut remote = RemoteOptions::default();
         let scheme_lc = scheme.to_ascii_lowercase();
         let takes = match scheme_lc.as_str() {
             "memory" | "mem" => "size, chunk",
             "file" => "size, chunk, ro",
             "dir" => "size, chunk, ro, max-open",
+            "farmap" | "farmap+unix" => "connections, timeout",
+            "farmaps" => "ca, cert, key, name, connections, timeout",
             _ => {
                 return Err(SpecError::UnknownScheme {
                     scheme: scheme.to_owned(),
@@ -303,6 +364,9 @@ impl FromStr for StoreSpec {
                     })?;
                     max_open_files = Some(n);
                 }
+                "connections" | "timeout" | "ca" | "cert" | "key" | "name" => {
+                    remote.set(key, value, spec)?
+                }
                 _ => unreachable!("checked against the scheme's options"),
             }
         }
@@ -329,6 +393,7 @@ impl FromStr for StoreSpec {
                 SpecKind::Memory
             }
             "file" => SpecKind::File { path: path()? },
+            "farmap" | "farmaps" | "farmap+unix" => remote.into_kind(&scheme_lc, body, spec)?,
             _ => SpecKind::Dir {
                 path: path()?,
                 max_open_files,
@@ -366,6 +431,16 @@ impl fmt::Display for StoreSpec {
                     opts.push(format!("max-open={n}"));
                 }
             }
+            SpecKind::Remote {
+                addr,
+                tls,
+                connections,
+                timeout,
+            } => {
+                let (head, remote_opts) = remote::display_parts(addr, tls, *connections, *timeout);
+                f.write_str(&head)?;
+                opts = remote_opts;
+            }
         }
         if let Some(c) = self.chunk_size {
             opts.push(format!("chunk={}", format_size(u64::from(c))));
@@ -380,7 +455,30 @@ impl fmt::Display for StoreSpec {
     }
 }
 
-/// Opens (or creates) the store a spec names.
+/// Opens (or creates) the store a spec names: any spec, local or remote (a remote store
+/// connects now; its failure to connect is the error).
+pub async fn open_store_async(spec: &StoreSpec) -> Result<Arc<dyn Store>, OpenError> {
+    match &spec.kind {
+        SpecKind::Remote {
+            addr,
+            tls,
+            connections,
+            timeout,
+        } => {
+            let opts = remote::client_options(tls, *connections, *timeout);
+            let store = RemoteStore::connect(addr.clone(), opts)
+                .await
+                .map_err(|source| OpenError::Store {
+                    spec: spec.to_string(),
+                    source,
+                })?;
+            Ok(Arc::new(store))
+        }
+        _ => open_store(spec),
+    }
+}
+
+/// Opens (or creates) the local store a spec names; remote specs need [`open_store_async`].
 pub fn open_store(spec: &StoreSpec) -> Result<Arc<dyn Store>, OpenError> {
     let chunk = spec.chunk_size_or_default();
     let store_err = |source| OpenError::Store {
@@ -422,6 +520,11 @@ pub fn open_store(spec: &StoreSpec) -> Result<Arc<dyn Store>, OpenError> {
                 opts.max_open_files = *n;
             }
             Arc::new(DirStore::open(path, opts).map_err(store_err)?)
+        }
+        SpecKind::Remote { .. } => {
+            return Err(OpenError::NeedsAsync {
+                spec: spec.to_string(),
+            })
         }
     })
 }
@@ -500,6 +603,93 @@ mod tests {
             );
             assert!(!err.contains('\n'), "one-line errors: {err:?}");
         }
+    }
+
+    #[test]
+    fn remote_specs() {
+        let r = parse("farmap://127.0.0.1:7400").unwrap();
+        assert_eq!(
+            r.kind,
+            SpecKind::Remote {
+                addr: RemoteAddr::Tcp("127.0.0.1:7400".into()),
+                tls: None,
+                connections: None,
+                timeout: None,
+            }
+        );
+        assert!(r.is_remote() && !r.creates() && r.path().is_none());
+        assert_eq!(r.to_string(), "farmap://127.0.0.1:7400");
+
+        let t = parse("farmaps://db.example:7400?ca=ca.pem&cert=c.pem&key=k.pem&name=srv&timeout=5s&connections=2").unwrap();
+        let SpecKind::Remote {
+            addr,
+            tls,
+            connections,
+            timeout,
+        } = &t.kind
+        else {
+            panic!("{t:?}")
+        };
+        assert_eq!(addr.host(), "db.example");
+        let tls = tls.as_ref().unwrap();
+        assert_eq!(tls.ca, PathBuf::from("ca.pem"));
+        assert_eq!(tls.server_name.as_deref(), Some("srv"));
+        assert_eq!(
+            (*connections, *timeout),
+            (Some(2), Some(Duration::from_secs(5)))
+        );
+        assert_eq!(parse(&t.to_string()).unwrap(), t, "display round-trips");
+
+        let u = parse("farmap+unix:/run/farmap.sock?timeout=250ms").unwrap();
+        assert_eq!(u.to_string(), "farmap+unix:/run/farmap.sock?timeout=250ms");
+        assert_eq!(parse(&u.to_string()).unwrap(), u);
+        assert!(matches!(open_store(&u), Err(OpenError::NeedsAsync { .. })));
+
+        for (spec, want) in [
+            ("farmap:127.0.0.1:7400", "names no server"),
+            ("farmap://127.0.0.1", "names no server"),
+            ("farmap://:7400", "names no server"),
+            ("farmap://h:99999", "names no server"),
+            ("farmaps://h:7400", "needs ca="),
+            ("farmaps://h:7400?ca=a.pem&cert=c.pem", "needs key="),
+            ("farmap://h:7400?ca=a.pem", "unknown option \"ca\""),
+            ("farmap://h:7400?size=1G", "unknown option \"size\""),
+            ("farmap://h:7400?timeout=soon", "bad value for timeout"),
+            ("farmap://h:7400?connections=0", "bad value for connections"),
+            ("farmap+unix:", "names no path"),
+        ] {
+            let err = parse(spec).expect_err(spec).to_string();
+            assert!(
+                err.contains(want),
+                "{spec}: {err:?} should contain {want:?}"
+            );
+            assert!(!err.contains('\n'), "one-line errors: {err:?}");
+        }
+    }
+
+    #[tokio::test]
+    async fn remote_open_errors_are_one_sentence() {
+        // A port nothing listens on (bound, then released).
+        let port = std::net::TcpListener::bind("127.0.0.1:0")
+            .unwrap()
+            .local_addr()
+            .unwrap()
+            .port();
+        let spec = parse(&format!("farmap://127.0.0.1:{port}")).unwrap();
+        let err = open_store_async(&spec).await.map(|_| ()).unwrap_err();
+        let chain = format!("{err}: {}", std::error::Error::source(&err).unwrap());
+        assert!(
+            chain.contains(&format!(
+                "cannot connect to 127.0.0.1:{port}: connection refused"
+            )),
+            "{chain}"
+        );
+        assert!(!chain.contains('\n'));
+        // Local specs open through the async entry point too.
+        let m = open_store_async(&parse("memory:1MiB").unwrap())
+            .await
+            .unwrap();
+        assert_eq!(m.geometry().size(), 1 << 20);
     }
 
     #[tokio::test]

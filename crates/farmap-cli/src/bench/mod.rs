@@ -7,17 +7,26 @@ use std::time::Duration;
 use clap::Subcommand;
 
 mod pull;
+mod uffd;
 
 #[derive(Debug, Subcommand)]
 pub enum BenchCommand {
     /// Background pull (Cached + Puller) from a store behind an emulated round trip into
     /// dense local memory, against memcpy and the ideal workers × chunk / rtt.
     Pull(pull::PullArgs),
+    /// A userfaultfd region (direct mode, memory store): random 4 KiB faults, sequential
+    /// fills in 4 KiB, 64 KiB and 1 MiB chunks, and take_dirty() over 1% and 100% written
+    /// pages, against a raw userfaultfd handler copying from a plain buffer, and memcpy.
+    ///
+    /// On a VM, waking a thread on an idle virtual CPU can cost far more than a fault;
+    /// `taskset -c 0 farmap bench uffd` keeps every thread on one CPU.
+    Uffd(uffd::UffdArgs),
 }
 
 pub async fn run(cmd: BenchCommand) -> anyhow::Result<ExitCode> {
     match cmd {
         BenchCommand::Pull(args) => pull::run(args).await,
+        BenchCommand::Uffd(args) => uffd::run(args).await,
     }
 }
 

@@ -1,0 +1,337 @@
+//! `farmap serve`, run for real: copies through it, and a pull that survives the server
+//! being killed and restarted.
+
+use std::io::{BufRead, BufReader};
+use std::path::Path;
+use std::process::{Child, Command, Output, Stdio};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use farmap::pipeline::{
+    Cached, DelayOptions, Delayed, PullOptions, PullOrder, Puller, RetryPolicy,
+};
+use farmap::store::MemoryStore;
+use farmap::Store;
+use farmap_net::{ClientOptions, RemoteAddr, RemoteStore};
+use rand::{RngCore, SeedableRng};
+
+fn farmap(args: &[&str]) -> Output {
+    Command::new(env!("CARGO_BIN_EXE_farmap"))
+        .args(args)
+        .output()
+        .expect("run farmap")
+}
+
+/// A `farmap serve` child process and the address it printed.
+struct Served {
+    child: Child,
+    addr: String,
+    stderr: BufReader<std::process::ChildStderr>,
+}
+
+impl Served {
+    /// Starts `farmap serve SPEC --listen LISTEN ARGS...` and waits for its address line.
+    fn start(spec: &str, listen: &str, args: &[&str]) -> Served {
+        let mut child = Command::new(env!("CARGO_BIN_EXE_farmap"))
+            .args(["serve", spec, "--listen", listen])
+            .args(args)
+            .stdout(Stdio::null())
+            .stderr(Stdio::piped())
+            .spawn()
+            .expect("start farmap serve");
+        let mut stderr = BufReader::new(child.stderr.take().unwrap());
+        let mut line = String::new();
+        stderr.read_line(&mut line).unwrap();
+        let addr = line
+            .split("listening on ")
+            .nth(1)
+            .and_then(|rest| rest.split_whitespace().next())
+            .unwrap_or_else(|| panic!("no address in {line:?}"))
+            .to_owned();
+        Served {
+            child,
+            addr,
+            stderr,
+        }
+    }
+
+    /// Sends `signal` (by name, through kill(1)) and returns the exit status and the rest of
+    /// stderr.
+    fn stop(mut self, signal: &str) -> (std::process::ExitStatus, String) {
+        let ok = Command::new("kill")
+            .args([&format!("-{signal}"), &self.child.id().to_string()])
+            .status()
+            .unwrap()
+            .success();
+        assert!(ok, "kill -{signal} failed");
+        let status = self.child.wait().unwrap();
+        let mut rest = String::new();
+        let _ = std::io::Read::read_to_string(&mut self.stderr, &mut rest);
+        (status, rest)
+    }
+}
+
+impl Drop for Served {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+fn random_file(path: &Path, len: usize, seed: u64) -> Vec<u8> {
+    let mut data = vec![0u8; len];
+    rand::rngs::SmallRng::seed_from_u64(seed).fill_bytes(&mut data);
+    // Some chunks of zeros, which travel as a flag.
+    data[len / 2..len / 2 + 256 * 1024].fill(0);
+    std::fs::write(path, &data).unwrap();
+    data
+}
+
+fn check(o: &Output, what: &str) {
+    assert!(
+        o.status.success(),
+        "{what} failed: {}",
+        String::from_utf8_lossy(&o.stderr)
+    );
+}
+
+#[test]
+fn serve_then_cp_both_ways_and_stop_cleanly_on_ctrl_c() {
+    let dir = tempfile::tempdir().unwrap();
+    let src = dir.path().join("src.img");
+    let back = dir.path().join("back.img");
+    let data = random_file(&src, 4 << 20, 1);
+
+    let served = Served::start("memory:4MiB?chunk=16KiB", "127.0.0.1:0", &[]);
+    let url = format!("farmap://{}", served.addr);
+    check(
+        &farmap(&["cp", "-q", &format!("file:{}", src.display()), &url]),
+        "cp to the server",
+    );
+    let info = farmap(&["info", &url]);
+    check(&info, "info");
+    assert!(
+        String::from_utf8_lossy(&info.stdout).contains("16"),
+        "{info:?}"
+    );
+    check(
+        &farmap(&["cp", "-q", &url, &format!("file:{}", back.display())]),
+        "cp from the server",
+    );
+    assert!(std::fs::read(&back).unwrap() == data, "round trip differs");
+
+    let (status, log) = served.stop("INT");
+    assert!(status.success(), "{status:?}: {log}");
+    assert!(log.contains("stopped"), "{log}");
+}
+
+#[test]
+fn serve_over_a_unix_socket_read_only() {
+    let dir = tempfile::tempdir().unwrap();
+    let src = dir.path().join("disk.img");
+    let data = random_file(&src, 1 << 20, 2);
+    let sock = dir.path().join("farmap.sock");
+    let served = Served::start(
+        &format!("file:{}", src.display()),
+        &format!("unix:{}", sock.display()),
+        &["--read-only", "--quiet"],
+    );
+    assert_eq!(served.addr, format!("unix:{}", sock.display()));
+    let url = format!("farmap+unix:{}", sock.display());
+    let copy = dir.path().join("copy.img");
+    check(
+        &farmap(&["cp", "-q", &url, &format!("file:{}", copy.display())]),
+        "cp from the unix socket",
+    );
+    assert!(std::fs::read(&copy).unwrap() == data);
+    let o = farmap(&["cp", "-q", &format!("file:{}", copy.display()), &url]);
+    assert!(!o.status.success());
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert!(err.contains("read-only"), "{err}");
+    let (status, _) = served.stop("TERM");
+    assert!(status.success());
+}
+
+/// A CA and two certificates signed by it (server for 127.0.0.1, client), as PEM files.
+fn pki(dir: &Path) -> [String; 5] {
+    use rcgen::{BasicConstraints, CertificateParams, IsCa, KeyPair};
+    let ca_key = KeyPair::generate().unwrap();
+    let mut params = CertificateParams::new(Vec::<String>::new()).unwrap();
+    params.is_ca = IsCa::Ca(BasicConstraints::Unconstrained);
+    let ca = params.self_signed(&ca_key).unwrap();
+    let write = |name: &str, pem: String| {
+        let p = dir.join(name);
+        std::fs::write(&p, pem).unwrap();
+        p.display().to_string()
+    };
+    let leaf = |name: &str, san: &str| {
+        let key = KeyPair::generate().unwrap();
+        let cert = CertificateParams::new(vec![san.to_owned()])
+            .unwrap()
+            .signed_by(&key, &ca, &ca_key)
+            .unwrap();
+        (
+            write(&format!("{name}.pem"), cert.pem()),
+            write(&format!("{name}-key.pem"), key.serialize_pem()),
+        )
+    };
+    let (server, server_key) = leaf("server", "127.0.0.1");
+    let (client, client_key) = leaf("client", "client.test");
+    [
+        write("ca.pem", ca.pem()),
+        server,
+        server_key,
+        client,
+        client_key,
+    ]
+}
+
+#[test]
+fn serve_with_mutual_tls_and_copy_with_url_parameters() {
+    let dir = tempfile::tempdir().unwrap();
+    let [ca, server, server_key, client, client_key] = pki(dir.path());
+    let served = Served::start(
+        "memory:1MiB",
+        "127.0.0.1:0",
+        &[
+            "--tls-cert",
+            &server,
+            "--tls-key",
+            &server_key,
+            "--tls-client-ca",
+            &ca,
+            "--quiet",
+        ],
+    );
+    let src = dir.path().join("src.img");
+    let data = random_file(&src, 1 << 20, 4);
+    let url = format!(
+        "farmaps://{}?ca={ca}&cert={client}&key={client_key}",
+        served.addr
+    );
+    check(
+        &farmap(&["cp", "-q", &format!("file:{}", src.display()), &url]),
+        "cp over mutual TLS",
+    );
+    let back = dir.path().join("back.img");
+    check(
+        &farmap(&["cp", "-q", &url, &format!("file:{}", back.display())]),
+        "cp back over mutual TLS",
+    );
+    assert!(std::fs::read(&back).unwrap() == data);
+
+    // Without a client certificate: refused, and the message says why.
+    let o = farmap(&["info", &format!("farmaps://{}?ca={ca}", served.addr)]);
+    assert!(!o.status.success());
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert!(err.contains("requires a client certificate"), "{err}");
+    let (status, _) = served.stop("TERM");
+    assert!(status.success());
+}
+
+#[test]
+fn clear_errors_for_wrong_addresses_and_bad_listen_addresses() {
+    let port = std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port();
+    let o = farmap(&["info", &format!("farmap://127.0.0.1:{port}")]);
+    assert!(!o.status.success());
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert!(
+        err.contains(&format!(
+            "cannot connect to 127.0.0.1:{port}: connection refused"
+        )),
+        "{err}"
+    );
+    assert_eq!(err.trim_end().lines().count(), 1, "{err}");
+
+    let o = farmap(&["serve", "memory:1MiB", "--listen", "localhost"]);
+    assert!(!o.status.success());
+    assert!(String::from_utf8_lossy(&o.stderr).contains("IP:PORT"));
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_pull_survives_the_server_being_killed_and_restarted() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("disk.img");
+    let data = random_file(&path, 16 << 20, 3);
+    let spec = format!("file:{}?chunk=64KiB", path.display());
+    // A fixed port, so that the restarted server is found at the same address.
+    let port = std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port();
+    let listen = format!("127.0.0.1:{port}");
+    let served = Served::start(&spec, &listen, &["--quiet"]);
+
+    let opts = ClientOptions {
+        connections: 4,
+        request_timeout: Duration::from_secs(20),
+        ..ClientOptions::default()
+    };
+    let remote = RemoteStore::connect(RemoteAddr::Tcp(listen.clone()), opts)
+        .await
+        .expect("connect");
+    let g = remote.geometry();
+    // An emulated 5 ms round trip keeps the pull going long enough to kill the server in it.
+    let slow = Delayed::new(
+        remote,
+        DelayOptions {
+            latency: Duration::from_millis(5),
+            bandwidth: None,
+        },
+    );
+    let cached = Arc::new(Cached::new(MemoryStore::new(g), slow).unwrap());
+    let puller = Puller::start(
+        cached.clone(),
+        PullOptions {
+            workers: 8,
+            order: PullOrder::Sequential,
+            retry: RetryPolicy {
+                attempts: 20,
+                initial_backoff: Duration::from_millis(20),
+                max_backoff: Duration::from_millis(500),
+            },
+        },
+    );
+
+    // Kill the server (SIGKILL: no clean shutdown) once a part of the region has arrived.
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while puller.progress().done_chunks < g.chunk_count() / 5 {
+        assert!(Instant::now() < deadline, "the pull does not progress");
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+    let (_, _) = served.stop("KILL");
+    let at_kill = puller.progress().done_chunks;
+    assert!(
+        at_kill < g.chunk_count(),
+        "the pull finished before the kill"
+    );
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    let restarted = Served::start(&spec, &listen, &["--quiet"]);
+
+    let report = tokio::time::timeout(Duration::from_secs(60), puller.wait())
+        .await
+        .expect("the pull finishes after the restart");
+    assert!(report.is_complete(), "{report:?}");
+    eprintln!(
+        "killed at {at_kill}/{} chunks; pull took {:?}",
+        g.chunk_count(),
+        report.elapsed
+    );
+    // The pull waited out the outage rather than finishing without the server.
+    assert!(report.elapsed >= Duration::from_millis(300), "{report:?}");
+    for idx in g.all().iter() {
+        let got = cached.read(idx).await.unwrap();
+        let range = g.byte_range(idx);
+        assert!(
+            got[..] == data[range.start as usize..range.end as usize],
+            "{idx} differs from the file"
+        );
+    }
+    assert!(cached.is_complete());
+    drop(restarted);
+}

@@ -1,0 +1,189 @@
+//! Addresses: where a server listens and where a client connects, and the listener itself.
+
+use std::fmt;
+use std::io;
+use std::net::SocketAddr;
+use std::path::{Path, PathBuf};
+use std::str::FromStr;
+
+use tokio::net::{TcpListener, UnixListener};
+
+use crate::stream::BoxStream;
+
+/// Where a server listens: `HOST:PORT` (TCP) or `unix:/path` (a Unix socket).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum ListenAddr {
+    /// A TCP address; port 0 picks a free port.
+    Tcp(SocketAddr),
+    /// A Unix socket path.
+    Unix(PathBuf),
+}
+
+/// Why a listen address could not be understood.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error(
+    "{given:?} is not an address to listen on: write IP:PORT (e.g. 127.0.0.1:7400) or unix:/path"
+)]
+pub struct AddrError {
+    /// The address as given.
+    pub given: String,
+}
+
+impl FromStr for ListenAddr {
+    type Err = AddrError;
+
+    fn from_str(s: &str) -> Result<Self, AddrError> {
+        if let Some(path) = s.strip_prefix("unix:") {
+            if path.is_empty() {
+                return Err(AddrError { given: s.into() });
+            }
+            return Ok(ListenAddr::Unix(path.into()));
+        }
+        s.parse()
+            .map(ListenAddr::Tcp)
+            .map_err(|_| AddrError { given: s.into() })
+    }
+}
+
+impl fmt::Display for ListenAddr {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            ListenAddr::Tcp(a) => write!(f, "{a}"),
+            ListenAddr::Unix(p) => write!(f, "unix:{}", p.display()),
+        }
+    }
+}
+
+/// Where a client connects.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum RemoteAddr {
+    /// `host:port`; the host may be a name, resolved at every (re)connect.
+    Tcp(String),
+    /// A Unix socket path.
+    Unix(PathBuf),
+}
+
+impl RemoteAddr {
+    /// The host part of a TCP address (without brackets for IPv6), the default TLS server
+    /// name; `localhost` for a Unix socket.
+    pub fn host(&self) -> &str {
+        match self {
+            RemoteAddr::Tcp(hp) => {
+                let host = hp.rsplit_once(':').map_or(hp.as_str(), |(h, _)| h);
+                host.trim_start_matches('[').trim_end_matches(']')
+            }
+            RemoteAddr::Unix(_) => "localhost",
+        }
+    }
+}
+
+impl From<&ListenAddr> for RemoteAddr {
+    fn from(a: &ListenAddr) -> Self {
+        match a {
+            ListenAddr::Tcp(s) => RemoteAddr::Tcp(s.to_string()),
+            ListenAddr::Unix(p) => RemoteAddr::Unix(p.clone()),
+        }
+    }
+}
+
+impl fmt::Display for RemoteAddr {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            RemoteAddr::Tcp(hp) => f.write_str(hp),
+            RemoteAddr::Unix(p) => write!(f, "unix:{}", p.display()),
+        }
+    }
+}
+
+/// A bound listening socket, TCP or Unix.
+#[derive(Debug)]
+pub enum Listener {
+    /// A TCP listener.
+    Tcp(TcpListener),
+    /// A Unix socket listener and its path (removed when the server shuts down).
+    Unix(UnixListener, PathBuf),
+}
+
+impl Listener {
+    /// Binds `addr`. A Unix socket path left behind by a server that is gone (nothing accepts
+    /// on it) is replaced; one that a live server uses is an error.
+    pub async fn bind(addr: &ListenAddr) -> io::Result<Listener> {
+        match addr {
+            ListenAddr::Tcp(a) => Ok(Listener::Tcp(TcpListener::bind(a).await?)),
+            ListenAddr::Unix(p) => {
+                if is_stale_socket(p).await {
+                    let _ = std::fs::remove_file(p);
+                }
+                Ok(Listener::Unix(UnixListener::bind(p)?, p.clone()))
+            }
+        }
+    }
+
+    /// The address actually bound (with the real port when port 0 was asked for).
+    pub fn local_addr(&self) -> io::Result<ListenAddr> {
+        match self {
+            Listener::Tcp(l) => l.local_addr().map(ListenAddr::Tcp),
+            Listener::Unix(_, p) => Ok(ListenAddr::Unix(p.clone())),
+        }
+    }
+
+    /// Accepts one connection: the stream and a name for the peer, for logs.
+    pub(crate) async fn accept(&self) -> io::Result<(BoxStream, String)> {
+        match self {
+            Listener::Tcp(l) => {
+                let (s, peer) = l.accept().await?;
+                s.set_nodelay(true)?;
+                Ok((Box::new(s), peer.to_string()))
+            }
+            Listener::Unix(l, p) => {
+                let (s, _) = l.accept().await?;
+                Ok((Box::new(s), format!("unix:{}", p.display())))
+            }
+        }
+    }
+
+    /// Removes a Unix socket's path (called at shutdown).
+    pub(crate) fn cleanup(&self) {
+        if let Listener::Unix(_, p) = self {
+            let _ = std::fs::remove_file(p);
+        }
+    }
+}
+
+async fn is_stale_socket(p: &Path) -> bool {
+    use std::os::unix::fs::FileTypeExt;
+    let is_socket = std::fs::symlink_metadata(p).is_ok_and(|m| m.file_type().is_socket());
+    is_socket && tokio::net::UnixStream::connect(p).await.is_err()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn listen_addresses() {
+        assert_eq!(
+            "127.0.0.1:7400".parse::<ListenAddr>().unwrap(),
+            ListenAddr::Tcp("127.0.0.1:7400".parse().unwrap())
+        );
+        assert_eq!(
+            "unix:/tmp/x.sock".parse::<ListenAddr>().unwrap(),
+            ListenAddr::Unix("/tmp/x.sock".into())
+        );
+        for bad in ["localhost", "unix:", "1.2.3.4", ":80"] {
+            let e = bad.parse::<ListenAddr>().unwrap_err().to_string();
+            assert!(e.contains("IP:PORT"), "{e}");
+        }
+    }
+
+    #[test]
+    fn hosts_of_remote_addresses() {
+        assert_eq!(
+            RemoteAddr::Tcp("example.org:7400".into()).host(),
+            "example.org"
+        );
+        assert_eq!(RemoteAddr::Tcp("[::1]:7400".into()).host(), "::1");
+        assert_eq!(RemoteAddr::Unix("/x".into()).host(), "localhost");
+        assert_eq!(RemoteAddr::Unix("/x".into()).to_string(), "unix:/x");
+    }
+}

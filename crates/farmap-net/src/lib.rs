@@ -1,0 +1,40 @@
+//! farmap over the network: transports, the server behind `farmap serve`, and the remote
+//! store client. The bytes on the wire are those of `farmap-wire`.
+//!
+//! ```text
+//!   RemoteStore (a Store)                                  serve(store, listener, opts)
+//!   ┌──────────────────────────────┐                       ┌──────────────────────────────┐
+//!   │ pool of N connections        │   TCP / Unix socket   │ accept loop (connection cap) │
+//!   │  each: writer task ◀─ mpsc   │ ─── [TLS / mTLS] ───▶ │  per connection: handshake,  │
+//!   │        reader task ─▶ id map │   hello, then frames  │  reader → task per request   │
+//!   │  supervisor: reconnect with  │ ◀──────────────────── │  (≤ in-flight cap) → writer  │
+//!   │  backoff; per-request timeout│  replies in any order │  → any Arc<dyn Store>        │
+//!   └──────────────────────────────┘                       └──────────────────────────────┘
+//! ```
+//!
+//! - [`serve`] / [`Server`]: serves any [`Store`](farmap_core::Store); graceful
+//!   [`Server::shutdown`] answers the requests in flight and flushes the store.
+//! - [`RemoteStore`]: a served region as a store, with pipelining, a connection pool,
+//!   reconnection and deadlines; errors are sentences (refused, TLS refused and why,
+//!   version mismatch, server gone).
+//! - [`TlsServerConfig`], [`TlsClientConfig`]: TLS and mutual TLS from PEM files (rustls,
+//!   ring provider).
+//! - [`ListenAddr`], [`RemoteAddr`], [`Listener`]: `IP:PORT` or `unix:/path`.
+#![forbid(unsafe_code)]
+#![warn(missing_docs)]
+
+mod addr;
+mod conn;
+pub mod proxy;
+mod remote;
+mod server;
+mod stream;
+mod tls;
+
+pub use addr::{AddrError, ListenAddr, Listener, RemoteAddr};
+pub use remote::{Backoff, ClientOptions, RemoteStore};
+pub use server::{serve, ServeError, ServeOptions, Server};
+pub use tls::{TlsClientConfig, TlsConfigError, TlsServerConfig};
+
+/// The wire protocol, re-exported for callers that inspect server limits.
+pub use farmap_wire as wire;

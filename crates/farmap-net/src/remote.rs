@@ -1,0 +1,474 @@
+//! [`RemoteStore`]: a farmap server's region as a [`Store`].
+//!
+//! # Concurrency
+//! - A pool of [`ClientOptions::connections`] connections; requests go round-robin to the
+//!   open ones, each connection carrying up to the server's in-flight limit at once
+//!   (pipelined: replies come back in any order and are matched by id).
+//! - Each connection has a supervisor task. When the connection drops, the requests in
+//!   flight on it fail at once with `Unavailable` (retryable: `Cached`, `Puller` and `Pusher`
+//!   retry them), and the supervisor reconnects with exponential backoff. New requests wait
+//!   for an open connection, up to [`ClientOptions::request_timeout`].
+//! - Every request has a deadline, [`ClientOptions::request_timeout`], covering the wait for
+//!   a connection and the round trip; past it the request fails with `Timeout`.
+//! - After a reconnect the server must serve the same region (geometry and read-only flag);
+//!   a server that now serves another region is not used.
+
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::Arc;
+use std::time::Duration;
+
+use bytes::Bytes;
+use farmap_core::{
+    is_zero, zero_chunk, BoxFuture, Caps, ChunkIdx, ChunkRange, ChunkStatus, ErrorKind, Geometry,
+    Store, StoreError, StoreResult,
+};
+use farmap_wire::{read_reply_overhead, Features, Message, Payload, ServerInfo};
+use futures::future::try_join_all;
+use parking_lot::Mutex;
+use rand::Rng;
+use rustls::pki_types::ServerName;
+use tokio::sync::watch;
+use tokio::time::Instant;
+use tokio_rustls::TlsConnector;
+
+use crate::addr::RemoteAddr;
+use crate::conn::{open, Conn, TlsSetup};
+use crate::stream::raised;
+use crate::tls::TlsClientConfig;
+
+/// Pauses between reconnect attempts: `initial`, doubling up to `max`, with jitter.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Backoff {
+    /// Pause after the first failed attempt.
+    pub initial: Duration,
+    /// Longest pause.
+    pub max: Duration,
+}
+
+impl Default for Backoff {
+    /// 50 ms doubling up to 2 s.
+    fn default() -> Self {
+        Self {
+            initial: Duration::from_millis(50),
+            max: Duration::from_secs(2),
+        }
+    }
+}
+
+/// How a [`RemoteStore`] connects.
+#[derive(Debug, Clone)]
+pub struct ClientOptions {
+    /// Connections in the pool (at least 1).
+    pub connections: usize,
+    /// Deadline of every request, from the call to the reply, including any wait for a
+    /// (re)connection.
+    pub request_timeout: Duration,
+    /// Deadline of one connection attempt (TCP, TLS and farmap handshakes).
+    pub connect_timeout: Duration,
+    /// TLS; `None` for plain TCP or Unix sockets.
+    pub tls: Option<TlsClientConfig>,
+    /// Pauses between reconnect attempts.
+    pub reconnect: Backoff,
+}
+
+impl Default for ClientOptions {
+    /// 4 connections, 30 s requests, 10 s connects, no TLS, default backoff.
+    fn default() -> Self {
+        Self {
+            connections: 4,
+            request_timeout: Duration::from_secs(30),
+            connect_timeout: Duration::from_secs(10),
+            tls: None,
+            reconnect: Backoff::default(),
+        }
+    }
+}
+
+struct Slot {
+    conn: Mutex<Option<Arc<Conn>>>,
+    last_error: Mutex<Option<StoreError>>,
+}
+
+struct Pool {
+    addr: RemoteAddr,
+    opts: ClientOptions,
+    tls: Option<TlsSetup>,
+    info: ServerInfo,
+    slots: Vec<Slot>,
+    /// Bumped whenever a slot's connection comes or goes.
+    changed: watch::Sender<u64>,
+    next: AtomicUsize,
+    stop: watch::Sender<bool>,
+}
+
+/// A region served by a farmap server (`farmap serve`), used as a [`Store`].
+pub struct RemoteStore {
+    pool: Arc<Pool>,
+}
+
+impl std::fmt::Debug for RemoteStore {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("RemoteStore")
+            .field("addr", &self.pool.addr)
+            .field("geometry", &self.pool.info.region.geometry)
+            .field("open_connections", &self.open_connections())
+            .finish()
+    }
+}
+
+fn tls_setup(addr: &RemoteAddr, cfg: &TlsClientConfig) -> StoreResult<TlsSetup> {
+    let config = cfg.build().map_err(|e| {
+        StoreError::new(
+            ErrorKind::InvalidInput,
+            format!("cannot set up TLS for {addr}"),
+        )
+        .with_source(e)
+    })?;
+    let name = cfg
+        .server_name
+        .clone()
+        .unwrap_or_else(|| addr.host().to_owned());
+    let name = ServerName::try_from(name.clone())
+        .map_err(|_| StoreError::invalid(format!("{name:?} is not a valid TLS server name")))?;
+    Ok(TlsSetup {
+        connector: TlsConnector::from(config),
+        name,
+        sent_cert: cfg.has_client_cert(),
+    })
+}
+
+impl RemoteStore {
+    /// Connects to the server at `addr`: the first connection is made now (its failure is
+    /// the error, in a sentence: refused, TLS refused and why, version mismatch...), the rest
+    /// of the pool in the background.
+    pub async fn connect(addr: RemoteAddr, opts: ClientOptions) -> StoreResult<RemoteStore> {
+        let tls = opts.tls.as_ref().map(|t| tls_setup(&addr, t)).transpose()?;
+        let first = open(&addr, tls.as_ref(), opts.connect_timeout).await?;
+        let n = opts.connections.max(1);
+        let pool = Arc::new(Pool {
+            info: *first.info(),
+            slots: (0..n)
+                .map(|_| Slot {
+                    conn: Mutex::new(None),
+                    last_error: Mutex::new(None),
+                })
+                .collect(),
+            changed: watch::channel(0).0,
+            next: AtomicUsize::new(0),
+            stop: watch::channel(false).0,
+            addr,
+            opts,
+            tls,
+        });
+        *pool.slots[0].conn.lock() = Some(first.clone());
+        tokio::spawn(supervise(pool.clone(), 0, Some(first)));
+        for i in 1..n {
+            tokio::spawn(supervise(pool.clone(), i, None));
+        }
+        Ok(RemoteStore { pool })
+    }
+
+    /// The server's address.
+    pub fn addr(&self) -> &RemoteAddr {
+        &self.pool.addr
+    }
+
+    /// What the server announced in the first handshake.
+    pub fn server_info(&self) -> &ServerInfo {
+        &self.pool.info
+    }
+
+    /// Connections of the pool that are open right now.
+    pub fn open_connections(&self) -> usize {
+        self.pool
+            .slots
+            .iter()
+            .filter(|s| s.conn.lock().as_ref().is_some_and(|c| c.is_open()))
+            .count()
+    }
+
+    /// Closes every connection; requests in flight fail and later ones fail with `Closed`.
+    /// Dropping the store does the same.
+    pub fn close(&self) {
+        let _ = self.pool.stop.send(true);
+        for slot in &self.pool.slots {
+            if let Some(c) = slot.conn.lock().take() {
+                c.fail("the client closed the store");
+            }
+        }
+        self.pool.changed.send_modify(|g| *g += 1);
+    }
+
+    /// Reads several chunks, in batches as large as the server allows (sent concurrently):
+    /// the chunks in the order asked for.
+    pub async fn read_many(&self, chunks: &[ChunkIdx]) -> StoreResult<Vec<Bytes>> {
+        let g = self.pool.info.region.geometry;
+        let max_frame = self.pool.info.max_frame as usize;
+        let max_batch = self.pool.info.max_batch as usize;
+        let mut batches: Vec<&[ChunkIdx]> = Vec::new();
+        let (mut start, mut bytes) = (0, 0usize);
+        for (i, idx) in chunks.iter().enumerate() {
+            let len = g.chunk_len(*idx);
+            let n = i - start;
+            if n > 0 && (n == max_batch || read_reply_overhead(n + 1) + bytes + len > max_frame) {
+                batches.push(&chunks[start..i]);
+                (start, bytes) = (i, 0);
+            }
+            bytes += len;
+        }
+        if start < chunks.len() {
+            batches.push(&chunks[start..]);
+        }
+        let parts = try_join_all(batches.into_iter().map(|b| self.read_batch(b))).await?;
+        Ok(parts.into_iter().flatten().collect())
+    }
+
+    async fn read_batch(&self, chunks: &[ChunkIdx]) -> StoreResult<Vec<Bytes>> {
+        for idx in chunks {
+            self.pool.info.region.geometry.check_idx(*idx)?;
+        }
+        match self.pool.call(Message::Read(chunks.to_vec())).await? {
+            Message::ReadOk(payloads) if payloads.len() == chunks.len() => chunks
+                .iter()
+                .zip(payloads)
+                .map(|(idx, p)| self.chunk(*idx, p))
+                .collect(),
+            other => Err(self.pool.unexpected("read", &other)),
+        }
+    }
+
+    fn chunk(&self, idx: ChunkIdx, p: Payload) -> StoreResult<Bytes> {
+        let len = self.pool.info.region.geometry.chunk_len(idx);
+        match p {
+            Payload::Zero => Ok(zero_chunk(len)),
+            Payload::Data(d) if d.len() == len => Ok(d),
+            Payload::Data(d) => Err(StoreError::new(
+                ErrorKind::Corrupt,
+                format!(
+                    "{} sent {} bytes for {idx}, which is {len} bytes long",
+                    self.pool.addr,
+                    d.len()
+                ),
+            )),
+        }
+    }
+
+    async fn done(&self, what: &str, msg: Message) -> StoreResult<()> {
+        match self.pool.call(msg).await? {
+            Message::Done => Ok(()),
+            other => Err(self.pool.unexpected(what, &other)),
+        }
+    }
+}
+
+impl Drop for RemoteStore {
+    fn drop(&mut self) {
+        self.close();
+    }
+}
+
+impl Pool {
+    /// An open connection, waiting (until `deadline`) for one when none is.
+    async fn conn(&self, deadline: Instant) -> StoreResult<Arc<Conn>> {
+        let mut changed = self.changed.subscribe();
+        loop {
+            if *self.stop.borrow() {
+                return Err(StoreError::new(
+                    ErrorKind::Closed,
+                    format!("the store for {} was closed", self.addr),
+                ));
+            }
+            let n = self.slots.len();
+            let first = self.next.fetch_add(1, Ordering::Relaxed);
+            for k in 0..n {
+                let slot = &self.slots[(first + k) % n];
+                if let Some(c) = slot.conn.lock().as_ref().filter(|c| c.is_open()) {
+                    return Ok(c.clone());
+                }
+            }
+            if tokio::time::timeout_at(deadline, changed.changed())
+                .await
+                .is_err()
+            {
+                return Err(self.unreachable());
+            }
+        }
+    }
+
+    /// Why no connection could be had in time: the latest connect error, if any.
+    fn unreachable(&self) -> StoreError {
+        let last = self
+            .slots
+            .iter()
+            .find_map(|s| s.last_error.lock().as_ref().map(|e| e.to_owned_lossy()));
+        last.unwrap_or_else(|| {
+            StoreError::new(
+                ErrorKind::Timeout,
+                format!(
+                    "no connection to {} within {:?}",
+                    self.addr, self.opts.request_timeout
+                ),
+            )
+        })
+    }
+
+    /// One request with the request deadline; error replies become errors.
+    async fn call(&self, msg: Message) -> StoreResult<Message> {
+        let timeout = self.opts.request_timeout;
+        let deadline = Instant::now() + timeout;
+        let conn = self.conn(deadline).await?;
+        match tokio::time::timeout_at(deadline, conn.call(msg)).await {
+            Ok(Ok(Message::Error(e))) => Err(StoreError::new(
+                e.kind,
+                format!("{}: {}", self.addr, e.message),
+            )),
+            Ok(r) => r,
+            Err(_) => Err(StoreError::new(
+                ErrorKind::Timeout,
+                format!("no reply from {} within {timeout:?}", self.addr),
+            )),
+        }
+    }
+
+    fn unexpected(&self, what: &str, reply: &Message) -> StoreError {
+        StoreError::new(
+            ErrorKind::Corrupt,
+            format!(
+                "{} answered a {what} request with op {:#04x}",
+                self.addr,
+                reply.op()
+            ),
+        )
+    }
+
+    /// Whether a (re)connected server still serves what this store was opened on.
+    fn check_same(&self, conn: &Conn) -> StoreResult<()> {
+        let (now, was) = (conn.info(), &self.info);
+        if now.region != was.region
+            || now.max_frame < was.max_frame
+            || now.max_batch < was.max_batch
+        {
+            return Err(StoreError::new(
+                ErrorKind::Corrupt,
+                format!(
+                    "the server at {} now serves a different region ({}, caps {}) than when this store was opened ({}, caps {})",
+                    self.addr,
+                    now.region.geometry,
+                    now.region.caps,
+                    was.region.geometry,
+                    was.region.caps
+                ),
+            ));
+        }
+        Ok(())
+    }
+}
+
+/// Keeps slot `i` connected until the store is closed.
+async fn supervise(pool: Arc<Pool>, i: usize, mut next: Option<Arc<Conn>>) {
+    let slot = &pool.slots[i];
+    let mut stop = pool.stop.subscribe();
+    let mut delay = pool.opts.reconnect.initial;
+    loop {
+        let conn = match next.take() {
+            Some(c) => c,
+            None => {
+                let attempt = async {
+                    let c = open(&pool.addr, pool.tls.as_ref(), pool.opts.connect_timeout).await?;
+                    match pool.check_same(&c) {
+                        Ok(()) => Ok(c),
+                        Err(e) => {
+                            c.fail("it serves another region");
+                            Err(e)
+                        }
+                    }
+                };
+                let result = tokio::select! {
+                    r = attempt => r,
+                    _ = raised(&mut stop) => break,
+                };
+                match result {
+                    Ok(c) => c,
+                    Err(e) => {
+                        *slot.last_error.lock() = Some(e);
+                        let pause = delay.mul_f64(rand::thread_rng().gen_range(0.5..=1.0));
+                        tokio::select! {
+                            _ = tokio::time::sleep(pause) => {}
+                            _ = raised(&mut stop) => break,
+                        }
+                        delay = (delay * 2).min(pool.opts.reconnect.max);
+                        continue;
+                    }
+                }
+            }
+        };
+        delay = pool.opts.reconnect.initial;
+        *slot.last_error.lock() = None;
+        *slot.conn.lock() = Some(conn.clone());
+        pool.changed.send_modify(|g| *g += 1);
+        tokio::select! {
+            _ = conn.closed() => {}
+            _ = raised(&mut stop) => break,
+        }
+        slot.conn.lock().take();
+        pool.changed.send_modify(|g| *g += 1);
+    }
+    if let Some(c) = slot.conn.lock().take() {
+        c.fail("the client closed the store");
+    }
+}
+
+impl Store for RemoteStore {
+    fn geometry(&self) -> Geometry {
+        self.pool.info.region.geometry
+    }
+
+    fn caps(&self) -> Caps {
+        self.pool.info.region.caps
+    }
+
+    fn read(&self, idx: ChunkIdx) -> BoxFuture<'_, StoreResult<Bytes>> {
+        Box::pin(async move {
+            let mut chunks = self.read_batch(&[idx]).await?;
+            Ok(chunks.pop().expect("one chunk asked, one returned"))
+        })
+    }
+
+    fn write(&self, idx: ChunkIdx, data: Bytes) -> BoxFuture<'_, StoreResult<()>> {
+        Box::pin(async move {
+            // Checked here: a wrong length could make a frame the server refuses outright.
+            self.pool
+                .info
+                .region
+                .geometry
+                .check_write(idx, data.len())?;
+            let zero_writes = self.pool.info.features.contains(Features::ZERO_WRITES);
+            let data = if zero_writes && is_zero(&data) {
+                Payload::Zero
+            } else {
+                Payload::Data(data)
+            };
+            self.done("write", Message::Write { idx, data }).await
+        })
+    }
+
+    fn flush(&self) -> BoxFuture<'_, StoreResult<()>> {
+        Box::pin(self.done("flush", Message::Flush))
+    }
+
+    fn trim(&self, range: ChunkRange) -> BoxFuture<'_, StoreResult<()>> {
+        Box::pin(async move {
+            self.pool.info.region.geometry.check_range(range)?;
+            self.done("trim", Message::Trim(range)).await
+        })
+    }
+
+    fn status(&self, idx: ChunkIdx) -> BoxFuture<'_, StoreResult<ChunkStatus>> {
+        Box::pin(async move {
+            match self.pool.call(Message::Status(idx)).await? {
+                Message::StatusOk(s) => Ok(s),
+                other => Err(self.pool.unexpected("status", &other)),
+            }
+        })
+    }
+}

@@ -1,0 +1,548 @@
+//! The server behind `farmap serve`: any [`Store`] to any number of clients.
+//!
+//! # Concurrency
+//! - One task accepts; one task per connection reads and decodes frames; every request runs
+//!   in a task of its own, at most [`ServeOptions::max_in_flight_per_conn`] at once per
+//!   connection (further frames wait in the socket: back-pressure, not memory); one writer
+//!   task per connection sends replies in the order they complete.
+//! - A frame that cannot be decoded (garbage, over the frame limit, a reply op from a
+//!   client) ends that connection only: the server sends an error frame with id 0 saying
+//!   why, lets the requests in flight finish, and closes it. Other connections go on.
+//! - [`Server::shutdown`] stops accepting, stops reading requests, lets those in flight
+//!   finish and be answered (for up to [`ServeOptions::shutdown_grace`]), closes every
+//!   connection and flushes the store.
+
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::Arc;
+use std::time::Duration;
+
+use bytes::{Bytes, BytesMut};
+use farmap_core::{is_zero, zero_chunk, Caps, ErrorKind, Store, StoreError};
+use farmap_wire::{
+    decode_client_hello, read_reply_overhead, ClientHello, Features, Frame, FrameDecoder, Limits,
+    Message, Payload, Refusal, RegionInfo, RemoteError, ServerHello, ServerInfo, DEFAULT_MAX_BATCH,
+    DEFAULT_MAX_FRAME, MAX_BATCH_LIMIT, MAX_FRAME_LIMIT, MAX_IN_FLIGHT_LIMIT, VERSION,
+};
+use futures::future::join_all;
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::sync::{mpsc, watch, Semaphore};
+use tokio::task::JoinSet;
+use tokio_rustls::TlsAcceptor;
+
+use crate::addr::{ListenAddr, Listener};
+use crate::stream::{make_room, raised, write_frames, BoxStream};
+use crate::tls::{describe_server_tls_failure, TlsConfigError, TlsServerConfig};
+
+/// How a server serves.
+#[derive(Debug, Clone)]
+pub struct ServeOptions {
+    /// Refuse writes and trims (the store itself may be writable).
+    pub read_only: bool,
+    /// Connections served at once; a client beyond is refused with a clear reason.
+    pub max_connections: usize,
+    /// Requests worked on at once per connection.
+    pub max_in_flight_per_conn: usize,
+    /// TLS (and mutual TLS when a client CA is given).
+    pub tls: Option<TlsServerConfig>,
+    /// Largest frame accepted and sent, header included.
+    pub max_frame: u32,
+    /// Most chunks in one read request.
+    pub max_batch: u32,
+    /// Time a client has to finish the TLS and farmap handshakes.
+    pub handshake_timeout: Duration,
+    /// How long [`Server::shutdown`] waits for requests in flight before it cuts connections.
+    pub shutdown_grace: Duration,
+    /// Log connections and protocol errors to stderr.
+    pub log: bool,
+}
+
+impl Default for ServeOptions {
+    /// Writable, 256 connections, 128 requests in flight each, no TLS, default frame and
+    /// batch limits, 10 s handshake, 10 s shutdown grace, logging on.
+    fn default() -> Self {
+        Self {
+            read_only: false,
+            max_connections: 256,
+            max_in_flight_per_conn: 128,
+            tls: None,
+            max_frame: DEFAULT_MAX_FRAME,
+            max_batch: DEFAULT_MAX_BATCH,
+            handshake_timeout: Duration::from_secs(10),
+            shutdown_grace: Duration::from_secs(10),
+            log: true,
+        }
+    }
+}
+
+/// Why a server could not start or stop cleanly.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum ServeError {
+    /// The TLS files could not be used.
+    #[error("the server's TLS configuration is unusable")]
+    Tls(#[from] TlsConfigError),
+    /// An option outside what the protocol allows.
+    #[error("{what} must be from {min} to {max}, not {value}")]
+    BadOption {
+        /// The option.
+        what: &'static str,
+        /// Its value.
+        value: u64,
+        /// Smallest allowed.
+        min: u64,
+        /// Largest allowed.
+        max: u64,
+    },
+    /// The listener's address could not be read.
+    #[error("cannot tell which address the server listens on")]
+    LocalAddr(#[source] std::io::Error),
+    /// The final flush of the store failed.
+    #[error("flushing the store at shutdown failed")]
+    Flush(#[source] StoreError),
+}
+
+struct Ctx {
+    store: Arc<dyn Store>,
+    info: ServerInfo,
+    opts: ServeOptions,
+    tls: Option<TlsAcceptor>,
+    shutdown: watch::Receiver<bool>,
+}
+
+impl Ctx {
+    fn log(&self, msg: std::fmt::Arguments<'_>) {
+        if self.opts.log {
+            eprintln!("farmap serve: {msg}");
+        }
+    }
+}
+
+/// A running server. Dropping it stops it abruptly; [`shutdown`](Self::shutdown) stops it
+/// cleanly.
+#[derive(Debug)]
+pub struct Server {
+    addr: ListenAddr,
+    stop: watch::Sender<bool>,
+    task: Option<tokio::task::JoinHandle<()>>,
+    store: Arc<dyn Store>,
+    connections: Arc<AtomicUsize>,
+}
+
+fn check_option(what: &'static str, value: u64, min: u64, max: u64) -> Result<(), ServeError> {
+    if (min..=max).contains(&value) {
+        Ok(())
+    } else {
+        Err(ServeError::BadOption {
+            what,
+            value,
+            min,
+            max,
+        })
+    }
+}
+
+/// Serves `store` on `listener` until [`Server::shutdown`]. Must be called from within a
+/// Tokio runtime (the server's tasks are spawned on it).
+pub fn serve(
+    store: Arc<dyn Store>,
+    listener: Listener,
+    opts: ServeOptions,
+) -> Result<Server, ServeError> {
+    let g = store.geometry();
+    let min_frame = read_reply_overhead(1) as u64 + u64::from(g.chunk_size());
+    check_option(
+        "the frame limit",
+        opts.max_frame.into(),
+        min_frame,
+        MAX_FRAME_LIMIT.into(),
+    )?;
+    check_option(
+        "the read batch limit",
+        opts.max_batch.into(),
+        1,
+        MAX_BATCH_LIMIT.into(),
+    )?;
+    check_option(
+        "the limit of requests in flight per connection",
+        opts.max_in_flight_per_conn as u64,
+        1,
+        MAX_IN_FLIGHT_LIMIT.into(),
+    )?;
+    check_option(
+        "the connection limit",
+        opts.max_connections as u64,
+        1,
+        1 << 20,
+    )?;
+    let tls = match &opts.tls {
+        Some(t) => Some(TlsAcceptor::from(t.build()?)),
+        None => None,
+    };
+    let addr = listener.local_addr().map_err(ServeError::LocalAddr)?;
+    let mut caps = store.caps();
+    if opts.read_only {
+        caps = caps.without(Caps::WRITE | Caps::TRIM);
+    }
+    let info = ServerInfo {
+        version: VERSION,
+        features: Features::ALL,
+        region: RegionInfo {
+            geometry: g,
+            caps,
+            read_only: opts.read_only,
+        },
+        max_frame: opts.max_frame,
+        max_in_flight: opts.max_in_flight_per_conn as u32,
+        max_batch: opts.max_batch,
+    };
+    let (stop, shutdown) = watch::channel(false);
+    let connections = Arc::new(AtomicUsize::new(0));
+    let ctx = Arc::new(Ctx {
+        store: store.clone(),
+        info,
+        opts,
+        tls,
+        shutdown,
+    });
+    let task = tokio::spawn(accept_loop(listener, ctx, connections.clone()));
+    Ok(Server {
+        addr,
+        stop,
+        task: Some(task),
+        store,
+        connections,
+    })
+}
+
+impl Server {
+    /// The address the server listens on (with the real port when port 0 was asked for).
+    pub fn local_addr(&self) -> &ListenAddr {
+        &self.addr
+    }
+
+    /// Connections being served right now.
+    pub fn connections(&self) -> usize {
+        self.connections.load(Ordering::Relaxed)
+    }
+
+    /// Stops accepting, answers the requests in flight, closes every connection, and flushes
+    /// the store.
+    pub async fn shutdown(mut self) -> Result<(), ServeError> {
+        let _ = self.stop.send(true);
+        if let Some(task) = self.task.take() {
+            let _ = task.await;
+        }
+        self.store.flush().await.map_err(ServeError::Flush)
+    }
+}
+
+impl Drop for Server {
+    fn drop(&mut self) {
+        let _ = self.stop.send(true);
+    }
+}
+
+async fn accept_loop(listener: Listener, ctx: Arc<Ctx>, connections: Arc<AtomicUsize>) {
+    let mut shutdown = ctx.shutdown.clone();
+    let mut conns = JoinSet::new();
+    loop {
+        tokio::select! {
+            _ = raised(&mut shutdown) => break,
+            Some(_) = conns.join_next(), if !conns.is_empty() => {
+                connections.store(conns.len(), Ordering::Relaxed);
+            }
+            accepted = listener.accept() => match accepted {
+                Ok((stream, peer)) => {
+                    if conns.len() >= ctx.opts.max_connections {
+                        ctx.log(format_args!(
+                            "refusing {peer}: already serving {} connections",
+                            conns.len()
+                        ));
+                        // Answered on its own task; not counted, not awaited at shutdown.
+                        tokio::spawn(refuse_full(stream, ctx.clone()));
+                        continue;
+                    }
+                    conns.spawn(connection(stream, peer, ctx.clone()));
+                    connections.store(conns.len(), Ordering::Relaxed);
+                }
+                Err(e) => {
+                    // Out of file descriptors and the like: pause rather than spin.
+                    ctx.log(format_args!("accept failed: {e}"));
+                    tokio::time::sleep(Duration::from_millis(100)).await;
+                }
+            },
+        }
+    }
+    listener.cleanup();
+    drop(listener);
+    let grace = ctx.opts.shutdown_grace;
+    let drained =
+        tokio::time::timeout(grace, async { while conns.join_next().await.is_some() {} }).await;
+    if drained.is_err() {
+        ctx.log(format_args!(
+            "{} connections still busy after {grace:?}; closing them",
+            conns.len()
+        ));
+        conns.shutdown().await;
+    }
+    connections.store(0, Ordering::Relaxed);
+}
+
+/// The TLS handshake (if configured), then the client's hello: the stream and the hello, or
+/// `None` after logging why not (and answering where the stream allows).
+async fn handshake(
+    stream: BoxStream,
+    peer: &str,
+    ctx: &Ctx,
+) -> Option<(BoxStream, ClientHello, BytesMut)> {
+    let mut stream: BoxStream = match &ctx.tls {
+        Some(acceptor) => match acceptor.accept(stream).await {
+            Ok(s) => Box::new(s),
+            Err(e) => {
+                ctx.log(format_args!(
+                    "refused {peer}: {}",
+                    describe_server_tls_failure(&e)
+                ));
+                return None;
+            }
+        },
+        None => stream,
+    };
+    let mut buf = BytesMut::with_capacity(64);
+    loop {
+        match decode_client_hello(&mut buf) {
+            Ok(Some(hello)) => return Some((stream, hello, buf)),
+            Ok(None) => {}
+            Err(e) => {
+                ctx.log(format_args!("refused {peer}: {e}"));
+                let kind = ErrorKind::InvalidInput;
+                let _ = send_refusal(&mut stream, kind, format!("not a farmap client: {e}")).await;
+                return None;
+            }
+        }
+        match stream.read_buf(&mut buf).await {
+            Ok(0) => return None,
+            Ok(_) => {}
+            Err(e) => {
+                ctx.log(format_args!(
+                    "{peer}: read failed during the handshake: {e}"
+                ));
+                return None;
+            }
+        }
+    }
+}
+
+async fn send_refusal(
+    stream: &mut BoxStream,
+    kind: ErrorKind,
+    message: String,
+) -> std::io::Result<()> {
+    let mut out = BytesMut::new();
+    ServerHello::Refused(Refusal {
+        version: VERSION,
+        min_version: VERSION,
+        max_version: VERSION,
+        kind,
+        message,
+    })
+    .encode(&mut out);
+    stream.write_all(&out).await?;
+    stream.shutdown().await
+}
+
+async fn refuse_full(stream: BoxStream, ctx: Arc<Ctx>) {
+    let peer = "a client over the connection limit";
+    let timeout = ctx.opts.handshake_timeout;
+    let _ = tokio::time::timeout(timeout, async {
+        if let Some((mut stream, _, _)) = handshake(stream, peer, &ctx).await {
+            let msg = format!(
+                "the server is already serving its limit of {} connections",
+                ctx.opts.max_connections
+            );
+            let _ = send_refusal(&mut stream, ErrorKind::Unavailable, msg).await;
+        }
+    })
+    .await;
+}
+
+async fn connection(stream: BoxStream, peer: String, ctx: Arc<Ctx>) {
+    let timeout = ctx.opts.handshake_timeout;
+    let Ok(accepted) = tokio::time::timeout(timeout, handshake(stream, &peer, &ctx)).await else {
+        ctx.log(format_args!(
+            "{peer}: no handshake within {timeout:?}; closed"
+        ));
+        return;
+    };
+    let Some((mut stream, hello, buf)) = accepted else {
+        return;
+    };
+    if hello.version != VERSION {
+        let msg = format!(
+            "this server speaks farmap protocol version {VERSION}; the client speaks version {}",
+            hello.version
+        );
+        ctx.log(format_args!("refused {peer}: {msg}"));
+        let _ = send_refusal(&mut stream, ErrorKind::Unsupported, msg).await;
+        return;
+    }
+    let mut info = ctx.info;
+    info.features = info.features & hello.features;
+    let mut out = BytesMut::new();
+    ServerHello::Accepted(info).encode(&mut out);
+    if stream.write_all(&out).await.is_err() || stream.flush().await.is_err() {
+        return;
+    }
+    ctx.log(format_args!("{peer} connected"));
+    let reason = serve_frames(stream, buf, &ctx).await;
+    ctx.log(format_args!("{peer} closed: {reason}"));
+}
+
+/// Reads and answers requests until the peer leaves, a frame is bad, or shutdown; returns why
+/// the connection ended.
+async fn serve_frames(stream: BoxStream, mut buf: BytesMut, ctx: &Arc<Ctx>) -> String {
+    let (mut rd, mut wr) = tokio::io::split(stream);
+    let in_flight = ctx.info.max_in_flight as usize;
+    let (tx, mut rx) = mpsc::channel::<Vec<Bytes>>(in_flight + 1);
+    let writer = tokio::spawn(async move { write_frames(&mut wr, &mut rx).await });
+    let permits = Arc::new(Semaphore::new(in_flight));
+    let mut decoder = FrameDecoder::new(Limits {
+        max_frame: ctx.info.max_frame,
+        max_batch: ctx.info.max_batch,
+    });
+    let mut shutdown = ctx.shutdown.clone();
+    let reason = 'conn: loop {
+        loop {
+            let frame = match decoder.decode(&mut buf) {
+                Ok(Some(f)) if f.msg.is_request() => f,
+                Ok(Some(f)) => break 'conn close_with(&tx, not_a_request(&f)).await,
+                Ok(None) => break,
+                Err(e) => break 'conn close_with(&tx, e.to_string()).await,
+            };
+            let permit = tokio::select! {
+                p = permits.clone().acquire_owned() => p.expect("never closed"),
+                _ = raised(&mut shutdown) => break 'conn "server shutting down".to_owned(),
+            };
+            let (tx, ctx) = (tx.clone(), ctx.clone());
+            tokio::spawn(async move {
+                let reply = Frame::new(frame.id, execute(&ctx, frame.msg).await);
+                let mut parts = Vec::with_capacity(4);
+                reply.encode_parts(&mut parts);
+                let _ = tx.send(parts).await;
+                drop(permit);
+            });
+        }
+        make_room(&mut buf);
+        tokio::select! {
+            r = rd.read_buf(&mut buf) => match r {
+                Ok(0) => break "the client closed the connection".to_owned(),
+                Ok(_) => {}
+                Err(e) => break format!("read failed: {e}"),
+            },
+            _ = raised(&mut shutdown) => break "server shutting down".to_owned(),
+        }
+    };
+    // Requests in flight hold their own senders: the writer ends after their replies.
+    drop(tx);
+    let _ = writer.await;
+    reason
+}
+
+fn not_a_request(f: &Frame) -> String {
+    format!(
+        "a client sent a reply frame (op {:#04x}), not a request",
+        f.msg.op()
+    )
+}
+
+/// Tells the client why its connection is being closed (frame id 0), returns the reason.
+async fn close_with(tx: &mpsc::Sender<Vec<Bytes>>, reason: String) -> String {
+    let frame = Frame::new(
+        0,
+        Message::Error(RemoteError {
+            kind: ErrorKind::InvalidInput,
+            message: format!("closing the connection: {reason}"),
+        }),
+    );
+    let mut parts = Vec::new();
+    frame.encode_parts(&mut parts);
+    let _ = tx.send(parts).await;
+    format!("protocol error: {reason}")
+}
+
+fn error_reply(e: &StoreError) -> Message {
+    let lossy = e.to_owned_lossy();
+    Message::Error(RemoteError {
+        kind: e.kind(),
+        message: lossy.context().to_owned(),
+    })
+}
+
+fn read_only_reply() -> Message {
+    Message::Error(RemoteError {
+        kind: ErrorKind::ReadOnly,
+        message: "this server is read-only".into(),
+    })
+}
+
+fn payload(data: Bytes) -> Payload {
+    if is_zero(&data) {
+        Payload::Zero
+    } else {
+        Payload::Data(data)
+    }
+}
+
+async fn execute(ctx: &Ctx, msg: Message) -> Message {
+    let store = &ctx.store;
+    let g = ctx.info.region.geometry;
+    let result = match msg {
+        Message::Read(chunks) => {
+            let payload_bytes: u64 = chunks.iter().map(|c| g.chunk_len(*c) as u64).sum();
+            let reply_bytes = read_reply_overhead(chunks.len()) as u64 + payload_bytes;
+            if reply_bytes > u64::from(ctx.info.max_frame) {
+                return Message::Error(RemoteError {
+                    kind: ErrorKind::InvalidInput,
+                    message: format!(
+                        "a read of {} chunks needs a reply of {reply_bytes} bytes, over the frame limit of {}",
+                        chunks.len(),
+                        ctx.info.max_frame
+                    ),
+                });
+            }
+            if let [one] = chunks[..] {
+                store
+                    .read(one)
+                    .await
+                    .map(|d| Message::ReadOk(vec![payload(d)]))
+            } else {
+                join_all(chunks.iter().map(|c| store.read(*c)))
+                    .await
+                    .into_iter()
+                    .map(|r| r.map(payload))
+                    .collect::<Result<Vec<_>, _>>()
+                    .map(Message::ReadOk)
+            }
+        }
+        Message::Write { .. } | Message::Trim(_) if ctx.opts.read_only => return read_only_reply(),
+        Message::Write { idx, data } => {
+            let data = match data {
+                Payload::Zero => zero_chunk(g.chunk_len(idx)),
+                Payload::Data(d) => d,
+            };
+            store.write(idx, data).await.map(|()| Message::Done)
+        }
+        Message::Flush => store.flush().await.map(|()| Message::Done),
+        Message::Trim(range) => store.trim(range).await.map(|()| Message::Done),
+        Message::Status(idx) => store.status(idx).await.map(Message::StatusOk),
+        Message::Geometry => Ok(Message::GeometryOk(ctx.info.region)),
+        other => {
+            // The read loop only hands requests over.
+            return Message::Error(RemoteError {
+                kind: ErrorKind::InvalidInput,
+                message: format!("op {:#04x} is not a request", other.op()),
+            });
+        }
+    };
+    result.unwrap_or_else(|e| error_reply(&e))
+}

@@ -1,0 +1,627 @@
+//! The raw reference for `farmap bench uffd`: the least a userfaultfd handler can do.
+//!
+//! A [`Baseline`] uses nothing of farmap's pipeline — no store, no stages, no chunk map, no
+//! async runtime. It maps an anonymous region, registers it with a fresh userfaultfd and
+//! serves every fault from one handler thread by `UFFDIO_COPY`ing the chunk that contains the
+//! faulting address straight out of a plain source buffer. Whatever a
+//! [`Region`](crate::Region) spends on top of this (store reads, bookkeeping, hand-offs
+//! between threads) is what the benchmark shows.
+//!
+//! Two modes, because write tracking changes the kernel's work:
+//! - [`BaselineMode::WriteProtect`], the like-for-like reference: `UFFD_FEATURE_WP_ASYNC |
+//!   UFFD_FEATURE_WP_UNPOPULATED`, registered `MISSING | WP`, pages installed with
+//!   `UFFDIO_COPY_MODE_WP` — what a region that tracks writes does.
+//! - [`BaselineMode::Missing`]: registered `MISSING` only, plain `UFFDIO_COPY`: the cheapest
+//!   handler there is, for comparison.
+//!
+//! The touch loops ([`touch_each`], [`touch_all`], [`write_each`]) and the page choices
+//! ([`random_pages`], [`spread_pages`]) are public so that the benchmark drives a region with
+//! exactly the code it drives the baseline with.
+//!
+//! # Concurrency
+//! - One handler thread per measurement, scoped to it; the measuring thread is the only one
+//!   touching the region.
+//! - If the handler meets an error it cannot serve around, it unregisters the region, which
+//!   wakes every blocked touch (they then read zero pages): the measurement ends with an
+//!   error, never with a hung thread.
+
+use std::hint::black_box;
+use std::io;
+use std::os::fd::AsRawFd;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::{Arc, Barrier};
+use std::time::{Duration, Instant};
+
+use crate::mapping::Mapping;
+use crate::pagemap::Pagemap;
+use crate::sys;
+use crate::uffd::{InstallError, Uffd, UffdRange};
+
+/// The page size the baseline works in (and the one its page indices count in): 4 KiB.
+pub const PAGE_SIZE: usize = 4096;
+
+/// How the baseline registers its region and installs pages.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum BaselineMode {
+    /// Registered `MISSING` only; pages installed with a plain `UFFDIO_COPY`.
+    Missing,
+    /// `UFFD_FEATURE_WP_ASYNC | UFFD_FEATURE_WP_UNPOPULATED`, registered `MISSING | WP`, pages
+    /// installed with `UFFDIO_COPY_MODE_WP`: the like-for-like reference for a region that
+    /// tracks writes.
+    WriteProtect,
+}
+
+impl BaselineMode {
+    /// A short name for reports: `missing` or `wp`.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Self::Missing => "missing",
+            Self::WriteProtect => "wp",
+        }
+    }
+
+    fn features(self) -> u64 {
+        match self {
+            Self::Missing => 0,
+            Self::WriteProtect => sys::UFFD_FEATURE_WP_ASYNC | sys::UFFD_FEATURE_WP_UNPOPULATED,
+        }
+    }
+
+    fn register_mode(self) -> u64 {
+        match self {
+            Self::Missing => sys::UFFDIO_REGISTER_MODE_MISSING,
+            Self::WriteProtect => sys::UFFDIO_REGISTER_MODE_MISSING | sys::UFFDIO_REGISTER_MODE_WP,
+        }
+    }
+
+    fn write_protect(self) -> bool {
+        self == Self::WriteProtect
+    }
+}
+
+/// Latency percentiles of individually timed touches.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct Latencies {
+    /// Median, in microseconds.
+    pub p50_us: f64,
+    /// 99th percentile, in microseconds.
+    pub p99_us: f64,
+    /// The slowest touch, in microseconds.
+    pub max_us: f64,
+    /// How many touches were timed.
+    pub samples: usize,
+}
+
+impl Latencies {
+    /// Percentiles (nearest rank) of `samples`; all zero when there are none.
+    pub fn from_samples(mut samples: Vec<Duration>) -> Self {
+        if samples.is_empty() {
+            return Self {
+                p50_us: 0.0,
+                p99_us: 0.0,
+                max_us: 0.0,
+                samples: 0,
+            };
+        }
+        samples.sort_unstable();
+        let at = |p: f64| {
+            let i = ((samples.len() - 1) as f64 * p).round() as usize;
+            samples[i].as_secs_f64() * 1e6
+        };
+        Self {
+            p50_us: at(0.5),
+            p99_us: at(0.99),
+            max_us: at(1.0),
+            samples: samples.len(),
+        }
+    }
+}
+
+/// What a sequential fill did.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Fill {
+    /// Bytes filled (the region's size).
+    pub bytes: u64,
+    /// From the first touch to the end of the last.
+    pub elapsed: Duration,
+    /// Faults the handler served.
+    pub faults: u64,
+}
+
+impl Fill {
+    /// Throughput in MB/s (10^6 bytes).
+    pub fn mb_per_s(&self) -> f64 {
+        let secs = self.elapsed.as_secs_f64();
+        if secs == 0.0 {
+            return 0.0;
+        }
+        self.bytes as f64 / secs / 1e6
+    }
+}
+
+/// What a timed scan for written pages found.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct DirtyScan {
+    /// The scan: every `PAGEMAP_SCAN` call from the start of the region to its end.
+    pub elapsed: Duration,
+    /// Pages written before the scan.
+    pub written_pages: u64,
+    /// Pages the scan reported as written (and re-protected).
+    pub reported_pages: u64,
+}
+
+/// What went wrong in a baseline measurement.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum BaselineError {
+    /// The parameters do not describe a measurement the baseline can make.
+    #[error("invalid baseline parameters: {0}")]
+    Invalid(String),
+    /// A system call needed to set up or scan the region failed.
+    #[error("{what} failed")]
+    Sys {
+        /// What was being done, e.g. `registering the region`.
+        what: &'static str,
+        /// The system's error.
+        #[source]
+        source: io::Error,
+    },
+    /// The handler could not install a chunk; the touches after it read zero pages.
+    #[error("the baseline handler could not install the chunk at offset {offset:#x}")]
+    Serve {
+        /// Offset of the chunk in the region.
+        offset: usize,
+        /// The system's error.
+        #[source]
+        source: io::Error,
+    },
+    /// The handler thread panicked.
+    #[error("the baseline handler thread panicked")]
+    HandlerPanicked,
+}
+
+fn sys_err(what: &'static str) -> impl FnOnce(io::Error) -> BaselineError {
+    move |source| BaselineError::Sys { what, source }
+}
+
+/// A raw userfaultfd handler serving a region whose content is a plain buffer.
+#[derive(Debug, Clone, Copy)]
+pub struct Baseline<'a> {
+    source: &'a [u8],
+    mode: BaselineMode,
+}
+
+impl<'a> Baseline<'a> {
+    /// A baseline whose region is `source.len()` bytes and reads as `source`.
+    ///
+    /// The length must be a non-zero multiple of [`PAGE_SIZE`] (which must be the system's
+    /// page size).
+    pub fn new(source: &'a [u8], mode: BaselineMode) -> Result<Self, BaselineError> {
+        if sys::page_size() != PAGE_SIZE {
+            return Err(BaselineError::Invalid(format!(
+                "the system's page size is {}, the baseline assumes {PAGE_SIZE}",
+                sys::page_size()
+            )));
+        }
+        if source.is_empty() || !source.len().is_multiple_of(PAGE_SIZE) {
+            return Err(BaselineError::Invalid(format!(
+                "a region of {} bytes is not a non-zero multiple of {PAGE_SIZE}",
+                source.len()
+            )));
+        }
+        Ok(Self { source, mode })
+    }
+
+    /// The region's size in bytes.
+    pub fn region_bytes(&self) -> usize {
+        self.source.len()
+    }
+
+    /// The mode this baseline registers and installs in.
+    pub fn mode(&self) -> BaselineMode {
+        self.mode
+    }
+
+    /// Times a read of each page in `pages` (page indices), each alone; every fault is served
+    /// by copying the `chunk`-sized chunk around it. Setup and teardown are not timed.
+    pub fn fault_latency(&self, chunk: usize, pages: &[usize]) -> Result<Latencies, BaselineError> {
+        self.check_pages(pages)?;
+        let (samples, _) = self.with_handler(chunk, |mem| touch_each(mem, pages))?;
+        Ok(Latencies::from_samples(samples))
+    }
+
+    /// Reads every page in order, each fault served by copying a `chunk`-sized chunk; timed
+    /// from the first touch to the end of the last.
+    pub fn fill(&self, chunk: usize) -> Result<Fill, BaselineError> {
+        let (elapsed, faults) = self.with_handler(chunk, touch_all)?;
+        Ok(Fill {
+            bytes: self.source.len() as u64,
+            elapsed,
+            faults,
+        })
+    }
+
+    /// Times one scan for written pages — `PAGEMAP_SCAN` with `PM_SCAN_WP_MATCHING |
+    /// PM_SCAN_CHECK_WPASYNC`, the call a region's `take_dirty` makes — after writing one byte
+    /// of each page in `pages`. Untimed before that: the whole region is installed
+    /// write-protected (1 MiB copies, no faults) and scanned once. Always in the
+    /// [`BaselineMode::WriteProtect`] setup, whatever this baseline's mode.
+    pub fn dirty_scan(&self, pages: &[usize]) -> Result<DirtyScan, BaselineError> {
+        self.check_pages(pages)?;
+        let region = Registered::new(self.source.len(), BaselineMode::WriteProtect)?;
+        const STEP: usize = 1 << 20;
+        for offset in (0..self.source.len()).step_by(STEP) {
+            let end = (offset + STEP).min(self.source.len());
+            install(&region.range, offset, &self.source[offset..end], true)?;
+        }
+        let pagemap = Pagemap::open_self().map_err(sys_err("opening /proc/self/pagemap"))?;
+        let mut scratch = Vec::with_capacity(4096);
+        let (start, end) = (
+            region.range.base(),
+            region.range.base() + region.range.len(),
+        );
+        scan_written(&pagemap, start, end, &mut scratch)?;
+        // SAFETY: the mapping is live and writable, every page of it is present (installed
+        // above), so no write blocks on the handler-less fd, and nothing else refers to its
+        // memory while this slice lives.
+        let mem = unsafe { std::slice::from_raw_parts_mut(region.mapping.ptr(), region.len()) };
+        write_each(mem, pages);
+        let started = Instant::now();
+        let reported = scan_written(&pagemap, start, end, &mut scratch)?;
+        let elapsed = started.elapsed();
+        Ok(DirtyScan {
+            elapsed,
+            written_pages: pages.len() as u64,
+            reported_pages: reported,
+        })
+    }
+
+    fn check_pages(&self, pages: &[usize]) -> Result<(), BaselineError> {
+        let npages = self.source.len() / PAGE_SIZE;
+        match pages.iter().find(|&&p| p >= npages) {
+            Some(p) => Err(BaselineError::Invalid(format!(
+                "page {p} is past the end of a region of {npages} pages"
+            ))),
+            None => Ok(()),
+        }
+    }
+
+    /// Maps and registers a region, serves its faults from a scoped handler thread while `f`
+    /// touches it, then stops the handler. Returns `f`'s result and the faults served.
+    fn with_handler<R>(
+        &self,
+        chunk: usize,
+        f: impl FnOnce(&[u8]) -> R,
+    ) -> Result<(R, u64), BaselineError> {
+        if !chunk.is_power_of_two() || chunk < PAGE_SIZE {
+            return Err(BaselineError::Invalid(format!(
+                "chunk {chunk} is not a power of two of at least {PAGE_SIZE}"
+            )));
+        }
+        let region = Registered::new(self.source.len(), self.mode)?;
+        let stop = AtomicBool::new(false);
+        let faults = AtomicU64::new(0);
+        let ready = Barrier::new(2);
+        let handler = Handler {
+            region: &region,
+            source: self.source,
+            chunk,
+            write_protect: self.mode.write_protect(),
+            stop: &stop,
+            faults: &faults,
+            ready: &ready,
+        };
+        std::thread::scope(|s| {
+            let thread = std::thread::Builder::new()
+                .name("uffd-baseline".into())
+                .spawn_scoped(s, move || handler.run())
+                .map_err(sys_err("spawning the handler thread"))?;
+            // Stops the handler even if `f` panics, so that the scope can join it.
+            struct StopOnDrop<'s>(&'s AtomicBool);
+            impl Drop for StopOnDrop<'_> {
+                fn drop(&mut self) {
+                    self.0.store(true, Ordering::Release);
+                }
+            }
+            let guard = StopOnDrop(&stop);
+            // The handler thread is up before the touches (and any clock) start.
+            ready.wait();
+            // SAFETY: the mapping is live and readable for the whole scope (it is unmapped when
+            // `region` drops, after the scope); a page not yet present blocks the reader until
+            // the handler installs it, or — after a handler error — until the region is
+            // unregistered and the page reads as zeros. Nothing writes to it meanwhile.
+            let mem = unsafe { std::slice::from_raw_parts(region.mapping.ptr(), region.len()) };
+            let result = f(mem);
+            drop(guard);
+            thread
+                .join()
+                .map_err(|_| BaselineError::HandlerPanicked)??;
+            Ok((result, faults.load(Ordering::Relaxed)))
+        })
+    }
+}
+
+/// Reads one byte of each page in `pages` (page indices into `mem`), timing each read alone.
+pub fn touch_each(mem: &[u8], pages: &[usize]) -> Vec<Duration> {
+    let mut out = Vec::with_capacity(pages.len());
+    for &p in pages {
+        let started = Instant::now();
+        black_box(black_box(mem)[p * PAGE_SIZE]);
+        out.push(started.elapsed());
+    }
+    out
+}
+
+/// Reads one byte of every page of `mem` in order; returns the time from the first read to
+/// the end of the last.
+pub fn touch_all(mem: &[u8]) -> Duration {
+    let started = Instant::now();
+    for offset in (0..mem.len()).step_by(PAGE_SIZE) {
+        black_box(black_box(mem)[offset]);
+    }
+    started.elapsed()
+}
+
+/// Changes one byte of each page in `pages` (page indices into `mem`).
+pub fn write_each(mem: &mut [u8], pages: &[usize]) {
+    for &p in pages {
+        let b = &mut black_box(&mut *mem)[p * PAGE_SIZE];
+        *b = b.wrapping_add(1);
+    }
+}
+
+/// `count` distinct page indices below `npages` (`count` is capped at `npages`), in a random
+/// order fixed by `seed`.
+pub fn random_pages(npages: usize, count: usize, seed: u64) -> Vec<usize> {
+    let count = count.min(npages);
+    let mut all: Vec<usize> = (0..npages).collect();
+    // xorshift64*; any non-zero state works.
+    let mut x = seed | 1;
+    let mut next = move || {
+        x ^= x >> 12;
+        x ^= x << 25;
+        x ^= x >> 27;
+        x.wrapping_mul(0x2545_f491_4f6c_dd1d)
+    };
+    // A partial Fisher–Yates shuffle: the first `count` entries are the sample.
+    for i in 0..count {
+        let j = i + (next() % (npages - i) as u64) as usize;
+        all.swap(i, j);
+    }
+    all.truncate(count);
+    all
+}
+
+/// `percent`% of `npages` pages (at least one when `percent > 0`; `percent` is capped at
+/// 100), evenly spread: 1% is every 100th page, 100% is every page.
+pub fn spread_pages(npages: usize, percent: u32) -> Vec<usize> {
+    let count = (npages as u128 * u128::from(percent.min(100)) / 100) as usize;
+    let count = if percent > 0 { count.max(1) } else { 0 };
+    (0..count)
+        .map(|i| (i as u128 * npages as u128 / count as u128) as usize)
+        .collect()
+}
+
+/// An anonymous mapping registered with its own userfaultfd.
+#[derive(Debug)]
+struct Registered {
+    /// Declared first, so dropped first: the memory is unmapped before its userfaultfd is
+    /// closed (as the region does), never left registered to nobody.
+    mapping: Mapping,
+    range: UffdRange,
+}
+
+impl Registered {
+    fn new(len: usize, mode: BaselineMode) -> Result<Self, BaselineError> {
+        let mapping = Mapping::new(len, None).map_err(sys_err("mapping the region"))?;
+        let uffd = Uffd::open(mode.features()).map_err(sys_err("opening a userfaultfd"))?;
+        // SAFETY: the mapping is ours, anonymous, private and page-aligned; nothing but this
+        // baseline (which serves every fault, or unregisters on failure) ever touches it.
+        unsafe { uffd.register(mapping.addr(), len, mode.register_mode()) }
+            .map_err(sys_err("registering the region"))?;
+        // SAFETY: the range is exactly the mapping just registered with `uffd` in this
+        // process; the baseline's only references to its memory are the touch loops, which
+        // read (or write) plain bytes and tolerate pages being filled.
+        let range = unsafe { UffdRange::new(Arc::new(uffd), mapping.addr(), len) };
+        Ok(Self { mapping, range })
+    }
+
+    fn len(&self) -> usize {
+        self.mapping.len()
+    }
+
+    /// Unregisters the whole region: blocked touches wake up, missing pages read as zeros.
+    fn unregister(&self) {
+        let mut r = sys::UffdioRange {
+            start: self.range.base() as u64,
+            len: self.range.len() as u64,
+        };
+        // SAFETY: `r` is a live UffdioRange naming exactly our registered mapping; after it,
+        // missing pages fault in as zeros, which only the failing measurement sees (its
+        // result is discarded for the error).
+        let _ = unsafe {
+            sys::ioctl(
+                self.range.uffd().as_raw_fd(),
+                sys::UFFDIO_UNREGISTER,
+                &mut r,
+            )
+        };
+    }
+}
+
+/// Installs `data` at `offset`, reading no events: the baseline enables none, so an
+/// `EventPending` answer (which would mean a remove) only gets a retry.
+fn install(
+    range: &UffdRange,
+    offset: usize,
+    data: &[u8],
+    write_protect: bool,
+) -> Result<(), BaselineError> {
+    let mut from = 0;
+    loop {
+        return match range.install(offset, data, from, write_protect) {
+            Ok(_) => Ok(()),
+            Err(InstallError::EventPending { done }) => {
+                from = done;
+                std::thread::yield_now();
+                continue;
+            }
+            Err(InstallError::Gone) => Err(BaselineError::Serve {
+                offset,
+                source: io::Error::from_raw_os_error(libc::ENOENT),
+            }),
+            Err(InstallError::Os(e)) => Err(BaselineError::Serve {
+                offset,
+                source: io::Error::from_raw_os_error(e),
+            }),
+        };
+    }
+}
+
+/// Collects (and re-protects) the written pages of `start..end`; returns how many hold data.
+fn scan_written(
+    pagemap: &Pagemap,
+    start: usize,
+    end: usize,
+    scratch: &mut Vec<sys::PageRegion>,
+) -> Result<u64, BaselineError> {
+    let mut pages = 0;
+    pagemap
+        .collect_written(start, end, scratch, |run| {
+            if run.has_data {
+                pages += ((run.end - run.start) / PAGE_SIZE) as u64;
+            }
+        })
+        .map_err(sys_err("PAGEMAP_SCAN"))?;
+    Ok(pages)
+}
+
+/// The handler thread's state.
+struct Handler<'s> {
+    region: &'s Registered,
+    source: &'s [u8],
+    chunk: usize,
+    write_protect: bool,
+    stop: &'s AtomicBool,
+    faults: &'s AtomicU64,
+    /// Passed once the thread runs, so that its start-up is not measured.
+    ready: &'s Barrier,
+}
+
+impl Handler<'_> {
+    /// Waits for faults and installs the chunk around each from the source, until stopped.
+    fn run(self) -> Result<(), BaselineError> {
+        self.ready.wait();
+        let result = self.serve();
+        if result.is_err() {
+            self.region.unregister();
+        }
+        result
+    }
+
+    fn serve(&self) -> Result<(), BaselineError> {
+        let range = &self.region.range;
+        let mut msgs = [sys::UffdMsg::default(); 16];
+        let mut pfd = libc::pollfd {
+            fd: range.uffd().as_raw_fd(),
+            events: libc::POLLIN,
+            revents: 0,
+        };
+        while !self.stop.load(Ordering::Acquire) {
+            // The timeout only bounds how late the stop flag is seen: a fault wakes poll at once.
+            // SAFETY: `pfd` is one live pollfd, and the count says one.
+            let polled = unsafe { libc::poll(&mut pfd, 1, 10) };
+            if polled <= 0 {
+                continue;
+            }
+            let n = range
+                .uffd()
+                .read_messages(&mut msgs)
+                .map_err(sys_err("reading the userfaultfd"))?;
+            for m in &msgs[..n] {
+                if m.event != sys::UFFD_EVENT_PAGEFAULT {
+                    continue;
+                }
+                let offset = (m.arg1 as usize - range.base()) & !(self.chunk - 1);
+                let end = (offset + self.chunk).min(range.len());
+                install(range, offset, &self.source[offset..end], self.write_protect)?;
+                self.faults.fetch_add(1, Ordering::Relaxed);
+            }
+        }
+        Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn pattern(len: usize) -> Vec<u8> {
+        (0..len).map(|i| (i % 251) as u8 + 1).collect()
+    }
+
+    #[test]
+    fn random_pages_are_distinct_in_range_and_repeatable() {
+        let p = random_pages(1000, 300, 7);
+        assert_eq!(p.len(), 300);
+        let mut s = p.clone();
+        s.sort_unstable();
+        s.dedup();
+        assert_eq!(s.len(), 300);
+        assert!(p.iter().all(|&x| x < 1000));
+        assert_eq!(random_pages(10, 50, 1).len(), 10);
+        assert_eq!(p, random_pages(1000, 300, 7));
+    }
+
+    #[test]
+    fn spread_pages_are_evenly_spaced() {
+        assert_eq!(
+            spread_pages(1000, 1),
+            (0..10).map(|i| i * 100).collect::<Vec<_>>()
+        );
+        assert_eq!(spread_pages(1000, 100), (0..1000).collect::<Vec<_>>());
+        assert_eq!(spread_pages(50, 1), vec![0]);
+        assert!(spread_pages(50, 0).is_empty());
+    }
+
+    #[test]
+    fn both_modes_serve_the_source_bytes() {
+        let src = pattern(4 << 20);
+        for mode in [BaselineMode::Missing, BaselineMode::WriteProtect] {
+            let b = Baseline::new(&src, mode).unwrap();
+            let pages = random_pages(src.len() / PAGE_SIZE, 100, 3);
+            let lat = b.fault_latency(PAGE_SIZE, &pages).unwrap();
+            assert_eq!(lat.samples, 100);
+            assert!(lat.p50_us > 0.0 && lat.p50_us <= lat.p99_us && lat.p99_us <= lat.max_us);
+            for chunk in [PAGE_SIZE, 64 << 10, 1 << 20] {
+                let f = b.fill(chunk).unwrap();
+                assert_eq!(f.faults, (src.len() / chunk) as u64, "{mode:?} {chunk}");
+                assert!(f.mb_per_s() > 0.0);
+            }
+            let (same, faults) = b.with_handler(64 << 10, |mem| mem == &src[..]).unwrap();
+            assert!(same, "{mode:?}: the region must read as the source");
+            assert_eq!(faults, 64);
+        }
+    }
+
+    #[test]
+    fn dirty_scan_reports_exactly_the_written_pages() {
+        let src = pattern(8 << 20);
+        let b = Baseline::new(&src, BaselineMode::Missing).unwrap();
+        for pct in [1, 100] {
+            let pages = spread_pages(src.len() / PAGE_SIZE, pct);
+            let d = b.dirty_scan(&pages).unwrap();
+            assert_eq!(d.written_pages, pages.len() as u64);
+            assert_eq!(d.reported_pages, pages.len() as u64, "{pct}%");
+        }
+    }
+
+    #[test]
+    fn bad_parameters_are_refused() {
+        assert!(Baseline::new(&[1u8; 100], BaselineMode::Missing).is_err());
+        let src = pattern(1 << 20);
+        let b = Baseline::new(&src, BaselineMode::Missing).unwrap();
+        assert!(b.fill(3000).is_err());
+        assert!(b.fault_latency(PAGE_SIZE, &[256]).is_err());
+    }
+}

@@ -1,0 +1,88 @@
+//! farmap's userfaultfd frontend: a [`Region`] of plain memory whose chunks are fetched from
+//! a [`Store`](farmap_core::Store) on first touch, whose written pages are tracked and pushed
+//! back, and whose fault handling can move to another process.
+//!
+//! ```text
+//!   application threads                    region (this crate)
+//!   ───────────────────                    ───────────────────
+//!   load/store on region memory ─ fault ─▶ reader thread ── events first (REMOVE: chunks
+//!     (anonymous mapping, registered        │               absent again), then faults:
+//!      MISSING | WP, MADV_DONTFORK)         │ poll once inline, else spawn
+//!                                           ▼
+//!                 ┌──────── region runtime (tokio, own threads) ─────────┐
+//!                 │ Cached<RegionMemory, store>: one fetch per chunk,    │
+//!                 │   however many faults and pull workers want it;      │
+//!                 │   RegionMemory::write = UFFDIO_COPY | MODE_WP        │
+//!                 │ Puller (managed): background fill, faulted chunks    │
+//!                 │   and the next few jump the queue                    │
+//!                 │ Pusher: every interval and at sync(), collects       │
+//!                 │   written pages (the region is its DirtySource:      │
+//!                 │   PAGEMAP_SCAN, WP_ASYNC) and writes their chunks,   │
+//!                 │   read out of the memory on blocking threads         │
+//!                 └──────────────────────────────────────────────────────┘
+//! ```
+//!
+//! # Kernel behaviour relied on (verified on Linux 6.18 by the research prototype)
+//! - Chunks are installed whole with `UFFDIO_COPY` in write-protect mode, so that only real
+//!   writes count as written; the first write to a page then costs ≈ 1 µs, resolved in the
+//!   kernel (`UFFD_FEATURE_WP_ASYNC`). Chunks that are all zeros are copied in the same way
+//!   from the store's zero chunk: `UFFDIO_ZEROPAGE` is not atomic with write protection
+//!   (a write between zero-fill and protection would be lost), fails with `EEXIST` on pages
+//!   that carry a write-protect marker, and its pages are reported as written.
+//! - `EEXIST` (a page already present) and partial copies continue page by page; `EAGAIN`
+//!   with nothing copied means a remove event is pending: the copy waits until the reader has
+//!   read it. `ENOENT` means the region is gone.
+//! - `madvise(MADV_DONTNEED)` blocks the caller until its `UFFD_EVENT_REMOVE` is read; the
+//!   reader handles events before faults, and makes the touched chunks absent again.
+//! - `PAGEMAP_SCAN` with `PM_SCAN_WP_MATCHING | PM_SCAN_CHECK_WPASYNC` returns written pages
+//!   and re-protects them atomically with respect to writers. It also reports pages without
+//!   data (never touched, discarded, poisoned) as written: only present or swapped pages count.
+//! - Where `WP_ASYNC` is missing (or [`WriteTracking::SyncFaults`] is asked for), each first
+//!   write faults to the reader, which unprotects the page and records it.
+//! - `UFFDIO_POISON` on the faulting page makes the faulting thread get SIGBUS: what happens
+//!   when a fetch keeps failing. Never a hang, never zeros in place of data.
+//! - Closing the last userfaultfd of a region lets blocked faults through as zero pages and
+//!   silently unregisters it, so a region is always unmapped before its fd is closed.
+//!
+//! # Aliasing contract
+//! The region is plain memory shared with farmap's own threads, which only (a) fill pages
+//! that are missing, (b) read pages to push them, and (c) change their write protection.
+//! [`Region::as_slice`] and [`Region::as_mut_slice`] follow Rust's rules for the
+//! application's side; for concurrent access from several threads, use [`Region::as_ptr`]
+//! and raw or atomic accesses, as with any shared memory. A push may read a page while the
+//! application writes it; the write is then reported by the next scan and pushed again, so
+//! after a final [`Region::sync`] the store holds the memory's content.
+//!
+//! # fork()
+//! The region is marked `MADV_DONTFORK`: a child process does not inherit it, and touching
+//! its addresses in the child raises SIGSEGV (rather than silently reading zeros for pages
+//! never fetched). The parent's region, handler and tracking are unaffected.
+//!
+//! # Hand-over
+//! [`handover::send`] gives the region's userfaultfd to another process running
+//! [`handover::serve`]; if that process stops or dies, the owner takes faults back and wakes
+//! every blocked thread. See [`handover`] for the message layout.
+//!
+//! All `unsafe` code of farmap's userfaultfd support lives in this crate: [`sys`] (the raw
+//! interface), `uffd`, `pagemap`, `mapping`, `handover::socket` and the slices of
+//! [`Region`].
+#![warn(missing_docs)]
+
+pub mod baseline;
+mod error;
+pub mod handover;
+mod mapping;
+mod memory;
+mod options;
+pub mod pagemap;
+mod region;
+mod server;
+mod stats;
+pub mod sys;
+mod tracking;
+pub mod uffd;
+
+pub use error::RegionError;
+pub use options::{RegionMode, RegionOptions, TrackingMode, WriteTracking};
+pub use region::{probe, Region, Support};
+pub use stats::{DirtyReport, HandlerLocation, RegionStats};

@@ -1,0 +1,212 @@
+//! [`RegionMemory`]: the region's memory seen as a [`Store`], so that the pipeline's
+//! [`Cached`](farmap_pipeline::Cached) fills it and its [`Pusher`](farmap_pipeline::Pusher)
+//! reads it.
+
+use std::fmt;
+use std::pin::pin;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
+use std::time::Duration;
+
+use bytes::Bytes;
+use farmap_core::{
+    BoxFuture, Caps, ChunkIdx, ChunkRange, ChunkStatus, ErrorKind, Geometry, Store, StoreError,
+    StoreResult,
+};
+use tokio::sync::Notify;
+
+use crate::mapping::Mapping;
+use crate::stats::Counters;
+use crate::uffd::{InstallError, UffdRange};
+
+/// How long a copy waits for the handler to read a pending event before trying again (the
+/// remover may take a moment to finish after its event was read).
+const EVENT_RETRY: Duration = Duration::from_millis(1);
+
+/// A generation counter the handler bumps after reading events, for copies that must wait
+/// for pending events to be read (`EAGAIN`).
+#[derive(Debug, Default)]
+pub(crate) struct Events {
+    generation: AtomicU64,
+    notify: Notify,
+}
+
+impl Events {
+    /// The current generation.
+    pub fn current(&self) -> u64 {
+        self.generation.load(Ordering::Acquire)
+    }
+
+    /// Events were read: wake the waiting copies.
+    pub fn bump(&self) {
+        self.generation.fetch_add(1, Ordering::AcqRel);
+        self.notify.notify_waiters();
+    }
+
+    /// Waits until the generation moves past `seen`, or [`EVENT_RETRY`] passes.
+    pub async fn wait_past(&self, seen: u64) {
+        let mut notified = pin!(self.notify.notified());
+        notified.as_mut().enable();
+        if self.current() != seen {
+            return;
+        }
+        let _ = tokio::time::timeout(EVENT_RETRY, notified).await;
+    }
+}
+
+/// The region's memory as a store over the region's geometry.
+///
+/// - `write` installs a chunk with `UFFDIO_COPY` (write-protected when tracking writes): only
+///   missing pages are filled, present ones keep their (newer) content. It is what a fetch of
+///   [`Cached`](farmap_pipeline::Cached) calls; nothing else writes.
+/// - `read` copies the chunk out of the mapping on a blocking thread (a missing page faults
+///   and waits for the handler, which runs elsewhere). In a process that serves another
+///   process's region there is no mapping, and `read` fails with `Unsupported`.
+/// - `flush` does nothing; `trim` is unsupported; `status` is unknown.
+pub(crate) struct RegionMemory {
+    range: UffdRange,
+    geometry: Geometry,
+    write_protect: bool,
+    mapping: Option<Arc<Mapping>>,
+    events: Arc<Events>,
+    counters: Arc<Counters>,
+}
+
+impl RegionMemory {
+    pub fn new(
+        range: UffdRange,
+        geometry: Geometry,
+        write_protect: bool,
+        mapping: Option<Arc<Mapping>>,
+        events: Arc<Events>,
+        counters: Arc<Counters>,
+    ) -> Self {
+        Self {
+            range,
+            geometry,
+            write_protect,
+            mapping,
+            events,
+            counters,
+        }
+    }
+
+    /// Copies chunk `idx` out of the mapping on the calling thread (which must not be one the
+    /// handler depends on).
+    pub fn read_now(&self, idx: ChunkIdx) -> StoreResult<Bytes> {
+        self.geometry.check_idx(idx)?;
+        let Some(mapping) = &self.mapping else {
+            return Err(StoreError::new(
+                ErrorKind::Unsupported,
+                "this process serves another process's region and cannot read its memory",
+            ));
+        };
+        let mut buf = vec![0u8; self.geometry.chunk_len(idx)];
+        if !mapping.read(self.geometry.offset_of(idx) as usize, &mut buf) {
+            return Err(StoreError::new(ErrorKind::Closed, "the region is unmapped"));
+        }
+        Ok(Bytes::from(buf))
+    }
+
+    async fn install(&self, idx: ChunkIdx, data: Bytes) -> StoreResult<()> {
+        self.geometry.check_write(idx, data.len())?;
+        let offset = self.geometry.offset_of(idx) as usize;
+        let mut from = 0;
+        loop {
+            let seen = self.events.current();
+            match self.range.install(offset, &data, from, self.write_protect) {
+                Ok(done) => {
+                    let bytes = (done.copied_pages * self.range.page_size()) as u64;
+                    Counters::add(&self.counters.chunks_fetched, 1);
+                    Counters::add(&self.counters.bytes_fetched, bytes);
+                    return Ok(());
+                }
+                Err(InstallError::EventPending { done }) => {
+                    from = done;
+                    self.events.wait_past(seen).await;
+                }
+                Err(InstallError::Gone) => {
+                    return Err(StoreError::new(
+                        ErrorKind::Closed,
+                        format!("installing {idx}: the region is gone"),
+                    ))
+                }
+                Err(InstallError::Os(e)) => {
+                    return Err(StoreError::io(
+                        format!("installing {idx} with UFFDIO_COPY"),
+                        std::io::Error::from_raw_os_error(e),
+                    ))
+                }
+            }
+        }
+    }
+}
+
+impl fmt::Debug for RegionMemory {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("RegionMemory")
+            .field("range", &self.range)
+            .field("geometry", &self.geometry)
+            .field("write_protect", &self.write_protect)
+            .field("local", &self.mapping.is_some())
+            .finish()
+    }
+}
+
+impl Store for RegionMemory {
+    fn geometry(&self) -> Geometry {
+        self.geometry
+    }
+
+    fn caps(&self) -> Caps {
+        Caps::WRITE | Caps::PARALLEL
+    }
+
+    fn read(&self, idx: ChunkIdx) -> BoxFuture<'_, StoreResult<Bytes>> {
+        Box::pin(async move {
+            self.geometry.check_idx(idx)?;
+            let (Some(mapping), geometry) = (self.mapping.clone(), self.geometry) else {
+                return self.read_now(idx);
+            };
+            let copy = tokio::task::spawn_blocking(move || {
+                let mut buf = vec![0u8; geometry.chunk_len(idx)];
+                mapping
+                    .read(geometry.offset_of(idx) as usize, &mut buf)
+                    .then(|| Bytes::from(buf))
+            });
+            match copy.await {
+                Ok(Some(data)) => Ok(data),
+                Ok(None) => Err(StoreError::new(ErrorKind::Closed, "the region is unmapped")),
+                Err(e) => Err(StoreError::new(
+                    ErrorKind::Cancelled,
+                    format!("reading {idx} out of the region: {e}"),
+                )),
+            }
+        })
+    }
+
+    fn write(&self, idx: ChunkIdx, data: Bytes) -> BoxFuture<'_, StoreResult<()>> {
+        Box::pin(self.install(idx, data))
+    }
+
+    fn flush(&self) -> BoxFuture<'_, StoreResult<()>> {
+        Box::pin(async { Ok(()) })
+    }
+
+    fn trim(&self, range: ChunkRange) -> BoxFuture<'_, StoreResult<()>> {
+        Box::pin(async move {
+            self.geometry.check_range(range)?;
+            Err(StoreError::new(
+                ErrorKind::Unsupported,
+                "region memory is not trimmed through the store interface",
+            ))
+        })
+    }
+
+    fn status(&self, idx: ChunkIdx) -> BoxFuture<'_, StoreResult<ChunkStatus>> {
+        Box::pin(async move {
+            self.geometry.check_idx(idx)?;
+            Ok(ChunkStatus::Unknown)
+        })
+    }
+}

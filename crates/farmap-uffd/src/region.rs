@@ -1,0 +1,533 @@
+//! [`Region`]: memory that fetches its chunks from a store on first touch and writes the
+//! chunks the application changed back to it.
+
+use std::fmt;
+use std::future::Future;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
+
+use bytes::Bytes;
+use farmap_core::{ChunkIdx, Geometry, Store};
+use farmap_pipeline::{PullOptions, PullOrder, PullReport, Puller, Pusher};
+use parking_lot::Mutex;
+use tokio::runtime::Handle;
+
+use crate::error::RegionError;
+use crate::handover::Remote;
+use crate::mapping::Mapping;
+use crate::memory::{Events, RegionMemory};
+use crate::options::{RegionMode, RegionOptions, TrackingMode, WriteTracking};
+use crate::pagemap::Pagemap;
+use crate::server::{OwnedRuntime, Reader, Server, ServerParts};
+use crate::stats::{Counters, DirtyReport, HandlerLocation, RegionStats};
+use crate::sys;
+use crate::tracking::{PageBits, Tracker};
+use crate::uffd::{Uffd, UffdRange};
+
+type RegionPusher = Pusher<Arc<RegionMemory>, Arc<dyn Store>>;
+
+/// What this kernel's userfaultfd supports, from [`probe`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Support {
+    /// The feature bits `UFFDIO_API` reports.
+    pub features: u64,
+    /// The tracking [`WriteTracking::Auto`] would choose.
+    pub tracking: TrackingMode,
+    /// Whether a failed fetch can raise SIGBUS in the faulting thread (`UFFDIO_POISON`).
+    pub poison: bool,
+}
+
+/// Checks that userfaultfd works here (the syscall, or `/dev/userfaultfd`) and what it
+/// supports.
+pub fn probe() -> Result<Support, RegionError> {
+    let features = Uffd::probe().map_err(|e| RegionError::Unsupported {
+        reason: match e.raw_os_error() {
+            Some(libc::ENOSYS) => "the kernel has no userfaultfd".into(),
+            Some(libc::EPERM) | Some(libc::EACCES) => format!(
+                "userfaultfd is refused ({e}): vm.unprivileged_userfaultfd is 0, and \
+                 /dev/userfaultfd is not accessible"
+            ),
+            _ => format!("opening a userfaultfd failed: {e}"),
+        },
+    })?;
+    let has_async = features & (sys::UFFD_FEATURE_WP_ASYNC | sys::UFFD_FEATURE_WP_UNPOPULATED)
+        == (sys::UFFD_FEATURE_WP_ASYNC | sys::UFFD_FEATURE_WP_UNPOPULATED);
+    if features & sys::UFFD_FEATURE_EVENT_REMOVE == 0 {
+        return Err(RegionError::Unsupported {
+            reason: "the kernel's userfaultfd lacks UFFD_FEATURE_EVENT_REMOVE".into(),
+        });
+    }
+    Ok(Support {
+        features,
+        tracking: if has_async {
+            TrackingMode::Async
+        } else {
+            TrackingMode::SyncFaults
+        },
+        poison: features & sys::UFFD_FEATURE_POISON != 0,
+    })
+}
+
+/// A memory region whose content lives in a store: touching a chunk for the first time
+/// fetches it, writes are tracked per page and pushed back.
+///
+/// See the [crate documentation](crate) for the design and the aliasing contract.
+pub struct Region {
+    inner: Arc<Inner>,
+    mapping: Arc<Mapping>,
+    runtime: Option<OwnedRuntime>,
+}
+
+/// The parts of a region that its hand-over watcher shares.
+pub(crate) struct Inner {
+    pub geometry: Geometry,
+    pub server: Arc<Server>,
+    pub memory: Arc<RegionMemory>,
+    pub tracker: Arc<Tracker>,
+    pub pusher: Arc<RegionPusher>,
+    pub handle: Handle,
+    pub reader: Mutex<Option<Reader>>,
+    pub pull: Option<PullOptions>,
+    pub spec: Option<String>,
+    pub remote: Mutex<Option<Remote>>,
+    /// Set when the region starts closing: no take-over after that.
+    pub closed: AtomicBool,
+}
+
+impl Inner {
+    pub fn range(&self) -> &UffdRange {
+        &self.server.range
+    }
+
+    /// Stops this process's handler (reader thread and puller): another process serves faults
+    /// from now on.
+    pub fn pause_local(&self) {
+        if let Some(mut reader) = self.reader.lock().take() {
+            reader.stop();
+        }
+        if let Some(puller) = self.server.puller.write().take() {
+            puller.cancel();
+        }
+    }
+
+    /// Serves faults in this process again: starts the reader and (managed) a puller over the
+    /// chunks not fully present, then wakes every thread blocked on the region, so that a
+    /// fault read by a handler that died is raised again.
+    pub fn take_over(&self) -> Result<(), RegionError> {
+        if self.closed.load(Ordering::Acquire) || !self.start_reader(false)? {
+            return Ok(());
+        }
+        if let Some(pull) = &self.pull {
+            let missing = self.chunks_not_present()?;
+            let _enter = self.handle.enter();
+            let puller = Puller::start(
+                self.server.cache.clone(),
+                PullOptions {
+                    order: PullOrder::List(missing),
+                    ..pull.clone()
+                },
+            );
+            *self.server.puller.write() = Some(Arc::new(puller));
+        }
+        self.range()
+            .wake(0, self.range().len())
+            .map_err(|e| RegionError::sys("waking the region's blocked threads", e))
+    }
+
+    /// Starts the reader thread unless it runs (or, without `closing`, the region is
+    /// closing); returns whether it started it.
+    fn start_reader(&self, closing: bool) -> Result<bool, RegionError> {
+        let mut reader = self.reader.lock();
+        if reader.is_some() || (!closing && self.closed.load(Ordering::Acquire)) {
+            return Ok(false);
+        }
+        *reader = Some(
+            Reader::spawn(self.server.clone(), self.handle.clone())
+                .map_err(|e| RegionError::sys("starting the fault reader", e))?,
+        );
+        Ok(true)
+    }
+
+    /// The chunks with at least one page that holds no data, ascending.
+    fn chunks_not_present(&self) -> Result<Vec<ChunkIdx>, RegionError> {
+        let present = self.present_bitmap()?;
+        Ok(self
+            .geometry
+            .all()
+            .iter()
+            .filter(|idx| present[(idx.0 / 8) as usize] & (1 << (idx.0 % 8)) == 0)
+            .collect())
+    }
+
+    /// One bit per chunk (chunk `i`: byte `i / 8`, bit `i % 8`), set when every page of the
+    /// chunk holds data, from the page tables.
+    pub fn present_bitmap(&self) -> Result<Vec<u8>, RegionError> {
+        let chunks = self.geometry.chunk_count();
+        let mut bits = vec![0u8; chunks.div_ceil(8) as usize];
+        let base = self.range().base();
+        let shift = self.geometry.chunk_shift();
+        let pagemap = Pagemap::open_self().map_err(|e| RegionError::sys("opening pagemap", e))?;
+        let mut scratch = Vec::new();
+        let mut covered = vec![0u64; chunks as usize];
+        pagemap
+            .present(base, base + self.range().len(), &mut scratch, |run| {
+                let (mut s, e) = ((run.start - base) as u64, (run.end - base) as u64);
+                while s < e {
+                    let idx = s >> shift;
+                    let chunk_end = ((idx + 1) << shift).min(e);
+                    covered[idx as usize] += chunk_end - s;
+                    s = chunk_end;
+                }
+            })
+            .map_err(|e| RegionError::sys("PAGEMAP_SCAN of present pages", e))?;
+        for idx in self.geometry.all().iter() {
+            if covered[idx.as_usize()] == self.geometry.chunk_len(idx) as u64 {
+                bits[(idx.0 / 8) as usize] |= 1 << (idx.0 % 8);
+            }
+        }
+        Ok(bits)
+    }
+
+    /// Runs `fut` on the region's runtime and waits for it on this thread.
+    fn block_on<T: Send + 'static>(&self, fut: impl Future<Output = T> + Send + 'static) -> T {
+        let (tx, rx) = std::sync::mpsc::sync_channel(1);
+        self.handle.spawn(async move {
+            let _ = tx.send(fut.await);
+        });
+        rx.recv()
+            .expect("the region's runtime runs until the region is dropped")
+    }
+}
+
+impl Region {
+    /// Maps a region over `store` (whose size must be a multiple of the page size), registers
+    /// it with a new userfaultfd and starts its handler, puller (managed mode) and pusher.
+    pub fn open(store: Arc<dyn Store>, opts: RegionOptions) -> Result<Region, RegionError> {
+        let geometry = store.geometry();
+        let page = sys::page_size();
+        let geometry_error = |reason| RegionError::Geometry {
+            size: geometry.size(),
+            chunk_size: geometry.chunk_size(),
+            reason,
+        };
+        if !geometry.size().is_multiple_of(page as u64) {
+            return Err(geometry_error(
+                "the size is not a multiple of the page size",
+            ));
+        }
+        if (geometry.chunk_size() as usize) < page {
+            return Err(geometry_error("chunks are smaller than a page"));
+        }
+        let len = usize::try_from(geometry.size())
+            .map_err(|_| geometry_error("the size does not fit the address space"))?;
+        let support = probe()?;
+        let mode = match (opts.tracking, support.tracking) {
+            (WriteTracking::SyncFaults, _) => TrackingMode::SyncFaults,
+            (_, TrackingMode::Async) => TrackingMode::Async,
+            (WriteTracking::Auto, TrackingMode::SyncFaults) => TrackingMode::SyncFaults,
+            (WriteTracking::Async, TrackingMode::SyncFaults) => {
+                return Err(RegionError::Unsupported {
+                    reason: "asynchronous write protection (UFFD_FEATURE_WP_ASYNC) is missing"
+                        .into(),
+                })
+            }
+        };
+        let mut features = sys::UFFD_FEATURE_EVENT_REMOVE;
+        if mode == TrackingMode::Async {
+            features |= sys::UFFD_FEATURE_WP_ASYNC | sys::UFFD_FEATURE_WP_UNPOPULATED;
+        }
+        if support.poison {
+            features |= sys::UFFD_FEATURE_POISON;
+        }
+
+        let mapping = Arc::new(
+            Mapping::new(len, opts.address)
+                .map_err(|e| RegionError::sys("mapping the region's memory", e))?,
+        );
+        let uffd = Arc::new(
+            Uffd::open(features).map_err(|e| RegionError::sys("opening a userfaultfd", e))?,
+        );
+        let mode_bits = sys::UFFDIO_REGISTER_MODE_MISSING | sys::UFFDIO_REGISTER_MODE_WP;
+        // SAFETY: the mapping is ours, freshly made, page-aligned, and nothing refers to it
+        // yet; the region treats it as handler-filled memory for its whole life.
+        let ioctls = unsafe { uffd.register(mapping.addr(), len, mode_bits) }
+            .map_err(|e| RegionError::sys("registering the region with userfaultfd", e))?;
+        if ioctls & sys::UFFDIO_BIT_WRITEPROTECT == 0 {
+            return Err(RegionError::Unsupported {
+                reason: "UFFDIO_WRITEPROTECT is not available on anonymous memory".into(),
+            });
+        }
+        // SAFETY: registered just above, in this process, for missing and write-protect
+        // faults; the mapping lives until the region unmaps it, and the region's memory is
+        // only ever read through raw copies or slices whose contract allows filling.
+        let range = unsafe { UffdRange::new(uffd, mapping.addr(), len) };
+
+        let runtime = OwnedRuntime::new(opts.worker_threads, "farmap-uffd-rt")
+            .map_err(|e| RegionError::sys("starting the region's runtime", e))?;
+        let handle = runtime.handle().clone();
+        let counters = Arc::new(Counters::default());
+        let events = Arc::new(Events::default());
+        let pages = (len / page) as u64;
+        let written = (mode == TrackingMode::SyncFaults).then(|| Arc::new(PageBits::new(pages)));
+        let memory = Arc::new(RegionMemory::new(
+            range.clone(),
+            geometry,
+            true,
+            Some(mapping.clone()),
+            events.clone(),
+            counters.clone(),
+        ));
+        let cache = Arc::new(
+            farmap_pipeline::Cached::new(memory.clone(), store.clone())
+                .expect("the region's memory has the store's geometry"),
+        );
+        let server = Arc::new(Server::new(ServerParts {
+            range: range.clone(),
+            geometry,
+            cache,
+            pagemap: Pagemap::open_self().map_err(|e| RegionError::sys("opening pagemap", e))?,
+            readahead: u64::from(opts.readahead_chunks),
+            fetch_retry: opts.fetch_retry,
+            written: written.clone(),
+            events: events.clone(),
+            counters: counters.clone(),
+        }));
+        let tracker = Arc::new(Tracker::new(
+            mode,
+            range,
+            geometry,
+            written,
+            events,
+            counters,
+            mapping.clone(),
+        )?);
+        let pusher = {
+            let _enter = handle.enter();
+            Pusher::with_source(memory.clone(), store, opts.push, tracker.clone())
+                .map_err(RegionError::Push)?
+        };
+        let reader = Reader::spawn(server.clone(), handle.clone())
+            .map_err(|e| RegionError::sys("starting the fault reader", e))?;
+        let pull = match opts.mode {
+            RegionMode::Managed(pull) => Some(pull),
+            RegionMode::Direct => None,
+        };
+        if let Some(pull) = &pull {
+            let _enter = handle.enter();
+            let puller = Puller::start(server.cache.clone(), pull.clone());
+            *server.puller.write() = Some(Arc::new(puller));
+        }
+        Ok(Region {
+            inner: Arc::new(Inner {
+                geometry,
+                server,
+                memory,
+                tracker,
+                pusher: Arc::new(pusher),
+                handle,
+                reader: Mutex::new(Some(reader)),
+                pull,
+                spec: opts.store_spec,
+                remote: Mutex::new(None),
+                closed: AtomicBool::new(false),
+            }),
+            mapping,
+            runtime: Some(runtime),
+        })
+    }
+
+    pub(crate) fn inner(&self) -> &Arc<Inner> {
+        &self.inner
+    }
+
+    /// The first byte of the region.
+    pub fn as_ptr(&self) -> *mut u8 {
+        self.mapping.ptr()
+    }
+
+    /// The region's size in bytes.
+    pub fn len(&self) -> usize {
+        self.mapping.len()
+    }
+
+    /// Whether the region is empty (never: stores are not empty).
+    pub fn is_empty(&self) -> bool {
+        self.mapping.len() == 0
+    }
+
+    /// The region's shape (size and chunk size), the store's.
+    pub fn geometry(&self) -> Geometry {
+        self.inner.geometry
+    }
+
+    /// The page size, the unit of write tracking.
+    pub fn page_size(&self) -> usize {
+        self.inner.range().page_size()
+    }
+
+    /// The region as a byte slice. Touching a chunk for the first time waits for its fetch.
+    ///
+    /// Aliasing: while the slice lives, farmap only fills pages that are missing (which no
+    /// read has seen yet) and reads pages to push them; it never changes a page that is
+    /// present. Writing the region through raw pointers meanwhile breaks the slice's
+    /// promise, as for any memory.
+    pub fn as_slice(&self) -> &[u8] {
+        // SAFETY: the mapping is live and `len` bytes long for as long as `&self` is (only
+        // `close` and `drop`, which take the region, unmap it); its pages read as their
+        // fetched content (a missing page blocks until installed, never reads as garbage).
+        unsafe { std::slice::from_raw_parts(self.mapping.ptr(), self.mapping.len()) }
+    }
+
+    /// The region as a mutable byte slice; writes are tracked and pushed. See
+    /// [`as_slice`](Self::as_slice) for what farmap does meanwhile: its pushes read pages you
+    /// may be writing, and a write that a push copied half-way is pushed again after the next
+    /// scan.
+    pub fn as_mut_slice(&mut self) -> &mut [u8] {
+        // SAFETY: as in `as_slice`; `&mut self` makes this the only slice of the region.
+        unsafe { std::slice::from_raw_parts_mut(self.mapping.ptr(), self.mapping.len()) }
+    }
+
+    /// A copy of chunk `idx` as the region holds it now (fetching it if it is missing).
+    pub fn read_chunk(&self, idx: ChunkIdx) -> Result<Bytes, RegionError> {
+        self.inner.memory.read_now(idx).map_err(|e| match e.kind() {
+            farmap_core::ErrorKind::Closed => RegionError::Closed,
+            _ => RegionError::Read(e),
+        })
+    }
+
+    /// The write tracking in use.
+    pub fn tracking_mode(&self) -> TrackingMode {
+        self.inner.tracker.mode()
+    }
+
+    /// Who serves faults now.
+    pub fn handler(&self) -> HandlerLocation {
+        if self.inner.remote.lock().is_some() {
+            HandlerLocation::Remote
+        } else {
+            HandlerLocation::Local
+        }
+    }
+
+    /// The pages written since the last scan (this call, or a push round), and their chunks;
+    /// re-protects them atomically with respect to concurrent writers, so that a write is
+    /// reported by this call or a later one, never lost.
+    ///
+    /// The chunks returned are no longer known to the region's pusher: the caller now owns
+    /// them (migration), or calls [`sync`](Self::sync) after writing them again.
+    pub fn take_dirty(&self) -> Result<DirtyReport, RegionError> {
+        self.inner.tracker.take()
+    }
+
+    /// Pushes every chunk written so far to the store, flushes the store, and waits.
+    /// On an error, the chunks not pushed stay dirty for the next round or `sync`.
+    pub fn sync(&self) -> Result<(), RegionError> {
+        let pusher = self.inner.pusher.clone();
+        self.inner
+            .block_on(async move { pusher.flush().await })
+            .map_err(RegionError::Push)
+    }
+
+    /// [`sync`](Self::sync) as a future (for async code; the work runs on the region's own
+    /// runtime, so any executor can await it).
+    pub fn sync_async(&self) -> impl Future<Output = Result<(), RegionError>> + Send + 'static {
+        let pusher = self.inner.pusher.clone();
+        let task = self.inner.handle.spawn(async move { pusher.flush().await });
+        async move {
+            match task.await {
+                Ok(r) => r.map_err(RegionError::Push),
+                Err(_) => Err(RegionError::Closed),
+            }
+        }
+    }
+
+    /// Waits until the background pull has gone through every chunk (managed mode; `None` in
+    /// direct mode or while another process serves faults).
+    pub fn wait_pull(&self) -> Option<PullReport> {
+        let puller = self.inner.server.puller.read().clone()?;
+        Some(self.inner.block_on(async move { puller.wait().await }))
+    }
+
+    /// The region's counters.
+    pub fn stats(&self) -> RegionStats {
+        let c = &self.inner.server.counters;
+        let push = self.inner.pusher.stats();
+        let last_error = c.last_error.lock().clone().or(push.last_error);
+        RegionStats {
+            tracking: self.tracking_mode(),
+            handler: self.handler(),
+            faults: Counters::get(&c.faults),
+            faults_inline: Counters::get(&c.faults_inline),
+            wp_faults: Counters::get(&c.wp_faults),
+            chunks_fetched: Counters::get(&c.chunks_fetched),
+            bytes_fetched: Counters::get(&c.bytes_fetched),
+            present_chunks: self.inner.server.cache.present_count(),
+            refetched_chunks: Counters::get(&c.refetched_chunks),
+            remove_events: Counters::get(&c.remove_events),
+            removed_chunks: Counters::get(&c.removed_chunks),
+            poisoned_pages: Counters::get(&c.poisoned_pages),
+            dirty_pages: Counters::get(&c.dirty_pages),
+            dirty_chunks: Counters::get(&c.dirty_chunks),
+            pushed_chunks: push.pushed_chunks,
+            pushed_bytes: push.pushed_bytes,
+            failed_pushes: push.failed_pushes,
+            pull: self
+                .inner
+                .server
+                .puller
+                .read()
+                .as_ref()
+                .map(|p| p.progress()),
+            last_error,
+        }
+    }
+
+    /// Syncs, then unmaps the region and stops its threads. On a sync error the region is
+    /// closed all the same and the chunks not pushed are lost: call [`sync`](Self::sync)
+    /// until it succeeds first if they must not be.
+    pub fn close(self) -> Result<(), RegionError> {
+        self.sync()
+        // `drop` does the rest.
+    }
+}
+
+impl Drop for Region {
+    /// Stops the puller, unmaps the memory (after reads in flight, which may need faults
+    /// served), stops the handler and the runtime; the userfaultfd is closed last, when the
+    /// last task lets go of it. Chunks not pushed are not pushed: see [`Region::close`].
+    fn drop(&mut self) {
+        let inner = &self.inner;
+        inner.closed.store(true, Ordering::Release);
+        let remote = inner.remote.lock().take();
+        let remote = remote.map(Remote::detach);
+        if remote.is_some() {
+            // Reads in flight may wait for faults the other process serves, and it may die
+            // now that nobody watches it: serve here too until the memory is gone (both
+            // handlers only fill missing pages, so sharing the work is harmless).
+            if inner.start_reader(true).is_ok() {
+                let _ = inner.range().wake(0, inner.range().len());
+            }
+        }
+        if let Some(puller) = inner.server.puller.write().take() {
+            puller.cancel();
+        }
+        self.mapping.unmap();
+        // Only now that nothing can fault: stop serving and close the hand-over socket.
+        drop(remote);
+        if let Some(mut reader) = inner.reader.lock().take() {
+            reader.stop();
+        }
+        drop(self.runtime.take());
+    }
+}
+
+impl fmt::Debug for Region {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("Region")
+            .field("addr", &self.as_ptr())
+            .field("geometry", &self.inner.geometry)
+            .field("tracking", &self.tracking_mode())
+            .field("handler", &self.handler())
+            .finish()
+    }
+}

@@ -1,0 +1,421 @@
+//! The fault server: what happens to each userfaultfd message, in the region's own process or
+//! in a process the region's fd was handed to.
+//!
+//! ```text
+//!   reader thread (one per server)         region runtime (tokio, N workers)
+//!   ─────────────────────────────          ─────────────────────────────────
+//!   poll(uffd, stop) → read ≤ 64 msgs
+//!   1. events first: REMOVE → evict the
+//!      chunks, bump the event generation ──▶ copies waiting on EAGAIN retry
+//!   2. each fault: build its future, poll
+//!      it once right here ── Ready: done (a memory store: no thread hop)
+//!                         └─ Pending ──────▶ spawned: fetch (Cached dedups with the
+//!                                            puller and other faults) → UFFDIO_COPY|WP
+//!                                            wakes the faulting thread; or UFFDIO_POISON
+//! ```
+//!
+//! The reader never blocks on a fetch and never touches region memory, and neither do the
+//! runtime's async workers: only blocking threads (pushes) and application threads read the
+//! memory, so a fault they take is always served.
+
+use std::fmt;
+use std::future::Future;
+use std::io;
+use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
+use std::pin::Pin;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::Arc;
+use std::task::{Context, Poll, Waker};
+use std::thread::JoinHandle;
+
+use farmap_core::{ChunkIdx, Geometry, Store};
+use farmap_pipeline::{retry, Cached, Puller, RetryPolicy};
+use parking_lot::RwLock;
+use tokio::runtime::Handle;
+
+use crate::memory::{Events, RegionMemory};
+use crate::pagemap::Pagemap;
+use crate::stats::Counters;
+use crate::sys::{self, UffdMsg};
+use crate::tracking::PageBits;
+use crate::uffd::UffdRange;
+
+/// The cache over a region: its memory in front of the store.
+pub(crate) type RegionCache = Cached<Arc<RegionMemory>, Arc<dyn Store>>;
+
+type FaultFuture = Pin<Box<dyn Future<Output = ()> + Send>>;
+
+/// Messages read per `read(2)`.
+const BATCH: usize = 64;
+
+/// Everything a fault needs, shared by the reader thread and the tasks it spawns.
+pub(crate) struct Server {
+    pub range: UffdRange,
+    pub geometry: Geometry,
+    pub cache: Arc<RegionCache>,
+    /// The page tables of the region's process (to check whether a faulted page is really
+    /// missing when its chunk is thought present).
+    pub pagemap: Pagemap,
+    pub puller: RwLock<Option<Arc<Puller>>>,
+    pub readahead: u64,
+    pub fetch_retry: RetryPolicy,
+    /// Pages written, recorded by write-protect faults (synchronous tracking only).
+    pub written: Option<Arc<PageBits>>,
+    pub events: Arc<Events>,
+    pub counters: Arc<Counters>,
+    /// Test hook for hand-over: exit the process upon reading this many faults, without
+    /// serving the last one (a handler that dies at the worst moment).
+    pub exit_after_faults: Option<u64>,
+    faults_read: AtomicU64,
+    poison_unsupported: AtomicBool,
+}
+
+/// What a [`Server`] is made of.
+pub(crate) struct ServerParts {
+    pub range: UffdRange,
+    pub geometry: Geometry,
+    pub cache: Arc<RegionCache>,
+    pub pagemap: Pagemap,
+    pub readahead: u64,
+    pub fetch_retry: RetryPolicy,
+    pub written: Option<Arc<PageBits>>,
+    pub events: Arc<Events>,
+    pub counters: Arc<Counters>,
+}
+
+impl Server {
+    pub fn new(p: ServerParts) -> Self {
+        Self {
+            range: p.range,
+            geometry: p.geometry,
+            cache: p.cache,
+            pagemap: p.pagemap,
+            puller: RwLock::new(None),
+            readahead: p.readahead,
+            fetch_retry: p.fetch_retry,
+            written: p.written,
+            events: p.events,
+            counters: p.counters,
+            exit_after_faults: None,
+            faults_read: AtomicU64::new(0),
+            poison_unsupported: AtomicBool::new(false),
+        }
+    }
+
+    fn page(&self) -> usize {
+        self.range.page_size()
+    }
+
+    /// Handles a batch of messages: events first, then faults.
+    fn handle(self: &Arc<Self>, msgs: &[UffdMsg], rt: &Handle) {
+        let mut events = false;
+        for m in msgs.iter().filter(|m| m.event != sys::UFFD_EVENT_PAGEFAULT) {
+            events = true;
+            if m.event == sys::UFFD_EVENT_REMOVE {
+                self.removed(m.arg0 as usize, m.arg1 as usize);
+            }
+        }
+        if events {
+            self.events.bump();
+        }
+        for m in msgs.iter().filter(|m| m.event == sys::UFFD_EVENT_PAGEFAULT) {
+            let addr = m.arg1 as usize;
+            if !self.range.contains(addr) {
+                continue;
+            }
+            if let Some(limit) = self.exit_after_faults {
+                if self.faults_read.fetch_add(1, Ordering::Relaxed) + 1 >= limit {
+                    // The test hook: die holding a fault that nobody will serve.
+                    std::process::exit(0);
+                }
+            }
+            let page = (addr - self.range.base()) & !(self.page() - 1);
+            let fut: FaultFuture = if m.arg0 & sys::UFFD_PAGEFAULT_FLAG_WP != 0 {
+                Box::pin(self.clone().write_fault(page))
+            } else {
+                Box::pin(self.clone().missing_fault(page))
+            };
+            run_inline_or_spawn(fut, rt, &self.counters);
+        }
+    }
+
+    /// `UFFD_EVENT_REMOVE` of `start..end`: every chunk it touches becomes absent, so that its
+    /// next touch fetches it again (pages of a partly removed chunk that are still there keep
+    /// their content: the copy skips them).
+    fn removed(&self, start: usize, end: usize) {
+        Counters::add(&self.counters.remove_events, 1);
+        let base = self.range.base();
+        let start = start.clamp(base, base + self.range.len()) - base;
+        let end = end.clamp(base, base + self.range.len()) - base;
+        if start >= end {
+            return;
+        }
+        if let Some(written) = &self.written {
+            // The discarded pages hold nothing written any more (the remover waits for this
+            // event to be read before it discards, and a later write faults again).
+            let page = self.page();
+            written.clear((start.div_ceil(page) as u64)..((end / page) as u64));
+        }
+        for idx in self
+            .geometry
+            .chunks_for(start as u64, (end - start) as u64)
+            .iter()
+        {
+            if self.cache.evict(idx) {
+                Counters::add(&self.counters.removed_chunks, 1);
+            }
+        }
+    }
+
+    /// A missing-page fault at `page` (offset in the region).
+    async fn missing_fault(self: Arc<Self>, page: usize) {
+        Counters::add(&self.counters.faults, 1);
+        let idx = self.geometry.chunk_of(page as u64);
+        if let Some(puller) = self.puller.read().as_ref() {
+            let last = (idx.0 + self.readahead).min(self.geometry.chunk_count() - 1);
+            puller.prioritize((idx.0..=last).map(ChunkIdx));
+        }
+        if self.cache.is_present(idx) {
+            // Either another fault's copy already installed the page (and woke us), or the
+            // page went away behind the cache's back (a remove we did not see: in another
+            // process, or while the chunk was being fetched). Ask the page tables.
+            let addr = self.range.base() + page;
+            if self
+                .pagemap
+                .all_present(addr, addr + self.page())
+                .unwrap_or(false)
+            {
+                let _ = self.range.wake(page, self.page());
+                return;
+            }
+            if self.cache.evict(idx) {
+                Counters::add(&self.counters.refetched_chunks, 1);
+            }
+        }
+        let cache = &self.cache;
+        match retry(self.fetch_retry, || cache.fetch(idx)).await {
+            // The copy woke the faulting thread (ours, or that of whoever fetched it).
+            Ok(()) => {}
+            Err(e) => {
+                self.counters.error(format!("{e}: {}", error_chain(&e)));
+                self.poison(page).await;
+            }
+        }
+    }
+
+    /// The fetch for a fault failed for good: poison the page, so that the faulting thread
+    /// gets SIGBUS instead of waiting forever or reading zeros.
+    async fn poison(&self, page: usize) {
+        loop {
+            let seen = self.events.current();
+            match self.range.poison(page, self.page()) {
+                Ok(()) => {
+                    Counters::add(&self.counters.poisoned_pages, 1);
+                    return;
+                }
+                // Installed after all (the puller got it): wake the thread.
+                Err(libc::EEXIST) => {
+                    let _ = self.range.wake(page, self.page());
+                    return;
+                }
+                Err(libc::EAGAIN) => self.events.wait_past(seen).await,
+                // The region is gone (closing): nobody is left to signal.
+                Err(libc::ENOENT | libc::ESRCH) => return,
+                Err(e) => {
+                    if !self.poison_unsupported.swap(true, Ordering::Relaxed) {
+                        eprintln!(
+                            "farmap-uffd: cannot poison a page whose fetch failed ({}); the \
+                             faulting thread keeps waiting",
+                            io::Error::from_raw_os_error(e)
+                        );
+                    }
+                    return;
+                }
+            }
+        }
+    }
+
+    /// A write-protect fault (synchronous tracking): unprotect the page, record it, wake the
+    /// writer. Unprotecting before recording is what keeps a concurrent scan (which clears
+    /// the record, then protects) from losing the write: see [`PageBits`].
+    async fn write_fault(self: Arc<Self>, page: usize) {
+        Counters::add(&self.counters.wp_faults, 1);
+        let size = self.page();
+        loop {
+            let seen = self.events.current();
+            match self.range.write_protect(page, size, false, false) {
+                Ok(()) => break,
+                Err(libc::EAGAIN) => self.events.wait_past(seen).await,
+                Err(e) => {
+                    self.counters.error(format!(
+                        "unprotecting a written page: {}",
+                        io::Error::from_raw_os_error(e)
+                    ));
+                    break;
+                }
+            }
+        }
+        if let Some(written) = &self.written {
+            written.set((page / size) as u64);
+        }
+        let _ = self.range.wake(page, size);
+    }
+}
+
+fn error_chain(e: &dyn std::error::Error) -> String {
+    let mut out = Vec::new();
+    let mut cur = e.source();
+    while let Some(s) = cur {
+        out.push(s.to_string());
+        cur = s.source();
+    }
+    out.join(": ")
+}
+
+/// Polls `fut` once on this thread; spawns it on `rt` if it has to wait.
+fn run_inline_or_spawn(mut fut: FaultFuture, rt: &Handle, counters: &Counters) {
+    let mut cx = Context::from_waker(Waker::noop());
+    match fut.as_mut().poll(&mut cx) {
+        Poll::Ready(()) => Counters::add(&counters.faults_inline, 1),
+        // Polled again by the runtime at once, which registers its own waker.
+        Poll::Pending => drop(rt.spawn(fut)),
+    }
+}
+
+/// A tokio runtime that is shut down in the background when dropped, so that dropping it
+/// never blocks, nor panics inside another runtime's async context.
+pub(crate) struct OwnedRuntime(Option<tokio::runtime::Runtime>);
+
+impl OwnedRuntime {
+    /// A multi-threaded runtime with timers and `workers` threads named `name`.
+    pub fn new(workers: usize, name: &str) -> io::Result<Self> {
+        tokio::runtime::Builder::new_multi_thread()
+            .worker_threads(workers.max(1))
+            .enable_time()
+            .thread_name(name)
+            .build()
+            .map(|rt| Self(Some(rt)))
+    }
+
+    pub fn handle(&self) -> &Handle {
+        self.0.as_ref().expect("present until dropped").handle()
+    }
+}
+
+impl Drop for OwnedRuntime {
+    fn drop(&mut self) {
+        if let Some(rt) = self.0.take() {
+            rt.shutdown_background();
+        }
+    }
+}
+
+impl fmt::Debug for OwnedRuntime {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str("OwnedRuntime")
+    }
+}
+
+/// The reader thread of a [`Server`]: reads messages until stopped.
+pub(crate) struct Reader {
+    stop: OwnedFd,
+    thread: Option<JoinHandle<()>>,
+}
+
+impl Reader {
+    /// Starts reading `server`'s userfaultfd; fault tasks run on `rt`.
+    pub fn spawn(server: Arc<Server>, rt: Handle) -> io::Result<Reader> {
+        // SAFETY: eventfd takes plain flags and returns a new fd or -1.
+        let efd = unsafe { libc::eventfd(0, libc::EFD_CLOEXEC | libc::EFD_NONBLOCK) };
+        if efd < 0 {
+            return Err(io::Error::last_os_error());
+        }
+        // SAFETY: the kernel just returned this fd to us.
+        let stop = unsafe { OwnedFd::from_raw_fd(efd) };
+        let stop_raw = stop.as_raw_fd();
+        let thread = std::thread::Builder::new()
+            .name("farmap-uffd-reader".into())
+            .spawn(move || read_loop(&server, &rt, stop_raw))?;
+        Ok(Reader {
+            stop,
+            thread: Some(thread),
+        })
+    }
+
+    /// Stops the thread (it finishes the batch in hand; spawned fault tasks go on) and waits
+    /// for it.
+    pub fn stop(&mut self) {
+        let one: u64 = 1;
+        // SAFETY: writing 8 bytes from a live u64 to our eventfd.
+        unsafe { libc::write(self.stop.as_raw_fd(), (&raw const one).cast(), 8) };
+        if let Some(t) = self.thread.take() {
+            let _ = t.join();
+        }
+    }
+}
+
+impl Drop for Reader {
+    fn drop(&mut self) {
+        self.stop();
+    }
+}
+
+impl fmt::Debug for Reader {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("Reader")
+            .field("running", &self.thread.is_some())
+            .finish()
+    }
+}
+
+fn read_loop(server: &Arc<Server>, rt: &Handle, stop: i32) {
+    // Futures polled inline may create timers or spawn: give them the runtime's context.
+    let _enter = rt.enter();
+    let uffd = server.range.uffd().clone();
+    let mut msgs = [UffdMsg::default(); BATCH];
+    loop {
+        let mut fds = [
+            libc::pollfd {
+                fd: uffd.as_raw_fd(),
+                events: libc::POLLIN,
+                revents: 0,
+            },
+            libc::pollfd {
+                fd: stop,
+                events: libc::POLLIN,
+                revents: 0,
+            },
+        ];
+        // SAFETY: `fds` is a live array of two pollfds.
+        let r = unsafe { libc::poll(fds.as_mut_ptr(), 2, -1) };
+        if r < 0 {
+            if sys::errno() == libc::EINTR {
+                continue;
+            }
+            server.counters.error(format!(
+                "poll on the userfaultfd: {}",
+                io::Error::last_os_error()
+            ));
+            return;
+        }
+        if fds[1].revents != 0 {
+            return;
+        }
+        if fds[0].revents & (libc::POLLERR | libc::POLLNVAL) != 0 {
+            server
+                .counters
+                .error("the userfaultfd reported an error".to_string());
+            return;
+        }
+        match uffd.read_messages(&mut msgs) {
+            Ok(0) => {}
+            Ok(n) => server.handle(&msgs[..n], rt),
+            Err(e) => {
+                server
+                    .counters
+                    .error(format!("reading the userfaultfd: {e}"));
+                return;
+            }
+        }
+    }
+}

@@ -1,0 +1,118 @@
+//! What a region has done: [`RegionStats`], [`DirtyReport`], and the counters behind them.
+
+use std::ops::Range;
+use std::sync::atomic::{AtomicU64, Ordering};
+
+use farmap_core::ChunkIdx;
+use farmap_pipeline::PullProgress;
+use parking_lot::Mutex;
+
+use crate::options::TrackingMode;
+
+/// Which process serves a region's faults.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum HandlerLocation {
+    /// This process (the region's own handler thread).
+    Local,
+    /// Another process, which received the userfaultfd (see [`handover`](crate::handover)).
+    Remote,
+}
+
+/// A snapshot of a region's counters. Counters are read one by one and may be a moment apart.
+#[derive(Debug, Clone, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct RegionStats {
+    /// The write tracking in use.
+    pub tracking: TrackingMode,
+    /// Who serves faults now.
+    pub handler: HandlerLocation,
+    /// Missing-page faults served by this process.
+    pub faults: u64,
+    /// Of those, the ones served on the handler thread without waiting (the fetch completed
+    /// at once); the others waited for a fetch on the region's runtime.
+    pub faults_inline: u64,
+    /// Write-protect faults served (synchronous tracking only).
+    pub wp_faults: u64,
+    /// Chunks installed by this process (on faults and by the puller).
+    pub chunks_fetched: u64,
+    /// Bytes copied in for them (pages found present are not counted).
+    pub bytes_fetched: u64,
+    /// Chunks the region holds as far as this process knows.
+    pub present_chunks: u64,
+    /// Faults on chunks thought present whose page was gone (fetched again).
+    pub refetched_chunks: u64,
+    /// `UFFD_EVENT_REMOVE` events (madvise `DONTNEED`/`FREE` of part of the region).
+    pub remove_events: u64,
+    /// Chunks those events made absent (fetched again on their next touch).
+    pub removed_chunks: u64,
+    /// Pages poisoned because their fetch failed (the faulting thread got SIGBUS).
+    pub poisoned_pages: u64,
+    /// Written pages found by scans (for pushes and [`take_dirty`](crate::Region::take_dirty)).
+    pub dirty_pages: u64,
+    /// Chunks those pages made dirty.
+    pub dirty_chunks: u64,
+    /// Chunks pushed to the store.
+    pub pushed_chunks: u64,
+    /// Bytes pushed.
+    pub pushed_bytes: u64,
+    /// Pushes that failed after their retries (the chunk stays dirty).
+    pub failed_pushes: u64,
+    /// The background pull's progress (managed mode).
+    pub pull: Option<PullProgress>,
+    /// The most recent error of a fault's fetch, a push or a scan.
+    pub last_error: Option<String>,
+}
+
+/// What [`Region::take_dirty`](crate::Region::take_dirty) found: the pages written since the
+/// previous scan, and the chunks they lie in.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct DirtyReport {
+    /// The chunks holding written pages, ascending.
+    pub chunks: Vec<ChunkIdx>,
+    /// The written pages, as ascending, disjoint ranges of page indices (page `i` covers
+    /// bytes `i * page_size .. (i + 1) * page_size` of the region).
+    pub pages: Vec<Range<u64>>,
+}
+
+impl DirtyReport {
+    /// Number of written pages.
+    pub fn page_count(&self) -> u64 {
+        self.pages.iter().map(|r| r.end - r.start).sum()
+    }
+
+    /// Whether nothing was written.
+    pub fn is_empty(&self) -> bool {
+        self.pages.is_empty() && self.chunks.is_empty()
+    }
+}
+
+/// The counters a region's threads bump.
+#[derive(Debug, Default)]
+pub(crate) struct Counters {
+    pub faults: AtomicU64,
+    pub faults_inline: AtomicU64,
+    pub wp_faults: AtomicU64,
+    pub chunks_fetched: AtomicU64,
+    pub bytes_fetched: AtomicU64,
+    pub refetched_chunks: AtomicU64,
+    pub remove_events: AtomicU64,
+    pub removed_chunks: AtomicU64,
+    pub poisoned_pages: AtomicU64,
+    pub dirty_pages: AtomicU64,
+    pub dirty_chunks: AtomicU64,
+    pub last_error: Mutex<Option<String>>,
+}
+
+impl Counters {
+    pub fn add(counter: &AtomicU64, n: u64) {
+        counter.fetch_add(n, Ordering::Relaxed);
+    }
+
+    pub fn get(counter: &AtomicU64) -> u64 {
+        counter.load(Ordering::Relaxed)
+    }
+
+    pub fn error(&self, message: String) {
+        *self.last_error.lock() = Some(message);
+    }
+}

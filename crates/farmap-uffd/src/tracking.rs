@@ -1,0 +1,237 @@
+//! Write tracking: which pages the application wrote since the last scan, per 4 KiB page,
+//! re-protected atomically with respect to concurrent writers; and the region as the
+//! [`DirtySource`] of its pusher.
+//!
+//! - **Asynchronous** ([`TrackingMode::Async`]): one `PAGEMAP_SCAN` with
+//!   `PM_SCAN_WP_MATCHING` returns the written pages and write-protects them in the same
+//!   walk. Pages without data (never touched, discarded, poisoned) are reported as written
+//!   by the kernel and skipped here: only pages that are present or swapped count.
+//! - **Synchronous** ([`TrackingMode::SyncFaults`]): the handler records each page whose
+//!   write-protect fault it serves in [`PageBits`] (after unprotecting it); a scan takes each
+//!   recorded bit (clearing it) and only then protects the page again. A write between the two
+//!   steps lands before the protection, hence before the push that follows the scan reads
+//!   the page; a write after them faults and is recorded for the next scan.
+
+use std::ops::Range;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use farmap_core::{ErrorKind, Geometry, StoreError, StoreResult};
+use farmap_pipeline::{DirtySet, DirtySource};
+use parking_lot::Mutex;
+
+use crate::error::RegionError;
+use crate::mapping::Mapping;
+use crate::memory::Events;
+use crate::options::TrackingMode;
+use crate::pagemap::Pagemap;
+use crate::stats::{Counters, DirtyReport};
+use crate::sys::PageRegion;
+use crate::uffd::UffdRange;
+
+/// How long a synchronous scan waits for pending events to be read before it gives up.
+const PROTECT_PATIENCE: Duration = Duration::from_secs(5);
+
+/// One bit per page, set by write-protect faults and taken by scans.
+#[derive(Debug)]
+pub(crate) struct PageBits {
+    words: Box<[AtomicU64]>,
+}
+
+impl PageBits {
+    pub fn new(pages: u64) -> Self {
+        Self {
+            words: (0..pages.div_ceil(64)).map(|_| AtomicU64::new(0)).collect(),
+        }
+    }
+
+    pub fn set(&self, page: u64) {
+        self.words[(page / 64) as usize].fetch_or(1 << (page % 64), Ordering::AcqRel);
+    }
+
+    /// Clears the bits of `pages` (their pages were discarded: nothing written is left).
+    pub fn clear(&self, pages: Range<u64>) {
+        for page in pages {
+            let bit = 1u64 << (page % 64);
+            let word = &self.words[(page / 64) as usize];
+            if word.load(Ordering::Relaxed) & bit != 0 {
+                word.fetch_and(!bit, Ordering::AcqRel);
+            }
+        }
+    }
+
+    /// Clears every set bit and calls `f` with each run of set pages, in ascending order.
+    fn take(
+        &self,
+        mut f: impl FnMut(Range<u64>) -> Result<(), RegionError>,
+    ) -> Result<(), RegionError> {
+        let mut run: Option<Range<u64>> = None;
+        for (w, word) in self.words.iter().enumerate() {
+            if word.load(Ordering::Relaxed) == 0 {
+                continue;
+            }
+            let mut bits = word.swap(0, Ordering::AcqRel);
+            while bits != 0 {
+                let page = w as u64 * 64 + u64::from(bits.trailing_zeros());
+                bits &= bits - 1;
+                match &mut run {
+                    Some(r) if r.end == page => r.end += 1,
+                    _ => {
+                        if let Some(r) = run.replace(page..page + 1) {
+                            f(r)?;
+                        }
+                    }
+                }
+            }
+        }
+        if let Some(r) = run {
+            f(r)?;
+        }
+        Ok(())
+    }
+}
+
+/// The region's write tracker.
+pub(crate) struct Tracker {
+    mode: TrackingMode,
+    range: UffdRange,
+    geometry: Geometry,
+    pagemap: Pagemap,
+    scratch: Mutex<Vec<PageRegion>>,
+    written: Option<Arc<PageBits>>,
+    events: Arc<Events>,
+    counters: Arc<Counters>,
+    mapping: Arc<Mapping>,
+}
+
+impl Tracker {
+    /// A tracker of `range` (the region `mapping`), with its own pagemap file.
+    pub fn new(
+        mode: TrackingMode,
+        range: UffdRange,
+        geometry: Geometry,
+        written: Option<Arc<PageBits>>,
+        events: Arc<Events>,
+        counters: Arc<Counters>,
+        mapping: Arc<Mapping>,
+    ) -> Result<Self, RegionError> {
+        let pagemap =
+            Pagemap::open_self().map_err(|e| RegionError::sys("opening /proc/self/pagemap", e))?;
+        Ok(Self {
+            mapping,
+            mode,
+            range,
+            geometry,
+            pagemap,
+            scratch: Mutex::new(Vec::with_capacity(1024)),
+            written,
+            events,
+            counters,
+        })
+    }
+
+    pub fn mode(&self) -> TrackingMode {
+        self.mode
+    }
+
+    /// Calls `f` with each run of pages written since the last scan (page indices), and
+    /// re-protects them. Only while the region is mapped: once it is unmapped, its addresses
+    /// may belong to another mapping (even another region, whose writes a scan would steal).
+    fn scan(&self, f: impl FnMut(Range<u64>)) -> Result<(), RegionError> {
+        self.mapping
+            .while_mapped(|| self.scan_mapped(f))
+            .unwrap_or(Err(RegionError::Closed))
+    }
+
+    fn scan_mapped(&self, mut f: impl FnMut(Range<u64>)) -> Result<(), RegionError> {
+        let page = self.range.page_size();
+        let base = self.range.base();
+        let mut pages = 0;
+        let mut report = |r: Range<u64>| {
+            pages += r.end - r.start;
+            f(r);
+        };
+        match self.mode {
+            TrackingMode::Async => {
+                let mut scratch = self.scratch.lock();
+                self.pagemap
+                    .collect_written(base, base + self.range.len(), &mut scratch, |run| {
+                        if run.has_data {
+                            report(
+                                ((run.start - base) / page) as u64
+                                    ..((run.end - base) / page) as u64,
+                            );
+                        }
+                    })
+                    .map_err(|e| RegionError::sys("PAGEMAP_SCAN of the region", e))?;
+            }
+            TrackingMode::SyncFaults => {
+                let written = self.written.as_ref().expect("sync tracking records pages");
+                written.take(|r| {
+                    self.protect(r.start as usize * page, (r.end - r.start) as usize * page)?;
+                    report(r);
+                    Ok(())
+                })?;
+            }
+        }
+        Counters::add(&self.counters.dirty_pages, pages);
+        Ok(())
+    }
+
+    /// Write-protects `offset..offset+len` again, waiting while a remove event is pending.
+    fn protect(&self, offset: usize, len: usize) -> Result<(), RegionError> {
+        let deadline = Instant::now() + PROTECT_PATIENCE;
+        loop {
+            let seen = self.events.current();
+            match self.range.write_protect(offset, len, true, false) {
+                Ok(()) => return Ok(()),
+                Err(libc::EAGAIN) if Instant::now() < deadline => {
+                    // The reader thread reads the event; this is a plain thread (a push or
+                    // the application), so a short sleep is fine.
+                    while self.events.current() == seen && Instant::now() < deadline {
+                        std::thread::sleep(Duration::from_micros(50));
+                    }
+                }
+                Err(e) => return Err(RegionError::errno("write-protecting scanned pages", e)),
+            }
+        }
+    }
+
+    /// The pages written since the last scan, and their chunks.
+    pub fn take(&self) -> Result<DirtyReport, RegionError> {
+        let mut report = DirtyReport::default();
+        let shift = self.geometry.chunk_shift() - self.range.page_size().trailing_zeros();
+        self.scan(|r| {
+            let first = r.start >> shift;
+            let last = (r.end - 1) >> shift;
+            let from = match report.chunks.last() {
+                Some(c) if c.0 >= first => c.0 + 1,
+                _ => first,
+            };
+            report
+                .chunks
+                .extend((from..=last).map(farmap_core::ChunkIdx));
+            match report.pages.last_mut() {
+                Some(p) if p.end == r.start => p.end = r.end,
+                _ => report.pages.push(r),
+            }
+        })?;
+        Counters::add(&self.counters.dirty_chunks, report.chunks.len() as u64);
+        Ok(report)
+    }
+}
+
+impl DirtySource for Tracker {
+    fn collect(&self, into: &DirtySet) -> StoreResult<()> {
+        let report = self.take().map_err(|e| {
+            let message = format!("collecting the region's written pages: {e}");
+            self.counters.error(message.clone());
+            StoreError::new(ErrorKind::Io, message).with_source(e)
+        })?;
+        for idx in report.chunks {
+            into.mark(idx);
+        }
+        Ok(())
+    }
+}

@@ -1,0 +1,561 @@
+//! Safe wrappers of a userfaultfd: [`Uffd`] (the file descriptor: open, negotiate, register,
+//! read messages) and [`UffdRange`] (a registered range: copy, wake, write-protect, poison,
+//! each bounds-checked, with the kernel's `EEXIST`/`EAGAIN` answers mapped to our own enums as
+//! Firecracker's handler does).
+
+use std::fmt;
+use std::io;
+use std::os::fd::{AsFd, AsRawFd, BorrowedFd, FromRawFd, OwnedFd, RawFd};
+use std::sync::Arc;
+
+use crate::sys::{self, UffdMsg};
+
+/// A userfaultfd, opened `O_CLOEXEC | O_NONBLOCK`, past its `UFFDIO_API` handshake.
+pub struct Uffd {
+    fd: OwnedFd,
+    features: u64,
+}
+
+impl Uffd {
+    /// The features this kernel supports, from a throwaway fd (`UFFDIO_API` with features 0
+    /// reports the whole supported set; a second handshake on one fd is refused, hence the
+    /// throwaway).
+    pub fn probe() -> io::Result<u64> {
+        let fd = open_raw()?;
+        api(&fd, 0).map(|a| a.features)
+    }
+
+    /// Opens a userfaultfd and enables `features` (which must all be supported).
+    pub fn open(features: u64) -> io::Result<Uffd> {
+        let fd = open_raw()?;
+        api(&fd, features)?;
+        Ok(Uffd { fd, features })
+    }
+
+    /// Adopts a userfaultfd that is already past its handshake (received from the process
+    /// that opened it), with the features that process enabled.
+    pub fn from_owned(fd: OwnedFd, features: u64) -> Uffd {
+        Uffd { fd, features }
+    }
+
+    /// The features enabled at the handshake.
+    pub fn features(&self) -> u64 {
+        self.features
+    }
+
+    /// Registers `len` bytes at `start` in `mode` (`UFFDIO_REGISTER_MODE_*`); returns the
+    /// ioctls available on the range (`1 << _UFFDIO_*` bits).
+    ///
+    /// # Safety
+    /// `start..start+len` must be a page-aligned anonymous private mapping of this process
+    /// owned by the caller, whose missing pages no code expects to read as zeros and whose
+    /// writes no code expects to go through while write-protected: once registered, touching
+    /// a missing page blocks until a handler of this fd resolves it.
+    pub unsafe fn register(&self, start: usize, len: usize, mode: u64) -> io::Result<u64> {
+        let mut reg = sys::UffdioRegister {
+            range: sys::UffdioRange {
+                start: start as u64,
+                len: len as u64,
+            },
+            mode,
+            ioctls: 0,
+        };
+        // SAFETY: `reg` is a live UffdioRegister, the type UFFDIO_REGISTER takes; the caller
+        // vouches for the range (see above).
+        unsafe { sys::ioctl(self.fd.as_raw_fd(), sys::UFFDIO_REGISTER, &mut reg) }
+            .map_err(io::Error::from_raw_os_error)?;
+        Ok(reg.ioctls)
+    }
+
+    /// Reads pending messages into `buf`; returns how many (0 when none is pending).
+    pub fn read_messages(&self, buf: &mut [UffdMsg]) -> io::Result<usize> {
+        let bytes = std::mem::size_of_val(buf);
+        // SAFETY: `buf` is valid for writes of `bytes` bytes, and UffdMsg is plain old data:
+        // any bytes the kernel writes form a valid value.
+        let n = unsafe { libc::read(self.fd.as_raw_fd(), buf.as_mut_ptr().cast(), bytes) };
+        if n < 0 {
+            let e = sys::errno();
+            return if e == libc::EAGAIN || e == libc::EINTR {
+                Ok(0)
+            } else {
+                Err(io::Error::from_raw_os_error(e))
+            };
+        }
+        Ok(n as usize / std::mem::size_of::<UffdMsg>())
+    }
+}
+
+impl AsFd for Uffd {
+    fn as_fd(&self) -> BorrowedFd<'_> {
+        self.fd.as_fd()
+    }
+}
+
+impl AsRawFd for Uffd {
+    fn as_raw_fd(&self) -> RawFd {
+        self.fd.as_raw_fd()
+    }
+}
+
+impl fmt::Debug for Uffd {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("Uffd")
+            .field("fd", &self.fd.as_raw_fd())
+            .field("features", &format_args!("{:#x}", self.features))
+            .finish()
+    }
+}
+
+fn open_raw() -> io::Result<OwnedFd> {
+    let flags = libc::O_CLOEXEC | libc::O_NONBLOCK;
+    // SAFETY: the userfaultfd syscall takes one int of flags and returns a new fd or -1.
+    let fd = unsafe { libc::syscall(libc::SYS_userfaultfd, flags) };
+    if fd >= 0 {
+        // SAFETY: the kernel just returned this fd to us; nobody else owns it.
+        return Ok(unsafe { OwnedFd::from_raw_fd(fd as RawFd) });
+    }
+    let syscall_err = io::Error::last_os_error();
+    // Without privilege (vm.unprivileged_userfaultfd = 0), /dev/userfaultfd may still work.
+    open_dev(flags).map_err(|_| syscall_err)
+}
+
+fn open_dev(flags: i32) -> io::Result<OwnedFd> {
+    // SAFETY: a NUL-terminated path and plain flags.
+    let dev = unsafe { libc::open(c"/dev/userfaultfd".as_ptr(), libc::O_RDWR | libc::O_CLOEXEC) };
+    if dev < 0 {
+        return Err(io::Error::last_os_error());
+    }
+    // SAFETY: `dev` was just opened by us.
+    let dev = unsafe { OwnedFd::from_raw_fd(dev) };
+    // SAFETY: USERFAULTFD_IOC_NEW takes its flags as the plain integer argument.
+    let fd = unsafe {
+        libc::ioctl(
+            dev.as_raw_fd(),
+            sys::USERFAULTFD_IOC_NEW as libc::c_ulong,
+            libc::c_long::from(flags),
+        )
+    };
+    if fd < 0 {
+        return Err(io::Error::last_os_error());
+    }
+    // SAFETY: the kernel just returned this fd to us.
+    Ok(unsafe { OwnedFd::from_raw_fd(fd) })
+}
+
+fn api(fd: &OwnedFd, features: u64) -> io::Result<sys::UffdioApi> {
+    let mut a = sys::UffdioApi {
+        api: sys::UFFD_API,
+        features,
+        ioctls: 0,
+    };
+    // SAFETY: `a` is a live UffdioApi, the type UFFDIO_API takes; it changes no memory.
+    unsafe { sys::ioctl(fd.as_raw_fd(), sys::UFFDIO_API, &mut a) }
+        .map_err(io::Error::from_raw_os_error)?;
+    Ok(a)
+}
+
+/// Why a `UFFDIO_COPY` stopped (the kernel's answers, named).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum CopyError {
+    /// `EEXIST`: the first page of the range is already present.
+    Exists,
+    /// `EAGAIN` after copying this many bytes: continue after them.
+    Partial(usize),
+    /// `EAGAIN` with nothing copied: a non-cooperative event (a remove) is pending; the events
+    /// must be read before copies succeed again.
+    EventPending,
+    /// `ENOENT` / `ESRCH`: the range is no longer registered, or its process has exited.
+    Gone,
+    /// Any other errno.
+    Os(i32),
+}
+
+/// Why [`UffdRange::install`] stopped before the end.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum InstallError {
+    /// An event is pending: read the events, then call `install` again from `done`.
+    EventPending {
+        /// Bytes of the range handled so far (installed, or found present).
+        done: usize,
+    },
+    /// The range is gone (unmapped, or its process exited).
+    Gone,
+    /// Any other errno.
+    Os(i32),
+}
+
+/// What [`UffdRange::install`] did.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct Installed {
+    /// Pages copied in.
+    pub copied_pages: usize,
+    /// Pages left alone because they were already present.
+    pub present_pages: usize,
+}
+
+/// A range registered with a userfaultfd, in this process or in the one that sent the fd.
+///
+/// Every method takes offsets relative to the range and checks them; copies never overwrite
+/// a present page (the kernel only fills missing ones).
+#[derive(Clone)]
+pub struct UffdRange {
+    uffd: Arc<Uffd>,
+    base: usize,
+    len: usize,
+    page: usize,
+}
+
+impl UffdRange {
+    /// The range `base..base+len`, registered with `uffd`.
+    ///
+    /// # Safety
+    /// The range must be page-aligned and registered with `uffd` (missing and write-protect
+    /// modes, as the methods used need) in the address space the fd belongs to, by an owner
+    /// that treats it as memory this fd's handler fills: in this process, no code may hold a
+    /// reference that relies on the content of a page that is missing, and every access must
+    /// tolerate the pages being filled, write-protected or poisoned through this value.
+    pub unsafe fn new(uffd: Arc<Uffd>, base: usize, len: usize) -> UffdRange {
+        let page = sys::page_size();
+        debug_assert!(
+            base.is_multiple_of(page) && len.is_multiple_of(page),
+            "unaligned uffd range"
+        );
+        UffdRange {
+            uffd,
+            base,
+            len,
+            page,
+        }
+    }
+
+    /// The userfaultfd.
+    pub fn uffd(&self) -> &Arc<Uffd> {
+        &self.uffd
+    }
+
+    /// Start address.
+    pub fn base(&self) -> usize {
+        self.base
+    }
+
+    /// Length in bytes.
+    pub fn len(&self) -> usize {
+        self.len
+    }
+
+    /// Whether the range is empty.
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+
+    /// The page size.
+    pub fn page_size(&self) -> usize {
+        self.page
+    }
+
+    /// Whether `addr` lies in the range.
+    pub fn contains(&self, addr: usize) -> bool {
+        addr >= self.base && addr - self.base < self.len
+    }
+
+    fn check(&self, offset: usize, len: usize) -> sys::UffdioRange {
+        assert!(
+            offset.is_multiple_of(self.page)
+                && len.is_multiple_of(self.page)
+                && offset.checked_add(len).is_some_and(|end| end <= self.len),
+            "uffd range operation at {offset:#x}+{len:#x} outside 0+{:#x} or unaligned",
+            self.len
+        );
+        sys::UffdioRange {
+            start: (self.base + offset) as u64,
+            len: len as u64,
+        }
+    }
+
+    /// One `UFFDIO_COPY` of `src` to `offset` (`mode`: `UFFDIO_COPY_MODE_*`); returns the
+    /// bytes copied (all of them) or why it stopped.
+    ///
+    /// # Panics
+    /// If the destination is unaligned or outside the range.
+    pub fn copy(&self, offset: usize, src: &[u8], mode: u64) -> Result<usize, CopyError> {
+        let r = self.check(offset, src.len());
+        let mut c = sys::UffdioCopy {
+            dst: r.start,
+            src: src.as_ptr() as u64,
+            len: r.len,
+            mode,
+            copy: 0,
+        };
+        // SAFETY: `c` is a live UffdioCopy; `src` is readable for `len` bytes for the call;
+        // the destination lies in the registered range (checked above), whose owner accepts
+        // missing pages being filled (`new`'s contract). The kernel never overwrites a
+        // present page.
+        match unsafe { sys::ioctl(self.uffd.as_raw_fd(), sys::UFFDIO_COPY, &mut c) } {
+            Ok(_) => Ok(src.len()),
+            Err(libc::EAGAIN) if c.copy > 0 => {
+                let n = c.copy as usize;
+                if n >= src.len() {
+                    Ok(n)
+                } else {
+                    Err(CopyError::Partial(n))
+                }
+            }
+            Err(libc::EAGAIN) => Err(CopyError::EventPending),
+            Err(libc::EEXIST) => Err(CopyError::Exists),
+            Err(libc::ENOENT | libc::ESRCH) => Err(CopyError::Gone),
+            Err(e) => Err(CopyError::Os(e)),
+        }
+    }
+
+    /// Installs `data` at `offset` page by page where pages are missing, starting `from`
+    /// bytes into it (0, or the `done` of an earlier [`InstallError::EventPending`]);
+    /// `write_protect` installs the pages write-protected, so that only later writes count
+    /// as written. Pages already present are left as they are (they hold newer data), and the
+    /// range is woken if any was found, so that a thread that faulted on one goes on.
+    ///
+    /// # Panics
+    /// If the destination is unaligned or outside the range, or `from` is past `data`.
+    pub fn install(
+        &self,
+        offset: usize,
+        data: &[u8],
+        from: usize,
+        write_protect: bool,
+    ) -> Result<Installed, InstallError> {
+        assert!(
+            from <= data.len() && from.is_multiple_of(self.page),
+            "bad resume offset"
+        );
+        let mode = if write_protect {
+            sys::UFFDIO_COPY_MODE_WP
+        } else {
+            0
+        };
+        let mut done = from;
+        let mut report = Installed::default();
+        while done < data.len() {
+            match self.copy(offset + done, &data[done..], mode) {
+                Ok(n) | Err(CopyError::Partial(n)) => {
+                    report.copied_pages += n / self.page;
+                    done += n;
+                }
+                Err(CopyError::Exists) => {
+                    report.present_pages += 1;
+                    done += self.page;
+                }
+                Err(CopyError::EventPending) => return Err(InstallError::EventPending { done }),
+                Err(CopyError::Gone) => return Err(InstallError::Gone),
+                Err(CopyError::Os(e)) => return Err(InstallError::Os(e)),
+            }
+        }
+        if report.present_pages > 0 {
+            // A page someone else installed was woken by their copy; waking again is cheap
+            // insurance against a waiter that raced with it.
+            let _ = self.wake(offset, data.len());
+        }
+        Ok(report)
+    }
+
+    /// Wakes the threads blocked on faults in `offset..offset+len`.
+    ///
+    /// # Panics
+    /// If the range is unaligned or outside the registered one.
+    pub fn wake(&self, offset: usize, len: usize) -> io::Result<()> {
+        let mut r = self.check(offset, len);
+        // SAFETY: `r` is a live UffdioRange; waking changes no memory.
+        unsafe { sys::ioctl(self.uffd.as_raw_fd(), sys::UFFDIO_WAKE, &mut r) }
+            .map(|_| ())
+            .map_err(io::Error::from_raw_os_error)
+    }
+
+    /// Write-protects (`protect`) or unprotects `offset..offset+len`; when unprotecting,
+    /// `wake` wakes the threads blocked on it. `Err(EAGAIN)` while an event is pending.
+    ///
+    /// # Panics
+    /// If the range is unaligned or outside the registered one.
+    pub fn write_protect(
+        &self,
+        offset: usize,
+        len: usize,
+        protect: bool,
+        wake: bool,
+    ) -> Result<(), i32> {
+        let mut mode = 0;
+        if protect {
+            mode |= sys::UFFDIO_WRITEPROTECT_MODE_WP;
+        }
+        // Protecting wakes nobody, and the kernel refuses DONTWAKE with it (EINVAL).
+        if !wake && !protect {
+            mode |= sys::UFFDIO_WRITEPROTECT_MODE_DONTWAKE;
+        }
+        let mut w = sys::UffdioWriteprotect {
+            range: self.check(offset, len),
+            mode,
+        };
+        // SAFETY: `w` is a live UffdioWriteprotect; the range is registered and its owner
+        // accepts write protection (`new`'s contract).
+        unsafe { sys::ioctl(self.uffd.as_raw_fd(), sys::UFFDIO_WRITEPROTECT, &mut w) }.map(|_| ())
+    }
+
+    /// Poisons the missing pages of `offset..offset+len` and wakes their waiters: touching
+    /// them raises SIGBUS. `Err(EEXIST)` if a page is present, `Err(EAGAIN)` while an event
+    /// is pending.
+    ///
+    /// # Panics
+    /// If the range is unaligned or outside the registered one.
+    pub fn poison(&self, offset: usize, len: usize) -> Result<(), i32> {
+        let mut p = sys::UffdioPoison {
+            range: self.check(offset, len),
+            mode: 0,
+            updated: 0,
+        };
+        // SAFETY: `p` is a live UffdioPoison; only missing pages of the registered range are
+        // affected, and its owner accepts them being poisoned (`new`'s contract).
+        unsafe { sys::ioctl(self.uffd.as_raw_fd(), sys::UFFDIO_POISON, &mut p) }.map(|_| ())
+    }
+}
+
+impl fmt::Debug for UffdRange {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("UffdRange")
+            .field("base", &format_args!("{:#x}", self.base))
+            .field("len", &self.len)
+            .field("uffd", &self.uffd)
+            .finish()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::mapping::Mapping;
+    use crate::pagemap::Pagemap;
+
+    const PAGE: usize = 4096;
+
+    /// A registered 64 KiB mapping, or `None` (and "skipped") where userfaultfd is refused.
+    fn registered() -> Option<(Mapping, UffdRange)> {
+        let uffd = match Uffd::open(0) {
+            Ok(u) => u,
+            Err(e) => {
+                assert!(
+                    !std::env::var("CI").is_ok_and(|v| v == "true"),
+                    "userfaultfd must work under CI=true: {e}"
+                );
+                println!("skipped: userfaultfd: {e}");
+                return None;
+            }
+        };
+        let mapping = Mapping::new(16 * PAGE, None).unwrap();
+        // SAFETY: a fresh mapping of ours; the test never touches a page it has not installed.
+        unsafe {
+            uffd.register(
+                mapping.addr(),
+                mapping.len(),
+                sys::UFFDIO_REGISTER_MODE_MISSING,
+            )
+        }
+        .unwrap();
+        // SAFETY: registered just above.
+        let range = unsafe { UffdRange::new(Arc::new(uffd), mapping.addr(), mapping.len()) };
+        Some((mapping, range))
+    }
+
+    fn discard(mapping: &Mapping, page: usize) {
+        // SAFETY: one page of our own mapping, which nothing references.
+        let r = unsafe {
+            libc::madvise(
+                mapping.ptr().add(page * PAGE).cast(),
+                PAGE,
+                libc::MADV_DONTNEED,
+            )
+        };
+        assert_eq!(r, 0);
+    }
+
+    #[test]
+    fn copies_map_the_kernel_answers() {
+        let Some((mapping, range)) = registered() else {
+            return;
+        };
+        let data: Vec<u8> = (0..16 * PAGE).map(|i| (i / PAGE) as u8 + 1).collect();
+        assert_eq!(range.copy(5 * PAGE, &data[..PAGE], 0), Ok(PAGE));
+        assert_eq!(
+            range.copy(5 * PAGE, &data[..PAGE], 0),
+            Err(CopyError::Exists)
+        );
+        assert_eq!(range.copy(0, &data, 0), Err(CopyError::Partial(5 * PAGE)));
+        // install goes on past present pages (0..=5 now), and does not overwrite them.
+        let done = range.install(0, &data, 0, false).unwrap();
+        assert_eq!(
+            done,
+            Installed {
+                copied_pages: 10,
+                present_pages: 6
+            }
+        );
+        let mut page5 = vec![0u8; PAGE];
+        assert!(mapping.read(5 * PAGE, &mut page5));
+        assert!(
+            page5.iter().all(|&b| b == 1),
+            "page 5 kept its first content"
+        );
+        let again = range.install(0, &data, 0, false).unwrap();
+        assert_eq!(
+            again,
+            Installed {
+                copied_pages: 0,
+                present_pages: 16
+            }
+        );
+        // A discarded page is filled again, alone.
+        discard(&mapping, 9);
+        let pm = Pagemap::open_self().unwrap();
+        let (base, end) = (range.base(), range.base() + range.len());
+        assert!(!pm.all_present(base, end).unwrap());
+        assert!(pm.all_present(base, base + 9 * PAGE).unwrap());
+        assert_eq!(range.install(0, &data, 0, false).unwrap().copied_pages, 1);
+        assert!(pm.all_present(base, end).unwrap());
+        let mut all = vec![0u8; 16 * PAGE];
+        assert!(mapping.read(0, &mut all));
+        let mut want = data.clone();
+        want[5 * PAGE..6 * PAGE].fill(1);
+        assert!(all == want);
+    }
+
+    #[test]
+    fn poisoned_pages_can_be_filled_later() {
+        let Some((mapping, range)) = registered() else {
+            return;
+        };
+        if range.poison(3 * PAGE, PAGE) == Err(libc::EINVAL) {
+            println!("skipped: UFFDIO_POISON is not supported here");
+            return;
+        }
+        assert_eq!(
+            range.poison(3 * PAGE, PAGE),
+            Err(libc::EEXIST),
+            "a poisoned page is not missing"
+        );
+        let data = vec![7u8; 16 * PAGE];
+        // A later successful fetch replaces the poison (the store recovered).
+        assert_eq!(range.install(0, &data, 0, false).unwrap().copied_pages, 16);
+        let mut page = vec![0u8; PAGE];
+        assert!(mapping.read(3 * PAGE, &mut page));
+        assert!(page.iter().all(|&b| b == 7));
+        assert_eq!(
+            range.poison(3 * PAGE, PAGE),
+            Err(libc::EEXIST),
+            "present pages are not poisoned"
+        );
+    }
+
+    #[test]
+    #[should_panic(expected = "outside")]
+    fn out_of_range_copies_panic() {
+        let Some((_mapping, range)) = registered() else {
+            panic!("outside (skipped)");
+        };
+        let _ = range.copy(16 * PAGE, &[0u8; PAGE], 0);
+    }
+}

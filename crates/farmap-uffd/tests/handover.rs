@@ -1,0 +1,335 @@
+//! Fault handling handed to another process over a Unix socket, with two real processes: the
+//! test binary re-runs itself as the handler (`FARMAP_UFFD_HANDLER` set, socket on fd 3).
+//! The handler serves faults and gives them back; killed, or dying with a fault in hand, it
+//! leaves the owner to take over without a hang.
+
+mod common;
+
+use std::os::fd::{AsRawFd, FromRawFd};
+use std::os::unix::net::UnixStream;
+use std::os::unix::process::CommandExt;
+use std::path::Path;
+use std::process::{Child, Command, Stdio};
+use std::sync::Arc;
+use std::time::Duration;
+
+use bytes::Bytes;
+use common::*;
+use farmap_core::{ChunkIdx, Geometry, Store};
+use farmap_pipeline::PullOptions;
+use farmap_store::{FileOptions, FileStore};
+use farmap_testkit::pattern_bytes;
+use farmap_uffd::handover::{self, SendOptions, ServeOptions};
+use farmap_uffd::{HandlerLocation, Region, RegionMode, RegionOptions, WriteTracking};
+
+const CHUNK: usize = 64 << 10;
+const SIZE: usize = 8 << 20;
+const LIMIT: Duration = Duration::from_secs(20);
+
+fn open_file(spec: &str) -> Result<Arc<dyn Store>, String> {
+    let path = spec.strip_prefix("file:").ok_or("not a file spec")?;
+    let opts = FileOptions {
+        size: None,
+        chunk_size: CHUNK as u32,
+        read_only: false,
+    };
+    let store = FileStore::open(Path::new(path), opts).map_err(|e| e.to_string())?;
+    Ok(Arc::new(store))
+}
+
+/// A file store holding the pattern with `seed`, and its spec.
+fn pattern_file(dir: &Path, seed: u64) -> (String, Arc<dyn Store>) {
+    let path = dir.join("region.img");
+    let g = Geometry::new(SIZE as u64, CHUNK as u64).unwrap();
+    let opts = FileOptions {
+        size: Some(g.size()),
+        chunk_size: CHUNK as u32,
+        read_only: false,
+    };
+    let store = FileStore::open(&path, opts).unwrap();
+    block_on(async {
+        for idx in g.all().iter() {
+            let data = pattern_bytes(seed, g.offset_of(idx), CHUNK);
+            store.write(idx, Bytes::from(data)).await.unwrap();
+        }
+        store.flush().await.unwrap();
+    });
+    (format!("file:{}", path.display()), Arc::new(store))
+}
+
+/// Starts the handler process (its output captured if `capture`); returns our end of its
+/// socket.
+fn spawn_handler(mode: &str, capture: bool) -> (UnixStream, Child) {
+    let (ours, theirs) = UnixStream::pair().unwrap();
+    let fd = theirs.as_raw_fd();
+    let mut cmd = Command::new(std::env::current_exe().unwrap());
+    cmd.args([
+        "--exact",
+        "handler_process",
+        "--nocapture",
+        "--test-threads=1",
+    ])
+    .env("FARMAP_UFFD_HANDLER", mode)
+    .stdout(if capture {
+        Stdio::piped()
+    } else {
+        Stdio::null()
+    });
+    // SAFETY: between fork and exec the child only calls dup2, which is async-signal-safe;
+    // the copy on fd 3 has no close-on-exec flag, so exactly this child inherits the socket.
+    unsafe {
+        cmd.pre_exec(move || {
+            if libc::dup2(fd, 3) < 0 {
+                return Err(std::io::Error::last_os_error());
+            }
+            Ok(())
+        });
+    }
+    let child = cmd.spawn().unwrap();
+    drop(theirs);
+    (ours, child)
+}
+
+/// The handler process (does nothing in a normal test run).
+#[test]
+fn handler_process() {
+    let Ok(mode) = std::env::var("FARMAP_UFFD_HANDLER") else {
+        return;
+    };
+    // SAFETY: fd 3 is the socket our parent set up for us, and nothing else owns it.
+    let sock = unsafe { UnixStream::from_raw_fd(3) };
+    let opts = ServeOptions {
+        exit_after_faults: (mode == "die-on-3rd").then_some(3),
+        ..ServeOptions::default()
+    };
+    let report = handover::serve(sock, open_file, opts).unwrap();
+    println!(
+        "handler: served {} faults, fetched {} chunks",
+        report.faults, report.chunks_fetched
+    );
+}
+
+fn open_region(spec: String, store: Arc<dyn Store>, mode: RegionMode) -> Region {
+    let opts = RegionOptions {
+        mode,
+        store_spec: Some(spec),
+        ..direct(WriteTracking::Async)
+    };
+    Region::open(store, opts).unwrap()
+}
+
+fn byte(off: usize) -> u8 {
+    pattern_bytes(6, off as u64, 1)[0]
+}
+
+/// Reads one byte per chunk of `chunks` on another thread, with a time limit.
+fn touch(region: &Arc<Region>, chunks: std::ops::Range<usize>) {
+    let r = region.clone();
+    within(LIMIT, "touching the region", move || {
+        let mem = r.as_slice();
+        for c in chunks {
+            let off = c * CHUNK + 123;
+            assert_eq!(mem[off], byte(off), "byte {off}");
+        }
+    });
+}
+
+#[test]
+fn a_handler_process_serves_faults_and_gives_them_back() {
+    if !uffd_available("a_handler_process_serves_faults_and_gives_them_back") {
+        return;
+    }
+    let dir = tempfile::tempdir().unwrap();
+    let (spec, store) = pattern_file(dir.path(), 6);
+    let region = Arc::new(open_region(spec, store.clone(), RegionMode::Direct));
+    touch(&region, 0..2);
+    let (sock, child) = spawn_handler("serve", true);
+    handover::send(&region, sock, SendOptions::default()).unwrap();
+    assert_eq!(region.handler(), HandlerLocation::Remote);
+    let before = region.stats();
+    touch(&region, 2..40);
+    let after = region.stats();
+    assert_eq!(after.faults, before.faults, "the other process served them");
+    assert_eq!(after.handler, HandlerLocation::Remote);
+    // Writes are still tracked and pushed here, including to pages the handler installed.
+    let base = SendPtr(region.as_ptr());
+    poke(base.0, 10 * CHUNK + 1, 0xEE);
+    poke(base.0, 60 * CHUNK, 0xDD); // not yet present: the handler fetches it first
+    region.sync().unwrap();
+    let c10 = block_on(store.read(ChunkIdx(10))).unwrap();
+    let c60 = block_on(store.read(ChunkIdx(60))).unwrap();
+    assert_eq!((c10[1], c60[0]), (0xEE, 0xDD));
+    assert_eq!(c60[1], byte(60 * CHUNK + 1));
+    handover::reclaim(&region, LIMIT).unwrap();
+    assert_eq!(region.handler(), HandlerLocation::Local);
+    let out = within(LIMIT, "the handler's exit", move || {
+        child.wait_with_output().unwrap()
+    });
+    assert!(out.status.success(), "{out:?}");
+    let said = String::from_utf8_lossy(&out.stdout);
+    assert!(said.contains("handler: served"), "{said}");
+    touch(&region, 70..80);
+    assert!(
+        region.stats().faults >= before.faults + 10,
+        "served here again"
+    );
+}
+
+#[test]
+fn a_managed_region_is_pulled_by_the_handler() {
+    if !uffd_available("a_managed_region_is_pulled_by_the_handler") {
+        return;
+    }
+    let dir = tempfile::tempdir().unwrap();
+    let (spec, store) = pattern_file(dir.path(), 6);
+    let pull = PullOptions {
+        workers: 1,
+        ..PullOptions::default()
+    };
+    let region = Arc::new(open_region(spec, store, RegionMode::Managed(pull)));
+    let (sock, mut child) = spawn_handler("serve", false);
+    handover::send(&region, sock, SendOptions::default()).unwrap();
+    let before = region.stats().chunks_fetched;
+    eventually_within(LIMIT, || {
+        // The handler's pull installs everything; this process fetches nothing.
+        let r = region.clone();
+        within(LIMIT, "reading the region", move || {
+            r.as_slice()
+                .chunks(CHUNK)
+                .enumerate()
+                .all(|(c, data)| data[7] == byte(c * CHUNK + 7))
+        })
+    });
+    // A fetch of this process's own puller that was in flight when it stopped may finish.
+    assert!(region.stats().chunks_fetched <= before + 1);
+    handover::reclaim(&region, LIMIT).unwrap();
+    within(LIMIT, "the handler's exit", move || child.wait().unwrap());
+}
+
+fn eventually_within(limit: Duration, mut cond: impl FnMut() -> bool) {
+    let deadline = std::time::Instant::now() + limit;
+    while !cond() {
+        assert!(std::time::Instant::now() < deadline, "not within {limit:?}");
+        std::thread::sleep(Duration::from_millis(5));
+    }
+}
+
+#[test]
+fn the_owner_takes_over_when_the_handler_is_killed() {
+    if !uffd_available("the_owner_takes_over_when_the_handler_is_killed") {
+        return;
+    }
+    let dir = tempfile::tempdir().unwrap();
+    let (spec, store) = pattern_file(dir.path(), 6);
+    let region = Arc::new(open_region(spec, store, RegionMode::Direct));
+    let (sock, mut child) = spawn_handler("serve", false);
+    handover::send(&region, sock, SendOptions::default()).unwrap();
+    touch(&region, 0..5);
+    let served_here = region.stats().faults;
+    child.kill().unwrap();
+    child.wait().unwrap();
+    touch(&region, 5..50);
+    assert!(region.stats().faults >= served_here + 45);
+    assert_eq!(region.handler(), HandlerLocation::Local);
+}
+
+#[test]
+fn a_fault_the_dying_handler_read_is_served_after_take_over() {
+    if !uffd_available("a_fault_the_dying_handler_read_is_served_after_take_over") {
+        return;
+    }
+    let dir = tempfile::tempdir().unwrap();
+    let (spec, store) = pattern_file(dir.path(), 6);
+    let region = Arc::new(open_region(spec, store, RegionMode::Direct));
+    let (sock, mut child) = spawn_handler("die-on-3rd", false);
+    handover::send(&region, sock, SendOptions::default()).unwrap();
+    touch(&region, 0..2);
+    assert_eq!(region.stats().faults, 0, "served remotely");
+    // The third fault is read by the handler, which exits without serving it: the thread
+    // stays blocked until this process notices and wakes the region.
+    touch(&region, 2..3);
+    let status = child.wait().unwrap();
+    assert!(
+        status.success(),
+        "the handler exited on purpose: {status:?}"
+    );
+    assert_eq!(region.handler(), HandlerLocation::Local);
+    assert!(
+        region.stats().faults >= 1,
+        "the re-raised fault was served here"
+    );
+    touch(&region, 3..10);
+}
+
+#[test]
+fn sending_needs_a_spec_and_async_tracking() {
+    if !uffd_available("sending_needs_a_spec_and_async_tracking") {
+        return;
+    }
+    let g = Geometry::new(1 << 20, CHUNK as u64).unwrap();
+    let store = Arc::new(farmap_store::MemoryStore::new(g));
+    let region = Region::open(store.clone(), direct(WriteTracking::Async)).unwrap();
+    let (a, _b) = UnixStream::pair().unwrap();
+    let err = handover::send(&region, a, SendOptions::default()).unwrap_err();
+    assert!(matches!(err, handover::HandoverError::NoSpec), "{err}");
+    let opts = RegionOptions {
+        store_spec: Some("memory:1MiB".into()),
+        ..direct(WriteTracking::SyncFaults)
+    };
+    let region = Region::open(store, opts).unwrap();
+    let (a, _b) = UnixStream::pair().unwrap();
+    let err = handover::send(&region, a, SendOptions::default()).unwrap_err();
+    assert!(
+        matches!(err, handover::HandoverError::NeedsAsyncTracking),
+        "{err}"
+    );
+}
+
+#[test]
+fn a_silent_handler_times_out_and_the_owner_keeps_serving() {
+    if !uffd_available("a_silent_handler_times_out_and_the_owner_keeps_serving") {
+        return;
+    }
+    let dir = tempfile::tempdir().unwrap();
+    let (spec, store) = pattern_file(dir.path(), 6);
+    let region = Arc::new(open_region(spec, store, RegionMode::Direct));
+    let (a, _silent) = UnixStream::pair().unwrap();
+    let opts = SendOptions {
+        reply_timeout: Duration::from_millis(100),
+        ..SendOptions::default()
+    };
+    let err = handover::send(&region, a, opts).unwrap_err();
+    assert!(matches!(err, handover::HandoverError::Timeout(_)), "{err}");
+    assert_eq!(region.handler(), HandlerLocation::Local);
+    touch(&region, 0..4);
+}
+
+/// A chunk discarded while another process served faults (so this process never saw the
+/// remove event, and still thinks it present) is fetched again when touched after take-over.
+#[test]
+fn a_chunk_discarded_during_hand_over_is_fetched_again_after() {
+    if !uffd_available("a_chunk_discarded_during_hand_over_is_fetched_again_after") {
+        return;
+    }
+    let dir = tempfile::tempdir().unwrap();
+    let (spec, store) = pattern_file(dir.path(), 6);
+    let region = Arc::new(open_region(spec, store, RegionMode::Direct));
+    touch(&region, 0..1);
+    eventually("chunk 0 present", || region.stats().present_chunks == 1);
+    let (sock, child) = spawn_handler("serve", false);
+    handover::send(&region, sock, SendOptions::default()).unwrap();
+    let r = region.clone();
+    within(LIMIT, "discarding chunk 0", move || {
+        // SAFETY: chunk 0 of the region, which no reference points into right now.
+        let rc = unsafe { libc::madvise(r.as_ptr().cast(), CHUNK, libc::MADV_DONTNEED) };
+        assert_eq!(rc, 0);
+    });
+    handover::reclaim(&region, LIMIT).unwrap();
+    within(LIMIT, "the handler's exit", move || {
+        let mut child = child;
+        child.wait().unwrap()
+    });
+    let refetched = region.stats().refetched_chunks;
+    touch(&region, 0..1);
+    assert_eq!(region.stats().refetched_chunks, refetched + 1);
+}

@@ -1,0 +1,58 @@
+//! Opening and dropping regions leaks nothing: every thread and file descriptor a region
+//! makes is gone shortly after it is dropped (its own test binary, so that no other test
+//! opens descriptors meanwhile).
+
+mod common;
+
+use std::time::{Duration, Instant};
+
+use common::*;
+use farmap_core::Geometry;
+use farmap_pipeline::PushOptions;
+use farmap_uffd::{Region, RegionOptions};
+
+fn count(dir: &str) -> usize {
+    std::fs::read_dir(dir).unwrap().count()
+}
+
+#[test]
+fn dropped_regions_release_threads_and_descriptors() {
+    if !uffd_available("dropped_regions_release_threads_and_descriptors") {
+        return;
+    }
+    let g = Geometry::new(4 << 20, 64 << 10).unwrap();
+    let store = pattern_memory(g, 1);
+    let cycle = |i: usize| {
+        let opts = RegionOptions {
+            push: PushOptions {
+                interval: Some(Duration::from_millis(1)),
+                ..PushOptions::default()
+            },
+            ..RegionOptions::default()
+        };
+        let mut region = Region::open(store.clone(), opts).unwrap();
+        region.as_mut_slice()[i * 4096] = i as u8;
+        region.sync().unwrap();
+        if i.is_multiple_of(2) {
+            region.close().unwrap();
+        }
+    };
+    cycle(0); // the process-wide timer thread and the like start here
+    std::thread::sleep(Duration::from_millis(50));
+    let (fds, threads) = (count("/proc/self/fd"), count("/proc/self/task"));
+    for i in 1..20 {
+        cycle(i);
+    }
+    let deadline = Instant::now() + Duration::from_secs(15);
+    loop {
+        let (f, t) = (count("/proc/self/fd"), count("/proc/self/task"));
+        if f <= fds && t <= threads {
+            break;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "leak: {f} fds (was {fds}), {t} threads (was {threads})"
+        );
+        std::thread::sleep(Duration::from_millis(20));
+    }
+}

@@ -1,0 +1,342 @@
+//! A region over real userfaultfd: reads fault data in, writes are tracked per page and
+//! pushed, discarded chunks come back, the region can sit at a fixed address, and a forked
+//! child does not inherit it.
+
+mod common;
+
+use std::sync::Arc;
+
+use common::*;
+use farmap_core::{ChunkIdx, Geometry, Store};
+use farmap_store::MemoryStore;
+use farmap_testkit::{pattern_bytes, PatternStore};
+use farmap_uffd::{Region, RegionOptions, TrackingMode, WriteTracking};
+
+const PAGE: usize = 4096;
+
+#[test]
+fn read_faults_return_store_data() {
+    if !uffd_available("read_faults_return_store_data") {
+        return;
+    }
+    let g = Geometry::new(8 << 20, 64 << 10).unwrap();
+    let store: Arc<dyn Store> = Arc::new(PatternStore::new(g, 11));
+    let region = Region::open(store, direct(WriteTracking::Auto)).unwrap();
+    assert_eq!(region.len(), 8 << 20);
+    let mem = region.as_slice();
+    // A few scattered single bytes first: each faults its chunk in whole.
+    for off in [5 * PAGE + 7, 0, (3 << 20) + 12345, (8 << 20) - 1] {
+        assert_eq!(mem[off], pattern_bytes(11, off as u64, 1)[0], "byte {off}");
+    }
+    eventually("three chunks fetched", || {
+        region.stats().chunks_fetched == 3
+    });
+    let s = region.stats();
+    assert_eq!(s.faults, 3, "{s:?}");
+    assert_eq!(s.bytes_fetched, 3 * (64 << 10));
+    // Then everything.
+    assert!(
+        mem == &pattern_bytes(11, 0, 8 << 20)[..],
+        "the region equals the store"
+    );
+    eventually("every chunk fetched", || {
+        region.stats().chunks_fetched == 128
+    });
+    assert_eq!(region.stats().present_chunks, 128);
+    assert!(
+        region.take_dirty().unwrap().is_empty(),
+        "reading writes nothing"
+    );
+}
+
+#[test]
+fn writes_are_tracked_per_page_in_both_modes() {
+    if !uffd_available("writes_are_tracked_per_page_in_both_modes") {
+        return;
+    }
+    for tracking in tracking_modes() {
+        let g = Geometry::new(4 << 20, 64 << 10).unwrap();
+        let store = Arc::new(MemoryStore::new(g));
+        let mut region = Region::open(store.clone(), direct(tracking)).unwrap();
+        let want_mode = match tracking {
+            WriteTracking::SyncFaults => TrackingMode::SyncFaults,
+            _ => TrackingMode::Async,
+        };
+        assert_eq!(region.tracking_mode(), want_mode);
+        // The first scan may report nothing: nothing was touched.
+        assert!(region.take_dirty().unwrap().is_empty(), "{tracking:?}");
+        let mem = region.as_mut_slice();
+        let _ = mem[40 * PAGE]; // a read fault: installed clean
+        mem[3 * PAGE + 1] = 1; // a write fault on a missing page (chunk 0)
+        mem[17 * PAGE] = 2; // chunk 1
+        mem[18 * PAGE + 4095] = 3; // its neighbour page
+        mem[100 * PAGE + 9] = 4; // chunk 6
+        mem[41 * PAGE] = 5; // chunk 2, a page whose chunk a read installed
+        let d = region.take_dirty().unwrap();
+        assert_eq!(
+            d.pages,
+            vec![3..4, 17..19, 41..42, 100..101],
+            "{tracking:?}: written pages"
+        );
+        assert_eq!(d.page_count(), 5);
+        assert_eq!(
+            d.chunks,
+            [0, 1, 2, 6].map(ChunkIdx).to_vec(),
+            "{tracking:?}: chunks"
+        );
+        assert!(
+            region.take_dirty().unwrap().is_empty(),
+            "{tracking:?}: re-protected"
+        );
+        // A second write to a page already reported is reported again.
+        region.as_mut_slice()[17 * PAGE + 1] = 9;
+        let d = region.take_dirty().unwrap();
+        assert_eq!(d.pages, vec![17..18], "{tracking:?}");
+        // The chunks taken are the caller's: sync pushes only what is dirty now.
+        region.as_mut_slice()[200 * PAGE] = 7;
+        region.sync().unwrap();
+        let s = region.stats();
+        assert_eq!(s.pushed_chunks, 1, "{tracking:?}: {s:?}");
+        let pushed = block_on(store.read(ChunkIdx(12))).unwrap();
+        assert_eq!(pushed[(200 * PAGE) % (64 << 10)], 7);
+        if want_mode == TrackingMode::SyncFaults {
+            assert!(s.wp_faults >= 6, "{s:?}");
+        } else {
+            assert_eq!(s.wp_faults, 0, "{s:?}");
+        }
+        region.close().unwrap();
+    }
+}
+
+#[test]
+fn sync_pushes_every_written_chunk_and_close_syncs() {
+    if !uffd_available("sync_pushes_every_written_chunk_and_close_syncs") {
+        return;
+    }
+    for tracking in tracking_modes() {
+        let g = Geometry::new(2 << 20, 16 << 10).unwrap();
+        let store = pattern_memory(g, 5);
+        let mut region = Region::open(store.clone(), direct(tracking)).unwrap();
+        let mem = region.as_mut_slice();
+        for (i, off) in [0usize, 70_000, 1 << 20, (2 << 20) - 1]
+            .into_iter()
+            .enumerate()
+        {
+            mem[off] = 0xA0 + i as u8;
+        }
+        let expect = region.as_slice().to_vec();
+        region.sync().unwrap();
+        assert_eq!(region.stats().pushed_chunks, 4, "{tracking:?}");
+        assert!(
+            snapshot(&*store) == expect,
+            "{tracking:?}: the store has the writes"
+        );
+        region.as_mut_slice()[9] = 0x99;
+        block_on(region.sync_async()).unwrap();
+        assert_eq!(
+            block_on(store.read(ChunkIdx(0))).unwrap()[9],
+            0x99,
+            "{tracking:?}"
+        );
+        region.as_mut_slice()[5] = 0x55;
+        let expect = region.as_slice().to_vec();
+        region.close().unwrap();
+        assert!(snapshot(&*store) == expect, "{tracking:?}: close syncs");
+    }
+}
+
+#[test]
+fn discarded_chunks_are_fetched_again() {
+    if !uffd_available("discarded_chunks_are_fetched_again") {
+        return;
+    }
+    for tracking in tracking_modes() {
+        let chunk = 64 << 10;
+        let g = Geometry::new(1 << 20, chunk as u64).unwrap();
+        let store = pattern_memory(g, 21);
+        let mut region = Region::open(store.clone(), direct(tracking)).unwrap();
+        let expected = pattern_bytes(21, 0, 1 << 20);
+        let mem = region.as_mut_slice();
+        assert!(mem[..4 * chunk] == expected[..4 * chunk]);
+        mem[2 * chunk] = !expected[2 * chunk]; // page 0 of chunk 2: written
+        mem[chunk + 3] = !expected[chunk + 3]; // chunk 1: written, then discarded whole
+        let base = region.as_ptr();
+        // Discard chunk 1 whole and the second half of chunk 2.
+        // SAFETY: both ranges lie in the region, which the test owns; no reference to them
+        // is alive (the slice above is not used again before it is re-borrowed).
+        unsafe {
+            assert_eq!(
+                libc::madvise(base.add(chunk).cast(), chunk, libc::MADV_DONTNEED),
+                0
+            );
+            assert_eq!(
+                libc::madvise(
+                    base.add(2 * chunk + chunk / 2).cast(),
+                    chunk / 2,
+                    libc::MADV_DONTNEED
+                ),
+                0
+            );
+        }
+        eventually("two remove events", || region.stats().removed_chunks == 2);
+        let s = region.stats();
+        assert_eq!(s.remove_events, 2, "{tracking:?}: {s:?}");
+        let fetched = s.chunks_fetched;
+        let mem = region.as_slice();
+        assert!(
+            mem[chunk..2 * chunk] == expected[chunk..2 * chunk],
+            "{tracking:?}: a discarded chunk reads the store again"
+        );
+        assert_eq!(
+            mem[2 * chunk],
+            !expected[2 * chunk],
+            "kept page keeps its write"
+        );
+        assert!(
+            mem[2 * chunk + 1..3 * chunk] == expected[2 * chunk + 1..3 * chunk],
+            "{tracking:?}: the discarded half is fetched again, the rest kept"
+        );
+        eventually("two chunks fetched again", || {
+            region.stats().chunks_fetched == fetched + 2
+        });
+        let d = region.take_dirty().unwrap();
+        assert!(
+            d.chunks.contains(&ChunkIdx(2)),
+            "{tracking:?}: the kept written page is still dirty: {d:?}"
+        );
+        assert!(!d.chunks.contains(&ChunkIdx(1)), "{tracking:?}: {d:?}");
+    }
+}
+
+#[test]
+fn a_region_can_live_at_a_fixed_address() {
+    if !uffd_available("a_region_can_live_at_a_fixed_address") {
+        return;
+    }
+    let g = Geometry::new(1 << 20, 64 << 10).unwrap();
+    // Find a free, aligned address: map, note, unmap.
+    // SAFETY: a fresh anonymous mapping, unmapped at once; nothing else refers to it.
+    let addr = unsafe {
+        let p = libc::mmap(
+            std::ptr::null_mut(),
+            4 << 20,
+            libc::PROT_NONE,
+            libc::MAP_PRIVATE | libc::MAP_ANONYMOUS,
+            -1,
+            0,
+        );
+        assert_ne!(p, libc::MAP_FAILED);
+        libc::munmap(p, 4 << 20);
+        (p as usize + (1 << 20)) & !((1 << 20) - 1)
+    };
+    let store: Arc<dyn Store> = Arc::new(PatternStore::new(g, 3));
+    let opts = RegionOptions {
+        address: Some(addr),
+        ..direct(WriteTracking::Auto)
+    };
+    let region = Region::open(store.clone(), opts.clone()).unwrap();
+    assert_eq!(region.as_ptr() as usize, addr);
+    assert_eq!(region.as_slice()[77], pattern_bytes(3, 77, 1)[0]);
+    let err = Region::open(store, opts).unwrap_err();
+    assert!(err.to_string().contains("mapping"), "{err}");
+}
+
+#[test]
+fn a_forked_child_does_not_inherit_the_region() {
+    if !uffd_available("a_forked_child_does_not_inherit_the_region") {
+        return;
+    }
+    let g = Geometry::new(1 << 20, 64 << 10).unwrap();
+    let region = Region::open(
+        Arc::new(PatternStore::new(g, 3)),
+        direct(WriteTracking::Auto),
+    )
+    .unwrap();
+    assert_eq!(region.as_slice()[0], pattern_bytes(3, 0, 1)[0]);
+    let base = region.as_ptr();
+    // SAFETY: the child only reads one byte of memory and exits: no allocation, no lock.
+    let pid = unsafe { libc::fork() };
+    if pid == 0 {
+        // SAFETY: in the child; the read faults (SIGSEGV) because the mapping is not inherited.
+        unsafe {
+            std::ptr::read_volatile(base);
+            libc::_exit(0);
+        }
+    }
+    assert!(pid > 0);
+    let mut status = 0;
+    // SAFETY: waiting for our own child.
+    unsafe { libc::waitpid(pid, &mut status, 0) };
+    assert!(
+        libc::WIFSIGNALED(status) && libc::WTERMSIG(status) == libc::SIGSEGV,
+        "the child dies of SIGSEGV (status {status:#x})"
+    );
+    // The parent's region still works.
+    assert_eq!(
+        region.as_slice()[(1 << 20) - 1],
+        pattern_bytes(3, (1 << 20) - 1, 1)[0]
+    );
+}
+
+#[test]
+fn unaligned_sizes_are_refused() {
+    if !uffd_available("unaligned_sizes_are_refused") {
+        return;
+    }
+    let g = Geometry::new(10_000, 4096).unwrap();
+    let err = Region::open(Arc::new(PatternStore::new(g, 1)), RegionOptions::direct()).unwrap_err();
+    assert!(err.to_string().contains("page size"), "{err}");
+}
+
+#[test]
+fn written_chunks_are_pushed_on_the_interval() {
+    if !uffd_available("written_chunks_are_pushed_on_the_interval") {
+        return;
+    }
+    let g = Geometry::new(1 << 20, 64 << 10).unwrap();
+    let store = Arc::new(MemoryStore::new(g));
+    let opts = RegionOptions {
+        push: farmap_pipeline::PushOptions {
+            interval: Some(std::time::Duration::from_millis(5)),
+            ..Default::default()
+        },
+        ..RegionOptions::direct()
+    };
+    let mut region = Region::open(store.clone(), opts).unwrap();
+    region.as_mut_slice()[3 * (64 << 10) + 1] = 42;
+    eventually("the background push", || {
+        block_on(store.read(ChunkIdx(3))).unwrap()[1] == 42
+    });
+    assert!(region.stats().pushed_chunks >= 1);
+}
+
+#[test]
+fn a_failed_push_fails_sync_and_stays_dirty() {
+    if !uffd_available("a_failed_push_fails_sync_and_stays_dirty") {
+        return;
+    }
+    use farmap_core::ErrorKind;
+    use farmap_pipeline::{FaultPlan, FaultTrigger, Faulty, OpSet, RetryPolicy};
+    let g = Geometry::new(1 << 20, 64 << 10).unwrap();
+    let faulty = Arc::new(Faulty::new(MemoryStore::new(g), FaultPlan::never()));
+    let mut opts = direct(WriteTracking::Auto);
+    opts.push.retry = RetryPolicy::immediate(2);
+    let mut region = Region::open(faulty.clone(), opts).unwrap();
+    region.as_mut_slice()[70_000] = 7;
+    faulty.set_plan(FaultPlan {
+        ops: OpSet::WRITE,
+        trigger: FaultTrigger::Always,
+        kind: ErrorKind::Io,
+    });
+    let err = region.sync().unwrap_err();
+    assert!(matches!(err, farmap_uffd::RegionError::Push(_)), "{err}");
+    let s = region.stats();
+    assert_eq!(s.failed_pushes, 1, "{s:?}");
+    assert!(s.last_error.is_some());
+    faulty.set_plan(FaultPlan::never());
+    region.sync().unwrap();
+    assert_eq!(
+        block_on(faulty.read(ChunkIdx(1))).unwrap()[70_000 - 65_536],
+        7
+    );
+}

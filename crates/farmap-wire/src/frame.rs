@@ -1,0 +1,615 @@
+//! Frames: requests and replies after the handshake, their encoder and incremental decoder.
+
+use bytes::{Buf, BufMut, Bytes, BytesMut};
+use farmap_core::{Caps, ChunkIdx, ChunkRange, ChunkStatus, ErrorKind, Geometry, MAX_CHUNK_SIZE};
+
+use crate::codes::{
+    caps_from_bits, caps_to_bits, kind_from_code, kind_to_code, status_from_code, status_to_code,
+};
+use crate::WireError;
+
+/// Bytes of the frame header: length (4), op (1), id (8).
+pub const HEADER_LEN: usize = 13;
+/// Longest error message carried by an error reply, in bytes (longer ones are cut).
+pub const MAX_MESSAGE: usize = 1024;
+/// Default frame limit: room for a batch of 4 MiB chunks, or 256 chunks of 64 KiB.
+pub const DEFAULT_MAX_FRAME: u32 = 16 << 20;
+/// The largest frame limit any peer may announce.
+pub const MAX_FRAME_LIMIT: u32 = 64 << 20;
+/// Default number of chunks in one read batch.
+pub const DEFAULT_MAX_BATCH: u32 = 256;
+/// The largest read batch any peer may announce.
+pub const MAX_BATCH_LIMIT: u32 = 4096;
+
+/// Payloads of at least this many bytes are separate pieces in [`Frame::encode_parts`].
+pub const ZERO_COPY_MIN: usize = 8 * 1024;
+
+/// Flag of a chunk in a write request or a read reply: the chunk reads as zeros and carries
+/// no payload.
+const FLAG_ZERO: u8 = 1;
+
+/// Op codes. `0` is never valid; replies have the high bit set.
+pub mod op {
+    /// Read a batch of chunks.
+    pub const READ: u8 = 0x01;
+    /// Write one chunk.
+    pub const WRITE: u8 = 0x02;
+    /// Make completed writes durable.
+    pub const FLUSH: u8 = 0x03;
+    /// Make a range of chunks read as zeros.
+    pub const TRIM: u8 = 0x04;
+    /// What the store knows about a chunk.
+    pub const STATUS: u8 = 0x05;
+    /// The region's geometry and capabilities.
+    pub const GEOMETRY: u8 = 0x06;
+    /// Reply to `READ`: the chunks, in request order.
+    pub const READ_OK: u8 = 0x81;
+    /// Reply to `WRITE`, `FLUSH` and `TRIM`: done.
+    pub const DONE: u8 = 0x82;
+    /// Reply to `STATUS`.
+    pub const STATUS_OK: u8 = 0x85;
+    /// Reply to `GEOMETRY`.
+    pub const GEOMETRY_OK: u8 = 0x86;
+    /// Reply to any request that failed; with id 0, the connection is being closed.
+    pub const ERROR: u8 = 0xff;
+}
+
+/// The content of one chunk on the wire.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Payload {
+    /// The chunk reads as zeros; no bytes travel (the receiver knows its length from the
+    /// geometry).
+    Zero,
+    /// The chunk's bytes.
+    Data(Bytes),
+}
+
+/// The region a server serves, as announced in its hello and in geometry replies.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct RegionInfo {
+    /// Size and chunk size.
+    pub geometry: Geometry,
+    /// What the served store can do (without `WRITE` and `TRIM` when served read-only).
+    pub caps: Caps,
+    /// Whether the server refuses writes and trims.
+    pub read_only: bool,
+}
+
+/// An error reply: the kind, for the client to act on, and a sentence for people.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct RemoteError {
+    /// What went wrong.
+    pub kind: ErrorKind,
+    /// What the server said (at most [`MAX_MESSAGE`] bytes travel).
+    pub message: String,
+}
+
+/// A request or a reply.
+#[derive(Debug, Clone, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum Message {
+    /// Read these chunks (at least one, at most the server's batch limit).
+    Read(Vec<ChunkIdx>),
+    /// Replace one chunk.
+    Write {
+        /// The chunk.
+        idx: ChunkIdx,
+        /// Its new content.
+        data: Payload,
+    },
+    /// Make completed writes durable.
+    Flush,
+    /// Make these chunks read as zeros.
+    Trim(ChunkRange),
+    /// What the store knows about a chunk.
+    Status(ChunkIdx),
+    /// The region's geometry and capabilities.
+    Geometry,
+    /// The chunks of a read, in request order.
+    ReadOk(Vec<Payload>),
+    /// A write, flush or trim is done.
+    Done,
+    /// The status of a chunk.
+    StatusOk(ChunkStatus),
+    /// The region.
+    GeometryOk(RegionInfo),
+    /// The request failed (or, with frame id 0, the connection is being closed).
+    Error(RemoteError),
+}
+
+impl Message {
+    /// The op code of this message.
+    pub fn op(&self) -> u8 {
+        match self {
+            Message::Read(_) => op::READ,
+            Message::Write { .. } => op::WRITE,
+            Message::Flush => op::FLUSH,
+            Message::Trim(_) => op::TRIM,
+            Message::Status(_) => op::STATUS,
+            Message::Geometry => op::GEOMETRY,
+            Message::ReadOk(_) => op::READ_OK,
+            Message::Done => op::DONE,
+            Message::StatusOk(_) => op::STATUS_OK,
+            Message::GeometryOk(_) => op::GEOMETRY_OK,
+            Message::Error(_) => op::ERROR,
+        }
+    }
+
+    /// Whether this is a request (sent by clients) rather than a reply.
+    pub fn is_request(&self) -> bool {
+        self.op() & 0x80 == 0
+    }
+
+    fn body_len(&self) -> usize {
+        match self {
+            Message::Read(chunks) => 4 + 8 * chunks.len(),
+            Message::Write { data, .. } => 9 + payload_len(data),
+            Message::Flush | Message::Geometry | Message::Done => 0,
+            Message::Trim(_) => 16,
+            Message::Status(_) => 8,
+            Message::ReadOk(chunks) => {
+                4 + chunks
+                    .iter()
+                    .map(|c| {
+                        1 + if let Payload::Data(d) = c {
+                            4 + d.len()
+                        } else {
+                            0
+                        }
+                    })
+                    .sum::<usize>()
+            }
+            Message::StatusOk(_) => 1,
+            Message::GeometryOk(_) => REGION_LEN,
+            Message::Error(e) => 1 + truncated(&e.message).len(),
+        }
+    }
+}
+
+fn payload_len(p: &Payload) -> usize {
+    match p {
+        Payload::Zero => 0,
+        Payload::Data(d) => d.len(),
+    }
+}
+
+/// `message` cut to at most [`MAX_MESSAGE`] bytes, at a character boundary.
+fn truncated(message: &str) -> &str {
+    if message.len() <= MAX_MESSAGE {
+        return message;
+    }
+    let mut end = MAX_MESSAGE;
+    while !message.is_char_boundary(end) {
+        end -= 1;
+    }
+    &message[..end]
+}
+
+const REGION_LEN: usize = 20;
+
+/// One frame: a request id and a message. Replies carry the id of their request.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Frame {
+    /// Request id, chosen by the client, unique among its requests in flight on one
+    /// connection. `0` is reserved for connection-level errors sent by a server.
+    pub id: u64,
+    /// The request or reply.
+    pub msg: Message,
+}
+
+impl Frame {
+    /// A frame.
+    pub fn new(id: u64, msg: Message) -> Self {
+        Self { id, msg }
+    }
+
+    /// Bytes this frame takes on the wire, header included (compare with the peer's
+    /// `max_frame` before sending).
+    pub fn encoded_len(&self) -> usize {
+        HEADER_LEN + self.msg.body_len()
+    }
+
+    /// Appends the frame to `dst`. Error messages longer than [`MAX_MESSAGE`] are cut.
+    ///
+    /// # Panics
+    /// If the frame is longer than `u32::MAX` bytes (no valid frame is: payloads are chunks).
+    pub fn encode(&self, dst: &mut BytesMut) {
+        dst.reserve(self.encoded_len());
+        self.encode_into(dst, None);
+    }
+
+    /// The frame as pieces to send in order, without copying payloads: the same bytes as
+    /// [`encode`](Self::encode), but every chunk payload of at least [`ZERO_COPY_MIN`] bytes
+    /// is its own piece, sharing the message's buffer. Appends to `parts`.
+    pub fn encode_parts(&self, parts: &mut Vec<Bytes>) {
+        let mut head = BytesMut::with_capacity(self.encoded_len().min(4096));
+        self.encode_into(&mut head, Some(parts));
+        if !head.is_empty() {
+            parts.push(head.freeze());
+        }
+    }
+
+    fn encode_into(&self, dst: &mut BytesMut, mut parts: Option<&mut Vec<Bytes>>) {
+        let len = self.encoded_len();
+        let rest = u32::try_from(len - 4).expect("a frame fits a u32 length");
+        dst.put_u32(rest);
+        dst.put_u8(self.msg.op());
+        dst.put_u64(self.id);
+        match &self.msg {
+            Message::Read(chunks) => {
+                dst.put_u32(chunks.len() as u32);
+                for c in chunks {
+                    dst.put_u64(c.0);
+                }
+            }
+            Message::Write { idx, data } => {
+                dst.put_u64(idx.0);
+                put_payload_flagged(dst, data, false, parts.as_deref_mut());
+            }
+            Message::Flush | Message::Geometry | Message::Done => {}
+            Message::Trim(r) => {
+                dst.put_u64(r.start.0);
+                dst.put_u64(r.end.0);
+            }
+            Message::Status(idx) => dst.put_u64(idx.0),
+            Message::ReadOk(chunks) => {
+                dst.put_u32(chunks.len() as u32);
+                for c in chunks {
+                    put_payload_flagged(dst, c, true, parts.as_deref_mut());
+                }
+            }
+            Message::StatusOk(s) => dst.put_u8(status_to_code(*s)),
+            Message::GeometryOk(r) => put_region(dst, r),
+            Message::Error(e) => {
+                dst.put_u8(kind_to_code(e.kind));
+                dst.put_slice(truncated(&e.message).as_bytes());
+            }
+        }
+    }
+}
+
+fn put_payload_flagged(
+    dst: &mut BytesMut,
+    p: &Payload,
+    with_len: bool,
+    parts: Option<&mut Vec<Bytes>>,
+) {
+    match p {
+        Payload::Zero => dst.put_u8(FLAG_ZERO),
+        Payload::Data(d) => {
+            dst.put_u8(0);
+            if with_len {
+                dst.put_u32(d.len() as u32);
+            }
+            match parts {
+                Some(parts) if d.len() >= ZERO_COPY_MIN => {
+                    parts.push(dst.split().freeze());
+                    parts.push(d.clone());
+                }
+                _ => dst.put_slice(d),
+            }
+        }
+    }
+}
+
+/// Encodes a region: size u64, chunk size u32, caps u32, flags u32 (bit 0: read-only).
+pub(crate) fn put_region(dst: &mut impl BufMut, r: &RegionInfo) {
+    dst.put_u64(r.geometry.size());
+    dst.put_u32(r.geometry.chunk_size());
+    dst.put_u32(caps_to_bits(r.caps));
+    dst.put_u32(u32::from(r.read_only));
+}
+
+/// Decodes a region encoded by [`put_region`].
+pub(crate) fn get_region(body: &mut Body) -> Result<RegionInfo, WireError> {
+    let size = body.u64()?;
+    let chunk = body.u32()?;
+    let caps = caps_from_bits(body.u32()?);
+    let flags = body.u32()?;
+    let geometry = Geometry::new(size, u64::from(chunk)).map_err(WireError::BadGeometry)?;
+    Ok(RegionInfo {
+        geometry,
+        caps,
+        read_only: flags & 1 != 0,
+    })
+}
+
+/// A cursor over a received body that reports truncation as a [`WireError`].
+pub(crate) struct Body {
+    buf: Bytes,
+    op: &'static str,
+}
+
+impl Body {
+    pub(crate) fn new(buf: Bytes, op: &'static str) -> Self {
+        Self { buf, op }
+    }
+    fn need(&self, n: usize) -> Result<(), WireError> {
+        if self.buf.len() < n {
+            Err(WireError::Truncated { op: self.op })
+        } else {
+            Ok(())
+        }
+    }
+    pub(crate) fn len(&self) -> usize {
+        self.buf.len()
+    }
+    pub(crate) fn u8(&mut self) -> Result<u8, WireError> {
+        self.need(1)?;
+        Ok(self.buf.get_u8())
+    }
+    pub(crate) fn u16(&mut self) -> Result<u16, WireError> {
+        self.need(2)?;
+        Ok(self.buf.get_u16())
+    }
+    pub(crate) fn u32(&mut self) -> Result<u32, WireError> {
+        self.need(4)?;
+        Ok(self.buf.get_u32())
+    }
+    pub(crate) fn u64(&mut self) -> Result<u64, WireError> {
+        self.need(8)?;
+        Ok(self.buf.get_u64())
+    }
+    pub(crate) fn take(&mut self, n: usize) -> Result<Bytes, WireError> {
+        self.need(n)?;
+        Ok(self.buf.split_to(n))
+    }
+    pub(crate) fn rest(&mut self) -> Bytes {
+        std::mem::take(&mut self.buf)
+    }
+    pub(crate) fn finish(self) -> Result<(), WireError> {
+        if self.buf.is_empty() {
+            Ok(())
+        } else {
+            Err(WireError::TrailingBytes {
+                op: self.op,
+                extra: self.buf.len(),
+            })
+        }
+    }
+    fn exact(&self, expected: usize) -> Result<(), WireError> {
+        if self.buf.len() == expected {
+            Ok(())
+        } else {
+            Err(WireError::BodyLength {
+                op: self.op,
+                len: self.buf.len(),
+                expected,
+            })
+        }
+    }
+}
+
+/// The receiver's caps on what a peer may send.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Limits {
+    /// Largest frame, header included, in bytes.
+    pub max_frame: u32,
+    /// Most chunks in one read request or reply.
+    pub max_batch: u32,
+}
+
+impl Default for Limits {
+    /// [`DEFAULT_MAX_FRAME`] and [`DEFAULT_MAX_BATCH`].
+    fn default() -> Self {
+        Self {
+            max_frame: DEFAULT_MAX_FRAME,
+            max_batch: DEFAULT_MAX_BATCH,
+        }
+    }
+}
+
+/// Bytes a read reply of `count` chunks takes besides the chunks' payload.
+pub fn read_reply_overhead(count: usize) -> usize {
+    HEADER_LEN + 4 + count * 5
+}
+
+fn op_name(code: u8) -> Result<&'static str, WireError> {
+    Ok(match code {
+        0 => return Err(WireError::ZeroOp),
+        op::READ => "read",
+        op::WRITE => "write",
+        op::FLUSH => "flush",
+        op::TRIM => "trim",
+        op::STATUS => "status",
+        op::GEOMETRY => "geometry",
+        op::READ_OK => "read reply",
+        op::DONE => "done reply",
+        op::STATUS_OK => "status reply",
+        op::GEOMETRY_OK => "geometry reply",
+        op::ERROR => "error reply",
+        other => return Err(WireError::UnknownOp(other)),
+    })
+}
+
+/// The incremental frame decoder: feed it the bytes received so far.
+#[derive(Debug, Clone, Copy, Default)]
+pub struct FrameDecoder {
+    limits: Limits,
+}
+
+impl FrameDecoder {
+    /// A decoder that enforces `limits`.
+    pub fn new(limits: Limits) -> Self {
+        Self { limits }
+    }
+
+    /// The limits enforced.
+    pub fn limits(&self) -> Limits {
+        self.limits
+    }
+
+    /// Takes one whole frame off the front of `buf`, or returns `Ok(None)` when more bytes
+    /// are needed (having reserved room for the rest of the frame in `buf`).
+    ///
+    /// The length and op code are checked as soon as they arrive, before anything is
+    /// allocated: a frame over [`Limits::max_frame`], a batch over [`Limits::max_batch`] or a
+    /// payload over the largest chunk size is an error without waiting for its bytes. After an
+    /// error the content of `buf` is unspecified: close the connection.
+    pub fn decode(&mut self, buf: &mut BytesMut) -> Result<Option<Frame>, WireError> {
+        if buf.len() < 4 {
+            return Ok(None);
+        }
+        let rest = u32::from_be_bytes([buf[0], buf[1], buf[2], buf[3]]);
+        let total = 4 + u64::from(rest);
+        if total > u64::from(self.limits.max_frame) {
+            return Err(WireError::FrameTooLarge {
+                len: total,
+                max: self.limits.max_frame,
+            });
+        }
+        if (rest as usize) < HEADER_LEN - 4 {
+            return Err(WireError::FrameTooShort { len: rest });
+        }
+        if buf.len() >= 5 {
+            op_name(buf[4])?;
+        }
+        let total = total as usize;
+        if buf.len() < total {
+            buf.reserve(total - buf.len());
+            return Ok(None);
+        }
+        let mut frame = buf.split_to(total).freeze();
+        frame.advance(4);
+        let code = frame.get_u8();
+        let id = frame.get_u64();
+        let name = op_name(code)?;
+        if id == 0 && code != op::ERROR {
+            return Err(WireError::ZeroId { op: code });
+        }
+        let msg = self.decode_body(code, Body::new(frame, name))?;
+        Ok(Some(Frame { id, msg }))
+    }
+
+    fn batch_count(&self, body: &mut Body, min_entry: usize) -> Result<usize, WireError> {
+        let count = body.u32()?;
+        if count == 0 {
+            return Err(WireError::EmptyBatch);
+        }
+        if count > self.limits.max_batch {
+            return Err(WireError::BatchTooLarge {
+                count,
+                max: self.limits.max_batch,
+            });
+        }
+        let count = count as usize;
+        // Checked before the vector is allocated: every entry takes at least `min_entry` bytes.
+        if body.len() < count * min_entry {
+            return Err(WireError::Truncated { op: body.op });
+        }
+        Ok(count)
+    }
+
+    fn decode_body(&self, code: u8, mut body: Body) -> Result<Message, WireError> {
+        let msg = match code {
+            op::READ => {
+                let count = self.batch_count(&mut body, 8)?;
+                body.exact(count * 8)?;
+                let chunks = (0..count)
+                    .map(|_| body.u64().map(ChunkIdx))
+                    .collect::<Result<Vec<_>, _>>()?;
+                Message::Read(chunks)
+            }
+            op::WRITE => {
+                let idx = ChunkIdx(body.u64()?);
+                let flags = body.u8()?;
+                let data = match flags {
+                    FLAG_ZERO => Payload::Zero,
+                    0 => {
+                        let data = body.rest();
+                        check_chunk_len(data.len())?;
+                        Payload::Data(data)
+                    }
+                    other => {
+                        return Err(WireError::BadFlags {
+                            op: body.op,
+                            flags: other,
+                        })
+                    }
+                };
+                Message::Write { idx, data }
+            }
+            op::FLUSH | op::GEOMETRY | op::DONE => {
+                body.exact(0)?;
+                match code {
+                    op::FLUSH => Message::Flush,
+                    op::GEOMETRY => Message::Geometry,
+                    _ => Message::Done,
+                }
+            }
+            op::TRIM => {
+                body.exact(16)?;
+                let (start, end) = (body.u64()?, body.u64()?);
+                if start > end {
+                    return Err(WireError::BadRange { start, end });
+                }
+                Message::Trim(ChunkRange::new(ChunkIdx(start), ChunkIdx(end)))
+            }
+            op::STATUS => {
+                body.exact(8)?;
+                Message::Status(ChunkIdx(body.u64()?))
+            }
+            op::READ_OK => {
+                let count = self.batch_count(&mut body, 1)?;
+                let mut chunks = Vec::with_capacity(count);
+                for _ in 0..count {
+                    chunks.push(match body.u8()? {
+                        FLAG_ZERO => Payload::Zero,
+                        0 => {
+                            let len = body.u32()?;
+                            check_chunk_len(len as usize)?;
+                            Payload::Data(body.take(len as usize)?)
+                        }
+                        other => {
+                            return Err(WireError::BadFlags {
+                                op: body.op,
+                                flags: other,
+                            })
+                        }
+                    });
+                }
+                Message::ReadOk(chunks)
+            }
+            op::STATUS_OK => {
+                body.exact(1)?;
+                Message::StatusOk(status_from_code(body.u8()?)?)
+            }
+            op::GEOMETRY_OK => {
+                body.exact(REGION_LEN)?;
+                Message::GeometryOk(get_region(&mut body)?)
+            }
+            op::ERROR => {
+                let kind = kind_from_code(body.u8()?);
+                let text = body.rest();
+                if text.len() > MAX_MESSAGE {
+                    return Err(WireError::MessageTooLong {
+                        len: text.len(),
+                        max: MAX_MESSAGE,
+                    });
+                }
+                Message::Error(RemoteError {
+                    kind,
+                    message: String::from_utf8_lossy(&text).into_owned(),
+                })
+            }
+            other => return Err(WireError::UnknownOp(other)),
+        };
+        body.finish()?;
+        Ok(msg)
+    }
+}
+
+fn check_chunk_len(len: usize) -> Result<(), WireError> {
+    if len > MAX_CHUNK_SIZE as usize {
+        Err(WireError::ChunkTooLarge {
+            len: len as u32,
+            max: MAX_CHUNK_SIZE,
+        })
+    } else {
+        Ok(())
+    }
+}
+
+#[cfg(test)]
+#[path = "frame_tests.rs"]
+mod tests;

@@ -1,0 +1,97 @@
+//! Two processes, one region: this process maps a region over a file store and hands its
+//! fault handling to a second process (itself, started again), which serves faults until
+//! told to stop; then this process serves them again.
+//!
+//! ```text
+//! cargo run -p farmap --example handover
+//! ```
+
+use std::error::Error;
+use std::os::unix::net::{UnixListener, UnixStream};
+use std::process::Command;
+use std::time::Duration;
+
+use farmap::region::handover::{self, SendOptions, ServeOptions};
+use farmap::{open_region, RegionMode, RegionOptions, StoreSpec};
+
+/// Set in the handler process: the socket path to connect to.
+const HANDLER_ENV: &str = "FARMAP_EXAMPLE_HANDLER";
+
+fn main() -> Result<(), Box<dyn Error>> {
+    if let Ok(path) = std::env::var(HANDLER_ENV) {
+        // The handler: serve until the owner says stop.
+        let sock = UnixStream::connect(path)?;
+        let report = handover::serve(sock, ServeOptions::default())?;
+        println!(
+            "[handler] served {} faults, installed {} chunks",
+            report.faults, report.chunks_fetched
+        );
+        return Ok(());
+    }
+    if let Err(e) = farmap::region::probe() {
+        if std::env::var("CI").is_ok_and(|v| v == "true") {
+            return Err(e.into());
+        }
+        println!("skipped: {e}");
+        return Ok(());
+    }
+    let dir = tempfile::tempdir()?;
+    let spec: StoreSpec = format!(
+        "file:{}?size=16MiB",
+        dir.path().join("region.img").display()
+    )
+    .parse()?;
+    let opts = RegionOptions {
+        mode: RegionMode::Direct,
+        ..RegionOptions::default()
+    };
+    let mut region = open_region(&spec, opts)?;
+    region.as_mut_slice()[..6].copy_from_slice(b"before");
+    region.sync()?;
+
+    // Start the handler (this program again) and give it the region.
+    let sock_path = dir.path().join("handler.sock");
+    let listener = UnixListener::bind(&sock_path)?;
+    let mut child = Command::new(std::env::current_exe()?)
+        .args(["--exact", "tests::runs", "--nocapture"]) // when run as a test
+        .env(HANDLER_ENV, &sock_path)
+        .spawn()?;
+    let (sock, _) = listener.accept()?;
+    let faults_before = region.stats().faults;
+    handover::send(&region, sock, SendOptions::default())?;
+    println!("[owner] handler: {:?}", region.handler());
+
+    // Faults are now served by the other process; writes are still tracked here.
+    let mb = 1 << 20;
+    let sum: u64 = region
+        .as_slice()
+        .chunks(mb)
+        .map(|c| u64::from(c[mb / 2]))
+        .sum();
+    println!(
+        "[owner] read 16 MiB through the other process (sum {sum}), faults served here: {}",
+        region.stats().faults - faults_before
+    );
+    region.as_mut_slice()[7 * mb..7 * mb + 6].copy_from_slice(b"remote");
+    region.sync()?;
+
+    handover::reclaim(&region, Duration::from_secs(10))?;
+    println!("[owner] handler: {:?}", region.handler());
+    assert!(child.wait()?.success());
+    region.close()?;
+
+    // The file holds both writes.
+    let data = std::fs::read(dir.path().join("region.img"))?;
+    assert_eq!(&data[..6], b"before");
+    assert_eq!(&data[7 * mb..7 * mb + 6], b"remote");
+    println!("[owner] the file holds both writes");
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    #[test]
+    fn runs() {
+        super::main().unwrap();
+    }
+}

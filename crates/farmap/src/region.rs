@@ -1,0 +1,87 @@
+//! Regions: plain memory whose content lives in a store. Touching a chunk for the first time
+//! fetches it; written pages are tracked (per 4 KiB page) and pushed back in the background
+//! and at [`Region::sync`]. Built on userfaultfd: see [`farmap_uffd`] for the design, the
+//! kernel behaviour it relies on, the aliasing contract of the slices and `fork()`.
+//!
+//! ```no_run
+//! # fn demo() -> Result<(), Box<dyn std::error::Error>> {
+//! use farmap::{open_region, RegionOptions, StoreSpec};
+//! let spec: StoreSpec = "file:./disk.img?size=256MiB".parse()?;
+//! let mut region = open_region(&spec, RegionOptions::default())?;
+//! region.as_mut_slice()[..5].copy_from_slice(b"hello");
+//! region.sync()?; // the store has it
+//! println!("{:?}", region.stats());
+//! region.close()?;
+//! # Ok(()) }
+//! ```
+//!
+//! Remote stores (`farmap://...`) are opened with
+//! [`open_store_async`](crate::spec::open_store_async); give the store to [`Region::open`]
+//! with [`RegionOptions::store_spec`] set.
+
+use thiserror::Error;
+
+use crate::spec::{open_store, OpenError, SpecKind, StoreSpec};
+
+pub use farmap_uffd::{
+    probe, DirtyReport, HandlerLocation, Region, RegionError, RegionMode, RegionOptions,
+    RegionStats, Support, TrackingMode, WriteTracking,
+};
+
+/// Why [`open_region`] failed.
+#[derive(Debug, Error)]
+#[non_exhaustive]
+pub enum OpenRegionError {
+    /// The store could not be opened.
+    #[error("cannot open the region's store")]
+    Store(#[from] OpenError),
+    /// The region could not be set up.
+    #[error("cannot set up the region")]
+    Region(#[from] RegionError),
+}
+
+/// Opens the store `spec` names and maps a region over it (see [`Region::open`]). The spec is
+/// remembered, so that the region's fault handling can be handed to another process.
+pub fn open_region(spec: &StoreSpec, mut opts: RegionOptions) -> Result<Region, OpenRegionError> {
+    let store = open_store(spec)?;
+    if opts.store_spec.is_none() {
+        opts.store_spec = Some(spec.to_string());
+    }
+    Ok(Region::open(store, opts)?)
+}
+
+/// Handing a region's fault handling to another process (see [`farmap_uffd::handover`] for
+/// the protocol and its message layout).
+pub mod handover {
+    use std::os::unix::net::UnixStream;
+    use std::sync::Arc;
+
+    pub use farmap_uffd::handover::{
+        message, reclaim, send, HandlerPull, HandoverError, SendOptions, ServeOptions, ServeReport,
+    };
+
+    use super::*;
+
+    /// Serves the faults of a region handed over on `sock` until the owner stops it or goes
+    /// away, opening the store from the spec the owner sent. A `memory:` store exists only in
+    /// the process that made it, so it is refused.
+    pub fn serve(sock: UnixStream, opts: ServeOptions) -> Result<ServeReport, HandoverError> {
+        farmap_uffd::handover::serve(sock, open_for_handler, opts)
+    }
+
+    fn open_for_handler(spec: &str) -> Result<Arc<dyn farmap_core::Store>, String> {
+        let spec: StoreSpec = spec.parse().map_err(|e| format!("{e}"))?;
+        if matches!(spec.kind, SpecKind::Memory) {
+            return Err("a memory store lives only in the process that made it".into());
+        }
+        open_store(&spec).map_err(|e| {
+            let mut message = e.to_string();
+            let mut source = std::error::Error::source(&e);
+            while let Some(s) = source {
+                message = format!("{message}: {s}");
+                source = s.source();
+            }
+            message
+        })
+    }
+}
