@@ -8,6 +8,7 @@ use clap::{Parser, Subcommand};
 
 mod bench;
 mod cp;
+mod demo;
 mod info;
 mod output;
 mod proxy;
@@ -20,8 +21,12 @@ STORE SPECS:
   file:PATH                   an existing file; its length is the region size
   file:PATH?size=SIZE         a file, created sparse if missing
   dir:PATH?size=SIZE          a directory with one file per chunk
+  farmap://HOST:PORT          a region served by `farmap serve` (farmaps:// for TLS:
+                              ?ca=CA.pem[&cert=C.pem&key=K.pem]; farmap+unix:/path)
+  farmap+grpc://HOST:PORT     a region served by `farmap serve --grpc`
 Options after '?', joined by '&': size=SIZE, chunk=SIZE (power of two, 4KiB..4MiB,
-default 64KiB), ro (read-only file/dir), max-open=N (dir). Sizes take binary suffixes:
+default 64KiB), ro (read-only file/dir), max-open=N (dir), connections=N and
+timeout=DURATION (remote). Sizes take binary suffixes:
 KiB, MiB, GiB, TiB (K, M, G, T mean the same). Throughput is printed in MB/s (10^6 bytes).";
 
 /// farmap makes a memory region live somewhere else (a file, a directory of chunks, ...)
@@ -54,6 +59,12 @@ enum Command {
     /// Serve a store to other hosts (farmap://, farmaps://, farmap+unix: clients) until Ctrl-C.
     #[command(after_help = SPEC_HELP)]
     Serve(serve::ServeArgs),
+    /// Live migration, shown: a region that a deterministic writer keeps changing moves to
+    /// another process over loopback (through an emulated link), is verified, and moves back.
+    Demo(demo::DemoArgs),
+    /// A node of `farmap demo` (internal).
+    #[command(name = "__demo-node", hide = true)]
+    DemoNode(demo::NodeArgs),
 }
 
 fn main() -> ExitCode {
@@ -75,6 +86,8 @@ fn main() -> ExitCode {
             Command::Bench(cmd) => bench::run(cmd).await,
             Command::Proxy(args) => proxy::run(args).await,
             Command::Serve(args) => serve::run(args).await,
+            Command::Demo(args) => demo::run(args).await,
+            Command::DemoNode(args) => demo::node(args).await,
         }
     });
     match result {

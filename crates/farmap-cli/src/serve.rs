@@ -36,6 +36,10 @@ pub struct ServeArgs {
     /// Requests worked on at once per connection (more wait in the socket).
     #[arg(long, default_value_t = 128, value_parser = clap::value_parser!(u32).range(1..=65536))]
     max_in_flight: u32,
+    /// Serve the gRPC service (`farmap.v1.Store`, for other languages and tools) instead of
+    /// farmap's native protocol; clients use `farmap+grpc://HOST:PORT`. TCP only, no TLS.
+    #[arg(long, conflicts_with_all = ["tls_cert", "tls_key", "tls_client_ca"])]
+    grpc: bool,
     /// Do not log connections (the listening address and shutdown are still printed).
     #[arg(long, short)]
     quiet: bool,
@@ -56,6 +60,9 @@ pub async fn run(args: ServeArgs) -> anyhow::Result<ExitCode> {
     let store = open_store_async(&args.store)
         .await
         .context("opening the store to serve")?;
+    if args.grpc {
+        return run_grpc(args, store).await;
+    }
     let tls = args.tls_cert.clone().map(|cert| TlsServerConfig {
         cert,
         key: args
@@ -96,5 +103,40 @@ pub async fn run(args: ServeArgs) -> anyhow::Result<ExitCode> {
         .await
         .context("shutting the server down")?;
     eprintln!("farmap serve: stopped");
+    Ok(ExitCode::SUCCESS)
+}
+
+async fn run_grpc(
+    args: ServeArgs,
+    store: std::sync::Arc<dyn farmap::Store>,
+) -> anyhow::Result<ExitCode> {
+    let ListenAddr::Tcp(addr) = &args.listen else {
+        anyhow::bail!("--grpc listens on TCP only (IP:PORT), not {}", args.listen);
+    };
+    let listener = tokio::net::TcpListener::bind(addr)
+        .await
+        .with_context(|| format!("cannot listen on {addr}"))?;
+    let local = listener.local_addr()?;
+    eprintln!(
+        "listening on {local} (gRPC), serving {} ({}){}",
+        args.store,
+        store.geometry(),
+        if args.read_only { ", read-only" } else { "" }
+    );
+    let opts = farmap_grpc::GrpcServerOptions {
+        read_only: args.read_only,
+        ..farmap_grpc::GrpcServerOptions::default()
+    };
+    let flush = store.clone();
+    farmap_grpc::serve_grpc_with_shutdown(store, listener, opts, async {
+        let _ = stop_signal().await;
+    })
+    .await
+    .context("the gRPC server failed")?;
+    flush
+        .flush()
+        .await
+        .context("flushing the store at shutdown")?;
+    eprintln!("stopped; the store is flushed");
     Ok(ExitCode::SUCCESS)
 }

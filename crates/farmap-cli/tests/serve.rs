@@ -126,6 +126,42 @@ fn serve_then_cp_both_ways_and_stop_cleanly_on_ctrl_c() {
 }
 
 #[test]
+fn serve_grpc_then_cp_both_ways() {
+    let dir = tempfile::tempdir().unwrap();
+    let src = dir.path().join("src.img");
+    let back = dir.path().join("back.img");
+    let data = random_file(&src, 2 << 20, 2);
+
+    let served = Served::start("memory:2MiB?chunk=16KiB", "127.0.0.1:0", &["--grpc"]);
+    let url = format!("farmap+grpc://{}", served.addr);
+    check(
+        &farmap(&["cp", "-q", &format!("file:{}", src.display()), &url]),
+        "cp to the gRPC server",
+    );
+    check(
+        &farmap(&["cp", "-q", &url, &format!("file:{}", back.display())]),
+        "cp from the gRPC server",
+    );
+    assert!(
+        std::fs::read(&back).unwrap() == data,
+        "gRPC round trip differs"
+    );
+    let (status, log) = served.stop("TERM");
+    assert!(status.success(), "{status:?}: {log}");
+
+    // gRPC is TCP only, without TLS.
+    let o = farmap(&[
+        "serve",
+        "memory:1MiB",
+        "--grpc",
+        "--listen",
+        "unix:/tmp/x.sock",
+    ]);
+    assert!(!o.status.success());
+    assert!(String::from_utf8_lossy(&o.stderr).contains("TCP only"));
+}
+
+#[test]
 fn serve_over_a_unix_socket_read_only() {
     let dir = tempfile::tempdir().unwrap();
     let src = dir.path().join("disk.img");

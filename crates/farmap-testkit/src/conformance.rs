@@ -4,7 +4,7 @@
 //! geometry it is given; each check gets its own store. A failure panics with the name of the
 //! check and what was seen, so `#[tokio::test]` reports it.
 //!
-//! ```ignore
+//! ```text
 //! #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 //! async fn memory_store_conforms() {
 //!     farmap_testkit::run_conformance(|g| async move {

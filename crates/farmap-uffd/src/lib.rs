@@ -71,6 +71,7 @@
 pub mod baseline;
 mod error;
 pub mod handover;
+mod live;
 mod mapping;
 mod memory;
 mod options;

@@ -340,6 +340,10 @@ impl Region {
         &self.inner
     }
 
+    pub(crate) fn mapping(&self) -> &Mapping {
+        &self.mapping
+    }
+
     /// The first byte of the region.
     pub fn as_ptr(&self) -> *mut u8 {
         self.mapping.ptr()

@@ -1,5 +1,5 @@
 //! farmap makes a Linux memory region live somewhere else — a file, a directory of chunks,
-//! or (soon) Redis, S3, Cassandra or another farmap host — while applications use it as plain
+//! another farmap host (or, on the roadmap, Redis, S3, Cassandra) — while applications use it as plain
 //! memory.
 //!
 //! This crate is the public face: it maps [regions](region) (memory that fetches from a store
@@ -30,7 +30,13 @@ pub use region::{
     open_region, OpenRegionError, Region, RegionError, RegionMode, RegionOptions, RegionStats,
     TrackingMode, WriteTracking,
 };
-pub use spec::{open_store, OpenError, SpecError, SpecKind, StoreSpec};
+pub use spec::{open_store, open_store_async, OpenError, SpecError, SpecKind, StoreSpec};
+
+/// Serving stores over the network and using remote ones (`farmap://`, `farmaps://`,
+/// `farmap+unix:`).
+pub mod net {
+    pub use farmap_net::*;
+}
 
 /// The local stores.
 pub mod store {

@@ -29,6 +29,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use farmap_core::{format_size, parse_size, Geometry, SizeError, Store, StoreError};
+use farmap_grpc::{GrpcClientOptions, GrpcStore};
 use farmap_net::{RemoteAddr, RemoteStore, TlsClientConfig};
 use remote::RemoteOptions;
 
@@ -36,7 +37,7 @@ mod remote;
 use farmap_store::{DirOptions, DirStore, FileOptions, FileStore, MemoryStore};
 
 /// The schemes farmap knows, for error messages.
-const KNOWN: &str = "memory, file, dir, farmap, farmaps, farmap+unix";
+const KNOWN: &str = "memory, file, dir, farmap, farmaps, farmap+unix, farmap+grpc";
 
 /// Why a store spec could not be understood. Each message is one line naming the problem.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
@@ -198,6 +199,15 @@ pub enum SpecKind {
         /// Deadline of each request, if set.
         timeout: Option<Duration>,
     },
+    /// A region served over gRPC (`farmap+grpc://HOST:PORT`, `farmap serve --grpc`).
+    Grpc {
+        /// `host:port` of the server.
+        addr: String,
+        /// HTTP/2 connections, if set.
+        connections: Option<usize>,
+        /// Deadline of each request, if set.
+        timeout: Option<Duration>,
+    },
 }
 
 /// A parsed store spec. `Display` gives it back in canonical form.
@@ -222,7 +232,7 @@ impl StoreSpec {
     /// The path of a file or dir store.
     pub fn path(&self) -> Option<&Path> {
         match &self.kind {
-            SpecKind::Memory | SpecKind::Remote { .. } => None,
+            SpecKind::Memory | SpecKind::Remote { .. } | SpecKind::Grpc { .. } => None,
             SpecKind::File { path } | SpecKind::Dir { path, .. } => Some(path),
         }
     }
@@ -231,14 +241,14 @@ impl StoreSpec {
     /// directory store whose path does not exist yet). A remote store is never created.
     pub fn creates(&self) -> bool {
         match &self.kind {
-            SpecKind::Remote { .. } => false,
+            SpecKind::Remote { .. } | SpecKind::Grpc { .. } => false,
             _ => self.path().is_none_or(|p| !p.exists()),
         }
     }
 
     /// Whether this spec names a store on another host (opened with [`open_store_async`]).
     pub fn is_remote(&self) -> bool {
-        matches!(self.kind, SpecKind::Remote { .. })
+        matches!(self.kind, SpecKind::Remote { .. } | SpecKind::Grpc { .. })
     }
 
     /// Sets the size when the spec has none and would create its store (used by `cp` so that
@@ -315,7 +325,7 @@ impl FromStr for StoreSpec {
             "memory" | "mem" => "size, chunk",
             "file" => "size, chunk, ro",
             "dir" => "size, chunk, ro, max-open",
-            "farmap" | "farmap+unix" => "connections, timeout",
+            "farmap" | "farmap+unix" | "farmap+grpc" => "connections, timeout",
             "farmaps" => "ca, cert, key, name, connections, timeout",
             _ => {
                 return Err(SpecError::UnknownScheme {
@@ -394,6 +404,19 @@ impl FromStr for StoreSpec {
             }
             "file" => SpecKind::File { path: path()? },
             "farmap" | "farmaps" | "farmap+unix" => remote.into_kind(&scheme_lc, body, spec)?,
+            "farmap+grpc" => match remote.into_kind("farmap", body, spec)? {
+                SpecKind::Remote {
+                    addr: RemoteAddr::Tcp(addr),
+                    connections,
+                    timeout,
+                    ..
+                } => SpecKind::Grpc {
+                    addr,
+                    connections,
+                    timeout,
+                },
+                _ => unreachable!("farmap:// always parses to a TCP address"),
+            },
             _ => SpecKind::Dir {
                 path: path()?,
                 max_open_files,
@@ -441,6 +464,16 @@ impl fmt::Display for StoreSpec {
                 f.write_str(&head)?;
                 opts = remote_opts;
             }
+            SpecKind::Grpc {
+                addr,
+                connections,
+                timeout,
+            } => {
+                let tcp = RemoteAddr::Tcp(addr.clone());
+                let (_, remote_opts) = remote::display_parts(&tcp, &None, *connections, *timeout);
+                write!(f, "farmap+grpc://{addr}")?;
+                opts = remote_opts;
+            }
         }
         if let Some(c) = self.chunk_size {
             opts.push(format!("chunk={}", format_size(u64::from(c))));
@@ -467,6 +500,26 @@ pub async fn open_store_async(spec: &StoreSpec) -> Result<Arc<dyn Store>, OpenEr
         } => {
             let opts = remote::client_options(tls, *connections, *timeout);
             let store = RemoteStore::connect(addr.clone(), opts)
+                .await
+                .map_err(|source| OpenError::Store {
+                    spec: spec.to_string(),
+                    source,
+                })?;
+            Ok(Arc::new(store))
+        }
+        SpecKind::Grpc {
+            addr,
+            connections,
+            timeout,
+        } => {
+            let mut opts = GrpcClientOptions::default();
+            if let Some(n) = connections {
+                opts.connections = *n;
+            }
+            if let Some(t) = timeout {
+                opts.request_timeout = Some(*t);
+            }
+            let store = GrpcStore::connect_with(&format!("http://{addr}"), opts)
                 .await
                 .map_err(|source| OpenError::Store {
                     spec: spec.to_string(),
@@ -521,7 +574,7 @@ pub fn open_store(spec: &StoreSpec) -> Result<Arc<dyn Store>, OpenError> {
             }
             Arc::new(DirStore::open(path, opts).map_err(store_err)?)
         }
-        SpecKind::Remote { .. } => {
+        SpecKind::Remote { .. } | SpecKind::Grpc { .. } => {
             return Err(OpenError::NeedsAsync {
                 spec: spec.to_string(),
             })
@@ -535,6 +588,25 @@ mod tests {
 
     fn parse(s: &str) -> Result<StoreSpec, SpecError> {
         s.parse()
+    }
+
+    #[test]
+    fn grpc_specs() {
+        let g = parse("farmap+grpc://127.0.0.1:7401?connections=2&timeout=5s").unwrap();
+        assert_eq!(
+            g.kind,
+            SpecKind::Grpc {
+                addr: "127.0.0.1:7401".into(),
+                connections: Some(2),
+                timeout: Some(Duration::from_secs(5)),
+            }
+        );
+        assert!(g.is_remote());
+        assert!(!g.creates());
+        assert_eq!(parse(&g.to_string()).unwrap(), g, "display round-trips");
+        assert!(parse("farmap+grpc://nohost").is_err());
+        let err = parse("farmap+grpc://h:1?ca=x").unwrap_err().to_string();
+        assert!(err.contains("unknown option"), "{err}");
     }
 
     #[test]

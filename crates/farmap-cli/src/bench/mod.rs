@@ -6,6 +6,7 @@ use std::time::Duration;
 
 use clap::Subcommand;
 
+mod net;
 mod pull;
 mod uffd;
 
@@ -21,12 +22,17 @@ pub enum BenchCommand {
     /// On a VM, waking a thread on an idle virtual CPU can cost far more than a fault;
     /// `taskset -c 0 farmap bench uffd` keeps every thread on one CPU.
     Uffd(uffd::UffdArgs),
+    /// farmap's transports (native protocol, gRPC) through an emulated link (a delay proxy
+    /// in this process), against a plain TCP stream through the same link: throughput and
+    /// first-chunk latency per round-trip time.
+    Net(net::NetArgs),
 }
 
 pub async fn run(cmd: BenchCommand) -> anyhow::Result<ExitCode> {
     match cmd {
         BenchCommand::Pull(args) => pull::run(args).await,
         BenchCommand::Uffd(args) => uffd::run(args).await,
+        BenchCommand::Net(args) => net::run(args).await,
     }
 }
 

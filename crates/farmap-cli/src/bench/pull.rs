@@ -15,7 +15,7 @@ use bytes::Bytes;
 use clap::Args;
 use farmap::pipeline::{Cached, DelayOptions, Delayed, PullOptions, PullOrder, Puller};
 use farmap::store::DenseMemoryStore;
-use farmap::{format_size, open_store, Geometry, Store, StoreSpec};
+use farmap::{format_size, open_store_async, Geometry, Store, StoreSpec};
 use rand::{RngCore, SeedableRng};
 use serde::Serialize;
 
@@ -124,7 +124,9 @@ pub async fn run(mut args: PullArgs) -> anyhow::Result<ExitCode> {
         );
     }
     let quiet = args.json;
-    let source = open_store(&args.store).context("opening the benchmark store")?;
+    let source = open_store_async(&args.store)
+        .await
+        .context("opening the benchmark store")?;
     let g = source.geometry();
     let chunk = g.chunk_size();
     fill_random(source.as_ref(), quiet).await?;

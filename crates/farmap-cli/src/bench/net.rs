@@ -1,0 +1,348 @@
+//! `farmap bench net`: farmap's transports through an emulated link, against a plain TCP
+//! stream through the same link.
+//!
+//! Everything runs in this process on loopback: a server (native protocol and gRPC) over a
+//! memory store filled with random data, one [`Proxy`] per server that delays each
+//! direction by rtt/2, and the clients. Cases, per RTT:
+//! - `tcp-raw`: one plain TCP stream through the proxy: the emulated link's capacity.
+//! - `direct-native`: one request at a time over the native protocol.
+//! - `managed-native`: `Cached` + `Puller` over the native protocol, many requests in flight.
+//! - `managed-grpc`: the same over gRPC.
+//!
+//! `first_chunk_us` is the time from the first request on an established connection to its
+//! reply (for `tcp-raw`: from a one-byte request to the first byte of the stream).
+
+use std::net::SocketAddr;
+use std::process::ExitCode;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use anyhow::{bail, Context};
+use bytes::Bytes;
+use clap::Args;
+use farmap::net::proxy::{Proxy, ProxyHandle, ProxyOptions};
+use farmap::net::{
+    serve, ClientOptions, ListenAddr, Listener, RemoteAddr, RemoteStore, ServeOptions,
+};
+use farmap::pipeline::{Cached, PullOptions, PullOrder, Puller};
+use farmap::store::{DenseMemoryStore, MemoryStore};
+use farmap::{format_size, ChunkIdx, Geometry, Store};
+use farmap_grpc::{serve_grpc_with_shutdown, GrpcClientOptions, GrpcServerOptions, GrpcStore};
+use rand::{RngCore, SeedableRng};
+use serde::Serialize;
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::net::{TcpListener, TcpStream};
+
+use super::{parse_duration, parse_size_arg};
+use crate::output;
+
+const CASES: [&str; 4] = ["tcp-raw", "direct-native", "managed-native", "managed-grpc"];
+
+#[derive(Debug, Args)]
+pub struct NetArgs {
+    /// Emulated round-trip times, comma-separated (each direction is delayed by half).
+    #[arg(long, default_value = "0ms,2ms,10ms,40ms", value_delimiter = ',', value_parser = parse_duration)]
+    rtt: Vec<Duration>,
+    /// Region size pulled by the managed cases (and streamed by tcp-raw).
+    #[arg(long, default_value = "256MiB", value_parser = parse_size_arg)]
+    size: u64,
+    /// Chunk size.
+    #[arg(long, default_value = "64KiB", value_parser = parse_size_arg)]
+    chunk: u64,
+    /// Pull workers (requests in flight) of the managed cases.
+    #[arg(long, default_value_t = 1024)]
+    workers: usize,
+    /// Connections of the native client's pool (and gRPC channels).
+    #[arg(long, default_value_t = 8)]
+    connections: usize,
+    /// How long the one-request-at-a-time case runs at most per RTT.
+    #[arg(long, default_value = "2s", value_parser = parse_duration)]
+    direct_time: Duration,
+    /// Cases to run, comma-separated.
+    #[arg(long, value_delimiter = ',', default_values_t = CASES.map(String::from))]
+    case: Vec<String>,
+    /// One JSON object per case and RTT on stdout.
+    #[arg(long)]
+    json: bool,
+}
+
+#[derive(Debug, Serialize)]
+struct NetResult {
+    bench: &'static str,
+    case: String,
+    rtt_ms: f64,
+    size_bytes: u64,
+    chunk_bytes: u64,
+    workers: usize,
+    mb_per_s: f64,
+    first_chunk_us: f64,
+    elapsed_ms: f64,
+    verified: bool,
+}
+
+/// A server streaming `size` bytes to every client after it sends one byte.
+async fn raw_source(size: u64) -> anyhow::Result<SocketAddr> {
+    let listener = TcpListener::bind("127.0.0.1:0").await?;
+    let addr = listener.local_addr()?;
+    tokio::spawn(async move {
+        while let Ok((mut sock, _)) = listener.accept().await {
+            tokio::spawn(async move {
+                let _ = sock.set_nodelay(true);
+                let mut go = [0u8; 1];
+                if sock.read_exact(&mut go).await.is_err() {
+                    return;
+                }
+                let buf = vec![0x5au8; 1 << 20];
+                let mut left = size;
+                while left > 0 {
+                    let n = left.min(buf.len() as u64) as usize;
+                    if sock.write_all(&buf[..n]).await.is_err() {
+                        return;
+                    }
+                    left -= n as u64;
+                }
+            });
+        }
+    });
+    Ok(addr)
+}
+
+async fn proxy(to: SocketAddr, rtt: Duration) -> anyhow::Result<ProxyHandle> {
+    let opts = ProxyOptions {
+        rtt,
+        ..ProxyOptions::default()
+    };
+    Ok(Proxy::bind("127.0.0.1:0", to, opts)
+        .await
+        .context("starting the delay proxy")?
+        .spawn())
+}
+
+async fn run_tcp_raw(to: SocketAddr, size: u64) -> anyhow::Result<(f64, Duration)> {
+    let mut sock = TcpStream::connect(to).await?;
+    sock.set_nodelay(true)?;
+    let mut buf = vec![0u8; 1 << 20];
+    let started = Instant::now();
+    sock.write_all(&[1]).await?;
+    let mut got = sock.read(&mut buf).await? as u64;
+    let first = started.elapsed();
+    while got < size {
+        let n = sock.read(&mut buf).await?;
+        if n == 0 {
+            bail!("the raw stream ended after {got} of {size} bytes");
+        }
+        got += n as u64;
+    }
+    Ok((first.as_secs_f64() * 1e6, started.elapsed()))
+}
+
+/// Time of one read on an established connection: every pooled connection is used once
+/// first, then the median of nine sequential reads is taken.
+async fn first_chunk(store: &dyn Store, connections: usize) -> anyhow::Result<f64> {
+    let g = store.geometry();
+    let n = g.chunk_count();
+    futures::future::try_join_all(
+        (0..connections.max(1) as u64).map(|i| store.read(ChunkIdx(i % n))),
+    )
+    .await?;
+    let mut times = Vec::with_capacity(9);
+    for i in 0..9u64 {
+        let t = Instant::now();
+        store.read(ChunkIdx((i * 7) % n)).await?;
+        times.push(t.elapsed().as_secs_f64() * 1e6);
+    }
+    times.sort_by(f64::total_cmp);
+    Ok(times[times.len() / 2])
+}
+
+/// Reads chunks one at a time until `budget` is spent or the region ends.
+async fn run_direct(store: &dyn Store, budget: Duration) -> anyhow::Result<(u64, Duration)> {
+    let g = store.geometry();
+    let started = Instant::now();
+    let mut bytes = 0u64;
+    for idx in g.all().iter() {
+        bytes += store.read(idx).await?.len() as u64;
+        if started.elapsed() >= budget {
+            break;
+        }
+    }
+    Ok((bytes, started.elapsed()))
+}
+
+/// Pulls the whole region with `Cached` + `Puller`; returns the time and whether the local
+/// copy equals `source`.
+async fn run_managed(
+    remote: Arc<dyn Store>,
+    source: &dyn Store,
+    workers: usize,
+) -> anyhow::Result<(Duration, bool)> {
+    let g = remote.geometry();
+    let cached = Arc::new(Cached::new(DenseMemoryStore::new(g), remote)?);
+    let started = Instant::now();
+    let puller = Puller::start(
+        cached.clone(),
+        PullOptions {
+            workers,
+            order: PullOrder::Sequential,
+            ..PullOptions::default()
+        },
+    );
+    let report = puller.wait().await;
+    let elapsed = started.elapsed();
+    let mut verified = report.is_complete();
+    for idx in g.all().iter() {
+        if !verified {
+            break;
+        }
+        verified = cached.local().read(idx).await? == source.read(idx).await?;
+    }
+    Ok((elapsed, verified))
+}
+
+pub async fn run(args: NetArgs) -> anyhow::Result<ExitCode> {
+    for c in &args.case {
+        if !CASES.contains(&c.as_str()) {
+            bail!("unknown case {c:?} (cases: {})", CASES.join(", "));
+        }
+    }
+    let g = Geometry::new(args.size, args.chunk)
+        .with_context(|| format!("--size {} with --chunk {}", args.size, args.chunk))?;
+    // The source region, filled with random data (setup, untimed).
+    let source = Arc::new(MemoryStore::new(g));
+    let mut rng = rand::rngs::SmallRng::seed_from_u64(0xbe7c4);
+    for idx in g.all().iter() {
+        let mut buf = vec![0u8; g.chunk_len(idx)];
+        rng.fill_bytes(&mut buf);
+        source.write(idx, Bytes::from(buf)).await?;
+    }
+    let store: Arc<dyn Store> = source.clone();
+
+    // Servers, each behind its own proxy per RTT.
+    let native = serve(
+        store.clone(),
+        Listener::bind(&ListenAddr::Tcp("127.0.0.1:0".parse()?)).await?,
+        ServeOptions {
+            log: false,
+            max_in_flight_per_conn: args.workers.max(1),
+            ..ServeOptions::default()
+        },
+    )?;
+    let ListenAddr::Tcp(native_addr) = native.local_addr().clone() else {
+        bail!("the native server did not listen on TCP");
+    };
+    let grpc_listener = TcpListener::bind("127.0.0.1:0").await?;
+    let grpc_addr = grpc_listener.local_addr()?;
+    let (grpc_stop, grpc_stopped) = tokio::sync::oneshot::channel::<()>();
+    let grpc_task = tokio::spawn(serve_grpc_with_shutdown(
+        store.clone(),
+        grpc_listener,
+        GrpcServerOptions::default(),
+        async move {
+            let _ = grpc_stopped.await;
+        },
+    ));
+    let raw_addr = raw_source(args.size).await?;
+
+    let mut failed = false;
+    for &rtt in &args.rtt {
+        for case in &args.case {
+            if !args.json {
+                eprintln!("running {case} at rtt {} ms", rtt.as_secs_f64() * 1e3);
+            }
+            let (bytes, elapsed, first_us, verified) = match case.as_str() {
+                "tcp-raw" => {
+                    let p = proxy(raw_addr, rtt).await?;
+                    let (first, elapsed) = run_tcp_raw(p.local_addr(), args.size).await?;
+                    p.shutdown().await;
+                    (args.size, elapsed, first, true)
+                }
+                "direct-native" | "managed-native" => {
+                    let p = proxy(native_addr, rtt).await?;
+                    let connections = if case == "direct-native" {
+                        1
+                    } else {
+                        args.connections
+                    };
+                    let opts = ClientOptions {
+                        connections,
+                        ..ClientOptions::default()
+                    };
+                    let remote: Arc<dyn Store> = Arc::new(
+                        RemoteStore::connect(RemoteAddr::Tcp(p.local_addr().to_string()), opts)
+                            .await?,
+                    );
+                    let first = first_chunk(remote.as_ref(), connections).await?;
+                    let r = if case == "direct-native" {
+                        let (bytes, elapsed) =
+                            run_direct(remote.as_ref(), args.direct_time).await?;
+                        (bytes, elapsed, first, true)
+                    } else {
+                        let (elapsed, ok) =
+                            run_managed(remote.clone(), store.as_ref(), args.workers).await?;
+                        (args.size, elapsed, first, ok)
+                    };
+                    drop(remote);
+                    p.shutdown().await;
+                    r
+                }
+                _ => {
+                    let p = proxy(grpc_addr, rtt).await?;
+                    let remote: Arc<dyn Store> = Arc::new(
+                        GrpcStore::connect_with(
+                            &format!("http://{}", p.local_addr()),
+                            GrpcClientOptions {
+                                connections: args.connections,
+                                ..GrpcClientOptions::default()
+                            },
+                        )
+                        .await?,
+                    );
+                    let first = first_chunk(remote.as_ref(), args.connections).await?;
+                    let (elapsed, ok) =
+                        run_managed(remote.clone(), store.as_ref(), args.workers).await?;
+                    drop(remote);
+                    p.shutdown().await;
+                    (args.size, elapsed, first, ok)
+                }
+            };
+            failed |= !verified;
+            let result = NetResult {
+                bench: "net",
+                case: case.clone(),
+                rtt_ms: rtt.as_secs_f64() * 1e3,
+                size_bytes: bytes,
+                chunk_bytes: args.chunk,
+                workers: if case.starts_with("managed") {
+                    args.workers
+                } else {
+                    1
+                },
+                mb_per_s: output::mb_per_s(bytes, elapsed),
+                first_chunk_us: output::round1(first_us),
+                elapsed_ms: output::round1(elapsed.as_secs_f64() * 1e3),
+                verified,
+            };
+            if args.json {
+                output::json_line(&result)?;
+            } else {
+                println!(
+                    "{:<15} rtt {:>5.1} ms: {:>8.1} MB/s over {} in {:.1} ms, first chunk {:.0} us{}",
+                    result.case,
+                    result.rtt_ms,
+                    result.mb_per_s,
+                    format_size(bytes),
+                    result.elapsed_ms,
+                    result.first_chunk_us,
+                    if verified { "" } else { ", VERIFICATION FAILED" }
+                );
+            }
+        }
+    }
+    let _ = grpc_stop.send(());
+    let _ = grpc_task.await;
+    native.shutdown().await.ok();
+    if failed {
+        bail!("some pulled data differed from the source");
+    }
+    Ok(ExitCode::SUCCESS)
+}

@@ -1,0 +1,43 @@
+//! `farmap bench net` runs every case through the delay proxy and prints one JSON line each.
+
+use std::process::Command;
+
+#[test]
+fn bench_net_prints_every_case_per_rtt() {
+    let o = Command::new(env!("CARGO_BIN_EXE_farmap"))
+        .args([
+            "bench",
+            "net",
+            "--json",
+            "--size",
+            "8MiB",
+            "--rtt",
+            "0ms,2ms",
+            "--workers",
+            "64",
+            "--connections",
+            "2",
+            "--direct-time",
+            "100ms",
+        ])
+        .output()
+        .unwrap();
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    let rows: Vec<serde_json::Value> = String::from_utf8_lossy(&o.stdout)
+        .lines()
+        .map(|l| serde_json::from_str(l).unwrap())
+        .collect();
+    let cases = ["tcp-raw", "direct-native", "managed-native", "managed-grpc"];
+    assert_eq!(rows.len(), 2 * cases.len(), "{rows:?}");
+    for (i, row) in rows.iter().enumerate() {
+        assert_eq!(row["bench"], "net");
+        assert_eq!(row["case"], cases[i % cases.len()]);
+        let rtt = row["rtt_ms"].as_f64().unwrap();
+        assert_eq!(rtt, if i < cases.len() { 0.0 } else { 2.0 });
+        assert!(row["mb_per_s"].as_f64().unwrap() > 0.0, "{row}");
+        assert_eq!(row["verified"], true, "{row}");
+        // The proxy adds the round trip: no reply can come back sooner.
+        let first_us = row["first_chunk_us"].as_f64().unwrap();
+        assert!(first_us >= rtt * 1000.0, "{row}");
+    }
+}

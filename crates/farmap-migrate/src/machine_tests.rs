@@ -1,0 +1,245 @@
+#![allow(clippy::single_range_in_vec_init)] // page runs: one run is a real case
+use super::*;
+
+fn info() -> RegionInfo {
+    RegionInfo {
+        size: 1 << 20,
+        chunk_size: 65536,
+        page_size: 4096,
+        data_port: 9,
+        boot_id: [1; 16],
+    }
+}
+
+fn round(pages: u64) -> RoundResult {
+    RoundResult {
+        pages,
+        runs: pages,
+        apply: Duration::from_millis(1),
+        elapsed: Duration::from_millis(2),
+    }
+}
+
+/// Feeds the seeder's sends to the leecher; returns the leecher's actions.
+fn deliver(l: &mut Leecher, actions: Vec<SeederAction>) -> Vec<LeecherAction> {
+    let mut out = Vec::new();
+    for a in actions {
+        if let SeederAction::Send(m) = a {
+            out.extend(l.step(LeecherInput::Received(m)));
+        }
+    }
+    out
+}
+
+fn sent(actions: &[LeecherAction]) -> Vec<Msg> {
+    actions
+        .iter()
+        .filter_map(|a| match a {
+            LeecherAction::Send(m) => Some(m.clone()),
+            _ => None,
+        })
+        .collect()
+}
+
+#[test]
+fn a_whole_migration_step_by_step() {
+    let mut s = Seeder::new(info(), 5);
+    let mut l = Leecher::new(Convergence::default());
+    let hello = sent(&l.start());
+    let a = s.step(SeederInput::Received(hello[0].clone()));
+    assert_eq!(a[0], SeederAction::ResetTracking);
+    assert_eq!(s.state(), SeederState::Serving { session: 5 });
+    let la = deliver(&mut l, a);
+    assert!(matches!(
+        la[0],
+        LeecherAction::OpenRegion {
+            session: 5,
+            data_port: 9,
+            ..
+        }
+    ));
+    let la = l.step(LeecherInput::PullDone);
+    assert_eq!(sent(&la), vec![Msg::DirtyRequest { round: 1 }]);
+    let a = s.step(SeederInput::Received(Msg::DirtyRequest { round: 1 }));
+    assert_eq!(a, vec![SeederAction::TakeDirty { round: 1 }]);
+    let a = s.step(SeederInput::Dirty {
+        round: 1,
+        runs: vec![0..100],
+    });
+    let la = deliver(&mut l, a);
+    assert_eq!(la, vec![LeecherAction::Refresh { runs: vec![0..100] }]);
+    // 1000 pages would take 20 ms to discard: too slow for a 10 ms budget, go on.
+    let la = l.step(LeecherInput::RoundDone(round(1000)));
+    assert_eq!(sent(&la), vec![Msg::DirtyRequest { round: 2 }]);
+    let _ = s.step(SeederInput::Received(Msg::DirtyRequest { round: 2 }));
+    let la = deliver(
+        &mut l,
+        s.step(SeederInput::Dirty {
+            round: 2,
+            runs: vec![3..5],
+        }),
+    );
+    assert_eq!(la.len(), 1);
+    // 2 pages: converged.
+    let la = l.step(LeecherInput::RoundDone(round(2)));
+    assert_eq!(sent(&la), vec![Msg::Finalize]);
+    assert_eq!(l.state(), LeecherState::Finalizing);
+    assert_eq!(l.rounds(), 2);
+    assert_eq!(
+        s.step(SeederInput::Received(Msg::Finalize)),
+        vec![SeederAction::Suspend]
+    );
+    let a = s.step(SeederInput::Suspended {
+        runs: vec![7..8],
+        app_state: Bytes::from_static(b"op=42"),
+        at_ns: 1,
+    });
+    assert!(matches!(
+        s.state(),
+        SeederState::HandedOver { resumed: false, .. }
+    ));
+    let la = deliver(&mut l, a);
+    assert!(
+        matches!(&la[0], LeecherAction::Resume { runs, app_state, .. }
+        if runs == &vec![7..8] && &app_state[..] == b"op=42")
+    );
+    assert_eq!(sent(&la), vec![Msg::Resumed]);
+    assert!(s.step(SeederInput::Received(Msg::Resumed)).is_empty());
+    let la = l.step(LeecherInput::AllLocal);
+    assert_eq!(sent(&la), vec![Msg::Done]);
+    let a = s.step(SeederInput::Received(Msg::Done));
+    assert!(a.contains(&SeederAction::Release));
+    assert_eq!(s.state(), SeederState::Released);
+    assert_eq!(deliver(&mut l, a), vec![LeecherAction::Finish]);
+    assert_eq!(l.state(), LeecherState::Finished);
+}
+
+#[test]
+fn leecher_gone_before_the_hand_over_leaves_the_source_running() {
+    let mut s = Seeder::new(info(), 1);
+    s.step(SeederInput::Received(Msg::Hello { session: 0 }));
+    let a = s.step(SeederInput::Disconnected);
+    assert!(matches!(a[0], SeederAction::StopTracking { .. }));
+    assert_eq!(s.state(), SeederState::Idle);
+    // During the finalization, before the hand-over: resume.
+    s.step(SeederInput::Received(Msg::Hello { session: 0 }));
+    s.step(SeederInput::Received(Msg::Finalize));
+    let a = s.step(SeederInput::Disconnected);
+    assert_eq!(a[0], SeederAction::Resume);
+    // A new leecher may come.
+    assert!(matches!(
+        s.step(SeederInput::Received(Msg::Hello { session: 0 }))[0],
+        SeederAction::ResetTracking
+    ));
+}
+
+#[test]
+fn seeder_gone_before_finalize_aborts_the_leecher() {
+    let mut l = Leecher::new(Convergence::default());
+    l.step(LeecherInput::Received(Msg::Welcome {
+        session: 3,
+        size: 1,
+        chunk_size: 1,
+        page_size: 1,
+        data_port: 1,
+        boot_id: [0; 16],
+    }));
+    let a = l.step(LeecherInput::Disconnected);
+    assert!(matches!(&a[0], LeecherAction::Abort(r) if r.contains("keeps running")));
+    assert_eq!(l.state(), LeecherState::Aborted);
+}
+
+#[test]
+fn a_connection_lost_after_finalize_is_resumed_with_the_session() {
+    let mut s = Seeder::new(info(), 8);
+    let mut l = Leecher::new(Convergence {
+        max_rounds: 1,
+        ..Convergence::default()
+    });
+    deliver(
+        &mut l,
+        s.step(SeederInput::Received(Msg::Hello { session: 0 })),
+    );
+    l.step(LeecherInput::PullDone);
+    s.step(SeederInput::Received(Msg::DirtyRequest { round: 1 }));
+    deliver(
+        &mut l,
+        s.step(SeederInput::Dirty {
+            round: 1,
+            runs: vec![],
+        }),
+    );
+    assert_eq!(
+        sent(&l.step(LeecherInput::RoundDone(round(0)))),
+        vec![Msg::Finalize]
+    );
+    s.step(SeederInput::Received(Msg::Finalize));
+    let handover = s.step(SeederInput::Suspended {
+        runs: vec![],
+        app_state: Bytes::new(),
+        at_ns: 0,
+    });
+    // The hand-over is lost with the connection.
+    drop(handover);
+    assert_eq!(
+        s.step(SeederInput::Disconnected),
+        vec![SeederAction::AwaitReconnect]
+    );
+    assert_eq!(
+        l.step(LeecherInput::Disconnected),
+        vec![LeecherAction::Reconnect]
+    );
+    let hello = sent(&l.step(LeecherInput::Reconnected));
+    assert_eq!(hello, vec![Msg::Hello { session: 8 }]);
+    let a = s.step(SeederInput::Received(hello[0].clone()));
+    assert!(matches!(
+        a[0],
+        SeederAction::Send(Msg::Welcome { session: 8, .. })
+    ));
+    // The seeder sends the hand-over again; the leecher resumes once.
+    assert!(matches!(a[1], SeederAction::Send(Msg::HandOver { .. })));
+    let la = l.step(LeecherInput::Received(Msg::HandOver {
+        runs: vec![],
+        app_state: Bytes::new(),
+        suspended_at_ns: 0,
+    }));
+    assert!(matches!(la[0], LeecherAction::Resume { .. }));
+    let again = l.step(LeecherInput::Received(Msg::HandOver {
+        runs: vec![],
+        app_state: Bytes::new(),
+        suspended_at_ns: 0,
+    }));
+    assert_eq!(sent(&again), vec![Msg::Resumed]);
+    // A stranger's session is refused.
+    let mut s2 = Seeder::new(info(), 1);
+    assert!(matches!(
+        s2.step(SeederInput::Received(Msg::Hello { session: 77 }))[0],
+        SeederAction::Send(Msg::Abort { .. })
+    ));
+}
+
+#[test]
+fn rounds_stop_when_the_set_stops_shrinking() {
+    let mut l = Leecher::new(Convergence::default());
+    l.step(LeecherInput::Received(Msg::Welcome {
+        session: 1,
+        size: 1,
+        chunk_size: 1,
+        page_size: 1,
+        data_port: 1,
+        boot_id: [0; 16],
+    }));
+    l.step(LeecherInput::PullDone);
+    assert_eq!(
+        sent(&l.step(LeecherInput::RoundDone(round(1000)))),
+        vec![Msg::DirtyRequest { round: 2 }]
+    );
+    assert_eq!(
+        sent(&l.step(LeecherInput::RoundDone(round(500)))),
+        vec![Msg::DirtyRequest { round: 3 }]
+    );
+    assert_eq!(
+        sent(&l.step(LeecherInput::RoundDone(round(480)))),
+        vec![Msg::Finalize]
+    );
+}

@@ -1,0 +1,407 @@
+//! The control messages of a migration and their framing (no I/O).
+//!
+//! Every frame is `magic "FMIG" | version u16 | kind u8 | length u32 | payload`, integers
+//! big-endian. Version 0 is invalid; a frame of another version is refused before its payload
+//! is read. Every length read from the wire is capped before anything is allocated: the
+//! payload by [`MAX_PAYLOAD`], page runs by [`MAX_RUNS`], the application state by
+//! [`MAX_APP_STATE`], texts by [`MAX_TEXT`].
+
+use std::ops::Range;
+
+use bytes::{Buf, BufMut, Bytes, BytesMut};
+
+/// The first bytes of every frame.
+pub const MAGIC: [u8; 4] = *b"FMIG";
+/// The protocol version this crate speaks (never 0).
+pub const VERSION: u16 = 1;
+/// Bytes of a frame header.
+pub const HEADER_LEN: usize = 11;
+/// Largest payload accepted.
+pub const MAX_PAYLOAD: u32 = 64 << 20;
+/// Most page runs in one dirty set.
+pub const MAX_RUNS: u32 = 4 << 20;
+/// Largest application state handed over.
+pub const MAX_APP_STATE: u32 = 1 << 20;
+/// Longest text (reasons).
+pub const MAX_TEXT: u32 = 4096;
+
+/// A control message. `L→S` travels from the leecher to the seeder, `S→L` the other way.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Msg {
+    /// L→S: first message; `session` is 0 for a new migration, or the session to continue
+    /// after a lost connection.
+    Hello {
+        /// Session to continue, 0 for a new one.
+        session: u64,
+    },
+    /// S→L: the answer to `Hello`.
+    Welcome {
+        /// The session (to quote when reconnecting).
+        session: u64,
+        /// Region size in bytes.
+        size: u64,
+        /// The region's chunk size.
+        chunk_size: u32,
+        /// The unit of dirty tracking and of the data plane's chunks.
+        page_size: u32,
+        /// TCP port of the data plane (a read-only farmap server of the live region), on the
+        /// host the leecher reached; 0 if the data plane is a Unix socket.
+        data_port: u16,
+        /// The seeder host's boot id: clocks of one boot are comparable.
+        boot_id: [u8; 16],
+    },
+    /// L→S: which pages were written since the last dirty set (round `round`).
+    DirtyRequest {
+        /// Round number, from 1.
+        round: u32,
+    },
+    /// S→L: the pages written since the previous set.
+    Dirty {
+        /// The round answered.
+        round: u32,
+        /// Written pages, as runs of page indices.
+        runs: Vec<Range<u64>>,
+    },
+    /// L→S: suspend the application and hand ownership over.
+    Finalize,
+    /// S→L: the application is suspended for good; these pages changed since the last set.
+    HandOver {
+        /// Pages written since the last dirty set.
+        runs: Vec<Range<u64>>,
+        /// Opaque application state (e.g. a workload's position).
+        app_state: Bytes,
+        /// CLOCK_MONOTONIC at the suspension, in ns (comparable if boot ids match).
+        suspended_at_ns: u64,
+    },
+    /// L→S: the destination runs the application (ownership has moved).
+    Resumed,
+    /// L→S: every chunk is local; the seeder may release the region.
+    Done,
+    /// S→L: the seeder released the region.
+    Bye,
+    /// Either way: the migration is abandoned.
+    Abort {
+        /// Why, as a sentence.
+        reason: String,
+    },
+}
+
+/// Why bytes could not be decoded.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum DecodeError {
+    /// Not a migration frame.
+    #[error("the peer does not speak farmap's migration protocol (bad magic)")]
+    BadMagic,
+    /// Version 0 or one this build does not speak.
+    #[error("the peer speaks migration protocol version {0}, this build speaks {VERSION}")]
+    Version(u16),
+    /// A kind this version does not define.
+    #[error("unknown migration message kind {0}")]
+    Kind(u8),
+    /// A length above its cap.
+    #[error("a migration message claims {len} for {what}, more than the cap of {cap}")]
+    TooLong {
+        /// What was too long.
+        what: &'static str,
+        /// The length claimed.
+        len: u64,
+        /// The cap.
+        cap: u64,
+    },
+    /// The payload ended early or has bytes left over, or a run is empty.
+    #[error("a migration message is malformed: {0}")]
+    Malformed(&'static str),
+}
+
+/// A decoded frame header: the payload's kind and length.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Header {
+    /// Message kind.
+    pub kind: u8,
+    /// Payload length (already checked against [`MAX_PAYLOAD`]).
+    pub len: u32,
+}
+
+/// Checks a frame header.
+pub fn decode_header(h: &[u8; HEADER_LEN]) -> Result<Header, DecodeError> {
+    if h[..4] != MAGIC {
+        return Err(DecodeError::BadMagic);
+    }
+    let version = u16::from_be_bytes([h[4], h[5]]);
+    if version != VERSION {
+        return Err(DecodeError::Version(version));
+    }
+    let kind = h[6];
+    let len = u32::from_be_bytes([h[7], h[8], h[9], h[10]]);
+    if len > MAX_PAYLOAD {
+        return Err(DecodeError::TooLong {
+            what: "its payload",
+            len: len.into(),
+            cap: MAX_PAYLOAD.into(),
+        });
+    }
+    Ok(Header { kind, len })
+}
+
+impl Msg {
+    fn kind(&self) -> u8 {
+        match self {
+            Msg::Hello { .. } => 1,
+            Msg::Welcome { .. } => 2,
+            Msg::DirtyRequest { .. } => 3,
+            Msg::Dirty { .. } => 4,
+            Msg::Finalize => 5,
+            Msg::HandOver { .. } => 6,
+            Msg::Resumed => 7,
+            Msg::Done => 8,
+            Msg::Bye => 9,
+            Msg::Abort { .. } => 10,
+        }
+    }
+
+    /// The whole frame (header and payload).
+    pub fn encode(&self) -> Bytes {
+        let mut p = BytesMut::new();
+        match self {
+            Msg::Hello { session } => p.put_u64(*session),
+            Msg::Welcome {
+                session,
+                size,
+                chunk_size,
+                page_size,
+                data_port,
+                boot_id,
+            } => {
+                p.put_u64(*session);
+                p.put_u64(*size);
+                p.put_u32(*chunk_size);
+                p.put_u32(*page_size);
+                p.put_u16(*data_port);
+                p.put_slice(boot_id);
+            }
+            Msg::DirtyRequest { round } => p.put_u32(*round),
+            Msg::Dirty { round, runs } => {
+                p.put_u32(*round);
+                put_runs(&mut p, runs);
+            }
+            Msg::HandOver {
+                runs,
+                app_state,
+                suspended_at_ns,
+            } => {
+                put_runs(&mut p, runs);
+                p.put_u32(app_state.len() as u32);
+                p.put_slice(app_state);
+                p.put_u64(*suspended_at_ns);
+            }
+            Msg::Finalize | Msg::Resumed | Msg::Done | Msg::Bye => {}
+            Msg::Abort { reason } => {
+                let r = &reason.as_bytes()[..reason.len().min(MAX_TEXT as usize)];
+                p.put_u32(r.len() as u32);
+                p.put_slice(r);
+            }
+        }
+        let mut f = BytesMut::with_capacity(HEADER_LEN + p.len());
+        f.put_slice(&MAGIC);
+        f.put_u16(VERSION);
+        f.put_u8(self.kind());
+        f.put_u32(p.len() as u32);
+        f.put_slice(&p);
+        f.freeze()
+    }
+
+    /// Decodes the payload of a frame whose header said `kind`.
+    pub fn decode(kind: u8, mut p: &[u8]) -> Result<Msg, DecodeError> {
+        let p = &mut p;
+        let msg = match kind {
+            1 => Msg::Hello {
+                session: get_u64(p)?,
+            },
+            2 => Msg::Welcome {
+                session: get_u64(p)?,
+                size: get_u64(p)?,
+                chunk_size: get_u32(p)?,
+                page_size: get_u32(p)?,
+                data_port: {
+                    need(p, 2)?;
+                    p.get_u16()
+                },
+                boot_id: {
+                    need(p, 16)?;
+                    let mut b = [0; 16];
+                    p.copy_to_slice(&mut b);
+                    b
+                },
+            },
+            3 => Msg::DirtyRequest { round: get_u32(p)? },
+            4 => Msg::Dirty {
+                round: get_u32(p)?,
+                runs: get_runs(p)?,
+            },
+            5 => Msg::Finalize,
+            6 => {
+                let runs = get_runs(p)?;
+                let len = capped(get_u32(p)?, MAX_APP_STATE, "the application state")?;
+                need(p, len)?;
+                let app_state = Bytes::copy_from_slice(&p[..len]);
+                p.advance(len);
+                Msg::HandOver {
+                    runs,
+                    app_state,
+                    suspended_at_ns: get_u64(p)?,
+                }
+            }
+            7 => Msg::Resumed,
+            8 => Msg::Done,
+            9 => Msg::Bye,
+            10 => {
+                let len = capped(get_u32(p)?, MAX_TEXT, "a reason")?;
+                need(p, len)?;
+                let reason = String::from_utf8_lossy(&p[..len]).into_owned();
+                p.advance(len);
+                Msg::Abort { reason }
+            }
+            k => return Err(DecodeError::Kind(k)),
+        };
+        if !p.is_empty() {
+            return Err(DecodeError::Malformed("bytes left over after the message"));
+        }
+        Ok(msg)
+    }
+}
+
+fn put_runs(p: &mut BytesMut, runs: &[Range<u64>]) {
+    p.put_u32(runs.len() as u32);
+    for r in runs {
+        p.put_u64(r.start);
+        p.put_u32((r.end - r.start) as u32);
+    }
+}
+
+fn get_runs(p: &mut &[u8]) -> Result<Vec<Range<u64>>, DecodeError> {
+    let n = capped(get_u32(p)?, MAX_RUNS, "page runs")?;
+    need(p, n * 12)?;
+    let mut runs = Vec::with_capacity(n);
+    for _ in 0..n {
+        let start = p.get_u64();
+        let len = p.get_u32();
+        if len == 0 {
+            return Err(DecodeError::Malformed("an empty page run"));
+        }
+        let end = start
+            .checked_add(len.into())
+            .ok_or(DecodeError::Malformed("a page run past 2^64"))?;
+        runs.push(start..end);
+    }
+    Ok(runs)
+}
+
+fn capped(len: u32, cap: u32, what: &'static str) -> Result<usize, DecodeError> {
+    if len > cap {
+        return Err(DecodeError::TooLong {
+            what,
+            len: len.into(),
+            cap: cap.into(),
+        });
+    }
+    Ok(len as usize)
+}
+
+fn need(p: &[u8], n: usize) -> Result<(), DecodeError> {
+    if p.len() < n {
+        return Err(DecodeError::Malformed("the payload ends early"));
+    }
+    Ok(())
+}
+
+fn get_u64(p: &mut &[u8]) -> Result<u64, DecodeError> {
+    need(p, 8)?;
+    Ok(p.get_u64())
+}
+
+fn get_u32(p: &mut &[u8]) -> Result<u32, DecodeError> {
+    need(p, 4)?;
+    Ok(p.get_u32())
+}
+
+/// Total pages in `runs`.
+pub fn run_pages(runs: &[Range<u64>]) -> u64 {
+    runs.iter().map(|r| r.end - r.start).sum()
+}
+
+#[cfg(test)]
+#[allow(clippy::single_range_in_vec_init)] // page runs: one run is a real case
+mod tests {
+    use super::*;
+
+    fn roundtrip(m: Msg) {
+        let f = m.encode();
+        let h = decode_header(f[..HEADER_LEN].try_into().unwrap()).unwrap();
+        assert_eq!(h.len as usize, f.len() - HEADER_LEN);
+        assert_eq!(Msg::decode(h.kind, &f[HEADER_LEN..]).unwrap(), m);
+    }
+
+    #[test]
+    fn every_message_round_trips() {
+        roundtrip(Msg::Hello { session: 7 });
+        roundtrip(Msg::Welcome {
+            session: 1,
+            size: 1 << 30,
+            chunk_size: 65536,
+            page_size: 4096,
+            data_port: 7401,
+            boot_id: [3; 16],
+        });
+        roundtrip(Msg::DirtyRequest { round: 2 });
+        roundtrip(Msg::Dirty {
+            round: 2,
+            runs: vec![0..3, 10..11],
+        });
+        roundtrip(Msg::Finalize);
+        roundtrip(Msg::HandOver {
+            runs: vec![5..9],
+            app_state: Bytes::from_static(b"pos"),
+            suspended_at_ns: 99,
+        });
+        roundtrip(Msg::Resumed);
+        roundtrip(Msg::Done);
+        roundtrip(Msg::Bye);
+        roundtrip(Msg::Abort {
+            reason: "gone".into(),
+        });
+    }
+
+    #[test]
+    fn bad_headers_and_lengths_are_refused() {
+        let mut f = Msg::Done.encode().to_vec();
+        f[4] = 0;
+        f[5] = 0;
+        let h: [u8; HEADER_LEN] = f[..HEADER_LEN].try_into().unwrap();
+        assert_eq!(decode_header(&h), Err(DecodeError::Version(0)));
+        let mut h2 = h;
+        h2[0] = b'X';
+        assert_eq!(decode_header(&h2), Err(DecodeError::BadMagic));
+        let mut big = Msg::Done.encode().to_vec();
+        big[7..11].copy_from_slice(&(MAX_PAYLOAD + 1).to_be_bytes());
+        assert!(matches!(
+            decode_header(big[..HEADER_LEN].try_into().unwrap()),
+            Err(DecodeError::TooLong { .. })
+        ));
+        // A run count far beyond what the payload holds is refused before allocating.
+        let mut p = 1u32.to_be_bytes().to_vec();
+        p.extend_from_slice(&u32::MAX.to_be_bytes());
+        assert!(matches!(
+            Msg::decode(4, &p),
+            Err(DecodeError::TooLong { .. })
+        ));
+        assert!(matches!(
+            Msg::decode(4, &p[..6]),
+            Err(DecodeError::Malformed(_))
+        ));
+        assert_eq!(Msg::decode(99, &[]), Err(DecodeError::Kind(99)));
+        assert!(matches!(
+            Msg::decode(8, &[0]),
+            Err(DecodeError::Malformed(_))
+        ));
+    }
+}
