@@ -20,7 +20,9 @@ pub enum BenchCommand {
     /// pages, against a raw userfaultfd handler copying from a plain buffer, and memcpy.
     ///
     /// On a VM, waking a thread on an idle virtual CPU can cost far more than a fault;
-    /// `taskset -c 0 farmap bench uffd` keeps every thread on one CPU.
+    /// `taskset -c 0 farmap bench uffd` keeps every thread on one CPU; so does letting idle
+    /// virtual CPUs poll before halting (`/sys/module/haltpoll/parameters/guest_halt_poll_ns`,
+    /// where the guest has the haltpoll driver).
     Uffd(uffd::UffdArgs),
     /// farmap's transports (native protocol, gRPC) through an emulated link (a delay proxy
     /// in this process), against a plain TCP stream through the same link: throughput and
