@@ -38,6 +38,24 @@ pub async fn run(cmd: BenchCommand) -> anyhow::Result<ExitCode> {
     }
 }
 
+/// The memcpy reference of the benchmarks, in MB/s: `chunk`-sized copies out of `src` into
+/// a pre-touched buffer (best of three passes over up to 256 MiB of `src`).
+pub fn measure_memcpy(src: &[u8], chunk: usize) -> f64 {
+    let n = src.len().min(256 << 20);
+    let src = &src[..n];
+    let mut dst = vec![0xa5u8; n];
+    let mut best = f64::MAX;
+    for _ in 0..3 {
+        let t = std::time::Instant::now();
+        for (d, s) in dst.chunks_mut(chunk).zip(src.chunks(chunk)) {
+            d.copy_from_slice(std::hint::black_box(s));
+        }
+        std::hint::black_box(&mut dst);
+        best = best.min(t.elapsed().as_secs_f64());
+    }
+    n as f64 / best / 1e6
+}
+
 /// Parses `10ms`, `0`, `0.5ms`, `250us`, `1s` into a duration.
 pub fn parse_duration(s: &str) -> Result<Duration, String> {
     let t = s.trim();

@@ -5,7 +5,6 @@
 //! local memory. Reference, measured in the same run: memcpy of the same chunk size between
 //! two pre-touched buffers, and the ideal `min(workers × chunk / rtt, memcpy)`.
 
-use std::hint::black_box;
 use std::process::ExitCode;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -19,7 +18,7 @@ use farmap::{format_size, open_store_async, Geometry, Store, StoreSpec};
 use rand::{RngCore, SeedableRng};
 use serde::Serialize;
 
-use super::{parse_duration, parse_size_arg};
+use super::{measure_memcpy, parse_duration, parse_size_arg};
 use crate::output;
 
 #[derive(Debug, Args)]
@@ -67,24 +66,6 @@ struct PullResult {
     verified: bool,
 }
 
-/// memcpy throughput in MB/s, copying chunk-sized pieces between two pre-touched buffers
-/// (best of three passes over up to 256 MiB).
-fn measure_memcpy(size: u64, chunk: usize) -> f64 {
-    let n = (size.min(256 << 20) as usize).max(chunk);
-    let src = vec![0x5au8; n];
-    let mut dst = vec![0xa5u8; n];
-    let mut best = f64::MAX;
-    for _ in 0..3 {
-        let t = Instant::now();
-        for (d, s) in dst.chunks_mut(chunk).zip(src.chunks(chunk)) {
-            d.copy_from_slice(black_box(s));
-        }
-        black_box(&mut dst);
-        best = best.min(t.elapsed().as_secs_f64());
-    }
-    n as f64 / best / 1e6
-}
-
 async fn fill_random(store: &dyn Store, quiet: bool) -> anyhow::Result<()> {
     let g = store.geometry();
     let bar = output::byte_bar(g.size(), "filling", quiet);
@@ -130,9 +111,12 @@ pub async fn run(mut args: PullArgs) -> anyhow::Result<ExitCode> {
     let g = source.geometry();
     let chunk = g.chunk_size();
     fill_random(source.as_ref(), quiet).await?;
-    let memcpy = tokio::task::spawn_blocking(move || measure_memcpy(g.size(), chunk as usize))
-        .await
-        .context("measuring memcpy")?;
+    let memcpy = tokio::task::spawn_blocking(move || {
+        let n = (g.size().min(256 << 20) as usize).max(chunk as usize);
+        measure_memcpy(&vec![0x5au8; n], chunk as usize)
+    })
+    .await
+    .context("measuring memcpy")?;
     let rtt_s = args.rtt.as_secs_f64();
     let ideal = if rtt_s > 0.0 {
         (f64::from(args.workers) * f64::from(chunk) / rtt_s / 1e6).min(memcpy)

@@ -24,7 +24,6 @@
 //! - `dirty-scan`: the region (64 KiB chunks) is faulted in whole and scanned once; then 1%
 //!   or 100% of its pages (evenly spread) are written and one `take_dirty()` is timed: `ms`.
 
-use std::hint::black_box;
 use std::process::ExitCode;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -40,7 +39,7 @@ use farmap_uffd::{Region, RegionOptions};
 use rand::{RngCore, SeedableRng};
 use serde::Serialize;
 
-use super::parse_size_arg;
+use super::{measure_memcpy, parse_size_arg};
 use crate::output;
 
 /// The dirty fractions `dirty-scan` measures, in percent of the region's pages.
@@ -213,24 +212,6 @@ fn open_region(store: Arc<dyn Store>) -> anyhow::Result<Region> {
         ..RegionOptions::direct()
     };
     Region::open(store, opts).context("opening a userfaultfd region")
-}
-
-/// memcpy throughput in MB/s: `chunk`-sized copies out of `src` into a pre-touched buffer
-/// (best of three passes over up to 256 MiB).
-fn measure_memcpy(src: &[u8], chunk: usize) -> f64 {
-    let n = src.len().min(256 << 20);
-    let src = &src[..n];
-    let mut dst = vec![0xa5u8; n];
-    let mut best = f64::MAX;
-    for _ in 0..3 {
-        let t = Instant::now();
-        for (d, s) in dst.chunks_mut(chunk).zip(src.chunks(chunk)) {
-            d.copy_from_slice(black_box(s));
-        }
-        black_box(&mut dst);
-        best = best.min(t.elapsed().as_secs_f64());
-    }
-    n as f64 / best / 1e6
 }
 
 /// Runs `a` then `b` on odd runs, `b` then `a` on even ones, so that neither side always
