@@ -260,11 +260,13 @@ fn a_fault_joins_the_pullers_fetch_of_its_chunk() {
     use farmap_core::ChunkIdx;
     use farmap_pipeline::{Counting, PullOrder};
     use farmap_testkit::PatternStore;
+    // A fetch of its own could not complete sooner than this (the delay never fires early).
+    const LATENCY: Duration = Duration::from_millis(400);
     let g = Geometry::new(1 << 20, 64 << 10).unwrap();
     let counting = Arc::new(Counting::new(Delayed::new(
         PatternStore::new(g, 8),
         DelayOptions {
-            latency: Duration::from_millis(150),
+            latency: LATENCY,
             bandwidth: None,
         },
     )));
@@ -279,7 +281,9 @@ fn a_fault_joins_the_pullers_fetch_of_its_chunk() {
     };
     let store: Arc<dyn Store> = counting.clone();
     let region = Region::open(store, opts).unwrap();
-    std::thread::sleep(Duration::from_millis(30)); // the puller is 30 ms into its fetch
+    // Give the puller a head start (generous: the machine may be busy), so that the fault
+    // arrives while its fetch is in flight.
+    std::thread::sleep(Duration::from_millis(100));
     let started = Instant::now();
     let off = 5 * (64 << 10) + 99;
     assert_eq!(region.as_slice()[off], pattern_bytes(8, off as u64, 1)[0]);
@@ -291,7 +295,7 @@ fn a_fault_joins_the_pullers_fetch_of_its_chunk() {
         "one fetch for the puller and the fault"
     );
     assert!(
-        waited < Duration::from_millis(140),
+        waited < LATENCY,
         "the fault waited for the fetch in flight ({waited:?}), not a new one"
     );
 }
