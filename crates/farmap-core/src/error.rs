@@ -41,6 +41,23 @@ pub enum ErrorKind {
 }
 
 impl ErrorKind {
+    /// Every kind, for tables and tests that must cover them all (wire codes, gRPC statuses).
+    pub const ALL: [ErrorKind; 13] = [
+        ErrorKind::Io,
+        ErrorKind::NotFound,
+        ErrorKind::OutOfRange,
+        ErrorKind::InvalidInput,
+        ErrorKind::Timeout,
+        ErrorKind::Unavailable,
+        ErrorKind::Corrupt,
+        ErrorKind::Closed,
+        ErrorKind::ReadOnly,
+        ErrorKind::Unsupported,
+        ErrorKind::PermissionDenied,
+        ErrorKind::NoSpace,
+        ErrorKind::Cancelled,
+    ];
+
     /// The errno a kernel-facing frontend (NBD, FUSE, ublk, userfaultfd) replies with.
     pub fn errno(self) -> i32 {
         // Linux errno values; kept here so that this crate needs no libc.
@@ -225,6 +242,31 @@ impl From<StoreError> for io::Error {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn all_lists_every_kind_once() {
+        // An exhaustive match: adding a kind fails to compile here until ALL is updated.
+        fn position(k: ErrorKind) -> usize {
+            match k {
+                ErrorKind::Io => 0,
+                ErrorKind::NotFound => 1,
+                ErrorKind::OutOfRange => 2,
+                ErrorKind::InvalidInput => 3,
+                ErrorKind::Timeout => 4,
+                ErrorKind::Unavailable => 5,
+                ErrorKind::Corrupt => 6,
+                ErrorKind::Closed => 7,
+                ErrorKind::ReadOnly => 8,
+                ErrorKind::Unsupported => 9,
+                ErrorKind::PermissionDenied => 10,
+                ErrorKind::NoSpace => 11,
+                ErrorKind::Cancelled => 12,
+            }
+        }
+        for (i, k) in ErrorKind::ALL.iter().enumerate() {
+            assert_eq!(position(*k), i, "{k:?}");
+        }
+    }
 
     #[test]
     fn retryable_kinds() {

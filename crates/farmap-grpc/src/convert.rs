@@ -189,21 +189,7 @@ pub(crate) fn status_from_pb(value: i32) -> Option<ChunkStatus> {
 mod tests {
     use super::*;
 
-    const ALL: [ErrorKind; 13] = [
-        ErrorKind::Io,
-        ErrorKind::NotFound,
-        ErrorKind::OutOfRange,
-        ErrorKind::InvalidInput,
-        ErrorKind::Timeout,
-        ErrorKind::Unavailable,
-        ErrorKind::Corrupt,
-        ErrorKind::Closed,
-        ErrorKind::ReadOnly,
-        ErrorKind::Unsupported,
-        ErrorKind::PermissionDenied,
-        ErrorKind::NoSpace,
-        ErrorKind::Cancelled,
-    ];
+    const ALL: [ErrorKind; 13] = ErrorKind::ALL;
 
     #[test]
     fn every_kind_survives_a_status() {

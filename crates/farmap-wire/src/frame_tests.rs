@@ -293,21 +293,7 @@ fn unknown_error_codes_are_io_and_long_messages_are_cut() {
 }
 
 fn kind() -> impl Strategy<Value = ErrorKind> {
-    prop::sample::select(vec![
-        ErrorKind::Io,
-        ErrorKind::NotFound,
-        ErrorKind::OutOfRange,
-        ErrorKind::InvalidInput,
-        ErrorKind::Timeout,
-        ErrorKind::Unavailable,
-        ErrorKind::Corrupt,
-        ErrorKind::Closed,
-        ErrorKind::ReadOnly,
-        ErrorKind::Unsupported,
-        ErrorKind::PermissionDenied,
-        ErrorKind::NoSpace,
-        ErrorKind::Cancelled,
-    ])
+    prop::sample::select(ErrorKind::ALL.to_vec())
 }
 
 fn payload() -> impl Strategy<Value = Payload> {
