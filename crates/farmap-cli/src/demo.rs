@@ -10,6 +10,7 @@
 //! recomputes the image after any number of ops without looking at the source.
 
 use std::io::{BufRead, BufReader, Write};
+use std::path::PathBuf;
 use std::process::{ChildStdin, ChildStdout, Command as Proc, ExitCode, Stdio};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
@@ -20,12 +21,15 @@ use bytes::Bytes;
 use clap::Args;
 use farmap::pipeline::PushOptions;
 use farmap::{parse_size, Geometry, Store};
-use farmap_migrate::leech::{leech, LeechOptions};
-use farmap_migrate::seed::{seed, SeedOptions};
-use farmap_migrate::{monotonic_ns, Convergence, WriterGate};
+use farmap_migrate::agent::{self, LeechRequest, Request, SeedRequest};
+use farmap_migrate::{
+    monotonic_ns, Convergence, LeechReport, Resumer, SeedReport, Suspend, WriterGate,
+};
 use farmap_net::proxy::{Proxy, ProxyOptions};
-use farmap_net::RemoteAddr;
 use farmap_uffd::{Region, RegionOptions};
+use tokio::io::AsyncBufReadExt;
+
+use crate::migrate::{drive, Outcome, Ui};
 use serde_json::{json, Value};
 
 use crate::output;
@@ -60,8 +64,9 @@ pub struct NodeArgs {
     seed: u64,
     #[arg(long)]
     ops_per_sec: u64,
-    #[arg(long, value_parser = parse_duration)]
-    max_downtime: Duration,
+    /// The migration agent's socket.
+    #[arg(long)]
+    agent: PathBuf,
     /// Create the region and start the writer at once.
     #[arg(long)]
     init: bool,
@@ -210,9 +215,59 @@ fn say(v: Value) {
     let _ = std::io::stdout().flush();
 }
 
-/// A demo node: one region (or none), commands on stdin, JSON lines on stdout.
+/// The demo application as its migration agent sees it.
+struct NodeApp {
+    app: Arc<parking_lot::Mutex<Option<App>>>,
+    seed: u64,
+    rate: u64,
+}
+
+impl agent::App for NodeApp {
+    fn region(&self) -> Option<(Arc<Region>, Arc<dyn Suspend>)> {
+        let g = self.app.lock();
+        let a = g.as_ref()?;
+        // Each migration measures its own largest gap between two writes.
+        a.state.max_gap_ns.store(0, Ordering::Release);
+        Some((a.region.clone(), a.gate.clone()))
+    }
+
+    fn released(&self, _: &SeedReport) {
+        let taken = self.app.lock().take();
+        if let Some(App {
+            thread: Some(t), ..
+        }) = taken
+        {
+            let _ = t.join();
+        }
+    }
+
+    fn resumer(&self) -> Resumer {
+        let (slot, seed, rate) = (self.app.clone(), self.seed, self.rate);
+        Box::new(move |region, state| {
+            let st = Arc::new(WriterState::decode(&state));
+            *slot.lock() = Some(start_app(region, st, seed, rate));
+        })
+    }
+
+    fn arrived(&self, _: &LeechReport) -> serde_json::Map<String, Value> {
+        let gap = self
+            .app
+            .lock()
+            .as_ref()
+            .map_or(0, |a| a.state.max_gap_ns.load(Ordering::Acquire));
+        let mut m = serde_json::Map::new();
+        m.insert(
+            "effective_downtime_ms".into(),
+            json!((gap as f64 / 1e4).round() / 100.0),
+        );
+        m
+    }
+}
+
+/// A demo node: one region (or none) with its migration agent; `verify` and `quit` on
+/// stdin, JSON lines on stdout.
 pub async fn node(args: NodeArgs) -> anyhow::Result<ExitCode> {
-    let mut app: Option<App> = None;
+    let slot: Arc<parking_lot::Mutex<Option<App>>> = Default::default();
     if args.init {
         let geometry = Geometry::with_default_chunk(args.size)?;
         let store: Arc<dyn Store> = Arc::new(farmap::store::MemoryStore::new(geometry));
@@ -233,104 +288,48 @@ pub async fn node(args: NodeArgs) -> anyhow::Result<ExitCode> {
             }
             region.write_at(off as usize, &buf)?;
         }
-        app = Some(start_app(
+        *slot.lock() = Some(start_app(
             Arc::new(region),
             Arc::new(WriterState::default()),
             args.seed,
             args.ops_per_sec,
         ));
     }
-    let mut lines = BufReader::new(std::io::stdin()).lines();
-    while let Some(line) = lines.next().transpose()? {
-        let words: Vec<&str> = line.split_whitespace().collect();
-        match words.as_slice() {
-            ["seed"] => {
-                let a = app.take().context("no region to seed")?;
-                a.state.max_gap_ns.store(0, Ordering::Release);
-                let seeding = seed(
-                    a.region.clone(),
-                    a.gate.clone(),
-                    SeedOptions {
-                        listen: "127.0.0.1:0".parse()?,
-                        data_listen: "127.0.0.1:0".parse()?,
-                        tls: None,
-                        reconnect_wait: Duration::from_secs(30),
-                        log: std::env::var_os("FARMAP_DEMO_LOG").is_some(),
-                    },
-                )
-                .await?;
-                say(
-                    json!({"event": "listening", "control": seeding.control.to_string(),
-                           "data": seeding.data.to_string()}),
-                );
-                let report = seeding.finish().await?;
-                let App { region, thread, .. } = a;
-                if let Some(t) = thread {
-                    let _ = t.join();
-                }
-                drop(region);
-                say(json!({"event": "seeded", "dirty_sets": report.dirty_sets}));
-            }
-            ["leech", control, data] => {
-                let (tx, rx) = tokio::sync::watch::channel(false);
-                let started: Arc<parking_lot::Mutex<Option<App>>> = Default::default();
-                let s2 = started.clone();
-                let (seed_v, rate) = (args.seed, args.ops_per_sec);
-                let opts = LeechOptions {
-                    data: Some(RemoteAddr::Tcp(data.to_string())),
-                    convergence: Convergence {
-                        max_downtime: args.max_downtime,
-                        ..Convergence::default()
-                    },
-                    log: std::env::var_os("FARMAP_DEMO_LOG").is_some(),
-                    ..LeechOptions::new(RemoteAddr::Tcp(control.to_string()))
+    let _agent = agent::serve(
+        &args.agent,
+        Arc::new(NodeApp {
+            app: slot.clone(),
+            seed: args.seed,
+            rate: args.ops_per_sec,
+        }),
+    )
+    .await
+    .with_context(|| format!("starting the agent on {}", args.agent.display()))?;
+    say(json!({"event": "ready", "agent": args.agent}));
+    let mut lines = tokio::io::BufReader::new(tokio::io::stdin()).lines();
+    while let Some(line) = lines.next_line().await? {
+        match line.trim() {
+            "verify" => {
+                let g = slot.lock();
+                let Some(a) = g.as_ref() else {
+                    say(json!({"event": "verified", "ok": false, "error": "no region here"}));
+                    continue;
                 };
-                let report = leech(
-                    opts,
-                    Box::new(move |region, state| {
-                        let st = Arc::new(WriterState::decode(&state));
-                        *s2.lock() = Some(start_app(region, st, seed_v, rate));
-                    }),
-                    rx,
-                )
-                .await?;
-                drop(tx);
-                let a = started
-                    .lock()
-                    .take()
-                    .context("the application was not resumed")?;
-                let effective = a.state.max_gap_ns.load(Ordering::Acquire);
-                say(json!({
-                    "event": "leeched",
-                    "downtime_ms": ms(report.downtime),
-                    "effective_downtime_ms": (effective as f64 / 1e4).round() / 100.0,
-                    "total_ms": ms(report.total),
-                    "postcopy_ms": ms(report.postcopy),
-                    "bytes_precopy": report.bytes_precopy,
-                    "bytes_postcopy": report.bytes_postcopy,
-                    "rounds": report.rounds,
-                    "final_dirty_pages": report.final_pages,
-                    "dirty_rate_mb_per_s": output::round1(report.dirty_rate / 1e6),
-                    "region_bytes": report.region.len(),
-                }));
-                app = Some(a);
-            }
-            ["verify"] => {
-                let a = app.as_ref().context("no region to verify")?;
-                farmap_migrate::Suspend::suspend(&*a.gate).map_err(anyhow::Error::msg)?;
+                Suspend::suspend(&*a.gate).map_err(anyhow::Error::msg)?;
                 let ops = a.state.ops.load(Ordering::Acquire);
                 let t = Instant::now();
                 let expected = expected_image(args.seed, args.size, ops);
                 let ok = a.region.as_slice() == expected.as_slice();
-                farmap_migrate::Suspend::resume(&*a.gate);
+                Suspend::resume(&*a.gate);
                 say(json!({"event": "verified", "ok": ok, "ops": ops, "ms": ms(t.elapsed())}));
             }
-            ["quit"] => break,
+            "quit" => break,
             other => bail!("unknown node command {other:?}"),
         }
     }
-    if let Some(mut a) = app {
-        farmap_migrate::Suspend::retire(&*a.gate);
+    let taken = slot.lock().take();
+    if let Some(mut a) = taken {
+        Suspend::retire(&*a.gate);
         if let Some(t) = a.thread.take() {
             let _ = t.join();
         }
@@ -346,13 +345,20 @@ struct Node {
     child: std::process::Child,
     stdin: ChildStdin,
     out: BufReader<ChildStdout>,
+    agent: PathBuf,
     name: &'static str,
 }
 
 impl Node {
-    fn spawn(name: &'static str, args: &DemoArgs, init: bool) -> anyhow::Result<Node> {
+    fn spawn(
+        name: &'static str,
+        args: &DemoArgs,
+        dir: &std::path::Path,
+        init: bool,
+    ) -> anyhow::Result<Node> {
         let exe = std::env::current_exe()?;
         let words = (args.size / 4096) as f64;
+        let agent = dir.join(format!("{name}.agent"));
         let mut cmd = Proc::new(exe);
         cmd.arg("__demo-node")
             .args(["--size", &args.size.to_string()])
@@ -363,22 +369,23 @@ impl Node {
                     .max(1)
                     .to_string(),
             ])
-            .args([
-                "--max-downtime",
-                &format!("{}us", args.max_downtime.as_micros()),
-            ])
+            .arg("--agent")
+            .arg(&agent)
             .stdin(Stdio::piped())
             .stdout(Stdio::piped());
         if init {
             cmd.arg("--init");
         }
         let mut child = cmd.spawn().context("starting a demo node")?;
-        Ok(Node {
+        let mut node = Node {
             stdin: child.stdin.take().expect("piped"),
             out: BufReader::new(child.stdout.take().expect("piped")),
             child,
+            agent,
             name,
-        })
+        };
+        node.expect("ready")?;
+        Ok(node)
     }
 
     fn send(&mut self, line: &str) -> anyhow::Result<()> {
@@ -406,32 +413,77 @@ impl Node {
     }
 }
 
-/// Blocking: migrates from `src` to `dst` through two proxies; returns the leecher's line.
-async fn migrate_once(src: &mut Node, dst: &mut Node, rtt: Duration) -> anyhow::Result<Value> {
-    src.send("seed")?;
-    let l = src.expect("listening")?;
+fn done(role: &str, outcome: Outcome) -> anyhow::Result<serde_json::Map<String, Value>> {
+    match outcome {
+        Outcome::Done(m) => Ok(m),
+        Outcome::Failed(kind, message) => bail!("the {role} failed ({kind:?}): {message}"),
+    }
+}
+
+/// Migrates from `src` to `dst` through two proxies (control and data plane), driving both
+/// agents as `farmap seed` and `farmap leech` do; returns the leecher's metrics.
+async fn migrate_once(
+    src: &Node,
+    dst: &Node,
+    args: &DemoArgs,
+) -> anyhow::Result<serde_json::Map<String, Value>> {
+    let log = std::env::var_os("FARMAP_DEMO_LOG").is_some();
+    let (ltx, lrx) = tokio::sync::oneshot::channel::<(String, String)>();
+    let mut ltx = Some(ltx);
+    let seed_req = Request::Seed(SeedRequest {
+        listen: "127.0.0.1:0".into(),
+        data_listen: "127.0.0.1:0".into(),
+        tls: None,
+        reconnect_ms: 30_000,
+    });
+    let src_agent = src.agent.clone();
+    let seeding = tokio::spawn(async move {
+        let ui = Ui {
+            prefix: "farmap demo: source",
+            notes: log,
+            bar: false,
+        };
+        drive(&src_agent, seed_req, ui, move |c, d| {
+            if let Some(tx) = ltx.take() {
+                let _ = tx.send((c.to_owned(), d.to_owned()));
+            }
+        })
+        .await
+    });
+    let Ok((control, data)) = lrx.await else {
+        return done("source", seeding.await??).map(|_| Default::default());
+    };
     let popts = ProxyOptions {
-        rtt,
+        rtt: args.rtt,
         ..ProxyOptions::default()
     };
-    let control = l["control"].as_str().context("control address")?.to_owned();
-    let data = l["data"].as_str().context("data address")?.to_owned();
     let pc = Proxy::bind("127.0.0.1:0", control.as_str(), popts)
         .await?
         .spawn();
     let pd = Proxy::bind("127.0.0.1:0", data.as_str(), popts)
         .await?
         .spawn();
-    dst.send(&format!("leech {} {}", pc.local_addr(), pd.local_addr()))?;
-    let (src_done, dst_line) = tokio::task::block_in_place(|| {
-        let d = dst.expect("leeched");
-        let s = src.expect("seeded");
-        (s, d)
+    let leech_req = Request::Leech(LeechRequest {
+        from: pc.local_addr().to_string(),
+        data: Some(pd.local_addr().to_string()),
+        tls: None,
+        max_downtime_us: args.max_downtime.as_micros() as u64,
+        max_rounds: Convergence::default().max_rounds,
+        workers: 16,
+        connections: 4,
+        reconnect_ms: 30_000,
     });
-    src_done?;
-    let line = dst_line?;
+    let ui = Ui {
+        prefix: "farmap demo: destination",
+        notes: log,
+        bar: !args.json,
+    };
+    let leeched = drive(&dst.agent, leech_req, ui, |_, _| {}).await;
+    let seeded = seeding.await?;
     pc.shutdown().await;
     pd.shutdown().await;
+    let line = done("destination", leeched?)?;
+    done("source", seeded?)?;
     Ok(line)
 }
 
@@ -443,8 +495,13 @@ pub async fn run(args: DemoArgs) -> anyhow::Result<ExitCode> {
         args.write_percent,
         args.rtt.as_secs_f64() * 1e3
     );
-    let mut a = Node::spawn("source", &args, true)?;
-    let mut b = Node::spawn("destination", &args, false)?;
+    let dir = tempfile::Builder::new()
+        .prefix("farmap-demo")
+        .tempdir()
+        .context("creating a directory for the agents' sockets")?;
+    let mut a = tokio::task::block_in_place(|| Node::spawn("source", &args, dir.path(), true))?;
+    let mut b =
+        tokio::task::block_in_place(|| Node::spawn("destination", &args, dir.path(), false))?;
     let mut ok = true;
     a.send("verify")?;
     let before = tokio::task::block_in_place(|| a.expect("verified"))?;
@@ -455,16 +512,13 @@ pub async fn run(args: DemoArgs) -> anyhow::Result<ExitCode> {
         } else {
             (&mut b, &mut a)
         };
-        let bar = output::byte_bar(args.size, &format!("migrating {direction}"), args.json);
-        let mut line = migrate_once(src, dst, args.rtt).await?;
-        bar.finish_and_clear();
+        let mut line = migrate_once(src, dst, &args).await?;
         dst.send("verify")?;
         let v = tokio::task::block_in_place(|| dst.expect("verified"))?;
         let verified = before_ok && v["ok"].as_bool() == Some(true);
         before_ok = true;
         ok &= verified;
-        let obj = line.as_object_mut().context("metrics object")?;
-        obj.remove("event");
+        let obj = &mut line;
         obj.insert("direction".into(), json!(direction));
         obj.insert("rtt_ms".into(), json!(args.rtt.as_secs_f64() * 1e3));
         obj.insert("verified".into(), json!(verified));

@@ -10,6 +10,7 @@ mod bench;
 mod cp;
 mod demo;
 mod info;
+mod migrate;
 mod output;
 mod proxy;
 mod serve;
@@ -59,6 +60,12 @@ enum Command {
     /// Serve a store to other hosts (farmap://, farmaps://, farmap+unix: clients) until Ctrl-C.
     #[command(after_help = SPEC_HELP)]
     Serve(serve::ServeArgs),
+    /// Migrate a live region away: tell the application's migration agent to seed it, show
+    /// progress until a leecher has taken it over, print the result.
+    Seed(migrate::SeedArgs),
+    /// Migrate a live region here: tell this host's application agent to pull it from a
+    /// seeder (pre-copy while the source runs, hand-over within --max-downtime, post-copy).
+    Leech(migrate::LeechArgs),
     /// Live migration, shown: a region that a deterministic writer keeps changing moves to
     /// another process over loopback (through an emulated link), is verified, and moves back.
     Demo(demo::DemoArgs),
@@ -86,6 +93,8 @@ fn main() -> ExitCode {
             Command::Bench(cmd) => bench::run(cmd).await,
             Command::Proxy(args) => proxy::run(args).await,
             Command::Serve(args) => serve::run(args).await,
+            Command::Seed(args) => migrate::seed(args).await,
+            Command::Leech(args) => migrate::leech(args).await,
             Command::Demo(args) => demo::run(args).await,
             Command::DemoNode(args) => demo::node(args).await,
         }

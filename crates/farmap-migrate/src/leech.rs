@@ -10,11 +10,12 @@ use std::time::{Duration, Instant};
 use bytes::Bytes;
 use farmap_core::{ChunkIdx, Geometry};
 use farmap_net::{ClientOptions, RemoteAddr, RemoteStore, TlsClientConfig};
-use farmap_pipeline::PushOptions;
+use farmap_pipeline::{PushOptions, RetryPolicy};
 use farmap_uffd::{Region, RegionMode, RegionOptions};
 use tokio::sync::mpsc;
 
 use crate::channel::{connect, Sender};
+use crate::event::{Event, Observer, Reporter};
 use crate::machine::{Convergence, Leecher, LeecherAction, LeecherInput, RoundResult};
 use crate::msg::{run_pages, Msg};
 use crate::view::MigrationStore;
@@ -42,6 +43,8 @@ pub struct LeechOptions {
     pub reconnect_for: Duration,
     /// Log progress lines on stderr.
     pub log: bool,
+    /// Receives progress events.
+    pub observer: Option<Observer>,
 }
 
 impl LeechOptions {
@@ -56,6 +59,7 @@ impl LeechOptions {
             connections: 4,
             reconnect_for: Duration::from_secs(30),
             log: false,
+            observer: None,
         }
     }
 }
@@ -141,11 +145,12 @@ pub async fn leech(
     resume: Resumer,
     mut cancel: tokio::sync::watch::Receiver<bool>,
 ) -> Result<LeechReport, LeechError> {
-    let log = |s: &str| {
-        if opts.log {
-            eprintln!("farmap leech: {s}");
-        }
+    let rep = Reporter {
+        prefix: "farmap leech",
+        log: opts.log,
+        observer: opts.observer.clone(),
     };
+    let log = |s: &str| rep.note(s);
     let started = Instant::now();
     let connect_ctl = |addr: RemoteAddr, tls: Option<TlsClientConfig>| async move {
         connect(&addr, tls.as_ref(), Duration::from_secs(10))
@@ -212,8 +217,9 @@ pub async fn leech(
                     log(&format!("pulling {size} bytes while the source runs"));
                     let (r, st, w) = (d.region.clone(), d.store.clone(), work_tx.clone());
                     let (page, chunk, workers) = (d.page, d.chunk, opts.pull_workers);
+                    let rep2 = rep.clone();
                     tokio::spawn(async move {
-                        let input = match bulk_pull(r, st, page, chunk, workers).await {
+                        let input = match bulk_pull(r, st, page, chunk, workers, rep2).await {
                             Ok(()) => LeecherInput::PullDone,
                             Err(_) => LeecherInput::Disconnected,
                         };
@@ -226,7 +232,7 @@ pub async fn leech(
                     dirty_pages += run_pages(&runs);
                     let (region, store, w) = (d.region.clone(), d.store.clone(), work_tx.clone());
                     let page_len = d.page;
-                    let verbose = opts.log;
+                    let rep2 = rep.clone();
                     tokio::spawn(async move {
                         // Pre-copy rounds overwrite the changed pages in place: the
                         // application does not run here yet, and a write costs a memcpy where
@@ -251,16 +257,14 @@ pub async fn leech(
                             Err(e) => Err(e.to_string()),
                         };
                         let apply = t1.elapsed();
-                        if verbose {
-                            eprintln!(
-                                "farmap leech: round: {} pages in {} runs: read {:.1} ms, \
-                                 written in place in {:.1} ms",
-                                pages.len(),
-                                runs.len(),
-                                (t1 - t0).as_secs_f64() * 1e3,
-                                apply.as_secs_f64() * 1e3,
-                            );
-                        }
+                        rep2.note(format!(
+                            "round: {} pages in {} runs: read {:.1} ms, written in place in \
+                             {:.1} ms",
+                            pages.len(),
+                            runs.len(),
+                            (t1 - t0).as_secs_f64() * 1e3,
+                            apply.as_secs_f64() * 1e3,
+                        ));
                         if applied.is_err() {
                             let _ = w.send(LeecherInput::Disconnected);
                             return;
@@ -297,6 +301,7 @@ pub async fn leech(
                     };
                     resumed_at = Some(now);
                     handed_over = true;
+                    rep.emit(Event::HandedOver);
                     final_pages = run_pages(&runs);
                     dirty_pages += final_pages;
                     log(&format!(
@@ -313,19 +318,23 @@ pub async fn leech(
                         work_tx.clone(),
                         opts.pull_workers,
                     );
-                    let verbose = opts.log;
+                    let rep2 = rep.clone();
                     tokio::spawn(async move {
                         loop {
                             let _ = store.stage(&pages).await;
                             let fetched = region.fetch_chunks(chunks.clone(), workers).await;
                             store.unstage(&pages);
-                            if verbose {
-                                eprintln!(
-                                    "farmap leech: post-copy: {:?}, {} of {} chunks present",
-                                    fetched.as_ref().err(),
-                                    region.stats().present_chunks,
-                                    region.geometry().chunk_count()
-                                );
+                            let (have, all) = (
+                                region.stats().present_chunks,
+                                region.geometry().chunk_count(),
+                            );
+                            match &fetched {
+                                Ok(()) => {
+                                    rep2.note(format!("post-copy: {have} of {all} chunks present"))
+                                }
+                                Err(e) => rep2.note(format!(
+                                    "post-copy: {e}; {have} of {all} chunks present; retrying"
+                                )),
                             }
                             if fetched.is_ok() && region.is_complete() {
                                 let _ = w.send(LeecherInput::AllLocal);
@@ -419,12 +428,14 @@ async fn bulk_pull(
     page: u64,
     chunk: u64,
     workers: usize,
+    rep: Reporter,
 ) -> Result<(), String> {
     let chunks = region.geometry().chunk_count();
+    let total = region.len() as u64;
     let next = Arc::new(std::sync::atomic::AtomicU64::new(0));
     let mut tasks = Vec::new();
     for _ in 0..PULL_IN_FLIGHT {
-        let (region, store, next) = (region.clone(), store.clone(), next.clone());
+        let (region, store, next, rep) = (region.clone(), store.clone(), next.clone(), rep.clone());
         tasks.push(tokio::spawn(async move {
             loop {
                 let first = next.fetch_add(PULL_BATCH, std::sync::atomic::Ordering::AcqRel);
@@ -441,6 +452,10 @@ async fn bulk_pull(
                     .await;
                 store.unstage(&pages);
                 r.map_err(|e| e.to_string())?;
+                rep.emit(Event::Pulled {
+                    bytes: store.bytes().0.min(total),
+                    total,
+                });
             }
         }));
     }
@@ -481,6 +496,9 @@ async fn open_dest(
             ..PushOptions::default()
         },
         worker_threads: 2,
+        // A fault on a page still at the source waits out a lost connection for as long as
+        // the runner tries to reconnect, instead of failing the application with SIGBUS.
+        fetch_retry: RetryPolicy::for_at_least(opts.reconnect_for),
         ..RegionOptions::default()
     };
     let s2: Arc<dyn farmap_core::Store> = store.clone();

@@ -27,7 +27,9 @@
 #![forbid(unsafe_code)]
 #![warn(missing_docs)]
 
+pub mod agent;
 pub mod channel;
+pub mod event;
 pub mod leech;
 pub mod machine;
 pub mod msg;
@@ -35,6 +37,7 @@ pub mod seed;
 pub mod suspend;
 pub mod view;
 
+pub use event::{Event, Observer};
 pub use leech::{leech, LeechError, LeechOptions, LeechReport, Resumer};
 pub use machine::{Convergence, Leecher, Seeder};
 pub use seed::{seed, SeedError, SeedOptions, SeedReport};

@@ -2,7 +2,6 @@
 //! (`farmap_net::serve` of a [`LiveView`]) and drives a [`Seeder`] over control
 //! connections until a leecher has taken the region over and completed.
 
-use std::ops::Range;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -10,6 +9,7 @@ use farmap_net::{serve, ListenAddr, Listener, ServeOptions, TlsServerConfig};
 use farmap_uffd::Region;
 
 use crate::channel::ControlListener;
+use crate::event::{Event, Observer, Reporter};
 use crate::machine::{RegionInfo, Seeder, SeederAction, SeederInput, SeederState};
 use crate::msg::run_pages;
 use crate::suspend::Suspend;
@@ -28,6 +28,8 @@ pub struct SeedOptions {
     pub reconnect_wait: Duration,
     /// Log progress lines on stderr.
     pub log: bool,
+    /// Receives progress events.
+    pub observer: Option<Observer>,
 }
 
 /// Why seeding failed.
@@ -48,6 +50,9 @@ pub enum SeedError {
     /// Write tracking failed.
     #[error("taking the region's written pages failed")]
     Dirty(#[source] farmap_uffd::RegionError),
+    /// Cancelled before the hand-over: the source runs on.
+    #[error("seeding cancelled before the hand-over; the source keeps running")]
+    Cancelled,
     /// The destination vanished after the hand-over.
     #[error(
         "the destination failed after the hand-over (no reconnection within {0:?}); the source \
@@ -76,20 +81,32 @@ pub struct Seeding {
     pub control: ListenAddr,
     /// Where the data plane listens.
     pub data: ListenAddr,
+    cancel: tokio::sync::watch::Sender<bool>,
     task: tokio::task::JoinHandle<Result<SeedReport, SeedError>>,
 }
 
 impl Seeding {
+    /// Abandons the seeding if the hand-over has not happened yet: a leecher at work is told
+    /// (it aborts), tracking stops, and the source runs on untouched. After the hand-over
+    /// it changes nothing (ownership has moved; the seeding finishes).
+    pub fn cancel(&self) {
+        let _ = self.cancel.send(true);
+    }
+
+    /// A handle that cancels like [`cancel`](Self::cancel), for another task.
+    pub fn canceller(&self) -> impl Fn() + Send + Sync + 'static {
+        let tx = self.cancel.clone();
+        move || {
+            let _ = tx.send(true);
+        }
+    }
+
     /// Waits until the region was handed over and released (or seeding failed).
     pub async fn finish(self) -> Result<SeedReport, SeedError> {
         self.task
             .await
             .unwrap_or_else(|e| Err(SeedError::Serve(format!("the seeder task failed: {e}"))))
     }
-}
-
-fn to_runs(pages: &[Range<u64>]) -> Vec<Range<u64>> {
-    pages.to_vec()
 }
 
 /// Starts seeding `region`, whose writers `suspend` stops.
@@ -139,6 +156,7 @@ pub async fn seed(
         boot_id: crate::boot_id(),
     };
     let seed = u64::from(std::process::id()) << 32 | (crate::monotonic_ns() & 0xffff_ffff);
+    let (cancel, cancelled) = tokio::sync::watch::channel(false);
     let task = tokio::spawn(async move {
         let r = run(
             region,
@@ -146,6 +164,7 @@ pub async fn seed(
             opts,
             control_listener,
             Seeder::new(info, seed),
+            cancelled,
         )
         .await;
         let _ = server.shutdown().await;
@@ -154,8 +173,16 @@ pub async fn seed(
     Ok(Seeding {
         control,
         data,
+        cancel,
         task,
     })
+}
+
+/// Resolves once cancelled; never if every canceller is gone without cancelling.
+async fn until_cancelled(rx: &mut tokio::sync::watch::Receiver<bool>) {
+    if rx.wait_for(|c| *c).await.is_err() {
+        std::future::pending::<()>().await;
+    }
 }
 
 async fn run(
@@ -164,11 +191,12 @@ async fn run(
     opts: SeedOptions,
     listener: ControlListener,
     mut machine: Seeder,
+    mut cancelled: tokio::sync::watch::Receiver<bool>,
 ) -> Result<SeedReport, SeedError> {
-    let log = |s: &str| {
-        if opts.log {
-            eprintln!("farmap seed: {s}");
-        }
+    let rep = Reporter {
+        prefix: "farmap seed",
+        log: opts.log,
+        observer: opts.observer.clone(),
     };
     let mut report = SeedReport {
         dirty_sets: 0,
@@ -177,6 +205,9 @@ async fn run(
         elapsed: Duration::ZERO,
     };
     let mut started: Option<Instant> = None;
+    // Cancelling counts only before the hand-over.
+    let cancellable =
+        |m: &Seeder| matches!(m.state(), SeederState::Idle | SeederState::Serving { .. });
     loop {
         let accepted = if matches!(machine.state(), SeederState::HandedOver { .. }) {
             match tokio::time::timeout(opts.reconnect_wait, listener.accept()).await {
@@ -184,12 +215,18 @@ async fn run(
                 Err(_) => return Err(SeedError::LostAfterHandOver(opts.reconnect_wait)),
             }
         } else {
-            listener.accept().await
+            tokio::select! {
+                r = listener.accept() => r,
+                _ = until_cancelled(&mut cancelled) => {
+                    rep.note("cancelled before any leecher took the region: the source runs on");
+                    return Err(SeedError::Cancelled);
+                }
+            }
         };
         let ch = match accepted {
             Ok(ch) => ch,
             Err(e) => {
-                log(&format!("a control connection failed: {e}"));
+                rep.note(format!("a control connection failed: {e}"));
                 continue;
             }
         };
@@ -198,9 +235,22 @@ async fn run(
         'conn: loop {
             let input = match inputs.pop_front() {
                 Some(i) => i,
-                None => match rx.recv().await {
-                    Some(Ok(m)) => SeederInput::Received(m),
-                    Some(Err(_)) | None => SeederInput::Disconnected,
+                None => tokio::select! {
+                    m = rx.recv() => match m {
+                        Some(Ok(m)) => SeederInput::Received(m),
+                        Some(Err(_)) | None => SeederInput::Disconnected,
+                    },
+                    _ = until_cancelled(&mut cancelled), if cancellable(&machine) => {
+                        // The same path as a leecher's Abort: tracking stops, nothing was
+                        // suspended, the source runs on. The leecher is told why.
+                        let reason = "the seeder was cancelled before the hand-over; the source keeps \
+                                      running"
+                            .to_owned();
+                        let _ = tx.send(&crate::msg::Msg::Abort { reason }).await;
+                        machine.step(SeederInput::Disconnected);
+                        rep.note("cancelled before the hand-over: the leecher was told, the source runs on");
+                        return Err(SeedError::Cancelled);
+                    }
                 },
             };
             if started.is_none() {
@@ -211,10 +261,12 @@ async fn run(
                     SeederAction::Send(m) => {
                         if tx.send(&m).await.is_err() {
                             inputs.push_back(SeederInput::Disconnected);
+                        } else if matches!(m, crate::msg::Msg::HandOver { .. }) {
+                            rep.emit(Event::HandedOver);
                         }
                     }
                     SeederAction::ResetTracking => {
-                        log("a leecher connected: tracking writes");
+                        rep.note("a leecher connected: tracking writes");
                         let r = region.clone();
                         tokio::task::spawn_blocking(move || r.take_dirty())
                             .await
@@ -229,29 +281,26 @@ async fn run(
                             .map_err(SeedError::Dirty)?;
                         report.dirty_sets += 1;
                         report.dirty_pages += run_pages(&d.pages);
+                        rep.note(format!(
+                            "round {round}: {} pages written since the last round",
+                            run_pages(&d.pages)
+                        ));
                         inputs.push_back(SeederInput::Dirty {
                             round,
-                            runs: to_runs(&d.pages),
+                            runs: d.pages,
                         });
                     }
                     SeederAction::Suspend => {
                         let (r, s) = (region.clone(), suspend.clone());
-                        let verbose = opts.log;
                         let done = tokio::task::spawn_blocking(move || {
                             let t0 = Instant::now();
                             let state = s.suspend()?;
                             let at_ns = crate::monotonic_ns();
                             let t1 = Instant::now();
                             let d = r.take_dirty();
-                            if verbose {
-                                eprintln!(
-                                    "farmap seed: suspending took {:.2} ms, the final scan {:.2} ms",
-                                    (t1 - t0).as_secs_f64() * 1e3,
-                                    t1.elapsed().as_secs_f64() * 1e3
-                                );
-                            }
+                            let took = (t1 - t0, t1.elapsed());
                             match d {
-                                Ok(d) => Ok((d, state, at_ns)),
+                                Ok(d) => Ok((d, state, at_ns, took)),
                                 Err(e) => {
                                     s.resume();
                                     Err(format!("taking the final dirty set: {e}"))
@@ -261,15 +310,18 @@ async fn run(
                         .await
                         .expect("suspend does not panic");
                         inputs.push_back(match done {
-                            Ok((d, app_state, at_ns)) => {
+                            Ok((d, app_state, at_ns, (suspending, scan))) => {
                                 report.dirty_sets += 1;
                                 report.dirty_pages += run_pages(&d.pages);
-                                log(&format!(
-                                    "suspended; handing over ({} pages written since the last round)",
+                                rep.note(format!(
+                                    "suspended in {:.2} ms (final scan {:.2} ms); handing over \
+                                     {} pages written since the last round",
+                                    suspending.as_secs_f64() * 1e3,
+                                    scan.as_secs_f64() * 1e3,
                                     run_pages(&d.pages)
                                 ));
                                 SeederInput::Suspended {
-                                    runs: to_runs(&d.pages),
+                                    runs: d.pages,
                                     app_state,
                                     at_ns,
                                 }
@@ -280,15 +332,17 @@ async fn run(
                     SeederAction::Resume => suspend.resume(),
                     SeederAction::StopTracking { reason } => {
                         report.abandoned += 1;
-                        log(&reason);
+                        rep.note(reason);
                     }
                     SeederAction::AwaitReconnect => {
-                        log("the leecher lost its connection after the hand-over: waiting for it");
+                        rep.note(
+                            "the leecher lost its connection after the hand-over: waiting for it",
+                        );
                         break 'conn;
                     }
                     SeederAction::Release => {
                         suspend.retire();
-                        log("the leecher has everything: region released");
+                        rep.note("the leecher has everything: region released");
                         report.elapsed = started.map_or(Duration::ZERO, |s| s.elapsed());
                         return Ok(report);
                     }

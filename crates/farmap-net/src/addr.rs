@@ -63,6 +63,37 @@ pub enum RemoteAddr {
     Unix(PathBuf),
 }
 
+/// A malformed address to connect to.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error(
+    "{given:?} is not an address to connect to: write HOST:PORT (e.g. 10.0.0.2:7100) or unix:/path"
+)]
+pub struct RemoteAddrError {
+    /// The address as given.
+    pub given: String,
+}
+
+impl FromStr for RemoteAddr {
+    type Err = RemoteAddrError;
+
+    /// `unix:/path`, or `HOST:PORT` with a numeric port (`[v6]:PORT` for IPv6 literals).
+    fn from_str(s: &str) -> Result<Self, RemoteAddrError> {
+        let err = || RemoteAddrError { given: s.into() };
+        if let Some(path) = s.strip_prefix("unix:") {
+            return if path.is_empty() {
+                Err(err())
+            } else {
+                Ok(RemoteAddr::Unix(path.into()))
+            };
+        }
+        let (host, port) = s.rsplit_once(':').ok_or_else(err)?;
+        if host.is_empty() || port.parse::<u16>().is_err() {
+            return Err(err());
+        }
+        Ok(RemoteAddr::Tcp(s.into()))
+    }
+}
+
 impl RemoteAddr {
     /// The host part of a TCP address (without brackets for IPv6), the default TLS server
     /// name; `localhost` for a Unix socket.

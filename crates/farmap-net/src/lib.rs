@@ -31,7 +31,7 @@ mod server;
 mod stream;
 mod tls;
 
-pub use addr::{AddrError, ListenAddr, Listener, RemoteAddr};
+pub use addr::{AddrError, ListenAddr, Listener, RemoteAddr, RemoteAddrError};
 pub use remote::{Backoff, ClientOptions, RemoteStore};
 pub use server::{serve, ServeError, ServeOptions, Server};
 pub use tls::{TlsClientConfig, TlsConfigError, TlsServerConfig};

@@ -55,6 +55,25 @@ impl RetryPolicy {
         }
     }
 
+    /// Attempts 10 ms apart, doubling up to 1 s, for at least `total` of pausing in all
+    /// (jitter included): for callers that must outlast an outage, such as a migration's
+    /// destination waiting for its source to come back.
+    pub fn for_at_least(total: Duration) -> Self {
+        let mut p = Self::default();
+        let mut waited = Duration::ZERO;
+        p.attempts = 1;
+        while waited < total && p.attempts < u32::MAX {
+            // Each pause is at least half its full length (see `backoff`).
+            let full = p
+                .initial_backoff
+                .saturating_mul(1u32 << (p.attempts - 1).min(31))
+                .min(p.max_backoff);
+            waited += full / 2;
+            p.attempts += 1;
+        }
+        p
+    }
+
     /// The pause after failed attempt number `attempt` (1-based), jitter included.
     pub fn backoff(&self, attempt: u32) -> Duration {
         let doublings = attempt.saturating_sub(1).min(31);
@@ -106,6 +125,27 @@ mod tests {
     use super::*;
     use farmap_core::{ErrorKind, StoreError};
     use std::cell::Cell;
+
+    #[test]
+    fn for_at_least_outlasts_the_outage_even_with_the_shortest_jitter() {
+        for secs in [0u64, 1, 30] {
+            let total = Duration::from_secs(secs);
+            let p = RetryPolicy::for_at_least(total);
+            let least: Duration = (1..p.attempts)
+                .map(|n| {
+                    p.initial_backoff
+                        .saturating_mul(1 << (n - 1).min(31))
+                        .min(p.max_backoff)
+                        / 2
+                })
+                .sum();
+            assert!(least >= total, "{secs} s: {p:?} waits at least {least:?}");
+            assert!(
+                least < total + p.max_backoff,
+                "{secs} s: not far more than needed"
+            );
+        }
+    }
 
     fn failing(kinds: &[ErrorKind]) -> impl FnMut() -> std::future::Ready<StoreResult<u32>> + '_ {
         let calls = Cell::new(0usize);

@@ -1,0 +1,294 @@
+//! `farmap seed` and `farmap leech`: drive a live migration through the migration agents of
+//! the applications that hold (or will hold) the region.
+//!
+//! Each command connects to an agent's Unix socket, sends one request, shows the agent's
+//! progress on stderr and prints the result on stdout. Its connection bounds the migration:
+//! Ctrl-C (or the command dying) before the hand-over abandons it and leaves the source
+//! running untouched; after the hand-over the migration always finishes.
+
+use std::path::PathBuf;
+use std::process::ExitCode;
+use std::time::Duration;
+
+use anyhow::{bail, Context};
+use clap::Args;
+use farmap_migrate::agent::{
+    ClientTls, Controller, FailKind, LeechRequest, Reply, Request, SeedRequest, ServerTls,
+};
+use farmap_net::{ListenAddr, RemoteAddr};
+use serde_json::{Map, Value};
+
+use crate::bench::parse_duration;
+use crate::output;
+
+const AGENT_HELP: &str = "\
+THE AGENT:
+  The application that holds the region runs a migration agent on a Unix socket
+  (farmap_migrate::agent::serve in Rust); --app names that socket. The destination
+  application runs one too, holding no region yet. Only the socket's owner can use it.
+
+  Ctrl-C before the hand-over abandons the migration: the leecher is told, write
+  tracking stops and the source keeps running untouched. After the hand-over the
+  migration finishes (ownership has moved); a second Ctrl-C only stops watching.";
+
+#[derive(Debug, Args)]
+#[command(after_help = AGENT_HELP)]
+pub struct SeedArgs {
+    /// The source application's migration agent (a Unix socket path).
+    #[arg(long, value_name = "SOCKET")]
+    app: PathBuf,
+    /// Where leechers connect for control: IP:PORT or unix:/path.
+    #[arg(long, default_value = "127.0.0.1:7100")]
+    listen: ListenAddr,
+    /// Where the data plane (the region's pages) listens. Port 0 picks a free port, which
+    /// leechers learn over the control connection. With a unix: control socket, leechers
+    /// look for the data plane at the same path with the extension .data unless told.
+    #[arg(long, default_value = "127.0.0.1:0")]
+    data_listen: ListenAddr,
+    /// TLS: the seeder's certificate chain (PEM), for both listeners.
+    #[arg(long, requires = "tls_key")]
+    tls_cert: Option<PathBuf>,
+    /// TLS: the private key (PEM).
+    #[arg(long, requires = "tls_cert")]
+    tls_key: Option<PathBuf>,
+    /// Mutual TLS: leechers must present a certificate issued by this CA (PEM).
+    #[arg(long, requires = "tls_cert")]
+    tls_client_ca: Option<PathBuf>,
+    /// How long to wait for a leecher that lost its connection after the hand-over.
+    #[arg(long, default_value = "30s", value_parser = parse_duration)]
+    reconnect_wait: Duration,
+    /// Print the result as one JSON line.
+    #[arg(long)]
+    json: bool,
+}
+
+#[derive(Debug, Args)]
+#[command(after_help = AGENT_HELP)]
+pub struct LeechArgs {
+    /// The destination application's migration agent (a Unix socket path).
+    #[arg(long, value_name = "SOCKET")]
+    app: PathBuf,
+    /// The seeder's control address: HOST:PORT or unix:/path.
+    #[arg(long, value_name = "ADDR")]
+    from: RemoteAddr,
+    /// The seeder's data plane, if it is not reachable at the control host with the port the
+    /// seeder announces (through a proxy or NAT, for example).
+    #[arg(long, value_name = "ADDR")]
+    data: Option<RemoteAddr>,
+    /// Downtime budget: pre-copy rounds go on until the last changes fit in it (or stop
+    /// shrinking, or --max-rounds is reached).
+    #[arg(long, default_value = "10ms", value_parser = parse_duration)]
+    max_downtime: Duration,
+    /// Most pre-copy rounds before finalizing anyway.
+    #[arg(long, default_value_t = 30)]
+    max_rounds: u32,
+    /// Background pull workers.
+    #[arg(long, default_value_t = 16, value_parser = clap::value_parser!(u32).range(1..=4096))]
+    workers: u32,
+    /// Data-plane connections.
+    #[arg(long, default_value_t = 4, value_parser = clap::value_parser!(u32).range(1..=256))]
+    connections: u32,
+    /// TLS: the CA the seeder's certificate must be issued by (PEM).
+    #[arg(long)]
+    tls_ca: Option<PathBuf>,
+    /// Mutual TLS: this leecher's certificate chain (PEM).
+    #[arg(long, requires = "tls_ca", requires = "tls_key")]
+    tls_cert: Option<PathBuf>,
+    /// Mutual TLS: its private key (PEM).
+    #[arg(long, requires = "tls_cert")]
+    tls_key: Option<PathBuf>,
+    /// TLS: the name the seeder's certificate must hold (default: the host of --from).
+    #[arg(long, requires = "tls_ca")]
+    tls_server_name: Option<String>,
+    /// How long to keep reconnecting to the seeder after the hand-over.
+    #[arg(long, default_value = "30s", value_parser = parse_duration)]
+    reconnect_for: Duration,
+    /// Print the result as one JSON line.
+    #[arg(long)]
+    json: bool,
+}
+
+/// How a driven migration ended.
+pub enum Outcome {
+    /// Finished, with the agent's metrics.
+    Done(Map<String, Value>),
+    /// Ended without success.
+    Failed(FailKind, String),
+}
+
+/// What the driver shows.
+pub struct Ui {
+    /// Prefix of progress lines (`farmap seed`).
+    pub prefix: &'static str,
+    /// Print progress lines on stderr.
+    pub notes: bool,
+    /// Show a byte progress bar for pre-copy (`Pulled` events).
+    pub bar: bool,
+}
+
+/// Sends `request` to the agent at `app` and follows it to its end; with `on_listening`
+/// called for a seeder's addresses. Ctrl-C cancels before the hand-over.
+pub async fn drive(
+    app: &std::path::Path,
+    request: Request,
+    ui: Ui,
+    mut on_listening: impl FnMut(&str, &str),
+) -> anyhow::Result<Outcome> {
+    let mut c = Controller::connect(app).await?;
+    c.send(&request).await.context("sending the request")?;
+    let mut bar: Option<indicatif::ProgressBar> = None;
+    let note = |bar: &Option<indicatif::ProgressBar>, s: &str| {
+        if !ui.notes {
+            return;
+        }
+        let line = format!("{}: {s}", ui.prefix);
+        match bar {
+            Some(b) if !b.is_hidden() => b.suspend(|| eprintln!("{line}")),
+            _ => eprintln!("{line}"),
+        }
+    };
+    let mut handed_over = false;
+    let mut interrupts = 0;
+    loop {
+        let reply = tokio::select! {
+            r = c.next() => r.context("reading from the agent")?,
+            _ = tokio::signal::ctrl_c() => {
+                interrupts += 1;
+                if interrupts > 1 {
+                    bail!("interrupted; the agent carries on with what it was doing");
+                }
+                if handed_over {
+                    note(&bar, "the hand-over is done: the migration finishes (it cannot be undone); Ctrl-C again stops watching");
+                } else {
+                    note(&bar, "cancelling: the source keeps running");
+                    c.send(&Request::Cancel).await.context("asking the agent to cancel")?;
+                }
+                continue;
+            }
+        };
+        let Some(reply) = reply else {
+            bail!("the agent closed the connection without a result (did the application exit?)");
+        };
+        match reply {
+            Reply::Note { msg } => note(&bar, &msg),
+            Reply::Listening { control, data } => {
+                note(
+                    &bar,
+                    &format!("waiting for a leecher: control on {control}, data plane on {data}"),
+                );
+                on_listening(&control, &data);
+            }
+            Reply::Pulled { bytes, total } => {
+                if ui.bar {
+                    bar.get_or_insert_with(|| output::byte_bar(total, "pre-copy", false))
+                        .set_position(bytes);
+                }
+            }
+            Reply::HandedOver => {
+                handed_over = true;
+                if let Some(b) = bar.take() {
+                    b.finish_and_clear();
+                }
+                note(&bar, "handed over");
+            }
+            Reply::Done { report } => {
+                if let Some(b) = bar.take() {
+                    b.finish_and_clear();
+                }
+                return Ok(Outcome::Done(report));
+            }
+            Reply::Error { kind, message } => {
+                if let Some(b) = bar.take() {
+                    b.finish_and_clear();
+                }
+                return Ok(Outcome::Failed(kind, message));
+            }
+        }
+    }
+}
+
+fn finish(
+    role: &str,
+    outcome: Outcome,
+    json: bool,
+    human: impl Fn(&Map<String, Value>) -> String,
+) -> anyhow::Result<ExitCode> {
+    match outcome {
+        Outcome::Done(mut report) => {
+            if json {
+                report.insert("role".into(), Value::from(role));
+                output::json_line(&report)?;
+            } else {
+                println!("{}", human(&report));
+            }
+            Ok(ExitCode::SUCCESS)
+        }
+        Outcome::Failed(FailKind::Cancelled, message) => {
+            eprintln!("farmap {role}: {message}");
+            Ok(ExitCode::from(130))
+        }
+        Outcome::Failed(_, message) => bail!("{message}"),
+    }
+}
+
+pub async fn seed(args: SeedArgs) -> anyhow::Result<ExitCode> {
+    let request = Request::Seed(SeedRequest {
+        listen: args.listen.to_string(),
+        data_listen: args.data_listen.to_string(),
+        tls: args.tls_cert.map(|cert| ServerTls {
+            cert,
+            key: args.tls_key.expect("clap requires --tls-key"),
+            client_ca: args.tls_client_ca,
+        }),
+        reconnect_ms: args.reconnect_wait.as_millis() as u64,
+    });
+    let ui = Ui {
+        prefix: "farmap seed",
+        notes: true,
+        bar: false,
+    };
+    let outcome = drive(&args.app, request, ui, |_, _| {}).await?;
+    finish("seed", outcome, args.json, |r| {
+        format!(
+            "seeded: handed over and released after {} ms; {} dirty sets, {} pages re-sent",
+            r["elapsed_ms"], r["dirty_sets"], r["dirty_pages"]
+        )
+    })
+}
+
+pub async fn leech(args: LeechArgs) -> anyhow::Result<ExitCode> {
+    let request = Request::Leech(LeechRequest {
+        from: args.from.to_string(),
+        data: args.data.map(|d| d.to_string()),
+        tls: args.tls_ca.map(|ca| ClientTls {
+            ca,
+            cert: args.tls_cert,
+            key: args.tls_key,
+            server_name: args.tls_server_name,
+        }),
+        max_downtime_us: args.max_downtime.as_micros() as u64,
+        max_rounds: args.max_rounds,
+        workers: args.workers as usize,
+        connections: args.connections as usize,
+        reconnect_ms: args.reconnect_for.as_millis() as u64,
+    });
+    let ui = Ui {
+        prefix: "farmap leech",
+        notes: true,
+        bar: !args.json,
+    };
+    let outcome = drive(&args.app, request, ui, |_, _| {}).await?;
+    finish("leech", outcome, args.json, |r| {
+        format!(
+            "leeched: downtime {} ms, total {} ms, {} rounds, pre-copy {} MB + post-copy {} MB \
+             of a {} MB region, source dirtying {} MB/s",
+            r["downtime_ms"],
+            r["total_ms"],
+            r["rounds"],
+            r["bytes_precopy"].as_u64().unwrap_or(0) / 1_000_000,
+            r["bytes_postcopy"].as_u64().unwrap_or(0) / 1_000_000,
+            r["region_bytes"].as_u64().unwrap_or(0) / 1_000_000,
+            r["dirty_rate_mb_per_s"],
+        )
+    })
+}

@@ -1,0 +1,495 @@
+//! `farmap seed` and `farmap leech` with real processes: two applications holding (or about
+//! to hold) a region with a live, deterministic writer (`farmap __demo-node`, the demo's
+//! application, with its migration agent), the two commands driving them, and `farmap proxy`
+//! processes as the link. Failures are real: processes are SIGKILLed, proxies die and come
+//! back. After each, the regions are checked against content recomputed from the writer's
+//! seed and history.
+
+use std::io::{BufRead, BufReader, Write};
+use std::path::{Path, PathBuf};
+use std::process::{Child, ChildStdin, Command, Stdio};
+use std::sync::mpsc;
+use std::time::{Duration, Instant};
+
+use serde_json::Value;
+
+const MIB: u64 = 1 << 20;
+const WAIT: Duration = Duration::from_secs(90);
+
+fn usable() -> bool {
+    if farmap_uffd::probe().is_ok() {
+        return true;
+    }
+    assert!(
+        std::env::var("CI").as_deref() != Ok("true"),
+        "userfaultfd is needed in CI"
+    );
+    eprintln!("skipped: userfaultfd is not usable here");
+    false
+}
+
+/// A child process whose stdout and stderr lines are collected as they come.
+struct Proc {
+    name: String,
+    child: Child,
+    stdin: Option<ChildStdin>,
+    out: mpsc::Receiver<String>,
+    err: mpsc::Receiver<String>,
+    seen_err: Vec<String>,
+}
+
+fn lines(
+    r: impl std::io::Read + Send + 'static,
+    tag: String,
+    echo: bool,
+) -> mpsc::Receiver<String> {
+    let (tx, rx) = mpsc::channel();
+    std::thread::spawn(move || {
+        for l in BufReader::new(r).lines().map_while(Result::ok) {
+            if echo {
+                eprintln!("[{tag}] {l}");
+            }
+            if tx.send(l).is_err() {
+                return;
+            }
+        }
+    });
+    rx
+}
+
+impl Proc {
+    fn spawn(name: &str, args: &[&str]) -> Proc {
+        let mut child = Command::new(env!("CARGO_BIN_EXE_farmap"))
+            .args(args)
+            .stdin(Stdio::piped())
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped())
+            .spawn()
+            .expect("start farmap");
+        let out = lines(child.stdout.take().unwrap(), format!("{name} out"), false);
+        let err = lines(child.stderr.take().unwrap(), format!("{name} err"), true);
+        Proc {
+            name: name.into(),
+            stdin: child.stdin.take(),
+            child,
+            out,
+            err,
+            seen_err: Vec::new(),
+        }
+    }
+
+    /// The next stdout line that is JSON with `event` = `event`.
+    fn event(&mut self, event: &str) -> Value {
+        let deadline = Instant::now() + WAIT;
+        loop {
+            let left = deadline.saturating_duration_since(Instant::now());
+            let l = self.out.recv_timeout(left).unwrap_or_else(|e| {
+                panic!("{}: no '{event}' event ({e})", self.name);
+            });
+            if let Ok(v) = serde_json::from_str::<Value>(&l) {
+                if v["event"] == event {
+                    return v;
+                }
+            }
+        }
+    }
+
+    /// Waits for a stderr line containing `text`; returns it.
+    fn stderr_line(&mut self, text: &str) -> String {
+        if let Some(l) = self.seen_err.iter().find(|l| l.contains(text)) {
+            return l.clone();
+        }
+        let deadline = Instant::now() + WAIT;
+        loop {
+            let left = deadline.saturating_duration_since(Instant::now());
+            let l = self.err.recv_timeout(left).unwrap_or_else(|e| {
+                panic!(
+                    "{}: no stderr line with {text:?} ({e}); saw {:#?}",
+                    self.name, self.seen_err
+                )
+            });
+            self.seen_err.push(l.clone());
+            if l.contains(text) {
+                return l;
+            }
+        }
+    }
+
+    /// Waits for the exit; returns success, stdout lines and all stderr.
+    fn finish(mut self) -> (bool, Vec<String>, String) {
+        let deadline = Instant::now() + WAIT;
+        let status = loop {
+            if let Some(s) = self.child.try_wait().unwrap() {
+                break s;
+            }
+            assert!(Instant::now() < deadline, "{} did not exit", self.name);
+            std::thread::sleep(Duration::from_millis(20));
+        };
+        let out: Vec<String> = std::iter::from_fn(|| self.out.recv_timeout(WAIT).ok()).collect();
+        self.seen_err
+            .extend(std::iter::from_fn(|| self.err.recv_timeout(WAIT).ok()));
+        (status.success(), out, self.seen_err.join("\n"))
+    }
+
+    fn kill(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+
+    fn running(&mut self) -> bool {
+        self.child.try_wait().unwrap().is_none()
+    }
+}
+
+impl Drop for Proc {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+/// An application with a region (or waiting for one) and its migration agent.
+struct App {
+    proc: Proc,
+    agent: PathBuf,
+}
+
+impl App {
+    fn start(dir: &Path, name: &str, size: u64, ops_per_sec: u64, init: bool) -> App {
+        let agent = dir.join(format!("{name}.agent"));
+        let (size, ops) = (size.to_string(), ops_per_sec.to_string());
+        let mut args = vec![
+            "__demo-node",
+            "--size",
+            &size,
+            "--seed",
+            "7",
+            "--ops-per-sec",
+            &ops,
+            "--agent",
+            agent.to_str().unwrap(),
+        ];
+        if init {
+            args.push("--init");
+        }
+        let mut proc = Proc::spawn(name, &args);
+        proc.event("ready");
+        App { proc, agent }
+    }
+
+    fn agent(&self) -> &str {
+        self.agent.to_str().unwrap()
+    }
+
+    /// Stops the writer for a moment and compares the region with the recomputed image:
+    /// `Some(writer ops)` if it matches, `None` if this application holds no region.
+    fn verify(&mut self) -> Option<u64> {
+        let stdin = self.proc.stdin.as_mut().unwrap();
+        writeln!(stdin, "verify").unwrap();
+        stdin.flush().unwrap();
+        let v = self.proc.event("verified");
+        if v["error"] == "no region here" {
+            return None;
+        }
+        assert_eq!(
+            v["ok"], true,
+            "{}: region differs from its history: {v}",
+            self.proc.name
+        );
+        Some(v["ops"].as_u64().unwrap())
+    }
+}
+
+fn seed_cmd(app: &App) -> (Proc, String, String) {
+    let mut p = Proc::spawn(
+        "seed",
+        &[
+            "seed",
+            "--app",
+            app.agent(),
+            "--listen",
+            "127.0.0.1:0",
+            "--json",
+        ],
+    );
+    let l = p.stderr_line("waiting for a leecher: control on ");
+    let rest = l.split("control on ").nth(1).unwrap();
+    let (control, data) = rest.split_once(", data plane on ").unwrap();
+    (p, control.trim().to_owned(), data.trim().to_owned())
+}
+
+fn leech_cmd(app: &App, from: &str, data: &str, extra: &[&str]) -> Proc {
+    let mut args = vec![
+        "leech",
+        "--app",
+        app.agent(),
+        "--from",
+        from,
+        "--data",
+        data,
+        "--json",
+    ];
+    args.extend_from_slice(extra);
+    Proc::spawn("leech", &args)
+}
+
+/// A `farmap proxy` process; `port` 0 picks one.
+fn proxy(to: &str, port: u16, bandwidth: Option<&str>) -> (Proc, String) {
+    let listen = format!("127.0.0.1:{port}");
+    let mut args = vec!["proxy", "--listen", &listen, "--to", to];
+    if let Some(b) = bandwidth {
+        args.extend(["--bandwidth", b]);
+    }
+    let mut p = Proc::spawn("proxy", &args);
+    let l = p.stderr_line("listening on ");
+    let addr = l.split("listening on ").nth(1).unwrap();
+    let addr = addr.split(',').next().unwrap().trim().to_owned();
+    (p, addr)
+}
+
+fn port_of(addr: &str) -> u16 {
+    addr.rsplit(':').next().unwrap().parse().unwrap()
+}
+
+fn json_of(out: &[String]) -> Value {
+    let l = out.last().expect("a JSON result line on stdout");
+    serde_json::from_str(l).unwrap_or_else(|e| panic!("{e}: {l}"))
+}
+
+#[test]
+fn seed_and_leech_move_a_live_region_there_and_back() {
+    if !usable() {
+        return;
+    }
+    let dir = tempfile::tempdir().unwrap();
+    let size = 64 * MIB;
+    let rate = size / 4096 / 20; // 5% of the pages per second
+    let mut a = App::start(dir.path(), "a", size, rate, true);
+    let mut b = App::start(dir.path(), "b", size, rate, false);
+    assert!(a.verify().is_some());
+    assert_eq!(b.verify(), None, "the destination holds nothing yet");
+
+    let mut ops_before = 0;
+    for there in [true, false] {
+        let (src, dst) = if there {
+            (&mut a, &mut b)
+        } else {
+            (&mut b, &mut a)
+        };
+        let (seed, control, data) = seed_cmd(src);
+        let leech = leech_cmd(dst, &control, &data, &["--max-downtime", "10ms"]);
+        let (ok, out, err) = leech.finish();
+        assert!(ok, "leech failed: {err}");
+        let m = json_of(&out);
+        assert_eq!(m["role"], "leech");
+        assert_eq!(m["region_bytes"], size);
+        for key in [
+            "downtime_ms",
+            "effective_downtime_ms",
+            "total_ms",
+            "dirty_rate_mb_per_s",
+        ] {
+            assert!(m[key].as_f64().is_some(), "{key} missing in {m}");
+        }
+        let moved = m["bytes_precopy"].as_u64().unwrap() + m["bytes_postcopy"].as_u64().unwrap();
+        assert!(
+            moved >= size,
+            "{moved} bytes moved for a {size}-byte region"
+        );
+        let (ok, out, err) = seed.finish();
+        assert!(ok, "seed failed: {err}");
+        assert_eq!(json_of(&out)["role"], "seed");
+        assert!(err.contains("handed over"), "{err}");
+
+        assert_eq!(src.verify(), None, "the source no longer holds the region");
+        let ops = dst.verify().expect("the destination holds the region");
+        assert!(ops > ops_before, "the writer went on at the destination");
+        ops_before = ops;
+    }
+}
+
+#[test]
+fn seeder_dying_before_finalize_aborts_the_leecher_and_the_source_runs_on() {
+    if !usable() {
+        return;
+    }
+    let dir = tempfile::tempdir().unwrap();
+    let size = 16 * MIB;
+    let mut a = App::start(dir.path(), "a", size, 200, true);
+    let mut b = App::start(dir.path(), "b", size, 200, false);
+
+    // 1. The seed command dies (SIGKILL) during the pre-copy: its agent connection closes,
+    //    the source's agent abandons the seeding and tells the leecher.
+    let (mut seed, control, data) = seed_cmd(&a);
+    let (_slow, slow_data) = proxy(&data, 0, Some("4MB/s"));
+    let mut leech = leech_cmd(&b, &control, &slow_data, &[]);
+    leech.stderr_line("while the source runs");
+    seed.kill();
+    let (ok, _, err) = leech.finish();
+    assert!(!ok, "the leech must fail");
+    assert!(
+        err.contains("migration aborted") && err.contains("the source keeps running"),
+        "the leecher says what happened: {err}"
+    );
+    assert_eq!(b.verify(), None, "the destination took nothing");
+    let ops1 = a
+        .verify()
+        .expect("the source still holds its region, intact");
+    std::thread::sleep(Duration::from_millis(300));
+    let ops2 = a.verify().expect("and keeps running");
+    assert!(ops2 > ops1, "the source's writer goes on ({ops1} → {ops2})");
+
+    // 2. The source's whole seeding process dies (SIGKILL of the application itself, data
+    //    plane and all): the leecher aborts cleanly and holds nothing.
+    let (_seed, control, data) = seed_cmd(&a);
+    let (_slow, slow_data) = proxy(&data, 0, Some("4MB/s"));
+    let mut leech = leech_cmd(&b, &control, &slow_data, &[]);
+    leech.stderr_line("while the source runs");
+    a.proc.kill();
+    let (ok, _, err) = leech.finish();
+    assert!(!ok, "the leech must fail");
+    assert!(
+        err.contains("migration aborted") && err.contains("before the hand-over"),
+        "the leecher says what happened: {err}"
+    );
+    assert_eq!(b.verify(), None, "the destination took nothing");
+}
+
+#[test]
+fn leecher_dying_before_the_hand_over_leaves_the_source_untouched() {
+    if !usable() {
+        return;
+    }
+    let dir = tempfile::tempdir().unwrap();
+    let size = 16 * MIB;
+    let mut a = App::start(dir.path(), "a", size, 200, true);
+    let (mut seed, control, data) = seed_cmd(&a);
+    let (_slow, slow_data) = proxy(&data, 0, Some("4MB/s"));
+
+    // 1. The leech command dies: its agent cancels and tells the seeder.
+    let mut b = App::start(dir.path(), "b", size, 200, false);
+    let mut leech = leech_cmd(&b, &control, &slow_data, &[]);
+    leech.stderr_line("while the source runs");
+    leech.kill();
+    seed.stderr_line("the leecher went away before the hand-over; the source runs on");
+    assert!(seed.running(), "the seeder waits for another leecher");
+    assert_eq!(b.verify(), None, "the destination took nothing");
+    let ops1 = a.verify().expect("the source is intact");
+
+    // 2. The destination application itself dies during the pre-copy.
+    let mut c = App::start(dir.path(), "c", size, 200, false);
+    let mut leech = leech_cmd(&c, &control, &slow_data, &[]);
+    leech.stderr_line("while the source runs");
+    c.proc.kill();
+    let (ok, _, _) = leech.finish();
+    assert!(!ok, "the leech command reports the failure");
+    let ops2 = a.verify().expect("the source is intact");
+    assert!(ops2 > ops1, "and its writer went on ({ops1} → {ops2})");
+    assert!(seed.running(), "the seeder waits for another leecher");
+
+    // 3. A third destination takes the region over from the same, untouched source.
+    let (_fast, fast_data) = proxy(&data, 0, None);
+    let leech = leech_cmd(&b, &control, &fast_data, &[]);
+    let (ok, _, err) = leech.finish();
+    assert!(ok, "leech failed: {err}");
+    let (ok, out, err) = seed.finish();
+    assert!(ok, "seed failed: {err}");
+    assert_eq!(
+        json_of(&out)["abandoned_leechers"],
+        2,
+        "the seeder saw both leechers go"
+    );
+    assert_eq!(a.verify(), None);
+    assert!(b.verify().unwrap() > ops2, "verified at the destination");
+}
+
+#[test]
+fn a_connection_lost_during_the_post_copy_is_reconnected_and_the_migration_completes() {
+    if !usable() {
+        return;
+    }
+    let dir = tempfile::tempdir().unwrap();
+    let size = 8 * MIB;
+    // A writer changing half the pages per second and one pre-copy round over a slow link
+    // (one connection at 4 MB/s): the hand-over leaves about 4 MB to fetch afterwards (about
+    // a second), so the link is cut in the middle of it.
+    let rate = size / 4096 / 2;
+    let mut a = App::start(dir.path(), "a", size, rate, true);
+    let mut b = App::start(dir.path(), "b", size, rate, false);
+    let (seed, control, data) = seed_cmd(&a);
+    let (mut pc, control_p) = proxy(&control, 0, None);
+    let (mut pd, data_p) = proxy(&data, 0, Some("4MB/s"));
+    let mut leech = leech_cmd(
+        &b,
+        &control_p,
+        &data_p,
+        &["--max-rounds", "1", "--connections", "1"],
+    );
+    leech.stderr_line("handed over");
+    pc.kill();
+    pd.kill();
+    leech.stderr_line("reconnecting");
+    std::thread::sleep(Duration::from_millis(500));
+    let (_pc, _) = proxy(&control, port_of(&control_p), None);
+    let (pd2, _) = proxy(&data, port_of(&data_p), Some("4MB/s"));
+    let (ok, out, err) = leech.finish();
+    assert!(ok, "leech failed: {err}");
+    // The data plane carried pages after it came back: the cut hit the post-copy's fetches
+    // (had the post-copy been over, nothing would be left to fetch).
+    let status = Command::new("kill")
+        .args(["-INT", &pd2.child.id().to_string()])
+        .status()
+        .unwrap();
+    assert!(status.success());
+    let (_, _, perr) = pd2.finish();
+    let down: u64 = perr
+        .split(" bytes down")
+        .next()
+        .and_then(|s| s.rsplit(' ').next())
+        .and_then(|n| n.parse().ok())
+        .unwrap_or_else(|| panic!("no byte count in the proxy's last words: {perr}"));
+    assert!(down > 64 * 1024, "{down} bytes fetched after the cut");
+    let m = json_of(&out);
+    assert!(
+        m["bytes_postcopy"].as_u64().unwrap() > MIB,
+        "the link was cut during a real post-copy: {m}"
+    );
+    let (ok, _, err) = seed.finish();
+    assert!(ok, "seed failed: {err}");
+    assert_eq!(a.verify(), None);
+    assert!(b.verify().is_some(), "verified at the destination");
+}
+
+#[test]
+fn demo_migrates_there_and_back_and_verifies() {
+    if !usable() {
+        return;
+    }
+    let out = Command::new(env!("CARGO_BIN_EXE_farmap"))
+        .args(["demo", "--size", "32MiB", "--json"])
+        .output()
+        .unwrap();
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success(), "demo failed: {err}");
+    let rows: Vec<Value> = String::from_utf8_lossy(&out.stdout)
+        .lines()
+        .map(|l| serde_json::from_str(l).unwrap_or_else(|e| panic!("{e}: {l}")))
+        .collect();
+    assert_eq!(rows.len(), 2, "one line per direction: {rows:?}");
+    for (row, dir) in rows.iter().zip(["there", "back"]) {
+        assert_eq!(row["direction"], dir);
+        assert_eq!(row["verified"], true, "{row}");
+        assert_eq!(row["region_bytes"], 32 * MIB);
+        for key in [
+            "downtime_ms",
+            "effective_downtime_ms",
+            "total_ms",
+            "bytes_precopy",
+            "bytes_postcopy",
+            "rounds",
+            "dirty_rate_mb_per_s",
+        ] {
+            assert!(row[key].as_f64().is_some(), "{key} missing in {row}");
+        }
+    }
+}

@@ -1,0 +1,714 @@
+//! The migration agent: a Unix socket inside the application that holds a region, through
+//! which `farmap seed` and `farmap leech` (the controllers) start, watch and cancel
+//! migrations — like a VM monitor socket through which a migration is driven.
+//!
+//! ```text
+//!  farmap seed --app SOCK ─┐                         ┌─ farmap leech --app SOCK2 --from …
+//!        (controller)      │ JSON lines              │        (controller)
+//!  ┌───────────────────────▼──────────┐  control + data  ┌────▼─────────────────────────┐
+//!  │ source application + agent       │◀────────────────▶│ destination application +    │
+//!  │  seed(region, suspend, …)        │                  │  agent: leech(…), resume     │
+//!  └──────────────────────────────────┘                  └──────────────────────────────┘
+//! ```
+//!
+//! The controller's connection bounds the migration: if it closes (the command was stopped
+//! or killed) or sends `cancel` before the hand-over, the migration is abandoned — the
+//! leecher is told, tracking stops, and the source runs on untouched. After the hand-over
+//! nothing cancels it: ownership has moved, and the agents finish the post-copy.
+//!
+//! The protocol, one JSON object per line: the controller sends one [`Request`] (then at
+//! most `{"op":"cancel"}`); the agent answers with [`Reply`] lines ending with `done` or
+//! `error`. Lines are capped at [`MAX_LINE`] bytes. The socket is created mode 0600: only
+//! the application's user may drive it.
+
+use std::io;
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use std::time::Duration;
+
+use farmap_net::{ListenAddr, RemoteAddr, TlsClientConfig, TlsServerConfig};
+use farmap_uffd::Region;
+use serde::{Deserialize, Serialize};
+use serde_json::{json, Map, Value};
+use tokio::io::{AsyncBufReadExt, AsyncRead, AsyncWriteExt, BufReader};
+use tokio::net::{UnixListener, UnixStream};
+use tokio::sync::mpsc;
+
+use crate::event::{Event, Observer};
+use crate::leech::{leech, LeechError, LeechOptions, LeechReport, Resumer};
+use crate::machine::Convergence;
+use crate::seed::{seed, SeedError, SeedOptions, SeedReport};
+use crate::suspend::Suspend;
+
+/// Longest request or reply line.
+pub const MAX_LINE: usize = 64 * 1024;
+
+/// What an application offers its agent.
+pub trait App: Send + Sync + 'static {
+    /// The region this process holds and the hook that stops its writers; `None` if it
+    /// holds none (it can then receive one).
+    fn region(&self) -> Option<(Arc<Region>, Arc<dyn Suspend>)>;
+    /// The region was handed over and released: it is no longer this process's.
+    fn released(&self, report: &SeedReport);
+    /// Starts the application on a region that is arriving (called inside the downtime).
+    fn resumer(&self) -> Resumer;
+    /// A migration here finished; the returned fields are added to the report (for
+    /// application metrics such as the largest pause its workload saw).
+    fn arrived(&self, report: &LeechReport) -> Map<String, Value>;
+}
+
+/// TLS of a seeder's listeners, as PEM file paths readable by the application.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ServerTls {
+    /// Certificate chain.
+    pub cert: PathBuf,
+    /// Private key.
+    pub key: PathBuf,
+    /// Mutual TLS: the CA leechers' certificates must be issued by.
+    #[serde(default)]
+    pub client_ca: Option<PathBuf>,
+}
+
+/// TLS of a leecher's connections, as PEM file paths readable by the application.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ClientTls {
+    /// The CA the seeder's certificate must be issued by.
+    pub ca: PathBuf,
+    /// Client certificate (mutual TLS).
+    #[serde(default)]
+    pub cert: Option<PathBuf>,
+    /// Its key.
+    #[serde(default)]
+    pub key: Option<PathBuf>,
+    /// The name the seeder's certificate must hold (default: the host of `from`).
+    #[serde(default)]
+    pub server_name: Option<String>,
+}
+
+/// Start seeding this process's region.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct SeedRequest {
+    /// Control listener, `IP:PORT` or `unix:/path`.
+    pub listen: String,
+    /// Data-plane listener.
+    pub data_listen: String,
+    /// TLS for both.
+    #[serde(default)]
+    pub tls: Option<ServerTls>,
+    /// How long to wait for the leecher to come back after the hand-over, in ms.
+    #[serde(default = "default_reconnect_ms")]
+    pub reconnect_ms: u64,
+}
+
+/// Migrate a region here.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct LeechRequest {
+    /// The seeder's control address.
+    pub from: String,
+    /// Its data plane (default: the control host with the port the seeder gives).
+    #[serde(default)]
+    pub data: Option<String>,
+    /// TLS for both.
+    #[serde(default)]
+    pub tls: Option<ClientTls>,
+    /// Downtime budget, in µs.
+    pub max_downtime_us: u64,
+    /// Most pre-copy rounds.
+    pub max_rounds: u32,
+    /// Background pull workers.
+    pub workers: usize,
+    /// Data-plane connections.
+    pub connections: usize,
+    /// How long to keep reconnecting after the hand-over, in ms.
+    #[serde(default = "default_reconnect_ms")]
+    pub reconnect_ms: u64,
+}
+
+fn default_reconnect_ms() -> u64 {
+    30_000
+}
+
+/// A controller's line.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(tag = "op", rename_all = "snake_case")]
+pub enum Request {
+    /// Seed the region held here.
+    Seed(SeedRequest),
+    /// Receive a region.
+    Leech(LeechRequest),
+    /// Abandon the migration if the hand-over has not happened.
+    Cancel,
+}
+
+/// Why an agent's migration ended without success.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum FailKind {
+    /// The request was malformed or does not fit (no region to seed, one already held…).
+    Refused,
+    /// Cancelled before the hand-over; the source runs on.
+    Cancelled,
+    /// Abandoned before the hand-over by the other side, or failed before it; the source
+    /// runs on.
+    Aborted,
+    /// Failed after the hand-over: data not yet moved is lost.
+    AfterHandOver,
+}
+
+/// An agent's line.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(tag = "event", rename_all = "snake_case")]
+pub enum Reply {
+    /// A progress line.
+    Note {
+        /// For people.
+        msg: String,
+    },
+    /// The seeder listens here.
+    Listening {
+        /// Control address.
+        control: String,
+        /// Data plane address.
+        data: String,
+    },
+    /// Pre-copy progress.
+    Pulled {
+        /// Bytes pulled.
+        bytes: u64,
+        /// Region size.
+        total: u64,
+    },
+    /// The point of no return has passed.
+    HandedOver,
+    /// Finished.
+    Done {
+        /// Metrics.
+        report: Map<String, Value>,
+    },
+    /// Failed.
+    Error {
+        /// What kind of failure.
+        kind: FailKind,
+        /// Why.
+        message: String,
+    },
+}
+
+/// The metrics of a finished leech, as JSON fields (`downtime_ms`, `total_ms`, …).
+pub fn leech_metrics(r: &LeechReport) -> Map<String, Value> {
+    let ms = |d: Duration| (d.as_secs_f64() * 1e5).round() / 100.0;
+    let v = json!({
+        "downtime_ms": ms(r.downtime),
+        "total_ms": ms(r.total),
+        "postcopy_ms": ms(r.postcopy),
+        "bytes_precopy": r.bytes_precopy,
+        "bytes_postcopy": r.bytes_postcopy,
+        "rounds": r.rounds,
+        "final_dirty_pages": r.final_pages,
+        "dirty_rate_mb_per_s": (r.dirty_rate / 1e5).round() / 10.0,
+        "region_bytes": r.region.len(),
+    });
+    match v {
+        Value::Object(m) => m,
+        _ => unreachable!("an object literal"),
+    }
+}
+
+fn seed_metrics(r: &SeedReport) -> Map<String, Value> {
+    let v = json!({
+        "dirty_sets": r.dirty_sets,
+        "dirty_pages": r.dirty_pages,
+        "abandoned_leechers": r.abandoned,
+        "elapsed_ms": (r.elapsed.as_secs_f64() * 1e5).round() / 100.0,
+    });
+    match v {
+        Value::Object(m) => m,
+        _ => unreachable!("an object literal"),
+    }
+}
+
+/// A running agent.
+#[derive(Debug)]
+pub struct Agent {
+    path: PathBuf,
+    task: tokio::task::JoinHandle<()>,
+}
+
+impl Agent {
+    /// Where the agent listens.
+    pub fn path(&self) -> &Path {
+        &self.path
+    }
+}
+
+impl Drop for Agent {
+    fn drop(&mut self) {
+        self.task.abort();
+        let _ = std::fs::remove_file(&self.path);
+    }
+}
+
+/// Starts an agent for `app` on the Unix socket `path` (mode 0600). A stale socket file is
+/// replaced; one that another agent still answers on is an error.
+pub async fn serve(path: impl AsRef<Path>, app: Arc<dyn App>) -> io::Result<Agent> {
+    let path = path.as_ref().to_path_buf();
+    if path.exists() {
+        if UnixStream::connect(&path).await.is_ok() {
+            return Err(io::Error::new(
+                io::ErrorKind::AddrInUse,
+                format!("another agent answers on {}", path.display()),
+            ));
+        }
+        std::fs::remove_file(&path)?;
+    }
+    let listener = UnixListener::bind(&path)?;
+    rustix::fs::chmod(&path, rustix::fs::Mode::from_raw_mode(0o600))?;
+    let busy = Arc::new(tokio::sync::Mutex::new(()));
+    let task = tokio::spawn(async move {
+        loop {
+            let Ok((stream, _)) = listener.accept().await else {
+                continue;
+            };
+            let (app, busy) = (app.clone(), busy.clone());
+            tokio::spawn(async move {
+                let _ = connection(stream, app, busy).await;
+            });
+        }
+    });
+    Ok(Agent { path, task })
+}
+
+/// Reads one line of at most [`MAX_LINE`] bytes; `Ok(None)` at the end of the stream.
+async fn read_line<R: AsyncRead + Unpin>(r: &mut BufReader<R>) -> io::Result<Option<String>> {
+    let mut buf = Vec::new();
+    loop {
+        let avail = r.fill_buf().await?;
+        if avail.is_empty() {
+            return if buf.is_empty() {
+                Ok(None)
+            } else {
+                Err(io::ErrorKind::UnexpectedEof.into())
+            };
+        }
+        let (take, end) = match avail.iter().position(|&b| b == b'\n') {
+            Some(i) => (i + 1, true),
+            None => (avail.len(), false),
+        };
+        if buf.len() + take > MAX_LINE + 1 {
+            return Err(io::Error::new(
+                io::ErrorKind::InvalidData,
+                format!("a line longer than {MAX_LINE} bytes"),
+            ));
+        }
+        buf.extend_from_slice(&avail[..take]);
+        r.consume(take);
+        if end {
+            buf.pop();
+            return String::from_utf8(buf)
+                .map(Some)
+                .map_err(|_| io::Error::new(io::ErrorKind::InvalidData, "a line not in UTF-8"));
+        }
+    }
+}
+
+/// How long a request waits for the previous migration to wind down (a cancelled one
+/// finishes telling its peer) before it is refused as busy.
+const BUSY_WAIT: Duration = Duration::from_secs(5);
+
+async fn connection(
+    stream: UnixStream,
+    app: Arc<dyn App>,
+    busy: Arc<tokio::sync::Mutex<()>>,
+) -> io::Result<()> {
+    let (rd, mut wr) = stream.into_split();
+    let mut rd = BufReader::new(rd);
+    let (tx, mut rx) = mpsc::unbounded_channel::<Reply>();
+    let writer = tokio::spawn(async move {
+        while let Some(r) = rx.recv().await {
+            let mut line = serde_json::to_vec(&r).expect("replies serialize");
+            line.push(b'\n');
+            if wr.write_all(&line).await.is_err() {
+                // The controller is gone: keep draining so senders never block.
+                while rx.recv().await.is_some() {}
+                return;
+            }
+        }
+    });
+    let refuse = |message: String| Reply::Error {
+        kind: FailKind::Refused,
+        message,
+    };
+    let request = match read_line(&mut rd).await {
+        Ok(Some(l)) => {
+            serde_json::from_str::<Request>(&l).map_err(|e| format!("a bad request: {e}"))
+        }
+        Ok(None) => return Ok(()),
+        Err(e) => Err(format!("a bad request: {e}")),
+    };
+    let reply = match request {
+        Err(e) => refuse(e),
+        Ok(Request::Cancel) => refuse("nothing to cancel on a new connection".into()),
+        Ok(req) => {
+            if let Ok(_guard) = tokio::time::timeout(BUSY_WAIT, busy.lock_owned()).await {
+                let observer = {
+                    let tx = tx.clone();
+                    Observer::new(move |e| {
+                        let _ = tx.send(match e {
+                            Event::Note(msg) => Reply::Note { msg: msg.clone() },
+                            Event::Pulled { bytes, total } => Reply::Pulled {
+                                bytes: *bytes,
+                                total: *total,
+                            },
+                            Event::HandedOver => Reply::HandedOver,
+                        });
+                    })
+                };
+                match req {
+                    Request::Seed(r) => run_seed(r, &*app, observer, &mut rd, &tx).await,
+                    Request::Leech(r) => run_leech(r, &*app, observer, &mut rd).await,
+                    Request::Cancel => unreachable!("handled above"),
+                }
+            } else {
+                refuse("a migration is already running in this process".into())
+            }
+        }
+    };
+    let _ = tx.send(reply);
+    drop(tx);
+    let _ = writer.await;
+    Ok(())
+}
+
+/// Resolves when the controller cancels: a `cancel` line, or the end of its connection.
+async fn controller_gone<R: AsyncRead + Unpin>(rd: &mut BufReader<R>) -> &'static str {
+    loop {
+        match read_line(rd).await {
+            Ok(Some(l)) if matches!(serde_json::from_str(&l), Ok(Request::Cancel)) => {
+                return "the controller cancelled";
+            }
+            Ok(Some(_)) => continue,
+            Ok(None) | Err(_) => return "the controller went away",
+        }
+    }
+}
+
+fn parse_listen(s: &str) -> Result<ListenAddr, String> {
+    s.parse().map_err(|e: farmap_net::AddrError| e.to_string())
+}
+
+async fn run_seed<R: AsyncRead + Unpin>(
+    req: SeedRequest,
+    app: &dyn App,
+    observer: Observer,
+    rd: &mut BufReader<R>,
+    tx: &mpsc::UnboundedSender<Reply>,
+) -> Reply {
+    let refuse = |message: String| Reply::Error {
+        kind: FailKind::Refused,
+        message,
+    };
+    let (listen, data_listen) = match (parse_listen(&req.listen), parse_listen(&req.data_listen)) {
+        (Ok(a), Ok(b)) => (a, b),
+        (Err(e), _) | (_, Err(e)) => return refuse(e),
+    };
+    let Some((region, suspend)) = app.region() else {
+        return refuse("this process holds no region to seed".into());
+    };
+    let opts = SeedOptions {
+        listen,
+        data_listen,
+        tls: req.tls.map(|t| TlsServerConfig {
+            cert: t.cert,
+            key: t.key,
+            client_ca: t.client_ca,
+        }),
+        reconnect_wait: Duration::from_millis(req.reconnect_ms),
+        log: false,
+        observer: Some(observer),
+    };
+    let seeding = match seed(region, suspend, opts).await {
+        Ok(s) => s,
+        Err(e) => return refuse(error_chain(&e)),
+    };
+    let _ = tx.send(Reply::Listening {
+        control: seeding.control.to_string(),
+        data: seeding.data.to_string(),
+    });
+    let cancel = seeding.canceller();
+    let finish = seeding.finish();
+    tokio::pin!(finish);
+    let result = tokio::select! {
+        r = &mut finish => r,
+        why = controller_gone(rd) => {
+            let _ = tx.send(Reply::Note { msg: format!("{why}: cancelling unless the hand-over is done") });
+            cancel();
+            finish.await
+        }
+    };
+    match result {
+        Ok(report) => {
+            app.released(&report);
+            Reply::Done {
+                report: seed_metrics(&report),
+            }
+        }
+        Err(e) => Reply::Error {
+            kind: match e {
+                SeedError::Cancelled => FailKind::Cancelled,
+                SeedError::LostAfterHandOver(_) => FailKind::AfterHandOver,
+                _ => FailKind::Aborted,
+            },
+            message: error_chain(&e),
+        },
+    }
+}
+
+async fn run_leech<R: AsyncRead + Unpin>(
+    req: LeechRequest,
+    app: &dyn App,
+    observer: Observer,
+    rd: &mut BufReader<R>,
+) -> Reply {
+    let refuse = |message: String| Reply::Error {
+        kind: FailKind::Refused,
+        message,
+    };
+    if app.region().is_some() {
+        return refuse("this process already holds a region".into());
+    }
+    let from: RemoteAddr = match req.from.parse() {
+        Ok(a) => a,
+        Err(e) => return refuse(format!("{e}")),
+    };
+    let data = match req
+        .data
+        .as_deref()
+        .map(str::parse::<RemoteAddr>)
+        .transpose()
+    {
+        Ok(d) => d,
+        Err(e) => return refuse(format!("{e}")),
+    };
+    if req.workers == 0 || req.connections == 0 {
+        return refuse("workers and connections must be at least 1".into());
+    }
+    let opts = LeechOptions {
+        data,
+        tls: req.tls.map(|t| TlsClientConfig {
+            ca: t.ca,
+            cert: t.cert,
+            key: t.key,
+            server_name: t.server_name,
+        }),
+        convergence: Convergence {
+            max_downtime: Duration::from_micros(req.max_downtime_us),
+            max_rounds: req.max_rounds,
+            ..Convergence::default()
+        },
+        pull_workers: req.workers,
+        connections: req.connections,
+        reconnect_for: Duration::from_millis(req.reconnect_ms),
+        log: false,
+        observer: Some(observer),
+        ..LeechOptions::new(from)
+    };
+    let (cancel_tx, cancel_rx) = tokio::sync::watch::channel(false);
+    let run = leech(opts, app.resumer(), cancel_rx);
+    tokio::pin!(run);
+    let result = tokio::select! {
+        r = &mut run => r,
+        _ = controller_gone(rd) => {
+            let _ = cancel_tx.send(true);
+            run.await
+        }
+    };
+    match result {
+        Ok(report) => {
+            let mut m = leech_metrics(&report);
+            m.extend(app.arrived(&report));
+            Reply::Done { report: m }
+        }
+        Err(e) => Reply::Error {
+            kind: match e {
+                LeechError::Cancelled => FailKind::Cancelled,
+                LeechError::LostAfterHandOver(_) => FailKind::AfterHandOver,
+                _ => FailKind::Aborted,
+            },
+            message: error_chain(&e),
+        },
+    }
+}
+
+fn error_chain(e: &dyn std::error::Error) -> String {
+    let mut s = e.to_string();
+    let mut src = e.source();
+    while let Some(c) = src {
+        let t = c.to_string();
+        if !s.contains(&t) {
+            s.push_str(": ");
+            s.push_str(&t);
+        }
+        src = c.source();
+    }
+    s
+}
+
+/// A controller's side of an agent connection.
+#[derive(Debug)]
+pub struct Controller {
+    rd: BufReader<tokio::net::unix::OwnedReadHalf>,
+    wr: tokio::net::unix::OwnedWriteHalf,
+}
+
+impl Controller {
+    /// Connects to the agent at `path`.
+    pub async fn connect(path: impl AsRef<Path>) -> io::Result<Controller> {
+        let path = path.as_ref();
+        let s = UnixStream::connect(path).await.map_err(|e| {
+            io::Error::new(
+                e.kind(),
+                format!(
+                    "no migration agent answers on {} ({e}); is the application running \
+                     with its agent there?",
+                    path.display()
+                ),
+            )
+        })?;
+        let (rd, wr) = s.into_split();
+        Ok(Controller {
+            rd: BufReader::new(rd),
+            wr,
+        })
+    }
+
+    /// Sends a request (or `cancel`).
+    pub async fn send(&mut self, r: &Request) -> io::Result<()> {
+        let mut line = serde_json::to_vec(r).map_err(io::Error::other)?;
+        line.push(b'\n');
+        self.wr.write_all(&line).await
+    }
+
+    /// The next reply; `Ok(None)` if the agent closed the connection.
+    pub async fn next(&mut self) -> io::Result<Option<Reply>> {
+        match read_line(&mut self.rd).await? {
+            None => Ok(None),
+            Some(l) => serde_json::from_str(&l)
+                .map(Some)
+                .map_err(|e| io::Error::new(io::ErrorKind::InvalidData, e)),
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn requests_round_trip_as_one_tagged_object() {
+        let r = Request::Leech(LeechRequest {
+            from: "10.0.0.1:7100".into(),
+            data: None,
+            tls: None,
+            max_downtime_us: 5000,
+            max_rounds: 30,
+            workers: 16,
+            connections: 4,
+            reconnect_ms: 1000,
+        });
+        let s = serde_json::to_string(&r).unwrap();
+        assert!(
+            s.starts_with(r#"{"op":"leech","from":"10.0.0.1:7100""#),
+            "{s}"
+        );
+        assert_eq!(serde_json::from_str::<Request>(&s).unwrap(), r);
+        let c: Request = serde_json::from_str(r#"{"op":"cancel"}"#).unwrap();
+        assert_eq!(c, Request::Cancel);
+        let e = serde_json::to_string(&Reply::Error {
+            kind: FailKind::AfterHandOver,
+            message: "x".into(),
+        })
+        .unwrap();
+        assert_eq!(
+            e,
+            r#"{"event":"error","kind":"after_hand_over","message":"x"}"#
+        );
+    }
+
+    #[tokio::test]
+    async fn lines_are_capped() {
+        let long = vec![b'a'; MAX_LINE + 10];
+        let mut r = BufReader::new(&long[..]);
+        let e = read_line(&mut r).await.unwrap_err();
+        assert_eq!(e.kind(), io::ErrorKind::InvalidData);
+        let ok = b"{\"op\":\"cancel\"}\nrest";
+        let mut r = BufReader::new(&ok[..]);
+        assert_eq!(
+            read_line(&mut r).await.unwrap().unwrap(),
+            "{\"op\":\"cancel\"}"
+        );
+        assert!(
+            read_line(&mut r).await.is_err(),
+            "a cut-off last line is an error"
+        );
+    }
+
+    struct NoRegion;
+    impl App for NoRegion {
+        fn region(&self) -> Option<(Arc<Region>, Arc<dyn Suspend>)> {
+            None
+        }
+        fn released(&self, _: &SeedReport) {}
+        fn resumer(&self) -> Resumer {
+            Box::new(|_, _| {})
+        }
+        fn arrived(&self, _: &LeechReport) -> Map<String, Value> {
+            Map::new()
+        }
+    }
+
+    #[tokio::test]
+    async fn bad_requests_are_refused_clearly() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("agent.sock");
+        let _agent = serve(&path, Arc::new(NoRegion)).await.unwrap();
+        let mode = std::fs::metadata(&path).unwrap();
+        assert_eq!(
+            std::os::unix::fs::PermissionsExt::mode(&mode.permissions()) & 0o777,
+            0o600
+        );
+        assert!(
+            serve(&path, Arc::new(NoRegion)).await.is_err(),
+            "a live agent's socket is not taken over"
+        );
+        let cases: [(&str, &str); 4] = [
+            ("{\"op\":\"nope\"}\n", "a bad request"),
+            (
+                "{\"op\":\"seed\",\"listen\":\"127.0.0.1:0\",\"data_listen\":\"127.0.0.1:0\"}\n",
+                "holds no region",
+            ),
+            (
+                "{\"op\":\"seed\",\"listen\":\"nowhere\",\"data_listen\":\"127.0.0.1:0\"}\n",
+                "not an address to listen on",
+            ),
+            (
+                "{\"op\":\"leech\",\"from\":\"no-port\",\"max_downtime_us\":1,\"max_rounds\":1,\
+                 \"workers\":1,\"connections\":1}\n",
+                "not an address to connect to",
+            ),
+        ];
+        for (line, want) in cases {
+            let mut s = UnixStream::connect(&path).await.unwrap();
+            s.write_all(line.as_bytes()).await.unwrap();
+            let mut r = BufReader::new(s);
+            let reply: Reply =
+                serde_json::from_str(&read_line(&mut r).await.unwrap().unwrap()).unwrap();
+            match reply {
+                Reply::Error { kind, message } => {
+                    assert_eq!(kind, FailKind::Refused);
+                    assert!(message.contains(want), "{message:?} lacks {want:?}");
+                }
+                other => panic!("{line}: {other:?}"),
+            }
+        }
+    }
+}
