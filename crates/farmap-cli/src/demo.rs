@@ -171,13 +171,19 @@ fn start_app(region: Arc<Region>, state: Arc<WriterState>, seed: u64, rate: u64)
     let (r, g, st) = (region.clone(), gate.clone(), state.clone());
     let thread = std::thread::spawn(move || {
         let words = r.len() as u64 / 8;
-        let start = Instant::now();
-        let base_ops = st.ops.load(Ordering::Acquire);
+        let mut start = Instant::now();
+        let mut base_ops = st.ops.load(Ordering::Acquire);
         loop {
             let pass = match g.enter(Duration::from_millis(50)) {
                 Ok(p) => p,
                 Err(farmap_migrate::suspend::Closed::Retired) => return,
-                Err(farmap_migrate::suspend::Closed::Suspended) => continue,
+                Err(farmap_migrate::suspend::Closed::Suspended) => {
+                    // Paused (by `verify`): go on at the same rate afterwards, without a
+                    // burst to catch up on the time lost.
+                    start = Instant::now();
+                    base_ops = st.ops.load(Ordering::Acquire);
+                    continue;
+                }
             };
             let due = base_ops + (start.elapsed().as_secs_f64() * rate as f64) as u64;
             let mut n = st.ops.load(Ordering::Acquire);

@@ -13,6 +13,8 @@ use std::time::{Duration, Instant};
 
 use serde_json::Value;
 
+mod common;
+
 const MIB: u64 = 1 << 20;
 const WAIT: Duration = Duration::from_secs(90);
 
@@ -201,17 +203,20 @@ impl App {
 }
 
 fn seed_cmd(app: &App) -> (Proc, String, String) {
-    let mut p = Proc::spawn(
+    seed_cmd_with(app, &[])
+}
+
+fn seed_cmd_with(app: &App, extra: &[&str]) -> (Proc, String, String) {
+    let mut args = vec![
         "seed",
-        &[
-            "seed",
-            "--app",
-            app.agent(),
-            "--listen",
-            "127.0.0.1:0",
-            "--json",
-        ],
-    );
+        "--app",
+        app.agent(),
+        "--listen",
+        "127.0.0.1:0",
+        "--json",
+    ];
+    args.extend_from_slice(extra);
+    let mut p = Proc::spawn("seed", &args);
     let l = p.stderr_line("waiting for a leecher: control on ");
     let rest = l.split("control on ").nth(1).unwrap();
     let (control, data) = rest.split_once(", data plane on ").unwrap();
@@ -492,4 +497,57 @@ fn demo_migrates_there_and_back_and_verifies() {
             assert!(row[key].as_f64().is_some(), "{key} missing in {row}");
         }
     }
+}
+
+#[test]
+fn migration_over_mutual_tls_refuses_a_leecher_without_a_certificate() {
+    if !usable() {
+        return;
+    }
+    let dir = tempfile::tempdir().unwrap();
+    let [ca, server, server_key, client, client_key] = common::pki(dir.path());
+    let size = 16 * MIB;
+    let mut a = App::start(dir.path(), "a", size, 200, true);
+    let mut b = App::start(dir.path(), "b", size, 200, false);
+    let (seed, control, data) = seed_cmd_with(
+        &a,
+        &[
+            "--tls-cert",
+            &server,
+            "--tls-key",
+            &server_key,
+            "--tls-client-ca",
+            &ca,
+        ],
+    );
+
+    let leech = leech_cmd(&b, &control, &data, &["--tls-ca", &ca]);
+    let (ok, _, err) = leech.finish();
+    assert!(
+        !ok,
+        "a leecher without a client certificate must be refused"
+    );
+    assert!(err.contains("certificate"), "the refusal says why: {err}");
+    assert_eq!(b.verify(), None);
+    assert!(a.verify().is_some(), "the source is untouched");
+
+    let leech = leech_cmd(
+        &b,
+        &control,
+        &data,
+        &[
+            "--tls-ca",
+            &ca,
+            "--tls-cert",
+            &client,
+            "--tls-key",
+            &client_key,
+        ],
+    );
+    let (ok, _, err) = leech.finish();
+    assert!(ok, "leech over mutual TLS failed: {err}");
+    let (ok, _, err) = seed.finish();
+    assert!(ok, "seed failed: {err}");
+    assert_eq!(a.verify(), None);
+    assert!(b.verify().is_some(), "verified at the destination");
 }

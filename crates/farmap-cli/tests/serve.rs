@@ -1,6 +1,8 @@
 //! `farmap serve`, run for real: copies through it, and a pull that survives the server
 //! being killed and restarted.
 
+mod common;
+use common::pki;
 use std::io::{BufRead, BufReader};
 use std::path::Path;
 use std::process::{Child, Command, Output, Stdio};
@@ -186,40 +188,6 @@ fn serve_over_a_unix_socket_read_only() {
     assert!(err.contains("read-only"), "{err}");
     let (status, _) = served.stop("TERM");
     assert!(status.success());
-}
-
-/// A CA and two certificates signed by it (server for 127.0.0.1, client), as PEM files.
-fn pki(dir: &Path) -> [String; 5] {
-    use rcgen::{BasicConstraints, CertificateParams, IsCa, KeyPair};
-    let ca_key = KeyPair::generate().unwrap();
-    let mut params = CertificateParams::new(Vec::<String>::new()).unwrap();
-    params.is_ca = IsCa::Ca(BasicConstraints::Unconstrained);
-    let ca = params.self_signed(&ca_key).unwrap();
-    let write = |name: &str, pem: String| {
-        let p = dir.join(name);
-        std::fs::write(&p, pem).unwrap();
-        p.display().to_string()
-    };
-    let leaf = |name: &str, san: &str| {
-        let key = KeyPair::generate().unwrap();
-        let cert = CertificateParams::new(vec![san.to_owned()])
-            .unwrap()
-            .signed_by(&key, &ca, &ca_key)
-            .unwrap();
-        (
-            write(&format!("{name}.pem"), cert.pem()),
-            write(&format!("{name}-key.pem"), key.serialize_pem()),
-        )
-    };
-    let (server, server_key) = leaf("server", "127.0.0.1");
-    let (client, client_key) = leaf("client", "client.test");
-    [
-        write("ca.pem", ca.pem()),
-        server,
-        server_key,
-        client,
-        client_key,
-    ]
 }
 
 #[test]

@@ -177,6 +177,7 @@ pub async fn leech(
     let mut final_pages = 0;
     let mut handed_over = false;
     let mut connected = true;
+    let mut last_error: Option<String> = None;
     let same_boot = |id: [u8; 16]| id == crate::boot_id() && id != [0; 16];
     let mut seeder_boot = [0u8; 16];
     loop {
@@ -391,6 +392,10 @@ pub async fn leech(
                     });
                 }
                 LeecherAction::Abort(reason) => {
+                    let reason = match &last_error {
+                        Some(e) => format!("{reason} (the control connection failed: {e})"),
+                        None => reason,
+                    };
                     if handed_over {
                         return Err(LeechError::LostAfterHandOver(reason));
                     }
@@ -401,7 +406,17 @@ pub async fn leech(
         let input = tokio::select! {
             m = rx.recv(), if connected => match m {
                 Some(Ok(m)) => LeecherInput::Received(m),
-                _ => { connected = false; LeecherInput::Disconnected }
+                other => {
+                    if let Some(Err(e)) = other {
+                        let sent_cert = opts.tls.as_ref().is_some_and(|t| t.has_client_cert());
+                        last_error = Some(
+                            farmap_net::describe_client_tls_failure(&e, sent_cert)
+                                .unwrap_or_else(|| e.to_string()),
+                        );
+                    }
+                    connected = false;
+                    LeecherInput::Disconnected
+                }
             },
             Some(w) = work_rx.recv() => w,
             _ = cancel.changed(), if !handed_over && finalize_sent.is_none() => {

@@ -6,7 +6,9 @@
 //!   (pipelined: replies come back in any order and are matched by id).
 //! - Each connection has a supervisor task. When the connection drops, the requests in
 //!   flight on it fail at once with `Unavailable` (retryable: `Cached`, `Puller` and `Pusher`
-//!   retry them), and the supervisor reconnects with exponential backoff. New requests wait
+//!   retry them) — except reads and status queries, which change nothing and are sent again
+//!   on another connection within their deadline — and the supervisor reconnects with
+//!   exponential backoff. New requests wait
 //!   for an open connection, up to [`ClientOptions::request_timeout`].
 //! - Every request has a deadline, [`ClientOptions::request_timeout`], covering the wait for
 //!   a connection and the round trip; past it the request fails with `Timeout`.
@@ -316,8 +318,23 @@ impl Pool {
     async fn call(&self, msg: Message) -> StoreResult<Message> {
         let timeout = self.opts.request_timeout;
         let deadline = Instant::now() + timeout;
+        // A read that changes nothing is sent again on another connection if its own was
+        // lost under it (a server restart racing the request): once, within the same deadline.
+        // Writes, trims and flushes are not: their outcome is unknown, the caller decides.
+        let resend = matches!(
+            msg,
+            Message::Read(_) | Message::Status(_) | Message::Geometry
+        )
+        .then(|| msg.clone());
         let conn = self.conn(deadline).await?;
-        match tokio::time::timeout_at(deadline, conn.call(msg)).await {
+        let mut reply = tokio::time::timeout_at(deadline, conn.call(msg)).await;
+        if let (Ok(Err(e)), Some(again)) = (&reply, resend) {
+            if e.kind() == ErrorKind::Unavailable {
+                let conn = self.conn(deadline).await?;
+                reply = tokio::time::timeout_at(deadline, conn.call(again)).await;
+            }
+        }
+        match reply {
             Ok(Ok(Message::Error(e))) => Err(StoreError::new(
                 e.kind,
                 format!("{}: {}", self.addr, e.message),

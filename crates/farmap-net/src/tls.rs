@@ -190,7 +190,7 @@ pub(crate) fn rustls_error(err: &io::Error) -> Option<&rustls::Error> {
 
 /// A sentence saying why a TLS session could not be established, from the client's side,
 /// or `None` when the error is not a TLS failure.
-pub(crate) fn describe_client_tls_failure(err: &io::Error, sent_cert: bool) -> Option<String> {
+pub fn describe_client_tls_failure(err: &io::Error, sent_cert: bool) -> Option<String> {
     let tls = rustls_error(err)?;
     Some(match tls {
         rustls::Error::AlertReceived(AlertDescription::CertificateRequired) => {
