@@ -19,7 +19,7 @@ use farmap_net::{ListenAddr, RemoteAddr};
 use serde_json::{Map, Value};
 
 use crate::bench::parse_duration;
-use crate::output;
+use crate::output::{self, ServerTlsArgs};
 
 const AGENT_HELP: &str = "\
 THE AGENT:
@@ -45,15 +45,10 @@ pub struct SeedArgs {
     /// look for the data plane at the same path with the extension .data unless told.
     #[arg(long, default_value = "127.0.0.1:0")]
     data_listen: ListenAddr,
-    /// TLS: the seeder's certificate chain (PEM), for both listeners.
-    #[arg(long, requires = "tls_key")]
-    tls_cert: Option<PathBuf>,
-    /// TLS: the private key (PEM).
-    #[arg(long, requires = "tls_cert")]
-    tls_key: Option<PathBuf>,
-    /// Mutual TLS: leechers must present a certificate issued by this CA (PEM).
-    #[arg(long, requires = "tls_cert")]
-    tls_client_ca: Option<PathBuf>,
+    /// TLS for both listeners (leechers connect with --tls-ca, and for mutual TLS
+    /// --tls-cert and --tls-key).
+    #[command(flatten)]
+    tls: ServerTlsArgs,
     /// How long to wait for a leecher that lost its connection after the hand-over.
     #[arg(long, default_value = "30s", value_parser = parse_duration)]
     reconnect_wait: Duration,
@@ -235,10 +230,10 @@ pub async fn seed(args: SeedArgs) -> anyhow::Result<ExitCode> {
     let request = Request::Seed(SeedRequest {
         listen: args.listen.to_string(),
         data_listen: args.data_listen.to_string(),
-        tls: args.tls_cert.map(|cert| ServerTls {
-            cert,
-            key: args.tls_key.expect("clap requires --tls-key"),
-            client_ca: args.tls_client_ca,
+        tls: args.tls.config().map(|c| ServerTls {
+            cert: c.cert,
+            key: c.key,
+            client_ca: c.client_ca,
         }),
         reconnect_ms: args.reconnect_wait.as_millis() as u64,
     });

@@ -2,6 +2,7 @@
 //! stderr, errors as one line with their causes.
 
 use std::io::{IsTerminal, Write};
+use std::path::PathBuf;
 use std::time::Duration;
 
 use indicatif::{ProgressBar, ProgressDrawTarget, ProgressStyle};
@@ -18,16 +19,7 @@ pub fn json_line<T: Serialize>(value: &T) -> anyhow::Result<()> {
 
 /// An error with its whole chain of causes on one line: "a: b: c".
 pub fn error_chain(err: &anyhow::Error) -> String {
-    let mut parts: Vec<String> = Vec::new();
-    for cause in err.chain() {
-        let s = cause.to_string();
-        // Skip causes whose text the previous message already contains.
-        if parts.last().is_some_and(|p| p.contains(&s)) {
-            continue;
-        }
-        parts.push(s);
-    }
-    parts.join(": ")
+    farmap::error_chain(err.as_ref())
 }
 
 /// A byte progress bar on stderr, hidden when stderr is not a terminal or when `quiet`.
@@ -60,4 +52,34 @@ pub fn mb_per_s(bytes: u64, elapsed: Duration) -> f64 {
 /// Rounds to one decimal.
 pub fn round1(v: f64) -> f64 {
     (v * 10.0).round() / 10.0
+}
+
+/// The TLS options of every command that listens on a network.
+#[derive(Debug, Clone, clap::Args)]
+pub struct ServerTlsArgs {
+    /// TLS: the certificate chain (PEM) presented to clients.
+    #[arg(long, requires = "tls_key")]
+    pub tls_cert: Option<PathBuf>,
+    /// TLS: its private key (PEM).
+    #[arg(long, requires = "tls_cert")]
+    pub tls_key: Option<PathBuf>,
+    /// Mutual TLS: clients must present a certificate issued by this CA (PEM); others are
+    /// refused.
+    #[arg(long, requires = "tls_cert")]
+    pub tls_client_ca: Option<PathBuf>,
+}
+
+impl ServerTlsArgs {
+    /// The configuration, if TLS was asked for.
+    pub fn config(&self) -> Option<farmap_net::TlsServerConfig> {
+        let cert = self.tls_cert.clone()?;
+        Some(farmap_net::TlsServerConfig {
+            cert,
+            key: self
+                .tls_key
+                .clone()
+                .expect("clap requires --tls-key with --tls-cert"),
+            client_ca: self.tls_client_ca.clone(),
+        })
+    }
 }

@@ -1,6 +1,5 @@
 //! `farmap proxy`: a TCP proxy that emulates a slow link (round-trip time, bandwidth).
 
-use std::error::Error;
 use std::process::ExitCode;
 use std::time::Duration;
 
@@ -40,7 +39,7 @@ pub async fn run(args: ProxyArgs) -> anyhow::Result<ExitCode> {
     };
     let proxy = Proxy::bind(args.listen.as_str(), args.to.as_str(), options)
         .await?
-        .on_error(|e| eprintln!("farmap proxy: {}", chain(e)));
+        .on_error(|e| eprintln!("farmap proxy: {}", farmap::error_chain(e)));
     let bandwidth = args
         .bandwidth
         .map_or_else(|| "unlimited".to_owned(), |b| b.to_string());
@@ -61,16 +60,4 @@ pub async fn run(args: ProxyArgs) -> anyhow::Result<ExitCode> {
         stats.accepted, stats.failed, stats.bytes_up, stats.bytes_down
     );
     Ok(ExitCode::SUCCESS)
-}
-
-/// An error and its causes on one line: "a: b: c".
-fn chain(err: &dyn Error) -> String {
-    let mut line = err.to_string();
-    let mut source = err.source();
-    while let Some(cause) = source {
-        line.push_str(": ");
-        line.push_str(&cause.to_string());
-        source = cause.source();
-    }
-    line
 }

@@ -1,13 +1,14 @@
 //! `farmap serve`: serve a store to other hosts over farmap's protocol.
 
-use std::path::PathBuf;
 use std::process::ExitCode;
 
 use anyhow::Context;
 use clap::Args;
 use farmap::spec::open_store_async;
 use farmap::StoreSpec;
-use farmap_net::{serve, ListenAddr, Listener, ServeOptions, TlsServerConfig};
+use farmap_net::{serve, ListenAddr, Listener, ServeOptions};
+
+use crate::output::ServerTlsArgs;
 
 #[derive(Debug, Args)]
 pub struct ServeArgs {
@@ -17,16 +18,8 @@ pub struct ServeArgs {
     /// (the address is printed on stderr).
     #[arg(long, default_value = "127.0.0.1:7400")]
     listen: ListenAddr,
-    /// TLS: the server's certificate chain (PEM).
-    #[arg(long, requires = "tls_key")]
-    tls_cert: Option<PathBuf>,
-    /// TLS: the server's private key (PEM).
-    #[arg(long, requires = "tls_cert")]
-    tls_key: Option<PathBuf>,
-    /// Mutual TLS: clients must present a certificate issued by this CA (PEM); others are
-    /// refused.
-    #[arg(long, requires = "tls_cert")]
-    tls_client_ca: Option<PathBuf>,
+    #[command(flatten)]
+    tls: ServerTlsArgs,
     /// Refuse writes and trims.
     #[arg(long)]
     read_only: bool,
@@ -63,14 +56,7 @@ pub async fn run(args: ServeArgs) -> anyhow::Result<ExitCode> {
     if args.grpc {
         return run_grpc(args, store).await;
     }
-    let tls = args.tls_cert.clone().map(|cert| TlsServerConfig {
-        cert,
-        key: args
-            .tls_key
-            .clone()
-            .expect("clap requires --tls-key with --tls-cert"),
-        client_ca: args.tls_client_ca.clone(),
-    });
+    let tls = args.tls.config();
     let listener = Listener::bind(&args.listen)
         .await
         .with_context(|| format!("cannot listen on {}", args.listen))?;
@@ -85,7 +71,7 @@ pub async fn run(args: ServeArgs) -> anyhow::Result<ExitCode> {
     let geometry = store.geometry();
     let caps = store.caps();
     let server = serve(store, listener, opts).context("starting the server")?;
-    let security = match (&args.tls_cert, &args.tls_client_ca) {
+    let security = match (&args.tls.tls_cert, &args.tls.tls_client_ca) {
         (None, _) => "no TLS",
         (Some(_), None) => "TLS",
         (Some(_), Some(_)) => "mutual TLS",

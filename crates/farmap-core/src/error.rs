@@ -290,3 +290,32 @@ mod tests {
         assert!(lossy.context().contains("entity not found"));
     }
 }
+
+/// An error with its whole chain of causes on one line, "a: b: c", skipping a cause whose
+/// text the message before it already contains.
+pub fn error_chain(err: &(dyn std::error::Error + 'static)) -> String {
+    let mut parts: Vec<String> = Vec::new();
+    let mut cur = Some(err);
+    while let Some(e) = cur {
+        let s = e.to_string();
+        if !parts.last().is_some_and(|p| p.contains(&s)) {
+            parts.push(s);
+        }
+        cur = e.source();
+    }
+    parts.join(": ")
+}
+
+#[cfg(test)]
+mod chain_tests {
+    #[test]
+    fn error_chain_joins_causes_and_skips_repeats() {
+        let inner = std::io::Error::other("disk on fire");
+        let mid = std::io::Error::other(inner);
+        let outer =
+            super::StoreError::new(super::ErrorKind::Io, "writing chunk 3").with_source(mid);
+        let s = super::error_chain(&outer);
+        assert!(s.starts_with("writing chunk 3"), "{s}");
+        assert_eq!(s.matches("disk on fire").count(), 1, "{s}");
+    }
+}

@@ -24,7 +24,7 @@ mod store;
 mod zeros;
 
 pub use caps::Caps;
-pub use error::{ErrorKind, StoreError, StoreResult};
+pub use error::{error_chain, ErrorKind, StoreError, StoreResult};
 pub use geometry::{
     ChunkIdx, ChunkRange, Geometry, GeometryError, DEFAULT_CHUNK_SIZE, MAX_CHUNK_SIZE,
     MIN_CHUNK_SIZE,

@@ -26,6 +26,7 @@ use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::time::Duration;
 
+use farmap_core::error_chain;
 use farmap_net::{ListenAddr, RemoteAddr, TlsClientConfig, TlsServerConfig};
 use farmap_uffd::Region;
 use serde::{Deserialize, Serialize};
@@ -537,20 +538,6 @@ async fn run_leech<R: AsyncRead + Unpin>(
             message: error_chain(&e),
         },
     }
-}
-
-fn error_chain(e: &dyn std::error::Error) -> String {
-    let mut s = e.to_string();
-    let mut src = e.source();
-    while let Some(c) = src {
-        let t = c.to_string();
-        if !s.contains(&t) {
-            s.push_str(": ");
-            s.push_str(&t);
-        }
-        src = c.source();
-    }
-    s
 }
 
 /// A controller's side of an agent connection.
