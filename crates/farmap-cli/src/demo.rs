@@ -20,7 +20,7 @@ use anyhow::{bail, Context};
 use bytes::Bytes;
 use clap::Args;
 use farmap::pipeline::PushOptions;
-use farmap::{parse_size, Geometry, Store};
+use farmap::{Geometry, Store};
 use farmap_migrate::agent::{self, LeechRequest, Request, SeedRequest};
 use farmap_migrate::{
     monotonic_ns, Convergence, LeechReport, Resumer, SeedReport, Suspend, WriterGate,
@@ -29,6 +29,7 @@ use farmap_net::proxy::{Proxy, ProxyOptions};
 use farmap_uffd::{Region, RegionOptions};
 use tokio::io::AsyncBufReadExt;
 
+use crate::bench::{parse_duration, parse_size_arg};
 use crate::migrate::{drive, Outcome, Ui};
 use serde_json::{json, Value};
 
@@ -70,25 +71,6 @@ pub struct NodeArgs {
     /// Create the region and start the writer at once.
     #[arg(long)]
     init: bool,
-}
-
-pub fn parse_duration(s: &str) -> Result<Duration, String> {
-    let s = s.trim();
-    let (num, unit) = s
-        .find(|c: char| !c.is_ascii_digit() && c != '.')
-        .map_or((s, "ms"), |i| s.split_at(i));
-    let v: f64 = num.parse().map_err(|_| format!("not a duration: {s}"))?;
-    let ms = match unit {
-        "us" | "µs" => v / 1e3,
-        "ms" => v,
-        "s" => v * 1e3,
-        _ => return Err(format!("unknown unit in {s} (use us, ms or s)")),
-    };
-    Ok(Duration::from_secs_f64(ms / 1e3))
-}
-
-fn parse_size_arg(s: &str) -> Result<u64, String> {
-    parse_size(s).map_err(|e| e.to_string())
 }
 
 // ---- the workload: pure functions of (seed, op) -------------------------------------------

@@ -195,6 +195,13 @@ pub enum Reply {
     },
 }
 
+fn into_map(v: Value) -> Map<String, Value> {
+    match v {
+        Value::Object(m) => m,
+        _ => unreachable!("an object literal"),
+    }
+}
+
 /// The metrics of a finished leech, as JSON fields (`downtime_ms`, `total_ms`, …).
 pub fn leech_metrics(r: &LeechReport) -> Map<String, Value> {
     let ms = |d: Duration| (d.as_secs_f64() * 1e5).round() / 100.0;
@@ -209,10 +216,7 @@ pub fn leech_metrics(r: &LeechReport) -> Map<String, Value> {
         "dirty_rate_mb_per_s": (r.dirty_rate / 1e5).round() / 10.0,
         "region_bytes": r.region.len(),
     });
-    match v {
-        Value::Object(m) => m,
-        _ => unreachable!("an object literal"),
-    }
+    into_map(v)
 }
 
 fn seed_metrics(r: &SeedReport) -> Map<String, Value> {
@@ -222,10 +226,7 @@ fn seed_metrics(r: &SeedReport) -> Map<String, Value> {
         "abandoned_leechers": r.abandoned,
         "elapsed_ms": (r.elapsed.as_secs_f64() * 1e5).round() / 100.0,
     });
-    match v {
-        Value::Object(m) => m,
-        _ => unreachable!("an object literal"),
-    }
+    into_map(v)
 }
 
 /// A running agent.
