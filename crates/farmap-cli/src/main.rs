@@ -10,6 +10,7 @@ mod bench;
 mod cp;
 mod demo;
 mod info;
+mod logging;
 mod migrate;
 mod output;
 mod proxy;
@@ -76,6 +77,7 @@ enum Command {
 
 fn main() -> ExitCode {
     let cli = Cli::parse();
+    logging::init(false);
     let rt = match tokio::runtime::Builder::new_multi_thread()
         .enable_all()
         .build()

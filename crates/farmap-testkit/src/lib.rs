@@ -5,14 +5,17 @@
 //!   readers and writers that must never see a torn chunk.
 //! - [`PatternStore`]: a read-only store whose every byte is a function of its offset, with
 //!   [`pattern_bytes`] as the oracle to compare against.
+//! - [`skip`]: how a test that cannot run here says so (counted by `scripts/test.sh`).
 //! - [`strategies`]: proptest strategies for operation sequences run against a plain `Vec<u8>`.
 #![forbid(unsafe_code)]
 
 pub mod conformance;
 mod model;
 mod pattern;
+pub mod skip;
 pub mod strategies;
 
 pub use conformance::{run_conformance, run_read_only_conformance};
 pub use model::ModelStore;
 pub use pattern::{pattern_byte, pattern_bytes, PatternStore};
+pub use skip::{is_ci, skip};

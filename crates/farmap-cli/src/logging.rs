@@ -1,0 +1,28 @@
+//! Logs of the libraries (`tracing`) on stderr: results stay alone on stdout.
+//!
+//! `FARMAP_LOG` takes `tracing_subscriber`'s filter syntax (`debug`, `farmap_net=trace`, ...);
+//! by default farmap's own crates log at `info` and everything else at `warn`.
+
+use tracing_subscriber::EnvFilter;
+
+/// The filter used when `FARMAP_LOG` is unset.
+const DEFAULT_FILTER: &str = "warn,farmap=info,farmap_cli=info,farmap_core=info,\
+farmap_store=info,farmap_pipeline=info,farmap_uffd=info,farmap_wire=info,farmap_net=info,\
+farmap_grpc=info,farmap_migrate=info";
+
+/// Installs the stderr subscriber (once; later calls do nothing). `quiet` raises the default
+/// level of farmap's crates to `warn`.
+pub fn init(quiet: bool) {
+    let filter = match std::env::var("FARMAP_LOG") {
+        Ok(s) if !s.trim().is_empty() => EnvFilter::new(s),
+        _ if quiet => EnvFilter::new("warn"),
+        _ => EnvFilter::new(DEFAULT_FILTER),
+    };
+    let _ = tracing_subscriber::fmt()
+        .with_env_filter(filter)
+        .with_writer(std::io::stderr)
+        .with_target(false)
+        .without_time()
+        .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))
+        .try_init();
+}

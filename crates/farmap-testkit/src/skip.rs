@@ -1,0 +1,73 @@
+//! Skipped tests are counted, never silent.
+//!
+//! A test that cannot run here (no userfaultfd, no server, not root) calls [`skip`] and
+//! returns. [`skip`] prints `skipped: <test>: <why>` and appends the same line to the file
+//! named by `FARMAP_SKIP_LOG` (set by `scripts/test.sh`, which prints how many tests skipped
+//! and fails under `CI=true` if any did). Under `CI=true`, [`skip`] panics instead: the CI
+//! machine has everything the suite needs, so a skip there is a failure.
+
+use std::io::Write;
+
+/// Whether this run is CI (`CI=true`), where nothing may be skipped.
+pub fn is_ci() -> bool {
+    std::env::var("CI").is_ok_and(|v| v == "true")
+}
+
+/// Records that `test` is skipped because of `why` (see the [module docs](self)).
+///
+/// # Panics
+/// Under `CI=true`: nothing that this machine can run may be skipped there.
+pub fn skip(test: &str, why: impl std::fmt::Display) {
+    let line = format!("skipped: {test}: {why}");
+    if let Some(path) = std::env::var_os("FARMAP_SKIP_LOG") {
+        append(std::path::Path::new(&path), &line);
+    }
+    if is_ci() {
+        panic!("{line} (under CI=true nothing may be skipped)");
+    }
+    println!("{line}");
+}
+
+/// Appends `line` to the skip log at `path` (best effort: a log that cannot be written must
+/// not fail the test that skips; `scripts/test.sh` creates it before the run).
+fn append(path: &std::path::Path, line: &str) {
+    if let Ok(mut f) = std::fs::OpenOptions::new()
+        .create(true)
+        .append(true)
+        .open(path)
+    {
+        // One write per line (O_APPEND): lines from parallel tests do not interleave.
+        let _ = f.write_all(format!("{line}\n").as_bytes());
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn lines_are_appended_whole() {
+        let dir = std::env::temp_dir().join(format!("farmap-skip-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let log = dir.join("log");
+        let threads: Vec<_> = (0..8)
+            .map(|i| {
+                let log = log.clone();
+                std::thread::spawn(move || {
+                    for j in 0..50 {
+                        append(&log, &format!("skipped: t{i}: reason {j}"));
+                    }
+                })
+            })
+            .collect();
+        for t in threads {
+            t.join().unwrap();
+        }
+        let text = std::fs::read_to_string(&log).unwrap();
+        assert_eq!(text.lines().count(), 400);
+        assert!(text
+            .lines()
+            .all(|l| l.starts_with("skipped: t") && l.contains(": reason ")));
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
+}
