@@ -307,7 +307,7 @@ pub async fn node(args: NodeArgs) -> anyhow::Result<ExitCode> {
                 let ops = a.state.ops.load(Ordering::Acquire);
                 let t = Instant::now();
                 let expected = expected_image(args.seed, args.size, ops);
-                let ok = a.region.as_slice() == expected.as_slice();
+                let ok = a.region.memory().to_vec() == expected;
                 Suspend::resume(&*a.gate);
                 say(json!({"event": "verified", "ok": ok, "ops": ops, "ms": ms(t.elapsed())}));
             }

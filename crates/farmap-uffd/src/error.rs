@@ -12,7 +12,10 @@ pub enum RegionError {
     #[error("userfaultfd is not usable here: {reason}")]
     Unsupported {
         /// What is missing.
-        reason: String,
+        reason: Unsupported,
+        /// The system's error, when a system call said so.
+        #[source]
+        source: Option<io::Error>,
     },
     /// The store's shape does not fit a memory mapping.
     #[error("a region of {size} bytes in chunks of {chunk_size} cannot be mapped: {reason}")]
@@ -36,6 +39,9 @@ pub enum RegionError {
     /// Pushing written chunks to the store failed (they stay dirty for the next try).
     #[error("pushing written chunks to the store failed")]
     Push(#[source] StoreError),
+    /// An access through a [`RegionSlice`](crate::RegionSlice) was out of range.
+    #[error("an access to the region's memory was refused")]
+    Slice(#[from] crate::SliceError),
     /// A chunk could not be read out of the region.
     #[error("reading a chunk of the region failed")]
     Read(#[source] StoreError),
@@ -44,7 +50,41 @@ pub enum RegionError {
     Closed,
 }
 
+/// What this system lacks for a region ([`RegionError::Unsupported`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, thiserror::Error)]
+#[non_exhaustive]
+pub enum Unsupported {
+    /// The `userfaultfd` system call does not exist.
+    #[error("the kernel has no userfaultfd")]
+    NoUserfaultfd,
+    /// The system call and `/dev/userfaultfd` are both refused.
+    #[error(
+        "userfaultfd is refused: vm.unprivileged_userfaultfd is 0, and /dev/userfaultfd is \
+         not accessible"
+    )]
+    Refused,
+    /// Opening a userfaultfd failed for another reason.
+    #[error("a userfaultfd could not be opened")]
+    Open,
+    /// `UFFD_FEATURE_EVENT_REMOVE` is missing.
+    #[error("the kernel's userfaultfd lacks UFFD_FEATURE_EVENT_REMOVE")]
+    EventRemove,
+    /// Asynchronous write protection was asked for and is missing.
+    #[error("asynchronous write protection (UFFD_FEATURE_WP_ASYNC) is missing")]
+    WpAsync,
+    /// `UFFDIO_WRITEPROTECT` is not available on anonymous memory.
+    #[error("UFFDIO_WRITEPROTECT is not available on anonymous memory")]
+    WriteProtect,
+}
+
 impl RegionError {
+    pub(crate) fn unsupported(reason: Unsupported) -> Self {
+        RegionError::Unsupported {
+            reason,
+            source: None,
+        }
+    }
+
     pub(crate) fn sys(what: &'static str, source: io::Error) -> Self {
         RegionError::Sys { what, source }
     }

@@ -47,11 +47,13 @@
 //! # Aliasing contract
 //! The region is plain memory shared with farmap's own threads, which only (a) fill pages
 //! that are missing, (b) read pages to push them, and (c) change their write protection.
-//! [`Region::as_slice`] and [`Region::as_mut_slice`] follow Rust's rules for the
-//! application's side; for concurrent access from several threads, use [`Region::as_ptr`]
-//! and raw or atomic accesses, as with any shared memory. A push may read a page while the
-//! application writes it; the write is then reported by the next scan and pushed again, so
-//! after a final [`Region::sync`] the store holds the memory's content.
+//! Safe code reaches the region's memory only through [`Region::memory`], a [`RegionSlice`]
+//! whose accesses are volatile and bounds-checked (as vm-memory's `VolatileSlice`), so that
+//! no Rust reference ever covers bytes that other threads, fetches or discards change.
+//! Plain slices of it ([`RegionSlice::as_slice`], [`RegionSlice::as_mut_slice`]) are
+//! `unsafe`, with the contract they need written down. A push may read a page while the application writes it; the write is
+//! then reported by the next scan and pushed again, so after a final [`Region::sync`] the
+//! store holds the memory's content.
 //!
 //! # fork()
 //! The region is marked `MADV_DONTFORK`: a child process does not inherit it, and touching
@@ -63,27 +65,46 @@
 //! [`handover::serve`]; if that process stops or dies, the owner takes faults back and wakes
 //! every blocked thread. See [`handover`] for the message layout.
 //!
-//! All `unsafe` code of farmap's userfaultfd support lives in this crate: [`sys`] (the raw
-//! interface), `uffd`, `pagemap`, `mapping`, `handover::socket` and the slices of
-//! [`Region`].
+//! # Where the `unsafe` code is
+//! Four files, every other module is `#[forbid(unsafe_code)]`:
+//! - `sys.rs`: the raw kernel interface ([`sys::ioctl`], and [`sys::pagemap_scan`], its safe
+//!   `PAGEMAP_SCAN` form);
+//! - `uffd.rs`: opening a userfaultfd and its ioctls ([`uffd::Uffd::register`] is the one
+//!   `unsafe fn` whose contract makes the others safe);
+//! - `mapping.rs`: mapping, registering, discarding and unmapping the region's memory;
+//! - `slice.rs`: [`RegionSlice`], the only way safe code reaches region memory (volatile,
+//!   bounds-checked accesses).
+//!
+//! eventfd, poll, mmap, madvise and `SCM_RIGHTS` go through `rustix`.
 #![warn(missing_docs)]
 
-pub mod baseline;
+#[forbid(unsafe_code)]
 mod error;
+#[forbid(unsafe_code)]
 pub mod handover;
+#[forbid(unsafe_code)]
 mod live;
 mod mapping;
+#[forbid(unsafe_code)]
 mod memory;
+#[forbid(unsafe_code)]
 mod options;
+#[forbid(unsafe_code)]
 pub mod pagemap;
+#[forbid(unsafe_code)]
 mod region;
+#[forbid(unsafe_code)]
 mod server;
+mod slice;
+#[forbid(unsafe_code)]
 mod stats;
 pub mod sys;
+#[forbid(unsafe_code)]
 mod tracking;
 pub mod uffd;
 
-pub use error::RegionError;
+pub use error::{RegionError, Unsupported};
 pub use options::{RegionMode, RegionOptions, TrackingMode, WriteTracking};
 pub use region::{probe, Region, Support};
+pub use slice::{RegionSlice, SliceError};
 pub use stats::{DirtyReport, HandlerLocation, RegionStats};

@@ -15,57 +15,20 @@ use crate::error::RegionError;
 use crate::region::Region;
 
 impl Region {
-    /// Copies `dst.len()` bytes at `offset` out of the region as it is now. Missing pages are
-    /// fetched first (the calling thread waits for the handler, which runs on the region's own
-    /// threads). Bytes the application writes during the copy may be copied torn; such a write
-    /// is reported by the next [`take_dirty`](Self::take_dirty).
+    /// Copies `dst.len()` bytes at `offset` out of the region as it is now, with volatile
+    /// loads. Missing pages are fetched first (the calling thread waits for the handler, which
+    /// runs on the region's own threads: never call this on them). Bytes the application
+    /// writes during the copy may be copied torn; such a write is reported by the next
+    /// [`take_dirty`](Self::take_dirty).
     pub fn read_at(&self, offset: usize, dst: &mut [u8]) -> Result<(), RegionError> {
-        if offset
-            .checked_add(dst.len())
-            .is_none_or(|end| end > self.len())
-        {
-            return Err(RegionError::Geometry {
-                size: self.geometry().size(),
-                chunk_size: self.geometry().chunk_size(),
-                reason: "a read reaches past the end of the region",
-            });
-        }
-        if self.mapping().read(offset, dst) {
-            Ok(())
-        } else {
-            Err(RegionError::Closed)
-        }
+        Ok(self.memory().read_into(offset, dst)?)
     }
 
-    /// Writes `src` at `offset` into the region, like a store through a raw pointer (missing
-    /// pages are fetched first; the write is tracked). For workloads that share the region
-    /// between threads: concurrent writes to the same bytes race like any plain memory.
+    /// Writes `src` at `offset` into the region with volatile stores (missing pages are
+    /// fetched first; the write is tracked). Concurrent writes to the same bytes race like
+    /// any shared memory: the bytes end up old or new.
     pub fn write_at(&self, offset: usize, src: &[u8]) -> Result<(), RegionError> {
-        if offset
-            .checked_add(src.len())
-            .is_none_or(|end| end > self.len())
-        {
-            return Err(RegionError::Geometry {
-                size: self.geometry().size(),
-                chunk_size: self.geometry().chunk_size(),
-                reason: "a write reaches past the end of the region",
-            });
-        }
-        self.mapping()
-            .while_mapped(|| {
-                // SAFETY: the range lies inside the mapping (checked), mapped while
-                // `while_mapped` runs; `src` is a distinct buffer. The region is plain shared
-                // memory: other threads may read or write the same bytes concurrently and see
-                // old or new bytes (the aliasing contract of the crate documentation).
-                unsafe {
-                    std::ptr::copy_nonoverlapping(
-                        src.as_ptr(),
-                        self.as_ptr().add(offset),
-                        src.len(),
-                    )
-                }
-            })
-            .ok_or(RegionError::Closed)
+        Ok(self.memory().write_from(offset, src)?)
     }
 
     /// Discards the pages of `runs` (page indices, ascending or not) with
@@ -79,38 +42,25 @@ impl Region {
     pub fn discard_pages(&self, runs: &[Range<u64>]) -> Result<(), RegionError> {
         let page = self.page_size() as u64;
         let pages = self.len() as u64 / page;
-        for r in runs {
-            if r.start >= r.end {
-                continue;
-            }
-            if r.end > pages {
-                return Err(RegionError::Geometry {
-                    size: self.geometry().size(),
-                    chunk_size: self.geometry().chunk_size(),
-                    reason: "pages to discard reach past the end of the region",
-                });
-            }
-            let done = self.mapping().while_mapped(|| {
-                // SAFETY: the range lies inside the region's mapping (checked above), which
-                // stays mapped while `while_mapped` runs. Discarding pages of a registered
-                // region is part of its contract: the handler reads the REMOVE event, makes
-                // the chunks absent and later refills the pages; no Rust reference into the
-                // region is invalidated (the pages read as their refetched content).
-                unsafe {
-                    libc::madvise(
-                        self.as_ptr().add((r.start * page) as usize).cast(),
-                        ((r.end - r.start) * page) as usize,
-                        libc::MADV_DONTNEED,
-                    )
-                }
+        if runs.iter().any(|r| r.start < r.end && r.end > pages) {
+            return Err(RegionError::Geometry {
+                size: self.geometry().size(),
+                chunk_size: self.geometry().chunk_size(),
+                reason: "pages to discard reach past the end of the region",
             });
-            match done {
+        }
+        for r in runs.iter().filter(|r| r.start < r.end) {
+            let (offset, len) = (
+                (r.start * page) as usize,
+                ((r.end - r.start) * page) as usize,
+            );
+            match self.mapping().discard(offset, len) {
                 None => return Err(RegionError::Closed),
-                Some(0) => {}
-                Some(_) => {
+                Some(Ok(())) => {}
+                Some(Err(e)) => {
                     return Err(RegionError::sys(
                         "discarding pages with madvise(MADV_DONTNEED)",
-                        std::io::Error::last_os_error(),
+                        e,
                     ))
                 }
             }

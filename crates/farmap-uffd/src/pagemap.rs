@@ -12,7 +12,7 @@
 //! - A full result vector stops the walk early; `walk_end` says where to continue.
 
 use std::io;
-use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
+use std::os::fd::{AsFd, OwnedFd};
 
 use crate::sys::{self, PageRegion};
 
@@ -40,18 +40,11 @@ pub struct PageRun {
 impl Pagemap {
     /// Opens this process's pagemap.
     pub fn open_self() -> io::Result<Pagemap> {
-        // SAFETY: a NUL-terminated path and plain flags.
-        let fd = unsafe {
-            libc::open(
-                c"/proc/self/pagemap".as_ptr(),
-                libc::O_RDONLY | libc::O_CLOEXEC,
-            )
-        };
-        if fd < 0 {
-            return Err(io::Error::last_os_error());
-        }
-        // SAFETY: the kernel just returned this fd to us.
-        let fd = unsafe { OwnedFd::from_raw_fd(fd) };
+        let fd = rustix::fs::open(
+            "/proc/self/pagemap",
+            rustix::fs::OFlags::RDONLY | rustix::fs::OFlags::CLOEXEC,
+            rustix::fs::Mode::empty(),
+        )?;
         Ok(Pagemap { fd })
     }
 
@@ -83,26 +76,22 @@ impl Pagemap {
         vec.resize(len, PageRegion::default());
         let (category_mask, anyof, return_mask) = masks;
         let mut arg = sys::PmScanArg {
-            size: std::mem::size_of::<sys::PmScanArg>() as u64,
+            size: 0,
             flags,
             start: start as u64,
             end: end as u64,
             walk_end: 0,
-            vec: vec.as_mut_ptr() as u64,
-            vec_len: vec.len() as u64,
+            vec: 0,
+            vec_len: 0,
             max_pages: 0,
             category_inverted: 0,
             category_mask,
             category_anyof_mask: anyof,
             return_mask,
         };
-        // SAFETY: `arg` is a live PmScanArg whose `vec` points to `vec_len` writable
-        // PageRegions (plain old data). The only change a scan makes is write-protecting
-        // pages with WP_MATCHING, which CHECK_WPASYNC (always set with it, below) restricts
-        // to ranges registered with WP_ASYNC, where protection only affects tracking.
-        let n = unsafe { sys::ioctl(self.fd.as_raw_fd(), sys::PAGEMAP_SCAN, &mut arg) }
+        let n = sys::pagemap_scan(self.fd.as_fd(), &mut arg, vec)
             .map_err(io::Error::from_raw_os_error)?;
-        vec.truncate(n as usize);
+        vec.truncate(n);
         Ok(arg.walk_end as usize)
     }
 

@@ -12,13 +12,14 @@ use farmap_pipeline::{PullOptions, PullOrder, PullReport, Puller, Pusher};
 use parking_lot::Mutex;
 use tokio::runtime::Handle;
 
-use crate::error::RegionError;
+use crate::error::{RegionError, Unsupported};
 use crate::handover::Remote;
-use crate::mapping::Mapping;
+use crate::mapping::OwnedMapping;
 use crate::memory::{Events, RegionMemory};
 use crate::options::{RegionMode, RegionOptions, TrackingMode, WriteTracking};
 use crate::pagemap::Pagemap;
 use crate::server::{OwnedRuntime, Reader, Server, ServerParts};
+use crate::slice::RegionSlice;
 use crate::stats::{Counters, DirtyReport, HandlerLocation, RegionStats};
 use crate::sys;
 use crate::tracking::{PageBits, Tracker};
@@ -42,20 +43,16 @@ pub struct Support {
 pub fn probe() -> Result<Support, RegionError> {
     let features = Uffd::probe().map_err(|e| RegionError::Unsupported {
         reason: match e.raw_os_error() {
-            Some(libc::ENOSYS) => "the kernel has no userfaultfd".into(),
-            Some(libc::EPERM) | Some(libc::EACCES) => format!(
-                "userfaultfd is refused ({e}): vm.unprivileged_userfaultfd is 0, and \
-                 /dev/userfaultfd is not accessible"
-            ),
-            _ => format!("opening a userfaultfd failed: {e}"),
+            Some(libc::ENOSYS) => Unsupported::NoUserfaultfd,
+            Some(libc::EPERM) | Some(libc::EACCES) => Unsupported::Refused,
+            _ => Unsupported::Open,
         },
+        source: Some(e),
     })?;
     let has_async = features & (sys::UFFD_FEATURE_WP_ASYNC | sys::UFFD_FEATURE_WP_UNPOPULATED)
         == (sys::UFFD_FEATURE_WP_ASYNC | sys::UFFD_FEATURE_WP_UNPOPULATED);
     if features & sys::UFFD_FEATURE_EVENT_REMOVE == 0 {
-        return Err(RegionError::Unsupported {
-            reason: "the kernel's userfaultfd lacks UFFD_FEATURE_EVENT_REMOVE".into(),
-        });
+        return Err(RegionError::unsupported(Unsupported::EventRemove));
     }
     Ok(Support {
         features,
@@ -74,7 +71,7 @@ pub fn probe() -> Result<Support, RegionError> {
 /// See the [crate documentation](crate) for the design and the aliasing contract.
 pub struct Region {
     inner: Arc<Inner>,
-    mapping: Arc<Mapping>,
+    mapping: OwnedMapping,
     runtime: Option<OwnedRuntime>,
 }
 
@@ -226,10 +223,7 @@ impl Region {
             (_, TrackingMode::Async) => TrackingMode::Async,
             (WriteTracking::Auto, TrackingMode::SyncFaults) => TrackingMode::SyncFaults,
             (WriteTracking::Async, TrackingMode::SyncFaults) => {
-                return Err(RegionError::Unsupported {
-                    reason: "asynchronous write protection (UFFD_FEATURE_WP_ASYNC) is missing"
-                        .into(),
-                })
+                return Err(RegionError::unsupported(Unsupported::WpAsync))
             }
         };
         let mut features = sys::UFFD_FEATURE_EVENT_REMOVE;
@@ -240,27 +234,20 @@ impl Region {
             features |= sys::UFFD_FEATURE_POISON;
         }
 
-        let mapping = Arc::new(
-            Mapping::new(len, opts.address)
-                .map_err(|e| RegionError::sys("mapping the region's memory", e))?,
-        );
+        let owned = OwnedMapping::new(len, opts.address)
+            .map_err(|e| RegionError::sys("mapping the region's memory", e))?;
+        let mapping = owned.shared();
         let uffd = Arc::new(
             Uffd::open(features).map_err(|e| RegionError::sys("opening a userfaultfd", e))?,
         );
         let mode_bits = sys::UFFDIO_REGISTER_MODE_MISSING | sys::UFFDIO_REGISTER_MODE_WP;
-        // SAFETY: the mapping is ours, freshly made, page-aligned, and nothing refers to it
-        // yet; the region treats it as handler-filled memory for its whole life.
-        let ioctls = unsafe { uffd.register(mapping.addr(), len, mode_bits) }
+        let ioctls = mapping
+            .register(&uffd, mode_bits)
             .map_err(|e| RegionError::sys("registering the region with userfaultfd", e))?;
         if ioctls & sys::UFFDIO_BIT_WRITEPROTECT == 0 {
-            return Err(RegionError::Unsupported {
-                reason: "UFFDIO_WRITEPROTECT is not available on anonymous memory".into(),
-            });
+            return Err(RegionError::unsupported(Unsupported::WriteProtect));
         }
-        // SAFETY: registered just above, in this process, for missing and write-protect
-        // faults; the mapping lives until the region unmaps it, and the region's memory is
-        // only ever read through raw copies or slices whose contract allows filling.
-        let range = unsafe { UffdRange::new(uffd, mapping.addr(), len) };
+        let range = UffdRange::new(uffd, mapping.addr(), len);
 
         let runtime = OwnedRuntime::new(opts.worker_threads, "farmap-uffd-rt")
             .map_err(|e| RegionError::sys("starting the region's runtime", e))?;
@@ -331,7 +318,7 @@ impl Region {
                 remote: Mutex::new(None),
                 closed: AtomicBool::new(false),
             }),
-            mapping,
+            mapping: owned,
             runtime: Some(runtime),
         })
     }
@@ -340,13 +327,20 @@ impl Region {
         &self.inner
     }
 
-    pub(crate) fn mapping(&self) -> &Mapping {
+    pub(crate) fn mapping(&self) -> &OwnedMapping {
         &self.mapping
     }
 
-    /// The first byte of the region.
+    /// The region's memory, for volatile reads and writes from any thread (touching a chunk
+    /// for the first time waits for its fetch; writes are tracked and pushed).
+    pub fn memory(&self) -> RegionSlice<'_> {
+        self.mapping.slice()
+    }
+
+    /// The first byte of the region. Accessing memory through it is `unsafe`: see
+    /// [`RegionSlice::new`] for what such code must accept.
     pub fn as_ptr(&self) -> *mut u8 {
-        self.mapping.ptr()
+        self.memory().as_ptr()
     }
 
     /// The region's size in bytes.
@@ -367,28 +361,6 @@ impl Region {
     /// The page size, the unit of write tracking.
     pub fn page_size(&self) -> usize {
         self.inner.range().page_size()
-    }
-
-    /// The region as a byte slice. Touching a chunk for the first time waits for its fetch.
-    ///
-    /// Aliasing: while the slice lives, farmap only fills pages that are missing (which no
-    /// read has seen yet) and reads pages to push them; it never changes a page that is
-    /// present. Writing the region through raw pointers meanwhile breaks the slice's
-    /// promise, as for any memory.
-    pub fn as_slice(&self) -> &[u8] {
-        // SAFETY: the mapping is live and `len` bytes long for as long as `&self` is (only
-        // `close` and `drop`, which take the region, unmap it); its pages read as their
-        // fetched content (a missing page blocks until installed, never reads as garbage).
-        unsafe { std::slice::from_raw_parts(self.mapping.ptr(), self.mapping.len()) }
-    }
-
-    /// The region as a mutable byte slice; writes are tracked and pushed. See
-    /// [`as_slice`](Self::as_slice) for what farmap does meanwhile: its pushes read pages you
-    /// may be writing, and a write that a push copied half-way is pushed again after the next
-    /// scan.
-    pub fn as_mut_slice(&mut self) -> &mut [u8] {
-        // SAFETY: as in `as_slice`; `&mut self` makes this the only slice of the region.
-        unsafe { std::slice::from_raw_parts_mut(self.mapping.ptr(), self.mapping.len()) }
     }
 
     /// A copy of chunk `idx` as the region holds it now (fetching it if it is missing).

@@ -21,7 +21,7 @@
 use std::fmt;
 use std::future::Future;
 use std::io;
-use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
+use std::os::fd::{AsFd, BorrowedFd, OwnedFd};
 use std::pin::Pin;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::Arc;
@@ -31,6 +31,7 @@ use std::thread::JoinHandle;
 use farmap_core::{ChunkIdx, Geometry, Store};
 use farmap_pipeline::{retry, Cached, Puller, RetryPolicy};
 use parking_lot::RwLock;
+use rustix::event::{eventfd, poll, EventfdFlags, PollFd, PollFlags};
 use tokio::runtime::Handle;
 
 use crate::memory::{Events, RegionMemory};
@@ -223,10 +224,10 @@ impl Server {
                 Err(libc::ENOENT | libc::ESRCH) => return,
                 Err(e) => {
                     if !self.poison_unsupported.swap(true, Ordering::Relaxed) {
-                        eprintln!(
-                            "farmap-uffd: cannot poison a page whose fetch failed ({}); the \
-                             faulting thread keeps waiting",
-                            io::Error::from_raw_os_error(e)
+                        tracing::error!(
+                            error = %io::Error::from_raw_os_error(e),
+                            "cannot poison a page whose fetch failed; the faulting thread \
+                             keeps waiting"
                         );
                     }
                     return;
@@ -318,24 +319,18 @@ impl fmt::Debug for OwnedRuntime {
 
 /// The reader thread of a [`Server`]: reads messages until stopped.
 pub(crate) struct Reader {
-    stop: OwnedFd,
+    stop: Arc<StopSignal>,
     thread: Option<JoinHandle<()>>,
 }
 
 impl Reader {
     /// Starts reading `server`'s userfaultfd; fault tasks run on `rt`.
     pub fn spawn(server: Arc<Server>, rt: Handle) -> io::Result<Reader> {
-        // SAFETY: eventfd takes plain flags and returns a new fd or -1.
-        let efd = unsafe { libc::eventfd(0, libc::EFD_CLOEXEC | libc::EFD_NONBLOCK) };
-        if efd < 0 {
-            return Err(io::Error::last_os_error());
-        }
-        // SAFETY: the kernel just returned this fd to us.
-        let stop = unsafe { OwnedFd::from_raw_fd(efd) };
-        let stop_raw = stop.as_raw_fd();
+        let stop = Arc::new(StopSignal::new()?);
+        let thread_stop = stop.clone();
         let thread = std::thread::Builder::new()
             .name("farmap-uffd-reader".into())
-            .spawn(move || read_loop(&server, &rt, stop_raw))?;
+            .spawn(move || read_loop(&server, &rt, &thread_stop))?;
         Ok(Reader {
             stop,
             thread: Some(thread),
@@ -345,9 +340,7 @@ impl Reader {
     /// Stops the thread (it finishes the batch in hand; spawned fault tasks go on) and waits
     /// for it.
     pub fn stop(&mut self) {
-        let one: u64 = 1;
-        // SAFETY: writing 8 bytes from a live u64 to our eventfd.
-        unsafe { libc::write(self.stop.as_raw_fd(), (&raw const one).cast(), 8) };
+        self.stop.signal();
         if let Some(t) = self.thread.take() {
             let _ = t.join();
         }
@@ -368,40 +361,55 @@ impl fmt::Debug for Reader {
     }
 }
 
-fn read_loop(server: &Arc<Server>, rt: &Handle, stop: i32) {
+/// An eventfd that tells a thread blocked in `poll` to stop.
+#[derive(Debug)]
+pub(crate) struct StopSignal(OwnedFd);
+
+impl StopSignal {
+    pub fn new() -> io::Result<StopSignal> {
+        let fd = eventfd(0, EventfdFlags::CLOEXEC | EventfdFlags::NONBLOCK)?;
+        Ok(StopSignal(fd))
+    }
+
+    /// Makes the eventfd readable (for good: nothing reads it).
+    pub fn signal(&self) {
+        // Only fails if the counter would overflow, which one add per stop never reaches.
+        let _ = rustix::io::write(&self.0, &1u64.to_ne_bytes());
+    }
+
+    /// The fd to poll.
+    pub fn fd(&self) -> BorrowedFd<'_> {
+        self.0.as_fd()
+    }
+}
+
+fn read_loop(server: &Arc<Server>, rt: &Handle, stop: &StopSignal) {
     // Futures polled inline may create timers or spawn: give them the runtime's context.
     let _enter = rt.enter();
     let uffd = server.range.uffd().clone();
     let mut msgs = [UffdMsg::default(); BATCH];
     loop {
         let mut fds = [
-            libc::pollfd {
-                fd: uffd.as_raw_fd(),
-                events: libc::POLLIN,
-                revents: 0,
-            },
-            libc::pollfd {
-                fd: stop,
-                events: libc::POLLIN,
-                revents: 0,
-            },
+            PollFd::new(&*uffd, PollFlags::IN),
+            PollFd::from_borrowed_fd(stop.fd(), PollFlags::IN),
         ];
-        // SAFETY: `fds` is a live array of two pollfds.
-        let r = unsafe { libc::poll(fds.as_mut_ptr(), 2, -1) };
-        if r < 0 {
-            if sys::errno() == libc::EINTR {
-                continue;
+        match poll(&mut fds, None) {
+            Ok(_) => {}
+            Err(rustix::io::Errno::INTR) => continue,
+            Err(e) => {
+                server
+                    .counters
+                    .error(format!("poll on the userfaultfd: {}", io::Error::from(e)));
+                return;
             }
-            server.counters.error(format!(
-                "poll on the userfaultfd: {}",
-                io::Error::last_os_error()
-            ));
+        }
+        if !fds[1].revents().is_empty() {
             return;
         }
-        if fds[1].revents != 0 {
-            return;
-        }
-        if fds[0].revents & (libc::POLLERR | libc::POLLNVAL) != 0 {
+        if fds[0]
+            .revents()
+            .intersects(PollFlags::ERR | PollFlags::NVAL)
+        {
             server
                 .counters
                 .error("the userfaultfd reported an error".to_string());

@@ -9,10 +9,10 @@
 //! Everything here is raw: prefer the safe types of this crate
 //! ([`Uffd`](crate::uffd::Uffd), [`UffdRange`](crate::uffd::UffdRange),
 //! [`Pagemap`](crate::pagemap::Pagemap)). The one `unsafe` function, [`ioctl`], is the only
-//! way this crate calls `ioctl(2)`.
+//! way this crate calls `ioctl(2)`; [`pagemap_scan`] is its safe `PAGEMAP_SCAN` form.
 
 use std::io;
-use std::os::fd::RawFd;
+use std::os::fd::{AsRawFd, BorrowedFd, RawFd};
 
 const IOC_NONE: u64 = 0;
 const IOC_WRITE: u64 = 1;
@@ -305,6 +305,32 @@ pub unsafe fn ioctl<T>(fd: RawFd, req: u64, arg: *mut T) -> Result<i32, i32> {
     }
 }
 
+/// One `PAGEMAP_SCAN` call on a pagemap file: fills `vec` with the runs of `arg.start..arg.end`
+/// (`arg.vec` and `arg.vec_len` are set here, from `vec`) and returns how many entries it
+/// filled; `arg.walk_end` says where the walk stopped. With [`PM_SCAN_WP_MATCHING`],
+/// [`PM_SCAN_CHECK_WPASYNC`] is always added: only ranges registered with userfaultfd's
+/// `WP_ASYNC` are write-protected (anything else fails).
+pub fn pagemap_scan(
+    pagemap: BorrowedFd<'_>,
+    arg: &mut PmScanArg,
+    vec: &mut [PageRegion],
+) -> Result<usize, i32> {
+    arg.size = std::mem::size_of::<PmScanArg>() as u64;
+    arg.vec = vec.as_mut_ptr() as u64;
+    arg.vec_len = vec.len() as u64;
+    if arg.flags & PM_SCAN_WP_MATCHING != 0 {
+        arg.flags |= PM_SCAN_CHECK_WPASYNC;
+    }
+    // SAFETY: `arg` is a live PmScanArg, the type PAGEMAP_SCAN takes, whose `vec` points to
+    // `vec_len` writable PageRegions (plain old data: any bytes are a valid value) borrowed
+    // for the call. The only change a scan makes is write-protecting pages with WP_MATCHING,
+    // which CHECK_WPASYNC (always added above) restricts to memory registered with
+    // userfaultfd's WP_ASYNC, whose registrant accepted write protection
+    // (`Uffd::register`'s contract): in that mode it only affects tracking.
+    let n = unsafe { ioctl(pagemap.as_raw_fd(), PAGEMAP_SCAN, arg) }?;
+    Ok((n as usize).min(vec.len()))
+}
+
 /// The calling thread's `errno`.
 pub fn errno() -> i32 {
     io::Error::last_os_error()
@@ -314,7 +340,5 @@ pub fn errno() -> i32 {
 
 /// The system page size.
 pub fn page_size() -> usize {
-    // SAFETY: sysconf has no preconditions.
-    let v = unsafe { libc::sysconf(libc::_SC_PAGESIZE) };
-    usize::try_from(v).ok().filter(|v| *v > 0).unwrap_or(4096)
+    rustix::param::page_size()
 }

@@ -187,8 +187,9 @@ impl Tracker {
             match self.range.write_protect(offset, len, true, false) {
                 Ok(()) => return Ok(()),
                 Err(libc::EAGAIN) if Instant::now() < deadline => {
-                    // The reader thread reads the event; this is a plain thread (a push or
-                    // the application), so a short sleep is fine.
+                    // The reader thread reads the event; this is a blocking thread (the
+                    // application's, or a push's scan, which `collect` runs as blocking work),
+                    // so a short sleep is fine.
                     while self.events.current() == seen && Instant::now() < deadline {
                         std::thread::sleep(Duration::from_micros(50));
                     }
@@ -223,8 +224,19 @@ impl Tracker {
 }
 
 impl DirtySource for Tracker {
+    /// Called by the pusher on the region's runtime. A scan is a system call that walks the
+    /// page tables (and, with synchronous tracking, may wait for the reader to read pending
+    /// events): it runs as blocking work, so that the runtime's other workers keep serving
+    /// faults meanwhile (`block_in_place` hands this worker's queue to another thread).
     fn collect(&self, into: &DirtySet) -> StoreResult<()> {
-        let report = self.take().map_err(|e| {
+        let on_async_worker = tokio::runtime::Handle::try_current()
+            .is_ok_and(|h| h.runtime_flavor() == tokio::runtime::RuntimeFlavor::MultiThread);
+        let taken = if on_async_worker {
+            tokio::task::block_in_place(|| self.take())
+        } else {
+            self.take()
+        };
+        let report = taken.map_err(|e| {
             let message = format!("collecting the region's written pages: {e}");
             self.counters.error(message.clone());
             StoreError::new(ErrorKind::Io, message).with_source(e)

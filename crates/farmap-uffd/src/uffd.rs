@@ -48,9 +48,12 @@ impl Uffd {
     ///
     /// # Safety
     /// `start..start+len` must be a page-aligned anonymous private mapping of this process
-    /// owned by the caller, whose missing pages no code expects to read as zeros and whose
-    /// writes no code expects to go through while write-protected: once registered, touching
-    /// a missing page blocks until a handler of this fd resolves it.
+    /// owned by the caller, whose memory no Rust reference (`&`/`&mut`) covers while it is
+    /// registered: once registered, anyone holding this fd (here or in a process it is sent
+    /// to) may fill its missing pages, write-protect and unprotect it, and poison pages
+    /// (touching them raises SIGBUS); touching a missing page blocks until a handler of this
+    /// fd resolves it, and writes wait out write protection. [`UffdRange`]'s safe methods rely
+    /// on this contract for every range the kernel accepts.
     pub unsafe fn register(&self, start: usize, len: usize, mode: u64) -> io::Result<u64> {
         let mut reg = sys::UffdioRegister {
             range: sys::UffdioRange {
@@ -206,15 +209,14 @@ pub struct UffdRange {
 }
 
 impl UffdRange {
-    /// The range `base..base+len`, registered with `uffd`.
+    /// The range `base..base+len` (page-aligned), registered with `uffd` in the address space
+    /// the fd belongs to (this process's, or the one that sent the fd).
     ///
-    /// # Safety
-    /// The range must be page-aligned and registered with `uffd` (missing and write-protect
-    /// modes, as the methods used need) in the address space the fd belongs to, by an owner
-    /// that treats it as memory this fd's handler fills: in this process, no code may hold a
-    /// reference that relies on the content of a page that is missing, and every access must
-    /// tolerate the pages being filled, write-protected or poisoned through this value.
-    pub unsafe fn new(uffd: Arc<Uffd>, base: usize, len: usize) -> UffdRange {
+    /// This is safe: every method is an ioctl that the kernel refuses (`ENOENT`, `EINVAL`)
+    /// on addresses `uffd` has not registered, and on registered memory it only does what
+    /// [`Uffd::register`]'s contract made the registrant accept (filling missing pages, waking,
+    /// write protection, poisoning). Wrong bounds only make those calls fail.
+    pub fn new(uffd: Arc<Uffd>, base: usize, len: usize) -> UffdRange {
         let page = sys::page_size();
         debug_assert!(
             base.is_multiple_of(page) && len.is_multiple_of(page),
@@ -286,10 +288,10 @@ impl UffdRange {
             mode,
             copy: 0,
         };
-        // SAFETY: `c` is a live UffdioCopy; `src` is readable for `len` bytes for the call;
-        // the destination lies in the registered range (checked above), whose owner accepts
-        // missing pages being filled (`new`'s contract). The kernel never overwrites a
-        // present page.
+        // SAFETY: `c` is a live UffdioCopy; `src` is a live slice, readable for `len` bytes for
+        // the call. The kernel copies only into missing pages of memory registered with this
+        // fd (anything else fails), whose registrant accepted them being filled
+        // (`Uffd::register`'s contract); it never overwrites a present page.
         match unsafe { sys::ioctl(self.uffd.as_raw_fd(), sys::UFFDIO_COPY, &mut c) } {
             Ok(_) => Ok(src.len()),
             Err(libc::EAGAIN) if c.copy > 0 => {
@@ -392,8 +394,9 @@ impl UffdRange {
             range: self.check(offset, len),
             mode,
         };
-        // SAFETY: `w` is a live UffdioWriteprotect; the range is registered and its owner
-        // accepts write protection (`new`'s contract).
+        // SAFETY: `w` is a live UffdioWriteprotect; the kernel only changes the protection of
+        // memory registered with this fd in write-protect mode, whose registrant accepted it
+        // (`Uffd::register`'s contract); no content changes.
         unsafe { sys::ioctl(self.uffd.as_raw_fd(), sys::UFFDIO_WRITEPROTECT, &mut w) }.map(|_| ())
     }
 
@@ -409,8 +412,9 @@ impl UffdRange {
             mode: 0,
             updated: 0,
         };
-        // SAFETY: `p` is a live UffdioPoison; only missing pages of the registered range are
-        // affected, and its owner accepts them being poisoned (`new`'s contract).
+        // SAFETY: `p` is a live UffdioPoison; the kernel only poisons missing pages of memory
+        // registered with this fd, whose registrant accepted that (`Uffd::register`'s
+        // contract): touching them raises SIGBUS, no content changes.
         unsafe { sys::ioctl(self.uffd.as_raw_fd(), sys::UFFDIO_POISON, &mut p) }.map(|_| ())
     }
 }
@@ -428,54 +432,35 @@ impl fmt::Debug for UffdRange {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::mapping::Mapping;
+    use crate::mapping::{Mapping, OwnedMapping};
     use crate::pagemap::Pagemap;
 
     const PAGE: usize = 4096;
 
-    /// A registered 64 KiB mapping, or `None` (and "skipped") where userfaultfd is refused.
-    fn registered() -> Option<(Mapping, UffdRange)> {
+    /// A registered 64 KiB mapping, or `None` (a recorded skip) where userfaultfd is refused.
+    fn registered(test: &str) -> Option<(OwnedMapping, UffdRange)> {
         let uffd = match Uffd::open(0) {
             Ok(u) => u,
             Err(e) => {
-                assert!(
-                    !std::env::var("CI").is_ok_and(|v| v == "true"),
-                    "userfaultfd must work under CI=true: {e}"
-                );
-                println!("skipped: userfaultfd: {e}");
+                farmap_testkit::skip(test, &format!("userfaultfd: {e}"));
                 return None;
             }
         };
-        let mapping = Mapping::new(16 * PAGE, None).unwrap();
-        // SAFETY: a fresh mapping of ours; the test never touches a page it has not installed.
-        unsafe {
-            uffd.register(
-                mapping.addr(),
-                mapping.len(),
-                sys::UFFDIO_REGISTER_MODE_MISSING,
-            )
-        }
-        .unwrap();
-        // SAFETY: registered just above.
-        let range = unsafe { UffdRange::new(Arc::new(uffd), mapping.addr(), mapping.len()) };
+        let mapping = OwnedMapping::new(16 * PAGE, None).unwrap();
+        mapping
+            .register(&uffd, sys::UFFDIO_REGISTER_MODE_MISSING)
+            .unwrap();
+        let range = UffdRange::new(Arc::new(uffd), mapping.addr(), mapping.len());
         Some((mapping, range))
     }
 
     fn discard(mapping: &Mapping, page: usize) {
-        // SAFETY: one page of our own mapping, which nothing references.
-        let r = unsafe {
-            libc::madvise(
-                mapping.ptr().add(page * PAGE).cast(),
-                PAGE,
-                libc::MADV_DONTNEED,
-            )
-        };
-        assert_eq!(r, 0);
+        mapping.discard(page * PAGE, PAGE).unwrap().unwrap();
     }
 
     #[test]
     fn copies_map_the_kernel_answers() {
-        let Some((mapping, range)) = registered() else {
+        let Some((mapping, range)) = registered("uffd::copies_map_the_kernel_answers") else {
             return;
         };
         let data: Vec<u8> = (0..16 * PAGE).map(|i| (i / PAGE) as u8 + 1).collect();
@@ -525,11 +510,12 @@ mod tests {
 
     #[test]
     fn poisoned_pages_can_be_filled_later() {
-        let Some((mapping, range)) = registered() else {
+        let test = "uffd::poisoned_pages_can_be_filled_later";
+        let Some((mapping, range)) = registered(test) else {
             return;
         };
         if range.poison(3 * PAGE, PAGE) == Err(libc::EINVAL) {
-            println!("skipped: UFFDIO_POISON is not supported here");
+            farmap_testkit::skip(test, "UFFDIO_POISON is not supported here");
             return;
         }
         assert_eq!(
@@ -551,11 +537,17 @@ mod tests {
     }
 
     #[test]
-    #[should_panic(expected = "outside")]
     fn out_of_range_copies_panic() {
-        let Some((_mapping, range)) = registered() else {
-            panic!("outside (skipped)");
+        let Some((_mapping, range)) = registered("uffd::out_of_range_copies_panic") else {
+            return;
         };
-        let _ = range.copy(16 * PAGE, &[0u8; PAGE], 0);
+        for (offset, len) in [(16 * PAGE, PAGE), (15 * PAGE, 2 * PAGE), (PAGE / 2, PAGE)] {
+            let panic = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+                range.copy(offset, &vec![0u8; len], 0)
+            }))
+            .expect_err("a copy outside the range or unaligned must panic");
+            let message = panic.downcast_ref::<String>().cloned().unwrap_or_default();
+            assert!(message.contains("outside"), "panic message: {message:?}");
+        }
     }
 }

@@ -3,6 +3,7 @@
 
 mod common;
 
+use std::collections::HashMap;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -17,9 +18,12 @@ use rand::{Rng, SeedableRng};
 
 const PAGE: usize = 4096;
 
-/// Several threads write random bytes at random places while another loop takes the dirty
-/// set and pushes those chunks itself; after the writers stop and a final sync, the store
-/// equals the memory byte for byte. Run with the background pusher off and on.
+/// Three threads write through the slice API (aligned words, byte copies, single bytes) at
+/// random places while another loop takes the dirty set and pushes those chunks itself (and
+/// the background pusher, when on, pushes too); each writer owns every third 8-byte word and
+/// keeps a model of what it wrote. After the writers stop and a final sync, the memory equals
+/// the model (the store's pattern with every writer's last writes) and the store equals the
+/// memory, byte for byte. Run with the background pusher off and on.
 #[test]
 fn take_dirty_and_push_race_with_writers() {
     if !uffd_available("take_dirty_and_push_race_with_writers") {
@@ -30,6 +34,61 @@ fn take_dirty_and_push_race_with_writers() {
             race_once(tracking, background);
         }
     }
+}
+
+const WRITERS: usize = 3;
+
+/// One writer: random writes to the words `w` with `w % WRITERS == t`; returns how many
+/// writes it made and its model of every word it wrote (offset → last value).
+fn writer(region: &Region, t: usize, stop: &AtomicBool) -> (u64, HashMap<usize, [u8; 8]>) {
+    let mem = region.memory();
+    let words = region.len() / 8;
+    let mut rng = SmallRng::seed_from_u64(t as u64);
+    let mut model: HashMap<usize, [u8; 8]> = HashMap::new();
+    let mut n = 0u64;
+    while !stop.load(Ordering::Relaxed) {
+        // Mostly a hot set (re-dirtied between scans), sometimes anywhere.
+        let w = if rng.gen_bool(0.8) {
+            rng.gen_range(0..64 * PAGE / 8)
+        } else {
+            rng.gen_range(0..words)
+        };
+        let w = w - w % WRITERS + t;
+        if w >= words {
+            continue;
+        }
+        let off = w * 8;
+        let mut word = match model.get(&off) {
+            Some(v) => *v,
+            None => {
+                let mut v = [0u8; 8];
+                mem.read_into(off, &mut v).unwrap();
+                v
+            }
+        };
+        match rng.gen_range(0..3) {
+            0 => {
+                let v: u64 = rng.gen();
+                mem.store_u64(off, v).unwrap();
+                word = v.to_ne_bytes();
+            }
+            1 => {
+                let (from, to) = (rng.gen_range(0..8), rng.gen_range(0..=8));
+                let (from, to) = (from.min(to), from.max(to));
+                let bytes: Vec<u8> = (from..to).map(|_| rng.gen()).collect();
+                mem.write_from(off + from, &bytes).unwrap();
+                word[from..to].copy_from_slice(&bytes);
+            }
+            _ => {
+                let (k, v) = (rng.gen_range(0..8), rng.gen());
+                mem.store_u8(off + k, v).unwrap();
+                word[k] = v;
+            }
+        }
+        model.insert(off, word);
+        n += 1;
+    }
+    (n, model)
 }
 
 fn race_once(tracking: WriteTracking, background: Option<Duration>) {
@@ -43,47 +102,53 @@ fn race_once(tracking: WriteTracking, background: Option<Duration>) {
         },
         ..direct(tracking)
     };
-    let region = Arc::new(Region::open(store.clone(), opts).unwrap());
-    let base = SendPtr(region.as_ptr());
-    let len = region.len();
-    let stop = Arc::new(AtomicBool::new(false));
-    let writers: Vec<_> = (0..3u64)
-        .map(|t| {
-            let stop = stop.clone();
-            std::thread::spawn(move || {
-                let base = base;
-                let mut rng = SmallRng::seed_from_u64(t);
-                let mut n = 0u64;
-                while !stop.load(Ordering::Relaxed) {
-                    // Mostly a hot set (re-dirtied between scans), sometimes anywhere.
-                    let off = if rng.gen_bool(0.8) {
-                        rng.gen_range(0..64 * PAGE)
-                    } else {
-                        rng.gen_range(0..len)
-                    };
-                    poke(base.0, off, rng.gen());
-                    n += 1;
-                }
-                n
+    let region = Region::open(store.clone(), opts).unwrap();
+    let stop = AtomicBool::new(false);
+    let (writes, models, rounds, pushed) = std::thread::scope(|scope| {
+        let writers: Vec<_> = (0..WRITERS)
+            .map(|t| {
+                let (region, stop) = (&region, &stop);
+                scope.spawn(move || writer(region, t, stop))
             })
-        })
-        .collect();
-    let started = Instant::now();
-    let mut rounds = 0;
-    let mut pushed = 0;
-    while started.elapsed() < Duration::from_millis(700) {
-        let dirty = region.take_dirty().unwrap();
-        for idx in dirty.chunks {
-            let data = region.read_chunk(idx).unwrap();
-            block_on(store.write(idx, data)).unwrap();
-            pushed += 1;
+            .collect();
+        let started = Instant::now();
+        let mut rounds = 0;
+        let mut pushed = 0;
+        while started.elapsed() < Duration::from_millis(700) {
+            let dirty = region.take_dirty().unwrap();
+            for idx in dirty.chunks {
+                let data = region.read_chunk(idx).unwrap();
+                block_on(store.write(idx, data)).unwrap();
+                pushed += 1;
+            }
+            if rounds % 16 == 0 {
+                region.sync().unwrap();
+            }
+            rounds += 1;
         }
-        rounds += 1;
-    }
-    stop.store(true, Ordering::Relaxed);
-    let writes: u64 = writers.into_iter().map(|w| w.join().unwrap()).sum();
+        stop.store(true, Ordering::Relaxed);
+        let mut writes = 0;
+        let mut models = Vec::new();
+        for w in writers {
+            let (n, model) = w.join().unwrap();
+            writes += n;
+            models.push(model);
+        }
+        (writes, models, rounds, pushed)
+    });
     region.sync().unwrap();
-    let memory = region.as_slice().to_vec();
+    let mut expected = pattern_bytes(9, 0, 4 << 20);
+    for model in &models {
+        for (off, word) in model {
+            expected[*off..*off + 8].copy_from_slice(word);
+        }
+    }
+    let memory = region.memory().to_vec();
+    let wrong = memory.iter().zip(&expected).filter(|(a, b)| a != b).count();
+    assert_eq!(
+        wrong, 0,
+        "{what}: {wrong} bytes of memory differ from the writers' model"
+    );
     let stored = snapshot(&*store);
     let differ = memory.iter().zip(&stored).filter(|(a, b)| a != b).count();
     assert_eq!(
@@ -94,7 +159,9 @@ fn race_once(tracking: WriteTracking, background: Option<Duration>) {
         rounds > 10 && writes > 10_000,
         "{what}: the race ran ({rounds}, {writes})"
     );
-    println!("{what}: {writes} writes, {rounds} scans, {pushed} chunk pushes: store == memory");
+    println!(
+        "{what}: {writes} writes, {rounds} scans, {pushed} chunk pushes: store == memory == model"
+    );
 }
 
 /// A region over a store 10 ms away: 8 threads read and write random places while the
@@ -128,12 +195,11 @@ fn a_slow_store_under_eight_threads_with_the_puller() {
     };
     let store: Arc<dyn Store> = delayed;
     let region = Arc::new(Region::open(store, opts).unwrap());
-    let base = SendPtr(region.as_ptr());
     let len = region.len();
     let threads: Vec<_> = (0..8u64)
         .map(|t| {
+            let region = region.clone();
             std::thread::spawn(move || {
-                let base = base;
                 let mut rng = SmallRng::seed_from_u64(100 + t);
                 // Thread t writes only pages with page % 8 == t, and remembers what it wrote.
                 let mut mine: Vec<Option<u8>> = vec![None; len / PAGE];
@@ -142,7 +208,7 @@ fn a_slow_store_under_eight_threads_with_the_puller() {
                 while started.elapsed() < Duration::from_millis(400) {
                     let off = rng.gen_range(0..len);
                     let page = off / PAGE;
-                    let got = peek(base.0, off);
+                    let got = peek(&region, off);
                     // Only the first byte of a page is ever written, by its owner thread.
                     let want = match (off % PAGE, mine[page]) {
                         (0, Some(v)) => v,
@@ -153,7 +219,7 @@ fn a_slow_store_under_eight_threads_with_the_puller() {
                     reads += 1;
                     if page % 8 == t as usize && rng.gen_bool(0.3) {
                         let v: u8 = rng.gen();
-                        poke(base.0, page * PAGE, v);
+                        poke(&region, page * PAGE, v);
                         mine[page] = Some(v);
                     }
                 }
@@ -171,7 +237,7 @@ fn a_slow_store_under_eight_threads_with_the_puller() {
     let s = region.stats();
     assert_eq!(s.present_chunks, g.chunk_count(), "{s:?}");
     assert!(
-        snapshot(&*backing) == region.as_slice(),
+        snapshot(&*backing) == region.memory().to_vec(),
         "store == memory after sync"
     );
     println!("{reads} checked reads; {s:?}");
@@ -244,7 +310,7 @@ fn sigbus_child() {
     };
     let region = Region::open(store.clone(), opts).unwrap();
     println!("child: touching");
-    let v = region.as_slice()[4096 + 5];
+    let v = region.memory().load_u8(4096 + 5).unwrap();
     assert_eq!(v, pattern_bytes(2, 4096 + 5, 1)[0]);
     assert_eq!(store.injected(), 1, "one failure, then the retry succeeded");
     println!("child: read {v} after a retry");
@@ -286,7 +352,10 @@ fn a_fault_joins_the_pullers_fetch_of_its_chunk() {
     std::thread::sleep(Duration::from_millis(100));
     let started = Instant::now();
     let off = 5 * (64 << 10) + 99;
-    assert_eq!(region.as_slice()[off], pattern_bytes(8, off as u64, 1)[0]);
+    assert_eq!(
+        region.memory().load_u8(off).unwrap(),
+        pattern_bytes(8, off as u64, 1)[0]
+    );
     let waited = started.elapsed();
     assert!(region.wait_pull().unwrap().is_complete());
     assert_eq!(

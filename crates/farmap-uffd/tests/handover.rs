@@ -126,10 +126,10 @@ fn byte(off: usize) -> u8 {
 fn touch(region: &Arc<Region>, chunks: std::ops::Range<usize>) {
     let r = region.clone();
     within(LIMIT, "touching the region", move || {
-        let mem = r.as_slice();
+        let mem = r.memory();
         for c in chunks {
             let off = c * CHUNK + 123;
-            assert_eq!(mem[off], byte(off), "byte {off}");
+            assert_eq!(mem.load_u8(off).unwrap(), byte(off), "byte {off}");
         }
     });
 }
@@ -152,9 +152,8 @@ fn a_handler_process_serves_faults_and_gives_them_back() {
     assert_eq!(after.faults, before.faults, "the other process served them");
     assert_eq!(after.handler, HandlerLocation::Remote);
     // Writes are still tracked and pushed here, including to pages the handler installed.
-    let base = SendPtr(region.as_ptr());
-    poke(base.0, 10 * CHUNK + 1, 0xEE);
-    poke(base.0, 60 * CHUNK, 0xDD); // not yet present: the handler fetches it first
+    poke(&region, 10 * CHUNK + 1, 0xEE);
+    poke(&region, 60 * CHUNK, 0xDD); // not yet present: the handler fetches it first
     region.sync().unwrap();
     let c10 = block_on(store.read(ChunkIdx(10))).unwrap();
     let c60 = block_on(store.read(ChunkIdx(60))).unwrap();
@@ -194,10 +193,8 @@ fn a_managed_region_is_pulled_by_the_handler() {
         // The handler's pull installs everything; this process fetches nothing.
         let r = region.clone();
         within(LIMIT, "reading the region", move || {
-            r.as_slice()
-                .chunks(CHUNK)
-                .enumerate()
-                .all(|(c, data)| data[7] == byte(c * CHUNK + 7))
+            let mem = r.memory();
+            (0..mem.len() / CHUNK).all(|c| peek(&r, c * CHUNK + 7) == byte(c * CHUNK + 7))
         })
     });
     // A fetch of this process's own puller that was in flight when it stopped may finish.
@@ -320,9 +317,8 @@ fn a_chunk_discarded_during_hand_over_is_fetched_again_after() {
     handover::send(&region, sock, SendOptions::default()).unwrap();
     let r = region.clone();
     within(LIMIT, "discarding chunk 0", move || {
-        // SAFETY: chunk 0 of the region, which no reference points into right now.
-        let rc = unsafe { libc::madvise(r.as_ptr().cast(), CHUNK, libc::MADV_DONTNEED) };
-        assert_eq!(rc, 0);
+        let pages = (CHUNK / r.page_size()) as u64;
+        r.discard_pages(&[0..pages]).unwrap();
     });
     handover::reclaim(&region, LIMIT).unwrap();
     within(LIMIT, "the handler's exit", move || {

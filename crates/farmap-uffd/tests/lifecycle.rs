@@ -30,8 +30,8 @@ fn dropped_regions_release_threads_and_descriptors() {
             },
             ..RegionOptions::default()
         };
-        let mut region = Region::open(store.clone(), opts).unwrap();
-        region.as_mut_slice()[i * 4096] = i as u8;
+        let region = Region::open(store.clone(), opts).unwrap();
+        region.memory().store_u8(i * 4096, i as u8).unwrap();
         region.sync().unwrap();
         if i.is_multiple_of(2) {
             region.close().unwrap();

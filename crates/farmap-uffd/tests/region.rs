@@ -23,10 +23,14 @@ fn read_faults_return_store_data() {
     let store: Arc<dyn Store> = Arc::new(PatternStore::new(g, 11));
     let region = Region::open(store, direct(WriteTracking::Auto)).unwrap();
     assert_eq!(region.len(), 8 << 20);
-    let mem = region.as_slice();
+    let mem = region.memory();
     // A few scattered single bytes first: each faults its chunk in whole.
     for off in [5 * PAGE + 7, 0, (3 << 20) + 12345, (8 << 20) - 1] {
-        assert_eq!(mem[off], pattern_bytes(11, off as u64, 1)[0], "byte {off}");
+        assert_eq!(
+            mem.load_u8(off).unwrap(),
+            pattern_bytes(11, off as u64, 1)[0],
+            "byte {off}"
+        );
     }
     eventually("three chunks fetched", || {
         region.stats().chunks_fetched == 3
@@ -36,7 +40,7 @@ fn read_faults_return_store_data() {
     assert_eq!(s.bytes_fetched, 3 * (64 << 10));
     // Then everything.
     assert!(
-        mem == &pattern_bytes(11, 0, 8 << 20)[..],
+        mem.to_vec() == pattern_bytes(11, 0, 8 << 20),
         "the region equals the store"
     );
     eventually("every chunk fetched", || {
@@ -57,7 +61,7 @@ fn writes_are_tracked_per_page_in_both_modes() {
     for tracking in tracking_modes() {
         let g = Geometry::new(4 << 20, 64 << 10).unwrap();
         let store = Arc::new(MemoryStore::new(g));
-        let mut region = Region::open(store.clone(), direct(tracking)).unwrap();
+        let region = Region::open(store.clone(), direct(tracking)).unwrap();
         let want_mode = match tracking {
             WriteTracking::SyncFaults => TrackingMode::SyncFaults,
             _ => TrackingMode::Async,
@@ -65,13 +69,13 @@ fn writes_are_tracked_per_page_in_both_modes() {
         assert_eq!(region.tracking_mode(), want_mode);
         // The first scan may report nothing: nothing was touched.
         assert!(region.take_dirty().unwrap().is_empty(), "{tracking:?}");
-        let mem = region.as_mut_slice();
-        let _ = mem[40 * PAGE]; // a read fault: installed clean
-        mem[3 * PAGE + 1] = 1; // a write fault on a missing page (chunk 0)
-        mem[17 * PAGE] = 2; // chunk 1
-        mem[18 * PAGE + 4095] = 3; // its neighbour page
-        mem[100 * PAGE + 9] = 4; // chunk 6
-        mem[41 * PAGE] = 5; // chunk 2, a page whose chunk a read installed
+        let mem = region.memory();
+        let _ = mem.load_u8(40 * PAGE).unwrap(); // a read fault: installed clean
+        mem.store_u8(3 * PAGE + 1, 1).unwrap(); // a write fault on a missing page (chunk 0)
+        mem.store_u8(17 * PAGE, 2).unwrap(); // chunk 1
+        mem.store_u8(18 * PAGE + 4095, 3).unwrap(); // its neighbour page
+        mem.store_u8(100 * PAGE + 9, 4).unwrap(); // chunk 6
+        mem.store_u8(41 * PAGE, 5).unwrap(); // chunk 2, a page whose chunk a read installed
         let d = region.take_dirty().unwrap();
         assert_eq!(
             d.pages,
@@ -89,11 +93,11 @@ fn writes_are_tracked_per_page_in_both_modes() {
             "{tracking:?}: re-protected"
         );
         // A second write to a page already reported is reported again.
-        region.as_mut_slice()[17 * PAGE + 1] = 9;
+        region.memory().store_u8(17 * PAGE + 1, 9).unwrap();
         let d = region.take_dirty().unwrap();
         assert_eq!(d.pages, vec![17..18], "{tracking:?}");
         // The chunks taken are the caller's: sync pushes only what is dirty now.
-        region.as_mut_slice()[200 * PAGE] = 7;
+        region.memory().store_u8(200 * PAGE, 7).unwrap();
         region.sync().unwrap();
         let s = region.stats();
         assert_eq!(s.pushed_chunks, 1, "{tracking:?}: {s:?}");
@@ -116,30 +120,30 @@ fn sync_pushes_every_written_chunk_and_close_syncs() {
     for tracking in tracking_modes() {
         let g = Geometry::new(2 << 20, 16 << 10).unwrap();
         let store = pattern_memory(g, 5);
-        let mut region = Region::open(store.clone(), direct(tracking)).unwrap();
-        let mem = region.as_mut_slice();
+        let region = Region::open(store.clone(), direct(tracking)).unwrap();
+        let mem = region.memory();
         for (i, off) in [0usize, 70_000, 1 << 20, (2 << 20) - 1]
             .into_iter()
             .enumerate()
         {
-            mem[off] = 0xA0 + i as u8;
+            mem.store_u8(off, 0xA0 + i as u8).unwrap();
         }
-        let expect = region.as_slice().to_vec();
+        let expect = region.memory().to_vec();
         region.sync().unwrap();
         assert_eq!(region.stats().pushed_chunks, 4, "{tracking:?}");
         assert!(
             snapshot(&*store) == expect,
             "{tracking:?}: the store has the writes"
         );
-        region.as_mut_slice()[9] = 0x99;
+        region.memory().store_u8(9, 0x99).unwrap();
         block_on(region.sync_async()).unwrap();
         assert_eq!(
             block_on(store.read(ChunkIdx(0))).unwrap()[9],
             0x99,
             "{tracking:?}"
         );
-        region.as_mut_slice()[5] = 0x55;
-        let expect = region.as_slice().to_vec();
+        region.memory().store_u8(5, 0x55).unwrap();
+        let expect = region.memory().to_vec();
         region.close().unwrap();
         assert!(snapshot(&*store) == expect, "{tracking:?}: close syncs");
     }
@@ -154,46 +158,35 @@ fn discarded_chunks_are_fetched_again() {
         let chunk = 64 << 10;
         let g = Geometry::new(1 << 20, chunk as u64).unwrap();
         let store = pattern_memory(g, 21);
-        let mut region = Region::open(store.clone(), direct(tracking)).unwrap();
+        let region = Region::open(store.clone(), direct(tracking)).unwrap();
         let expected = pattern_bytes(21, 0, 1 << 20);
-        let mem = region.as_mut_slice();
-        assert!(mem[..4 * chunk] == expected[..4 * chunk]);
-        mem[2 * chunk] = !expected[2 * chunk]; // page 0 of chunk 2: written
-        mem[chunk + 3] = !expected[chunk + 3]; // chunk 1: written, then discarded whole
-        let base = region.as_ptr();
-        // Discard chunk 1 whole and the second half of chunk 2.
-        // SAFETY: both ranges lie in the region, which the test owns; no reference to them
-        // is alive (the slice above is not used again before it is re-borrowed).
-        unsafe {
-            assert_eq!(
-                libc::madvise(base.add(chunk).cast(), chunk, libc::MADV_DONTNEED),
-                0
-            );
-            assert_eq!(
-                libc::madvise(
-                    base.add(2 * chunk + chunk / 2).cast(),
-                    chunk / 2,
-                    libc::MADV_DONTNEED
-                ),
-                0
-            );
-        }
+        let mem = region.memory();
+        assert!(mem.subslice(0, 4 * chunk).unwrap().to_vec()[..] == expected[..4 * chunk]);
+        mem.store_u8(2 * chunk, !expected[2 * chunk]).unwrap(); // page 0 of chunk 2: written
+        mem.store_u8(chunk + 3, !expected[chunk + 3]).unwrap(); // chunk 1: written, then discarded whole
+                                                                // Discard chunk 1 whole and the second half of chunk 2.
+        let page = region.page_size() as u64;
+        let (c, p) = (chunk as u64, page);
+        region
+            .discard_pages(&[c / p..2 * c / p, (2 * c + c / 2) / p..3 * c / p])
+            .unwrap();
         eventually("two remove events", || region.stats().removed_chunks == 2);
         let s = region.stats();
         assert_eq!(s.remove_events, 2, "{tracking:?}: {s:?}");
         let fetched = s.chunks_fetched;
-        let mem = region.as_slice();
+        let mem = region.memory();
         assert!(
-            mem[chunk..2 * chunk] == expected[chunk..2 * chunk],
+            mem.subslice(chunk, chunk).unwrap().to_vec()[..] == expected[chunk..2 * chunk],
             "{tracking:?}: a discarded chunk reads the store again"
         );
         assert_eq!(
-            mem[2 * chunk],
+            mem.load_u8(2 * chunk).unwrap(),
             !expected[2 * chunk],
             "kept page keeps its write"
         );
         assert!(
-            mem[2 * chunk + 1..3 * chunk] == expected[2 * chunk + 1..3 * chunk],
+            mem.subslice(2 * chunk + 1, chunk - 1).unwrap().to_vec()[..]
+                == expected[2 * chunk + 1..3 * chunk],
             "{tracking:?}: the discarded half is fetched again, the rest kept"
         );
         eventually("two chunks fetched again", || {
@@ -236,7 +229,10 @@ fn a_region_can_live_at_a_fixed_address() {
     };
     let region = Region::open(store.clone(), opts.clone()).unwrap();
     assert_eq!(region.as_ptr() as usize, addr);
-    assert_eq!(region.as_slice()[77], pattern_bytes(3, 77, 1)[0]);
+    assert_eq!(
+        region.memory().load_u8(77).unwrap(),
+        pattern_bytes(3, 77, 1)[0]
+    );
     let err = Region::open(store, opts).unwrap_err();
     assert!(err.to_string().contains("mapping"), "{err}");
 }
@@ -252,7 +248,10 @@ fn a_forked_child_does_not_inherit_the_region() {
         direct(WriteTracking::Auto),
     )
     .unwrap();
-    assert_eq!(region.as_slice()[0], pattern_bytes(3, 0, 1)[0]);
+    assert_eq!(
+        region.memory().load_u8(0).unwrap(),
+        pattern_bytes(3, 0, 1)[0]
+    );
     let base = region.as_ptr();
     // SAFETY: the child only reads one byte of memory and exits: no allocation, no lock.
     let pid = unsafe { libc::fork() };
@@ -273,7 +272,7 @@ fn a_forked_child_does_not_inherit_the_region() {
     );
     // The parent's region still works.
     assert_eq!(
-        region.as_slice()[(1 << 20) - 1],
+        region.memory().load_u8((1 << 20) - 1).unwrap(),
         pattern_bytes(3, (1 << 20) - 1, 1)[0]
     );
 }
@@ -302,8 +301,8 @@ fn written_chunks_are_pushed_on_the_interval() {
         },
         ..RegionOptions::direct()
     };
-    let mut region = Region::open(store.clone(), opts).unwrap();
-    region.as_mut_slice()[3 * (64 << 10) + 1] = 42;
+    let region = Region::open(store.clone(), opts).unwrap();
+    region.memory().store_u8(3 * (64 << 10) + 1, 42).unwrap();
     eventually("the background push", || {
         block_on(store.read(ChunkIdx(3))).unwrap()[1] == 42
     });
@@ -321,8 +320,8 @@ fn a_failed_push_fails_sync_and_stays_dirty() {
     let faulty = Arc::new(Faulty::new(MemoryStore::new(g), FaultPlan::never()));
     let mut opts = direct(WriteTracking::Auto);
     opts.push.retry = RetryPolicy::immediate(2);
-    let mut region = Region::open(faulty.clone(), opts).unwrap();
-    region.as_mut_slice()[70_000] = 7;
+    let region = Region::open(faulty.clone(), opts).unwrap();
+    region.memory().store_u8(70_000, 7).unwrap();
     faulty.set_plan(FaultPlan {
         ops: OpSet::WRITE,
         trigger: FaultTrigger::Always,

@@ -45,8 +45,8 @@ fn main() -> Result<(), Box<dyn Error>> {
         mode: RegionMode::Direct,
         ..RegionOptions::default()
     };
-    let mut region = open_region(&spec, opts)?;
-    region.as_mut_slice()[..6].copy_from_slice(b"before");
+    let region = open_region(&spec, opts)?;
+    region.memory().write_from(0, b"before")?;
     region.sync()?;
 
     // Start the handler (this program again) and give it the region.
@@ -63,16 +63,15 @@ fn main() -> Result<(), Box<dyn Error>> {
 
     // Faults are now served by the other process; writes are still tracked here.
     let mb = 1 << 20;
-    let sum: u64 = region
-        .as_slice()
-        .chunks(mb)
-        .map(|c| u64::from(c[mb / 2]))
-        .sum();
+    let mem = region.memory();
+    let sum: u64 = (0..mem.len() / mb)
+        .map(|c| mem.load_u8(c * mb + mb / 2).map(u64::from))
+        .sum::<Result<u64, _>>()?;
     println!(
         "[owner] read 16 MiB through the other process (sum {sum}), faults served here: {}",
         region.stats().faults - faults_before
     );
-    region.as_mut_slice()[7 * mb..7 * mb + 6].copy_from_slice(b"remote");
+    region.memory().write_from(7 * mb, b"remote")?;
     region.sync()?;
 
     handover::reclaim(&region, Duration::from_secs(10))?;

@@ -36,19 +36,20 @@ fn main() -> Result<(), Box<dyn Error>> {
         },
         ..RegionOptions::default()
     };
-    let mut region = Region::open(store.clone(), opts)?;
-    let greeting = &region.as_slice()[3 * (64 << 10)..][..14];
-    println!("read through memory: {:?}", std::str::from_utf8(greeting)?);
-    assert_eq!(greeting, b"hello, farmap!");
+    let region = Region::open(store.clone(), opts)?;
+    let mut greeting = [0u8; 14];
+    region.memory().read_into(3 * (64 << 10), &mut greeting)?;
+    println!("read through memory: {:?}", std::str::from_utf8(&greeting)?);
+    assert_eq!(&greeting, b"hello, farmap!");
 
     // Write through memory: tracked per page, pushed by sync().
-    region.as_mut_slice()[1000..1005].copy_from_slice(b"world");
+    region.memory().write_from(1000, b"world")?;
     let dirty = region.take_dirty()?;
     println!(
         "written pages: {:?} in chunks {:?}",
         dirty.pages, dirty.chunks
     );
-    region.as_mut_slice()[1000..1005].copy_from_slice(b"again"); // re-dirty after the take
+    region.memory().write_from(1000, b"again")?; // re-dirty after the take
     region.sync()?;
     let stored = rt.block_on(store.read(ChunkIdx(0)))?;
     println!(

@@ -1,14 +1,15 @@
 //! Regions: plain memory whose content lives in a store. Touching a chunk for the first time
 //! fetches it; written pages are tracked (per 4 KiB page) and pushed back in the background
 //! and at [`Region::sync`]. Built on userfaultfd: see [`farmap_uffd`] for the design, the
-//! kernel behaviour it relies on, the aliasing contract of the slices and `fork()`.
+//! kernel behaviour it relies on, the aliasing contract of region memory ([`RegionSlice`]) and
+//! `fork()`.
 //!
 //! ```no_run
 //! # fn demo() -> Result<(), Box<dyn std::error::Error>> {
 //! use farmap::{open_region, RegionOptions, StoreSpec};
 //! let spec: StoreSpec = "file:./disk.img?size=256MiB".parse()?;
-//! let mut region = open_region(&spec, RegionOptions::default())?;
-//! region.as_mut_slice()[..5].copy_from_slice(b"hello");
+//! let region = open_region(&spec, RegionOptions::default())?;
+//! region.memory().write_from(0, b"hello")?;
 //! region.sync()?; // the store has it
 //! println!("{:?}", region.stats());
 //! region.close()?;
@@ -25,7 +26,7 @@ use crate::spec::{open_store, OpenError, SpecKind, StoreSpec};
 
 pub use farmap_uffd::{
     probe, DirtyReport, HandlerLocation, Region, RegionError, RegionMode, RegionOptions,
-    RegionStats, Support, TrackingMode, WriteTracking,
+    RegionSlice, RegionStats, SliceError, Support, TrackingMode, WriteTracking,
 };
 
 /// Why [`open_region`] failed.

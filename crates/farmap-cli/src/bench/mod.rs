@@ -9,6 +9,7 @@ use clap::Subcommand;
 mod net;
 mod pull;
 mod uffd;
+mod uffd_raw;
 
 #[derive(Debug, Subcommand)]
 pub enum BenchCommand {

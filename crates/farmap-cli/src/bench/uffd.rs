@@ -3,7 +3,7 @@
 //! Each case drives a farmap `Region` in direct mode (no background pull: every chunk comes
 //! in through a fault; no periodic push) over a sparse memory store, and measures in the same
 //! run, with the same touch loops and the same pages:
-//! - the raw baseline (`farmap_uffd::baseline`): one thread `UFFDIO_COPY`ing the faulted
+//! - the raw baseline (`uffd_raw.rs`): one thread `UFFDIO_COPY`ing the faulted
 //!   chunk out of a plain buffer, registered and installing write-protected like the region
 //!   (`baseline_*`, the reference the ratios use), and the same handler registered `MISSING`
 //!   only (`baseline_missing_*`);
@@ -28,13 +28,13 @@ use std::process::ExitCode;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
+use super::uffd_raw::{self as baseline, Baseline, BaselineMode, Latencies, PAGE_SIZE};
 use anyhow::{bail, Context};
 use bytes::Bytes;
 use clap::{Args, ValueEnum};
 use farmap::pipeline::PushOptions;
 use farmap::store::MemoryStore;
 use farmap::{format_size, Geometry, Store, DEFAULT_CHUNK_SIZE};
-use farmap_uffd::baseline::{self, Baseline, BaselineMode, Latencies, PAGE_SIZE};
 use farmap_uffd::{Region, RegionOptions};
 use rand::{RngCore, SeedableRng};
 use serde::Serialize;
@@ -274,7 +274,7 @@ impl Bench {
         };
         let farmap = || -> anyhow::Result<_> {
             let region = open_region(store)?;
-            let lat = Latencies::from_samples(baseline::touch_each(region.as_slice(), &pages));
+            let lat = Latencies::from_samples(baseline::touch_each(region.memory(), &pages));
             Ok((lat, region.stats(), region.tracking_mode().as_str()))
         };
         let ((wp, missing), (lat, stats, tracking)) = in_turn(run, baselines, farmap)?;
@@ -308,8 +308,8 @@ impl Bench {
         };
         let farmap = || -> anyhow::Result<_> {
             let region = open_region(store)?;
-            let elapsed = baseline::touch_all(region.as_slice());
-            let verified = region.as_slice() == &self.data[..];
+            let elapsed = baseline::touch_all(region.memory());
+            let verified = region.memory().to_vec() == self.data;
             Ok((
                 elapsed,
                 verified,
@@ -339,15 +339,15 @@ impl Bench {
         let case = Case::DirtyScan;
         let npages = self.data.len() / PAGE_SIZE;
         let raw = self.baseline(BaselineMode::WriteProtect)?;
-        let mut region = open_region(store)?;
-        baseline::touch_all(region.as_slice());
+        let region = open_region(store)?;
+        baseline::touch_all(region.memory());
         region.take_dirty().context("the first take_dirty")?;
         let tracking = region.tracking_mode().as_str();
         let mut rows = Vec::new();
         for percent in DIRTY_PERCENTS {
             let pages = baseline::spread_pages(npages, percent);
             let base = raw.dirty_scan(&pages).context("baseline PAGEMAP_SCAN")?;
-            baseline::write_each(region.as_mut_slice(), &pages);
+            baseline::write_each(region.memory(), &pages);
             let started = Instant::now();
             let report = region.take_dirty().context("take_dirty")?;
             let elapsed = started.elapsed();

@@ -28,7 +28,7 @@ mod socket;
 
 use std::fmt;
 use std::io::{self, Read, Write};
-use std::os::fd::{AsFd, AsRawFd, FromRawFd, OwnedFd};
+use std::os::fd::{AsFd, OwnedFd};
 use std::os::unix::net::UnixStream;
 use std::sync::Arc;
 use std::thread::JoinHandle;
@@ -41,7 +41,7 @@ use crate::memory::{Events, RegionMemory};
 use crate::options::TrackingMode;
 use crate::pagemap::Pagemap;
 use crate::region::{Inner, Region};
-use crate::server::{OwnedRuntime, Reader, Server, ServerParts};
+use crate::server::{OwnedRuntime, Reader, Server, ServerParts, StopSignal};
 use crate::stats::Counters;
 use crate::sys;
 use crate::uffd::{Uffd, UffdRange};
@@ -129,7 +129,7 @@ impl Default for SendOptions {
 /// The owner's side of a hand-over in progress: the watcher thread and the socket.
 pub(crate) struct Remote {
     sock: Arc<UnixStream>,
-    stop: OwnedFd,
+    stop: Arc<StopSignal>,
     thread: Option<JoinHandle<()>>,
 }
 
@@ -137,9 +137,7 @@ impl Remote {
     /// Stops the watcher (it will not take over) and returns the socket, which the caller
     /// closes once the region is unmapped.
     pub fn detach(mut self) -> Arc<UnixStream> {
-        let one: u64 = 1;
-        // SAFETY: writing 8 bytes from a live u64 to our eventfd.
-        unsafe { libc::write(self.stop.as_raw_fd(), (&raw const one).cast(), 8) };
+        self.stop.signal();
         if let Some(t) = self.thread.take() {
             let _ = t.join();
         }
@@ -189,7 +187,7 @@ pub fn send(region: &Region, sock: UnixStream, opts: SendOptions) -> Result<(), 
         };
         let fds = [range.uffd().as_fd(), pagemap.fd().as_fd()];
         socket::send_with_fds(&sock, &hello.encode(), &fds).map_err(io_err("sending the hello"))?;
-        let (ready, _) = socket::wait_readable(&sock, None, timeout_ms(opts.reply_timeout))
+        let (ready, _) = socket::wait_readable(&sock, None, Some(opts.reply_timeout))
             .map_err(io_err("waiting for the reply"))?;
         if !ready {
             return Err(HandoverError::Timeout(opts.reply_timeout));
@@ -210,22 +208,20 @@ pub fn send(region: &Region, sock: UnixStream, opts: SendOptions) -> Result<(), 
         return Err(e);
     }
     let sock = Arc::new(sock);
-    // SAFETY: eventfd takes plain flags and returns a new fd or -1.
-    let efd = unsafe { libc::eventfd(0, libc::EFD_CLOEXEC | libc::EFD_NONBLOCK) };
-    if efd < 0 {
-        let e = io::Error::last_os_error();
-        let _ = inner.take_over();
-        return Err(HandoverError::Io {
-            what: "creating the watcher's eventfd",
-            source: e,
-        });
-    }
-    // SAFETY: the kernel just returned this fd to us.
-    let stop = unsafe { OwnedFd::from_raw_fd(efd) };
-    let (w_inner, w_sock, w_stop) = (inner.clone(), sock.clone(), stop.as_raw_fd());
+    let stop = match StopSignal::new() {
+        Ok(s) => Arc::new(s),
+        Err(e) => {
+            let _ = inner.take_over();
+            return Err(HandoverError::Io {
+                what: "creating the watcher's eventfd",
+                source: e,
+            });
+        }
+    };
+    let (w_inner, w_sock, w_stop) = (inner.clone(), sock.clone(), stop.clone());
     let thread = std::thread::Builder::new()
         .name("farmap-uffd-watch".into())
-        .spawn(move || watch(&w_inner, &w_sock, w_stop));
+        .spawn(move || watch(&w_inner, &w_sock, &w_stop));
     let thread = match thread {
         Ok(t) => t,
         Err(e) => {
@@ -241,14 +237,10 @@ pub fn send(region: &Region, sock: UnixStream, opts: SendOptions) -> Result<(), 
     Ok(())
 }
 
-fn timeout_ms(d: Duration) -> i32 {
-    i32::try_from(d.as_millis()).unwrap_or(i32::MAX)
-}
-
 /// The watcher: waits for the handler's end of the socket to close, then takes over.
-fn watch(inner: &Arc<Inner>, sock: &UnixStream, stop: i32) {
+fn watch(inner: &Arc<Inner>, sock: &UnixStream, stop: &StopSignal) {
     loop {
-        match socket::wait_readable(sock, Some(stop), -1) {
+        match socket::wait_readable(sock, Some(stop.fd()), None) {
             Ok((_, true)) => return,
             Ok((true, _)) => {
                 let mut b = [0u8; 64];
@@ -454,11 +446,9 @@ impl Served {
     ) -> Result<Served, HandoverError> {
         let setup = |e: io::Error| HandoverError::Setup(Box::new(e));
         let uffd = Arc::new(Uffd::from_owned(uffd_fd, hello.features));
-        // SAFETY: the owner registered base..base+len with this userfaultfd (missing and
-        // write-protect modes) in its own address space, as the hello says; this process
-        // never accesses that memory itself, it only fills, wakes and poisons it through the
-        // fd, which is what the owner handed it over for.
-        let range = unsafe { UffdRange::new(uffd, hello.base as usize, hello.len as usize) };
+        // The owner registered base..base+len with this userfaultfd in its own address space,
+        // as the hello says (if it lied, the kernel refuses the copies).
+        let range = UffdRange::new(uffd, hello.base as usize, hello.len as usize);
         let runtime =
             OwnedRuntime::new(opts.worker_threads, "farmap-uffd-handler").map_err(setup)?;
         let counters = Arc::new(Counters::default());

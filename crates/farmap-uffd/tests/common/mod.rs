@@ -9,18 +9,15 @@ use farmap_core::{ChunkIdx, Geometry, Store};
 use farmap_pipeline::PushOptions;
 use farmap_store::MemoryStore;
 use farmap_testkit::pattern_bytes;
-use farmap_uffd::{RegionOptions, WriteTracking};
+use farmap_uffd::{Region, RegionOptions, WriteTracking};
 
-/// Whether userfaultfd works here. Prints "skipped: <why>" when it does not; under CI=true a
-/// missing userfaultfd fails the test instead (CI machines support everything).
+/// Whether userfaultfd works here. Records a skip (`farmap_testkit::skip`) when it does not;
+/// under CI=true that fails the test instead (CI machines support everything).
 pub fn uffd_available(test: &str) -> bool {
     match farmap_uffd::probe() {
         Ok(_) => true,
         Err(e) => {
-            if std::env::var("CI").is_ok_and(|v| v == "true") {
-                panic!("{test}: userfaultfd must work under CI=true: {e}");
-            }
-            println!("skipped: {test}: {e}");
+            farmap_testkit::skip(test, e);
             false
         }
     }
@@ -80,26 +77,15 @@ pub fn tracking_modes() -> Vec<WriteTracking> {
     modes
 }
 
-/// Reads one byte of region memory through a raw pointer (for threads sharing a region).
-pub fn peek(base: *mut u8, offset: usize) -> u8 {
-    // SAFETY: the callers pass offsets inside a live region; volatile because other threads
-    // write the same memory.
-    unsafe { base.add(offset).read_volatile() }
+/// Reads one byte of region memory (a volatile load).
+pub fn peek(region: &Region, offset: usize) -> u8 {
+    region.memory().load_u8(offset).unwrap()
 }
 
-/// Writes one byte of region memory through a raw pointer.
-pub fn poke(base: *mut u8, offset: usize, v: u8) {
-    // SAFETY: as in `peek`.
-    unsafe { base.add(offset).write_volatile(v) }
+/// Writes one byte of region memory (a volatile store).
+pub fn poke(region: &Region, offset: usize, v: u8) {
+    region.memory().store_u8(offset, v).unwrap()
 }
-
-/// A pointer that may cross threads (the region outlives the threads in every test).
-#[derive(Clone, Copy)]
-pub struct SendPtr(pub *mut u8);
-// SAFETY: region memory is shared memory; the tests join their threads before the region drops.
-unsafe impl Send for SendPtr {}
-// SAFETY: as above.
-unsafe impl Sync for SendPtr {}
 
 /// Runs `f` on a thread and waits at most `limit` for it: a hang fails the test instead of
 /// hanging it.

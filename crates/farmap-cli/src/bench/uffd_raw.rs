@@ -1,10 +1,13 @@
 //! The raw reference for `farmap bench uffd`: the least a userfaultfd handler can do.
 //!
+//! The one file of the CLI with `unsafe` code: its own mapping (mmap, munmap), registering
+//! it with a userfaultfd, unregistering it, and the volatile view of it the touch loops use.
+//!
 //! A [`Baseline`] uses nothing of farmap's pipeline — no store, no stages, no chunk map, no
 //! async runtime. It maps an anonymous region, registers it with a fresh userfaultfd and
 //! serves every fault from one handler thread by `UFFDIO_COPY`ing the chunk that contains the
 //! faulting address straight out of a plain source buffer. Whatever a
-//! [`Region`](crate::Region) spends on top of this (store reads, bookkeeping, hand-offs
+//! `farmap_uffd::Region` spends on top of this (store reads, bookkeeping, hand-offs
 //! between threads) is what the benchmark shows.
 //!
 //! Two modes, because write tracking changes the kernel's work:
@@ -28,14 +31,17 @@
 use std::hint::black_box;
 use std::io;
 use std::os::fd::AsRawFd;
+use std::ptr::NonNull;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Barrier};
 use std::time::{Duration, Instant};
 
-use crate::mapping::Mapping;
-use crate::pagemap::Pagemap;
-use crate::sys;
-use crate::uffd::{InstallError, Uffd, UffdRange};
+use farmap_uffd::pagemap::Pagemap;
+use farmap_uffd::sys;
+use farmap_uffd::uffd::{InstallError, Uffd, UffdRange};
+use farmap_uffd::RegionSlice;
+use rustix::event::{poll, PollFd, PollFlags, Timespec};
+use rustix::mm::{self, MapFlags, ProtFlags};
 
 /// The page size the baseline works in (and the one its page indices count in): 4 KiB.
 pub const PAGE_SIZE: usize = 4096;
@@ -261,11 +267,8 @@ impl<'a> Baseline<'a> {
             region.range.base() + region.range.len(),
         );
         scan_written(&pagemap, start, end, &mut scratch)?;
-        // SAFETY: the mapping is live and writable, every page of it is present (installed
-        // above), so no write blocks on the handler-less fd, and nothing else refers to its
-        // memory while this slice lives.
-        let mem = unsafe { std::slice::from_raw_parts_mut(region.mapping.ptr(), region.len()) };
-        write_each(mem, pages);
+        // Every page is present (installed above), so no write blocks on the handler-less fd.
+        write_each(region.slice(), pages);
         let started = Instant::now();
         let reported = scan_written(&pagemap, start, end, &mut scratch)?;
         let elapsed = started.elapsed();
@@ -291,7 +294,7 @@ impl<'a> Baseline<'a> {
     fn with_handler<R>(
         &self,
         chunk: usize,
-        f: impl FnOnce(&[u8]) -> R,
+        f: impl FnOnce(RegionSlice<'_>) -> R,
     ) -> Result<(R, u64), BaselineError> {
         if !chunk.is_power_of_two() || chunk < PAGE_SIZE {
             return Err(BaselineError::Invalid(format!(
@@ -326,12 +329,9 @@ impl<'a> Baseline<'a> {
             let guard = StopOnDrop(&stop);
             // The handler thread is up before the touches (and any clock) start.
             ready.wait();
-            // SAFETY: the mapping is live and readable for the whole scope (it is unmapped when
-            // `region` drops, after the scope); a page not yet present blocks the reader until
-            // the handler installs it, or — after a handler error — until the region is
-            // unregistered and the page reads as zeros. Nothing writes to it meanwhile.
-            let mem = unsafe { std::slice::from_raw_parts(region.mapping.ptr(), region.len()) };
-            let result = f(mem);
+            // A page not yet present blocks the reader until the handler installs it, or —
+            // after a handler error — until the region is unregistered and reads as zeros.
+            let result = f(region.slice());
             drop(guard);
             thread
                 .join()
@@ -341,12 +341,13 @@ impl<'a> Baseline<'a> {
     }
 }
 
-/// Reads one byte of each page in `pages` (page indices into `mem`), timing each read alone.
-pub fn touch_each(mem: &[u8], pages: &[usize]) -> Vec<Duration> {
+/// Reads one byte of each page in `pages` (page indices into `mem`, which must lie in it),
+/// timing each read alone.
+pub fn touch_each(mem: RegionSlice<'_>, pages: &[usize]) -> Vec<Duration> {
     let mut out = Vec::with_capacity(pages.len());
     for &p in pages {
         let started = Instant::now();
-        black_box(black_box(mem)[p * PAGE_SIZE]);
+        black_box(mem.load_u8(p * PAGE_SIZE).expect("pages are checked"));
         out.push(started.elapsed());
     }
     out
@@ -354,19 +355,21 @@ pub fn touch_each(mem: &[u8], pages: &[usize]) -> Vec<Duration> {
 
 /// Reads one byte of every page of `mem` in order; returns the time from the first read to
 /// the end of the last.
-pub fn touch_all(mem: &[u8]) -> Duration {
+pub fn touch_all(mem: RegionSlice<'_>) -> Duration {
     let started = Instant::now();
     for offset in (0..mem.len()).step_by(PAGE_SIZE) {
-        black_box(black_box(mem)[offset]);
+        black_box(mem.load_u8(offset).expect("in range"));
     }
     started.elapsed()
 }
 
-/// Changes one byte of each page in `pages` (page indices into `mem`).
-pub fn write_each(mem: &mut [u8], pages: &[usize]) {
+/// Changes one byte of each page in `pages` (page indices into `mem`, which must lie in it).
+pub fn write_each(mem: RegionSlice<'_>, pages: &[usize]) {
     for &p in pages {
-        let b = &mut black_box(&mut *mem)[p * PAGE_SIZE];
-        *b = b.wrapping_add(1);
+        let off = p * PAGE_SIZE;
+        let b = mem.load_u8(off).expect("pages are checked");
+        mem.store_u8(off, b.wrapping_add(1))
+            .expect("pages are checked");
     }
 }
 
@@ -402,6 +405,42 @@ pub fn spread_pages(npages: usize, percent: u32) -> Vec<usize> {
         .collect()
 }
 
+/// An anonymous private mapping of the baseline's own, unmapped on drop.
+#[derive(Debug)]
+struct Mapping {
+    ptr: NonNull<u8>,
+    len: usize,
+}
+
+impl Mapping {
+    fn new(len: usize) -> io::Result<Mapping> {
+        // SAFETY: a fresh anonymous mapping at an address the kernel picks: no existing memory
+        // is touched.
+        let p = unsafe {
+            mm::mmap_anonymous(
+                std::ptr::null_mut(),
+                len,
+                ProtFlags::READ | ProtFlags::WRITE,
+                MapFlags::PRIVATE | MapFlags::NORESERVE,
+            )
+        }?;
+        let ptr = NonNull::new(p.cast::<u8>()).ok_or_else(|| io::Error::other("mmap gave null"))?;
+        Ok(Mapping { ptr, len })
+    }
+
+    fn addr(&self) -> usize {
+        self.ptr.as_ptr() as usize
+    }
+}
+
+impl Drop for Mapping {
+    fn drop(&mut self) {
+        // SAFETY: our own mapping, unmapped once; every `RegionSlice` of it borrows the
+        // `Registered` that owns this value, so none outlives it.
+        let _ = unsafe { mm::munmap(self.ptr.as_ptr().cast(), self.len) };
+    }
+}
+
 /// An anonymous mapping registered with its own userfaultfd.
 #[derive(Debug)]
 struct Registered {
@@ -413,21 +452,22 @@ struct Registered {
 
 impl Registered {
     fn new(len: usize, mode: BaselineMode) -> Result<Self, BaselineError> {
-        let mapping = Mapping::new(len, None).map_err(sys_err("mapping the region"))?;
+        let mapping = Mapping::new(len).map_err(sys_err("mapping the region"))?;
         let uffd = Uffd::open(mode.features()).map_err(sys_err("opening a userfaultfd"))?;
-        // SAFETY: the mapping is ours, anonymous, private and page-aligned; nothing but this
-        // baseline (which serves every fault, or unregisters on failure) ever touches it.
+        // SAFETY: the mapping is ours, anonymous, private and page-aligned (mmap), and no Rust
+        // reference ever covers its memory: it is only reached through `slice()`, whose
+        // volatile accesses accept pages being filled, protected or read as zeros.
         unsafe { uffd.register(mapping.addr(), len, mode.register_mode()) }
             .map_err(sys_err("registering the region"))?;
-        // SAFETY: the range is exactly the mapping just registered with `uffd` in this
-        // process; the baseline's only references to its memory are the touch loops, which
-        // read (or write) plain bytes and tolerate pages being filled.
-        let range = unsafe { UffdRange::new(Arc::new(uffd), mapping.addr(), len) };
+        let range = UffdRange::new(Arc::new(uffd), mapping.addr(), len);
         Ok(Self { mapping, range })
     }
 
-    fn len(&self) -> usize {
-        self.mapping.len()
+    /// The memory, as a volatile slice borrowed from `self`.
+    fn slice(&self) -> RegionSlice<'_> {
+        // SAFETY: the mapping stays mapped while `self` is borrowed (it is unmapped only when
+        // `self` drops), and this file never makes a reference into it.
+        unsafe { RegionSlice::new(self.mapping.ptr, self.mapping.len) }
     }
 
     /// Unregisters the whole region: blocked touches wake up, missing pages read as zeros.
@@ -436,9 +476,9 @@ impl Registered {
             start: self.range.base() as u64,
             len: self.range.len() as u64,
         };
-        // SAFETY: `r` is a live UffdioRange naming exactly our registered mapping; after it,
-        // missing pages fault in as zeros, which only the failing measurement sees (its
-        // result is discarded for the error).
+        // SAFETY: `r` is a live UffdioRange, the type UFFDIO_UNREGISTER takes, naming exactly
+        // our registered mapping; afterwards missing pages fault in as zeros, which only the
+        // failing measurement sees through its volatile slice (its result is discarded).
         let _ = unsafe {
             sys::ioctl(
                 self.range.uffd().as_raw_fd(),
@@ -522,16 +562,14 @@ impl Handler<'_> {
     fn serve(&self) -> Result<(), BaselineError> {
         let range = &self.region.range;
         let mut msgs = [sys::UffdMsg::default(); 16];
-        let mut pfd = libc::pollfd {
-            fd: range.uffd().as_raw_fd(),
-            events: libc::POLLIN,
-            revents: 0,
+        // The timeout only bounds how late the stop flag is seen: a fault wakes poll at once.
+        let tick = Timespec {
+            tv_sec: 0,
+            tv_nsec: 10_000_000,
         };
         while !self.stop.load(Ordering::Acquire) {
-            // The timeout only bounds how late the stop flag is seen: a fault wakes poll at once.
-            // SAFETY: `pfd` is one live pollfd, and the count says one.
-            let polled = unsafe { libc::poll(&mut pfd, 1, 10) };
-            if polled <= 0 {
+            let mut pfd = [PollFd::new(&**range.uffd(), PollFlags::IN)];
+            if !matches!(poll(&mut pfd, Some(&tick)), Ok(n) if n > 0) {
                 continue;
             }
             let n = range
@@ -598,7 +636,7 @@ mod tests {
                 assert_eq!(f.faults, (src.len() / chunk) as u64, "{mode:?} {chunk}");
                 assert!(f.mb_per_s() > 0.0);
             }
-            let (same, faults) = b.with_handler(64 << 10, |mem| mem == &src[..]).unwrap();
+            let (same, faults) = b.with_handler(64 << 10, |mem| mem.to_vec() == src).unwrap();
             assert!(same, "{mode:?}: the region must read as the source");
             assert_eq!(faults, 64);
         }

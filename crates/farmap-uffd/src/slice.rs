@@ -1,0 +1,428 @@
+//! [`RegionSlice`]: a view of live region memory that only allows volatile accesses.
+//!
+//! Region memory is shared with threads that Rust cannot see (the application's other threads,
+//! farmap's push threads, the kernel filling missing pages and discarding pages on request),
+//! so no `&[u8]` or `&mut [u8]` into it may exist in safe code: the compiler would be allowed
+//! to assume that the bytes do not change under a shared reference, or that nobody else reads
+//! them under a unique one. Like vm-memory's `VolatileSlice`, a [`RegionSlice`] is a pointer
+//! and a length that is only ever read and written with volatile accesses, which the compiler
+//! neither elides, merges nor invents. Every access is bounds-checked and fails with a
+//! [`SliceError`] rather than touching memory outside the slice.
+//!
+//! Bytes written concurrently by another thread may be read torn (some bytes old, some new),
+//! as with any shared memory; aligned 8-byte accesses ([`RegionSlice::load_u64`],
+//! [`RegionSlice::store_u64`]) are single instructions and never torn on the 64-bit targets
+//! farmap supports.
+//!
+//! This file and `mapping.rs` are the only places that make a [`RegionSlice`] out of a raw
+//! pointer.
+
+use std::fmt;
+use std::marker::PhantomData;
+use std::ptr::NonNull;
+
+/// Why an access through a [`RegionSlice`] was refused (nothing was read or written).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, thiserror::Error)]
+#[non_exhaustive]
+pub enum SliceError {
+    /// The range asked for does not lie inside the slice.
+    #[error("{len} bytes at offset {offset} reach past the end of a slice of {size} bytes")]
+    OutOfRange {
+        /// Offset of the access.
+        offset: usize,
+        /// Length of the access.
+        len: usize,
+        /// Length of the slice.
+        size: usize,
+    },
+    /// A word access at an address that is not a multiple of the word's size.
+    #[error("an access of {align} bytes at offset {offset} is not aligned")]
+    Misaligned {
+        /// Offset of the access.
+        offset: usize,
+        /// The alignment it needs.
+        align: usize,
+    },
+}
+
+/// A bounds-checked window into region memory, accessed only with volatile reads and writes.
+///
+/// It borrows the region (lifetime `'a`), which stays mapped while the borrow lives. It is
+/// `Copy`, `Send` and `Sync`: sharing it between threads is what region memory is for, and
+/// every access is a volatile copy whose result under a concurrent write is old or new bytes,
+/// never undefined behaviour in this process's Rust code.
+#[derive(Clone, Copy)]
+pub struct RegionSlice<'a> {
+    ptr: NonNull<u8>,
+    len: usize,
+    _region: PhantomData<&'a [u8]>,
+}
+
+// SAFETY: a RegionSlice is a pointer into memory that is designed to be shared between
+// threads; every access through it is a volatile copy (no reference is ever formed), so moving
+// or sharing the value between threads cannot create a data race on Rust-owned data.
+unsafe impl Send for RegionSlice<'_> {}
+// SAFETY: as for Send: `&RegionSlice` only allows the same volatile accesses.
+unsafe impl Sync for RegionSlice<'_> {}
+
+/// Word size of the copy loops.
+const WORD: usize = std::mem::size_of::<u64>();
+
+impl<'a> RegionSlice<'a> {
+    /// A slice of `len` bytes at `ptr`.
+    ///
+    /// # Safety
+    /// For all of `'a`, `ptr..ptr+len` must stay mapped readable and writable memory (its
+    /// pages may be missing and filled by a userfaultfd handler of another thread or process,
+    /// or discarded and filled again), and no Rust reference (`&`/`&mut`) to any of its bytes
+    /// may be used while the slice is used: region memory is only accessed volatilely or
+    /// through raw pointers by code that accepts concurrent changes.
+    pub unsafe fn new(ptr: NonNull<u8>, len: usize) -> RegionSlice<'a> {
+        RegionSlice {
+            ptr,
+            len,
+            _region: PhantomData,
+        }
+    }
+
+    /// Length in bytes.
+    pub fn len(&self) -> usize {
+        self.len
+    }
+
+    /// Whether the slice has no bytes.
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+
+    /// The first byte, for raw accesses (atomics, system calls) by code that keeps the
+    /// contract of [`RegionSlice::new`]. Dereferencing it is `unsafe`.
+    pub fn as_ptr(&self) -> *mut u8 {
+        self.ptr.as_ptr()
+    }
+
+    /// The slice as plain bytes. Prefer the volatile accessors, which need no `unsafe`.
+    ///
+    /// # Safety
+    /// While the returned slice lives, nothing may change these bytes: no write through any
+    /// `RegionSlice` ([`Region::memory`](crate::Region::memory),
+    /// [`Region::write_at`](crate::Region::write_at)), raw pointers or another thread, and no
+    /// [`Region::discard_pages`](crate::Region::discard_pages) (discarded pages read as
+    /// refetched content). farmap itself meanwhile only fills missing pages (a read of a
+    /// missing page waits for its fill, so no read sees it change), reads pages to push them,
+    /// and changes their write protection: none of that changes a byte the slice can observe.
+    pub unsafe fn as_slice(&self) -> &'a [u8] {
+        // SAFETY: mapped and readable for `'a` (`new`'s contract); the caller guarantees that
+        // no byte changes while the reference lives.
+        unsafe { std::slice::from_raw_parts(self.ptr.as_ptr(), self.len) }
+    }
+
+    /// The slice as plain mutable bytes; writes are tracked and pushed like any other. Prefer
+    /// the volatile accessors, which need no `unsafe`.
+    ///
+    /// # Safety
+    /// While the returned slice lives, no other code may read or write these bytes (through
+    /// this or any other `RegionSlice`, raw pointers, another thread, or a discard), except
+    /// farmap's own push threads, which read written pages with volatile loads while the
+    /// application writes them: the caller accepts that a push may copy a write half done (the
+    /// write is reported by the next scan and pushed again).
+    #[allow(clippy::mut_from_ref)]
+    pub unsafe fn as_mut_slice(&self) -> &'a mut [u8] {
+        // SAFETY: mapped and writable for `'a` (`new`'s contract); the caller guarantees that
+        // this is the only access to these bytes while the reference lives (but for farmap's
+        // volatile push reads, which it accepts).
+        unsafe { std::slice::from_raw_parts_mut(self.ptr.as_ptr(), self.len) }
+    }
+
+    /// Checks that `offset..offset+len` lies in the slice.
+    fn check(&self, offset: usize, len: usize) -> Result<(), SliceError> {
+        match offset.checked_add(len) {
+            Some(end) if end <= self.len => Ok(()),
+            _ => Err(SliceError::OutOfRange {
+                offset,
+                len,
+                size: self.len,
+            }),
+        }
+    }
+
+    /// Checks an aligned word access of `align` bytes at `offset`.
+    fn check_word(&self, offset: usize, align: usize) -> Result<(), SliceError> {
+        self.check(offset, align)?;
+        if !(self.ptr.as_ptr() as usize)
+            .wrapping_add(offset)
+            .is_multiple_of(align)
+        {
+            return Err(SliceError::Misaligned { offset, align });
+        }
+        Ok(())
+    }
+
+    /// The `len` bytes at `offset`, as a slice of the same memory.
+    pub fn subslice(&self, offset: usize, len: usize) -> Result<RegionSlice<'a>, SliceError> {
+        self.check(offset, len)?;
+        Ok(RegionSlice {
+            // SAFETY: `offset <= self.len` (checked), so the result stays inside (or one past
+            // the end of) the slice's memory and is not null.
+            ptr: unsafe { self.ptr.add(offset) },
+            len,
+            _region: PhantomData,
+        })
+    }
+
+    /// Splits the slice in two at `mid`.
+    pub fn split_at(&self, mid: usize) -> Result<(RegionSlice<'a>, RegionSlice<'a>), SliceError> {
+        Ok((self.subslice(0, mid)?, self.subslice(mid, self.len - mid)?))
+    }
+
+    /// Copies `dst.len()` bytes at `offset` into `dst` with volatile loads (8 bytes at a time
+    /// where aligned). Bytes another thread writes meanwhile may be copied old or new.
+    pub fn read_into(&self, offset: usize, dst: &mut [u8]) -> Result<(), SliceError> {
+        self.check(offset, dst.len())?;
+        // SAFETY: the source range lies in the slice (checked), readable for `'a` by
+        // `new`'s contract; `dst` is an exclusive Rust buffer, which cannot overlap region
+        // memory (no reference into it exists, `new`'s contract).
+        unsafe { copy_from_volatile(self.ptr.as_ptr().add(offset), dst) };
+        Ok(())
+    }
+
+    /// Copies `src` to `offset` with volatile stores (8 bytes at a time where aligned).
+    pub fn write_from(&self, offset: usize, src: &[u8]) -> Result<(), SliceError> {
+        self.check(offset, src.len())?;
+        // SAFETY: the destination range lies in the slice (checked), writable for `'a` by
+        // `new`'s contract; `src` is a Rust buffer, which cannot overlap region memory.
+        unsafe { copy_to_volatile(src, self.ptr.as_ptr().add(offset)) };
+        Ok(())
+    }
+
+    /// Sets `len` bytes at `offset` to `byte`.
+    pub fn fill(&self, offset: usize, len: usize, byte: u8) -> Result<(), SliceError> {
+        self.check(offset, len)?;
+        let chunk = [byte; 256];
+        let mut done = 0;
+        while done < len {
+            let n = (len - done).min(chunk.len());
+            self.write_from(offset + done, &chunk[..n])?;
+            done += n;
+        }
+        Ok(())
+    }
+
+    /// A copy of the whole slice.
+    pub fn to_vec(&self) -> Vec<u8> {
+        let mut v = vec![0u8; self.len];
+        self.read_into(0, &mut v)
+            .expect("the whole slice is in range");
+        v
+    }
+
+    /// The byte at `offset` (a volatile load).
+    pub fn load_u8(&self, offset: usize) -> Result<u8, SliceError> {
+        self.check(offset, 1)?;
+        // SAFETY: the byte lies in the slice (checked), readable for `'a` (`new`'s contract).
+        Ok(unsafe { self.ptr.as_ptr().add(offset).read_volatile() })
+    }
+
+    /// Stores `v` at `offset` (a volatile store).
+    pub fn store_u8(&self, offset: usize, v: u8) -> Result<(), SliceError> {
+        self.check(offset, 1)?;
+        // SAFETY: the byte lies in the slice (checked), writable for `'a` (`new`'s contract).
+        unsafe { self.ptr.as_ptr().add(offset).write_volatile(v) };
+        Ok(())
+    }
+
+    /// The native-endian `u64` at `offset`, which must be 8-byte aligned (one volatile load,
+    /// never torn).
+    pub fn load_u64(&self, offset: usize) -> Result<u64, SliceError> {
+        self.check_word(offset, WORD)?;
+        // SAFETY: the word lies in the slice and is aligned (checked), readable for `'a`.
+        Ok(unsafe { self.ptr.as_ptr().add(offset).cast::<u64>().read_volatile() })
+    }
+
+    /// Stores the native-endian `v` at `offset`, which must be 8-byte aligned (one volatile
+    /// store, never torn).
+    pub fn store_u64(&self, offset: usize, v: u64) -> Result<(), SliceError> {
+        self.check_word(offset, WORD)?;
+        // SAFETY: the word lies in the slice and is aligned (checked), writable for `'a`.
+        unsafe {
+            self.ptr
+                .as_ptr()
+                .add(offset)
+                .cast::<u64>()
+                .write_volatile(v)
+        };
+        Ok(())
+    }
+}
+
+impl fmt::Debug for RegionSlice<'_> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("RegionSlice")
+            .field("ptr", &self.ptr)
+            .field("len", &self.len)
+            .finish()
+    }
+}
+
+/// Copies `dst.len()` bytes from `src` into `dst`: volatile byte loads up to the first
+/// 8-byte boundary of `src`, volatile word loads, volatile byte loads for the tail.
+///
+/// # Safety
+/// `src..src+dst.len()` must be readable, and must not overlap `dst`.
+unsafe fn copy_from_volatile(src: *const u8, dst: &mut [u8]) {
+    let len = dst.len();
+    let head = src.align_offset(WORD).min(len);
+    let mut i = 0;
+    while i < head {
+        // SAFETY: `i < len`: in the readable range (the caller's contract).
+        dst[i] = unsafe { src.add(i).read_volatile() };
+        i += 1;
+    }
+    while i + 4 * WORD <= len {
+        // SAFETY: `src + i` is 8-byte aligned (past the head) and the four words lie in the
+        // readable range (`i + 32 <= len`).
+        let w = unsafe {
+            let p = src.add(i).cast::<u64>();
+            [
+                p.read_volatile(),
+                p.add(1).read_volatile(),
+                p.add(2).read_volatile(),
+                p.add(3).read_volatile(),
+            ]
+        };
+        for (k, word) in w.iter().enumerate() {
+            dst[i + k * WORD..i + (k + 1) * WORD].copy_from_slice(&word.to_ne_bytes());
+        }
+        i += 4 * WORD;
+    }
+    while i + WORD <= len {
+        // SAFETY: aligned, and the word lies in the readable range (`i + 8 <= len`).
+        let w = unsafe { src.add(i).cast::<u64>().read_volatile() };
+        dst[i..i + WORD].copy_from_slice(&w.to_ne_bytes());
+        i += WORD;
+    }
+    while i < len {
+        // SAFETY: `i < len`: in the readable range.
+        dst[i] = unsafe { src.add(i).read_volatile() };
+        i += 1;
+    }
+}
+
+/// Copies `src` to `dst` with volatile stores, word-sized where `dst` is aligned.
+///
+/// # Safety
+/// `dst..dst+src.len()` must be writable, and must not overlap `src`.
+unsafe fn copy_to_volatile(src: &[u8], dst: *mut u8) {
+    let len = src.len();
+    let head = dst.align_offset(WORD).min(len);
+    let mut i = 0;
+    while i < head {
+        // SAFETY: `i < len`: in the writable range (the caller's contract).
+        unsafe { dst.add(i).write_volatile(src[i]) };
+        i += 1;
+    }
+    while i + WORD <= len {
+        let mut w = [0u8; WORD];
+        w.copy_from_slice(&src[i..i + WORD]);
+        // SAFETY: `dst + i` is 8-byte aligned (past the head) and the word lies in the
+        // writable range (`i + 8 <= len`).
+        unsafe {
+            dst.add(i)
+                .cast::<u64>()
+                .write_volatile(u64::from_ne_bytes(w))
+        };
+        i += WORD;
+    }
+    while i < len {
+        // SAFETY: `i < len`: in the writable range.
+        unsafe { dst.add(i).write_volatile(src[i]) };
+        i += 1;
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A slice over a heap buffer that no reference touches while the slice is used.
+    fn with_buffer(len: usize, f: impl FnOnce(RegionSlice<'_>)) {
+        let mut buf = vec![0u64; len.div_ceil(8) + 1];
+        let ptr = NonNull::new(buf.as_mut_ptr().cast::<u8>()).unwrap();
+        // SAFETY: `buf` outlives the slice (dropped after `f` returns) and is only accessed
+        // through it while `f` runs.
+        f(unsafe { RegionSlice::new(ptr, len) });
+        drop(buf);
+    }
+
+    #[test]
+    fn out_of_range_accesses_are_refused_and_touch_nothing() {
+        with_buffer(100, |s| {
+            let oob = |offset, len| SliceError::OutOfRange {
+                offset,
+                len,
+                size: 100,
+            };
+            assert_eq!(s.read_into(90, &mut [0; 11]), Err(oob(90, 11)));
+            assert_eq!(s.write_from(100, &[1]), Err(oob(100, 1)));
+            assert_eq!(s.write_from(usize::MAX, &[1, 2]), Err(oob(usize::MAX, 2)));
+            assert_eq!(s.load_u8(100), Err(oob(100, 1)));
+            assert_eq!(s.store_u8(100, 1), Err(oob(100, 1)));
+            assert_eq!(s.load_u64(96), Err(oob(96, 8)));
+            assert_eq!(s.fill(50, 51, 7), Err(oob(50, 51)));
+            assert!(s.subslice(101, 0).is_err());
+            assert!(s.subslice(50, 51).is_err());
+            assert!(s.split_at(101).is_err());
+            assert_eq!(s.to_vec(), vec![0; 100], "a refused access wrote something");
+            // The edges themselves are fine.
+            s.write_from(99, &[5]).unwrap();
+            assert_eq!(s.load_u8(99), Ok(5));
+            assert!(s.read_into(100, &mut []).is_ok());
+            let tail = s.subslice(96, 4).unwrap();
+            assert_eq!(tail.len(), 4);
+            assert!(tail.read_into(1, &mut [0; 4]).is_err());
+        });
+    }
+
+    #[test]
+    fn misaligned_words_are_refused() {
+        with_buffer(64, |s| {
+            assert_eq!(
+                s.load_u64(3),
+                Err(SliceError::Misaligned {
+                    offset: 3,
+                    align: 8
+                })
+            );
+            assert!(s.store_u64(12, 1).is_err());
+            s.store_u64(16, 0x0102_0304_0506_0708).unwrap();
+            assert_eq!(s.load_u64(16), Ok(0x0102_0304_0506_0708));
+            let sub = s.subslice(1, 40).unwrap();
+            assert!(sub.load_u64(0).is_err(), "alignment is of the address");
+            assert_eq!(sub.load_u64(15), Ok(0x0102_0304_0506_0708));
+        });
+    }
+
+    #[test]
+    fn copies_match_a_plain_model_at_every_alignment() {
+        let len = 300;
+        with_buffer(len, |s| {
+            let mut model = vec![0u8; len];
+            let mut seed = 7u32;
+            for round in 0..400 {
+                seed = seed.wrapping_mul(1_103_515_245).wrapping_add(12345);
+                let off = (seed >> 8) as usize % len;
+                let n = (seed >> 20) as usize % (len - off + 1);
+                let data: Vec<u8> = (0..n).map(|i| (i + round) as u8).collect();
+                s.write_from(off, &data).unwrap();
+                model[off..off + n].copy_from_slice(&data);
+                let mut back = vec![0u8; n];
+                s.read_into(off, &mut back).unwrap();
+                assert_eq!(back, data);
+            }
+            assert_eq!(s.to_vec(), model);
+            s.fill(3, 250, 0xAB).unwrap();
+            model[3..253].fill(0xAB);
+            assert_eq!(s.to_vec(), model);
+        });
+    }
+}
