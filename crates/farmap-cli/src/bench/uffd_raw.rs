@@ -58,14 +58,6 @@ pub enum BaselineMode {
 }
 
 impl BaselineMode {
-    /// A short name for reports: `missing` or `wp`.
-    pub fn as_str(self) -> &'static str {
-        match self {
-            Self::Missing => "missing",
-            Self::WriteProtect => "wp",
-        }
-    }
-
     fn features(self) -> u64 {
         match self {
             Self::Missing => 0,
@@ -216,16 +208,6 @@ impl<'a> Baseline<'a> {
             )));
         }
         Ok(Self { source, mode })
-    }
-
-    /// The region's size in bytes.
-    pub fn region_bytes(&self) -> usize {
-        self.source.len()
-    }
-
-    /// The mode this baseline registers and installs in.
-    pub fn mode(&self) -> BaselineMode {
-        self.mode
     }
 
     /// Times a read of each page in `pages` (page indices), each alone; every fault is served
@@ -408,7 +390,8 @@ pub fn spread_pages(npages: usize, percent: u32) -> Vec<usize> {
 /// An anonymous private mapping of the baseline's own, unmapped on drop.
 #[derive(Debug)]
 struct Mapping {
-    ptr: NonNull<u8>,
+    /// The first byte (an address, so that the handler thread may share the value).
+    addr: usize,
     len: usize,
 }
 
@@ -424,12 +407,14 @@ impl Mapping {
                 MapFlags::PRIVATE | MapFlags::NORESERVE,
             )
         }?;
-        let ptr = NonNull::new(p.cast::<u8>()).ok_or_else(|| io::Error::other("mmap gave null"))?;
-        Ok(Mapping { ptr, len })
+        Ok(Mapping {
+            addr: p as usize,
+            len,
+        })
     }
 
     fn addr(&self) -> usize {
-        self.ptr.as_ptr() as usize
+        self.addr
     }
 }
 
@@ -437,7 +422,7 @@ impl Drop for Mapping {
     fn drop(&mut self) {
         // SAFETY: our own mapping, unmapped once; every `RegionSlice` of it borrows the
         // `Registered` that owns this value, so none outlives it.
-        let _ = unsafe { mm::munmap(self.ptr.as_ptr().cast(), self.len) };
+        let _ = unsafe { mm::munmap(self.addr as *mut std::ffi::c_void, self.len) };
     }
 }
 
@@ -465,9 +450,10 @@ impl Registered {
 
     /// The memory, as a volatile slice borrowed from `self`.
     fn slice(&self) -> RegionSlice<'_> {
+        let ptr = NonNull::new(self.mapping.addr as *mut u8).expect("mmap never maps at 0");
         // SAFETY: the mapping stays mapped while `self` is borrowed (it is unmapped only when
         // `self` drops), and this file never makes a reference into it.
-        unsafe { RegionSlice::new(self.mapping.ptr, self.mapping.len) }
+        unsafe { RegionSlice::new(ptr, self.mapping.len) }
     }
 
     /// Unregisters the whole region: blocked touches wake up, missing pages read as zeros.

@@ -81,12 +81,23 @@ pub enum HandoverError {
     #[error("the handler did not reply within {0:?}")]
     Timeout(Duration),
     /// The store could not be opened (handler side).
-    #[error("the handler cannot open store {spec:?}: {reason}")]
+    #[error("the handler cannot open store {spec:?}")]
     Store {
         /// The spec.
         spec: String,
-        /// Why.
-        reason: String,
+        /// Why, as the `open_store` callback said.
+        #[source]
+        source: Box<dyn std::error::Error + Send + Sync>,
+    },
+    /// The store opened has another shape than the region (handler side).
+    #[error("store {spec:?} is {store}, the region is {region}")]
+    StoreGeometry {
+        /// The spec.
+        spec: String,
+        /// The store's geometry.
+        store: Geometry,
+        /// The region's.
+        region: Geometry,
     },
     /// The handler could not start (handler side), or the owner could not take over.
     #[error("setting up fault handling failed")]
@@ -331,11 +342,14 @@ pub struct ServeReport {
 /// Serves the faults of a region handed over on `sock` (see [`send`]) until the owner asks
 /// it to stop or closes the socket. `open_store` opens the store named by the spec in the
 /// hello.
-pub fn serve(
+pub fn serve<E>(
     sock: UnixStream,
-    open_store: impl FnOnce(&str) -> Result<Arc<dyn Store>, String>,
+    open_store: impl FnOnce(&str) -> Result<Arc<dyn Store>, E>,
     opts: ServeOptions,
-) -> Result<ServeReport, HandoverError> {
+) -> Result<ServeReport, HandoverError>
+where
+    E: Into<Box<dyn std::error::Error + Send + Sync>>,
+{
     let refuse = |sock: &UnixStream, r: Refusal| {
         let _ = (&*sock).write_all(&message::encode_reply(Some(r)));
     };
@@ -367,11 +381,11 @@ pub fn serve(
     }
     let store = match open_store(&hello.spec) {
         Ok(s) => s,
-        Err(reason) => {
+        Err(e) => {
             refuse(&sock, Refusal::Store);
             return Err(HandoverError::Store {
                 spec: hello.spec,
-                reason,
+                source: e.into(),
             });
         }
     };
@@ -381,9 +395,10 @@ pub fn serve(
     })?;
     if store.geometry() != geometry {
         refuse(&sock, Refusal::Store);
-        return Err(HandoverError::Store {
+        return Err(HandoverError::StoreGeometry {
             spec: hello.spec,
-            reason: format!("it is {}, the region is {geometry}", store.geometry()),
+            store: store.geometry(),
+            region: geometry,
         });
     }
     let served = Served::start(&hello, geometry, store, uffd_fd, pagemap_fd, &opts)
