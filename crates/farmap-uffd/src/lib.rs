@@ -51,9 +51,11 @@
 //! whose accesses are volatile and bounds-checked (as vm-memory's `VolatileSlice`), so that
 //! no Rust reference ever covers bytes that other threads, fetches or discards change.
 //! Plain slices of it ([`RegionSlice::as_slice`], [`RegionSlice::as_mut_slice`]) are
-//! `unsafe`, with the contract they need written down. A push may read a page while the application writes it; the write is
-//! then reported by the next scan and pushed again, so after a final [`Region::sync`] the
-//! store holds the memory's content.
+//! `unsafe`, with the contract they need written down. Region memory copies that can fault
+//! never run on the region runtime's async workers (pushes read it on blocking threads, and
+//! scans run as blocking work). A push may read a page while the application writes it;
+//! the write is then reported by the next scan and pushed again, so after a final
+//! [`Region::sync`] the store holds the memory's content.
 //!
 //! # fork()
 //! The region is marked `MADV_DONTFORK`: a child process does not inherit it, and touching

@@ -146,8 +146,8 @@ impl Mapping {
     /// Registers the whole mapping with `uffd` in `mode` (`UFFDIO_REGISTER_MODE_*`); returns
     /// the ioctls available on it.
     pub fn register(&self, uffd: &Uffd, mode: u64) -> io::Result<u64> {
-        let _alive = self.alive.read();
-        if !*_alive {
+        let alive = self.alive.read();
+        if !*alive {
             return Err(io::Error::from_raw_os_error(libc::ENOENT));
         }
         // SAFETY: a page-aligned anonymous private mapping of this process, owned by this

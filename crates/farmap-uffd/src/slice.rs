@@ -14,8 +14,8 @@
 //! [`RegionSlice::store_u64`]) are single instructions and never torn on the 64-bit targets
 //! farmap supports.
 //!
-//! This file and `mapping.rs` are the only places that make a [`RegionSlice`] out of a raw
-//! pointer.
+//! In this crate, only `mapping.rs` makes a [`RegionSlice`] out of a raw pointer (the
+//! region's own mapping, for as long as it stays mapped).
 
 use std::fmt;
 use std::marker::PhantomData;
@@ -265,77 +265,104 @@ impl fmt::Debug for RegionSlice<'_> {
 }
 
 /// Copies `dst.len()` bytes from `src` into `dst`: volatile byte loads up to the first
-/// 8-byte boundary of `src`, volatile word loads, volatile byte loads for the tail.
+/// 8-byte boundary of `src`, then volatile word loads (four per round), then volatile byte
+/// loads for the tail. The stores into `dst` are plain (unaligned) ones.
 ///
 /// # Safety
 /// `src..src+dst.len()` must be readable, and must not overlap `dst`.
 unsafe fn copy_from_volatile(src: *const u8, dst: &mut [u8]) {
     let len = dst.len();
+    let d = dst.as_mut_ptr();
     let head = src.align_offset(WORD).min(len);
     let mut i = 0;
     while i < head {
-        // SAFETY: `i < len`: in the readable range (the caller's contract).
-        dst[i] = unsafe { src.add(i).read_volatile() };
+        // SAFETY: `i < head <= len`: the byte lies in the readable source (the caller's
+        // contract) and in `dst`.
+        unsafe { d.add(i).write(src.add(i).read_volatile()) };
         i += 1;
     }
     while i + 4 * WORD <= len {
-        // SAFETY: `src + i` is 8-byte aligned (past the head) and the four words lie in the
-        // readable range (`i + 32 <= len`).
-        let w = unsafe {
+        // SAFETY: `i + 32 <= len`: the four words lie in the readable source and in `dst`;
+        // `src + i` is 8-byte aligned (past the head), the `dst` stores are unaligned ones.
+        unsafe {
             let p = src.add(i).cast::<u64>();
-            [
+            let q = d.add(i).cast::<u64>();
+            let (a, b, c, e) = (
                 p.read_volatile(),
                 p.add(1).read_volatile(),
                 p.add(2).read_volatile(),
                 p.add(3).read_volatile(),
-            ]
-        };
-        for (k, word) in w.iter().enumerate() {
-            dst[i + k * WORD..i + (k + 1) * WORD].copy_from_slice(&word.to_ne_bytes());
+            );
+            q.write_unaligned(a);
+            q.add(1).write_unaligned(b);
+            q.add(2).write_unaligned(c);
+            q.add(3).write_unaligned(e);
         }
         i += 4 * WORD;
     }
     while i + WORD <= len {
-        // SAFETY: aligned, and the word lies in the readable range (`i + 8 <= len`).
-        let w = unsafe { src.add(i).cast::<u64>().read_volatile() };
-        dst[i..i + WORD].copy_from_slice(&w.to_ne_bytes());
+        // SAFETY: `i + 8 <= len`: the word lies in the source and in `dst`; `src + i` is
+        // aligned (past the head), the `dst` store is an unaligned one.
+        unsafe {
+            let w = src.add(i).cast::<u64>().read_volatile();
+            d.add(i).cast::<u64>().write_unaligned(w);
+        }
         i += WORD;
     }
     while i < len {
-        // SAFETY: `i < len`: in the readable range.
-        dst[i] = unsafe { src.add(i).read_volatile() };
+        // SAFETY: `i < len`: the byte lies in the readable source and in `dst`.
+        unsafe { d.add(i).write(src.add(i).read_volatile()) };
         i += 1;
     }
 }
 
-/// Copies `src` to `dst` with volatile stores, word-sized where `dst` is aligned.
+/// Copies `src` to `dst` with volatile stores, word-sized where `dst` is aligned; the loads
+/// from `src` are plain (unaligned) ones.
 ///
 /// # Safety
 /// `dst..dst+src.len()` must be writable, and must not overlap `src`.
 unsafe fn copy_to_volatile(src: &[u8], dst: *mut u8) {
     let len = src.len();
+    let s = src.as_ptr();
     let head = dst.align_offset(WORD).min(len);
     let mut i = 0;
     while i < head {
-        // SAFETY: `i < len`: in the writable range (the caller's contract).
-        unsafe { dst.add(i).write_volatile(src[i]) };
+        // SAFETY: `i < head <= len`: the byte lies in the writable destination (the
+        // caller's contract) and in `src`.
+        unsafe { dst.add(i).write_volatile(s.add(i).read()) };
         i += 1;
     }
-    while i + WORD <= len {
-        let mut w = [0u8; WORD];
-        w.copy_from_slice(&src[i..i + WORD]);
-        // SAFETY: `dst + i` is 8-byte aligned (past the head) and the word lies in the
-        // writable range (`i + 8 <= len`).
+    while i + 4 * WORD <= len {
+        // SAFETY: `i + 32 <= len`: the four words lie in the writable destination and in
+        // `src`; `dst + i` is 8-byte aligned (past the head), the `src` loads are unaligned.
         unsafe {
-            dst.add(i)
-                .cast::<u64>()
-                .write_volatile(u64::from_ne_bytes(w))
-        };
+            let p = s.add(i).cast::<u64>();
+            let q = dst.add(i).cast::<u64>();
+            let (a, b, c, e) = (
+                p.read_unaligned(),
+                p.add(1).read_unaligned(),
+                p.add(2).read_unaligned(),
+                p.add(3).read_unaligned(),
+            );
+            q.write_volatile(a);
+            q.add(1).write_volatile(b);
+            q.add(2).write_volatile(c);
+            q.add(3).write_volatile(e);
+        }
+        i += 4 * WORD;
+    }
+    while i + WORD <= len {
+        // SAFETY: `i + 8 <= len`: the word lies in the destination and in `src`; `dst + i`
+        // is aligned (past the head), the `src` load is an unaligned one.
+        unsafe {
+            let w = s.add(i).cast::<u64>().read_unaligned();
+            dst.add(i).cast::<u64>().write_volatile(w);
+        }
         i += WORD;
     }
     while i < len {
-        // SAFETY: `i < len`: in the writable range.
-        unsafe { dst.add(i).write_volatile(src[i]) };
+        // SAFETY: `i < len`: the byte lies in the writable destination and in `src`.
+        unsafe { dst.add(i).write_volatile(s.add(i).read()) };
         i += 1;
     }
 }

@@ -153,6 +153,8 @@ struct FillRow {
     baseline_mb_per_s: f64,
     baseline_missing_mb_per_s: f64,
     memcpy_mb_per_s: f64,
+    /// Copying the filled region out in chunks with volatile loads, as a push does.
+    read_out_mb_per_s: f64,
     ratio_to_baseline: f64,
     faults: u64,
     faults_inline: u64,
@@ -309,16 +311,26 @@ impl Bench {
         let farmap = || -> anyhow::Result<_> {
             let region = open_region(store)?;
             let elapsed = baseline::touch_all(region.memory());
+            // Every page is present now: this times the copy alone.
+            let mut buf = vec![0u8; chunk];
+            let started = Instant::now();
+            for offset in (0..region.len()).step_by(chunk) {
+                let n = chunk.min(region.len() - offset);
+                region.read_at(offset, &mut buf[..n])?;
+                std::hint::black_box(&buf);
+            }
+            let read_out = started.elapsed();
             let verified = region.memory().to_vec() == self.data;
             Ok((
-                elapsed,
+                (elapsed, read_out),
                 verified,
                 region.stats(),
                 region.tracking_mode().as_str(),
             ))
         };
-        let ((wp, missing), (elapsed, verified, stats, tracking)) =
+        let ((wp, missing), ((elapsed, read_out), verified, stats, tracking)) =
             in_turn(run, baselines, farmap)?;
+        let read_out_mb = self.data.len() as f64 / read_out.as_secs_f64().max(1e-9) / 1e6;
         let memcpy = measure_memcpy(&self.data, chunk);
         let mb = self.data.len() as f64 / elapsed.as_secs_f64().max(1e-9) / 1e6;
         Ok(FillRow {
@@ -328,6 +340,7 @@ impl Bench {
             baseline_mb_per_s: output::round1(wp.mb_per_s()),
             baseline_missing_mb_per_s: output::round1(missing.mb_per_s()),
             memcpy_mb_per_s: output::round1(memcpy),
+            read_out_mb_per_s: output::round1(read_out_mb),
             ratio_to_baseline: round3(mb / wp.mb_per_s().max(1e-9)),
             faults: stats.faults,
             faults_inline: stats.faults_inline,
@@ -385,7 +398,7 @@ fn print_fault(r: &FaultRow) {
 fn print_fill(r: &FillRow) {
     println!(
         "{:<10} {} in {} chunks: {:.1} MB/s = {:.2} × baseline {:.1} MB/s \
-         (missing-only {:.1}, memcpy {:.1} MB/s){}",
+         (missing-only {:.1}, memcpy {:.1} MB/s; read out {:.1} MB/s){}",
         r.common.case,
         format_size(r.common.size_bytes),
         format_size(r.common.chunk_bytes as u64),
@@ -394,6 +407,7 @@ fn print_fill(r: &FillRow) {
         r.baseline_mb_per_s,
         r.baseline_missing_mb_per_s,
         r.memcpy_mb_per_s,
+        r.read_out_mb_per_s,
         if r.verified { "" } else { ", CONTENT DIFFERS" },
     );
 }
