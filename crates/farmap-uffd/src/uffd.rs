@@ -442,7 +442,7 @@ mod tests {
         let uffd = match Uffd::open(0) {
             Ok(u) => u,
             Err(e) => {
-                farmap_testkit::skip(test, &format!("userfaultfd: {e}"));
+                farmap_testkit::skip(test, format!("userfaultfd: {e}"));
                 return None;
             }
         };
