@@ -10,7 +10,7 @@ use common::*;
 use farmap_core::{ChunkIdx, Geometry, Store};
 use farmap_store::MemoryStore;
 use farmap_testkit::{pattern_bytes, PatternStore};
-use farmap_uffd::{Region, RegionOptions, TrackingMode, WriteTracking};
+use farmap_uffd::{Region, RegionOptions, SliceError, TrackingMode, WriteTracking};
 
 const PAGE: usize = 4096;
 
@@ -338,4 +338,47 @@ fn a_failed_push_fails_sync_and_stays_dirty() {
         block_on(faulty.read(ChunkIdx(1))).unwrap()[70_000 - 65_536],
         7
     );
+}
+
+#[test]
+fn out_of_range_accesses_through_the_region_are_errors() {
+    if !uffd_available("out_of_range_accesses_through_the_region_are_errors") {
+        return;
+    }
+    let g = Geometry::new(1 << 20, 64 << 10).unwrap();
+    let region = Region::open(
+        Arc::new(PatternStore::new(g, 3)),
+        direct(WriteTracking::Auto),
+    )
+    .unwrap();
+    let len = region.len();
+    let mut buf = [0u8; 16];
+    for offset in [len - 15, len, usize::MAX - 4] {
+        let err = region.read_at(offset, &mut buf).unwrap_err();
+        assert!(
+            matches!(
+                err,
+                farmap_uffd::RegionError::Slice(SliceError::OutOfRange { .. })
+            ),
+            "{err}"
+        );
+        assert!(region.write_at(offset, &buf).is_err());
+    }
+    let mem = region.memory();
+    assert!(mem.load_u8(len).is_err());
+    assert!(mem.store_u64(len - 4, 1).is_err());
+    assert!(mem.subslice(len - 8, 9).is_err());
+    let pages = (len / region.page_size()) as u64;
+    assert!(region.discard_pages(&[0..1, pages - 1..pages + 1]).is_err());
+    assert_eq!(
+        region.stats().remove_events,
+        0,
+        "a refused discard discards nothing"
+    );
+    // Nothing was fetched for the refused accesses, nor written.
+    assert_eq!(region.stats().chunks_fetched, 0);
+    assert!(region.take_dirty().unwrap().is_empty());
+    // The last byte is fine.
+    region.read_at(len - 16, &mut buf).unwrap();
+    assert_eq!(buf.to_vec(), pattern_bytes(3, (len - 16) as u64, 16));
 }
