@@ -480,7 +480,7 @@ pub fn check_welcome(
     }
     let chunks = size.div_ceil(u64::from(chunk_size));
     if size == 0
-        || size % u64::from(page_size) != 0
+        || !size.is_multiple_of(u64::from(page_size))
         || size > limits.max_size
         || chunks > limits.max_chunks
     {

@@ -3,6 +3,7 @@
 //! connections to a real seeder's control port, and a silent peer. Each case ends with a clear
 //! error, nothing panics, and the side under attack then serves a good peer (a real
 //! migration completes).
+#![allow(clippy::single_range_in_vec_init)] // page runs: one run is a real case
 
 use std::sync::Arc;
 use std::time::{Duration, Instant};
