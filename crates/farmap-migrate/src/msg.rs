@@ -503,4 +503,36 @@ mod tests {
             Err(DecodeError::Malformed(_))
         ));
     }
+
+    #[test]
+    fn long_runs_are_split_on_the_wire_and_checked_as_ranges() {
+        let f = Msg::Dirty {
+            round: 1,
+            runs: vec![3..3 + (1 << 33)],
+        }
+        .encode();
+        let h = decode_header(f[..HEADER_LEN].try_into().unwrap()).unwrap();
+        let Msg::Dirty { runs, .. } = Msg::decode(h.kind, &f[HEADER_LEN..]).unwrap() else {
+            panic!("not a Dirty");
+        };
+        assert_eq!(runs.len(), 3);
+        assert_eq!(run_pages(&runs), 1 << 33);
+        assert_eq!(check_runs(&runs, 4 + (1 << 33)), Ok(1 << 33));
+        assert!(matches!(
+            check_runs(&runs, 1 << 33),
+            Err(RunError::PastEnd { .. })
+        ));
+        assert_eq!(
+            check_runs(&[5..9, 2..3], 100),
+            Err(RunError::Unordered { start: 2, end: 3 })
+        );
+        assert_eq!(check_runs(&[5..5], 100), Err(RunError::Empty { start: 5 }));
+        // A kind's own cap is checked with the header.
+        let mut big = Msg::Hello { session: 1 }.encode().to_vec();
+        big[7..11].copy_from_slice(&9u32.to_be_bytes());
+        assert!(matches!(
+            decode_header(big[..HEADER_LEN].try_into().unwrap()),
+            Err(DecodeError::TooLong { len: 9, cap: 8, .. })
+        ));
+    }
 }

@@ -45,6 +45,9 @@ pub struct SeedOptions {
 
 /// Default [`SeedOptions::handshake_timeout`].
 pub const HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(10);
+/// How long one control message may take to send before the leecher counts as gone.
+const SEND_TIMEOUT: Duration = Duration::from_secs(60);
+
 /// Default [`SeedOptions::max_handshakes`].
 pub const MAX_HANDSHAKES: usize = 64;
 
@@ -449,7 +452,10 @@ async fn run(
             match action {
                 SeederAction::Send(m) => {
                     let Some(c) = current.as_mut() else { continue };
-                    if c.tx.send(&m).await.is_err() {
+                    // A leecher that stops reading cannot hold the seeder (and its cancel)
+                    // for ever: a send that makes no headway for this long drops it.
+                    let sent = tokio::time::timeout(SEND_TIMEOUT, c.tx.send(&m)).await;
+                    if !matches!(sent, Ok(Ok(()))) {
                         current = None;
                         inputs.push_back(SeederInput::Disconnected);
                     } else if matches!(m, Msg::HandOver { .. }) {
@@ -537,7 +543,9 @@ async fn run(
                 SeederAction::AwaitReconnect => {
                     rep.note("the leecher lost its connection after the hand-over: waiting for it");
                     current = None;
-                    lost_since = Some(tokio::time::Instant::now());
+                    // The deadline runs from the first loss: strangers connecting meanwhile
+                    // (and being refused) do not push it back.
+                    lost_since.get_or_insert_with(tokio::time::Instant::now);
                 }
                 SeederAction::Release => {
                     suspend.retire();
