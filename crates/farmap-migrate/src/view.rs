@@ -106,6 +106,26 @@ impl Store for LiveView {
     }
 }
 
+/// One chunk's pages as the leecher's store knows them.
+///
+/// A chunk with no entry is fetched whole (never fetched, or fetched and not discarded since:
+/// then the region holds it and does not ask). A dirty round or the hand-over discards runs
+/// of its pages: its next fetch reads only those (`discarded`), and a read-ahead may have
+/// `staged` some of its pages so that the fetch needs no round trip.
+#[derive(Debug, Default)]
+struct ChunkPages {
+    /// Runs of its pages discarded since its last fetch (within the chunk).
+    discarded: Vec<Range<u64>>,
+    /// Pages read ahead for its next fetch.
+    staged: BTreeMap<u64, Bytes>,
+}
+
+impl ChunkPages {
+    fn is_empty(&self) -> bool {
+        self.discarded.is_empty() && self.staged.is_empty()
+    }
+}
+
 /// The store under the leecher's region: while migrating, chunks come from the seeder's
 /// data plane (a [`RemoteStore`] of pages); once complete, it is [`detach`](Self::detach)ed
 /// and becomes a local memory store, so the region no longer depends on the old seeder.
@@ -120,10 +140,9 @@ pub struct MigrationStore {
     page: u64,
     remote: RwLock<Option<Arc<RemoteStore>>>,
     local: MemoryStore,
-    /// Per chunk, the runs of its pages discarded since its last fetch.
-    partial: Mutex<HashMap<u64, Vec<Range<u64>>>>,
-    /// Pages read ahead for the next fetch of their chunks.
-    staged: Mutex<BTreeMap<u64, Bytes>>,
+    /// What is known of each chunk beyond "fetch it whole" (chunks with nothing to say have
+    /// no entry).
+    chunks: Mutex<HashMap<u64, ChunkPages>>,
     postcopy: AtomicBool,
     bytes_pre: AtomicU64,
     bytes_post: AtomicU64,
@@ -146,8 +165,7 @@ impl MigrationStore {
             page,
             remote: RwLock::new(Some(remote)),
             local: MemoryStore::new(geometry),
-            partial: Mutex::new(HashMap::new()),
-            staged: Mutex::new(BTreeMap::new()),
+            chunks: Mutex::new(HashMap::new()),
             postcopy: AtomicBool::new(false),
             bytes_pre: AtomicU64::new(0),
             bytes_post: AtomicU64::new(0),
@@ -162,19 +180,19 @@ impl MigrationStore {
     /// are split at chunk boundaries, never expanded page by page.
     pub fn note_discarded(&self, runs: &[Range<u64>]) {
         let per_chunk = self.per_chunk();
-        let mut partial = self.partial.lock();
-        let mut staged = self.staged.lock();
+        let mut chunks = self.chunks.lock();
         for r in runs {
             let mut at = r.start;
             while at < r.end {
                 let chunk = at / per_chunk;
                 let end = chunk.saturating_add(1).saturating_mul(per_chunk).min(r.end);
-                partial.entry(chunk).or_default().push(at..end);
+                let c = chunks.entry(chunk).or_default();
+                c.discarded.push(at..end);
+                let gone: Vec<u64> = c.staged.range(at..end).map(|(p, _)| *p).collect();
+                for p in gone {
+                    c.staged.remove(&p);
+                }
                 at = end;
-            }
-            let gone: Vec<u64> = staged.range(r.clone()).map(|(p, _)| *p).collect();
-            for p in gone {
-                staged.remove(&p);
             }
         }
     }
@@ -214,9 +232,14 @@ impl MigrationStore {
         self.check_pages(pages.len(), &data)?;
         let n: u64 = data.iter().map(|d| d.len() as u64).sum();
         self.count(n);
-        let mut staged = self.staged.lock();
+        let per_chunk = self.per_chunk();
+        let mut chunks = self.chunks.lock();
         for (p, d) in pages.iter().zip(data) {
-            staged.insert(*p, d);
+            chunks
+                .entry(p / per_chunk)
+                .or_default()
+                .staged
+                .insert(*p, d);
         }
         Ok(())
     }
@@ -238,9 +261,16 @@ impl MigrationStore {
 
     /// Drops staged pages that no fetch used.
     pub fn unstage(&self, pages: &[u64]) {
-        let mut staged = self.staged.lock();
+        let per_chunk = self.per_chunk();
+        let mut chunks = self.chunks.lock();
         for p in pages {
-            staged.remove(p);
+            let chunk = p / per_chunk;
+            if let Some(c) = chunks.get_mut(&chunk) {
+                c.staged.remove(p);
+                if c.is_empty() {
+                    chunks.remove(&chunk);
+                }
+            }
         }
     }
 
@@ -285,24 +315,20 @@ impl MigrationStore {
         let per_chunk = self.per_chunk();
         let first = self.geometry.offset_of(idx) / self.page;
         let len = self.geometry.chunk_len(idx);
-        let taken = self.partial.lock().remove(&idx.0);
-        let pages: Vec<u64> = match &taken {
-            Some(runs) => {
-                // Runs within this one chunk: at most `per_chunk` pages.
-                let mut p: Vec<u64> = runs.iter().flat_map(|r| r.clone()).collect();
-                p.sort_unstable();
-                p.dedup();
-                p
+        // Take this chunk's discarded runs, and its staged pages if they cover what is needed.
+        let (taken, pages, local) = {
+            let mut chunks = self.chunks.lock();
+            let c = chunks.entry(idx.0).or_default();
+            let taken = std::mem::take(&mut c.discarded);
+            let pages = chunk_pages(&taken, first, len as u64 / self.page, per_chunk);
+            let local: Option<Vec<Bytes>> = pages
+                .iter()
+                .all(|p| c.staged.contains_key(p))
+                .then(|| pages.iter().filter_map(|p| c.staged.remove(p)).collect());
+            if c.is_empty() {
+                chunks.remove(&idx.0);
             }
-            None => (first..first + (len as u64 / self.page).min(per_chunk)).collect(),
-        };
-        let local: Option<Vec<Bytes>> = {
-            let mut staged = self.staged.lock();
-            if pages.iter().all(|p| staged.contains_key(p)) {
-                Some(pages.iter().filter_map(|p| staged.remove(p)).collect())
-            } else {
-                None
-            }
+            (taken, pages, local)
         };
         let from_remote = local.is_none();
         let data = match local {
@@ -315,9 +341,14 @@ impl MigrationStore {
         let data = match data {
             Ok(d) => d,
             Err(e) => {
-                // Put the pages back for the retry.
-                if let Some(runs) = taken {
-                    self.partial.lock().entry(idx.0).or_default().extend(runs);
+                // Put the runs back for the retry.
+                if !taken.is_empty() {
+                    self.chunks
+                        .lock()
+                        .entry(idx.0)
+                        .or_default()
+                        .discarded
+                        .extend(taken);
                 }
                 return Err(e);
             }
@@ -340,6 +371,18 @@ impl MigrationStore {
         }
         Ok(out.freeze())
     }
+}
+
+/// The pages a fetch of a chunk reads: its discarded runs (within the chunk, so at most
+/// `per_chunk` pages), or all its `count` pages from `first` when none were discarded.
+fn chunk_pages(discarded: &[Range<u64>], first: u64, count: u64, per_chunk: u64) -> Vec<u64> {
+    if discarded.is_empty() {
+        return (first..first + count.min(per_chunk)).collect();
+    }
+    let mut p: Vec<u64> = discarded.iter().flat_map(|r| r.clone()).collect();
+    p.sort_unstable();
+    p.dedup();
+    p
 }
 
 impl Store for MigrationStore {
