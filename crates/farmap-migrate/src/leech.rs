@@ -401,6 +401,8 @@ pub async fn leech(
         handed_over: false,
         last_error: None,
         seeder_boot: [0; 16],
+        lost_since: None,
+        answer_by: None,
     };
     let mut queue: VecDeque<LeecherAction> = machine.step(LeecherInput::Received(welcome)).into();
     loop {
@@ -411,7 +413,11 @@ pub async fn leech(
         }
         let input = tokio::select! {
             m = run.rx.recv(), if run.connected => match m {
-                Some(Ok(m)) => LeecherInput::Received(m),
+                Some(Ok(m)) => {
+                    run.answer_by = None;
+                    run.lost_since = None;
+                    LeecherInput::Received(m)
+                }
                 other => {
                     if let Some(Err(e)) = other {
                         run.last_error = Some(e);
@@ -421,6 +427,19 @@ pub async fn leech(
                 }
             },
             Some(w) = work_rx.recv() => w,
+            _ = sleep_until(run.answer_by), if run.connected && run.answer_by.is_some() => {
+                // Reconnected, and the seeder does not answer the hello.
+                run.answer_by = None;
+                run.connected = false;
+                run.last_error = Some(io::Error::new(
+                    io::ErrorKind::TimedOut,
+                    format!(
+                        "the seeder did not answer the hello within {:?} after reconnecting",
+                        run.opts.handshake_timeout
+                    ),
+                ));
+                LeecherInput::Disconnected
+            }
             _ = cancel.changed(), if !run.handed_over && run.finalize_sent.is_none() => {
                 if *cancel.borrow() {
                     let abort = Msg::Abort { reason: "the leecher was cancelled".into() };
@@ -456,6 +475,18 @@ struct Run {
     /// Why the control connection ended, if it failed.
     last_error: Option<io::Error>,
     seeder_boot: [u8; 16],
+    /// When the control connection was lost after the hand-over (until a message arrives).
+    lost_since: Option<Instant>,
+    /// After a reconnect: when the seeder must have answered the hello.
+    answer_by: Option<tokio::time::Instant>,
+}
+
+/// Sleeps until `at` (for ever, without one).
+async fn sleep_until(at: Option<tokio::time::Instant>) {
+    match at {
+        Some(at) => tokio::time::sleep_until(at).await,
+        None => std::future::pending().await,
+    }
 }
 
 impl Run {
@@ -548,7 +579,19 @@ impl Run {
             } => self.resume(runs, app_state, suspended_at_ns)?,
             LeecherAction::Reconnect => {
                 self.rep.note("control connection lost: reconnecting");
-                let deadline = Instant::now() + self.opts.reconnect_for;
+                // The deadline runs from the first loss: a seeder that accepts and then says
+                // nothing does not restart it.
+                let since = *self.lost_since.get_or_insert_with(Instant::now);
+                let deadline = since + self.opts.reconnect_for;
+                if Instant::now() >= deadline {
+                    let source = self.last_error.take().unwrap_or_else(|| {
+                        io::Error::new(io::ErrorKind::TimedOut, "the seeder did not answer")
+                    });
+                    return Err(LeechError::LostAfterHandOver(AfterHandOver::Reconnect {
+                        waited: self.opts.reconnect_for,
+                        source,
+                    }));
+                }
                 loop {
                     match connect(
                         &self.opts.from,
@@ -560,6 +603,8 @@ impl Run {
                         Ok(ch) => {
                             (self.tx, self.rx) = ch.split();
                             self.connected = true;
+                            self.answer_by =
+                                Some(tokio::time::Instant::now() + self.opts.handshake_timeout);
                             queue.extend(machine.step(LeecherInput::Reconnected));
                             break;
                         }

@@ -561,3 +561,84 @@ async fn a_plain_leecher_is_told_that_the_seeder_requires_tls() {
     assert!(text.contains("requires TLS"), "{text}");
     good_migration(seeding, region, Some(client)).await;
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_seeder_silent_after_a_reconnect_fails_the_leecher_within_its_deadline() {
+    if !uffd("a_seeder_silent_after_a_reconnect_fails_the_leecher_within_its_deadline") {
+        return;
+    }
+    let data = Listener::bind(&"127.0.0.1:0".parse().unwrap())
+        .await
+        .unwrap();
+    let port = match data.local_addr().unwrap() {
+        ListenAddr::Tcp(a) => a.port(),
+        ListenAddr::Unix(_) => unreachable!(),
+    };
+    let pages = Arc::new(MemoryStore::new(Geometry::new(SIZE, PAGE.into()).unwrap()));
+    let server = farmap_net::serve(
+        pages,
+        data,
+        ServeOptions {
+            read_only: true,
+            log: false,
+            ..ServeOptions::default()
+        },
+    )
+    .unwrap();
+    let l = TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = RemoteAddr::Tcp(l.local_addr().unwrap().to_string());
+    let fake = tokio::spawn(async move {
+        // The first connection goes through the hand-over, then drops.
+        let (mut s, _) = l.accept().await.unwrap();
+        assert_eq!(read_msg(&mut s).await.unwrap(), Msg::Hello { session: 0 });
+        write_msg(&mut s, &welcome(PAGE, port)).await;
+        assert_eq!(
+            read_msg(&mut s).await.unwrap(),
+            Msg::DirtyRequest { round: 1 }
+        );
+        write_msg(
+            &mut s,
+            &Msg::Dirty {
+                round: 1,
+                runs: vec![],
+            },
+        )
+        .await;
+        assert_eq!(read_msg(&mut s).await.unwrap(), Msg::Finalize);
+        let h = Msg::HandOver {
+            runs: vec![],
+            app_state: Bytes::new(),
+            suspended_at_ns: 0,
+        };
+        write_msg(&mut s, &h).await;
+        assert_eq!(read_msg(&mut s).await.unwrap(), Msg::Resumed);
+        drop(s);
+        // Later connections are accepted and never answered.
+        let mut held = Vec::new();
+        loop {
+            let (s, _) = l.accept().await.unwrap();
+            held.push(s);
+        }
+    });
+    let t0 = Instant::now();
+    let err = run_leech(LeechOptions {
+        handshake_timeout: Duration::from_millis(300),
+        reconnect_for: Duration::from_secs(1),
+        ..LeechOptions::new(addr)
+    })
+    .await
+    .unwrap_err();
+    let took = t0.elapsed();
+    let text = farmap_core::error_chain(&err);
+    assert!(
+        matches!(
+            &err,
+            LeechError::LostAfterHandOver(farmap_migrate::leech::AfterHandOver::Reconnect { .. })
+        ),
+        "{text}"
+    );
+    assert!(text.contains("did not answer the hello"), "{text}");
+    assert!(took < Duration::from_secs(6), "failed after {took:?}");
+    fake.abort();
+    let _ = server.shutdown().await;
+}
