@@ -273,6 +273,9 @@ pub async fn leech(args: LeechArgs) -> anyhow::Result<ExitCode> {
         bar: !args.json,
     };
     let outcome = drive(&args.app, request, ui, |_, _| {}).await?;
+    if let Outcome::Done(r) = &outcome {
+        warn_unless_converged(r);
+    }
     finish("leech", outcome, args.json, |r| {
         format!(
             "leeched: downtime {} ms, total {} ms, {} rounds, pre-copy {} MB + post-copy {} MB \
@@ -286,4 +289,23 @@ pub async fn leech(args: LeechArgs) -> anyhow::Result<ExitCode> {
             r["dirty_rate_mb_per_s"],
         )
     })
+}
+
+/// Warns on stderr when pre-copy did not converge or the downtime exceeded its budget (the
+/// JSON result says so too: `converged`, `downtime_over_budget`).
+fn warn_unless_converged(r: &Map<String, Value>) {
+    if r.get("converged") == Some(&Value::Bool(false)) {
+        eprintln!(
+            "farmap leech: warning: pre-copy did not converge after {} rounds (the last dirty \
+             set did not fit the downtime budget); it finalized anyway",
+            r.get("rounds").unwrap_or(&Value::Null)
+        );
+    }
+    if r.get("downtime_over_budget") == Some(&Value::Bool(true)) {
+        eprintln!(
+            "farmap leech: warning: the downtime of {} ms exceeded its budget of {} ms",
+            r.get("downtime_ms").unwrap_or(&Value::Null),
+            r.get("max_downtime_ms").unwrap_or(&Value::Null)
+        );
+    }
 }

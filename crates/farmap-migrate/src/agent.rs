@@ -212,6 +212,9 @@ pub fn leech_metrics(r: &LeechReport) -> Map<String, Value> {
         "bytes_precopy": r.bytes_precopy,
         "bytes_postcopy": r.bytes_postcopy,
         "rounds": r.rounds,
+        "converged": r.converged(),
+        "max_downtime_ms": ms(r.max_downtime),
+        "downtime_over_budget": r.over_budget(),
         "final_dirty_pages": r.final_pages,
         "dirty_rate_mb_per_s": (r.dirty_rate / 1e5).round() / 10.0,
         "region_bytes": r.region.len(),
@@ -425,6 +428,8 @@ async fn run_seed<R: AsyncRead + Unpin>(
             client_ca: t.client_ca,
         }),
         reconnect_wait: Duration::from_millis(req.reconnect_ms),
+        handshake_timeout: crate::seed::HANDSHAKE_TIMEOUT,
+        max_handshakes: crate::seed::MAX_HANDSHAKES,
         log: false,
         observer: Some(observer),
     };

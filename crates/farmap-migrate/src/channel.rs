@@ -3,27 +3,36 @@
 //! that control messages never wait behind bulk reads.
 
 use std::io;
+use std::pin::Pin;
 use std::sync::Arc;
+use std::task::{Context, Poll};
 use std::time::Duration;
 
-use farmap_net::{ListenAddr, RemoteAddr, TlsClientConfig, TlsServerConfig};
-use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
-use tokio::net::{TcpListener, TcpStream, UnixListener, UnixStream};
+use farmap_net::{ListenAddr, Listener, RemoteAddr, TlsClientConfig, TlsServerConfig};
+use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt, ReadBuf};
+use tokio::net::{TcpStream, UnixStream};
 
-use crate::msg::{decode_header, Msg, HEADER_LEN};
+use crate::msg::{decode_header, Msg, HEADER_LEN, MAX_LEECHER_PAYLOAD, MAX_PAYLOAD};
 
 /// A byte stream of any transport.
 pub trait Stream: AsyncRead + AsyncWrite + Unpin + Send + 'static {}
 impl<T: AsyncRead + AsyncWrite + Unpin + Send + 'static> Stream for T {}
 
+/// The first byte of a TLS handshake record.
+const TLS_HANDSHAKE: u8 = 0x16;
+
 /// A framed control connection.
 pub struct Channel {
     stream: Box<dyn Stream>,
+    /// Largest payload accepted from the peer.
+    max_payload: u32,
 }
 
 impl std::fmt::Debug for Channel {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.write_str("Channel")
+        f.debug_struct("Channel")
+            .field("max_payload", &self.max_payload)
+            .finish()
     }
 }
 
@@ -35,6 +44,10 @@ impl Channel {
     }
 
     /// Receives one message; `Ok(None)` at a clean end of stream.
+    ///
+    /// A payload longer than this side accepts is refused from its header; an accepted one
+    /// is read into a buffer that grows with the bytes that really arrive, so a peer that
+    /// claims a large payload and sends little makes nothing large.
     pub async fn recv(&mut self) -> io::Result<Option<Msg>> {
         let mut h = [0u8; HEADER_LEN];
         match self.stream.read_exact(&mut h).await {
@@ -43,17 +56,39 @@ impl Channel {
             Err(e) => return Err(e),
         }
         let h = decode_header(&h).map_err(|e| io::Error::new(io::ErrorKind::InvalidData, e))?;
-        let mut p = vec![0u8; h.len as usize];
-        self.stream.read_exact(&mut p).await?;
+        if h.len > self.max_payload {
+            return Err(io::Error::new(
+                io::ErrorKind::InvalidData,
+                crate::msg::DecodeError::TooLong {
+                    what: "a message from this side's peer",
+                    len: h.len.into(),
+                    cap: self.max_payload.into(),
+                },
+            ));
+        }
+        let len = h.len as usize;
+        let mut p = Vec::with_capacity(len.min(64 * 1024));
+        (&mut self.stream)
+            .take(len as u64)
+            .read_to_end(&mut p)
+            .await?;
+        if p.len() < len {
+            return Err(io::Error::new(
+                io::ErrorKind::UnexpectedEof,
+                "the peer closed the control connection in the middle of a message",
+            ));
+        }
         Msg::decode(h.kind, &p)
             .map(Some)
             .map_err(|e| io::Error::new(io::ErrorKind::InvalidData, e))
     }
 }
 
-/// A listening control socket.
+/// A listening control socket: farmap-net's [`Listener`] (which replaces only a stale Unix
+/// socket, never a live one or another file) and the server TLS configuration of `farmap
+/// serve`.
 pub struct ControlListener {
-    inner: Inner,
+    inner: Listener,
     tls: Option<tokio_rustls::TlsAcceptor>,
 }
 
@@ -66,10 +101,55 @@ impl std::fmt::Debug for ControlListener {
     }
 }
 
+impl Drop for ControlListener {
+    fn drop(&mut self) {
+        if let Listener::Unix(_, p) = &self.inner {
+            let _ = std::fs::remove_file(p);
+        }
+    }
+}
+
+/// An accepted control connection before its handshake (no byte read from it yet).
+pub struct Accepted {
+    stream: Raw,
+    tls: Option<tokio_rustls::TlsAcceptor>,
+    /// The peer, for logs.
+    pub peer: String,
+}
+
+impl std::fmt::Debug for Accepted {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Accepted")
+            .field("peer", &self.peer)
+            .field("tls", &self.tls.is_some())
+            .finish()
+    }
+}
+
 #[derive(Debug)]
-enum Inner {
-    Tcp(TcpListener),
-    Unix(UnixListener),
+enum Raw {
+    Tcp(TcpStream),
+    Unix(UnixStream),
+}
+
+/// Why an accepted control connection did not become a channel.
+#[derive(Debug, thiserror::Error)]
+pub enum HandshakeError {
+    /// A client without TLS reached a TLS listener (it was told, in plain text).
+    #[error("a client without TLS connected to this TLS listener")]
+    PlainClient,
+    /// The TLS handshake failed.
+    #[error("{reason}")]
+    Tls {
+        /// Why, as farmap-net words it.
+        reason: String,
+        /// The error.
+        #[source]
+        source: io::Error,
+    },
+    /// The stream failed or ended.
+    #[error("the connection failed during its handshake")]
+    Io(#[source] io::Error),
 }
 
 impl ControlListener {
@@ -83,48 +163,147 @@ impl ControlListener {
             }
             None => None,
         };
-        let inner = match addr {
-            ListenAddr::Tcp(a) => Inner::Tcp(TcpListener::bind(a).await?),
-            ListenAddr::Unix(p) => {
-                let _ = std::fs::remove_file(p);
-                Inner::Unix(UnixListener::bind(p)?)
-            }
-        };
+        let inner = Listener::bind(addr).await?;
         Ok(Self { inner, tls })
     }
 
     /// The bound address.
     pub fn local_addr(&self) -> io::Result<ListenAddr> {
-        match &self.inner {
-            Inner::Tcp(l) => l.local_addr().map(ListenAddr::Tcp),
-            Inner::Unix(l) => l
-                .local_addr()?
-                .as_pathname()
-                .map(|p| ListenAddr::Unix(p.to_owned()))
-                .ok_or_else(|| io::Error::other("unnamed Unix socket")),
-        }
+        self.inner.local_addr()
     }
 
-    /// Accepts one control connection (and its TLS handshake).
-    pub async fn accept(&self) -> io::Result<Channel> {
-        let stream: Box<dyn Stream> = match &self.inner {
-            Inner::Tcp(l) => {
-                let (s, _) = l.accept().await?;
+    /// Accepts one connection without reading from it: its handshake
+    /// ([`Accepted::handshake`]) runs elsewhere, under a deadline, so that a silent peer
+    /// holds up nobody.
+    pub async fn accept_raw(&self) -> io::Result<Accepted> {
+        let (stream, peer) = match &self.inner {
+            Listener::Tcp(l) => {
+                let (s, peer) = l.accept().await?;
                 s.set_nodelay(true)?;
-                match &self.tls {
-                    Some(t) => Box::new(t.accept(s).await?),
-                    None => Box::new(s),
-                }
+                (Raw::Tcp(s), peer.to_string())
             }
-            Inner::Unix(l) => {
+            Listener::Unix(l, p) => {
                 let (s, _) = l.accept().await?;
-                match &self.tls {
-                    Some(t) => Box::new(t.accept(s).await?),
-                    None => Box::new(s),
-                }
+                (Raw::Unix(s), format!("unix:{}", p.display()))
             }
         };
-        Ok(Channel { stream })
+        Ok(Accepted {
+            stream,
+            tls: self.tls.clone(),
+            peer,
+        })
+    }
+
+    /// Accepts one control connection and completes its handshake (no deadline: see
+    /// [`accept_raw`](Self::accept_raw)).
+    pub async fn accept(&self) -> Result<Channel, HandshakeError> {
+        self.accept_raw()
+            .await
+            .map_err(HandshakeError::Io)?
+            .handshake()
+            .await
+    }
+}
+
+impl Accepted {
+    /// The TLS handshake if the listener has TLS (a plain client is told, in plain text,
+    /// that TLS is needed); the channel accepts only messages a leecher sends.
+    pub async fn handshake(self) -> Result<Channel, HandshakeError> {
+        let stream: Box<dyn Stream> = match self.stream {
+            Raw::Tcp(s) => with_tls(s, self.tls).await?,
+            Raw::Unix(s) => with_tls(s, self.tls).await?,
+        };
+        Ok(Channel {
+            stream,
+            max_payload: MAX_LEECHER_PAYLOAD,
+        })
+    }
+
+    /// Refuses the connection without waiting on the peer: a plain `Abort` if it fits in the
+    /// socket's buffer (TLS listeners just close).
+    pub fn refuse(self, reason: &str) {
+        if self.tls.is_some() {
+            return;
+        }
+        let frame = Msg::Abort {
+            reason: reason.into(),
+        }
+        .encode();
+        let _ = match &self.stream {
+            Raw::Tcp(s) => s.try_write(&frame),
+            Raw::Unix(s) => s.try_write(&frame),
+        };
+    }
+}
+
+async fn with_tls<S: Stream>(
+    mut s: S,
+    tls: Option<tokio_rustls::TlsAcceptor>,
+) -> Result<Box<dyn Stream>, HandshakeError> {
+    let Some(tls) = tls else {
+        return Ok(Box::new(s));
+    };
+    let mut first = [0u8; 1];
+    s.read_exact(&mut first).await.map_err(HandshakeError::Io)?;
+    if first[0] != TLS_HANDSHAKE {
+        let frame = Msg::Abort {
+            reason: "this seeder requires TLS: connect with --tls-ca (and, for mutual TLS, \
+                     --tls-cert and --tls-key)"
+                .into(),
+        }
+        .encode();
+        let _ = s.write_all(&frame).await;
+        let _ = s.shutdown().await;
+        return Err(HandshakeError::PlainClient);
+    }
+    let s = Prefixed {
+        first: Some(first[0]),
+        inner: s,
+    };
+    match tls.accept(s).await {
+        Ok(t) => Ok(Box::new(t)),
+        Err(source) => Err(HandshakeError::Tls {
+            reason: farmap_net::describe_server_tls_failure(&source),
+            source,
+        }),
+    }
+}
+
+/// A stream whose first byte was already read (and is given back first).
+struct Prefixed<S> {
+    first: Option<u8>,
+    inner: S,
+}
+
+impl<S: AsyncRead + Unpin> AsyncRead for Prefixed<S> {
+    fn poll_read(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        buf: &mut ReadBuf<'_>,
+    ) -> Poll<io::Result<()>> {
+        if buf.remaining() > 0 {
+            if let Some(b) = self.first.take() {
+                buf.put_slice(&[b]);
+                return Poll::Ready(Ok(()));
+            }
+        }
+        Pin::new(&mut self.inner).poll_read(cx, buf)
+    }
+}
+
+impl<S: AsyncWrite + Unpin> AsyncWrite for Prefixed<S> {
+    fn poll_write(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        b: &[u8],
+    ) -> Poll<io::Result<usize>> {
+        Pin::new(&mut self.inner).poll_write(cx, b)
+    }
+    fn poll_flush(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
+        Pin::new(&mut self.inner).poll_flush(cx)
+    }
+    fn poll_shutdown(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
+        Pin::new(&mut self.inner).poll_shutdown(cx)
     }
 }
 
@@ -152,7 +331,10 @@ pub async fn connect(
                 }
             }
         };
-        Ok::<_, io::Error>(Channel { stream })
+        Ok::<_, io::Error>(Channel {
+            stream,
+            max_payload: MAX_PAYLOAD,
+        })
     };
     tokio::time::timeout(timeout, fut)
         .await
@@ -203,13 +385,23 @@ impl Channel {
     /// end of the connection.
     pub fn split(self) -> (Sender, tokio::sync::mpsc::Receiver<io::Result<Msg>>) {
         let (r, w) = tokio::io::split(self.stream);
-        let (tx, rx) = tokio::sync::mpsc::channel(16);
+        // One message waits in the queue, one in the reader: what a connection can make this
+        // side hold is two messages, however fast the peer sends.
+        let (tx, rx) = tokio::sync::mpsc::channel(1);
+        let max_payload = self.max_payload;
         tokio::spawn(async move {
             let mut reader = Channel {
                 stream: Box::new(ReadOnly(r)),
+                max_payload,
             };
             loop {
-                let m = match reader.recv().await {
+                // The reader ends with its receiver: a dropped connection is closed even if
+                // its peer stays silent.
+                let got = tokio::select! {
+                    m = reader.recv() => m,
+                    _ = tx.closed() => return,
+                };
+                let m = match got {
                     Ok(Some(m)) => Ok(m),
                     Ok(None) => Err(io::Error::new(
                         io::ErrorKind::UnexpectedEof,

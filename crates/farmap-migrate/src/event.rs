@@ -1,6 +1,7 @@
 //! What the runners report as they go: progress lines for people, pre-copy progress, and the
 //! point of no return. A controller (`farmap seed` / `farmap leech`, through the
-//! [`agent`](crate::agent)) shows them; `log` options print them on stderr as well.
+//! [`agent`](crate::agent)) shows them; `log` options log them through `tracing` as well
+//! (the CLI's subscriber prints them).
 
 use std::fmt;
 use std::sync::Arc;
@@ -51,7 +52,7 @@ impl Reporter {
     pub(crate) fn emit(&self, e: Event) {
         if self.log {
             if let Event::Note(s) = &e {
-                eprintln!("{}: {s}", self.prefix);
+                tracing::info!(target: "farmap_migrate", "{}: {s}", self.prefix);
             }
         }
         if let Some(o) = &self.observer {

@@ -7,16 +7,21 @@ use std::ops::Range;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
+use std::io;
+
 use bytes::Bytes;
-use farmap_core::{ChunkIdx, Geometry};
+use farmap_core::{error_chain, ChunkIdx, Geometry, GeometryError, StoreError};
 use farmap_net::{ClientOptions, RemoteAddr, RemoteStore, TlsClientConfig};
 use farmap_pipeline::{PushOptions, RetryPolicy};
-use farmap_uffd::{Region, RegionMode, RegionOptions};
+use farmap_uffd::{Region, RegionError, RegionMode, RegionOptions};
 use tokio::sync::mpsc;
 
-use crate::channel::{connect, Sender};
+use crate::channel::{connect, Channel, Sender};
 use crate::event::{Event, Observer, Reporter};
-use crate::machine::{Convergence, Leecher, LeecherAction, LeecherInput, RoundResult};
+use crate::machine::{
+    AbortCause, Convergence, Finalization, Leecher, LeecherAction, LeecherInput, LeecherLimits,
+    RoundResult,
+};
 use crate::msg::{run_pages, Msg};
 use crate::view::MigrationStore;
 
@@ -41,7 +46,11 @@ pub struct LeechOptions {
     pub connections: usize,
     /// How long to keep trying to reconnect after the hand-over.
     pub reconnect_for: Duration,
-    /// Log progress lines on stderr.
+    /// How long the seeder has to accept the connection (and TLS) and to answer the hello.
+    pub handshake_timeout: Duration,
+    /// Largest region accepted, in bytes.
+    pub max_size: u64,
+    /// Log progress lines (through `tracing`).
     pub log: bool,
     /// Receives progress events.
     pub observer: Option<Observer>,
@@ -58,37 +67,147 @@ impl LeechOptions {
             pull_workers: 16,
             connections: 4,
             reconnect_for: Duration::from_secs(30),
+            handshake_timeout: Duration::from_secs(10),
+            max_size: 1 << 40,
             log: false,
             observer: None,
         }
     }
 }
 
+/// Why the control connection could not be set up (nothing was taken from the source).
+#[derive(Debug, thiserror::Error)]
+pub enum ConnectError {
+    /// The connection could not be made.
+    #[error("the connection failed")]
+    Io(#[source] io::Error),
+    /// TLS failed (or the seeder refused this client's certificate).
+    #[error("{reason}")]
+    Tls {
+        /// Why, as a sentence.
+        reason: String,
+        /// The error.
+        #[source]
+        source: io::Error,
+    },
+    /// The seeder accepted the connection and said nothing.
+    #[error(
+        "the seeder accepted the connection but did not answer the hello within {waited:?} (is it \
+         a farmap seeder? does it expect TLS?)"
+    )]
+    Silent {
+        /// How long it was given.
+        waited: Duration,
+    },
+    /// The seeder closed the connection without answering.
+    #[error(
+        "the seeder closed the connection without answering the hello ({})",
+        if *tls { "is it a farmap seeder? does it require a client certificate?" }
+        else { "is it a farmap seeder? if it uses TLS, connect with a CA (--tls-ca)" }
+    )]
+    Closed {
+        /// Whether this leecher used TLS.
+        tls: bool,
+    },
+    /// The seeder answered the hello with a refusal.
+    #[error("the seeder refused: {reason}")]
+    Refused {
+        /// The seeder's reason.
+        reason: String,
+    },
+    /// The seeder's answer is not a migration message.
+    #[error("the seeder's answer is not a migration message")]
+    Garbage(#[source] io::Error),
+}
+
+/// Why the destination region could not be opened (nothing was taken from the source).
+#[derive(Debug, thiserror::Error)]
+pub enum OpenError {
+    /// The data plane could not be reached.
+    #[error("connecting the data plane at {addr} failed")]
+    DataPlane {
+        /// Where.
+        addr: String,
+        /// Why.
+        #[source]
+        source: StoreError,
+    },
+    /// The data plane serves another region than the seeder described.
+    #[error("the data plane at {addr} serves {got:?}, the seeder announced {want:?}")]
+    Mismatch {
+        /// Where.
+        addr: String,
+        /// What it serves.
+        got: Geometry,
+        /// What the Welcome said (pages as chunks).
+        want: Geometry,
+    },
+    /// The seeder's geometry is not one a region can have.
+    #[error("the region's geometry is invalid")]
+    Geometry(#[source] GeometryError),
+    /// The region could not be opened.
+    #[error("opening the region failed")]
+    Open(#[source] RegionError),
+    /// Opening the region panicked.
+    #[error("opening the region panicked")]
+    Task(#[source] tokio::task::JoinError),
+}
+
+/// What failed after the hand-over (the application runs here; chunks not yet fetched are
+/// lost if the seeder does not come back).
+#[derive(Debug, thiserror::Error)]
+pub enum AfterHandOver {
+    /// Discarding the pages written at the source failed.
+    #[error("discarding the pages written at the source failed")]
+    Discard(#[source] RegionError),
+    /// The control connection could not be made again.
+    #[error("could not reconnect within {waited:?}")]
+    Reconnect {
+        /// How long it tried.
+        waited: Duration,
+        /// The last attempt's error.
+        #[source]
+        source: io::Error,
+    },
+    /// The seeder failed or broke the protocol.
+    #[error("the seeder failed")]
+    Seeder(#[source] AbortCause),
+}
+
 /// Why leeching failed.
 #[derive(Debug, thiserror::Error)]
 pub enum LeechError {
-    /// The seeder could not be reached.
+    /// The seeder could not be reached, or did not answer the hello.
     #[error("cannot reach the seeder at {addr}")]
     Connect {
         /// Where.
         addr: String,
         /// Why.
         #[source]
-        source: std::io::Error,
+        source: ConnectError,
     },
     /// Opening the destination region failed (nothing was taken from the source).
-    #[error("opening the destination region failed: {0}")]
-    Region(String),
+    #[error("opening the destination region failed")]
+    Region(#[source] OpenError),
     /// The migration was abandoned before the hand-over: the source runs on.
-    #[error("migration aborted: {0}")]
-    Aborted(String),
+    #[error(
+        "migration aborted{}",
+        connection.as_ref().map(|e| format!(" (the control connection failed: {e})")).unwrap_or_default()
+    )]
+    Aborted {
+        /// Why.
+        #[source]
+        cause: AbortCause,
+        /// The control connection's error, if it failed.
+        connection: Option<io::Error>,
+    },
     /// Cancelled before the hand-over: the source runs on.
     #[error("migration cancelled before the hand-over; the source keeps running")]
     Cancelled,
     /// After the hand-over, the seeder could not be reached again: chunks not yet fetched
     /// are lost.
-    #[error("lost the seeder after the hand-over: {0}")]
-    LostAfterHandOver(String),
+    #[error("lost the seeder after the hand-over")]
+    LostAfterHandOver(#[source] AfterHandOver),
 }
 
 /// A finished migration, as the destination saw it.
@@ -98,6 +217,10 @@ pub struct LeechReport {
     pub region: Arc<Region>,
     /// Suspend → resume (across hosts of one boot; otherwise Finalize sent → resume).
     pub downtime: Duration,
+    /// The downtime budget it was given.
+    pub max_downtime: Duration,
+    /// Why pre-copy stopped.
+    pub finalization: Finalization,
     /// First hello → complete.
     pub total: Duration,
     /// Bytes fetched before the hand-over.
@@ -116,19 +239,43 @@ pub struct LeechReport {
     pub postcopy: Duration,
 }
 
+impl LeechReport {
+    /// Whether pre-copy converged: the last round's set fit the downtime budget (not merely
+    /// `max_rounds` reached or rounds that stopped shrinking).
+    pub fn converged(&self) -> bool {
+        self.finalization == Finalization::Converged
+    }
+
+    /// Whether the downtime exceeded its budget.
+    pub fn over_budget(&self) -> bool {
+        self.downtime > self.max_downtime
+    }
+}
+
+/// The chunks holding pages of `runs` (checked runs: ascending, within the region),
+/// ascending, each once.
 fn chunks_of(runs: &[Range<u64>], page: u64, chunk: u64) -> Vec<ChunkIdx> {
     let mut out: Vec<ChunkIdx> = Vec::new();
     for r in runs {
-        let (a, b) = (r.start * page / chunk, (r.end * page - 1) / chunk);
-        for c in a..=b {
-            if out.last().is_none_or(|l| l.0 < c) {
-                out.push(ChunkIdx(c));
-            }
+        if r.start >= r.end {
+            continue;
         }
+        let a = r.start.saturating_mul(page) / chunk;
+        let b = r.end.saturating_mul(page).saturating_sub(1) / chunk;
+        let from = out.last().map_or(a, |l| a.max(l.0 + 1));
+        out.extend((from..=b).map(ChunkIdx));
     }
-    out.sort_unstable();
-    out.dedup();
     out
+}
+
+/// The parts of checked `runs` inside pages `lo..hi`.
+fn clip(runs: &[Range<u64>], lo: u64, hi: u64) -> Vec<Range<u64>> {
+    let first = runs.partition_point(|r| r.end <= lo);
+    runs[first..]
+        .iter()
+        .take_while(|r| r.start < hi)
+        .map(|r| r.start.max(lo)..r.end.min(hi))
+        .collect()
 }
 
 struct Dest {
@@ -138,290 +285,165 @@ struct Dest {
     chunk: u64,
 }
 
+/// Connects the control channel and says hello, within the handshake deadline; returns the
+/// channel and the seeder's first answer (a `Welcome` for the machine to check).
+async fn handshake(opts: &LeechOptions, hello: &Msg) -> Result<(Channel, Msg), LeechError> {
+    let fail = |source| LeechError::Connect {
+        addr: opts.from.to_string(),
+        source,
+    };
+    let sent_cert = opts.tls.as_ref().is_some_and(|t| t.has_client_cert());
+    let classify = |e: io::Error| match farmap_net::describe_client_tls_failure(&e, sent_cert) {
+        Some(reason) => ConnectError::Tls {
+            reason: tls_hint(&e, reason),
+            source: e,
+        },
+        None if e.kind() == io::ErrorKind::InvalidData => ConnectError::Garbage(e),
+        None => ConnectError::Io(e),
+    };
+    let wait = opts.handshake_timeout;
+    let mut ch = connect(&opts.from, opts.tls.as_ref(), wait)
+        .await
+        .map_err(|e| fail(classify(e)))?;
+    let answer = tokio::time::timeout(wait, async {
+        ch.send(hello).await?;
+        ch.recv().await
+    })
+    .await;
+    match answer {
+        Err(_) => Err(fail(ConnectError::Silent { waited: wait })),
+        Ok(Err(e)) if e.kind() == io::ErrorKind::UnexpectedEof || is_reset(&e) => Err(fail(
+            match farmap_net::describe_client_tls_failure(&e, sent_cert) {
+                Some(_) => classify(e),
+                None => ConnectError::Closed {
+                    tls: opts.tls.is_some(),
+                },
+            },
+        )),
+        Ok(Err(e)) => Err(fail(classify(e))),
+        Ok(Ok(None)) => Err(fail(ConnectError::Closed {
+            tls: opts.tls.is_some(),
+        })),
+        Ok(Ok(Some(Msg::Abort { reason }))) => Err(fail(ConnectError::Refused { reason })),
+        Ok(Ok(Some(m))) => Ok((ch, m)),
+    }
+}
+
+fn is_reset(e: &io::Error) -> bool {
+    matches!(
+        e.kind(),
+        io::ErrorKind::ConnectionReset
+            | io::ErrorKind::BrokenPipe
+            | io::ErrorKind::ConnectionAborted
+    )
+}
+
+/// Adds what a TLS failure most likely means when the seeder answered in plain text.
+fn tls_hint(e: &io::Error, reason: String) -> String {
+    let plain = e
+        .get_ref()
+        .and_then(|i| i.downcast_ref::<rustls::Error>())
+        .is_some_and(|t| matches!(t, rustls::Error::InvalidMessage(_)));
+    if plain {
+        format!("{reason} (the seeder does not seem to use TLS: connect without --tls-ca)")
+    } else {
+        reason
+    }
+}
+
 /// Migrates a region here. `cancel` turning true before the hand-over abandons the migration
 /// (the source runs on); `resume` starts the application at the hand-over.
+///
+/// The driver: it feeds the [`Leecher`] machine what happens (messages, task results) and
+/// carries out its actions; the long work runs in named tasks ([`bulk_pull`],
+/// [`refresh_round`], [`post_copy`]) that report back as machine inputs.
 pub async fn leech(
     opts: LeechOptions,
     resume: Resumer,
     mut cancel: tokio::sync::watch::Receiver<bool>,
 ) -> Result<LeechReport, LeechError> {
-    let rep = Reporter {
-        prefix: "farmap leech",
-        log: opts.log,
-        observer: opts.observer.clone(),
-    };
-    let log = |s: &str| rep.note(s);
     let started = Instant::now();
-    let connect_ctl = |addr: RemoteAddr, tls: Option<TlsClientConfig>| async move {
-        connect(&addr, tls.as_ref(), Duration::from_secs(10))
-            .await
-            .map_err(|source| LeechError::Connect {
-                addr: addr.to_string(),
-                source,
-            })
+    let page_size = u32::try_from(rustix::param::page_size()).unwrap_or(u32::MAX);
+    let mut machine = Leecher::new(
+        opts.convergence,
+        LeecherLimits {
+            max_size: opts.max_size,
+            ..LeecherLimits::new(page_size)
+        },
+    );
+    let hello = match machine.start().pop() {
+        Some(LeecherAction::Send(m)) => m,
+        _ => Msg::Hello { session: 0 },
     };
-    let (mut tx, mut rx): (Sender, mpsc::Receiver<std::io::Result<Msg>>) =
-        connect_ctl(opts.from.clone(), opts.tls.clone())
-            .await?
-            .split();
-    let mut machine = Leecher::new(opts.convergence);
+    let (ch, welcome) = handshake(&opts, &hello).await?;
+    let (tx, rx) = ch.split();
     let (work_tx, mut work_rx) = mpsc::unbounded_channel::<LeecherInput>();
-    let mut queue: VecDeque<LeecherAction> = machine.start().into();
-    let mut dest: Option<Dest> = None;
-    let mut resume = Some(resume);
-    let mut finalize_sent: Option<Instant> = None;
-    let mut tracking_since: Option<Instant> = None;
-    let mut dirty_pages = 0u64;
-    let mut report_downtime = Duration::ZERO;
-    let mut resumed_at: Option<Instant> = None;
-    let mut final_pages = 0;
-    let mut handed_over = false;
-    let mut connected = true;
-    let mut last_error: Option<String> = None;
-    let same_boot = |id: [u8; 16]| id == crate::boot_id() && id != [0; 16];
-    let mut seeder_boot = [0u8; 16];
+    let mut run = Run {
+        rep: Reporter {
+            prefix: "farmap leech",
+            log: opts.log,
+            observer: opts.observer.clone(),
+        },
+        opts,
+        tx,
+        rx,
+        connected: true,
+        work: work_tx,
+        dest: None,
+        resume: Some(resume),
+        started,
+        finalize_sent: None,
+        tracking_since: None,
+        resumed_at: None,
+        downtime: Duration::ZERO,
+        dirty_pages: 0,
+        final_pages: 0,
+        handed_over: false,
+        last_error: None,
+        seeder_boot: [0; 16],
+        lost_since: None,
+        answer_by: None,
+    };
+    let mut queue: VecDeque<LeecherAction> = machine.step(LeecherInput::Received(welcome)).into();
     loop {
         while let Some(action) = queue.pop_front() {
-            match action {
-                LeecherAction::Send(m) => {
-                    if matches!(m, Msg::Finalize) {
-                        finalize_sent = Some(Instant::now());
-                        log("pre-copy converged: finalizing");
-                    }
-                    if connected && tx.send(&m).await.is_err() {
-                        connected = false;
-                        queue.extend(machine.step(LeecherInput::Disconnected));
-                    }
-                }
-                LeecherAction::OpenRegion {
-                    size,
-                    chunk_size,
-                    page_size,
-                    data_port,
-                    boot_id,
-                    ..
-                } => {
-                    seeder_boot = boot_id;
-                    tracking_since = Some(Instant::now());
-                    let data_addr = opts.data.clone().unwrap_or_else(|| match &opts.from {
-                        RemoteAddr::Tcp(_) => {
-                            let host = opts.from.host();
-                            if host.contains(':') {
-                                RemoteAddr::Tcp(format!("[{host}]:{data_port}"))
-                            } else {
-                                RemoteAddr::Tcp(format!("{host}:{data_port}"))
-                            }
-                        }
-                        RemoteAddr::Unix(p) => RemoteAddr::Unix(p.with_extension("data")),
-                    });
-                    let d = open_dest(&opts, data_addr, size, chunk_size, page_size).await?;
-                    log(&format!("pulling {size} bytes while the source runs"));
-                    let (r, st, w) = (d.region.clone(), d.store.clone(), work_tx.clone());
-                    let (page, chunk, workers) = (d.page, d.chunk, opts.pull_workers);
-                    let rep2 = rep.clone();
-                    tokio::spawn(async move {
-                        let input = match bulk_pull(r, st, page, chunk, workers, rep2).await {
-                            Ok(()) => LeecherInput::PullDone,
-                            Err(_) => LeecherInput::Disconnected,
-                        };
-                        let _ = w.send(input);
-                    });
-                    dest = Some(d);
-                }
-                LeecherAction::Refresh { runs } => {
-                    let d = dest.as_ref().expect("a round follows the open");
-                    dirty_pages += run_pages(&runs);
-                    let (region, store, w) = (d.region.clone(), d.store.clone(), work_tx.clone());
-                    let page_len = d.page;
-                    let rep2 = rep.clone();
-                    tokio::spawn(async move {
-                        // Pre-copy rounds overwrite the changed pages in place: the
-                        // application does not run here yet, and a write costs a memcpy where
-                        // a discard costs a round trip through the fault reader per run.
-                        let t0 = Instant::now();
-                        let pages: Vec<u64> = runs.iter().flat_map(|r| r.clone()).collect();
-                        let data = store.read_pages(&pages).await;
-                        let t1 = Instant::now();
-                        let applied = match data {
-                            Ok(data) => {
-                                let (r2, page) = (region.clone(), page_len);
-                                let p2 = pages.clone();
-                                tokio::task::spawn_blocking(move || {
-                                    p2.iter()
-                                        .zip(data)
-                                        .try_for_each(|(p, d)| r2.write_at((p * page) as usize, &d))
-                                })
-                                .await
-                                .map_err(|e| e.to_string())
-                                .and_then(|r| r.map_err(|e| e.to_string()))
-                            }
-                            Err(e) => Err(e.to_string()),
-                        };
-                        let apply = t1.elapsed();
-                        rep2.note(format!(
-                            "round: {} pages in {} runs: read {:.1} ms, written in place in \
-                             {:.1} ms",
-                            pages.len(),
-                            runs.len(),
-                            (t1 - t0).as_secs_f64() * 1e3,
-                            apply.as_secs_f64() * 1e3,
-                        ));
-                        if applied.is_err() {
-                            let _ = w.send(LeecherInput::Disconnected);
-                            return;
-                        }
-                        let _ = w.send(LeecherInput::RoundDone(RoundResult {
-                            pages: run_pages(&runs),
-                            runs: runs.len() as u64,
-                            apply,
-                            elapsed: t0.elapsed(),
-                        }));
-                    });
-                }
-                LeecherAction::Resume {
-                    runs,
-                    app_state,
-                    suspended_at_ns,
-                } => {
-                    let d = dest.as_ref().expect("a hand-over follows the open");
-                    d.store.start_postcopy();
-                    d.store.note_discarded(&runs);
-                    let t_discard = Instant::now();
-                    d.region
-                        .discard_pages(&runs)
-                        .map_err(|e| LeechError::LostAfterHandOver(format!("discarding: {e}")))?;
-                    if let Some(resume) = resume.take() {
-                        resume(d.region.clone(), app_state);
-                    }
-                    let now = Instant::now();
-                    let now_ns = crate::monotonic_ns();
-                    report_downtime = if same_boot(seeder_boot) {
-                        Duration::from_nanos(now_ns.saturating_sub(suspended_at_ns))
-                    } else {
-                        finalize_sent.map_or(Duration::ZERO, |f| now - f)
-                    };
-                    resumed_at = Some(now);
-                    handed_over = true;
-                    rep.emit(Event::HandedOver);
-                    final_pages = run_pages(&runs);
-                    dirty_pages += final_pages;
-                    log(&format!(
-                        "discarding took {:.1} ms; resumed here after {:.1} ms; fetching {} changed pages in the background",
-                        t_discard.elapsed().as_secs_f64() * 1e3,
-                        report_downtime.as_secs_f64() * 1e3,
-                        final_pages
-                    ));
-                    let chunks = chunks_of(&runs, d.page, d.chunk);
-                    let pages: Vec<u64> = runs.iter().flat_map(|r| r.clone()).collect();
-                    let (region, store, w, workers) = (
-                        d.region.clone(),
-                        d.store.clone(),
-                        work_tx.clone(),
-                        opts.pull_workers,
-                    );
-                    let rep2 = rep.clone();
-                    tokio::spawn(async move {
-                        loop {
-                            let _ = store.stage(&pages).await;
-                            let fetched = region.fetch_chunks(chunks.clone(), workers).await;
-                            store.unstage(&pages);
-                            let (have, all) = (
-                                region.stats().present_chunks,
-                                region.geometry().chunk_count(),
-                            );
-                            match &fetched {
-                                Ok(()) => {
-                                    rep2.note(format!("post-copy: {have} of {all} chunks present"))
-                                }
-                                Err(e) => rep2.note(format!(
-                                    "post-copy: {e}; {have} of {all} chunks present; retrying"
-                                )),
-                            }
-                            if fetched.is_ok() && region.is_complete() {
-                                let _ = w.send(LeecherInput::AllLocal);
-                                return;
-                            }
-                            tokio::time::sleep(Duration::from_millis(50)).await;
-                        }
-                    });
-                }
-                LeecherAction::Reconnect => {
-                    log("control connection lost: reconnecting");
-                    let deadline = Instant::now() + opts.reconnect_for;
-                    loop {
-                        match connect(&opts.from, opts.tls.as_ref(), Duration::from_secs(2)).await {
-                            Ok(ch) => {
-                                (tx, rx) = ch.split();
-                                connected = true;
-                                queue.extend(machine.step(LeecherInput::Reconnected));
-                                break;
-                            }
-                            Err(e) if Instant::now() >= deadline => {
-                                return Err(LeechError::LostAfterHandOver(format!(
-                                    "could not reconnect within {:?}: {e}",
-                                    opts.reconnect_for
-                                )));
-                            }
-                            Err(_) => tokio::time::sleep(Duration::from_millis(100)).await,
-                        }
-                    }
-                }
-                LeecherAction::Finish => {
-                    let d = dest.take().expect("finished after the open");
-                    d.store.detach();
-                    let (pre, post) = d.store.bytes();
-                    let tracked = tracking_since
-                        .and_then(|t| finalize_sent.map(|f| f - t))
-                        .unwrap_or_default();
-                    log("complete: the region is local");
-                    return Ok(LeechReport {
-                        region: d.region,
-                        downtime: report_downtime,
-                        total: started.elapsed(),
-                        bytes_precopy: pre,
-                        bytes_postcopy: post,
-                        rounds: machine.rounds(),
-                        dirty_pages,
-                        dirty_rate: if tracked.is_zero() {
-                            0.0
-                        } else {
-                            (dirty_pages * d.page) as f64 / tracked.as_secs_f64()
-                        },
-                        final_pages,
-                        postcopy: resumed_at.map(|r| r.elapsed()).unwrap_or_default(),
-                    });
-                }
-                LeecherAction::Abort(reason) => {
-                    let reason = match &last_error {
-                        Some(e) => format!("{reason} (the control connection failed: {e})"),
-                        None => reason,
-                    };
-                    if handed_over {
-                        return Err(LeechError::LostAfterHandOver(reason));
-                    }
-                    return Err(LeechError::Aborted(reason));
-                }
+            if let Some(done) = run.act(action, &mut machine, &mut queue).await? {
+                return Ok(done);
             }
         }
         let input = tokio::select! {
-            m = rx.recv(), if connected => match m {
-                Some(Ok(m)) => LeecherInput::Received(m),
+            m = run.rx.recv(), if run.connected => match m {
+                Some(Ok(m)) => {
+                    run.answer_by = None;
+                    run.lost_since = None;
+                    LeecherInput::Received(m)
+                }
                 other => {
                     if let Some(Err(e)) = other {
-                        let sent_cert = opts.tls.as_ref().is_some_and(|t| t.has_client_cert());
-                        last_error = Some(
-                            farmap_net::describe_client_tls_failure(&e, sent_cert)
-                                .unwrap_or_else(|| e.to_string()),
-                        );
+                        run.last_error = Some(e);
                     }
-                    connected = false;
+                    run.connected = false;
                     LeecherInput::Disconnected
                 }
             },
             Some(w) = work_rx.recv() => w,
-            _ = cancel.changed(), if !handed_over && finalize_sent.is_none() => {
+            _ = sleep_until(run.answer_by), if run.connected && run.answer_by.is_some() => {
+                // Reconnected, and the seeder does not answer the hello.
+                run.answer_by = None;
+                run.connected = false;
+                run.last_error = Some(io::Error::new(
+                    io::ErrorKind::TimedOut,
+                    format!(
+                        "the seeder did not answer the hello within {:?} after reconnecting",
+                        run.opts.handshake_timeout
+                    ),
+                ));
+                LeecherInput::Disconnected
+            }
+            _ = cancel.changed(), if !run.handed_over && run.finalize_sent.is_none() => {
                 if *cancel.borrow() {
-                    let _ = tx.send(&Msg::Abort { reason: "the leecher was cancelled".into() }).await;
+                    let abort = Msg::Abort { reason: "the leecher was cancelled".into() };
+                    let _ = tokio::time::timeout(Duration::from_secs(5), run.tx.send(&abort)).await;
                     return Err(LeechError::Cancelled);
                 }
                 continue;
@@ -431,10 +453,416 @@ pub async fn leech(
     }
 }
 
+/// The leecher's side of one migration, between the machine's actions.
+struct Run {
+    opts: LeechOptions,
+    rep: Reporter,
+    tx: Sender,
+    rx: mpsc::Receiver<io::Result<Msg>>,
+    connected: bool,
+    /// Where the tasks report (as machine inputs).
+    work: mpsc::UnboundedSender<LeecherInput>,
+    dest: Option<Dest>,
+    resume: Option<Resumer>,
+    started: Instant,
+    finalize_sent: Option<Instant>,
+    tracking_since: Option<Instant>,
+    resumed_at: Option<Instant>,
+    downtime: Duration,
+    dirty_pages: u64,
+    final_pages: u64,
+    handed_over: bool,
+    /// Why the control connection ended, if it failed.
+    last_error: Option<io::Error>,
+    seeder_boot: [u8; 16],
+    /// When the control connection was lost after the hand-over (until a message arrives).
+    lost_since: Option<Instant>,
+    /// After a reconnect: when the seeder must have answered the hello.
+    answer_by: Option<tokio::time::Instant>,
+}
+
+/// Sleeps until `at` (for ever, without one).
+async fn sleep_until(at: Option<tokio::time::Instant>) {
+    match at {
+        Some(at) => tokio::time::sleep_until(at).await,
+        None => std::future::pending().await,
+    }
+}
+
+impl Run {
+    /// Carries out one action; `Some` when the migration is complete.
+    async fn act(
+        &mut self,
+        action: LeecherAction,
+        machine: &mut Leecher,
+        queue: &mut VecDeque<LeecherAction>,
+    ) -> Result<Option<LeechReport>, LeechError> {
+        match action {
+            LeecherAction::Send(m) => {
+                if matches!(m, Msg::Finalize) {
+                    self.finalize_sent = Some(Instant::now());
+                    self.rep.note(match machine.finalization() {
+                        Some(Finalization::Converged) | None => {
+                            "pre-copy converged: finalizing".to_owned()
+                        }
+                        Some(Finalization::MaxRounds) => format!(
+                            "pre-copy did not converge within {} rounds: finalizing anyway; the \
+                             downtime may exceed its budget of {:?}",
+                            machine.rounds(),
+                            self.opts.convergence.max_downtime
+                        ),
+                        Some(Finalization::NotShrinking) => format!(
+                            "pre-copy did not converge (the dirty set stopped shrinking): \
+                             finalizing anyway; the downtime may exceed its budget of {:?}",
+                            self.opts.convergence.max_downtime
+                        ),
+                    });
+                }
+                if self.connected && self.tx.send(&m).await.is_err() {
+                    self.connected = false;
+                    queue.extend(machine.step(LeecherInput::Disconnected));
+                }
+            }
+            LeecherAction::OpenRegion {
+                size,
+                chunk_size,
+                page_size,
+                data_port,
+                boot_id,
+                ..
+            } => {
+                self.seeder_boot = boot_id;
+                self.tracking_since = Some(Instant::now());
+                let data_addr = self.data_addr(data_port);
+                let d = open_dest(&self.opts, data_addr, size, chunk_size, page_size)
+                    .await
+                    .map_err(LeechError::Region)?;
+                self.rep
+                    .note(format!("pulling {size} bytes while the source runs"));
+                let (r, st, w) = (d.region.clone(), d.store.clone(), self.work.clone());
+                let (page, chunk, workers) = (d.page, d.chunk, self.opts.pull_workers);
+                let rep = self.rep.clone();
+                tokio::spawn(async move {
+                    let input = match bulk_pull(r, st, page, chunk, workers, rep.clone()).await {
+                        Ok(()) => LeecherInput::PullDone,
+                        Err(e) => {
+                            rep.note(format!("the pre-copy pull failed: {}", error_chain(&e)));
+                            LeecherInput::Disconnected
+                        }
+                    };
+                    let _ = w.send(input);
+                });
+                self.dest = Some(d);
+            }
+            LeecherAction::Refresh { runs } => {
+                let Some(d) = self.dest.as_ref() else {
+                    return Ok(None);
+                };
+                self.dirty_pages += run_pages(&runs);
+                let (region, store, w) = (d.region.clone(), d.store.clone(), self.work.clone());
+                let (page, rep) = (d.page, self.rep.clone());
+                tokio::spawn(async move {
+                    let input = match refresh_round(region, store, &runs, page, &rep).await {
+                        Ok(r) => LeecherInput::RoundDone(r),
+                        Err(e) => {
+                            rep.note(format!("a dirty round failed: {}", error_chain(&e)));
+                            LeecherInput::Disconnected
+                        }
+                    };
+                    let _ = w.send(input);
+                });
+            }
+            LeecherAction::Resume {
+                runs,
+                app_state,
+                suspended_at_ns,
+            } => self.resume(runs, app_state, suspended_at_ns)?,
+            LeecherAction::Reconnect => {
+                self.rep.note("control connection lost: reconnecting");
+                // The deadline runs from the first loss: a seeder that accepts and then says
+                // nothing does not restart it.
+                let since = *self.lost_since.get_or_insert_with(Instant::now);
+                let deadline = since + self.opts.reconnect_for;
+                if Instant::now() >= deadline {
+                    let source = self.last_error.take().unwrap_or_else(|| {
+                        io::Error::new(io::ErrorKind::TimedOut, "the seeder did not answer")
+                    });
+                    return Err(LeechError::LostAfterHandOver(AfterHandOver::Reconnect {
+                        waited: self.opts.reconnect_for,
+                        source,
+                    }));
+                }
+                loop {
+                    match connect(
+                        &self.opts.from,
+                        self.opts.tls.as_ref(),
+                        Duration::from_secs(2),
+                    )
+                    .await
+                    {
+                        Ok(ch) => {
+                            (self.tx, self.rx) = ch.split();
+                            self.connected = true;
+                            self.answer_by =
+                                Some(tokio::time::Instant::now() + self.opts.handshake_timeout);
+                            queue.extend(machine.step(LeecherInput::Reconnected));
+                            break;
+                        }
+                        Err(source) if Instant::now() >= deadline => {
+                            return Err(LeechError::LostAfterHandOver(AfterHandOver::Reconnect {
+                                waited: self.opts.reconnect_for,
+                                source,
+                            }));
+                        }
+                        Err(_) => tokio::time::sleep(Duration::from_millis(100)).await,
+                    }
+                }
+            }
+            LeecherAction::Finish => {
+                let Some(d) = self.dest.take() else {
+                    return Ok(None);
+                };
+                d.store.detach();
+                let (pre, post) = d.store.bytes();
+                let tracked = self
+                    .tracking_since
+                    .and_then(|t| self.finalize_sent.map(|f| f - t))
+                    .unwrap_or_default();
+                self.rep.note("complete: the region is local");
+                return Ok(Some(LeechReport {
+                    region: d.region,
+                    downtime: self.downtime,
+                    max_downtime: self.opts.convergence.max_downtime,
+                    finalization: machine.finalization().unwrap_or(Finalization::Converged),
+                    total: self.started.elapsed(),
+                    bytes_precopy: pre,
+                    bytes_postcopy: post,
+                    rounds: machine.rounds(),
+                    dirty_pages: self.dirty_pages,
+                    dirty_rate: if tracked.is_zero() {
+                        0.0
+                    } else {
+                        self.dirty_pages.saturating_mul(d.page) as f64 / tracked.as_secs_f64()
+                    },
+                    final_pages: self.final_pages,
+                    postcopy: self.resumed_at.map(|r| r.elapsed()).unwrap_or_default(),
+                }));
+            }
+            LeecherAction::Abort(cause) => {
+                if self.handed_over {
+                    return Err(LeechError::LostAfterHandOver(AfterHandOver::Seeder(cause)));
+                }
+                return Err(LeechError::Aborted {
+                    cause,
+                    connection: self.last_error.take(),
+                });
+            }
+        }
+        Ok(None)
+    }
+
+    /// The data plane's address: as given, or the control host with the announced port.
+    fn data_addr(&self, data_port: u16) -> RemoteAddr {
+        self.opts
+            .data
+            .clone()
+            .unwrap_or_else(|| match &self.opts.from {
+                RemoteAddr::Tcp(_) => {
+                    let host = self.opts.from.host();
+                    if host.contains(':') {
+                        RemoteAddr::Tcp(format!("[{host}]:{data_port}"))
+                    } else {
+                        RemoteAddr::Tcp(format!("{host}:{data_port}"))
+                    }
+                }
+                RemoteAddr::Unix(p) => RemoteAddr::Unix(p.with_extension("data")),
+            })
+    }
+
+    /// The hand-over: discard the pages written at the source, resume the application at
+    /// once, and start the post-copy.
+    fn resume(
+        &mut self,
+        runs: Vec<Range<u64>>,
+        app_state: Bytes,
+        suspended_at_ns: u64,
+    ) -> Result<(), LeechError> {
+        let Some(d) = self.dest.as_ref() else {
+            return Ok(());
+        };
+        d.store.start_postcopy();
+        d.store.note_discarded(&runs);
+        let t_discard = Instant::now();
+        d.region
+            .discard_pages(&runs)
+            .map_err(|e| LeechError::LostAfterHandOver(AfterHandOver::Discard(e)))?;
+        if let Some(resume) = self.resume.take() {
+            resume(d.region.clone(), app_state);
+        }
+        let now = Instant::now();
+        let same_boot = self.seeder_boot == crate::boot_id() && self.seeder_boot != [0; 16];
+        self.downtime = if same_boot {
+            Duration::from_nanos(crate::monotonic_ns().saturating_sub(suspended_at_ns))
+        } else {
+            self.finalize_sent.map_or(Duration::ZERO, |f| now - f)
+        };
+        self.resumed_at = Some(now);
+        self.handed_over = true;
+        self.rep.emit(Event::HandedOver);
+        self.final_pages = run_pages(&runs);
+        self.dirty_pages += self.final_pages;
+        let budget = self.opts.convergence.max_downtime;
+        self.rep.note(format!(
+            "discarding took {:.1} ms; resumed here after {:.1} ms; fetching {} changed pages \
+             in the background",
+            t_discard.elapsed().as_secs_f64() * 1e3,
+            self.downtime.as_secs_f64() * 1e3,
+            self.final_pages
+        ));
+        if self.downtime > budget {
+            self.rep.note(format!(
+                "warning: the downtime of {:.1} ms exceeded its budget of {:.1} ms",
+                self.downtime.as_secs_f64() * 1e3,
+                budget.as_secs_f64() * 1e3
+            ));
+        }
+        let (region, store, w) = (d.region.clone(), d.store.clone(), self.work.clone());
+        let (page, chunk, workers, rep) =
+            (d.page, d.chunk, self.opts.pull_workers, self.rep.clone());
+        tokio::spawn(async move {
+            post_copy(region, store, runs, page, chunk, workers, rep).await;
+            let _ = w.send(LeecherInput::AllLocal);
+        });
+        Ok(())
+    }
+}
+
+/// Pages per read of a dirty round (the round's set is read and written batch by batch).
+const REFRESH_BATCH: usize = 1024;
+
+/// Why a dirty round failed (the migration is abandoned; the source runs on).
+#[derive(Debug, thiserror::Error)]
+enum RoundError {
+    #[error("reading the changed pages failed")]
+    Read(#[source] StoreError),
+    #[error("writing the changed pages failed")]
+    Write(#[source] RegionError),
+    #[error("writing the changed pages panicked")]
+    Task(#[source] tokio::task::JoinError),
+}
+
+/// A pre-copy dirty round: read the changed pages and write them in place, batch by batch.
+/// The application does not run here yet, and a write costs a memcpy where a discard costs a
+/// round trip through the fault reader per run.
+async fn refresh_round(
+    region: Arc<Region>,
+    store: Arc<MigrationStore>,
+    runs: &[Range<u64>],
+    page: u64,
+    rep: &Reporter,
+) -> Result<RoundResult, RoundError> {
+    let t0 = Instant::now();
+    let (mut read, mut apply) = (Duration::ZERO, Duration::ZERO);
+    let mut pages_left = runs.iter().flat_map(|r| r.clone());
+    loop {
+        let pages: Vec<u64> = pages_left.by_ref().take(REFRESH_BATCH).collect();
+        if pages.is_empty() {
+            break;
+        }
+        let t = Instant::now();
+        let data = store.read_pages(&pages).await.map_err(RoundError::Read)?;
+        read += t.elapsed();
+        let t = Instant::now();
+        let r = region.clone();
+        tokio::task::spawn_blocking(move || {
+            pages
+                .iter()
+                .zip(data)
+                .try_for_each(|(p, d)| r.write_at((p * page) as usize, &d))
+        })
+        .await
+        .map_err(RoundError::Task)?
+        .map_err(RoundError::Write)?;
+        apply += t.elapsed();
+    }
+    let pages = run_pages(runs);
+    rep.note(format!(
+        "round: {pages} pages in {} runs: read {:.1} ms, written in place in {:.1} ms",
+        runs.len(),
+        read.as_secs_f64() * 1e3,
+        apply.as_secs_f64() * 1e3,
+    ));
+    Ok(RoundResult {
+        pages,
+        runs: runs.len() as u64,
+        apply,
+        elapsed: t0.elapsed(),
+    })
+}
+
+/// Post-copy: fetch the chunks of the pages discarded at the hand-over (faults fetch theirs
+/// first), batch by batch, retrying until every chunk is local.
+async fn post_copy(
+    region: Arc<Region>,
+    store: Arc<MigrationStore>,
+    runs: Vec<Range<u64>>,
+    page: u64,
+    chunk: u64,
+    workers: usize,
+    rep: Reporter,
+) {
+    let chunks = chunks_of(&runs, page, chunk);
+    let per_chunk = (chunk / page).max(1);
+    loop {
+        let mut failed = None;
+        for batch in chunks.chunks(PULL_BATCH as usize) {
+            let (Some(first), Some(last)) = (batch.first(), batch.last()) else {
+                continue;
+            };
+            let lo = first.0.saturating_mul(per_chunk);
+            let hi = last.0.saturating_add(1).saturating_mul(per_chunk);
+            let pages: Vec<u64> = clip(&runs, lo, hi).into_iter().flatten().collect();
+            let _ = store.stage(&pages).await;
+            let fetched = region.fetch_chunks(batch.to_vec(), workers).await;
+            store.unstage(&pages);
+            if let Err(e) = fetched {
+                failed = Some(e);
+                break;
+            }
+        }
+        let (have, all) = (
+            region.stats().present_chunks,
+            region.geometry().chunk_count(),
+        );
+        match &failed {
+            None => rep.note(format!("post-copy: {have} of {all} chunks present")),
+            Some(e) => rep.note(format!(
+                "post-copy: {}; {have} of {all} chunks present; retrying",
+                error_chain(e)
+            )),
+        }
+        if failed.is_none() && region.is_complete() {
+            return;
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+}
+
 /// Chunks per bulk-pull batch (one `read_many` of their pages, then one install each).
 const PULL_BATCH: u64 = 64;
 /// Bulk-pull batches in flight (enough to fill a long fat link: 8 × 4 MiB).
 const PULL_IN_FLIGHT: usize = 8;
+
+/// Why the bulk pull failed.
+#[derive(Debug, thiserror::Error)]
+enum PullError {
+    #[error("reading pages from the seeder failed")]
+    Read(#[source] StoreError),
+    #[error("installing chunks failed")]
+    Install(#[source] RegionError),
+    #[error("a pull task panicked")]
+    Task(#[source] tokio::task::JoinError),
+}
 
 /// Pre-copy: the whole region, batch by batch, several batches in flight.
 async fn bulk_pull(
@@ -444,7 +872,7 @@ async fn bulk_pull(
     chunk: u64,
     workers: usize,
     rep: Reporter,
-) -> Result<(), String> {
+) -> Result<(), PullError> {
     let chunks = region.geometry().chunk_count();
     let total = region.len() as u64;
     let next = Arc::new(std::sync::atomic::AtomicU64::new(0));
@@ -455,18 +883,18 @@ async fn bulk_pull(
             loop {
                 let first = next.fetch_add(PULL_BATCH, std::sync::atomic::Ordering::AcqRel);
                 if first >= chunks {
-                    return Ok::<(), String>(());
+                    return Ok::<(), PullError>(());
                 }
                 let last = (first + PULL_BATCH).min(chunks);
                 let p0 = first * chunk / page;
                 let p1 = (last * chunk).min(region.len() as u64) / page;
                 let pages: Vec<u64> = (p0..p1).collect();
-                store.stage(&pages).await.map_err(|e| e.to_string())?;
+                store.stage(&pages).await.map_err(PullError::Read)?;
                 let r = region
                     .fetch_chunks((first..last).map(ChunkIdx).collect(), workers)
                     .await;
                 store.unstage(&pages);
-                r.map_err(|e| e.to_string())?;
+                r.map_err(PullError::Install)?;
                 rep.emit(Event::Pulled {
                     bytes: store.bytes().0.min(total),
                     total,
@@ -475,7 +903,7 @@ async fn bulk_pull(
         }));
     }
     for t in tasks {
-        t.await.map_err(|e| e.to_string())??;
+        t.await.map_err(PullError::Task)??;
     }
     Ok(())
 }
@@ -486,7 +914,7 @@ async fn open_dest(
     size: u64,
     chunk_size: u32,
     page_size: u32,
-) -> Result<Dest, LeechError> {
+) -> Result<Dest, OpenError> {
     let remote = RemoteStore::connect(
         data.clone(),
         ClientOptions {
@@ -496,9 +924,20 @@ async fn open_dest(
         },
     )
     .await
-    .map_err(|e| LeechError::Region(format!("connecting the data plane at {data}: {e}")))?;
-    let geometry =
-        Geometry::new(size, chunk_size.into()).map_err(|e| LeechError::Region(e.to_string()))?;
+    .map_err(|source| OpenError::DataPlane {
+        addr: data.to_string(),
+        source,
+    })?;
+    let geometry = Geometry::new(size, chunk_size.into()).map_err(OpenError::Geometry)?;
+    let pages = Geometry::new(size, page_size.into()).map_err(OpenError::Geometry)?;
+    let served = farmap_core::Store::geometry(&remote);
+    if served != pages {
+        return Err(OpenError::Mismatch {
+            addr: data.to_string(),
+            got: served,
+            want: pages,
+        });
+    }
     let store = Arc::new(MigrationStore::new(
         geometry,
         page_size.into(),
@@ -519,8 +958,8 @@ async fn open_dest(
     let s2: Arc<dyn farmap_core::Store> = store.clone();
     let region = tokio::task::spawn_blocking(move || Region::open(s2, ropts))
         .await
-        .map_err(|e| LeechError::Region(e.to_string()))?
-        .map_err(|e| LeechError::Region(e.to_string()))?;
+        .map_err(OpenError::Task)?
+        .map_err(OpenError::Open)?;
     Ok(Dest {
         region: Arc::new(region),
         store,

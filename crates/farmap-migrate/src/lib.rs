@@ -39,9 +39,9 @@ pub mod view;
 
 pub use event::{Event, Observer};
 pub use leech::{leech, LeechError, LeechOptions, LeechReport, Resumer};
-pub use machine::{Convergence, Leecher, Seeder};
+pub use machine::{Convergence, Finalization, Leecher, LeecherLimits, Seeder};
 pub use seed::{seed, SeedError, SeedOptions, SeedReport};
-pub use suspend::{ProcessSuspend, Suspend, WriterGate};
+pub use suspend::{ProcessSuspend, Suspend, SuspendError, WriterGate};
 pub use view::{LiveView, MigrationStore};
 
 /// CLOCK_MONOTONIC now, in ns (comparable between processes of one boot).

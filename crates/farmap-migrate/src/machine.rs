@@ -27,7 +27,7 @@ use std::time::Duration;
 
 use bytes::Bytes;
 
-use crate::msg::{run_pages, Msg};
+use crate::msg::{check_runs, run_pages, Msg, RunError};
 
 /// What a seeder knows about its region, sent in `Welcome`.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -93,7 +93,7 @@ pub enum SeederInput {
         /// CLOCK_MONOTONIC of the suspension (ns).
         at_ns: u64,
     },
-    /// [`SeederAction::Suspend`] failed (the application runs on).
+    /// [`SeederAction::Suspend`] failed (the application runs on); why, as a sentence.
     SuspendFailed(String),
 }
 
@@ -135,6 +135,8 @@ pub struct Seeder {
     next_session: u64,
     /// The hand-over sent, to send again to a leecher that reconnects before resuming.
     handover: Option<Msg>,
+    /// The last dirty round asked for in this session (rounds go 1, 2, 3…).
+    last_round: u32,
 }
 
 impl Seeder {
@@ -146,6 +148,7 @@ impl Seeder {
             state: SeederState::Idle,
             next_session: session_seed.max(1),
             handover: None,
+            last_round: 0,
         }
     }
 
@@ -174,6 +177,30 @@ impl Seeder {
         ]
     }
 
+    /// The leecher broke the protocol: tell it, and undo what its session started (before
+    /// the hand-over: tracking stops and a suspended source resumes; after it, the leecher
+    /// may still come back with its session).
+    fn reject_leecher(&mut self, reason: String) -> Vec<SeederAction> {
+        use SeederAction as A;
+        let mut out = vec![A::Send(Msg::Abort {
+            reason: reason.clone(),
+        })];
+        match self.state {
+            SeederState::Serving { .. } => {
+                self.state = SeederState::Idle;
+                out.push(A::StopTracking { reason });
+            }
+            SeederState::Suspending { .. } => {
+                self.state = SeederState::Idle;
+                out.push(A::Resume);
+                out.push(A::StopTracking { reason });
+            }
+            SeederState::Idle | SeederState::HandedOver { .. } | SeederState::Released => {}
+        }
+        out.push(A::Close);
+        out
+    }
+
     /// Feeds one input; returns the actions to carry out, in order.
     pub fn step(&mut self, input: SeederInput) -> Vec<SeederAction> {
         use SeederAction as A;
@@ -181,7 +208,8 @@ impl Seeder {
         match (self.state, input) {
             (S::Idle, SeederInput::Received(Msg::Hello { session: 0 })) => {
                 let session = self.next_session;
-                self.next_session += 1;
+                self.next_session = self.next_session.wrapping_add(1).max(1);
+                self.last_round = 0;
                 self.state = S::Serving { session };
                 vec![A::ResetTracking, A::Send(self.welcome(session))]
             }
@@ -203,6 +231,13 @@ impl Seeder {
                 SeederInput::Received(Msg::Hello { .. }),
             ) => Self::refuse("the seeder is busy with another leecher"),
             (S::Serving { .. }, SeederInput::Received(Msg::DirtyRequest { round })) => {
+                if Some(round) != self.last_round.checked_add(1) {
+                    return self.reject_leecher(format!(
+                        "dirty round {round} asked for after round {}: rounds go one by one",
+                        self.last_round
+                    ));
+                }
+                self.last_round = round;
                 vec![A::TakeDirty { round }]
             }
             (S::Serving { .. }, SeederInput::Dirty { round, runs }) => {
@@ -289,7 +324,7 @@ impl Seeder {
                 vec![A::AwaitReconnect]
             }
             (S::Idle | S::Released, SeederInput::Disconnected) => vec![],
-            (_, SeederInput::Received(other)) => Self::refuse(&format!(
+            (_, SeederInput::Received(other)) => self.reject_leecher(format!(
                 "unexpected {} from the leecher in this state",
                 msg_name(&other)
             )),
@@ -352,6 +387,173 @@ pub struct RoundResult {
     pub apply: Duration,
     /// Whole round time (discard and refetch).
     pub elapsed: Duration,
+}
+
+/// What a leecher accepts of a seeder's region.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct LeecherLimits {
+    /// This host's page size: the seeder's must be the same (its dirty pages are discarded
+    /// here page by page).
+    pub page_size: u32,
+    /// Largest region accepted, in bytes.
+    pub max_size: u64,
+    /// Most chunks a region may have (each costs the region some bookkeeping).
+    pub max_chunks: u64,
+}
+
+impl LeecherLimits {
+    /// A page of `page_size` bytes, regions of at most 1 TiB and 2^24 chunks.
+    pub fn new(page_size: u32) -> Self {
+        Self {
+            page_size,
+            max_size: 1 << 40,
+            max_chunks: 1 << 24,
+        }
+    }
+}
+
+/// Why a seeder's `Welcome` cannot be acted on (nothing has been opened).
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum WelcomeError {
+    /// Not a power of two of at least 4 KiB.
+    #[error("the page size {page_size} is not a power of two of at least 4096 bytes")]
+    PageSize {
+        /// The page size offered.
+        page_size: u32,
+    },
+    /// Another page size than this host's.
+    #[error("the seeder's page size {page_size} differs from this host's {local}")]
+    PageMismatch {
+        /// The seeder's.
+        page_size: u32,
+        /// This host's.
+        local: u32,
+    },
+    /// A chunk size that is not a power of two at least a page.
+    #[error(
+        "the chunk size {chunk_size} is not a power of two of at least the page size {page_size}"
+    )]
+    ChunkSize {
+        /// The chunk size offered.
+        chunk_size: u32,
+        /// The page size offered.
+        page_size: u32,
+    },
+    /// A region size of zero, not a whole number of pages, or above the limits.
+    #[error(
+        "the region size {size} is zero, not a whole number of {page_size}-byte pages, or above \
+         this leecher's limits ({max_size} bytes, {max_chunks} chunks)"
+    )]
+    Size {
+        /// The size offered.
+        size: u64,
+        /// The page size offered.
+        page_size: u32,
+        /// The largest size accepted.
+        max_size: u64,
+        /// The most chunks accepted.
+        max_chunks: u64,
+    },
+}
+
+/// Checks a `Welcome`'s region description against `limits`.
+pub fn check_welcome(
+    size: u64,
+    chunk_size: u32,
+    page_size: u32,
+    limits: &LeecherLimits,
+) -> Result<(), WelcomeError> {
+    if !page_size.is_power_of_two() || page_size < 4096 {
+        return Err(WelcomeError::PageSize { page_size });
+    }
+    if page_size != limits.page_size {
+        return Err(WelcomeError::PageMismatch {
+            page_size,
+            local: limits.page_size,
+        });
+    }
+    if !chunk_size.is_power_of_two() || chunk_size < page_size {
+        return Err(WelcomeError::ChunkSize {
+            chunk_size,
+            page_size,
+        });
+    }
+    let chunks = size.div_ceil(u64::from(chunk_size));
+    if size == 0
+        || !size.is_multiple_of(u64::from(page_size))
+        || size > limits.max_size
+        || chunks > limits.max_chunks
+    {
+        return Err(WelcomeError::Size {
+            size,
+            page_size,
+            max_size: limits.max_size,
+            max_chunks: limits.max_chunks,
+        });
+    }
+    Ok(())
+}
+
+/// What a seeder's message broke.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum Violation {
+    /// A `Welcome` describing a region this leecher cannot hold.
+    #[error("its Welcome")]
+    Welcome(#[source] WelcomeError),
+    /// Page runs that do not fit the region.
+    #[error("the page runs of its {msg}")]
+    Runs {
+        /// The message.
+        msg: &'static str,
+        /// What is wrong with them.
+        #[source]
+        source: RunError,
+    },
+}
+
+/// Why a [`Leecher`] gives up.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum AbortCause {
+    /// The control connection ended before the hand-over.
+    #[error("the seeder went away before the hand-over; the source keeps running")]
+    SeederGone,
+    /// The seeder sent `Abort` before the hand-over.
+    #[error("the seeder abandoned the migration: {reason}")]
+    SeederAborted {
+        /// The seeder's reason.
+        reason: String,
+    },
+    /// The seeder sent `Abort` after the hand-over.
+    #[error(
+        "the seeder failed after the hand-over ({reason}); the application runs here, but \
+         chunks not yet fetched are lost"
+    )]
+    SeederFailedAfterHandOver {
+        /// The seeder's reason.
+        reason: String,
+    },
+    /// A message that has no place in this state.
+    #[error("unexpected {msg} from the seeder in state {state:?}")]
+    Unexpected {
+        /// The message's name.
+        msg: &'static str,
+        /// The leecher's state.
+        state: LeecherState,
+    },
+    /// A message that breaks the protocol (nothing of it was acted on).
+    #[error("the seeder sent an invalid message")]
+    Invalid(#[source] Violation),
+}
+
+/// Why pre-copy stopped and the leecher finalized.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Finalization {
+    /// The last round's set fits the downtime budget.
+    Converged,
+    /// `max_rounds` was reached before the set fit the budget.
+    MaxRounds,
+    /// Rounds stopped shrinking before the set fit the budget.
+    NotShrinking,
 }
 
 /// Where a [`Leecher`] is.
@@ -435,7 +637,7 @@ pub enum LeecherAction {
     /// The migration is complete: detach the region from the seeder.
     Finish,
     /// Abandon the migration (before the hand-over: the source runs on).
-    Abort(String),
+    Abort(AbortCause),
 }
 
 /// The destination side of a migration.
@@ -443,22 +645,52 @@ pub enum LeecherAction {
 pub struct Leecher {
     state: LeecherState,
     policy: Convergence,
+    limits: LeecherLimits,
     session: u64,
+    /// Pages of the region (from the Welcome): page runs must fall in them.
+    pages: u64,
     last_pages: Option<u64>,
     /// Dirty rounds done.
     rounds: u32,
+    finalization: Option<Finalization>,
 }
 
 impl Leecher {
-    /// A leecher that will converge by `policy`.
-    pub fn new(policy: Convergence) -> Self {
+    /// A leecher that will converge by `policy` and accepts regions within `limits`.
+    pub fn new(policy: Convergence, limits: LeecherLimits) -> Self {
         Self {
             state: LeecherState::Connecting,
             policy,
+            limits,
             session: 0,
+            pages: 0,
             last_pages: None,
             rounds: 0,
+            finalization: None,
         }
+    }
+
+    /// Why pre-copy stopped, once it has.
+    pub fn finalization(&self) -> Option<Finalization> {
+        self.finalization
+    }
+
+    /// Gives up on a message that breaks the protocol: tells the seeder, acts on nothing of it.
+    fn invalid(&mut self, v: Violation) -> Vec<LeecherAction> {
+        let cause = AbortCause::Invalid(v);
+        let reason = farmap_core::error_chain(&cause);
+        if matches!(
+            self.state,
+            LeecherState::PostCopy | LeecherState::Completing
+        ) {
+            // The application runs here: keep going (the seeder may recover); say why.
+            return vec![LeecherAction::Abort(cause)];
+        }
+        self.state = LeecherState::Aborted;
+        vec![
+            LeecherAction::Send(Msg::Abort { reason }),
+            LeecherAction::Abort(cause),
+        ]
     }
 
     /// The first actions: say hello.
@@ -476,19 +708,20 @@ impl Leecher {
         self.rounds
     }
 
-    /// Whether round results say: finalize now.
-    fn converged(&self, r: &RoundResult) -> bool {
-        if self.rounds >= self.policy.max_rounds {
-            return true;
-        }
+    /// Whether round results say: finalize now, and why.
+    fn converged(&self, r: &RoundResult) -> Option<Finalization> {
         // The final set is at most about as large as this round's (rounds shrink it), and each
         // of its pages is discarded during the downtime.
         let expected = DISCARD_COST.as_secs_f64() * r.pages as f64;
         if r.pages == 0 || expected <= self.policy.max_downtime.as_secs_f64() / 2.0 {
-            return true;
+            return Some(Finalization::Converged);
+        }
+        if self.rounds >= self.policy.max_rounds {
+            return Some(Finalization::MaxRounds);
         }
         matches!(self.last_pages, Some(prev) if prev > 0
             && r.pages as f64 > prev as f64 * self.policy.min_shrink)
+        .then_some(Finalization::NotShrinking)
     }
 
     /// Feeds one input; returns the actions to carry out, in order.
@@ -507,7 +740,11 @@ impl Leecher {
                     boot_id,
                 }),
             ) => {
+                if let Err(e) = check_welcome(size, chunk_size, page_size, &self.limits) {
+                    return self.invalid(Violation::Welcome(e));
+                }
                 self.session = session;
+                self.pages = size / u64::from(page_size);
                 self.state = S::PreCopy { round: 0 };
                 vec![A::OpenRegion {
                     session,
@@ -525,13 +762,20 @@ impl Leecher {
             (S::PreCopy { round }, LeecherInput::Received(Msg::Dirty { round: r, runs }))
                 if r == round && round > 0 =>
             {
+                if let Err(source) = check_runs(&runs, self.pages) {
+                    return self.invalid(Violation::Runs {
+                        msg: "Dirty",
+                        source,
+                    });
+                }
                 vec![A::Refresh { runs }]
             }
             (S::PreCopy { round }, LeecherInput::RoundDone(result)) if round > 0 => {
                 self.rounds = round;
                 let done = self.converged(&result);
                 self.last_pages = Some(result.pages);
-                if done {
+                if done.is_some() {
+                    self.finalization = done;
                     self.state = S::Finalizing;
                     vec![A::Send(Msg::Finalize)]
                 } else {
@@ -547,6 +791,12 @@ impl Leecher {
                     suspended_at_ns,
                 }),
             ) => {
+                if let Err(source) = check_runs(&runs, self.pages) {
+                    return self.invalid(Violation::Runs {
+                        msg: "HandOver",
+                        source,
+                    });
+                }
                 self.state = S::PostCopy;
                 vec![
                     A::Resume {
@@ -588,40 +838,33 @@ impl Leecher {
             }
             (S::Connecting | S::PreCopy { .. }, LeecherInput::Disconnected) => {
                 self.state = S::Aborted;
-                vec![A::Abort(
-                    "the seeder went away before the hand-over; the source keeps running".into(),
-                )]
+                vec![A::Abort(AbortCause::SeederGone)]
             }
             (
                 S::Connecting | S::PreCopy { .. } | S::Finalizing,
                 LeecherInput::Received(Msg::Abort { reason }),
             ) => {
                 self.state = S::Aborted;
-                vec![A::Abort(format!(
-                    "the seeder abandoned the migration: {reason}"
-                ))]
+                vec![A::Abort(AbortCause::SeederAborted { reason })]
             }
             (S::PostCopy | S::Completing, LeecherInput::Received(Msg::Abort { reason })) => {
-                vec![A::Abort(format!(
-                    "the seeder failed after the hand-over ({reason}); the application runs \
-                     here, but chunks not yet fetched are lost"
-                ))]
+                vec![A::Abort(AbortCause::SeederFailedAfterHandOver { reason })]
             }
             (S::Finished | S::Aborted, _) => vec![],
             (state, LeecherInput::Received(m)) => {
-                let reason = format!(
-                    "unexpected {} from the seeder in state {state:?}",
-                    msg_name(&m)
-                );
+                let cause = AbortCause::Unexpected {
+                    msg: msg_name(&m),
+                    state,
+                };
                 if matches!(state, S::PostCopy | S::Completing) {
-                    vec![A::Abort(reason)]
+                    vec![A::Abort(cause)]
                 } else {
                     self.state = S::Aborted;
                     vec![
                         A::Send(Msg::Abort {
-                            reason: reason.clone(),
+                            reason: cause.to_string(),
                         }),
-                        A::Abort(reason),
+                        A::Abort(cause),
                     ]
                 }
             }

@@ -1,5 +1,6 @@
 #![allow(clippy::single_range_in_vec_init)] // page runs: one run is a real case
 use super::*;
+use std::ops::Range;
 
 fn info() -> RegionInfo {
     RegionInfo {
@@ -44,7 +45,7 @@ fn sent(actions: &[LeecherAction]) -> Vec<Msg> {
 #[test]
 fn a_whole_migration_step_by_step() {
     let mut s = Seeder::new(info(), 5);
-    let mut l = Leecher::new(Convergence::default());
+    let mut l = Leecher::new(Convergence::default(), LeecherLimits::new(4096));
     let hello = sent(&l.start());
     let a = s.step(SeederInput::Received(hello[0].clone()));
     assert_eq!(a[0], SeederAction::ResetTracking);
@@ -135,27 +136,30 @@ fn leecher_gone_before_the_hand_over_leaves_the_source_running() {
 
 #[test]
 fn seeder_gone_before_finalize_aborts_the_leecher() {
-    let mut l = Leecher::new(Convergence::default());
+    let mut l = Leecher::new(Convergence::default(), LeecherLimits::new(4096));
     l.step(LeecherInput::Received(Msg::Welcome {
         session: 3,
-        size: 1,
-        chunk_size: 1,
-        page_size: 1,
+        size: 1 << 20,
+        chunk_size: 65536,
+        page_size: 4096,
         data_port: 1,
         boot_id: [0; 16],
     }));
     let a = l.step(LeecherInput::Disconnected);
-    assert!(matches!(&a[0], LeecherAction::Abort(r) if r.contains("keeps running")));
+    assert_eq!(a, vec![LeecherAction::Abort(AbortCause::SeederGone)]);
     assert_eq!(l.state(), LeecherState::Aborted);
 }
 
 #[test]
 fn a_connection_lost_after_finalize_is_resumed_with_the_session() {
     let mut s = Seeder::new(info(), 8);
-    let mut l = Leecher::new(Convergence {
-        max_rounds: 1,
-        ..Convergence::default()
-    });
+    let mut l = Leecher::new(
+        Convergence {
+            max_rounds: 1,
+            ..Convergence::default()
+        },
+        LeecherLimits::new(4096),
+    );
     deliver(
         &mut l,
         s.step(SeederInput::Received(Msg::Hello { session: 0 })),
@@ -220,12 +224,12 @@ fn a_connection_lost_after_finalize_is_resumed_with_the_session() {
 
 #[test]
 fn rounds_stop_when_the_set_stops_shrinking() {
-    let mut l = Leecher::new(Convergence::default());
+    let mut l = Leecher::new(Convergence::default(), LeecherLimits::new(4096));
     l.step(LeecherInput::Received(Msg::Welcome {
         session: 1,
-        size: 1,
-        chunk_size: 1,
-        page_size: 1,
+        size: 1 << 20,
+        chunk_size: 65536,
+        page_size: 4096,
         data_port: 1,
         boot_id: [0; 16],
     }));
@@ -242,4 +246,149 @@ fn rounds_stop_when_the_set_stops_shrinking() {
         sent(&l.step(LeecherInput::RoundDone(round(480)))),
         vec![Msg::Finalize]
     );
+}
+
+fn welcome(size: u64, chunk_size: u32, page_size: u32) -> Msg {
+    Msg::Welcome {
+        session: 1,
+        size,
+        chunk_size,
+        page_size,
+        data_port: 1,
+        boot_id: [0; 16],
+    }
+}
+
+/// A leecher past its Welcome (1 MiB of 4 KiB pages: 256 pages), at dirty round 1.
+fn at_round_one() -> Leecher {
+    let mut l = Leecher::new(Convergence::default(), LeecherLimits::new(4096));
+    l.step(LeecherInput::Received(welcome(1 << 20, 65536, 4096)));
+    l.step(LeecherInput::PullDone);
+    l
+}
+
+fn invalid(actions: &[LeecherAction]) -> &Violation {
+    match actions.last() {
+        Some(LeecherAction::Abort(AbortCause::Invalid(v))) => v,
+        other => panic!("expected an abort for an invalid message, got {other:?}"),
+    }
+}
+
+#[test]
+fn bad_welcomes_are_refused_before_anything_is_opened() {
+    let cases = [
+        (welcome(1 << 20, 65536, 0), "power of two"),
+        (welcome(1 << 20, 65536, 3), "power of two"),
+        (welcome(1 << 20, 65536, 1 << 30), "differs from this host"),
+        (welcome(1 << 20, 1 << 30, 1 << 30), "differs from this host"),
+        (welcome(1 << 20, 2048, 4096), "chunk size"),
+        (welcome(1 << 20, 65536 + 4096, 4096), "chunk size"),
+        (welcome(0, 65536, 4096), "region size"),
+        (welcome((1 << 20) + 1, 65536, 4096), "region size"),
+        (welcome(1 << 50, 65536, 4096), "region size"),
+        (welcome(1 << 39, 4096, 4096), "region size"),
+    ];
+    for (msg, says) in cases {
+        let mut l = Leecher::new(Convergence::default(), LeecherLimits::new(4096));
+        let a = l.step(LeecherInput::Received(msg.clone()));
+        assert!(
+            !a.iter()
+                .any(|a| matches!(a, LeecherAction::OpenRegion { .. })),
+            "{msg:?} opened a region"
+        );
+        let v = invalid(&a);
+        let text = farmap_core::error_chain(v);
+        assert!(text.contains(says), "{msg:?}: {text}");
+        assert!(
+            matches!(&a[0], LeecherAction::Send(Msg::Abort { reason }) if reason.contains(says))
+        );
+        assert_eq!(l.state(), LeecherState::Aborted);
+    }
+}
+
+#[test]
+fn page_runs_outside_the_region_are_refused_as_ranges() {
+    let bad: [Vec<Range<u64>>; 5] = [
+        vec![250..257],
+        vec![0..(1 << 32)],
+        vec![0..1 << 32, 1 << 32..2 << 32],
+        vec![10..20, 15..30],
+        vec![10..20, 0..5],
+    ];
+    for runs in bad {
+        let mut l = at_round_one();
+        let a = l.step(LeecherInput::Received(Msg::Dirty {
+            round: 1,
+            runs: runs.clone(),
+        }));
+        assert!(
+            matches!(invalid(&a), Violation::Runs { msg: "Dirty", .. }),
+            "{runs:?}"
+        );
+        assert_eq!(l.state(), LeecherState::Aborted);
+    }
+    // A hand-over with runs past the end is refused too, and nothing resumes.
+    let mut l = at_round_one();
+    l.step(LeecherInput::Received(Msg::Dirty {
+        round: 1,
+        runs: vec![0..256],
+    }));
+    assert_eq!(
+        sent(&l.step(LeecherInput::RoundDone(round(0)))),
+        vec![Msg::Finalize]
+    );
+    let a = l.step(LeecherInput::Received(Msg::HandOver {
+        runs: vec![0..u64::MAX],
+        app_state: Bytes::new(),
+        suspended_at_ns: 0,
+    }));
+    assert!(!a.iter().any(|a| matches!(a, LeecherAction::Resume { .. })));
+    assert!(matches!(
+        invalid(&a),
+        Violation::Runs {
+            msg: "HandOver",
+            ..
+        }
+    ));
+}
+
+#[test]
+fn max_rounds_is_not_called_converged() {
+    let mut l = Leecher::new(
+        Convergence {
+            max_rounds: 1,
+            ..Convergence::default()
+        },
+        LeecherLimits::new(4096),
+    );
+    l.step(LeecherInput::Received(welcome(1 << 20, 65536, 4096)));
+    l.step(LeecherInput::PullDone);
+    assert_eq!(
+        sent(&l.step(LeecherInput::RoundDone(round(100_000)))),
+        vec![Msg::Finalize]
+    );
+    assert_eq!(l.finalization(), Some(Finalization::MaxRounds));
+    let mut l = at_round_one();
+    l.step(LeecherInput::RoundDone(round(0)));
+    assert_eq!(l.finalization(), Some(Finalization::Converged));
+}
+
+#[test]
+fn a_leecher_out_of_step_is_dropped_and_tracking_stops() {
+    let mut s = Seeder::new(info(), 5);
+    s.step(SeederInput::Received(Msg::Hello { session: 0 }));
+    let a = s.step(SeederInput::Received(Msg::DirtyRequest { round: 7 }));
+    assert!(matches!(&a[0], SeederAction::Send(Msg::Abort { .. })));
+    assert!(a
+        .iter()
+        .any(|a| matches!(a, SeederAction::StopTracking { .. })));
+    assert_eq!(a.last(), Some(&SeederAction::Close));
+    assert_eq!(s.state(), SeederState::Idle);
+    // The next leecher is welcome.
+    s.step(SeederInput::Received(Msg::Hello { session: 0 }));
+    assert!(matches!(
+        s.step(SeederInput::Received(Msg::Bye))[0],
+        SeederAction::Send(Msg::Abort { .. })
+    ));
+    assert_eq!(s.state(), SeederState::Idle);
 }

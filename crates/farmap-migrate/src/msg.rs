@@ -4,7 +4,14 @@
 //! big-endian. Version 0 is invalid; a frame of another version is refused before its payload
 //! is read. Every length read from the wire is capped before anything is allocated: the
 //! payload by [`MAX_PAYLOAD`], page runs by [`MAX_RUNS`], the application state by
-//! [`MAX_APP_STATE`], texts by [`MAX_TEXT`].
+//! [`MAX_APP_STATE`], texts by [`MAX_TEXT`]; and each kind of message has its own cap
+//! ([`max_payload`]), checked with the header, so a peer cannot make a receiver wait for (or
+//! buffer) megabytes that no message of that kind can hold. Messages the leecher sends are
+//! all tiny ([`MAX_LEECHER_PAYLOAD`]).
+//!
+//! Decoding checks the form of a message; what it means for a given region (page runs within
+//! it, a sane page size) is checked by the state machines ([`check_runs`], and
+//! [`crate::machine`]).
 
 use std::ops::Range;
 
@@ -24,6 +31,25 @@ pub const MAX_RUNS: u32 = 4 << 20;
 pub const MAX_APP_STATE: u32 = 1 << 20;
 /// Longest text (reasons).
 pub const MAX_TEXT: u32 = 4096;
+
+/// Largest payload of a message the leecher sends (Hello, DirtyRequest, Abort…): what a
+/// seeder accepts from a leecher.
+pub const MAX_LEECHER_PAYLOAD: u32 = 4 + MAX_TEXT;
+
+/// The largest payload a message of `kind` can have (0 for a kind this version does not
+/// define: such a frame is refused by [`Msg::decode`] anyway).
+pub fn max_payload(kind: u8) -> u32 {
+    match kind {
+        1 => 8,
+        2 => 8 + 8 + 4 + 4 + 2 + 16,
+        3 => 4,
+        4 => 4 + 4 + 12 * MAX_RUNS,
+        6 => 4 + 12 * MAX_RUNS + 4 + MAX_APP_STATE + 8,
+        5 | 7 | 8 | 9 => 0,
+        10 => 4 + MAX_TEXT,
+        _ => 0,
+    }
+}
 
 /// A control message. `L→S` travels from the leecher to the seeder, `S→L` the other way.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -138,6 +164,16 @@ pub fn decode_header(h: &[u8; HEADER_LEN]) -> Result<Header, DecodeError> {
             what: "its payload",
             len: len.into(),
             cap: MAX_PAYLOAD.into(),
+        });
+    }
+    if !(1..=10).contains(&kind) {
+        return Err(DecodeError::Kind(kind));
+    }
+    if len > max_payload(kind) {
+        return Err(DecodeError::TooLong {
+            what: "the payload of its kind",
+            len: len.into(),
+            cap: max_payload(kind).into(),
         });
     }
     Ok(Header { kind, len })
@@ -270,11 +306,20 @@ impl Msg {
     }
 }
 
+/// Writes runs, splitting any longer than a run's 32-bit length can say.
 fn put_runs(p: &mut BytesMut, runs: &[Range<u64>]) {
-    p.put_u32(runs.len() as u32);
+    let max = u64::from(u32::MAX);
+    let pieces = |r: &Range<u64>| r.end.saturating_sub(r.start).div_ceil(max);
+    let n: u64 = runs.iter().map(pieces).sum();
+    p.put_u32(u32::try_from(n).unwrap_or(u32::MAX));
     for r in runs {
-        p.put_u64(r.start);
-        p.put_u32((r.end - r.start) as u32);
+        let mut at = r.start;
+        while at < r.end {
+            let len = (r.end - at).min(max);
+            p.put_u64(at);
+            p.put_u32(len as u32);
+            at += len;
+        }
     }
 }
 
@@ -324,9 +369,63 @@ fn get_u32(p: &mut &[u8]) -> Result<u32, DecodeError> {
     Ok(p.get_u32())
 }
 
-/// Total pages in `runs`.
+/// Total pages in `runs` (saturating: runs checked by [`check_runs`] never reach it).
 pub fn run_pages(runs: &[Range<u64>]) -> u64 {
-    runs.iter().map(|r| r.end - r.start).sum()
+    runs.iter()
+        .map(|r| r.end.saturating_sub(r.start))
+        .fold(0u64, u64::saturating_add)
+}
+
+/// Why a set of page runs does not fit a region.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum RunError {
+    /// A run reaches past the region's last page.
+    #[error("page run {start}..{end} reaches past the region's {pages} pages")]
+    PastEnd {
+        /// First page of the run.
+        start: u64,
+        /// End of the run (exclusive).
+        end: u64,
+        /// Pages in the region.
+        pages: u64,
+    },
+    /// Runs overlap or are out of order (a dirty set is ascending and disjoint).
+    #[error("page run {start}..{end} overlaps or precedes the run before it (runs must be ascending and disjoint)")]
+    Unordered {
+        /// First page of the run.
+        start: u64,
+        /// End of the run (exclusive).
+        end: u64,
+    },
+    /// An empty run.
+    #[error("an empty page run at {start}")]
+    Empty {
+        /// Where.
+        start: u64,
+    },
+}
+
+/// Checks that `runs` are ascending, disjoint, non-empty runs of a region of `pages` pages;
+/// returns how many pages they hold (at most `pages`, so nothing derived from them can grow
+/// past the region's size). Runs are checked as ranges, never expanded.
+pub fn check_runs(runs: &[Range<u64>], pages: u64) -> Result<u64, RunError> {
+    let mut next = 0u64;
+    let mut total = 0u64;
+    for r in runs {
+        let (start, end) = (r.start, r.end);
+        if start >= end {
+            return Err(RunError::Empty { start });
+        }
+        if end > pages {
+            return Err(RunError::PastEnd { start, end, pages });
+        }
+        if start < next {
+            return Err(RunError::Unordered { start, end });
+        }
+        next = end;
+        total += end - start;
+    }
+    Ok(total)
 }
 
 #[cfg(test)]
@@ -402,6 +501,38 @@ mod tests {
         assert!(matches!(
             Msg::decode(8, &[0]),
             Err(DecodeError::Malformed(_))
+        ));
+    }
+
+    #[test]
+    fn long_runs_are_split_on_the_wire_and_checked_as_ranges() {
+        let f = Msg::Dirty {
+            round: 1,
+            runs: vec![3..3 + (1 << 33)],
+        }
+        .encode();
+        let h = decode_header(f[..HEADER_LEN].try_into().unwrap()).unwrap();
+        let Msg::Dirty { runs, .. } = Msg::decode(h.kind, &f[HEADER_LEN..]).unwrap() else {
+            panic!("not a Dirty");
+        };
+        assert_eq!(runs.len(), 3);
+        assert_eq!(run_pages(&runs), 1 << 33);
+        assert_eq!(check_runs(&runs, 4 + (1 << 33)), Ok(1 << 33));
+        assert!(matches!(
+            check_runs(&runs, 1 << 33),
+            Err(RunError::PastEnd { .. })
+        ));
+        assert_eq!(
+            check_runs(&[5..9, 2..3], 100),
+            Err(RunError::Unordered { start: 2, end: 3 })
+        );
+        assert_eq!(check_runs(&[5..5], 100), Err(RunError::Empty { start: 5 }));
+        // A kind's own cap is checked with the header.
+        let mut big = Msg::Hello { session: 1 }.encode().to_vec();
+        big[7..11].copy_from_slice(&9u32.to_be_bytes());
+        assert!(matches!(
+            decode_header(big[..HEADER_LEN].try_into().unwrap()),
+            Err(DecodeError::TooLong { len: 9, cap: 8, .. })
         ));
     }
 }

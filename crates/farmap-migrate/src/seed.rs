@@ -5,14 +5,20 @@
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use farmap_net::{serve, ListenAddr, Listener, ServeOptions, TlsServerConfig};
-use farmap_uffd::Region;
+use std::collections::VecDeque;
 
-use crate::channel::ControlListener;
+use farmap_net::{serve, ListenAddr, Listener, ServeError, ServeOptions, TlsServerConfig};
+use farmap_uffd::Region;
+use tokio::sync::mpsc;
+use tokio::task::JoinHandle;
+
+use crate::channel::{Accepted, Channel, ControlListener, Sender};
 use crate::event::{Event, Observer, Reporter};
 use crate::machine::{RegionInfo, Seeder, SeederAction, SeederInput, SeederState};
 use crate::msg::run_pages;
+use crate::msg::Msg;
 use crate::suspend::Suspend;
+use crate::suspend::SuspendError;
 use crate::view::LiveView;
 
 /// How to seed.
@@ -26,11 +32,24 @@ pub struct SeedOptions {
     pub tls: Option<TlsServerConfig>,
     /// How long to wait for a leecher that lost its connection after the hand-over.
     pub reconnect_wait: Duration,
+    /// How long a new control connection has for its TLS handshake and first message.
+    pub handshake_timeout: Duration,
+    /// Most control connections in their handshake at once; a new one beyond it closes the
+    /// oldest (a leecher's handshake takes a round trip, an attacker's lasts).
+    pub max_handshakes: usize,
     /// Log progress lines on stderr.
     pub log: bool,
     /// Receives progress events.
     pub observer: Option<Observer>,
 }
+
+/// Default [`SeedOptions::handshake_timeout`].
+pub const HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(10);
+/// How long one control message may take to send before the leecher counts as gone.
+const SEND_TIMEOUT: Duration = Duration::from_secs(60);
+
+/// Default [`SeedOptions::max_handshakes`].
+pub const MAX_HANDSHAKES: usize = 64;
 
 /// Why seeding failed.
 #[derive(Debug, thiserror::Error)]
@@ -44,12 +63,24 @@ pub enum SeedError {
         #[source]
         source: std::io::Error,
     },
+    /// The bound address could not be read.
+    #[error("reading the address of a bound socket failed")]
+    LocalAddr(#[source] std::io::Error),
     /// The data plane could not start.
-    #[error("starting the data plane failed: {0}")]
-    Serve(String),
+    #[error("starting the data plane failed")]
+    Serve(#[source] ServeError),
     /// Write tracking failed.
     #[error("taking the region's written pages failed")]
     Dirty(#[source] farmap_uffd::RegionError),
+    /// A blocking step (a dirty scan, the suspension) panicked.
+    #[error("the seeder's {what} failed")]
+    Task {
+        /// Which step.
+        what: &'static str,
+        /// The join error.
+        #[source]
+        source: tokio::task::JoinError,
+    },
     /// Cancelled before the hand-over: the source runs on.
     #[error("seeding cancelled before the hand-over; the source keeps running")]
     Cancelled,
@@ -61,6 +92,14 @@ pub enum SeedError {
     LostAfterHandOver(Duration),
 }
 
+/// Why the final suspension (and dirty scan) failed; the source runs on.
+#[derive(Debug, thiserror::Error)]
+enum FinalError {
+    #[error(transparent)]
+    Suspend(#[from] SuspendError),
+    #[error("taking the final dirty set failed")]
+    Dirty(#[source] farmap_uffd::RegionError),
+}
 /// What a finished seeding did.
 #[derive(Debug, Clone)]
 pub struct SeedReport {
@@ -103,9 +142,12 @@ impl Seeding {
 
     /// Waits until the region was handed over and released (or seeding failed).
     pub async fn finish(self) -> Result<SeedReport, SeedError> {
-        self.task
-            .await
-            .unwrap_or_else(|e| Err(SeedError::Serve(format!("the seeder task failed: {e}"))))
+        self.task.await.unwrap_or_else(|source| {
+            Err(SeedError::Task {
+                what: "task",
+                source,
+            })
+        })
     }
 }
 
@@ -122,9 +164,7 @@ pub async fn seed(
                 addr: opts.data_listen.to_string(),
                 source,
             })?;
-    let data = data_listener
-        .local_addr()
-        .map_err(|e| SeedError::Serve(e.to_string()))?;
+    let data = data_listener.local_addr().map_err(SeedError::LocalAddr)?;
     let server = serve(
         Arc::new(LiveView::new(region.clone())),
         data_listener,
@@ -135,7 +175,7 @@ pub async fn seed(
             ..ServeOptions::default()
         },
     )
-    .map_err(|e| SeedError::Serve(e.to_string()))?;
+    .map_err(SeedError::Serve)?;
     let control_listener = ControlListener::bind(&opts.listen, opts.tls.as_ref())
         .await
         .map_err(|source| SeedError::Listen {
@@ -144,7 +184,7 @@ pub async fn seed(
         })?;
     let control = control_listener
         .local_addr()
-        .map_err(|e| SeedError::Serve(e.to_string()))?;
+        .map_err(SeedError::LocalAddr)?;
     let info = RegionInfo {
         size: region.len() as u64,
         chunk_size: region.geometry().chunk_size(),
@@ -158,15 +198,24 @@ pub async fn seed(
     let seed = u64::from(std::process::id()) << 32 | (crate::monotonic_ns() & 0xffff_ffff);
     let (cancel, cancelled) = tokio::sync::watch::channel(false);
     let task = tokio::spawn(async move {
+        let (conn_tx, conn_rx) = mpsc::channel(4);
+        let acceptor = Acceptor {
+            listener: control_listener,
+            timeout: opts.handshake_timeout,
+            max: opts.max_handshakes.max(1),
+            out: conn_tx,
+        };
+        let accepting = AbortOnDrop(tokio::spawn(acceptor.run()));
         let r = run(
             region,
             suspend,
             opts,
-            control_listener,
+            conn_rx,
             Seeder::new(info, seed),
             cancelled,
         )
         .await;
+        drop(accepting);
         let _ = server.shutdown().await;
         r
     });
@@ -178,6 +227,98 @@ pub async fn seed(
     })
 }
 
+/// Aborts a task when dropped.
+struct AbortOnDrop(JoinHandle<()>);
+
+impl Drop for AbortOnDrop {
+    fn drop(&mut self) {
+        self.0.abort();
+    }
+}
+
+/// A control connection that finished its handshake, with its first message.
+struct NewConn {
+    channel: Channel,
+    first: Msg,
+    peer: String,
+}
+
+/// Accepts control connections and runs their handshakes concurrently, each under a
+/// deadline; at most `max` at once (a new one closes the oldest still waiting).
+struct Acceptor {
+    listener: ControlListener,
+    timeout: Duration,
+    max: usize,
+    out: mpsc::Sender<NewConn>,
+}
+
+impl Acceptor {
+    async fn run(self) {
+        let mut pending: VecDeque<AbortOnDrop> = VecDeque::new();
+        loop {
+            let accepted = match self.listener.accept_raw().await {
+                Ok(a) => a,
+                Err(e) => {
+                    // Out of file descriptors, for example: wait a little instead of spinning.
+                    tracing::warn!("accepting a control connection failed: {e}");
+                    tokio::time::sleep(Duration::from_millis(50)).await;
+                    continue;
+                }
+            };
+            pending.retain(|h| !h.0.is_finished());
+            if pending.len() >= self.max {
+                // The oldest has waited longest: most likely a silent peer.
+                pending.pop_front();
+                tracing::warn!(
+                    "{} control connections in their handshake: closing the oldest",
+                    self.max
+                );
+            }
+            let (out, timeout) = (self.out.clone(), self.timeout);
+            pending.push_back(AbortOnDrop(tokio::spawn(handshake(accepted, timeout, out))));
+        }
+    }
+}
+
+async fn handshake(accepted: Accepted, timeout: Duration, out: mpsc::Sender<NewConn>) {
+    let peer = accepted.peer.clone();
+    let shaken = tokio::time::timeout(timeout, async {
+        let mut channel = accepted.handshake().await.map_err(|e| error_chain(&e))?;
+        match channel.recv().await {
+            Ok(Some(first)) => Ok((channel, first)),
+            Ok(None) => Err("it closed without a message".to_owned()),
+            Err(e) => {
+                let _ = channel
+                    .send(&Msg::Abort {
+                        reason: format!("not a migration message: {e}"),
+                    })
+                    .await;
+                Err(format!("its first message was refused: {e}"))
+            }
+        }
+    })
+    .await;
+    match shaken {
+        Ok(Ok((channel, first))) => {
+            let _ = out
+                .send(NewConn {
+                    channel,
+                    first,
+                    peer,
+                })
+                .await;
+        }
+        Ok(Err(why)) => tracing::info!("control connection from {peer} dropped: {why}"),
+        Err(_) => {
+            tracing::info!("control connection from {peer} dropped: no message within {timeout:?}")
+        }
+    }
+}
+
+fn error_chain(e: &(dyn std::error::Error + 'static)) -> String {
+    farmap_core::error_chain(e)
+}
+
 /// Resolves once cancelled; never if every canceller is gone without cancelling.
 async fn until_cancelled(rx: &mut tokio::sync::watch::Receiver<bool>) {
     if rx.wait_for(|c| *c).await.is_err() {
@@ -185,11 +326,44 @@ async fn until_cancelled(rx: &mut tokio::sync::watch::Receiver<bool>) {
     }
 }
 
+/// Refuses a connection while another leecher is served, without holding up the seeder.
+fn refuse_busy(mut ch: Channel, peer: String) {
+    tokio::spawn(async move {
+        let abort = Msg::Abort {
+            reason: "the seeder is busy with another leecher".into(),
+        };
+        let _ = tokio::time::timeout(Duration::from_secs(5), ch.send(&abort)).await;
+        tracing::info!("refused a control connection from {peer}: busy with another leecher");
+    });
+}
+
+/// The next message of the current connection (never, without one).
+async fn recv_current(c: &mut Option<Current>) -> Option<std::io::Result<Msg>> {
+    match c {
+        Some(c) => c.rx.recv().await,
+        None => std::future::pending().await,
+    }
+}
+
+/// Sleeps until `at` (forever, without one).
+async fn sleep_until(at: Option<tokio::time::Instant>) {
+    match at {
+        Some(at) => tokio::time::sleep_until(at).await,
+        None => std::future::pending().await,
+    }
+}
+
+/// The leecher's control connection being served.
+struct Current {
+    tx: Sender,
+    rx: mpsc::Receiver<std::io::Result<Msg>>,
+}
+
 async fn run(
     region: Arc<Region>,
     suspend: Arc<dyn Suspend>,
     opts: SeedOptions,
-    listener: ControlListener,
+    mut conns: mpsc::Receiver<NewConn>,
     mut machine: Seeder,
     mut cancelled: tokio::sync::watch::Receiver<bool>,
 ) -> Result<SeedReport, SeedError> {
@@ -208,145 +382,183 @@ async fn run(
     // Cancelling counts only before the hand-over.
     let cancellable =
         |m: &Seeder| matches!(m.state(), SeederState::Idle | SeederState::Serving { .. });
+    let mut current: Option<Current> = None;
+    // Set while handed over with no connection: when to give up on the leecher.
+    let mut lost_since: Option<tokio::time::Instant> = None;
+    let mut inputs: VecDeque<SeederInput> = VecDeque::new();
     loop {
-        let accepted = if matches!(machine.state(), SeederState::HandedOver { .. }) {
-            match tokio::time::timeout(opts.reconnect_wait, listener.accept()).await {
-                Ok(r) => r,
-                Err(_) => return Err(SeedError::LostAfterHandOver(opts.reconnect_wait)),
-            }
-        } else {
-            tokio::select! {
-                r = listener.accept() => r,
-                _ = until_cancelled(&mut cancelled) => {
-                    rep.note("cancelled before any leecher took the region: the source runs on");
-                    return Err(SeedError::Cancelled);
+        let input = match inputs.pop_front() {
+            Some(i) => i,
+            None => {
+                let give_up = lost_since.map(|t| t + opts.reconnect_wait);
+                tokio::select! {
+                    m = recv_current(&mut current), if current.is_some() => match m {
+                        Some(Ok(m)) => SeederInput::Received(m),
+                        Some(Err(e)) => {
+                            rep.note(format!("the control connection failed: {e}"));
+                            current = None;
+                            SeederInput::Disconnected
+                        }
+                        None => {
+                            current = None;
+                            SeederInput::Disconnected
+                        }
+                    },
+                    Some(new) = conns.recv() => {
+                        let reconnect = matches!(
+                            (machine.state(), &new.first),
+                            (SeederState::HandedOver { session, .. }, Msg::Hello { session: s })
+                                if *s == session
+                        );
+                        if current.is_some() && !reconnect {
+                            refuse_busy(new.channel, new.peer);
+                            continue;
+                        }
+                        // A leecher coming back replaces its old connection.
+                        let (tx, rx) = new.channel.split();
+                        current = Some(Current { tx, rx });
+                        lost_since = None;
+                        SeederInput::Received(new.first)
+                    },
+                    _ = sleep_until(give_up), if give_up.is_some() && current.is_none() => {
+                        return Err(SeedError::LostAfterHandOver(opts.reconnect_wait));
+                    }
+                    _ = until_cancelled(&mut cancelled), if cancellable(&machine) => {
+                        if let Some(c) = current.as_mut() {
+                            // The same path as a leecher's Abort: tracking stops, nothing was
+                            // suspended, the source runs on. The leecher is told why.
+                            let reason = "the seeder was cancelled before the hand-over; the \
+                                          source keeps running"
+                                .to_owned();
+                            let _ = tokio::time::timeout(
+                                Duration::from_secs(5),
+                                c.tx.send(&Msg::Abort { reason }),
+                            )
+                            .await;
+                            machine.step(SeederInput::Disconnected);
+                            rep.note("cancelled before the hand-over: the leecher was told, the source runs on");
+                        } else {
+                            rep.note("cancelled before any leecher took the region: the source runs on");
+                        }
+                        return Err(SeedError::Cancelled);
+                    }
                 }
             }
         };
-        let ch = match accepted {
-            Ok(ch) => ch,
-            Err(e) => {
-                rep.note(format!("a control connection failed: {e}"));
-                continue;
-            }
-        };
-        let (mut tx, mut rx) = ch.split();
-        let mut inputs = std::collections::VecDeque::new();
-        'conn: loop {
-            let input = match inputs.pop_front() {
-                Some(i) => i,
-                None => tokio::select! {
-                    m = rx.recv() => match m {
-                        Some(Ok(m)) => SeederInput::Received(m),
-                        Some(Err(_)) | None => SeederInput::Disconnected,
-                    },
-                    _ = until_cancelled(&mut cancelled), if cancellable(&machine) => {
-                        // The same path as a leecher's Abort: tracking stops, nothing was
-                        // suspended, the source runs on. The leecher is told why.
-                        let reason = "the seeder was cancelled before the hand-over; the source keeps \
-                                      running"
-                            .to_owned();
-                        let _ = tx.send(&crate::msg::Msg::Abort { reason }).await;
-                        machine.step(SeederInput::Disconnected);
-                        rep.note("cancelled before the hand-over: the leecher was told, the source runs on");
-                        return Err(SeedError::Cancelled);
+        if started.is_none() {
+            started = Some(Instant::now());
+        }
+        for action in machine.step(input) {
+            match action {
+                SeederAction::Send(m) => {
+                    let Some(c) = current.as_mut() else { continue };
+                    // A leecher that stops reading cannot hold the seeder (and its cancel)
+                    // for ever: a send that makes no headway for this long drops it.
+                    let sent = tokio::time::timeout(SEND_TIMEOUT, c.tx.send(&m)).await;
+                    if !matches!(sent, Ok(Ok(()))) {
+                        current = None;
+                        inputs.push_back(SeederInput::Disconnected);
+                    } else if matches!(m, Msg::HandOver { .. }) {
+                        rep.emit(Event::HandedOver);
                     }
-                },
-            };
-            if started.is_none() {
-                started = Some(Instant::now());
-            }
-            for action in machine.step(input) {
-                match action {
-                    SeederAction::Send(m) => {
-                        if tx.send(&m).await.is_err() {
-                            inputs.push_back(SeederInput::Disconnected);
-                        } else if matches!(m, crate::msg::Msg::HandOver { .. }) {
-                            rep.emit(Event::HandedOver);
-                        }
-                    }
-                    SeederAction::ResetTracking => {
-                        rep.note("a leecher connected: tracking writes");
-                        let r = region.clone();
-                        tokio::task::spawn_blocking(move || r.take_dirty())
-                            .await
-                            .expect("take_dirty does not panic")
-                            .map_err(SeedError::Dirty)?;
-                    }
-                    SeederAction::TakeDirty { round } => {
-                        let r = region.clone();
-                        let d = tokio::task::spawn_blocking(move || r.take_dirty())
-                            .await
-                            .expect("take_dirty does not panic")
-                            .map_err(SeedError::Dirty)?;
-                        report.dirty_sets += 1;
-                        report.dirty_pages += run_pages(&d.pages);
-                        rep.note(format!(
-                            "round {round}: {} pages written since the last round",
-                            run_pages(&d.pages)
-                        ));
-                        inputs.push_back(SeederInput::Dirty {
-                            round,
-                            runs: d.pages,
-                        });
-                    }
-                    SeederAction::Suspend => {
-                        let (r, s) = (region.clone(), suspend.clone());
-                        let done = tokio::task::spawn_blocking(move || {
-                            let t0 = Instant::now();
-                            let state = s.suspend()?;
-                            let at_ns = crate::monotonic_ns();
-                            let t1 = Instant::now();
-                            let d = r.take_dirty();
-                            let took = (t1 - t0, t1.elapsed());
-                            match d {
-                                Ok(d) => Ok((d, state, at_ns, took)),
-                                Err(e) => {
-                                    s.resume();
-                                    Err(format!("taking the final dirty set: {e}"))
-                                }
-                            }
-                        })
+                }
+                SeederAction::ResetTracking => {
+                    rep.note("a leecher connected: tracking writes");
+                    let r = region.clone();
+                    tokio::task::spawn_blocking(move || r.take_dirty())
                         .await
-                        .expect("suspend does not panic");
-                        inputs.push_back(match done {
-                            Ok((d, app_state, at_ns, (suspending, scan))) => {
-                                report.dirty_sets += 1;
-                                report.dirty_pages += run_pages(&d.pages);
-                                rep.note(format!(
-                                    "suspended in {:.2} ms (final scan {:.2} ms); handing over \
-                                     {} pages written since the last round",
-                                    suspending.as_secs_f64() * 1e3,
-                                    scan.as_secs_f64() * 1e3,
-                                    run_pages(&d.pages)
-                                ));
-                                SeederInput::Suspended {
-                                    runs: d.pages,
-                                    app_state,
-                                    at_ns,
-                                }
+                        .map_err(|source| SeedError::Task {
+                            what: "dirty scan",
+                            source,
+                        })?
+                        .map_err(SeedError::Dirty)?;
+                }
+                SeederAction::TakeDirty { round } => {
+                    let r = region.clone();
+                    let d = tokio::task::spawn_blocking(move || r.take_dirty())
+                        .await
+                        .map_err(|source| SeedError::Task {
+                            what: "dirty scan",
+                            source,
+                        })?
+                        .map_err(SeedError::Dirty)?;
+                    report.dirty_sets += 1;
+                    report.dirty_pages += run_pages(&d.pages);
+                    rep.note(format!(
+                        "round {round}: {} pages written since the last round",
+                        run_pages(&d.pages)
+                    ));
+                    inputs.push_back(SeederInput::Dirty {
+                        round,
+                        runs: d.pages,
+                    });
+                }
+                SeederAction::Suspend => {
+                    let (r, s) = (region.clone(), suspend.clone());
+                    let done = tokio::task::spawn_blocking(move || {
+                        let t0 = Instant::now();
+                        let state = s.suspend()?;
+                        let at_ns = crate::monotonic_ns();
+                        let t1 = Instant::now();
+                        let d = r.take_dirty();
+                        let took = (t1 - t0, t1.elapsed());
+                        match d {
+                            Ok(d) => Ok((d, state, at_ns, took)),
+                            Err(e) => {
+                                s.resume();
+                                Err(FinalError::Dirty(e))
                             }
-                            Err(e) => SeederInput::SuspendFailed(e),
-                        });
+                        }
+                    })
+                    .await
+                    .map_err(|source| SeedError::Task {
+                        what: "suspension",
+                        source,
+                    })?;
+                    inputs.push_back(match done {
+                        Ok((d, app_state, at_ns, (suspending, scan))) => {
+                            report.dirty_sets += 1;
+                            report.dirty_pages += run_pages(&d.pages);
+                            rep.note(format!(
+                                "suspended in {:.2} ms (final scan {:.2} ms); handing over \
+                                 {} pages written since the last round",
+                                suspending.as_secs_f64() * 1e3,
+                                scan.as_secs_f64() * 1e3,
+                                run_pages(&d.pages)
+                            ));
+                            SeederInput::Suspended {
+                                runs: d.pages,
+                                app_state,
+                                at_ns,
+                            }
+                        }
+                        Err(e) => SeederInput::SuspendFailed(error_chain(&e)),
+                    });
+                }
+                SeederAction::Resume => suspend.resume(),
+                SeederAction::StopTracking { reason } => {
+                    report.abandoned += 1;
+                    rep.note(reason);
+                }
+                SeederAction::AwaitReconnect => {
+                    rep.note("the leecher lost its connection after the hand-over: waiting for it");
+                    current = None;
+                    // The deadline runs from the first loss: strangers connecting meanwhile
+                    // (and being refused) do not push it back.
+                    lost_since.get_or_insert_with(tokio::time::Instant::now);
+                }
+                SeederAction::Release => {
+                    suspend.retire();
+                    rep.note("the leecher has everything: region released");
+                    report.elapsed = started.map_or(Duration::ZERO, |s| s.elapsed());
+                    return Ok(report);
+                }
+                SeederAction::Close => {
+                    // The connection is gone for the machine too (a refused leecher's
+                    // session is undone by the machine's own actions).
+                    if current.take().is_some() {
+                        inputs.push_back(SeederInput::Disconnected);
                     }
-                    SeederAction::Resume => suspend.resume(),
-                    SeederAction::StopTracking { reason } => {
-                        report.abandoned += 1;
-                        rep.note(reason);
-                    }
-                    SeederAction::AwaitReconnect => {
-                        rep.note(
-                            "the leecher lost its connection after the hand-over: waiting for it",
-                        );
-                        break 'conn;
-                    }
-                    SeederAction::Release => {
-                        suspend.retire();
-                        rep.note("the leecher has everything: region released");
-                        report.elapsed = started.map_or(Duration::ZERO, |s| s.elapsed());
-                        return Ok(report);
-                    }
-                    SeederAction::Close => break 'conn,
                 }
             }
         }

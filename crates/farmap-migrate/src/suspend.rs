@@ -8,11 +8,51 @@ use std::time::Duration;
 use bytes::Bytes;
 use parking_lot::{Condvar, Mutex};
 
+/// Why the application could not be suspended (it runs on).
+#[derive(Debug, thiserror::Error)]
+pub enum SuspendError {
+    /// Not a process id.
+    #[error("{pid} is not a process id")]
+    NotAPid {
+        /// The number given.
+        pid: u32,
+    },
+    /// Signalling the process failed.
+    #[error("signalling process {pid} failed")]
+    Signal {
+        /// The process.
+        pid: u32,
+        /// Why.
+        #[source]
+        source: rustix::io::Errno,
+    },
+    /// Its state could not be read.
+    #[error("reading the state of process {pid} failed")]
+    State {
+        /// The process.
+        pid: u32,
+        /// Why.
+        #[source]
+        source: std::io::Error,
+    },
+    /// It did not stop in time.
+    #[error("process {pid} did not stop within {waited:?}")]
+    DidNotStop {
+        /// The process.
+        pid: u32,
+        /// How long it was given.
+        waited: Duration,
+    },
+    /// The application's own hook failed.
+    #[error("the application could not be suspended")]
+    App(#[source] Box<dyn std::error::Error + Send + Sync>),
+}
+
 /// Stops and restarts the application that writes a region.
 pub trait Suspend: Send + Sync + std::fmt::Debug {
     /// Stops every writer; returns once none can write any more, with the application's
     /// state to hand over (opaque bytes, may be empty).
-    fn suspend(&self) -> Result<Bytes, String>;
+    fn suspend(&self) -> Result<Bytes, SuspendError>;
     /// Lets the writers run again (only ever called before the hand-over).
     fn resume(&self);
     /// Ownership has moved: the writers must never write this region again.
@@ -112,7 +152,7 @@ impl WriterGate {
 }
 
 impl Suspend for WriterGate {
-    fn suspend(&self) -> Result<Bytes, String> {
+    fn suspend(&self) -> Result<Bytes, SuspendError> {
         let mut s = self.state.lock();
         s.closed = true;
         while s.writers > 0 {
@@ -142,21 +182,30 @@ pub struct ProcessSuspend {
 }
 
 impl ProcessSuspend {
-    fn signal(&self, sig: rustix::process::Signal) -> Result<(), String> {
-        let pid = rustix::process::Pid::from_raw(self.pid as i32)
-            .ok_or_else(|| format!("{} is not a process id", self.pid))?;
-        rustix::process::kill_process(pid, sig)
-            .map_err(|e| format!("signalling process {}: {e}", self.pid))
+    fn signal(&self, sig: rustix::process::Signal) -> Result<(), SuspendError> {
+        let pid = i32::try_from(self.pid)
+            .ok()
+            .and_then(rustix::process::Pid::from_raw)
+            .ok_or(SuspendError::NotAPid { pid: self.pid })?;
+        rustix::process::kill_process(pid, sig).map_err(|source| SuspendError::Signal {
+            pid: self.pid,
+            source,
+        })
     }
 }
 
 impl Suspend for ProcessSuspend {
-    fn suspend(&self) -> Result<Bytes, String> {
+    fn suspend(&self) -> Result<Bytes, SuspendError> {
         self.signal(rustix::process::Signal::STOP)?;
         // Wait until the kernel reports it stopped (state T in /proc/PID/stat).
         for _ in 0..1000 {
-            let stat = std::fs::read_to_string(format!("/proc/{}/stat", self.pid))
-                .map_err(|e| format!("reading the state of process {}: {e}", self.pid))?;
+            let stat =
+                std::fs::read_to_string(format!("/proc/{}/stat", self.pid)).map_err(|source| {
+                    SuspendError::State {
+                        pid: self.pid,
+                        source,
+                    }
+                })?;
             let state = stat
                 .rsplit_once(')')
                 .and_then(|(_, r)| r.trim_start().chars().next());
@@ -165,7 +214,10 @@ impl Suspend for ProcessSuspend {
             }
             std::thread::sleep(Duration::from_micros(100));
         }
-        Err(format!("process {} did not stop", self.pid))
+        Err(SuspendError::DidNotStop {
+            pid: self.pid,
+            waited: Duration::from_micros(100) * 1000,
+        })
     }
 
     fn resume(&self) {

@@ -1,8 +1,9 @@
 //! [`LiveView`]: a live region as a read-only [`Store`] whose chunks are its pages, for the
 //! seeder's data plane; and [`MigrationStore`], the store under the leecher's region.
 
-use std::collections::HashMap;
+use std::collections::{BTreeMap, HashMap};
 use std::fmt;
+use std::ops::Range;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::Arc;
 
@@ -30,8 +31,10 @@ pub struct LiveView {
 impl LiveView {
     /// A view of `region`.
     pub fn new(region: Arc<Region>) -> Self {
+        // A region's geometry is valid with its chunk size, and its page size is a power of
+        // two no larger than its chunks: the same size in pages is valid too.
         let geometry = Geometry::new(region.len() as u64, region.page_size() as u64)
-            .expect("a region's size is a multiple of its page size");
+            .unwrap_or_else(|_| region.geometry());
         Self { region, geometry }
     }
 }
@@ -56,13 +59,20 @@ impl Store for LiveView {
     fn read(&self, idx: ChunkIdx) -> BoxFuture<'_, StoreResult<Bytes>> {
         Box::pin(async move {
             self.geometry.check_idx(idx)?;
-            let mut buf = vec![0u8; self.geometry.chunk_len(idx)];
-            // A page of a live region is present (or is fetched by the region's own threads):
-            // the copy is a memcpy, done inline.
-            self.region
-                .read_at(self.geometry.offset_of(idx) as usize, &mut buf)
-                .map_err(|e| StoreError::new(ErrorKind::Closed, format!("reading {idx}: {e}")))?;
-            Ok(Bytes::from(buf))
+            let (region, len) = (self.region.clone(), self.geometry.chunk_len(idx));
+            let offset = self.geometry.offset_of(idx) as usize;
+            // Reading region memory can fault (a page not yet fetched from the region's own
+            // store waits for it): the copy runs on a blocking thread, never on the data
+            // plane's workers.
+            tokio::task::spawn_blocking(move || {
+                let mut buf = vec![0u8; len];
+                region.read_at(offset, &mut buf).map(|()| Bytes::from(buf))
+            })
+            .await
+            .map_err(|e| StoreError::new(ErrorKind::Io, format!("reading {idx}")).with_source(e))?
+            .map_err(|e| {
+                StoreError::new(ErrorKind::Closed, format!("reading {idx}")).with_source(e)
+            })
         })
     }
 
@@ -96,6 +106,26 @@ impl Store for LiveView {
     }
 }
 
+/// One chunk's pages as the leecher's store knows them.
+///
+/// A chunk with no entry is fetched whole (never fetched, or fetched and not discarded since:
+/// then the region holds it and does not ask). A dirty round or the hand-over discards runs
+/// of its pages: its next fetch reads only those (`discarded`), and a read-ahead may have
+/// `staged` some of its pages so that the fetch needs no round trip.
+#[derive(Debug, Default)]
+struct ChunkPages {
+    /// Runs of its pages discarded since its last fetch (within the chunk).
+    discarded: Vec<Range<u64>>,
+    /// Pages read ahead for its next fetch.
+    staged: BTreeMap<u64, Bytes>,
+}
+
+impl ChunkPages {
+    fn is_empty(&self) -> bool {
+        self.discarded.is_empty() && self.staged.is_empty()
+    }
+}
+
 /// The store under the leecher's region: while migrating, chunks come from the seeder's
 /// data plane (a [`RemoteStore`] of pages); once complete, it is [`detach`](Self::detach)ed
 /// and becomes a local memory store, so the region no longer depends on the old seeder.
@@ -103,14 +133,16 @@ impl Store for LiveView {
 /// Chunks whose pages were partly discarded (a dirty round) are fetched page by page: only
 /// the discarded pages are read from the seeder, the others are returned as zeros, which the
 /// region's install skips because those pages are present (an install only fills missing
-/// pages).
+/// pages). Each chunk's discarded pages are kept as runs within that chunk (never expanded
+/// beyond one chunk); every page the seeder sends is checked to be exactly one page.
 pub struct MigrationStore {
     geometry: Geometry,
     page: u64,
     remote: RwLock<Option<Arc<RemoteStore>>>,
     local: MemoryStore,
-    partial: Mutex<HashMap<u64, Vec<u64>>>,
-    staged: Mutex<HashMap<u64, Bytes>>,
+    /// What is known of each chunk beyond "fetch it whole" (chunks with nothing to say have
+    /// no entry).
+    chunks: Mutex<HashMap<u64, ChunkPages>>,
     postcopy: AtomicBool,
     bytes_pre: AtomicU64,
     bytes_post: AtomicU64,
@@ -133,8 +165,7 @@ impl MigrationStore {
             page,
             remote: RwLock::new(Some(remote)),
             local: MemoryStore::new(geometry),
-            partial: Mutex::new(HashMap::new()),
-            staged: Mutex::new(HashMap::new()),
+            chunks: Mutex::new(HashMap::new()),
             postcopy: AtomicBool::new(false),
             bytes_pre: AtomicU64::new(0),
             bytes_post: AtomicU64::new(0),
@@ -144,16 +175,46 @@ impl MigrationStore {
     /// Notes pages about to be discarded: their chunks' next fetch reads only those pages.
     /// Pages of chunks never fetched are fetched whole anyway. Pages staged before are
     /// dropped (they may be older than the discard).
-    pub fn note_discarded(&self, runs: &[std::ops::Range<u64>]) {
-        let per_chunk = self.geometry.chunk_size() as u64 / self.page;
-        let mut partial = self.partial.lock();
-        let mut staged = self.staged.lock();
+    ///
+    /// `runs` are checked runs of the region's pages (see [`crate::msg::check_runs`]); they
+    /// are split at chunk boundaries, never expanded page by page.
+    pub fn note_discarded(&self, runs: &[Range<u64>]) {
+        let per_chunk = self.per_chunk();
+        let mut chunks = self.chunks.lock();
         for r in runs {
-            for p in r.clone() {
-                partial.entry(p / per_chunk).or_default().push(p);
-                staged.remove(&p);
+            let mut at = r.start;
+            while at < r.end {
+                let chunk = at / per_chunk;
+                let end = chunk.saturating_add(1).saturating_mul(per_chunk).min(r.end);
+                let c = chunks.entry(chunk).or_default();
+                c.discarded.push(at..end);
+                let gone: Vec<u64> = c.staged.range(at..end).map(|(p, _)| *p).collect();
+                for p in gone {
+                    c.staged.remove(&p);
+                }
+                at = end;
             }
         }
+    }
+
+    fn per_chunk(&self) -> u64 {
+        (u64::from(self.geometry.chunk_size()) / self.page).max(1)
+    }
+
+    /// Checks that the data plane answered `asked` pages with as many whole pages.
+    fn check_pages(&self, asked: usize, data: &[Bytes]) -> StoreResult<()> {
+        let page = self.page as usize;
+        if data.len() != asked || data.iter().any(|d| d.len() != page) {
+            return Err(StoreError::new(
+                ErrorKind::Corrupt,
+                format!(
+                    "the seeder's data plane answered {asked} pages of {page} bytes with {} \
+                     pieces of other sizes",
+                    data.len()
+                ),
+            ));
+        }
+        Ok(())
     }
 
     /// Reads `pages` from the seeder in as few requests as the data plane allows (all in
@@ -168,11 +229,17 @@ impl MigrationStore {
         };
         let idx: Vec<ChunkIdx> = pages.iter().map(|p| ChunkIdx(*p)).collect();
         let data = remote.read_many(&idx).await?;
+        self.check_pages(pages.len(), &data)?;
         let n: u64 = data.iter().map(|d| d.len() as u64).sum();
         self.count(n);
-        let mut staged = self.staged.lock();
+        let per_chunk = self.per_chunk();
+        let mut chunks = self.chunks.lock();
         for (p, d) in pages.iter().zip(data) {
-            staged.insert(*p, d);
+            chunks
+                .entry(p / per_chunk)
+                .or_default()
+                .staged
+                .insert(*p, d);
         }
         Ok(())
     }
@@ -187,15 +254,23 @@ impl MigrationStore {
         };
         let idx: Vec<ChunkIdx> = pages.iter().map(|p| ChunkIdx(*p)).collect();
         let data = remote.read_many(&idx).await?;
+        self.check_pages(pages.len(), &data)?;
         self.count(data.iter().map(|d| d.len() as u64).sum());
         Ok(data)
     }
 
     /// Drops staged pages that no fetch used.
     pub fn unstage(&self, pages: &[u64]) {
-        let mut staged = self.staged.lock();
+        let per_chunk = self.per_chunk();
+        let mut chunks = self.chunks.lock();
         for p in pages {
-            staged.remove(p);
+            let chunk = p / per_chunk;
+            if let Some(c) = chunks.get_mut(&chunk) {
+                c.staged.remove(p);
+                if c.is_empty() {
+                    chunks.remove(&chunk);
+                }
+            }
         }
     }
 
@@ -237,40 +312,43 @@ impl MigrationStore {
         let Some(remote) = self.remote() else {
             return self.local.read(idx).await;
         };
-        let per_chunk = self.geometry.chunk_size() as u64 / self.page;
+        let per_chunk = self.per_chunk();
         let first = self.geometry.offset_of(idx) / self.page;
         let len = self.geometry.chunk_len(idx);
-        let pages: Vec<u64> = match self.partial.lock().remove(&idx.0) {
-            Some(mut p) => {
-                p.sort_unstable();
-                p.dedup();
-                p
+        // Take this chunk's discarded runs, and its staged pages if they cover what is needed.
+        let (taken, pages, local) = {
+            let mut chunks = self.chunks.lock();
+            let c = chunks.entry(idx.0).or_default();
+            let taken = std::mem::take(&mut c.discarded);
+            let pages = chunk_pages(&taken, first, len as u64 / self.page, per_chunk);
+            let local: Option<Vec<Bytes>> = pages
+                .iter()
+                .all(|p| c.staged.contains_key(p))
+                .then(|| pages.iter().filter_map(|p| c.staged.remove(p)).collect());
+            if c.is_empty() {
+                chunks.remove(&idx.0);
             }
-            None => (first..first + (len as u64 / self.page).min(per_chunk)).collect(),
-        };
-        let local: Option<Vec<Bytes>> = {
-            let mut staged = self.staged.lock();
-            if pages.iter().all(|p| staged.contains_key(p)) {
-                Some(pages.iter().filter_map(|p| staged.remove(p)).collect())
-            } else {
-                None
-            }
+            (taken, pages, local)
         };
         let from_remote = local.is_none();
         let data = match local {
             Some(d) => Ok(d),
-            None => {
-                remote
-                    .read_many(&pages.iter().map(|p| ChunkIdx(*p)).collect::<Vec<_>>())
-                    .await
-            }
+            None => remote
+                .read_many(&pages.iter().map(|p| ChunkIdx(*p)).collect::<Vec<_>>())
+                .await
+                .and_then(|d| self.check_pages(pages.len(), &d).map(|()| d)),
         };
         let data = match data {
             Ok(d) => d,
             Err(e) => {
-                // Put the pages back for the retry.
-                if pages.len() as u64 != per_chunk {
-                    self.partial.lock().entry(idx.0).or_default().extend(pages);
+                // Put the runs back for the retry.
+                if !taken.is_empty() {
+                    self.chunks
+                        .lock()
+                        .entry(idx.0)
+                        .or_default()
+                        .discarded
+                        .extend(taken);
                 }
                 return Err(e);
             }
@@ -278,8 +356,14 @@ impl MigrationStore {
         let mut out = BytesMut::zeroed(len);
         let mut n = 0;
         for (p, d) in pages.iter().zip(data) {
-            let at = ((p - first) * self.page) as usize;
-            out[at..at + d.len()].copy_from_slice(&d);
+            let at = (p.saturating_sub(first) * self.page) as usize;
+            let Some(dst) = out.get_mut(at..at + d.len()) else {
+                return Err(StoreError::new(
+                    ErrorKind::Corrupt,
+                    format!("page {p} does not fall in {idx}"),
+                ));
+            };
+            dst.copy_from_slice(&d);
             n += d.len() as u64;
         }
         if from_remote {
@@ -287,6 +371,18 @@ impl MigrationStore {
         }
         Ok(out.freeze())
     }
+}
+
+/// The pages a fetch of a chunk reads: its discarded runs (within the chunk, so at most
+/// `per_chunk` pages), or all its `count` pages from `first` when none were discarded.
+fn chunk_pages(discarded: &[Range<u64>], first: u64, count: u64, per_chunk: u64) -> Vec<u64> {
+    if discarded.is_empty() {
+        return (first..first + count.min(per_chunk)).collect();
+    }
+    let mut p: Vec<u64> = discarded.iter().flat_map(|r| r.clone()).collect();
+    p.sort_unstable();
+    p.dedup();
+    p
 }
 
 impl Store for MigrationStore {

@@ -34,7 +34,10 @@ mod tls;
 pub use addr::{AddrError, ListenAddr, Listener, RemoteAddr, RemoteAddrError};
 pub use remote::{Backoff, ClientOptions, RemoteStore};
 pub use server::{serve, ServeError, ServeOptions, Server};
-pub use tls::{describe_client_tls_failure, TlsClientConfig, TlsConfigError, TlsServerConfig};
+pub use tls::{
+    describe_client_tls_failure, describe_server_tls_failure, TlsClientConfig, TlsConfigError,
+    TlsServerConfig,
+};
 
 /// The wire protocol, re-exported for callers that inspect server limits.
 pub use farmap_wire as wire;

@@ -240,7 +240,7 @@ fn cert_problem(err: &CertificateError) -> String {
 }
 
 /// A sentence saying why a client's TLS handshake failed, from the server's side.
-pub(crate) fn describe_server_tls_failure(err: &io::Error) -> String {
+pub fn describe_server_tls_failure(err: &io::Error) -> String {
     match rustls_error(err) {
         Some(rustls::Error::NoCertificatesPresented) => {
             "the client sent no certificate, and this server requires one".into()

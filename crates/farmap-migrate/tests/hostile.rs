@@ -1,0 +1,644 @@
+//! Hostile peers: a fake seeder speaking the control protocol with bad values, raw TCP
+//! clients sending garbage, huge length prefixes, floods of tiny frames and hundreds of idle
+//! connections to a real seeder's control port, and a silent peer. Each case ends with a clear
+//! error, nothing panics, and the side under attack then serves a good peer (a real
+//! migration completes).
+#![allow(clippy::single_range_in_vec_init)] // page runs: one run is a real case
+
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use bytes::Bytes;
+use farmap_core::{Geometry, Store};
+use farmap_migrate::leech::{ConnectError, LeechError, LeechOptions};
+use farmap_migrate::machine::{AbortCause, Violation, WelcomeError};
+use farmap_migrate::msg::{decode_header, Msg, HEADER_LEN, MAGIC, VERSION};
+use farmap_migrate::seed::{SeedOptions, Seeding};
+use farmap_migrate::{leech, seed, WriterGate};
+use farmap_net::{
+    ListenAddr, Listener, RemoteAddr, ServeOptions, TlsClientConfig, TlsServerConfig,
+};
+use farmap_pipeline::PushOptions;
+use farmap_store::MemoryStore;
+use farmap_uffd::{Region, RegionOptions};
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::net::{TcpListener, TcpStream};
+
+const SIZE: u64 = 1 << 20;
+const PAGE: u32 = 4096;
+
+fn uffd(test: &str) -> bool {
+    match farmap_uffd::probe() {
+        Ok(_) => true,
+        Err(e) => {
+            farmap_testkit::skip(test, e);
+            false
+        }
+    }
+}
+
+/// This process's resident set, in MiB (0 if unknown).
+fn rss_mib() -> u64 {
+    std::fs::read_to_string("/proc/self/status")
+        .ok()
+        .and_then(|s| {
+            s.lines()
+                .find(|l| l.starts_with("VmRSS:"))
+                .and_then(|l| l.split_whitespace().nth(1)?.parse::<u64>().ok())
+        })
+        .map_or(0, |kib| kib / 1024)
+}
+
+async fn read_msg(s: &mut TcpStream) -> std::io::Result<Msg> {
+    let mut h = [0u8; HEADER_LEN];
+    s.read_exact(&mut h).await?;
+    let h = decode_header(&h).map_err(std::io::Error::other)?;
+    let mut p = vec![0u8; h.len as usize];
+    s.read_exact(&mut p).await?;
+    Msg::decode(h.kind, &p).map_err(std::io::Error::other)
+}
+
+async fn write_msg(s: &mut TcpStream, m: &Msg) {
+    s.write_all(&m.encode()).await.unwrap();
+}
+
+fn abort_reason(m: std::io::Result<Msg>) -> String {
+    match m {
+        Ok(Msg::Abort { reason }) => reason,
+        other => panic!("expected an Abort, got {other:?}"),
+    }
+}
+
+fn leech_opts(from: RemoteAddr) -> LeechOptions {
+    LeechOptions {
+        handshake_timeout: Duration::from_secs(3),
+        reconnect_for: Duration::from_secs(3),
+        ..LeechOptions::new(from)
+    }
+}
+
+async fn run_leech(opts: LeechOptions) -> Result<farmap_migrate::LeechReport, LeechError> {
+    let (_cancel, cancelled) = tokio::sync::watch::channel(false);
+    leech(opts, Box::new(|_, _| {}), cancelled).await
+}
+
+/// A source region of `SIZE` bytes holding a pattern, with a writer gate.
+async fn source() -> (Arc<Region>, Arc<WriterGate>) {
+    let region = tokio::task::spawn_blocking(|| {
+        let g = Geometry::new(SIZE, 65536).unwrap();
+        let store: Arc<dyn Store> = Arc::new(MemoryStore::new(g));
+        let region = Region::open(
+            store,
+            RegionOptions {
+                push: PushOptions {
+                    interval: None,
+                    ..PushOptions::default()
+                },
+                ..RegionOptions::direct()
+            },
+        )
+        .unwrap();
+        let data: Vec<u8> = (0..SIZE).map(|i| (i * 7 % 251) as u8).collect();
+        region.write_at(0, &data).unwrap();
+        region
+    })
+    .await
+    .unwrap();
+    let gate = Arc::new(WriterGate::new(|| Bytes::from_static(b"state")));
+    (Arc::new(region), gate)
+}
+
+async fn start_seeder(tls: Option<TlsServerConfig>) -> (Seeding, Arc<Region>) {
+    let (region, gate) = source().await;
+    let seeding = seed(
+        region.clone(),
+        gate,
+        SeedOptions {
+            listen: "127.0.0.1:0".parse().unwrap(),
+            data_listen: "127.0.0.1:0".parse().unwrap(),
+            tls,
+            reconnect_wait: Duration::from_secs(5),
+            handshake_timeout: Duration::from_secs(2),
+            max_handshakes: 64,
+            log: false,
+            observer: None,
+        },
+    )
+    .await
+    .unwrap();
+    (seeding, region)
+}
+
+fn control_of(s: &Seeding) -> RemoteAddr {
+    RemoteAddr::from(&s.control)
+}
+
+fn tcp_of(s: &Seeding) -> std::net::SocketAddr {
+    match &s.control {
+        ListenAddr::Tcp(a) => *a,
+        ListenAddr::Unix(p) => panic!("a TCP seeder listens on {}", p.display()),
+    }
+}
+
+/// A real leecher migrates the region from `seeding` and gets the same bytes.
+async fn good_migration(seeding: Seeding, source: Arc<Region>, tls: Option<TlsClientConfig>) {
+    let from = control_of(&seeding);
+    let report = run_leech(LeechOptions {
+        tls,
+        ..leech_opts(from)
+    })
+    .await
+    .expect("a good leecher completes");
+    seeding.finish().await.expect("the seeder completes");
+    let mut want = vec![0u8; SIZE as usize];
+    let mut got = vec![0u8; SIZE as usize];
+    source.read_at(0, &mut want).unwrap();
+    report.region.read_at(0, &mut got).unwrap();
+    assert!(want == got, "the migrated region differs from the source");
+}
+
+/// A fake seeder: answers the hello with `welcome`, then plays `script` on the connection.
+async fn fake_seeder<F, Fut>(script: F) -> (RemoteAddr, tokio::task::JoinHandle<()>)
+where
+    F: FnOnce(TcpStream) -> Fut + Send + 'static,
+    Fut: std::future::Future<Output = ()> + Send,
+{
+    let l = TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = RemoteAddr::Tcp(l.local_addr().unwrap().to_string());
+    let task = tokio::spawn(async move {
+        let (s, _) = l.accept().await.unwrap();
+        script(s).await;
+    });
+    (addr, task)
+}
+
+fn welcome(page_size: u32, data_port: u16) -> Msg {
+    Msg::Welcome {
+        session: 9,
+        size: SIZE,
+        chunk_size: 65536,
+        page_size,
+        data_port,
+        boot_id: [0; 16],
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_seeder_with_a_bad_page_size_is_refused_before_anything_is_opened() {
+    for (page_size, says) in [
+        (0, "power of two"),
+        (3, "power of two"),
+        (1 << 30, "differs"),
+    ] {
+        let (told_tx, told_rx) = tokio::sync::oneshot::channel();
+        let (addr, task) = fake_seeder(move |mut s| async move {
+            assert_eq!(read_msg(&mut s).await.unwrap(), Msg::Hello { session: 0 });
+            write_msg(&mut s, &welcome(page_size, 1)).await;
+            let _ = told_tx.send(abort_reason(read_msg(&mut s).await));
+        })
+        .await;
+        let t0 = Instant::now();
+        let err = run_leech(leech_opts(addr)).await.unwrap_err();
+        match &err {
+            LeechError::Aborted {
+                cause: AbortCause::Invalid(Violation::Welcome(w)),
+                ..
+            } => assert!(
+                matches!(
+                    w,
+                    WelcomeError::PageSize { .. } | WelcomeError::PageMismatch { .. }
+                ),
+                "{w:?}"
+            ),
+            other => panic!("page size {page_size}: {other:?}"),
+        }
+        let text = farmap_core::error_chain(&err);
+        assert!(text.contains(says), "{text}");
+        let told = told_rx.await.unwrap();
+        assert!(told.contains(says), "the seeder is told why: {told}");
+        assert!(t0.elapsed() < Duration::from_secs(3));
+        task.await.unwrap();
+    }
+}
+
+/// A fake seeder with a real data plane (a memory store of pages), so that the leecher gets
+/// past its pull; then `script` plays the rest.
+async fn fake_seeder_with_data<F, Fut>(script: F) -> (RemoteAddr, tokio::task::JoinHandle<()>)
+where
+    F: FnOnce(TcpStream) -> Fut + Send + 'static,
+    Fut: std::future::Future<Output = ()> + Send,
+{
+    let data = Listener::bind(&"127.0.0.1:0".parse().unwrap())
+        .await
+        .unwrap();
+    let port = match data.local_addr().unwrap() {
+        ListenAddr::Tcp(a) => a.port(),
+        ListenAddr::Unix(_) => unreachable!(),
+    };
+    let pages = Arc::new(MemoryStore::new(Geometry::new(SIZE, PAGE.into()).unwrap()));
+    let server = farmap_net::serve(
+        pages,
+        data,
+        ServeOptions {
+            read_only: true,
+            log: false,
+            ..ServeOptions::default()
+        },
+    )
+    .unwrap();
+    fake_seeder(move |mut s| async move {
+        assert_eq!(read_msg(&mut s).await.unwrap(), Msg::Hello { session: 0 });
+        write_msg(&mut s, &welcome(PAGE, port)).await;
+        script(s).await;
+        let _ = server.shutdown().await;
+    })
+    .await
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn dirty_runs_past_the_region_or_of_2_32_pages_are_refused() {
+    if !uffd("dirty_runs_past_the_region_or_of_2_32_pages_are_refused") {
+        return;
+    }
+    let runs: [Vec<std::ops::Range<u64>>; 3] = [
+        vec![250..300],
+        vec![0..(1 << 32)],
+        vec![
+            0..u64::from(u32::MAX),
+            (1 << 40)..(1 << 40) + u64::from(u32::MAX),
+        ],
+    ];
+    for bad in runs {
+        let sent = bad.clone();
+        let (addr, task) = fake_seeder_with_data(move |mut s| async move {
+            assert_eq!(
+                read_msg(&mut s).await.unwrap(),
+                Msg::DirtyRequest { round: 1 }
+            );
+            write_msg(
+                &mut s,
+                &Msg::Dirty {
+                    round: 1,
+                    runs: sent,
+                },
+            )
+            .await;
+            let told = abort_reason(read_msg(&mut s).await);
+            assert!(told.contains("reaches past"), "{told}");
+        })
+        .await;
+        let err = run_leech(leech_opts(addr)).await.unwrap_err();
+        assert!(
+            matches!(
+                &err,
+                LeechError::Aborted {
+                    cause: AbortCause::Invalid(Violation::Runs { msg: "Dirty", .. }),
+                    ..
+                }
+            ),
+            "{bad:?}: {err:?}"
+        );
+        task.await.unwrap();
+    }
+    // A run whose end passes 2^64 is refused by the decoder: the connection fails.
+    let (addr, task) = fake_seeder_with_data(|mut s| async move {
+        let _ = read_msg(&mut s).await;
+        let mut p = 1u32.to_be_bytes().to_vec();
+        p.extend_from_slice(&1u32.to_be_bytes());
+        p.extend_from_slice(&(u64::MAX - 5).to_be_bytes());
+        p.extend_from_slice(&u32::MAX.to_be_bytes());
+        let mut f = MAGIC.to_vec();
+        f.extend_from_slice(&VERSION.to_be_bytes());
+        f.push(4);
+        f.extend_from_slice(&(p.len() as u32).to_be_bytes());
+        f.extend_from_slice(&p);
+        s.write_all(&f).await.unwrap();
+        let _ = s.read(&mut [0u8; 64]).await;
+    })
+    .await;
+    let err = run_leech(leech_opts(addr)).await.unwrap_err();
+    let text = farmap_core::error_chain(&err);
+    assert!(text.contains("past 2^64"), "{text}");
+    task.await.unwrap();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_hand_over_past_the_region_is_refused_and_nothing_resumes() {
+    if !uffd("a_hand_over_past_the_region_is_refused_and_nothing_resumes") {
+        return;
+    }
+    let (addr, task) = fake_seeder_with_data(|mut s| async move {
+        assert_eq!(
+            read_msg(&mut s).await.unwrap(),
+            Msg::DirtyRequest { round: 1 }
+        );
+        write_msg(
+            &mut s,
+            &Msg::Dirty {
+                round: 1,
+                runs: vec![],
+            },
+        )
+        .await;
+        assert_eq!(read_msg(&mut s).await.unwrap(), Msg::Finalize);
+        let h = Msg::HandOver {
+            runs: vec![0..1 << 32],
+            app_state: Bytes::new(),
+            suspended_at_ns: 0,
+        };
+        write_msg(&mut s, &h).await;
+        let told = abort_reason(read_msg(&mut s).await);
+        assert!(told.contains("HandOver"), "{told}");
+    })
+    .await;
+    let resumed = Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let r2 = resumed.clone();
+    let (_c, cancelled) = tokio::sync::watch::channel(false);
+    let err = leech(
+        leech_opts(addr),
+        Box::new(move |_, _| r2.store(true, std::sync::atomic::Ordering::SeqCst)),
+        cancelled,
+    )
+    .await
+    .unwrap_err();
+    assert!(
+        matches!(
+            &err,
+            LeechError::Aborted {
+                cause: AbortCause::Invalid(Violation::Runs {
+                    msg: "HandOver",
+                    ..
+                }),
+                ..
+            }
+        ),
+        "{err:?}"
+    );
+    assert!(!resumed.load(std::sync::atomic::Ordering::SeqCst));
+    task.await.unwrap();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_silent_seeder_fails_the_leecher_within_its_deadline() {
+    let l = TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = RemoteAddr::Tcp(l.local_addr().unwrap().to_string());
+    let hold = tokio::spawn(async move {
+        let (s, _) = l.accept().await.unwrap();
+        tokio::time::sleep(Duration::from_secs(10)).await;
+        drop(s);
+    });
+    let t0 = Instant::now();
+    let err = run_leech(LeechOptions {
+        handshake_timeout: Duration::from_millis(500),
+        ..LeechOptions::new(addr)
+    })
+    .await
+    .unwrap_err();
+    let took = t0.elapsed();
+    assert!(
+        matches!(
+            &err,
+            LeechError::Connect {
+                source: ConnectError::Silent { .. },
+                ..
+            }
+        ),
+        "{err:?}"
+    );
+    assert!(farmap_core::error_chain(&err).contains("did not answer the hello"));
+    assert!(took < Duration::from_secs(5), "failed after {took:?}");
+    hold.abort();
+}
+
+/// Sends `bytes` to the seeder's control port; returns what it answered (an Abort's reason)
+/// and checks that it closed the connection.
+async fn poke(at: std::net::SocketAddr, bytes: &[u8]) -> String {
+    let mut s = TcpStream::connect(at).await.unwrap();
+    // The seeder may close before reading everything: a write error is fine.
+    let _ = s.write_all(bytes).await;
+    let reason = abort_reason(
+        tokio::time::timeout(Duration::from_secs(5), read_msg(&mut s))
+            .await
+            .expect("the seeder answers"),
+    );
+    let mut rest = Vec::new();
+    let _ = tokio::time::timeout(Duration::from_secs(5), s.read_to_end(&mut rest))
+        .await
+        .expect("the seeder closes the connection");
+    reason
+}
+
+fn header(kind: u8, len: u32) -> Vec<u8> {
+    let mut f = MAGIC.to_vec();
+    f.extend_from_slice(&VERSION.to_be_bytes());
+    f.push(kind);
+    f.extend_from_slice(&len.to_be_bytes());
+    f
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn garbage_huge_lengths_floods_and_idle_connections_leave_the_seeder_serving() {
+    if !uffd("garbage_huge_lengths_floods_and_idle_connections_leave_the_seeder_serving") {
+        return;
+    }
+    let (seeding, region) = start_seeder(None).await;
+    let at = tcp_of(&seeding);
+    let rss0 = rss_mib();
+
+    let r = poke(at, b"GET / HTTP/1.1\r\nHost: x\r\n\r\n").await;
+    assert!(r.contains("bad magic"), "{r}");
+    let r = poke(at, &header(1, u32::MAX)).await;
+    assert!(r.contains("cap"), "{r}");
+    let r = poke(at, &header(10, 60 << 20)).await;
+    assert!(r.contains("cap"), "{r}");
+    let r = poke(at, &header(42, 0)).await;
+    assert!(r.contains("unknown migration message kind 42"), "{r}");
+    // Thousands of tiny frames: the first out-of-place one ends the connection.
+    let flood: Vec<u8> = std::iter::repeat_n(Msg::Done.encode().to_vec(), 10_000)
+        .flatten()
+        .collect();
+    let r = poke(at, &flood).await;
+    assert!(r.contains("unexpected Done"), "{r}");
+    // A leecher that asks for rounds out of order is dropped, and tracking stops.
+    let mut frames = Msg::Hello { session: 0 }.encode().to_vec();
+    frames.extend_from_slice(&Msg::DirtyRequest { round: 5 }.encode());
+    let mut s = TcpStream::connect(at).await.unwrap();
+    s.write_all(&frames).await.unwrap();
+    assert!(matches!(
+        read_msg(&mut s).await.unwrap(),
+        Msg::Welcome { .. }
+    ));
+    let r = abort_reason(read_msg(&mut s).await);
+    assert!(r.contains("one by one"), "{r}");
+    drop(s);
+
+    // 500 idle connections, still open while a real leecher migrates.
+    let mut idle = Vec::new();
+    for _ in 0..500 {
+        idle.push(TcpStream::connect(at).await.unwrap());
+    }
+    let rss1 = rss_mib();
+    let budget = 64;
+    println!(
+        "RSS: {rss0} MiB before the attacks, {rss1} MiB with 500 idle control connections \
+         (budget: {budget} MiB of growth)"
+    );
+    assert!(
+        rss1.saturating_sub(rss0) <= budget,
+        "RSS grew from {rss0} to {rss1} MiB"
+    );
+    good_migration(seeding, region, None).await;
+    drop(idle);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_idle_connection_does_not_block_a_leecher() {
+    if !uffd("an_idle_connection_does_not_block_a_leecher") {
+        return;
+    }
+    let (seeding, region) = start_seeder(None).await;
+    let idle = TcpStream::connect(tcp_of(&seeding)).await.unwrap();
+    let t0 = Instant::now();
+    good_migration(seeding, region, None).await;
+    // Well within the seeder's 2 s handshake deadline: the idle one did not hold it up.
+    println!("migrated in {:?} next to an idle connection", t0.elapsed());
+    drop(idle);
+}
+
+/// A CA and a server certificate for 127.0.0.1, as PEM files in `dir`.
+fn pki(dir: &std::path::Path) -> (TlsServerConfig, TlsClientConfig) {
+    use rcgen::{BasicConstraints, CertificateParams, IsCa, KeyPair};
+    let ca_key = KeyPair::generate().unwrap();
+    let mut ca_params = CertificateParams::new(Vec::<String>::new()).unwrap();
+    ca_params.is_ca = IsCa::Ca(BasicConstraints::Unconstrained);
+    let ca = ca_params.self_signed(&ca_key).unwrap();
+    let key = KeyPair::generate().unwrap();
+    let cert = CertificateParams::new(vec!["127.0.0.1".to_owned()])
+        .unwrap()
+        .signed_by(&key, &ca, &ca_key)
+        .unwrap();
+    let (ca_pem, cert_pem, key_pem) = (dir.join("ca.pem"), dir.join("s.pem"), dir.join("k.pem"));
+    std::fs::write(&ca_pem, ca.pem()).unwrap();
+    std::fs::write(&cert_pem, cert.pem()).unwrap();
+    std::fs::write(&key_pem, key.serialize_pem()).unwrap();
+    (
+        TlsServerConfig {
+            cert: cert_pem,
+            key: key_pem,
+            client_ca: None,
+        },
+        TlsClientConfig {
+            ca: ca_pem,
+            cert: None,
+            key: None,
+            server_name: None,
+        },
+    )
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_plain_leecher_is_told_that_the_seeder_requires_tls() {
+    if !uffd("a_plain_leecher_is_told_that_the_seeder_requires_tls") {
+        return;
+    }
+    let dir = tempfile::tempdir().unwrap();
+    let (server, client) = pki(dir.path());
+    let (seeding, region) = start_seeder(Some(server)).await;
+    let err = run_leech(leech_opts(control_of(&seeding)))
+        .await
+        .unwrap_err();
+    let text = farmap_core::error_chain(&err);
+    assert!(
+        matches!(
+            &err,
+            LeechError::Connect {
+                source: ConnectError::Refused { .. },
+                ..
+            }
+        ),
+        "{text}"
+    );
+    assert!(text.contains("requires TLS"), "{text}");
+    good_migration(seeding, region, Some(client)).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_seeder_silent_after_a_reconnect_fails_the_leecher_within_its_deadline() {
+    if !uffd("a_seeder_silent_after_a_reconnect_fails_the_leecher_within_its_deadline") {
+        return;
+    }
+    let data = Listener::bind(&"127.0.0.1:0".parse().unwrap())
+        .await
+        .unwrap();
+    let port = match data.local_addr().unwrap() {
+        ListenAddr::Tcp(a) => a.port(),
+        ListenAddr::Unix(_) => unreachable!(),
+    };
+    let pages = Arc::new(MemoryStore::new(Geometry::new(SIZE, PAGE.into()).unwrap()));
+    let server = farmap_net::serve(
+        pages,
+        data,
+        ServeOptions {
+            read_only: true,
+            log: false,
+            ..ServeOptions::default()
+        },
+    )
+    .unwrap();
+    let l = TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = RemoteAddr::Tcp(l.local_addr().unwrap().to_string());
+    let fake = tokio::spawn(async move {
+        // The first connection goes through the hand-over, then drops.
+        let (mut s, _) = l.accept().await.unwrap();
+        assert_eq!(read_msg(&mut s).await.unwrap(), Msg::Hello { session: 0 });
+        write_msg(&mut s, &welcome(PAGE, port)).await;
+        assert_eq!(
+            read_msg(&mut s).await.unwrap(),
+            Msg::DirtyRequest { round: 1 }
+        );
+        write_msg(
+            &mut s,
+            &Msg::Dirty {
+                round: 1,
+                runs: vec![],
+            },
+        )
+        .await;
+        assert_eq!(read_msg(&mut s).await.unwrap(), Msg::Finalize);
+        let h = Msg::HandOver {
+            runs: vec![],
+            app_state: Bytes::new(),
+            suspended_at_ns: 0,
+        };
+        write_msg(&mut s, &h).await;
+        assert_eq!(read_msg(&mut s).await.unwrap(), Msg::Resumed);
+        drop(s);
+        // Later connections are accepted and never answered.
+        let mut held = Vec::new();
+        loop {
+            let (s, _) = l.accept().await.unwrap();
+            held.push(s);
+        }
+    });
+    let t0 = Instant::now();
+    let err = run_leech(LeechOptions {
+        handshake_timeout: Duration::from_millis(300),
+        reconnect_for: Duration::from_secs(1),
+        ..LeechOptions::new(addr)
+    })
+    .await
+    .unwrap_err();
+    let took = t0.elapsed();
+    let text = farmap_core::error_chain(&err);
+    assert!(
+        matches!(
+            &err,
+            LeechError::LostAfterHandOver(farmap_migrate::leech::AfterHandOver::Reconnect { .. })
+        ),
+        "{text}"
+    );
+    assert!(text.contains("did not answer the hello"), "{text}");
+    assert!(took < Duration::from_secs(6), "failed after {took:?}");
+    fake.abort();
+    let _ = server.shutdown().await;
+}
