@@ -64,6 +64,7 @@ fn spawn_handler(mode: &str, capture: bool) -> (UnixStream, Child) {
     let fd = theirs.as_raw_fd();
     let mut cmd = Command::new(std::env::current_exe().unwrap());
     cmd.args([
+        "--ignored",
         "--exact",
         "handler_process",
         "--nocapture",
@@ -90,8 +91,9 @@ fn spawn_handler(mode: &str, capture: bool) -> (UnixStream, Child) {
     (ours, child)
 }
 
-/// The handler process (does nothing in a normal test run).
+/// The handler process, started by the tests through `spawn_handler`; not a test of its own.
 #[test]
+#[ignore = "a child process started by the hand-over tests"]
 fn handler_process() {
     let Ok(mode) = std::env::var("FARMAP_UFFD_HANDLER") else {
         return;
