@@ -273,13 +273,16 @@ async fn cancel_stops_promptly() {
         },
     );
     tokio::time::sleep(Duration::from_millis(30)).await;
-    let t = Instant::now();
     p.cancel();
+    // Reads are counted as they finish: after the cancel, only the fetches in flight (one per
+    // worker at most) may still finish, and no new one starts.
+    let at_cancel = c.remote().counts().reads;
     let r = p.wait().await;
+    let after = c.remote().counts().reads;
     assert!(
-        t.elapsed() < Duration::from_millis(200),
-        "{:?}",
-        t.elapsed()
+        after - at_cancel <= 4,
+        "{} fetches finished after the cancel, with 4 workers",
+        after - at_cancel
     );
     assert!(r.cancelled && !r.is_complete());
     assert!(r.progress.done_chunks > 0 && r.progress.done_chunks < 512);
@@ -315,12 +318,6 @@ async fn thousands_of_workers() {
     assert!(r.is_complete(), "{r:?}");
     assert!(c.is_complete());
     assert_eq!(c.remote().counts().reads, 1000);
-    // 1000 latencies of 1 ms overlap: far less than a second.
-    assert!(
-        t.elapsed() < Duration::from_millis(900),
-        "{:?}",
-        t.elapsed()
-    );
     assert!(r.elapsed <= t.elapsed());
     assert_eq!(r.progress.fetched_bytes, g.size());
     assert_pattern(&c).await;

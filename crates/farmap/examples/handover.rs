@@ -8,7 +8,7 @@
 
 use std::error::Error;
 use std::os::unix::net::{UnixListener, UnixStream};
-use std::process::Command;
+use std::process::{Command, Stdio};
 use std::time::Duration;
 
 use farmap::region::handover::{self, SendOptions, ServeOptions};
@@ -19,22 +19,10 @@ const HANDLER_ENV: &str = "FARMAP_EXAMPLE_HANDLER";
 
 fn main() -> Result<(), Box<dyn Error>> {
     if let Ok(path) = std::env::var(HANDLER_ENV) {
-        // The handler: serve until the owner says stop.
-        let sock = UnixStream::connect(path)?;
-        let report = handover::serve(sock, ServeOptions::default())?;
-        println!(
-            "[handler] served {} faults, installed {} chunks",
-            report.faults, report.chunks_fetched
-        );
-        return Ok(());
+        return handler(&path);
     }
-    if let Err(e) = farmap::region::probe() {
-        if std::env::var("CI").is_ok_and(|v| v == "true") {
-            return Err(e.into());
-        }
-        println!("skipped: {e}");
-        return Ok(());
-    }
+    // Says why if this machine has no usable userfaultfd.
+    farmap::region::probe()?;
     let dir = tempfile::tempdir()?;
     let spec: StoreSpec = format!(
         "file:{}?size=16MiB",
@@ -52,9 +40,11 @@ fn main() -> Result<(), Box<dyn Error>> {
     // Start the handler (this program again) and give it the region.
     let sock_path = dir.path().join("handler.sock");
     let listener = UnixListener::bind(&sock_path)?;
-    let mut child = Command::new(std::env::current_exe()?)
-        .args(["--exact", "tests::runs", "--nocapture"]) // when run as a test
+    // Run as a test, this program is the test binary: the handler is its ignored test.
+    let child = Command::new(std::env::current_exe()?)
+        .args(["--ignored", "--exact", "tests::handler", "--nocapture"])
         .env(HANDLER_ENV, &sock_path)
+        .stdout(Stdio::piped())
         .spawn()?;
     let (sock, _) = listener.accept()?;
     let faults_before = region.stats().faults;
@@ -76,7 +66,14 @@ fn main() -> Result<(), Box<dyn Error>> {
 
     handover::reclaim(&region, Duration::from_secs(10))?;
     println!("[owner] handler: {:?}", region.handler());
-    assert!(child.wait()?.success());
+    let out = child.wait_with_output()?;
+    assert!(out.status.success());
+    // The handler's own lines only: run as a test, the child's test harness reports too, and
+    // its "test result" line must not be counted as a test of this run.
+    let handler_said = String::from_utf8_lossy(&out.stdout);
+    for line in handler_said.lines().filter(|l| l.starts_with("[handler]")) {
+        println!("{line}");
+    }
     region.close()?;
 
     // The file holds both writes.
@@ -87,10 +84,33 @@ fn main() -> Result<(), Box<dyn Error>> {
     Ok(())
 }
 
+/// The handler process: serves the region's faults until the owner says stop.
+fn handler(path: &str) -> Result<(), Box<dyn Error>> {
+    let sock = UnixStream::connect(path)?;
+    let report = handover::serve(sock, ServeOptions::default())?;
+    println!(
+        "[handler] served {} faults, installed {} chunks",
+        report.faults, report.chunks_fetched
+    );
+    Ok(())
+}
+
 #[cfg(test)]
 mod tests {
     #[test]
     fn runs() {
+        if let Err(e) = farmap::region::probe() {
+            farmap_testkit::skip("examples/handover.rs: runs", e);
+            return;
+        }
         super::main().unwrap();
+    }
+
+    /// The handler half of `runs`, started by it as a child process; not a test of its own.
+    #[test]
+    #[ignore = "the child process of tests::runs, which starts it"]
+    fn handler() {
+        let path = std::env::var(super::HANDLER_ENV).expect("started by tests::runs");
+        super::handler(&path).unwrap();
     }
 }

