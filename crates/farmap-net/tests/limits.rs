@@ -178,7 +178,9 @@ async fn idle_connections_are_closed_and_busy_ones_are_not() {
     // A client busy for longer than the idle timeout keeps its connection.
     let busy = connect(addr_of(&server), client()).await;
     for i in 0..20u64 {
-        busy.write(ChunkIdx(i), Bytes::from(vec![1; 4096])).await.unwrap();
+        busy.write(ChunkIdx(i), Bytes::from(vec![1; 4096]))
+            .await
+            .unwrap();
         tokio::time::sleep(Duration::from_millis(50)).await;
     }
     server.shutdown().await.unwrap();
