@@ -6,7 +6,11 @@ use anyhow::Context;
 use clap::Args;
 use farmap::spec::open_store_async;
 use farmap::{format_size, ChunkStatus, StoreSpec};
+use futures::StreamExt;
 use serde::Serialize;
+
+/// Status requests in flight at once.
+const STATUS_IN_FLIGHT: usize = 256;
 
 use crate::output;
 
@@ -35,12 +39,21 @@ pub async fn run(args: InfoArgs) -> anyhow::Result<ExitCode> {
     let store = open_store_async(&args.spec).await?;
     let g = store.geometry();
     let (mut zero, mut data, mut unknown) = (0, 0, 0);
-    for idx in g.all().iter() {
-        match store
-            .status(idx)
-            .await
-            .with_context(|| format!("reading the status of {idx}"))?
-        {
+    // Many asked at once: a remote store pipelines them over its connections, so a region
+    // behind a slow link costs a few round trips, not one per chunk.
+    let mut statuses = futures::stream::iter(g.all().iter())
+        .map(|idx| {
+            let store = &store;
+            async move {
+                store
+                    .status(idx)
+                    .await
+                    .with_context(|| format!("reading the status of {idx}"))
+            }
+        })
+        .buffer_unordered(STATUS_IN_FLIGHT);
+    while let Some(status) = statuses.next().await {
+        match status? {
             ChunkStatus::Zero => zero += 1,
             ChunkStatus::Data => data += 1,
             ChunkStatus::Unknown => unknown += 1,

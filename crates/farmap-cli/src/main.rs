@@ -77,7 +77,7 @@ enum Command {
 
 fn main() -> ExitCode {
     let cli = Cli::parse();
-    logging::init(false);
+    logging::init(matches!(&cli.command, Command::Serve(args) if args.quiet));
     let rt = match tokio::runtime::Builder::new_multi_thread()
         .enable_all()
         .build()

@@ -4,10 +4,13 @@ use std::process::ExitCode;
 
 use anyhow::Context;
 use clap::Args;
+use std::time::Duration;
+
 use farmap::spec::open_store_async;
-use farmap::StoreSpec;
+use farmap::{Caps, StoreSpec};
 use farmap_net::{serve, ListenAddr, Listener, ServeOptions};
 
+use crate::bench::{parse_duration, parse_size_arg};
 use crate::output::ServerTlsArgs;
 
 #[derive(Debug, Args)]
@@ -29,13 +32,25 @@ pub struct ServeArgs {
     /// Requests worked on at once per connection (more wait in the socket).
     #[arg(long, default_value_t = 128, value_parser = clap::value_parser!(u32).range(1..=65536))]
     max_in_flight: u32,
+    /// Close a connection that sends nothing for this long with nothing in flight, or whose
+    /// replies have not been read for this long (e.g. 30s, 2m is 120s).
+    #[arg(long, default_value = "120s", value_parser = parse_duration)]
+    idle_timeout: Duration,
+    /// Time a client has to finish the TLS and farmap handshakes (native protocol only).
+    #[arg(long, value_parser = parse_duration)]
+    handshake_timeout: Option<Duration>,
+    /// Bytes of requests in flight and replies not yet sent, over all connections (native
+    /// protocol only; each connection also has its own budget of 32 MiB). Default 256MiB.
+    #[arg(long, value_parser = parse_size_arg)]
+    max_memory: Option<u64>,
     /// Serve the gRPC service (`farmap.v1.Store`, for other languages and tools) instead of
     /// farmap's native protocol; clients use `farmap+grpc://HOST:PORT`. TCP only, no TLS.
     #[arg(long, conflicts_with_all = ["tls_cert", "tls_key", "tls_client_ca"])]
     grpc: bool,
-    /// Do not log connections (the listening address and shutdown are still printed).
+    /// Do not log connections: only warnings and errors (the listening address and shutdown
+    /// are still printed). `FARMAP_LOG` overrides it.
     #[arg(long, short)]
-    quiet: bool,
+    pub(crate) quiet: bool,
 }
 
 /// Resolves on Ctrl-C or SIGTERM.
@@ -60,16 +75,22 @@ pub async fn run(args: ServeArgs) -> anyhow::Result<ExitCode> {
     let listener = Listener::bind(&args.listen)
         .await
         .with_context(|| format!("cannot listen on {}", args.listen))?;
+    let defaults = ServeOptions::default();
     let opts = ServeOptions {
         read_only: args.read_only,
         max_connections: args.max_connections as usize,
         max_in_flight_per_conn: args.max_in_flight as usize,
         tls,
+        idle_timeout: args.idle_timeout,
+        handshake_timeout: args.handshake_timeout.unwrap_or(defaults.handshake_timeout),
+        total_budget: args.max_memory.map_or(defaults.total_budget, |m| {
+            usize::try_from(m).unwrap_or(usize::MAX)
+        }),
         log: !args.quiet,
-        ..ServeOptions::default()
+        ..defaults
     };
     let geometry = store.geometry();
-    let caps = store.caps();
+    let caps = served_caps(store.caps(), args.read_only);
     let server = serve(store, listener, opts).context("starting the server")?;
     let security = match (&args.tls.tls_cert, &args.tls.tls_client_ca) {
         (None, _) => "no TLS",
@@ -92,6 +113,15 @@ pub async fn run(args: ServeArgs) -> anyhow::Result<ExitCode> {
     Ok(ExitCode::SUCCESS)
 }
 
+/// What clients are told the store can do.
+fn served_caps(caps: Caps, read_only: bool) -> Caps {
+    if read_only {
+        caps.without(Caps::WRITE | Caps::TRIM)
+    } else {
+        caps
+    }
+}
+
 async fn run_grpc(
     args: ServeArgs,
     store: std::sync::Arc<dyn farmap::Store>,
@@ -99,18 +129,35 @@ async fn run_grpc(
     let ListenAddr::Tcp(addr) = &args.listen else {
         anyhow::bail!("--grpc listens on TCP only (IP:PORT), not {}", args.listen);
     };
+    if args.max_memory.is_some() {
+        anyhow::bail!(
+            "--max-memory applies to farmap's native protocol only; a gRPC server's memory is \
+             bounded by --max-connections × --max-in-flight × its largest message"
+        );
+    }
+    if args.handshake_timeout.is_some() {
+        anyhow::bail!(
+            "--handshake-timeout applies to farmap's native protocol only; a gRPC connection \
+             that moves no bytes is closed after --idle-timeout"
+        );
+    }
     let listener = tokio::net::TcpListener::bind(addr)
         .await
         .with_context(|| format!("cannot listen on {addr}"))?;
     let local = listener.local_addr()?;
     eprintln!(
-        "listening on {local} (gRPC), serving {} ({}){}",
+        "farmap serve: listening on {local} (gRPC{}), serving {} ({}, {})",
+        if args.read_only { ", read-only" } else { "" },
         args.store,
         store.geometry(),
-        if args.read_only { ", read-only" } else { "" }
+        served_caps(store.caps(), args.read_only),
     );
     let opts = farmap_grpc::GrpcServerOptions {
         read_only: args.read_only,
+        max_connections: args.max_connections as usize,
+        max_in_flight: args.max_in_flight,
+        idle_timeout: args.idle_timeout,
+        log: !args.quiet,
         ..farmap_grpc::GrpcServerOptions::default()
     };
     let flush = store.clone();
@@ -123,6 +170,6 @@ async fn run_grpc(
         .flush()
         .await
         .context("flushing the store at shutdown")?;
-    eprintln!("stopped; the store is flushed");
+    eprintln!("farmap serve: stopped; the store is flushed");
     Ok(ExitCode::SUCCESS)
 }

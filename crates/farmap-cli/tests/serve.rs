@@ -29,6 +29,8 @@ struct Served {
     child: Child,
     addr: String,
     stderr: BufReader<std::process::ChildStderr>,
+    /// The line that named the address.
+    banner: String,
 }
 
 impl Served {
@@ -54,6 +56,7 @@ impl Served {
             child,
             addr,
             stderr,
+            banner: line,
         }
     }
 
@@ -229,8 +232,15 @@ fn serve_with_mutual_tls_and_copy_with_url_parameters() {
     assert!(!o.status.success());
     let err = String::from_utf8_lossy(&o.stderr);
     assert!(err.contains("requires a client certificate"), "{err}");
-    let (status, _) = served.stop("TERM");
+    let (status, log) = served.stop("TERM");
     assert!(status.success());
+    // TLS clients that leave without close_notify (most do) closed normally: a quiet server
+    // logs warnings only, and the only one is the refusal.
+    let warnings: Vec<&str> = log.lines().filter(|l| l.contains("WARN")).collect();
+    assert!(
+        warnings.len() == 1 && warnings[0].contains("no certificate"),
+        "{log}"
+    );
 }
 
 #[test]
@@ -338,4 +348,119 @@ async fn a_pull_survives_the_server_being_killed_and_restarted() {
     }
     assert!(cached.is_complete());
     drop(restarted);
+}
+
+#[test]
+fn a_read_only_banner_lists_no_write_or_trim() {
+    let served = Served::start("memory:1MiB", "127.0.0.1:0", &["--read-only"]);
+    assert!(served.banner.contains("read-only"), "{}", served.banner);
+    let caps = served.banner.rsplit('(').next().unwrap();
+    assert!(
+        !caps.contains("write") && !caps.contains("trim"),
+        "the served caps: {}",
+        served.banner
+    );
+    let served = Served::start("memory:1MiB", "127.0.0.1:0", &["--read-only", "--grpc"]);
+    let caps = served.banner.rsplit('(').next().unwrap();
+    assert!(
+        !caps.contains("write") && !caps.contains("trim"),
+        "the served caps: {}",
+        served.banner
+    );
+}
+
+#[test]
+fn native_and_grpc_clients_are_told_about_each_others_servers() {
+    let grpc = Served::start("memory:1MiB", "127.0.0.1:0", &["--grpc", "-q"]);
+    let o = farmap(&["info", &format!("farmap://{}", grpc.addr)]);
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert!(!o.status.success());
+    assert!(
+        err.contains("HTTP/2") && err.contains("farmap+grpc://"),
+        "a native client against a gRPC server: {err}"
+    );
+    let native = Served::start("memory:1MiB", "127.0.0.1:0", &["-q"]);
+    let o = farmap(&["info", &format!("farmap+grpc://{}", native.addr)]);
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert!(!o.status.success());
+    assert!(
+        err.contains("native protocol") && err.contains("farmap://"),
+        "a gRPC client against a native server: {err}"
+    );
+    let (_, log) = native.stop("TERM");
+    assert!(log.contains("HTTP/2"), "the server names the client: {log}");
+}
+
+#[test]
+fn grpc_honours_the_connection_limit_and_refuses_native_only_options() {
+    // A gRPC client opens a pool of 4 connections.
+    let served = Served::start(
+        "memory:1MiB",
+        "127.0.0.1:0",
+        &["--grpc", "--max-connections", "4"],
+    );
+    // One connection holds one of the 4 slots.
+    let held = std::net::TcpStream::connect(&served.addr).unwrap();
+    let o = farmap(&["info", &format!("farmap+grpc://{}", served.addr)]);
+    assert!(!o.status.success(), "a second connection is not served");
+    drop(held);
+    std::thread::sleep(Duration::from_millis(200));
+    check(
+        &farmap(&["info", &format!("farmap+grpc://{}", served.addr)]),
+        "info once the slot is free",
+    );
+    let (_, log) = served.stop("TERM");
+    assert!(log.contains("already serving 4 connections"), "{log}");
+
+    let o = farmap(&[
+        "serve",
+        "memory:1MiB",
+        "--grpc",
+        "--listen",
+        "127.0.0.1:0",
+        "--max-memory",
+        "1GiB",
+    ]);
+    assert!(!o.status.success());
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert!(
+        err.contains("--max-memory applies to farmap's native protocol only"),
+        "{err}"
+    );
+}
+
+#[test]
+fn quiet_servers_do_not_log_connections() {
+    for (args, logged) in [(&[][..], true), (&["-q"][..], false)] {
+        let served = Served::start("memory:1MiB", "127.0.0.1:0", args);
+        check(
+            &farmap(&["info", &format!("farmap://{}", served.addr)]),
+            "info",
+        );
+        std::thread::sleep(Duration::from_millis(200));
+        let (_, log) = served.stop("TERM");
+        assert_eq!(log.contains("connected"), logged, "{args:?}: {log}");
+    }
+}
+
+#[test]
+fn idle_connections_are_closed_after_the_idle_timeout() {
+    use std::io::{Read, Write};
+    let served = Served::start("memory:1MiB", "127.0.0.1:0", &["--idle-timeout", "300ms"]);
+    let mut s = std::net::TcpStream::connect(&served.addr).unwrap();
+    s.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
+    let mut hello = bytes::BytesMut::new();
+    farmap_net::wire::ClientHello::current().encode(&mut hello);
+    s.write_all(&hello).unwrap();
+    let mut got = Vec::new();
+    // The server's hello, then a close once the connection has been idle.
+    let n = s
+        .read_to_end(&mut got)
+        .expect("the server closes the idle connection");
+    assert!(
+        n > 0 && got.starts_with(&farmap_net::wire::MAGIC),
+        "{got:?}"
+    );
+    let (_, log) = served.stop("TERM");
+    assert!(log.contains("idle for"), "{log}");
 }

@@ -234,8 +234,11 @@ impl StdError for StoreError {
 }
 
 impl From<StoreError> for io::Error {
+    /// An I/O error whose kind matches the store error's errno and whose inner error (its
+    /// `get_ref`, and its `source`) is the store error itself, context and source included.
     fn from(err: StoreError) -> Self {
-        io::Error::from_raw_os_error(err.errno())
+        let kind = io::Error::from_raw_os_error(err.errno()).kind();
+        io::Error::new(kind, err)
     }
 }
 
@@ -274,6 +277,25 @@ mod tests {
         assert!(StoreError::new(ErrorKind::Unavailable, "x").is_retryable());
         assert!(!StoreError::new(ErrorKind::Io, "x").is_retryable());
         assert!(!StoreError::new(ErrorKind::Corrupt, "x").is_retryable());
+    }
+
+    #[test]
+    fn io_errors_made_from_store_errors_keep_them() {
+        let e = StoreError::io(
+            "reading chunk 3 of ./disk.img",
+            io::Error::from(io::ErrorKind::NotFound),
+        );
+        let io_err = io::Error::from(e);
+        assert_eq!(io_err.kind(), io::ErrorKind::NotFound);
+        let inner = io_err
+            .get_ref()
+            .and_then(|e| e.downcast_ref::<StoreError>())
+            .expect("the store error is kept");
+        assert_eq!(inner.kind(), ErrorKind::NotFound);
+        assert_eq!(inner.context(), "reading chunk 3 of ./disk.img");
+        assert!(inner.source().is_some(), "and its own source");
+        let timeout = io::Error::from(StoreError::new(ErrorKind::Timeout, "slow"));
+        assert_eq!(timeout.kind(), io::ErrorKind::TimedOut);
     }
 
     #[test]

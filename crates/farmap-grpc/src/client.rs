@@ -103,7 +103,11 @@ impl GrpcStore {
                     format!("cannot connect to the gRPC server at {url}"),
                 )
                 .with_source(e)
-            })?;
+            });
+        let channels = match channels {
+            Ok(c) => c,
+            Err(e) => return Err(native_server_named(&endpoint, url, e).await),
+        };
         let limit = |c: StoreClient<Channel>, bytes: usize| {
             c.max_decoding_message_size(bytes)
                 .max_encoding_message_size(bytes)
@@ -112,12 +116,16 @@ impl GrpcStore {
             StoreClient::new(channels[0].clone()),
             DEFAULT_MAX_MESSAGE as usize,
         );
-        let hello = call(
+        let hello = match call(
             options.request_timeout,
             || format!("handshake with {url}"),
             first.handshake(pb::HandshakeRequest { version: VERSION }),
         )
-        .await?;
+        .await
+        {
+            Ok(hello) => hello,
+            Err(e) => return Err(native_server_named(&endpoint, url, e).await),
+        };
         if hello.version != VERSION {
             return Err(StoreError::new(
                 ErrorKind::Unsupported,
@@ -343,4 +351,43 @@ impl Store for GrpcStore {
             })
         })
     }
+}
+
+/// `err`, or, when the server at `endpoint` turns out to speak farmap's native protocol
+/// rather than gRPC, an error that says so.
+async fn native_server_named(endpoint: &Endpoint, url: &str, err: StoreError) -> StoreError {
+    let Some(authority) = endpoint.uri().authority() else {
+        return err;
+    };
+    if speaks_native(authority.as_str()).await {
+        StoreError::new(
+            ErrorKind::Unsupported,
+            format!(
+                "the server at {url} speaks farmap's native protocol, not gRPC: connect with farmap://{authority}"
+            ),
+        )
+    } else {
+        err
+    }
+}
+
+/// Whether a farmap native server answers at `authority`: it answers an HTTP/2 preface with
+/// a refusal that starts with farmap's magic bytes.
+async fn speaks_native(authority: &str) -> bool {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    const MAGIC: &[u8; 8] = b"\x89FARMAP\n";
+    let probe = async {
+        let mut s = tokio::net::TcpStream::connect(authority).await.ok()?;
+        s.write_all(b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n")
+            .await
+            .ok()?;
+        let mut head = [0u8; 8];
+        s.read_exact(&mut head).await.ok()?;
+        Some(&head == MAGIC)
+    };
+    tokio::time::timeout(Duration::from_secs(2), probe)
+        .await
+        .ok()
+        .flatten()
+        .unwrap_or(false)
 }

@@ -35,6 +35,7 @@
 
 mod client;
 mod convert;
+mod limits;
 mod server;
 
 pub use client::{GrpcClientOptions, GrpcStore};

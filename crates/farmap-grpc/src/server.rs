@@ -2,17 +2,18 @@
 
 use std::future::Future;
 use std::sync::Arc;
+use std::time::Duration;
 
 use farmap_core::{
     is_zero, zero_chunk, Caps, ChunkIdx, ChunkRange, Geometry, Store, StoreError, StoreResult,
 };
 use futures::future::join_all;
 use tokio::net::TcpListener;
-use tonic::transport::server::TcpIncoming;
 use tonic::transport::Server;
 use tonic::{Request, Response, Status};
 
 use crate::convert::{caps_to_pb, error_to_pb, status_from_error, status_to_pb};
+use crate::limits::limited_incoming;
 use crate::pb::store_server::StoreServer;
 use crate::pb::{self, chunk_reply, write_request};
 use crate::{
@@ -21,10 +22,12 @@ use crate::{
 
 /// Protobuf and gRPC framing around the chunk payloads of one message, at most.
 const FRAMING: usize = 64 << 10;
-/// Streams (requests in flight) per HTTP/2 connection.
-const MAX_STREAMS: u32 = 1024;
-
 /// How a gRPC server serves its store.
+///
+/// Memory: each connection holds at most [`max_in_flight`](Self::max_in_flight) requests and
+/// their replies, each at most [`max_message`](Self::max_message) bytes; at most
+/// [`max_connections`](Self::max_connections) connections are served, and one that moves no
+/// bytes for [`idle_timeout`](Self::idle_timeout) (idle, or not reading its replies) is closed.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub struct GrpcServerOptions {
     /// Refuse writes and trims (with [`ErrorKind::ReadOnly`](farmap_core::ErrorKind)) and
@@ -34,6 +37,14 @@ pub struct GrpcServerOptions {
     pub max_batch: u32,
     /// The largest message either side may send, in bytes; raised to fit at least one chunk.
     pub max_message: u32,
+    /// Connections served at once; more are closed as soon as they are accepted.
+    pub max_connections: usize,
+    /// Requests (HTTP/2 streams) worked on at once per connection.
+    pub max_in_flight: u32,
+    /// A connection that moves no bytes for this long is closed.
+    pub idle_timeout: Duration,
+    /// Log each connection's coming and going at `info` level (at `debug` when false).
+    pub log: bool,
 }
 
 impl Default for GrpcServerOptions {
@@ -42,6 +53,10 @@ impl Default for GrpcServerOptions {
             read_only: false,
             max_batch: DEFAULT_MAX_BATCH,
             max_message: DEFAULT_MAX_MESSAGE,
+            max_connections: 256,
+            max_in_flight: 128,
+            idle_timeout: Duration::from_secs(120),
+            log: true,
         }
     }
 }
@@ -53,8 +68,7 @@ pub struct GrpcServeError(#[source] tonic::transport::Error);
 
 /// Serves `store` on `listener` until the listener fails.
 ///
-/// Every accepted connection has `TCP_NODELAY` set; each HTTP/2 connection takes up to 1024
-/// requests in flight.
+/// Every accepted connection has `TCP_NODELAY` set; see [`GrpcServerOptions`] for the limits.
 pub async fn serve_grpc(
     store: Arc<dyn Store>,
     listener: TcpListener,
@@ -76,11 +90,18 @@ pub async fn serve_grpc_with_shutdown(
     let server = StoreServer::new(service)
         .max_decoding_message_size(max_message)
         .max_encoding_message_size(max_message);
-    let incoming = TcpIncoming::from(listener).with_nodelay(Some(true));
+    let incoming = limited_incoming(
+        listener,
+        options.max_connections.max(1),
+        options.idle_timeout,
+        options.log,
+    );
+    let in_flight = options.max_in_flight.max(1);
     Server::builder()
         .initial_stream_window_size(STREAM_WINDOW)
         .initial_connection_window_size(CONNECTION_WINDOW)
-        .max_concurrent_streams(MAX_STREAMS)
+        .max_concurrent_streams(in_flight)
+        .concurrency_limit_per_connection(in_flight as usize)
         .max_frame_size(MAX_FRAME)
         .serve_with_incoming_shutdown(server, incoming, signal)
         .await

@@ -337,3 +337,35 @@ async fn versions_are_agreed_or_refused_clearly() {
         Some("ERROR_KIND_INVALID_INPUT")
     );
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn idle_and_excess_connections_are_closed_and_clients_still_served() {
+    use tokio::io::AsyncReadExt;
+    let g = Geometry::new(1 << 20, 1 << 12).unwrap();
+    let url = serve(
+        Arc::new(MemoryStore::new(g)),
+        GrpcServerOptions {
+            idle_timeout: Duration::from_millis(300),
+            max_connections: 8,
+            ..GrpcServerOptions::default()
+        },
+    )
+    .await;
+    let addr = url.trim_start_matches("http://").to_owned();
+    // Connections that never speak: each closed, at once when over the limit, or after
+    // the idle timeout.
+    let mut silent = Vec::new();
+    for _ in 0..20 {
+        silent.push(tokio::net::TcpStream::connect(&addr).await.unwrap());
+    }
+    for s in &mut silent {
+        let mut sink = [0u8; 1024];
+        tokio::time::timeout(Duration::from_secs(5), async {
+            while matches!(s.read(&mut sink).await, Ok(n) if n > 0) {}
+        })
+        .await
+        .expect("the server closes a silent connection");
+    }
+    let store = GrpcStore::connect(&url).await.unwrap();
+    store.read(ChunkIdx(0)).await.unwrap();
+}

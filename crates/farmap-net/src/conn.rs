@@ -24,7 +24,9 @@ use tokio::sync::{mpsc, oneshot, watch, Semaphore};
 use tokio_rustls::TlsConnector;
 
 use crate::addr::RemoteAddr;
-use crate::stream::{io_phrase, make_room, raised, write_frames, BoxStream};
+use crate::stream::{
+    io_phrase, is_clean_close, is_http2, is_tls_record, make_room, raised, write_frames, BoxStream,
+};
 use crate::tls::describe_client_tls_failure;
 
 /// How to wrap a connection in TLS.
@@ -49,7 +51,7 @@ struct State {
 pub(crate) struct Conn {
     label: Arc<str>,
     info: ServerInfo,
-    tx: mpsc::Sender<Vec<Bytes>>,
+    tx: mpsc::Sender<(Vec<Bytes>, ())>,
     state: Mutex<State>,
     open: AtomicBool,
     next_id: AtomicU64,
@@ -121,7 +123,7 @@ impl Conn {
         let frame = Frame::new(id, msg);
         let mut parts = Vec::with_capacity(4);
         frame.encode_parts(&mut parts);
-        if self.tx.send(parts).await.is_err() {
+        if self.tx.send((parts, ())).await.is_err() {
             return Err(self.lost_error());
         }
         match rx.await {
@@ -240,6 +242,14 @@ async fn open_inner(addr: &RemoteAddr, tls: Option<&TlsSetup>) -> StoreResult<Ar
                     format!("the server at {addr} expects TLS: connect with farmaps:// (and ca=)"),
                 ))
             }
+            Err(WireError::BadMagic { found }) if is_http2(&found) => {
+                return Err(StoreError::new(
+                    ErrorKind::Unsupported,
+                    format!(
+                        "the server at {addr} speaks HTTP/2 (a gRPC server?), not farmap's native protocol: connect with farmap+grpc://"
+                    ),
+                ))
+            }
             Err(e) => {
                 return Err(StoreError::new(
                     ErrorKind::Unsupported,
@@ -275,11 +285,6 @@ async fn open_inner(addr: &RemoteAddr, tls: Option<&TlsSetup>) -> StoreResult<Ar
         ));
     }
     Ok(start(addr.to_string().into(), info, stream, buf))
-}
-
-/// Whether bytes start a TLS record (an alert or a handshake, TLS 1.x).
-fn is_tls_record(b: &[u8]) -> bool {
-    matches!(b, [0x15 | 0x16, 0x03, ..])
 }
 
 fn handshake_error(addr: &RemoteAddr, e: &std::io::Error, sent_cert: bool) -> StoreError {
@@ -320,7 +325,7 @@ fn refused(addr: &RemoteAddr, r: &Refusal) -> StoreError {
 
 fn start(label: Arc<str>, info: ServerInfo, stream: BoxStream, buf: BytesMut) -> Arc<Conn> {
     let (rd, mut wr) = tokio::io::split(stream);
-    let (tx, mut rx) = mpsc::channel::<Vec<Bytes>>(info.max_in_flight as usize + 1);
+    let (tx, mut rx) = mpsc::channel::<(Vec<Bytes>, ())>(info.max_in_flight as usize + 1);
     let (closed, _) = watch::channel(false);
     let conn = Arc::new(Conn {
         label,
@@ -340,7 +345,7 @@ fn start(label: Arc<str>, info: ServerInfo, stream: BoxStream, buf: BytesMut) ->
     let mut stop = conn.closed.subscribe();
     tokio::spawn(async move {
         let result = tokio::select! {
-            r = write_frames(&mut wr, &mut rx) => r,
+            r = write_frames(&mut wr, &mut rx, None) => r,
             _ = raised(&mut stop) => Ok(()),
         };
         if let (Err(e), Some(conn)) = (result, weak.upgrade()) {
@@ -370,6 +375,9 @@ async fn read_loop(conn: Arc<Conn>, mut rd: ReadHalf<BoxStream>, mut buf: BytesM
             r = rd.read_buf(&mut buf) => match r {
                 Ok(0) => break "the server closed the connection (server gone?)".to_owned(),
                 Ok(_) => {}
+                Err(e) if is_clean_close(&e) => {
+                    break "the server closed the connection (server gone?)".to_owned()
+                }
                 Err(e) => break io_phrase(&e),
             },
             _ = raised(&mut stop) => break "the connection was closed".to_owned(),

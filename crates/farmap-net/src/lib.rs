@@ -13,7 +13,9 @@
 //! ```
 //!
 //! - [`serve`] / [`Server`]: serves any [`Store`](farmap_core::Store); graceful
-//!   [`Server::shutdown`] answers the requests in flight and flushes the store.
+//!   [`Server::shutdown`] answers the requests in flight and flushes the store. Memory is a
+//!   byte budget per connection and in all (a client that stops reading its replies stops
+//!   the server reading its requests); idle, stalled and silent connections time out.
 //! - [`RemoteStore`]: a served region as a store, with pipelining, a connection pool,
 //!   reconnection and deadlines; errors are sentences (refused, TLS refused and why,
 //!   version mismatch, server gone).
@@ -33,7 +35,10 @@ mod tls;
 
 pub use addr::{AddrError, ListenAddr, Listener, RemoteAddr, RemoteAddrError};
 pub use remote::{Backoff, ClientOptions, RemoteStore};
-pub use server::{serve, ServeError, ServeOptions, Server};
+pub use server::{
+    serve, ServeError, ServeOptions, Server, DEFAULT_CONN_BUDGET, DEFAULT_IDLE_TIMEOUT,
+    DEFAULT_TOTAL_BUDGET,
+};
 pub use tls::{
     describe_client_tls_failure, describe_server_tls_failure, TlsClientConfig, TlsConfigError,
     TlsServerConfig,

@@ -3,8 +3,21 @@
 //! # Concurrency
 //! - One task accepts; one task per connection reads and decodes frames; every request runs
 //!   in a task of its own, at most [`ServeOptions::max_in_flight_per_conn`] at once per
-//!   connection (further frames wait in the socket: back-pressure, not memory); one writer
-//!   task per connection sends replies in the order they complete.
+//!   connection; one writer task per connection sends replies in the order they complete.
+//!
+//! # Memory
+//! - Every request is charged its bytes plus the bytes of its largest possible reply against
+//!   a per-connection budget ([`ServeOptions::conn_budget`]) and a server-wide one
+//!   ([`ServeOptions::total_budget`]) before it runs; the charge is returned once its reply
+//!   has been written to the socket. A client that stops reading its replies therefore stops
+//!   the server from reading its requests (they wait in the socket: back-pressure, not
+//!   memory). Besides the budgets a connection holds one receive buffer of at most
+//!   [`ServeOptions::max_frame`] plus a read-ahead.
+//! - A client whose replies make no progress for [`ServeOptions::idle_timeout`] is cut off,
+//!   and so is a client that sends nothing for that long with nothing in flight; a client
+//!   has [`ServeOptions::handshake_timeout`] to finish the handshakes.
+//! - Connections over [`ServeOptions::max_connections`] are answered with a refusal by a
+//!   bounded pool of tasks; when that pool is busy they are closed at once.
 //! - A frame that cannot be decoded (garbage, over the frame limit, a reply op from a
 //!   client) ends that connection only: the server sends an error frame with id 0 saying
 //!   why, lets the requests in flight finish, and closes it. Other connections go on.
@@ -20,17 +33,20 @@ use bytes::{Bytes, BytesMut};
 use farmap_core::{is_zero, zero_chunk, Caps, ErrorKind, Store, StoreError};
 use farmap_wire::{
     decode_client_hello, read_reply_overhead, ClientHello, Features, Frame, FrameDecoder, Limits,
-    Message, Payload, Refusal, RegionInfo, RemoteError, ServerHello, ServerInfo, DEFAULT_MAX_BATCH,
-    DEFAULT_MAX_FRAME, MAX_BATCH_LIMIT, MAX_FRAME_LIMIT, MAX_IN_FLIGHT_LIMIT, VERSION,
+    Message, Payload, Refusal, RegionInfo, RemoteError, ServerHello, ServerInfo, WireError,
+    DEFAULT_MAX_BATCH, DEFAULT_MAX_FRAME, HEADER_LEN, MAX_BATCH_LIMIT, MAX_FRAME_LIMIT,
+    MAX_IN_FLIGHT_LIMIT, MAX_MESSAGE, VERSION,
 };
 use futures::future::join_all;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
-use tokio::sync::{mpsc, watch, Semaphore};
+use tokio::sync::{mpsc, watch, OwnedSemaphorePermit, Semaphore};
 use tokio::task::JoinSet;
 use tokio_rustls::TlsAcceptor;
 
 use crate::addr::{ListenAddr, Listener};
-use crate::stream::{make_room, raised, write_frames, BoxStream};
+use crate::stream::{
+    describe_foreign_bytes, io_phrase, is_clean_close, make_room, raised, write_frames, BoxStream,
+};
 use crate::tls::{describe_server_tls_failure, TlsConfigError, TlsServerConfig};
 
 /// How a server serves.
@@ -50,15 +66,37 @@ pub struct ServeOptions {
     pub max_batch: u32,
     /// Time a client has to finish the TLS and farmap handshakes.
     pub handshake_timeout: Duration,
+    /// A connection that sends nothing for this long while none of its requests is in
+    /// flight is closed; so is one whose replies have not moved for this long (the client
+    /// stopped reading).
+    pub idle_timeout: Duration,
+    /// Bytes of requests in flight and replies queued, per connection (raised to at least
+    /// two frames of [`max_frame`](Self::max_frame)).
+    pub conn_budget: usize,
+    /// Bytes of requests in flight and replies queued, over all connections (raised to at
+    /// least [`conn_budget`](Self::conn_budget)).
+    pub total_budget: usize,
     /// How long [`Server::shutdown`] waits for requests in flight before it cuts connections.
     pub shutdown_grace: Duration,
-    /// Log connections and protocol errors to stderr.
+    /// Log each connection's coming and going at `info` level (at `debug` when false).
+    /// Protocol errors and refusals are logged at `warn` level either way.
     pub log: bool,
 }
 
+/// Default of [`ServeOptions::idle_timeout`].
+pub const DEFAULT_IDLE_TIMEOUT: Duration = Duration::from_secs(120);
+/// Default of [`ServeOptions::conn_budget`]: two default frames.
+pub const DEFAULT_CONN_BUDGET: usize = 2 * DEFAULT_MAX_FRAME as usize;
+/// Default of [`ServeOptions::total_budget`].
+pub const DEFAULT_TOTAL_BUDGET: usize = 256 << 20;
+/// Connections over the limit being answered with a refusal at once; more are closed
+/// without an answer.
+const REFUSAL_POOL: usize = 16;
+
 impl Default for ServeOptions {
     /// Writable, 256 connections, 128 requests in flight each, no TLS, default frame and
-    /// batch limits, 10 s handshake, 10 s shutdown grace, logging on.
+    /// batch limits, 10 s handshake, 120 s idle timeout, 32 MiB per connection and 256 MiB in
+    /// all in flight, 10 s shutdown grace, logging on.
     fn default() -> Self {
         Self {
             read_only: false,
@@ -68,6 +106,9 @@ impl Default for ServeOptions {
             max_frame: DEFAULT_MAX_FRAME,
             max_batch: DEFAULT_MAX_BATCH,
             handshake_timeout: Duration::from_secs(10),
+            idle_timeout: DEFAULT_IDLE_TIMEOUT,
+            conn_budget: DEFAULT_CONN_BUDGET,
+            total_budget: DEFAULT_TOTAL_BUDGET,
             shutdown_grace: Duration::from_secs(10),
             log: true,
         }
@@ -107,12 +148,21 @@ struct Ctx {
     opts: ServeOptions,
     tls: Option<TlsAcceptor>,
     shutdown: watch::Receiver<bool>,
+    /// Bytes in flight over all connections (see the module docs).
+    total_budget: Arc<Semaphore>,
+    /// The per-connection budget, as raised to fit two frames.
+    conn_budget: usize,
+    /// Tasks answering connections over the limit.
+    refusals: Arc<Semaphore>,
 }
 
 impl Ctx {
-    fn log(&self, msg: std::fmt::Arguments<'_>) {
+    /// Logs a connection's coming or going: `info` when asked for, `debug` otherwise.
+    fn note(&self, msg: std::fmt::Arguments<'_>) {
         if self.opts.log {
-            eprintln!("farmap serve: {msg}");
+            tracing::info!("{msg}");
+        } else {
+            tracing::debug!("{msg}");
         }
     }
 }
@@ -139,6 +189,11 @@ fn check_option(what: &'static str, value: u64, min: u64, max: u64) -> Result<()
             max,
         })
     }
+}
+
+/// A budget in bytes as semaphore permits (a semaphore counts at most `u32::MAX` at once).
+fn budget_permits(bytes: usize) -> usize {
+    bytes.min(u32::MAX as usize)
 }
 
 /// Serves `store` on `listener` until [`Server::shutdown`]. Must be called from within a
@@ -197,12 +252,17 @@ pub fn serve(
     };
     let (stop, shutdown) = watch::channel(false);
     let connections = Arc::new(AtomicUsize::new(0));
+    let conn_budget = budget_permits(opts.conn_budget.max(2 * opts.max_frame as usize));
+    let total_budget = budget_permits(opts.total_budget.max(conn_budget));
     let ctx = Arc::new(Ctx {
         store: store.clone(),
         info,
         opts,
         tls,
         shutdown,
+        total_budget: Arc::new(Semaphore::new(total_budget)),
+        conn_budget,
+        refusals: Arc::new(Semaphore::new(REFUSAL_POOL)),
     });
     let task = tokio::spawn(accept_loop(listener, ctx, connections.clone()));
     Ok(Server {
@@ -254,12 +314,7 @@ async fn accept_loop(listener: Listener, ctx: Arc<Ctx>, connections: Arc<AtomicU
             accepted = listener.accept() => match accepted {
                 Ok((stream, peer)) => {
                     if conns.len() >= ctx.opts.max_connections {
-                        ctx.log(format_args!(
-                            "refusing {peer}: already serving {} connections",
-                            conns.len()
-                        ));
-                        // Answered on its own task; not counted, not awaited at shutdown.
-                        tokio::spawn(refuse_full(stream, ctx.clone()));
+                        refuse_full(stream, peer, &ctx, conns.len());
                         continue;
                     }
                     conns.spawn(connection(stream, peer, ctx.clone()));
@@ -267,7 +322,7 @@ async fn accept_loop(listener: Listener, ctx: Arc<Ctx>, connections: Arc<AtomicU
                 }
                 Err(e) => {
                     // Out of file descriptors and the like: pause rather than spin.
-                    ctx.log(format_args!("accept failed: {e}"));
+                    tracing::warn!("accepting a connection failed: {e}");
                     tokio::time::sleep(Duration::from_millis(100)).await;
                 }
             },
@@ -279,10 +334,10 @@ async fn accept_loop(listener: Listener, ctx: Arc<Ctx>, connections: Arc<AtomicU
     let drained =
         tokio::time::timeout(grace, async { while conns.join_next().await.is_some() {} }).await;
     if drained.is_err() {
-        ctx.log(format_args!(
+        tracing::warn!(
             "{} connections still busy after {grace:?}; closing them",
             conns.len()
-        ));
+        );
         conns.shutdown().await;
     }
     connections.store(0, Ordering::Relaxed);
@@ -299,10 +354,7 @@ async fn handshake(
         Some(acceptor) => match acceptor.accept(stream).await {
             Ok(s) => Box::new(s),
             Err(e) => {
-                ctx.log(format_args!(
-                    "refused {peer}: {}",
-                    describe_server_tls_failure(&e)
-                ));
+                tracing::warn!("refused {peer}: {}", describe_server_tls_failure(&e));
                 return None;
             }
         },
@@ -314,9 +366,17 @@ async fn handshake(
             Ok(Some(hello)) => return Some((stream, hello, buf)),
             Ok(None) => {}
             Err(e) => {
-                ctx.log(format_args!("refused {peer}: {e}"));
+                let why = match &e {
+                    WireError::BadMagic { found } => {
+                        describe_foreign_bytes(found, ctx.tls.is_some())
+                            .map_or_else(|| e.to_string(), str::to_owned)
+                    }
+                    _ => e.to_string(),
+                };
+                tracing::warn!("refused {peer}: {why}");
                 let kind = ErrorKind::InvalidInput;
-                let _ = send_refusal(&mut stream, kind, format!("not a farmap client: {e}")).await;
+                let _ =
+                    send_refusal(&mut stream, kind, format!("not a farmap client: {why}")).await;
                 return None;
             }
         }
@@ -324,9 +384,10 @@ async fn handshake(
             Ok(0) => return None,
             Ok(_) => {}
             Err(e) => {
-                ctx.log(format_args!(
-                    "{peer}: read failed during the handshake: {e}"
-                ));
+                tracing::warn!(
+                    "{peer}: read failed during the handshake: {}",
+                    io_phrase(&e)
+                );
                 return None;
             }
         }
@@ -351,27 +412,35 @@ async fn send_refusal(
     stream.shutdown().await
 }
 
-async fn refuse_full(stream: BoxStream, ctx: Arc<Ctx>) {
-    let peer = "a client over the connection limit";
-    let timeout = ctx.opts.handshake_timeout;
-    let _ = tokio::time::timeout(timeout, async {
-        if let Some((mut stream, _, _)) = handshake(stream, peer, &ctx).await {
-            let msg = format!(
-                "the server is already serving its limit of {} connections",
-                ctx.opts.max_connections
-            );
-            let _ = send_refusal(&mut stream, ErrorKind::Unavailable, msg).await;
-        }
-    })
-    .await;
+/// Answers a connection over the limit with a refusal, on a task of a bounded pool; when the
+/// pool is busy the connection is closed without an answer.
+fn refuse_full(stream: BoxStream, peer: String, ctx: &Arc<Ctx>, serving: usize) {
+    let Ok(slot) = ctx.refusals.clone().try_acquire_owned() else {
+        tracing::warn!("closed {peer}: already serving {serving} connections and answering {REFUSAL_POOL} more");
+        return;
+    };
+    tracing::warn!("refusing {peer}: already serving {serving} connections");
+    let ctx = ctx.clone();
+    tokio::spawn(async move {
+        let timeout = ctx.opts.handshake_timeout;
+        let _ = tokio::time::timeout(timeout, async {
+            if let Some((mut stream, _, _)) = handshake(stream, &peer, &ctx).await {
+                let msg = format!(
+                    "the server is already serving its limit of {} connections",
+                    ctx.opts.max_connections
+                );
+                let _ = send_refusal(&mut stream, ErrorKind::Unavailable, msg).await;
+            }
+        })
+        .await;
+        drop(slot);
+    });
 }
 
 async fn connection(stream: BoxStream, peer: String, ctx: Arc<Ctx>) {
     let timeout = ctx.opts.handshake_timeout;
     let Ok(accepted) = tokio::time::timeout(timeout, handshake(stream, &peer, &ctx)).await else {
-        ctx.log(format_args!(
-            "{peer}: no handshake within {timeout:?}; closed"
-        ));
+        tracing::warn!("closed {peer}: no handshake within {timeout:?}");
         return;
     };
     let Some((mut stream, hello, buf)) = accepted else {
@@ -382,7 +451,7 @@ async fn connection(stream: BoxStream, peer: String, ctx: Arc<Ctx>) {
             "this server speaks farmap protocol version {VERSION}; the client speaks version {}",
             hello.version
         );
-        ctx.log(format_args!("refused {peer}: {msg}"));
+        tracing::warn!("refused {peer}: {msg}");
         let _ = send_refusal(&mut stream, ErrorKind::Unsupported, msg).await;
         return;
     }
@@ -390,62 +459,147 @@ async fn connection(stream: BoxStream, peer: String, ctx: Arc<Ctx>) {
     info.features = info.features & hello.features;
     let mut out = BytesMut::new();
     ServerHello::Accepted(info).encode(&mut out);
-    if stream.write_all(&out).await.is_err() || stream.flush().await.is_err() {
+    let sent = tokio::time::timeout(timeout, async {
+        stream.write_all(&out).await?;
+        stream.flush().await
+    })
+    .await;
+    if !matches!(sent, Ok(Ok(()))) {
         return;
     }
-    ctx.log(format_args!("{peer} connected"));
-    let reason = serve_frames(stream, buf, &ctx).await;
-    ctx.log(format_args!("{peer} closed: {reason}"));
+    ctx.note(format_args!("{peer} connected"));
+    match serve_frames(stream, buf, &ctx).await {
+        Ended::Normally(reason) => ctx.note(format_args!("{peer} closed: {reason}")),
+        Ended::Badly(reason) => tracing::warn!("{peer} closed: {reason}"),
+    }
 }
 
-/// Reads and answers requests until the peer leaves, a frame is bad, or shutdown; returns why
-/// the connection ended.
-async fn serve_frames(stream: BoxStream, mut buf: BytesMut, ctx: &Arc<Ctx>) -> String {
+/// Why a connection ended.
+enum Ended {
+    /// The client left, was idle, or the server is shutting down.
+    Normally(String),
+    /// A protocol error, a failed read or write, or a client that stopped reading.
+    Badly(String),
+}
+
+/// A reply and the budget its request holds until the reply has been written.
+type Outgoing = (Vec<Bytes>, Option<Charge>);
+
+/// Bytes of a request charged against the connection's and the server's budgets.
+struct Charge {
+    _conn: OwnedSemaphorePermit,
+    _total: OwnedSemaphorePermit,
+}
+
+/// Bytes a request may hold: its own and those of its largest possible reply.
+fn cost(ctx: &Ctx, msg: &Message, frame_len: usize) -> usize {
+    let g = ctx.info.region.geometry;
+    let reply = match msg {
+        Message::Read(chunks) => {
+            let payload: u64 = chunks.iter().map(|c| g.chunk_len(*c) as u64).sum();
+            usize::try_from(read_reply_overhead(chunks.len()) as u64 + payload)
+                .unwrap_or(usize::MAX)
+        }
+        _ => HEADER_LEN + 1 + MAX_MESSAGE,
+    };
+    // Never more than a whole budget, so that every request can run.
+    frame_len.saturating_add(reply).min(ctx.conn_budget)
+}
+
+/// Reads and answers requests until the peer leaves, a frame is bad, the peer is idle or stops
+/// reading, or shutdown; returns why the connection ended.
+async fn serve_frames(stream: BoxStream, mut buf: BytesMut, ctx: &Arc<Ctx>) -> Ended {
     let (mut rd, mut wr) = tokio::io::split(stream);
     let in_flight = ctx.info.max_in_flight as usize;
-    let (tx, mut rx) = mpsc::channel::<Vec<Bytes>>(in_flight + 1);
-    let writer = tokio::spawn(async move { write_frames(&mut wr, &mut rx).await });
+    let idle_timeout = ctx.opts.idle_timeout;
+    let (tx, mut rx) = mpsc::channel::<Outgoing>(in_flight + 1);
+    let mut writer =
+        tokio::spawn(async move { write_frames(&mut wr, &mut rx, Some(idle_timeout)).await });
+    let mut writer_done = false;
     let permits = Arc::new(Semaphore::new(in_flight));
+    let budget = Arc::new(Semaphore::new(ctx.conn_budget));
     let mut decoder = FrameDecoder::new(Limits {
         max_frame: ctx.info.max_frame,
         max_batch: ctx.info.max_batch,
     });
     let mut shutdown = ctx.shutdown.clone();
-    let reason = 'conn: loop {
+    let idle = tokio::time::sleep(idle_timeout);
+    tokio::pin!(idle);
+    let stopped_reading = |r: Result<std::io::Result<()>, tokio::task::JoinError>| match r {
+        Ok(Err(e)) if e.kind() == std::io::ErrorKind::TimedOut => Ended::Badly(format!(
+            "the client has not read its replies for {idle_timeout:?}"
+        )),
+        Ok(Err(e)) if is_clean_close(&e) => {
+            Ended::Normally("the client closed the connection".to_owned())
+        }
+        Ok(Err(e)) => Ended::Badly(format!("sending failed: {}", io_phrase(&e))),
+        _ => Ended::Badly("the connection's writer stopped".to_owned()),
+    };
+    let ended = 'conn: loop {
         loop {
+            let before = buf.len();
             let frame = match decoder.decode(&mut buf) {
                 Ok(Some(f)) if f.msg.is_request() => f,
                 Ok(Some(f)) => break 'conn close_with(&tx, not_a_request(&f)).await,
                 Ok(None) => break,
                 Err(e) => break 'conn close_with(&tx, e.to_string()).await,
             };
-            let permit = tokio::select! {
-                p = permits.clone().acquire_owned() => p.expect("never closed"),
-                _ = raised(&mut shutdown) => break 'conn "server shutting down".to_owned(),
+            let frame_len = before - buf.len();
+            let charge = cost(ctx, &frame.msg, frame_len) as u32;
+            let acquired = tokio::select! {
+                p = async {
+                    let slot = permits.clone().acquire_owned().await.expect("never closed");
+                    let conn = budget.clone().acquire_many_owned(charge).await.expect("never closed");
+                    let total = ctx.total_budget.clone().acquire_many_owned(charge).await.expect("never closed");
+                    (slot, Charge { _conn: conn, _total: total })
+                } => p,
+                _ = raised(&mut shutdown) => break 'conn Ended::Normally("server shutting down".to_owned()),
+                r = &mut writer => {
+                    writer_done = true;
+                    break 'conn stopped_reading(r);
+                }
             };
+            let (slot, charge) = acquired;
             let (tx, ctx) = (tx.clone(), ctx.clone());
             tokio::spawn(async move {
                 let reply = Frame::new(frame.id, execute(&ctx, frame.msg).await);
                 let mut parts = Vec::with_capacity(4);
                 reply.encode_parts(&mut parts);
-                let _ = tx.send(parts).await;
-                drop(permit);
+                drop(slot);
+                let _ = tx.send((parts, Some(charge))).await;
             });
         }
         make_room(&mut buf);
         tokio::select! {
             r = rd.read_buf(&mut buf) => match r {
-                Ok(0) => break "the client closed the connection".to_owned(),
-                Ok(_) => {}
-                Err(e) => break format!("read failed: {e}"),
+                Ok(0) => break Ended::Normally("the client closed the connection".to_owned()),
+                Ok(_) => idle.as_mut().reset(tokio::time::Instant::now() + idle_timeout),
+                Err(e) if is_clean_close(&e) => {
+                    break Ended::Normally("the client closed the connection".to_owned())
+                }
+                Err(e) => break Ended::Badly(format!("read failed: {}", io_phrase(&e))),
             },
-            _ = raised(&mut shutdown) => break "server shutting down".to_owned(),
+            _ = &mut idle => {
+                if permits.available_permits() == in_flight
+                    && budget.available_permits() == ctx.conn_budget
+                {
+                    break Ended::Normally(format!("idle for {idle_timeout:?}"));
+                }
+                idle.as_mut().reset(tokio::time::Instant::now() + idle_timeout);
+            }
+            _ = raised(&mut shutdown) => break Ended::Normally("server shutting down".to_owned()),
+            r = &mut writer => {
+                writer_done = true;
+                break stopped_reading(r);
+            }
         }
     };
     // Requests in flight hold their own senders: the writer ends after their replies.
     drop(tx);
-    let _ = writer.await;
-    reason
+    if !writer_done {
+        let _ = writer.await;
+    }
+    ended
 }
 
 fn not_a_request(f: &Frame) -> String {
@@ -456,7 +610,7 @@ fn not_a_request(f: &Frame) -> String {
 }
 
 /// Tells the client why its connection is being closed (frame id 0), returns the reason.
-async fn close_with(tx: &mpsc::Sender<Vec<Bytes>>, reason: String) -> String {
+async fn close_with(tx: &mpsc::Sender<Outgoing>, reason: String) -> Ended {
     let frame = Frame::new(
         0,
         Message::Error(RemoteError {
@@ -466,8 +620,8 @@ async fn close_with(tx: &mpsc::Sender<Vec<Bytes>>, reason: String) -> String {
     );
     let mut parts = Vec::new();
     frame.encode_parts(&mut parts);
-    let _ = tx.send(parts).await;
-    format!("protocol error: {reason}")
+    let _ = tx.send((parts, None)).await;
+    Ended::Badly(format!("protocol error: {reason}"))
 }
 
 fn error_reply(e: &StoreError) -> Message {

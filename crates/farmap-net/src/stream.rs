@@ -2,6 +2,7 @@
 //! writes frames to one.
 
 use std::io::{self, IoSlice};
+use std::time::Duration;
 
 use bytes::{Buf, Bytes, BytesMut};
 use tokio::io::{AsyncRead, AsyncWrite, AsyncWriteExt};
@@ -20,44 +21,71 @@ const BATCH_BYTES: usize = 1 << 20;
 const BATCH_PIECES: usize = 256;
 
 /// Writes the frames received on `rx` (each a list of pieces, see
-/// [`Frame::encode_parts`](farmap_wire::Frame::encode_parts)) to `out` until the channel
-/// closes (every sender gone) or a write fails. Frames waiting together are written together,
-/// in one vectored write, without copying their payloads; the stream is flushed whenever the
-/// channel runs dry. Ends with a clean shutdown of the write side.
-pub(crate) async fn write_frames<W: AsyncWrite + Unpin>(
+/// [`Frame::encode_parts`](farmap_wire::Frame::encode_parts), and something held until the
+/// frame has been written, such as a budget's permit) to `out` until the channel closes
+/// (every sender gone) or a write fails. Frames waiting together are written together, in one
+/// vectored write, without copying their payloads; the stream is flushed whenever the channel
+/// runs dry. Ends with a clean shutdown of the write side.
+///
+/// With a `stall` limit, a write or flush that makes no progress for that long fails with
+/// [`io::ErrorKind::TimedOut`] (the peer stopped reading).
+pub(crate) async fn write_frames<W: AsyncWrite + Unpin, H>(
     out: &mut W,
-    rx: &mut mpsc::Receiver<Vec<Bytes>>,
+    rx: &mut mpsc::Receiver<(Vec<Bytes>, H)>,
+    stall: Option<Duration>,
 ) -> io::Result<()> {
     let mut batch: Vec<Bytes> = Vec::new();
+    let mut held: Vec<H> = Vec::new();
     while let Some(first) = rx.recv().await {
         let mut bytes = 0;
         let mut next = Some(first);
-        while let Some(parts) = next.take() {
+        while let Some((parts, hold)) = next.take() {
+            held.push(hold);
             for p in parts {
                 bytes += p.len();
                 batch.push(p);
             }
             if bytes >= BATCH_BYTES || batch.len() >= BATCH_PIECES {
-                write_all_vectored(out, &mut batch).await?;
+                write_all_vectored(out, &mut batch, stall).await?;
+                held.clear();
                 bytes = 0;
             }
             next = rx.try_recv().ok();
         }
-        write_all_vectored(out, &mut batch).await?;
-        out.flush().await?;
+        write_all_vectored(out, &mut batch, stall).await?;
+        within(stall, out.flush()).await?;
+        held.clear();
     }
-    out.shutdown().await
+    within(stall, out.shutdown()).await
+}
+
+/// Runs an I/O step, failing with [`io::ErrorKind::TimedOut`] when it takes over `limit`.
+async fn within<T>(
+    limit: Option<Duration>,
+    step: impl std::future::Future<Output = io::Result<T>>,
+) -> io::Result<T> {
+    match limit {
+        None => step.await,
+        Some(limit) => match tokio::time::timeout(limit, step).await {
+            Ok(r) => r,
+            Err(_) => Err(io::Error::new(
+                io::ErrorKind::TimedOut,
+                format!("the peer has not taken any bytes for {limit:?}"),
+            )),
+        },
+    }
 }
 
 /// Writes every piece of `batch` in order and empties it.
 async fn write_all_vectored<W: AsyncWrite + Unpin>(
     out: &mut W,
     batch: &mut Vec<Bytes>,
+    stall: Option<Duration>,
 ) -> io::Result<()> {
     let mut first = 0;
     while first < batch.len() {
         let slices: Vec<IoSlice<'_>> = batch[first..].iter().map(|b| IoSlice::new(b)).collect();
-        let mut n = out.write_vectored(&slices).await?;
+        let mut n = within(stall, out.write_vectored(&slices)).await?;
         if n == 0 {
             return Err(io::ErrorKind::WriteZero.into());
         }
@@ -114,4 +142,42 @@ pub(crate) fn io_phrase(err: &io::Error) -> String {
 pub(crate) async fn raised(flag: &mut tokio::sync::watch::Receiver<bool>) {
     // The guard `wait_for` returns is not `Send`: dropped here, never held across an await.
     let _ = flag.wait_for(|f| *f).await.map(|_| ());
+}
+
+/// Whether a read or write error is only the peer going away: a reset, a closed pipe, or a
+/// TLS peer that closed without `close_notify` (what most TLS clients do).
+pub(crate) fn is_clean_close(err: &io::Error) -> bool {
+    use io::ErrorKind as K;
+    matches!(
+        err.kind(),
+        K::UnexpectedEof | K::ConnectionReset | K::BrokenPipe | K::ConnectionAborted
+    )
+}
+
+/// Whether bytes start a TLS record (an alert or a handshake, TLS 1.x).
+pub(crate) fn is_tls_record(b: &[u8]) -> bool {
+    matches!(b, [0x15 | 0x16, 0x03, ..])
+}
+
+/// Whether bytes start an HTTP/2 connection: the client preface, or a server's first frame
+/// (SETTINGS, or GOAWAY, on stream 0).
+pub(crate) fn is_http2(b: &[u8]) -> bool {
+    b.starts_with(b"PRI * HT") || matches!(b, [_, _, _, 0x04 | 0x07, _, 0, 0, 0, ..])
+}
+
+/// Names the protocol a peer speaks when its first bytes are not farmap's, for a server
+/// (`tls`: whether this server uses TLS, so a TLS record is not the problem).
+pub(crate) fn describe_foreign_bytes(found: &[u8], tls: bool) -> Option<&'static str> {
+    if is_tls_record(found) && !tls {
+        Some("the client started a TLS handshake, but this server does not use TLS (connect with farmap://, or serve with --tls-cert)")
+    } else if found.starts_with(b"PRI * HT") {
+        Some("the client speaks HTTP/2 (a gRPC client?), but this server speaks farmap's native protocol (connect with farmap://, or serve with --grpc)")
+    } else if found.starts_with(b"GET ")
+        || found.starts_with(b"POST ")
+        || found.starts_with(b"HEAD ")
+    {
+        Some("the client speaks HTTP, but this server speaks farmap's native protocol")
+    } else {
+        None
+    }
 }

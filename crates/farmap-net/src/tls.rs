@@ -215,6 +215,10 @@ pub fn describe_client_tls_failure(err: &io::Error, sent_cert: bool) -> Option<S
         rustls::Error::InvalidCertificate(cert) => {
             format!("the server's certificate was not trusted: {}", cert_problem(cert))
         }
+        rustls::Error::InvalidMessage(
+            rustls::InvalidMessage::InvalidContentType
+            | rustls::InvalidMessage::UnknownProtocolVersion,
+        ) => "the server did not answer in TLS (a plain farmap server? connect with farmap:// instead of farmaps://)".into(),
         other => format!("the TLS handshake failed: {other}"),
     })
 }
@@ -251,7 +255,14 @@ pub fn describe_server_tls_failure(err: &io::Error) -> String {
                 cert_problem(c)
             )
         }
+        Some(rustls::Error::InvalidMessage(
+            rustls::InvalidMessage::InvalidContentType
+            | rustls::InvalidMessage::UnknownProtocolVersion,
+        )) => "the client did not start a TLS handshake (a plain farmap:// client? this server requires farmaps://)".into(),
         Some(other) => format!("TLS handshake failed: {other}"),
+        None if crate::stream::is_clean_close(err) => {
+            "the client closed the connection during the TLS handshake".into()
+        }
         None => format!("TLS handshake failed: {err}"),
     }
 }

@@ -124,6 +124,10 @@ async fn plain_and_tls_peers_do_not_hang_each_other() {
     let plain_server = memory_server(geometry(), quiet()).await;
     let (_, msg) = refusal(&plain_server, pki.client_tls(false)).await;
     assert!(msg.contains("TLS with"), "{msg}");
+    assert!(
+        msg.contains("did not answer in TLS") && msg.contains("farmap://"),
+        "a TLS client is told the server is plain: {msg}"
+    );
 }
 
 #[tokio::test]

@@ -440,7 +440,9 @@ impl FrameDecoder {
     }
 
     /// Takes one whole frame off the front of `buf`, or returns `Ok(None)` when more bytes
-    /// are needed (having reserved room for the rest of the frame in `buf`).
+    /// are needed (having reserved room for the rest of the frame in `buf`). Chunk payloads
+    /// in the frame are copied into buffers of their exact size, so that keeping one never
+    /// keeps `buf`'s allocation alive.
     ///
     /// The length and op code are checked as soon as they arrive, before anything is
     /// allocated: a frame over [`Limits::max_frame`], a batch over [`Limits::max_batch`] or a
@@ -518,7 +520,7 @@ impl FrameDecoder {
                     0 => {
                         let data = body.rest();
                         check_chunk_len(data.len())?;
-                        Payload::Data(data)
+                        Payload::Data(own(data))
                     }
                     other => {
                         return Err(WireError::BadFlags {
@@ -558,7 +560,7 @@ impl FrameDecoder {
                         0 => {
                             let len = body.u32()?;
                             check_chunk_len(len as usize)?;
-                            Payload::Data(body.take(len as usize)?)
+                            Payload::Data(own(body.take(len as usize)?))
                         }
                         other => {
                             return Err(WireError::BadFlags {
@@ -597,6 +599,16 @@ impl FrameDecoder {
         body.finish()?;
         Ok(msg)
     }
+}
+
+/// A chunk payload in an allocation of its own, of exactly its size.
+///
+/// Received bytes arrive in a shared receive buffer that holds many frames; a payload sliced
+/// out of it would keep the whole buffer alive for as long as a store keeps the chunk (a
+/// memory store keeps it forever: 4 KiB chunks each pinning a 256 KiB buffer grew a server
+/// to gigabytes). One copy per chunk is cheap next to the network it came over.
+fn own(payload: Bytes) -> Bytes {
+    Bytes::copy_from_slice(&payload)
 }
 
 fn check_chunk_len(len: usize) -> Result<(), WireError> {

@@ -170,7 +170,10 @@ pub(super) fn client_options(
         opts.connections = n;
     }
     if let Some(t) = timeout {
+        // One deadline for everything the spec asks of the server: each request, and each
+        // connection attempt (TCP, TLS and the farmap handshake).
         opts.request_timeout = t;
+        opts.connect_timeout = t;
     }
     opts
 }
@@ -225,5 +228,18 @@ mod tests {
         for d in [Duration::from_millis(1500), Duration::from_secs(9)] {
             assert_eq!(parse_timeout(&format_timeout(d)), Some(d));
         }
+    }
+
+    #[test]
+    fn the_timeout_bounds_connects_as_well_as_requests() {
+        let t = Duration::from_millis(700);
+        let opts = client_options(&None, None, Some(t));
+        assert_eq!(opts.request_timeout, t);
+        assert_eq!(opts.connect_timeout, t);
+        let defaults = client_options(&None, None, None);
+        assert_eq!(
+            defaults.connect_timeout,
+            ClientOptions::default().connect_timeout
+        );
     }
 }

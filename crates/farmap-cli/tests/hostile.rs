@@ -1,0 +1,450 @@
+//! `farmap serve` under attack, run for real: clients that pipeline large reads and never
+//! read the replies, garbage, huge length prefixes, floods of tiny frames, hundreds of idle
+//! connections. Each case ends in a clear error or a clean close, the server stays up and
+//! serves a good client, and its resident memory (`VmRSS`) stays under a stated budget.
+
+use std::io::{ErrorKind, Read, Write};
+use std::net::{SocketAddr, TcpStream};
+use std::process::{Child, Command, Stdio};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use bytes::BytesMut;
+use farmap::ChunkIdx;
+use farmap_net::wire::{
+    decode_server_hello, ClientHello, Frame, FrameDecoder, Limits, Message, Payload, ServerHello,
+};
+
+const MIB: u64 = 1 << 20;
+const CHUNK: u64 = 64 << 10;
+/// Chunks in one attacking read: as many as fit the default frame limit.
+const BATCH: u64 = 255;
+
+/// A `farmap serve` child whose stderr is drained on a thread (so that its logs never block
+/// it) and kept.
+struct Served {
+    child: Child,
+    addr: SocketAddr,
+    log: Arc<Mutex<String>>,
+}
+
+impl Served {
+    fn start(spec: &str, args: &[&str]) -> Served {
+        let mut child = Command::new(env!("CARGO_BIN_EXE_farmap"))
+            .args(["serve", spec, "--listen", "127.0.0.1:0"])
+            .args(args)
+            .stdout(Stdio::null())
+            .stderr(Stdio::piped())
+            .spawn()
+            .expect("start farmap serve");
+        let mut stderr = std::io::BufReader::new(child.stderr.take().unwrap());
+        let mut line = String::new();
+        std::io::BufRead::read_line(&mut stderr, &mut line).unwrap();
+        let addr = line
+            .split("listening on ")
+            .nth(1)
+            .and_then(|rest| rest.split_whitespace().next())
+            .unwrap_or_else(|| panic!("no address in {line:?}"))
+            .parse()
+            .unwrap();
+        let log = Arc::new(Mutex::new(line));
+        let sink = log.clone();
+        std::thread::spawn(move || {
+            let mut buf = [0u8; 4096];
+            while let Ok(n) = stderr.read(&mut buf) {
+                if n == 0 {
+                    break;
+                }
+                sink.lock()
+                    .unwrap()
+                    .push_str(&String::from_utf8_lossy(&buf[..n]));
+            }
+        });
+        Served { child, addr, log }
+    }
+
+    /// Resident memory of the server, in bytes.
+    fn rss(&self) -> u64 {
+        let status = std::fs::read_to_string(format!("/proc/{}/status", self.child.id()))
+            .expect("the server is running");
+        let kb: u64 = status
+            .lines()
+            .find_map(|l| l.strip_prefix("VmRSS:"))
+            .and_then(|v| v.split_whitespace().next())
+            .and_then(|v| v.parse().ok())
+            .expect("VmRSS in /proc/PID/status");
+        kb * 1024
+    }
+
+    fn assert_running(&mut self) {
+        let log = self.log.lock().unwrap().clone();
+        assert!(
+            self.child.try_wait().unwrap().is_none(),
+            "the server stopped; its log:\n{log}"
+        );
+    }
+
+    fn log(&self) -> String {
+        self.log.lock().unwrap().clone()
+    }
+}
+
+impl Drop for Served {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+/// Raises this process's open-file limit (inherited by the server it starts) to `want`.
+fn raise_fd_limit(want: u64) {
+    use rustix::process::{getrlimit, setrlimit, Resource, Rlimit};
+    let now = getrlimit(Resource::Nofile);
+    let current = now.current.unwrap_or(u64::MAX);
+    if current >= want {
+        return;
+    }
+    let max = now.maximum.unwrap_or(u64::MAX);
+    assert!(
+        max >= want,
+        "the hard limit of open files is {max}, under the {want} this test needs"
+    );
+    setrlimit(
+        Resource::Nofile,
+        Rlimit {
+            current: Some(want),
+            maximum: now.maximum,
+        },
+    )
+    .expect("raise the open-file limit");
+}
+
+/// A connection that has completed the farmap handshake.
+fn session(addr: SocketAddr) -> TcpStream {
+    try_session(addr).unwrap_or_else(|e| panic!("{e}"))
+}
+
+/// A connection that has completed the farmap handshake, or what the server said instead.
+fn try_session(addr: SocketAddr) -> Result<TcpStream, String> {
+    let mut s = TcpStream::connect(addr).map_err(|e| e.to_string())?;
+    s.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
+    let mut out = BytesMut::new();
+    ClientHello::current().encode(&mut out);
+    s.write_all(&out).unwrap();
+    let mut buf = BytesMut::new();
+    let mut piece = [0u8; 4096];
+    loop {
+        match decode_server_hello(&mut buf).map_err(|e| e.to_string())? {
+            Some(ServerHello::Accepted(_)) => return Ok(s),
+            Some(ServerHello::Refused(r)) => return Err(format!("refused: {}", r.message)),
+            None => {}
+        }
+        let n = s.read(&mut piece).map_err(|e| e.to_string())?;
+        if n == 0 {
+            return Err("the server closed the connection during the handshake".into());
+        }
+        buf.extend_from_slice(&piece[..n]);
+    }
+}
+
+/// Reads frames from `s` until `want` have come; panics on a close or a timeout.
+fn read_frames(s: &mut TcpStream, want: usize) -> Vec<Frame> {
+    let mut d = FrameDecoder::new(Limits::default());
+    let mut buf = BytesMut::new();
+    let mut piece = vec![0u8; 1 << 20];
+    let mut frames = Vec::new();
+    while frames.len() < want {
+        while let Some(f) = d.decode(&mut buf).unwrap() {
+            frames.push(f);
+        }
+        if frames.len() >= want {
+            break;
+        }
+        let n = s.read(&mut piece).expect("a reply");
+        assert!(n > 0, "the server closed the connection");
+        buf.extend_from_slice(&piece[..n]);
+    }
+    frames
+}
+
+/// A good client: one connection, `reads` reads of single chunks, each checked.
+fn good_client(addr: SocketAddr, reads: u64, expect: impl Fn(u64) -> u8) {
+    let mut s = session(addr);
+    for i in 0..reads {
+        let idx = i % BATCH;
+        let mut out = BytesMut::new();
+        Frame::new(i + 1, Message::Read(vec![ChunkIdx(idx)])).encode(&mut out);
+        s.write_all(&out).unwrap();
+        let frame = read_frames(&mut s, 1).pop().unwrap();
+        assert_eq!(frame.id, i + 1);
+        match frame.msg {
+            Message::ReadOk(chunks) => match &chunks[..] {
+                [Payload::Data(d)] => {
+                    assert_eq!(d.len() as u64, CHUNK);
+                    assert!(d.iter().all(|b| *b == expect(idx)), "chunk {idx}");
+                }
+                [Payload::Zero] => assert_eq!(expect(idx), 0, "chunk {idx}"),
+                other => panic!("{other:?}"),
+            },
+            other => panic!("read {idx}: {other:?}"),
+        }
+    }
+}
+
+/// The byte every chunk of the test store holds.
+fn pattern(idx: u64) -> u8 {
+    (idx as u8) | 1
+}
+
+/// A 256 MiB file store whose first 16 MiB hold data.
+fn file_store(dir: &std::path::Path) -> String {
+    let path = dir.join("region.img");
+    let mut f = std::fs::File::create(&path).unwrap();
+    for idx in 0..256u64 {
+        f.write_all(&vec![pattern(idx); CHUNK as usize]).unwrap();
+    }
+    f.set_len(256 * MIB).unwrap();
+    format!("file:{}?chunk=64KiB", path.display())
+}
+
+/// Many read requests of `BATCH` chunks each, back to back.
+fn attack_bytes(requests: u64) -> Vec<u8> {
+    let mut out = BytesMut::new();
+    for id in 1..=requests {
+        Frame::new(id, Message::Read((0..BATCH).map(ChunkIdx).collect())).encode(&mut out);
+    }
+    out.to_vec()
+}
+
+/// Writes `bytes` to `s` until done or `stop`; returns the bytes written. Never reads.
+fn pipeline_without_reading(mut s: TcpStream, bytes: &[u8], stop: &AtomicBool, sent: &AtomicU64) {
+    s.set_write_timeout(Some(Duration::from_millis(100)))
+        .unwrap();
+    let mut at = 0;
+    while at < bytes.len() && !stop.load(Ordering::Relaxed) {
+        match s.write(&bytes[at..]) {
+            Ok(0) => break,
+            Ok(n) => {
+                at += n;
+                sent.fetch_add(n as u64, Ordering::Relaxed);
+            }
+            Err(e) if matches!(e.kind(), ErrorKind::WouldBlock | ErrorKind::TimedOut) => {}
+            Err(_) => break,
+        }
+    }
+    // Keep the connection open (and unread) until told to stop.
+    while !stop.load(Ordering::Relaxed) {
+        std::thread::sleep(Duration::from_millis(50));
+    }
+}
+
+#[test]
+fn clients_that_pipeline_large_reads_and_never_read_do_not_grow_the_server() {
+    const BUDGET: u64 = 512 * MIB;
+    let dir = tempfile::tempdir().unwrap();
+    let mut server = Served::start(&file_store(dir.path()), &["-q"]);
+    let addr = server.addr;
+    // 4 attackers, each with 2000 reads of ~16 MiB queued: 128 GB of replies asked for.
+    let attack = Arc::new(attack_bytes(2000));
+    let stop = Arc::new(AtomicBool::new(false));
+    let sent = Arc::new(AtomicU64::new(0));
+    let attackers: Vec<_> = (0..4)
+        .map(|_| {
+            let s = session(addr);
+            let (attack, stop, sent) = (attack.clone(), stop.clone(), sent.clone());
+            std::thread::spawn(move || pipeline_without_reading(s, &attack, &stop, &sent))
+        })
+        .collect();
+    let start = Instant::now();
+    let mut peak = 0;
+    let mut good_reads = 0;
+    while start.elapsed() < Duration::from_secs(8) {
+        // A good client is served meanwhile.
+        good_client(addr, 20, pattern);
+        good_reads += 20;
+        peak = peak.max(server.rss());
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    peak = peak.max(server.rss());
+    println!(
+        "farmap serve VmRSS peak {} MiB under 4 non-reading clients (budget {} MiB); {} MiB of requests sent; {good_reads} good reads served",
+        peak / MIB,
+        BUDGET / MIB,
+        sent.load(Ordering::Relaxed) / MIB
+    );
+    server.assert_running();
+    assert!(
+        sent.load(Ordering::Relaxed) > 4 * 2 * 2048,
+        "the attackers got requests through"
+    );
+    assert!(
+        peak < BUDGET,
+        "VmRSS {peak} bytes, over the budget of {BUDGET}"
+    );
+    stop.store(true, Ordering::Relaxed);
+    for a in attackers {
+        a.join().unwrap();
+    }
+    good_client(addr, 5, pattern);
+}
+
+/// Sends `bytes` on a fresh connection (after the handshake when `hello`) and returns all
+/// the server sends until it closes the connection.
+fn send_and_drain(addr: SocketAddr, hello: bool, bytes: &[u8]) -> Vec<u8> {
+    let mut s = if hello {
+        session(addr)
+    } else {
+        let s = TcpStream::connect(addr).unwrap();
+        s.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
+        s
+    };
+    // The server may close before taking everything: a failed write is fine.
+    let _ = s.write_all(bytes);
+    let mut got = Vec::new();
+    let mut piece = [0u8; 65536];
+    loop {
+        match s.read(&mut piece) {
+            Ok(0) => return got,
+            Ok(n) => got.extend_from_slice(&piece[..n]),
+            Err(e) if e.kind() == ErrorKind::ConnectionReset => return got,
+            Err(e) => panic!("the server neither answered nor closed: {e}"),
+        }
+    }
+}
+
+/// The message of the connection-level error frame (id 0) in `bytes`.
+fn closing_message(bytes: &[u8]) -> String {
+    let mut buf = BytesMut::from(bytes);
+    let mut d = FrameDecoder::new(Limits::default());
+    while let Ok(Some(f)) = d.decode(&mut buf) {
+        if let (0, Message::Error(e)) = (f.id, f.msg) {
+            return e.message;
+        }
+    }
+    panic!("no connection-level error in {} bytes", bytes.len())
+}
+
+#[test]
+fn hostile_raw_clients_get_clear_errors_and_the_server_keeps_serving() {
+    const BUDGET: u64 = 256 * MIB;
+    raise_fd_limit(2048);
+    let dir = tempfile::tempdir().unwrap();
+    let mut server = Served::start(
+        &file_store(dir.path()),
+        &["--idle-timeout", "2s", "--handshake-timeout", "2s"],
+    );
+    let addr = server.addr;
+    let mut peak = 0;
+
+    // Garbage instead of a hello: a refusal that says so, then a close.
+    let garbage: Vec<u8> = (0..4096u32).map(|i| (i * 7919 % 251) as u8).collect();
+    let answer = send_and_drain(addr, false, &garbage);
+    match decode_server_hello(&mut BytesMut::from(&answer[..])) {
+        Ok(Some(ServerHello::Refused(r))) => {
+            assert!(r.message.contains("not a farmap client"), "{}", r.message)
+        }
+        other => panic!("garbage got {other:?}"),
+    }
+    server.assert_running();
+
+    // Garbage after the hello, and a huge length prefix: an error frame naming it, a close.
+    let said = closing_message(&send_and_drain(addr, true, &garbage));
+    assert!(said.contains("closing the connection"), "{said}");
+    let huge = [0xff, 0xff, 0xff, 0xf0, 0x01, 0, 0, 0, 0, 0, 0, 0, 1];
+    let said = closing_message(&send_and_drain(addr, true, &huge));
+    assert!(said.contains("exceeds the limit"), "{said}");
+    server.assert_running();
+    peak = peak.max(server.rss());
+
+    // Thousands of tiny frames: every one answered.
+    let mut s = session(addr);
+    let mut out = BytesMut::new();
+    let tiny = 5000;
+    for id in 1..=tiny {
+        Frame::new(id, Message::Status(ChunkIdx(id % 4096))).encode(&mut out);
+    }
+    s.write_all(&out).unwrap();
+    let replies = read_frames(&mut s, tiny as usize);
+    assert!(replies
+        .iter()
+        .all(|f| matches!(f.msg, Message::StatusOk(_))));
+    drop(s);
+    // Thousands of tiny frames that are not requests: closed with a reason.
+    let mut out = BytesMut::new();
+    for id in 1..=tiny {
+        Frame::new(id, Message::Done).encode(&mut out);
+    }
+    let said = closing_message(&send_and_drain(addr, true, &out));
+    assert!(said.contains("not a request"), "{said}");
+    server.assert_running();
+    peak = peak.max(server.rss());
+
+    // 500 idle connections: half finished the handshake, half never spoke.
+    let mut idle: Vec<TcpStream> = (0..250)
+        .map(|_| TcpStream::connect(addr).unwrap())
+        .collect();
+    let mut sessions = 0;
+    for _ in 0..250 {
+        let mut s = TcpStream::connect(addr).unwrap();
+        s.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
+        let mut out = BytesMut::new();
+        ClientHello::current().encode(&mut out);
+        s.write_all(&out).unwrap();
+        sessions += 1;
+        idle.push(s);
+    }
+    assert_eq!(sessions, 250);
+    server.assert_running();
+    peak = peak.max(server.rss());
+    // The server frees their slots (handshake and idle deadlines of 2 s) while they stay
+    // open: a good client gets in without any of them leaving.
+    let deadline = Instant::now() + Duration::from_secs(30);
+    loop {
+        match try_session(addr) {
+            Ok(s) => {
+                drop(s);
+                break;
+            }
+            Err(e) => assert!(
+                Instant::now() < deadline,
+                "a good client is still locked out by 500 idle connections: {e}"
+            ),
+        }
+        std::thread::sleep(Duration::from_millis(500));
+    }
+    good_client(addr, 3, pattern);
+    let closed = idle
+        .iter_mut()
+        .map(|s| {
+            s.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
+            let mut sink = vec![0u8; 4096];
+            loop {
+                match s.read(&mut sink) {
+                    Ok(0) | Err(_) => return true,
+                    Ok(_) => {}
+                }
+            }
+        })
+        .filter(|closed| *closed)
+        .count();
+    assert_eq!(closed, 500, "every idle connection is closed by the server");
+    drop(idle);
+    server.assert_running();
+    good_client(addr, 10, pattern);
+    peak = peak.max(server.rss());
+    println!(
+        "farmap serve VmRSS peak {} MiB through garbage, huge lengths, {tiny} tiny frames and 500 idle connections (budget {} MiB)",
+        peak / MIB,
+        BUDGET / MIB
+    );
+    assert!(
+        peak < BUDGET,
+        "VmRSS {peak} bytes, over the budget of {BUDGET}"
+    );
+    let log = server.log();
+    assert!(
+        log.contains("no handshake within"),
+        "silent connections are logged as such:\n{log}"
+    );
+}

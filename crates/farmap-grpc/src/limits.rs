@@ -1,0 +1,196 @@
+//! What bounds a gRPC server's connections: a cap on how many are served at once, and a
+//! deadline on connections that move no bytes.
+//!
+//! - [`limited_incoming`] accepts from a listener; a connection beyond the cap is closed at
+//!   once (and logged), never queued or spawned for.
+//! - [`Limited`] is an accepted connection: it holds its slot until dropped, and a read or
+//!   write that makes no progress for the idle timeout fails (`TimedOut`), which ends the
+//!   connection: a client that sends nothing for that long with nothing in flight, or that
+//!   stops reading its replies, or that never finishes its handshake, is cut off.
+
+use std::future::Future;
+use std::io;
+use std::pin::Pin;
+use std::sync::Arc;
+use std::task::{ready, Context, Poll};
+use std::time::Duration;
+
+use futures::Stream;
+use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
+use tokio::net::{TcpListener, TcpStream};
+use tokio::sync::{OwnedSemaphorePermit, Semaphore};
+use tokio::time::{Instant, Sleep};
+use tonic::transport::server::{Connected, TcpConnectInfo};
+
+/// An accepted connection that holds one of the server's connection slots.
+#[derive(Debug)]
+pub(crate) struct Limited {
+    io: TcpStream,
+    _slot: OwnedSemaphorePermit,
+    idle: Duration,
+    deadline: Pin<Box<Sleep>>,
+    peer: String,
+    log: bool,
+}
+
+impl Limited {
+    fn new(
+        io: TcpStream,
+        slot: OwnedSemaphorePermit,
+        idle: Duration,
+        peer: String,
+        log: bool,
+    ) -> Self {
+        Self {
+            io,
+            _slot: slot,
+            idle,
+            deadline: Box::pin(tokio::time::sleep(idle)),
+            peer,
+            log,
+        }
+    }
+
+    /// Moves the deadline on after progress.
+    fn progressed(&mut self) {
+        let next = Instant::now() + self.idle;
+        self.deadline.as_mut().reset(next);
+    }
+
+    /// After a step that made no progress: fails once the deadline has passed.
+    fn stalled(&mut self, cx: &mut Context<'_>) -> Poll<io::Error> {
+        ready!(self.deadline.as_mut().poll(cx));
+        tracing::warn!(
+            "closing gRPC connection from {}: no bytes moved for {:?}",
+            self.peer,
+            self.idle
+        );
+        Poll::Ready(io::Error::new(
+            io::ErrorKind::TimedOut,
+            format!("no bytes moved for {:?}", self.idle),
+        ))
+    }
+}
+
+impl Drop for Limited {
+    fn drop(&mut self) {
+        if self.log {
+            tracing::info!("gRPC connection from {} closed", self.peer);
+        } else {
+            tracing::debug!("gRPC connection from {} closed", self.peer);
+        }
+    }
+}
+
+impl AsyncRead for Limited {
+    fn poll_read(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        buf: &mut ReadBuf<'_>,
+    ) -> Poll<io::Result<()>> {
+        let this = &mut *self;
+        match Pin::new(&mut this.io).poll_read(cx, buf) {
+            Poll::Ready(r) => {
+                this.progressed();
+                Poll::Ready(r)
+            }
+            Poll::Pending => this.stalled(cx).map(Err),
+        }
+    }
+}
+
+impl AsyncWrite for Limited {
+    fn poll_write(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        buf: &[u8],
+    ) -> Poll<io::Result<usize>> {
+        let this = &mut *self;
+        match Pin::new(&mut this.io).poll_write(cx, buf) {
+            Poll::Ready(r) => {
+                this.progressed();
+                Poll::Ready(r)
+            }
+            Poll::Pending => this.stalled(cx).map(Err),
+        }
+    }
+
+    fn poll_write_vectored(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        bufs: &[io::IoSlice<'_>],
+    ) -> Poll<io::Result<usize>> {
+        let this = &mut *self;
+        match Pin::new(&mut this.io).poll_write_vectored(cx, bufs) {
+            Poll::Ready(r) => {
+                this.progressed();
+                Poll::Ready(r)
+            }
+            Poll::Pending => this.stalled(cx).map(Err),
+        }
+    }
+
+    fn is_write_vectored(&self) -> bool {
+        self.io.is_write_vectored()
+    }
+
+    fn poll_flush(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
+        let this = &mut *self;
+        match Pin::new(&mut this.io).poll_flush(cx) {
+            Poll::Ready(r) => Poll::Ready(r),
+            Poll::Pending => this.stalled(cx).map(Err),
+        }
+    }
+
+    fn poll_shutdown(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
+        Pin::new(&mut self.io).poll_shutdown(cx)
+    }
+}
+
+impl Connected for Limited {
+    type ConnectInfo = TcpConnectInfo;
+
+    fn connect_info(&self) -> TcpConnectInfo {
+        self.io.connect_info()
+    }
+}
+
+/// Accepts connections from `listener`, at most `max` served at once; each gets `idle` as
+/// its deadline for making progress. Accept errors (out of file descriptors and the like) are
+/// logged and followed by a short pause, never passed on (they would stop the server).
+pub(crate) fn limited_incoming(
+    listener: TcpListener,
+    max: usize,
+    idle: Duration,
+    log: bool,
+) -> impl Stream<Item = io::Result<Limited>> {
+    let slots = Arc::new(Semaphore::new(max));
+    futures::stream::unfold((listener, slots), move |(listener, slots)| async move {
+        loop {
+            let (io, peer) = match listener.accept().await {
+                Ok(accepted) => accepted,
+                Err(e) => {
+                    tracing::warn!("accepting a gRPC connection failed: {e}");
+                    tokio::time::sleep(Duration::from_millis(100)).await;
+                    continue;
+                }
+            };
+            let Ok(slot) = slots.clone().try_acquire_owned() else {
+                tracing::warn!(
+                    "refusing gRPC connection from {peer}: already serving {max} connections"
+                );
+                drop(io);
+                continue;
+            };
+            let _ = io.set_nodelay(true);
+            let peer = peer.to_string();
+            if log {
+                tracing::info!("gRPC connection from {peer}");
+            } else {
+                tracing::debug!("gRPC connection from {peer}");
+            }
+            let conn = Limited::new(io, slot, idle, peer, log);
+            return Some((Ok(conn), (listener, slots)));
+        }
+    })
+}
