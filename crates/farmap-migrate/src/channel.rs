@@ -8,22 +8,20 @@ use std::sync::Arc;
 use std::task::{Context, Poll};
 use std::time::Duration;
 
-use farmap_net::{ListenAddr, Listener, RemoteAddr, TlsClientConfig, TlsServerConfig};
+use farmap_net::{
+    BoxStream, ListenAddr, Listener, RemoteAddr, Stream, TlsClientConfig, TlsServerConfig,
+};
 use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt, ReadBuf};
 use tokio::net::{TcpStream, UnixStream};
 
 use crate::msg::{decode_header, Msg, HEADER_LEN, MAX_LEECHER_PAYLOAD, MAX_PAYLOAD};
-
-/// A byte stream of any transport.
-pub trait Stream: AsyncRead + AsyncWrite + Unpin + Send + 'static {}
-impl<T: AsyncRead + AsyncWrite + Unpin + Send + 'static> Stream for T {}
 
 /// The first byte of a TLS handshake record.
 const TLS_HANDSHAKE: u8 = 0x16;
 
 /// A framed control connection.
 pub struct Channel {
-    stream: Box<dyn Stream>,
+    stream: BoxStream,
     /// Largest payload accepted from the peer.
     max_payload: u32,
 }
@@ -209,7 +207,7 @@ impl Accepted {
     /// The TLS handshake if the listener has TLS (a plain client is told, in plain text,
     /// that TLS is needed); the channel accepts only messages a leecher sends.
     pub async fn handshake(self) -> Result<Channel, HandshakeError> {
-        let stream: Box<dyn Stream> = match self.stream {
+        let stream: BoxStream = match self.stream {
             Raw::Tcp(s) => with_tls(s, self.tls).await?,
             Raw::Unix(s) => with_tls(s, self.tls).await?,
         };
@@ -239,7 +237,7 @@ impl Accepted {
 async fn with_tls<S: Stream>(
     mut s: S,
     tls: Option<tokio_rustls::TlsAcceptor>,
-) -> Result<Box<dyn Stream>, HandshakeError> {
+) -> Result<BoxStream, HandshakeError> {
     let Some(tls) = tls else {
         return Ok(Box::new(s));
     };
@@ -314,7 +312,7 @@ pub async fn connect(
     timeout: Duration,
 ) -> io::Result<Channel> {
     let fut = async {
-        let stream: Box<dyn Stream> = match addr {
+        let stream: BoxStream = match addr {
             RemoteAddr::Tcp(hp) => {
                 let s = TcpStream::connect(hp.as_str()).await?;
                 s.set_nodelay(true)?;
@@ -362,7 +360,7 @@ async fn tls_connect<S: Stream>(
 
 /// The sending half of a split [`Channel`].
 pub struct Sender {
-    w: tokio::io::WriteHalf<Box<dyn Stream>>,
+    w: tokio::io::WriteHalf<BoxStream>,
 }
 
 impl std::fmt::Debug for Sender {
@@ -420,7 +418,7 @@ impl Channel {
 }
 
 /// A read half as a stream whose writes fail.
-struct ReadOnly(tokio::io::ReadHalf<Box<dyn Stream>>);
+struct ReadOnly(tokio::io::ReadHalf<BoxStream>);
 
 impl AsyncRead for ReadOnly {
     fn poll_read(

@@ -39,6 +39,7 @@ pub use server::{
     serve, ServeError, ServeOptions, Server, DEFAULT_CONN_BUDGET, DEFAULT_IDLE_TIMEOUT,
     DEFAULT_TOTAL_BUDGET,
 };
+pub use stream::{BoxStream, Stream};
 pub use tls::{
     describe_client_tls_failure, describe_server_tls_failure, TlsClientConfig, TlsConfigError,
     TlsServerConfig,

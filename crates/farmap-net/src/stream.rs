@@ -9,11 +9,11 @@ use tokio::io::{AsyncRead, AsyncWrite, AsyncWriteExt};
 use tokio::sync::mpsc;
 
 /// A bidirectional byte stream: what every transport gives after connecting (and after TLS).
-pub(crate) trait Stream: AsyncRead + AsyncWrite + Unpin + Send + 'static {}
+pub trait Stream: AsyncRead + AsyncWrite + Unpin + Send + 'static {}
 impl<T: AsyncRead + AsyncWrite + Unpin + Send + 'static> Stream for T {}
 
 /// A boxed [`Stream`].
-pub(crate) type BoxStream = Box<dyn Stream>;
+pub type BoxStream = Box<dyn Stream>;
 
 /// Pieces waiting in the channel are gathered into one vectored write of up to this size...
 const BATCH_BYTES: usize = 1 << 20;
