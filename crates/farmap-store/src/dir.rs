@@ -245,6 +245,22 @@ impl DirStore {
     }
 }
 
+/// Runs the dir store's metadata decoder on arbitrary bytes, as a fuzz target does: it must
+/// never panic, and metadata it accepts must render back to text that decodes to the same
+/// values. Panics (a bug) when either fails. Not part of the stable API.
+#[doc(hidden)]
+pub fn fuzz_dir_meta(data: &[u8]) {
+    let Ok(text) = std::str::from_utf8(data) else {
+        return;
+    };
+    if let Ok(meta) = Meta::parse(text) {
+        assert_eq!(Meta::parse(&meta.render()), Ok(meta), "render reads back");
+        // An accepted file may still describe an impossible region; that is an error too.
+        let _ = meta.geometry();
+        let _ = meta.check_matches(Path::new("fuzz"), Some(meta.size), None);
+    }
+}
+
 /// Creates a store's metadata in directory `path` (`exists` says whether the directory is
 /// there: without it, or without a size, or read-only, the error says how to create one).
 fn create(path: &Path, exists: bool, opts: &DirOptions) -> StoreResult<Meta> {

@@ -602,6 +602,25 @@ mod tests {
         s.parse()
     }
 
+    /// The property the `store_spec` fuzz target checks, on inputs picked to be awkward.
+    #[test]
+    fn canonical_forms_read_back() {
+        for text in [
+            "memory:1G?chunk=4K",
+            "mem:?size=3.5MiB",
+            "file:./a&b.img?size=1GiB&ro=yes",
+            "dir:/x?size=1PiB&chunk=4MiB&max-open=3&ro",
+            "dir:./x?&&size=5000",
+            "farmaps://h:1?ca=a&cert=c&key=k&name=n&timeout=1500ms&connections=2",
+            "farmap+unix:/s?timeout=0.5s",
+            "farmap+grpc://h:2?timeout=90s",
+        ] {
+            let spec = parse(text).unwrap_or_else(|e| panic!("{text}: {e}"));
+            let shown = spec.to_string();
+            assert_eq!(parse(&shown), Ok(spec), "{text} -> {shown}");
+        }
+    }
+
     #[test]
     fn grpc_specs() {
         let g = parse("farmap+grpc://127.0.0.1:7401?connections=2&timeout=5s").unwrap();
