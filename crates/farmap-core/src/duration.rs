@@ -54,9 +54,7 @@ pub fn parse_duration(input: &str) -> Result<Duration, DurationError> {
         )));
     }
     let Some(&(_, per)) = NANOS_PER.iter().find(|(name, _)| *name == unit) else {
-        return Err(err(format!(
-            "unknown unit {unit:?} (use {DURATION_UNITS})"
-        )));
+        return Err(err(format!("unknown unit {unit:?} (use {DURATION_UNITS})")));
     };
     let (int, frac) = num.split_once('.').unwrap_or((num, ""));
     if frac.contains('.') || int.is_empty() && frac.is_empty() {
@@ -76,10 +74,12 @@ pub fn parse_duration(input: &str) -> Result<Duration, DurationError> {
             .ok_or_else(|| err("too many decimals".into()))?;
         let frac: u128 = frac.parse().map_err(|_| err("malformed number".into()))?;
         let frac_nanos = frac.checked_mul(per).ok_or_else(too_large)?;
-        if frac_nanos % denom != 0 {
+        if !frac_nanos.is_multiple_of(denom) {
             return Err(err("finer than a nanosecond".into()));
         }
-        nanos = nanos.checked_add(frac_nanos / denom).ok_or_else(too_large)?;
+        nanos = nanos
+            .checked_add(frac_nanos / denom)
+            .ok_or_else(too_large)?;
     }
     let secs = u64::try_from(nanos / 1_000_000_000).map_err(|_| too_large())?;
     Ok(Duration::new(secs, (nanos % 1_000_000_000) as u32))
@@ -99,7 +99,7 @@ pub fn format_duration(d: Duration) -> String {
         ("ms", 1_000_000),
         ("us", 1_000),
     ] {
-        if nanos % per == 0 {
+        if nanos.is_multiple_of(per) {
             return format!("{}{name}", nanos / per);
         }
     }
@@ -141,7 +141,15 @@ mod tests {
             );
         }
         for bad in [
-            "", "ms", "ten", "10 parsecs", "5d", "-1s", "1.2.3s", "0.5ns", "1e3ms",
+            "",
+            "ms",
+            "ten",
+            "10 parsecs",
+            "5d",
+            "-1s",
+            "1.2.3s",
+            "0.5ns",
+            "1e3ms",
         ] {
             assert!(parse_duration(bad).is_err(), "{bad} should be refused");
         }

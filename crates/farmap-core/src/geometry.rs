@@ -292,7 +292,10 @@ mod tests {
             Geometry::new(16 << 40, 64 << 10).unwrap().chunk_count(),
             MAX_CHUNKS
         );
-        assert!(Geometry::new(1 << 50, 4 << 20).is_ok(), "1 PiB in 4 MiB chunks");
+        assert!(
+            Geometry::new(1 << 50, 4 << 20).is_ok(),
+            "1 PiB in 4 MiB chunks"
+        );
         let e = Geometry::new(1 << 50, 64 << 10).unwrap_err();
         assert_eq!(
             e,

@@ -198,7 +198,10 @@ fn run_and_kill(kind: Kind, path: &Path, from: u64, rng: &mut Rng, acked: &mut A
         record(&line, acked);
     }
     let status = child.wait().unwrap();
-    assert!(!status.success(), "the writer must have been killed, not finished: {status}");
+    assert!(
+        !status.success(),
+        "the writer must have been killed, not finished: {status}"
+    );
 }
 
 /// Reopens the store (read-only) and checks every chunk against what was acknowledged.

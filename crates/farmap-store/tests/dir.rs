@@ -421,7 +421,10 @@ async fn one_writer_per_directory_in_a_process() {
     drop(reader);
     drop(writer);
     let again = DirStore::open(&path, DirOptions::default()).unwrap();
-    assert!(!pending.exists(), "the next writer clears what a dead one left");
+    assert!(
+        !pending.exists(),
+        "the next writer clears what a dead one left"
+    );
     assert_eq!(
         again.read(ChunkIdx(1)).await.unwrap(),
         Bytes::from(vec![7u8; 4096])
@@ -436,7 +439,13 @@ async fn one_writer_per_directory_across_processes() {
     let path = dir.path().join("region");
     drop(DirStore::open(&path, create(16 * 4096, 4096)).unwrap());
     let mut child = Command::new(std::env::current_exe().unwrap())
-        .args(["lock_holder_child", "--ignored", "--exact", "--nocapture", "-q"])
+        .args([
+            "lock_holder_child",
+            "--ignored",
+            "--exact",
+            "--nocapture",
+            "-q",
+        ])
         .env("FARMAP_LOCK_DIR", &path)
         .stdin(Stdio::piped())
         .stdout(Stdio::piped())

@@ -23,7 +23,9 @@ pub(super) struct RemoteOptions {
 fn parse_timeout(value: &str) -> Result<Duration, String> {
     let d = farmap_core::parse_duration(value).map_err(|e| e.to_string())?;
     if d.is_zero() || d > Duration::from_secs(86_400) {
-        return Err(format!("{value:?} is not between 0 and 24h (exclusive of 0)"));
+        return Err(format!(
+            "{value:?} is not between 0 and 24h (exclusive of 0)"
+        ));
     }
     Ok(d)
 }
