@@ -5,7 +5,8 @@
 //! is almost always meant that way). Output of throughput uses MB = 10^6 bytes.
 //!
 //! A size parses up to `u64::MAX` bytes; a *region* is further limited to
-//! [`MAX_CHUNKS`](crate::MAX_CHUNKS) chunks by [`Geometry`](crate::Geometry): `memory:1PiB` is
+//! [`MAX_CHUNKS`](crate::MAX_CHUNKS) chunks by [`Geometry::new_bounded`](crate::Geometry::new_bounded),
+//! which store specs use: `memory:1PiB` is
 //! refused (2^34 chunks of 64 KiB) with a message saying so, `memory:1PiB?chunk=4MiB` is not.
 
 use std::fmt;

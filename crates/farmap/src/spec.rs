@@ -428,7 +428,7 @@ impl FromStr for StoreSpec {
             // Refuse an impossible region now, with the reason (too many chunks: memory:1PiB),
             // rather than when it is opened.
             let chunk = u64::from(chunk_size.unwrap_or(farmap_core::DEFAULT_CHUNK_SIZE));
-            Geometry::new(size, chunk).map_err(|e| SpecError::BadOption {
+            Geometry::new_bounded(size, chunk).map_err(|e| SpecError::BadOption {
                 option: "size",
                 spec: spec.to_owned(),
                 reason: e.to_string(),
