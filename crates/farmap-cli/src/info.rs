@@ -36,7 +36,13 @@ struct Info {
 }
 
 pub async fn run(args: InfoArgs) -> anyhow::Result<ExitCode> {
-    let store = open_store_async(&args.spec).await?;
+    // Look, never change: a file or dir store opens read-only, so it takes no writer's lock
+    // and leaves alone a directory that a running `farmap cp` or `serve` is writing.
+    let mut spec = args.spec.clone();
+    if spec.path().is_some() {
+        spec.read_only = true;
+    }
+    let store = open_store_async(&spec).await?;
     let g = store.geometry();
     let (mut zero, mut data, mut unknown) = (0, 0, 0);
     // Many asked at once: a remote store pipelines them over its connections, so a region

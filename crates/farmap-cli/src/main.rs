@@ -28,8 +28,9 @@ STORE SPECS:
   farmap+grpc://HOST:PORT     a region served by `farmap serve --grpc`
 Options after '?', joined by '&': size=SIZE, chunk=SIZE (power of two, 4KiB..4MiB,
 default 64KiB), ro (read-only file/dir), max-open=N (dir), connections=N and
-timeout=DURATION (remote). Sizes take binary suffixes:
-KiB, MiB, GiB, TiB (K, M, G, T mean the same). Throughput is printed in MB/s (10^6 bytes).";
+timeout=DURATION (remote). Sizes take binary suffixes: KiB, MiB, GiB, TiB, PiB
+(K, M, G, T, P mean the same); at most 2^28 chunks (16TiB in 64KiB chunks). Durations need
+a unit: ns, us, ms, s, m, h (250ms, 1.5s). Throughput is printed in MB/s (10^6 bytes).";
 
 /// farmap makes a memory region live somewhere else (a file, a directory of chunks, ...)
 /// while applications use it as plain memory, and moves live regions between hosts.

@@ -211,3 +211,51 @@ fn permission_errors_name_the_path() {
     assert!(err.contains("locked.img"), "{err}");
     assert!(err.contains("permission denied"), "{err}");
 }
+
+#[test]
+fn info_reads_a_dir_store_that_a_writer_holds() {
+    let tmp = tempfile::TempDir::new().unwrap();
+    let dir = tmp.path().join("chunks");
+    let spec = format!("dir:{}?size=1MiB", dir.display());
+    assert!(farmap(&["cp", "memory:1MiB", &spec]).status.success());
+    // A writer holds the directory (as a running `farmap cp` or `serve` would).
+    let writer = farmap::store::DirStore::open(&dir, farmap::store::DirOptions::default())
+        .expect("the writer opens the store");
+    let o = farmap(&["info", &format!("dir:{}", dir.display())]);
+    assert!(o.status.success(), "info reads meanwhile: {}", stderr(&o));
+    assert!(stdout(&o).contains("1MiB"), "{}", stdout(&o));
+    let o = farmap(&["cp", "memory:1MiB", &format!("dir:{}", dir.display())]);
+    assert!(!o.status.success(), "a second writer is refused");
+    let err = stderr(&o);
+    assert!(
+        err.contains("in use") && err.contains(&dir.display().to_string()),
+        "the refusal names the directory: {err}"
+    );
+    drop(writer);
+    let o = farmap(&["cp", "memory:1MiB", &format!("dir:{}", dir.display())]);
+    assert!(o.status.success(), "{}", stderr(&o));
+}
+
+#[test]
+fn durations_need_a_unit_and_huge_regions_say_how_to_fit() {
+    let o = farmap(&[
+        "proxy",
+        "--listen",
+        "127.0.0.1:0",
+        "--to",
+        "127.0.0.1:1",
+        "--rtt",
+        "30",
+    ]);
+    assert!(!o.status.success());
+    let err = stderr(&o);
+    assert!(
+        err.contains("a unit is required") && err.contains("ms"),
+        "{err}"
+    );
+    let o = farmap(&["info", "farmap://127.0.0.1:1?timeout=30"]);
+    assert!(stderr(&o).contains("a unit is required"), "{}", stderr(&o));
+    let o = farmap(&["info", "memory:1PiB"]);
+    assert!(!o.status.success());
+    assert!(stderr(&o).contains("larger chunk size"), "{}", stderr(&o));
+}

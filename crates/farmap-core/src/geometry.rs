@@ -11,6 +11,13 @@ pub const MIN_CHUNK_SIZE: u32 = 4 * 1024;
 pub const MAX_CHUNK_SIZE: u32 = 4 * 1024 * 1024;
 /// Chunk size used when nothing else is asked for.
 pub const DEFAULT_CHUNK_SIZE: u32 = 64 * 1024;
+/// Most chunks a region asked for by a user may have ([`Geometry::new_bounded`]): 2^28, i.e.
+/// 16 TiB in 64 KiB chunks, 1 PiB in 4 MiB chunks.
+///
+/// Stages keep per-chunk state (presence, dirty bits, pull order) and tools walk every chunk
+/// (`farmap info`, copies): past this, a region takes minutes to look at and gigabytes of
+/// bookkeeping. A larger region needs a larger chunk size.
+pub const MAX_CHUNKS: u64 = 1 << 28;
 
 /// Why a [`Geometry`] could not be built.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
@@ -25,6 +32,20 @@ pub enum GeometryError {
     /// The region has more chunks than a `u64` index space can address comfortably.
     #[error("region size {0} is too large")]
     TooLarge(u64),
+    /// The region has more than [`MAX_CHUNKS`] chunks ([`Geometry::new_bounded`]).
+    #[error(
+        "a region of {} in chunks of {} has {chunks} chunks, more than the {MAX_CHUNKS} farmap \
+         allows (16TiB in 64KiB chunks, 1PiB in 4MiB chunks): use a larger chunk size",
+        format_size(*size), format_size(*chunk_size)
+    )]
+    TooManyChunks {
+        /// Region size asked for.
+        size: u64,
+        /// Chunk size asked for.
+        chunk_size: u64,
+        /// How many chunks that makes.
+        chunks: u64,
+    },
 }
 
 /// The shape of a region: its size in bytes and its chunk size.
@@ -58,6 +79,23 @@ impl Geometry {
             size,
             chunk_shift: chunk_size.trailing_zeros() as u8,
         })
+    }
+
+    /// Like [`new`](Self::new), and refuses a region of more than [`MAX_CHUNKS`] chunks with
+    /// [`GeometryError::TooManyChunks`] (whose message names the way out: a larger chunk).
+    /// What users ask for (store specs) goes through this; `new` stays permissive for code
+    /// that only does index arithmetic on a huge sparse region.
+    pub fn new_bounded(size: u64, chunk_size: u64) -> Result<Self, GeometryError> {
+        let g = Self::new(size, chunk_size)?;
+        let chunks = g.chunk_count();
+        if chunks > MAX_CHUNKS {
+            return Err(GeometryError::TooManyChunks {
+                size,
+                chunk_size,
+                chunks,
+            });
+        }
+        Ok(g)
     }
 
     /// A geometry with the [default chunk size](DEFAULT_CHUNK_SIZE).
@@ -256,6 +294,36 @@ mod tests {
             Err(GeometryError::BadChunkSize(12288))
         );
         assert_eq!(Geometry::new(0, 4096), Err(GeometryError::Empty));
+    }
+
+    #[test]
+    fn chunk_count_is_capped_with_a_message_naming_the_way_out() {
+        assert_eq!(
+            Geometry::new_bounded(16 << 40, 64 << 10)
+                .unwrap()
+                .chunk_count(),
+            MAX_CHUNKS
+        );
+        assert!(
+            Geometry::new_bounded(1 << 50, 4 << 20).is_ok(),
+            "1 PiB in 4 MiB chunks"
+        );
+        let e = Geometry::new_bounded(1 << 50, 64 << 10).unwrap_err();
+        assert_eq!(
+            e,
+            GeometryError::TooManyChunks {
+                size: 1 << 50,
+                chunk_size: 64 << 10,
+                chunks: 1 << 34
+            }
+        );
+        let msg = e.to_string();
+        assert!(
+            msg.contains("1PiB") && msg.contains("64KiB") && msg.contains("larger chunk size"),
+            "{msg}"
+        );
+        assert!(Geometry::new_bounded((16 << 40) + 1, 64 << 10).is_err());
+        assert!(Geometry::new(1 << 50, 64 << 10).is_ok(), "new does not cap");
     }
 
     #[test]

@@ -11,12 +11,14 @@
 //!   kernel-facing frontends and classified as retryable or not.
 //! - [`ChunkStatus`]: what a store knows about a chunk without reading it (zero or data).
 //! - [`size`]: parsing and printing of sizes (binary suffixes in, MB = 10^6 bytes out).
+//! - [`duration`]: parsing and printing of durations (a unit is always required).
 //!
 //! This crate has no runtime dependency and no `unsafe`.
 #![forbid(unsafe_code)]
 #![warn(missing_docs)]
 
 mod caps;
+pub mod duration;
 mod error;
 mod geometry;
 pub mod size;
@@ -24,9 +26,10 @@ mod store;
 mod zeros;
 
 pub use caps::Caps;
+pub use duration::{format_duration, parse_duration, DurationError, DURATION_UNITS};
 pub use error::{error_chain, ErrorKind, StoreError, StoreResult};
 pub use geometry::{
-    ChunkIdx, ChunkRange, Geometry, GeometryError, DEFAULT_CHUNK_SIZE, MAX_CHUNK_SIZE,
+    ChunkIdx, ChunkRange, Geometry, GeometryError, DEFAULT_CHUNK_SIZE, MAX_CHUNKS, MAX_CHUNK_SIZE,
     MIN_CHUNK_SIZE,
 };
 pub use size::{format_size, parse_size, MbPerSec, SizeError};

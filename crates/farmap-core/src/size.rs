@@ -1,8 +1,13 @@
 //! Sizes as people write them and as farmap prints them.
 //!
-//! Input takes binary suffixes: `KiB`, `MiB`, `GiB`, `TiB` (and `K`, `M`, `G`, `T`, `KB`, `MB`,
-//! ... which farmap also reads as powers of 1024, since a size given for a region is almost
-//! always meant that way). Output of throughput uses MB = 10^6 bytes.
+//! Input takes binary suffixes: `KiB`, `MiB`, `GiB`, `TiB`, `PiB` (and `K`, `M`, `G`, `T`, `P`,
+//! `KB`, `MB`, ... which farmap also reads as powers of 1024, since a size given for a region
+//! is almost always meant that way). Output of throughput uses MB = 10^6 bytes.
+//!
+//! A size parses up to `u64::MAX` bytes; a *region* is further limited to
+//! [`MAX_CHUNKS`](crate::MAX_CHUNKS) chunks by [`Geometry::new_bounded`](crate::Geometry::new_bounded),
+//! which store specs use: `memory:1PiB` is
+//! refused (2^34 chunks of 64 KiB) with a message saying so, `memory:1PiB?chunk=4MiB` is not.
 
 use std::fmt;
 
@@ -27,7 +32,7 @@ pub fn parse_size(input: &str) -> Result<u64, SizeError> {
     let (num, suffix) = s.split_at(split);
     if num.is_empty() {
         return Err(err(
-            "expected a number, optionally followed by KiB, MiB, GiB or TiB",
+            "expected a number, optionally followed by KiB, MiB, GiB, TiB or PiB",
         ));
     }
     let shift = match suffix.trim().to_ascii_lowercase().as_str() {
@@ -37,7 +42,7 @@ pub fn parse_size(input: &str) -> Result<u64, SizeError> {
         "g" | "gb" | "gib" => 30,
         "t" | "tb" | "tib" => 40,
         "p" | "pb" | "pib" => 50,
-        _ => return Err(err("unknown suffix (use KiB, MiB, GiB or TiB)")),
+        _ => return Err(err("unknown suffix (use KiB, MiB, GiB, TiB or PiB)")),
     };
     let unit = 1u64 << shift;
     if let Some((int, frac)) = num.split_once('.') {
@@ -124,6 +129,8 @@ mod tests {
         assert_eq!(parse_size("1gib").unwrap(), 1 << 30);
         assert_eq!(parse_size("1.5GiB").unwrap(), 3 << 29);
         assert_eq!(parse_size("2TiB").unwrap(), 2 << 40);
+        assert_eq!(parse_size("1PiB").unwrap(), 1 << 50);
+        assert_eq!(parse_size("1P").unwrap(), 1 << 50);
     }
 
     #[test]

@@ -18,6 +18,7 @@ use tokio::task::JoinHandle;
 
 use crate::dirty::DirtySet;
 use crate::retry::{retry, RetryPolicy};
+use crate::tracked::Tracked;
 
 /// How a [`Pusher`] writes back.
 #[derive(Debug, Clone)]
@@ -58,8 +59,9 @@ pub struct PushStats {
 /// the write-back half of a managed mount (`Pusher` over `Arc<Cached<local, remote>>`, with
 /// the same remote).
 ///
-/// - Writes and trims go to the inner store; each chunk is marked dirty **after** the inner
-///   operation completes (see [`Tracked`](crate::tracked::Tracked) for why).
+/// - Writes and trims go to the inner store through a [`Tracked`] stage, which marks each
+///   chunk dirty **after** the inner operation completes (see `Tracked` for why); the pusher
+///   takes that dirty set, so the two share one implementation of dirty tracking.
 /// - Reads and status go to the inner store.
 /// - A background task (when [`PushOptions::interval`] is set) takes the dirty set on every
 ///   tick and pushes each chunk: reads it from the inner store, writes it to the remote.
@@ -96,9 +98,10 @@ pub trait DirtySource: Send + Sync + 'static {
 }
 
 struct Shared<S, R> {
-    inner: S,
+    /// The inner store, with the dirty set of every chunk written or trimmed through it: the
+    /// pusher's writes and trims go through `Tracked`, which marks after the inner operation.
+    tracked: Tracked<S>,
     remote: R,
-    dirty: DirtySet,
     source: Option<Arc<dyn DirtySource>>,
     gate: RwLock<()>,
     workers: usize,
@@ -156,7 +159,7 @@ impl<S: Store, R: Store> Shared<S, R> {
                 StoreError::new(e.kind(), format!("pushing {idx}: {what}")).with_source(e)
             }
         };
-        let data: Bytes = retry(self.policy, || self.inner.read(idx))
+        let data: Bytes = retry(self.policy, || self.tracked.inner().read(idx))
             .await
             .map_err(wrap("reading it locally"))?;
         let len = data.len() as u64;
@@ -172,14 +175,14 @@ impl<S: Store, R: Store> Shared<S, R> {
     /// first error. The caller holds a guard of `gate`.
     async fn push_dirty(&self) -> Option<StoreError> {
         if let Some(source) = &self.source {
-            if let Err(e) = source.collect(&self.dirty) {
+            if let Err(e) = source.collect(self.tracked.dirty()) {
                 *self.last_error.lock() = Some(e.to_owned_lossy().to_string());
                 return Some(e);
             }
         }
         let mut taken = Taken {
-            dirty: &self.dirty,
-            chunks: self.dirty.take(),
+            dirty: self.tracked.dirty(),
+            chunks: self.tracked.take_dirty(),
             armed: true,
         };
         let first_error = Mutex::new(None);
@@ -188,7 +191,7 @@ impl<S: Store, R: Store> Shared<S, R> {
                 let first_error = &first_error;
                 async move {
                     if let Err(e) = self.push_one(idx).await {
-                        self.dirty.mark(idx);
+                        self.tracked.dirty().mark(idx);
                         self.failed_pushes.fetch_add(1, Ordering::Relaxed);
                         *self.last_error.lock() = Some(e.to_owned_lossy().to_string());
                         first_error.lock().get_or_insert(e);
@@ -215,7 +218,7 @@ impl<S: Store, R: Store> Shared<S, R> {
         }
         let (remote, inner) = futures::join!(
             retry(self.policy, || self.remote.flush()),
-            self.inner.flush()
+            self.tracked.inner().flush()
         );
         let result = remote
             .map_err(|e| {
@@ -282,9 +285,8 @@ impl<S: Store, R: Store> Pusher<S, R> {
             )));
         }
         let shared = Arc::new(Shared {
-            dirty: DirtySet::new(geometry.chunk_count()),
+            tracked: Tracked::new(inner),
             source,
-            inner,
             remote,
             gate: RwLock::new(()),
             workers: opts.workers.max(1),
@@ -312,14 +314,14 @@ impl<S: Store, R: Store> Pusher<S, R> {
     /// Marks `idx` dirty, as if it had been written through this pusher (for writes made
     /// to the inner store directly). Out-of-range indices are ignored.
     pub fn mark_dirty(&self, idx: ChunkIdx) {
-        if self.shared.inner.geometry().contains(idx) {
-            self.shared.dirty.mark(idx);
+        if self.shared.tracked.geometry().contains(idx) {
+            self.shared.tracked.dirty().mark(idx);
         }
     }
 
     /// Number of chunks written and not yet taken for a push.
     pub fn dirty_count(&self) -> u64 {
-        self.shared.dirty.count()
+        self.shared.tracked.dirty_count()
     }
 
     /// What has been pushed, and the last failure.
@@ -335,7 +337,7 @@ impl<S: Store, R: Store> Pusher<S, R> {
 
     /// The inner (local) store. Writes made directly to it are not pushed.
     pub fn inner(&self) -> &S {
-        &self.shared.inner
+        self.shared.tracked.inner()
     }
 
     /// The remote store.
@@ -369,49 +371,36 @@ impl<S, R> Drop for Pusher<S, R> {
 
 impl<S: Store, R: Store> Store for Pusher<S, R> {
     fn geometry(&self) -> Geometry {
-        self.shared.inner.geometry()
+        self.shared.tracked.geometry()
     }
 
     /// The inner store's caps, except `FLUSH`, which is the remote's: a flush makes data
     /// durable in the remote.
     fn caps(&self) -> Caps {
         let s = &self.shared;
-        s.inner.caps().without(Caps::FLUSH) | (s.remote.caps() & Caps::FLUSH)
+        s.tracked.caps().without(Caps::FLUSH) | (s.remote.caps() & Caps::FLUSH)
     }
 
     fn read(&self, idx: ChunkIdx) -> BoxFuture<'_, StoreResult<Bytes>> {
-        self.shared.inner.read(idx)
+        self.shared.tracked.read(idx)
     }
 
+    /// Through `Tracked`: marked after the inner write, even a failed one (it may have landed).
     fn write(&self, idx: ChunkIdx, data: Bytes) -> BoxFuture<'_, StoreResult<()>> {
-        Box::pin(async move {
-            let s = &self.shared;
-            let result = s.inner.write(idx, data).await;
-            // Marked even if the write failed: it may have landed (see `Tracked`).
-            if s.dirty.capacity() > idx.0 {
-                s.dirty.mark(idx);
-            }
-            result
-        })
+        self.shared.tracked.write(idx, data)
     }
 
     fn flush(&self) -> BoxFuture<'_, StoreResult<()>> {
         Box::pin(self.shared.flush())
     }
 
+    /// Through `Tracked`, like writes.
     fn trim(&self, range: ChunkRange) -> BoxFuture<'_, StoreResult<()>> {
-        Box::pin(async move {
-            let s = &self.shared;
-            let result = s.inner.trim(range).await;
-            if range.end.0 <= s.dirty.capacity() {
-                s.dirty.mark_range(range);
-            }
-            result
-        })
+        self.shared.tracked.trim(range)
     }
 
     fn status(&self, idx: ChunkIdx) -> BoxFuture<'_, StoreResult<ChunkStatus>> {
-        self.shared.inner.status(idx)
+        self.shared.tracked.status(idx)
     }
 }
 
@@ -419,10 +408,9 @@ impl<S: fmt::Debug, R: fmt::Debug> fmt::Debug for Pusher<S, R> {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         let s = &self.shared;
         f.debug_struct("Pusher")
-            .field("dirty", &s.dirty.count())
             .field("pushed_chunks", &s.pushed_chunks.load(Ordering::Relaxed))
             .field("background", &self.background.is_some())
-            .field("inner", &s.inner)
+            .field("tracked", &s.tracked)
             .field("remote", &s.remote)
             .finish()
     }

@@ -14,6 +14,9 @@ use farmap_pipeline::{Counting, DelayOptions, Delayed, Unaligned};
 use farmap_testkit::{pattern_bytes, ModelStore, PatternStore};
 use proptest::prelude::*;
 
+mod common;
+use common::Backing;
+
 const CHUNK: u64 = 4096;
 
 #[derive(Debug, Clone)]
@@ -81,6 +84,7 @@ struct Case {
     order: Order,
     with_pusher: bool,
     seed: u64,
+    local: Backing,
 }
 
 async fn run(case: Case) {
@@ -100,7 +104,9 @@ async fn run(case: Case) {
             bandwidth: None,
         },
     ));
-    let cached = Arc::new(Cached::new(ModelStore::new(g), remote.clone()).unwrap());
+    // The cache's local store: the model store or a real one (memory, file, dir).
+    let (local, _tmp) = common::new_store(case.local, g);
+    let cached = Arc::new(Cached::new(local, remote.clone()).unwrap());
     let pusher = case.with_pusher.then(|| {
         let opts = PushOptions {
             workers: 4,
@@ -166,7 +172,10 @@ async fn run(case: Case) {
     assert_eq!(report.progress.done_chunks, n);
     assert!(cached.is_complete());
     assert_eq!(cached.present_count(), n);
-    assert!(cached.local().snapshot() == model, "local after the pull");
+    assert!(
+        common::contents(cached.local().as_ref()).await == model,
+        "local after the pull"
+    );
     // Every chunk was fetched at most once, by the puller or by a foreground miss.
     assert!(report.progress.fetched_chunks <= n);
     if let Some(p) = pusher {
@@ -191,8 +200,9 @@ proptest! {
         order in order(),
         with_pusher in any::<bool>(),
         seed in any::<u64>(),
+        local in common::backing(),
     ) {
-        let case = Case { size, ops, workers, order, with_pusher, seed };
+        let case = Case { size, ops, workers, order, with_pusher, seed, local };
         let rt = tokio::runtime::Builder::new_multi_thread()
             .worker_threads(2)
             .enable_time()

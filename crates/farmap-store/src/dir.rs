@@ -18,6 +18,8 @@ use farmap_core::{
     Store, StoreError, StoreResult, DEFAULT_CHUNK_SIZE,
 };
 use parking_lot::Mutex;
+use rustix::fs::FlockOperation;
+use rustix::io::Errno;
 
 use crate::blocking::blocking;
 use crate::stripes::Stripes;
@@ -71,7 +73,7 @@ impl Default for DirOptions {
 /// <dir>/farmap-dir.meta                  "farmap-dir 1", size=..., chunk=...
 /// <dir>/0000/0000000000000a1f.chunk      chunk 0xa1f (chunks 0..4096 live in 0000/)
 /// <dir>/0001/0000000000001000.chunk      chunk 0x1000
-/// <dir>/tmp/                             writes in progress (emptied on open)
+/// <dir>/tmp/                             writes in progress (emptied by a writable open)
 /// ```
 /// Chunk files are named by their full index in hex and grouped 4096 to a subdirectory named
 /// by `index >> 12`, so no directory grows past 4096 chunk files whatever the region size,
@@ -79,11 +81,28 @@ impl Default for DirOptions {
 /// exist. A missing chunk file reads as zeros; writing an all-zero chunk removes its file.
 ///
 /// # Crash safety
-/// A write goes to a new file in `tmp/` that is then renamed over the chunk's name, so a chunk
-/// file is always one whole write (a crash before the next flush may lose the write, but never
-/// mixes two). `flush` syncs every chunk file written since the last flush, then the
-/// subdirectories whose entries changed, then the top directory if a subdirectory was created:
-/// everything written or trimmed before `flush` survives a crash once it returns.
+/// A write goes to a new file in `tmp/`, which is written, synced (`fdatasync`) and then
+/// renamed over the chunk's name, so a chunk file is always one whole, durable write: the file
+/// system may make the rename durable at any time, but never before the data it names.
+/// - **Process crash** (the writer is killed; the machine stays up): every write or trim that
+///   returned survives, whether flushed or not, and each chunk reads as one whole write
+///   (never a mix of two). A write in progress is either wholly there or not at all.
+/// - **Machine crash** (power loss, kernel panic): everything written or trimmed before a
+///   `flush` that returned survives. A write or trim after the last flush may be lost or
+///   kept, chunk by chunk, but a chunk still reads as one whole write (the last one flushed
+///   or a later one), never a torn or empty file.
+///
+/// `flush` syncs the subdirectories whose entries changed since the last flush (renames and
+/// removals), then the top directory if a subdirectory was created. Creating a store syncs
+/// its metadata file, the directory and the directory's parent.
+///
+/// The cost of the sync before each rename, measured: copying 128 MiB of random data into a
+/// new dir store (`farmap cp file:SRC 'dir:DST?size=128MiB'`, 64 KiB chunks, ext4 in a VM,
+/// debug build) took 1.6–2.5 s, against 4.6–6.4 s when `flush` synced every chunk file one
+/// after another instead: the syncs now run in parallel on the blocking pool, one per write.
+/// A chunk rewritten many times between flushes pays one sync per write. The alternative
+/// (sync only at flush, report short chunk files as lost after a crash) would let a crash
+/// destroy chunks that an earlier flush had made durable.
 ///
 /// # Concurrency
 /// - Reads and writes of different chunks run in parallel on Tokio's blocking pool.
@@ -92,13 +111,19 @@ impl Default for DirOptions {
 ///   holding the chunk's stripe lock (one of 1024 `RwLock<()>`), which readers hold while
 ///   looking up, opening and caching a handle: no stale handle survives a write.
 /// - A read of a chunk being rewritten sees the old or the new file, whole.
-/// - One process per directory: another process writing the same directory breaks these
-///   guarantees (opening a store clears `tmp/`).
+/// - One writer per directory: a writable opening takes an exclusive `flock` on the
+///   directory for as long as the store lives, and a second writable opening (in any
+///   process) is refused with [`Unavailable`](ErrorKind::Unavailable), naming the directory.
+///   Read-only openings take no lock and change nothing (not even `tmp/`), so `farmap info`
+///   can look at a directory a writer is using; they see each chunk whole, old or new.
 pub struct DirStore {
     inner: Arc<Inner>,
 }
 
 struct Inner {
+    /// The directory, open and `flock`ed exclusively while a writer has it open (`None` when
+    /// read-only); closing it releases the lock.
+    _lock: Option<File>,
     root: PathBuf,
     temp_dir: PathBuf,
     geometry: Geometry,
@@ -124,14 +149,34 @@ impl DirStore {
     /// stored metadata ([`InvalidInput`](ErrorKind::InvalidInput), naming both values), a
     /// missing store without a size ([`NotFound`](ErrorKind::NotFound), saying `?size=` creates
     /// it), and a non-empty directory without metadata (`InvalidInput`: it is someone else's).
-    /// Temporary files left by a crash are removed (unless read-only).
+    /// A writable open takes the directory's lock (refusing with
+    /// [`Unavailable`](ErrorKind::Unavailable) if another writer holds it) and removes the
+    /// temporary files a crashed writer left; a read-only open does neither.
     pub fn open(path: &Path, opts: DirOptions) -> StoreResult<Self> {
         let shown = path.display();
-        let exists = match fs::metadata(path) {
+        let mut exists = match fs::metadata(path) {
             Ok(m) if m.is_dir() => true,
             Ok(_) => return Err(StoreError::invalid(format!("{shown} is not a directory"))),
             Err(e) if e.kind() == io::ErrorKind::NotFound => false,
             Err(e) => return Err(StoreError::io(format!("cannot open {shown}"), e)),
+        };
+        if let (false, Some(size), false) = (exists, opts.size, opts.read_only) {
+            // Refuse an impossible region before creating anything.
+            let chunk = u64::from(opts.chunk_size.unwrap_or(DEFAULT_CHUNK_SIZE));
+            Geometry::new(size, chunk).map_err(|e| {
+                StoreError::invalid(format!("cannot create a store in {shown}")).with_source(e)
+            })?;
+            fs::create_dir_all(path)
+                .map_err(|e| StoreError::io(format!("cannot create directory {shown}"), e))?;
+            let parent = path.parent().filter(|p| !p.as_os_str().is_empty());
+            sync_dir(parent.unwrap_or(Path::new(".")))?;
+            exists = true;
+        }
+        // Writers lock before reading the metadata, so that two creators cannot both write it.
+        let lock = if exists && !opts.read_only {
+            Some(lock_dir(path)?)
+        } else {
+            None
         };
         let found = if exists { meta::read(path)? } else { None };
         let meta = match found {
@@ -150,10 +195,12 @@ impl DirStore {
         })?;
         let temp_dir = path.join(TEMP_DIR);
         if !opts.read_only {
+            // Only the lock holder gets here: what is in tmp/ was left by a writer that died.
             clear_temp_dir(&temp_dir)?;
         }
         Ok(Self {
             inner: Arc::new(Inner {
+                _lock: lock,
                 root: path.to_owned(),
                 temp_dir,
                 geometry,
@@ -180,8 +227,8 @@ impl DirStore {
         self.inner.handles.len()
     }
 
-    /// Number of chunks written since the last successful flush (their files are not yet known
-    /// to be durable).
+    /// Number of chunks written since the last successful flush (their data is synced, but
+    /// their names are not yet known to be durable).
     pub fn unflushed_chunks(&self) -> usize {
         self.inner.unflushed.iter().map(|s| s.lock().len()).sum()
     }
@@ -198,7 +245,24 @@ impl DirStore {
     }
 }
 
-/// Creates a store's metadata in `path` (creating the directory if `exists` is false).
+/// Runs the dir store's metadata decoder on arbitrary bytes, as a fuzz target does: it must
+/// never panic, and metadata it accepts must render back to text that decodes to the same
+/// values. Panics (a bug) when either fails. Not part of the stable API.
+#[doc(hidden)]
+pub fn fuzz_dir_meta(data: &[u8]) {
+    let Ok(text) = std::str::from_utf8(data) else {
+        return;
+    };
+    if let Ok(meta) = Meta::parse(text) {
+        assert_eq!(Meta::parse(&meta.render()), Ok(meta), "render reads back");
+        // An accepted file may still describe an impossible region; that is an error too.
+        let _ = meta.geometry();
+        let _ = meta.check_matches(Path::new("fuzz"), Some(meta.size), None);
+    }
+}
+
+/// Creates a store's metadata in directory `path` (`exists` says whether the directory is
+/// there: without it, or without a size, or read-only, the error says how to create one).
 fn create(path: &Path, exists: bool, opts: &DirOptions) -> StoreResult<Meta> {
     let shown = path.display();
     let Some(size) = opts.size else {
@@ -225,27 +289,38 @@ fn create(path: &Path, exists: bool, opts: &DirOptions) -> StoreResult<Meta> {
     meta.geometry().map_err(|e| {
         StoreError::invalid(format!("cannot create a store in {shown}")).with_source(e)
     })?;
-    if exists {
-        // Only our own half-written metadata may be there already.
-        let entries =
-            fs::read_dir(path).map_err(|e| StoreError::io(format!("cannot list {shown}"), e))?;
-        for entry in entries {
-            let entry = entry.map_err(|e| StoreError::io(format!("cannot list {shown}"), e))?;
-            if entry.file_name() != META_TEMP {
-                return Err(StoreError::invalid(format!(
-                    "{shown} is not empty and holds no {META_FILE}: refusing to create a store \
-                     over what is there (use an empty or new directory)"
-                )));
-            }
+    // Only our own half-written metadata may be there already.
+    let entries =
+        fs::read_dir(path).map_err(|e| StoreError::io(format!("cannot list {shown}"), e))?;
+    for entry in entries {
+        let entry = entry.map_err(|e| StoreError::io(format!("cannot list {shown}"), e))?;
+        if entry.file_name() != META_TEMP {
+            return Err(StoreError::invalid(format!(
+                "{shown} is not empty and holds no {META_FILE}: refusing to create a store \
+                 over what is there (use an empty or new directory)"
+            )));
         }
-    } else {
-        fs::create_dir_all(path)
-            .map_err(|e| StoreError::io(format!("cannot create directory {shown}"), e))?;
-        let parent = path.parent().filter(|p| !p.as_os_str().is_empty());
-        sync_dir(parent.unwrap_or(Path::new(".")))?;
     }
     meta::write(path, &meta)?;
     Ok(meta)
+}
+
+/// Opens directory `path` and takes an exclusive `flock` on it, refusing (without waiting)
+/// when another opening, in this process or another, holds it.
+fn lock_dir(path: &Path) -> StoreResult<File> {
+    let shown = path.display();
+    let dir = File::open(path).map_err(|e| StoreError::io(format!("cannot open {shown}"), e))?;
+    match rustix::fs::flock(&dir, FlockOperation::NonBlockingLockExclusive) {
+        Ok(()) => Ok(dir),
+        Err(Errno::WOULDBLOCK) => Err(StoreError::new(
+            ErrorKind::Unavailable,
+            format!(
+                "{shown} is in use: another writer (another process, or another opening in this \
+                 one) holds its lock; open it read-only (?ro) to read it meanwhile"
+            ),
+        )),
+        Err(e) => Err(StoreError::io(format!("cannot lock {shown}"), e.into())),
+    }
 }
 
 /// Creates `dir` if needed and removes every file in it (writes interrupted by a crash).
@@ -341,7 +416,9 @@ impl Inner {
             .write(true)
             .create_new(true)
             .open(&temp)
-            .and_then(|mut f| f.write_all(data))
+            // Synced before the rename: once the new name is on disk (which the file system
+            // may do before any flush), the data it names is too.
+            .and_then(|mut f| f.write_all(data).and_then(|()| f.sync_data()))
             .map_err(|e| self.io_error(format_args!("writing {idx} to {}", temp.display()), e))
             .and_then(|()| self.install(idx, &temp));
         if written.is_err() {
@@ -457,7 +534,7 @@ impl Inner {
         let mut groups: BTreeSet<u64> = self.trimmed_groups.lock().drain().collect();
         groups.extend(chunks.iter().map(|idx| idx >> GROUP_SHIFT));
         let new_groups = self.new_groups.swap(false, Ordering::SeqCst);
-        let result = self.sync(&chunks, &groups, new_groups);
+        let result = self.sync(&groups, new_groups);
         if result.is_err() {
             for idx in chunks {
                 self.unflushed[(idx % UNFLUSHED_SHARDS) as usize]
@@ -472,16 +549,10 @@ impl Inner {
         result
     }
 
-    fn sync(&self, chunks: &[u64], groups: &BTreeSet<u64>, root: bool) -> StoreResult<()> {
-        for &idx in chunks {
-            let path = self.chunk_path(idx);
-            match File::open(&path).and_then(|f| f.sync_data()) {
-                Ok(()) => {}
-                // Trimmed (or zeroed) since: its removal is synced with its directory.
-                Err(e) if e.kind() == io::ErrorKind::NotFound => {}
-                Err(e) => return Err(self.io_error(format_args!("syncing {}", path.display()), e)),
-            }
-        }
+    /// Syncs the subdirectories `groups` (their renames and removals), then the top directory
+    /// if `root` (a subdirectory was created). Chunk files need no sync here: each was synced
+    /// before it was renamed into place.
+    fn sync(&self, groups: &BTreeSet<u64>, root: bool) -> StoreResult<()> {
         for &group in groups {
             sync_dir(&self.group_dir(group))?;
         }

@@ -45,6 +45,19 @@ impl Default for FileOptions {
 /// A region stored in one regular file: chunk `i` at byte offset `i * chunk_size`.
 ///
 /// - `flush` is `fdatasync`: written chunks survive a crash once it returns.
+/// - Creating the file (`size` given, no file there) sizes it, syncs it and syncs its parent
+///   directory before `open` returns; a creation that fails removes the file it made.
+///
+/// # Crash safety
+/// Chunks are overwritten in place (no copy, no journal), so:
+/// - **Process crash** (the machine stays up): every write or trim that returned survives,
+///   flushed or not. A write the crash interrupted may be partly applied: its chunk can read
+///   part old, part new, split at page boundaries (the kernel stops a killed process's write
+///   between pages).
+/// - **Machine crash**: everything written or trimmed before a `flush` that returned survives.
+///   Later writes may be lost, kept, or partly kept (page by page, as above).
+///
+/// Use a [`DirStore`](crate::DirStore) where a chunk must always read as one whole write.
 /// - `trim` punches holes (`fallocate(PUNCH_HOLE | KEEP_SIZE)`), releasing the blocks; on a
 ///   file system that cannot punch holes it writes zeros instead.
 /// - `status` asks the file system with `lseek(SEEK_DATA)`: a hole is
@@ -92,53 +105,18 @@ impl FileStore {
         // Check the geometry before creating anything.
         let wanted = opts.size.map(geometry_of).transpose()?;
         let create = !opts.read_only && opts.size.is_some();
-        let file = OpenOptions::new()
-            .read(true)
-            .write(!opts.read_only)
-            .create(create)
-            .open(path)
-            .map_err(|e| match (e.kind(), opts.size) {
-                (io::ErrorKind::NotFound, None) => StoreError::new(
-                    ErrorKind::NotFound,
-                    format!("{shown} does not exist; add ?size= (e.g. ?size=1GiB) to create it"),
-                ),
-                (io::ErrorKind::NotFound, Some(_)) if opts.read_only => StoreError::new(
-                    ErrorKind::NotFound,
-                    format!("{shown} does not exist (a read-only store does not create it)"),
-                ),
-                _ if create => StoreError::io(format!("cannot open or create {shown}"), e),
-                _ => StoreError::io(format!("cannot open {shown}"), e),
-            })?;
-        let meta = file
-            .metadata()
-            .map_err(|e| StoreError::io(format!("cannot stat {shown}"), e))?;
-        if !meta.is_file() {
-            return Err(StoreError::invalid(format!(
-                "{shown} is not a regular file"
-            )));
-        }
-        let len = meta.len();
-        let geometry = match (wanted, opts.size) {
-            (Some(g), Some(size)) if len == size => g,
-            (Some(g), Some(size)) if len == 0 && !opts.read_only => {
-                // Freshly created (or empty): extend without allocating any block.
-                file.set_len(size).map_err(|e| {
-                    StoreError::io(format!("cannot extend {shown} to {}", format_size(size)), e)
-                })?;
-                g
+        // `created`: this call made the file, so a failure below removes it again.
+        let (file, created) = open_file(path, &opts, create)?;
+        let opened = finish_open(path, &file, &opts, wanted, created);
+        let geometry = match opened {
+            Ok(g) => g,
+            Err(e) => {
+                if created {
+                    // Best effort: the error says what went wrong; a leftover only adds noise.
+                    let _ = std::fs::remove_file(path);
+                }
+                return Err(e);
             }
-            (_, Some(size)) => {
-                return Err(StoreError::invalid(format!(
-                    "{shown} is {len} bytes but size={} was asked for",
-                    format_size(size)
-                )))
-            }
-            (_, None) if len == 0 => {
-                return Err(StoreError::invalid(format!(
-                    "{shown} is empty; add ?size= (e.g. ?size=1GiB) to give the region a size"
-                )))
-            }
-            (_, None) => geometry_of(len)?,
         };
         Ok(Self {
             inner: Arc::new(Inner {
@@ -166,6 +144,113 @@ impl FileStore {
             Ok(())
         }
     }
+}
+
+/// Opens `path` (creating it when `create`); the flag says whether this call created it.
+fn open_file(path: &Path, opts: &FileOptions, create: bool) -> StoreResult<(File, bool)> {
+    let shown = path.display();
+    let open = |create_new: bool| {
+        OpenOptions::new()
+            .read(true)
+            .write(!opts.read_only)
+            .create_new(create_new)
+            .open(path)
+    };
+    let opened = if create {
+        match open(true) {
+            Ok(f) => Ok((f, true)),
+            Err(e) if e.kind() == io::ErrorKind::AlreadyExists => open(false).map(|f| (f, false)),
+            Err(e) => Err(e),
+        }
+    } else {
+        open(false).map(|f| (f, false))
+    };
+    opened.map_err(|e| match (e.kind(), opts.size) {
+        (io::ErrorKind::NotFound, None) => StoreError::new(
+            ErrorKind::NotFound,
+            format!("{shown} does not exist; add ?size= (e.g. ?size=1GiB) to create it"),
+        ),
+        (io::ErrorKind::NotFound, Some(_)) if opts.read_only => StoreError::new(
+            ErrorKind::NotFound,
+            format!("{shown} does not exist (a read-only store does not create it)"),
+        ),
+        _ if create => StoreError::io(format!("cannot open or create {shown}"), e),
+        _ => StoreError::io(format!("cannot open {shown}"), e),
+    })
+}
+
+/// Checks (and, when new or empty, sizes) the opened file; returns the region's geometry.
+/// A file this call `created` is synced with its parent directory, so that it survives a
+/// machine crash once the store is open.
+fn finish_open(
+    path: &Path,
+    file: &File,
+    opts: &FileOptions,
+    wanted: Option<Geometry>,
+    created: bool,
+) -> StoreResult<Geometry> {
+    let shown = path.display();
+    let meta = file
+        .metadata()
+        .map_err(|e| StoreError::io(format!("cannot stat {shown}"), e))?;
+    if !meta.is_file() {
+        return Err(StoreError::invalid(format!(
+            "{shown} is not a regular file"
+        )));
+    }
+    let len = meta.len();
+    let geometry = match (wanted, opts.size) {
+        (Some(g), Some(size)) if len == size => g,
+        (Some(g), Some(size)) if len == 0 && !opts.read_only => {
+            // Freshly created (or empty): extend without allocating any block.
+            file.set_len(size).map_err(|e| {
+                let to = format_size(size);
+                if e.raw_os_error() == Some(Errno::FBIG.raw_os_error()) {
+                    StoreError::new(
+                        ErrorKind::InvalidInput,
+                        format!(
+                            "cannot extend {shown} to {to}: the file system does not allow a \
+                             file that large (file too large); use a smaller size or a dir: store"
+                        ),
+                    )
+                    .with_source(e)
+                } else {
+                    StoreError::io(format!("cannot extend {shown} to {to}"), e)
+                }
+            })?;
+            file.sync_all()
+                .map_err(|e| StoreError::io(format!("cannot sync {shown}"), e))?;
+            g
+        }
+        (_, Some(size)) => {
+            return Err(StoreError::invalid(format!(
+                "{shown} is {len} bytes but size={} was asked for",
+                format_size(size)
+            )))
+        }
+        (_, None) if len == 0 => {
+            return Err(StoreError::invalid(format!(
+                "{shown} is empty; add ?size= (e.g. ?size=1GiB) to give the region a size"
+            )))
+        }
+        (_, None) => {
+            let chunk = u64::from(opts.chunk_size);
+            Geometry::new(len, chunk).map_err(|e| {
+                StoreError::invalid(format!(
+                    "{shown} cannot hold a region of {len} bytes in chunks of {chunk} bytes"
+                ))
+                .with_source(e)
+            })?
+        }
+    };
+    if created {
+        let parent = path.parent().filter(|p| !p.as_os_str().is_empty());
+        let parent = parent.unwrap_or(Path::new("."));
+        File::open(parent).and_then(|d| d.sync_all()).map_err(|e| {
+            StoreError::io(format!("cannot sync directory {}", parent.display()), e)
+        })?;
+    }
+    Ok(geometry)
 }
 
 impl Inner {

@@ -26,6 +26,6 @@ mod memory;
 mod stripes;
 
 pub use dense::DenseMemoryStore;
-pub use dir::{DirOptions, DirStore};
+pub use dir::{fuzz_dir_meta, DirOptions, DirStore};
 pub use file::{FileOptions, FileStore};
 pub use memory::MemoryStore;

@@ -230,6 +230,7 @@ async fn open_files_stay_within_the_bound() {
 
     let none = DirOptions {
         max_open_files: 0,
+        read_only: true,
         ..DirOptions::default()
     };
     let uncached = DirStore::open(&dir.path().join("region"), none).unwrap();
@@ -369,4 +370,110 @@ async fn read_only_stores_refuse_changes() {
     )
     .unwrap_err();
     assert_eq!(err.kind(), ErrorKind::NotFound, "read-only never creates");
+}
+
+/// Child process of `one_writer_per_directory_across_processes`: opens the store named by
+/// `FARMAP_LOCK_DIR` writable, says so on stdout, and holds it until stdin closes.
+#[test]
+#[ignore = "child process of one_writer_per_directory_across_processes; run only by it"]
+fn lock_holder_child() {
+    use std::io::{BufRead, Write};
+    let path = std::env::var("FARMAP_LOCK_DIR").expect("FARMAP_LOCK_DIR is set by the parent");
+    let _store = DirStore::open(Path::new(&path), DirOptions::default()).unwrap();
+    let mut out = std::io::stdout().lock();
+    writeln!(out, "LOCKED").unwrap();
+    out.flush().unwrap();
+    // Hold the lock until the parent closes our stdin.
+    for _ in std::io::stdin().lock().lines() {}
+}
+
+#[tokio::test]
+async fn one_writer_per_directory_in_a_process() {
+    let dir = TempDir::new().unwrap();
+    let path = dir.path().join("region");
+    let writer = DirStore::open(&path, create(16 * 4096, 4096)).unwrap();
+    writer
+        .write(ChunkIdx(1), Bytes::from(vec![7u8; 4096]))
+        .await
+        .unwrap();
+    let e = DirStore::open(&path, DirOptions::default()).unwrap_err();
+    assert_eq!(e.kind(), ErrorKind::Unavailable);
+    assert!(
+        e.context().contains(&path.display().to_string()) && e.context().contains("in use"),
+        "the refusal names the directory: {e}"
+    );
+    // A temporary file of the running writer (as if a write were in progress).
+    let pending = path.join("tmp").join("pending.tmp");
+    std::fs::write(&pending, b"in flight").unwrap();
+    let reader = DirStore::open(
+        &path,
+        DirOptions {
+            read_only: true,
+            ..DirOptions::default()
+        },
+    )
+    .unwrap();
+    assert_eq!(
+        reader.read(ChunkIdx(1)).await.unwrap(),
+        Bytes::from(vec![7u8; 4096])
+    );
+    assert!(pending.exists(), "a read-only open leaves tmp/ alone");
+    drop(reader);
+    drop(writer);
+    let again = DirStore::open(&path, DirOptions::default()).unwrap();
+    assert!(
+        !pending.exists(),
+        "the next writer clears what a dead one left"
+    );
+    assert_eq!(
+        again.read(ChunkIdx(1)).await.unwrap(),
+        Bytes::from(vec![7u8; 4096])
+    );
+}
+
+#[tokio::test]
+async fn one_writer_per_directory_across_processes() {
+    use std::io::BufRead;
+    use std::process::{Command, Stdio};
+    let dir = TempDir::new().unwrap();
+    let path = dir.path().join("region");
+    drop(DirStore::open(&path, create(16 * 4096, 4096)).unwrap());
+    let mut child = Command::new(std::env::current_exe().unwrap())
+        .args([
+            "lock_holder_child",
+            "--ignored",
+            "--exact",
+            "--nocapture",
+            "-q",
+        ])
+        .env("FARMAP_LOCK_DIR", &path)
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let mut lines = std::io::BufReader::new(child.stdout.take().unwrap()).lines();
+    assert!(
+        lines.any(|l| l.unwrap().contains("LOCKED")),
+        "the child opened the store"
+    );
+    let pending = path.join("tmp").join("pending.tmp");
+    std::fs::write(&pending, b"in flight").unwrap();
+
+    let e = DirStore::open(&path, DirOptions::default()).unwrap_err();
+    assert_eq!(e.kind(), ErrorKind::Unavailable, "{e}");
+    assert!(e.context().contains(&path.display().to_string()), "{e}");
+    let reader = DirStore::open(
+        &path,
+        DirOptions {
+            read_only: true,
+            ..DirOptions::default()
+        },
+    )
+    .unwrap();
+    assert_eq!(reader.read(ChunkIdx(0)).await.unwrap().len(), 4096);
+    assert!(pending.exists(), "the reader left the writer's tmp/ alone");
+
+    drop(child.stdin.take());
+    assert!(child.wait().unwrap().success());
+    DirStore::open(&path, DirOptions::default()).expect("the lock died with its holder");
 }

@@ -294,3 +294,34 @@ async fn reads_never_see_half_a_large_write() {
         t.await.unwrap();
     }
 }
+
+#[test]
+fn a_failed_create_leaves_nothing_and_names_the_problem() {
+    let dir = TempDir::new().unwrap();
+    let path = dir.path().join("huge.img");
+    // 1 PiB: more than ext4 (16 TiB) or tmpfs allow in one file.
+    let e = match FileStore::open(&path, opts(Some(1 << 50), 4 << 20)) {
+        Ok(store) => {
+            drop(store);
+            std::fs::remove_file(&path).unwrap();
+            farmap_testkit::skip(
+                "a_failed_create_leaves_nothing_and_names_the_problem",
+                "the file system of the temporary directory holds a 1 PiB sparse file",
+            );
+            return;
+        }
+        Err(e) => e,
+    };
+    assert!(!path.exists(), "the failed create removed the file it made");
+    let msg = e.to_string();
+    assert!(
+        msg.contains("file too large") && !msg.contains("no space"),
+        "the error names the real problem: {msg}"
+    );
+    assert_eq!(e.kind(), ErrorKind::InvalidInput);
+
+    // A file that was there before is never removed by a failed open.
+    std::fs::write(&path, b"").unwrap();
+    assert!(FileStore::open(&path, opts(Some(1 << 50), 4 << 20)).is_err());
+    assert!(path.exists(), "a file this open did not create stays");
+}

@@ -23,9 +23,9 @@ pub mod region;
 pub mod spec;
 
 pub use farmap_core::{
-    error_chain, format_size, is_zero, parse_size, zero_chunk, BoxFuture, Caps, ChunkIdx,
-    ChunkRange, ChunkStatus, ErrorKind, Geometry, MbPerSec, Store, StoreError, StoreResult,
-    DEFAULT_CHUNK_SIZE,
+    error_chain, format_duration, format_size, is_zero, parse_duration, parse_size, zero_chunk,
+    BoxFuture, Caps, ChunkIdx, ChunkRange, ChunkStatus, ErrorKind, Geometry, MbPerSec, Store,
+    StoreError, StoreResult, DEFAULT_CHUNK_SIZE,
 };
 pub use region::{
     open_region, OpenRegionError, Region, RegionError, RegionMode, RegionOptions, RegionStats,

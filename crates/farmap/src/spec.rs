@@ -12,8 +12,10 @@
 //!
 //! Options go after `?`, separated by `&`: `size=` (region size), `chunk=` (chunk size, a power
 //! of two from 4KiB to 4MiB, default 64KiB), `ro` (read-only; file and dir), `max-open=`
-//! (open file handles kept by a dir store). Sizes take binary suffixes: KiB, MiB, GiB, TiB
-//! (K, M, G, T mean the same).
+//! (open file handles kept by a dir store). Sizes take binary suffixes: KiB, MiB, GiB, TiB, PiB
+//! (K, M, G, T, P mean the same); a region has at most
+//! [`MAX_CHUNKS`](farmap_core::MAX_CHUNKS) chunks, so `memory:1PiB` is refused (use
+//! `chunk=4MiB`). Durations need a unit ([`farmap_core::parse_duration`]).
 //!
 //! Remote stores take their size and chunk size from the server. Their options:
 //! `connections=` (pool size), `timeout=` (per request: `500ms`, `30s`, `2m`), and for
@@ -422,6 +424,16 @@ impl FromStr for StoreSpec {
                 max_open_files,
             },
         };
+        if let Some(size) = size {
+            // Refuse an impossible region now, with the reason (too many chunks: memory:1PiB),
+            // rather than when it is opened.
+            let chunk = u64::from(chunk_size.unwrap_or(farmap_core::DEFAULT_CHUNK_SIZE));
+            Geometry::new_bounded(size, chunk).map_err(|e| SpecError::BadOption {
+                option: "size",
+                spec: spec.to_owned(),
+                reason: e.to_string(),
+            })?;
+        }
         Ok(StoreSpec {
             kind,
             size,
@@ -590,6 +602,25 @@ mod tests {
         s.parse()
     }
 
+    /// The property the `store_spec` fuzz target checks, on inputs picked to be awkward.
+    #[test]
+    fn canonical_forms_read_back() {
+        for text in [
+            "memory:1G?chunk=4K",
+            "mem:?size=3.5MiB",
+            "file:./a&b.img?size=1GiB&ro=yes",
+            "dir:/x?size=1PiB&chunk=4MiB&max-open=3&ro",
+            "dir:./x?&&size=5000",
+            "farmaps://h:1?ca=a&cert=c&key=k&name=n&timeout=1500ms&connections=2",
+            "farmap+unix:/s?timeout=0.5s",
+            "farmap+grpc://h:2?timeout=90s",
+        ] {
+            let spec = parse(text).unwrap_or_else(|e| panic!("{text}: {e}"));
+            let shown = spec.to_string();
+            assert_eq!(parse(&shown), Ok(spec), "{text} -> {shown}");
+        }
+    }
+
     #[test]
     fn grpc_specs() {
         let g = parse("farmap+grpc://127.0.0.1:7401?connections=2&timeout=5s").unwrap();
@@ -617,6 +648,14 @@ mod tests {
         assert_eq!(m.chunk_size, None);
         assert_eq!(m.to_string(), "memory:256MiB");
 
+        let e = parse("memory:1PiB").unwrap_err().to_string();
+        assert!(
+            e.contains("more than the 268435456") && e.contains("larger chunk size"),
+            "{e}"
+        );
+        assert!(parse("dir:/x?size=17TiB").is_err());
+        let big = parse("memory:1PiB?chunk=4MiB").unwrap();
+        assert_eq!(big.size, Some(1 << 50));
         let m = parse("memory:1G?chunk=4K").unwrap();
         assert_eq!(m.size, Some(1 << 30));
         assert_eq!(m.chunk_size, Some(4096));

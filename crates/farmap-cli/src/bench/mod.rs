@@ -67,33 +67,14 @@ pub fn measure_memcpy(src: &[u8], chunk: usize) -> f64 {
     n as f64 / best / 1e6
 }
 
-/// Parses `10ms`, `0`, `0.5ms`, `250us`, `1s` into a duration.
+/// Parses a duration flag for clap: a number and a unit (`10ms`, `250us`, `1.5s`, `2m`), one
+/// parser for every flag ([`farmap::parse_duration`]: a bare number is refused), at most a day.
 pub fn parse_duration(s: &str) -> Result<Duration, String> {
-    let t = s.trim();
-    let split = t
-        .find(|c: char| !(c.is_ascii_digit() || c == '.'))
-        .unwrap_or(t.len());
-    let (num, unit) = t.split_at(split);
-    let v: f64 = num
-        .parse()
-        .map_err(|_| format!("invalid duration {s:?}: expected e.g. 10ms, 250us, 1s"))?;
-    let secs = match unit {
-        "s" => v,
-        "ms" | "" => v / 1e3,
-        "us" | "µs" => v / 1e6,
-        "ns" => v / 1e9,
-        _ => {
-            return Err(format!(
-                "invalid duration {s:?}: unit must be s, ms, us or ns"
-            ))
-        }
-    };
-    if !secs.is_finite() || !(0.0..=3600.0).contains(&secs) {
-        return Err(format!(
-            "invalid duration {s:?}: must be between 0 and 1 hour"
-        ));
+    let d = farmap::parse_duration(s).map_err(|e| e.to_string())?;
+    if d > Duration::from_secs(86_400) {
+        return Err(format!("invalid duration {s:?}: at most 24h"));
     }
-    Ok(Duration::from_secs_f64(secs))
+    Ok(d)
 }
 
 /// Parses a size (binary suffixes) for clap.
@@ -108,12 +89,15 @@ mod tests {
     #[test]
     fn durations() {
         assert_eq!(parse_duration("10ms").unwrap(), Duration::from_millis(10));
-        assert_eq!(parse_duration("0").unwrap(), Duration::ZERO);
         assert_eq!(parse_duration("0ms").unwrap(), Duration::ZERO);
         assert_eq!(parse_duration("250us").unwrap(), Duration::from_micros(250));
         assert_eq!(parse_duration("1.5s").unwrap(), Duration::from_millis(1500));
+        assert_eq!(parse_duration("5h").unwrap(), Duration::from_secs(5 * 3600));
         assert!(parse_duration("ten").is_err());
         assert!(parse_duration("10 parsecs").is_err());
-        assert!(parse_duration("5h").is_err());
+        assert!(parse_duration("25h").unwrap_err().contains("at most 24h"));
+        // `--reconnect-wait 30` once meant 30 ms here and `timeout=30` 30 s in a spec.
+        let e = parse_duration("30").unwrap_err();
+        assert!(e.contains("unit is required") && e.contains("ms"), "{e}");
     }
 }

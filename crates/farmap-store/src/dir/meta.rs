@@ -156,6 +156,21 @@ mod tests {
         }
     }
 
+    /// The `dir_meta` fuzz target's property on a few awkward inputs.
+    #[test]
+    fn fuzz_entry_accepts_anything_without_panicking() {
+        for data in [
+            &b""[..],
+            b"farmap-dir 1\nsize=0\nchunk=0\n",
+            b"farmap-dir 1\nsize=18446744073709551615\nchunk=4096\n",
+            b"farmap-dir 1\n size = 1 \n chunk = 4096 \n",
+            b"farmap-dir 1\r\nsize=1\r\nchunk=4096\r\n",
+            b"\xff\xfe",
+        ] {
+            crate::fuzz_dir_meta(data);
+        }
+    }
+
     #[test]
     fn conflicts_name_both_values() {
         let m = Meta {

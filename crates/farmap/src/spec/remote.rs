@@ -18,29 +18,21 @@ pub(super) struct RemoteOptions {
     name: Option<String>,
 }
 
-/// `500ms`, `30s`, `2m`, or a number of seconds.
-fn parse_timeout(value: &str) -> Option<Duration> {
-    let (num, unit) = match value.find(|c: char| !c.is_ascii_digit() && c != '.') {
-        Some(i) => value.split_at(i),
-        None => (value, "s"),
-    };
-    let n: f64 = num.parse().ok()?;
-    let secs = match unit {
-        "ms" => n / 1e3,
-        "s" => n,
-        "m" | "min" => n * 60.0,
-        _ => return None,
-    };
-    (secs > 0.0 && secs <= 86_400.0).then(|| Duration::from_secs_f64(secs))
+/// `500ms`, `30s`, `2m` (farmap's one duration parser: a unit is required), from 1 ns to a
+/// day.
+fn parse_timeout(value: &str) -> Result<Duration, String> {
+    let d = farmap_core::parse_duration(value).map_err(|e| e.to_string())?;
+    if d.is_zero() || d > Duration::from_secs(86_400) {
+        return Err(format!(
+            "{value:?} is not between 0 and 24h (exclusive of 0)"
+        ));
+    }
+    Ok(d)
 }
 
 /// A timeout in the shortest exact form `parse_timeout` reads back.
 pub(super) fn format_timeout(d: Duration) -> String {
-    if d.subsec_nanos() == 0 {
-        format!("{}s", d.as_secs())
-    } else {
-        format!("{}ms", d.as_secs_f64() * 1e3)
-    }
+    farmap_core::format_duration(d)
 }
 
 impl RemoteOptions {
@@ -73,12 +65,7 @@ impl RemoteOptions {
                 self.connections = Some(n);
             }
             "timeout" => {
-                self.timeout = Some(parse_timeout(value).ok_or_else(|| {
-                    bad(
-                        "timeout",
-                        format!("{value:?} is not a duration like 500ms, 30s or 2m"),
-                    )
-                })?)
+                self.timeout = Some(parse_timeout(value).map_err(|why| bad("timeout", why))?)
             }
             "ca" => self.ca = Some(path("ca")?),
             "cert" => self.cert = Some(path("cert")?),
@@ -218,15 +205,18 @@ mod tests {
 
     #[test]
     fn timeouts() {
-        assert_eq!(parse_timeout("500ms"), Some(Duration::from_millis(500)));
-        assert_eq!(parse_timeout("30s"), Some(Duration::from_secs(30)));
-        assert_eq!(parse_timeout("2m"), Some(Duration::from_secs(120)));
-        assert_eq!(parse_timeout("7"), Some(Duration::from_secs(7)));
-        for bad in ["", "0", "5h", "ms", "-1s"] {
-            assert_eq!(parse_timeout(bad), None, "{bad}");
+        assert_eq!(parse_timeout("500ms"), Ok(Duration::from_millis(500)));
+        assert_eq!(parse_timeout("30s"), Ok(Duration::from_secs(30)));
+        assert_eq!(parse_timeout("2m"), Ok(Duration::from_secs(120)));
+        assert_eq!(parse_timeout("5h"), Ok(Duration::from_secs(5 * 3600)));
+        // A bare number once meant seconds here and milliseconds in CLI flags.
+        let e = parse_timeout("7").unwrap_err();
+        assert!(e.contains("unit is required"), "{e}");
+        for bad in ["", "0s", "25h", "ms", "-1s"] {
+            assert!(parse_timeout(bad).is_err(), "{bad}");
         }
         for d in [Duration::from_millis(1500), Duration::from_secs(9)] {
-            assert_eq!(parse_timeout(&format_timeout(d)), Some(d));
+            assert_eq!(parse_timeout(&format_timeout(d)), Ok(d));
         }
     }
 

@@ -1,0 +1,21 @@
+//! Store spec parsing (`memory:1GiB`, `dir:./x?size=1GiB&chunk=4MiB`, `farmaps://h:1?ca=...`)
+//! on arbitrary strings, without opening anything: it must never panic, and every spec it
+//! accepts must print (canonical form) to a string that parses back to the same spec.
+#![no_main]
+
+use farmap::StoreSpec;
+use libfuzzer_sys::fuzz_target;
+
+fuzz_target!(|data: &[u8]| {
+    let Ok(text) = std::str::from_utf8(data) else {
+        return;
+    };
+    let Ok(spec) = text.parse::<StoreSpec>() else {
+        return;
+    };
+    let shown = spec.to_string();
+    let again: StoreSpec = shown
+        .parse()
+        .unwrap_or_else(|e| panic!("{text:?} parsed, but its canonical form {shown:?} did not: {e}"));
+    assert_eq!(again, spec, "{text:?} -> {shown:?} reads back differently");
+});
