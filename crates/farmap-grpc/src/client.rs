@@ -135,13 +135,14 @@ impl GrpcStore {
                 ),
             ));
         }
-        let geometry = Geometry::new(hello.size, u64::from(hello.chunk_size)).map_err(|e| {
-            StoreError::new(
-                ErrorKind::Corrupt,
-                format!("{url} announced an invalid region"),
-            )
-            .with_source(e)
-        })?;
+        let geometry =
+            Geometry::new_bounded(hello.size, u64::from(hello.chunk_size)).map_err(|e| {
+                StoreError::new(
+                    ErrorKind::Corrupt,
+                    format!("{url} announced an invalid region"),
+                )
+                .with_source(e)
+            })?;
         let mut caps = hello.caps.as_ref().map_or(Caps::NONE, caps_from_pb);
         if hello.read_only {
             caps = caps.without(Caps::WRITE | Caps::TRIM);

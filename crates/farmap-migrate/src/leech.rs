@@ -355,8 +355,8 @@ fn tls_hint(e: &io::Error, reason: String) -> String {
 /// (the source runs on); `resume` starts the application at the hand-over.
 ///
 /// The driver: it feeds the [`Leecher`] machine what happens (messages, task results) and
-/// carries out its actions; the long work runs in named tasks ([`bulk_pull`],
-/// [`refresh_round`], [`post_copy`]) that report back as machine inputs.
+/// carries out its actions; the long work runs in named tasks (`bulk_pull`,
+/// `refresh_round`, `post_copy`) that report back as machine inputs.
 pub async fn leech(
     opts: LeechOptions,
     resume: Resumer,

@@ -283,7 +283,10 @@ impl Acceptor {
 async fn handshake(accepted: Accepted, timeout: Duration, out: mpsc::Sender<NewConn>) {
     let peer = accepted.peer.clone();
     let shaken = tokio::time::timeout(timeout, async {
-        let mut channel = accepted.handshake().await.map_err(|e| error_chain(&e))?;
+        let mut channel = accepted
+            .handshake()
+            .await
+            .map_err(|e| farmap_core::error_chain(&e))?;
         match channel.recv().await {
             Ok(Some(first)) => Ok((channel, first)),
             Ok(None) => Err("it closed without a message".to_owned()),
@@ -313,10 +316,6 @@ async fn handshake(accepted: Accepted, timeout: Duration, out: mpsc::Sender<NewC
             tracing::info!("control connection from {peer} dropped: no message within {timeout:?}")
         }
     }
-}
-
-fn error_chain(e: &(dyn std::error::Error + 'static)) -> String {
-    farmap_core::error_chain(e)
 }
 
 /// Resolves once cancelled; never if every canceller is gone without cancelling.
@@ -532,7 +531,7 @@ async fn run(
                                 at_ns,
                             }
                         }
-                        Err(e) => SeederInput::SuspendFailed(error_chain(&e)),
+                        Err(e) => SeederInput::SuspendFailed(farmap_core::error_chain(&e)),
                     });
                 }
                 SeederAction::Resume => suspend.resume(),

@@ -198,7 +198,7 @@ impl Server {
             // The copy woke the faulting thread (ours, or that of whoever fetched it).
             Ok(()) => {}
             Err(e) => {
-                self.counters.error(format!("{e}: {}", error_chain(&e)));
+                self.counters.error(farmap_core::error_chain(&e));
                 self.poison(page).await;
             }
         }
@@ -261,16 +261,6 @@ impl Server {
         }
         let _ = self.range.wake(page, size);
     }
-}
-
-fn error_chain(e: &dyn std::error::Error) -> String {
-    let mut out = Vec::new();
-    let mut cur = e.source();
-    while let Some(s) = cur {
-        out.push(s.to_string());
-        cur = s.source();
-    }
-    out.join(": ")
 }
 
 /// Polls `fut` once on this thread; spawns it on `rt` if it has to wait.

@@ -306,7 +306,8 @@ pub(crate) fn get_region(body: &mut Body) -> Result<RegionInfo, WireError> {
     let chunk = body.u32()?;
     let caps = caps_from_bits(body.u32()?);
     let flags = body.u32()?;
-    let geometry = Geometry::new(size, u64::from(chunk)).map_err(WireError::BadGeometry)?;
+    // Bounded: a peer must not make us allocate per-chunk state for 2^50 chunks.
+    let geometry = Geometry::new_bounded(size, u64::from(chunk)).map_err(WireError::BadGeometry)?;
     Ok(RegionInfo {
         geometry,
         caps,

@@ -361,4 +361,19 @@ mod tests {
             Err(WireError::HelloTooLarge { .. })
         ));
     }
+    #[test]
+    fn a_server_cannot_announce_more_chunks_than_farmap_allows() {
+        // 2^60 bytes in 4 KiB chunks: a valid geometry, but 2^48 chunks of per-chunk client
+        // state. Refused as a bad geometry before the client sizes anything by it.
+        let mut i = info();
+        i.region.geometry = Geometry::new(1 << 60, 4096).unwrap();
+        let mut wire = BytesMut::new();
+        ServerHello::Accepted(i).encode(&mut wire);
+        assert!(matches!(
+            decode_server_hello(&mut wire),
+            Err(WireError::BadGeometry(
+                farmap_core::GeometryError::TooManyChunks { .. }
+            ))
+        ));
+    }
 }
