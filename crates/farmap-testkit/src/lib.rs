@@ -5,7 +5,7 @@
 //!   readers and writers that must never see a torn chunk.
 //! - [`PatternStore`]: a read-only store whose every byte is a function of its offset, with
 //!   [`pattern_bytes`] as the oracle to compare against.
-//! - [`skip`]: how a test that cannot run here says so (counted by `scripts/test.sh`).
+//! - [`mod@skip`]: how a test that cannot run here says so (counted by `scripts/test.sh`).
 //! - [`strategies`]: proptest strategies for operation sequences run against a plain `Vec<u8>`.
 #![forbid(unsafe_code)]
 
