@@ -448,3 +448,83 @@ fn hostile_raw_clients_get_clear_errors_and_the_server_keeps_serving() {
         "silent connections are logged as such:\n{log}"
     );
 }
+
+/// The first bytes of a frame that announces itself as `len` bytes long (a write request's
+/// header: the server learns the length, checks the operation, and waits for the rest).
+fn large_frame_start(len: usize) -> Vec<u8> {
+    let mut out = BytesMut::new();
+    Frame::new(
+        1,
+        Message::Write {
+            idx: ChunkIdx(0),
+            data: Payload::Data(bytes::Bytes::from(vec![7u8; CHUNK as usize])),
+        },
+    )
+    .encode(&mut out);
+    let mut v = out.to_vec();
+    v[..4].copy_from_slice(&((len - 4) as u32).to_be_bytes());
+    v.resize(len - 1, 7);
+    v
+}
+
+#[test]
+fn many_half_sent_large_frames_do_not_grow_the_server() {
+    // Without a charge for frames still arriving, 48 clients that each send all but the last
+    // byte of a 16 MiB frame pin 768 MiB in the server's receive buffers.
+    const BUDGET: u64 = 512 * MIB;
+    const ATTACKERS: usize = 48;
+    let dir = tempfile::tempdir().unwrap();
+    let mut server = Served::start(&file_store(dir.path()), &["-q", "--idle-timeout", "3s"]);
+    let addr = server.addr;
+    let frame = Arc::new(large_frame_start(16 << 20));
+    let stop = Arc::new(AtomicBool::new(false));
+    let sent = Arc::new(AtomicU64::new(0));
+    let attackers: Vec<_> = (0..ATTACKERS)
+        .map(|_| {
+            let s = session(addr);
+            let (frame, stop, sent) = (frame.clone(), stop.clone(), sent.clone());
+            std::thread::spawn(move || pipeline_without_reading(s, &frame, &stop, &sent))
+        })
+        .collect();
+    let start = Instant::now();
+    let mut peak = 0;
+    while start.elapsed() < Duration::from_millis(2500) {
+        peak = peak.max(server.rss());
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    println!(
+        "farmap serve VmRSS peak {} MiB under {ATTACKERS} half-sent 16 MiB frames (budget {} MiB); {} MiB sent",
+        peak / MIB,
+        BUDGET / MIB,
+        sent.load(Ordering::Relaxed) / MIB
+    );
+    server.assert_running();
+    assert!(
+        sent.load(Ordering::Relaxed) > 64 * MIB,
+        "the attackers got bytes through"
+    );
+    assert!(
+        peak < BUDGET,
+        "VmRSS {peak} bytes, over the budget of {BUDGET}"
+    );
+    // The frames never complete: the server drops them at the idle timeout from their first
+    // bytes, and a good client is served again.
+    let deadline = Instant::now() + Duration::from_secs(20);
+    loop {
+        if server.log().contains("did not arrive whole") {
+            break;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "half-sent frames were never dropped; log:\n{}",
+            server.log()
+        );
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    stop.store(true, Ordering::Relaxed);
+    for a in attackers {
+        a.join().unwrap();
+    }
+    good_client(addr, 5, pattern);
+    server.assert_running();
+}

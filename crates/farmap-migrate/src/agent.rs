@@ -257,7 +257,15 @@ impl Drop for Agent {
 /// replaced; one that another agent still answers on is an error.
 pub async fn serve(path: impl AsRef<Path>, app: Arc<dyn App>) -> io::Result<Agent> {
     let path = path.as_ref().to_path_buf();
-    if path.exists() {
+    if let Ok(meta) = std::fs::symlink_metadata(&path) {
+        use std::os::unix::fs::FileTypeExt;
+        if !meta.file_type().is_socket() {
+            // Never delete what is not ours to delete: a file, a directory, a link.
+            return Err(io::Error::new(
+                io::ErrorKind::AlreadyExists,
+                format!("{} exists and is not a socket", path.display()),
+            ));
+        }
         if UnixStream::connect(&path).await.is_ok() {
             return Err(io::Error::new(
                 io::ErrorKind::AddrInUse,
@@ -657,6 +665,20 @@ mod tests {
         fn arrived(&self, _: &LeechReport) -> Map<String, Value> {
             Map::new()
         }
+    }
+
+    #[tokio::test]
+    async fn a_path_that_is_not_a_socket_is_never_deleted() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("agent.sock");
+        std::fs::write(&path, b"precious").unwrap();
+        let e = serve(&path, Arc::new(NoRegion)).await.unwrap_err();
+        assert!(e.to_string().contains("is not a socket"), "{e}");
+        assert_eq!(std::fs::read(&path).unwrap(), b"precious");
+        // A stale socket (nothing accepts on it) is replaced.
+        let stale = dir.path().join("stale.sock");
+        drop(std::os::unix::net::UnixListener::bind(&stale).unwrap());
+        let _agent = serve(&stale, Arc::new(NoRegion)).await.unwrap();
     }
 
     #[tokio::test]

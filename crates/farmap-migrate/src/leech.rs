@@ -403,6 +403,7 @@ pub async fn leech(
         seeder_boot: [0; 16],
         lost_since: None,
         answer_by: None,
+        postcopy: None,
     };
     let mut queue: VecDeque<LeecherAction> = machine.step(LeecherInput::Received(welcome)).into();
     loop {
@@ -479,6 +480,16 @@ struct Run {
     lost_since: Option<Instant>,
     /// After a reconnect: when the seeder must have answered the hello.
     answer_by: Option<tokio::time::Instant>,
+    /// The post-copy task: it ends with the migration, however the migration ends.
+    postcopy: Option<tokio::task::AbortHandle>,
+}
+
+impl Drop for Run {
+    fn drop(&mut self) {
+        if let Some(task) = self.postcopy.take() {
+            task.abort();
+        }
+    }
 }
 
 /// Sleeps until `at` (for ever, without one).
@@ -650,7 +661,17 @@ impl Run {
             }
             LeecherAction::Abort(cause) => {
                 if self.handed_over {
-                    return Err(LeechError::LostAfterHandOver(AfterHandOver::Seeder(cause)));
+                    // The application runs here now: a message the seeder should not have
+                    // sent is reported, never fatal. The machine kept its state; post-copy
+                    // goes on over the data plane, and a seeder that is really gone is
+                    // found out by the reconnect deadline.
+                    let why = farmap_core::error_chain(&cause);
+                    tracing::warn!(
+                        "ignored a bad message from the seeder after the hand-over: {why}"
+                    );
+                    self.rep
+                        .note(format!("ignored a bad message from the seeder: {why}"));
+                    return Ok(None);
                 }
                 return Err(LeechError::Aborted {
                     cause,
@@ -729,10 +750,11 @@ impl Run {
         let (region, store, w) = (d.region.clone(), d.store.clone(), self.work.clone());
         let (page, chunk, workers, rep) =
             (d.page, d.chunk, self.opts.pull_workers, self.rep.clone());
-        tokio::spawn(async move {
+        let task = tokio::spawn(async move {
             post_copy(region, store, runs, page, chunk, workers, rep).await;
             let _ = w.send(LeecherInput::AllLocal);
         });
+        self.postcopy = Some(task.abort_handle());
         Ok(())
     }
 }

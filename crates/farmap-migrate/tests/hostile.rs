@@ -642,3 +642,72 @@ async fn a_seeder_silent_after_a_reconnect_fails_the_leecher_within_its_deadline
     fake.abort();
     let _ = server.shutdown().await;
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_bad_message_after_the_hand_over_does_not_stop_the_leecher() {
+    if !uffd("a_bad_message_after_the_hand_over_does_not_stop_the_leecher") {
+        return;
+    }
+    let data = Listener::bind(&"127.0.0.1:0".parse().unwrap())
+        .await
+        .unwrap();
+    let port = match data.local_addr().unwrap() {
+        ListenAddr::Tcp(a) => a.port(),
+        ListenAddr::Unix(_) => unreachable!(),
+    };
+    let pages = Arc::new(MemoryStore::new(Geometry::new(SIZE, PAGE.into()).unwrap()));
+    let server = farmap_net::serve(
+        pages,
+        data,
+        ServeOptions {
+            read_only: true,
+            log: false,
+            ..ServeOptions::default()
+        },
+    )
+    .unwrap();
+    let l = TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = RemoteAddr::Tcp(l.local_addr().unwrap().to_string());
+    let fake = tokio::spawn(async move {
+        let (mut s, _) = l.accept().await.unwrap();
+        assert_eq!(read_msg(&mut s).await.unwrap(), Msg::Hello { session: 0 });
+        write_msg(&mut s, &welcome(PAGE, port)).await;
+        assert_eq!(
+            read_msg(&mut s).await.unwrap(),
+            Msg::DirtyRequest { round: 1 }
+        );
+        let empty = Msg::Dirty {
+            round: 1,
+            runs: vec![],
+        };
+        write_msg(&mut s, &empty).await;
+        assert_eq!(read_msg(&mut s).await.unwrap(), Msg::Finalize);
+        let h = Msg::HandOver {
+            runs: vec![],
+            app_state: Bytes::new(),
+            suspended_at_ns: 0,
+        };
+        write_msg(&mut s, &h).await;
+        assert_eq!(read_msg(&mut s).await.unwrap(), Msg::Resumed);
+        // Out of place after the hand-over: a second welcome and a stale dirty round.
+        write_msg(&mut s, &welcome(PAGE, port)).await;
+        write_msg(&mut s, &empty).await;
+        // Then the seeder behaves: the leecher says it is done, the seeder says goodbye.
+        loop {
+            match read_msg(&mut s).await {
+                Ok(Msg::Done) => break,
+                Ok(_) => {}
+                Err(e) => panic!("the leecher went away instead of finishing: {e}"),
+            }
+        }
+        write_msg(&mut s, &Msg::Bye).await;
+        let _ = read_msg(&mut s).await;
+    });
+    let report = tokio::time::timeout(Duration::from_secs(30), run_leech(leech_opts(addr)))
+        .await
+        .expect("the leecher finishes")
+        .expect("a stray message after the hand-over is not fatal");
+    assert!(report.region.is_complete());
+    fake.await.unwrap();
+    let _ = server.shutdown().await;
+}

@@ -11,8 +11,10 @@
 //!   ([`ServeOptions::total_budget`]) before it runs; the charge is returned once its reply
 //!   has been written to the socket. A client that stops reading its replies therefore stops
 //!   the server from reading its requests (they wait in the socket: back-pressure, not
-//!   memory). Besides the budgets a connection holds one receive buffer of at most
-//!   [`ServeOptions::max_frame`] plus a read-ahead.
+//!   memory). A frame larger than the read-ahead is charged to the server-wide budget as
+//!   soon as its header announces it, before its bytes are read, and must arrive whole
+//!   within [`ServeOptions::idle_timeout`] of its first bytes: many clients that each send
+//!   most of a large frame and then trickle cannot pin `max_frame` bytes apiece.
 //! - A client whose replies make no progress for [`ServeOptions::idle_timeout`] is cut off,
 //!   and so is a client that sends nothing for that long with nothing in flight; a client
 //!   has [`ServeOptions::handshake_timeout`] to finish the handshakes.
@@ -46,6 +48,7 @@ use tokio_rustls::TlsAcceptor;
 use crate::addr::{ListenAddr, Listener};
 use crate::stream::{
     describe_foreign_bytes, io_phrase, is_clean_close, make_room, raised, write_frames, BoxStream,
+    READ_AHEAD,
 };
 use crate::tls::{describe_server_tls_failure, TlsConfigError, TlsServerConfig};
 
@@ -150,6 +153,8 @@ struct Ctx {
     shutdown: watch::Receiver<bool>,
     /// Bytes in flight over all connections (see the module docs).
     total_budget: Arc<Semaphore>,
+    /// Its size in bytes.
+    total_budget_bytes: usize,
     /// The per-connection budget, as raised to fit two frames.
     conn_budget: usize,
     /// Tasks answering connections over the limit.
@@ -261,6 +266,7 @@ pub fn serve(
         tls,
         shutdown,
         total_budget: Arc::new(Semaphore::new(total_budget)),
+        total_budget_bytes: total_budget,
         conn_budget,
         refusals: Arc::new(Semaphore::new(REFUSAL_POOL)),
     });
@@ -491,6 +497,22 @@ struct Charge {
     _total: OwnedSemaphorePermit,
 }
 
+/// A frame that has started to arrive.
+struct Partial {
+    since: tokio::time::Instant,
+    /// Its bytes beyond the read-ahead, charged to the server-wide budget.
+    charge: Option<OwnedSemaphorePermit>,
+}
+
+/// The whole length of the frame whose start is in `buf` (0 before its length prefix is in;
+/// the decoder has already refused lengths over the frame limit).
+fn announced_len(buf: &[u8]) -> usize {
+    match buf {
+        [a, b, c, d, ..] => 4 + u32::from_be_bytes([*a, *b, *c, *d]) as usize,
+        _ => 0,
+    }
+}
+
 /// Bytes a request may hold: its own and those of its largest possible reply.
 fn cost(ctx: &Ctx, msg: &Message, frame_len: usize) -> usize {
     let g = ctx.info.region.geometry;
@@ -535,6 +557,9 @@ async fn serve_frames(stream: BoxStream, mut buf: BytesMut, ctx: &Arc<Ctx>) -> E
         Ok(Err(e)) => Ended::Badly(format!("sending failed: {}", io_phrase(&e))),
         _ => Ended::Badly("the connection's writer stopped".to_owned()),
     };
+    // The frame still arriving: when its first bytes came, and its charge to the server's
+    // budget once it is larger than the read-ahead.
+    let mut partial: Option<Partial> = None;
     let ended = 'conn: loop {
         loop {
             let before = buf.len();
@@ -544,6 +569,8 @@ async fn serve_frames(stream: BoxStream, mut buf: BytesMut, ctx: &Arc<Ctx>) -> E
                 Ok(None) => break,
                 Err(e) => break 'conn close_with(&tx, e.to_string()).await,
             };
+            // Whole now: its receive charge is returned before the request is charged.
+            partial = None;
             let frame_len = before - buf.len();
             let charge = cost(ctx, &frame.msg, frame_len) as u32;
             let acquired = tokio::select! {
@@ -569,17 +596,57 @@ async fn serve_frames(stream: BoxStream, mut buf: BytesMut, ctx: &Arc<Ctx>) -> E
                 let _ = tx.send((parts, Some(charge))).await;
             });
         }
+        if buf.is_empty() {
+            partial = None;
+        } else {
+            let p = partial.get_or_insert_with(|| Partial {
+                since: tokio::time::Instant::now(),
+                charge: None,
+            });
+            let need = announced_len(&buf).saturating_sub(READ_AHEAD);
+            if need > 0 && p.charge.is_none() {
+                let need = budget_permits(need).min(ctx.total_budget_bytes) as u32;
+                p.charge = Some(tokio::select! {
+                    c = ctx.total_budget.clone().acquire_many_owned(need) => c.expect("never closed"),
+                    _ = &mut idle => break 'conn Ended::Badly(format!(
+                        "no memory for a frame of {} bytes within {idle_timeout:?}",
+                        announced_len(&buf)
+                    )),
+                    _ = raised(&mut shutdown) => break 'conn Ended::Normally("server shutting down".to_owned()),
+                    r = &mut writer => {
+                        writer_done = true;
+                        break 'conn stopped_reading(r);
+                    }
+                });
+            }
+        }
         make_room(&mut buf);
         tokio::select! {
             r = rd.read_buf(&mut buf) => match r {
                 Ok(0) => break Ended::Normally("the client closed the connection".to_owned()),
-                Ok(_) => idle.as_mut().reset(tokio::time::Instant::now() + idle_timeout),
+                Ok(_) => {
+                    // A trickle does not keep a frame alive: it has the idle timeout from its
+                    // first bytes.
+                    let mut deadline = tokio::time::Instant::now() + idle_timeout;
+                    if let Some(p) = &partial {
+                        deadline = deadline.min(p.since + idle_timeout);
+                    }
+                    idle.as_mut().reset(deadline);
+                }
                 Err(e) if is_clean_close(&e) => {
                     break Ended::Normally("the client closed the connection".to_owned())
                 }
                 Err(e) => break Ended::Badly(format!("read failed: {}", io_phrase(&e))),
             },
             _ = &mut idle => {
+                if let Some(p) = &partial {
+                    if p.since + idle_timeout <= tokio::time::Instant::now() {
+                        break Ended::Badly(format!(
+                            "a frame of {} bytes did not arrive whole within {idle_timeout:?}",
+                            announced_len(&buf)
+                        ));
+                    }
+                }
                 if permits.available_permits() == in_flight
                     && budget.available_permits() == ctx.conn_budget
                 {

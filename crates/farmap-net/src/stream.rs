@@ -109,7 +109,7 @@ async fn write_all_vectored<W: AsyncWrite + Unpin>(
 }
 
 /// Room kept free in a receive buffer, so that one read takes in many frames.
-const READ_AHEAD: usize = 256 * 1024;
+pub(crate) const READ_AHEAD: usize = 256 * 1024;
 
 /// Makes room for a large read in `buf` (decoded frames are split off it and keep their
 /// part of its allocation alive, so it is re-grown rather than reused).

@@ -69,7 +69,7 @@
 //!
 //! # Where the `unsafe` code is
 //! Four files, every other module is `#[forbid(unsafe_code)]`:
-//! - `sys.rs`: the raw kernel interface ([`sys::ioctl`], and [`sys::pagemap_scan`], its safe
+//! - `sys.rs`: the raw kernel interface ([`sys::ioctl`], and `sys::pagemap_scan`, its safe
 //!   `PAGEMAP_SCAN` form);
 //! - `uffd.rs`: opening a userfaultfd and its ioctls ([`uffd::Uffd::register`] is the one
 //!   `unsafe fn` whose contract makes the others safe);

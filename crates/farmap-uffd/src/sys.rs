@@ -310,7 +310,7 @@ pub unsafe fn ioctl<T>(fd: RawFd, req: u64, arg: *mut T) -> Result<i32, i32> {
 /// filled; `arg.walk_end` says where the walk stopped. With [`PM_SCAN_WP_MATCHING`],
 /// [`PM_SCAN_CHECK_WPASYNC`] is always added: only ranges registered with userfaultfd's
 /// `WP_ASYNC` are write-protected (anything else fails).
-pub fn pagemap_scan(
+pub(crate) fn pagemap_scan(
     pagemap: BorrowedFd<'_>,
     arg: &mut PmScanArg,
     vec: &mut [PageRegion],
