@@ -16,7 +16,7 @@ use farmap_migrate::msg::{decode_header, Msg, HEADER_LEN, MAGIC, VERSION};
 use farmap_migrate::seed::{SeedOptions, Seeding};
 use farmap_migrate::{leech, seed, WriterGate};
 use farmap_net::{
-    ListenAddr, Listener, RemoteAddr, ServeOptions, TlsClientConfig, TlsServerConfig,
+    ListenAddr, Listener, RemoteAddr, ServeOptions, Server, TlsClientConfig, TlsServerConfig,
 };
 use farmap_pipeline::PushOptions;
 use farmap_store::MemoryStore;
@@ -228,24 +228,7 @@ where
     F: FnOnce(TcpStream) -> Fut + Send + 'static,
     Fut: std::future::Future<Output = ()> + Send,
 {
-    let data = Listener::bind(&"127.0.0.1:0".parse().unwrap())
-        .await
-        .unwrap();
-    let port = match data.local_addr().unwrap() {
-        ListenAddr::Tcp(a) => a.port(),
-        ListenAddr::Unix(_) => unreachable!(),
-    };
-    let pages = Arc::new(MemoryStore::new(Geometry::new(SIZE, PAGE.into()).unwrap()));
-    let server = farmap_net::serve(
-        pages,
-        data,
-        ServeOptions {
-            read_only: true,
-            log: false,
-            ..ServeOptions::default()
-        },
-    )
-    .unwrap();
+    let (server, port) = zero_data_plane().await;
     fake_seeder(move |mut s| async move {
         assert_eq!(read_msg(&mut s).await.unwrap(), Msg::Hello { session: 0 });
         write_msg(&mut s, &welcome(PAGE, port)).await;
@@ -567,51 +550,13 @@ async fn a_seeder_silent_after_a_reconnect_fails_the_leecher_within_its_deadline
     if !uffd("a_seeder_silent_after_a_reconnect_fails_the_leecher_within_its_deadline") {
         return;
     }
-    let data = Listener::bind(&"127.0.0.1:0".parse().unwrap())
-        .await
-        .unwrap();
-    let port = match data.local_addr().unwrap() {
-        ListenAddr::Tcp(a) => a.port(),
-        ListenAddr::Unix(_) => unreachable!(),
-    };
-    let pages = Arc::new(MemoryStore::new(Geometry::new(SIZE, PAGE.into()).unwrap()));
-    let server = farmap_net::serve(
-        pages,
-        data,
-        ServeOptions {
-            read_only: true,
-            log: false,
-            ..ServeOptions::default()
-        },
-    )
-    .unwrap();
+    let (server, port) = zero_data_plane().await;
     let l = TcpListener::bind("127.0.0.1:0").await.unwrap();
     let addr = RemoteAddr::Tcp(l.local_addr().unwrap().to_string());
     let fake = tokio::spawn(async move {
         // The first connection goes through the hand-over, then drops.
         let (mut s, _) = l.accept().await.unwrap();
-        assert_eq!(read_msg(&mut s).await.unwrap(), Msg::Hello { session: 0 });
-        write_msg(&mut s, &welcome(PAGE, port)).await;
-        assert_eq!(
-            read_msg(&mut s).await.unwrap(),
-            Msg::DirtyRequest { round: 1 }
-        );
-        write_msg(
-            &mut s,
-            &Msg::Dirty {
-                round: 1,
-                runs: vec![],
-            },
-        )
-        .await;
-        assert_eq!(read_msg(&mut s).await.unwrap(), Msg::Finalize);
-        let h = Msg::HandOver {
-            runs: vec![],
-            app_state: Bytes::new(),
-            suspended_at_ns: 0,
-        };
-        write_msg(&mut s, &h).await;
-        assert_eq!(read_msg(&mut s).await.unwrap(), Msg::Resumed);
+        through_hand_over(&mut s, port).await;
         drop(s);
         // Later connections are accepted and never answered.
         let mut held = Vec::new();
@@ -648,47 +593,16 @@ async fn a_bad_message_after_the_hand_over_does_not_stop_the_leecher() {
     if !uffd("a_bad_message_after_the_hand_over_does_not_stop_the_leecher") {
         return;
     }
-    let data = Listener::bind(&"127.0.0.1:0".parse().unwrap())
-        .await
-        .unwrap();
-    let port = match data.local_addr().unwrap() {
-        ListenAddr::Tcp(a) => a.port(),
-        ListenAddr::Unix(_) => unreachable!(),
-    };
-    let pages = Arc::new(MemoryStore::new(Geometry::new(SIZE, PAGE.into()).unwrap()));
-    let server = farmap_net::serve(
-        pages,
-        data,
-        ServeOptions {
-            read_only: true,
-            log: false,
-            ..ServeOptions::default()
-        },
-    )
-    .unwrap();
+    let (server, port) = zero_data_plane().await;
     let l = TcpListener::bind("127.0.0.1:0").await.unwrap();
     let addr = RemoteAddr::Tcp(l.local_addr().unwrap().to_string());
     let fake = tokio::spawn(async move {
         let (mut s, _) = l.accept().await.unwrap();
-        assert_eq!(read_msg(&mut s).await.unwrap(), Msg::Hello { session: 0 });
-        write_msg(&mut s, &welcome(PAGE, port)).await;
-        assert_eq!(
-            read_msg(&mut s).await.unwrap(),
-            Msg::DirtyRequest { round: 1 }
-        );
+        through_hand_over(&mut s, port).await;
         let empty = Msg::Dirty {
             round: 1,
             runs: vec![],
         };
-        write_msg(&mut s, &empty).await;
-        assert_eq!(read_msg(&mut s).await.unwrap(), Msg::Finalize);
-        let h = Msg::HandOver {
-            runs: vec![],
-            app_state: Bytes::new(),
-            suspended_at_ns: 0,
-        };
-        write_msg(&mut s, &h).await;
-        assert_eq!(read_msg(&mut s).await.unwrap(), Msg::Resumed);
         // Out of place after the hand-over: a second welcome and a stale dirty round.
         write_msg(&mut s, &welcome(PAGE, port)).await;
         write_msg(&mut s, &empty).await;
@@ -710,4 +624,47 @@ async fn a_bad_message_after_the_hand_over_does_not_stop_the_leecher() {
     assert!(report.region.is_complete());
     fake.await.unwrap();
     let _ = server.shutdown().await;
+}
+
+/// A read-only data plane of zero pages, as a fake seeder's: the server and its port.
+async fn zero_data_plane() -> (Server, u16) {
+    let data = Listener::bind(&"127.0.0.1:0".parse().unwrap())
+        .await
+        .unwrap();
+    let port = match data.local_addr().unwrap() {
+        ListenAddr::Tcp(a) => a.port(),
+        ListenAddr::Unix(_) => unreachable!(),
+    };
+    let pages = Arc::new(MemoryStore::new(Geometry::new(SIZE, PAGE.into()).unwrap()));
+    let server = farmap_net::serve(
+        pages,
+        data,
+        ServeOptions {
+            read_only: true,
+            log: false,
+            ..ServeOptions::default()
+        },
+    )
+    .unwrap();
+    (server, port)
+}
+
+/// A fake seeder's side of a migration with nothing dirty, up to the leecher's `Resumed`.
+async fn through_hand_over(s: &mut TcpStream, port: u16) {
+    assert_eq!(read_msg(s).await.unwrap(), Msg::Hello { session: 0 });
+    write_msg(s, &welcome(PAGE, port)).await;
+    assert_eq!(read_msg(s).await.unwrap(), Msg::DirtyRequest { round: 1 });
+    let empty = Msg::Dirty {
+        round: 1,
+        runs: vec![],
+    };
+    write_msg(s, &empty).await;
+    assert_eq!(read_msg(s).await.unwrap(), Msg::Finalize);
+    let h = Msg::HandOver {
+        runs: vec![],
+        app_state: Bytes::new(),
+        suspended_at_ns: 0,
+    };
+    write_msg(s, &h).await;
+    assert_eq!(read_msg(s).await.unwrap(), Msg::Resumed);
 }
