@@ -4,7 +4,6 @@
 
 use std::io;
 use std::pin::Pin;
-use std::sync::Arc;
 use std::task::{Context, Poll};
 use std::time::Duration;
 
@@ -344,18 +343,10 @@ async fn tls_connect<S: Stream>(
     addr: &RemoteAddr,
     s: S,
 ) -> io::Result<tokio_rustls::client::TlsStream<S>> {
-    let config: Arc<rustls::ClientConfig> = t
-        .build()
+    let (connector, name) = t
+        .connector(addr.host())
         .map_err(|e| io::Error::new(io::ErrorKind::InvalidInput, e))?;
-    let name = t
-        .server_name
-        .clone()
-        .unwrap_or_else(|| addr.host().to_owned());
-    let name = rustls::pki_types::ServerName::try_from(name)
-        .map_err(|e| io::Error::new(io::ErrorKind::InvalidInput, e))?;
-    tokio_rustls::TlsConnector::from(config)
-        .connect(name, s)
-        .await
+    connector.connect(name, s).await
 }
 
 /// The sending half of a split [`Channel`].

@@ -587,7 +587,7 @@ impl Run {
                 runs,
                 app_state,
                 suspended_at_ns,
-            } => self.resume(runs, app_state, suspended_at_ns)?,
+            } => self.resume(runs, app_state, suspended_at_ns).await?,
             LeecherAction::Reconnect => {
                 self.rep.note("control connection lost: reconnecting");
                 // The deadline runs from the first loss: a seeder that accepts and then says
@@ -702,7 +702,7 @@ impl Run {
 
     /// The hand-over: discard the pages written at the source, resume the application at
     /// once, and start the post-copy.
-    fn resume(
+    async fn resume(
         &mut self,
         runs: Vec<Range<u64>>,
         app_state: Bytes,
@@ -714,8 +714,12 @@ impl Run {
         d.store.start_postcopy();
         d.store.note_discarded(&runs);
         let t_discard = Instant::now();
-        d.region
-            .discard_pages(&runs)
+        // madvise waits for the fault handler to read each remove event: a blocking thread's
+        // work, not an async worker's.
+        let (region, discard) = (d.region.clone(), runs.clone());
+        tokio::task::spawn_blocking(move || region.discard_pages(&discard))
+            .await
+            .unwrap_or(Err(RegionError::Closed))
             .map_err(|e| LeechError::LostAfterHandOver(AfterHandOver::Discard(e)))?;
         if let Some(resume) = self.resume.take() {
             resume(d.region.clone(), app_state);

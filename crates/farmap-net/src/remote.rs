@@ -28,10 +28,8 @@ use farmap_wire::{read_reply_overhead, Features, Message, Payload, ServerInfo};
 use futures::future::try_join_all;
 use parking_lot::Mutex;
 use rand::Rng;
-use rustls::pki_types::ServerName;
 use tokio::sync::watch;
 use tokio::time::Instant;
-use tokio_rustls::TlsConnector;
 
 use crate::addr::RemoteAddr;
 use crate::conn::{open, Conn, TlsSetup};
@@ -119,21 +117,15 @@ impl std::fmt::Debug for RemoteStore {
 }
 
 fn tls_setup(addr: &RemoteAddr, cfg: &TlsClientConfig) -> StoreResult<TlsSetup> {
-    let config = cfg.build().map_err(|e| {
+    let (connector, name) = cfg.connector(addr.host()).map_err(|e| {
         StoreError::new(
             ErrorKind::InvalidInput,
             format!("cannot set up TLS for {addr}"),
         )
         .with_source(e)
     })?;
-    let name = cfg
-        .server_name
-        .clone()
-        .unwrap_or_else(|| addr.host().to_owned());
-    let name = ServerName::try_from(name.clone())
-        .map_err(|_| StoreError::invalid(format!("{name:?} is not a valid TLS server name")))?;
     Ok(TlsSetup {
-        connector: TlsConnector::from(config),
+        connector,
         name,
         sent_cert: cfg.has_client_cert(),
     })

@@ -6,7 +6,7 @@ use std::sync::Arc;
 
 use rustls::crypto::CryptoProvider;
 use rustls::pki_types::pem::PemObject;
-use rustls::pki_types::{CertificateDer, PrivateKeyDer};
+use rustls::pki_types::{CertificateDer, PrivateKeyDer, ServerName};
 use rustls::server::WebPkiClientVerifier;
 use rustls::{AlertDescription, CertificateError, RootCertStore};
 
@@ -77,6 +77,12 @@ pub enum TlsConfigError {
         /// rustls's reason.
         #[source]
         source: rustls::server::VerifierBuilderError,
+    },
+    /// The name to check the server's certificate against is not a DNS name or IP address.
+    #[error("{name:?} is not a valid TLS server name")]
+    ServerName {
+        /// The name.
+        name: String,
     },
 }
 
@@ -175,6 +181,19 @@ impl TlsClientConfig {
             _ => return Err(TlsConfigError::IncompleteClientIdentity),
         };
         Ok(Arc::new(config))
+    }
+
+    /// What connecting to a server reached as `host` needs: the connector and the name its
+    /// certificate must carry ([`server_name`](Self::server_name) if set, else `host`).
+    pub fn connector(
+        &self,
+        host: &str,
+    ) -> Result<(tokio_rustls::TlsConnector, ServerName<'static>), TlsConfigError> {
+        let config = self.build()?;
+        let name = self.server_name.clone().unwrap_or_else(|| host.to_owned());
+        let name =
+            ServerName::try_from(name.clone()).map_err(|_| TlsConfigError::ServerName { name })?;
+        Ok((tokio_rustls::TlsConnector::from(config), name))
     }
 
     /// Whether a client certificate is configured.
