@@ -23,6 +23,7 @@
 //! handed over, sends the hand-over again.
 
 use std::ops::Range;
+use std::sync::Arc;
 use std::time::Duration;
 
 use bytes::Bytes;
@@ -71,7 +72,7 @@ pub enum SeederState {
 }
 
 /// Inputs of a [`Seeder`].
-#[derive(Debug, Clone, PartialEq, Eq)]
+#[derive(Debug, Clone)]
 pub enum SeederInput {
     /// A control message arrived.
     Received(Msg),
@@ -93,8 +94,8 @@ pub enum SeederInput {
         /// CLOCK_MONOTONIC of the suspension (ns).
         at_ns: u64,
     },
-    /// [`SeederAction::Suspend`] failed (the application runs on); why, as a sentence.
-    SuspendFailed(String),
+    /// [`SeederAction::Suspend`] failed (the application runs on), and why.
+    SuspendFailed(Arc<dyn std::error::Error + Send + Sync>),
 }
 
 /// Actions a [`Seeder`] asks for.
@@ -269,7 +270,10 @@ impl Seeder {
             }
             (S::Suspending { .. }, SeederInput::SuspendFailed(reason)) => {
                 self.state = S::Idle;
-                let reason = format!("the source could not be suspended: {reason}");
+                let reason = format!(
+                    "the source could not be suspended: {}",
+                    farmap_core::error_chain(&*reason)
+                );
                 vec![
                     A::Send(Msg::Abort {
                         reason: reason.clone(),

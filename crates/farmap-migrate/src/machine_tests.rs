@@ -392,3 +392,26 @@ fn a_leecher_out_of_step_is_dropped_and_tracking_stops() {
     ));
     assert_eq!(s.state(), SeederState::Idle);
 }
+
+#[test]
+fn a_failed_suspension_tells_the_leecher_why_and_leaves_the_source_running() {
+    let mut s = Seeder::new(info(), 1);
+    s.step(SeederInput::Received(Msg::Hello { session: 0 }));
+    assert_eq!(
+        s.step(SeederInput::Received(Msg::Finalize)),
+        vec![SeederAction::Suspend]
+    );
+    let cause = std::io::Error::new(std::io::ErrorKind::PermissionDenied, "kill(1234) refused");
+    let a = s.step(SeederInput::SuspendFailed(std::sync::Arc::new(cause)));
+    let reason = match &a[..] {
+        [SeederAction::Send(Msg::Abort { reason }), SeederAction::StopTracking { .. }, SeederAction::Close] => {
+            reason.clone()
+        }
+        other => panic!("{other:?}"),
+    };
+    assert!(
+        reason.contains("could not be suspended") && reason.contains("kill(1234) refused"),
+        "{reason}"
+    );
+    assert_eq!(s.state(), SeederState::Idle);
+}

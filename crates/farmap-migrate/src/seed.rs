@@ -531,7 +531,7 @@ async fn run(
                                 at_ns,
                             }
                         }
-                        Err(e) => SeederInput::SuspendFailed(farmap_core::error_chain(&e)),
+                        Err(e) => SeederInput::SuspendFailed(Arc::new(e)),
                     });
                 }
                 SeederAction::Resume => suspend.resume(),
