@@ -48,8 +48,10 @@ log=$(mktemp)
 export FARMAP_SKIP_LOG
 FARMAP_SKIP_LOG=$(mktemp)
 trap 'rm -f "$log" "$FARMAP_SKIP_LOG"' EXIT
-cargo test --locked --workspace --all-targets 2>&1 | tee "$log"
-cargo test --locked --workspace --doc 2>&1 | tee -a "$log"
+# --no-fail-fast: one failing test binary must not hide the results of the others.
+status=0
+cargo test --locked --workspace --all-targets --no-fail-fast 2>&1 | tee "$log" || status=1
+cargo test --locked --workspace --doc --no-fail-fast 2>&1 | tee -a "$log" || status=1
 
 skipped=$(wc -l < "$FARMAP_SKIP_LOG")
 if ((skipped)); then
@@ -65,3 +67,8 @@ if [[ "${CI:-}" == true ]] && ((skipped)); then
   echo "CI=true: $skipped test(s) skipped; nothing this machine can run may be skipped" >&2
   exit 1
 fi
+if ((status)); then
+  grep -E '^(test .* FAILED|failures:$|    [a-z_:]+$)' "$log" >&2 || true
+  echo "some tests failed (see above)" >&2
+fi
+exit "$status"
