@@ -62,8 +62,19 @@ impl Store for LiveView {
             let (region, len) = (self.region.clone(), self.geometry.chunk_len(idx));
             let offset = self.geometry.offset_of(idx) as usize;
             // Reading region memory can fault (a page not yet fetched from the region's own
-            // store waits for it): the copy runs on a blocking thread, never on the data
-            // plane's workers.
+            // store waits for it): such a copy runs on a blocking thread, never on the data
+            // plane's workers. A page whose chunk is present is copied here: a thread
+            // hand-off per 4 KiB page would cost more than the copy (it tripled the time of a
+            // 1 GiB migration).
+            if region.holds(offset, len) {
+                let mut buf = vec![0u8; len];
+                return region
+                    .read_at(offset, &mut buf)
+                    .map(|()| Bytes::from(buf))
+                    .map_err(|e| {
+                        StoreError::new(ErrorKind::Closed, format!("reading {idx}")).with_source(e)
+                    });
+            }
             tokio::task::spawn_blocking(move || {
                 let mut buf = vec![0u8; len];
                 region.read_at(offset, &mut buf).map(|()| Bytes::from(buf))

@@ -109,6 +109,23 @@ impl Region {
         }
     }
 
+    /// Whether the chunks under `offset..offset + len` are all present: a read of them then
+    /// waits for no fetch (unless the application discards their pages meanwhile, which
+    /// makes the read wait for the region's own handler).
+    pub fn holds(&self, offset: usize, len: usize) -> bool {
+        let g = self.geometry();
+        let Some(end) = offset.checked_add(len).filter(|e| *e as u64 <= g.size()) else {
+            return false;
+        };
+        if len == 0 {
+            return true;
+        }
+        let shift = g.chunk_shift();
+        let cache = &self.inner().server.cache;
+        ((offset as u64 >> shift)..=((end as u64 - 1) >> shift))
+            .all(|i| cache.is_present(ChunkIdx(i)))
+    }
+
     /// Whether every chunk is present (nothing will be fetched from the store unless pages
     /// are discarded).
     pub fn is_complete(&self) -> bool {

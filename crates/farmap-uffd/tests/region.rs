@@ -382,3 +382,27 @@ fn out_of_range_accesses_through_the_region_are_errors() {
     region.read_at(len - 16, &mut buf).unwrap();
     assert_eq!(buf.to_vec(), pattern_bytes(3, (len - 16) as u64, 16));
 }
+
+#[test]
+fn holds_says_which_ranges_read_without_a_fetch() {
+    if !uffd_available("holds_says_which_ranges_read_without_a_fetch") {
+        return;
+    }
+    let chunk = 64 << 10;
+    let g = Geometry::new(1 << 20, chunk as u64).unwrap();
+    let region = Region::open(
+        Arc::new(PatternStore::new(g, 5)),
+        direct(WriteTracking::Auto),
+    )
+    .unwrap();
+    assert!(!region.holds(0, 1), "nothing is fetched yet");
+    assert!(region.holds(0, 0));
+    let mut buf = [0u8; 8];
+    region.read_at(chunk + 100, &mut buf).unwrap();
+    assert!(region.holds(chunk, chunk), "the touched chunk is present");
+    assert!(region.holds(chunk + 10, 100));
+    assert!(!region.holds(chunk - 1, 2), "the chunk before is not");
+    assert!(!region.holds(chunk, chunk + 1), "nor the chunk after");
+    assert!(!region.holds(region.len(), 1), "outside the region");
+    assert!(!region.holds(usize::MAX, 2));
+}
