@@ -359,6 +359,12 @@ async fn handshake(
     let mut stream: BoxStream = match &ctx.tls {
         Some(acceptor) => match acceptor.accept(stream).await {
             Ok(s) => Box::new(s),
+            // A client that hangs up mid-handshake (a pool connection its owner no longer
+            // needs, a port probe) is not a refusal worth a warning.
+            Err(e) if crate::stream::is_clean_close(&e) => {
+                tracing::info!("{peer} left during the TLS handshake");
+                return None;
+            }
             Err(e) => {
                 tracing::warn!("refused {peer}: {}", describe_server_tls_failure(&e));
                 return None;
