@@ -3,12 +3,11 @@
 
 mod common;
 
-use std::net::SocketAddr;
 use std::sync::Arc;
 use std::time::Duration;
 
 use bytes::{Bytes, BytesMut};
-use common::{addr_of, client, connect, quiet, start};
+use common::{addr_of, client, connect, quiet, raw_session, start, tcp};
 use farmap_core::{ChunkIdx, Geometry, Store};
 use farmap_net::wire::{ClientHello, Frame, Message};
 use farmap_net::{RemoteStore, ServeOptions, Server};
@@ -21,33 +20,6 @@ const CHUNK: u64 = 64 << 10;
 const CHUNKS: u64 = 256;
 /// Chunks in one read: as many as fit the default frame limit with the reply's framing.
 const BATCH: u64 = 255;
-
-fn tcp(server: &Server) -> SocketAddr {
-    match server.local_addr() {
-        farmap_net::ListenAddr::Tcp(a) => *a,
-        other => panic!("{other}"),
-    }
-}
-
-/// A raw connection that has completed the handshake (the server's hello is read and
-/// discarded).
-async fn raw_session(addr: SocketAddr) -> TcpStream {
-    let mut s = TcpStream::connect(addr).await.unwrap();
-    let mut out = BytesMut::new();
-    ClientHello::current().encode(&mut out);
-    s.write_all(&out).await.unwrap();
-    let mut buf = BytesMut::new();
-    loop {
-        if let Some(h) = farmap_net::wire::decode_server_hello(&mut buf).unwrap() {
-            assert!(
-                matches!(h, farmap_net::wire::ServerHello::Accepted(_)),
-                "{h:?}"
-            );
-            return s;
-        }
-        assert!(s.read_buf(&mut buf).await.unwrap() > 0);
-    }
-}
 
 /// Reads until the server closes the connection; panics if it has not within `limit`.
 async fn closed_within(s: &mut TcpStream, limit: Duration) -> usize {

@@ -8,7 +8,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use bytes::{Bytes, BytesMut};
-use common::{addr_of, client, connect, memory_server, quiet, start};
+use common::{addr_of, client, connect, memory_server, quiet, raw_session, start, tcp};
 use farmap_core::{Caps, ChunkIdx, ChunkRange, ErrorKind, Geometry, Store};
 use farmap_net::wire::{
     decode_server_hello, ClientHello, Features, Frame, FrameDecoder, Limits, Message, RegionInfo,
@@ -36,30 +36,6 @@ async fn read_to_end(s: &mut TcpStream) -> BytesMut {
     .await
     .expect("the server closes the connection");
     buf
-}
-
-/// A raw connection that has completed the handshake.
-async fn raw_session(addr: SocketAddr) -> TcpStream {
-    let mut s = TcpStream::connect(addr).await.unwrap();
-    let mut out = BytesMut::new();
-    ClientHello::current().encode(&mut out);
-    s.write_all(&out).await.unwrap();
-    let mut buf = BytesMut::new();
-    loop {
-        if let Some(h) = decode_server_hello(&mut buf).unwrap() {
-            assert!(matches!(h, ServerHello::Accepted(_)), "{h:?}");
-            assert!(buf.is_empty());
-            return s;
-        }
-        assert!(s.read_buf(&mut buf).await.unwrap() > 0);
-    }
-}
-
-fn tcp(server: &farmap_net::Server) -> SocketAddr {
-    match server.local_addr() {
-        farmap_net::ListenAddr::Tcp(a) => *a,
-        other => panic!("{other}"),
-    }
 }
 
 /// The connection-level error frame the server sent before closing.

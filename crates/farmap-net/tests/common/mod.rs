@@ -141,3 +141,33 @@ pub async fn connect(addr: RemoteAddr, opts: ClientOptions) -> RemoteStore {
         Err(e) => panic!("cannot connect to {addr}: {e}"),
     }
 }
+
+/// The TCP address a test server listens on.
+pub fn tcp(server: &Server) -> std::net::SocketAddr {
+    match server.local_addr() {
+        ListenAddr::Tcp(a) => *a,
+        other => panic!("{other}"),
+    }
+}
+
+/// A raw connection that has completed the handshake (the server's hello is read, and
+/// nothing follows it).
+pub async fn raw_session(addr: std::net::SocketAddr) -> tokio::net::TcpStream {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let mut s = tokio::net::TcpStream::connect(addr).await.unwrap();
+    let mut out = bytes::BytesMut::new();
+    farmap_net::wire::ClientHello::current().encode(&mut out);
+    s.write_all(&out).await.unwrap();
+    let mut buf = bytes::BytesMut::new();
+    loop {
+        if let Some(h) = farmap_net::wire::decode_server_hello(&mut buf).unwrap() {
+            assert!(
+                matches!(h, farmap_net::wire::ServerHello::Accepted(_)),
+                "{h:?}"
+            );
+            assert!(buf.is_empty());
+            return s;
+        }
+        assert!(s.read_buf(&mut buf).await.unwrap() > 0);
+    }
+}
