@@ -6,16 +6,19 @@
 //! - [`PatternStore`]: a read-only store whose every byte is a function of its offset, with
 //!   [`pattern_bytes`] as the oracle to compare against.
 //! - [`mod@skip`]: how a test that cannot run here says so (counted by `scripts/test.sh`).
+//! - [`service`]: real servers (Redis, MinIO, Cassandra...) started for a test by a script.
 //! - [`strategies`]: proptest strategies for operation sequences run against a plain `Vec<u8>`.
 #![forbid(unsafe_code)]
 
 pub mod conformance;
 mod model;
 mod pattern;
+pub mod service;
 pub mod skip;
 pub mod strategies;
 
 pub use conformance::{run_conformance, run_read_only_conformance};
 pub use model::ModelStore;
 pub use pattern::{pattern_byte, pattern_bytes, PatternStore};
+pub use service::{Service, ServiceError};
 pub use skip::{is_ci, skip};
