@@ -9,9 +9,11 @@ use clap::{Parser, Subcommand};
 mod bench;
 mod cp;
 mod demo;
+mod guest;
 mod info;
 mod logging;
 mod migrate;
+mod mount_ublk;
 mod output;
 mod proxy;
 mod serve;
@@ -74,6 +76,14 @@ enum Command {
     /// A node of `farmap demo` (internal).
     #[command(name = "__demo-node", hide = true)]
     DemoNode(demo::NodeArgs),
+    /// Pattern writes and checks through a block device or its mapping, for the kernel
+    /// tests' VM (internal).
+    #[command(name = "__guest", hide = true)]
+    Guest(guest::GuestArgs),
+    /// A ublk block device over a store, until Ctrl-C (internal, for now; to become
+    /// `farmap mount --ublk STORE`).
+    #[command(name = "__mount-ublk", hide = true)]
+    MountUblk(mount_ublk::MountUblkArgs),
 }
 
 fn main() -> ExitCode {
@@ -100,6 +110,8 @@ fn main() -> ExitCode {
             Command::Leech(args) => migrate::leech(args).await,
             Command::Demo(args) => demo::run(args).await,
             Command::DemoNode(args) => demo::node(args).await,
+            Command::Guest(args) => guest::run(args),
+            Command::MountUblk(args) => mount_ublk::run_args(args).await,
         }
     });
     match result {

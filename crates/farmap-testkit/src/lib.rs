@@ -7,6 +7,7 @@
 //!   [`pattern_bytes`] as the oracle to compare against.
 //! - [`mod@skip`]: how a test that cannot run here says so (counted by `scripts/test.sh`).
 //! - [`service`]: real servers (Redis, MinIO, Cassandra...) started for a test by a script.
+//! - [`vm`]: a qemu VM with a kernel that has nbd and ublk, for kernel frontend tests.
 //! - [`strategies`]: proptest strategies for operation sequences run against a plain `Vec<u8>`.
 #![forbid(unsafe_code)]
 
@@ -16,6 +17,7 @@ mod pattern;
 pub mod service;
 pub mod skip;
 pub mod strategies;
+pub mod vm;
 
 pub use conformance::{run_conformance, run_read_only_conformance};
 pub use model::ModelStore;

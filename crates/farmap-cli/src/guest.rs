@@ -1,0 +1,185 @@
+//! `farmap __guest`: the data checks the kernel tests run inside their VM (no Python there).
+//!
+//! Each writes or checks the deterministic pattern of `farmap_testkit::pattern_bytes(SEED,
+//! OFFSET, LEN)` at byte OFFSET of a block device or file, so that the host can check the
+//! same bytes in the store afterwards:
+//! - `pattern-write` writes with `pwrite` and `fsync`s; `pattern-check` drops the range from
+//!   the page cache first (`POSIX_FADV_DONTNEED`), so it reads what the device returns;
+//! - `mmap-write` maps the range `MAP_SHARED`, copies the pattern into the mapping and
+//!   `msync`s it; `mmap-check` compares through a fresh mapping.
+//!
+//! With `unsafe` code for the mapping (the one other such file of the CLI is
+//! `bench/uffd_raw.rs`).
+
+use std::fs::{File, OpenOptions};
+use std::os::unix::fs::{FileExt, OpenOptionsExt};
+use std::path::PathBuf;
+use std::process::ExitCode;
+
+use anyhow::{bail, Context};
+use clap::{Args, ValueEnum};
+use rustix::fs::{fadvise, Advice};
+use rustix::mm::{mmap, msync, munmap, MapFlags, MsyncFlags, ProtFlags};
+
+use crate::bench::parse_size_arg;
+
+/// What `farmap __guest` does.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+pub enum GuestOp {
+    /// Write the pattern with pwrite, then fsync.
+    PatternWrite,
+    /// Read the range past the page cache and compare it with the pattern.
+    PatternCheck,
+    /// Write the pattern through a MAP_SHARED mapping, then msync.
+    MmapWrite,
+    /// Compare the range, read through a MAP_SHARED mapping, with the pattern.
+    MmapCheck,
+}
+
+#[derive(Debug, Args)]
+pub struct GuestArgs {
+    op: GuestOp,
+    /// A block device or a file (created by the write operations when missing).
+    path: PathBuf,
+    /// Byte offset (binary suffixes allowed: 8MiB).
+    #[arg(value_parser = parse_size_arg)]
+    offset: u64,
+    /// Length in bytes.
+    #[arg(value_parser = parse_size_arg)]
+    len: u64,
+    /// The pattern's seed.
+    seed: u64,
+}
+
+/// Bytes written or compared at once.
+const STEP: u64 = 1 << 20;
+
+pub fn run(args: GuestArgs) -> anyhow::Result<ExitCode> {
+    let writes = matches!(args.op, GuestOp::PatternWrite | GuestOp::MmapWrite);
+    let file = OpenOptions::new()
+        .read(true)
+        .write(writes || args.op == GuestOp::MmapCheck)
+        .create(writes)
+        .truncate(false)
+        .custom_flags(libc::O_CLOEXEC)
+        .open(&args.path)
+        .with_context(|| format!("opening {}", args.path.display()))?;
+    match args.op {
+        GuestOp::PatternWrite => pattern_write(&file, &args)?,
+        GuestOp::PatternCheck => pattern_check(&file, &args)?,
+        GuestOp::MmapWrite => with_mapping(&file, &args, true)?,
+        GuestOp::MmapCheck => with_mapping(&file, &args, false)?,
+    }
+    println!(
+        "{:?} {} bytes at {} of {} (seed {}): ok",
+        args.op,
+        args.len,
+        args.offset,
+        args.path.display(),
+        args.seed
+    );
+    Ok(ExitCode::SUCCESS)
+}
+
+fn pattern_write(file: &File, a: &GuestArgs) -> anyhow::Result<()> {
+    let mut done = 0;
+    while done < a.len {
+        let n = STEP.min(a.len - done);
+        let data = farmap_testkit::pattern_bytes(a.seed, a.offset + done, n as usize);
+        file.write_all_at(&data, a.offset + done)
+            .with_context(|| format!("writing {n} bytes at {}", a.offset + done))?;
+        done += n;
+    }
+    file.sync_all().context("fsync")?;
+    Ok(())
+}
+
+fn pattern_check(file: &File, a: &GuestArgs) -> anyhow::Result<()> {
+    // Clean pages are dropped, so the reads below go to the device.
+    fadvise(file, a.offset, std::num::NonZeroU64::new(a.len), Advice::DontNeed)
+        .context("posix_fadvise(DONTNEED)")?;
+    let mut done = 0;
+    let mut buf = vec![0u8; STEP as usize];
+    while done < a.len {
+        let n = STEP.min(a.len - done) as usize;
+        let at = a.offset + done;
+        file.read_exact_at(&mut buf[..n], at)
+            .with_context(|| format!("reading {n} bytes at {at}"))?;
+        compare(&buf[..n], a.seed, at)?;
+        done += n as u64;
+    }
+    Ok(())
+}
+
+fn compare(got: &[u8], seed: u64, at: u64) -> anyhow::Result<()> {
+    let want = farmap_testkit::pattern_bytes(seed, at, got.len());
+    if let Some(i) = got.iter().zip(&want).position(|(g, w)| g != w) {
+        bail!(
+            "byte {} differs from the pattern: {:#04x}, expected {:#04x}",
+            at + i as u64,
+            got[i],
+            want[i]
+        );
+    }
+    Ok(())
+}
+
+/// Maps the pages covering the range `MAP_SHARED`, then writes the pattern into the mapping
+/// and msyncs (`write`), or compares the mapping with the pattern.
+fn with_mapping(file: &File, a: &GuestArgs, write: bool) -> anyhow::Result<()> {
+    let page = rustix::param::page_size() as u64;
+    let start = a.offset / page * page;
+    let skip = (a.offset - start) as usize;
+    let len = usize::try_from(a.offset + a.len - start).context("range too large to map")?;
+    if a.len == 0 {
+        return Ok(());
+    }
+    // SAFETY: a new mapping chosen by the kernel (null hint), so it replaces nothing; the
+    // file stays open for the call. The mapping is only accessed through raw pointers below
+    // (never as a Rust slice, since the kernel may change its pages at any time), and it is
+    // unmapped before returning.
+    let base = unsafe {
+        mmap(
+            std::ptr::null_mut(),
+            len,
+            ProtFlags::READ | ProtFlags::WRITE,
+            MapFlags::SHARED,
+            file,
+            start,
+        )
+    }
+    .with_context(|| format!("mmap of {len} bytes at {start}"))?;
+    let result = (|| -> anyhow::Result<()> {
+        let mut done = 0usize;
+        let mut buf = vec![0u8; STEP as usize];
+        while (done as u64) < a.len {
+            let n = (STEP as usize).min(a.len as usize - done);
+            let at = a.offset + done as u64;
+            // SAFETY: `skip + done + n <= len`, so the pointer range lies in the mapping.
+            let p = unsafe { base.cast::<u8>().add(skip + done) };
+            if write {
+                let data = farmap_testkit::pattern_bytes(a.seed, at, n);
+                // SAFETY: `p..p+n` lies in the writable mapping; `data` is a separate
+                // allocation of `n` bytes, so they do not overlap.
+                unsafe { std::ptr::copy_nonoverlapping(data.as_ptr(), p, n) };
+            } else {
+                // SAFETY: as above; the mapping is readable and `buf` holds at least `n` bytes.
+                unsafe { std::ptr::copy_nonoverlapping(p, buf.as_mut_ptr(), n) };
+                compare(&buf[..n], a.seed, at)?;
+            }
+            done += n;
+        }
+        if write {
+            // SAFETY: `base..base+len` is the mapping made above.
+            unsafe { msync(base, len, MsyncFlags::SYNC) }.context("msync")?;
+        }
+        Ok(())
+    })();
+    // SAFETY: `base..base+len` is the mapping made above; no pointer into it outlives this.
+    unsafe { munmap(base, len) }.context("munmap")?;
+    result?;
+    if write {
+        file.sync_all().context("fsync after msync")?;
+    }
+    Ok(())
+}

@@ -1,0 +1,80 @@
+//! `farmap mount --ublk STORE` (for now the hidden `farmap __mount-ublk STORE`): a
+//! `/dev/ublkbN` block device over any store, until Ctrl-C or SIGTERM.
+//!
+//! The device path is printed on stdout once the device exists; at the end the device is
+//! stopped, the store flushed and the device deleted.
+
+use std::process::ExitCode;
+
+use anyhow::Context;
+use clap::Args;
+
+use farmap::spec::open_store_async;
+use farmap::StoreSpec;
+use farmap_ublk::{UblkDevice, UblkOptions};
+
+/// Options of a ublk mount.
+#[derive(Debug, Clone, Args)]
+pub struct UblkMountOpts {
+    /// Hardware queues, each with its own thread and io_uring (default: one per CPU).
+    #[arg(long, value_parser = clap::value_parser!(u16).range(1..=64))]
+    pub queues: Option<u16>,
+    /// Requests in flight per queue.
+    #[arg(long, default_value_t = 64, value_parser = clap::value_parser!(u16).range(1..=4096))]
+    pub depth: u16,
+}
+
+#[derive(Debug, Args)]
+pub struct MountUblkArgs {
+    /// The store the device reads and writes.
+    store: StoreSpec,
+    #[command(flatten)]
+    opts: UblkMountOpts,
+}
+
+/// The hidden subcommand's entry point.
+pub async fn run_args(args: MountUblkArgs) -> anyhow::Result<ExitCode> {
+    run(args.store, args.opts).await
+}
+
+/// Mounts `store` as `/dev/ublkbN`, prints the path, and serves it until SIGINT/SIGTERM.
+pub async fn run(store: StoreSpec, opts: UblkMountOpts) -> anyhow::Result<ExitCode> {
+    let opened = open_store_async(&store)
+        .await
+        .with_context(|| format!("opening {store}"))?;
+    let defaults = UblkOptions::default();
+    let options = UblkOptions {
+        queues: opts.queues.unwrap_or(defaults.queues),
+        depth: opts.depth,
+        ..defaults
+    };
+    let runtime = tokio::runtime::Handle::current();
+    let device = tokio::task::spawn_blocking(move || UblkDevice::start(opened, &options, runtime))
+        .await
+        .context("the thread starting the ublk device failed")?
+        .context("creating the ublk device")?;
+    println!("{}", device.path().display());
+    eprintln!(
+        "farmap mount: {} serves {store}; Ctrl-C or SIGTERM stops it",
+        device.path().display()
+    );
+    stop_signal().await?;
+    eprintln!("farmap mount: stopping {}, flushing the store", device.path().display());
+    tokio::task::spawn_blocking(move || device.shutdown())
+        .await
+        .context("the thread stopping the ublk device failed")?
+        .context("tearing the ublk device down")?;
+    eprintln!("farmap mount: stopped; the store is flushed");
+    Ok(ExitCode::SUCCESS)
+}
+
+/// Resolves on Ctrl-C or SIGTERM.
+async fn stop_signal() -> anyhow::Result<()> {
+    use tokio::signal::unix::{signal, SignalKind};
+    let mut term = signal(SignalKind::terminate()).context("listening for SIGTERM")?;
+    tokio::select! {
+        r = tokio::signal::ctrl_c() => r.context("listening for Ctrl-C")?,
+        _ = term.recv() => {}
+    }
+    Ok(())
+}

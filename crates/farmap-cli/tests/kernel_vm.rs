@@ -1,0 +1,323 @@
+//! The kernel's block-device clients against farmap, in a qemu VM (this machine's kernel has
+//! neither nbd nor ublk): one boot runs both parts, the host checks the stores afterwards.
+//!
+//! - NBD: the guest's `nbd-client` connects with 4 sockets to an NBD server on the host
+//!   ([`start_nbd_server`]), writes a pattern through `/dev/nbd0`, writes another through a
+//!   `MAP_SHARED` mapping of the device, makes an ext4 file system on its first 32 MiB,
+//!   writes a file, remounts and checks it, and disconnects.
+//! - ublk: the guest runs `farmap __mount-ublk farmap://10.0.2.2:PORT` (a host `farmap serve`
+//!   of a directory store) and does the same on `/dev/ublkbN`, then stops it with SIGTERM.
+//!
+//! On the host, each store's bytes must hold both patterns, its first 32 MiB must pass
+//! `e2fsck -fn`, and the file read back from that image with `debugfs` must be the pattern
+//! the guest wrote.
+
+use std::io::{BufRead, BufReader, Read};
+use std::net::TcpStream;
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+use farmap_testkit::pattern_bytes;
+use farmap_testkit::vm::{Vm, VmError};
+
+const MIB: u64 = 1 << 20;
+/// The device's size.
+const SIZE: u64 = 64 * MIB;
+/// The ext4 file system covers the first 32 MiB; the patterns lie beyond it.
+const FS_MIB: u64 = 32;
+/// Written with pwrite + fsync: an odd offset and length.
+const WRITE_RANGE: (u64, u64, u64) = (40 * MIB + 1000, 3 * MIB + 77, 11);
+/// Written through a MAP_SHARED mapping + msync: an offset inside a page.
+const MMAP_RANGE: (u64, u64, u64) = (48 * MIB + 3 * 4096 + 100, MIB + 333, 12);
+/// The file written into the ext4 file system.
+const FILE: (u64, u64) = (MIB + 5, 13);
+
+fn farmap_bin() -> &'static str {
+    env!("CARGO_BIN_EXE_farmap")
+}
+
+/// A child process killed (and reaped) when dropped.
+struct Proc(Child);
+
+impl Drop for Proc {
+    fn drop(&mut self) {
+        let _ = self.0.kill();
+        let _ = self.0.wait();
+    }
+}
+
+/// An NBD server for the guest's kernel client.
+struct NbdServer {
+    proc: Proc,
+    port: u16,
+    export: String,
+    /// The store spec the host reads the served bytes back from, after [`NbdServer::stop`].
+    store: String,
+}
+
+impl NbdServer {
+    /// Stops the server (it flushes what it holds).
+    fn stop(mut self) {
+        let _ = Command::new("kill")
+            .args(["-TERM", &self.proc.0.id().to_string()])
+            .status();
+        let _ = self.proc.0.wait();
+    }
+}
+
+// ============================================================================================
+// THE NBD SERVER. Until farmap's own NBD server is merged, `nbdkit file` serves a file the
+// host reads afterwards. After the merge, replace the body with:
+//     farmap serve --nbd dir:DIR/nbd?size=64MiB --listen 127.0.0.1:PORT   (export "farmap")
+// and return `store: format!("dir:{}/nbd", dir.display())`; nothing else in this test
+// depends on which server it is.
+// ============================================================================================
+fn start_nbd_server(dir: &Path) -> Result<NbdServer, String> {
+    if Command::new("nbdkit").arg("--version").output().is_err() {
+        let _ = Command::new("apt-get")
+            .args(["install", "-y", "-qq", "--no-install-recommends", "nbdkit"])
+            .env("DEBIAN_FRONTEND", "noninteractive")
+            .status();
+    }
+    let image = dir.join("nbd.img");
+    std::fs::File::create(&image)
+        .and_then(|f| f.set_len(SIZE))
+        .map_err(|e| format!("cannot create {}: {e}", image.display()))?;
+    let port = free_port();
+    let child = Command::new("nbdkit")
+        .args(["--foreground", "--exit-with-parent", "-i", "127.0.0.1", "-p"])
+        .arg(port.to_string())
+        .arg("file")
+        .arg(&image)
+        .stdout(Stdio::null())
+        .stderr(Stdio::inherit())
+        .spawn()
+        .map_err(|e| format!("cannot start nbdkit (apt-get install nbdkit): {e}"))?;
+    let proc = Proc(child);
+    wait_for_port(port)?;
+    Ok(NbdServer {
+        proc,
+        port,
+        export: "farmap".into(),
+        store: format!("file:{}", image.display()),
+    })
+}
+
+/// A `farmap serve` of a directory store, for the guest's ublk device.
+fn start_farmap_serve(dir: &Path) -> (Proc, u16, String) {
+    let spec = format!("dir:{}/ublk?size=64MiB", dir.display());
+    let mut child = Command::new(farmap_bin())
+        .args(["serve", &spec, "--listen", "127.0.0.1:0", "--quiet"])
+        .stdout(Stdio::null())
+        .stderr(Stdio::piped())
+        .spawn()
+        .expect("start farmap serve");
+    let mut stderr = BufReader::new(child.stderr.take().unwrap());
+    let mut line = String::new();
+    stderr.read_line(&mut line).unwrap();
+    let addr = line
+        .split("listening on ")
+        .nth(1)
+        .and_then(|rest| rest.split_whitespace().next())
+        .unwrap_or_else(|| panic!("no address in {line:?}"))
+        .to_owned();
+    // Keep draining its stderr so that it never blocks on a full pipe.
+    std::thread::spawn(move || {
+        let mut rest = String::new();
+        let _ = stderr.read_to_string(&mut rest);
+        if !rest.trim().is_empty() {
+            eprintln!("farmap serve (ublk store): {rest}");
+        }
+    });
+    let port = addr.rsplit(':').next().unwrap().parse().unwrap();
+    (Proc(child), port, format!("dir:{}/ublk", dir.display()))
+}
+
+fn free_port() -> u16 {
+    std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port()
+}
+
+fn wait_for_port(port: u16) -> Result<(), String> {
+    let deadline = Instant::now() + Duration::from_secs(20);
+    while Instant::now() < deadline {
+        if TcpStream::connect(("127.0.0.1", port)).is_ok() {
+            return Ok(());
+        }
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    Err(format!("nothing listens on 127.0.0.1:{port} after 20 s"))
+}
+
+/// The checks the guest runs on block device `$DEV` (a shell fragment).
+fn device_checks(tag: &str) -> String {
+    let (wo, wl, ws) = WRITE_RANGE;
+    let (mo, ml, ms) = MMAP_RANGE;
+    let (fl, fs) = FILE;
+    format!(
+        r#"
+farmap __guest pattern-write $DEV {wo} {wl} {ws}
+farmap __guest pattern-check $DEV {wo} {wl} {ws}
+farmap __guest mmap-write $DEV {mo} {ml} {ms}
+farmap __guest mmap-check $DEV {mo} {ml} {ms}
+farmap __guest pattern-check $DEV {mo} {ml} {ms}
+mkfs.ext4 -F -q $DEV {FS_MIB}M
+mkdir -p /mnt/{tag}
+mount -t ext4 $DEV /mnt/{tag}
+farmap __guest pattern-write /mnt/{tag}/data 0 {fl} {fs}
+umount /mnt/{tag}
+mount -t ext4 $DEV /mnt/{tag}
+farmap __guest pattern-check /mnt/{tag}/data 0 {fl} {fs}
+echo "MARK {tag}-file $(md5sum /mnt/{tag}/data | cut -d' ' -f1)"
+umount /mnt/{tag}
+farmap __guest pattern-check $DEV {wo} {wl} {ws}
+"#
+    )
+}
+
+fn guest_script(nbd: &NbdServer, farmap_port: u16) -> String {
+    format!(
+        r#"
+# --- kernel NBD client, 4 sockets ---
+nbd-client 10.0.2.2 {nport} /dev/nbd0 -N {export} -C 4
+DEV=/dev/nbd0
+echo "MARK nbd-size $(cat /sys/block/nbd0/size)"
+{nbd_checks}
+sync
+nbd-client -d /dev/nbd0
+echo MARK nbd-done
+
+# --- ublk device served by farmap in the guest over the host's farmap serve ---
+farmap __mount-ublk farmap://10.0.2.2:{fport} --queues 2 >/tmp/ublk.path 2>/tmp/ublk.log &
+UPID=$!
+i=0
+while [ ! -s /tmp/ublk.path ]; do
+  i=$((i+1)); [ $i -lt 300 ] || {{ cat /tmp/ublk.log; exit 1; }}
+  kill -0 $UPID || {{ cat /tmp/ublk.log; exit 1; }}
+  sleep 0.2
+done
+DEV=$(cat /tmp/ublk.path)
+echo "MARK ublk-dev $DEV"
+{ublk_checks}
+sync
+kill -TERM $UPID
+wait $UPID || {{ cat /tmp/ublk.log; exit 1; }}
+cat /tmp/ublk.log
+echo MARK ublk-done
+"#,
+        nport = nbd.port,
+        export = nbd.export,
+        fport = farmap_port,
+        nbd_checks = device_checks("nbd"),
+        ublk_checks = device_checks("ublk"),
+    )
+}
+
+/// Copies the store's bytes into a file on the host (`farmap cp`).
+fn host_image(store: &str, dir: &Path, name: &str) -> PathBuf {
+    let out = dir.join(format!("{name}.img"));
+    let o = Command::new(farmap_bin())
+        .args(["cp", store, &format!("file:{}", out.display())])
+        .output()
+        .unwrap();
+    assert!(
+        o.status.success(),
+        "farmap cp {store} failed: {}",
+        String::from_utf8_lossy(&o.stderr)
+    );
+    out
+}
+
+/// The host's checks of what the guest wrote through one device.
+fn check_store(what: &str, store: &str, dir: &Path) {
+    let image = host_image(store, dir, what);
+    let bytes = std::fs::read(&image).unwrap();
+    assert_eq!(bytes.len() as u64, SIZE, "{what}: store size");
+    for (name, (off, len, seed)) in [("pwrite", WRITE_RANGE), ("mmap", MMAP_RANGE)] {
+        let got = &bytes[off as usize..(off + len) as usize];
+        let want = pattern_bytes(seed, off, len as usize);
+        if let Some(i) = got.iter().zip(&want).position(|(g, w)| g != w) {
+            panic!(
+                "{what}: the {name} pattern differs in the store at byte {} ({:#04x}, expected {:#04x})",
+                off + i as u64,
+                got[i],
+                want[i]
+            );
+        }
+    }
+    let fs = dir.join(format!("{what}-fs.img"));
+    std::fs::write(&fs, &bytes[..(FS_MIB * MIB) as usize]).unwrap();
+    let fsck = Command::new("e2fsck").arg("-fn").arg(&fs).output().unwrap();
+    assert!(
+        fsck.status.success(),
+        "{what}: e2fsck -fn of the store's file system failed: {}{}",
+        String::from_utf8_lossy(&fsck.stdout),
+        String::from_utf8_lossy(&fsck.stderr)
+    );
+    let cat = Command::new("debugfs")
+        .args(["-R", "cat /data"])
+        .arg(&fs)
+        .output()
+        .unwrap();
+    assert!(cat.status.success(), "{what}: debugfs cat /data failed");
+    let (flen, fseed) = FILE;
+    assert!(
+        cat.stdout == pattern_bytes(fseed, 0, flen as usize),
+        "{what}: the file in the store's ext4 ({} bytes) is not the pattern the guest wrote ({flen} bytes)",
+        cat.stdout.len()
+    );
+}
+
+#[test]
+fn kernel_nbd_and_ublk_in_a_vm() {
+    const NAME: &str = "kernel_nbd_and_ublk_in_a_vm";
+    let dir = tempfile::tempdir().unwrap();
+    let nbd = match start_nbd_server(dir.path()) {
+        Ok(s) => s,
+        Err(why) => return farmap_testkit::skip(NAME, why),
+    };
+    let (serve, farmap_port, ublk_store) = start_farmap_serve(dir.path());
+    let vm = Vm::new(guest_script(&nbd, farmap_port))
+        .bin(farmap_bin(), "farmap")
+        .timeout(Duration::from_secs(240));
+    let out = match vm.run() {
+        Ok(out) => out,
+        Err(VmError::Unavailable(why)) => return farmap_testkit::skip(NAME, why),
+        Err(e) => panic!("{e}"),
+    };
+    let nbd_store = nbd.store.clone();
+    nbd.stop();
+    // SIGTERM: the server answers what is in flight and flushes the store.
+    let _ = Command::new("kill")
+        .args(["-TERM", &serve.0.id().to_string()])
+        .status();
+    drop(serve);
+
+    assert_eq!(
+        out.mark("nbd-size"),
+        Some((SIZE / 512).to_string().as_str()),
+        "/dev/nbd0's size in sectors"
+    );
+    // nbd-client prints one negotiation line per socket.
+    let sockets = out.console.matches("Negotiation: ..size").count();
+    assert_eq!(sockets, 4, "nbd-client -C 4 negotiated {sockets} sockets");
+    // The same file content through both devices (each checked against the pattern in the
+    // guest, and below on the host).
+    let sums = (out.mark("nbd-file"), out.mark("ublk-file"));
+    assert!(
+        matches!(sums, (Some(a), Some(b)) if a.len() == 32 && a == b),
+        "md5 of the file read back through nbd and ublk: {sums:?}"
+    );
+    assert!(out.mark("nbd-done").is_some() && out.mark("ublk-done").is_some());
+    assert!(
+        out.mark("ublk-dev").is_some_and(|d| d.starts_with("/dev/ublkb")),
+        "the ublk mount printed {:?}",
+        out.mark("ublk-dev")
+    );
+    check_store("nbd", &nbd_store, dir.path());
+    check_store("ublk", &ublk_store, dir.path());
+}
