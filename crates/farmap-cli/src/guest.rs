@@ -96,8 +96,13 @@ fn pattern_write(file: &File, a: &GuestArgs) -> anyhow::Result<()> {
 
 fn pattern_check(file: &File, a: &GuestArgs) -> anyhow::Result<()> {
     // Clean pages are dropped, so the reads below go to the device.
-    fadvise(file, a.offset, std::num::NonZeroU64::new(a.len), Advice::DontNeed)
-        .context("posix_fadvise(DONTNEED)")?;
+    fadvise(
+        file,
+        a.offset,
+        std::num::NonZeroU64::new(a.len),
+        Advice::DontNeed,
+    )
+    .context("posix_fadvise(DONTNEED)")?;
     let mut done = 0;
     let mut buf = vec![0u8; STEP as usize];
     while done < a.len {

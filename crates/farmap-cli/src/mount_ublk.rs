@@ -59,7 +59,10 @@ pub async fn run(store: StoreSpec, opts: UblkMountOpts) -> anyhow::Result<ExitCo
         device.path().display()
     );
     stop_signal().await?;
-    eprintln!("farmap mount: stopping {}, flushing the store", device.path().display());
+    eprintln!(
+        "farmap mount: stopping {}, flushing the store",
+        device.path().display()
+    );
     tokio::task::spawn_blocking(move || device.shutdown())
         .await
         .context("the thread stopping the ublk device failed")?

@@ -4,11 +4,12 @@
 //! - NBD: the guest's `nbd-client` connects with 4 sockets to an NBD server on the host
 //!   ([`start_nbd_server`]), writes a pattern through `/dev/nbd0`, writes another through a
 //!   `MAP_SHARED` mapping of the device, makes an ext4 file system on its first 32 MiB,
-//!   writes a file, remounts and checks it, and disconnects.
+//!   writes a file, remounts and checks it, discards a range, and disconnects.
 //! - ublk: the guest runs `farmap __mount-ublk farmap://10.0.2.2:PORT` (a host `farmap serve`
 //!   of a directory store) and does the same on `/dev/ublkbN`, then stops it with SIGTERM.
 //!
-//! On the host, each store's bytes must hold both patterns, its first 32 MiB must pass
+//! On the host, each store's bytes must hold both patterns, zeros where the guest discarded,
+//! its first 32 MiB must pass
 //! `e2fsck -fn`, and the file read back from that image with `debugfs` must be the pattern
 //! the guest wrote.
 
@@ -30,6 +31,10 @@ const FS_MIB: u64 = 32;
 const WRITE_RANGE: (u64, u64, u64) = (40 * MIB + 1000, 3 * MIB + 77, 11);
 /// Written through a MAP_SHARED mapping + msync: an offset inside a page.
 const MMAP_RANGE: (u64, u64, u64) = (48 * MIB + 3 * 4096 + 100, MIB + 333, 12);
+/// Written with pwrite, then its middle discarded (`blkdiscard`): must read as zeros after.
+const DISCARD_RANGE: (u64, u64, u64) = (56 * MIB, 2 * MIB, 14);
+/// The discarded part of [`DISCARD_RANGE`] (offset, length).
+const DISCARDED: (u64, u64) = (57 * MIB, 256 << 10);
 /// The file written into the ext4 file system.
 const FILE: (u64, u64) = (MIB + 5, 13);
 
@@ -86,7 +91,13 @@ fn start_nbd_server(dir: &Path) -> Result<NbdServer, String> {
         .map_err(|e| format!("cannot create {}: {e}", image.display()))?;
     let port = free_port();
     let child = Command::new("nbdkit")
-        .args(["--foreground", "--exit-with-parent", "-i", "127.0.0.1", "-p"])
+        .args([
+            "--foreground",
+            "--exit-with-parent",
+            "-i",
+            "127.0.0.1",
+            "-p",
+        ])
         .arg(port.to_string())
         .arg("file")
         .arg(&image)
@@ -158,8 +169,12 @@ fn device_checks(tag: &str) -> String {
     let (wo, wl, ws) = WRITE_RANGE;
     let (mo, ml, ms) = MMAP_RANGE;
     let (fl, fs) = FILE;
+    let (dwo, dwl, dws) = DISCARD_RANGE;
+    let (dof, dl) = DISCARDED;
     format!(
         r#"
+farmap __guest pattern-write $DEV {dwo} {dwl} {dws}
+blkdiscard -o {dof} -l {dl} $DEV
 farmap __guest pattern-write $DEV {wo} {wl} {ws}
 farmap __guest pattern-check $DEV {wo} {wl} {ws}
 farmap __guest mmap-write $DEV {mo} {ml} {ms}
@@ -249,6 +264,29 @@ fn check_store(what: &str, store: &str, dir: &Path) {
             );
         }
     }
+    let (dwo, dwl, dws) = DISCARD_RANGE;
+    let (dof, dl) = DISCARDED;
+    let expected: Vec<u8> = pattern_bytes(dws, dwo, dwl as usize)
+        .into_iter()
+        .enumerate()
+        .map(|(i, b)| {
+            let at = dwo + i as u64;
+            if (dof..dof + dl).contains(&at) {
+                0
+            } else {
+                b
+            }
+        })
+        .collect();
+    let got = &bytes[dwo as usize..(dwo + dwl) as usize];
+    if let Some(i) = got.iter().zip(&expected).position(|(g, w)| g != w) {
+        panic!(
+            "{what}: after blkdiscard of {dl} bytes at {dof}, byte {} is {:#04x}, expected {:#04x}",
+            dwo + i as u64,
+            got[i],
+            expected[i]
+        );
+    }
     let fs = dir.join(format!("{what}-fs.img"));
     std::fs::write(&fs, &bytes[..(FS_MIB * MIB) as usize]).unwrap();
     let fsck = Command::new("e2fsck").arg("-fn").arg(&fs).output().unwrap();
@@ -314,7 +352,8 @@ fn kernel_nbd_and_ublk_in_a_vm() {
     );
     assert!(out.mark("nbd-done").is_some() && out.mark("ublk-done").is_some());
     assert!(
-        out.mark("ublk-dev").is_some_and(|d| d.starts_with("/dev/ublkb")),
+        out.mark("ublk-dev")
+            .is_some_and(|d| d.starts_with("/dev/ublkb")),
         "the ublk mount printed {:?}",
         out.mark("ublk-dev")
     );

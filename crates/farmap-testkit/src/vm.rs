@@ -99,13 +99,15 @@ impl Vm {
     /// Puts the executable `path` into the guest as `/bin/<name>` (stripped, with the
     /// libraries it links).
     pub fn bin(mut self, path: impl AsRef<Path>, name: &str) -> Self {
-        self.bins.push((path.as_ref().to_path_buf(), name.to_string()));
+        self.bins
+            .push((path.as_ref().to_path_buf(), name.to_string()));
         self
     }
 
     /// Puts the file `path` into the guest at `dest` (an absolute path).
     pub fn file(mut self, path: impl AsRef<Path>, dest: &str) -> Self {
-        self.files.push((path.as_ref().to_path_buf(), dest.to_string()));
+        self.files
+            .push((path.as_ref().to_path_buf(), dest.to_string()));
         self
     }
 

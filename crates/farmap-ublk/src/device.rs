@@ -120,12 +120,9 @@ impl UblkDevice {
         opts: &UblkOptions,
         runtime: tokio::runtime::Handle,
     ) -> Result<UblkDevice, UblkDeviceError> {
-        if !Path::new(UBLK_CONTROL).exists() {
-            return Err(UblkDeviceError::NoDriver);
-        }
         let geometry = store.geometry();
         let size = geometry.size();
-        if size == 0 || size % (1 << SECTOR_SHIFT) != 0 {
+        if size == 0 || !size.is_multiple_of(1 << SECTOR_SHIFT) {
             return Err(UblkDeviceError::SizeNotSectors { size });
         }
         if opts.queues == 0 || opts.depth == 0 || opts.depth > 4096 {
@@ -139,6 +136,9 @@ impl UblkDevice {
                 "the largest request must be a power of two of at least 4096 bytes (got {})",
                 opts.max_io_bytes
             )));
+        }
+        if !Path::new(UBLK_CONTROL).exists() {
+            return Err(UblkDeviceError::NoDriver);
         }
         let caps = store.caps();
         let chunk_shift = geometry.chunk_size().trailing_zeros();
@@ -273,4 +273,81 @@ fn run_device(
     ran.map_err(|source| UblkDeviceError::Start { dev_id, source })?;
     flushed.map_err(|source| UblkDeviceError::Flush { dev_id, source })?;
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use farmap_core::Geometry;
+    use farmap_store::MemoryStore;
+
+    fn store(size: u64) -> Arc<dyn Store> {
+        Arc::new(MemoryStore::new(Geometry::new(size, 4096).unwrap()))
+    }
+
+    fn runtime() -> tokio::runtime::Runtime {
+        tokio::runtime::Builder::new_current_thread()
+            .build()
+            .unwrap()
+    }
+
+    #[test]
+    fn a_size_that_is_not_whole_sectors_is_refused() {
+        let rt = runtime();
+        let err = UblkDevice::start(
+            store(4096 + 100),
+            &UblkOptions::default(),
+            rt.handle().clone(),
+        )
+        .unwrap_err();
+        assert!(
+            matches!(err, UblkDeviceError::SizeNotSectors { size: 4196 }),
+            "{err:?}"
+        );
+    }
+
+    #[test]
+    fn bad_options_are_refused_before_the_driver_is_asked() {
+        let rt = runtime();
+        for opts in [
+            UblkOptions {
+                queues: 0,
+                ..UblkOptions::default()
+            },
+            UblkOptions {
+                depth: 0,
+                ..UblkOptions::default()
+            },
+            UblkOptions {
+                max_io_bytes: 3000,
+                ..UblkOptions::default()
+            },
+        ] {
+            let err = UblkDevice::start(store(1 << 20), &opts, rt.handle().clone()).unwrap_err();
+            assert!(
+                matches!(err, UblkDeviceError::Options(_)),
+                "{opts:?}: {err:?}"
+            );
+        }
+    }
+
+    #[test]
+    fn without_the_driver_the_error_says_so() {
+        if Path::new(UBLK_CONTROL).exists() {
+            // The kernel tests (crates/farmap-cli/tests/kernel_vm.rs) run a device for real.
+            return farmap_testkit::skip(
+                "without_the_driver_the_error_says_so",
+                "this kernel has ublk_drv loaded, so the missing-driver error cannot happen",
+            );
+        }
+        let rt = runtime();
+        let err = UblkDevice::start(store(1 << 20), &UblkOptions::default(), rt.handle().clone())
+            .unwrap_err();
+        assert!(matches!(err, UblkDeviceError::NoDriver), "{err:?}");
+        let msg = err.to_string();
+        assert!(
+            msg.contains("ublk_drv") && msg.contains(UBLK_CONTROL),
+            "{msg}"
+        );
+    }
 }

@@ -99,9 +99,11 @@ pub(crate) fn run_queue(qid: u16, udev: &UblkDev, shared: Arc<Shared>) {
 /// wakes the thread waiting on the ring.
 async fn kick_task(kick: Kick) {
     loop {
-        let sqe =
-            io_uring::opcode::PollAdd::new(io_uring::types::Fd(kick.0.as_raw_fd()), libc::POLLIN as u32)
-                .build();
+        let sqe = io_uring::opcode::PollAdd::new(
+            io_uring::types::Fd(kick.0.as_raw_fd()),
+            libc::POLLIN as u32,
+        )
+        .build();
         if ublk_submit_sqe_async(sqe, UblkUringData::Target as u64)
             .await
             .is_err()
@@ -157,8 +159,12 @@ async fn handle(
     let sh = shared.clone();
     let result: StoreResult<()> = match op {
         UBLK_IO_OP_READ => {
-            match on_runtime(shared, kick, async move { sh.dev.read_bytes(offset, len).await })
-                .await
+            match on_runtime(
+                shared,
+                kick,
+                async move { sh.dev.read_bytes(offset, len).await },
+            )
+            .await
             {
                 Ok(data) => {
                     buf[..len].copy_from_slice(&data);
@@ -169,7 +175,10 @@ async fn handle(
         }
         UBLK_IO_OP_WRITE => {
             let data = Bytes::copy_from_slice(&buf[..len]);
-            on_runtime(shared, kick, async move { sh.dev.write_bytes(offset, data).await }).await
+            on_runtime(shared, kick, async move {
+                sh.dev.write_bytes(offset, data).await
+            })
+            .await
         }
         UBLK_IO_OP_FLUSH => on_runtime(shared, kick, async move { sh.dev.flush().await }).await,
         UBLK_IO_OP_DISCARD | UBLK_IO_OP_WRITE_ZEROES => {
