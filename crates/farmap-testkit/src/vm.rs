@@ -18,7 +18,7 @@ use crate::service::repo_root;
 #[derive(Debug)]
 pub enum VmError {
     /// This machine cannot run the VM (no qemu and it could not be installed, the kernel could
-    /// not be fetched...): the test should [`skip`](crate::skip) with this reason.
+    /// not be fetched...): the test should [`skip`](fn@crate::skip) with this reason.
     Unavailable(String),
     /// The guest script failed, the guest died or it timed out; `console_tail` is the end of
     /// the serial console.
