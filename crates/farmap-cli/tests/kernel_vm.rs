@@ -327,6 +327,11 @@ fn kernel_nbd_and_ublk_in_a_vm() {
         Err(VmError::Unavailable(why)) => return farmap_testkit::skip(NAME, why),
         Err(e) => panic!("{e}"),
     };
+    // For the log (shown with --nocapture or when an assertion below fails).
+    eprintln!("guest marks: {:?}", out.marks);
+    for line in out.console.lines().filter(|l| l.starts_with("farmap")) {
+        eprintln!("guest: {line}");
+    }
     let nbd_store = nbd.store.clone();
     nbd.stop();
     // SIGTERM: the server answers what is in flight and flushes the store.
