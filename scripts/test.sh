@@ -13,9 +13,11 @@ step() { printf '\n=== %s\n' "$*" >&2; }
 # Debian packages the suite uses; installed only when missing (apt-get needs root).
 # util-linux: setpriv, to run farmap as `nobody` (cli.rs: permission_errors_name_the_path).
 # g++: libfuzzer-sys's build script compiles libFuzzer for the fuzz crate's check.
-# qemu-system-x86 ... e2fsprogs: the kernel NBD/ublk tests' VM (scripts/vm/run.sh); nbdkit:
-# their NBD server until farmap's own; libclang-dev: bindgen for libublk's sys crate.
-PKGS=(util-linux g++ qemu-system-x86 nbd-client busybox-static cpio xz-utils e2fsprogs nbdkit libclang-dev)
+# qemu-system-x86 ... e2fsprogs: the kernel NBD/ublk tests' VM (scripts/vm/run.sh);
+# libclang-dev: bindgen for libublk's sys crate.
+# nbdkit libnbd-bin qemu-utils fio fuse3: real NBD peers (farmap-nbd's interop tests, bench nbd).
+PKGS=(util-linux g++ qemu-system-x86 nbd-client busybox-static cpio xz-utils e2fsprogs libclang-dev
+  nbdkit libnbd-bin qemu-utils fio fuse3)
 missing=()
 for p in "${PKGS[@]}"; do
   dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")

@@ -17,6 +17,7 @@ mod mount_ublk;
 mod output;
 mod proxy;
 mod serve;
+mod serve_nbd;
 
 /// Store specs, shown in every command's help.
 const SPEC_HELP: &str = "\
@@ -61,7 +62,8 @@ enum Command {
     /// Forward TCP connections through an emulated slow link (added round-trip time and
     /// bandwidth), for benchmarks and tests; runs until Ctrl-C.
     Proxy(proxy::ProxyArgs),
-    /// Serve a store to other hosts (farmap://, farmaps://, farmap+unix: clients) until Ctrl-C.
+    /// Serve a store to other hosts (farmap://, farmaps://, farmap+unix: clients, or NBD
+    /// clients with --nbd) until Ctrl-C.
     #[command(after_help = SPEC_HELP)]
     Serve(serve::ServeArgs),
     /// Migrate a live region away: tell the application's migration agent to seed it, show

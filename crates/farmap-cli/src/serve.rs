@@ -16,45 +16,62 @@ use crate::output::ServerTlsArgs;
 #[derive(Debug, Args)]
 pub struct ServeArgs {
     /// The store to serve (any spec, even a remote one: the server then relays).
-    store: StoreSpec,
+    pub(crate) store: StoreSpec,
     /// Where to listen: IP:PORT, or unix:/path for a Unix socket. Port 0 picks a free port
-    /// (the address is printed on stderr).
-    #[arg(long, default_value = "127.0.0.1:7400")]
-    listen: ListenAddr,
+    /// (the address is printed on stderr). Default 127.0.0.1:7400 (127.0.0.1:10809 with
+    /// --nbd).
+    #[arg(long)]
+    pub(crate) listen: Option<ListenAddr>,
     #[command(flatten)]
-    tls: ServerTlsArgs,
+    pub(crate) tls: ServerTlsArgs,
     /// Refuse writes and trims.
     #[arg(long)]
-    read_only: bool,
+    pub(crate) read_only: bool,
     /// Clients served at once; more are refused with a clear reason.
     #[arg(long, default_value_t = 256, value_parser = clap::value_parser!(u32).range(1..=1_000_000))]
-    max_connections: u32,
+    pub(crate) max_connections: u32,
     /// Requests worked on at once per connection (more wait in the socket).
     #[arg(long, default_value_t = 128, value_parser = clap::value_parser!(u32).range(1..=65536))]
-    max_in_flight: u32,
+    pub(crate) max_in_flight: u32,
     /// Close a connection that sends nothing for this long with nothing in flight, or whose
     /// replies have not been read for this long (e.g. 30s, 2m is 120s).
     #[arg(long, default_value = "120s", value_parser = parse_duration)]
-    idle_timeout: Duration,
+    pub(crate) idle_timeout: Duration,
     /// Time a client has to finish the TLS and farmap handshakes (native protocol only).
     #[arg(long, value_parser = parse_duration)]
-    handshake_timeout: Option<Duration>,
+    pub(crate) handshake_timeout: Option<Duration>,
     /// Bytes of requests in flight and replies not yet sent, over all connections (native
     /// protocol only; each connection also has its own budget of 32 MiB). Default 256MiB.
     #[arg(long, value_parser = parse_size_arg)]
-    max_memory: Option<u64>,
+    pub(crate) max_memory: Option<u64>,
     /// Serve the gRPC service (`farmap.v1.Store`, for other languages and tools) instead of
     /// farmap's native protocol; clients use `farmap+grpc://HOST:PORT`. TCP only, no TLS.
     #[arg(long, conflicts_with_all = ["tls_cert", "tls_key", "tls_client_ca"])]
     grpc: bool,
+    /// Serve NBD (for qemu, nbdinfo/nbdcopy, nbdkit, the kernel's nbd-client) instead of
+    /// farmap's protocol: STORE is the default export (named ""); TLS by STARTTLS.
+    #[arg(long, conflicts_with = "grpc")]
+    pub(crate) nbd: bool,
+    /// With --nbd: another export, NAME=SPEC (repeatable).
+    #[arg(long = "export", value_name = "NAME=SPEC", requires = "nbd")]
+    pub(crate) exports: Vec<String>,
     /// Do not log connections: only warnings and errors (the listening address and shutdown
     /// are still printed). `FARMAP_LOG` overrides it.
     #[arg(long, short)]
     pub(crate) quiet: bool,
 }
 
+impl ServeArgs {
+    /// `--listen`, or `default`.
+    pub(crate) fn listen(&self, default: &str) -> ListenAddr {
+        self.listen
+            .clone()
+            .unwrap_or_else(|| default.parse().expect("a valid default address"))
+    }
+}
+
 /// Resolves on Ctrl-C or SIGTERM.
-async fn stop_signal() -> anyhow::Result<()> {
+pub(crate) async fn stop_signal() -> anyhow::Result<()> {
     use tokio::signal::unix::{signal, SignalKind};
     let mut term = signal(SignalKind::terminate()).context("listening for SIGTERM")?;
     tokio::select! {
@@ -71,10 +88,14 @@ pub async fn run(args: ServeArgs) -> anyhow::Result<ExitCode> {
     if args.grpc {
         return run_grpc(args, store).await;
     }
+    if args.nbd {
+        return crate::serve_nbd::run(args, store).await;
+    }
     let tls = args.tls.config();
-    let listener = Listener::bind(&args.listen)
+    let listen = args.listen("127.0.0.1:7400");
+    let listener = Listener::bind(&listen)
         .await
-        .with_context(|| format!("cannot listen on {}", args.listen))?;
+        .with_context(|| format!("cannot listen on {listen}"))?;
     let defaults = ServeOptions::default();
     let opts = ServeOptions {
         read_only: args.read_only,
@@ -126,8 +147,9 @@ async fn run_grpc(
     args: ServeArgs,
     store: std::sync::Arc<dyn farmap::Store>,
 ) -> anyhow::Result<ExitCode> {
-    let ListenAddr::Tcp(addr) = &args.listen else {
-        anyhow::bail!("--grpc listens on TCP only (IP:PORT), not {}", args.listen);
+    let listen = args.listen("127.0.0.1:7400");
+    let ListenAddr::Tcp(addr) = &listen else {
+        anyhow::bail!("--grpc listens on TCP only (IP:PORT), not {listen}");
     };
     if args.max_memory.is_some() {
         anyhow::bail!(

@@ -159,7 +159,7 @@ impl Listener {
     }
 
     /// Accepts one connection: the stream and a name for the peer, for logs.
-    pub(crate) async fn accept(&self) -> io::Result<(BoxStream, String)> {
+    pub async fn accept(&self) -> io::Result<(BoxStream, String)> {
         match self {
             Listener::Tcp(l) => {
                 let (s, peer) = l.accept().await?;
@@ -174,7 +174,7 @@ impl Listener {
     }
 
     /// Removes a Unix socket's path (called at shutdown).
-    pub(crate) fn cleanup(&self) {
+    pub fn cleanup(&self) {
         if let Listener::Unix(_, p) = self {
             let _ = std::fs::remove_file(p);
         }

@@ -6,6 +6,7 @@ use std::time::Duration;
 
 use clap::Subcommand;
 
+mod nbd;
 mod net;
 mod proxy;
 mod pull;
@@ -31,6 +32,10 @@ pub enum BenchCommand {
     /// in this process), against a plain TCP stream through the same link: throughput and
     /// first-chunk latency per round-trip time.
     Net(net::NetArgs),
+    /// farmap's NBD server against `nbdkit memory` and `qemu-nbd` (a file in /dev/shm):
+    /// sequential read and write with nbdcopy, 4 KiB random reads with fio at queue depth 1
+    /// and 16.
+    Nbd(nbd::NbdArgs),
     /// The pipeline's timer and the Delayed stage: how late sleeps end (never early), against
     /// tokio's sleep, and how close a Delayed store runs to its latency and bandwidth.
     Timer(timer::TimerArgs),
@@ -44,6 +49,7 @@ pub async fn run(cmd: BenchCommand) -> anyhow::Result<ExitCode> {
         BenchCommand::Pull(args) => pull::run(args).await,
         BenchCommand::Uffd(args) => uffd::run(args).await,
         BenchCommand::Net(args) => net::run(args).await,
+        BenchCommand::Nbd(args) => nbd::run_bench(args).await,
         BenchCommand::Timer(args) => timer::run(args).await,
         BenchCommand::Proxy(args) => proxy::run(args).await,
     }

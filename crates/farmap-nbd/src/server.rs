@@ -1,0 +1,364 @@
+//! The accept loop, the options, and the running server.
+
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::Arc;
+use std::time::Duration;
+
+use farmap_core::{Caps, Store, StoreError};
+use farmap_nbd_proto::consts::{tflag, DEFAULT_MAX_PAYLOAD};
+use farmap_nbd_proto::{BlockSize, ExportInfo, ServerConfig, TlsMode};
+use farmap_net::{ListenAddr, Listener, TlsConfigError, TlsServerConfig};
+use farmap_pipeline::Unaligned;
+use tokio::sync::watch;
+use tokio::task::JoinSet;
+use tokio_rustls::TlsAcceptor;
+
+use crate::conn::connection;
+use crate::ops::ExportCtx;
+
+/// One export: a name and the store behind it.
+#[derive(Debug, Clone)]
+pub struct Export {
+    /// The name clients ask for (`""` is the default export).
+    pub name: String,
+    /// A description shown by `nbdinfo --list`.
+    pub description: String,
+    /// The store.
+    pub store: Arc<dyn Store>,
+    /// Refuse writes, trims and zeroing on this export.
+    pub read_only: bool,
+}
+
+/// How the NBD server serves.
+#[derive(Debug, Clone)]
+pub struct NbdServeOptions {
+    /// Connections served at once; more are closed at once.
+    pub max_connections: usize,
+    /// Requests worked on at once per connection.
+    pub max_in_flight_per_conn: usize,
+    /// TLS by `NBD_OPT_STARTTLS` (required of every client when set); with a client CA,
+    /// mutual TLS.
+    pub tls: Option<TlsServerConfig>,
+    /// Largest payload of one read or write (announced in `NBD_INFO_BLOCK_SIZE`).
+    pub max_payload: u32,
+    /// Time a client has to finish the handshake (TLS included).
+    pub handshake_timeout: Duration,
+    /// A connection that sends nothing for this long with nothing in flight is closed; so
+    /// is one that does not read its replies for this long.
+    pub idle_timeout: Duration,
+    /// Bytes of requests in flight and replies queued per connection (raised to at least
+    /// two maximum payloads).
+    pub conn_budget: usize,
+    /// How long [`NbdServer::shutdown`] waits for connections to finish.
+    pub shutdown_grace: Duration,
+    /// Log connections at `info` (else `debug`).
+    pub log: bool,
+}
+
+impl Default for NbdServeOptions {
+    /// 256 connections, 128 requests in flight each, no TLS, 32 MiB payloads, 10 s
+    /// handshake, 120 s idle, 64 MiB per connection, 10 s grace, logging on.
+    fn default() -> Self {
+        Self {
+            max_connections: 256,
+            max_in_flight_per_conn: 128,
+            tls: None,
+            max_payload: DEFAULT_MAX_PAYLOAD,
+            handshake_timeout: Duration::from_secs(10),
+            idle_timeout: Duration::from_secs(120),
+            conn_budget: 2 * DEFAULT_MAX_PAYLOAD as usize,
+            shutdown_grace: Duration::from_secs(10),
+            log: true,
+        }
+    }
+}
+
+/// Why the server could not start or stop cleanly.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum NbdServeError {
+    /// The TLS files could not be used.
+    #[error("the NBD server's TLS configuration is unusable")]
+    Tls(#[from] TlsConfigError),
+    /// Two exports with one name, or none at all.
+    #[error("{0}")]
+    Exports(String),
+    /// An option out of range.
+    #[error("{what} must be from {min} to {max}, not {value}")]
+    BadOption {
+        /// The option.
+        what: &'static str,
+        /// Its value.
+        value: u64,
+        /// Smallest allowed.
+        min: u64,
+        /// Largest allowed.
+        max: u64,
+    },
+    /// The listener's address could not be read.
+    #[error("cannot tell which address the NBD server listens on")]
+    LocalAddr(#[source] std::io::Error),
+    /// The final flush of an export failed.
+    #[error("flushing export {name:?} at shutdown failed")]
+    Flush {
+        /// The export.
+        name: String,
+        /// Why.
+        #[source]
+        source: StoreError,
+    },
+}
+
+pub(crate) struct Ctx {
+    pub(crate) exports: Vec<Arc<ExportCtx>>,
+    pub(crate) handshake: ServerConfig,
+    pub(crate) opts: NbdServeOptions,
+    pub(crate) tls: Option<TlsAcceptor>,
+    pub(crate) shutdown: watch::Receiver<bool>,
+    pub(crate) conn_budget: usize,
+}
+
+impl Ctx {
+    pub(crate) fn note(&self, msg: std::fmt::Arguments<'_>) {
+        if self.opts.log {
+            tracing::info!("{msg}");
+        } else {
+            tracing::debug!("{msg}");
+        }
+    }
+}
+
+/// A running NBD server. Dropping it stops it abruptly; [`shutdown`](Self::shutdown) stops
+/// it cleanly.
+#[derive(Debug)]
+pub struct NbdServer {
+    addr: ListenAddr,
+    stop: watch::Sender<bool>,
+    task: Option<tokio::task::JoinHandle<()>>,
+    exports: Vec<Export>,
+    connections: Arc<AtomicUsize>,
+}
+
+/// The transmission flags of an export.
+fn flags_for(caps: Caps, read_only: bool) -> u16 {
+    let mut f = tflag::HAS_FLAGS
+        | tflag::SEND_FLUSH
+        | tflag::SEND_FUA
+        | tflag::SEND_CACHE
+        | tflag::CAN_MULTI_CONN;
+    if read_only {
+        f |= tflag::READ_ONLY;
+    } else {
+        f |= tflag::SEND_TRIM | tflag::SEND_WRITE_ZEROES | tflag::SEND_FAST_ZERO;
+    }
+    let _ = caps;
+    f
+}
+
+/// Serves `exports` on `listener` until [`NbdServer::shutdown`]. Must be called from within
+/// a Tokio runtime.
+///
+/// Every connection to an export shares one byte-range stage over its store, so a flush on
+/// any connection covers the writes completed on all of them (`NBD_FLAG_CAN_MULTI_CONN`).
+pub fn serve_nbd(
+    exports: Vec<Export>,
+    listener: Listener,
+    opts: NbdServeOptions,
+) -> Result<NbdServer, NbdServeError> {
+    if exports.is_empty() {
+        return Err(NbdServeError::Exports("there is no export to serve".into()));
+    }
+    for (i, e) in exports.iter().enumerate() {
+        if exports[..i].iter().any(|o| o.name == e.name) {
+            return Err(NbdServeError::Exports(format!(
+                "export {:?} is named twice",
+                e.name
+            )));
+        }
+        if e.name.len() > farmap_nbd_proto::consts::MAX_STRING {
+            return Err(NbdServeError::Exports(
+                "export names are limited to 4096 bytes".into(),
+            ));
+        }
+    }
+    let check = |what, value: u64, min: u64, max: u64| {
+        if (min..=max).contains(&value) {
+            Ok(())
+        } else {
+            Err(NbdServeError::BadOption {
+                what,
+                value,
+                min,
+                max,
+            })
+        }
+    };
+    check(
+        "the maximum payload",
+        opts.max_payload.into(),
+        64 * 1024,
+        256 << 20,
+    )?;
+    check(
+        "the limit of requests in flight per connection",
+        opts.max_in_flight_per_conn as u64,
+        1,
+        65536,
+    )?;
+    check(
+        "the connection limit",
+        opts.max_connections as u64,
+        1,
+        1 << 20,
+    )?;
+    let tls = match &opts.tls {
+        Some(t) => Some(TlsAcceptor::from(t.build()?)),
+        None => None,
+    };
+    let addr = listener.local_addr().map_err(NbdServeError::LocalAddr)?;
+    let mut infos = Vec::new();
+    let mut ctxs = Vec::new();
+    for e in &exports {
+        let g = e.store.geometry();
+        let caps = e.store.caps();
+        let read_only = e.read_only || !caps.contains(Caps::WRITE);
+        let flags = flags_for(caps, read_only);
+        let block = BlockSize {
+            min: 1,
+            preferred: g.chunk_size().max(512),
+            max: opts.max_payload.max(g.chunk_size()),
+        };
+        infos.push(ExportInfo {
+            name: e.name.clone(),
+            description: e.description.clone(),
+            size: g.size(),
+            flags,
+            block,
+        });
+        ctxs.push(Arc::new(ExportCtx {
+            name: e.name.clone(),
+            store: Arc::new(Unaligned::new(e.store.clone())),
+            size: g.size(),
+            chunk: g.chunk_size().into(),
+            read_only,
+            caps,
+            max_payload: opts.max_payload,
+        }));
+    }
+    let (stop, shutdown) = watch::channel(false);
+    let connections = Arc::new(AtomicUsize::new(0));
+    let conn_budget = opts
+        .conn_budget
+        .max(2 * opts.max_payload as usize + 4096)
+        .min(u32::MAX as usize);
+    let ctx = Arc::new(Ctx {
+        exports: ctxs,
+        handshake: ServerConfig {
+            exports: infos,
+            tls: if tls.is_some() {
+                TlsMode::Required
+            } else {
+                TlsMode::Off
+            },
+        },
+        opts,
+        tls,
+        shutdown,
+        conn_budget,
+    });
+    let task = tokio::spawn(accept_loop(listener, ctx, connections.clone()));
+    Ok(NbdServer {
+        addr,
+        stop,
+        task: Some(task),
+        exports,
+        connections,
+    })
+}
+
+impl NbdServer {
+    /// The address the server listens on (with the real port when port 0 was asked for).
+    pub fn local_addr(&self) -> &ListenAddr {
+        &self.addr
+    }
+
+    /// Connections being served right now.
+    pub fn connections(&self) -> usize {
+        self.connections.load(Ordering::Relaxed)
+    }
+
+    /// Stops accepting, lets the requests in flight be answered, closes every connection,
+    /// and flushes every export.
+    pub async fn shutdown(mut self) -> Result<(), NbdServeError> {
+        let _ = self.stop.send(true);
+        if let Some(task) = self.task.take() {
+            let _ = task.await;
+        }
+        for e in &self.exports {
+            e.store
+                .flush()
+                .await
+                .map_err(|source| NbdServeError::Flush {
+                    name: e.name.clone(),
+                    source,
+                })?;
+        }
+        Ok(())
+    }
+}
+
+impl Drop for NbdServer {
+    fn drop(&mut self) {
+        let _ = self.stop.send(true);
+    }
+}
+
+async fn accept_loop(listener: Listener, ctx: Arc<Ctx>, connections: Arc<AtomicUsize>) {
+    let mut shutdown = ctx.shutdown.clone();
+    let mut conns = JoinSet::new();
+    loop {
+        tokio::select! {
+            _ = raised(&mut shutdown) => break,
+            Some(_) = conns.join_next(), if !conns.is_empty() => {
+                connections.store(conns.len(), Ordering::Relaxed);
+            }
+            accepted = listener.accept() => match accepted {
+                Ok((stream, peer)) => {
+                    if conns.len() >= ctx.opts.max_connections {
+                        tracing::warn!(
+                            "refused NBD client {peer}: {} connections are being served \
+                             already (the limit)", conns.len()
+                        );
+                        drop(stream);
+                        continue;
+                    }
+                    conns.spawn(connection(stream, peer, ctx.clone()));
+                    connections.store(conns.len(), Ordering::Relaxed);
+                }
+                Err(e) => {
+                    tracing::warn!("accepting an NBD connection failed: {e}");
+                    tokio::time::sleep(Duration::from_millis(100)).await;
+                }
+            },
+        }
+    }
+    listener.cleanup();
+    drop(listener);
+    let grace = ctx.opts.shutdown_grace;
+    let drained =
+        tokio::time::timeout(grace, async { while conns.join_next().await.is_some() {} }).await;
+    if drained.is_err() {
+        tracing::warn!(
+            "{} NBD connections still busy after {grace:?}; closing them",
+            conns.len()
+        );
+        conns.shutdown().await;
+    }
+    connections.store(0, Ordering::Relaxed);
+}
+
+/// Resolves once `flag` is (or becomes) true, or its sender is gone.
+pub(crate) async fn raised(flag: &mut watch::Receiver<bool>) {
+    // The guard `wait_for` returns is not `Send`: dropped here, never held across an await.
+    let _ = flag.wait_for(|f| *f).await.map(|_| ());
+}

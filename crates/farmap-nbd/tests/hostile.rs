@@ -1,0 +1,236 @@
+//! Raw-socket clients: errors that must not end the connection, and input that must.
+
+mod common;
+
+use std::time::Duration;
+
+use bytes::Bytes;
+use common::*;
+use farmap_nbd_proto::consts::{cflag, errno};
+use farmap_nbd_proto::{Chunk, Command, Reply, RequestHeader};
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+
+fn req(command: Command, cookie: u64, offset: u64, length: u32) -> RequestHeader {
+    RequestHeader {
+        flags: 0,
+        command,
+        cookie,
+        offset,
+        length,
+    }
+}
+
+fn error_of(replies: &[Reply]) -> Option<u32> {
+    replies.iter().find_map(|r| match r {
+        Reply::Simple { error, .. } if *error != 0 => Some(*error),
+        Reply::Chunk {
+            chunk: Chunk::Error { errno, .. },
+            ..
+        } => Some(*errno),
+        _ => None,
+    })
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn errors_are_answered_and_the_connection_goes_on() {
+    let store = memory(1 << 20, 4096);
+    let ro = memory(1 << 16, 4096);
+    let mut ro_export = export("ro", ro);
+    ro_export.read_only = true;
+    let server = start(vec![export("", store.clone()), ro_export], quiet()).await;
+    for structured in [true, false] {
+        let mut c = Raw::connect(tcp(&server), "", structured).await;
+        assert_eq!(c.details.size, 1 << 20);
+        let lens = |cookie: u64| (cookie >= 100).then_some(4096u32);
+        // Past the end: EINVAL for a read, ENOSPC for a write, EINVAL for a trim.
+        c.send(req(Command::Read, 1, (1 << 20) - 10, 20), &[]).await;
+        assert_eq!(error_of(&c.full_reply(lens).await), Some(errno::EINVAL));
+        c.send(req(Command::Write, 2, 1 << 20, 4), b"abcd").await;
+        assert_eq!(error_of(&c.full_reply(lens).await), Some(errno::ENOSPC));
+        c.send(req(Command::Trim, 3, u64::MAX - 1, 4096), &[]).await;
+        assert_eq!(error_of(&c.full_reply(lens).await), Some(errno::EINVAL));
+        // Unknown command, unknown flag.
+        c.send(req(Command::Other(77), 4, 0, 0), &[]).await;
+        assert_eq!(error_of(&c.full_reply(lens).await), Some(errno::EINVAL));
+        let mut h = req(Command::Flush, 5, 0, 0);
+        h.flags = cflag::REQ_ONE;
+        c.send(h, &[]).await;
+        assert_eq!(error_of(&c.full_reply(lens).await), Some(errno::EINVAL));
+        // The connection still works: write at an odd offset, read it back.
+        c.send(req(Command::Write, 6, 4095, 3), b"xyz").await;
+        assert_eq!(error_of(&c.full_reply(lens).await), None);
+        c.send(req(Command::Read, 100, 4092, 4096), &[]).await;
+        let data = assemble(&c.full_reply(lens).await, 4092, 4096).unwrap();
+        assert_eq!(&data[3..6], b"xyz");
+        assert!(data[..3].iter().chain(&data[6..]).all(|&b| b == 0));
+    }
+    // Block status without a selected context is EINVAL (structured, no meta context).
+    let mut c = Raw::connect(tcp(&server), "", false).await;
+    c.send(req(Command::BlockStatus, 9, 0, 4096), &[]).await;
+    assert_eq!(error_of(&c.full_reply(|_| None).await), Some(errno::EINVAL));
+    // A read-only export refuses writes with EPERM.
+    let mut c = Raw::connect(tcp(&server), "ro", true).await;
+    assert_ne!(
+        c.details.flags & farmap_nbd_proto::consts::tflag::READ_ONLY,
+        0
+    );
+    c.send(req(Command::Write, 1, 0, 2), b"no").await;
+    assert_eq!(error_of(&c.full_reply(|_| None).await), Some(errno::EPERM));
+    c.send(req(Command::WriteZeroes, 2, 0, 4096), &[]).await;
+    assert_eq!(error_of(&c.full_reply(|_| None).await), Some(errno::EPERM));
+    server.shutdown().await.unwrap();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_oversized_write_is_refused_before_its_payload_arrives() {
+    let store = memory(1 << 20, 4096);
+    let server = start(vec![export("", store.clone())], quiet()).await;
+    let mut c = Raw::connect(tcp(&server), "", true).await;
+    let max = c.details.block.unwrap().max;
+    // Only the header: the refusal must come before a single payload byte is sent (the
+    // server cannot have buffered the payload).
+    c.send(req(Command::Write, 7, 0, max + 1), &[]).await;
+    let r = c.full_reply(|_| None).await;
+    assert_eq!(r[0].cookie(), 7);
+    assert_eq!(error_of(&r), Some(errno::EINVAL));
+    // The payload follows (it is skipped), then a normal request is served.
+    let piece = vec![0xeeu8; 1 << 20];
+    let mut left = max as usize + 1;
+    while left > 0 {
+        let n = left.min(piece.len());
+        c.stream.write_all(&piece[..n]).await.unwrap();
+        left -= n;
+    }
+    c.send(req(Command::Write, 8, 8192, 4), b"okay").await;
+    assert_eq!(error_of(&c.full_reply(|_| None).await), None);
+    assert_eq!(
+        store_bytes(&store, 0, 4).await,
+        vec![0; 4],
+        "nothing written"
+    );
+    assert_eq!(store_bytes(&store, 8192, 4).await, b"okay");
+    server.shutdown().await.unwrap();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn bad_magic_closes_the_connection_and_a_vanished_client_hurts_no_one() {
+    let store = memory(1 << 20, 4096);
+    let server = start(vec![export("", store.clone())], quiet()).await;
+    let mut c = Raw::connect(tcp(&server), "", true).await;
+    c.stream
+        .write_all(b"GET / HTTP/1.1\r\nHost: example\r\n\r\n")
+        .await
+        .unwrap();
+    let mut b = [0u8; 64];
+    let n = tokio::time::timeout(Duration::from_secs(10), c.stream.read(&mut b))
+        .await
+        .expect("closed within 10 s")
+        .unwrap_or(0);
+    assert_eq!(n, 0, "the server closes without answering garbage");
+
+    // A client that leaves in the middle of a write payload.
+    let mut gone = Raw::connect(tcp(&server), "", true).await;
+    gone.send(req(Command::Write, 1, 0, 1 << 20), &vec![1u8; 1 << 19])
+        .await;
+    drop(gone);
+    // Another client is served, and the server notices the first one left.
+    let mut c = Raw::connect(tcp(&server), "", true).await;
+    c.send(req(Command::Write, 2, 100, 5), b"still").await;
+    assert_eq!(error_of(&c.full_reply(|_| None).await), None);
+    assert_eq!(
+        store_bytes(&store, 0, 4).await,
+        vec![0; 4],
+        "half a write is not written"
+    );
+    for _ in 0..200 {
+        if server.connections() == 1 {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(25)).await;
+    }
+    assert_eq!(server.connections(), 1);
+    server.shutdown().await.unwrap();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn many_requests_in_flight_are_all_answered_and_disc_finishes_them_first() {
+    let store = memory(4 << 20, 65536);
+    let server = start(vec![export("", store.clone())], quiet()).await;
+    let mut c = Raw::connect(tcp(&server), "", true).await;
+    let data = pattern(4 << 20, 3);
+    // 64 writes of 64 KiB pipelined without waiting, then DISC: every write is answered
+    // and applied before the server closes.
+    for i in 0..64u64 {
+        let at = i as usize * 65536;
+        c.send(
+            req(Command::Write, i, at as u64, 65536),
+            &data[at..at + 65536],
+        )
+        .await;
+    }
+    c.send(req(Command::Disc, 999, 0, 0), &[]).await;
+    let mut seen = std::collections::HashSet::new();
+    while let Some(r) = c.reply(|_| None).await {
+        assert_eq!(error_of(std::slice::from_ref(&r)), None);
+        assert!(seen.insert(r.cookie()));
+    }
+    assert_eq!(seen.len(), 64);
+    assert_eq!(store_bytes(&store, 0, 4 << 20).await, data);
+    // Pipelined reads with structured replies: holes for chunks never written.
+    let mut c = Raw::connect(tcp(&server), "", true).await;
+    c.send(req(Command::Trim, 1, 65536, 65536), &[]).await;
+    c.full_reply(|_| None).await;
+    for i in 0..32u64 {
+        c.send(req(Command::Read, 10 + i, i * 100_003, 100_000), &[])
+            .await;
+    }
+    let mut per: std::collections::HashMap<u64, Vec<Reply>> = Default::default();
+    let mut done = 0;
+    while done < 32 {
+        let r = c.reply(|_| None).await.unwrap();
+        if r.is_final() {
+            done += 1;
+        }
+        per.entry(r.cookie()).or_default().push(r);
+    }
+    let mut expect = data.clone();
+    expect[65536..131072].fill(0);
+    for i in 0..32u64 {
+        let at = (i * 100_003) as usize;
+        let got = assemble(&per[&(10 + i)], at as u64, 100_000).unwrap();
+        assert_eq!(got, &expect[at..at + 100_000], "read {i}");
+    }
+    let holes = per
+        .values()
+        .flatten()
+        .filter(|r| {
+            matches!(
+                r,
+                Reply::Chunk {
+                    chunk: Chunk::OffsetHole { .. },
+                    ..
+                }
+            )
+        })
+        .count();
+    assert!(holes > 0, "the trimmed chunk is sent as a hole");
+    let _ = Bytes::new();
+    server.shutdown().await.unwrap();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_tls_server_refuses_plain_clients_with_tls_required() {
+    let dir = tempfile::tempdir().unwrap();
+    let pki = Pki::new(dir.path());
+    let opts = farmap_nbd::NbdServeOptions {
+        tls: Some(pki.server_tls(false)),
+        ..quiet()
+    };
+    let server = start(vec![export("", memory(1 << 20, 4096))], opts).await;
+    let e = Raw::try_connect(tcp(&server), "", true)
+        .await
+        .err()
+        .expect("refused");
+    assert!(e.to_string().contains("TLS required"), "{e}");
+    server.shutdown().await.unwrap();
+}
