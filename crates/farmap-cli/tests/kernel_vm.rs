@@ -71,97 +71,69 @@ impl NbdServer {
     }
 }
 
-// ============================================================================================
-// THE NBD SERVER. Until farmap's own NBD server is merged, `nbdkit file` serves a file the
-// host reads afterwards. After the merge, replace the body with:
-//     farmap serve --nbd dir:DIR/nbd?size=64MiB --listen 127.0.0.1:PORT   (export "farmap")
-// and return `store: format!("dir:{}/nbd", dir.display())`; nothing else in this test
-// depends on which server it is.
-// ============================================================================================
+/// farmap's own NBD server (`farmap serve --nbd`) of a directory store, exported as `farmap`
+/// (the default export "" is a small memory store the guest never touches). The host reads
+/// the directory store back after [`NbdServer::stop`] (the server flushes on SIGTERM).
 fn start_nbd_server(dir: &Path) -> Result<NbdServer, String> {
-    if Command::new("nbdkit").arg("--version").output().is_err() {
-        let _ = Command::new("apt-get")
-            .args(["install", "-y", "-qq", "--no-install-recommends", "nbdkit"])
-            .env("DEBIAN_FRONTEND", "noninteractive")
-            .status();
-    }
-    let image = dir.join("nbd.img");
-    std::fs::File::create(&image)
-        .and_then(|f| f.set_len(SIZE))
-        .map_err(|e| format!("cannot create {}: {e}", image.display()))?;
-    let port = free_port();
-    let child = Command::new("nbdkit")
-        .args([
-            "--foreground",
-            "--exit-with-parent",
-            "-i",
-            "127.0.0.1",
-            "-p",
-        ])
-        .arg(port.to_string())
-        .arg("file")
-        .arg(&image)
-        .stdout(Stdio::null())
-        .stderr(Stdio::inherit())
-        .spawn()
-        .map_err(|e| format!("cannot start nbdkit (apt-get install nbdkit): {e}"))?;
-    let proc = Proc(child);
-    wait_for_port(port)?;
+    let spec = format!("dir:{}/nbd?size={SIZE}", dir.display());
+    let (proc, port) = spawn_farmap_serve(&[
+        "serve",
+        "--nbd",
+        "memory:1MiB",
+        "--export",
+        &format!("farmap={spec}"),
+        "--listen",
+        "127.0.0.1:0",
+        "--quiet",
+    ])?;
     Ok(NbdServer {
         proc,
         port,
         export: "farmap".into(),
-        store: format!("file:{}", image.display()),
+        store: format!("dir:{}/nbd", dir.display()),
     })
+}
+
+/// Starts `farmap ARGS` (a `serve` on port 0) and reads the port it printed on stderr.
+fn spawn_farmap_serve(args: &[&str]) -> Result<(Proc, u16), String> {
+    let mut child = Command::new(farmap_bin())
+        .args(args)
+        .stdout(Stdio::null())
+        .stderr(Stdio::piped())
+        .spawn()
+        .map_err(|e| format!("cannot start farmap {args:?}: {e}"))?;
+    let mut stderr = BufReader::new(child.stderr.take().unwrap());
+    let mut line = String::new();
+    stderr.read_line(&mut line).map_err(|e| e.to_string())?;
+    let addr = line
+        .split("listening on ")
+        .nth(1)
+        .and_then(|rest| rest.split_whitespace().next())
+        .map(|a| a.trim_end_matches(',').to_owned())
+        .ok_or_else(|| format!("farmap {args:?} printed no address: {line:?}"))?;
+    // Keep draining its stderr so that it never blocks on a full pipe.
+    let what = args[..2].join(" ");
+    std::thread::spawn(move || {
+        let mut rest = String::new();
+        let _ = stderr.read_to_string(&mut rest);
+        if !rest.trim().is_empty() {
+            eprintln!("farmap {what}: {rest}");
+        }
+    });
+    let port = addr
+        .rsplit(':')
+        .next()
+        .and_then(|p| p.parse().ok())
+        .ok_or_else(|| format!("no port in {addr:?}"))?;
+    Ok((Proc(child), port))
 }
 
 /// A `farmap serve` of a directory store, for the guest's ublk device.
 fn start_farmap_serve(dir: &Path) -> (Proc, u16, String) {
     let spec = format!("dir:{}/ublk?size=64MiB", dir.display());
-    let mut child = Command::new(farmap_bin())
-        .args(["serve", &spec, "--listen", "127.0.0.1:0", "--quiet"])
-        .stdout(Stdio::null())
-        .stderr(Stdio::piped())
-        .spawn()
+    let (proc, port) = spawn_farmap_serve(&["serve", &spec, "--listen", "127.0.0.1:0", "--quiet"])
         .expect("start farmap serve");
-    let mut stderr = BufReader::new(child.stderr.take().unwrap());
-    let mut line = String::new();
-    stderr.read_line(&mut line).unwrap();
-    let addr = line
-        .split("listening on ")
-        .nth(1)
-        .and_then(|rest| rest.split_whitespace().next())
-        .unwrap_or_else(|| panic!("no address in {line:?}"))
-        .to_owned();
-    // Keep draining its stderr so that it never blocks on a full pipe.
-    std::thread::spawn(move || {
-        let mut rest = String::new();
-        let _ = stderr.read_to_string(&mut rest);
-        if !rest.trim().is_empty() {
-            eprintln!("farmap serve (ublk store): {rest}");
-        }
-    });
-    let port = addr.rsplit(':').next().unwrap().parse().unwrap();
-    (Proc(child), port, format!("dir:{}/ublk", dir.display()))
-}
-
-fn free_port() -> u16 {
-    std::net::TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
-        .port()
-}
-
-fn wait_for_port(port: u16) -> Result<(), String> {
-    let deadline = Instant::now() + Duration::from_secs(20);
-    while Instant::now() < deadline {
-        if TcpStream::connect(("127.0.0.1", port)).is_ok() {
-            return Ok(());
-        }
-        std::thread::sleep(Duration::from_millis(50));
-    }
-    Err(format!("nothing listens on 127.0.0.1:{port} after 20 s"))
+    (proc, port, format!("dir:{}/ublk", dir.display()))
 }
 
 /// The checks the guest runs on block device `$DEV` (a shell fragment).
