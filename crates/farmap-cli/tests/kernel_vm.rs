@@ -14,10 +14,9 @@
 //! the guest wrote.
 
 use std::io::{BufRead, BufReader, Read};
-use std::net::TcpStream;
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use farmap_testkit::pattern_bytes;
 use farmap_testkit::vm::{Vm, VmError};
