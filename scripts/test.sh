@@ -13,7 +13,9 @@ step() { printf '\n=== %s\n' "$*" >&2; }
 # Debian packages the suite uses; installed only when missing (apt-get needs root).
 # util-linux: setpriv, to run farmap as `nobody` (cli.rs: permission_errors_name_the_path).
 # g++: libfuzzer-sys's build script compiles libFuzzer for the fuzz crate's check.
-PKGS=(util-linux g++)
+# openjdk-17-jre-headless, maven: scripts/services/cassandra.sh runs Cassandra 5.0 from Maven
+# Central jars (cached under ~/.cache/farmap/) for the CQL store's tests.
+PKGS=(util-linux g++ openjdk-17-jre-headless maven)
 missing=()
 for p in "${PKGS[@]}"; do
   dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")

@@ -17,7 +17,7 @@ pub mod service;
 pub mod skip;
 pub mod strategies;
 
-pub use conformance::{run_conformance, run_read_only_conformance};
+pub use conformance::{run_conformance, run_conformance_with, run_read_only_conformance};
 pub use model::ModelStore;
 pub use pattern::{pattern_byte, pattern_bytes, PatternStore};
 pub use service::{Service, ServiceError};
