@@ -221,7 +221,11 @@ async fn trims_delete_whole_and_partial_partitions() {
     };
     let g = model_geometry();
     let store = fresh(svc, "trim", g).await;
-    let written: Vec<ChunkIdx> = g.all().iter().filter(|i| i.0 % 5 == 0 || i.0 == 599).collect();
+    let written: Vec<ChunkIdx> = g
+        .all()
+        .iter()
+        .filter(|i| i.0 % 5 == 0 || i.0 == 599)
+        .collect();
     for &idx in &written {
         store.write(idx, chunk_of(g, idx, 7)).await.expect("write");
     }
@@ -238,7 +242,10 @@ async fn trims_delete_whole_and_partial_partitions() {
         let data = store.read(idx).await.expect("read");
         let status = store.status(idx).await.expect("status");
         if kept {
-            assert!(data == chunk_of(g, idx, 7), "{idx} outside the trims is kept");
+            assert!(
+                data == chunk_of(g, idx, 7),
+                "{idx} outside the trims is kept"
+            );
             assert_eq!(status, ChunkStatus::Data, "{idx}");
         } else {
             assert!(farmap::is_zero(&data), "{idx} reads as zeros");
@@ -259,7 +266,10 @@ async fn the_region_row_keeps_the_geometry() {
         return;
     };
     let region = fresh_region("geom");
-    let base = format!("{}/{KEYSPACE}?table=chunks&region={region}", svc.var("SPEC_BASE"));
+    let base = format!(
+        "{}/{KEYSPACE}?table=chunks&region={region}",
+        svc.var("SPEC_BASE")
+    );
     let g = Geometry::new(3 << 20, 128 << 10).expect("geometry");
     let store = open(&format!("{base}&create=true&size=3MiB&chunk=128KiB"))
         .await
@@ -327,7 +337,8 @@ async fn errors_name_the_problem() {
     assert_eq!(e.kind(), ErrorKind::NotFound, "{e}");
     let msg = e.to_string();
     assert!(
-        msg.contains(&format!("keyspace {missing_ks} does not exist")) && msg.contains("create=true"),
+        msg.contains(&format!("keyspace {missing_ks} does not exist"))
+            && msg.contains("create=true"),
         "{msg}"
     );
     // Make sure the keyspace exists (another test may not have made it yet).
@@ -342,11 +353,16 @@ async fn errors_name_the_problem() {
             .contains(&format!("table {KEYSPACE}.nosuch_table does not exist")),
         "{e}"
     );
-    let e = open(&format!("{base}/{KEYSPACE}?table=chunks&region=nosuch-region"))
-        .await
-        .expect_err("missing region");
+    let e = open(&format!(
+        "{base}/{KEYSPACE}?table=chunks&region=nosuch-region"
+    ))
+    .await
+    .expect_err("missing region");
     assert_eq!(e.kind(), ErrorKind::NotFound, "{e}");
-    assert!(e.to_string().contains("region nosuch-region is not in"), "{e}");
+    assert!(
+        e.to_string().contains("region nosuch-region is not in"),
+        "{e}"
+    );
     // create=true without a size cannot make a region.
     let e = open(&spec_text(svc, &fresh_region("nosize"), ""))
         .await
@@ -377,9 +393,8 @@ async fn a_blob_of_the_wrong_length_is_corrupt_and_never_served() {
         .build()
         .await
         .expect("raw session");
-    let insert = format!(
-        "INSERT INTO {KEYSPACE}.chunks (region, part, chunk, data) VALUES (?, 0, ?, ?)"
-    );
+    let insert =
+        format!("INSERT INTO {KEYSPACE}.chunks (region, part, chunk, data) VALUES (?, 0, ?, ?)");
     for (chunk, len) in [(1i64, 65535usize), (4, 65536), (2, 0)] {
         session
             .query_unpaged(insert.as_str(), (region.as_str(), chunk, vec![7u8; len]))
@@ -430,15 +445,27 @@ async fn refused_credentials_are_a_permission_error() {
         Err(e) => return skip("refused_credentials_are_a_permission_error", e),
     };
     let port = svc.var("PORT");
-    let e = open(&format!("cql://cassandra:wrong@127.0.0.1:{port}/ks?size=1MiB"))
-        .await
-        .expect_err("wrong password");
-    assert_eq!(e.kind(), ErrorKind::PermissionDenied, "{}", farmap::error_chain(&e));
+    let e = open(&format!(
+        "cql://cassandra:wrong@127.0.0.1:{port}/ks?size=1MiB"
+    ))
+    .await
+    .expect_err("wrong password");
+    assert_eq!(
+        e.kind(),
+        ErrorKind::PermissionDenied,
+        "{}",
+        farmap::error_chain(&e)
+    );
     assert!(e.to_string().contains("refused the credentials"), "{e}");
     let e = open(&format!("cql://127.0.0.1:{port}/ks?size=1MiB"))
         .await
         .expect_err("no credentials");
-    assert_eq!(e.kind(), ErrorKind::PermissionDenied, "{}", farmap::error_chain(&e));
+    assert_eq!(
+        e.kind(),
+        ErrorKind::PermissionDenied,
+        "{}",
+        farmap::error_chain(&e)
+    );
     if std::env::var_os(PASSWORD_ENV).is_none() {
         let e = open(&format!("cql://cassandra@127.0.0.1:{port}/ks?size=1MiB"))
             .await
@@ -497,7 +524,10 @@ fn cp_into_a_region_and_back_gives_identical_bytes() {
     }
     std::fs::write(&input, &data).expect("write input");
     let region = fresh_region("cp");
-    let base = format!("{}/{KEYSPACE}?table=t&region={region}", svc.var("SPEC_BASE"));
+    let base = format!(
+        "{}/{KEYSPACE}?table=t&region={region}",
+        svc.var("SPEC_BASE")
+    );
     let dst = format!("{base}&size=64MiB&create=true");
     let o = farmap_cli(&["cp", "-q", &format!("file:{}", input.display()), &dst]);
     assert!(
@@ -507,7 +537,11 @@ fn cp_into_a_region_and_back_gives_identical_bytes() {
     );
     // info needs no size: the region row has it.
     let o = farmap_cli(&["info", "--json", &base]);
-    assert!(o.status.success(), "info: {}", String::from_utf8_lossy(&o.stderr));
+    assert!(
+        o.status.success(),
+        "info: {}",
+        String::from_utf8_lossy(&o.stderr)
+    );
     let info: serde_json::Value = serde_json::from_slice(&o.stdout).expect("info json");
     assert_eq!(info["size_bytes"], 64u64 << 20, "{info}");
     let o = farmap_cli(&["cp", "-q", &base, &format!("file:{}", output.display())]);

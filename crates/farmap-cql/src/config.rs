@@ -568,10 +568,19 @@ mod tests {
         assert_eq!(t.replication, 3);
         assert_eq!(t.connections, Some(4));
         assert_eq!(t.timeout, Some(Duration::from_secs(5)));
-        assert_eq!((s.size, s.chunk_size, s.read_only), (Some(1 << 30), Some(1 << 20), true));
+        assert_eq!(
+            (s.size, s.chunk_size, s.read_only),
+            (Some(1 << 30), Some(1 << 20), true)
+        );
         assert_eq!(parse(&s.to_string()).unwrap(), s, "{s}");
-        assert!(!format!("{s:?}").contains("p@ss"), "Debug hides the password");
-        assert_eq!(t.redacted(), "cql://alice@10.0.0.1:9043,db2:9042,[::1]:7/farm");
+        assert!(
+            !format!("{s:?}").contains("p@ss"),
+            "Debug hides the password"
+        );
+        assert_eq!(
+            t.redacted(),
+            "cql://alice@10.0.0.1:9043,db2:9042,[::1]:7/farm"
+        );
     }
 
     #[test]
@@ -616,7 +625,10 @@ mod tests {
             ("cql://u:%zz@h/ks", "two hex digits"),
         ] {
             let err = parse(spec).expect_err(spec).to_string();
-            assert!(err.contains(want), "{spec}: {err:?} should contain {want:?}");
+            assert!(
+                err.contains(want),
+                "{spec}: {err:?} should contain {want:?}"
+            );
         }
     }
 

@@ -66,7 +66,10 @@ impl Schema<'_> {
             )
             .await
             .map_err(|e| {
-                error::execution(format!("looking up keyspace {} on {}", t.keyspace, self.server), e)
+                error::execution(
+                    format!("looking up keyspace {} on {}", t.keyspace, self.server),
+                    e,
+                )
             })?;
         Ok(rows.into_rows_result().is_ok_and(|r| r.rows_num() > 0))
     }
@@ -124,7 +127,8 @@ impl Schema<'_> {
                 format!(
                     "CREATE TABLE IF NOT EXISTS {} (region text, part bigint, chunk bigint, \
                      data blob, PRIMARY KEY ((region, part), chunk)) \
-                     WITH comment = 'farmap chunks: one row per chunk, see {}'",
+                     WITH comment = 'farmap chunks: one row per chunk, see {}' \
+                     AND compression = {{'enabled': 'false'}}",
                     t.table_name(),
                     t.regions_table_name()
                 ),
@@ -161,15 +165,22 @@ impl Schema<'_> {
         ));
         // A region row is written with a lightweight transaction: read it linearizably.
         st.set_consistency(Consistency::Serial);
-        let context = || format!("reading region {} from {} on {}", t.region, t.regions_table_name(), self.server);
+        let context = || {
+            format!(
+                "reading region {} from {} on {}",
+                t.region,
+                t.regions_table_name(),
+                self.server
+            )
+        };
         let result = self
             .session
             .query_unpaged(st, (t.region.as_str(),))
             .await
             .map_err(|e| error::execution(context(), e))?;
-        let rows = result.into_rows_result().map_err(|e| {
-            StoreError::new(ErrorKind::Io, context()).with_source(e)
-        })?;
+        let rows = result
+            .into_rows_result()
+            .map_err(|e| StoreError::new(ErrorKind::Io, context()).with_source(e))?;
         let row = rows
             .maybe_first_row::<(Option<i64>, Option<i32>, Option<i32>, Option<i32>)>()
             .map_err(|e| {
@@ -207,8 +218,9 @@ impl Schema<'_> {
                 ),
             ));
         }
-        let chunk_ok = u32::try_from(chunk_size)
-            .is_ok_and(|c| c.is_power_of_two() && (farmap_core::MIN_CHUNK_SIZE..=crate::MAX_CQL_CHUNK).contains(&c));
+        let chunk_ok = u32::try_from(chunk_size).is_ok_and(|c| {
+            c.is_power_of_two() && (farmap_core::MIN_CHUNK_SIZE..=crate::MAX_CQL_CHUNK).contains(&c)
+        });
         if !chunk_ok {
             return Err(corrupt(format!("has chunk size {chunk_size}")));
         }

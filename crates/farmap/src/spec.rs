@@ -339,12 +339,12 @@ impl FromStr for StoreSpec {
             spec: spec.to_owned(),
         })?;
         if scheme.eq_ignore_ascii_case("cql") {
-            let cql: CqlSpec = spec.parse().map_err(|e: farmap_cql::CqlSpecError| {
-                SpecError::Cql {
-                    spec: spec.to_owned(),
-                    reason: e.to_string(),
-                }
-            })?;
+            let cql: CqlSpec =
+                spec.parse()
+                    .map_err(|e: farmap_cql::CqlSpecError| SpecError::Cql {
+                        spec: spec.to_owned(),
+                        reason: e.to_string(),
+                    })?;
             return Ok(StoreSpec {
                 kind: SpecKind::Cql(Box::new(cql.target)),
                 size: cql.size,
@@ -705,7 +705,11 @@ mod tests {
         assert!(matches!(open_store(&c), Err(OpenError::NeedsAsync { .. })));
         let mut without = parse("cql://h/ks?create=true").unwrap();
         without.default_size_for_new(1 << 20);
-        assert_eq!(without.size, Some(1 << 20), "cp gives a new region the source's size");
+        assert_eq!(
+            without.size,
+            Some(1 << 20),
+            "cp gives a new region the source's size"
+        );
         assert!(!parse("cql://h/ks").unwrap().creates());
         for (spec, want) in [
             ("cql://h/ks?chunk=4MiB", "from 4KiB to 1MiB"),
@@ -713,7 +717,10 @@ mod tests {
             ("cql://h", "no keyspace"),
         ] {
             let err = parse(spec).expect_err(spec).to_string();
-            assert!(err.contains(want) && err.contains("bad cql spec"), "{spec}: {err}");
+            assert!(
+                err.contains(want) && err.contains("bad cql spec"),
+                "{spec}: {err}"
+            );
             assert!(!err.contains('\n'), "one-line errors: {err:?}");
         }
     }
