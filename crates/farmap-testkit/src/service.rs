@@ -11,7 +11,7 @@
 //! [`Service::start`] runs one instance for a test; [`Service::shared`] starts one per test
 //! binary and keeps it until the process exits (a Cassandra node takes seconds to start).
 //! A service that cannot be started is an error the test reports through
-//! [`skip`](crate::skip) (which fails under `CI=true`).
+//! [`skip`](crate::skip()) (which fails under `CI=true`).
 
 use std::collections::HashMap;
 use std::io::{BufRead, BufReader};
