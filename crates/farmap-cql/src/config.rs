@@ -632,6 +632,22 @@ mod tests {
         }
     }
 
+    proptest::proptest! {
+        /// What the `store_spec` fuzz target checks, on spec-shaped strings: parsing never
+        /// panics, and whatever parses prints to a form that parses back to the same spec.
+        #[test]
+        fn any_accepted_spec_reads_back(
+            text in "cql://([a-zA-Z0-9%:@\\[\\]._-]{0,12}(,[a-z0-9:\\[\\]]{0,6})?)/[a-zA-Z0-9_]{0,6}\\?\
+                     ((table|region|size|chunk|consistency|create|replication|connections|timeout|ro)\
+                     (=[a-zA-Z0-9._%-]{0,6})?&?){0,5}"
+        ) {
+            if let Ok(spec) = parse(&text) {
+                let shown = spec.to_string();
+                proptest::prop_assert_eq!(parse(&shown), Ok(spec), "{} -> {}", text, shown);
+            }
+        }
+    }
+
     #[test]
     fn canonical_forms_read_back() {
         for text in [
