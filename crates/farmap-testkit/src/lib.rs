@@ -19,7 +19,7 @@ pub mod skip;
 pub mod strategies;
 pub mod vm;
 
-pub use conformance::{run_conformance, run_read_only_conformance};
+pub use conformance::{run_conformance, run_conformance_with, run_read_only_conformance};
 pub use model::ModelStore;
 pub use pattern::{pattern_byte, pattern_bytes, PatternStore};
 pub use service::{Service, ServiceError};

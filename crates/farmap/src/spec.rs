@@ -9,6 +9,7 @@
 //! | `farmap://host:7400` | a region served by `farmap serve` (TCP) |
 //! | `farmaps://host:7400?ca=ca.pem` | the same over TLS; `cert=`/`key=` for mutual TLS, `name=` |
 //! | `farmap+unix:/run/farmap.sock` | a region served on a Unix socket |
+//! | `cql://127.0.0.1:9042/ks?table=t&region=vm1&size=1GiB&create=true` | rows of a Cassandra/ScyllaDB table ([`farmap_cql`]) |
 //!
 //! Options go after `?`, separated by `&`: `size=` (region size), `chunk=` (chunk size, a power
 //! of two from 4KiB to 4MiB, default 64KiB), `ro` (read-only; file and dir), `max-open=`
@@ -23,6 +24,11 @@
 //! `cert=` and `key=` (the client's certificate and key, for servers that require one), and
 //! `name=` (the name the server's certificate must carry; default: the host).
 //! Remote stores are opened with [`open_store_async`].
+//!
+//! `cql://[user[:pass]@]host:port[,host:port]/keyspace` keeps a region in a CQL table, one row
+//! per chunk; its options (`table`, `region`, `size`, `chunk` up to 1MiB, `consistency`,
+//! `create`, `replication`, `connections`, `timeout`, `ro`) are described in [`farmap_cql`].
+//! An existing region's size comes from the table; `size=` is needed only to create one.
 
 use std::fmt;
 use std::path::{Path, PathBuf};
@@ -31,6 +37,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use farmap_core::{format_size, parse_size, Geometry, SizeError, Store, StoreError};
+use farmap_cql::{CqlSpec, CqlStore, CqlTarget};
 use farmap_grpc::{GrpcClientOptions, GrpcStore};
 use farmap_net::{RemoteAddr, RemoteStore, TlsClientConfig};
 use remote::RemoteOptions;
@@ -39,7 +46,7 @@ mod remote;
 use farmap_store::{DirOptions, DirStore, FileOptions, FileStore, MemoryStore};
 
 /// The schemes farmap knows, for error messages.
-const KNOWN: &str = "memory, file, dir, farmap, farmaps, farmap+unix, farmap+grpc";
+const KNOWN: &str = "memory, file, dir, farmap, farmaps, farmap+unix, farmap+grpc, cql";
 
 /// Why a store spec could not be understood. Each message is one line naming the problem.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
@@ -140,6 +147,14 @@ pub enum SpecError {
         /// What it is for.
         why: &'static str,
     },
+    /// A `cql://` spec that does not parse.
+    #[error("bad cql spec {spec:?}: {reason}")]
+    Cql {
+        /// The spec as given.
+        spec: String,
+        /// What is wrong (a [`farmap_cql::CqlSpecError`]'s message).
+        reason: String,
+    },
 }
 
 /// Why a store could not be opened.
@@ -210,6 +225,8 @@ pub enum SpecKind {
         /// Deadline of each request, if set.
         timeout: Option<Duration>,
     },
+    /// Rows of a Cassandra or ScyllaDB table (`cql://host:port/keyspace?table=..&region=..`).
+    Cql(Box<CqlTarget>),
 }
 
 /// A parsed store spec. `Display` gives it back in canonical form.
@@ -234,23 +251,31 @@ impl StoreSpec {
     /// The path of a file or dir store.
     pub fn path(&self) -> Option<&Path> {
         match &self.kind {
-            SpecKind::Memory | SpecKind::Remote { .. } | SpecKind::Grpc { .. } => None,
+            SpecKind::Memory
+            | SpecKind::Remote { .. }
+            | SpecKind::Grpc { .. }
+            | SpecKind::Cql(_) => None,
             SpecKind::File { path } | SpecKind::Dir { path, .. } => Some(path),
         }
     }
 
     /// Whether opening this spec would create something new (a memory store, or a file or
-    /// directory store whose path does not exist yet). A remote store is never created.
+    /// directory store whose path does not exist yet). A remote store is never created; a
+    /// `cql://` region may be, when the spec says `create=true`.
     pub fn creates(&self) -> bool {
         match &self.kind {
             SpecKind::Remote { .. } | SpecKind::Grpc { .. } => false,
+            SpecKind::Cql(t) => t.create,
             _ => self.path().is_none_or(|p| !p.exists()),
         }
     }
 
     /// Whether this spec names a store on another host (opened with [`open_store_async`]).
     pub fn is_remote(&self) -> bool {
-        matches!(self.kind, SpecKind::Remote { .. } | SpecKind::Grpc { .. })
+        matches!(
+            self.kind,
+            SpecKind::Remote { .. } | SpecKind::Grpc { .. } | SpecKind::Cql(_)
+        )
     }
 
     /// Sets the size when the spec has none and would create its store (used by `cp` so that
@@ -313,6 +338,20 @@ impl FromStr for StoreSpec {
         let (scheme, rest) = spec.split_once(':').ok_or_else(|| SpecError::NoScheme {
             spec: spec.to_owned(),
         })?;
+        if scheme.eq_ignore_ascii_case("cql") {
+            let cql: CqlSpec =
+                spec.parse()
+                    .map_err(|e: farmap_cql::CqlSpecError| SpecError::Cql {
+                        spec: spec.to_owned(),
+                        reason: e.to_string(),
+                    })?;
+            return Ok(StoreSpec {
+                kind: SpecKind::Cql(Box::new(cql.target)),
+                size: cql.size,
+                chunk_size: cql.chunk_size,
+                read_only: cql.read_only,
+            });
+        }
         let (body, query) = match rest.split_once('?') {
             Some((b, q)) => (b, Some(q)),
             None => (rest, None),
@@ -486,6 +525,13 @@ impl fmt::Display for StoreSpec {
                 write!(f, "farmap+grpc://{addr}")?;
                 opts = remote_opts;
             }
+            SpecKind::Cql(target) => {
+                f.write_str(&target.base())?;
+                opts = target.options();
+                if let Some(s) = self.size {
+                    opts.push(format!("size={}", format_size(s)));
+                }
+            }
         }
         if let Some(c) = self.chunk_size {
             opts.push(format!("chunk={}", format_size(u64::from(c))));
@@ -539,6 +585,29 @@ pub async fn open_store_async(spec: &StoreSpec) -> Result<Arc<dyn Store>, OpenEr
                 })?;
             Ok(Arc::new(store))
         }
+        SpecKind::Cql(target) => {
+            let cql = CqlSpec {
+                target: (**target).clone(),
+                size: spec.size,
+                chunk_size: spec.chunk_size,
+                read_only: spec.read_only,
+            };
+            // The password stays out of the message.
+            let shown = StoreSpec {
+                kind: SpecKind::Cql(Box::new(CqlTarget {
+                    password: None,
+                    ..(**target).clone()
+                })),
+                ..spec.clone()
+            };
+            let store = CqlStore::open(&cql)
+                .await
+                .map_err(|source| OpenError::Store {
+                    spec: shown.to_string(),
+                    source,
+                })?;
+            Ok(Arc::new(store))
+        }
         _ => open_store(spec),
     }
 }
@@ -586,7 +655,7 @@ pub fn open_store(spec: &StoreSpec) -> Result<Arc<dyn Store>, OpenError> {
             }
             Arc::new(DirStore::open(path, opts).map_err(store_err)?)
         }
-        SpecKind::Remote { .. } | SpecKind::Grpc { .. } => {
+        SpecKind::Remote { .. } | SpecKind::Grpc { .. } | SpecKind::Cql(_) => {
             return Err(OpenError::NeedsAsync {
                 spec: spec.to_string(),
             })
@@ -614,10 +683,45 @@ mod tests {
             "farmaps://h:1?ca=a&cert=c&key=k&name=n&timeout=1500ms&connections=2",
             "farmap+unix:/s?timeout=0.5s",
             "farmap+grpc://h:2?timeout=90s",
+            "cql://u:p%40@h:1,h2/ks?table=t&region=r&size=3MiB&chunk=1MiB&create=true&ro",
+            "cql://h/ks?consistency=one&timeout=2s&connections=3&replication=2",
         ] {
             let spec = parse(text).unwrap_or_else(|e| panic!("{text}: {e}"));
             let shown = spec.to_string();
             assert_eq!(parse(&shown), Ok(spec), "{text} -> {shown}");
+        }
+    }
+
+    #[test]
+    fn cql_specs() {
+        let c = parse("cql://127.0.0.1:9042/ks?table=t&region=vm1&size=64MiB&create=true").unwrap();
+        let SpecKind::Cql(t) = &c.kind else {
+            panic!("{c:?}")
+        };
+        assert_eq!((t.keyspace.as_str(), t.table.as_str()), ("ks", "t"));
+        assert_eq!(t.region, "vm1");
+        assert_eq!(c.size, Some(64 << 20));
+        assert!(c.is_remote() && c.creates() && c.path().is_none());
+        assert!(matches!(open_store(&c), Err(OpenError::NeedsAsync { .. })));
+        let mut without = parse("cql://h/ks?create=true").unwrap();
+        without.default_size_for_new(1 << 20);
+        assert_eq!(
+            without.size,
+            Some(1 << 20),
+            "cp gives a new region the source's size"
+        );
+        assert!(!parse("cql://h/ks").unwrap().creates());
+        for (spec, want) in [
+            ("cql://h/ks?chunk=4MiB", "from 4KiB to 1MiB"),
+            ("cql://h/ks?ca=x", "unknown option \"ca\""),
+            ("cql://h", "no keyspace"),
+        ] {
+            let err = parse(spec).expect_err(spec).to_string();
+            assert!(
+                err.contains(want) && err.contains("bad cql spec"),
+                "{spec}: {err}"
+            );
+            assert!(!err.contains('\n'), "one-line errors: {err:?}");
         }
     }
 
