@@ -511,7 +511,10 @@ impl Store for RedisStore {
             let FlushPolicy::Wait { replicas } = self.flush else {
                 return Ok(());
             };
-            let ms = self.timeout.as_millis().max(1) as u64;
+            // The server gives up a little before the client would, so that its answer (how
+            // many replicas acknowledged) arrives rather than a client-side timeout.
+            let wait = self.timeout * 3 / 4;
+            let ms = wait.as_millis().max(1) as u64;
             let mut cmd = redis::cmd("WAIT");
             cmd.arg(replicas).arg(ms);
             // WAIT covers the writes sent on the connection it is sent on: send it on each.
@@ -528,8 +531,8 @@ impl Store for RedisStore {
                     return Err(StoreError::new(
                         ErrorKind::Timeout,
                         format!(
-                            "flush on {}: {acked} of the {replicas} replicas asked for acknowledged the writes within {:?}",
-                            self.server, self.timeout
+                            "flush on {}: {acked} of the {replicas} replicas asked for acknowledged the writes within {wait:?}",
+                            self.server
                         ),
                     ));
                 }
