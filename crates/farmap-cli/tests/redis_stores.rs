@@ -80,17 +80,33 @@ fn redis_errors_name_the_problem() {
     let o = farmap(&["info", &spec]);
     assert!(!o.status.success());
     let err = String::from_utf8_lossy(&o.stderr);
-    assert!(err.contains("no farmap region") && err.contains("size="), "{err}");
+    assert!(
+        err.contains("no farmap region") && err.contains("size="),
+        "{err}"
+    );
 }
 
 #[test]
 fn help_stores_lists_every_scheme_with_an_example() {
     for args in [&["help", "stores"][..], &["stores"][..]] {
         let out = ok(farmap(args), "help stores");
-        for section in ["## memory", "## file", "## dir", "## farmap", "## redis", "## s3", "## cql"] {
+        for section in [
+            "## memory",
+            "## file",
+            "## dir",
+            "## farmap",
+            "## redis",
+            "## s3",
+            "## cql",
+        ] {
             assert!(out.contains(section), "{args:?} lacks {section}:\n{out}");
         }
-        for example in ["redis://127.0.0.1:6379/0?size=64MiB", "rediss://", "redis+cluster://", "flush=fsync"] {
+        for example in [
+            "redis://127.0.0.1:6379/0?size=64MiB",
+            "rediss://",
+            "redis+cluster://",
+            "flush=fsync",
+        ] {
             assert!(out.contains(example), "{args:?} lacks {example}");
         }
     }

@@ -10,7 +10,14 @@ use std::time::Duration;
 /// The options a `redis://` or `redis+cluster://` spec takes besides `size` and `chunk`.
 pub const OPTIONS: &[&str] = &["prefix", "connections", "timeout", "flush", "replicas"];
 /// The options a `rediss://` spec takes besides `size` and `chunk`.
-pub const TLS_OPTIONS: &[&str] = &["prefix", "connections", "timeout", "flush", "replicas", "ca"];
+pub const TLS_OPTIONS: &[&str] = &[
+    "prefix",
+    "connections",
+    "timeout",
+    "flush",
+    "replicas",
+    "ca",
+];
 
 /// The prefix used when a spec gives none.
 pub const DEFAULT_PREFIX: &str = "farmap";
@@ -189,9 +196,8 @@ impl RedisConfig {
             let db = if path.is_empty() {
                 0
             } else {
-                path.parse::<u32>().map_err(|_| {
-                    bad_addr(format!("database {path:?} is not a whole number"))
-                })?
+                path.parse::<u32>()
+                    .map_err(|_| bad_addr(format!("database {path:?} is not a whole number")))?
             };
             Target::Single {
                 addr: hosts.to_owned(),
@@ -211,10 +217,8 @@ impl RedisConfig {
         let mut flush = None;
         let mut replicas = None;
         for &(key, value) in options {
-            let bad = |option: &'static str, reason: String| RedisSpecError::BadOption {
-                option,
-                reason,
-            };
+            let bad =
+                |option: &'static str, reason: String| RedisSpecError::BadOption { option, reason };
             match key {
                 "prefix" => {
                     if value.is_empty()
@@ -285,12 +289,7 @@ impl RedisConfig {
                     }
                     match &mut config.target {
                         Target::Single { tls: Some(ca), .. } => *ca = Some(PathBuf::from(value)),
-                        _ => {
-                            return Err(bad(
-                                "ca",
-                                "only rediss:// (TLS) takes a CA".into(),
-                            ))
-                        }
+                        _ => return Err(bad("ca", "only rediss:// (TLS) takes a CA".into())),
                     }
                 }
                 other => {
@@ -414,7 +413,10 @@ mod tests {
         let (head, opts) = c.display_parts();
         assert_eq!(head, "redis://bob:***@h:1/5");
         assert_eq!(opts, ["prefix=vm:7", "flush=wait", "replicas=2"]);
-        assert!(!format!("{c:?}").contains("s3cr"), "Debug hides the password");
+        assert!(
+            !format!("{c:?}").contains("s3cr"),
+            "Debug hides the password"
+        );
         let c = parse("redis", "//:pw@h:1", &[]);
         assert_eq!((c.user, c.password.as_deref()), (None, Some("pw")));
         let c = parse("rediss", "//h:1/0", &[("ca", "ca.pem"), ("flush", "fsync")]);
@@ -454,20 +456,38 @@ mod tests {
             ("redis", "//h", &[], "names no server"),
             ("redis", "//h:0", &[], "names no server"),
             ("redis", "//h:1/x", &[], "database \"x\""),
-            ("redis+cluster", "//a:1,b", &[], "HOST:PORT separated by commas"),
+            (
+                "redis+cluster",
+                "//a:1,b",
+                &[],
+                "HOST:PORT separated by commas",
+            ),
             ("redis+cluster", "//a:1/3", &[], "no databases"),
             ("redis", "//h:1", &[("prefix", "{x}")], "braces"),
             ("redis", "//h:1", &[("prefix", "")], "non-empty"),
             ("redis", "//h:1", &[("connections", "0")], "from 1 to 256"),
             ("redis", "//h:1", &[("timeout", "5")], "unit"),
-            ("redis", "//h:1", &[("flush", "always")], "none, wait or fsync"),
-            ("redis", "//h:1", &[("replicas", "2")], "goes with flush=wait"),
+            (
+                "redis",
+                "//h:1",
+                &[("flush", "always")],
+                "none, wait or fsync",
+            ),
+            (
+                "redis",
+                "//h:1",
+                &[("replicas", "2")],
+                "goes with flush=wait",
+            ),
             ("redis", "//h:1", &[("ca", "x.pem")], "only rediss://"),
         ] {
             let err = RedisConfig::parse(scheme, body, opts)
                 .expect_err(body)
                 .to_string();
-            assert!(err.contains(want), "{body} {opts:?}: {err:?} lacks {want:?}");
+            assert!(
+                err.contains(want),
+                "{body} {opts:?}: {err:?} lacks {want:?}"
+            );
         }
     }
 }

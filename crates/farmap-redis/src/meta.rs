@@ -16,7 +16,10 @@ pub(crate) fn encode(g: Geometry) -> String {
 /// The geometry in a record, or why it is not one.
 pub(crate) fn decode(raw: &[u8]) -> Result<Geometry, String> {
     if raw.len() > MAX_LEN {
-        return Err(format!("{} bytes, more than a record's {MAX_LEN}", raw.len()));
+        return Err(format!(
+            "{} bytes, more than a record's {MAX_LEN}",
+            raw.len()
+        ));
     }
     let text = std::str::from_utf8(raw).map_err(|_| "not text".to_string())?;
     let rest = text

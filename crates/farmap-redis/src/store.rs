@@ -201,7 +201,9 @@ impl RedisStore {
             RunError::Redis(e) => {
                 let kind = kind_of(&e);
                 let why = match kind {
-                    ErrorKind::Unavailable => " (unavailable: the server or the node holding the key cannot be reached)",
+                    ErrorKind::Unavailable => {
+                        " (unavailable: the server or the node holding the key cannot be reached)"
+                    }
                     ErrorKind::Corrupt => " (the key holds a value of another type)",
                     _ => "",
                 };
@@ -264,12 +266,7 @@ impl RedisStore {
         // SET NX: of two openers creating the same region at once, one record wins and the
         // other is checked against it.
         let created: Option<String> = self
-            .run(
-                redis::cmd("SET")
-                    .arg(&key)
-                    .arg(meta::encode(g))
-                    .arg("NX"),
-            )
+            .run(redis::cmd("SET").arg(&key).arg(meta::encode(g)).arg("NX"))
             .await
             .map_err(|e| self.err(format_args!("writing the region record {key}"), e))?;
         if created.is_some() {
@@ -280,7 +277,10 @@ impl RedisStore {
             Some(raw) => check(raw),
             None => Err(StoreError::new(
                 ErrorKind::Io,
-                format!("the region record {key} on {} vanished while it was created", self.server),
+                format!(
+                    "the region record {key} on {} vanished while it was created",
+                    self.server
+                ),
             )),
         }
     }
@@ -296,14 +296,18 @@ impl RedisStore {
                     let mut c = v[0].clone();
                     let routing =
                         RoutingInfo::MultiNode((MultipleNodeRoutingInfo::AllMasters, None));
-                    match tokio::time::timeout(self.timeout, c.route_command(cmd, routing)).await
-                    {
+                    match tokio::time::timeout(self.timeout, c.route_command(cmd, routing)).await {
                         Ok(r) => r.map_err(RunError::Redis),
                         Err(_) => Err(RunError::Deadline(self.timeout)),
                     }
                 }
             }
-            .map_err(|e| self.err("checking the server's persistence (CONFIG GET) for flush=fsync", e))?;
+            .map_err(|e| {
+                self.err(
+                    "checking the server's persistence (CONFIG GET) for flush=fsync",
+                    e,
+                )
+            })?;
             flatten(&value, &mut words);
         }
         let after = |name: &str| -> Vec<&str> {
@@ -440,12 +444,13 @@ fn connect_err(server: &str, e: RedisError) -> StoreError {
 }
 
 fn certificates(ca: Option<&Path>) -> StoreResult<redis::TlsCertificates> {
-    let root_cert = match ca {
-        Some(path) => Some(std::fs::read(path).map_err(|e| {
-            StoreError::io(format!("reading the CA file {}", path.display()), e)
-        })?),
-        None => None,
-    };
+    let root_cert =
+        match ca {
+            Some(path) => Some(std::fs::read(path).map_err(|e| {
+                StoreError::io(format!("reading the CA file {}", path.display()), e)
+            })?),
+            None => None,
+        };
     Ok(redis::TlsCertificates {
         client_tls: None,
         root_cert,

@@ -28,7 +28,9 @@ async fn chunks_spread_over_every_node_and_one_seed_finds_them_all() {
     let g = Geometry::new(64 * 4096, 4096).unwrap();
     let s = fresh_store(svc.var("SPEC_BASE"), g, &[]).await;
     for i in g.all().iter() {
-        s.write(i, Bytes::from(vec![i.0 as u8 | 1; 4096])).await.unwrap();
+        s.write(i, Bytes::from(vec![i.0 as u8 | 1; 4096]))
+            .await
+            .unwrap();
     }
     // Each node holds some of the chunks (no hash tag pins them to one slot).
     let nodes: Vec<String> = svc.var("NODES").split(',').map(str::to_owned).collect();
@@ -39,7 +41,11 @@ async fn chunks_spread_over_every_node_and_one_seed_finds_them_all() {
             .query_async(&mut c)
             .await
             .unwrap();
-        assert!(keys.len() > 1 && keys.len() < 64, "node {n} holds {} of 64", keys.len());
+        assert!(
+            keys.len() > 1 && keys.len() < 64,
+            "node {n} holds {} of 64",
+            keys.len()
+        );
     }
     // A client given one seed node only learns the others and reads every chunk (requests
     // that reach the wrong node are redirected by MOVED).
@@ -52,7 +58,11 @@ async fn chunks_spread_over_every_node_and_one_seed_finds_them_all() {
     let t = RedisStore::open(&one, None, None).await.unwrap();
     assert_eq!(t.geometry(), g);
     for i in g.all().iter() {
-        assert_eq!(t.read(i).await.unwrap()[..], vec![i.0 as u8 | 1; 4096][..], "{i}");
+        assert_eq!(
+            t.read(i).await.unwrap()[..],
+            vec![i.0 as u8 | 1; 4096][..],
+            "{i}"
+        );
     }
 }
 
@@ -66,7 +76,9 @@ async fn a_lost_node_is_an_error_naming_the_unavailability_not_a_hang() {
     let g = Geometry::new(48 * 4096, 4096).unwrap();
     let s = Arc::new(fresh_store(svc.var("SPEC_BASE"), g, &[("timeout", "2s")]).await);
     for i in g.all().iter() {
-        s.write(i, Bytes::from(vec![i.0 as u8 | 1; 4096])).await.unwrap();
+        s.write(i, Bytes::from(vec![i.0 as u8 | 1; 4096]))
+            .await
+            .unwrap();
     }
     let pid = svc.var("PID3");
     let killed = std::process::Command::new("kill")

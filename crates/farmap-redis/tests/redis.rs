@@ -49,7 +49,9 @@ fn check_against_model(base: &str, g: Geometry, ops: Vec<ByteOp>) -> Result<(), 
                 }
                 ByteOp::Write { offset, data } => {
                     model.write_at(offset, &data).await.expect("model write");
-                    u.write_bytes(offset, Bytes::from(data)).await.expect("write");
+                    u.write_bytes(offset, Bytes::from(data))
+                        .await
+                        .expect("write");
                 }
                 ByteOp::Flush => {
                     // Every few flushes, trim a chunk instead (and compare statuses).
@@ -102,15 +104,24 @@ async fn the_geometry_is_recorded_and_checked() {
     let e = RedisStore::open(&cfg, None, None).await.unwrap_err();
     assert_eq!(e.kind(), ErrorKind::NotFound);
     assert!(chain(&e).contains("give size="), "{}", chain(&e));
-    let s = RedisStore::open(&cfg, Some(1 << 20), Some(4096)).await.unwrap();
-    s.write(ChunkIdx(5), Bytes::from(vec![7u8; 4096])).await.unwrap();
+    let s = RedisStore::open(&cfg, Some(1 << 20), Some(4096))
+        .await
+        .unwrap();
+    s.write(ChunkIdx(5), Bytes::from(vec![7u8; 4096]))
+        .await
+        .unwrap();
     // Reopened without size: the record's geometry.
     let again = RedisStore::open(&cfg, None, None).await.unwrap();
     assert_eq!(again.geometry(), Geometry::new(1 << 20, 4096).unwrap());
-    assert_eq!(&again.read(ChunkIdx(5)).await.unwrap()[..], &[7u8; 4096][..]);
+    assert_eq!(
+        &again.read(ChunkIdx(5)).await.unwrap()[..],
+        &[7u8; 4096][..]
+    );
     // The same size again is fine; another size or chunk is refused, naming both.
     RedisStore::open(&cfg, Some(1 << 20), None).await.unwrap();
-    let e = RedisStore::open(&cfg, Some(2 << 20), None).await.unwrap_err();
+    let e = RedisStore::open(&cfg, Some(2 << 20), None)
+        .await
+        .unwrap_err();
     assert_eq!(e.kind(), ErrorKind::InvalidInput);
     let msg = chain(&e);
     assert!(msg.contains("1 MiB") || msg.contains("1MiB"), "{msg}");
@@ -165,7 +176,9 @@ async fn values_of_the_wrong_length_or_type_are_refused_as_corrupt() {
     assert!(chain(&e).contains(&list), "{}", chain(&e));
     // The other chunks are unaffected; a write replaces the bad value.
     assert!(s.read(ChunkIdx(2)).await.unwrap().iter().all(|b| *b == 0));
-    s.write(ChunkIdx(3), Bytes::from(vec![9u8; 4096])).await.unwrap();
+    s.write(ChunkIdx(3), Bytes::from(vec![9u8; 4096]))
+        .await
+        .unwrap();
     assert_eq!(s.read(ChunkIdx(3)).await.unwrap()[..], [9u8; 4096][..]);
     assert_eq!(s.status(ChunkIdx(3)).await.unwrap(), ChunkStatus::Data);
 }
@@ -190,15 +203,26 @@ async fn bad_password_unreachable_server_and_wrong_db_are_named() {
         .await
         .unwrap();
     let prefix = fresh_prefix("auth");
-    let good = config(&format!("redis://{user}:right@{addr}"), &[("prefix", &prefix)]);
+    let good = config(
+        &format!("redis://{user}:right@{addr}"),
+        &[("prefix", &prefix)],
+    );
     RedisStore::open(&good, Some(1 << 20), None)
         .await
         .expect("the right password");
-    let wrong = config(&format!("redis://{user}:wrong@{addr}"), &[("prefix", &prefix)]);
-    let e = RedisStore::open(&wrong, Some(1 << 20), None).await.unwrap_err();
+    let wrong = config(
+        &format!("redis://{user}:wrong@{addr}"),
+        &[("prefix", &prefix)],
+    );
+    let e = RedisStore::open(&wrong, Some(1 << 20), None)
+        .await
+        .unwrap_err();
     assert_eq!(e.kind(), ErrorKind::PermissionDenied, "{}", chain(&e));
     let msg = chain(&e);
-    assert!(msg.contains(addr) && msg.contains("password was refused"), "{msg}");
+    assert!(
+        msg.contains(addr) && msg.contains("password was refused"),
+        "{msg}"
+    );
     assert!(!msg.contains("wrong"), "the password is not shown: {msg}");
 
     let port = std::net::TcpListener::bind("127.0.0.1:0")
@@ -208,10 +232,19 @@ async fn bad_password_unreachable_server_and_wrong_db_are_named() {
         .port();
     let nowhere = config(&format!("redis://127.0.0.1:{port}"), &[("timeout", "2s")]);
     let started = std::time::Instant::now();
-    let e = RedisStore::open(&nowhere, Some(1 << 20), None).await.unwrap_err();
+    let e = RedisStore::open(&nowhere, Some(1 << 20), None)
+        .await
+        .unwrap_err();
     assert_eq!(e.kind(), ErrorKind::Unavailable, "{}", chain(&e));
-    assert!(chain(&e).contains(&format!("127.0.0.1:{port}")), "{}", chain(&e));
-    assert!(started.elapsed() < Duration::from_secs(30), "gave up in bounded time");
+    assert!(
+        chain(&e).contains(&format!("127.0.0.1:{port}")),
+        "{}",
+        chain(&e)
+    );
+    assert!(
+        started.elapsed() < Duration::from_secs(30),
+        "gave up in bounded time"
+    );
 
     let e = RedisStore::open(&config(&format!("{base}/999"), &[]), Some(1 << 20), None)
         .await
@@ -230,14 +263,18 @@ async fn flush_policies_do_what_they_promise() {
     // No replica: WAIT 1 cannot be satisfied, and flush says so (after the timeout).
     let s = fresh_store(base, g, &[("flush", "wait"), ("timeout", "300ms")]).await;
     assert!(s.caps().contains(farmap_core::Caps::FLUSH));
-    s.write(ChunkIdx(1), Bytes::from(vec![1u8; 4096])).await.unwrap();
+    s.write(ChunkIdx(1), Bytes::from(vec![1u8; 4096]))
+        .await
+        .unwrap();
     let e = s.flush().await.unwrap_err();
     assert_eq!(e.kind(), ErrorKind::Timeout, "{}", chain(&e));
     assert!(chain(&e).contains("0 of the 1 replicas"), "{}", chain(&e));
     // The test server runs without an append-only file: flush=fsync is refused at open.
     let prefix = fresh_prefix("fsync");
     let cfg = config(base, &[("prefix", &prefix), ("flush", "fsync")]);
-    let e = RedisStore::open(&cfg, Some(1 << 20), None).await.unwrap_err();
+    let e = RedisStore::open(&cfg, Some(1 << 20), None)
+        .await
+        .unwrap_err();
     assert_eq!(e.kind(), ErrorKind::Unsupported, "{}", chain(&e));
     assert!(chain(&e).contains("appendfsync always"), "{}", chain(&e));
     // flush=none promises nothing and does not claim the capability.
@@ -266,7 +303,9 @@ async fn flush_fsync_opens_on_a_server_that_fsyncs_every_write() {
     let cfg = config(base, &[("flush", "fsync")]);
     let s = RedisStore::open(&cfg, Some(1 << 20), None).await.unwrap();
     assert!(s.caps().contains(farmap_core::Caps::FLUSH));
-    s.write(ChunkIdx(0), Bytes::from(vec![3u8; 65536])).await.unwrap();
+    s.write(ChunkIdx(0), Bytes::from(vec![3u8; 65536]))
+        .await
+        .unwrap();
     s.flush().await.unwrap();
 }
 
@@ -276,7 +315,8 @@ async fn many_concurrent_reads_share_the_pool() {
         return;
     };
     let g = Geometry::new(256 * 4096, 4096).unwrap();
-    let s = std::sync::Arc::new(fresh_store(svc.var("SPEC_BASE"), g, &[("connections", "2")]).await);
+    let s =
+        std::sync::Arc::new(fresh_store(svc.var("SPEC_BASE"), g, &[("connections", "2")]).await);
     let writes = g.all().iter().map(|i| {
         let s = s.clone();
         async move {

@@ -350,7 +350,9 @@ impl FromStr for StoreSpec {
             "dir" => "size, chunk, ro, max-open",
             "farmap" | "farmap+unix" | "farmap+grpc" => "connections, timeout",
             "farmaps" => "ca, cert, key, name, connections, timeout",
-            "redis" | "redis+cluster" => "size, chunk, prefix, connections, timeout, flush, replicas",
+            "redis" | "redis+cluster" => {
+                "size, chunk, prefix, connections, timeout, flush, replicas"
+            }
             "rediss" => "size, chunk, prefix, connections, timeout, flush, replicas, ca",
             _ => {
                 return Err(SpecError::UnknownScheme {
@@ -691,8 +693,8 @@ mod tests {
 
     #[test]
     fn redis_specs() {
-        let r = parse("redis://127.0.0.1:6379/2?size=64MiB&prefix=x&chunk=4KiB&flush=wait")
-            .unwrap();
+        let r =
+            parse("redis://127.0.0.1:6379/2?size=64MiB&prefix=x&chunk=4KiB&flush=wait").unwrap();
         let SpecKind::Redis(c) = &r.kind else {
             panic!("{r:?}")
         };
@@ -717,7 +719,10 @@ mod tests {
             ("redis://h:1?bogus=1", "unknown option \"bogus\""),
         ] {
             let err = parse(spec).expect_err(spec).to_string();
-            assert!(err.contains(want), "{spec}: {err:?} should contain {want:?}");
+            assert!(
+                err.contains(want),
+                "{spec}: {err:?} should contain {want:?}"
+            );
         }
     }
 

@@ -9,6 +9,7 @@ use clap::Subcommand;
 mod net;
 mod proxy;
 mod pull;
+mod stores;
 mod timer;
 mod uffd;
 mod uffd_raw;
@@ -37,6 +38,10 @@ pub enum BenchCommand {
     /// The delay proxy (`farmap proxy`): what it adds to a round trip, against a direct
     /// connection, and how close to its bandwidth a bulk transfer runs.
     Proxy(proxy::ProxyArgs),
+    /// Reading a region out of each store given (`--store`, repeatable), with a memory
+    /// store as the reference in the same run: direct reads, managed reads (Cached +
+    /// Puller) and random 4 KiB reads (p50/p99).
+    Stores(stores::StoresArgs),
 }
 
 pub async fn run(cmd: BenchCommand) -> anyhow::Result<ExitCode> {
@@ -46,6 +51,7 @@ pub async fn run(cmd: BenchCommand) -> anyhow::Result<ExitCode> {
         BenchCommand::Net(args) => net::run(args).await,
         BenchCommand::Timer(args) => timer::run(args).await,
         BenchCommand::Proxy(args) => proxy::run(args).await,
+        BenchCommand::Stores(args) => stores::run(args).await,
     }
 }
 
