@@ -111,3 +111,48 @@ fn help_stores_lists_every_scheme_with_an_example() {
         }
     }
 }
+
+#[test]
+fn bench_stores_reports_every_case_for_memory_and_redis() {
+    let svc = match Service::shared("redis") {
+        Ok(s) => s,
+        Err(e) => return farmap_testkit::skip("bench_stores_reports_every_case", e),
+    };
+    let spec = format!(
+        "redis://127.0.0.1:{}/0?prefix=bench-{}",
+        svc.var("PORT"),
+        std::process::id()
+    );
+    let out = ok(
+        farmap(&[
+            "bench",
+            "stores",
+            "--json",
+            "--size",
+            "2MiB",
+            "--samples",
+            "20",
+            "--store",
+            &spec,
+        ]),
+        "bench stores",
+    );
+    let lines: Vec<serde_json::Value> = out
+        .lines()
+        .map(|l| serde_json::from_str(l).expect("one JSON object per line"))
+        .collect();
+    assert_eq!(lines.len(), 6, "{out}");
+    for (i, v) in lines.iter().enumerate() {
+        let store = if i < 3 { "memory" } else { "redis" };
+        let case = ["direct-read", "managed-read", "read-4k"][i % 3];
+        assert_eq!(v["bench"], "stores");
+        assert_eq!(v["store"], store, "{v}");
+        assert_eq!(v["case"], case, "{v}");
+        assert_eq!(v["verified"], true, "{v}");
+        assert!(v["mb_per_s"].as_f64().is_some_and(|x| x > 0.0), "{v}");
+        assert!(
+            v.get("p50_us").is_some() && v.get("p99_us").is_some(),
+            "{v}"
+        );
+    }
+}
