@@ -29,11 +29,17 @@ STORE SPECS:
   farmap://HOST:PORT          a region served by `farmap serve` (farmaps:// for TLS:
                               ?ca=CA.pem[&cert=C.pem&key=K.pem]; farmap+unix:/path)
   farmap+grpc://HOST:PORT     a region served by `farmap serve --grpc`
+  redis://HOST:PORT/DB?size=SIZE&prefix=P   Redis, one key per chunk (rediss:// for TLS;
+                              redis+cluster://H:P,H:P/ for a Redis Cluster)
+Every store with an example and its options: `farmap help stores`.
 Options after '?', joined by '&': size=SIZE, chunk=SIZE (power of two, 4KiB..4MiB,
 default 64KiB), ro (read-only file/dir), max-open=N (dir), connections=N and
 timeout=DURATION (remote). Sizes take binary suffixes: KiB, MiB, GiB, TiB, PiB
 (K, M, G, T, P mean the same); at most 2^28 chunks (16TiB in 64KiB chunks). Durations need
 a unit: ns, us, ms, s, m, h (250ms, 1.5s). Throughput is printed in MB/s (10^6 bytes).";
+
+/// Every store, with an example and its options (`farmap help stores`, `farmap stores`).
+const STORES_HELP: &str = include_str!("stores_help.md");
 
 /// farmap makes a memory region live somewhere else (a file, a directory of chunks, ...)
 /// while applications use it as plain memory, and moves live regions between hosts.
@@ -75,6 +81,9 @@ enum Command {
     /// Live migration, shown: a region that a deterministic writer keeps changing moves to
     /// another process over loopback (through an emulated link), is verified, and moves back.
     Demo(demo::DemoArgs),
+    /// Every store farmap can keep a region in, with an example and its options.
+    #[command(long_about = STORES_HELP)]
+    Stores,
     /// A node of `farmap demo` (internal).
     #[command(name = "__demo-node", hide = true)]
     DemoNode(demo::NodeArgs),
@@ -111,6 +120,10 @@ fn main() -> ExitCode {
             Command::Seed(args) => migrate::seed(args).await,
             Command::Leech(args) => migrate::leech(args).await,
             Command::Demo(args) => demo::run(args).await,
+            Command::Stores => {
+                println!("{STORES_HELP}");
+                Ok(ExitCode::SUCCESS)
+            }
             Command::DemoNode(args) => demo::node(args).await,
             Command::Guest(args) => guest::run(args),
             Command::MountUblk(args) => mount_ublk::run_args(args).await,

@@ -10,6 +10,9 @@
 //! | `farmaps://host:7400?ca=ca.pem` | the same over TLS; `cert=`/`key=` for mutual TLS, `name=` |
 //! | `farmap+unix:/run/farmap.sock` | a region served on a Unix socket |
 //! | `cql://127.0.0.1:9042/ks?table=t&region=vm1&size=1GiB&create=true` | rows of a Cassandra/ScyllaDB table ([`farmap_cql`]) |
+//! | `redis://[user:pass@]host:6379/0?size=1GiB&prefix=vm1` | Redis: one key per chunk (`prefix:N`) |
+//! | `rediss://host:6380/0?size=1GiB&ca=ca.pem` | Redis over TLS |
+//! | `redis+cluster://h1:7000,h2:7001/?size=1GiB` | a Redis Cluster, from any seed nodes |
 //!
 //! Options go after `?`, separated by `&`: `size=` (region size), `chunk=` (chunk size, a power
 //! of two from 4KiB to 4MiB, default 64KiB), `ro` (read-only; file and dir), `max-open=`
@@ -29,6 +32,10 @@
 //! per chunk; its options (`table`, `region`, `size`, `chunk` up to 1MiB, `consistency`,
 //! `create`, `replication`, `connections`, `timeout`, `ro`) are described in [`farmap_cql`].
 //! An existing region's size comes from the table; `size=` is needed only to create one.
+//! Redis stores (`redis://`, `rediss://`, `redis+cluster://`) need `size=` only to create a
+//! region; its geometry is recorded under `<prefix>:meta` and checked on later opens. Their
+//! options: `prefix=` (default `farmap`), `connections=`, `timeout=`, `flush=none|wait|fsync`
+//! (`replicas=` for `wait`), and `ca=` for `rediss://`; see [`farmap_redis`].
 
 use std::fmt;
 use std::path::{Path, PathBuf};
@@ -46,7 +53,8 @@ mod remote;
 use farmap_store::{DirOptions, DirStore, FileOptions, FileStore, MemoryStore};
 
 /// The schemes farmap knows, for error messages.
-const KNOWN: &str = "memory, file, dir, farmap, farmaps, farmap+unix, farmap+grpc, cql";
+const KNOWN: &str =
+    "memory, file, dir, farmap, farmaps, farmap+unix, farmap+grpc, redis, rediss, redis+cluster, cql";
 
 /// Why a store spec could not be understood. Each message is one line naming the problem.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
@@ -227,6 +235,8 @@ pub enum SpecKind {
     },
     /// Rows of a Cassandra or ScyllaDB table (`cql://host:port/keyspace?table=..&region=..`).
     Cql(Box<CqlTarget>),
+    /// A region in Redis or a Redis Cluster (`redis://`, `rediss://`, `redis+cluster://`).
+    Redis(farmap_redis::RedisConfig),
 }
 
 /// A parsed store spec. `Display` gives it back in canonical form.
@@ -254,18 +264,22 @@ impl StoreSpec {
             SpecKind::Memory
             | SpecKind::Remote { .. }
             | SpecKind::Grpc { .. }
-            | SpecKind::Cql(_) => None,
+            | SpecKind::Cql(_)
+            | SpecKind::Redis(_) => None,
             SpecKind::File { path } | SpecKind::Dir { path, .. } => Some(path),
         }
     }
 
     /// Whether opening this spec would create something new (a memory store, or a file or
     /// directory store whose path does not exist yet). A remote store is never created; a
-    /// `cql://` region may be, when the spec says `create=true`.
+    /// `cql://` region may be, when the spec says `create=true`. A Redis region may be: it is
+    /// created when its record is missing (and an existing record must match a size given
+    /// anyway), so this says yes.
     pub fn creates(&self) -> bool {
         match &self.kind {
             SpecKind::Remote { .. } | SpecKind::Grpc { .. } => false,
             SpecKind::Cql(t) => t.create,
+            SpecKind::Redis(_) => true,
             _ => self.path().is_none_or(|p| !p.exists()),
         }
     }
@@ -274,7 +288,10 @@ impl StoreSpec {
     pub fn is_remote(&self) -> bool {
         matches!(
             self.kind,
-            SpecKind::Remote { .. } | SpecKind::Grpc { .. } | SpecKind::Cql(_)
+            SpecKind::Remote { .. }
+                | SpecKind::Grpc { .. }
+                | SpecKind::Cql(_)
+                | SpecKind::Redis(_)
         )
     }
 
@@ -361,6 +378,7 @@ impl FromStr for StoreSpec {
         let mut read_only = false;
         let mut max_open_files = None;
         let mut remote = RemoteOptions::default();
+        let mut redis_opts: Vec<(&str, &str)> = Vec::new();
         let scheme_lc = scheme.to_ascii_lowercase();
         let takes = match scheme_lc.as_str() {
             "memory" | "mem" => "size, chunk",
@@ -368,6 +386,10 @@ impl FromStr for StoreSpec {
             "dir" => "size, chunk, ro, max-open",
             "farmap" | "farmap+unix" | "farmap+grpc" => "connections, timeout",
             "farmaps" => "ca, cert, key, name, connections, timeout",
+            "redis" | "redis+cluster" => {
+                "size, chunk, prefix, connections, timeout, flush, replicas"
+            }
+            "rediss" => "size, chunk, prefix, connections, timeout, flush, replicas, ca",
             _ => {
                 return Err(SpecError::UnknownScheme {
                     scheme: scheme.to_owned(),
@@ -388,6 +410,10 @@ impl FromStr for StoreSpec {
                     spec: spec.to_owned(),
                     takes,
                 });
+            }
+            if scheme_lc.starts_with("redis") && key != "size" && key != "chunk" {
+                redis_opts.push((key, value));
+                continue;
             }
             match key {
                 "size" => set_size(&mut size, value, spec)?,
@@ -458,6 +484,30 @@ impl FromStr for StoreSpec {
                 },
                 _ => unreachable!("farmap:// always parses to a TCP address"),
             },
+            "redis" | "rediss" | "redis+cluster" => SpecKind::Redis(
+                farmap_redis::RedisConfig::parse(&scheme_lc, body, &redis_opts).map_err(
+                    |e| match e {
+                        farmap_redis::RedisSpecError::BadAddress { hint, .. } => {
+                            SpecError::BadAddress {
+                                spec: spec.to_owned(),
+                                hint,
+                            }
+                        }
+                        farmap_redis::RedisSpecError::BadOption { option, reason } => {
+                            SpecError::BadOption {
+                                option,
+                                spec: spec.to_owned(),
+                                reason,
+                            }
+                        }
+                        other => SpecError::BadOption {
+                            option: "spec",
+                            spec: spec.to_owned(),
+                            reason: other.to_string(),
+                        },
+                    },
+                )?,
+            ),
             _ => SpecKind::Dir {
                 path: path()?,
                 max_open_files,
@@ -531,6 +581,14 @@ impl fmt::Display for StoreSpec {
                 if let Some(s) = self.size {
                     opts.push(format!("size={}", format_size(s)));
                 }
+            }
+            SpecKind::Redis(config) => {
+                let (head, redis_opts) = config.display_parts();
+                f.write_str(&head)?;
+                if let Some(s) = self.size {
+                    opts.push(format!("size={}", format_size(s)));
+                }
+                opts.extend(redis_opts);
             }
         }
         if let Some(c) = self.chunk_size {
@@ -608,6 +666,15 @@ pub async fn open_store_async(spec: &StoreSpec) -> Result<Arc<dyn Store>, OpenEr
                 })?;
             Ok(Arc::new(store))
         }
+        SpecKind::Redis(config) => {
+            let store = farmap_redis::RedisStore::open(config, spec.size, spec.chunk_size)
+                .await
+                .map_err(|source| OpenError::Store {
+                    spec: spec.to_string(),
+                    source,
+                })?;
+            Ok(Arc::new(store))
+        }
         _ => open_store(spec),
     }
 }
@@ -655,7 +722,10 @@ pub fn open_store(spec: &StoreSpec) -> Result<Arc<dyn Store>, OpenError> {
             }
             Arc::new(DirStore::open(path, opts).map_err(store_err)?)
         }
-        SpecKind::Remote { .. } | SpecKind::Grpc { .. } | SpecKind::Cql(_) => {
+        SpecKind::Remote { .. }
+        | SpecKind::Grpc { .. }
+        | SpecKind::Cql(_)
+        | SpecKind::Redis(_) => {
             return Err(OpenError::NeedsAsync {
                 spec: spec.to_string(),
             })
@@ -722,6 +792,41 @@ mod tests {
                 "{spec}: {err}"
             );
             assert!(!err.contains('\n'), "one-line errors: {err:?}");
+        }
+    }
+
+    #[test]
+    fn redis_specs() {
+        let r =
+            parse("redis://127.0.0.1:6379/2?size=64MiB&prefix=x&chunk=4KiB&flush=wait").unwrap();
+        let SpecKind::Redis(c) = &r.kind else {
+            panic!("{r:?}")
+        };
+        assert_eq!(c.prefix, "x");
+        assert_eq!(c.flush, farmap_redis::FlushPolicy::Wait { replicas: 1 });
+        assert_eq!((r.size, r.chunk_size), (Some(64 << 20), Some(4096)));
+        assert!(r.is_remote() && r.creates() && r.path().is_none());
+        assert_eq!(parse(&r.to_string()).unwrap(), r, "display round-trips");
+        assert!(matches!(open_store(&r), Err(OpenError::NeedsAsync { .. })));
+        let c = parse("redis+cluster://a:1,b:2/?size=1GiB&connections=2").unwrap();
+        assert_eq!(parse(&c.to_string()).unwrap(), c);
+        let t = parse("rediss://h:1/0?ca=ca.pem").unwrap();
+        assert_eq!(parse(&t.to_string()).unwrap(), t);
+        // The password is not shown.
+        let p = parse("redis://u:hunter2@h:1/0?size=1MiB").unwrap();
+        assert!(!p.to_string().contains("hunter2"), "{p}");
+        for (spec, want) in [
+            ("redis://h:1?ca=x", "unknown option \"ca\""),
+            ("redis://h?size=1G", "names no server"),
+            ("redis://h:1?flush=sometimes", "bad value for flush"),
+            ("redis+cluster://a:1,b/", "names no server"),
+            ("redis://h:1?bogus=1", "unknown option \"bogus\""),
+        ] {
+            let err = parse(spec).expect_err(spec).to_string();
+            assert!(
+                err.contains(want),
+                "{spec}: {err:?} should contain {want:?}"
+            );
         }
     }
 

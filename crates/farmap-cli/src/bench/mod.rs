@@ -10,6 +10,7 @@ mod nbd;
 mod net;
 mod proxy;
 mod pull;
+mod stores;
 mod timer;
 mod uffd;
 mod uffd_raw;
@@ -42,6 +43,10 @@ pub enum BenchCommand {
     /// The delay proxy (`farmap proxy`): what it adds to a round trip, against a direct
     /// connection, and how close to its bandwidth a bulk transfer runs.
     Proxy(proxy::ProxyArgs),
+    /// Reading a region out of each store given (`--store`, repeatable), with a memory
+    /// store as the reference in the same run: direct reads, managed reads (Cached +
+    /// Puller) and random 4 KiB reads (p50/p99).
+    Stores(stores::StoresArgs),
 }
 
 pub async fn run(cmd: BenchCommand) -> anyhow::Result<ExitCode> {
@@ -52,6 +57,7 @@ pub async fn run(cmd: BenchCommand) -> anyhow::Result<ExitCode> {
         BenchCommand::Nbd(args) => nbd::run_bench(args).await,
         BenchCommand::Timer(args) => timer::run(args).await,
         BenchCommand::Proxy(args) => proxy::run(args).await,
+        BenchCommand::Stores(args) => stores::run(args).await,
     }
 }
 

@@ -1,0 +1,158 @@
+//! `farmap cp` and `farmap info` with Redis and Redis Cluster stores, against real servers
+//! (scripts/services/redis.sh and redis-cluster.sh).
+
+use std::process::{Command, Output};
+
+use farmap_testkit::{pattern_bytes, Service};
+
+fn farmap(args: &[&str]) -> Output {
+    Command::new(env!("CARGO_BIN_EXE_farmap"))
+        .args(args)
+        .output()
+        .expect("run farmap")
+}
+
+fn ok(o: Output, what: &str) -> String {
+    assert!(
+        o.status.success(),
+        "{what} failed: {}",
+        String::from_utf8_lossy(&o.stderr)
+    );
+    String::from_utf8_lossy(&o.stdout).into_owned()
+}
+
+/// `farmap cp file:in SPEC` and back gives identical bytes; `info` needs no size afterwards.
+fn round_trip(service: &'static str, spec_of: impl Fn(&Service, &str) -> String) {
+    let svc = match Service::shared(service) {
+        Ok(s) => s,
+        Err(e) => return farmap_testkit::skip(&format!("cp_round_trip_{service}"), e),
+    };
+    let dir = tempfile::tempdir().unwrap();
+    let input = dir.path().join("in.img");
+    let output = dir.path().join("out.img");
+    let size = 64usize << 20;
+    // Data with holes: a few zero stretches so the copy's zero handling is exercised.
+    let mut data = pattern_bytes(11, 0, size);
+    data[(3 << 20)..(5 << 20)].fill(0);
+    data[size - 4096..].fill(0);
+    std::fs::write(&input, &data).unwrap();
+    let prefix = format!("cli-{service}-{}", std::process::id());
+    let spec = spec_of(svc, &format!("size=64MiB&prefix={prefix}"));
+    ok(
+        farmap(&["cp", "-q", &format!("file:{}", input.display()), &spec]),
+        "cp in",
+    );
+    // Without size=: the region's record gives it.
+    let bare = spec_of(svc, &format!("prefix={prefix}"));
+    let info = ok(farmap(&["info", "--json", &bare]), "info");
+    let v: serde_json::Value = serde_json::from_str(&info).unwrap();
+    assert_eq!(v["size_bytes"], size as u64, "{info}");
+    ok(
+        farmap(&["cp", "-q", &bare, &format!("file:{}", output.display())]),
+        "cp out",
+    );
+    let back = std::fs::read(&output).unwrap();
+    assert!(back == data, "the bytes that came back differ");
+}
+
+#[test]
+fn cp_round_trip_through_redis() {
+    round_trip("redis", |svc, opts| {
+        format!("redis://127.0.0.1:{}/0?{opts}", svc.var("PORT"))
+    });
+}
+
+#[test]
+fn cp_round_trip_through_a_redis_cluster() {
+    round_trip("redis-cluster", |svc, opts| {
+        format!("{}?{opts}", svc.var("SPEC_BASE"))
+    });
+}
+
+#[test]
+fn redis_errors_name_the_problem() {
+    let svc = match Service::shared("redis") {
+        Ok(s) => s,
+        Err(e) => return farmap_testkit::skip("redis_errors_name_the_problem", e),
+    };
+    let prefix = format!("cli-missing-{}", std::process::id());
+    let spec = format!("redis://127.0.0.1:{}/0?prefix={prefix}", svc.var("PORT"));
+    let o = farmap(&["info", &spec]);
+    assert!(!o.status.success());
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert!(
+        err.contains("no farmap region") && err.contains("size="),
+        "{err}"
+    );
+}
+
+#[test]
+fn help_stores_lists_every_scheme_with_an_example() {
+    for args in [&["help", "stores"][..], &["stores"][..]] {
+        let out = ok(farmap(args), "help stores");
+        for section in [
+            "## memory",
+            "## file",
+            "## dir",
+            "## farmap",
+            "## redis",
+            "## s3",
+            "## cql",
+        ] {
+            assert!(out.contains(section), "{args:?} lacks {section}:\n{out}");
+        }
+        for example in [
+            "redis://127.0.0.1:6379/0?size=64MiB",
+            "rediss://",
+            "redis+cluster://",
+            "flush=fsync",
+        ] {
+            assert!(out.contains(example), "{args:?} lacks {example}");
+        }
+    }
+}
+
+#[test]
+fn bench_stores_reports_every_case_for_memory_and_redis() {
+    let svc = match Service::shared("redis") {
+        Ok(s) => s,
+        Err(e) => return farmap_testkit::skip("bench_stores_reports_every_case", e),
+    };
+    let spec = format!(
+        "redis://127.0.0.1:{}/0?prefix=bench-{}",
+        svc.var("PORT"),
+        std::process::id()
+    );
+    let out = ok(
+        farmap(&[
+            "bench",
+            "stores",
+            "--json",
+            "--size",
+            "2MiB",
+            "--samples",
+            "20",
+            "--store",
+            &spec,
+        ]),
+        "bench stores",
+    );
+    let lines: Vec<serde_json::Value> = out
+        .lines()
+        .map(|l| serde_json::from_str(l).expect("one JSON object per line"))
+        .collect();
+    assert_eq!(lines.len(), 6, "{out}");
+    for (i, v) in lines.iter().enumerate() {
+        let store = if i < 3 { "memory" } else { "redis" };
+        let case = ["direct-read", "managed-read", "read-4k"][i % 3];
+        assert_eq!(v["bench"], "stores");
+        assert_eq!(v["store"], store, "{v}");
+        assert_eq!(v["case"], case, "{v}");
+        assert_eq!(v["verified"], true, "{v}");
+        assert!(v["mb_per_s"].as_f64().is_some_and(|x| x > 0.0), "{v}");
+        assert!(
+            v.get("p50_us").is_some() && v.get("p99_us").is_some(),
+            "{v}"
+        );
+    }
+}
