@@ -40,6 +40,8 @@ apt_need curl
 
 port=$(free_port 1)
 mkdir -p "$SVC_DIR/data"
+# The objects go when the server does (a shared service's directory outlives the test run).
+trap 'svc_cleanup; rm -rf "$SVC_DIR/data"' EXIT
 MINIO_ROOT_USER=$access_key MINIO_ROOT_PASSWORD=$secret_key MINIO_BROWSER=off \
   MINIO_UPDATE=off MINIO_CI_CD=1 \
   "$bin" server "$SVC_DIR/data" --quiet \

@@ -9,6 +9,7 @@
 //! | `farmap://host:7400` | a region served by `farmap serve` (TCP) |
 //! | `farmaps://host:7400?ca=ca.pem` | the same over TLS; `cert=`/`key=` for mutual TLS, `name=` |
 //! | `farmap+unix:/run/farmap.sock` | a region served on a Unix socket |
+//! | `s3://bucket/vm1?endpoint=http://127.0.0.1:9000&size=1GiB` | one object per chunk in an S3 bucket (AWS, MinIO...); see [`farmap_s3`] |
 //!
 //! Options go after `?`, separated by `&`: `size=` (region size), `chunk=` (chunk size, a power
 //! of two from 4KiB to 4MiB, default 64KiB), `ro` (read-only; file and dir), `max-open=`
@@ -23,6 +24,12 @@
 //! `cert=` and `key=` (the client's certificate and key, for servers that require one), and
 //! `name=` (the name the server's certificate must carry; default: the host).
 //! Remote stores are opened with [`open_store_async`].
+//!
+//! `s3://BUCKET/PREFIX` takes `size=` and `chunk=` (needed only to create a region; checked
+//! against the stored one otherwise), `ro`, `endpoint=` (the server's URL; default AWS or
+//! `AWS_ENDPOINT_URL`), `region=`, `profile=` (of `~/.aws/credentials`), `connections=`
+//! (requests in flight), `timeout=` and `retries=`. Credentials come from the standard AWS
+//! environment variables or profile files, never from the spec ([`farmap_s3::config`]).
 
 use std::fmt;
 use std::path::{Path, PathBuf};
@@ -33,13 +40,14 @@ use std::time::Duration;
 use farmap_core::{format_size, parse_size, Geometry, SizeError, Store, StoreError};
 use farmap_grpc::{GrpcClientOptions, GrpcStore};
 use farmap_net::{RemoteAddr, RemoteStore, TlsClientConfig};
+use farmap_s3::{S3Location, S3Options, S3Store};
 use remote::RemoteOptions;
 
 mod remote;
 use farmap_store::{DirOptions, DirStore, FileOptions, FileStore, MemoryStore};
 
 /// The schemes farmap knows, for error messages.
-const KNOWN: &str = "memory, file, dir, farmap, farmaps, farmap+unix, farmap+grpc";
+const KNOWN: &str = "memory, file, dir, farmap, farmaps, farmap+unix, farmap+grpc, s3";
 
 /// Why a store spec could not be understood. Each message is one line naming the problem.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
@@ -210,6 +218,11 @@ pub enum SpecKind {
         /// Deadline of each request, if set.
         timeout: Option<Duration>,
     },
+    /// A region in an S3 bucket (`s3://BUCKET/PREFIX?endpoint=...`), one object per chunk.
+    S3 {
+        /// Bucket, prefix and how to reach them.
+        location: S3Location,
+    },
 }
 
 /// A parsed store spec. `Display` gives it back in canonical form.
@@ -234,23 +247,30 @@ impl StoreSpec {
     /// The path of a file or dir store.
     pub fn path(&self) -> Option<&Path> {
         match &self.kind {
-            SpecKind::Memory | SpecKind::Remote { .. } | SpecKind::Grpc { .. } => None,
+            SpecKind::Memory
+            | SpecKind::Remote { .. }
+            | SpecKind::Grpc { .. }
+            | SpecKind::S3 { .. } => None,
             SpecKind::File { path } | SpecKind::Dir { path, .. } => Some(path),
         }
     }
 
     /// Whether opening this spec would create something new (a memory store, or a file or
-    /// directory store whose path does not exist yet). A remote store is never created.
+    /// directory store whose path does not exist yet). A remote store is never created (an
+    /// S3 region may be, but only the server can tell: this says `false`).
     pub fn creates(&self) -> bool {
         match &self.kind {
-            SpecKind::Remote { .. } | SpecKind::Grpc { .. } => false,
+            SpecKind::Remote { .. } | SpecKind::Grpc { .. } | SpecKind::S3 { .. } => false,
             _ => self.path().is_none_or(|p| !p.exists()),
         }
     }
 
     /// Whether this spec names a store on another host (opened with [`open_store_async`]).
     pub fn is_remote(&self) -> bool {
-        matches!(self.kind, SpecKind::Remote { .. } | SpecKind::Grpc { .. })
+        matches!(
+            self.kind,
+            SpecKind::Remote { .. } | SpecKind::Grpc { .. } | SpecKind::S3 { .. }
+        )
     }
 
     /// Sets the size when the spec has none and would create its store (used by `cp` so that
@@ -322,6 +342,7 @@ impl FromStr for StoreSpec {
         let mut read_only = false;
         let mut max_open_files = None;
         let mut remote = RemoteOptions::default();
+        let mut s3_options = Vec::new();
         let scheme_lc = scheme.to_ascii_lowercase();
         let takes = match scheme_lc.as_str() {
             "memory" | "mem" => "size, chunk",
@@ -329,6 +350,7 @@ impl FromStr for StoreSpec {
             "dir" => "size, chunk, ro, max-open",
             "farmap" | "farmap+unix" | "farmap+grpc" => "connections, timeout",
             "farmaps" => "ca, cert, key, name, connections, timeout",
+            "s3" => "size, chunk, ro, endpoint, region, profile, connections, timeout, retries",
             _ => {
                 return Err(SpecError::UnknownScheme {
                     scheme: scheme.to_owned(),
@@ -349,6 +371,10 @@ impl FromStr for StoreSpec {
                     spec: spec.to_owned(),
                     takes,
                 });
+            }
+            if scheme_lc == "s3" && farmap_s3::OPTIONS.split(", ").any(|k| k == key) {
+                s3_options.push((key, value));
+                continue;
             }
             match key {
                 "size" => set_size(&mut size, value, spec)?,
@@ -419,6 +445,18 @@ impl FromStr for StoreSpec {
                 },
                 _ => unreachable!("farmap:// always parses to a TCP address"),
             },
+            "s3" => {
+                let bad = |e: farmap_s3::S3SpecError| SpecError::BadOption {
+                    option: e.option,
+                    spec: spec.to_owned(),
+                    reason: e.reason,
+                };
+                let mut location = S3Location::parse(body).map_err(bad)?;
+                for (key, value) in s3_options {
+                    location.set(key, value).map_err(bad)?;
+                }
+                SpecKind::S3 { location }
+            }
             _ => SpecKind::Dir {
                 path: path()?,
                 max_open_files,
@@ -486,6 +524,14 @@ impl fmt::Display for StoreSpec {
                 write!(f, "farmap+grpc://{addr}")?;
                 opts = remote_opts;
             }
+            SpecKind::S3 { location } => {
+                let (head, s3_opts) = location.display_parts();
+                f.write_str(&head)?;
+                opts = s3_opts;
+                if let Some(s) = self.size {
+                    opts.push(format!("size={}", format_size(s)));
+                }
+            }
         }
         if let Some(c) = self.chunk_size {
             opts.push(format!("chunk={}", format_size(u64::from(c))));
@@ -539,6 +585,20 @@ pub async fn open_store_async(spec: &StoreSpec) -> Result<Arc<dyn Store>, OpenEr
                 })?;
             Ok(Arc::new(store))
         }
+        SpecKind::S3 { location } => {
+            let store = S3Store::open(S3Options {
+                location: location.clone(),
+                size: spec.size,
+                chunk_size: spec.chunk_size,
+                read_only: spec.read_only,
+            })
+            .await
+            .map_err(|source| OpenError::Store {
+                spec: spec.to_string(),
+                source,
+            })?;
+            Ok(Arc::new(store))
+        }
         _ => open_store(spec),
     }
 }
@@ -586,7 +646,7 @@ pub fn open_store(spec: &StoreSpec) -> Result<Arc<dyn Store>, OpenError> {
             }
             Arc::new(DirStore::open(path, opts).map_err(store_err)?)
         }
-        SpecKind::Remote { .. } | SpecKind::Grpc { .. } => {
+        SpecKind::Remote { .. } | SpecKind::Grpc { .. } | SpecKind::S3 { .. } => {
             return Err(OpenError::NeedsAsync {
                 spec: spec.to_string(),
             })
@@ -614,10 +674,50 @@ mod tests {
             "farmaps://h:1?ca=a&cert=c&key=k&name=n&timeout=1500ms&connections=2",
             "farmap+unix:/s?timeout=0.5s",
             "farmap+grpc://h:2?timeout=90s",
+            "s3://bucket/a/b?endpoint=http://127.0.0.1:9000&region=eu-west-1&profile=p&connections=8&timeout=2s&retries=3&size=64MiB&chunk=1MiB&ro",
+            "s3://my.bucket?size=1GiB",
+            "s3://bucket/x/?retries=0&endpoint=https://s3.example:443/",
         ] {
             let spec = parse(text).unwrap_or_else(|e| panic!("{text}: {e}"));
             let shown = spec.to_string();
             assert_eq!(parse(&shown), Ok(spec), "{text} -> {shown}");
+        }
+    }
+
+    #[test]
+    fn s3_specs() {
+        let s = parse("s3://farmap-test/vm1?endpoint=http://127.0.0.1:9000&size=64MiB").unwrap();
+        let SpecKind::S3 { location } = &s.kind else {
+            panic!("{s:?}")
+        };
+        assert_eq!(location.bucket, "farmap-test");
+        assert_eq!(location.prefix, "vm1");
+        assert_eq!(location.endpoint.as_deref(), Some("http://127.0.0.1:9000"));
+        assert_eq!(s.size, Some(64 << 20));
+        assert!(s.is_remote() && !s.creates() && s.path().is_none());
+        assert_eq!(
+            s.to_string(),
+            "s3://farmap-test/vm1?endpoint=http://127.0.0.1:9000&size=64MiB"
+        );
+        assert!(matches!(open_store(&s), Err(OpenError::NeedsAsync { .. })));
+        for (spec, want) in [
+            ("s3:bucket/x", "write s3://BUCKET/PREFIX"),
+            ("s3://", "names no bucket"),
+            ("s3://B/x", "not a bucket name"),
+            ("s3://bucket/a//b", "bad value for prefix"),
+            ("s3://bucket/x?endpoint=ftp://h", "bad value for endpoint"),
+            ("s3://bucket/x?connections=0", "bad value for connections"),
+            ("s3://bucket/x?retries=many", "bad value for retries"),
+            ("s3://bucket/x?secret=abc", "unknown option \"secret\""),
+            ("s3://bucket/x?max-open=3", "unknown option \"max-open\""),
+            ("s3://bucket/x?size=0", "cannot be empty"),
+        ] {
+            let err = parse(spec).expect_err(spec).to_string();
+            assert!(
+                err.contains(want),
+                "{spec}: {err:?} should contain {want:?}"
+            );
+            assert!(!err.contains('\n'), "one-line errors: {err:?}");
         }
     }
 
