@@ -73,7 +73,10 @@ fn cp_to_s3_and_back_gives_identical_bytes() {
         svc,
         &[
             "info",
-            &format!("s3://no-such-bucket-x/{prefix}?endpoint={}", svc.var("ENDPOINT")),
+            &format!(
+                "s3://no-such-bucket-x/{prefix}?endpoint={}",
+                svc.var("ENDPOINT")
+            ),
         ],
     );
     assert!(!o.status.success());

@@ -36,7 +36,10 @@ fn cpu_secs(pid: &str) -> f64 {
 /// The pid of the MinIO server whose data lives under `dir`.
 fn minio_pid(dir: &std::path::Path) -> String {
     let out = std::process::Command::new("pgrep")
-        .args(["-f", &format!("minio server {}", dir.join("data").display())])
+        .args([
+            "-f",
+            &format!("minio server {}", dir.join("data").display()),
+        ])
         .output()
         .expect("pgrep");
     String::from_utf8_lossy(&out.stdout)
@@ -124,7 +127,12 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
         let got = s3.read(idx).await?;
         verified &= got == source.read(idx).await?;
     }
-    line("direct-read", started.elapsed().as_secs_f64(), verified, cpu0);
+    line(
+        "direct-read",
+        started.elapsed().as_secs_f64(),
+        verified,
+        cpu0,
+    );
     // Managed: Cached + Puller.
     let cached = Arc::new(Cached::new(DenseMemoryStore::new(g), s3.clone())?);
     let cpu0 = cpu();

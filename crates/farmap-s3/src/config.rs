@@ -254,7 +254,10 @@ mod tests {
         assert_eq!(r.credentials.token.as_deref(), Some("tok"));
         assert_eq!(r.region, "eu-west-1");
         assert_eq!(r.endpoint.as_deref(), Some("http://127.0.0.1:9000"));
-        assert!(!format!("{r:?}").contains("sekrit"), "secrets stay out of Debug");
+        assert!(
+            !format!("{r:?}").contains("sekrit"),
+            "secrets stay out of Debug"
+        );
         // The spec's options win over the environment.
         let mut l = loc();
         l.set("region", "ap-south-1").unwrap();
@@ -295,7 +298,11 @@ mod tests {
         assert_eq!(r.credentials.key_id, "DEF");
         assert_eq!(r.region, "us-west-2");
         assert_eq!(r.endpoint, None);
-        assert!(r.credentials_from.contains("profile default"), "{}", r.credentials_from);
+        assert!(
+            r.credentials_from.contains("profile default"),
+            "{}",
+            r.credentials_from
+        );
         // AWS_PROFILE chooses another; environment keys win over it.
         let r = resolve(&loc(), &env_of(&[("HOME", home), ("AWS_PROFILE", "minio")])).unwrap();
         assert_eq!(r.credentials.key_id, "MINIO");
@@ -307,11 +314,17 @@ mod tests {
             ("AWS_ACCESS_KEY_ID", "ENV"),
             ("AWS_SECRET_ACCESS_KEY", "envsecret"),
         ];
-        assert_eq!(resolve(&loc(), &env_of(&both)).unwrap().credentials.key_id, "ENV");
+        assert_eq!(
+            resolve(&loc(), &env_of(&both)).unwrap().credentials.key_id,
+            "ENV"
+        );
         // profile= of the spec is used alone.
         let mut l = loc();
         l.set("profile", "minio").unwrap();
-        assert_eq!(resolve(&l, &env_of(&both)).unwrap().credentials.key_id, "MINIO");
+        assert_eq!(
+            resolve(&l, &env_of(&both)).unwrap().credentials.key_id,
+            "MINIO"
+        );
         l.set("profile", "missing").unwrap();
         let e = resolve(&l, &env_of(&both)).unwrap_err();
         assert_eq!(e.kind(), ErrorKind::InvalidInput);

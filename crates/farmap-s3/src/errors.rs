@@ -160,7 +160,10 @@ impl Describe {
                     }
                 ),
             ),
-            Some(404) => (ErrorKind::NotFound, format!("{doing} of {location}: not found")),
+            Some(404) => (
+                ErrorKind::NotFound,
+                format!("{doing} of {location}: not found"),
+            ),
             Some(s @ (429 | 500..=599)) => (
                 ErrorKind::Unavailable,
                 format!(
@@ -185,7 +188,10 @@ impl Describe {
                 ErrorKind::Unavailable,
                 format!("{doing} of {location}: cannot reach {endpoint}"),
             ),
-            None => (ErrorKind::Io, format!("{doing} of {location} at {endpoint} failed")),
+            None => (
+                ErrorKind::Io,
+                format!("{doing} of {location} at {endpoint} failed"),
+            ),
         }
     }
 }
@@ -230,15 +236,57 @@ mod tests {
     fn messages_name_the_problem() {
         let d = describe();
         let cases = [
-            (failure(404, "NoSuchBucket"), ErrorKind::NotFound, "bucket b does not exist at http://127.0.0.1:9"),
-            (failure(403, "InvalidAccessKeyId"), ErrorKind::PermissionDenied, "does not know access key id AKID"),
-            (failure(403, "SignatureDoesNotMatch"), ErrorKind::PermissionDenied, "secret access key is wrong"),
-            (failure(403, "AccessDenied"), ErrorKind::PermissionDenied, "refused access key id AKID (from AWS_ACCESS_KEY_ID) (AccessDenied)"),
-            (failure(503, "SlowDown"), ErrorKind::Unavailable, "answered 503 SlowDown and still did after 3 retries"),
-            (failure(500, ""), ErrorKind::Unavailable, "answered 500 and still"),
-            (failure(400, "InvalidRequest"), ErrorKind::Io, "answered 400 InvalidRequest"),
-            (Failure { connect: true, ..Failure::default() }, ErrorKind::Unavailable, "cannot reach http://127.0.0.1:9"),
-            (Failure { timeout: true, ..Failure::default() }, ErrorKind::Timeout, "did not answer in time"),
+            (
+                failure(404, "NoSuchBucket"),
+                ErrorKind::NotFound,
+                "bucket b does not exist at http://127.0.0.1:9",
+            ),
+            (
+                failure(403, "InvalidAccessKeyId"),
+                ErrorKind::PermissionDenied,
+                "does not know access key id AKID",
+            ),
+            (
+                failure(403, "SignatureDoesNotMatch"),
+                ErrorKind::PermissionDenied,
+                "secret access key is wrong",
+            ),
+            (
+                failure(403, "AccessDenied"),
+                ErrorKind::PermissionDenied,
+                "refused access key id AKID (from AWS_ACCESS_KEY_ID) (AccessDenied)",
+            ),
+            (
+                failure(503, "SlowDown"),
+                ErrorKind::Unavailable,
+                "answered 503 SlowDown and still did after 3 retries",
+            ),
+            (
+                failure(500, ""),
+                ErrorKind::Unavailable,
+                "answered 500 and still",
+            ),
+            (
+                failure(400, "InvalidRequest"),
+                ErrorKind::Io,
+                "answered 400 InvalidRequest",
+            ),
+            (
+                Failure {
+                    connect: true,
+                    ..Failure::default()
+                },
+                ErrorKind::Unavailable,
+                "cannot reach http://127.0.0.1:9",
+            ),
+            (
+                Failure {
+                    timeout: true,
+                    ..Failure::default()
+                },
+                ErrorKind::Timeout,
+                "did not answer in time",
+            ),
         ];
         for (f, kind, want) in cases {
             let (k, msg) = d.classify("reading chunk 3", &f);

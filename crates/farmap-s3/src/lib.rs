@@ -72,3 +72,28 @@ pub use location::{S3Location, S3SpecError, MAX_CONNECTIONS, MAX_RETRIES, OPTION
 pub use store::{
     S3Options, S3Store, DEFAULT_CONNECTIONS, DEFAULT_RETRIES, DEFAULT_TIMEOUT, RETRY_TOTAL,
 };
+
+/// The `## s3` section of `farmap help stores`.
+pub const HELP: &str = "\
+## s3
+s3://BUCKET/PREFIX?endpoint=URL&region=R&size=SIZE&chunk=SIZE
+  A region in an S3 bucket (AWS S3, MinIO, any S3-compatible server): chunk i is the
+  object PREFIX/<i in 12 digits> (PREFIX/000000000042), so listings are in chunk order;
+  PREFIX/farmap-meta records size and chunk size. size= is needed only to create a
+  region; later opens read it (and refuse a size= or chunk= that differs).
+  A missing object reads as zeros; trim deletes objects; flush has nothing to do (S3
+  stores a PUT durably before acknowledging it). An object of the wrong size is refused
+  as corrupt, naming its key.
+  Options: endpoint= (server URL; default AWS, or AWS_ENDPOINT_URL), region= (default
+  AWS_REGION, AWS_DEFAULT_REGION, the profile, us-east-1), profile= (of ~/.aws/credentials
+  and ~/.aws/config), connections=N (requests in flight, default 64), timeout=DURATION
+  (per request, default 30s), retries=N (on 5xx, 503 SlowDown, 429 and connection errors,
+  exponential backoff from 50ms to 2s, at most 60s in all; default 10), ro.
+  Credentials: AWS_ACCESS_KEY_ID, AWS_SECRET_ACCESS_KEY (and AWS_SESSION_TOKEN), or a
+  profile (AWS_PROFILE or profile=). Never in the spec.
+  Example (MinIO on this host):
+    AWS_ACCESS_KEY_ID=minioadmin AWS_SECRET_ACCESS_KEY=minioadmin \\
+    farmap cp file:disk.img 's3://vms/disk1?endpoint=http://127.0.0.1:9000&size=1GiB'
+  The bucket must exist (aws s3 mb s3://vms --endpoint-url http://127.0.0.1:9000, or
+  mc mb).
+";

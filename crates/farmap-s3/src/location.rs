@@ -106,10 +106,7 @@ impl S3Location {
                         .bytes()
                         .all(|b| b.is_ascii_alphanumeric() || b"-_.@+".contains(&b));
                 if !ok {
-                    return Err(bad(
-                        "profile",
-                        format!("{value:?} is not a profile name"),
-                    ));
+                    return Err(bad("profile", format!("{value:?} is not a profile name")));
                 }
                 self.profile = Some(value.to_owned());
             }
@@ -196,14 +193,15 @@ impl fmt::Display for S3Location {
 /// starting and ending with a letter or digit).
 fn check_bucket(bucket: &str) -> Result<(), S3SpecError> {
     if bucket.is_empty() {
-        return Err(bad("bucket", "the spec names no bucket: write s3://BUCKET/PREFIX"));
+        return Err(bad(
+            "bucket",
+            "the spec names no bucket: write s3://BUCKET/PREFIX",
+        ));
     }
     let edge = |b: u8| b.is_ascii_lowercase() || b.is_ascii_digit();
     let bytes = bucket.as_bytes();
     let ok = (3..=63).contains(&bytes.len())
-        && bytes
-            .iter()
-            .all(|&b| edge(b) || b == b'.' || b == b'-')
+        && bytes.iter().all(|&b| edge(b) || b == b'.' || b == b'-')
         && edge(bytes[0])
         && edge(bytes[bytes.len() - 1])
         && !bucket.contains("..");

@@ -88,11 +88,23 @@ mod tests {
             ("farmap-s3 region 2\nsize=1\nchunk=4096\n", "first line"),
             ("farmap-s3 region 1\nsize=4096\n", "no chunk"),
             ("farmap-s3 region 1\nchunk=4096\n", "no size"),
-            ("farmap-s3 region 1\nsize=4096\nsize=4096\nchunk=4096", "twice"),
-            ("farmap-s3 region 1\nsize=4096\nchunk=4096\ncolor=red", "unknown key"),
-            ("farmap-s3 region 1\nsize=-1\nchunk=4096", "not a whole number"),
+            (
+                "farmap-s3 region 1\nsize=4096\nsize=4096\nchunk=4096",
+                "twice",
+            ),
+            (
+                "farmap-s3 region 1\nsize=4096\nchunk=4096\ncolor=red",
+                "unknown key",
+            ),
+            (
+                "farmap-s3 region 1\nsize=-1\nchunk=4096",
+                "not a whole number",
+            ),
             ("farmap-s3 region 1\nsize=4096\nchunk=3000", "power of two"),
-            ("farmap-s3 region 1\nsize=0\nchunk=4096", "greater than zero"),
+            (
+                "farmap-s3 region 1\nsize=0\nchunk=4096",
+                "greater than zero",
+            ),
             ("farmap-s3 region 1\nsize 4096", "not key=value"),
         ] {
             let e = decode(text.as_bytes()).expect_err(text);

@@ -242,9 +242,7 @@ impl S3Store {
                             ),
                         ));
                     };
-                    let chunk = opts
-                        .chunk_size
-                        .unwrap_or(farmap_core::DEFAULT_CHUNK_SIZE);
+                    let chunk = opts.chunk_size.unwrap_or(farmap_core::DEFAULT_CHUNK_SIZE);
                     let g = Geometry::new_bounded(size, u64::from(chunk)).map_err(|e| {
                         StoreError::invalid(format!("cannot create a region at {location}: {e}"))
                     })?;

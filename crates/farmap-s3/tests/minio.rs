@@ -88,7 +88,11 @@ async fn check_against_model(
     }
     for idx in g.all().iter() {
         let got = s3.read(idx).await.expect("s3 read");
-        prop_assert!(got == model.read(idx).await.expect("model"), "final {}", idx);
+        prop_assert!(
+            got == model.read(idx).await.expect("model"),
+            "final {}",
+            idx
+        );
     }
     Ok(())
 }
@@ -142,19 +146,29 @@ async fn the_region_description_is_kept_and_checked() {
     // Read-only: reads work, writes and trims are refused, nothing changes.
     let ro = open_with(loc(), None, true, &env).await.unwrap();
     assert_eq!(ro.read(ChunkIdx(10)).await.unwrap(), data);
-    let e = ro.write(ChunkIdx(0), Bytes::from(vec![1u8; 65536])).await.unwrap_err();
+    let e = ro
+        .write(ChunkIdx(0), Bytes::from(vec![1u8; 65536]))
+        .await
+        .unwrap_err();
     assert_eq!(e.kind(), ErrorKind::ReadOnly);
     let e = ro.trim(g.all()).await.unwrap_err();
     assert_eq!(e.kind(), ErrorKind::ReadOnly);
     assert_eq!(ro.read(ChunkIdx(10)).await.unwrap(), data);
     // A different size or chunk size is refused with both numbers.
     let other = Geometry::new(1 << 20, 65536).unwrap();
-    let e = open_with(loc(), Some(other), false, &env).await.unwrap_err();
+    let e = open_with(loc(), Some(other), false, &env)
+        .await
+        .unwrap_err();
     assert_eq!(e.kind(), ErrorKind::InvalidInput);
     let msg = e.to_string();
-    assert!(msg.contains("asks for size 1MiB") && msg.contains("farmap-meta"), "{msg}");
+    assert!(
+        msg.contains("asks for size 1MiB") && msg.contains("farmap-meta"),
+        "{msg}"
+    );
     let other = Geometry::new(g.size(), 4096).unwrap();
-    let e = open_with(loc(), Some(other), false, &env).await.unwrap_err();
+    let e = open_with(loc(), Some(other), false, &env)
+        .await
+        .unwrap_err();
     assert!(e.to_string().contains("asks for chunk 4KiB"), "{e}");
 }
 
@@ -202,7 +216,9 @@ async fn objects_of_the_wrong_size_are_refused() {
         }
     }
     // The right size is served; writing a chunk replaces a bad object.
-    s.write(ChunkIdx(1), Bytes::from(vec![3u8; 4096])).await.unwrap();
+    s.write(ChunkIdx(1), Bytes::from(vec![3u8; 4096]))
+        .await
+        .unwrap();
     assert_eq!(s.read(ChunkIdx(1)).await.unwrap(), vec![3u8; 4096]);
     // A description that is not one is refused on open, naming the object.
     let prefix = fresh_prefix("badmeta");
@@ -221,7 +237,10 @@ async fn objects_of_the_wrong_size_are_refused() {
     .await
     .unwrap_err();
     assert_eq!(e.kind(), ErrorKind::Corrupt);
-    assert!(e.to_string().contains(&format!("{prefix}/farmap-meta")), "{e}");
+    assert!(
+        e.to_string().contains(&format!("{prefix}/farmap-meta")),
+        "{e}"
+    );
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -318,7 +337,10 @@ async fn bad_credentials_name_the_key_id() {
         msg.contains("access key id farmap-test") && msg.contains("secret access key is wrong"),
         "{msg}"
     );
-    assert!(!chain(&e).contains("wrong-secret"), "the secret stays out of errors");
+    assert!(
+        !chain(&e).contains("wrong-secret"),
+        "the secret stays out of errors"
+    );
     // No credentials at all.
     let env = std::collections::HashMap::from([("HOME".to_string(), "/nonexistent".to_string())]);
     let e = open_with(loc(), g, false, &env).await.unwrap_err();
@@ -364,9 +386,14 @@ async fn an_unreachable_endpoint_is_reported_quickly() {
     ]);
     // (The first request of an open retries twice, from 50 ms: this fails in well under a
     // second, where a data request would retry for up to a minute.)
-    let e = open_with(loc, Some(Geometry::new(1 << 20, 65536).unwrap()), false, &env)
-        .await
-        .unwrap_err();
+    let e = open_with(
+        loc,
+        Some(Geometry::new(1 << 20, 65536).unwrap()),
+        false,
+        &env,
+    )
+    .await
+    .unwrap_err();
     assert_eq!(e.kind(), ErrorKind::Unavailable, "{}", chain(&e));
     assert!(
         e.to_string().contains(&format!("cannot reach {endpoint}")),

@@ -12,7 +12,9 @@ use std::sync::{Arc, Mutex};
 use bytes::Bytes;
 use common::{env_of, fresh_prefix, location, minio, open_with};
 use farmap_core::{error_chain, ChunkIdx, ChunkRange, ChunkStatus, ErrorKind, Geometry, Store};
-use tokio::io::{AsyncBufRead, AsyncBufReadExt, AsyncReadExt, AsyncWrite, AsyncWriteExt, BufReader};
+use tokio::io::{
+    AsyncBufRead, AsyncBufReadExt, AsyncReadExt, AsyncWrite, AsyncWriteExt, BufReader,
+};
 use tokio::net::{TcpListener, TcpStream};
 
 /// Largest request or response head the shim reads.
@@ -60,7 +62,10 @@ impl Shim {
     }
 
     fn fail_next(&self, failures: &[(u16, &'static str)]) {
-        self.failures.lock().unwrap().extend(failures.iter().copied());
+        self.failures
+            .lock()
+            .unwrap()
+            .extend(failures.iter().copied());
     }
 
     fn refused(&self) -> usize {
@@ -185,9 +190,7 @@ async fn serve(
         let (ur, uw) = up.as_mut().expect("connected");
         uw.write_all(&head).await?;
         copy_body(&mut cr, uw, &head, false).await?;
-        let reply = read_head(ur)
-            .await?
-            .ok_or(io::ErrorKind::UnexpectedEof)?;
+        let reply = read_head(ur).await?.ok_or(io::ErrorKind::UnexpectedEof)?;
         cw.write_all(&reply).await?;
         let status: u16 = String::from_utf8_lossy(&reply)
             .split(' ')
@@ -214,17 +217,25 @@ async fn throttling_and_server_errors_are_retried() {
     let g = Geometry::new(8 * 4096, 4096).unwrap();
     let loc = location(svc, &shim.endpoint(), &fresh_prefix("retry"));
     let s = open_with(loc, Some(g), false, &env_of(svc)).await.unwrap();
-    assert!(shim.forwarded.load(Ordering::SeqCst) >= 1, "the open went through the shim");
+    assert!(
+        shim.forwarded.load(Ordering::SeqCst) >= 1,
+        "the open went through the shim"
+    );
 
     let data = Bytes::from(vec![5u8; 4096]);
     shim.fail_next(&[(503, "SlowDown"), (500, "InternalError"), (503, "SlowDown")]);
-    s.write(ChunkIdx(3), data.clone()).await.expect("a write retried past 3 failures");
+    s.write(ChunkIdx(3), data.clone())
+        .await
+        .expect("a write retried past 3 failures");
     assert_eq!(shim.refused(), 3);
     shim.fail_next(&[(503, "SlowDown"), (502, "BadGateway")]);
     assert_eq!(s.read(ChunkIdx(3)).await.expect("read"), data);
     assert_eq!(shim.refused(), 5);
     shim.fail_next(&[(503, "SlowDown")]);
-    assert_eq!(s.status(ChunkIdx(3)).await.expect("status"), ChunkStatus::Data);
+    assert_eq!(
+        s.status(ChunkIdx(3)).await.expect("status"),
+        ChunkStatus::Data
+    );
     shim.fail_next(&[(429, "SlowDown"), (503, "SlowDown")]);
     s.trim(ChunkRange::new(ChunkIdx(2), ChunkIdx(4)))
         .await
@@ -236,8 +247,7 @@ async fn throttling_and_server_errors_are_retried() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn retries_are_bounded_and_the_error_says_what_the_server_answered() {
-    let Some(svc) = minio("retries_are_bounded_and_the_error_says_what_the_server_answered")
-    else {
+    let Some(svc) = minio("retries_are_bounded_and_the_error_says_what_the_server_answered") else {
         return;
     };
     let shim = Shim::start(upstream_of(svc)).await;
@@ -250,7 +260,8 @@ async fn retries_are_bounded_and_the_error_says_what_the_server_answered() {
     assert_eq!(e.kind(), ErrorKind::Unavailable, "{}", error_chain(&e));
     let msg = e.to_string();
     assert!(
-        msg.contains("reading chunk 0") && msg.contains("answered 503 SlowDown and still did after 2 retries"),
+        msg.contains("reading chunk 0")
+            && msg.contains("answered 503 SlowDown and still did after 2 retries"),
         "{msg}"
     );
     assert!(e.is_retryable());
@@ -258,7 +269,9 @@ async fn retries_are_bounded_and_the_error_says_what_the_server_answered() {
     assert_eq!(shim.refused(), 3);
     // Once the server recovers the store works again.
     shim.failures.lock().unwrap().clear();
-    s.write(ChunkIdx(0), Bytes::from(vec![1u8; 4096])).await.unwrap();
+    s.write(ChunkIdx(0), Bytes::from(vec![1u8; 4096]))
+        .await
+        .unwrap();
     assert_eq!(s.read(ChunkIdx(0)).await.unwrap()[0], 1);
     // A client error is not retried.
     shim.fail_next(&[(400, "InvalidRequest"), (503, "SlowDown")]);

@@ -74,5 +74,10 @@ pub async fn fresh_store(svc: &Service, name: &str, g: Geometry) -> S3Store {
     let loc = location(svc, svc.var("ENDPOINT"), &fresh_prefix(name));
     open_with(loc, Some(g), false, &env_of(svc))
         .await
-        .unwrap_or_else(|e| panic!("opening a fresh S3 region: {}", farmap_core::error_chain(&e)))
+        .unwrap_or_else(|e| {
+            panic!(
+                "opening a fresh S3 region: {}",
+                farmap_core::error_chain(&e)
+            )
+        })
 }
