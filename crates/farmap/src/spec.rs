@@ -13,6 +13,7 @@
 //! | `redis://[user:pass@]host:6379/0?size=1GiB&prefix=vm1` | Redis: one key per chunk (`prefix:N`) |
 //! | `rediss://host:6380/0?size=1GiB&ca=ca.pem` | Redis over TLS |
 //! | `redis+cluster://h1:7000,h2:7001/?size=1GiB` | a Redis Cluster, from any seed nodes |
+//! | `s3://bucket/vm1?endpoint=http://127.0.0.1:9000&size=1GiB` | one object per chunk in an S3 bucket (AWS, MinIO...); see [`farmap_s3`] |
 //!
 //! Options go after `?`, separated by `&`: `size=` (region size), `chunk=` (chunk size, a power
 //! of two from 4KiB to 4MiB, default 64KiB), `ro` (read-only; file and dir), `max-open=`
@@ -36,6 +37,11 @@
 //! region; its geometry is recorded under `<prefix>:meta` and checked on later opens. Their
 //! options: `prefix=` (default `farmap`), `connections=`, `timeout=`, `flush=none|wait|fsync`
 //! (`replicas=` for `wait`), and `ca=` for `rediss://`; see [`farmap_redis`].
+//! `s3://BUCKET/PREFIX` takes `size=` and `chunk=` (needed only to create a region; checked
+//! against the stored one otherwise), `ro`, `endpoint=` (the server's URL; default AWS or
+//! `AWS_ENDPOINT_URL`), `region=`, `profile=` (of `~/.aws/credentials`), `connections=`
+//! (requests in flight), `timeout=` and `retries=`. Credentials come from the standard AWS
+//! environment variables or profile files, never from the spec ([`farmap_s3::config`]).
 
 use std::fmt;
 use std::path::{Path, PathBuf};
@@ -47,14 +53,15 @@ use farmap_core::{format_size, parse_size, Geometry, SizeError, Store, StoreErro
 use farmap_cql::{CqlSpec, CqlStore, CqlTarget};
 use farmap_grpc::{GrpcClientOptions, GrpcStore};
 use farmap_net::{RemoteAddr, RemoteStore, TlsClientConfig};
+use farmap_s3::{S3Location, S3Options, S3Store};
 use remote::RemoteOptions;
 
 mod remote;
 use farmap_store::{DirOptions, DirStore, FileOptions, FileStore, MemoryStore};
 
 /// The schemes farmap knows, for error messages.
-const KNOWN: &str =
-    "memory, file, dir, farmap, farmaps, farmap+unix, farmap+grpc, redis, rediss, redis+cluster, cql";
+const KNOWN: &str = "memory, file, dir, farmap, farmaps, farmap+unix, farmap+grpc, redis, rediss, \
+                     redis+cluster, s3, cql";
 
 /// Why a store spec could not be understood. Each message is one line naming the problem.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
@@ -237,6 +244,11 @@ pub enum SpecKind {
     Cql(Box<CqlTarget>),
     /// A region in Redis or a Redis Cluster (`redis://`, `rediss://`, `redis+cluster://`).
     Redis(farmap_redis::RedisConfig),
+    /// A region in an S3 bucket (`s3://BUCKET/PREFIX?endpoint=...`), one object per chunk.
+    S3 {
+        /// Bucket, prefix and how to reach them.
+        location: S3Location,
+    },
 }
 
 /// A parsed store spec. `Display` gives it back in canonical form.
@@ -265,7 +277,8 @@ impl StoreSpec {
             | SpecKind::Remote { .. }
             | SpecKind::Grpc { .. }
             | SpecKind::Cql(_)
-            | SpecKind::Redis(_) => None,
+            | SpecKind::Redis(_)
+            | SpecKind::S3 { .. } => None,
             SpecKind::File { path } | SpecKind::Dir { path, .. } => Some(path),
         }
     }
@@ -274,10 +287,11 @@ impl StoreSpec {
     /// directory store whose path does not exist yet). A remote store is never created; a
     /// `cql://` region may be, when the spec says `create=true`. A Redis region may be: it is
     /// created when its record is missing (and an existing record must match a size given
-    /// anyway), so this says yes.
+    /// anyway), so this says yes. An S3 region may be, but only the server can tell: this
+    /// says `false`.
     pub fn creates(&self) -> bool {
         match &self.kind {
-            SpecKind::Remote { .. } | SpecKind::Grpc { .. } => false,
+            SpecKind::Remote { .. } | SpecKind::Grpc { .. } | SpecKind::S3 { .. } => false,
             SpecKind::Cql(t) => t.create,
             SpecKind::Redis(_) => true,
             _ => self.path().is_none_or(|p| !p.exists()),
@@ -292,6 +306,7 @@ impl StoreSpec {
                 | SpecKind::Grpc { .. }
                 | SpecKind::Cql(_)
                 | SpecKind::Redis(_)
+                | SpecKind::S3 { .. }
         )
     }
 
@@ -379,6 +394,7 @@ impl FromStr for StoreSpec {
         let mut max_open_files = None;
         let mut remote = RemoteOptions::default();
         let mut redis_opts: Vec<(&str, &str)> = Vec::new();
+        let mut s3_options = Vec::new();
         let scheme_lc = scheme.to_ascii_lowercase();
         let takes = match scheme_lc.as_str() {
             "memory" | "mem" => "size, chunk",
@@ -390,6 +406,7 @@ impl FromStr for StoreSpec {
                 "size, chunk, prefix, connections, timeout, flush, replicas"
             }
             "rediss" => "size, chunk, prefix, connections, timeout, flush, replicas, ca",
+            "s3" => "size, chunk, ro, endpoint, region, profile, connections, timeout, retries",
             _ => {
                 return Err(SpecError::UnknownScheme {
                     scheme: scheme.to_owned(),
@@ -413,6 +430,10 @@ impl FromStr for StoreSpec {
             }
             if scheme_lc.starts_with("redis") && key != "size" && key != "chunk" {
                 redis_opts.push((key, value));
+                continue;
+            }
+            if scheme_lc == "s3" && farmap_s3::OPTIONS.split(", ").any(|k| k == key) {
+                s3_options.push((key, value));
                 continue;
             }
             match key {
@@ -508,6 +529,18 @@ impl FromStr for StoreSpec {
                     },
                 )?,
             ),
+            "s3" => {
+                let bad = |e: farmap_s3::S3SpecError| SpecError::BadOption {
+                    option: e.option,
+                    spec: spec.to_owned(),
+                    reason: e.reason,
+                };
+                let mut location = S3Location::parse(body).map_err(bad)?;
+                for (key, value) in s3_options {
+                    location.set(key, value).map_err(bad)?;
+                }
+                SpecKind::S3 { location }
+            }
             _ => SpecKind::Dir {
                 path: path()?,
                 max_open_files,
@@ -589,6 +622,14 @@ impl fmt::Display for StoreSpec {
                     opts.push(format!("size={}", format_size(s)));
                 }
                 opts.extend(redis_opts);
+            }
+            SpecKind::S3 { location } => {
+                let (head, s3_opts) = location.display_parts();
+                f.write_str(&head)?;
+                opts = s3_opts;
+                if let Some(s) = self.size {
+                    opts.push(format!("size={}", format_size(s)));
+                }
             }
         }
         if let Some(c) = self.chunk_size {
@@ -675,6 +716,20 @@ pub async fn open_store_async(spec: &StoreSpec) -> Result<Arc<dyn Store>, OpenEr
                 })?;
             Ok(Arc::new(store))
         }
+        SpecKind::S3 { location } => {
+            let store = S3Store::open(S3Options {
+                location: location.clone(),
+                size: spec.size,
+                chunk_size: spec.chunk_size,
+                read_only: spec.read_only,
+            })
+            .await
+            .map_err(|source| OpenError::Store {
+                spec: spec.to_string(),
+                source,
+            })?;
+            Ok(Arc::new(store))
+        }
         _ => open_store(spec),
     }
 }
@@ -725,7 +780,8 @@ pub fn open_store(spec: &StoreSpec) -> Result<Arc<dyn Store>, OpenError> {
         SpecKind::Remote { .. }
         | SpecKind::Grpc { .. }
         | SpecKind::Cql(_)
-        | SpecKind::Redis(_) => {
+        | SpecKind::Redis(_)
+        | SpecKind::S3 { .. } => {
             return Err(OpenError::NeedsAsync {
                 spec: spec.to_string(),
             })
@@ -755,6 +811,9 @@ mod tests {
             "farmap+grpc://h:2?timeout=90s",
             "cql://u:p%40@h:1,h2/ks?table=t&region=r&size=3MiB&chunk=1MiB&create=true&ro",
             "cql://h/ks?consistency=one&timeout=2s&connections=3&replication=2",
+            "s3://bucket/a/b?endpoint=http://127.0.0.1:9000&region=eu-west-1&profile=p&connections=8&timeout=2s&retries=3&size=64MiB&chunk=1MiB&ro",
+            "s3://my.bucket?size=1GiB",
+            "s3://bucket/x/?retries=0&endpoint=https://s3.example:443/",
         ] {
             let spec = parse(text).unwrap_or_else(|e| panic!("{text}: {e}"));
             let shown = spec.to_string();
@@ -827,6 +886,43 @@ mod tests {
                 err.contains(want),
                 "{spec}: {err:?} should contain {want:?}"
             );
+        }
+    }
+
+    #[test]
+    fn s3_specs() {
+        let s = parse("s3://farmap-test/vm1?endpoint=http://127.0.0.1:9000&size=64MiB").unwrap();
+        let SpecKind::S3 { location } = &s.kind else {
+            panic!("{s:?}")
+        };
+        assert_eq!(location.bucket, "farmap-test");
+        assert_eq!(location.prefix, "vm1");
+        assert_eq!(location.endpoint.as_deref(), Some("http://127.0.0.1:9000"));
+        assert_eq!(s.size, Some(64 << 20));
+        assert!(s.is_remote() && !s.creates() && s.path().is_none());
+        assert_eq!(
+            s.to_string(),
+            "s3://farmap-test/vm1?endpoint=http://127.0.0.1:9000&size=64MiB"
+        );
+        assert!(matches!(open_store(&s), Err(OpenError::NeedsAsync { .. })));
+        for (spec, want) in [
+            ("s3:bucket/x", "write s3://BUCKET/PREFIX"),
+            ("s3://", "names no bucket"),
+            ("s3://B/x", "not a bucket name"),
+            ("s3://bucket/a//b", "bad value for prefix"),
+            ("s3://bucket/x?endpoint=ftp://h", "bad value for endpoint"),
+            ("s3://bucket/x?connections=0", "bad value for connections"),
+            ("s3://bucket/x?retries=many", "bad value for retries"),
+            ("s3://bucket/x?secret=abc", "unknown option \"secret\""),
+            ("s3://bucket/x?max-open=3", "unknown option \"max-open\""),
+            ("s3://bucket/x?size=0", "cannot be empty"),
+        ] {
+            let err = parse(spec).expect_err(spec).to_string();
+            assert!(
+                err.contains(want),
+                "{spec}: {err:?} should contain {want:?}"
+            );
+            assert!(!err.contains('\n'), "one-line errors: {err:?}");
         }
     }
 
