@@ -255,6 +255,8 @@ async fn transmission(
             // Charge the request's bytes (its payload, or its largest reply) to the budget.
             let reply_bytes = match header.command {
                 Command::Read => (header.length.min(exp.max_payload)) as usize,
+                // A payload that arrived with its header was never charged on its way in.
+                Command::Write if payload_charge.is_none() => payload.len(),
                 _ => 0,
             };
             let charge = (reply_bytes + OVERHEAD).min(ctx.conn_budget) as u32;
