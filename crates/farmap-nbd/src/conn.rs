@@ -267,6 +267,16 @@ async fn transmission(
             if let Some(p) = payload_charge.take() {
                 permit.merge(p);
             }
+            // Nothing else in flight and no request behind this one (a client at queue
+            // depth 1): answer it here, saving the hand-off to a task of its own.
+            let idle = in_flight.available_permits() == ctx.opts.max_in_flight_per_conn;
+            if idle && buf.len() < farmap_nbd_proto::consts::REQUEST_LEN {
+                let reply = exp.handle(header, payload, session).await;
+                if tx.send((reply, Some(permit))).await.is_err() {
+                    break 'conn Ok(());
+                }
+                continue;
+            }
             let slot = match in_flight.clone().acquire_owned().await {
                 Ok(s) => s,
                 Err(_) => break 'conn Ok(()),
