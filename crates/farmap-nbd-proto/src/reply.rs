@@ -362,7 +362,7 @@ fn parse_chunk(ty: u16, done: bool, payload: Bytes) -> Result<Chunk, ReplyError>
                 length,
             })
         }
-        chunk::BLOCK_STATUS if len < 12 || (len - 4) % 8 != 0 => {
+        chunk::BLOCK_STATUS if len < 12 || !(len - 4).is_multiple_of(8) => {
             Err(bad("BLOCK_STATUS is a context id and 8-byte extents"))
         }
         chunk::BLOCK_STATUS => {

@@ -255,6 +255,8 @@ async fn transmission(
             // Charge the request's bytes (its payload, or its largest reply) to the budget.
             let reply_bytes = match header.command {
                 Command::Read => (header.length.min(exp.max_payload)) as usize,
+                // A payload that arrived with its header was never charged on its way in.
+                Command::Write if payload_charge.is_none() => payload.len(),
                 _ => 0,
             };
             let charge = (reply_bytes + OVERHEAD).min(ctx.conn_budget) as u32;
@@ -264,6 +266,16 @@ async fn transmission(
             };
             if let Some(p) = payload_charge.take() {
                 permit.merge(p);
+            }
+            // Nothing else in flight and no request behind this one (a client at queue
+            // depth 1): answer it here, saving the hand-off to a task of its own.
+            let idle = in_flight.available_permits() == ctx.opts.max_in_flight_per_conn;
+            if idle && buf.len() < farmap_nbd_proto::consts::REQUEST_LEN {
+                let reply = exp.handle(header, payload, session).await;
+                if tx.send((reply, Some(permit))).await.is_err() {
+                    break 'conn Ok(());
+                }
+                continue;
             }
             let slot = match in_flight.clone().acquire_owned().await {
                 Ok(s) => s,
