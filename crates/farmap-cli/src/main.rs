@@ -12,6 +12,7 @@ mod demo;
 mod info;
 mod logging;
 mod migrate;
+mod mount;
 mod output;
 mod proxy;
 mod serve;
@@ -71,6 +72,13 @@ enum Command {
     /// Live migration, shown: a region that a deterministic writer keeps changing moves to
     /// another process over loopback (through an emulated link), is verified, and moves back.
     Demo(demo::DemoArgs),
+    /// Mount a region as a file (DIR/region) that any program can read, write and mmap;
+    /// runs until Ctrl-C, SIGTERM or `farmap umount DIR`, which flush first. Prints the
+    /// file's path on stdout when it is ready.
+    #[command(after_help = SPEC_HELP)]
+    Mount(mount::MountArgs),
+    /// Flush and unmount a `farmap mount` (waits until it is done).
+    Umount(mount::UmountArgs),
     /// A node of `farmap demo` (internal).
     #[command(name = "__demo-node", hide = true)]
     DemoNode(demo::NodeArgs),
@@ -100,6 +108,8 @@ fn main() -> ExitCode {
             Command::Leech(args) => migrate::leech(args).await,
             Command::Demo(args) => demo::run(args).await,
             Command::DemoNode(args) => demo::node(args).await,
+            Command::Mount(args) => mount::run(args).await,
+            Command::Umount(args) => mount::umount(args).await,
         }
     });
     match result {
