@@ -13,7 +13,8 @@ step() { printf '\n=== %s\n' "$*" >&2; }
 # Debian packages the suite uses; installed only when missing (apt-get needs root).
 # util-linux: setpriv, to run farmap as `nobody` (cli.rs: permission_errors_name_the_path).
 # g++: libfuzzer-sys's build script compiles libFuzzer for the fuzz crate's check.
-PKGS=(util-linux g++)
+# python3: the `farmap mount` tests drive the mounted file from Python (mmap, threads).
+PKGS=(util-linux g++ python3)
 missing=()
 for p in "${PKGS[@]}"; do
   dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")

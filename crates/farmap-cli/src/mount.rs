@@ -144,8 +144,16 @@ pub async fn run(args: MountArgs) -> anyhow::Result<ExitCode> {
         "farmap mount: {} is {spec} ({}, {}{}); stop with Ctrl-C, SIGTERM or `farmap umount {}`",
         mount.path().display(),
         mount.geometry(),
-        if managed.is_some() { "managed" } else { "direct" },
-        if mount.is_read_only() { ", read-only" } else { "" },
+        if managed.is_some() {
+            "managed"
+        } else {
+            "direct"
+        },
+        if mount.is_read_only() {
+            ", read-only"
+        } else {
+            ""
+        },
         dir.display(),
     );
     let by_signal = tokio::select! {
@@ -161,10 +169,14 @@ pub async fn run(args: MountArgs) -> anyhow::Result<ExitCode> {
     let mut result = unmounted.context("unmounting");
     if let Some(m) = managed {
         // The mount's last reference is gone with it; push what is left and stop.
-        let m = Arc::try_unwrap(m).map_err(|_| anyhow::anyhow!("the managed store is still in use"));
+        let m =
+            Arc::try_unwrap(m).map_err(|_| anyhow::anyhow!("the managed store is still in use"));
         match m {
             Ok(m) => {
-                let shut = m.shutdown().await.context("pushing the last writes to the store");
+                let shut = m
+                    .shutdown()
+                    .await
+                    .context("pushing the last writes to the store");
                 result = result.and(shut);
             }
             Err(e) => result = result.and(Err(e)),

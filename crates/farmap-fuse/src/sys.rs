@@ -87,9 +87,10 @@ pub fn find_mount(dir: &Path) -> io::Result<Option<MountInfo>> {
         .last())
 }
 
-/// Whether `dir` is a mount point whose server is gone (`ENOTCONN`).
+/// Whether `dir` is a mount point whose server is gone (`ENOTCONN`). Asks with `statfs`,
+/// which a FUSE mount always sends to its server (a `stat` may be answered from the cache).
 pub fn is_stale(dir: &Path) -> bool {
-    matches!(std::fs::metadata(dir), Err(e) if e.raw_os_error() == Some(libc::ENOTCONN))
+    matches!(rustix::fs::statfs(dir), Err(rustix::io::Errno::NOTCONN))
 }
 
 /// Lazily unmounts `dir` if its FUSE server died (`ENOTCONN`); returns whether it did.
