@@ -9,7 +9,7 @@ use std::marker::PhantomData;
 use std::ptr::NonNull;
 
 use farmap_uffd::RegionSlice;
-use rustix::mm::{mmap, msync, munmap, MapFlags, MsyncFlags, ProtFlags};
+use rustix::mm::{madvise, mmap, msync, munmap, Advice, MapFlags, MsyncFlags, ProtFlags};
 
 /// The mounted file mapped shared, read-write (read-only on a read-only mount): writes reach
 /// the store at [`sync`](Self::sync), at the file's writeback, and at unmount.
@@ -94,6 +94,14 @@ impl<'m> MappedRegion<'m> {
         // SAFETY: the range is exactly our live mapping.
         unsafe { msync(self.ptr.as_ptr().cast(), self.len, MsyncFlags::SYNC) }?;
         self.file.sync_all()
+    }
+
+    /// Tells the kernel the memory will be read in random order (`MADV_RANDOM`): a page
+    /// fault then reads its page alone instead of the read-ahead window around it.
+    pub fn advise_random(&self) -> io::Result<()> {
+        // SAFETY: the range is exactly our live mapping; the advice changes no content.
+        unsafe { madvise(self.ptr.as_ptr().cast(), self.len, Advice::Random) }?;
+        Ok(())
     }
 
     /// The open file behind the mapping.
