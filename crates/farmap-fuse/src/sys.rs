@@ -83,8 +83,7 @@ pub fn find_mount(dir: &Path) -> io::Result<Option<MountInfo>> {
     Ok(table
         .lines()
         .filter_map(parse_line)
-        .filter(|m| m.mount_point == dir)
-        .last())
+        .rfind(|m| m.mount_point == dir))
 }
 
 /// Whether `dir` is a mount point whose server is gone (`ENOTCONN`). Asks with `statfs`,
