@@ -332,3 +332,54 @@ fn nbd_and_ublk_are_not_built_yet_and_say_so() {
     let out = farmap(&["mount", "--ublk", "memory:1MiB"]);
     assert!(String::from_utf8_lossy(&out.stderr).contains("not built in this version"));
 }
+
+#[test]
+fn bench_fuse_prints_one_verified_json_line_per_case_and_frontend() {
+    if !can_run("bench_fuse_prints_one_verified_json_line_per_case_and_frontend") {
+        return;
+    }
+    let out = farmap(&[
+        "bench",
+        "fuse",
+        "--json",
+        "--size",
+        "8MiB",
+        "--samples",
+        "200",
+    ]);
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let rows: Vec<serde_json::Value> = String::from_utf8_lossy(&out.stdout)
+        .lines()
+        .map(|l| serde_json::from_str(l).unwrap())
+        .collect();
+    let mut seen = Vec::new();
+    for r in &rows {
+        assert_eq!(r["bench"], "fuse");
+        assert_eq!(r["verified"], true, "{r}");
+        assert!(r["mb_per_s"].as_f64().unwrap() > 0.0, "{r}");
+        for field in ["p50_us", "p99_us"] {
+            assert!(r[field].as_f64().unwrap() >= 0.0, "{field} in {r}");
+        }
+        seen.push(format!(
+            "{}/{}",
+            r["case"].as_str().unwrap(),
+            r["frontend"].as_str().unwrap()
+        ));
+    }
+    seen.sort();
+    assert_eq!(
+        seen,
+        [
+            "rand-read-4k/fuse",
+            "rand-read-4k/memcpy",
+            "rand-read-4k/uffd",
+            "seq-read/fuse",
+            "seq-read/memcpy",
+            "seq-read/uffd"
+        ]
+    );
+}
