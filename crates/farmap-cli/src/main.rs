@@ -13,6 +13,7 @@ mod guest;
 mod info;
 mod logging;
 mod migrate;
+mod mount;
 mod mount_ublk;
 mod output;
 mod proxy;
@@ -84,6 +85,13 @@ enum Command {
     /// Every store farmap can keep a region in, with an example and its options.
     #[command(long_about = STORES_HELP)]
     Stores,
+    /// Mount a region as a file (DIR/region) that any program can read, write and mmap;
+    /// runs until Ctrl-C, SIGTERM or `farmap umount DIR`, which flush first. Prints the
+    /// file's path on stdout when it is ready.
+    #[command(after_help = SPEC_HELP)]
+    Mount(mount::MountArgs),
+    /// Flush and unmount a `farmap mount` (waits until it is done).
+    Umount(mount::UmountArgs),
     /// A node of `farmap demo` (internal).
     #[command(name = "__demo-node", hide = true)]
     DemoNode(demo::NodeArgs),
@@ -127,6 +135,8 @@ fn main() -> ExitCode {
             Command::DemoNode(args) => demo::node(args).await,
             Command::Guest(args) => guest::run(args),
             Command::MountUblk(args) => mount_ublk::run_args(args).await,
+            Command::Mount(args) => mount::run(args).await,
+            Command::Umount(args) => mount::umount(args).await,
         }
     });
     match result {

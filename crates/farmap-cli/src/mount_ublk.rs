@@ -1,16 +1,17 @@
-//! `farmap mount --ublk STORE` (for now the hidden `farmap __mount-ublk STORE`): a
-//! `/dev/ublkbN` block device over any store, until Ctrl-C or SIGTERM.
+//! `farmap mount --ublk STORE` (and the hidden `farmap __mount-ublk STORE` the VM test
+//! runs): a `/dev/ublkbN` block device over any store, until Ctrl-C or SIGTERM.
 //!
 //! The device path is printed on stdout once the device exists; at the end the device is
 //! stopped, the store flushed and the device deleted.
 
 use std::process::ExitCode;
+use std::sync::Arc;
 
 use anyhow::Context;
 use clap::Args;
 
 use farmap::spec::open_store_async;
-use farmap::StoreSpec;
+use farmap::{Store, StoreSpec};
 use farmap_ublk::{UblkDevice, UblkOptions};
 
 /// Options of a ublk mount.
@@ -42,6 +43,14 @@ pub async fn run(store: StoreSpec, opts: UblkMountOpts) -> anyhow::Result<ExitCo
     let opened = open_store_async(&store)
         .await
         .with_context(|| format!("opening {store}"))?;
+    serve(opened, &store.to_string(), &opts).await?;
+    Ok(ExitCode::SUCCESS)
+}
+
+/// Serves `store` (an opened store or stage stack; `shown` names it in messages) as
+/// `/dev/ublkbN`: prints the path, serves until SIGINT/SIGTERM, then stops the device and
+/// flushes the store.
+pub async fn serve(store: Arc<dyn Store>, shown: &str, opts: &UblkMountOpts) -> anyhow::Result<()> {
     let defaults = UblkOptions::default();
     let options = UblkOptions {
         queues: opts.queues.unwrap_or(defaults.queues),
@@ -49,13 +58,13 @@ pub async fn run(store: StoreSpec, opts: UblkMountOpts) -> anyhow::Result<ExitCo
         ..defaults
     };
     let runtime = tokio::runtime::Handle::current();
-    let device = tokio::task::spawn_blocking(move || UblkDevice::start(opened, &options, runtime))
+    let device = tokio::task::spawn_blocking(move || UblkDevice::start(store, &options, runtime))
         .await
         .context("the thread starting the ublk device failed")?
         .context("creating the ublk device")?;
     println!("{}", device.path().display());
     eprintln!(
-        "farmap mount: {} serves {store}; Ctrl-C or SIGTERM stops it",
+        "farmap mount: {} serves {shown}; Ctrl-C or SIGTERM stops it",
         device.path().display()
     );
     stop_signal().await?;
@@ -68,7 +77,7 @@ pub async fn run(store: StoreSpec, opts: UblkMountOpts) -> anyhow::Result<ExitCo
         .context("the thread stopping the ublk device failed")?
         .context("tearing the ublk device down")?;
     eprintln!("farmap mount: stopped; the store is flushed");
-    Ok(ExitCode::SUCCESS)
+    Ok(())
 }
 
 /// Resolves on Ctrl-C or SIGTERM.

@@ -5,7 +5,7 @@
 //!   ([`start_nbd_server`]), writes a pattern through `/dev/nbd0`, writes another through a
 //!   `MAP_SHARED` mapping of the device, makes an ext4 file system on its first 32 MiB,
 //!   writes a file, remounts and checks it, discards a range, and disconnects.
-//! - ublk: the guest runs `farmap __mount-ublk farmap://10.0.2.2:PORT` (a host `farmap serve`
+//! - ublk: the guest runs `farmap mount --ublk farmap://10.0.2.2:PORT` (a host `farmap serve`
 //!   of a directory store) and does the same on `/dev/ublkbN`, then stops it with SIGTERM.
 //!
 //! On the host, each store's bytes must hold both patterns, zeros where the guest discarded,
@@ -178,7 +178,7 @@ nbd-client -d /dev/nbd0
 echo MARK nbd-done
 
 # --- ublk device served by farmap in the guest over the host's farmap serve ---
-farmap __mount-ublk farmap://10.0.2.2:{fport} --queues 2 >/tmp/ublk.path 2>/tmp/ublk.log &
+farmap mount --ublk farmap://10.0.2.2:{fport} --queues 2 >/tmp/ublk.path 2>/tmp/ublk.log &
 UPID=$!
 i=0
 while [ ! -s /tmp/ublk.path ]; do

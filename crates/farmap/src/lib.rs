@@ -19,6 +19,7 @@
 #![forbid(unsafe_code)]
 #![warn(missing_docs)]
 
+pub mod managed;
 pub mod region;
 pub mod spec;
 
@@ -27,6 +28,7 @@ pub use farmap_core::{
     BoxFuture, Caps, ChunkIdx, ChunkRange, ChunkStatus, ErrorKind, Geometry, MbPerSec, Store,
     StoreError, StoreResult, DEFAULT_CHUNK_SIZE,
 };
+pub use managed::{Managed, ManagedOptions};
 pub use region::{
     open_region, OpenRegionError, Region, RegionError, RegionMode, RegionOptions, RegionStats,
     TrackingMode, WriteTracking,

@@ -6,6 +6,7 @@ use std::time::Duration;
 
 use clap::Subcommand;
 
+mod fuse;
 mod nbd;
 mod net;
 mod proxy;
@@ -40,6 +41,9 @@ pub enum BenchCommand {
     /// The pipeline's timer and the Delayed stage: how late sleeps end (never early), against
     /// tokio's sleep, and how close a Delayed store runs to its latency and bandwidth.
     Timer(timer::TimerArgs),
+    /// mmap reads of a region mounted as a FUSE file (memory store): sequential 1 MiB and
+    /// random 4 KiB, against memcpy and a userfaultfd region in the same run (needs root).
+    Fuse(fuse::FuseArgs),
     /// The delay proxy (`farmap proxy`): what it adds to a round trip, against a direct
     /// connection, and how close to its bandwidth a bulk transfer runs.
     Proxy(proxy::ProxyArgs),
@@ -58,6 +62,7 @@ pub async fn run(cmd: BenchCommand) -> anyhow::Result<ExitCode> {
         BenchCommand::Timer(args) => timer::run(args).await,
         BenchCommand::Proxy(args) => proxy::run(args).await,
         BenchCommand::Stores(args) => stores::run(args).await,
+        BenchCommand::Fuse(args) => fuse::run(args).await,
     }
 }
 

@@ -184,14 +184,14 @@ fn round3(v: f64) -> f64 {
 }
 
 /// The region's content: pseudo-random bytes.
-fn random_bytes(size: usize) -> Bytes {
+pub(super) fn random_bytes(size: usize) -> Bytes {
     let mut buf = vec![0u8; size];
     rand::rngs::SmallRng::seed_from_u64(0x0fa2_0ffd).fill_bytes(&mut buf);
     Bytes::from(buf)
 }
 
 /// A memory store of `data.len()` bytes in `chunk`-sized chunks, each a slice of `data`.
-async fn store_over(data: &Bytes, chunk: usize) -> anyhow::Result<Arc<dyn Store>> {
+pub(super) async fn store_over(data: &Bytes, chunk: usize) -> anyhow::Result<Arc<dyn Store>> {
     let g = Geometry::new(data.len() as u64, chunk as u64)?;
     let store = MemoryStore::new(g);
     for idx in g.all().iter() {
@@ -205,7 +205,7 @@ async fn store_over(data: &Bytes, chunk: usize) -> anyhow::Result<Arc<dyn Store>
 }
 
 /// A direct-mode region over `store` that pushes nothing on its own.
-fn open_region(store: Arc<dyn Store>) -> anyhow::Result<Region> {
+pub(super) fn open_region(store: Arc<dyn Store>) -> anyhow::Result<Region> {
     let opts = RegionOptions {
         push: PushOptions {
             interval: None,

@@ -1,0 +1,277 @@
+//! `farmap mount` / `farmap umount`: a region as a file any program can read, write and
+//! `mmap`, served by this process (FUSE) until SIGINT/SIGTERM or `farmap umount DIR`.
+
+use std::path::{Path, PathBuf};
+use std::process::ExitCode;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use anyhow::{bail, Context};
+use clap::{Args, ValueEnum};
+use farmap::pipeline::{PullOptions, PullOrder, PushOptions};
+use farmap::spec::open_store_async;
+use farmap::{Managed, ManagedOptions, Store, StoreSpec};
+use farmap_fuse::{FuseMount, MountOptions};
+
+use crate::bench::parse_duration;
+
+/// The order of a managed mount's background pull.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+pub enum PullOrderArg {
+    /// First chunk to last.
+    Sequential,
+    /// Last chunk to first.
+    Reverse,
+    /// No background pull: chunks are fetched when read.
+    None,
+}
+
+#[derive(Debug, Args)]
+pub struct MountArgs {
+    /// The mount point (an existing empty directory), then the store; with --nbd or --ublk,
+    /// only the store.
+    #[arg(value_name = "DIR")]
+    first: String,
+    /// The store (any spec).
+    #[arg(value_name = "STORE")]
+    second: Option<String>,
+    /// Managed mode: a local memory cache filled in the background and written back on an
+    /// interval (for remote stores). Without it, reads and writes go to the store directly.
+    #[arg(long)]
+    managed: bool,
+    /// The file's name in DIR.
+    #[arg(long, default_value = farmap_fuse::DEFAULT_FILE_NAME)]
+    name: String,
+    /// Background pull workers (managed mode).
+    #[arg(long, default_value_t = 64, value_parser = clap::value_parser!(u32).range(1..=4096))]
+    workers: u32,
+    /// Background pull order (managed mode).
+    #[arg(long, value_enum, default_value = "sequential")]
+    pull_order: PullOrderArg,
+    /// How often written chunks are pushed to the store (managed mode); fsync, unmount and
+    /// SIGTERM push everything.
+    #[arg(long, default_value = "1s", value_parser = parse_duration)]
+    push_interval: Duration,
+    /// Refuse writes.
+    #[arg(long)]
+    read_only: bool,
+    /// Let other users than this one use the file (allow_other).
+    #[arg(long)]
+    allow_other: bool,
+    /// Serve the region as a block device through the kernel's NBD client instead (STORE only).
+    #[arg(long, conflicts_with = "ublk")]
+    nbd: bool,
+    /// Serve the region as a ublk block device instead (STORE only): prints /dev/ublkbN
+    /// when it is ready; needs the kernel's ublk_drv.
+    #[arg(long)]
+    ublk: bool,
+    #[command(flatten)]
+    ublk_opts: crate::mount_ublk::UblkMountOpts,
+}
+
+#[derive(Debug, Args)]
+pub struct UmountArgs {
+    /// The mount point of a `farmap mount`.
+    dir: PathBuf,
+}
+
+/// Resolves on Ctrl-C or SIGTERM.
+async fn stop_signal() -> anyhow::Result<()> {
+    use tokio::signal::unix::{signal, SignalKind};
+    let mut term = signal(SignalKind::terminate()).context("listening for SIGTERM")?;
+    tokio::select! {
+        r = tokio::signal::ctrl_c() => r.context("listening for Ctrl-C")?,
+        _ = term.recv() => {}
+    }
+    Ok(())
+}
+
+pub async fn run(args: MountArgs) -> anyhow::Result<ExitCode> {
+    if args.nbd {
+        bail!(
+            "farmap mount --nbd (the kernel's NBD client) is not built in this version; use \
+             farmap mount --ublk STORE for a block device, or farmap mount DIR STORE for a file"
+        );
+    }
+    let (spec, dir): (StoreSpec, Option<PathBuf>) = if args.ublk {
+        if let Some(extra) = &args.second {
+            bail!("farmap mount --ublk takes only a store, not a mount point ({extra:?} is extra)");
+        }
+        (args.first.parse()?, None)
+    } else {
+        let Some(store_arg) = &args.second else {
+            bail!("farmap mount needs a mount point and a store: farmap mount DIR STORE");
+        };
+        (store_arg.parse()?, Some(PathBuf::from(&args.first)))
+    };
+    let store = open_store_async(&spec)
+        .await
+        .with_context(|| format!("opening {spec}"))?;
+    let managed = if args.managed {
+        let pull = match args.pull_order {
+            PullOrderArg::None => None,
+            order => Some(PullOptions {
+                workers: args.workers as usize,
+                order: match order {
+                    PullOrderArg::Reverse => PullOrder::Priority(Arc::new(|idx| idx.0 as i64)),
+                    _ => PullOrder::Sequential,
+                },
+                ..PullOptions::default()
+            }),
+        };
+        let opts = ManagedOptions {
+            pull,
+            push: PushOptions {
+                interval: (!args.push_interval.is_zero()).then_some(args.push_interval),
+                ..PushOptions::default()
+            },
+            ..ManagedOptions::default()
+        };
+        Some(Arc::new(
+            Managed::open(store.clone(), opts).context("starting the managed store")?,
+        ))
+    } else {
+        None
+    };
+    let served: Arc<dyn Store> = match &managed {
+        Some(m) => m.clone(),
+        None => store,
+    };
+    let Some(dir) = dir else {
+        // --ublk: the device flushes the store stack when it stops; then push what is left.
+        let result = crate::mount_ublk::serve(served, &spec.to_string(), &args.ublk_opts).await;
+        finish_managed(managed, result).await?;
+        return Ok(ExitCode::SUCCESS);
+    };
+    let opts = MountOptions {
+        name: args.name.clone(),
+        read_only: args.read_only,
+        allow_other: args.allow_other,
+        ..MountOptions::default()
+    };
+    let mount_dir = dir.clone();
+    let mount = tokio::task::spawn_blocking(move || FuseMount::mount(served, &mount_dir, opts))
+        .await?
+        .with_context(|| format!("mounting {spec} at {}", dir.display()))?;
+    println!("{}", mount.path().display());
+    eprintln!(
+        "farmap mount: {} is {spec} ({}, {}{}); stop with Ctrl-C, SIGTERM or `farmap umount {}`",
+        mount.path().display(),
+        mount.geometry(),
+        if managed.is_some() {
+            "managed"
+        } else {
+            "direct"
+        },
+        if mount.is_read_only() {
+            ", read-only"
+        } else {
+            ""
+        },
+        dir.display(),
+    );
+    let by_signal = tokio::select! {
+        r = stop_signal() => { r?; true }
+        _ = mount.ended() => false,
+    };
+    if by_signal {
+        eprintln!("farmap mount: flushing and unmounting {}", dir.display());
+    } else {
+        eprintln!("farmap mount: {} was unmounted; flushing", dir.display());
+    }
+    let unmounted = tokio::task::spawn_blocking(move || mount.unmount()).await?;
+    finish_managed(managed, unmounted.context("unmounting")).await?;
+    eprintln!("farmap mount: unmounted; the store is flushed");
+    Ok(ExitCode::SUCCESS)
+}
+
+/// After the frontend has stopped (`result`): pushes what a managed store still holds and
+/// stops it (the frontend's last reference went with it).
+async fn finish_managed(
+    managed: Option<Arc<Managed>>,
+    mut result: anyhow::Result<()>,
+) -> anyhow::Result<()> {
+    if let Some(m) = managed {
+        let m =
+            Arc::try_unwrap(m).map_err(|_| anyhow::anyhow!("the managed store is still in use"));
+        match m {
+            Ok(m) => {
+                let shut = m
+                    .shutdown()
+                    .await
+                    .context("pushing the last writes to the store");
+                result = result.and(shut);
+            }
+            Err(e) => result = result.and(Err(e)),
+        }
+    }
+    result
+}
+
+/// Whether process `pid` is gone (or a zombie: it has stopped serving).
+fn is_gone(pid: u32) -> bool {
+    match std::fs::read_to_string(format!("/proc/{pid}/stat")) {
+        Err(_) => true,
+        Ok(stat) => stat
+            .rsplit_once(')')
+            .and_then(|(_, rest)| rest.split_whitespace().next())
+            .is_none_or(|state| state == "Z" || state == "X"),
+    }
+}
+
+pub async fn umount(args: UmountArgs) -> anyhow::Result<ExitCode> {
+    let dir = args.dir;
+    let info = farmap_fuse::find_mount(&dir)
+        .with_context(|| format!("looking {} up in /proc/self/mountinfo", dir.display()))?;
+    let Some(info) = info else {
+        bail!("{} is not a mount point", dir.display());
+    };
+    let Some(pid) = info.farmap_pid() else {
+        bail!(
+            "{} is not a farmap mount (it is {} from {})",
+            dir.display(),
+            info.fs_type,
+            info.source
+        );
+    };
+    if is_gone(pid) || farmap_fuse::is_stale(&dir) {
+        farmap_fuse::cleanup_stale(&dir)
+            .with_context(|| format!("unmounting the dead mount at {}", dir.display()))?;
+        eprintln!(
+            "farmap umount: the process that served {} (pid {pid}) was gone; unmounted it \
+             (writes it had not flushed are lost)",
+            dir.display()
+        );
+        return Ok(ExitCode::SUCCESS);
+    }
+    let Some(pid_nz) = rustix::process::Pid::from_raw(pid as i32) else {
+        bail!("bad pid {pid} in the mount's source {}", info.source);
+    };
+    rustix::process::kill_process(pid_nz, rustix::process::Signal::TERM)
+        .with_context(|| format!("signalling the serving process {pid}"))?;
+    let start = Instant::now();
+    let mut told = false;
+    while !is_gone(pid) {
+        if !told && start.elapsed() > Duration::from_secs(2) {
+            eprintln!(
+                "farmap umount: waiting for process {pid} to flush and for programs that still \
+                 use {} to let go of it",
+                dir.display()
+            );
+            told = true;
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    if still_mounted_by(&dir, pid) {
+        bail!(
+            "process {pid} exited but {} is still mounted (see its error output)",
+            dir.display()
+        );
+    }
+    eprintln!("farmap umount: {} is unmounted and flushed", dir.display());
+    Ok(ExitCode::SUCCESS)
+}
+
+fn still_mounted_by(dir: &Path, pid: u32) -> bool {
+    matches!(farmap_fuse::find_mount(dir), Ok(Some(m)) if m.farmap_pid() == Some(pid))
+}

@@ -1,0 +1,397 @@
+//! `farmap mount` / `farmap umount`, run for real with Python programs using the file (root,
+//! /dev/fuse and python3 are needed; without them the tests say "skipped" and why).
+
+use std::io::{BufRead, BufReader, Write};
+use std::path::{Path, PathBuf};
+use std::process::{Child, ChildStdin, Command, Output, Stdio};
+use std::time::Duration;
+
+const SCRIPT: &str = concat!(env!("CARGO_MANIFEST_DIR"), "/tests/data/mmap_pattern.py");
+
+fn farmap(args: &[&str]) -> Output {
+    Command::new(env!("CARGO_BIN_EXE_farmap"))
+        .args(args)
+        .output()
+        .expect("run farmap")
+}
+
+/// Whether this machine can run these tests; records a skip when not.
+fn can_run(test: &str) -> bool {
+    if !Path::new("/dev/fuse").exists() {
+        farmap_testkit::skip(test, "/dev/fuse is missing (no FUSE in this kernel)");
+        return false;
+    }
+    if !rustix::process::geteuid().is_root() {
+        farmap_testkit::skip(test, "mounting FUSE without fusermount3 needs root");
+        return false;
+    }
+    if Command::new("python3").arg("-V").output().is_err() {
+        farmap_testkit::skip(test, "python3 is missing");
+        return false;
+    }
+    true
+}
+
+/// A `farmap mount` child process; stopped with SIGTERM when dropped.
+struct Mounted {
+    child: Child,
+    path: PathBuf,
+    dir: PathBuf,
+}
+
+impl Mounted {
+    fn start(dir: &Path, store: &str, args: &[&str]) -> Mounted {
+        let mut child = Command::new(env!("CARGO_BIN_EXE_farmap"))
+            .arg("mount")
+            .arg(dir)
+            .arg(store)
+            .args(args)
+            .stdout(Stdio::piped())
+            .stderr(Stdio::inherit())
+            .spawn()
+            .expect("start farmap mount");
+        let mut line = String::new();
+        BufReader::new(child.stdout.take().unwrap())
+            .read_line(&mut line)
+            .unwrap();
+        assert!(
+            !line.is_empty(),
+            "farmap mount printed no path (see its stderr)"
+        );
+        Mounted {
+            child,
+            path: PathBuf::from(line.trim()),
+            dir: dir.to_path_buf(),
+        }
+    }
+
+    /// `farmap umount DIR`; returns once the mount process has exited successfully.
+    fn umount(mut self) {
+        let out = farmap(&["umount", self.dir.to_str().unwrap()]);
+        assert!(
+            out.status.success(),
+            "umount: {}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        let status = self.child.wait().unwrap();
+        assert!(status.success(), "farmap mount exited with {status}");
+    }
+}
+
+impl Drop for Mounted {
+    fn drop(&mut self) {
+        if let Ok(None) = self.child.try_wait() {
+            let _ = Command::new("kill")
+                .args(["-TERM", &self.child.id().to_string()])
+                .status();
+            let _ = self.child.wait();
+        }
+    }
+}
+
+fn python(args: &[&str]) -> String {
+    let out = Command::new("python3")
+        .arg(SCRIPT)
+        .args(args)
+        .output()
+        .expect("run python3");
+    assert!(
+        out.status.success(),
+        "python3 {args:?}: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    String::from_utf8_lossy(&out.stdout).into_owned()
+}
+
+/// A Python program left running until its stdin closes.
+struct Lingering {
+    child: Child,
+    stdin: Option<ChildStdin>,
+}
+
+impl Lingering {
+    fn start(args: &[&str], ready: &str) -> Lingering {
+        let mut child = Command::new("python3")
+            .arg(SCRIPT)
+            .args(args)
+            .stdin(Stdio::piped())
+            .stdout(Stdio::piped())
+            .spawn()
+            .expect("run python3");
+        let stdin = child.stdin.take();
+        let mut line = String::new();
+        BufReader::new(child.stdout.take().unwrap())
+            .read_line(&mut line)
+            .unwrap();
+        assert_eq!(line.trim(), ready);
+        Lingering { child, stdin }
+    }
+
+    fn finish(mut self) {
+        drop(self.stdin.take());
+        assert!(self.child.wait().unwrap().success());
+    }
+}
+
+impl Drop for Lingering {
+    fn drop(&mut self) {
+        drop(self.stdin.take());
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+fn s(p: &Path) -> &str {
+    p.to_str().unwrap()
+}
+
+#[test]
+fn python_mmap_pattern_reaches_a_file_store_and_reads_back() {
+    if !can_run("python_mmap_pattern_reaches_a_file_store_and_reads_back") {
+        return;
+    }
+    let tmp = tempfile::tempdir().unwrap();
+    let (dir, img, expected) = (
+        tmp.path().join("mnt"),
+        tmp.path().join("disk.img"),
+        tmp.path().join("expected"),
+    );
+    std::fs::create_dir(&dir).unwrap();
+    let store = format!("file:{}?size=8MiB", s(&img));
+    let m = Mounted::start(&dir, &store, &[]);
+    assert_eq!(m.path, dir.join("region"));
+    assert_eq!(
+        python(&["write", s(&m.path), s(&expected), "11"]).trim(),
+        "ok"
+    );
+    m.umount();
+    let want = std::fs::read(&expected).unwrap();
+    assert!(want.iter().any(|&b| b != 0), "the pattern wrote something");
+    assert_eq!(
+        std::fs::read(&img).unwrap(),
+        want,
+        "the store equals the pattern"
+    );
+    // Remount: the data reads back (mmap and pread, 4 threads).
+    let m = Mounted::start(&dir, &store, &["--name", "data.bin"]);
+    assert_eq!(m.path, dir.join("data.bin"));
+    assert_eq!(python(&["read", s(&m.path), s(&expected)]).trim(), "ok");
+    m.umount();
+}
+
+#[test]
+fn python_mmap_pattern_over_a_remote_store_in_managed_mode() {
+    if !can_run("python_mmap_pattern_over_a_remote_store_in_managed_mode") {
+        return;
+    }
+    let tmp = tempfile::tempdir().unwrap();
+    let (dir, chunks, expected) = (
+        tmp.path().join("mnt"),
+        tmp.path().join("chunks"),
+        tmp.path().join("expected"),
+    );
+    std::fs::create_dir(&dir).unwrap();
+    let dir_store = format!("dir:{}?size=8MiB", s(&chunks));
+    let serve = |spec: &str| {
+        let mut child = Command::new(env!("CARGO_BIN_EXE_farmap"))
+            .args(["serve", spec, "--listen", "127.0.0.1:0", "--quiet"])
+            .stderr(Stdio::piped())
+            .spawn()
+            .unwrap();
+        let mut line = String::new();
+        let mut err = BufReader::new(child.stderr.take().unwrap());
+        err.read_line(&mut line).unwrap();
+        let addr = line
+            .split("listening on ")
+            .nth(1)
+            .and_then(|r| r.split_whitespace().next())
+            .unwrap_or_else(|| panic!("no address in {line:?}"))
+            .to_owned();
+        // Keep reading its stderr: a server whose stderr is closed fails to log its shutdown.
+        std::thread::spawn(move || std::io::copy(&mut err, &mut std::io::sink()));
+        (child, addr)
+    };
+    let stop = |mut child: Child| {
+        Command::new("kill")
+            .args(["-TERM", &child.id().to_string()])
+            .status()
+            .unwrap();
+        assert!(child.wait().unwrap().success());
+    };
+    let (server, addr) = serve(&dir_store);
+    let remote = format!("farmap://{addr}");
+    let m = Mounted::start(
+        &dir,
+        &remote,
+        &["--managed", "--workers", "8", "--push-interval", "50ms"],
+    );
+    assert_eq!(
+        python(&["write", s(&m.path), s(&expected), "23"]).trim(),
+        "ok"
+    );
+    m.umount();
+    stop(server);
+    // The directory store now holds the pattern: read it back through a plain mount.
+    let m = Mounted::start(&dir, &dir_store, &["--read-only"]);
+    assert_eq!(python(&["read", s(&m.path), s(&expected)]).trim(), "ok");
+    m.umount();
+    // And through the server again, managed, pulled in reverse.
+    let (server, addr) = serve(&dir_store);
+    let m = Mounted::start(
+        &dir,
+        &format!("farmap://{addr}"),
+        &["--managed", "--pull-order", "reverse"],
+    );
+    assert_eq!(python(&["read", s(&m.path), s(&expected)]).trim(), "ok");
+    m.umount();
+    stop(server);
+}
+
+#[test]
+fn fsync_reaches_the_store_and_umount_with_a_dirty_mapping_loses_nothing() {
+    if !can_run("fsync_reaches_the_store_and_umount_with_a_dirty_mapping_loses_nothing") {
+        return;
+    }
+    let tmp = tempfile::tempdir().unwrap();
+    let (dir, img) = (tmp.path().join("mnt"), tmp.path().join("disk.img"));
+    std::fs::create_dir(&dir).unwrap();
+    let store = format!("file:{}?size=4MiB", s(&img));
+    let m = Mounted::start(&dir, &store, &[]);
+    let synced = Lingering::start(&["fsync", s(&m.path), "5000", "fsynced!"], "synced");
+    // Still mounted and open: the store file already has it.
+    let disk = std::fs::read(&img).unwrap();
+    assert_eq!(&disk[5000..5008], b"fsynced!");
+    synced.finish();
+
+    // A program keeps a dirty mapping (no msync) while `farmap umount` runs.
+    let dirty = Lingering::start(&["dirty", s(&m.path), "1048577", "dirty page"], "ready");
+    let dir2 = dir.clone();
+    let umount = std::thread::spawn(move || farmap(&["umount", s(&dir2)]));
+    std::thread::sleep(Duration::from_millis(500));
+    // The unmount flushed the page cache first: the write is in the store before the
+    // program has even let go of the file.
+    let disk = std::fs::read(&img).unwrap();
+    assert_eq!(&disk[1048577..1048587], b"dirty page");
+    dirty.finish();
+    let out = umount.join().unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let mut m = m;
+    assert!(m.child.wait().unwrap().success());
+    let disk = std::fs::read(&img).unwrap();
+    assert_eq!(&disk[1048577..1048587], b"dirty page");
+    assert_eq!(&disk[5000..5008], b"fsynced!");
+}
+
+#[test]
+fn a_mount_whose_server_died_is_cleaned_up_by_the_next_mount() {
+    if !can_run("a_mount_whose_server_died_is_cleaned_up_by_the_next_mount") {
+        return;
+    }
+    let tmp = tempfile::tempdir().unwrap();
+    let (dir, img) = (tmp.path().join("mnt"), tmp.path().join("disk.img"));
+    std::fs::create_dir(&dir).unwrap();
+    let store = format!("file:{}?size=1MiB", s(&img));
+    let mut m = Mounted::start(&dir, &store, &[]);
+    let mut f = std::fs::OpenOptions::new()
+        .write(true)
+        .open(&m.path)
+        .unwrap();
+    f.write_all(b"before the crash").unwrap();
+    drop(f);
+    m.child.kill().unwrap();
+    m.child.wait().unwrap();
+    let e = std::fs::read_dir(&dir).unwrap_err();
+    assert_eq!(e.raw_os_error(), Some(libc::ENOTCONN), "{e}");
+    // Not a live farmap mount any more: umount says so and cleans it up too.
+    let m2 = Mounted::start(&dir, &store, &[]);
+    let data = std::fs::read(&m2.path).unwrap();
+    assert_eq!(&data[..16], b"before the crash");
+    m2.umount();
+    assert!(std::fs::read_dir(&dir).unwrap().next().is_none());
+    // umount of something that is not a farmap mount says what it is.
+    let out = farmap(&["umount", s(&dir)]);
+    assert!(!out.status.success());
+    assert!(String::from_utf8_lossy(&out.stderr).contains("is not a mount point"));
+    let out = farmap(&["umount", "/proc"]);
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        !out.status.success() && err.contains("is not a farmap mount"),
+        "{err}"
+    );
+}
+
+#[test]
+fn nbd_is_not_built_yet_and_ublk_names_what_it_needs() {
+    let out = farmap(&["mount", "--nbd", "memory:1MiB"]);
+    assert!(!out.status.success());
+    assert!(String::from_utf8_lossy(&out.stderr).contains("not built in this version"));
+    // --ublk takes a store only.
+    let out = farmap(&["mount", "--ublk", "memory:1MiB", "/mnt"]);
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        !out.status.success() && err.contains("takes only a store"),
+        "{err}"
+    );
+    // Where the kernel has no ublk driver (this machine; the VM test covers the device), the
+    // error names it.
+    if !std::path::Path::new("/dev/ublk-control").exists() {
+        let out = farmap(&["mount", "--ublk", "memory:1MiB"]);
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert!(!out.status.success() && err.contains("ublk_drv"), "{err}");
+    }
+}
+
+#[test]
+fn bench_fuse_prints_one_verified_json_line_per_case_and_frontend() {
+    if !can_run("bench_fuse_prints_one_verified_json_line_per_case_and_frontend") {
+        return;
+    }
+    let out = farmap(&[
+        "bench",
+        "fuse",
+        "--json",
+        "--size",
+        "8MiB",
+        "--samples",
+        "200",
+    ]);
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let rows: Vec<serde_json::Value> = String::from_utf8_lossy(&out.stdout)
+        .lines()
+        .map(|l| serde_json::from_str(l).unwrap())
+        .collect();
+    let mut seen = Vec::new();
+    for r in &rows {
+        assert_eq!(r["bench"], "fuse");
+        assert_eq!(r["verified"], true, "{r}");
+        assert!(r["mb_per_s"].as_f64().unwrap() > 0.0, "{r}");
+        for field in ["p50_us", "p99_us"] {
+            assert!(r[field].as_f64().unwrap() >= 0.0, "{field} in {r}");
+        }
+        seen.push(format!(
+            "{}/{}",
+            r["case"].as_str().unwrap(),
+            r["frontend"].as_str().unwrap()
+        ));
+    }
+    seen.sort();
+    assert_eq!(
+        seen,
+        [
+            "rand-read-4k/fuse",
+            "rand-read-4k/memcpy",
+            "rand-read-4k/uffd",
+            "seq-read/fuse",
+            "seq-read/memcpy",
+            "seq-read/uffd"
+        ]
+    );
+}

@@ -1,0 +1,408 @@
+//! [`RegionFs`]: the FUSE file system — a root directory holding one file, the region.
+//!
+//! fuser's session thread calls these methods one request at a time; every method that
+//! touches the store hands its reply to a task on the mount's runtime and returns at once, so
+//! requests are served concurrently and the session thread goes straight back to reading.
+
+use std::ffi::{OsStr, OsString};
+use std::io;
+use std::sync::Arc;
+use std::time::{Duration, SystemTime};
+
+use bytes::Bytes;
+use farmap_core::{Geometry, Store, StoreError};
+use farmap_pipeline::Unaligned;
+use fuser::{
+    Errno, FileAttr, FileHandle, FileType, Filesystem, FopenFlags, Generation, INodeNo,
+    KernelConfig, LockOwner, OpenAccMode, OpenFlags, ReplyAttr, ReplyData, ReplyDirectory,
+    ReplyEmpty, ReplyEntry, ReplyOpen, ReplyStatfs, ReplyWrite, Request, TimeOrNow, WriteFlags,
+};
+use tokio::runtime::Handle;
+
+/// The region file's inode.
+const FILE_INO: INodeNo = INodeNo(2);
+
+/// How long the kernel may cache names and attributes: they never change.
+const TTL: Duration = Duration::from_secs(3600);
+
+/// `fallocate` mode bits (linux/falloc.h).
+const FALLOC_FL_KEEP_SIZE: i32 = 0x01;
+const FALLOC_FL_PUNCH_HOLE: i32 = 0x02;
+
+/// What the file system's requests share with their tasks.
+#[derive(Debug)]
+pub(crate) struct Shared {
+    pub store: Unaligned<Arc<dyn Store>>,
+    pub geometry: Geometry,
+    pub name: OsString,
+    pub read_only: bool,
+    pub uid: u32,
+    pub gid: u32,
+    pub created: SystemTime,
+    /// Largest request asked of the kernel (bytes).
+    pub max_request: u32,
+}
+
+impl Shared {
+    fn attr(&self, ino: INodeNo) -> FileAttr {
+        let file = ino == FILE_INO;
+        let size = if file { self.geometry.size() } else { 0 };
+        let perm = match (file, self.read_only) {
+            (true, false) => 0o644,
+            (true, true) => 0o444,
+            (false, _) => 0o755,
+        };
+        FileAttr {
+            ino,
+            size,
+            blocks: size.div_ceil(512),
+            atime: self.created,
+            mtime: self.created,
+            ctime: self.created,
+            crtime: self.created,
+            kind: if file {
+                FileType::RegularFile
+            } else {
+                FileType::Directory
+            },
+            perm,
+            nlink: if file { 1 } else { 2 },
+            uid: self.uid,
+            gid: self.gid,
+            rdev: 0,
+            blksize: self.geometry.chunk_size().min(self.max_request),
+            flags: 0,
+        }
+    }
+}
+
+/// The errno a store error is reported with.
+fn errno(e: &StoreError) -> Errno {
+    Errno::from_i32(e.errno())
+}
+
+/// Called once the kernel has answered INIT, with the largest write and read-ahead.
+pub(crate) type OnInit = Box<dyn FnOnce(u32, u32) + Send + Sync>;
+
+/// The single-file file system.
+pub(crate) struct RegionFs {
+    pub shared: Arc<Shared>,
+    pub handle: Handle,
+    /// Called once the kernel has answered INIT, with the limits it accepted.
+    pub on_init: Option<OnInit>,
+}
+
+impl std::fmt::Debug for RegionFs {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("RegionFs")
+            .field("shared", &self.shared)
+            .finish()
+    }
+}
+
+impl RegionFs {
+    /// Runs `fut` on the mount's runtime.
+    fn spawn(&self, fut: impl std::future::Future<Output = ()> + Send + 'static) {
+        self.handle.spawn(fut);
+    }
+
+    /// Flushes the store and replies.
+    fn flush_store(&self, reply: ReplyEmpty) {
+        let shared = self.shared.clone();
+        self.spawn(async move {
+            match shared.store.flush().await {
+                Ok(()) => reply.ok(),
+                Err(e) => {
+                    tracing::warn!(error = %e.to_owned_lossy(), "flush of the store failed");
+                    reply.error(errno(&e))
+                }
+            }
+        });
+    }
+}
+
+impl Filesystem for RegionFs {
+    fn init(&mut self, _req: &Request, config: &mut KernelConfig) -> io::Result<()> {
+        let want = self.shared.max_request;
+        let write = match config.set_max_write(want) {
+            Ok(_) => want,
+            Err(cap) => {
+                let _ = config.set_max_write(cap);
+                cap
+            }
+        };
+        let readahead = match config.set_max_readahead(want) {
+            Ok(_) => want,
+            Err(cap) => {
+                let _ = config.set_max_readahead(cap);
+                cap
+            }
+        };
+        // Read-ahead and writeback requests are "background" ones; the default of 12 in
+        // flight starves a store with many parallel workers.
+        let _ = config.set_max_background(64);
+        let _ = config.set_congestion_threshold(48);
+        if let Some(f) = self.on_init.take() {
+            f(write, readahead);
+        }
+        Ok(())
+    }
+
+    fn lookup(&self, _req: &Request, parent: INodeNo, name: &OsStr, reply: ReplyEntry) {
+        if parent == INodeNo::ROOT && name == self.shared.name.as_os_str() {
+            reply.entry(&TTL, &self.shared.attr(FILE_INO), Generation(0));
+        } else {
+            reply.error(Errno::ENOENT);
+        }
+    }
+
+    fn getattr(&self, _req: &Request, ino: INodeNo, _fh: Option<FileHandle>, reply: ReplyAttr) {
+        if ino == INodeNo::ROOT || ino == FILE_INO {
+            reply.attr(&TTL, &self.shared.attr(ino));
+        } else {
+            reply.error(Errno::ENOENT);
+        }
+    }
+
+    /// Only the size matters: the region's size is fixed, so truncation to another size is
+    /// refused. Mode, owner and times are accepted and not kept.
+    fn setattr(
+        &self,
+        _req: &Request,
+        ino: INodeNo,
+        _mode: Option<u32>,
+        _uid: Option<u32>,
+        _gid: Option<u32>,
+        size: Option<u64>,
+        _atime: Option<TimeOrNow>,
+        _mtime: Option<TimeOrNow>,
+        _ctime: Option<SystemTime>,
+        _fh: Option<FileHandle>,
+        _crtime: Option<SystemTime>,
+        _chgtime: Option<SystemTime>,
+        _bkuptime: Option<SystemTime>,
+        _flags: Option<fuser::BsdFileFlags>,
+        reply: ReplyAttr,
+    ) {
+        if ino != INodeNo::ROOT && ino != FILE_INO {
+            return reply.error(Errno::ENOENT);
+        }
+        if let Some(size) = size {
+            if ino != FILE_INO || size != self.shared.geometry.size() {
+                return reply.error(Errno::EPERM);
+            }
+        }
+        reply.attr(&TTL, &self.shared.attr(ino));
+    }
+
+    fn open(&self, _req: &Request, ino: INodeNo, flags: OpenFlags, reply: ReplyOpen) {
+        if ino != FILE_INO {
+            return reply.error(Errno::EISDIR);
+        }
+        if self.shared.read_only && flags.acc_mode() != OpenAccMode::O_RDONLY {
+            return reply.error(Errno::EROFS);
+        }
+        // Keep the page cache across opens: only this mount changes the file.
+        reply.opened(FileHandle(0), FopenFlags::FOPEN_KEEP_CACHE);
+    }
+
+    fn read(
+        &self,
+        _req: &Request,
+        ino: INodeNo,
+        _fh: FileHandle,
+        offset: u64,
+        size: u32,
+        _flags: OpenFlags,
+        _lock_owner: Option<LockOwner>,
+        reply: ReplyData,
+    ) {
+        if ino != FILE_INO {
+            return reply.error(Errno::EISDIR);
+        }
+        let end = self.shared.geometry.size();
+        let len = u64::from(size).min(end.saturating_sub(offset)) as usize;
+        if len == 0 {
+            return reply.data(&[]);
+        }
+        let shared = self.shared.clone();
+        self.spawn(async move {
+            match shared.store.read_bytes(offset, len).await {
+                Ok(data) => reply.data(&data),
+                Err(e) => {
+                    tracing::warn!(offset, len, error = %e.to_owned_lossy(), "read failed");
+                    reply.error(errno(&e))
+                }
+            }
+        });
+    }
+
+    fn write(
+        &self,
+        _req: &Request,
+        ino: INodeNo,
+        _fh: FileHandle,
+        offset: u64,
+        data: &[u8],
+        _write_flags: WriteFlags,
+        _flags: OpenFlags,
+        _lock_owner: Option<LockOwner>,
+        reply: ReplyWrite,
+    ) {
+        if ino != FILE_INO {
+            return reply.error(Errno::EISDIR);
+        }
+        if self.shared.read_only {
+            return reply.error(Errno::EROFS);
+        }
+        let end = self.shared.geometry.size();
+        if offset >= end && !data.is_empty() {
+            // The file cannot grow.
+            return reply.error(Errno::EFBIG);
+        }
+        // A write reaching past the end is cut short, like one on a full block device.
+        let len = (data.len() as u64).min(end - offset) as usize;
+        let data = Bytes::copy_from_slice(&data[..len]);
+        let shared = self.shared.clone();
+        self.spawn(async move {
+            match shared.store.write_bytes(offset, data).await {
+                Ok(()) => reply.written(len as u32),
+                Err(e) => {
+                    tracing::warn!(offset, len, error = %e.to_owned_lossy(), "write failed");
+                    reply.error(errno(&e))
+                }
+            }
+        });
+    }
+
+    /// Called at every close of a descriptor; the kernel has written the file's dirty pages
+    /// back first.
+    fn flush(
+        &self,
+        _req: &Request,
+        _ino: INodeNo,
+        _fh: FileHandle,
+        _lock_owner: LockOwner,
+        reply: ReplyEmpty,
+    ) {
+        if self.shared.read_only {
+            return reply.ok();
+        }
+        self.flush_store(reply);
+    }
+
+    /// The kernel has written the file's dirty pages back first.
+    fn fsync(
+        &self,
+        _req: &Request,
+        _ino: INodeNo,
+        _fh: FileHandle,
+        _datasync: bool,
+        reply: ReplyEmpty,
+    ) {
+        self.flush_store(reply);
+    }
+
+    fn fsyncdir(
+        &self,
+        _req: &Request,
+        _ino: INodeNo,
+        _fh: FileHandle,
+        _datasync: bool,
+        reply: ReplyEmpty,
+    ) {
+        reply.ok();
+    }
+
+    fn opendir(&self, _req: &Request, ino: INodeNo, _flags: OpenFlags, reply: ReplyOpen) {
+        if ino == INodeNo::ROOT {
+            reply.opened(FileHandle(0), FopenFlags::empty());
+        } else {
+            reply.error(Errno::ENOTDIR);
+        }
+    }
+
+    fn readdir(
+        &self,
+        _req: &Request,
+        ino: INodeNo,
+        _fh: FileHandle,
+        offset: u64,
+        mut reply: ReplyDirectory,
+    ) {
+        if ino != INodeNo::ROOT {
+            return reply.error(Errno::ENOTDIR);
+        }
+        let entries = [
+            (INodeNo::ROOT, FileType::Directory, OsStr::new(".")),
+            (INodeNo::ROOT, FileType::Directory, OsStr::new("..")),
+            (
+                FILE_INO,
+                FileType::RegularFile,
+                self.shared.name.as_os_str(),
+            ),
+        ];
+        for (i, (ino, kind, name)) in entries.iter().enumerate().skip(offset as usize) {
+            if reply.add(*ino, (i + 1) as u64, *kind, name) {
+                break;
+            }
+        }
+        reply.ok();
+    }
+
+    fn statfs(&self, _req: &Request, _ino: INodeNo, reply: ReplyStatfs) {
+        let bsize = 4096u32;
+        let blocks = self.shared.geometry.size().div_ceil(u64::from(bsize));
+        reply.statfs(blocks, 0, 0, 2, 0, bsize, 255, bsize);
+    }
+
+    fn access(&self, _req: &Request, _ino: INodeNo, mask: fuser::AccessFlags, reply: ReplyEmpty) {
+        if self.shared.read_only && mask.contains(fuser::AccessFlags::W_OK) {
+            reply.error(Errno::EROFS);
+        } else {
+            reply.ok();
+        }
+    }
+
+    /// `FALLOC_FL_PUNCH_HOLE | FALLOC_FL_KEEP_SIZE` trims the range (it reads as zeros);
+    /// plain allocation within the file is a no-op (a store has no space to reserve).
+    fn fallocate(
+        &self,
+        _req: &Request,
+        ino: INodeNo,
+        _fh: FileHandle,
+        offset: u64,
+        length: u64,
+        mode: i32,
+        reply: ReplyEmpty,
+    ) {
+        if ino != FILE_INO {
+            return reply.error(Errno::EISDIR);
+        }
+        if self.shared.read_only {
+            return reply.error(Errno::EROFS);
+        }
+        let end = self.shared.geometry.size();
+        let Some(stop) = offset.checked_add(length) else {
+            return reply.error(Errno::EINVAL);
+        };
+        match mode {
+            0 | FALLOC_FL_KEEP_SIZE if stop <= end => reply.ok(),
+            0 | FALLOC_FL_KEEP_SIZE => reply.error(Errno::EFBIG),
+            m if m == FALLOC_FL_PUNCH_HOLE | FALLOC_FL_KEEP_SIZE => {
+                let stop = stop.min(end);
+                if offset >= stop {
+                    return reply.ok();
+                }
+                let shared = self.shared.clone();
+                self.spawn(async move {
+                    match shared.store.trim_at(offset, stop - offset).await {
+                        Ok(()) => reply.ok(),
+                        Err(e) => reply.error(errno(&e)),
+                    }
+                });
+            }
+            _ => reply.error(Errno::EOPNOTSUPP),
+        }
+    }
+}

@@ -1,0 +1,370 @@
+//! [`FuseMount`]: mounting, serving and unmounting one region file.
+
+use std::ffi::OsString;
+use std::fs::File;
+use std::io;
+use std::os::unix::fs::MetadataExt;
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use std::thread::JoinHandle;
+use std::time::SystemTime;
+
+use farmap_core::{Caps, Geometry, Store};
+use farmap_pipeline::Unaligned;
+use fuser::{Config, MountOption, Session, SessionACL};
+use parking_lot::Mutex;
+use tokio::runtime::Runtime;
+use tokio::sync::watch;
+
+use crate::error::MountError;
+use crate::fs::{RegionFs, Shared};
+use crate::mapping::MappedRegion;
+use crate::sys::{self, Unmounted};
+
+pub use crate::sys::{find_mount, MountInfo};
+
+/// The file's name unless [`MountOptions::name`] says otherwise.
+pub const DEFAULT_FILE_NAME: &str = "region";
+
+/// How to mount a region.
+#[derive(Debug, Clone)]
+pub struct MountOptions {
+    /// The file's name in the mount's root directory.
+    pub name: String,
+    /// Refuse writes (`EROFS`) and mount read-only. Stores without [`Caps::WRITE`] are
+    /// always mounted read-only.
+    pub read_only: bool,
+    /// Largest read or write request, in bytes (a multiple of 4 KiB, at most 16 MiB).
+    pub max_request: u32,
+    /// As root, raise `/proc/sys/fs/fuse/max_pages_limit` to fit `max_request` and set the
+    /// mount's read-ahead to `max_request` (best effort: a failure is logged).
+    pub tune_kernel: bool,
+    /// Worker threads of the mount's runtime, which serves requests.
+    pub worker_threads: usize,
+    /// Let other users than the mounting one use the file (`allow_other`).
+    pub allow_other: bool,
+}
+
+impl Default for MountOptions {
+    /// `region`, read-write, 1 MiB requests, kernel tuning on, 4 worker threads, owner only.
+    fn default() -> Self {
+        Self {
+            name: DEFAULT_FILE_NAME.to_string(),
+            read_only: false,
+            max_request: 1 << 20,
+            tune_kernel: true,
+            worker_threads: 4,
+            allow_other: false,
+        }
+    }
+}
+
+/// A region mounted as one file on a FUSE file system, served by this process until
+/// unmounted (see the [crate documentation](crate)).
+#[derive(Debug)]
+pub struct FuseMount {
+    dir: PathBuf,
+    path: PathBuf,
+    geometry: Geometry,
+    read_only: bool,
+    store: Arc<dyn Store>,
+    limits: (u32, u32),
+    session: Option<JoinHandle<io::Result<()>>>,
+    ended: watch::Receiver<bool>,
+    runtime: Option<Runtime>,
+}
+
+/// Checks the mount point: a directory with nothing mounted on it (a dead FUSE mount there is
+/// unmounted first).
+fn check_mount_point(dir: &Path) -> Result<(), MountError> {
+    let bad = |reason: String| MountError::BadMountPoint {
+        dir: dir.to_path_buf(),
+        reason,
+    };
+    sys::cleanup_stale(dir)
+        .map_err(|e| bad(format!("cannot unmount the dead FUSE mount there: {e}")))?;
+    let meta = std::fs::metadata(dir).map_err(|e| bad(e.to_string()))?;
+    if !meta.is_dir() {
+        return Err(bad("not a directory".into()));
+    }
+    if sys::is_mount_point(dir).map_err(|e| bad(e.to_string()))? {
+        let what = match find_mount(dir) {
+            Ok(Some(m)) => match m.farmap_pid() {
+                Some(pid) => format!("a farmap mount served by process {pid}"),
+                None => format!("{} ({})", m.fs_type, m.source),
+            },
+            _ => "a file system".to_string(),
+        };
+        return Err(MountError::Busy {
+            dir: dir.to_path_buf(),
+            what,
+        });
+    }
+    Ok(())
+}
+
+fn check_name(name: &str) -> Result<OsString, MountError> {
+    if name.is_empty() || name.contains('/') || name == "." || name == ".." || name.contains('\0') {
+        return Err(MountError::BadName {
+            name: name.to_string(),
+        });
+    }
+    Ok(OsString::from(name))
+}
+
+impl FuseMount {
+    /// Mounts `store` at `dir` (an existing, empty directory; a dead FUSE mount there is
+    /// cleaned up) as the file `dir/<opts.name>` and serves it on a thread and a runtime of
+    /// its own until [`unmount`](Self::unmount) or drop. Needs root (or a `fusermount3` the
+    /// user may run).
+    pub fn mount(
+        store: Arc<dyn Store>,
+        dir: impl AsRef<Path>,
+        opts: MountOptions,
+    ) -> Result<FuseMount, MountError> {
+        let dir = dir.as_ref().to_path_buf();
+        let name = check_name(&opts.name)?;
+        check_mount_point(&dir)?;
+        let max_request = (opts.max_request.clamp(4096, 16 << 20) / 4096) * 4096;
+        let root = rustix::process::geteuid().is_root();
+        if opts.tune_kernel && root {
+            if let Err(e) = sys::raise_max_pages(max_request / 4096) {
+                tracing::warn!("requests may be smaller than asked: {e}");
+            }
+        }
+        let geometry = store.geometry();
+        let read_only = opts.read_only || !store.caps().contains(Caps::WRITE);
+        let runtime = tokio::runtime::Builder::new_multi_thread()
+            .worker_threads(opts.worker_threads.max(1))
+            .thread_name("farmap-fuse")
+            .enable_all()
+            .build()
+            .map_err(|e| MountError::sys("starting the mount's runtime", e))?;
+        let shared = Arc::new(Shared {
+            store: Unaligned::new(store.clone()),
+            geometry,
+            name,
+            read_only,
+            uid: rustix::process::geteuid().as_raw(),
+            gid: rustix::process::getegid().as_raw(),
+            created: SystemTime::now(),
+            max_request,
+        });
+        let limits = Arc::new(Mutex::new((0, 0)));
+        let seen = limits.clone();
+        let fs = RegionFs {
+            shared,
+            handle: runtime.handle().clone(),
+            on_init: Some(Box::new(move |w, r| *seen.lock() = (w, r))),
+        };
+        let mut mount_options = vec![
+            MountOption::FSName(format!("farmap:{}", std::process::id())),
+            MountOption::CUSTOM("subtype=farmap".into()),
+            MountOption::CUSTOM(format!("max_read={max_request}")),
+            MountOption::NoAtime,
+        ];
+        if read_only {
+            mount_options.push(MountOption::RO);
+        }
+        let mut config = Config::default();
+        config.mount_options = mount_options;
+        config.acl = if opts.allow_other {
+            SessionACL::All
+        } else {
+            SessionACL::Owner
+        };
+        config.n_threads = Some(1);
+        let session = Session::new(fs, &dir, &config).map_err(|e| {
+            if e.raw_os_error() == Some(libc::EBUSY) {
+                MountError::Busy {
+                    dir: dir.clone(),
+                    what: "something".into(),
+                }
+            } else {
+                MountError::sys(
+                    format!("cannot mount a FUSE file system at {}", dir.display()),
+                    e,
+                )
+            }
+        })?;
+        let (ended_tx, ended) = watch::channel(false);
+        let thread_dir = dir.clone();
+        let session = std::thread::Builder::new()
+            .name("farmap-fuse-session".into())
+            .spawn(move || {
+                let result = session.run();
+                if let Err(e) = &result {
+                    tracing::warn!(dir = %thread_dir.display(), "the FUSE session ended: {e}");
+                }
+                let _ = ended_tx.send(true);
+                result
+            })
+            .map_err(|e| MountError::sys("starting the FUSE session thread", e))?;
+        let mut mount = FuseMount {
+            path: dir.join(&opts.name),
+            dir,
+            geometry,
+            read_only,
+            store,
+            limits: *limits.lock(),
+            session: Some(session),
+            ended,
+            runtime: Some(runtime),
+        };
+        if opts.tune_kernel && root {
+            mount.tune_read_ahead(max_request);
+        }
+        tracing::debug!(path = %mount.path.display(), max_write = mount.limits.0,
+            max_readahead = mount.limits.1, "mounted");
+        Ok(mount)
+    }
+
+    fn tune_read_ahead(&mut self, max_request: u32) {
+        let dev = match std::fs::metadata(&self.dir) {
+            Ok(m) => m.dev(),
+            Err(e) => return tracing::warn!("cannot stat the new mount: {e}"),
+        };
+        let device = format!("{}:{}", rustix::fs::major(dev), rustix::fs::minor(dev));
+        if let Err(e) = sys::set_read_ahead(&device, max_request / 1024) {
+            tracing::warn!("read-ahead left at the kernel's default: {e}");
+        }
+    }
+
+    /// The mounted file.
+    pub fn path(&self) -> &Path {
+        &self.path
+    }
+
+    /// The mount point.
+    pub fn dir(&self) -> &Path {
+        &self.dir
+    }
+
+    /// The region's shape (the store's).
+    pub fn geometry(&self) -> Geometry {
+        self.geometry
+    }
+
+    /// Whether writes are refused.
+    pub fn is_read_only(&self) -> bool {
+        self.read_only
+    }
+
+    /// The largest write and read-ahead the kernel accepted at INIT, in bytes.
+    pub fn request_limits(&self) -> (u32, u32) {
+        self.limits
+    }
+
+    /// Opens the file (read-write unless the mount is read-only).
+    pub fn open(&self) -> io::Result<File> {
+        std::fs::OpenOptions::new()
+            .read(true)
+            .write(!self.read_only)
+            .open(&self.path)
+    }
+
+    /// Maps the whole file shared: its memory is the region (see [`MappedRegion`]).
+    pub fn map(&self) -> Result<MappedRegion<'_>, MountError> {
+        let len = usize::try_from(self.geometry.size()).map_err(|_| MountError::TooLarge {
+            size: self.geometry.size(),
+        })?;
+        let file = self
+            .open()
+            .map_err(|e| MountError::sys(format!("opening {}", self.path.display()), e))?;
+        MappedRegion::new(file, len, !self.read_only)
+            .map_err(|e| MountError::sys(format!("mapping {}", self.path.display()), e))
+    }
+
+    /// Writes the file's dirty pages (from `write` or shared mappings of any process) back
+    /// to the store and flushes it (managed stores: everything pushed to the remote). Blocks;
+    /// must not run on the mount's own runtime.
+    pub fn sync(&self) -> Result<(), MountError> {
+        let file = File::open(&self.path)
+            .map_err(|e| MountError::sys(format!("opening {}", self.path.display()), e))?;
+        file.sync_all().map_err(|e| {
+            MountError::sys(
+                format!(
+                    "fsync of {} (page cache to the store, store flush)",
+                    self.path.display()
+                ),
+                e,
+            )
+        })
+    }
+
+    /// Whether the session has ended (unmounted, by this process or another).
+    pub fn is_ended(&self) -> bool {
+        *self.ended.borrow()
+    }
+
+    /// Resolves when the session ends: someone unmounted it (`umount DIR`, `fusermount3 -u`)
+    /// or [`unmount`](Self::unmount) is under way.
+    pub fn ended(&self) -> impl std::future::Future<Output = ()> + Send + 'static {
+        let mut ended = self.ended.clone();
+        async move {
+            let _ = ended.wait_for(|e| *e).await;
+        }
+    }
+
+    /// Syncs (page cache to the store, store flush), unmounts, waits until the kernel lets go
+    /// of the mount, and flushes the store a last time. If programs still hold the file, the
+    /// mount is detached from the directory at once and served until they let go (this call
+    /// waits for that), so nothing they write is lost. On an error the mount is unmounted all
+    /// the same (as at drop).
+    pub fn unmount(mut self) -> Result<(), MountError> {
+        self.shut_down()
+    }
+
+    fn shut_down(&mut self) -> Result<(), MountError> {
+        let Some(session) = self.session.take() else {
+            return Ok(());
+        };
+        let mut first_error = None;
+        if !self.is_ended() {
+            if let Err(e) = self.sync() {
+                first_error = Some(e);
+            }
+            match sys::unmount_or_detach(&self.dir) {
+                Ok(Unmounted::Detached) => tracing::info!(
+                    dir = %self.dir.display(),
+                    "the file is still in use: detached, serving until its users let go"
+                ),
+                Ok(_) => {}
+                Err(e) => {
+                    first_error.get_or_insert(MountError::sys(
+                        format!("unmounting {}", self.dir.display()),
+                        e,
+                    ));
+                }
+            }
+        }
+        let _ = session.join();
+        if let Some(runtime) = self.runtime.take() {
+            let store = self.store.clone();
+            let (tx, rx) = std::sync::mpsc::sync_channel(1);
+            runtime.spawn(async move {
+                let _ = tx.send(store.flush().await);
+            });
+            if let Ok(Err(e)) = rx.recv() {
+                first_error.get_or_insert(MountError::Flush {
+                    path: self.path.clone(),
+                    source: e,
+                });
+            }
+            runtime.shutdown_background();
+        }
+        match first_error {
+            Some(e) => Err(e),
+            None => Ok(()),
+        }
+    }
+}
+
+impl Drop for FuseMount {
+    /// As [`unmount`](FuseMount::unmount), with errors logged.
+    fn drop(&mut self) {
+        if let Err(e) = self.shut_down() {
+            tracing::warn!(dir = %self.dir.display(), "unmounting: {e}");
+        }
+    }
+}

@@ -1,0 +1,241 @@
+//! A region mounted for real (root and /dev/fuse are needed; without them the tests say
+//! "skipped" and why).
+
+use std::io::{Read, Seek, SeekFrom, Write};
+use std::os::unix::fs::FileExt;
+use std::sync::Arc;
+
+use farmap_core::{ChunkIdx, Geometry, Store};
+use farmap_fuse::{FuseMount, MountError, MountOptions};
+use farmap_store::MemoryStore;
+
+/// Whether this machine can mount FUSE file systems here; records a skip when not.
+fn can_mount(test: &str) -> bool {
+    if !std::path::Path::new("/dev/fuse").exists() {
+        farmap_testkit::skip(test, "/dev/fuse is missing (no FUSE in this kernel)");
+        return false;
+    }
+    if !rustix_is_root() {
+        farmap_testkit::skip(test, "mounting FUSE without fusermount3 needs root");
+        return false;
+    }
+    true
+}
+
+fn rustix_is_root() -> bool {
+    rustix::process::geteuid().is_root()
+}
+
+fn store(size: u64, chunk: u64) -> Arc<MemoryStore> {
+    Arc::new(MemoryStore::new(Geometry::new(size, chunk).unwrap()))
+}
+
+fn block_on<T>(f: impl std::future::Future<Output = T>) -> T {
+    tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .unwrap()
+        .block_on(f)
+}
+
+/// The store's bytes `offset..offset+len`.
+fn store_bytes(s: &dyn Store, offset: u64, len: usize) -> Vec<u8> {
+    let g = s.geometry();
+    let mut out = Vec::with_capacity(len);
+    for idx in g.chunks_for(offset, len as u64).iter() {
+        let chunk = block_on(s.read(idx)).unwrap();
+        let r = g.byte_range(idx);
+        let from = offset.max(r.start) - r.start;
+        let to = (offset + len as u64).min(r.end) - r.start;
+        out.extend_from_slice(&chunk[from as usize..to as usize]);
+    }
+    out
+}
+
+fn pattern(seed: u8, len: usize) -> Vec<u8> {
+    (0..len)
+        .map(|i| (i as u8).wrapping_mul(31).wrapping_add(seed))
+        .collect()
+}
+
+#[test]
+fn file_reads_writes_and_fsync_reach_the_store() {
+    if !can_mount("file_reads_writes_and_fsync_reach_the_store") {
+        return;
+    }
+    let dir = tempfile::tempdir().unwrap();
+    let s = store(8 << 20, 64 << 10);
+    let m = FuseMount::mount(s.clone(), dir.path(), MountOptions::default()).unwrap();
+    assert_eq!(m.path(), dir.path().join("region"));
+    assert_eq!(std::fs::metadata(m.path()).unwrap().len(), 8 << 20);
+    let names: Vec<_> = std::fs::read_dir(dir.path())
+        .unwrap()
+        .map(|e| e.unwrap().file_name())
+        .collect();
+    assert_eq!(names, vec![std::ffi::OsString::from("region")]);
+
+    let mut f = m.open().unwrap();
+    // Unaligned, across chunk borders.
+    let data = pattern(7, 200_000);
+    f.write_all_at(&data, 65_000).unwrap();
+    f.sync_all().unwrap();
+    assert_eq!(
+        store_bytes(&*s, 65_000, data.len()),
+        data,
+        "fsync reached the store"
+    );
+    let mut back = vec![0; data.len()];
+    f.read_exact_at(&mut back, 65_000).unwrap();
+    assert_eq!(back, data);
+    // The end of the file: a short read, and writes cannot grow it.
+    f.seek(SeekFrom::Start((8 << 20) - 10)).unwrap();
+    let mut tail = Vec::new();
+    f.read_to_end(&mut tail).unwrap();
+    assert_eq!(tail.len(), 10);
+    let e = f.write_all_at(b"x", 8 << 20).unwrap_err();
+    assert_eq!(e.raw_os_error(), Some(libc::EFBIG), "{e}");
+    // Truncation to another size is refused; to the same size is fine.
+    assert!(f.set_len(4096).is_err());
+    f.set_len(8 << 20).unwrap();
+    assert_eq!(std::fs::metadata(m.path()).unwrap().len(), 8 << 20);
+    drop(f);
+    m.unmount().unwrap();
+    assert!(
+        !std::fs::read_dir(dir.path()).unwrap().any(|_| true),
+        "the mount point is empty again"
+    );
+}
+
+#[test]
+fn a_mapped_slice_writes_back_at_sync_and_unmount() {
+    if !can_mount("a_mapped_slice_writes_back_at_sync_and_unmount") {
+        return;
+    }
+    let dir = tempfile::tempdir().unwrap();
+    let s = store(4 << 20, 64 << 10);
+    // Data already in the store is what the mapping shows.
+    block_on(s.write(ChunkIdx(3), pattern(1, 64 << 10).into())).unwrap();
+    let m = FuseMount::mount(s.clone(), dir.path(), MountOptions::default()).unwrap();
+    {
+        let map = m.map().unwrap();
+        let mem = map.memory();
+        assert_eq!(mem.len(), 4 << 20);
+        let mut chunk = vec![0; 64 << 10];
+        mem.read_into(3 * (64 << 10), &mut chunk).unwrap();
+        assert_eq!(chunk, pattern(1, 64 << 10));
+        mem.write_from(100, b"synced").unwrap();
+        map.sync().unwrap();
+        assert_eq!(store_bytes(&*s, 100, 6), b"synced");
+        // Left dirty in the page cache: unmount writes it back.
+        mem.write_from(1 << 20, b"at unmount").unwrap();
+    }
+    m.unmount().unwrap();
+    assert_eq!(store_bytes(&*s, 1 << 20, 10), b"at unmount");
+}
+
+#[test]
+fn concurrent_readers_see_the_store() {
+    if !can_mount("concurrent_readers_see_the_store") {
+        return;
+    }
+    let dir = tempfile::tempdir().unwrap();
+    let s = store(16 << 20, 64 << 10);
+    let content = pattern(9, 16 << 20);
+    for idx in s.geometry().all().iter() {
+        let r = s.geometry().byte_range(idx);
+        block_on(s.write(
+            idx,
+            content[r.start as usize..r.end as usize].to_vec().into(),
+        ))
+        .unwrap();
+    }
+    let m = FuseMount::mount(s.clone(), dir.path(), MountOptions::default()).unwrap();
+    std::thread::scope(|scope| {
+        for t in 0..4u64 {
+            let (m, content) = (&m, &content);
+            scope.spawn(move || {
+                let f = m.open().unwrap();
+                let mut buf = vec![0; 300_000];
+                let mut off = t * 1_000_003 % (16 << 20);
+                for _ in 0..40 {
+                    let n = buf.len().min((16 << 20) - off as usize);
+                    f.read_exact_at(&mut buf[..n], off).unwrap();
+                    assert_eq!(&buf[..n], &content[off as usize..off as usize + n]);
+                    off = (off + 2_345_679) % (16 << 20);
+                }
+            });
+        }
+    });
+    m.unmount().unwrap();
+}
+
+#[test]
+fn read_only_mounts_refuse_writes_and_busy_mount_points_are_refused() {
+    if !can_mount("read_only_mounts_refuse_writes_and_busy_mount_points_are_refused") {
+        return;
+    }
+    let dir = tempfile::tempdir().unwrap();
+    let s = store(1 << 20, 64 << 10);
+    let opts = MountOptions {
+        read_only: true,
+        name: "disk.img".into(),
+        ..MountOptions::default()
+    };
+    let m = FuseMount::mount(s.clone(), dir.path(), opts).unwrap();
+    assert!(m.path().ends_with("disk.img"));
+    let e = std::fs::OpenOptions::new()
+        .write(true)
+        .open(m.path())
+        .unwrap_err();
+    assert_eq!(e.raw_os_error(), Some(libc::EROFS), "{e}");
+    let mut f = std::fs::File::open(m.path()).unwrap();
+    let mut buf = vec![1; 4096];
+    f.read_exact(&mut buf).unwrap();
+    assert!(buf.iter().all(|&b| b == 0));
+    // Mounting again on the same directory is refused with a clear error.
+    let again = FuseMount::mount(s.clone(), dir.path(), MountOptions::default()).unwrap_err();
+    assert!(matches!(again, MountError::Busy { .. }), "{again}");
+    let text = again.to_string();
+    assert!(text.contains("farmap mount served by process"), "{text}");
+    assert!(matches!(
+        FuseMount::mount(s.clone(), dir.path().join("nope"), MountOptions::default()),
+        Err(MountError::BadMountPoint { .. })
+    ));
+    let bad = MountOptions {
+        name: "a/b".into(),
+        ..MountOptions::default()
+    };
+    assert!(matches!(
+        FuseMount::mount(s.clone(), dir.path(), bad),
+        Err(MountError::BadName { .. })
+    ));
+    drop(f);
+    m.unmount().unwrap();
+}
+
+#[test]
+fn unmount_of_a_file_still_in_use_detaches_and_loses_nothing() {
+    if !can_mount("unmount_of_a_file_still_in_use_detaches_and_loses_nothing") {
+        return;
+    }
+    let dir = tempfile::tempdir().unwrap();
+    let s = store(1 << 20, 64 << 10);
+    let m = FuseMount::mount(s.clone(), dir.path(), MountOptions::default()).unwrap();
+    let mut f = m.open().unwrap();
+    let (tx, rx) = std::sync::mpsc::channel();
+    let unmounter = std::thread::spawn(move || {
+        let r = m.unmount();
+        tx.send(()).unwrap();
+        r
+    });
+    // The unmount waits for the file's user; writes meanwhile still reach the store.
+    std::thread::sleep(std::time::Duration::from_millis(300));
+    assert!(
+        rx.try_recv().is_err(),
+        "unmount returned while the file was open"
+    );
+    f.write_all(b"late write").unwrap();
+    drop(f);
+    unmounter.join().unwrap().unwrap();
+    assert_eq!(store_bytes(&*s, 0, 10), b"late write");
+}

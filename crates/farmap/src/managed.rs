@@ -1,0 +1,309 @@
+//! [`Managed`]: a managed mount's store — a local memory cache in front of a remote store,
+//! filled in the background and written back on an interval. Frontend-agnostic: the FUSE
+//! mount (`farmap mount --managed`) and the NBD server use it as any other [`Store`].
+//!
+//! ```text
+//!   frontend ──▶ Managed = Pusher ──▶ Cached(local memory + presence) ◀── Puller
+//!                            │                 │ miss: fetch once          (N workers,
+//!                            │ dirty chunks,   ▼                           order)
+//!                            └── interval ──▶ remote ◀─────────────────────────┘
+//! ```
+//!
+//! The pieces are the pipeline's own ([`Cached`], [`Puller`], [`Pusher`]), assembled as a
+//! userfaultfd region assembles them, with the local store a sparse [`MemoryStore`].
+
+use std::fmt;
+use std::sync::Arc;
+
+use bytes::Bytes;
+use farmap_core::{
+    BoxFuture, Caps, ChunkIdx, ChunkRange, ChunkStatus, Geometry, Store, StoreResult,
+};
+use farmap_pipeline::{
+    Cached, PullOptions, PullProgress, PullReport, Puller, PushOptions, PushStats, Pusher,
+};
+use farmap_store::MemoryStore;
+
+type Cache = Cached<SparseLocal, Arc<dyn Store>>;
+
+/// The local memory of a managed store: a sparse [`MemoryStore`] that keeps no chunk of
+/// zeros (one is trimmed instead), so chunks the remote never wrote cost no memory and keep
+/// reading as [`ChunkStatus::Zero`].
+#[derive(Debug)]
+struct SparseLocal(MemoryStore);
+
+impl Store for SparseLocal {
+    fn geometry(&self) -> Geometry {
+        self.0.geometry()
+    }
+
+    fn caps(&self) -> Caps {
+        self.0.caps()
+    }
+
+    fn read(&self, idx: ChunkIdx) -> BoxFuture<'_, StoreResult<Bytes>> {
+        self.0.read(idx)
+    }
+
+    fn write(&self, idx: ChunkIdx, data: Bytes) -> BoxFuture<'_, StoreResult<()>> {
+        if farmap_core::is_zero(&data) && self.0.geometry().check_write(idx, data.len()).is_ok() {
+            self.0.trim(ChunkRange::single(idx))
+        } else {
+            self.0.write(idx, data)
+        }
+    }
+
+    fn flush(&self) -> BoxFuture<'_, StoreResult<()>> {
+        self.0.flush()
+    }
+
+    fn trim(&self, range: ChunkRange) -> BoxFuture<'_, StoreResult<()>> {
+        self.0.trim(range)
+    }
+
+    fn status(&self, idx: ChunkIdx) -> BoxFuture<'_, StoreResult<ChunkStatus>> {
+        self.0.status(idx)
+    }
+}
+
+/// How a [`Managed`] store pulls and pushes.
+#[derive(Debug, Clone)]
+pub struct ManagedOptions {
+    /// The background pull (workers, order, retries); `None`: chunks are fetched only when
+    /// read.
+    pub pull: Option<PullOptions>,
+    /// The write-back (workers, interval, retries).
+    pub push: PushOptions,
+    /// When a read misses, this many chunks after it jump the puller's queue with it.
+    pub readahead_chunks: u32,
+}
+
+impl Default for ManagedOptions {
+    /// The pipeline's default pull (64 workers, sequential) and push (16 workers, every
+    /// second), 4 chunks of read-ahead.
+    fn default() -> Self {
+        Self {
+            pull: Some(PullOptions::default()),
+            push: PushOptions::default(),
+            readahead_chunks: 4,
+        }
+    }
+}
+
+/// A remote store behind a local memory cache with background pull and write-back; a
+/// [`Store`] itself, plus controls.
+///
+/// - Reads are served locally once a chunk is present; a miss fetches it from the remote
+///   (once, however many ask) and moves the next `readahead_chunks` to the front of the
+///   puller's queue.
+/// - Writes and trims are local; the chunks they touch are pushed to the remote on the push
+///   interval and at [`flush`](Store::flush), which returns once everything written before
+///   it is in the remote and the remote is flushed.
+/// - Dropping it stops the pull and the write-back **without** pushing what is dirty: call
+///   [`shutdown`](Self::shutdown) (or `flush`) first.
+pub struct Managed {
+    geometry: Geometry,
+    cache: Arc<Cache>,
+    pusher: Pusher<Arc<Cache>, Arc<dyn Store>>,
+    puller: Option<Puller>,
+    readahead: u64,
+}
+
+impl Managed {
+    /// Starts a managed store over `remote`.
+    ///
+    /// # Panics
+    /// Outside a tokio runtime (the puller and the push interval run on it).
+    pub fn open(remote: Arc<dyn Store>, opts: ManagedOptions) -> StoreResult<Managed> {
+        let geometry = remote.geometry();
+        let cache = Arc::new(Cached::new(
+            SparseLocal(MemoryStore::new(geometry)),
+            remote.clone(),
+        )?);
+        let pusher = Pusher::new(cache.clone(), remote, opts.push)?;
+        let puller = opts.pull.map(|pull| Puller::start(cache.clone(), pull));
+        Ok(Managed {
+            geometry,
+            cache,
+            pusher,
+            puller,
+            readahead: u64::from(opts.readahead_chunks),
+        })
+    }
+
+    /// The remote store.
+    pub fn remote(&self) -> &Arc<dyn Store> {
+        self.cache.remote()
+    }
+
+    /// Chunks present locally.
+    pub fn present_count(&self) -> u64 {
+        self.cache.present_count()
+    }
+
+    /// Whether every chunk is present locally.
+    pub fn is_complete(&self) -> bool {
+        self.cache.is_complete()
+    }
+
+    /// How far the background pull has come (`None` without one).
+    pub fn pull_progress(&self) -> Option<PullProgress> {
+        self.puller.as_ref().map(Puller::progress)
+    }
+
+    /// Waits until the background pull is through every chunk (`None` without one).
+    pub async fn wait_pull(&self) -> Option<PullReport> {
+        match &self.puller {
+            Some(p) => Some(p.wait().await),
+            None => None,
+        }
+    }
+
+    /// Chunks written and not yet taken for a push.
+    pub fn dirty_count(&self) -> u64 {
+        self.pusher.dirty_count()
+    }
+
+    /// What the write-back has done so far.
+    pub fn push_stats(&self) -> PushStats {
+        self.pusher.stats()
+    }
+
+    /// Stops the pull and the push interval, then pushes everything dirty and flushes the
+    /// remote; returns that flush's result (on an error, unpushed chunks are lost with the
+    /// store: call [`flush`](Store::flush) until it succeeds first if they must not be).
+    pub async fn shutdown(self) -> StoreResult<()> {
+        if let Some(p) = &self.puller {
+            p.cancel();
+        }
+        self.pusher.shutdown().await
+    }
+
+    fn read_ahead(&self, idx: ChunkIdx) {
+        if let Some(p) = &self.puller {
+            // `is_present` is false outside the region: check the index first.
+            if self.readahead > 0 && self.geometry.contains(idx) && !self.cache.is_present(idx) {
+                let end = (idx.0 + 1)
+                    .saturating_add(self.readahead)
+                    .min(self.geometry.chunk_count());
+                p.prioritize((idx.0 + 1..end).map(ChunkIdx));
+            }
+        }
+    }
+}
+
+impl Store for Managed {
+    fn geometry(&self) -> Geometry {
+        self.geometry
+    }
+
+    fn caps(&self) -> Caps {
+        self.pusher.caps()
+    }
+
+    fn read(&self, idx: ChunkIdx) -> BoxFuture<'_, StoreResult<Bytes>> {
+        self.read_ahead(idx);
+        self.pusher.read(idx)
+    }
+
+    fn write(&self, idx: ChunkIdx, data: Bytes) -> BoxFuture<'_, StoreResult<()>> {
+        self.pusher.write(idx, data)
+    }
+
+    fn flush(&self) -> BoxFuture<'_, StoreResult<()>> {
+        self.pusher.flush()
+    }
+
+    fn trim(&self, range: ChunkRange) -> BoxFuture<'_, StoreResult<()>> {
+        self.pusher.trim(range)
+    }
+
+    fn status(&self, idx: ChunkIdx) -> BoxFuture<'_, StoreResult<ChunkStatus>> {
+        self.pusher.status(idx)
+    }
+}
+
+impl fmt::Debug for Managed {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("Managed")
+            .field("geometry", &self.geometry)
+            .field("present", &self.cache.present_count())
+            .field("dirty", &self.pusher.dirty_count())
+            .field("pull", &self.pull_progress())
+            .finish()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use farmap_pipeline::PullOrder;
+    use std::time::Duration;
+
+    fn remote(g: Geometry) -> Arc<MemoryStore> {
+        Arc::new(MemoryStore::new(g))
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn conformance() {
+        farmap_testkit::run_conformance(|g| async move {
+            let opts = ManagedOptions {
+                push: PushOptions {
+                    interval: Some(Duration::from_millis(5)),
+                    ..PushOptions::default()
+                },
+                ..ManagedOptions::default()
+            };
+            Arc::new(Managed::open(remote(g), opts).unwrap()) as Arc<dyn Store>
+        })
+        .await;
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn pulls_everything_and_flush_pushes_everything() {
+        let g = Geometry::new(64 * 4096, 4096).unwrap();
+        let r = remote(g);
+        for i in 0..64u64 {
+            r.write(ChunkIdx(i), Bytes::from(vec![i as u8 + 1; 4096]))
+                .await
+                .unwrap();
+        }
+        let opts = ManagedOptions {
+            pull: Some(PullOptions {
+                workers: 4,
+                order: PullOrder::Sequential,
+                ..PullOptions::default()
+            }),
+            push: PushOptions {
+                interval: None,
+                ..PushOptions::default()
+            },
+            readahead_chunks: 2,
+        };
+        let m = Managed::open(r.clone(), opts).unwrap();
+        let report = m.wait_pull().await.unwrap();
+        assert!(report.is_complete(), "{report:?}");
+        assert!(m.is_complete());
+        assert_eq!(m.read(ChunkIdx(9)).await.unwrap()[0], 10);
+        m.write(ChunkIdx(3), Bytes::from(vec![0xee; 4096]))
+            .await
+            .unwrap();
+        assert_eq!(m.dirty_count(), 1);
+        assert_eq!(
+            r.read(ChunkIdx(3)).await.unwrap()[0],
+            4,
+            "not pushed before flush"
+        );
+        m.flush().await.unwrap();
+        assert_eq!(r.read(ChunkIdx(3)).await.unwrap()[0], 0xee);
+        m.write(ChunkIdx(5), Bytes::from(vec![0xdd; 4096]))
+            .await
+            .unwrap();
+        m.shutdown().await.unwrap();
+        assert_eq!(
+            r.read(ChunkIdx(5)).await.unwrap()[0],
+            0xdd,
+            "shutdown pushed it"
+        );
+    }
+}
