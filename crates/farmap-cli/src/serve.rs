@@ -55,6 +55,12 @@ pub struct ServeArgs {
     /// With --nbd: another export, NAME=SPEC (repeatable).
     #[arg(long = "export", value_name = "NAME=SPEC", requires = "nbd")]
     pub(crate) exports: Vec<String>,
+    /// With --nbd: serve STORE (typically a remote one, farmap://HOST:PORT) through a local
+    /// cache: chunks are pulled in the background and on demand, writes are pushed back on
+    /// an interval, and an NBD flush (or FUA) returns once everything written is pushed and
+    /// flushed at the remote. Shutdown pushes what is left.
+    #[arg(long, requires = "nbd")]
+    pub(crate) managed: bool,
     /// Do not log connections: only warnings and errors (the listening address and shutdown
     /// are still printed). `FARMAP_LOG` overrides it.
     #[arg(long, short)]

@@ -5,7 +5,7 @@ use std::sync::Arc;
 
 use anyhow::Context;
 use farmap::spec::open_store_async;
-use farmap::StoreSpec;
+use farmap::{Managed, ManagedOptions, StoreSpec};
 use farmap_nbd::{serve_nbd, Export, NbdServeOptions};
 use farmap_net::Listener;
 
@@ -29,10 +29,25 @@ pub async fn run(args: ServeArgs, store: Arc<dyn farmap::Store>) -> anyhow::Resu
              bounded by its budget of two maximum payloads (64 MiB)"
         );
     }
+    let managed = if args.managed {
+        let m = Managed::open(store.clone(), ManagedOptions::default())
+            .context("starting the managed (cached) store")?;
+        Some(Arc::new(m))
+    } else {
+        None
+    };
+    let served: Arc<dyn farmap::Store> = match &managed {
+        Some(m) => m.clone(),
+        None => store,
+    };
     let mut exports = vec![Export {
         name: String::new(),
-        description: args.store.to_string(),
-        store,
+        description: if managed.is_some() {
+            format!("{} (managed)", args.store)
+        } else {
+            args.store.to_string()
+        },
+        store: served,
         read_only: args.read_only,
     }];
     for e in &args.exports {
@@ -83,6 +98,12 @@ pub async fn run(args: ServeArgs, store: Arc<dyn farmap::Store>) -> anyhow::Resu
         .shutdown()
         .await
         .context("shutting the NBD server down")?;
+    if let Some(m) = managed {
+        eprintln!("farmap serve: pushing what the managed store still holds");
+        farmap::Store::flush(&*m)
+            .await
+            .context("pushing the last writes to the remote store")?;
+    }
     eprintln!("farmap serve: stopped");
     Ok(ExitCode::SUCCESS)
 }

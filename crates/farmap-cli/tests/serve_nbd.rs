@@ -54,6 +54,8 @@ fn serve(args: &[&str]) -> (Child, String) {
     let mut stderr = BufReader::new(child.stderr.take().unwrap());
     let mut line = String::new();
     stderr.read_line(&mut line).unwrap();
+    // Keep reading its stderr: a closed pipe would make its shutdown messages fail.
+    std::thread::spawn(move || std::io::copy(&mut stderr, &mut std::io::sink()));
     (Child(child), line)
 }
 
@@ -138,4 +140,86 @@ fn serve_nbd_rejects_a_malformed_export() {
     assert!(!out.status.success());
     let err = String::from_utf8_lossy(&out.stderr);
     assert!(err.contains("NAME=SPEC"), "{err}");
+}
+
+/// `farmap serve --nbd --managed farmap://...`: a local caching NBD front of a remote region.
+/// What nbdcopy writes through it (nbdcopy flushes at the end) is in the remote's store once
+/// the front has stopped, and what the remote held is read through it.
+#[test]
+fn serve_nbd_managed_is_a_caching_front_of_a_remote_region() {
+    if !need_libnbd("serve_nbd_managed_is_a_caching_front_of_a_remote_region") {
+        return;
+    }
+    let dir = tempfile::tempdir().unwrap();
+    let image = dir.path().join("far.img");
+    // The remote region starts with data in its first MiB.
+    let first: Vec<u8> = (0..1 << 20).map(|i| (i % 251) as u8).collect();
+    let mut content = first.clone();
+    content.resize(8 << 20, 0);
+    std::fs::write(&image, &content).unwrap();
+    let far_spec = format!("file:{}", image.display());
+    let mut far = Command::new(env!("CARGO_BIN_EXE_farmap"))
+        .args(["serve", "-q", &far_spec, "--listen", "127.0.0.1:0"])
+        .stdout(Stdio::null())
+        .stderr(Stdio::piped())
+        .spawn()
+        .expect("start farmap serve");
+    let mut far_err = BufReader::new(far.stderr.take().unwrap());
+    let mut line = String::new();
+    far_err.read_line(&mut line).unwrap();
+    let far_addr = line
+        .split("listening on ")
+        .nth(1)
+        .and_then(|r| r.split_whitespace().next())
+        .unwrap_or_else(|| panic!("no address in {line:?}"))
+        .trim_end_matches(',')
+        .to_owned();
+    std::thread::spawn(move || std::io::copy(&mut far_err, &mut std::io::sink()));
+    let far = Child(far);
+
+    let sock = dir.path().join("front.sock");
+    let listen = format!("unix:{}", sock.display());
+    let remote = format!("farmap://{far_addr}");
+    let (front, banner) = serve(&["--managed", &remote, "--listen", &listen]);
+    assert!(banner.contains("managed"), "{banner}");
+    let uri = format!("nbd+unix:///?socket={}", sock.display());
+
+    // Read through the front: the remote's data.
+    let read_back = dir.path().join("read.img");
+    let out = Command::new("nbdcopy")
+        .args([uri.as_str(), read_back.to_str().unwrap()])
+        .output()
+        .unwrap();
+    assert!(out.status.success(), "{out:?}");
+    assert_eq!(std::fs::read(&read_back).unwrap(), content);
+
+    // Write through the front: 2 MiB at 3 MiB.
+    let patch: Vec<u8> = (0..2 << 20).map(|i| (i % 253) as u8 ^ 0x5a).collect();
+    let mut new_content = content.clone();
+    new_content[3 << 20..5 << 20].copy_from_slice(&patch);
+    let src = dir.path().join("new.img");
+    std::fs::write(&src, &new_content).unwrap();
+    let out = Command::new("nbdcopy")
+        .args([src.to_str().unwrap(), uri.as_str()])
+        .output()
+        .unwrap();
+    assert!(out.status.success(), "{out:?}");
+
+    // Stop the front (SIGTERM: it pushes what is left), then the remote (flushes its file).
+    let mut front = front;
+    let _ = Command::new("kill")
+        .args(["-TERM", &front.0.id().to_string()])
+        .status();
+    let status = front.0.wait().unwrap();
+    assert!(status.success(), "the managed front exited with {status}");
+    let mut far = far;
+    let _ = Command::new("kill")
+        .args(["-TERM", &far.0.id().to_string()])
+        .status();
+    let _ = far.0.wait();
+    assert_eq!(
+        std::fs::read(&image).unwrap(),
+        new_content,
+        "what was written through the managed front reached the remote store"
+    );
 }
