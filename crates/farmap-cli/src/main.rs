@@ -32,6 +32,9 @@ STORE SPECS:
   farmap+grpc://HOST:PORT     a region served by `farmap serve --grpc`
   redis://HOST:PORT/DB?size=SIZE&prefix=P   Redis, one key per chunk (rediss:// for TLS;
                               redis+cluster://H:P,H:P/ for a Redis Cluster)
+  s3://BUCKET/PREFIX?endpoint=URL&size=SIZE  an S3 bucket, one object per chunk
+                              (credentials from the AWS environment or profile)
+  cql://HOST:PORT/KEYSPACE?table=T&region=R&size=SIZE&create=true   Cassandra/ScyllaDB
 Every store with an example and its options: `farmap help stores`.
 Options after '?', joined by '&': size=SIZE, chunk=SIZE (power of two, 4KiB..4MiB,
 default 64KiB), ro (read-only file/dir), max-open=N (dir), connections=N and

@@ -1,5 +1,5 @@
 //! farmap makes a Linux memory region live somewhere else — a file, a directory of chunks,
-//! another farmap host (or, on the roadmap, Redis, S3, Cassandra) — while applications use it as plain
+//! Redis, S3, Cassandra/ScyllaDB or another farmap host — while applications use it as plain
 //! memory.
 //!
 //! This crate is the public face: it maps [regions](region) (memory that fetches from a store
