@@ -14,6 +14,7 @@ use farmap::{Managed, ManagedOptions, Store, StoreSpec};
 use farmap_fuse::{FuseMount, MountOptions};
 
 use crate::bench::parse_duration;
+use crate::serve::stop_signal;
 
 /// The order of a managed mount's background pull.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
@@ -73,17 +74,6 @@ pub struct MountArgs {
 pub struct UmountArgs {
     /// The mount point of a `farmap mount`.
     dir: PathBuf,
-}
-
-/// Resolves on Ctrl-C or SIGTERM.
-async fn stop_signal() -> anyhow::Result<()> {
-    use tokio::signal::unix::{signal, SignalKind};
-    let mut term = signal(SignalKind::terminate()).context("listening for SIGTERM")?;
-    tokio::select! {
-        r = tokio::signal::ctrl_c() => r.context("listening for Ctrl-C")?,
-        _ = term.recv() => {}
-    }
-    Ok(())
 }
 
 pub async fn run(args: MountArgs) -> anyhow::Result<ExitCode> {

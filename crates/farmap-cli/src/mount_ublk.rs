@@ -14,6 +14,8 @@ use farmap::spec::open_store_async;
 use farmap::{Store, StoreSpec};
 use farmap_ublk::{UblkDevice, UblkOptions};
 
+use crate::serve::stop_signal;
+
 /// Options of a ublk mount.
 #[derive(Debug, Clone, Args)]
 pub struct UblkMountOpts {
@@ -77,16 +79,5 @@ pub async fn serve(store: Arc<dyn Store>, shown: &str, opts: &UblkMountOpts) -> 
         .context("the thread stopping the ublk device failed")?
         .context("tearing the ublk device down")?;
     eprintln!("farmap mount: stopped; the store is flushed");
-    Ok(())
-}
-
-/// Resolves on Ctrl-C or SIGTERM.
-async fn stop_signal() -> anyhow::Result<()> {
-    use tokio::signal::unix::{signal, SignalKind};
-    let mut term = signal(SignalKind::terminate()).context("listening for SIGTERM")?;
-    tokio::select! {
-        r = tokio::signal::ctrl_c() => r.context("listening for Ctrl-C")?,
-        _ = term.recv() => {}
-    }
     Ok(())
 }

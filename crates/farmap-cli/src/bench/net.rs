@@ -169,13 +169,18 @@ async fn run_direct(store: &dyn Store, budget: Duration) -> anyhow::Result<(u64,
     Ok((bytes, started.elapsed()))
 }
 
-/// Pulls the whole region with `Cached` + `Puller`; returns the time and whether the local
-/// copy equals `source`.
-async fn run_managed(
+/// Pulls the whole region with `Cached` + `Puller` (`workers` in flight, in order); returns
+/// the time and whether every local chunk equals `expected(idx)` (checked after the clock
+/// stopped). `farmap bench stores` measures its managed case with it too.
+pub(super) async fn run_managed<F, Fut>(
     remote: Arc<dyn Store>,
-    source: &dyn Store,
     workers: usize,
-) -> anyhow::Result<(Duration, bool)> {
+    expected: F,
+) -> anyhow::Result<(Duration, bool)>
+where
+    F: Fn(ChunkIdx) -> Fut,
+    Fut: std::future::Future<Output = anyhow::Result<Bytes>>,
+{
     let g = remote.geometry();
     let cached = Arc::new(Cached::new(DenseMemoryStore::new(g), remote)?);
     let started = Instant::now();
@@ -194,9 +199,14 @@ async fn run_managed(
         if !verified {
             break;
         }
-        verified = cached.local().read(idx).await? == source.read(idx).await?;
+        verified = cached.local().read(idx).await? == expected(idx).await?;
     }
     Ok((elapsed, verified))
+}
+
+/// What `source` holds at `idx`, for [`run_managed`]'s check.
+async fn read_source(source: &dyn Store, idx: ChunkIdx) -> anyhow::Result<Bytes> {
+    Ok(source.read(idx).await?)
 }
 
 pub async fn run(args: NetArgs) -> anyhow::Result<ExitCode> {
@@ -277,8 +287,10 @@ pub async fn run(args: NetArgs) -> anyhow::Result<ExitCode> {
                             run_direct(remote.as_ref(), args.direct_time).await?;
                         (bytes, elapsed, first, true)
                     } else {
-                        let (elapsed, ok) =
-                            run_managed(remote.clone(), store.as_ref(), args.workers).await?;
+                        let (elapsed, ok) = run_managed(remote.clone(), args.workers, |i| {
+                            read_source(store.as_ref(), i)
+                        })
+                        .await?;
                         (args.size, elapsed, first, ok)
                     };
                     drop(remote);
@@ -298,8 +310,10 @@ pub async fn run(args: NetArgs) -> anyhow::Result<ExitCode> {
                         .await?,
                     );
                     let first = first_chunk(remote.as_ref(), args.connections).await?;
-                    let (elapsed, ok) =
-                        run_managed(remote.clone(), store.as_ref(), args.workers).await?;
+                    let (elapsed, ok) = run_managed(remote.clone(), args.workers, |i| {
+                        read_source(store.as_ref(), i)
+                    })
+                    .await?;
                     drop(remote);
                     p.shutdown().await;
                     (args.size, elapsed, first, ok)

@@ -21,9 +21,8 @@ use bytes::Bytes;
 use clap::Args;
 use farmap::net::proxy::{Proxy, ProxyHandle, ProxyOptions};
 use farmap::net::RemoteAddr;
-use farmap::pipeline::{Cached, PullOptions, PullOrder, Puller, Unaligned};
+use farmap::pipeline::Unaligned;
 use farmap::spec::open_store_async;
-use farmap::store::DenseMemoryStore;
 use farmap::{format_size, ChunkIdx, Geometry, SpecKind, Store, StoreSpec};
 use futures::stream::{self, StreamExt, TryStreamExt};
 use rand::{Rng, RngCore, SeedableRng};
@@ -180,26 +179,10 @@ async fn direct_read(
 
 async fn managed_read(remote: Arc<dyn Store>, workers: usize) -> anyhow::Result<(Duration, bool)> {
     let g = remote.geometry();
-    let cached = Arc::new(Cached::new(DenseMemoryStore::new(g), remote)?);
-    let started = Instant::now();
-    let puller = Puller::start(
-        cached.clone(),
-        PullOptions {
-            workers,
-            order: PullOrder::Sequential,
-            ..PullOptions::default()
-        },
-    );
-    let report = puller.wait().await;
-    let elapsed = started.elapsed();
-    let mut verified = report.is_complete();
-    for idx in g.all().iter() {
-        if !verified {
-            break;
-        }
-        verified = cached.local().read(idx).await? == content(g, idx);
-    }
-    Ok((elapsed, verified))
+    super::net::run_managed(remote, workers, |idx| {
+        std::future::ready(Ok(content(g, idx)))
+    })
+    .await
 }
 
 async fn read_4k(
