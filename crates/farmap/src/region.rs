@@ -16,13 +16,13 @@
 //! # Ok(()) }
 //! ```
 //!
-//! Remote stores (`farmap://...`) are opened with
-//! [`open_store_async`](crate::spec::open_store_async); give the store to [`Region::open`]
-//! with [`RegionOptions::store_spec`] set.
+//! Any spec works, network stores too (`farmap://`, `redis://`, `s3://`, `cql://`): they are
+//! opened on a runtime of their own ([`open_store_blocking`]). An application that already
+//! holds an opened store gives it to [`Region::open`] with [`RegionOptions::store_spec`] set.
 
 use thiserror::Error;
 
-use crate::spec::{open_store, OpenError, SpecKind, StoreSpec};
+use crate::spec::{open_store_blocking, OpenError, SpecKind, StoreSpec};
 
 pub use farmap_uffd::{
     probe, DirtyReport, HandlerLocation, Region, RegionError, RegionMode, RegionOptions,
@@ -44,7 +44,7 @@ pub enum OpenRegionError {
 /// Opens the store `spec` names and maps a region over it (see [`Region::open`]). The spec is
 /// remembered, so that the region's fault handling can be handed to another process.
 pub fn open_region(spec: &StoreSpec, mut opts: RegionOptions) -> Result<Region, OpenRegionError> {
-    let store = open_store(spec)?;
+    let store = open_store_blocking(spec)?;
     if opts.store_spec.is_none() {
         opts.store_spec = Some(spec.to_string());
     }
@@ -75,7 +75,7 @@ pub mod handover {
         if matches!(spec.kind, SpecKind::Memory) {
             return Err("a memory store lives only in the process that made it".into());
         }
-        open_store(&spec).map_err(|e| {
+        open_store_blocking(&spec).map_err(|e| {
             let mut message = e.to_string();
             let mut source = std::error::Error::source(&e);
             while let Some(s) = source {

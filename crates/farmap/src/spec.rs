@@ -56,7 +56,9 @@ use farmap_net::{RemoteAddr, RemoteStore, TlsClientConfig};
 use farmap_s3::{S3Location, S3Options, S3Store};
 use remote::RemoteOptions;
 
+mod blocking;
 mod remote;
+pub use blocking::open_store_blocking;
 use farmap_store::{DirOptions, DirStore, FileOptions, FileStore, MemoryStore};
 
 /// The schemes farmap knows, for error messages.
