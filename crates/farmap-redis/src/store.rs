@@ -84,7 +84,11 @@ fn kind_of(e: &RedisError) -> ErrorKind {
         || e.is_io_error()
         || matches!(
             e.kind(),
+            // A cluster client that lost a node's connection mid-request reports a client
+            // error ("unable to receive/send"), not an I/O one: the node is unavailable.
             K::ClusterConnectionNotFound
+                | K::Io
+                | K::Client
                 | K::Server(S::ClusterDown | S::MasterDown | S::TryAgain | S::BusyLoading)
         )
     {
