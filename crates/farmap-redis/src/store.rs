@@ -84,12 +84,20 @@ fn kind_of(e: &RedisError) -> ErrorKind {
         || e.is_io_error()
         || matches!(
             e.kind(),
-            // A cluster client that lost a node's connection mid-request reports a client
-            // error ("unable to receive/send"), not an I/O one: the node is unavailable.
+            // A cluster client that lost a node's connection reports a client error, or the
+            // MOVED/ASK redirection it could not follow (the slot's owner is the lost node,
+            // which the other nodes still name): either way the key's node is unavailable.
             K::ClusterConnectionNotFound
                 | K::Io
                 | K::Client
-                | K::Server(S::ClusterDown | S::MasterDown | S::TryAgain | S::BusyLoading)
+                | K::Server(
+                    S::ClusterDown
+                        | S::MasterDown
+                        | S::TryAgain
+                        | S::BusyLoading
+                        | S::Moved
+                        | S::Ask
+                )
         )
     {
         ErrorKind::Unavailable

@@ -104,7 +104,8 @@ async fn a_lost_node_is_an_error_naming_the_unavailability_not_a_hang() {
             Err(e) => {
                 assert!(
                     matches!(e.kind(), ErrorKind::Unavailable | ErrorKind::Timeout),
-                    "{i}: {e}"
+                    "{i}: {}",
+                    farmap_core::error_chain(&e)
                 );
                 let msg = farmap_core::error_chain(&e);
                 assert!(msg.contains(&s.key(i)), "the key is named: {msg}");
