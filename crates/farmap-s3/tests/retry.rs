@@ -71,6 +71,18 @@ impl Shim {
     fn refused(&self) -> usize {
         self.refused.load(Ordering::SeqCst)
     }
+
+    /// The refusal count once it has reached `n` (the shim counts a refusal after writing
+    /// it, so the client can see the answer first), or what it is after 2 s.
+    async fn refused_reaching(&self, n: usize) -> usize {
+        for _ in 0..200 {
+            if self.refused() >= n {
+                break;
+            }
+            tokio::time::sleep(std::time::Duration::from_millis(10)).await;
+        }
+        self.refused()
+    }
 }
 
 /// Reads one message head (through the empty line), or `None` at a clean end of stream.
@@ -177,8 +189,9 @@ async fn serve(
                 if is_head { 0 } else { body.len() },
                 if is_head { "" } else { body.as_str() }
             );
-            cw.write_all(reply.as_bytes()).await?;
+            // Counted before the client can see it, so a test that saw the error sees the count.
             refused.fetch_add(1, Ordering::SeqCst);
+            cw.write_all(reply.as_bytes()).await?;
             continue;
         }
         if up.is_none() {
@@ -227,7 +240,7 @@ async fn throttling_and_server_errors_are_retried() {
     s.write(ChunkIdx(3), data.clone())
         .await
         .expect("a write retried past 3 failures");
-    assert_eq!(shim.refused(), 3);
+    assert_eq!(shim.refused_reaching(3).await, 3);
     shim.fail_next(&[(503, "SlowDown"), (502, "BadGateway")]);
     assert_eq!(s.read(ChunkIdx(3)).await.expect("read"), data);
     assert_eq!(shim.refused(), 5);
@@ -277,6 +290,6 @@ async fn retries_are_bounded_and_the_error_says_what_the_server_answered() {
     shim.fail_next(&[(400, "InvalidRequest"), (503, "SlowDown")]);
     let e = s.read(ChunkIdx(0)).await.unwrap_err();
     assert_eq!(e.kind(), ErrorKind::Io, "{}", error_chain(&e));
-    assert_eq!(shim.refused(), 4);
+    assert_eq!(shim.refused_reaching(4).await, 4);
     shim.failures.lock().unwrap().clear();
 }
