@@ -21,6 +21,7 @@ mod caps;
 pub mod duration;
 mod error;
 mod geometry;
+pub mod option;
 pub mod size;
 mod store;
 mod zeros;

@@ -14,7 +14,8 @@ use std::fmt;
 use std::str::FromStr;
 use std::time::Duration;
 
-use farmap_core::{format_duration, format_size, parse_duration, parse_size, Geometry};
+use farmap_core::option::{parse_count, parse_timeout};
+use farmap_core::{format_duration, format_size, parse_size, Geometry};
 
 /// The largest chunk a CQL region takes: Cassandra and ScyllaDB handle blobs of up to a few
 /// MiB, but large cells hurt their memory use and latency, and 1 MiB is the usual advice.
@@ -418,33 +419,13 @@ impl FromStr for CqlSpec {
                 "create" => t.create = parse_bool("create", value)?,
                 "ro" => out.read_only = parse_bool("ro", value)?,
                 "replication" => {
-                    t.replication = value
-                        .parse::<u32>()
-                        .ok()
-                        .filter(|n| (1..=100).contains(n))
-                        .ok_or_else(|| {
-                            bad(format!("{value:?} is not a whole number from 1 to 100"))
-                        })?;
+                    t.replication = parse_count(value, 1..=100u32).map_err(bad)?;
                 }
                 "connections" => {
-                    t.connections = Some(
-                        value
-                            .parse::<usize>()
-                            .ok()
-                            .filter(|n| (1..=64).contains(n))
-                            .ok_or_else(|| {
-                                bad(format!("{value:?} is not a whole number from 1 to 64"))
-                            })?,
-                    );
+                    t.connections = Some(parse_count(value, 1..=64usize).map_err(bad)?);
                 }
                 "timeout" => {
-                    let d = parse_duration(value).map_err(|e| bad(e.to_string()))?;
-                    if d.is_zero() || d > Duration::from_secs(86_400) {
-                        return Err(bad(format!(
-                            "{value:?} is not between 0 and 24h (exclusive of 0)"
-                        )));
-                    }
-                    t.timeout = Some(d);
+                    t.timeout = Some(parse_timeout(value).map_err(bad)?);
                 }
                 _ => {
                     return Err(CqlSpecError::new(format!(

@@ -7,6 +7,8 @@ use std::fmt;
 use std::path::PathBuf;
 use std::time::Duration;
 
+use farmap_core::option::{parse_count, parse_timeout};
+
 /// The options a `redis://` or `redis+cluster://` spec takes besides `size` and `chunk`.
 pub const OPTIONS: &[&str] = &["prefix", "connections", "timeout", "flush", "replicas"];
 /// The options a `rediss://` spec takes besides `size` and `chunk`.
@@ -234,28 +236,11 @@ impl RedisConfig {
                     config.prefix = value.to_owned();
                 }
                 "connections" => {
-                    let n = value
-                        .parse::<usize>()
-                        .ok()
-                        .filter(|n| (1..=256).contains(n))
-                        .ok_or_else(|| {
-                            bad(
-                                "connections",
-                                format!("{value:?} is not a whole number from 1 to 256"),
-                            )
-                        })?;
+                    let n = parse_count(value, 1..=256usize).map_err(|w| bad("connections", w))?;
                     config.connections = Some(n);
                 }
                 "timeout" => {
-                    let d = farmap_core::parse_duration(value)
-                        .map_err(|e| bad("timeout", e.to_string()))?;
-                    if d.is_zero() || d > Duration::from_secs(86_400) {
-                        return Err(bad(
-                            "timeout",
-                            format!("{value:?} is not between 0 and 24h (exclusive of 0)"),
-                        ));
-                    }
-                    config.timeout = Some(d);
+                    config.timeout = Some(parse_timeout(value).map_err(|w| bad("timeout", w))?);
                 }
                 "flush" => {
                     flush = Some(match value {
@@ -271,17 +256,8 @@ impl RedisConfig {
                     })
                 }
                 "replicas" => {
-                    let n = value
-                        .parse::<u32>()
-                        .ok()
-                        .filter(|n| (1..=100).contains(n))
-                        .ok_or_else(|| {
-                            bad(
-                                "replicas",
-                                format!("{value:?} is not a whole number from 1 to 100"),
-                            )
-                        })?;
-                    replicas = Some(n);
+                    replicas =
+                        Some(parse_count(value, 1..=100u32).map_err(|w| bad("replicas", w))?);
                 }
                 "ca" => {
                     if value.is_empty() {

@@ -6,6 +6,8 @@
 use std::fmt;
 use std::time::Duration;
 
+use farmap_core::option::{parse_count, parse_timeout};
+
 /// The S3-specific options a spec takes, for "this scheme takes: ..." messages.
 pub const OPTIONS: &str = "endpoint, region, profile, connections, timeout, retries";
 
@@ -111,41 +113,16 @@ impl S3Location {
                 self.profile = Some(value.to_owned());
             }
             "connections" => {
-                let n = value
-                    .parse::<usize>()
-                    .ok()
-                    .filter(|n| (1..=MAX_CONNECTIONS).contains(n))
-                    .ok_or_else(|| {
-                        bad(
-                            "connections",
-                            format!("{value:?} is not a whole number from 1 to {MAX_CONNECTIONS}"),
-                        )
-                    })?;
+                let n =
+                    parse_count(value, 1..=MAX_CONNECTIONS).map_err(|w| bad("connections", w))?;
                 self.connections = Some(n);
             }
             "timeout" => {
-                let d = farmap_core::parse_duration(value)
-                    .map_err(|e| bad("timeout", e.to_string()))?;
-                if d.is_zero() || d > Duration::from_secs(86_400) {
-                    return Err(bad(
-                        "timeout",
-                        format!("{value:?} is not between 0 and 24h (exclusive of 0)"),
-                    ));
-                }
-                self.timeout = Some(d);
+                self.timeout = Some(parse_timeout(value).map_err(|w| bad("timeout", w))?);
             }
             "retries" => {
-                let n = value
-                    .parse::<u32>()
-                    .ok()
-                    .filter(|n| *n <= MAX_RETRIES)
-                    .ok_or_else(|| {
-                        bad(
-                            "retries",
-                            format!("{value:?} is not a whole number from 0 to {MAX_RETRIES}"),
-                        )
-                    })?;
-                self.retries = Some(n);
+                self.retries =
+                    Some(parse_count(value, 0..=MAX_RETRIES).map_err(|w| bad("retries", w))?);
             }
             _ => panic!("{key:?} is not an S3 option ({OPTIONS})"),
         }

@@ -3,6 +3,7 @@
 use std::path::PathBuf;
 use std::time::Duration;
 
+use farmap_core::option::{parse_count, parse_timeout};
 use farmap_net::{ClientOptions, RemoteAddr, TlsClientConfig};
 
 use super::{SpecError, SpecKind};
@@ -16,18 +17,6 @@ pub(super) struct RemoteOptions {
     cert: Option<PathBuf>,
     key: Option<PathBuf>,
     name: Option<String>,
-}
-
-/// `500ms`, `30s`, `2m` (farmap's one duration parser: a unit is required), from 1 ns to a
-/// day.
-fn parse_timeout(value: &str) -> Result<Duration, String> {
-    let d = farmap_core::parse_duration(value).map_err(|e| e.to_string())?;
-    if d.is_zero() || d > Duration::from_secs(86_400) {
-        return Err(format!(
-            "{value:?} is not between 0 and 24h (exclusive of 0)"
-        ));
-    }
-    Ok(d)
 }
 
 /// A timeout in the shortest exact form `parse_timeout` reads back.
@@ -52,16 +41,7 @@ impl RemoteOptions {
         };
         match key {
             "connections" => {
-                let n = value
-                    .parse::<usize>()
-                    .ok()
-                    .filter(|n| (1..=1024).contains(n))
-                    .ok_or_else(|| {
-                        bad(
-                            "connections",
-                            format!("{value:?} is not a whole number from 1 to 1024"),
-                        )
-                    })?;
+                let n = parse_count(value, 1..=1024usize).map_err(|w| bad("connections", w))?;
                 self.connections = Some(n);
             }
             "timeout" => {
