@@ -20,9 +20,26 @@ pub fn init(quiet: bool) {
     };
     let _ = tracing_subscriber::fmt()
         .with_env_filter(filter)
-        .with_writer(std::io::stderr)
+        .with_writer(|| QuietStderr)
         .with_target(false)
         .without_time()
         .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))
         .try_init();
+}
+
+/// stderr for logs, where a failed write is dropped: tracing-subscriber reports a writer error
+/// with `eprintln!`, which panics when the parent has closed our stderr pipe, and a log line
+/// must never take a daemon's connection (or its shutdown flush) down with it.
+struct QuietStderr;
+
+impl std::io::Write for QuietStderr {
+    fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
+        let _ = std::io::stderr().write_all(buf);
+        Ok(buf.len())
+    }
+
+    fn flush(&mut self) -> std::io::Result<()> {
+        let _ = std::io::stderr().flush();
+        Ok(())
+    }
 }

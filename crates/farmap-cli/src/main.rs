@@ -6,6 +6,8 @@ use std::process::ExitCode;
 
 use clap::{Parser, Subcommand};
 
+#[macro_use]
+mod output;
 mod bench;
 mod cp;
 mod demo;
@@ -15,7 +17,6 @@ mod logging;
 mod migrate;
 mod mount;
 mod mount_ublk;
-mod output;
 mod proxy;
 mod serve;
 mod serve_nbd;
@@ -117,7 +118,7 @@ fn main() -> ExitCode {
     {
         Ok(rt) => rt,
         Err(e) => {
-            eprintln!("farmap: cannot start the async runtime: {e}");
+            status!("farmap: cannot start the async runtime: {e}");
             return ExitCode::FAILURE;
         }
     };
@@ -145,7 +146,7 @@ fn main() -> ExitCode {
     match result {
         Ok(code) => code,
         Err(err) => {
-            eprintln!("farmap: {}", output::error_chain(&err));
+            status!("farmap: {}", output::error_chain(&err));
             ExitCode::FAILURE
         }
     }

@@ -144,7 +144,7 @@ pub async fn run(args: MountArgs) -> anyhow::Result<ExitCode> {
         .await?
         .with_context(|| format!("mounting {spec} at {}", dir.display()))?;
     println!("{}", mount.path().display());
-    eprintln!(
+    status!(
         "farmap mount: {} is {spec} ({}, {}{}); stop with Ctrl-C, SIGTERM or `farmap umount {}`",
         mount.path().display(),
         mount.geometry(),
@@ -165,13 +165,13 @@ pub async fn run(args: MountArgs) -> anyhow::Result<ExitCode> {
         _ = mount.ended() => false,
     };
     if by_signal {
-        eprintln!("farmap mount: flushing and unmounting {}", dir.display());
+        status!("farmap mount: flushing and unmounting {}", dir.display());
     } else {
-        eprintln!("farmap mount: {} was unmounted; flushing", dir.display());
+        status!("farmap mount: {} was unmounted; flushing", dir.display());
     }
     let unmounted = tokio::task::spawn_blocking(move || mount.unmount()).await?;
     finish_managed(managed, unmounted.context("unmounting")).await?;
-    eprintln!("farmap mount: unmounted; the store is flushed");
+    status!("farmap mount: unmounted; the store is flushed");
     Ok(ExitCode::SUCCESS)
 }
 
@@ -227,7 +227,7 @@ pub async fn umount(args: UmountArgs) -> anyhow::Result<ExitCode> {
     if is_gone(pid) || farmap_fuse::is_stale(&dir) {
         farmap_fuse::cleanup_stale(&dir)
             .with_context(|| format!("unmounting the dead mount at {}", dir.display()))?;
-        eprintln!(
+        status!(
             "farmap umount: the process that served {} (pid {pid}) was gone; unmounted it \
              (writes it had not flushed are lost)",
             dir.display()
@@ -243,7 +243,7 @@ pub async fn umount(args: UmountArgs) -> anyhow::Result<ExitCode> {
     let mut told = false;
     while !is_gone(pid) {
         if !told && start.elapsed() > Duration::from_secs(2) {
-            eprintln!(
+            status!(
                 "farmap umount: waiting for process {pid} to flush and for programs that still \
                  use {} to let go of it",
                 dir.display()
@@ -258,7 +258,7 @@ pub async fn umount(args: UmountArgs) -> anyhow::Result<ExitCode> {
             dir.display()
         );
     }
-    eprintln!("farmap umount: {} is unmounted and flushed", dir.display());
+    status!("farmap umount: {} is unmounted and flushed", dir.display());
     Ok(ExitCode::SUCCESS)
 }
 

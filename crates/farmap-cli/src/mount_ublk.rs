@@ -65,12 +65,12 @@ pub async fn serve(store: Arc<dyn Store>, shown: &str, opts: &UblkMountOpts) -> 
         .context("the thread starting the ublk device failed")?
         .context("creating the ublk device")?;
     println!("{}", device.path().display());
-    eprintln!(
+    status!(
         "farmap mount: {} serves {shown}; Ctrl-C or SIGTERM stops it",
         device.path().display()
     );
     stop_signal().await?;
-    eprintln!(
+    status!(
         "farmap mount: stopping {}, flushing the store",
         device.path().display()
     );
@@ -78,6 +78,6 @@ pub async fn serve(store: Arc<dyn Store>, shown: &str, opts: &UblkMountOpts) -> 
         .await
         .context("the thread stopping the ublk device failed")?
         .context("tearing the ublk device down")?;
-    eprintln!("farmap mount: stopped; the store is flushed");
+    status!("farmap mount: stopped; the store is flushed");
     Ok(())
 }

@@ -8,6 +8,16 @@ use std::time::Duration;
 use indicatif::{ProgressBar, ProgressDrawTarget, ProgressStyle};
 use serde::Serialize;
 
+/// A status line on stderr (`eprintln!` without its panic): a daemon whose stderr pipe was
+/// closed by its parent must still flush and stop cleanly at SIGTERM, so a failed write of
+/// a status line is ignored.
+macro_rules! status {
+    ($($arg:tt)*) => {{
+        use std::io::Write as _;
+        let _ = writeln!(std::io::stderr(), $($arg)*);
+    }};
+}
+
 /// Prints `value` as one JSON line on stdout.
 pub fn json_line<T: Serialize>(value: &T) -> anyhow::Result<()> {
     let mut out = std::io::stdout().lock();

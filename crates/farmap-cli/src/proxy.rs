@@ -39,11 +39,11 @@ pub async fn run(args: ProxyArgs) -> anyhow::Result<ExitCode> {
     };
     let proxy = Proxy::bind(args.listen.as_str(), args.to.as_str(), options)
         .await?
-        .on_error(|e| eprintln!("farmap proxy: {}", farmap::error_chain(e)));
+        .on_error(|e| status!("farmap proxy: {}", farmap::error_chain(e)));
     let bandwidth = args
         .bandwidth
         .map_or_else(|| "unlimited".to_owned(), |b| b.to_string());
-    eprintln!(
+    status!(
         "farmap proxy: listening on {}, forwarding to {} with rtt {:?}, bandwidth {bandwidth}",
         proxy.local_addr(),
         args.to,
@@ -55,9 +55,12 @@ pub async fn run(args: ProxyArgs) -> anyhow::Result<ExitCode> {
         })
         .await;
     let stats = proxy.stats();
-    eprintln!(
+    status!(
         "farmap proxy: stopped after {} connections ({} failed), {} bytes up, {} bytes down",
-        stats.accepted, stats.failed, stats.bytes_up, stats.bytes_down
+        stats.accepted,
+        stats.failed,
+        stats.bytes_up,
+        stats.bytes_down
     );
     Ok(ExitCode::SUCCESS)
 }

@@ -124,19 +124,19 @@ pub async fn run(args: ServeArgs) -> anyhow::Result<ExitCode> {
         (Some(_), None) => "TLS",
         (Some(_), Some(_)) => "mutual TLS",
     };
-    eprintln!(
+    status!(
         "farmap serve: listening on {} ({security}{}), serving {} ({geometry}, {caps})",
         server.local_addr(),
         if args.read_only { ", read-only" } else { "" },
         args.store,
     );
     stop_signal().await?;
-    eprintln!("farmap serve: shutting down: answering requests in flight, flushing the store");
+    status!("farmap serve: shutting down: answering requests in flight, flushing the store");
     server
         .shutdown()
         .await
         .context("shutting the server down")?;
-    eprintln!("farmap serve: stopped");
+    status!("farmap serve: stopped");
     Ok(ExitCode::SUCCESS)
 }
 
@@ -173,7 +173,7 @@ async fn run_grpc(
         .await
         .with_context(|| format!("cannot listen on {addr}"))?;
     let local = listener.local_addr()?;
-    eprintln!(
+    status!(
         "farmap serve: listening on {local} (gRPC{}), serving {} ({}, {})",
         if args.read_only { ", read-only" } else { "" },
         args.store,
@@ -198,6 +198,6 @@ async fn run_grpc(
         .flush()
         .await
         .context("flushing the store at shutdown")?;
-    eprintln!("farmap serve: stopped; the store is flushed");
+    status!("farmap serve: stopped; the store is flushed");
     Ok(ExitCode::SUCCESS)
 }

@@ -86,24 +86,24 @@ pub async fn run(args: ServeArgs, store: Arc<dyn farmap::Store>) -> anyhow::Resu
         (Some(_), None) => "TLS required",
         (Some(_), Some(_)) => "mutual TLS required",
     };
-    eprintln!(
+    status!(
         "farmap serve: listening on {} (NBD, {security}{}), exports: {}",
         server.local_addr(),
         if args.read_only { ", read-only" } else { "" },
         described.join(", "),
     );
     stop_signal().await?;
-    eprintln!("farmap serve: shutting down: answering requests in flight, flushing the stores");
+    status!("farmap serve: shutting down: answering requests in flight, flushing the stores");
     server
         .shutdown()
         .await
         .context("shutting the NBD server down")?;
     if let Some(m) = managed {
-        eprintln!("farmap serve: pushing what the managed store still holds");
+        status!("farmap serve: pushing what the managed store still holds");
         farmap::Store::flush(&*m)
             .await
             .context("pushing the last writes to the remote store")?;
     }
-    eprintln!("farmap serve: stopped");
+    status!("farmap serve: stopped");
     Ok(ExitCode::SUCCESS)
 }

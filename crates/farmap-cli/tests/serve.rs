@@ -130,6 +130,51 @@ fn serve_then_cp_both_ways_and_stop_cleanly_on_ctrl_c() {
     assert!(log.contains("stopped"), "{log}");
 }
 
+/// A parent that stops reading (closes the stderr pipe) must not turn the shutdown status
+/// lines into a panic that skips the flush: the copy is in the file after SIGTERM.
+#[test]
+fn a_server_whose_stderr_is_closed_still_flushes_at_sigterm() {
+    let dir = tempfile::tempdir().unwrap();
+    let src = dir.path().join("src.img");
+    let store = dir.path().join("store.img");
+    let data = random_file(&src, 1 << 20, 7);
+    let spec = format!("file:{}?size=1MiB", store.display());
+
+    let mut child = Command::new(env!("CARGO_BIN_EXE_farmap"))
+        .args(["serve", &spec, "--listen", "127.0.0.1:0"])
+        .stdout(Stdio::null())
+        .stderr(Stdio::piped())
+        .spawn()
+        .expect("start farmap serve");
+    let mut stderr = BufReader::new(child.stderr.take().unwrap());
+    let mut line = String::new();
+    stderr.read_line(&mut line).unwrap();
+    let addr = line
+        .split("listening on ")
+        .nth(1)
+        .and_then(|rest| rest.split_whitespace().next())
+        .unwrap_or_else(|| panic!("no address in {line:?}"));
+    let url = format!("farmap://{addr}");
+    let copied = farmap(&["cp", "-q", &format!("file:{}", src.display()), &url]);
+    drop(stderr);
+    check(&copied, "cp to the server");
+    let ok = Command::new("kill")
+        .args(["-TERM", &child.id().to_string()])
+        .status()
+        .unwrap()
+        .success();
+    assert!(ok, "kill -TERM failed");
+    let status = child.wait().unwrap();
+    assert!(
+        status.success(),
+        "{status:?}: a closed stderr broke the shutdown"
+    );
+    assert!(
+        std::fs::read(&store).unwrap() == data,
+        "the copy was not flushed"
+    );
+}
+
 #[test]
 fn serve_grpc_then_cp_both_ways() {
     let dir = tempfile::tempdir().unwrap();
