@@ -5,10 +5,13 @@
 
 use tracing_subscriber::EnvFilter;
 
-/// The filter used when `FARMAP_LOG` is unset.
+/// The filter used when `FARMAP_LOG` is unset. The CQL driver logs a failed connection at
+/// `error` before returning the same error, which farmap prints with its context, so its logs
+/// are off unless asked for (`FARMAP_LOG=scylla=warn`).
 const DEFAULT_FILTER: &str = "warn,farmap=info,farmap_cli=info,farmap_core=info,\
 farmap_store=info,farmap_pipeline=info,farmap_uffd=info,farmap_wire=info,farmap_net=info,\
-farmap_grpc=info,farmap_migrate=info";
+farmap_grpc=info,farmap_migrate=info,farmap_nbd=info,farmap_nbd_proto=info,farmap_ublk=info,\
+farmap_fuse=info,farmap_redis=info,farmap_s3=info,farmap_cql=info,scylla=off";
 
 /// Installs the stderr subscriber (once; later calls do nothing). `quiet` raises the default
 /// level of farmap's crates to `warn`.
