@@ -28,7 +28,8 @@ fn farmap(args: &[&str]) -> Output {
 struct Served {
     child: Child,
     addr: String,
-    stderr: BufReader<std::process::ChildStderr>,
+    /// `None` once [`Served::close_stderr`] closed it.
+    stderr: Option<BufReader<std::process::ChildStderr>>,
     /// The line that named the address.
     banner: String,
 }
@@ -55,9 +56,14 @@ impl Served {
         Served {
             child,
             addr,
-            stderr,
+            stderr: Some(stderr),
             banner: line,
         }
+    }
+
+    /// Closes our end of the server's stderr pipe, as a parent that stops reading does.
+    fn close_stderr(&mut self) {
+        self.stderr = None;
     }
 
     /// Sends `signal` (by name, through kill(1)) and returns the exit status and the rest of
@@ -71,7 +77,9 @@ impl Served {
         assert!(ok, "kill -{signal} failed");
         let status = self.child.wait().unwrap();
         let mut rest = String::new();
-        let _ = std::io::Read::read_to_string(&mut self.stderr, &mut rest);
+        if let Some(stderr) = &mut self.stderr {
+            let _ = std::io::Read::read_to_string(stderr, &mut rest);
+        }
         (status, rest)
     }
 }
@@ -140,31 +148,12 @@ fn a_server_whose_stderr_is_closed_still_flushes_at_sigterm() {
     let data = random_file(&src, 1 << 20, 7);
     let spec = format!("file:{}?size=1MiB", store.display());
 
-    let mut child = Command::new(env!("CARGO_BIN_EXE_farmap"))
-        .args(["serve", &spec, "--listen", "127.0.0.1:0"])
-        .stdout(Stdio::null())
-        .stderr(Stdio::piped())
-        .spawn()
-        .expect("start farmap serve");
-    let mut stderr = BufReader::new(child.stderr.take().unwrap());
-    let mut line = String::new();
-    stderr.read_line(&mut line).unwrap();
-    let addr = line
-        .split("listening on ")
-        .nth(1)
-        .and_then(|rest| rest.split_whitespace().next())
-        .unwrap_or_else(|| panic!("no address in {line:?}"));
-    let url = format!("farmap://{addr}");
+    let mut served = Served::start(&spec, "127.0.0.1:0", &[]);
+    let url = format!("farmap://{}", served.addr);
     let copied = farmap(&["cp", "-q", &format!("file:{}", src.display()), &url]);
-    drop(stderr);
+    served.close_stderr();
     check(&copied, "cp to the server");
-    let ok = Command::new("kill")
-        .args(["-TERM", &child.id().to_string()])
-        .status()
-        .unwrap()
-        .success();
-    assert!(ok, "kill -TERM failed");
-    let status = child.wait().unwrap();
+    let (status, _) = served.stop("TERM");
     assert!(
         status.success(),
         "{status:?}: a closed stderr broke the shutdown"
