@@ -4,8 +4,8 @@
 //! pages to disk blocks), so the chain is:
 //!
 //! ```text
-//!   kernel swap ─▶ /dev/loopN (direct I/O) ─▶ /run/farmap/swap/PID/swap (FUSE, this process)
-//!                                                   ─▶ pipeline ─▶ the store (or Managed ─▶ remote)
+//!   kernel swap ─▶ /dev/loopN (direct I/O) ─▶ /run/farmap/swap/PID/swap (FUSE, this
+//!   process) ─▶ pipeline ─▶ the store (managed: a local cache ─▶ the remote)
 //! ```
 //!
 //! `swap on` mounts the store in a private directory (`/run/farmap/swap/PID/`), attaches a
@@ -21,10 +21,11 @@
 //! The server's memory must never depend on the swap it serves. What is done:
 //! - `PR_SET_IO_FLUSHER` on the main thread before any other thread exists
 //!   ([`become_io_flusher`]); every thread inherits it. It needs `CAP_SYS_RESOURCE`; where
-//!   root lacks it (this machine's sandbox does) a warning says so and the server goes on. Reclaim entered by an allocation of
-//!   this process then does no I/O (`PF_MEMALLOC_NOIO`), so it can never wait for a swap-out
-//!   that this process has to serve, and its writes are not throttled by the dirty limits of
-//!   the device it serves (`PF_LOCAL_THROTTLE`).
+//!   root lacks it (this machine's sandbox does) a warning says so and the server goes on.
+//!   Reclaim entered by an allocation of this process then does no I/O
+//!   (`PF_MEMALLOC_NOIO`), so it can never wait for a swap-out that this process has to
+//!   serve, and its writes are not throttled by the dirty limits of the device it serves
+//!   (`PF_LOCAL_THROTTLE`).
 //! - `mlockall(MCL_CURRENT | MCL_FUTURE)` once the mount's runtime, its threads and fuser's
 //!   request buffer exist, before `swapon`: no page of this process (code, stacks, heap, a
 //!   memory store's chunks, the managed cache) is ever swapped out or dropped. Root has
@@ -78,7 +79,8 @@ object with device and mountpoint) when the swap is on, then serves in the foreg
 Ctrl-C, SIGTERM or `farmap swap off`, which run swapoff, detach the loop device, flush the \
 store and unmount, in that order. A swap left by a killed server is cleaned up by the next \
 `swap on` or by `swap off`. Needs root. The serving process locks its memory (mlockall) and \
-marks itself an I/O flusher (PR_SET_IO_FLUSHER, needs CAP_SYS_RESOURCE) so that it never waits on the swap it serves.";
+marks itself an I/O flusher (PR_SET_IO_FLUSHER, which needs CAP_SYS_RESOURCE) so that it never \
+waits on the swap it serves.";
 
 /// Swap on a store.
 #[derive(Debug, Subcommand)]
@@ -268,13 +270,36 @@ fn holders(dev: &str) -> Vec<u32> {
 struct Entry {
     pid: u32,
     dir: PathBuf,
+    /// The loop devices attached to its file now.
     devices: Vec<String>,
+    /// The device its server recorded (`PID.device`), which `swap off DEVICE` finds even once
+    /// it is detached.
+    recorded: Option<String>,
+}
+
+/// Where a server records its device: `SWAP_ROOT/PID.device`.
+fn record_path(pid: u32) -> PathBuf {
+    Path::new(SWAP_ROOT).join(format!("{pid}.device"))
 }
 
 impl Entry {
     fn new(pid: u32, dir: PathBuf) -> Entry {
         let devices = loops_in(&dir);
-        Entry { pid, dir, devices }
+        let recorded = std::fs::read_to_string(record_path(pid))
+            .ok()
+            .map(|s| s.trim().to_owned());
+        Entry {
+            pid,
+            dir,
+            devices,
+            recorded,
+        }
+    }
+
+    /// Removes its directory and record.
+    fn remove(&self) -> std::io::Result<()> {
+        let _ = std::fs::remove_file(record_path(self.pid));
+        std::fs::remove_dir(&self.dir)
     }
 
     /// Whether its `swap on` server still runs (a process of that PID running `swap on`).
@@ -344,7 +369,9 @@ async fn clean_dead(entry: &Entry) -> anyhow::Result<()> {
         rustix::mount::unmount(&entry.dir, rustix::mount::UnmountFlags::DETACH)
             .with_context(|| format!("unmounting the dead mount {}", entry.dir.display()))?;
     }
-    std::fs::remove_dir(&entry.dir).with_context(|| format!("removing {}", entry.dir.display()))?;
+    entry
+        .remove()
+        .with_context(|| format!("removing {}", entry.dir.display()))?;
     note(format_args!(
         "farmap swap: cleaned up after the dead server {} ({}; devices {:?}); what it had not \
          flushed is lost",
@@ -378,6 +405,7 @@ impl Setup {
             pid: std::process::id(),
             dir: self.dir.clone(),
             devices: self.device.take().into_iter().collect(),
+            recorded: None,
         };
         if let Err(e) = release_devices(&entry).await {
             note(format_args!(
@@ -388,14 +416,15 @@ impl Setup {
         if let Some(mount) = self.mount.take() {
             let _ = tokio::task::spawn_blocking(move || mount.unmount()).await;
         }
-        let _ = std::fs::remove_dir(&self.dir);
+        let _ = entry.remove();
     }
 }
 
 async fn on(args: SwapOnArgs, io_flusher: Option<std::io::Result<()>>) -> anyhow::Result<ExitCode> {
     if !rustix::process::geteuid().is_root() {
         bail!(
-            "farmap swap on needs root (FUSE mount, losetup, swapon, mlockall, PR_SET_IO_FLUSHER)"
+            "farmap swap on needs root (FUSE mount, losetup, swapon, mlockall, \
+             PR_SET_IO_FLUSHER)"
         );
     }
     match io_flusher {
@@ -495,6 +524,7 @@ async fn on(args: SwapOnArgs, io_flusher: Option<std::io::Result<()>>) -> anyhow
         pid,
         dir: dir.clone(),
         devices: vec![device.clone()],
+        recorded: None,
     };
     loop {
         let ended = tokio::select! {
@@ -521,7 +551,7 @@ async fn on(args: SwapOnArgs, io_flusher: Option<std::io::Result<()>>) -> anyhow
     ));
     let unmounted = tokio::task::spawn_blocking(move || mount.unmount()).await?;
     finish_managed(managed, unmounted.context("unmounting")).await?;
-    let _ = std::fs::remove_dir(&dir);
+    let _ = own.remove();
     note("farmap swap on: unmounted; the store is flushed");
     Ok(ExitCode::SUCCESS)
 }
@@ -563,6 +593,8 @@ async fn start(
         .await
         .with_context(|| format!("attaching a loop device to {file}"))?;
     setup.device = Some(device.clone());
+    std::fs::write(record_path(std::process::id()), format!("{device}\n"))
+        .with_context(|| format!("recording the device in {SWAP_ROOT}"))?;
     let direct_io = std::fs::read_to_string(format!("/sys/block/{}/loop/dio", dev_name(&device)))
         .is_ok_and(|s| s.trim() == "1");
     if want_dio && !direct_io {
@@ -605,6 +637,7 @@ async fn off(args: SwapOffArgs) -> anyhow::Result<ExitCode> {
                 .filter(|e| {
                     t.parse::<u32>() == Ok(e.pid)
                         || e.devices.iter().any(|d| d == t)
+                        || e.recorded.as_deref() == Some(t.as_str())
                         || as_path.as_deref() == Some(e.dir.as_path())
                 })
                 .collect()
@@ -654,7 +687,7 @@ async fn off(args: SwapOffArgs) -> anyhow::Result<ExitCode> {
         }
         note(format_args!(
             "farmap swap off: {} is off, detached, flushed and unmounted",
-            entry.devices.join(", ")
+            entry.recorded.as_deref().unwrap_or("the swap")
         ));
     }
     Ok(ExitCode::SUCCESS)

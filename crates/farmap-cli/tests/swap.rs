@@ -525,3 +525,38 @@ fn swap_on_help_says_why_a_loop_device() {
         );
     }
 }
+
+#[test]
+fn sigterm_turns_it_off_and_a_held_device_is_named() {
+    if !can_run("sigterm_turns_it_off_and_a_held_device_is_named") {
+        return;
+    }
+    let _serial = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
+    // SIGTERM to the server: swapoff, losetup -d, flush, unmount, exit 0.
+    let mut swap = SwapOn::start("memory:64MiB", &[]);
+    swap.done = true;
+    assert!(runs("kill", &["-TERM", &swap.child.id().to_string()]));
+    let status = swap.child.wait().unwrap();
+    assert!(status.success(), "farmap swap on exited with {status}");
+    assert!(swaps().iter().all(|s| s.0 != swap.device));
+    assert!(!loop_attached(&swap.device));
+    assert!(!swap.dir.exists());
+
+    // A program holds the loop device open: swap off turns the swap off, says who holds the
+    // device, and fails; once it lets go, swap off finishes.
+    let swap = SwapOn::start("memory:64MiB", &[]);
+    let held = std::fs::File::open(&swap.device).unwrap();
+    let out = farmap(&["swap", "off", &swap.device]);
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success(), "{err}");
+    assert!(
+        err.contains("still open") && err.contains(&std::process::id().to_string()),
+        "{err}"
+    );
+    assert!(
+        swaps().iter().all(|s| s.0 != swap.device),
+        "the swap is off"
+    );
+    drop(held);
+    swap.off();
+}
