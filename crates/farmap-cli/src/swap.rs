@@ -29,7 +29,9 @@
 //! - `mlockall(MCL_CURRENT | MCL_FUTURE)` once the mount's runtime, its threads and fuser's
 //!   request buffer exist, before `swapon`: no page of this process (code, stacks, heap, a
 //!   memory store's chunks, the managed cache) is ever swapped out or dropped. Root has
-//!   `CAP_IPC_LOCK`, so `RLIMIT_MEMLOCK` does not apply; it is raised anyway where possible.
+//!   `CAP_IPC_LOCK`, so `RLIMIT_MEMLOCK` does not apply; without it the limit is raised to
+//!   unlimited, and `swap on` refuses to start if that fails (a locked process whose limit
+//!   is reached cannot allocate any more).
 //! - Pre-allocated: fuser's 16 MiB request buffer, the runtimes' threads and stacks (locked).
 //! - The loop device uses direct I/O (`--direct-io on`, measured below): swap-out goes
 //!   straight to the FUSE server. A buffered loop device would copy every swapped page into
@@ -392,6 +394,41 @@ pub async fn run(
     }
 }
 
+/// Whether this process has `CAP_IPC_LOCK` (from `/proc/self/status`), which lifts
+/// `RLIMIT_MEMLOCK`.
+fn has_cap_ipc_lock() -> bool {
+    const CAP_IPC_LOCK: u32 = 14;
+    std::fs::read_to_string("/proc/self/status")
+        .ok()
+        .and_then(|status| {
+            let hex = status.lines().find_map(|l| l.strip_prefix("CapEff:"))?;
+            u64::from_str_radix(hex.trim(), 16).ok()
+        })
+        .is_some_and(|caps| caps & (1 << CAP_IPC_LOCK) != 0)
+}
+
+/// Makes sure `mlockall(MCL_FUTURE)` cannot make the server's later allocations fail: either
+/// `CAP_IPC_LOCK` (root's) or no `RLIMIT_MEMLOCK` (raised to unlimited where allowed).
+fn check_memlock() -> anyhow::Result<()> {
+    use rustix::process::{getrlimit, setrlimit, Resource, Rlimit};
+    if has_cap_ipc_lock() {
+        return Ok(());
+    }
+    let unlimited = Rlimit {
+        current: None,
+        maximum: None,
+    };
+    let _ = setrlimit(Resource::Memlock, unlimited);
+    match getrlimit(Resource::Memlock).current {
+        None => Ok(()),
+        Some(limit) => bail!(
+            "RLIMIT_MEMLOCK is {limit} bytes and this process lacks CAP_IPC_LOCK: with its memory \
+             locked (mlockall) its allocations would fail past that; run it with CAP_IPC_LOCK \
+             or `ulimit -l unlimited`"
+        ),
+    }
+}
+
 /// What `swap on` has set up so far, undone in reverse on a failure.
 struct Setup {
     dir: PathBuf,
@@ -446,14 +483,7 @@ async fn on(args: SwapOnArgs, io_flusher: Option<std::io::Result<()>>) -> anyhow
                 .context("cleaning up after a dead `farmap swap on`")?;
         }
     }
-    // Root has CAP_IPC_LOCK; raise the limit anyway for a root without it (a container).
-    let _ = rustix::process::setrlimit(
-        rustix::process::Resource::Memlock,
-        rustix::process::Rlimit {
-            current: None,
-            maximum: None,
-        },
-    );
+    check_memlock()?;
 
     let store = open_store_async(&spec)
         .await
