@@ -65,7 +65,6 @@ use farmap_fuse::{FuseMount, MountOptions};
 
 use crate::bench::parse_duration;
 use crate::mount::{finish_managed, is_gone, managed_options, PullOrderArg};
-use crate::serve::stop_signal;
 
 /// Where each `swap on` mounts its store: `SWAP_ROOT/PID/`.
 const SWAP_ROOT: &str = "/run/farmap/swap";
@@ -475,6 +474,11 @@ async fn on(args: SwapOnArgs, io_flusher: Option<std::io::Result<()>>) -> anyhow
         None => bail!("internal: PR_SET_IO_FLUSHER was not tried before the runtime started"),
     }
     let spec: StoreSpec = args.store.parse()?;
+    // Listen for SIGTERM/SIGINT from the start: one that comes before the device is printed
+    // (or just after) must turn the swap off, not kill the server with its device attached.
+    use tokio::signal::unix::{signal, SignalKind};
+    let mut term = signal(SignalKind::terminate()).context("listening for SIGTERM")?;
+    let mut int = signal(SignalKind::interrupt()).context("listening for SIGINT")?;
     for entry in entries() {
         // A directory named after this process is from an earlier one of the same PID.
         if entry.pid == std::process::id() || !entry.is_served() {
@@ -558,7 +562,8 @@ async fn on(args: SwapOnArgs, io_flusher: Option<std::io::Result<()>>) -> anyhow
     };
     loop {
         let ended = tokio::select! {
-            r = stop_signal() => { r?; false }
+            _ = term.recv() => false,
+            _ = int.recv() => false,
             _ = mount.ended() => true,
         };
         match release_devices(&own).await {
