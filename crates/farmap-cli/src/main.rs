@@ -20,6 +20,7 @@ mod mount_ublk;
 mod proxy;
 mod serve;
 mod serve_nbd;
+mod swap;
 
 /// Store specs, shown in every command's help.
 const SPEC_HELP: &str = "\
@@ -96,6 +97,10 @@ enum Command {
     Mount(mount::MountArgs),
     /// Flush and unmount a `farmap mount` (waits until it is done).
     Umount(mount::UmountArgs),
+    /// Use a store as swap space (`swap on STORE`, through a FUSE file and a loop device), or
+    /// turn it off (`swap off [DEVICE]`).
+    #[command(subcommand)]
+    Swap(swap::SwapCommand),
     /// A node of `farmap demo` (internal).
     #[command(name = "__demo-node", hide = true)]
     DemoNode(demo::NodeArgs),
@@ -112,6 +117,9 @@ enum Command {
 fn main() -> ExitCode {
     let cli = Cli::parse();
     logging::init(matches!(&cli.command, Command::Serve(args) if args.quiet));
+    // Before the runtime's threads exist: they inherit it (see `swap`).
+    let io_flusher = matches!(&cli.command, Command::Swap(swap::SwapCommand::On(_)))
+        .then(swap::become_io_flusher);
     let rt = match tokio::runtime::Builder::new_multi_thread()
         .enable_all()
         .build()
@@ -141,6 +149,7 @@ fn main() -> ExitCode {
             Command::MountUblk(args) => mount_ublk::run_args(args).await,
             Command::Mount(args) => mount::run(args).await,
             Command::Umount(args) => mount::umount(args).await,
+            Command::Swap(cmd) => swap::run(cmd, io_flusher).await,
         }
     });
     match result {

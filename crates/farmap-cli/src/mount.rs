@@ -98,25 +98,7 @@ pub async fn run(args: MountArgs) -> anyhow::Result<ExitCode> {
         .await
         .with_context(|| format!("opening {spec}"))?;
     let managed = if args.managed {
-        let pull = match args.pull_order {
-            PullOrderArg::None => None,
-            order => Some(PullOptions {
-                workers: args.workers as usize,
-                order: match order {
-                    PullOrderArg::Reverse => PullOrder::Priority(Arc::new(|idx| idx.0 as i64)),
-                    _ => PullOrder::Sequential,
-                },
-                ..PullOptions::default()
-            }),
-        };
-        let opts = ManagedOptions {
-            pull,
-            push: PushOptions {
-                interval: (!args.push_interval.is_zero()).then_some(args.push_interval),
-                ..PushOptions::default()
-            },
-            ..ManagedOptions::default()
-        };
+        let opts = managed_options(args.workers, args.pull_order, args.push_interval);
         Some(Arc::new(
             Managed::open(store.clone(), opts).context("starting the managed store")?,
         ))
@@ -175,9 +157,37 @@ pub async fn run(args: MountArgs) -> anyhow::Result<ExitCode> {
     Ok(ExitCode::SUCCESS)
 }
 
+/// The managed front's options from the command line's `--workers`, `--pull-order` and
+/// `--push-interval` (a zero interval: pushed only at flush).
+pub(crate) fn managed_options(
+    workers: u32,
+    pull_order: PullOrderArg,
+    push_interval: Duration,
+) -> ManagedOptions {
+    let pull = match pull_order {
+        PullOrderArg::None => None,
+        order => Some(PullOptions {
+            workers: workers as usize,
+            order: match order {
+                PullOrderArg::Reverse => PullOrder::Priority(Arc::new(|idx| idx.0 as i64)),
+                _ => PullOrder::Sequential,
+            },
+            ..PullOptions::default()
+        }),
+    };
+    ManagedOptions {
+        pull,
+        push: PushOptions {
+            interval: (!push_interval.is_zero()).then_some(push_interval),
+            ..PushOptions::default()
+        },
+        ..ManagedOptions::default()
+    }
+}
+
 /// After the frontend has stopped (`result`): pushes what a managed store still holds and
 /// stops it (the frontend's last reference went with it).
-async fn finish_managed(
+pub(crate) async fn finish_managed(
     managed: Option<Arc<Managed>>,
     mut result: anyhow::Result<()>,
 ) -> anyhow::Result<()> {
@@ -199,7 +209,7 @@ async fn finish_managed(
 }
 
 /// Whether process `pid` is gone (or a zombie: it has stopped serving).
-fn is_gone(pid: u32) -> bool {
+pub(crate) fn is_gone(pid: u32) -> bool {
     match std::fs::read_to_string(format!("/proc/{pid}/stat")) {
         Err(_) => true,
         Ok(stat) => stat
