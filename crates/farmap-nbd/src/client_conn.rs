@@ -211,13 +211,11 @@ impl Pending {
         if let Some(e) = self.error.take() {
             return Err(e);
         }
+        let what = self.what();
         let corrupt = |why: String| {
             StoreError::new(
                 ErrorKind::Corrupt,
-                format!(
-                    "the NBD server at {shown} answered {} wrongly: {why}",
-                    self.what()
-                ),
+                format!("the NBD server at {shown} answered {what} wrongly: {why}"),
             )
         };
         match self.expect {
