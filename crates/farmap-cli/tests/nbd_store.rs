@@ -89,7 +89,10 @@ fn nbdkit_tcp(args: &[&str]) -> (Child, u16) {
     let c = Child(child);
     let t0 = Instant::now();
     while std::net::TcpStream::connect(("127.0.0.1", port)).is_err() {
-        assert!(t0.elapsed() < Duration::from_secs(10), "nbdkit did not listen");
+        assert!(
+            t0.elapsed() < Duration::from_secs(10),
+            "nbdkit did not listen"
+        );
         std::thread::sleep(Duration::from_millis(20));
     }
     (c, port)
@@ -131,7 +134,11 @@ fn spec(scheme: &str, path: &Path) -> String {
 
 #[test]
 fn cp_in_and_out_of_nbdkit_over_tcp_is_identical() {
-    if !need("cp_in_and_out_of_nbdkit_over_tcp_is_identical", "nbdkit", "nbdkit") {
+    if !need(
+        "cp_in_and_out_of_nbdkit_over_tcp_is_identical",
+        "nbdkit",
+        "nbdkit",
+    ) {
         return;
     }
     let dir = tempfile::tempdir().unwrap();
@@ -142,7 +149,10 @@ fn cp_in_and_out_of_nbdkit_over_tcp_is_identical() {
     let uri = format!("nbd://127.0.0.1:{port}/");
     farmap_ok(&["cp", "-q", &spec("file", &src), &uri]);
     farmap_ok(&["cp", "-q", &uri, &spec("file", &back)]);
-    assert!(std::fs::read(&back).unwrap() == data, "the copy back is identical");
+    assert!(
+        std::fs::read(&back).unwrap() == data,
+        "the copy back is identical"
+    );
     // `farmap info` sees the export's size and the store's capabilities.
     let info = farmap_ok(&["info", &uri]);
     assert!(info.contains("8MiB") || info.contains("8388608"), "{info}");
@@ -174,7 +184,10 @@ fn cp_in_and_out_of_qemu_nbd_over_a_unix_socket_is_identical() {
     let uri = format!("nbd+unix:///?socket={}", sock.display());
     farmap_ok(&["cp", "-q", &spec("file", &src), &uri]);
     farmap_ok(&["cp", "-q", &uri, &spec("file", &back)]);
-    assert!(std::fs::read(&back).unwrap() == data, "the copy back is identical");
+    assert!(
+        std::fs::read(&back).unwrap() == data,
+        "the copy back is identical"
+    );
     assert!(
         std::fs::read(&disk).unwrap() == data,
         "qemu-nbd's file holds what was copied in"
@@ -218,10 +231,16 @@ fn serve_of_an_nbd_store_carries_reads_and_writes_to_nbdkit() {
     // What farmap's server wrote went to nbdkit: read it straight from there.
     let direct = dir.path().join("direct.img");
     farmap_ok(&["cp", "-q", &nbd, &spec("file", &direct)]);
-    assert!(std::fs::read(&direct).unwrap() == data, "nbdkit holds the data");
+    assert!(
+        std::fs::read(&direct).unwrap() == data,
+        "nbdkit holds the data"
+    );
     let back = dir.path().join("back.img");
     farmap_ok(&["cp", "-q", &remote, &spec("file", &back)]);
-    assert!(std::fs::read(&back).unwrap() == data, "read back through the server");
+    assert!(
+        std::fs::read(&back).unwrap() == data,
+        "read back through the server"
+    );
 }
 
 #[test]

@@ -171,15 +171,11 @@ impl std::fmt::Debug for NbdStore {
 }
 
 fn invalid(shown: &str, why: String) -> StoreError {
-    StoreError::new(ErrorKind::InvalidInput, format!("cannot open {shown}: {why}"))
+    StoreError::new(ErrorKind::InvalidInput, format!("{why} (export {shown})"))
 }
 
 /// The chunk size and the largest request payload for an export.
-fn cut(
-    shown: &str,
-    details: &ExportDetails,
-    asked: Option<u32>,
-) -> StoreResult<(Geometry, u32)> {
+fn cut(shown: &str, details: &ExportDetails, asked: Option<u32>) -> StoreResult<(Geometry, u32)> {
     let (min, preferred, max) = match details.block {
         Some(b) => (b.min.max(1), b.preferred.max(1), b.max),
         None => (1, 4096, DEFAULT_MAX_PAYLOAD),
@@ -187,7 +183,7 @@ fn cut(
     if !min.is_power_of_two() || min > 64 * 1024 {
         return Err(StoreError::new(
             ErrorKind::Unsupported,
-            format!("cannot open {shown}: the server's minimum block size {min} is not a power of two up to 64KiB"),
+            format!("the NBD server's minimum block size {min} is not a power of two up to 64KiB (export {shown})"),
         ));
     }
     let chunk = match asked {
@@ -201,7 +197,11 @@ fn cut(
             c
         }
         None => DEFAULT_CHUNK_SIZE
-            .max(preferred.checked_next_power_of_two().unwrap_or(MAX_CHUNK_SIZE))
+            .max(
+                preferred
+                    .checked_next_power_of_two()
+                    .unwrap_or(MAX_CHUNK_SIZE),
+            )
             .max(min)
             .clamp(MIN_CHUNK_SIZE, MAX_CHUNK_SIZE),
     };
@@ -209,13 +209,16 @@ fn cut(
     if piece == 0 {
         return Err(StoreError::new(
             ErrorKind::Unsupported,
-            format!("cannot open {shown}: the server's maximum block size {max} is below its minimum {min}"),
+            format!("the NBD server's maximum block size {max} is below its minimum {min} (export {shown})"),
         ));
     }
     let g = Geometry::new_bounded(details.size, chunk.into()).map_err(|e| {
         invalid(
             shown,
-            format!("the export of {} bytes cannot be a region: {e}", details.size),
+            format!(
+                "the export of {} bytes cannot be a region: {e}",
+                details.size
+            ),
         )
     })?;
     Ok((g, piece))
@@ -231,7 +234,10 @@ impl NbdStore {
                 let (connector, name) = cfg.connector(target.addr.host()).map_err(|e| {
                     StoreError::new(
                         ErrorKind::InvalidInput,
-                        format!("cannot open {shown}: {}", farmap_core::error_chain(&e)),
+                        format!(
+                            "the TLS settings for {shown} are unusable: {}",
+                            farmap_core::error_chain(&e)
+                        ),
                     )
                 })?;
                 Some(TlsSetup {
@@ -242,8 +248,14 @@ impl NbdStore {
             }
             None => None,
         };
-        let first = open(&Self::dial(&target, &shown, tls.as_ref(), &opts, DEFAULT_MAX_PAYLOAD))
-            .await?;
+        let first = open(&Self::dial(
+            &target,
+            &shown,
+            tls.as_ref(),
+            &opts,
+            DEFAULT_MAX_PAYLOAD,
+        ))
+        .await?;
         let details = first.details.clone();
         let (geometry, piece) = cut(&shown, &details, opts.chunk_size)?;
         let multi = details.flags & tflag::CAN_MULTI_CONN != 0;
@@ -516,10 +528,7 @@ impl NbdStore {
             return Ok(());
         }
         let start = self.geometry.offset_of(range.start);
-        let end = self
-            .geometry
-            .offset_of(range.end)
-            .min(self.geometry.size());
+        let end = self.geometry.offset_of(range.end).min(self.geometry.size());
         let step = MAX_ZERO_REQUEST / u64::from(self.geometry.chunk_size())
             * u64::from(self.geometry.chunk_size());
         let zeroes = (start..end).step_by(step as usize).map(|at| {
@@ -643,7 +652,10 @@ mod tests {
     #[test]
     fn chunks_respect_the_servers_block_sizes() {
         let (g, piece) = cut("x", &details(1 << 20, None), None).unwrap();
-        assert_eq!((g.chunk_size(), piece), (DEFAULT_CHUNK_SIZE, DEFAULT_CHUNK_SIZE));
+        assert_eq!(
+            (g.chunk_size(), piece),
+            (DEFAULT_CHUNK_SIZE, DEFAULT_CHUNK_SIZE)
+        );
         // A preferred size above the default is taken; a small maximum splits requests.
         let b = BlockSize {
             min: 512,

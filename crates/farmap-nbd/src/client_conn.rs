@@ -24,8 +24,8 @@ use bytes::{Buf, Bytes, BytesMut};
 use farmap_core::{ErrorKind, StoreError, StoreResult};
 use farmap_nbd_proto::consts::{errno, SIMPLE_REPLY_MAGIC, STRUCTURED_REPLY_MAGIC};
 use farmap_nbd_proto::{
-    Chunk, ClientConfig, ClientHandshake, ClientHandshakeError, ClientStep, Command,
-    ExportDetails, Extent, Reply, ReplyDecoder, RequestHeader,
+    Chunk, ClientConfig, ClientHandshake, ClientHandshakeError, ClientStep, Command, ExportDetails,
+    Extent, Reply, ReplyDecoder, RequestHeader,
 };
 use farmap_net::{describe_client_tls_failure, BoxStream, RemoteAddr};
 use tokio::io::{AsyncReadExt, AsyncWrite, AsyncWriteExt, ReadHalf, WriteHalf};
@@ -105,10 +105,7 @@ fn command_name(c: Command) -> &'static str {
 fn describe(command: Command, offset: u64, length: u32) -> String {
     match command {
         Command::Flush => "a flush".into(),
-        c => format!(
-            "a {} of {length} bytes at offset {offset}",
-            command_name(c)
-        ),
+        c => format!("a {} of {length} bytes at offset {offset}", command_name(c)),
     }
 }
 
@@ -197,9 +194,7 @@ impl Pending {
         let before = self.covered.range(..=offset).next_back();
         let after = self.covered.range(offset..).next();
         if before.is_some_and(|(_, e)| *e > offset) || after.is_some_and(|(s, _)| *s < end) {
-            return Err(format!(
-                "a reply piece at {offset}..{end} overlaps another"
-            ));
+            return Err(format!("a reply piece at {offset}..{end} overlaps another"));
         }
         self.covered.insert(offset, end);
         self.covered_bytes += len;
@@ -274,10 +269,7 @@ impl Shared {
             std::mem::take(&mut t.pending)
         };
         if !drained.is_empty() {
-            tracing::debug!(
-                "{why}: failing {} NBD requests in flight",
-                drained.len()
-            );
+            tracing::debug!("{why}: failing {} NBD requests in flight", drained.len());
         }
         for (_, mut p) in drained {
             let msg = format!("{why} ({} was in flight)", p.what());
@@ -544,7 +536,7 @@ impl Conn {
     }
 }
 
-fn handshake_error(shown: &str, e: &ClientHandshakeError, tls: bool) -> StoreError {
+fn handshake_error(dial: &Dial<'_>, e: &ClientHandshakeError, tls: bool) -> StoreError {
     let (kind, hint) = match e {
         ClientHandshakeError::Refused { reply, option, .. } => {
             if reply.contains("TLS_REQD") {
@@ -576,15 +568,18 @@ fn handshake_error(shown: &str, e: &ClientHandshakeError, tls: bool) -> StoreErr
         ),
         _ => (ErrorKind::Unsupported, ""),
     };
-    StoreError::new(kind, format!("cannot open {shown}: {e}{hint}"))
+    StoreError::new(
+        kind,
+        format!("{e}{hint} (server {}, export {:?})", dial.addr, dial.export),
+    )
 }
 
-fn io_error(shown: &str, during: &str, e: &io::Error, tls: Option<&TlsSetup>) -> StoreError {
+fn io_error(addr: &RemoteAddr, during: &str, e: &io::Error, tls: Option<&TlsSetup>) -> StoreError {
     if let Some(t) = tls {
         if let Some(why) = describe_client_tls_failure(e, t.sent_cert) {
             return StoreError::new(
                 ErrorKind::PermissionDenied,
-                format!("cannot open {shown}: {why}"),
+                format!("TLS with the NBD server at {addr} failed: {why}"),
             );
         }
     }
@@ -595,7 +590,7 @@ fn io_error(shown: &str, during: &str, e: &io::Error, tls: Option<&TlsSetup>) ->
     };
     StoreError::new(
         ErrorKind::from_io(e.kind()),
-        format!("cannot open {shown}: {why} {during}"),
+        format!("cannot talk to the NBD server at {addr}: {why} {during}"),
     )
 }
 
@@ -606,8 +601,8 @@ pub(crate) async fn open(dial: &Dial<'_>) -> StoreResult<Arc<Conn>> {
         Err(_) => Err(StoreError::new(
             ErrorKind::Timeout,
             format!(
-                "cannot open {}: no NBD handshake within {:?}",
-                dial.shown, dial.connect_timeout
+                "no NBD handshake with the server at {} within {:?}",
+                dial.addr, dial.connect_timeout
             ),
         )),
     }
@@ -615,7 +610,8 @@ pub(crate) async fn open(dial: &Dial<'_>) -> StoreResult<Arc<Conn>> {
 
 async fn open_inner(dial: &Dial<'_>) -> StoreResult<Arc<Conn>> {
     let shown = dial.shown;
-    let connect_err = |e: io::Error| io_error(shown, "(connecting)", &e, None);
+    let addr = dial.addr;
+    let connect_err = |e: io::Error| io_error(addr, "(connecting)", &e, None);
     let mut stream: BoxStream = match dial.addr {
         RemoteAddr::Tcp(hp) => {
             let s = TcpStream::connect(hp.as_str()).await.map_err(connect_err)?;
@@ -636,17 +632,17 @@ async fn open_inner(dial: &Dial<'_>) -> StoreResult<Arc<Conn>> {
     let details = loop {
         let step = machine
             .step(&mut input, &mut out)
-            .map_err(|e| handshake_error(shown, &e, dial.tls.is_some()))?;
+            .map_err(|e| handshake_error(dial, &e, dial.tls.is_some()))?;
         let tls_now = if in_tls { dial.tls } else { None };
         if !out.is_empty() {
             stream
                 .write_all(&out)
                 .await
-                .map_err(|e| io_error(shown, "during the handshake", &e, tls_now))?;
+                .map_err(|e| io_error(addr, "during the handshake", &e, tls_now))?;
             stream
                 .flush()
                 .await
-                .map_err(|e| io_error(shown, "during the handshake", &e, tls_now))?;
+                .map_err(|e| io_error(addr, "during the handshake", &e, tls_now))?;
             out.clear();
         }
         match step {
@@ -654,10 +650,10 @@ async fn open_inner(dial: &Dial<'_>) -> StoreResult<Arc<Conn>> {
                 let n = stream
                     .read_buf(&mut input)
                     .await
-                    .map_err(|e| io_error(shown, "during the handshake", &e, tls_now))?;
+                    .map_err(|e| io_error(addr, "during the handshake", &e, tls_now))?;
                 if n == 0 {
                     let e = io::Error::from(io::ErrorKind::UnexpectedEof);
-                    return Err(io_error(shown, "during the handshake", &e, tls_now));
+                    return Err(io_error(addr, "during the handshake", &e, tls_now));
                 }
             }
             ClientStep::StartTls => {
@@ -665,14 +661,14 @@ async fn open_inner(dial: &Dial<'_>) -> StoreResult<Arc<Conn>> {
                 if !input.is_empty() {
                     return Err(StoreError::new(
                         ErrorKind::Corrupt,
-                        format!("cannot open {shown}: the server sent data before the TLS handshake"),
+                        format!("the NBD server at {addr} sent data before the TLS handshake"),
                     ));
                 }
                 let tls = t
                     .connector
                     .connect(t.name.clone(), stream)
                     .await
-                    .map_err(|e| io_error(shown, "during the TLS handshake", &e, Some(t)))?;
+                    .map_err(|e| io_error(addr, "during the TLS handshake", &e, Some(t)))?;
                 stream = Box::new(tls);
                 in_tls = true;
                 machine.tls_started(&mut out);
@@ -842,10 +838,7 @@ async fn write_requests(
     if let Err(e) = result {
         shared.kill(
             ErrorKind::from_io(e.kind()),
-            format!(
-                "writing to the NBD server at {} failed: {e}",
-                shared.shown
-            ),
+            format!("writing to the NBD server at {} failed: {e}", shared.shown),
         );
     }
 }

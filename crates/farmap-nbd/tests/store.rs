@@ -94,7 +94,9 @@ async fn conforms_against_farmaps_own_nbd_server() {
                 .unwrap();
             servers.lock().unwrap().push(server);
             assert_eq!(store.geometry(), g);
-            assert!(store.caps().contains(Caps::WRITE | Caps::FLUSH | Caps::STATUS));
+            assert!(store
+                .caps()
+                .contains(Caps::WRITE | Caps::FLUSH | Caps::STATUS));
             assert_eq!(store.connections(), 4, "the server offers CAN_MULTI_CONN");
             Arc::new(store) as Arc<dyn Store>
         }
@@ -155,7 +157,9 @@ async fn big_chunks_are_split_into_the_servers_maximum_payload() {
     assert_eq!(store.status(ChunkIdx(2)).await.unwrap(), ChunkStatus::Data);
     assert_eq!(store.status(ChunkIdx(3)).await.unwrap(), ChunkStatus::Zero);
     store.trim(ChunkRange::single(ChunkIdx(2))).await.unwrap();
-    assert!(farmap_core::is_zero(&store.read(ChunkIdx(2)).await.unwrap()));
+    assert!(farmap_core::is_zero(
+        &store.read(ChunkIdx(2)).await.unwrap()
+    ));
     store.flush().await.unwrap();
     server.shutdown().await.unwrap();
 }
@@ -194,7 +198,10 @@ async fn a_read_only_export_and_ro_refuse_writes_before_sending() {
         .await
         .unwrap_err();
     assert_eq!(err.kind(), ErrorKind::NotFound, "{err}");
-    assert!(err.context().contains("nbd://127.0.0.1"), "{err}");
+    assert!(
+        err.context().contains("127.0.0.1") && err.context().contains("\"nope\""),
+        "{err}"
+    );
     server.shutdown().await.unwrap();
 }
 
@@ -352,8 +359,7 @@ where
 async fn next_request(s: &mut TcpStream, input: &mut BytesMut) -> farmap_nbd_proto::RequestHeader {
     let mut dec = RequestDecoder::new(64 << 20);
     loop {
-        if let Some(farmap_nbd_proto::Incoming::Request { header, .. }) =
-            dec.decode(input).unwrap()
+        if let Some(farmap_nbd_proto::Incoming::Request { header, .. }) = dec.decode(input).unwrap()
         {
             return header;
         }
@@ -409,12 +415,9 @@ async fn a_server_that_vanishes_fails_every_request_in_flight() {
         let s = store.clone();
         tokio::spawn(async move { s.read(ChunkIdx(i)).await })
     });
-    let results = tokio::time::timeout(
-        Duration::from_secs(20),
-        futures::future::join_all(reads),
-    )
-    .await
-    .expect("every request ends: no hang");
+    let results = tokio::time::timeout(Duration::from_secs(20), futures::future::join_all(reads))
+        .await
+        .expect("every request ends: no hang");
     for r in results {
         let err = r.unwrap().unwrap_err();
         assert_eq!(err.kind(), ErrorKind::Unavailable, "{err}");
@@ -426,7 +429,7 @@ async fn a_server_that_vanishes_fails_every_request_in_flight() {
     }
     // The next request tries a new connection, which is refused (the fake serves once).
     let err = store.read(ChunkIdx(0)).await.unwrap_err();
-    assert!(err.context().contains("cannot open"), "{err}");
+    assert!(err.context().contains("connection refused"), "{err}");
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -448,7 +451,8 @@ async fn a_silent_server_times_out_instead_of_hanging() {
     let err = store.read(ChunkIdx(3)).await.unwrap_err();
     assert_eq!(err.kind(), ErrorKind::Timeout, "{err}");
     assert!(
-        err.context().contains("did not answer a read of 65536 bytes at offset 196608"),
+        err.context()
+            .contains("did not answer a read of 65536 bytes at offset 196608"),
         "{err}"
     );
 }

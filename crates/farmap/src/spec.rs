@@ -778,8 +778,7 @@ pub async fn open_store_async(spec: &StoreSpec) -> Result<Arc<dyn Store>, OpenEr
             connections,
             timeout,
         } => {
-            let opts =
-                nbd::client_options(spec.chunk_size, spec.read_only, *connections, *timeout);
+            let opts = nbd::client_options(spec.chunk_size, spec.read_only, *connections, *timeout);
             let store = farmap_nbd::NbdStore::connect(target.clone(), opts)
                 .await
                 .map_err(|source| OpenError::Store {
@@ -1008,7 +1007,10 @@ mod tests {
         );
         assert!(n.is_remote() && !n.creates() && n.path().is_none());
         assert!(matches!(open_store(&n), Err(OpenError::NeedsAsync { .. })));
-        assert_eq!(n.to_string(), "nbd://127.0.0.1:10810/disk?connections=2&timeout=3s&chunk=256KiB");
+        assert_eq!(
+            n.to_string(),
+            "nbd://127.0.0.1:10810/disk?connections=2&timeout=3s&chunk=256KiB"
+        );
         // The default port and the default export, as libnbd writes them.
         let d = parse("nbd://example.com").unwrap();
         assert_eq!(d.to_string(), "nbd://example.com:10809/");
@@ -1032,7 +1034,11 @@ mod tests {
         let tls = target.tls.as_ref().unwrap();
         assert_eq!(
             (tls.ca.to_str(), tls.cert.as_deref(), tls.key.as_deref()),
-            (Some("ca.pem"), Some(Path::new("c.pem")), Some(Path::new("k.pem")))
+            (
+                Some("ca.pem"),
+                Some(Path::new("c.pem")),
+                Some(Path::new("k.pem"))
+            )
         );
         let dir = tempfile::tempdir().unwrap();
         for f in ["ca-cert.pem", "client-cert.pem", "client-key.pem"] {
@@ -1048,7 +1054,10 @@ mod tests {
         };
         let tls = target.tls.as_ref().unwrap();
         assert_eq!(tls.ca, dir.path().join("ca-cert.pem"));
-        assert_eq!(tls.key.as_deref(), Some(&*dir.path().join("client-key.pem")));
+        assert_eq!(
+            tls.key.as_deref(),
+            Some(&*dir.path().join("client-key.pem"))
+        );
         assert_eq!(parse(&l.to_string()).unwrap(), l, "display round-trips");
         for (spec, want) in [
             ("nbd:host/x", "write nbd://HOST[:PORT]/EXPORT"),
@@ -1060,7 +1069,10 @@ mod tests {
             ("nbds://h/x", "needs ca="),
             ("nbds://h/x?ca=a&cert=c", "needs key="),
             ("nbd+unix:///x", "needs socket="),
-            ("nbd+unix://host/x?socket=/s", "write nbd+unix:///EXPORT?socket=/PATH"),
+            (
+                "nbd+unix://host/x?socket=/s",
+                "write nbd+unix:///EXPORT?socket=/PATH",
+            ),
             ("nbd://h/%zz", "bad value for export"),
             ("nbd://h/x?connections=0", "bad value for connections"),
             ("nbd://h/x?timeout=5", "bad value for timeout"),
