@@ -546,12 +546,7 @@ fn handshake_error(dial: &Dial<'_>, e: &ClientHandshakeError, tls: bool) -> Stor
                 )
             } else if reply.contains("ERR_UNKNOWN") {
                 (ErrorKind::NotFound, "")
-            } else if reply.contains("ERR_POLICY") && option.contains("STARTTLS") {
-                (
-                    ErrorKind::Unsupported,
-                    " (the server does not offer TLS: connect with nbd://)",
-                )
-            } else if reply.contains("ERR_UNSUP") && option.contains("STARTTLS") {
+            } else if option.contains("STARTTLS") {
                 (
                     ErrorKind::Unsupported,
                     " (the server does not offer TLS: connect with nbd://)",
