@@ -37,6 +37,8 @@ STORE SPECS:
   s3://BUCKET/PREFIX?endpoint=URL&size=SIZE  an S3 bucket, one object per chunk
                               (credentials from the AWS environment or profile)
   cql://HOST:PORT/KEYSPACE?table=T&region=R&size=SIZE&create=true   Cassandra/ScyllaDB
+  nbd://HOST[:PORT]/EXPORT    an NBD server's export (nbds:// for TLS: ?ca=CA.pem;
+                              nbd+unix:///EXPORT?socket=/path)
 Every store with an example and its options: `farmap help stores`.
 Options after '?', joined by '&': size=SIZE, chunk=SIZE (power of two, 4KiB..4MiB,
 default 64KiB), ro (read-only file/dir), max-open=N (dir), connections=N and

@@ -1,5 +1,6 @@
 //! NBD for farmap: any [`Store`](farmap_core::Store) served to `qemu`, `libnbd`, `nbdkit`'s
-//! `nbd` plugin or the Linux kernel.
+//! `nbd` plugin or the Linux kernel; and any NBD server's export used as a store
+//! ([`NbdStore`], the `nbd://`, `nbds://` and `nbd+unix://` specs; see [`client`]).
 //!
 //! ```text
 //!  accept loop (connection cap) ── per connection ───────────────────────────────────┐
@@ -25,8 +26,12 @@
 #![forbid(unsafe_code)]
 #![warn(missing_docs)]
 
+pub mod client;
+mod client_conn;
 mod conn;
 mod ops;
 mod server;
+
+pub use client::{NbdClientOptions, NbdStore, NbdTarget, NBD_PORT};
 
 pub use server::{serve_nbd, Export, NbdServeError, NbdServeOptions, NbdServer};

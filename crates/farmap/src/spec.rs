@@ -14,6 +14,9 @@
 //! | `rediss://host:6380/0?size=1GiB&ca=ca.pem` | Redis over TLS |
 //! | `redis+cluster://h1:7000,h2:7001/?size=1GiB` | a Redis Cluster, from any seed nodes |
 //! | `s3://bucket/vm1?endpoint=http://127.0.0.1:9000&size=1GiB` | one object per chunk in an S3 bucket (AWS, MinIO...); see [`farmap_s3`] |
+//! | `nbd://host:10809/export` | an NBD server's export (nbdkit, qemu-nbd, `farmap serve --nbd`); see [`farmap_nbd::client`] |
+//! | `nbds://host/export?ca=ca.pem` | the same over TLS (STARTTLS); `cert=`/`key=` for client certificates |
+//! | `nbd+unix:///export?socket=/run/nbd.sock` | an NBD export on a Unix socket (`nbds+unix://` with TLS) |
 //!
 //! Options go after `?`, separated by `&`: `size=` (region size), `chunk=` (chunk size, a power
 //! of two from 4KiB to 4MiB, default 64KiB), `ro` (read-only; file and dir), `max-open=`
@@ -42,6 +45,14 @@
 //! `AWS_ENDPOINT_URL`), `region=`, `profile=` (of `~/.aws/credentials`), `connections=`
 //! (requests in flight), `timeout=` and `retries=`. Credentials come from the standard AWS
 //! environment variables or profile files, never from the spec ([`farmap_s3::config`]).
+//! NBD specs use the URI forms of libnbd and qemu (`nbd://HOST[:PORT]/EXPORT`, port 10809 by
+//! default; the export name is the path without its leading `/`, percent-decoded). The
+//! export's size is the region size; their options: `chunk=` (a multiple of the server's
+//! minimum block size), `ro`, `connections=` (used only when the server offers
+//! CAN_MULTI_CONN; default 4 then), `timeout=` (per request and per connection attempt),
+//! `socket=` (for `+unix`), and for `nbds`: `ca=`, `cert=`, `key=`, `name=` as for
+//! `farmaps://`, or libnbd's `tls-certificates=DIR` (`ca-cert.pem`, and `client-cert.pem` +
+//! `client-key.pem` when present).
 
 use std::fmt;
 use std::path::{Path, PathBuf};
@@ -57,13 +68,14 @@ use farmap_s3::{S3Location, S3Options, S3Store};
 use remote::RemoteOptions;
 
 mod blocking;
+mod nbd;
 mod remote;
 pub use blocking::open_store_blocking;
 use farmap_store::{DirOptions, DirStore, FileOptions, FileStore, MemoryStore};
 
 /// The schemes farmap knows, for error messages.
 const KNOWN: &str = "memory, file, dir, farmap, farmaps, farmap+unix, farmap+grpc, redis, rediss, \
-                     redis+cluster, s3, cql";
+                     redis+cluster, s3, cql, nbd, nbds, nbd+unix, nbds+unix";
 
 /// Why a store spec could not be understood. Each message is one line naming the problem.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
@@ -251,6 +263,15 @@ pub enum SpecKind {
         /// Bucket, prefix and how to reach them.
         location: S3Location,
     },
+    /// An NBD server's export (`nbd://`, `nbds://`, `nbd+unix://`, `nbds+unix://`).
+    Nbd {
+        /// Server, export and TLS.
+        target: farmap_nbd::NbdTarget,
+        /// Connections, if set (used only when the server offers CAN_MULTI_CONN).
+        connections: Option<usize>,
+        /// Deadline of each request and connection attempt, if set.
+        timeout: Option<Duration>,
+    },
 }
 
 /// A parsed store spec. `Display` gives it back in canonical form.
@@ -280,7 +301,8 @@ impl StoreSpec {
             | SpecKind::Grpc { .. }
             | SpecKind::Cql(_)
             | SpecKind::Redis(_)
-            | SpecKind::S3 { .. } => None,
+            | SpecKind::S3 { .. }
+            | SpecKind::Nbd { .. } => None,
             SpecKind::File { path } | SpecKind::Dir { path, .. } => Some(path),
         }
     }
@@ -293,7 +315,10 @@ impl StoreSpec {
     /// says `false`.
     pub fn creates(&self) -> bool {
         match &self.kind {
-            SpecKind::Remote { .. } | SpecKind::Grpc { .. } | SpecKind::S3 { .. } => false,
+            SpecKind::Remote { .. }
+            | SpecKind::Grpc { .. }
+            | SpecKind::S3 { .. }
+            | SpecKind::Nbd { .. } => false,
             SpecKind::Cql(t) => t.create,
             SpecKind::Redis(_) => true,
             _ => self.path().is_none_or(|p| !p.exists()),
@@ -309,6 +334,7 @@ impl StoreSpec {
                 | SpecKind::Cql(_)
                 | SpecKind::Redis(_)
                 | SpecKind::S3 { .. }
+                | SpecKind::Nbd { .. }
         )
     }
 
@@ -397,8 +423,10 @@ impl FromStr for StoreSpec {
         let mut remote = RemoteOptions::default();
         let mut redis_opts: Vec<(&str, &str)> = Vec::new();
         let mut s3_options = Vec::new();
+        let mut nbd_opts = nbd::NbdOptions::default();
         let scheme_lc = scheme.to_ascii_lowercase();
         let takes = match scheme_lc.as_str() {
+            s if nbd::takes(s).is_some() => nbd::takes(s).expect("checked"),
             "memory" | "mem" => "size, chunk",
             "file" => "size, chunk, ro",
             "dir" => "size, chunk, ro, max-open",
@@ -467,6 +495,7 @@ impl FromStr for StoreSpec {
                 "connections" | "timeout" | "ca" | "cert" | "key" | "name" => {
                     remote.set(key, value, spec)?
                 }
+                "socket" | "tls-certificates" => nbd_opts.set(key, value, spec)?,
                 _ => unreachable!("checked against the scheme's options"),
             }
         }
@@ -494,6 +523,9 @@ impl FromStr for StoreSpec {
             }
             "file" => SpecKind::File { path: path()? },
             "farmap" | "farmaps" | "farmap+unix" => remote.into_kind(&scheme_lc, body, spec)?,
+            "nbd" | "nbds" | "nbd+unix" | "nbds+unix" => {
+                nbd::into_kind(&scheme_lc, body, remote, nbd_opts, spec)?
+            }
             "farmap+grpc" => match remote.into_kind("farmap", body, spec)? {
                 SpecKind::Remote {
                     addr: RemoteAddr::Tcp(addr),
@@ -625,6 +657,15 @@ impl fmt::Display for StoreSpec {
                 }
                 opts.extend(redis_opts);
             }
+            SpecKind::Nbd {
+                target,
+                connections,
+                timeout,
+            } => {
+                let (head, nbd_opts) = nbd::display_parts(target, *connections, *timeout);
+                f.write_str(&head)?;
+                opts = nbd_opts;
+            }
             SpecKind::S3 { location } => {
                 let (head, s3_opts) = location.display_parts();
                 f.write_str(&head)?;
@@ -732,6 +773,20 @@ pub async fn open_store_async(spec: &StoreSpec) -> Result<Arc<dyn Store>, OpenEr
             })?;
             Ok(Arc::new(store))
         }
+        SpecKind::Nbd {
+            target,
+            connections,
+            timeout,
+        } => {
+            let opts = nbd::client_options(spec.chunk_size, spec.read_only, *connections, *timeout);
+            let store = farmap_nbd::NbdStore::connect(target.clone(), opts)
+                .await
+                .map_err(|source| OpenError::Store {
+                    spec: spec.to_string(),
+                    source,
+                })?;
+            Ok(Arc::new(store))
+        }
         _ => open_store(spec),
     }
 }
@@ -783,7 +838,8 @@ pub fn open_store(spec: &StoreSpec) -> Result<Arc<dyn Store>, OpenError> {
         | SpecKind::Grpc { .. }
         | SpecKind::Cql(_)
         | SpecKind::Redis(_)
-        | SpecKind::S3 { .. } => {
+        | SpecKind::S3 { .. }
+        | SpecKind::Nbd { .. } => {
             return Err(OpenError::NeedsAsync {
                 spec: spec.to_string(),
             })
@@ -816,6 +872,9 @@ mod tests {
             "s3://bucket/a/b?endpoint=http://127.0.0.1:9000&region=eu-west-1&profile=p&connections=8&timeout=2s&retries=3&size=64MiB&chunk=1MiB&ro",
             "s3://my.bucket?size=1GiB",
             "s3://bucket/x/?retries=0&endpoint=https://s3.example:443/",
+            "nbd://h/disk%20one?chunk=1MiB&ro&connections=2&timeout=5s",
+            "nbd://[::1]:7/",
+            "nbds+unix:///e?socket=/s&ca=a&cert=c&key=k&name=n",
         ] {
             let spec = parse(text).unwrap_or_else(|e| panic!("{text}: {e}"));
             let shown = spec.to_string();
@@ -918,6 +977,106 @@ mod tests {
             ("s3://bucket/x?secret=abc", "unknown option \"secret\""),
             ("s3://bucket/x?max-open=3", "unknown option \"max-open\""),
             ("s3://bucket/x?size=0", "cannot be empty"),
+        ] {
+            let err = parse(spec).expect_err(spec).to_string();
+            assert!(
+                err.contains(want),
+                "{spec}: {err:?} should contain {want:?}"
+            );
+            assert!(!err.contains('\n'), "one-line errors: {err:?}");
+        }
+    }
+
+    #[test]
+    fn nbd_specs() {
+        let n = parse("nbd://127.0.0.1:10810/disk?chunk=256KiB&connections=2&timeout=3s").unwrap();
+        let SpecKind::Nbd {
+            target,
+            connections,
+            timeout,
+        } = &n.kind
+        else {
+            panic!("{n:?}")
+        };
+        assert_eq!(target.addr, RemoteAddr::Tcp("127.0.0.1:10810".into()));
+        assert_eq!(target.export, "disk");
+        assert!(target.tls.is_none());
+        assert_eq!(
+            (*connections, *timeout, n.chunk_size),
+            (Some(2), Some(Duration::from_secs(3)), Some(256 << 10))
+        );
+        assert!(n.is_remote() && !n.creates() && n.path().is_none());
+        assert!(matches!(open_store(&n), Err(OpenError::NeedsAsync { .. })));
+        assert_eq!(
+            n.to_string(),
+            "nbd://127.0.0.1:10810/disk?connections=2&timeout=3s&chunk=256KiB"
+        );
+        // The default port and the default export, as libnbd writes them.
+        let d = parse("nbd://example.com").unwrap();
+        assert_eq!(d.to_string(), "nbd://example.com:10809/");
+        let SpecKind::Nbd { target, .. } = &d.kind else {
+            panic!()
+        };
+        assert_eq!(target.export, "");
+        // Unix sockets: the export is the path, the socket an option.
+        let u = parse("nbd+unix:///foo?socket=/tmp/nbd.sock").unwrap();
+        let SpecKind::Nbd { target, .. } = &u.kind else {
+            panic!()
+        };
+        assert_eq!(target.addr, RemoteAddr::Unix("/tmp/nbd.sock".into()));
+        assert_eq!(target.export, "foo");
+        assert_eq!(u.to_string(), "nbd+unix:///foo?socket=/tmp/nbd.sock");
+        // TLS: ca= like farmaps://, or libnbd's tls-certificates=DIR.
+        let t = parse("nbds://h/e?ca=ca.pem&cert=c.pem&key=k.pem").unwrap();
+        let SpecKind::Nbd { target, .. } = &t.kind else {
+            panic!()
+        };
+        let tls = target.tls.as_ref().unwrap();
+        assert_eq!(
+            (tls.ca.to_str(), tls.cert.as_deref(), tls.key.as_deref()),
+            (
+                Some("ca.pem"),
+                Some(Path::new("c.pem")),
+                Some(Path::new("k.pem"))
+            )
+        );
+        let dir = tempfile::tempdir().unwrap();
+        for f in ["ca-cert.pem", "client-cert.pem", "client-key.pem"] {
+            std::fs::write(dir.path().join(f), "x").unwrap();
+        }
+        let l = parse(&format!(
+            "nbds+unix:///?socket=/s&tls-certificates={}",
+            dir.path().display()
+        ))
+        .unwrap();
+        let SpecKind::Nbd { target, .. } = &l.kind else {
+            panic!()
+        };
+        let tls = target.tls.as_ref().unwrap();
+        assert_eq!(tls.ca, dir.path().join("ca-cert.pem"));
+        assert_eq!(
+            tls.key.as_deref(),
+            Some(&*dir.path().join("client-key.pem"))
+        );
+        assert_eq!(parse(&l.to_string()).unwrap(), l, "display round-trips");
+        for (spec, want) in [
+            ("nbd:host/x", "write nbd://HOST[:PORT]/EXPORT"),
+            ("nbd://:1/x", "names no server"),
+            ("nbd://h:0/x", "names no server"),
+            ("nbd://h/x?size=1G", "unknown option \"size\""),
+            ("nbd://h/x?socket=/s", "unknown option \"socket\""),
+            ("nbd://h/x?ca=a", "unknown option \"ca\""),
+            ("nbds://h/x", "needs ca="),
+            ("nbds://h/x?ca=a&cert=c", "needs key="),
+            ("nbd+unix:///x", "needs socket="),
+            (
+                "nbd+unix://host/x?socket=/s",
+                "write nbd+unix:///EXPORT?socket=/PATH",
+            ),
+            ("nbd://h/%zz", "bad value for export"),
+            ("nbd://h/x?connections=0", "bad value for connections"),
+            ("nbd://h/x?timeout=5", "bad value for timeout"),
+            ("nbd://h/x?chunk=3KiB", "not a power of two"),
         ] {
             let err = parse(spec).expect_err(spec).to_string();
             assert!(

@@ -101,6 +101,10 @@ fn tcp_addr(spec: &mut StoreSpec) -> Option<&mut String> {
             addr: RemoteAddr::Tcp(a),
             ..
         } => Some(a),
+        SpecKind::Nbd { target, .. } => match &mut target.addr {
+            RemoteAddr::Tcp(a) => Some(a),
+            RemoteAddr::Unix(_) => None,
+        },
         SpecKind::Redis(c) => match &mut c.target {
             farmap_redis::Target::Single { addr, .. } => Some(addr),
             farmap_redis::Target::Cluster { .. } => None,

@@ -11,12 +11,12 @@ use super::{SpecError, SpecKind};
 /// The options of a remote spec, gathered while its query is read.
 #[derive(Debug, Default)]
 pub(super) struct RemoteOptions {
-    connections: Option<usize>,
-    timeout: Option<Duration>,
-    ca: Option<PathBuf>,
-    cert: Option<PathBuf>,
-    key: Option<PathBuf>,
-    name: Option<String>,
+    pub(super) connections: Option<usize>,
+    pub(super) timeout: Option<Duration>,
+    pub(super) ca: Option<PathBuf>,
+    pub(super) cert: Option<PathBuf>,
+    pub(super) key: Option<PathBuf>,
+    pub(super) name: Option<String>,
 }
 
 /// A timeout in the shortest exact form `parse_timeout` reads back.

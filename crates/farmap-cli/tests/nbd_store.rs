@@ -1,0 +1,293 @@
+//! NBD exports as farmap stores, through the CLI: `farmap cp` in and out of nbdkit and
+//! qemu-nbd, `farmap serve` of an `nbd+unix://` store, and a server killed mid-copy.
+//! nbdkit and qemu-nbd are installed when missing.
+
+use std::io::{BufRead, BufReader};
+use std::path::{Path, PathBuf};
+use std::process::{Command, Output, Stdio};
+use std::time::{Duration, Instant};
+
+fn have(bin: &str) -> bool {
+    Command::new("sh")
+        .arg("-c")
+        .arg(format!("command -v {bin}"))
+        .output()
+        .is_ok_and(|o| o.status.success())
+}
+
+/// Makes sure `bin` (from Debian package `pkg`) is there; false after recording a skip.
+fn need(test: &str, bin: &str, pkg: &str) -> bool {
+    if !have(bin) {
+        let _ = Command::new("sh")
+            .arg("-c")
+            .arg(format!(
+                "flock /tmp/farmap-apt.lock sh -c 'apt-get update -qq && \
+                 DEBIAN_FRONTEND=noninteractive apt-get install -y -qq \
+                 --no-install-recommends {pkg}'"
+            ))
+            .output();
+    }
+    if have(bin) {
+        return true;
+    }
+    farmap_testkit::skip(test, format!("{bin} ({pkg}) missing and not installable"));
+    false
+}
+
+/// A child process killed (and reaped) when dropped.
+struct Child(std::process::Child);
+
+impl Drop for Child {
+    fn drop(&mut self) {
+        let _ = self.0.kill();
+        let _ = self.0.wait();
+    }
+}
+
+fn wait_for(path: &Path) {
+    let t0 = Instant::now();
+    while !path.exists() {
+        assert!(
+            t0.elapsed() < Duration::from_secs(10),
+            "{} did not appear",
+            path.display()
+        );
+        std::thread::sleep(Duration::from_millis(20));
+    }
+}
+
+/// `nbdkit` in the foreground on a Unix socket `sock`, with `args` (filters, plugin...).
+fn nbdkit(sock: &Path, args: &[&str]) -> Child {
+    let child = Command::new("nbdkit")
+        .args(["-f", "--exit-with-parent", "-U"])
+        .arg(sock)
+        .args(args)
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .spawn()
+        .expect("start nbdkit");
+    let c = Child(child);
+    wait_for(sock);
+    c
+}
+
+/// `nbdkit` in the foreground on a free TCP port of 127.0.0.1; the child and the port.
+fn nbdkit_tcp(args: &[&str]) -> (Child, u16) {
+    let port = std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port();
+    let child = Command::new("nbdkit")
+        .args(["-f", "--exit-with-parent", "-i", "127.0.0.1", "-p"])
+        .arg(port.to_string())
+        .args(args)
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .spawn()
+        .expect("start nbdkit");
+    let c = Child(child);
+    let t0 = Instant::now();
+    while std::net::TcpStream::connect(("127.0.0.1", port)).is_err() {
+        assert!(
+            t0.elapsed() < Duration::from_secs(10),
+            "nbdkit did not listen"
+        );
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    (c, port)
+}
+
+fn farmap(args: &[&str]) -> Output {
+    Command::new(env!("CARGO_BIN_EXE_farmap"))
+        .args(args)
+        .output()
+        .expect("run farmap")
+}
+
+fn farmap_ok(args: &[&str]) -> String {
+    let out = farmap(args);
+    assert!(
+        out.status.success(),
+        "farmap {args:?} failed: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    String::from_utf8_lossy(&out.stdout).into_owned()
+}
+
+/// Bytes that differ along the file, with a run of zeros in the middle.
+fn pattern(len: usize, seed: u64) -> Vec<u8> {
+    let mut v = farmap_testkit::pattern_bytes(seed, 0, len);
+    v[len / 3..len / 3 + len / 8].fill(0);
+    v
+}
+
+fn file_with(dir: &Path, name: &str, data: &[u8]) -> PathBuf {
+    let p = dir.join(name);
+    std::fs::write(&p, data).unwrap();
+    p
+}
+
+fn spec(scheme: &str, path: &Path) -> String {
+    format!("{scheme}:{}", path.display())
+}
+
+#[test]
+fn cp_in_and_out_of_nbdkit_over_tcp_is_identical() {
+    if !need(
+        "cp_in_and_out_of_nbdkit_over_tcp_is_identical",
+        "nbdkit",
+        "nbdkit",
+    ) {
+        return;
+    }
+    let dir = tempfile::tempdir().unwrap();
+    let data = pattern(8 << 20, 21);
+    let src = file_with(dir.path(), "in.img", &data);
+    let back = dir.path().join("back.img");
+    let (_kit, port) = nbdkit_tcp(&["memory", "8M"]);
+    let uri = format!("nbd://127.0.0.1:{port}/");
+    farmap_ok(&["cp", "-q", &spec("file", &src), &uri]);
+    farmap_ok(&["cp", "-q", &uri, &spec("file", &back)]);
+    assert!(
+        std::fs::read(&back).unwrap() == data,
+        "the copy back is identical"
+    );
+    // `farmap info` sees the export's size and the store's capabilities.
+    let info = farmap_ok(&["info", &uri]);
+    assert!(info.contains("8MiB") || info.contains("8388608"), "{info}");
+}
+
+#[test]
+fn cp_in_and_out_of_qemu_nbd_over_a_unix_socket_is_identical() {
+    let test = "cp_in_and_out_of_qemu_nbd_over_a_unix_socket_is_identical";
+    if !need(test, "qemu-nbd", "qemu-utils") {
+        return;
+    }
+    let dir = tempfile::tempdir().unwrap();
+    let data = pattern(6 << 20, 22);
+    let src = file_with(dir.path(), "in.img", &data);
+    let disk = file_with(dir.path(), "disk.raw", &vec![0u8; 6 << 20]);
+    let back = dir.path().join("back.img");
+    let sock = dir.path().join("q.sock");
+    let _q = Child(
+        Command::new("qemu-nbd")
+            .args(["-f", "raw", "-t", "--shared=8", "-k"])
+            .arg(&sock)
+            .arg(&disk)
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .spawn()
+            .expect("start qemu-nbd"),
+    );
+    wait_for(&sock);
+    let uri = format!("nbd+unix:///?socket={}", sock.display());
+    farmap_ok(&["cp", "-q", &spec("file", &src), &uri]);
+    farmap_ok(&["cp", "-q", &uri, &spec("file", &back)]);
+    assert!(
+        std::fs::read(&back).unwrap() == data,
+        "the copy back is identical"
+    );
+    assert!(
+        std::fs::read(&disk).unwrap() == data,
+        "qemu-nbd's file holds what was copied in"
+    );
+}
+
+#[test]
+fn serve_of_an_nbd_store_carries_reads_and_writes_to_nbdkit() {
+    if !need(
+        "serve_of_an_nbd_store_carries_reads_and_writes_to_nbdkit",
+        "nbdkit",
+        "nbdkit",
+    ) {
+        return;
+    }
+    let dir = tempfile::tempdir().unwrap();
+    let sock = dir.path().join("kit.sock");
+    let _kit = nbdkit(&sock, &["memory", "4M"]);
+    let nbd = format!("nbd+unix:///?socket={}&chunk=256KiB", sock.display());
+    let mut child = Command::new(env!("CARGO_BIN_EXE_farmap"))
+        .args(["serve", "-q", &nbd, "--listen", "127.0.0.1:0"])
+        .stdout(Stdio::null())
+        .stderr(Stdio::piped())
+        .spawn()
+        .expect("start farmap serve");
+    let mut stderr = BufReader::new(child.stderr.take().unwrap());
+    let _serve = Child(child);
+    let mut banner = String::new();
+    stderr.read_line(&mut banner).unwrap();
+    std::thread::spawn(move || std::io::copy(&mut stderr, &mut std::io::sink()));
+    let addr = banner
+        .split("listening on ")
+        .nth(1)
+        .and_then(|r| r.split_whitespace().next())
+        .unwrap_or_else(|| panic!("no address in {banner:?}"));
+    assert!(banner.contains("256KiB"), "{banner}");
+    let remote = format!("farmap://{addr}");
+    let data = pattern(4 << 20, 23);
+    let src = file_with(dir.path(), "in.img", &data);
+    farmap_ok(&["cp", "-q", &spec("file", &src), &remote]);
+    // What farmap's server wrote went to nbdkit: read it straight from there.
+    let direct = dir.path().join("direct.img");
+    farmap_ok(&["cp", "-q", &nbd, &spec("file", &direct)]);
+    assert!(
+        std::fs::read(&direct).unwrap() == data,
+        "nbdkit holds the data"
+    );
+    let back = dir.path().join("back.img");
+    farmap_ok(&["cp", "-q", &remote, &spec("file", &back)]);
+    assert!(
+        std::fs::read(&back).unwrap() == data,
+        "read back through the server"
+    );
+}
+
+#[test]
+fn a_server_killed_mid_copy_fails_the_copy_instead_of_hanging() {
+    if !need(
+        "a_server_killed_mid_copy_fails_the_copy_instead_of_hanging",
+        "nbdkit",
+        "nbdkit",
+    ) {
+        return;
+    }
+    let dir = tempfile::tempdir().unwrap();
+    let sock = dir.path().join("slow.sock");
+    // Every write takes 50 ms: 64 MiB in 64 KiB chunks with 16 workers takes ~13 s.
+    let mut kit = nbdkit(&sock, &["--filter=delay", "memory", "64M", "wdelay=50ms"]);
+    let data = pattern(64 << 20, 24);
+    let src = file_with(dir.path(), "in.img", &data);
+    let uri = format!("nbd+unix:///?socket={}&timeout=20s", sock.display());
+    let cp = Command::new(env!("CARGO_BIN_EXE_farmap"))
+        .args(["cp", "-q", &spec("file", &src), &uri])
+        .stdout(Stdio::null())
+        .stderr(Stdio::piped())
+        .spawn()
+        .expect("start farmap cp");
+    let mut cp = Child(cp);
+    std::thread::sleep(Duration::from_millis(1500));
+    assert!(
+        cp.0.try_wait().unwrap().is_none(),
+        "the copy is still running when the server dies"
+    );
+    kit.0.kill().unwrap();
+    let t0 = Instant::now();
+    let status = loop {
+        if let Some(s) = cp.0.try_wait().unwrap() {
+            break s;
+        }
+        assert!(
+            t0.elapsed() < Duration::from_secs(15),
+            "farmap cp still runs 15 s after its server died (a hang)"
+        );
+        std::thread::sleep(Duration::from_millis(50));
+    };
+    assert!(!status.success(), "the copy cannot succeed");
+    let mut err = String::new();
+    std::io::Read::read_to_string(cp.0.stderr.as_mut().unwrap(), &mut err).unwrap();
+    assert!(
+        err.contains("NBD server") && err.contains(&sock.display().to_string()),
+        "the error names the server: {err}"
+    );
+}
