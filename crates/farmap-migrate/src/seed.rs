@@ -8,7 +8,6 @@ use std::time::{Duration, Instant};
 use std::collections::VecDeque;
 
 use farmap_net::{serve, ListenAddr, Listener, ServeError, ServeOptions, TlsServerConfig};
-use farmap_uffd::Region;
 use tokio::sync::mpsc;
 use tokio::task::JoinHandle;
 
@@ -19,7 +18,7 @@ use crate::msg::run_pages;
 use crate::msg::Msg;
 use crate::suspend::Suspend;
 use crate::suspend::SuspendError;
-use crate::view::LiveView;
+use crate::endpoint::{EndpointError, Source};
 
 /// How to seed.
 #[derive(Debug, Clone)]
@@ -71,7 +70,7 @@ pub enum SeedError {
     Serve(#[source] ServeError),
     /// Write tracking failed.
     #[error("taking the region's written pages failed")]
-    Dirty(#[source] farmap_uffd::RegionError),
+    Dirty(#[source] EndpointError),
     /// A blocking step (a dirty scan, the suspension) panicked.
     #[error("the seeder's {what} failed")]
     Task {
@@ -98,7 +97,7 @@ enum FinalError {
     #[error(transparent)]
     Suspend(#[from] SuspendError),
     #[error("taking the final dirty set failed")]
-    Dirty(#[source] farmap_uffd::RegionError),
+    Dirty(#[source] EndpointError),
 }
 /// What a finished seeding did.
 #[derive(Debug, Clone)]
@@ -151,9 +150,10 @@ impl Seeding {
     }
 }
 
-/// Starts seeding `region`, whose writers `suspend` stops.
+/// Starts seeding `region` (a userfaultfd [`Region`](farmap_uffd::Region) or any other
+/// [`Source`]), whose writers `suspend` stops.
 pub async fn seed(
-    region: Arc<Region>,
+    region: Arc<dyn Source>,
     suspend: Arc<dyn Suspend>,
     opts: SeedOptions,
 ) -> Result<Seeding, SeedError> {
@@ -166,7 +166,7 @@ pub async fn seed(
             })?;
     let data = data_listener.local_addr().map_err(SeedError::LocalAddr)?;
     let server = serve(
-        Arc::new(LiveView::new(region.clone())),
+        region.clone().data_plane(),
         data_listener,
         ServeOptions {
             read_only: true,
@@ -186,9 +186,9 @@ pub async fn seed(
         .local_addr()
         .map_err(SeedError::LocalAddr)?;
     let info = RegionInfo {
-        size: region.len() as u64,
+        size: region.geometry().size(),
         chunk_size: region.geometry().chunk_size(),
-        page_size: region.page_size() as u32,
+        page_size: region.page_size(),
         data_port: match &data {
             ListenAddr::Tcp(a) => a.port(),
             ListenAddr::Unix(_) => 0,
@@ -359,7 +359,7 @@ struct Current {
 }
 
 async fn run(
-    region: Arc<Region>,
+    region: Arc<dyn Source>,
     suspend: Arc<dyn Suspend>,
     opts: SeedOptions,
     mut conns: mpsc::Receiver<NewConn>,
@@ -482,15 +482,12 @@ async fn run(
                         })?
                         .map_err(SeedError::Dirty)?;
                     report.dirty_sets += 1;
-                    report.dirty_pages += run_pages(&d.pages);
+                    report.dirty_pages += run_pages(&d);
                     rep.note(format!(
                         "round {round}: {} pages written since the last round",
-                        run_pages(&d.pages)
+                        run_pages(&d)
                     ));
-                    inputs.push_back(SeederInput::Dirty {
-                        round,
-                        runs: d.pages,
-                    });
+                    inputs.push_back(SeederInput::Dirty { round, runs: d });
                 }
                 SeederAction::Suspend => {
                     let (r, s) = (region.clone(), suspend.clone());
@@ -517,16 +514,16 @@ async fn run(
                     inputs.push_back(match done {
                         Ok((d, app_state, at_ns, (suspending, scan))) => {
                             report.dirty_sets += 1;
-                            report.dirty_pages += run_pages(&d.pages);
+                            report.dirty_pages += run_pages(&d);
                             rep.note(format!(
                                 "suspended in {:.2} ms (final scan {:.2} ms); handing over \
                                  {} pages written since the last round",
                                 suspending.as_secs_f64() * 1e3,
                                 scan.as_secs_f64() * 1e3,
-                                run_pages(&d.pages)
+                                run_pages(&d)
                             ));
                             SeederInput::Suspended {
-                                runs: d.pages,
+                                runs: d,
                                 app_state,
                                 at_ns,
                             }
