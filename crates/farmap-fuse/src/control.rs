@@ -35,13 +35,23 @@ pub enum Access {
 }
 
 /// The migration controls of one mount (see the module notes).
-#[derive(Debug)]
 pub struct MountControl {
     dirty: DirtySet,
     page: u64,
     size: u64,
     access: watch::Sender<Access>,
     writes: RwLock<()>,
+    /// Drops the kernel's cached pages of the file (set by the mount).
+    invalidate: parking_lot::Mutex<Option<Box<dyn Fn() + Send + Sync>>>,
+}
+
+impl std::fmt::Debug for MountControl {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("MountControl")
+            .field("access", &self.access())
+            .field("page", &self.page)
+            .finish()
+    }
 }
 
 /// A write's pass: the gate cannot close while it is held.
@@ -57,6 +67,7 @@ impl MountControl {
             size,
             access: watch::Sender::new(access),
             writes: RwLock::new(()),
+            invalidate: parking_lot::Mutex::new(None),
         }
     }
 
@@ -148,6 +159,20 @@ impl MountControl {
     /// Refuses every request from now on: the file lives elsewhere.
     pub fn retire(&self) {
         self.access.send_replace(Access::Retired);
+    }
+
+    pub(crate) fn set_invalidate(&self, f: Box<dyn Fn() + Send + Sync>) {
+        *self.invalidate.lock() = Some(f);
+    }
+
+    /// Drops the kernel's cached pages of the file (after [`retire`](Self::retire): later
+    /// reads reach the server and fail, instead of seeing the page cache). Blocks while the
+    /// kernel writes back dirty pages (which a retired mount refuses): call it from a thread
+    /// that serves no request.
+    pub fn invalidate_cache(&self) {
+        if let Some(f) = self.invalidate.lock().as_ref() {
+            f();
+        }
     }
 }
 

@@ -22,7 +22,7 @@ use tokio::runtime::Handle;
 use crate::control::MountControl;
 
 /// The region file's inode.
-const FILE_INO: INodeNo = INodeNo(2);
+pub(crate) const FILE_INO: INodeNo = INodeNo(2);
 
 /// How long the kernel may cache names and attributes: they never change.
 const TTL: Duration = Duration::from_secs(3600);

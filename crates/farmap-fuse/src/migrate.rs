@@ -409,7 +409,11 @@ impl Suspend for MountSource {
         self.control.retire();
         let pids = std::mem::take(&mut *self.stopped.lock());
         let (after, path) = (self.after.clone(), self.path.clone());
-        // Off the seeder's path: the hook may take its time.
+        // Off the seeder's path: the hook may take its time. The page cache is kept: pages
+        // the programs hold stay readable to them, and what they write to them never reaches
+        // the store (write-back is refused), so nothing diverges; a program that must not
+        // even read stale pages is told by the hook (and MountControl::invalidate_cache
+        // drops them, at the price of SIGBUS for a program still touching its mapping).
         std::thread::spawn(move || {
             match &after {
                 After::Signal(sig) => {

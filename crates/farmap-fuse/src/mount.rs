@@ -199,6 +199,12 @@ impl FuseMount {
                 )
             }
         })?;
+        let notifier = session.notifier();
+        control.set_invalidate(Box::new(move || {
+            if let Err(e) = notifier.inval_inode(crate::fs::FILE_INO, 0, 0) {
+                tracing::debug!("invalidating the page cache: {e}");
+            }
+        }));
         let (ended_tx, ended) = watch::channel(false);
         let thread_dir = dir.clone();
         let session = std::thread::Builder::new()
