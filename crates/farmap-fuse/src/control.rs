@@ -200,7 +200,10 @@ mod tests {
         let c2 = c.clone();
         let holder = tokio::task::spawn_blocking(move || c2.hold_writes());
         tokio::time::sleep(Duration::from_millis(30)).await;
-        assert!(!holder.is_finished(), "hold_writes waits for the write in progress");
+        assert!(
+            !holder.is_finished(),
+            "hold_writes waits for the write in progress"
+        );
         drop(pass);
         holder.await.unwrap();
         assert_eq!(c.access(), Access::WritesHeld);

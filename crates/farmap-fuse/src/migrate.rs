@@ -82,7 +82,11 @@ pub fn holders(path: &Path) -> std::io::Result<Vec<u32>> {
     let me = std::process::id();
     let mut out = Vec::new();
     for entry in std::fs::read_dir("/proc")?.flatten() {
-        let Some(pid) = entry.file_name().to_str().and_then(|s| s.parse::<u32>().ok()) else {
+        let Some(pid) = entry
+            .file_name()
+            .to_str()
+            .and_then(|s| s.parse::<u32>().ok())
+        else {
             continue;
         };
         if pid == me {
@@ -352,8 +356,8 @@ impl Source for MountSource {
 
     fn data_plane(self: Arc<Self>) -> Arc<dyn Store> {
         let size = self.store.geometry().size();
-        let geometry = Geometry::new(size, self.control.page_size())
-            .unwrap_or_else(|_| self.store.geometry());
+        let geometry =
+            Geometry::new(size, self.control.page_size()).unwrap_or_else(|_| self.store.geometry());
         Arc::new(PageView {
             store: self.store.clone(),
             geometry,

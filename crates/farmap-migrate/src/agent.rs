@@ -34,8 +34,8 @@ use tokio::io::{AsyncBufReadExt, AsyncRead, AsyncWriteExt, BufReader};
 use tokio::net::{UnixListener, UnixStream};
 use tokio::sync::mpsc;
 
-use crate::event::{Event, Observer};
 use crate::endpoint::{Destination, Source};
+use crate::event::{Event, Observer};
 use crate::leech::{leech_into, LeechError, LeechOptions, LeechReport, Opener, Resumer};
 use crate::machine::Convergence;
 use crate::seed::{seed, SeedError, SeedOptions, SeedReport};

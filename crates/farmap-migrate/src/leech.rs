@@ -10,21 +10,21 @@ use std::time::{Duration, Instant};
 use std::io;
 
 use bytes::Bytes;
+use farmap_core::BoxFuture;
 use farmap_core::{error_chain, ChunkIdx, Geometry, GeometryError, StoreError};
 use farmap_net::{ClientOptions, RemoteAddr, RemoteStore, TlsClientConfig};
 use farmap_pipeline::{PushOptions, RetryPolicy};
-use farmap_core::BoxFuture;
 use farmap_uffd::{Region, RegionMode, RegionOptions};
 use tokio::sync::mpsc;
 
 use crate::channel::{connect, Channel, Sender};
+use crate::endpoint::{Destination, EndpointError};
 use crate::event::{Event, Observer, Reporter};
 use crate::machine::{
     AbortCause, Convergence, Finalization, Leecher, LeecherAction, LeecherInput, LeecherLimits,
     RoundResult,
 };
 use crate::msg::{run_pages, Msg};
-use crate::endpoint::{Destination, EndpointError};
 use crate::view::MigrationStore;
 
 /// Called at the hand-over with the region and the application state: starts the
@@ -46,7 +46,10 @@ pub struct OpenContext {
 /// answered, before pre-copy). The destination must not let the application in before the
 /// [`Resumer`] is called.
 pub type Opener<D> = Box<
-    dyn FnOnce(Arc<MigrationStore>, OpenContext) -> BoxFuture<'static, Result<Arc<D>, EndpointError>>
+    dyn FnOnce(
+            Arc<MigrationStore>,
+            OpenContext,
+        ) -> BoxFuture<'static, Result<Arc<D>, EndpointError>>
         + Send,
 >;
 
@@ -916,10 +919,7 @@ async fn post_copy<D: Destination>(
                 break;
             }
         }
-        let (have, all) = (
-            region.present_chunks(),
-            region.geometry().chunk_count(),
-        );
+        let (have, all) = (region.present_chunks(), region.geometry().chunk_count());
         match &failed {
             None => rep.note(format!("post-copy: {have} of {all} chunks present")),
             Some(e) => rep.note(format!(

@@ -38,8 +38,8 @@ pub mod seed;
 pub mod suspend;
 pub mod view;
 
-pub use event::{Event, Observer};
 pub use endpoint::{Destination, EndpointError, Source};
+pub use event::{Event, Observer};
 pub use leech::{
     leech, leech_into, region_opener, LeechError, LeechOptions, LeechReport, OpenContext, Opener,
     Resumer,

@@ -12,13 +12,13 @@ use tokio::sync::mpsc;
 use tokio::task::JoinHandle;
 
 use crate::channel::{Accepted, Channel, ControlListener, Sender};
+use crate::endpoint::{EndpointError, Source};
 use crate::event::{Event, Observer, Reporter};
 use crate::machine::{RegionInfo, Seeder, SeederAction, SeederInput, SeederState};
 use crate::msg::run_pages;
 use crate::msg::Msg;
 use crate::suspend::Suspend;
 use crate::suspend::SuspendError;
-use crate::endpoint::{EndpointError, Source};
 
 /// How to seed.
 #[derive(Debug, Clone)]
