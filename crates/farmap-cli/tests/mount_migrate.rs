@@ -301,7 +301,7 @@ fn sqlite_in_wal_mode_keeps_every_committed_transaction_across_a_mount_migration
     }
     for tool in ["mkfs.ext4", "losetup", "fsfreeze"] {
         if Command::new(tool).arg("-V").output().is_err() {
-            farmap_testkit::skip(test, &format!("{tool} is missing (e2fsprogs, util-linux)"));
+            farmap_testkit::skip(test, format!("{tool} is missing (e2fsprogs, util-linux)"));
             return;
         }
     }
