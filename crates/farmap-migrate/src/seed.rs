@@ -1,6 +1,7 @@
 //! The seeder's runner: serves the live region's pages on a data plane
-//! (`farmap_net::serve` of a [`LiveView`]) and drives a [`Seeder`] over control
-//! connections until a leecher has taken the region over and completed.
+//! (`farmap_net::serve` of a [`LiveView`](crate::LiveView), or of another [`Source`]'s data
+//! plane) and drives a [`Seeder`] over control connections until a leecher has taken the
+//! region over and completed.
 
 use std::sync::Arc;
 use std::time::{Duration, Instant};
