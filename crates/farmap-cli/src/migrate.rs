@@ -26,6 +26,8 @@ THE AGENT:
   The application that holds the region runs a migration agent on a Unix socket
   (farmap_migrate::agent::serve in Rust); --app names that socket. The destination
   application runs one too, holding no region yet. Only the socket's owner can use it.
+  A mounted file has one with `farmap mount DIR STORE --agent SOCKET`; its destination
+  is `farmap mount DIR2 --agent SOCKET2` (no store: it mounts when the file arrives).
 
   Ctrl-C before the hand-over abandons the migration: the leecher is told, write
   tracking stops and the source keeps running untouched. After the hand-over the
