@@ -211,7 +211,13 @@ struct NodeApp {
 }
 
 impl agent::App for NodeApp {
-    fn region(&self) -> Option<(Arc<Region>, Arc<dyn Suspend>)> {
+    type Dest = Region;
+
+    fn opener(&self) -> farmap_migrate::Opener<Region> {
+        farmap_migrate::region_opener()
+    }
+
+    fn region(&self) -> Option<(Arc<dyn farmap_migrate::Source>, Arc<dyn Suspend>)> {
         let g = self.app.lock();
         let a = g.as_ref()?;
         // Each migration measures its own largest gap between two writes.

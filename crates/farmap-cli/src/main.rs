@@ -16,6 +16,7 @@ mod info;
 mod logging;
 mod migrate;
 mod mount;
+mod mount_agent;
 mod mount_ublk;
 mod proxy;
 mod serve;

@@ -26,6 +26,8 @@ THE AGENT:
   The application that holds the region runs a migration agent on a Unix socket
   (farmap_migrate::agent::serve in Rust); --app names that socket. The destination
   application runs one too, holding no region yet. Only the socket's owner can use it.
+  A mounted file has one with `farmap mount DIR STORE --agent SOCKET`; its destination
+  is `farmap mount DIR2 --agent SOCKET2` (no store: it mounts when the file arrives).
 
   Ctrl-C before the hand-over abandons the migration: the leecher is told, write
   tracking stops and the source keeps running untouched. After the hand-over the
@@ -138,8 +140,8 @@ pub async fn drive(
         }
         let line = format!("{}: {s}", ui.prefix);
         match bar {
-            Some(b) if !b.is_hidden() => b.suspend(|| eprintln!("{line}")),
-            _ => eprintln!("{line}"),
+            Some(b) if !b.is_hidden() => b.suspend(|| status!("{line}")),
+            _ => status!("{line}"),
         }
     };
     let mut handed_over = false;
@@ -219,7 +221,7 @@ fn finish(
             Ok(ExitCode::SUCCESS)
         }
         Outcome::Failed(FailKind::Cancelled, message) => {
-            eprintln!("farmap {role}: {message}");
+            status!("farmap {role}: {message}");
             Ok(ExitCode::from(130))
         }
         Outcome::Failed(_, message) => bail!("{message}"),
@@ -295,14 +297,14 @@ pub async fn leech(args: LeechArgs) -> anyhow::Result<ExitCode> {
 /// JSON result says so too: `converged`, `downtime_over_budget`).
 fn warn_unless_converged(r: &Map<String, Value>) {
     if r.get("converged") == Some(&Value::Bool(false)) {
-        eprintln!(
+        status!(
             "farmap leech: warning: pre-copy did not converge after {} rounds (the last dirty \
              set did not fit the downtime budget); it finalized anyway",
             r.get("rounds").unwrap_or(&Value::Null)
         );
     }
     if r.get("downtime_over_budget") == Some(&Value::Bool(true)) {
-        eprintln!(
+        status!(
             "farmap leech: warning: the downtime of {} ms exceeded its budget of {} ms",
             r.get("downtime_ms").unwrap_or(&Value::Null),
             r.get("max_downtime_ms").unwrap_or(&Value::Null)

@@ -68,6 +68,23 @@ pub struct MountArgs {
     ublk: bool,
     #[command(flatten)]
     ublk_opts: crate::mount_ublk::UblkMountOpts,
+    /// Run a migration agent on this Unix socket: `farmap seed --app SOCKET` moves the file
+    /// to another mount while programs use it. Without STORE, the mount waits for a file to
+    /// arrive (`farmap leech --app SOCKET`) and mounts DIR when it does.
+    #[arg(long, value_name = "SOCKET", conflicts_with_all = ["nbd", "ublk"])]
+    agent: Option<PathBuf>,
+    /// At the hand-over, stop the writers with this shell command instead of SIGSTOP of the
+    /// processes that have the file open or mapped (it must exit 0).
+    #[arg(long, value_name = "CMD", requires = "agent")]
+    suspend: Option<String>,
+    /// With --suspend: the command that lets the writers run again if the migration is
+    /// abandoned before the hand-over.
+    #[arg(long, value_name = "CMD", requires = "suspend")]
+    resume: Option<String>,
+    /// After the hand-over, run this shell command (FARMAP_PIDS: the stopped processes,
+    /// FARMAP_FILE: the file) instead of sending them SIGTERM; they get SIGCONT after it.
+    #[arg(long, value_name = "CMD", requires = "agent")]
+    after: Option<String>,
 }
 
 #[derive(Debug, Args)]
@@ -90,6 +107,10 @@ pub async fn run(args: MountArgs) -> anyhow::Result<ExitCode> {
         (args.first.parse()?, None)
     } else {
         let Some(store_arg) = &args.second else {
+            if let Some(socket) = args.agent.clone() {
+                // A migration's destination: the file arrives through the agent.
+                return crate::mount_agent::run(agent_mount(&args, socket, None)).await;
+            }
             bail!("farmap mount needs a mount point and a store: farmap mount DIR STORE");
         };
         (store_arg.parse()?, Some(PathBuf::from(&args.first)))
@@ -115,17 +136,23 @@ pub async fn run(args: MountArgs) -> anyhow::Result<ExitCode> {
         finish_managed(managed, result).await?;
         return Ok(ExitCode::SUCCESS);
     };
-    let opts = MountOptions {
-        name: args.name.clone(),
-        read_only: args.read_only,
-        allow_other: args.allow_other,
-        ..MountOptions::default()
-    };
+    let opts = mount_options(&args);
     let mount_dir = dir.clone();
     let mount = tokio::task::spawn_blocking(move || FuseMount::mount(served, &mount_dir, opts))
         .await?
         .with_context(|| format!("mounting {spec} at {}", dir.display()))?;
     println!("{}", mount.path().display());
+    if let Some(socket) = args.agent.clone() {
+        let result = crate::mount_agent::run(agent_mount(&args, socket, Some(mount))).await;
+        if let Some(m) = managed {
+            // The agent's last references may linger: push what is left either way.
+            match Arc::try_unwrap(m) {
+                Ok(m) => m.shutdown().await.context("pushing the last writes")?,
+                Err(m) => m.flush().await.context("pushing the last writes")?,
+            }
+        }
+        return result;
+    }
     status!(
         "farmap mount: {} is {spec} ({}, {}{}); stop with Ctrl-C, SIGTERM or `farmap umount {}`",
         mount.path().display(),
@@ -182,6 +209,40 @@ pub(crate) fn managed_options(
             ..PushOptions::default()
         },
         ..ManagedOptions::default()
+    }
+}
+
+fn mount_options(args: &MountArgs) -> MountOptions {
+    MountOptions {
+        name: args.name.clone(),
+        read_only: args.read_only,
+        allow_other: args.allow_other,
+        ..MountOptions::default()
+    }
+}
+
+fn agent_mount(
+    args: &MountArgs,
+    socket: PathBuf,
+    mount: Option<FuseMount>,
+) -> crate::mount_agent::AgentMount {
+    use farmap_fuse::migrate::{After, SuspendHow};
+    crate::mount_agent::AgentMount {
+        socket,
+        dir: PathBuf::from(&args.first),
+        opts: mount_options(args),
+        how: match &args.suspend {
+            Some(cmd) => SuspendHow::Command {
+                suspend: cmd.clone(),
+                resume: args.resume.clone(),
+            },
+            None => SuspendHow::Holders,
+        },
+        after: match &args.after {
+            Some(cmd) => After::Command(cmd.clone()),
+            None => After::Signal(libc::SIGTERM),
+        },
+        mount,
     }
 }
 

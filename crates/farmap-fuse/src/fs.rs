@@ -19,8 +19,10 @@ use fuser::{
 };
 use tokio::runtime::Handle;
 
+use crate::control::MountControl;
+
 /// The region file's inode.
-const FILE_INO: INodeNo = INodeNo(2);
+pub(crate) const FILE_INO: INodeNo = INodeNo(2);
 
 /// How long the kernel may cache names and attributes: they never change.
 const TTL: Duration = Duration::from_secs(3600);
@@ -41,6 +43,8 @@ pub(crate) struct Shared {
     pub created: SystemTime,
     /// Largest request asked of the kernel (bytes).
     pub max_request: u32,
+    /// Written pages and the gate (live migration).
+    pub control: Arc<MountControl>,
 }
 
 impl Shared {
@@ -227,6 +231,9 @@ impl Filesystem for RegionFs {
         }
         let shared = self.shared.clone();
         self.spawn(async move {
+            if let Err(e) = shared.control.readable().await {
+                return reply.error(e);
+            }
             match shared.store.read_bytes(offset, len).await {
                 Ok(data) => reply.data(&data),
                 Err(e) => {
@@ -265,8 +272,17 @@ impl Filesystem for RegionFs {
         let data = Bytes::copy_from_slice(&data[..len]);
         let shared = self.shared.clone();
         self.spawn(async move {
+            let pass = match shared.control.writable().await {
+                Ok(p) => p,
+                Err(e) => return reply.error(e),
+            };
             match shared.store.write_bytes(offset, data).await {
-                Ok(()) => reply.written(len as u32),
+                Ok(()) => {
+                    // After the write: a take that sees the mark sees the data.
+                    shared.control.mark(offset, len as u64);
+                    drop(pass);
+                    reply.written(len as u32)
+                }
                 Err(e) => {
                     tracing::warn!(offset, len, error = %e.to_owned_lossy(), "write failed");
                     reply.error(errno(&e))
@@ -396,8 +412,16 @@ impl Filesystem for RegionFs {
                 }
                 let shared = self.shared.clone();
                 self.spawn(async move {
+                    let pass = match shared.control.writable().await {
+                        Ok(p) => p,
+                        Err(e) => return reply.error(e),
+                    };
                     match shared.store.trim_at(offset, stop - offset).await {
-                        Ok(()) => reply.ok(),
+                        Ok(()) => {
+                            shared.control.mark(offset, stop - offset);
+                            drop(pass);
+                            reply.ok()
+                        }
                         Err(e) => reply.error(errno(&e)),
                     }
                 });

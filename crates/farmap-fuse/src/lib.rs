@@ -29,20 +29,29 @@
 //! - A mount point whose server died (`ENOTCONN`) is detected and lazily unmounted before
 //!   mounting again.
 //!
+//! - [`migrate`]: live migration of a mount (`farmap mount --agent`): writes are tracked as
+//!   they reach the server ([`MountControl`]), the programs holding the file are suspended
+//!   at the hand-over, and the destination mount serves at once.
+//!
 //! Serving a mapping of the mount from the same process works (the mount has its own runtime
 //! and session thread), but a thread of the mount's runtime must never touch the mapping.
 #![warn(missing_docs)]
 
+#[forbid(unsafe_code)]
+mod control;
 #[forbid(unsafe_code)]
 mod error;
 #[forbid(unsafe_code)]
 mod fs;
 mod mapping;
 #[forbid(unsafe_code)]
+pub mod migrate;
+#[forbid(unsafe_code)]
 mod mount;
 #[forbid(unsafe_code)]
 mod sys;
 
+pub use control::{Access, MountControl};
 pub use error::MountError;
 pub use mapping::MappedRegion;
 pub use mount::{find_mount, FuseMount, MountInfo, MountOptions, DEFAULT_FILE_NAME};

@@ -16,6 +16,7 @@ use parking_lot::Mutex;
 use tokio::runtime::Runtime;
 use tokio::sync::watch;
 
+use crate::control::{Access, MountControl};
 use crate::error::MountError;
 use crate::fs::{RegionFs, Shared};
 use crate::mapping::MappedRegion;
@@ -43,6 +44,9 @@ pub struct MountOptions {
     pub worker_threads: usize,
     /// Let other users than the mounting one use the file (`allow_other`).
     pub allow_other: bool,
+    /// Who may use the file at first: [`Access::Held`] makes every request wait until
+    /// [`MountControl::open`] (a migration's destination before its hand-over).
+    pub access: Access,
 }
 
 impl Default for MountOptions {
@@ -55,6 +59,7 @@ impl Default for MountOptions {
             tune_kernel: true,
             worker_threads: 4,
             allow_other: false,
+            access: Access::Open,
         }
     }
 }
@@ -72,6 +77,7 @@ pub struct FuseMount {
     session: Option<JoinHandle<io::Result<()>>>,
     ended: watch::Receiver<bool>,
     runtime: Option<Runtime>,
+    control: Arc<MountControl>,
 }
 
 /// Checks the mount point: a directory with nothing mounted on it (a dead FUSE mount there is
@@ -140,7 +146,13 @@ impl FuseMount {
             .enable_all()
             .build()
             .map_err(|e| MountError::sys("starting the mount's runtime", e))?;
+        let control = Arc::new(MountControl::new(
+            geometry.size(),
+            rustix::param::page_size() as u64,
+            opts.access,
+        ));
         let shared = Arc::new(Shared {
+            control: control.clone(),
             store: Unaligned::new(store.clone()),
             geometry,
             name,
@@ -187,6 +199,12 @@ impl FuseMount {
                 )
             }
         })?;
+        let notifier = session.notifier();
+        control.set_invalidate(Box::new(move || {
+            if let Err(e) = notifier.inval_inode(crate::fs::FILE_INO, 0, 0) {
+                tracing::debug!("invalidating the page cache: {e}");
+            }
+        }));
         let (ended_tx, ended) = watch::channel(false);
         let thread_dir = dir.clone();
         let session = std::thread::Builder::new()
@@ -210,6 +228,7 @@ impl FuseMount {
             session: Some(session),
             ended,
             runtime: Some(runtime),
+            control,
         };
         if opts.tune_kernel && root {
             mount.tune_read_ahead(max_request);
@@ -228,6 +247,16 @@ impl FuseMount {
         if let Err(e) = sys::set_read_ahead(&device, max_request / 1024) {
             tracing::warn!("read-ahead left at the kernel's default: {e}");
         }
+    }
+
+    /// The mount's migration controls: written pages, and the gate in front of requests.
+    pub fn control(&self) -> &Arc<MountControl> {
+        &self.control
+    }
+
+    /// The store the file is served from.
+    pub fn store(&self) -> &Arc<dyn Store> {
+        &self.store
     }
 
     /// The mounted file.

@@ -28,15 +28,15 @@ use std::time::Duration;
 
 use farmap_core::error_chain;
 use farmap_net::{ListenAddr, RemoteAddr, TlsClientConfig, TlsServerConfig};
-use farmap_uffd::Region;
 use serde::{Deserialize, Serialize};
 use serde_json::{json, Map, Value};
 use tokio::io::{AsyncBufReadExt, AsyncRead, AsyncWriteExt, BufReader};
 use tokio::net::{UnixListener, UnixStream};
 use tokio::sync::mpsc;
 
+use crate::endpoint::{Destination, Source};
 use crate::event::{Event, Observer};
-use crate::leech::{leech, LeechError, LeechOptions, LeechReport, Resumer};
+use crate::leech::{leech_into, LeechError, LeechOptions, LeechReport, Opener, Resumer};
 use crate::machine::Convergence;
 use crate::seed::{seed, SeedError, SeedOptions, SeedReport};
 use crate::suspend::Suspend;
@@ -46,16 +46,22 @@ pub const MAX_LINE: usize = 64 * 1024;
 
 /// What an application offers its agent.
 pub trait App: Send + Sync + 'static {
+    /// What an arriving region lands in (a userfaultfd [`Region`](farmap_uffd::Region), a
+    /// FUSE mount's file…).
+    type Dest: Destination;
     /// The region this process holds and the hook that stops its writers; `None` if it
     /// holds none (it can then receive one).
-    fn region(&self) -> Option<(Arc<Region>, Arc<dyn Suspend>)>;
+    fn region(&self) -> Option<(Arc<dyn Source>, Arc<dyn Suspend>)>;
     /// The region was handed over and released: it is no longer this process's.
     fn released(&self, report: &SeedReport);
+    /// Opens the destination of a region that is arriving (before pre-copy); for a
+    /// userfaultfd region, [`region_opener`](crate::leech::region_opener).
+    fn opener(&self) -> Opener<Self::Dest>;
     /// Starts the application on a region that is arriving (called inside the downtime).
-    fn resumer(&self) -> Resumer;
+    fn resumer(&self) -> Resumer<Self::Dest>;
     /// A migration here finished; the returned fields are added to the report (for
     /// application metrics such as the largest pause its workload saw).
-    fn arrived(&self, report: &LeechReport) -> Map<String, Value>;
+    fn arrived(&self, report: &LeechReport<Self::Dest>) -> Map<String, Value>;
 }
 
 /// TLS of a seeder's listeners, as PEM file paths readable by the application.
@@ -203,7 +209,7 @@ fn into_map(v: Value) -> Map<String, Value> {
 }
 
 /// The metrics of a finished leech, as JSON fields (`downtime_ms`, `total_ms`, …).
-pub fn leech_metrics(r: &LeechReport) -> Map<String, Value> {
+pub fn leech_metrics<D: Destination>(r: &LeechReport<D>) -> Map<String, Value> {
     let ms = |d: Duration| (d.as_secs_f64() * 1e5).round() / 100.0;
     let v = json!({
         "downtime_ms": ms(r.downtime),
@@ -217,7 +223,7 @@ pub fn leech_metrics(r: &LeechReport) -> Map<String, Value> {
         "downtime_over_budget": r.over_budget(),
         "final_dirty_pages": r.final_pages,
         "dirty_rate_mb_per_s": (r.dirty_rate / 1e5).round() / 10.0,
-        "region_bytes": r.region.len(),
+        "region_bytes": r.region.geometry().size(),
     });
     into_map(v)
 }
@@ -255,7 +261,7 @@ impl Drop for Agent {
 
 /// Starts an agent for `app` on the Unix socket `path` (mode 0600). A stale socket file is
 /// replaced; one that another agent still answers on is an error.
-pub async fn serve(path: impl AsRef<Path>, app: Arc<dyn App>) -> io::Result<Agent> {
+pub async fn serve<A: App>(path: impl AsRef<Path>, app: Arc<A>) -> io::Result<Agent> {
     let path = path.as_ref().to_path_buf();
     if let Ok(meta) = std::fs::symlink_metadata(&path) {
         use std::os::unix::fs::FileTypeExt;
@@ -328,9 +334,9 @@ async fn read_line<R: AsyncRead + Unpin>(r: &mut BufReader<R>) -> io::Result<Opt
 /// finishes telling its peer) before it is refused as busy.
 const BUSY_WAIT: Duration = Duration::from_secs(5);
 
-async fn connection(
+async fn connection<A: App>(
     stream: UnixStream,
-    app: Arc<dyn App>,
+    app: Arc<A>,
     busy: Arc<tokio::sync::Mutex<()>>,
 ) -> io::Result<()> {
     let (rd, mut wr) = stream.into_split();
@@ -409,9 +415,9 @@ fn parse_listen(s: &str) -> Result<ListenAddr, String> {
     s.parse().map_err(|e: farmap_net::AddrError| e.to_string())
 }
 
-async fn run_seed<R: AsyncRead + Unpin>(
+async fn run_seed<R: AsyncRead + Unpin, A: App>(
     req: SeedRequest,
-    app: &dyn App,
+    app: &A,
     observer: Observer,
     rd: &mut BufReader<R>,
     tx: &mpsc::UnboundedSender<Reply>,
@@ -478,9 +484,9 @@ async fn run_seed<R: AsyncRead + Unpin>(
     }
 }
 
-async fn run_leech<R: AsyncRead + Unpin>(
+async fn run_leech<R: AsyncRead + Unpin, A: App>(
     req: LeechRequest,
-    app: &dyn App,
+    app: &A,
     observer: Observer,
     rd: &mut BufReader<R>,
 ) -> Reply {
@@ -528,7 +534,7 @@ async fn run_leech<R: AsyncRead + Unpin>(
         ..LeechOptions::new(from)
     };
     let (cancel_tx, cancel_rx) = tokio::sync::watch::channel(false);
-    let run = leech(opts, app.resumer(), cancel_rx);
+    let run = leech_into(opts, app.opener(), app.resumer(), cancel_rx);
     tokio::pin!(run);
     let result = tokio::select! {
         r = &mut run => r,
@@ -655,8 +661,12 @@ mod tests {
 
     struct NoRegion;
     impl App for NoRegion {
-        fn region(&self) -> Option<(Arc<Region>, Arc<dyn Suspend>)> {
+        type Dest = farmap_uffd::Region;
+        fn region(&self) -> Option<(Arc<dyn Source>, Arc<dyn Suspend>)> {
             None
+        }
+        fn opener(&self) -> Opener<farmap_uffd::Region> {
+            crate::leech::region_opener()
         }
         fn released(&self, _: &SeedReport) {}
         fn resumer(&self) -> Resumer {

@@ -10,13 +10,15 @@ use std::time::{Duration, Instant};
 use std::io;
 
 use bytes::Bytes;
+use farmap_core::BoxFuture;
 use farmap_core::{error_chain, ChunkIdx, Geometry, GeometryError, StoreError};
 use farmap_net::{ClientOptions, RemoteAddr, RemoteStore, TlsClientConfig};
 use farmap_pipeline::{PushOptions, RetryPolicy};
-use farmap_uffd::{Region, RegionError, RegionMode, RegionOptions};
+use farmap_uffd::{Region, RegionMode, RegionOptions};
 use tokio::sync::mpsc;
 
 use crate::channel::{connect, Channel, Sender};
+use crate::endpoint::{Destination, EndpointError};
 use crate::event::{Event, Observer, Reporter};
 use crate::machine::{
     AbortCause, Convergence, Finalization, Leecher, LeecherAction, LeecherInput, LeecherLimits,
@@ -27,7 +29,53 @@ use crate::view::MigrationStore;
 
 /// Called at the hand-over with the region and the application state: starts the
 /// application at the destination. It must return quickly (it is inside the downtime).
-pub type Resumer = Box<dyn FnOnce(Arc<Region>, Bytes) + Send>;
+pub type Resumer<D = Region> = Box<dyn FnOnce(Arc<D>, Bytes) + Send>;
+
+/// What a destination is opened with, once the seeder has described the region.
+#[derive(Debug, Clone)]
+pub struct OpenContext {
+    /// Size and chunk size.
+    pub geometry: Geometry,
+    /// The seeder's page size (the unit of dirty sets).
+    pub page_size: u32,
+    /// How long a fetch should keep retrying a lost seeder (the runner's reconnect time).
+    pub reconnect_for: Duration,
+}
+
+/// Opens the destination over the store of the seeder's pages (called once the seeder has
+/// answered, before pre-copy). The destination must not let the application in before the
+/// [`Resumer`] is called.
+pub type Opener<D> = Box<
+    dyn FnOnce(
+            Arc<MigrationStore>,
+            OpenContext,
+        ) -> BoxFuture<'static, Result<Arc<D>, EndpointError>>
+        + Send,
+>;
+
+/// The [`Opener`] of a userfaultfd region (direct mode, over the migration store).
+pub fn region_opener() -> Opener<Region> {
+    Box::new(|store, ctx| {
+        Box::pin(async move {
+            let ropts = RegionOptions {
+                mode: RegionMode::Direct,
+                push: PushOptions {
+                    interval: None,
+                    ..PushOptions::default()
+                },
+                worker_threads: 2,
+                // A fault on a page still at the source waits out a lost connection for as
+                // long as the runner tries to reconnect, instead of failing the application
+                // with SIGBUS.
+                fetch_retry: RetryPolicy::for_at_least(ctx.reconnect_for),
+                ..RegionOptions::default()
+            };
+            let s2: Arc<dyn farmap_core::Store> = store;
+            let region = tokio::task::spawn_blocking(move || Region::open(s2, ropts)).await??;
+            Ok(Arc::new(region))
+        })
+    })
+}
 
 /// How to leech.
 #[derive(Debug, Clone)]
@@ -147,7 +195,7 @@ pub enum OpenError {
     Geometry(#[source] GeometryError),
     /// The region could not be opened.
     #[error("opening the region failed")]
-    Open(#[source] RegionError),
+    Open(#[source] EndpointError),
     /// Opening the region panicked.
     #[error("opening the region panicked")]
     Task(#[source] tokio::task::JoinError),
@@ -159,7 +207,7 @@ pub enum OpenError {
 pub enum AfterHandOver {
     /// Discarding the pages written at the source failed.
     #[error("discarding the pages written at the source failed")]
-    Discard(#[source] RegionError),
+    Discard(#[source] EndpointError),
     /// The control connection could not be made again.
     #[error("could not reconnect within {waited:?}")]
     Reconnect {
@@ -212,9 +260,9 @@ pub enum LeechError {
 
 /// A finished migration, as the destination saw it.
 #[derive(Debug)]
-pub struct LeechReport {
+pub struct LeechReport<D = Region> {
     /// The region, now owned here and detached from the seeder.
-    pub region: Arc<Region>,
+    pub region: Arc<D>,
     /// Suspend → resume (across hosts of one boot; otherwise Finalize sent → resume).
     pub downtime: Duration,
     /// The downtime budget it was given.
@@ -239,7 +287,7 @@ pub struct LeechReport {
     pub postcopy: Duration,
 }
 
-impl LeechReport {
+impl<D> LeechReport<D> {
     /// Whether pre-copy converged: the last round's set fit the downtime budget (not merely
     /// `max_rounds` reached or rounds that stopped shrinking).
     pub fn converged(&self) -> bool {
@@ -278,8 +326,8 @@ fn clip(runs: &[Range<u64>], lo: u64, hi: u64) -> Vec<Range<u64>> {
         .collect()
 }
 
-struct Dest {
-    region: Arc<Region>,
+struct Dest<D> {
+    region: Arc<D>,
     store: Arc<MigrationStore>,
     page: u64,
     chunk: u64,
@@ -360,8 +408,18 @@ fn tls_hint(e: &io::Error, reason: String) -> String {
 pub async fn leech(
     opts: LeechOptions,
     resume: Resumer,
-    mut cancel: tokio::sync::watch::Receiver<bool>,
+    cancel: tokio::sync::watch::Receiver<bool>,
 ) -> Result<LeechReport, LeechError> {
+    leech_into(opts, region_opener(), resume, cancel).await
+}
+
+/// Migrates a region here into the destination `open` makes (see [`leech`]).
+pub async fn leech_into<D: Destination>(
+    opts: LeechOptions,
+    open: Opener<D>,
+    resume: Resumer<D>,
+    mut cancel: tokio::sync::watch::Receiver<bool>,
+) -> Result<LeechReport<D>, LeechError> {
     let started = Instant::now();
     let page_size = u32::try_from(rustix::param::page_size()).unwrap_or(u32::MAX);
     let mut machine = Leecher::new(
@@ -391,6 +449,7 @@ pub async fn leech(
         work: work_tx,
         dest: None,
         resume: Some(resume),
+        open: Some(open),
         started,
         finalize_sent: None,
         tracking_since: None,
@@ -455,7 +514,7 @@ pub async fn leech(
 }
 
 /// The leecher's side of one migration, between the machine's actions.
-struct Run {
+struct Run<D> {
     opts: LeechOptions,
     rep: Reporter,
     tx: Sender,
@@ -463,8 +522,9 @@ struct Run {
     connected: bool,
     /// Where the tasks report (as machine inputs).
     work: mpsc::UnboundedSender<LeecherInput>,
-    dest: Option<Dest>,
-    resume: Option<Resumer>,
+    dest: Option<Dest<D>>,
+    resume: Option<Resumer<D>>,
+    open: Option<Opener<D>>,
     started: Instant,
     finalize_sent: Option<Instant>,
     tracking_since: Option<Instant>,
@@ -484,7 +544,7 @@ struct Run {
     postcopy: Option<tokio::task::AbortHandle>,
 }
 
-impl Drop for Run {
+impl<D> Drop for Run<D> {
     fn drop(&mut self) {
         if let Some(task) = self.postcopy.take() {
             task.abort();
@@ -500,14 +560,14 @@ async fn sleep_until(at: Option<tokio::time::Instant>) {
     }
 }
 
-impl Run {
+impl<D: Destination> Run<D> {
     /// Carries out one action; `Some` when the migration is complete.
     async fn act(
         &mut self,
         action: LeecherAction,
         machine: &mut Leecher,
         queue: &mut VecDeque<LeecherAction>,
-    ) -> Result<Option<LeechReport>, LeechError> {
+    ) -> Result<Option<LeechReport<D>>, LeechError> {
         match action {
             LeecherAction::Send(m) => {
                 if matches!(m, Msg::Finalize) {
@@ -545,7 +605,10 @@ impl Run {
                 self.seeder_boot = boot_id;
                 self.tracking_since = Some(Instant::now());
                 let data_addr = self.data_addr(data_port);
-                let d = open_dest(&self.opts, data_addr, size, chunk_size, page_size)
+                let Some(open) = self.open.take() else {
+                    return Ok(None);
+                };
+                let d = open_dest(&self.opts, open, data_addr, size, chunk_size, page_size)
                     .await
                     .map_err(LeechError::Region)?;
                 self.rep
@@ -719,7 +782,7 @@ impl Run {
         let (region, discard) = (d.region.clone(), runs.clone());
         tokio::task::spawn_blocking(move || region.discard_pages(&discard))
             .await
-            .unwrap_or(Err(RegionError::Closed))
+            .unwrap_or_else(|e| Err(e.into()))
             .map_err(|e| LeechError::LostAfterHandOver(AfterHandOver::Discard(e)))?;
         if let Some(resume) = self.resume.take() {
             resume(d.region.clone(), app_state);
@@ -772,7 +835,7 @@ enum RoundError {
     #[error("reading the changed pages failed")]
     Read(#[source] StoreError),
     #[error("writing the changed pages failed")]
-    Write(#[source] RegionError),
+    Write(#[source] EndpointError),
     #[error("writing the changed pages panicked")]
     Task(#[source] tokio::task::JoinError),
 }
@@ -780,8 +843,8 @@ enum RoundError {
 /// A pre-copy dirty round: read the changed pages and write them in place, batch by batch.
 /// The application does not run here yet, and a write costs a memcpy where a discard costs a
 /// round trip through the fault reader per run.
-async fn refresh_round(
-    region: Arc<Region>,
+async fn refresh_round<D: Destination>(
+    region: Arc<D>,
     store: Arc<MigrationStore>,
     runs: &[Range<u64>],
     page: u64,
@@ -804,7 +867,7 @@ async fn refresh_round(
             pages
                 .iter()
                 .zip(data)
-                .try_for_each(|(p, d)| r.write_at((p * page) as usize, &d))
+                .try_for_each(|(p, d)| r.write_at(p * page, &d))
         })
         .await
         .map_err(RoundError::Task)?
@@ -828,8 +891,8 @@ async fn refresh_round(
 
 /// Post-copy: fetch the chunks of the pages discarded at the hand-over (faults fetch theirs
 /// first), batch by batch, retrying until every chunk is local.
-async fn post_copy(
-    region: Arc<Region>,
+async fn post_copy<D: Destination>(
+    region: Arc<D>,
     store: Arc<MigrationStore>,
     runs: Vec<Range<u64>>,
     page: u64,
@@ -856,15 +919,12 @@ async fn post_copy(
                 break;
             }
         }
-        let (have, all) = (
-            region.stats().present_chunks,
-            region.geometry().chunk_count(),
-        );
+        let (have, all) = (region.present_chunks(), region.geometry().chunk_count());
         match &failed {
             None => rep.note(format!("post-copy: {have} of {all} chunks present")),
             Some(e) => rep.note(format!(
                 "post-copy: {}; {have} of {all} chunks present; retrying",
-                error_chain(e)
+                error_chain(e.as_ref())
             )),
         }
         if failed.is_none() && region.is_complete() {
@@ -885,14 +945,14 @@ enum PullError {
     #[error("reading pages from the seeder failed")]
     Read(#[source] StoreError),
     #[error("installing chunks failed")]
-    Install(#[source] RegionError),
+    Install(#[source] EndpointError),
     #[error("a pull task panicked")]
     Task(#[source] tokio::task::JoinError),
 }
 
 /// Pre-copy: the whole region, batch by batch, several batches in flight.
-async fn bulk_pull(
-    region: Arc<Region>,
+async fn bulk_pull<D: Destination>(
+    region: Arc<D>,
     store: Arc<MigrationStore>,
     page: u64,
     chunk: u64,
@@ -900,7 +960,7 @@ async fn bulk_pull(
     rep: Reporter,
 ) -> Result<(), PullError> {
     let chunks = region.geometry().chunk_count();
-    let total = region.len() as u64;
+    let total = region.geometry().size();
     let next = Arc::new(std::sync::atomic::AtomicU64::new(0));
     let mut tasks = Vec::new();
     for _ in 0..PULL_IN_FLIGHT {
@@ -913,7 +973,7 @@ async fn bulk_pull(
                 }
                 let last = (first + PULL_BATCH).min(chunks);
                 let p0 = first * chunk / page;
-                let p1 = (last * chunk).min(region.len() as u64) / page;
+                let p1 = (last * chunk).min(total) / page;
                 let pages: Vec<u64> = (p0..p1).collect();
                 store.stage(&pages).await.map_err(PullError::Read)?;
                 let r = region
@@ -934,13 +994,14 @@ async fn bulk_pull(
     Ok(())
 }
 
-async fn open_dest(
+async fn open_dest<D: Destination>(
     opts: &LeechOptions,
+    open: Opener<D>,
     data: RemoteAddr,
     size: u64,
     chunk_size: u32,
     page_size: u32,
-) -> Result<Dest, OpenError> {
+) -> Result<Dest<D>, OpenError> {
     let remote = RemoteStore::connect(
         data.clone(),
         ClientOptions {
@@ -969,25 +1030,14 @@ async fn open_dest(
         page_size.into(),
         Arc::new(remote),
     ));
-    let ropts = RegionOptions {
-        mode: RegionMode::Direct,
-        push: PushOptions {
-            interval: None,
-            ..PushOptions::default()
-        },
-        worker_threads: 2,
-        // A fault on a page still at the source waits out a lost connection for as long as
-        // the runner tries to reconnect, instead of failing the application with SIGBUS.
-        fetch_retry: RetryPolicy::for_at_least(opts.reconnect_for),
-        ..RegionOptions::default()
+    let ctx = OpenContext {
+        geometry,
+        page_size,
+        reconnect_for: opts.reconnect_for,
     };
-    let s2: Arc<dyn farmap_core::Store> = store.clone();
-    let region = tokio::task::spawn_blocking(move || Region::open(s2, ropts))
-        .await
-        .map_err(OpenError::Task)?
-        .map_err(OpenError::Open)?;
+    let region = open(store.clone(), ctx).await.map_err(OpenError::Open)?;
     Ok(Dest {
-        region: Arc::new(region),
+        region,
         store,
         page: page_size.into(),
         chunk: chunk_size.into(),

@@ -29,6 +29,7 @@
 
 pub mod agent;
 pub mod channel;
+pub mod endpoint;
 pub mod event;
 pub mod leech;
 pub mod machine;
@@ -37,8 +38,12 @@ pub mod seed;
 pub mod suspend;
 pub mod view;
 
+pub use endpoint::{Destination, EndpointError, Source};
 pub use event::{Event, Observer};
-pub use leech::{leech, LeechError, LeechOptions, LeechReport, Resumer};
+pub use leech::{
+    leech, leech_into, region_opener, LeechError, LeechOptions, LeechReport, OpenContext, Opener,
+    Resumer,
+};
 pub use machine::{Convergence, Finalization, Leecher, LeecherLimits, Seeder};
 pub use seed::{seed, SeedError, SeedOptions, SeedReport};
 pub use suspend::{ProcessSuspend, Suspend, SuspendError, WriterGate};

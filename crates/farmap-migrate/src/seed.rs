@@ -1,6 +1,7 @@
 //! The seeder's runner: serves the live region's pages on a data plane
-//! (`farmap_net::serve` of a [`LiveView`]) and drives a [`Seeder`] over control
-//! connections until a leecher has taken the region over and completed.
+//! (`farmap_net::serve` of a [`LiveView`](crate::LiveView), or of another [`Source`]'s data
+//! plane) and drives a [`Seeder`] over control connections until a leecher has taken the
+//! region over and completed.
 
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -8,18 +9,17 @@ use std::time::{Duration, Instant};
 use std::collections::VecDeque;
 
 use farmap_net::{serve, ListenAddr, Listener, ServeError, ServeOptions, TlsServerConfig};
-use farmap_uffd::Region;
 use tokio::sync::mpsc;
 use tokio::task::JoinHandle;
 
 use crate::channel::{Accepted, Channel, ControlListener, Sender};
+use crate::endpoint::{EndpointError, Source};
 use crate::event::{Event, Observer, Reporter};
 use crate::machine::{RegionInfo, Seeder, SeederAction, SeederInput, SeederState};
 use crate::msg::run_pages;
 use crate::msg::Msg;
 use crate::suspend::Suspend;
 use crate::suspend::SuspendError;
-use crate::view::LiveView;
 
 /// How to seed.
 #[derive(Debug, Clone)]
@@ -71,7 +71,7 @@ pub enum SeedError {
     Serve(#[source] ServeError),
     /// Write tracking failed.
     #[error("taking the region's written pages failed")]
-    Dirty(#[source] farmap_uffd::RegionError),
+    Dirty(#[source] EndpointError),
     /// A blocking step (a dirty scan, the suspension) panicked.
     #[error("the seeder's {what} failed")]
     Task {
@@ -98,7 +98,7 @@ enum FinalError {
     #[error(transparent)]
     Suspend(#[from] SuspendError),
     #[error("taking the final dirty set failed")]
-    Dirty(#[source] farmap_uffd::RegionError),
+    Dirty(#[source] EndpointError),
 }
 /// What a finished seeding did.
 #[derive(Debug, Clone)]
@@ -151,9 +151,10 @@ impl Seeding {
     }
 }
 
-/// Starts seeding `region`, whose writers `suspend` stops.
+/// Starts seeding `region` (a userfaultfd [`Region`](farmap_uffd::Region) or any other
+/// [`Source`]), whose writers `suspend` stops.
 pub async fn seed(
-    region: Arc<Region>,
+    region: Arc<dyn Source>,
     suspend: Arc<dyn Suspend>,
     opts: SeedOptions,
 ) -> Result<Seeding, SeedError> {
@@ -166,7 +167,7 @@ pub async fn seed(
             })?;
     let data = data_listener.local_addr().map_err(SeedError::LocalAddr)?;
     let server = serve(
-        Arc::new(LiveView::new(region.clone())),
+        region.clone().data_plane(),
         data_listener,
         ServeOptions {
             read_only: true,
@@ -186,9 +187,9 @@ pub async fn seed(
         .local_addr()
         .map_err(SeedError::LocalAddr)?;
     let info = RegionInfo {
-        size: region.len() as u64,
+        size: region.geometry().size(),
         chunk_size: region.geometry().chunk_size(),
-        page_size: region.page_size() as u32,
+        page_size: region.page_size(),
         data_port: match &data {
             ListenAddr::Tcp(a) => a.port(),
             ListenAddr::Unix(_) => 0,
@@ -359,7 +360,7 @@ struct Current {
 }
 
 async fn run(
-    region: Arc<Region>,
+    region: Arc<dyn Source>,
     suspend: Arc<dyn Suspend>,
     opts: SeedOptions,
     mut conns: mpsc::Receiver<NewConn>,
@@ -482,15 +483,12 @@ async fn run(
                         })?
                         .map_err(SeedError::Dirty)?;
                     report.dirty_sets += 1;
-                    report.dirty_pages += run_pages(&d.pages);
+                    report.dirty_pages += run_pages(&d);
                     rep.note(format!(
                         "round {round}: {} pages written since the last round",
-                        run_pages(&d.pages)
+                        run_pages(&d)
                     ));
-                    inputs.push_back(SeederInput::Dirty {
-                        round,
-                        runs: d.pages,
-                    });
+                    inputs.push_back(SeederInput::Dirty { round, runs: d });
                 }
                 SeederAction::Suspend => {
                     let (r, s) = (region.clone(), suspend.clone());
@@ -517,16 +515,16 @@ async fn run(
                     inputs.push_back(match done {
                         Ok((d, app_state, at_ns, (suspending, scan))) => {
                             report.dirty_sets += 1;
-                            report.dirty_pages += run_pages(&d.pages);
+                            report.dirty_pages += run_pages(&d);
                             rep.note(format!(
                                 "suspended in {:.2} ms (final scan {:.2} ms); handing over \
                                  {} pages written since the last round",
                                 suspending.as_secs_f64() * 1e3,
                                 scan.as_secs_f64() * 1e3,
-                                run_pages(&d.pages)
+                                run_pages(&d)
                             ));
                             SeederInput::Suspended {
-                                runs: d.pages,
+                                runs: d,
                                 app_state,
                                 at_ns,
                             }

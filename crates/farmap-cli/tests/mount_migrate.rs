@@ -1,0 +1,392 @@
+//! Live migration of a mount (`farmap mount --agent`, `farmap seed` / `farmap leech`), run for
+//! real: programs write the source file while it moves; the destination file must hold
+//! everything they wrote, and the source must refuse them afterwards. Needs root, /dev/fuse
+//! and python3 (with its sqlite3 module); without them the tests say "skipped" and why.
+
+use std::io::{BufRead, BufReader, Read};
+use std::path::{Path, PathBuf};
+use std::process::{Child, ChildStdout, Command, Stdio};
+use std::time::{Duration, Instant};
+
+use serde_json::Value;
+
+const WRITER: &str = concat!(env!("CARGO_MANIFEST_DIR"), "/tests/data/mount_writer.py");
+const SQL: &str = concat!(env!("CARGO_MANIFEST_DIR"), "/tests/data/mount_sqlite.py");
+
+fn can_run(test: &str) -> bool {
+    if !Path::new("/dev/fuse").exists() {
+        farmap_testkit::skip(test, "/dev/fuse is missing (no FUSE in this kernel)");
+        return false;
+    }
+    if !rustix::process::geteuid().is_root() {
+        farmap_testkit::skip(test, "mounting FUSE without fusermount3 needs root");
+        return false;
+    }
+    if Command::new("python3").arg("-V").output().is_err() {
+        farmap_testkit::skip(test, "python3 is missing");
+        return false;
+    }
+    true
+}
+
+/// A child process, killed (and reaped) when dropped.
+struct Proc {
+    name: &'static str,
+    child: Child,
+    out: Option<BufReader<ChildStdout>>,
+}
+
+impl Proc {
+    fn spawn(name: &'static str, cmd: &mut Command) -> Proc {
+        let mut child = cmd
+            .stdout(Stdio::piped())
+            .spawn()
+            .unwrap_or_else(|e| panic!("starting {name}: {e}"));
+        let out = child.stdout.take().map(BufReader::new);
+        Proc { name, child, out }
+    }
+
+    fn farmap(name: &'static str, args: &[&str]) -> Proc {
+        Proc::spawn(name, Command::new(env!("CARGO_BIN_EXE_farmap")).args(args))
+    }
+
+    fn line(&mut self) -> String {
+        let mut l = String::new();
+        self.out.as_mut().unwrap().read_line(&mut l).unwrap();
+        assert!(
+            !l.is_empty(),
+            "{} printed nothing (see its stderr)",
+            self.name
+        );
+        l.trim().to_owned()
+    }
+
+    /// Waits for the exit; asserts success; returns what is left on stdout.
+    fn finish(mut self) -> String {
+        let mut rest = String::new();
+        if let Some(o) = self.out.as_mut() {
+            o.read_to_string(&mut rest).unwrap();
+        }
+        let status = self.child.wait().unwrap();
+        assert!(status.success(), "{} exited with {status}", self.name);
+        rest
+    }
+
+    fn pid(&self) -> u32 {
+        self.child.id()
+    }
+}
+
+impl Drop for Proc {
+    fn drop(&mut self) {
+        if let Ok(None) = self.child.try_wait() {
+            // SIGTERM first: a mount flushes and unmounts.
+            let pid = rustix::process::Pid::from_raw(self.child.id() as i32).unwrap();
+            let _ = rustix::process::kill_process(pid, rustix::process::Signal::TERM);
+            let t0 = Instant::now();
+            while t0.elapsed() < Duration::from_secs(5) {
+                if let Ok(Some(_)) = self.child.try_wait() {
+                    return;
+                }
+                std::thread::sleep(Duration::from_millis(20));
+            }
+            let _ = self.child.kill();
+            let _ = self.child.wait();
+        }
+    }
+}
+
+/// A source mount with an agent, and an empty destination one.
+struct Pair {
+    _src: Proc,
+    _dst: Proc,
+    src_file: PathBuf,
+    dst_file: PathBuf,
+    src_sock: String,
+    dst_sock: String,
+}
+
+fn pair(tmp: &Path, store: &str, extra: &[&str]) -> Pair {
+    let (sd, dd) = (tmp.join("src"), tmp.join("dst"));
+    std::fs::create_dir_all(&sd).unwrap();
+    std::fs::create_dir_all(&dd).unwrap();
+    let src_sock = tmp.join("src.sock").to_str().unwrap().to_owned();
+    let dst_sock = tmp.join("dst.sock").to_str().unwrap().to_owned();
+    let mut args = vec!["mount", sd.to_str().unwrap(), store, "--agent", &src_sock];
+    args.extend_from_slice(extra);
+    let mut src = Proc::farmap("source mount", &args);
+    let src_file = PathBuf::from(src.line());
+    let dst = Proc::farmap(
+        "destination mount",
+        &["mount", dd.to_str().unwrap(), "--agent", &dst_sock],
+    );
+    // The destination prints nothing until a file arrives: wait for its socket.
+    let t0 = Instant::now();
+    while !Path::new(&dst_sock).exists() {
+        assert!(
+            t0.elapsed() < Duration::from_secs(10),
+            "no destination agent"
+        );
+        std::thread::sleep(Duration::from_millis(10));
+    }
+    Pair {
+        _src: src,
+        _dst: dst,
+        src_file,
+        dst_file: dd.join("region"),
+        src_sock,
+        dst_sock,
+    }
+}
+
+/// `farmap seed` + `farmap leech` between the pair's agents; the leech's JSON report.
+fn migrate(p: &Pair) -> Value {
+    let mut seed = Proc::spawn(
+        "seed",
+        Command::new(env!("CARGO_BIN_EXE_farmap"))
+            .args(["seed", "--app", &p.src_sock, "--listen", "127.0.0.1:0"])
+            .args(["--json"])
+            .stderr(Stdio::piped()),
+    );
+    let mut err = BufReader::new(seed.child.stderr.take().unwrap());
+    let (control, data) = loop {
+        let mut l = String::new();
+        assert!(err.read_line(&mut l).unwrap() > 0, "seed said nothing");
+        if let Some(rest) = l.split("control on ").nth(1) {
+            let (c, d) = rest.split_once(", data plane on ").unwrap();
+            break (c.trim().to_owned(), d.trim().to_owned());
+        }
+    };
+    std::thread::spawn(move || {
+        for l in err.lines().map_while(Result::ok) {
+            eprintln!("{l}");
+        }
+    });
+    let leech = Proc::farmap(
+        "leech",
+        &[
+            "leech",
+            "--app",
+            &p.dst_sock,
+            "--from",
+            &control,
+            "--data",
+            &data,
+            "--json",
+        ],
+    );
+    let out = leech.finish();
+    let report: Value = serde_json::from_str(out.lines().last().expect("a JSON line"))
+        .unwrap_or_else(|e| panic!("{e}: {out}"));
+    let seeded = seed.finish();
+    assert!(seeded.contains("\"role\":\"seed\""), "{seeded}");
+    report
+}
+
+fn python(args: &[&str]) -> String {
+    let out = Command::new("python3").args(args).output().unwrap();
+    assert!(
+        out.status.success(),
+        "python3 {args:?}: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    String::from_utf8_lossy(&out.stdout).trim().to_owned()
+}
+
+#[test]
+fn a_mount_moves_while_a_program_writes_it_and_the_source_refuses_it_afterwards() {
+    let test = "a_mount_moves_while_a_program_writes_it_and_the_source_refuses_it_afterwards";
+    if !can_run(test) {
+        return;
+    }
+    let tmp = tempfile::tempdir().unwrap();
+    let p = pair(tmp.path(), "memory:32MiB", &[]);
+    let expected = tmp.path().join("expected");
+    // The writer maps the file and writes pages at random until it is told (SIGTERM, the
+    // source's default --after) that the file moved; then it saves what it wrote.
+    let mut writer = Proc::spawn(
+        "writer",
+        Command::new("python3").args([
+            WRITER,
+            "writer",
+            p.src_file.to_str().unwrap(),
+            expected.to_str().unwrap(),
+            "2000",
+        ]),
+    );
+    assert_eq!(writer.line(), "writing");
+    std::thread::sleep(Duration::from_millis(300));
+    let report = migrate(&p);
+    assert_eq!(report["role"], "leech");
+    assert_eq!(report["region_bytes"], 32 << 20);
+    assert!(report["downtime_ms"].as_f64().is_some(), "{report}");
+    assert!(report["app_freeze_ms"].as_f64().is_some(), "{report}");
+    let pid = writer.pid();
+    let done: Value = serde_json::from_str(&writer.finish()).unwrap();
+    assert!(done["writes"].as_u64().unwrap() > 0, "{done}");
+    // The writer was found through /proc (it maps the file) and stopped, then told.
+    assert!(
+        !Path::new(&format!("/proc/{pid}")).exists(),
+        "the writer exited"
+    );
+    // Everything it wrote before it was stopped is at the destination (the page it was in
+    // the middle of may be torn: it is excused).
+    let last = done["last"].to_string();
+    assert_eq!(
+        python(&[
+            WRITER,
+            "check",
+            p.dst_file.to_str().unwrap(),
+            expected.to_str().unwrap(),
+            &last
+        ]),
+        "ok"
+    );
+    // The source refuses writes (EROFS) and reads that reach it (EIO).
+    assert_eq!(
+        python(&[WRITER, "refused", p.src_file.to_str().unwrap()]),
+        "refused"
+    );
+    // The destination file is a normal read-write file now.
+    std::fs::OpenOptions::new()
+        .write(true)
+        .open(&p.dst_file)
+        .unwrap();
+}
+
+fn run(cmd: &str, args: &[&str]) -> String {
+    let out = Command::new(cmd).args(args).output().unwrap();
+    assert!(
+        out.status.success(),
+        "{cmd} {args:?}: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    String::from_utf8_lossy(&out.stdout).trim().to_owned()
+}
+
+/// Unmounts the ext4 file systems and detaches their loop devices (before the farmap mounts
+/// under them stop).
+#[derive(Default)]
+struct Ext4Cleanup {
+    mounts: Vec<PathBuf>,
+    loops: Vec<String>,
+}
+
+impl Drop for Ext4Cleanup {
+    fn drop(&mut self) {
+        for m in self.mounts.iter().rev() {
+            // Lazily: the source's file system sits on a file that now refuses writes.
+            let _ = Command::new("umount").arg("-l").arg(m).status();
+        }
+        for l in &self.loops {
+            let _ = Command::new("losetup").args(["-d", l]).status();
+        }
+    }
+}
+
+/// An ext4 file system on `file` (through a new loop device), mounted at `dir`.
+fn mount_ext4(file: &Path, dir: &Path, clean: &mut Ext4Cleanup) {
+    std::fs::create_dir_all(dir).unwrap();
+    let dev = run("losetup", &["-f", "--show", file.to_str().unwrap()]);
+    clean.loops.push(dev.clone());
+    run("mount", &[&dev, dir.to_str().unwrap()]);
+    clean.mounts.push(dir.to_path_buf());
+}
+
+#[test]
+fn sqlite_in_wal_mode_keeps_every_committed_transaction_across_a_mount_migration() {
+    let test = "sqlite_in_wal_mode_keeps_every_committed_transaction_across_a_mount_migration";
+    if !can_run(test) {
+        return;
+    }
+    for tool in ["mkfs.ext4", "losetup", "fsfreeze"] {
+        if Command::new(tool).arg("-V").output().is_err() {
+            farmap_testkit::skip(test, format!("{tool} is missing (e2fsprogs, util-linux)"));
+            return;
+        }
+    }
+    if Command::new("python3")
+        .args(["-c", "import sqlite3"])
+        .status()
+        .map_or(true, |s| !s.success())
+    {
+        farmap_testkit::skip(test, "python3 has no sqlite3 module");
+        return;
+    }
+    let tmp = tempfile::tempdir().unwrap();
+    let (fs_src, fs_dst) = (tmp.path().join("fs-src"), tmp.path().join("fs-dst"));
+    let pidfile = tmp.path().join("writer.pid");
+    let log = tmp.path().join("committed.log");
+    let (fs, pf) = (fs_src.to_str().unwrap(), pidfile.to_str().unwrap());
+    // The writer's suspension: freeze its file system (ext4 writes everything back and
+    // blocks new writes), which the agent then writes back from the page cache. After the
+    // hand-over, the writer is killed and the (now refused) file system thawed.
+    let suspend = format!("fsfreeze -f {fs}");
+    let resume = format!("fsfreeze -u {fs}");
+    let after = format!("kill -9 $(cat {pf}); fsfreeze -u {fs}");
+    let p = pair(
+        tmp.path(),
+        "memory:64MiB",
+        &[
+            "--suspend",
+            &suspend,
+            "--resume",
+            &resume,
+            "--after",
+            &after,
+        ],
+    );
+    let mut clean = Ext4Cleanup::default();
+    run("mkfs.ext4", &["-q", p.src_file.to_str().unwrap()]);
+    mount_ext4(&p.src_file, &fs_src, &mut clean);
+    let db = fs_src.join("db");
+    let mut writer = Proc::spawn(
+        "sqlite writer",
+        Command::new("python3").args([
+            SQL,
+            "write",
+            db.to_str().unwrap(),
+            log.to_str().unwrap(),
+            "0",
+        ]),
+    );
+    std::fs::write(&pidfile, writer.pid().to_string()).unwrap();
+    assert_eq!(writer.line(), "writing");
+    std::thread::sleep(Duration::from_millis(500));
+    let report = migrate(&p);
+    assert_eq!(report["role"], "leech");
+    // The --after hook killed the writer at the source.
+    let t0 = Instant::now();
+    while writer.child.try_wait().unwrap().is_none() {
+        assert!(
+            t0.elapsed() < Duration::from_secs(10),
+            "the source's writer was not stopped"
+        );
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    let committed = std::fs::read_to_string(&log).unwrap().lines().count();
+    assert!(committed > 0, "the writer committed nothing at the source");
+    // The database, its WAL and its shared-memory index arrived in the file system image.
+    mount_ext4(&p.dst_file, &fs_dst, &mut clean);
+    for f in ["db", "db-wal", "db-shm"] {
+        assert!(fs_dst.join(f).exists(), "{f} is missing at the destination");
+    }
+    let db2 = fs_dst.join("db");
+    let (db2, log_s) = (db2.to_str().unwrap(), log.to_str().unwrap());
+    // A new writer continues at the destination.
+    assert_eq!(
+        python(&[SQL, "write", db2, log_s, "200"]),
+        "writing\nwrote 200"
+    );
+    let checked = python(&[SQL, "check", db2, log_s]);
+    let rows: usize = checked
+        .strip_prefix("ok ")
+        .unwrap_or_else(|| panic!("{checked}"))
+        .parse()
+        .unwrap();
+    assert!(
+        rows >= committed + 200,
+        "{rows} rows for {committed} + 200 commits"
+    );
+    drop(clean);
+}

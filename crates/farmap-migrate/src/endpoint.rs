@@ -1,0 +1,109 @@
+//! What the runners move: a [`Source`] at the seeder (a live region whose writes are tracked)
+//! and a [`Destination`] at the leecher (where the pages land and the application resumes).
+//!
+//! A userfaultfd [`Region`] is both (written pages found with PAGEMAP_SCAN; pages installed
+//! with UFFDIO_COPY and discarded with madvise). Other frontends bring their own: the FUSE
+//! mount tracks writes as they reach its server and lands pages in a store that serves the
+//! file (`farmap_fuse::migrate`). The state machines, wire messages and runners are the same.
+
+use std::ops::Range;
+use std::sync::Arc;
+
+use farmap_core::{BoxFuture, ChunkIdx, Geometry, Store};
+use farmap_uffd::Region;
+
+use crate::view::LiveView;
+
+/// An error of a frontend's migration hooks.
+pub type EndpointError = Box<dyn std::error::Error + Send + Sync + 'static>;
+
+/// A live region at the seeder.
+pub trait Source: Send + Sync + 'static {
+    /// Size and chunk size.
+    fn geometry(&self) -> Geometry;
+    /// The unit of write tracking and of the data plane's chunks (a power of two ≥ 4096).
+    fn page_size(&self) -> u32;
+    /// The pages written since the last call, as ascending disjoint runs of page indices,
+    /// and starts tracking anew (the first call starts tracking). Blocks (runs on a blocking
+    /// thread); every write that completed before the call is either in its answer or was in
+    /// an earlier one.
+    fn take_dirty(&self) -> Result<Vec<Range<u64>>, EndpointError>;
+    /// The data plane: a read-only store of page-sized chunks with the region's current
+    /// content.
+    fn data_plane(self: Arc<Self>) -> Arc<dyn Store>;
+}
+
+/// Where a migrating region lands at the leecher. Its chunks come from a
+/// [`MigrationStore`](crate::MigrationStore) (pages fetched from the seeder), which the
+/// destination reads through once per chunk and keeps.
+pub trait Destination: Send + Sync + 'static {
+    /// Size and chunk size.
+    fn geometry(&self) -> Geometry;
+    /// Makes `chunks` local, fetching the missing ones (and the discarded pages of the others)
+    /// with `parallel` fetches in flight. Resolves when all are local, or with the first error.
+    fn fetch_chunks(
+        &self,
+        chunks: Vec<ChunkIdx>,
+        parallel: usize,
+    ) -> BoxFuture<'static, Result<(), EndpointError>>;
+    /// Writes `data` at `offset` (a pre-copy dirty round; the application does not run here
+    /// yet). Blocks.
+    fn write_at(&self, offset: u64, data: &[u8]) -> Result<(), EndpointError>;
+    /// Forgets pages written at the source after they were fetched: the next access to one
+    /// fetches it again. Blocks.
+    fn discard_pages(&self, runs: &[Range<u64>]) -> Result<(), EndpointError>;
+    /// Chunks held locally.
+    fn present_chunks(&self) -> u64;
+    /// Whether every chunk is local.
+    fn is_complete(&self) -> bool;
+}
+
+impl Source for Region {
+    fn geometry(&self) -> Geometry {
+        Region::geometry(self)
+    }
+
+    fn page_size(&self) -> u32 {
+        u32::try_from(Region::page_size(self)).unwrap_or(u32::MAX)
+    }
+
+    fn take_dirty(&self) -> Result<Vec<Range<u64>>, EndpointError> {
+        Ok(Region::take_dirty(self)?.pages)
+    }
+
+    fn data_plane(self: Arc<Self>) -> Arc<dyn Store> {
+        Arc::new(LiveView::new(self))
+    }
+}
+
+impl Destination for Region {
+    fn geometry(&self) -> Geometry {
+        Region::geometry(self)
+    }
+
+    fn fetch_chunks(
+        &self,
+        chunks: Vec<ChunkIdx>,
+        parallel: usize,
+    ) -> BoxFuture<'static, Result<(), EndpointError>> {
+        let f = Region::fetch_chunks(self, chunks, parallel);
+        Box::pin(async move { f.await.map_err(Into::into) })
+    }
+
+    fn write_at(&self, offset: u64, data: &[u8]) -> Result<(), EndpointError> {
+        let offset = usize::try_from(offset)?;
+        Ok(Region::write_at(self, offset, data)?)
+    }
+
+    fn discard_pages(&self, runs: &[Range<u64>]) -> Result<(), EndpointError> {
+        Ok(Region::discard_pages(self, runs)?)
+    }
+
+    fn present_chunks(&self) -> u64 {
+        self.stats().present_chunks
+    }
+
+    fn is_complete(&self) -> bool {
+        Region::is_complete(self)
+    }
+}
