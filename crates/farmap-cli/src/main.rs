@@ -14,6 +14,7 @@ mod info;
 mod logging;
 mod migrate;
 mod mount;
+mod mount_nbd;
 mod mount_ublk;
 mod output;
 mod proxy;

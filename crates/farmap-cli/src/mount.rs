@@ -59,7 +59,8 @@ pub struct MountArgs {
     /// Let other users than this one use the file (allow_other).
     #[arg(long)]
     allow_other: bool,
-    /// Serve the region as a block device through the kernel's NBD client instead (STORE only).
+    /// Serve the region as a block device through the kernel's NBD client instead (STORE
+    /// only): prints /dev/nbdN when it is ready; needs the kernel's nbd driver and root.
     #[arg(long, conflicts_with = "ublk")]
     nbd: bool,
     /// Serve the region as a ublk block device instead (STORE only): prints /dev/ublkbN
@@ -68,6 +69,8 @@ pub struct MountArgs {
     ublk: bool,
     #[command(flatten)]
     ublk_opts: crate::mount_ublk::UblkMountOpts,
+    #[command(flatten)]
+    nbd_opts: crate::mount_nbd::NbdMountOpts,
 }
 
 #[derive(Debug, Args)]
@@ -77,15 +80,10 @@ pub struct UmountArgs {
 }
 
 pub async fn run(args: MountArgs) -> anyhow::Result<ExitCode> {
-    if args.nbd {
-        bail!(
-            "farmap mount --nbd (the kernel's NBD client) is not built in this version; use \
-             farmap mount --ublk STORE for a block device, or farmap mount DIR STORE for a file"
-        );
-    }
-    let (spec, dir): (StoreSpec, Option<PathBuf>) = if args.ublk {
+    let (spec, dir): (StoreSpec, Option<PathBuf>) = if args.ublk || args.nbd {
         if let Some(extra) = &args.second {
-            bail!("farmap mount --ublk takes only a store, not a mount point ({extra:?} is extra)");
+            let how = if args.nbd { "--nbd" } else { "--ublk" };
+            bail!("farmap mount {how} takes only a store, not a mount point ({extra:?} is extra)");
         }
         (args.first.parse()?, None)
     } else {
@@ -127,6 +125,15 @@ pub async fn run(args: MountArgs) -> anyhow::Result<ExitCode> {
         Some(m) => m.clone(),
         None => store,
     };
+    if args.nbd {
+        // The device is flushed and disconnected first (the server flushes the store stack
+        // when it stops); then push what is left.
+        let result =
+            crate::mount_nbd::serve(served, &spec.to_string(), args.read_only, &args.nbd_opts)
+                .await;
+        finish_managed(managed, result).await?;
+        return Ok(ExitCode::SUCCESS);
+    }
     let Some(dir) = dir else {
         // --ublk: the device flushes the store stack when it stops; then push what is left.
         let result = crate::mount_ublk::serve(served, &spec.to_string(), &args.ublk_opts).await;
