@@ -482,7 +482,7 @@ fn block_size_for(size: u64, preferred: Option<u32>) -> u32 {
         .clamp(512, 4096)
         .next_power_of_two()
         .min(4096);
-    while bs > 512 && size % u64::from(bs) != 0 {
+    while bs > 512 && !size.is_multiple_of(u64::from(bs)) {
         bs /= 2;
     }
     bs

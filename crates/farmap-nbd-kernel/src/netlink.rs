@@ -119,10 +119,8 @@ impl GenlSocket {
                     }
                     Message::Genl {
                         seq: s, cmd, attrs, ..
-                    } if s == seq => {
-                        if answer.messages.len() < 64 {
-                            answer.messages.push((cmd, attrs.to_vec()));
-                        }
+                    } if s == seq && answer.messages.len() < 64 => {
+                        answer.messages.push((cmd, attrs.to_vec()));
                     }
                     // Answers to earlier requests, multicast notifications: not ours.
                     _ => {}
