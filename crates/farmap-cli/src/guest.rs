@@ -12,8 +12,10 @@
 //! - `nbd-lib STORE OFFSET LEN SEED` drives the library's kernel NBD client
 //!   (`farmap_nbd_kernel::NbdMount`) on STORE: the pattern `SEED` through `map()` (a
 //!   `RegionSlice`), read back through the mapping, `open()` and `path()`; the pattern
-//!   `SEED + 1` right after it through `open()` with no fsync; then `shutdown()`, which must
-//!   flush it.
+//!   `SEED + 1` right after it through `open()` with no fsync, read back through `path()`;
+//!   then `shutdown()`. (Closing the device's last file writes its page cache back, so the
+//!   flush-first teardown is tested by the VM test's `mount --nbd` part, which holds the
+//!   device open.)
 //!
 //! With `unsafe` code for the mapping (the one other such file of the CLI is
 //! `bench/uffd_raw.rs`).
