@@ -7,8 +7,9 @@
 //!   writes a file, remounts and checks it, discards a range, and disconnects.
 //! - ublk: the guest runs `farmap mount --ublk farmap://10.0.2.2:PORT` (a host `farmap serve`
 //!   of a directory store) and does the same on `/dev/ublkbN`, then stops it with SIGTERM.
-//! - farmap's own kernel NBD client: the guest runs `farmap mount --nbd
-//!   farmap://10.0.2.2:PORT --connections 4` (netlink, 4 sockets to its in-process server)
+//! - farmap's own kernel NBD client: the guest runs `farmap mount --nbd --managed
+//!   farmap://10.0.2.2:PORT --connections 4` (netlink, 4 sockets to its in-process server
+//!   over a managed cache of the host's store: a flush pushes everything)
 //!   and does the same on `/dev/nbdN`; then it writes a pattern with no fsync while holding
 //!   the device open (so no last close writes it back) with periodic writeback off, and stops
 //!   the mount with SIGTERM: only the mount's flush-first teardown can bring that pattern to
@@ -212,7 +213,7 @@ farmap __guest pattern-check /tmp/lib.img 305000 300000 8
 echo MARK nbd-lib-ok
 
 # --- farmap mount --nbd: the kernel's NBD client on 4 sockets to farmap in the guest ---
-farmap mount --nbd farmap://10.0.2.2:{mport} --connections 4 --json >/tmp/nbdm.json 2>/tmp/nbdm.log &
+farmap mount --nbd --managed farmap://10.0.2.2:{mport} --connections 4 --json >/tmp/nbdm.json 2>/tmp/nbdm.log &
 MPID=$!
 i=0
 while [ ! -s /tmp/nbdm.json ]; do
