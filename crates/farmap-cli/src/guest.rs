@@ -6,7 +6,16 @@
 //! - `pattern-write` writes with `pwrite` and `fsync`s; `pattern-check` drops the range from
 //!   the page cache first (`POSIX_FADV_DONTNEED`), so it reads what the device returns;
 //! - `mmap-write` maps the range `MAP_SHARED`, copies the pattern into the mapping and
-//!   `msync`s it; `mmap-check` compares through a fresh mapping.
+//!   `msync`s it; `mmap-check` compares through a fresh mapping;
+//! - `pattern-write --no-sync` leaves the written pages dirty in the page cache (for tests of
+//!   a teardown that must flush them);
+//! - `nbd-lib STORE OFFSET LEN SEED` drives the library's kernel NBD client
+//!   (`farmap_nbd_kernel::NbdMount`) on STORE: the pattern `SEED` through `map()` (a
+//!   `RegionSlice`), read back through the mapping, `open()` and `path()`; the pattern
+//!   `SEED + 1` right after it through `open()` with no fsync, read back through `path()`;
+//!   then `shutdown()`. (Closing the device's last file writes its page cache back, so the
+//!   flush-first teardown is tested by the VM test's `mount --nbd` part, which holds the
+//!   device open.)
 //!
 //! With `unsafe` code for the mapping (the one other such file of the CLI is
 //! `bench/uffd_raw.rs`).
@@ -34,6 +43,9 @@ pub enum GuestOp {
     MmapWrite,
     /// Compare the range, read through a MAP_SHARED mapping, with the pattern.
     MmapCheck,
+    /// Mount PATH (a store spec) with the library's kernel NBD client and write and check
+    /// through its path, file and mapping.
+    NbdLib,
 }
 
 #[derive(Debug, Args)]
@@ -49,12 +61,20 @@ pub struct GuestArgs {
     len: u64,
     /// The pattern's seed.
     seed: u64,
+    /// pattern-write: no fsync (the pages stay dirty in the page cache).
+    #[arg(long)]
+    no_sync: bool,
 }
 
 /// Bytes written or compared at once.
 const STEP: u64 = 1 << 20;
 
 pub fn run(args: GuestArgs) -> anyhow::Result<ExitCode> {
+    if args.op == GuestOp::NbdLib {
+        nbd_lib(&args)?;
+        println!("NbdLib on {}: ok", args.path.display());
+        return Ok(ExitCode::SUCCESS);
+    }
     let writes = matches!(args.op, GuestOp::PatternWrite | GuestOp::MmapWrite);
     let file = OpenOptions::new()
         .read(true)
@@ -69,6 +89,7 @@ pub fn run(args: GuestArgs) -> anyhow::Result<ExitCode> {
         GuestOp::PatternCheck => pattern_check(&file, &args)?,
         GuestOp::MmapWrite => with_mapping(&file, &args, true)?,
         GuestOp::MmapCheck => with_mapping(&file, &args, false)?,
+        GuestOp::NbdLib => unreachable!("handled above"),
     }
     println!(
         "{:?} {} bytes at {} of {} (seed {}): ok",
@@ -90,8 +111,76 @@ fn pattern_write(file: &File, a: &GuestArgs) -> anyhow::Result<()> {
             .with_context(|| format!("writing {n} bytes at {}", a.offset + done))?;
         done += n;
     }
-    file.sync_all().context("fsync")?;
+    if !a.no_sync {
+        file.sync_all().context("fsync")?;
+    }
     Ok(())
+}
+
+/// `nbd-lib`: see the module's docs. The mount's server runs on a runtime of its own; the
+/// device is used from this (other) thread, as the library requires.
+fn nbd_lib(a: &GuestArgs) -> anyhow::Result<()> {
+    use farmap_nbd_kernel::{NbdMount, NbdMountOptions};
+    let spec: farmap::StoreSpec = a
+        .path
+        .to_str()
+        .context("the store spec is not UTF-8")?
+        .parse()?;
+    let (off, len) = (a.offset, a.len as usize);
+    let spec2 = spec.clone();
+    let a_seed = a.seed;
+    std::thread::spawn(move || -> anyhow::Result<()> {
+        let rt = tokio::runtime::Builder::new_multi_thread()
+            .worker_threads(2)
+            .enable_all()
+            .build()?;
+        let store = rt
+            .block_on(farmap::spec::open_store_async(&spec2))
+            .with_context(|| format!("opening {spec2}"))?;
+        let opts = NbdMountOptions {
+            connections: 2,
+            ..NbdMountOptions::default()
+        };
+        let mount = rt
+            .block_on(NbdMount::start(store, &opts))
+            .context("NbdMount::start")?;
+        println!("nbd-lib: {} is ready", mount.path().display());
+        let at = usize::try_from(off)?;
+        // The slice mount: write through the mapping, sync, read back through it.
+        {
+            let map = mount.map()?;
+            let want = farmap_testkit::pattern_bytes(a_seed, off, len);
+            map.memory()
+                .write_from(at, &want)
+                .context("writing through the mapping")?;
+            map.sync().context("msync + fsync of the mapping")?;
+            let mut got = vec![0u8; len];
+            map.memory()
+                .read_into(at, &mut got)
+                .context("reading through the mapping")?;
+            compare(&got, a_seed, off).context("read back through the mapping")?;
+        }
+        // The file mount: read what the mapping wrote, past the page cache.
+        let file = mount.open()?;
+        fadvise(&file, 0, None, Advice::DontNeed).context("posix_fadvise(DONTNEED)")?;
+        let mut got = vec![0u8; len];
+        file.read_exact_at(&mut got, off)?;
+        compare(&got, a_seed, off).context("read back through open()")?;
+        // ... and write the next pattern right after it, leaving it in the page cache.
+        let off2 = off + len as u64;
+        file.write_all_at(&farmap_testkit::pattern_bytes(a_seed + 1, off2, len), off2)?;
+        drop(file);
+        // The path mount: any program can open it.
+        let by_path = File::open(mount.path())?;
+        by_path.read_exact_at(&mut got, off2)?;
+        compare(&got, a_seed + 1, off2).context("read back through path()")?;
+        drop(by_path);
+        rt.block_on(mount.shutdown())
+            .context("NbdMount::shutdown")?;
+        Ok(())
+    })
+    .join()
+    .map_err(|_| anyhow::anyhow!("the nbd-lib thread panicked"))?
 }
 
 fn pattern_check(file: &File, a: &GuestArgs) -> anyhow::Result<()> {

@@ -17,6 +17,7 @@ mod logging;
 mod migrate;
 mod mount;
 mod mount_agent;
+mod mount_nbd;
 mod mount_ublk;
 mod proxy;
 mod serve;

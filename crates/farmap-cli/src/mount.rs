@@ -59,7 +59,8 @@ pub struct MountArgs {
     /// Let other users than this one use the file (allow_other).
     #[arg(long)]
     allow_other: bool,
-    /// Serve the region as a block device through the kernel's NBD client instead (STORE only).
+    /// Serve the region as a block device through the kernel's NBD client instead (STORE
+    /// only): prints /dev/nbdN when it is ready; needs the kernel's nbd driver and root.
     #[arg(long, conflicts_with = "ublk")]
     nbd: bool,
     /// Serve the region as a ublk block device instead (STORE only): prints /dev/ublkbN
@@ -85,6 +86,8 @@ pub struct MountArgs {
     /// FARMAP_FILE: the file) instead of sending them SIGTERM; they get SIGCONT after it.
     #[arg(long, value_name = "CMD", requires = "agent")]
     after: Option<String>,
+    #[command(flatten)]
+    nbd_opts: crate::mount_nbd::NbdMountOpts,
 }
 
 #[derive(Debug, Args)]
@@ -94,15 +97,10 @@ pub struct UmountArgs {
 }
 
 pub async fn run(args: MountArgs) -> anyhow::Result<ExitCode> {
-    if args.nbd {
-        bail!(
-            "farmap mount --nbd (the kernel's NBD client) is not built in this version; use \
-             farmap mount --ublk STORE for a block device, or farmap mount DIR STORE for a file"
-        );
-    }
-    let (spec, dir): (StoreSpec, Option<PathBuf>) = if args.ublk {
+    let (spec, dir): (StoreSpec, Option<PathBuf>) = if args.ublk || args.nbd {
         if let Some(extra) = &args.second {
-            bail!("farmap mount --ublk takes only a store, not a mount point ({extra:?} is extra)");
+            let how = if args.nbd { "--nbd" } else { "--ublk" };
+            bail!("farmap mount {how} takes only a store, not a mount point ({extra:?} is extra)");
         }
         (args.first.parse()?, None)
     } else {
@@ -130,6 +128,15 @@ pub async fn run(args: MountArgs) -> anyhow::Result<ExitCode> {
         Some(m) => m.clone(),
         None => store,
     };
+    if args.nbd {
+        // The device is flushed and disconnected first (the server flushes the store stack
+        // when it stops); then push what is left.
+        let result =
+            crate::mount_nbd::serve(served, &spec.to_string(), args.read_only, &args.nbd_opts)
+                .await;
+        finish_managed(managed, result).await?;
+        return Ok(ExitCode::SUCCESS);
+    }
     let Some(dir) = dir else {
         // --ublk: the device flushes the store stack when it stops; then push what is left.
         let result = crate::mount_ublk::serve(served, &spec.to_string(), &args.ublk_opts).await;

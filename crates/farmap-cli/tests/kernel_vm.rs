@@ -7,6 +7,14 @@
 //!   writes a file, remounts and checks it, discards a range, and disconnects.
 //! - ublk: the guest runs `farmap mount --ublk farmap://10.0.2.2:PORT` (a host `farmap serve`
 //!   of a directory store) and does the same on `/dev/ublkbN`, then stops it with SIGTERM.
+//! - farmap's own kernel NBD client: the guest runs `farmap mount --nbd --managed
+//!   farmap://10.0.2.2:PORT --connections 4` (netlink, 4 sockets to its in-process server
+//!   over a managed cache of the host's store: a flush pushes everything)
+//!   and does the same on `/dev/nbdN`; then it writes a pattern with no fsync while holding
+//!   the device open (so no last close writes it back) with periodic writeback off, and stops
+//!   the mount with SIGTERM: only the mount's flush-first teardown can bring that pattern to
+//!   the store. The library's path / file / slice mounts (`NbdMount::path/open/map`) run in
+//!   the guest too (`farmap __guest nbd-lib` on a file store the guest then checks).
 //!
 //! On the host, each store's bytes must hold both patterns, zeros where the guest discarded,
 //! its first 32 MiB must pass
@@ -36,6 +44,8 @@ const DISCARD_RANGE: (u64, u64, u64) = (56 * MIB, 2 * MIB, 14);
 const DISCARDED: (u64, u64) = (57 * MIB, 256 << 10);
 /// The file written into the ext4 file system.
 const FILE: (u64, u64) = (MIB + 5, 13);
+/// Written through `farmap mount --nbd`'s device with no fsync, just before SIGTERM.
+const UNSYNCED_RANGE: (u64, u64, u64) = (60 * MIB + 5 * 4096 + 17, 512 * 1024 + 3, 15);
 
 fn farmap_bin() -> &'static str {
     env!("CARGO_BIN_EXE_farmap")
@@ -127,12 +137,12 @@ fn spawn_farmap_serve(args: &[&str]) -> Result<(Proc, u16), String> {
     Ok((Proc(child), port))
 }
 
-/// A `farmap serve` of a directory store, for the guest's ublk device.
-fn start_farmap_serve(dir: &Path) -> (Proc, u16, String) {
-    let spec = format!("dir:{}/ublk?size=64MiB", dir.display());
+/// A `farmap serve` of directory store `name`, for one of the guest's farmap devices.
+fn start_farmap_serve(dir: &Path, name: &str) -> (Proc, u16, String) {
+    let spec = format!("dir:{}/{name}?size=64MiB", dir.display());
     let (proc, port) = spawn_farmap_serve(&["serve", &spec, "--listen", "127.0.0.1:0", "--quiet"])
         .expect("start farmap serve");
-    (proc, port, format!("dir:{}/ublk", dir.display()))
+    (proc, port, format!("dir:{}/{name}", dir.display()))
 }
 
 /// The checks the guest runs on block device `$DEV` (a shell fragment).
@@ -165,7 +175,8 @@ farmap __guest pattern-check $DEV {wo} {wl} {ws}
     )
 }
 
-fn guest_script(nbd: &NbdServer, farmap_port: u16) -> String {
+fn guest_script(nbd: &NbdServer, farmap_port: u16, mount_port: u16) -> String {
+    let (uo, ul, us) = UNSYNCED_RANGE;
     format!(
         r#"
 # --- kernel NBD client, 4 sockets ---
@@ -194,7 +205,44 @@ kill -TERM $UPID
 wait $UPID || {{ cat /tmp/ublk.log; exit 1; }}
 cat /tmp/ublk.log
 echo MARK ublk-done
+
+# --- the library's kernel NBD client: path, file and slice mounts of a file store ---
+farmap __guest nbd-lib 'file:/tmp/lib.img?size=16MiB' 5000 300000 7
+farmap __guest pattern-check /tmp/lib.img 5000 300000 7
+farmap __guest pattern-check /tmp/lib.img 305000 300000 8
+echo MARK nbd-lib-ok
+
+# --- farmap mount --nbd: the kernel's NBD client on 4 sockets to farmap in the guest ---
+farmap mount --nbd --managed farmap://10.0.2.2:{mport} --connections 4 --json >/tmp/nbdm.json 2>/tmp/nbdm.log &
+MPID=$!
+i=0
+while [ ! -s /tmp/nbdm.json ]; do
+  i=$((i+1)); [ $i -lt 300 ] || {{ cat /tmp/nbdm.log; exit 1; }}
+  kill -0 $MPID || {{ cat /tmp/nbdm.log; exit 1; }}
+  sleep 0.2
+done
+echo "MARK nbdm-json $(cat /tmp/nbdm.json)"
+DEV=$(sed 's/.*"device":"\([^"]*\)".*/\1/' /tmp/nbdm.json)
+N=${{DEV#/dev/nbd}}
+echo "MARK nbdm-size $(cat /sys/block/nbd$N/size)"
+echo "MARK nbdm-backend $(cat /sys/block/nbd$N/backend)"
+{mount_checks}
+sync
+# Left in the page cache: periodic writeback off, the device held open (no last-close sync).
+echo 0 > /proc/sys/vm/dirty_writeback_centisecs
+exec 3<$DEV
+W0=$(awk '{{print $7}}' /sys/block/nbd$N/stat)
+farmap __guest pattern-write $DEV {uo} {ul} {us} --no-sync
+W1=$(awk '{{print $7}}' /sys/block/nbd$N/stat)
+echo "MARK nbdm-sectors-written-before-stop $((W1 - W0))"
+kill -TERM $MPID
+wait $MPID || {{ cat /tmp/nbdm.log; exit 1; }}
+exec 3<&-
+cat /tmp/nbdm.log
+echo MARK nbdm-done
 "#,
+        mport = mount_port,
+        mount_checks = device_checks("nbdm"),
         nport = nbd.port,
         export = nbd.export,
         fport = farmap_port,
@@ -289,10 +337,11 @@ fn kernel_nbd_and_ublk_in_a_vm() {
         Ok(s) => s,
         Err(why) => return farmap_testkit::skip(NAME, why),
     };
-    let (serve, farmap_port, ublk_store) = start_farmap_serve(dir.path());
-    let vm = Vm::new(guest_script(&nbd, farmap_port))
+    let (serve, farmap_port, ublk_store) = start_farmap_serve(dir.path(), "ublk");
+    let (mount_serve, mount_port, mount_store) = start_farmap_serve(dir.path(), "nbdm");
+    let vm = Vm::new(guest_script(&nbd, farmap_port, mount_port))
         .bin(farmap_bin(), "farmap")
-        .timeout(Duration::from_secs(240));
+        .timeout(Duration::from_secs(300));
     let out = match vm.run() {
         Ok(out) => out,
         Err(VmError::Unavailable(why)) => return farmap_testkit::skip(NAME, why),
@@ -310,6 +359,10 @@ fn kernel_nbd_and_ublk_in_a_vm() {
         .args(["-TERM", &serve.0.id().to_string()])
         .status();
     drop(serve);
+    let _ = Command::new("kill")
+        .args(["-TERM", &mount_serve.0.id().to_string()])
+        .status();
+    drop(mount_serve);
 
     assert_eq!(
         out.mark("nbd-size"),
@@ -321,11 +374,16 @@ fn kernel_nbd_and_ublk_in_a_vm() {
     assert_eq!(sockets, 4, "nbd-client -C 4 negotiated {sockets} sockets");
     // The same file content through both devices (each checked against the pattern in the
     // guest, and below on the host).
-    let sums = (out.mark("nbd-file"), out.mark("ublk-file"));
-    assert!(
-        matches!(sums, (Some(a), Some(b)) if a.len() == 32 && a == b),
-        "md5 of the file read back through nbd and ublk: {sums:?}"
+    let sums = (
+        out.mark("nbd-file"),
+        out.mark("ublk-file"),
+        out.mark("nbdm-file"),
     );
+    assert!(
+        matches!(sums, (Some(a), Some(b), Some(c)) if a.len() == 32 && a == b && a == c),
+        "md5 of the file read back through nbd-client, ublk and mount --nbd: {sums:?}"
+    );
+    check_mount_nbd(&out);
     assert!(out.mark("nbd-done").is_some() && out.mark("ublk-done").is_some());
     assert!(
         out.mark("ublk-dev")
@@ -335,4 +393,65 @@ fn kernel_nbd_and_ublk_in_a_vm() {
     );
     check_store("nbd", &nbd_store, dir.path());
     check_store("ublk", &ublk_store, dir.path());
+    check_store("mount-nbd", &mount_store, dir.path());
+    // The pattern written with no fsync just before SIGTERM reached the store: the teardown
+    // flushed before it disconnected.
+    let image = host_image(&mount_store, dir.path(), "mount-nbd-unsynced");
+    let bytes = std::fs::read(&image).unwrap();
+    let (uo, ul, us) = UNSYNCED_RANGE;
+    let got = &bytes[uo as usize..(uo + ul) as usize];
+    let want = pattern_bytes(us, uo, ul as usize);
+    if let Some(i) = got.iter().zip(&want).position(|(g, w)| g != w) {
+        panic!(
+            "mount --nbd: the pattern left in the page cache at SIGTERM is not in the store \
+             (byte {} is {:#04x}, expected {:#04x}): the teardown did not flush it",
+            uo + i as u64,
+            got[i],
+            want[i]
+        );
+    }
+}
+
+/// What the guest saw of `farmap mount --nbd`'s device.
+fn check_mount_nbd(out: &farmap_testkit::vm::VmOutput) {
+    assert!(
+        out.mark("nbd-lib-ok").is_some(),
+        "the library's nbd-lib run"
+    );
+    let json = out.mark("nbdm-json").expect("mount --nbd printed its JSON");
+    let v: serde_json::Value = serde_json::from_str(json).unwrap();
+    assert!(
+        v["device"]
+            .as_str()
+            .is_some_and(|d| d.starts_with("/dev/nbd")),
+        "device: {json}"
+    );
+    assert_eq!(v["size"], SIZE, "{json}");
+    assert_eq!(
+        v["connections"], 4,
+        "the in-process server's connections: {json}"
+    );
+    assert_eq!(v["block_size"], 4096, "{json}");
+    assert_eq!(
+        out.mark("nbdm-size"),
+        Some((SIZE / 512).to_string().as_str()),
+        "/sys/block/nbdN/size of mount --nbd's device"
+    );
+    assert!(
+        out.mark("nbdm-backend")
+            .is_some_and(|b| b.starts_with("farmap:")),
+        "/sys/block/nbdN/backend: {:?}",
+        out.mark("nbdm-backend")
+    );
+    // The unsynced pattern had not reached the device before SIGTERM (else the test below
+    // would prove nothing about the teardown).
+    let early: u64 = out
+        .mark("nbdm-sectors-written-before-stop")
+        .and_then(|s| s.parse().ok())
+        .expect("sectors written mark");
+    assert!(
+        early < UNSYNCED_RANGE.1 / 512,
+        "{early} sectors reached the device before SIGTERM: the unsynced pattern was written back early"
+    );
+    assert!(out.mark("nbdm-done").is_some());
 }

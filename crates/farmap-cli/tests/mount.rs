@@ -325,11 +325,8 @@ fn a_mount_whose_server_died_is_cleaned_up_by_the_next_mount() {
 }
 
 #[test]
-fn nbd_is_not_built_yet_and_ublk_names_what_it_needs() {
-    let out = farmap(&["mount", "--nbd", "memory:1MiB"]);
-    assert!(!out.status.success());
-    assert!(String::from_utf8_lossy(&out.stderr).contains("not built in this version"));
-    // --ublk takes a store only.
+fn ublk_names_what_it_needs() {
+    // (--nbd: tests/mount_nbd.rs.) --ublk takes a store only.
     let out = farmap(&["mount", "--ublk", "memory:1MiB", "/mnt"]);
     let err = String::from_utf8_lossy(&out.stderr);
     assert!(
