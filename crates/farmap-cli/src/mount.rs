@@ -97,6 +97,8 @@ pub struct UmountArgs {
 }
 
 pub async fn run(args: MountArgs) -> anyhow::Result<ExitCode> {
+    // From the start: a SIGTERM just after the path is printed must flush and unmount.
+    crate::serve::listen_for_stop()?;
     let (spec, dir): (StoreSpec, Option<PathBuf>) = if args.ublk || args.nbd {
         if let Some(extra) = &args.second {
             let how = if args.nbd { "--nbd" } else { "--ublk" };

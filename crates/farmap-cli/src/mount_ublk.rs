@@ -37,6 +37,7 @@ pub struct MountUblkArgs {
 
 /// The hidden subcommand's entry point.
 pub async fn run_args(args: MountUblkArgs) -> anyhow::Result<ExitCode> {
+    crate::serve::listen_for_stop()?;
     run(args.store, args.opts).await
 }
 
