@@ -266,11 +266,7 @@ impl agent::App for NodeApp {
             .lock()
             .as_ref()
             .map_or(0, |a| a.state.max_gap_ns.load(Ordering::Acquire));
-        let resumed_at = self
-            .app
-            .lock()
-            .as_ref()
-            .map_or(0, |a| a.state.resumed_at);
+        let resumed_at = self.app.lock().as_ref().map_or(0, |a| a.state.resumed_at);
         let mut m = serde_json::Map::new();
         m.insert("resumed_at_op".into(), json!(resumed_at));
         m.insert(

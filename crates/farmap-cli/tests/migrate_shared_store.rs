@@ -85,9 +85,10 @@ impl Proc {
         let deadline = Instant::now() + WAIT;
         loop {
             let left = deadline.saturating_duration_since(Instant::now());
-            let l = self.err.recv_timeout(left).unwrap_or_else(|e| {
-                panic!("{}: no stderr line with {text:?} ({e})", self.name)
-            });
+            let l = self
+                .err
+                .recv_timeout(left)
+                .unwrap_or_else(|e| panic!("{}: no stderr line with {text:?} ({e})", self.name));
             self.seen_err.push(l.clone());
             if l.contains(text) {
                 return l;
@@ -127,7 +128,11 @@ impl Drop for Proc {
 fn verify(node: &mut Proc) -> u64 {
     node.send("verify");
     let v = node.event("verified");
-    assert_eq!(v["ok"], true, "{}: region differs from its history: {v}", node.name);
+    assert_eq!(
+        v["ok"], true,
+        "{}: region differs from its history: {v}",
+        node.name
+    );
     v["ops"].as_u64().unwrap()
 }
 
@@ -181,7 +186,14 @@ fn a_region_over_redis_migrates_live_and_redis_holds_the_hand_over_image() {
 
     let mut seed = Proc::spawn(
         "seed",
-        &["seed", "--app", &agent_a, "--listen", "127.0.0.1:0", "--json"],
+        &[
+            "seed",
+            "--app",
+            &agent_a,
+            "--listen",
+            "127.0.0.1:0",
+            "--json",
+        ],
     );
     let l = seed.stderr_line("waiting for a leecher: control on ");
     let rest = l.split("control on ").nth(1).unwrap();
@@ -219,7 +231,10 @@ fn a_region_over_redis_migrates_live_and_redis_holds_the_hand_over_image() {
     // The destination runs on with every write, and the writer goes on there.
     std::thread::sleep(Duration::from_millis(200));
     let after = verify(&mut b);
-    assert!(after > handed_over_at, "{after} ops <= {handed_over_at} at the hand-over");
+    assert!(
+        after > handed_over_at,
+        "{after} ops <= {handed_over_at} at the hand-over"
+    );
 
     // Redis, read by a fresh client, holds the image at the hand-over.
     b.send(&format!("check-store {handed_over_at}"));

@@ -127,12 +127,20 @@ fn take_written_and_the_pusher_both_see_every_write() {
         let mem = region.memory();
         mem.store_u8(PAGE, 1).unwrap();
         // The first call starts the record with what its scan finds.
-        assert_eq!(region.take_written().unwrap().pages, vec![1..2], "{tracking:?}");
+        assert_eq!(
+            region.take_written().unwrap().pages,
+            vec![1..2],
+            "{tracking:?}"
+        );
         mem.store_u8(3 * PAGE, 2).unwrap();
         region.sync().unwrap(); // a push scans (and pushes) page 3
         mem.store_u8(40 * PAGE, 3).unwrap();
         let d = region.take_written().unwrap();
-        assert_eq!(d.pages, vec![3..4, 40..41], "{tracking:?}: the push hid nothing");
+        assert_eq!(
+            d.pages,
+            vec![3..4, 40..41],
+            "{tracking:?}: the push hid nothing"
+        );
         assert_eq!(d.chunks, [0, 2].map(ChunkIdx).to_vec(), "{tracking:?}");
         // Page 40 was scanned by take_written only: the next sync still pushes its chunk.
         region.sync().unwrap();
@@ -142,7 +150,11 @@ fn take_written_and_the_pusher_both_see_every_write() {
         // take_dirty takes from the pusher, not from take_written.
         mem.store_u8(70 * PAGE, 4).unwrap();
         assert_eq!(region.take_dirty().unwrap().pages, vec![70..71]);
-        assert_eq!(region.take_written().unwrap().pages, vec![70..71], "{tracking:?}");
+        assert_eq!(
+            region.take_written().unwrap().pages,
+            vec![70..71],
+            "{tracking:?}"
+        );
         assert!(region.take_written().unwrap().is_empty(), "{tracking:?}");
         region.close().unwrap();
     }
