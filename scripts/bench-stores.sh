@@ -4,6 +4,7 @@
 # prints SPEC_BASE= (a store spec without size); the bench adds size and chunk.
 # usage: scripts/bench-stores.sh [BENCH ARGS...]    (e.g. --size 256MiB --json)
 # FARMAP=path/to/farmap to use a built binary; otherwise it builds the release one.
+# STORES="redis minio" to start only some of the services.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 root=$PWD
@@ -20,6 +21,9 @@ cleanup() {
 }
 trap cleanup EXIT
 
+# var NAME KEY: what service NAME printed as KEY=.
+var() { sed -n "s/^$2=//p" "$work/$1.out"; }
+
 # start NAME: runs scripts/services/NAME.sh, waits for READY, sets base to its SPEC_BASE.
 # (Not in a $(...) subshell: the service stops when its parent process exits.)
 start() {
@@ -28,7 +32,7 @@ start() {
   bash "scripts/services/$name.sh" "$work/$name" >"$out" 2>"$work/$name.log" &
   pids+=($!)
   for _ in $(seq 1 9000); do
-    grep -qx READY "$out" && { base=$(sed -n 's/^SPEC_BASE=//p' "$out"); return 0; }
+    grep -qx READY "$out" && { base=$(var "$name" SPEC_BASE); return 0; }
     kill -0 "${pids[-1]}" 2>/dev/null || { echo "service $name failed:" >&2; tail -n 20 "$work/$name.log" >&2; return 1; }
     sleep 0.1
   done
@@ -37,11 +41,23 @@ start() {
 }
 
 stores=()
-for name in redis redis-cluster minio cassandra; do
+for name in ${STORES:-redis redis-cluster minio cassandra}; do
   [ -f "scripts/services/$name.sh" ] || continue
   if start "$name"; then
-    echo "started $name: $base" >&2
-    stores+=(--store "$base")
+    # A scratch region in each (the bench overwrites it), and what the service's SPEC_BASE
+    # leaves out: MinIO's endpoint and credentials, Cassandra's keyspace.
+    case $name in
+      redis) spec="$base/0?prefix=bench" ;;
+      redis-cluster) spec="$base?prefix=bench" ;;
+      minio)
+        spec="s3://$(var minio BUCKET)/bench?endpoint=$(var minio ENDPOINT)&region=$(var minio REGION)"
+        export AWS_ACCESS_KEY_ID=$(var minio ACCESS_KEY) AWS_SECRET_ACCESS_KEY=$(var minio SECRET_KEY)
+        ;;
+      cassandra) spec="$base/farmap_bench?table=bench&create=true" ;;
+      *) spec=$base ;;
+    esac
+    echo "started $name: $spec" >&2
+    stores+=(--store "$spec")
   fi
 done
 "$FARMAP" bench stores "${stores[@]}" "$@"

@@ -18,10 +18,11 @@ step() { printf '\n=== %s\n' "$*" >&2; }
 # nbdkit libnbd-bin qemu-utils fio fuse3: real NBD peers (farmap-nbd's interop tests, bench nbd).
 # openjdk-17-jre-headless, maven: scripts/services/cassandra.sh runs Cassandra 5.0 from Maven
 # Central jars (cached under ~/.cache/farmap/) for the CQL store's tests.
-# redis-server, redis-tools: the Redis store tests (scripts/services/redis.sh, redis-cluster.sh).
+# redis-server, redis-tools, openssl: the Redis store tests (scripts/services/redis.sh,
+# redis-cluster.sh, redis-tls.sh makes its test CA with openssl).
 # python3: the `farmap mount` tests drive the mounted file from Python (mmap, threads).
 PKGS=(util-linux g++ qemu-system-x86 nbd-client busybox-static cpio xz-utils e2fsprogs libclang-dev
-  nbdkit libnbd-bin qemu-utils fio fuse3 openjdk-17-jre-headless maven redis-server redis-tools python3)
+  nbdkit libnbd-bin qemu-utils fio fuse3 openjdk-17-jre-headless maven redis-server redis-tools openssl python3)
 missing=()
 for p in "${PKGS[@]}"; do
   dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")

@@ -71,6 +71,12 @@ pub struct NodeArgs {
     /// Create the region and start the writer at once.
     #[arg(long)]
     init: bool,
+    /// With `--init`: the region lives in this store (any spec; a shared network store such
+    /// as `redis://` for the migration tests), pushed in the background, instead of memory.
+    /// The region is synced to it when it is handed over and released. Also the store that
+    /// `check-store OPS` reads.
+    #[arg(long, value_name = "SPEC")]
+    store: Option<farmap::StoreSpec>,
 }
 
 // ---- the workload: pure functions of (seed, op) -------------------------------------------
@@ -112,6 +118,8 @@ struct WriterState {
     ops: AtomicU64,
     last_op_ns: AtomicU64,
     max_gap_ns: AtomicU64,
+    /// The op count this writer started from (at a destination: the ops at the hand-over).
+    resumed_at: u64,
 }
 
 impl WriterState {
@@ -131,8 +139,10 @@ impl WriterState {
                     .unwrap_or([0; 8]),
             ))
         };
+        let ops = get(0);
         WriterState {
-            ops: get(0),
+            resumed_at: ops.load(Ordering::Acquire),
+            ops,
             last_op_ns: get(1),
             max_gap_ns: get(2),
         }
@@ -208,6 +218,8 @@ struct NodeApp {
     app: Arc<parking_lot::Mutex<Option<App>>>,
     seed: u64,
     rate: u64,
+    /// Whether the region lives in a store of its own that it syncs to when released.
+    synced_store: bool,
 }
 
 impl agent::App for NodeApp {
@@ -228,10 +240,21 @@ impl agent::App for NodeApp {
     fn released(&self, _: &SeedReport) {
         let taken = self.app.lock().take();
         if let Some(App {
-            thread: Some(t), ..
+            thread: Some(t),
+            region,
+            ..
         }) = taken
         {
             let _ = t.join();
+            if self.synced_store {
+                // The writer stopped at the hand-over: the store gets the image it left.
+                let synced = region.sync();
+                say(json!({
+                    "event": "released",
+                    "synced": synced.is_ok(),
+                    "error": synced.err().map(|e| format!("{:#}", anyhow::Error::new(e))),
+                }));
+            }
         }
     }
 
@@ -249,7 +272,9 @@ impl agent::App for NodeApp {
             .lock()
             .as_ref()
             .map_or(0, |a| a.state.max_gap_ns.load(Ordering::Acquire));
+        let resumed_at = self.app.lock().as_ref().map_or(0, |a| a.state.resumed_at);
         let mut m = serde_json::Map::new();
+        m.insert("resumed_at_op".into(), json!(resumed_at));
         m.insert(
             "effective_downtime_ms".into(),
             json!((gap as f64 / 1e4).round() / 100.0),
@@ -263,18 +288,41 @@ impl agent::App for NodeApp {
 pub async fn node(args: NodeArgs) -> anyhow::Result<ExitCode> {
     let slot: Arc<parking_lot::Mutex<Option<App>>> = Default::default();
     if args.init {
-        let geometry = Geometry::with_default_chunk(args.size)?;
-        let store: Arc<dyn Store> = Arc::new(farmap::store::MemoryStore::new(geometry));
-        let region = Region::open(
-            store,
-            RegionOptions {
-                push: PushOptions {
-                    interval: None,
-                    ..PushOptions::default()
-                },
-                ..RegionOptions::direct()
-            },
-        )?;
+        let region = match &args.store {
+            None => {
+                let geometry = Geometry::with_default_chunk(args.size)?;
+                let store: Arc<dyn Store> = Arc::new(farmap::store::MemoryStore::new(geometry));
+                Region::open(
+                    store,
+                    RegionOptions {
+                        push: PushOptions {
+                            interval: None,
+                            ..PushOptions::default()
+                        },
+                        ..RegionOptions::direct()
+                    },
+                )?
+            }
+            Some(spec) => {
+                // Pushed often, so that push rounds and a migration's dirty rounds interleave.
+                let opts = RegionOptions {
+                    push: PushOptions {
+                        interval: Some(Duration::from_millis(50)),
+                        ..PushOptions::default()
+                    },
+                    ..RegionOptions::default()
+                };
+                let region = farmap::open_region(spec, opts)
+                    .with_context(|| format!("opening a region over {spec}"))?;
+                anyhow::ensure!(
+                    region.len() as u64 == args.size,
+                    "{spec} holds {} bytes, not --size {}",
+                    region.len(),
+                    args.size
+                );
+                region
+            }
+        };
         let mut buf = vec![0u8; 1 << 20];
         for off in (0..args.size).step_by(buf.len()) {
             for (i, w) in buf.chunks_exact_mut(8).enumerate() {
@@ -295,6 +343,7 @@ pub async fn node(args: NodeArgs) -> anyhow::Result<ExitCode> {
             app: slot.clone(),
             seed: args.seed,
             rate: args.ops_per_sec,
+            synced_store: args.init && args.store.is_some(),
         }),
     )
     .await
@@ -318,6 +367,28 @@ pub async fn node(args: NodeArgs) -> anyhow::Result<ExitCode> {
                 say(json!({"event": "verified", "ok": ok, "ops": ops, "ms": ms(t.elapsed())}));
             }
             "quit" => break,
+            other if other.starts_with("check-store ") => {
+                let ops: u64 = other["check-store ".len()..]
+                    .trim()
+                    .parse()
+                    .context("check-store OPS")?;
+                let spec = args.store.as_ref().context("check-store needs --store")?;
+                let expected = expected_image(args.seed, args.size, ops);
+                let held = read_store(spec, args.size).await;
+                say(match held {
+                    Ok(held) => {
+                        let differ = held
+                            .chunks(4096)
+                            .zip(expected.chunks(4096))
+                            .filter(|(a, b)| a != b)
+                            .count();
+                        json!({"event": "store-checked", "ok": differ == 0, "ops": ops,
+                               "pages_differing": differ})
+                    }
+                    Err(e) => json!({"event": "store-checked", "ok": false,
+                                     "error": format!("{e:#}")}),
+                });
+            }
             other => bail!("unknown node command {other:?}"),
         }
     }
@@ -329,6 +400,19 @@ pub async fn node(args: NodeArgs) -> anyhow::Result<ExitCode> {
         }
     }
     Ok(ExitCode::SUCCESS)
+}
+
+/// The first `size` bytes of the store `spec` names, read by a client of its own.
+async fn read_store(spec: &farmap::StoreSpec, size: u64) -> anyhow::Result<Vec<u8>> {
+    let store = farmap::spec::open_store_async(spec)
+        .await
+        .with_context(|| format!("opening {spec}"))?;
+    let u = farmap::pipeline::Unaligned::new(store);
+    let bytes = u
+        .read_bytes(0, size as usize)
+        .await
+        .with_context(|| format!("reading {spec}"))?;
+    Ok(bytes.to_vec())
 }
 
 fn ms(d: Duration) -> f64 {

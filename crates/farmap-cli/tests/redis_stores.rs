@@ -63,6 +63,35 @@ fn cp_round_trip_through_redis() {
 }
 
 #[test]
+fn cp_round_trip_through_redis_over_tls() {
+    round_trip("redis-tls", |svc, opts| {
+        format!("{}/0?ca={}&{opts}", svc.var("SPEC_BASE"), svc.var("CA"))
+    });
+}
+
+/// `rediss://` with a CA that did not sign the server's certificate: refused, and the message
+/// says why and what to check.
+#[test]
+fn rediss_with_the_wrong_ca_is_refused_clearly() {
+    let svc = match Service::shared("redis-tls") {
+        Ok(s) => s,
+        Err(e) => return farmap_testkit::skip("rediss_with_the_wrong_ca_is_refused_clearly", e),
+    };
+    let spec = format!(
+        "{}/0?ca={}&size=1MiB&prefix=wrong-ca",
+        svc.var("SPEC_BASE"),
+        svc.var("WRONG_CA")
+    );
+    let o = farmap(&["info", &spec]);
+    assert!(!o.status.success(), "a server from another CA was accepted");
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert!(
+        err.contains("TLS certificate is not trusted") && err.contains(svc.var("PORT")),
+        "{err}"
+    );
+}
+
+#[test]
 fn cp_round_trip_through_a_redis_cluster() {
     round_trip("redis-cluster", |svc, opts| {
         format!("{}?{opts}", svc.var("SPEC_BASE"))

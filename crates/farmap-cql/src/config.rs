@@ -444,14 +444,24 @@ impl FromStr for CqlSpec {
 }
 
 impl CqlTarget {
-    /// `cql://[user[:password]@]nodes/keyspace`, the part before `?`.
+    /// `cql://[user[:password]@]nodes/keyspace`, the part before `?`, with the password
+    /// (for a spec that must work again: keep it out of logs; see [`shown`](Self::shown)).
     pub fn base(&self) -> String {
+        self.base_with(self.password.as_deref().map(percent_encode))
+    }
+
+    /// The part before `?` as shown to people: a password as `***` (like a Redis spec's).
+    pub fn shown(&self) -> String {
+        self.base_with(self.password.as_ref().map(|_| "***".to_owned()))
+    }
+
+    fn base_with(&self, password: Option<String>) -> String {
         let mut s = String::from("cql://");
         if let Some(user) = &self.user {
             s.push_str(&percent_encode(user));
-            if let Some(p) = &self.password {
+            if let Some(p) = password {
                 s.push(':');
-                s.push_str(&percent_encode(p));
+                s.push_str(&p);
             }
             s.push('@');
         }
@@ -517,7 +527,8 @@ impl fmt::Display for CqlSpec {
         if self.read_only {
             opts.push("ro".into());
         }
-        write!(f, "{}?{}", self.target.base(), opts.join("&"))
+        // The password is shown as `***`: a spec's text ends up in logs and messages.
+        write!(f, "{}?{}", self.target.shown(), opts.join("&"))
     }
 }
 
@@ -553,7 +564,16 @@ mod tests {
             (s.size, s.chunk_size, s.read_only),
             (Some(1 << 30), Some(1 << 20), true)
         );
-        assert_eq!(parse(&s.to_string()).unwrap(), s, "{s}");
+        let shown = s.to_string();
+        assert!(
+            shown.starts_with("cql://alice:***@10.0.0.1:9043,") && !shown.contains("p%40ss"),
+            "Display hides the password: {shown}"
+        );
+        // Apart from the password, the displayed spec parses back to the same one.
+        let mut back = parse(&shown).unwrap();
+        assert_eq!(back.target.password.as_deref(), Some("***"));
+        back.target.password = t.password.clone();
+        assert_eq!(back, s, "{shown}");
         assert!(
             !format!("{s:?}").contains("p@ss"),
             "Debug hides the password"
@@ -624,9 +644,17 @@ mod tests {
         ) {
             if let Ok(spec) = parse(&text) {
                 let shown = spec.to_string();
-                proptest::prop_assert_eq!(parse(&shown), Ok(spec), "{} -> {}", text, shown);
+                proptest::prop_assert_eq!(parse(&shown), Ok(as_shown(spec)), "{} -> {}", text, shown);
             }
         }
+    }
+
+    /// `s` as its displayed text parses back: a password reads `***`.
+    fn as_shown(mut s: CqlSpec) -> CqlSpec {
+        if s.target.password.is_some() {
+            s.target.password = Some("***".into());
+        }
+        s
     }
 
     #[test]
@@ -638,7 +666,11 @@ mod tests {
             "CQL://H/KS?table=T&region=R&create=0",
         ] {
             let s = parse(text).unwrap_or_else(|e| panic!("{text}: {e}"));
-            assert_eq!(parse(&s.to_string()), Ok(s.clone()), "{text} -> {s}");
+            assert_eq!(
+                parse(&s.to_string()),
+                Ok(as_shown(s.clone())),
+                "{text} -> {s}"
+            );
         }
     }
 }

@@ -5,7 +5,7 @@
 //!   source host (seeder)                         destination host (leecher)
 //!   ┌──────────────────────────┐   control      ┌──────────────────────────────────┐
 //!   │ Seeder (state machine)   │◀──────────────▶│ Leecher (state machine)          │
-//!   │  take_dirty() per 4 KiB  │  own connection│  Region (managed) over           │
+//!   │ take_written() per 4 KiB │  own connection│  Region (managed) over           │
 //!   │  Suspend hook            │                │   MigrationStore ── RemoteStore ─┼─┐
 //!   │ farmap_net::serve(       │   data plane   │  discard_pages + fetch_chunks    │ │
 //!   │   LiveView of region) ◀──┼────────────────┼──────────────────────────────────┼─┘

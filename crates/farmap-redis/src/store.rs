@@ -110,6 +110,22 @@ fn kind_of(e: &RedisError) -> ErrorKind {
 
 fn open_err(server: &str, what: &str, e: RedisError) -> StoreError {
     let kind = kind_of(&e);
+    let mut text = e.to_string();
+    let mut source = std::error::Error::source(&e);
+    while let Some(s) = source {
+        text.push_str(&s.to_string());
+        source = s.source();
+    }
+    if text.contains("certificate") || text.contains("UnknownIssuer") {
+        return StoreError::new(
+            ErrorKind::PermissionDenied,
+            format!(
+                "{what} {server}: its TLS certificate is not trusted (check that ca= names the \
+                 PEM file of the CA that signed it, and that it names this host)"
+            ),
+        )
+        .with_source(e);
+    }
     let why = match kind {
         ErrorKind::PermissionDenied => " (the user name or password was refused)",
         ErrorKind::Unavailable => " (the server cannot be reached)",
@@ -456,6 +472,11 @@ fn connect_err(server: &str, e: RedisError) -> StoreError {
 }
 
 fn certificates(ca: Option<&Path>) -> StoreResult<redis::TlsCertificates> {
+    // The redis client builds its TLS config with the process's default crypto provider;
+    // with both of rustls's providers compiled in (other dependencies enable aws-lc-rs),
+    // rustls cannot pick one and panics. Install ring, as the rest of farmap uses, unless
+    // the application installed one already (then this does nothing).
+    let _ = rustls::crypto::ring::default_provider().install_default();
     let root_cert =
         match ca {
             Some(path) => Some(std::fs::read(path).map_err(|e| {

@@ -395,6 +395,21 @@ impl Region {
         self.inner.tracker.take()
     }
 
+    /// The pages written since the previous call, and their chunks, for a consumer that
+    /// works beside the region's pusher (a live migration of a region whose store is shared):
+    /// unlike [`take_dirty`](Self::take_dirty), nothing is taken from the pusher (the chunks
+    /// found are still pushed), and pages that push rounds or `take_dirty` scanned since the
+    /// previous call are reported too. Each write is reported by this call or a later one,
+    /// never lost. The first call starts the record and reports what its scan finds (the
+    /// pages written since the last scan of any kind).
+    pub fn take_written(&self) -> Result<DirtyReport, RegionError> {
+        let (scanned, observed) = self.inner.tracker.take_observed()?;
+        for idx in scanned.chunks {
+            self.inner.pusher.mark_dirty(idx);
+        }
+        Ok(observed)
+    }
+
     /// Pushes every chunk written so far to the store, flushes the store, and waits.
     /// On an error, the chunks not pushed stay dirty for the next round or `sync`.
     pub fn sync(&self) -> Result<(), RegionError> {

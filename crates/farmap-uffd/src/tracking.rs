@@ -14,7 +14,7 @@
 
 use std::ops::Range;
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::Arc;
+use std::sync::{Arc, OnceLock};
 use std::time::{Duration, Instant};
 
 use farmap_core::{ErrorKind, Geometry, StoreError, StoreResult};
@@ -48,6 +48,22 @@ impl PageBits {
 
     pub fn set(&self, page: u64) {
         self.words[(page / 64) as usize].fetch_or(1 << (page % 64), Ordering::AcqRel);
+    }
+
+    /// Sets the bits of `pages`, a word at a time.
+    fn set_range(&self, pages: Range<u64>) {
+        let mut page = pages.start;
+        while page < pages.end {
+            let in_word = page % 64;
+            let n = (64 - in_word).min(pages.end - page);
+            let mask = if n == 64 {
+                u64::MAX
+            } else {
+                ((1u64 << n) - 1) << in_word
+            };
+            self.words[(page / 64) as usize].fetch_or(mask, Ordering::AcqRel);
+            page += n;
+        }
     }
 
     /// Clears the bits of `pages` (their pages were discarded: nothing written is left).
@@ -103,6 +119,10 @@ pub(crate) struct Tracker {
     events: Arc<Events>,
     counters: Arc<Counters>,
     mapping: Arc<Mapping>,
+    /// The pages written since the last [`take_observed`](Self::take_observed), whoever
+    /// scanned them (a push round, `take_dirty`, or that call): set by every scan once a
+    /// second consumer (a migration) asked for them the first time.
+    observed: OnceLock<PageBits>,
 }
 
 impl Tracker {
@@ -128,6 +148,7 @@ impl Tracker {
             written,
             events,
             counters,
+            observed: OnceLock::new(),
         })
     }
 
@@ -199,27 +220,53 @@ impl Tracker {
         }
     }
 
+    /// Adds the run of pages `r` (after every run added so far) to `report`.
+    fn add_run(&self, report: &mut DirtyReport, r: Range<u64>) {
+        let shift = self.geometry.chunk_shift() - self.range.page_size().trailing_zeros();
+        let first = r.start >> shift;
+        let last = (r.end - 1) >> shift;
+        let from = match report.chunks.last() {
+            Some(c) if c.0 >= first => c.0 + 1,
+            _ => first,
+        };
+        report
+            .chunks
+            .extend((from..=last).map(farmap_core::ChunkIdx));
+        match report.pages.last_mut() {
+            Some(p) if p.end == r.start => p.end = r.end,
+            _ => report.pages.push(r),
+        }
+    }
+
     /// The pages written since the last scan, and their chunks.
     pub fn take(&self) -> Result<DirtyReport, RegionError> {
         let mut report = DirtyReport::default();
-        let shift = self.geometry.chunk_shift() - self.range.page_size().trailing_zeros();
+        let observed = self.observed.get();
         self.scan(|r| {
-            let first = r.start >> shift;
-            let last = (r.end - 1) >> shift;
-            let from = match report.chunks.last() {
-                Some(c) if c.0 >= first => c.0 + 1,
-                _ => first,
-            };
-            report
-                .chunks
-                .extend((from..=last).map(farmap_core::ChunkIdx));
-            match report.pages.last_mut() {
-                Some(p) if p.end == r.start => p.end = r.end,
-                _ => report.pages.push(r),
+            if let Some(o) = observed {
+                o.set_range(r.clone());
             }
+            self.add_run(&mut report, r);
         })?;
         Counters::add(&self.counters.dirty_chunks, report.chunks.len() as u64);
         Ok(report)
+    }
+
+    /// For a second consumer of the writes (a migration), besides the pusher: scans, and
+    /// returns `(scanned, observed)`: what this scan found (whose chunks the caller gives
+    /// back to the pusher) and every page written since the previous call, including the
+    /// pages push rounds and `take_dirty` scanned meanwhile. The first call starts the
+    /// record; it returns what its own scan finds.
+    pub fn take_observed(&self) -> Result<(DirtyReport, DirtyReport), RegionError> {
+        let pages = (self.range.len() / self.range.page_size()) as u64;
+        let observed = self.observed.get_or_init(|| PageBits::new(pages));
+        let scanned = self.take()?;
+        let mut report = DirtyReport::default();
+        observed.take(|r| {
+            self.add_run(&mut report, r);
+            Ok(())
+        })?;
+        Ok((scanned, report))
     }
 }
 

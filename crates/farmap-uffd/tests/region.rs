@@ -112,6 +112,54 @@ fn writes_are_tracked_per_page_in_both_modes() {
     }
 }
 
+/// `take_written` (a migration's view) and the pusher each see every write: a push round
+/// does not hide a page from the next `take_written`, and `take_written` leaves the chunks
+/// it reports to the pusher (the store still gets them).
+#[test]
+fn take_written_and_the_pusher_both_see_every_write() {
+    if !uffd_available("take_written_and_the_pusher_both_see_every_write") {
+        return;
+    }
+    for tracking in tracking_modes() {
+        let g = Geometry::new(4 << 20, 64 << 10).unwrap();
+        let store = Arc::new(MemoryStore::new(g));
+        let region = Region::open(store.clone(), direct(tracking)).unwrap();
+        let mem = region.memory();
+        mem.store_u8(PAGE, 1).unwrap();
+        // The first call starts the record with what its scan finds.
+        assert_eq!(
+            region.take_written().unwrap().pages,
+            vec![1..2],
+            "{tracking:?}"
+        );
+        mem.store_u8(3 * PAGE, 2).unwrap();
+        region.sync().unwrap(); // a push scans (and pushes) page 3
+        mem.store_u8(40 * PAGE, 3).unwrap();
+        let d = region.take_written().unwrap();
+        assert_eq!(
+            d.pages,
+            vec![3..4, 40..41],
+            "{tracking:?}: the push hid nothing"
+        );
+        assert_eq!(d.chunks, [0, 2].map(ChunkIdx).to_vec(), "{tracking:?}");
+        // Page 40 was scanned by take_written only: the next sync still pushes its chunk.
+        region.sync().unwrap();
+        let pushed = block_on(store.read(ChunkIdx(2))).unwrap();
+        assert_eq!(pushed[(40 * PAGE) % (64 << 10)], 3, "{tracking:?}");
+        assert_eq!(block_on(store.read(ChunkIdx(0))).unwrap()[3 * PAGE], 2);
+        // take_dirty takes from the pusher, not from take_written.
+        mem.store_u8(70 * PAGE, 4).unwrap();
+        assert_eq!(region.take_dirty().unwrap().pages, vec![70..71]);
+        assert_eq!(
+            region.take_written().unwrap().pages,
+            vec![70..71],
+            "{tracking:?}"
+        );
+        assert!(region.take_written().unwrap().is_empty(), "{tracking:?}");
+        region.close().unwrap();
+    }
+}
+
 #[test]
 fn sync_pushes_every_written_chunk_and_close_syncs() {
     if !uffd_available("sync_pushes_every_written_chunk_and_close_syncs") {

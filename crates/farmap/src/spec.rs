@@ -643,7 +643,8 @@ impl fmt::Display for StoreSpec {
                 opts = remote_opts;
             }
             SpecKind::Cql(target) => {
-                f.write_str(&target.base())?;
+                // The password as `***`, as for Redis.
+                f.write_str(&target.shown())?;
                 opts = target.options();
                 if let Some(s) = self.size {
                     opts.push(format!("size={}", format_size(s)));
@@ -867,7 +868,7 @@ mod tests {
             "farmaps://h:1?ca=a&cert=c&key=k&name=n&timeout=1500ms&connections=2",
             "farmap+unix:/s?timeout=0.5s",
             "farmap+grpc://h:2?timeout=90s",
-            "cql://u:p%40@h:1,h2/ks?table=t&region=r&size=3MiB&chunk=1MiB&create=true&ro",
+            "cql://u@h:1,h2/ks?table=t&region=r&size=3MiB&chunk=1MiB&create=true&ro",
             "cql://h/ks?consistency=one&timeout=2s&connections=3&replication=2",
             "s3://bucket/a/b?endpoint=http://127.0.0.1:9000&region=eu-west-1&profile=p&connections=8&timeout=2s&retries=3&size=64MiB&chunk=1MiB&ro",
             "s3://my.bucket?size=1GiB",
@@ -901,6 +902,13 @@ mod tests {
             "cp gives a new region the source's size"
         );
         assert!(!parse("cql://h/ks").unwrap().creates());
+        // The password is not shown (as for Redis).
+        let p = parse("cql://u:hunter2@h/ks?size=1MiB").unwrap();
+        assert!(
+            p.to_string().starts_with("cql://u:***@h:9042/ks?")
+                && !p.to_string().contains("hunter2"),
+            "{p}"
+        );
         for (spec, want) in [
             ("cql://h/ks?chunk=4MiB", "from 4KiB to 1MiB"),
             ("cql://h/ks?ca=x", "unknown option \"ca\""),

@@ -62,3 +62,12 @@ pub async fn raw(addr: &str) -> redis::aio::MultiplexedConnection {
         .await
         .expect("connect")
 }
+
+/// A fresh, empty store of geometry `g` with `extra` options, as an `Arc<dyn Store>`.
+pub async fn fresh_dyn_with(
+    spec_base: &str,
+    g: Geometry,
+    extra: &[(&str, &str)],
+) -> Arc<dyn Store> {
+    Arc::new(fresh_store(spec_base, g, extra).await)
+}

@@ -1,0 +1,243 @@
+//! Live migration of a region whose store is a shared network store (a real Redis): the
+//! source application (`farmap __demo-node --store redis://...`) writes while its region is
+//! pushed to Redis in the background every 50 ms, `farmap seed` and `farmap leech` move it to
+//! a second application, and then:
+//! - the destination's region equals the image recomputed from the writer's seed and op
+//!   count (no write lost to the push rounds that ran during the migration's dirty rounds);
+//! - the source, released after the hand-over, synced its region to Redis, and a fresh
+//!   client reads from Redis exactly the image at the hand-over's op count.
+
+use std::io::{BufRead, BufReader, Write};
+use std::process::{Child, ChildStdin, Command, Stdio};
+use std::sync::mpsc;
+use std::time::{Duration, Instant};
+
+use farmap_testkit::{skip, Service};
+use serde_json::Value;
+
+const WAIT: Duration = Duration::from_secs(120);
+
+/// A farmap process with its stdout (JSON lines) and stderr lines collected as they come.
+struct Proc {
+    name: &'static str,
+    child: Child,
+    stdin: ChildStdin,
+    out: mpsc::Receiver<String>,
+    err: mpsc::Receiver<String>,
+    seen_err: Vec<String>,
+}
+
+fn collect(r: impl std::io::Read + Send + 'static, tag: String) -> mpsc::Receiver<String> {
+    let (tx, rx) = mpsc::channel();
+    std::thread::spawn(move || {
+        for l in BufReader::new(r).lines().map_while(Result::ok) {
+            eprintln!("[{tag}] {l}");
+            if tx.send(l).is_err() {
+                return;
+            }
+        }
+    });
+    rx
+}
+
+impl Proc {
+    fn spawn(name: &'static str, args: &[&str]) -> Proc {
+        let mut child = Command::new(env!("CARGO_BIN_EXE_farmap"))
+            .args(args)
+            .stdin(Stdio::piped())
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped())
+            .spawn()
+            .expect("start farmap");
+        Proc {
+            name,
+            stdin: child.stdin.take().unwrap(),
+            out: collect(child.stdout.take().unwrap(), format!("{name} out")),
+            err: collect(child.stderr.take().unwrap(), format!("{name} err")),
+            child,
+            seen_err: Vec::new(),
+        }
+    }
+
+    /// The next stdout JSON line whose `event` is `event`.
+    fn event(&mut self, event: &str) -> Value {
+        let deadline = Instant::now() + WAIT;
+        loop {
+            let left = deadline.saturating_duration_since(Instant::now());
+            let l = self
+                .out
+                .recv_timeout(left)
+                .unwrap_or_else(|e| panic!("{}: no '{event}' event ({e})", self.name));
+            if let Ok(v) = serde_json::from_str::<Value>(&l) {
+                if v["event"] == event {
+                    return v;
+                }
+            }
+        }
+    }
+
+    fn send(&mut self, line: &str) {
+        writeln!(self.stdin, "{line}").unwrap();
+        self.stdin.flush().unwrap();
+    }
+
+    fn stderr_line(&mut self, text: &str) -> String {
+        let deadline = Instant::now() + WAIT;
+        loop {
+            let left = deadline.saturating_duration_since(Instant::now());
+            let l = self
+                .err
+                .recv_timeout(left)
+                .unwrap_or_else(|e| panic!("{}: no stderr line with {text:?} ({e})", self.name));
+            self.seen_err.push(l.clone());
+            if l.contains(text) {
+                return l;
+            }
+        }
+    }
+
+    /// Waits for the exit: success and the last stdout line as JSON.
+    fn finish(mut self) -> (bool, Value, String) {
+        let deadline = Instant::now() + WAIT;
+        let status = loop {
+            if let Some(s) = self.child.try_wait().unwrap() {
+                break s;
+            }
+            assert!(Instant::now() < deadline, "{} did not exit", self.name);
+            std::thread::sleep(Duration::from_millis(20));
+        };
+        let out: Vec<String> = std::iter::from_fn(|| self.out.recv_timeout(WAIT).ok()).collect();
+        self.seen_err
+            .extend(std::iter::from_fn(|| self.err.recv_timeout(WAIT).ok()));
+        let last = out
+            .last()
+            .and_then(|l| serde_json::from_str(l).ok())
+            .unwrap_or(Value::Null);
+        (status.success(), last, self.seen_err.join("\n"))
+    }
+}
+
+impl Drop for Proc {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+/// Asks a demo node to compare its region with the recomputed image: the op count.
+fn verify(node: &mut Proc) -> u64 {
+    node.send("verify");
+    let v = node.event("verified");
+    assert_eq!(
+        v["ok"], true,
+        "{}: region differs from its history: {v}",
+        node.name
+    );
+    v["ops"].as_u64().unwrap()
+}
+
+#[test]
+fn a_region_over_redis_migrates_live_and_redis_holds_the_hand_over_image() {
+    let test = "a_region_over_redis_migrates_live_and_redis_holds_the_hand_over_image";
+    if let Err(e) = farmap_uffd::probe() {
+        return skip(test, format!("userfaultfd: {e}"));
+    }
+    let svc = match Service::shared("redis") {
+        Ok(s) => s,
+        Err(e) => return skip(test, e),
+    };
+    let dir = tempfile::tempdir().unwrap();
+    let size: u64 = 16 << 20;
+    let spec = format!(
+        "{}/0?size={size}&prefix=migrate-{}",
+        svc.var("SPEC_BASE"),
+        std::process::id()
+    );
+    let rate = (size / 4096 / 10).to_string(); // 10% of the pages per second
+    let size_arg = size.to_string();
+    let agent = |name: &str| dir.path().join(name).to_str().unwrap().to_owned();
+    let (agent_a, agent_b) = (agent("a.agent"), agent("b.agent"));
+    let node = |name: &'static str, agent: &str, init: bool| {
+        let mut args = vec![
+            "__demo-node",
+            "--size",
+            &size_arg,
+            "--seed",
+            "11",
+            "--ops-per-sec",
+            &rate,
+            "--agent",
+            agent,
+            "--store",
+            &spec,
+        ];
+        if init {
+            args.push("--init");
+        }
+        let mut p = Proc::spawn(name, &args);
+        p.event("ready");
+        p
+    };
+    let mut a = node("a", &agent_a, true);
+    let mut b = node("b", &agent_b, false);
+    // Let a few push rounds run with the writer going.
+    std::thread::sleep(Duration::from_millis(300));
+    let before = verify(&mut a);
+
+    let mut seed = Proc::spawn(
+        "seed",
+        &[
+            "seed",
+            "--app",
+            &agent_a,
+            "--listen",
+            "127.0.0.1:0",
+            "--json",
+        ],
+    );
+    let l = seed.stderr_line("waiting for a leecher: control on ");
+    let rest = l.split("control on ").nth(1).unwrap();
+    let (control, data) = rest.split_once(", data plane on ").unwrap();
+    let leech = Proc::spawn(
+        "leech",
+        &[
+            "leech",
+            "--app",
+            &agent_b,
+            "--from",
+            control.trim(),
+            "--data",
+            data.trim(),
+            "--max-downtime",
+            "10ms",
+            "--json",
+        ],
+    );
+    let (ok, report, err) = leech.finish();
+    assert!(ok, "leech failed: {err}");
+    let handed_over_at = report["resumed_at_op"]
+        .as_u64()
+        .unwrap_or_else(|| panic!("resumed_at_op missing in {report}"));
+    assert!(handed_over_at >= before, "{handed_over_at} < {before}");
+    let (ok, _, err) = seed.finish();
+    assert!(ok, "seed failed: {err}");
+
+    // The source synced what it held at the hand-over, and holds nothing now.
+    let released = a.event("released");
+    assert_eq!(released["synced"], true, "{released}");
+    a.send("verify");
+    assert_eq!(a.event("verified")["error"], "no region here");
+
+    // The destination runs on with every write, and the writer goes on there.
+    std::thread::sleep(Duration::from_millis(200));
+    let after = verify(&mut b);
+    assert!(
+        after > handed_over_at,
+        "{after} ops <= {handed_over_at} at the hand-over"
+    );
+
+    // Redis, read by a fresh client, holds the image at the hand-over.
+    b.send(&format!("check-store {handed_over_at}"));
+    let checked = b.event("store-checked");
+    assert_eq!(checked["ok"], true, "{checked}");
+}
