@@ -39,7 +39,9 @@ pub struct NbdServeOptions {
     /// TLS by `NBD_OPT_STARTTLS` (required of every client when set); with a client CA,
     /// mutual TLS.
     pub tls: Option<TlsServerConfig>,
-    /// Largest payload of one read or write (announced in `NBD_INFO_BLOCK_SIZE`).
+    /// Largest payload of one write or simple-reply read, and largest data chunk of a
+    /// structured read (announced in `NBD_INFO_BLOCK_SIZE`; raised to the chunk size of an
+    /// export with larger chunks). Structured reads longer than this are served in pieces.
     pub max_payload: u32,
     /// Time a client has to finish the handshake (TLS included).
     pub handshake_timeout: Duration,
@@ -223,10 +225,16 @@ pub fn serve_nbd(
         let caps = e.store.caps();
         let read_only = e.read_only || !caps.contains(Caps::WRITE);
         let flags = flags_for(caps, read_only);
+        // What is announced is what is served: writes and simple-reply reads up to `max`
+        // bytes (longer ones fail with EINVAL), structured reads of any length (sent in
+        // chunks of at most `max` bytes of data). A chunk (a power of two) is the
+        // preferred size, and never over the maximum.
+        let preferred = g.chunk_size().max(512);
+        let max_payload = opts.max_payload.max(preferred);
         let block = BlockSize {
             min: 1,
-            preferred: g.chunk_size().max(512),
-            max: opts.max_payload.max(g.chunk_size()),
+            preferred,
+            max: max_payload,
         };
         infos.push(ExportInfo {
             name: e.name.clone(),
@@ -242,14 +250,15 @@ pub fn serve_nbd(
             chunk: g.chunk_size().into(),
             read_only,
             caps,
-            max_payload: opts.max_payload,
+            max_payload,
         }));
     }
     let (stop, shutdown) = watch::channel(false);
     let connections = Arc::new(AtomicUsize::new(0));
+    let largest = ctxs.iter().map(|e| e.max_payload).max().unwrap_or(opts.max_payload);
     let conn_budget = opts
         .conn_budget
-        .max(2 * opts.max_payload as usize + 4096)
+        .max(2 * largest as usize + 4096)
         .min(u32::MAX as usize);
     let ctx = Arc::new(Ctx {
         exports: ctxs,
