@@ -255,7 +255,11 @@ pub fn serve_nbd(
     }
     let (stop, shutdown) = watch::channel(false);
     let connections = Arc::new(AtomicUsize::new(0));
-    let largest = ctxs.iter().map(|e| e.max_payload).max().unwrap_or(opts.max_payload);
+    let largest = ctxs
+        .iter()
+        .map(|e| e.max_payload)
+        .max()
+        .unwrap_or(opts.max_payload);
     let conn_budget = opts
         .conn_budget
         .max(2 * largest as usize + 4096)
