@@ -476,7 +476,7 @@ async fn transmission(
             let mut permit = match self::permit(&budget, charge, &mut batch, &replies).await {
                 Ok(Some(p)) => p,
                 Ok(None) => break 'conn Ok(()),
-                Err(e) => break 'conn Err(e.into()),
+                Err(e) => break 'conn ended(e),
             };
             if let Some(p) = payload_charge.take() {
                 permit.merge(p);
@@ -484,7 +484,7 @@ async fn transmission(
             let slot = match self::permit(&in_flight, 1, &mut batch, &replies).await {
                 Ok(Some(s)) => s,
                 Ok(None) => break 'conn Ok(()),
-                Err(e) => break 'conn Err(e.into()),
+                Err(e) => break 'conn ended(e),
             };
             if large {
                 let task = read_in_pieces(
@@ -512,7 +512,7 @@ async fn transmission(
                     batch.push(reply, Some(permit));
                     if batch.is_full() {
                         if let Err(e) = batch.send(&replies).await {
-                            break 'conn Err(e.into());
+                            break 'conn ended(e);
                         }
                     }
                 }
@@ -533,7 +533,7 @@ async fn transmission(
         }
         // Everything in the buffer has been started: send what was answered here.
         if let Err(e) = batch.send(&replies).await {
-            break 'conn Err(e.into());
+            break 'conn ended(e);
         }
         // How much to read: the rest of a payload that has a buffer of its own, a header
         // alone, or as much as the buffer holds.
@@ -607,6 +607,15 @@ async fn transmission(
         (Err(e), _) => Err(e),
         (Ok(()), Err(e)) if !is_clean_close(&e) => Err(e.into()),
         (Ok(()), _) => Ok(()),
+    }
+}
+
+/// How a failed reply write ends the connection: quietly when the client went away.
+fn ended(e: io::Error) -> Result<(), ConnError> {
+    if is_clean_close(&e) {
+        Ok(())
+    } else {
+        Err(e.into())
     }
 }
 
