@@ -9,32 +9,30 @@
 //! buffer of its own, which becomes the chunks the store keeps (no copy).
 
 use std::future::Future;
-use std::io::{self, IoSlice};
+use std::io;
 use std::pin::{pin, Pin};
 use std::sync::Arc;
 use std::task::Poll;
 use std::time::Duration;
 
-use bytes::{Buf, BufMut, Bytes, BytesMut};
+use bytes::{BufMut, Bytes, BytesMut};
 use farmap_nbd_proto::consts::{errno, REQUEST_LEN};
 use farmap_nbd_proto::{
     Command, Incoming, RequestDecoder, RequestHeader, ServerHandshake, ServerStep,
 };
-use farmap_net::BoxStream;
+use farmap_net::{is_clean_close, raised, BoxStream};
 use tokio::io::{AsyncReadExt, AsyncWrite, AsyncWriteExt, WriteHalf};
 use tokio::sync::{mpsc, watch, Mutex, OwnedSemaphorePermit, Semaphore, TryAcquireError};
 use tokio::time::Instant;
 
 use crate::ops::{error_reply, ExportCtx, Failure, Session};
-use crate::server::{raised, Ctx};
+use crate::server::Ctx;
 
 /// Replies waiting together are gathered into one vectored write of up to this many
 /// bytes...
 const BATCH_BYTES: usize = 1 << 20;
 /// ... or this many pieces.
 const BATCH_PIECES: usize = 512;
-/// Pieces handed to one `writev` (well under the system's `IOV_MAX`).
-const IOV_PER_WRITE: usize = 64;
 /// Room kept free in the receive buffer.
 const READ_AHEAD: usize = 256 * 1024;
 /// A write at least this long is probably followed by more like it: the next header is read
@@ -279,52 +277,15 @@ async fn write_flushed(w: &mut Out, parts: &mut Vec<Bytes>, stall: Duration) -> 
 }
 
 async fn within<T>(limit: Duration, step: impl Future<Output = io::Result<T>>) -> io::Result<T> {
-    match tokio::time::timeout(limit, step).await {
-        Ok(r) => r,
-        Err(_) => Err(io::Error::new(
-            io::ErrorKind::TimedOut,
-            format!("the client has not read its replies for {limit:?}"),
-        )),
-    }
+    farmap_net::within(Some(limit), step).await
 }
 
-/// Writes every piece of `batch` in order and empties it.
 async fn write_all<W: AsyncWrite + Unpin>(
     out: &mut W,
     batch: &mut Vec<Bytes>,
     stall: Duration,
 ) -> io::Result<()> {
-    let mut first = 0;
-    while first < batch.len() && batch[first].is_empty() {
-        first += 1;
-    }
-    while first < batch.len() {
-        let mut slices = [IoSlice::new(&[]); IOV_PER_WRITE];
-        let mut k = 0;
-        for b in batch[first..].iter().take(IOV_PER_WRITE) {
-            slices[k] = IoSlice::new(b);
-            k += 1;
-        }
-        let mut n = within(stall, out.write_vectored(&slices[..k])).await?;
-        if n == 0 {
-            return Err(io::ErrorKind::WriteZero.into());
-        }
-        while n > 0 && first < batch.len() {
-            let head = &mut batch[first];
-            if n >= head.len() {
-                n -= head.len();
-                first += 1;
-            } else {
-                head.advance(n);
-                n = 0;
-            }
-        }
-        while first < batch.len() && batch[first].is_empty() {
-            first += 1;
-        }
-    }
-    batch.clear();
-    Ok(())
+    farmap_net::write_all_vectored(out, batch, Some(stall)).await
 }
 
 /// Why a connection ended in error.
@@ -617,12 +578,4 @@ fn ended(e: io::Error) -> Result<(), ConnError> {
     } else {
         Err(e.into())
     }
-}
-
-fn is_clean_close(err: &io::Error) -> bool {
-    use io::ErrorKind as K;
-    matches!(
-        err.kind(),
-        K::UnexpectedEof | K::ConnectionReset | K::BrokenPipe | K::ConnectionAborted
-    )
 }

@@ -7,10 +7,11 @@ use std::time::Duration;
 use farmap_core::{Caps, Store, StoreError};
 use farmap_nbd_proto::consts::{tflag, DEFAULT_MAX_PAYLOAD};
 use farmap_nbd_proto::{BlockSize, ExportInfo, ServerConfig, TlsMode};
-use farmap_net::{ListenAddr, Listener, TlsConfigError, TlsServerConfig};
+use farmap_net::{
+    accept_connections, AcceptLoop, ListenAddr, Listener, TlsConfigError, TlsServerConfig,
+};
 use farmap_pipeline::Unaligned;
 use tokio::sync::watch;
-use tokio::task::JoinSet;
 use tokio_rustls::TlsAcceptor;
 
 use crate::conn::connection;
@@ -327,51 +328,28 @@ impl Drop for NbdServer {
 }
 
 async fn accept_loop(listener: Listener, ctx: Arc<Ctx>, connections: Arc<AtomicUsize>) {
-    let mut shutdown = ctx.shutdown.clone();
-    let mut conns = JoinSet::new();
-    loop {
-        tokio::select! {
-            _ = raised(&mut shutdown) => break,
-            Some(_) = conns.join_next(), if !conns.is_empty() => {
-                connections.store(conns.len(), Ordering::Relaxed);
-            }
-            accepted = listener.accept() => match accepted {
-                Ok((stream, peer)) => {
-                    if conns.len() >= ctx.opts.max_connections {
-                        tracing::warn!(
-                            "refused NBD client {peer}: {} connections are being served \
-                             already (the limit)", conns.len()
-                        );
-                        drop(stream);
-                        continue;
-                    }
-                    conns.spawn(connection(stream, peer, ctx.clone()));
-                    connections.store(conns.len(), Ordering::Relaxed);
-                }
-                Err(e) => {
-                    tracing::warn!("accepting an NBD connection failed: {e}");
-                    tokio::time::sleep(Duration::from_millis(100)).await;
-                }
-            },
-        }
-    }
-    listener.cleanup();
-    drop(listener);
-    let grace = ctx.opts.shutdown_grace;
-    let drained =
-        tokio::time::timeout(grace, async { while conns.join_next().await.is_some() {} }).await;
-    if drained.is_err() {
-        tracing::warn!(
-            "{} NBD connections still busy after {grace:?}; closing them",
-            conns.len()
-        );
-        conns.shutdown().await;
-    }
-    connections.store(0, Ordering::Relaxed);
+    let cfg = AcceptLoop {
+        shutdown: ctx.shutdown.clone(),
+        max_connections: ctx.opts.max_connections,
+        grace: ctx.opts.shutdown_grace,
+        connections,
+        server: "NBD server",
+    };
+    let serving = ctx.clone();
+    accept_connections(
+        listener,
+        cfg,
+        |stream, peer| connection(stream, peer, serving.clone()),
+        |stream, peer, n| {
+            tracing::warn!(
+                "refused NBD client {peer}: {n} connections are being served already (the limit)"
+            );
+            drop(stream);
+        },
+    )
+    .await;
 }
 
-/// Resolves once `flag` is (or becomes) true, or its sender is gone.
-pub(crate) async fn raised(flag: &mut watch::Receiver<bool>) {
-    // The guard `wait_for` returns is not `Send`: dropped here, never held across an await.
-    let _ = flag.wait_for(|f| *f).await.map(|_| ());
-}
+/// Resolves once a flag is (or becomes) true, or its sender is gone.
+#[allow(unused_imports)]
+pub(crate) use farmap_net::raised;
