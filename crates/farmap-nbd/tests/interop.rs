@@ -379,6 +379,8 @@ async fn fio_with_its_nbd_engine_verifies_random_writes() {
             "--verify=crc32c",
             "--do_verify=1",
             "--verify_fatal=1",
+            // No verify state file left in the crate's directory.
+            "--verify_state_save=0",
             "--output-format=terse",
         ],
     )
