@@ -1,31 +1,49 @@
-//! One client connection: the handshake (with STARTTLS), then requests in flight and a
-//! writer task that sends replies as they complete.
+//! One client connection: the handshake (with STARTTLS), then the transmission phase.
+//!
+//! The reader task decodes requests and starts each one at once: a request the store
+//! answers without waiting (a memory store, a cached chunk) is answered by the reader
+//! itself, the rest run as tasks of their own. A reply is written by whoever has it when the
+//! connection's write side is free, so a client at queue depth 1 gets its reply without a
+//! hand-off; replies that find it busy queue for a writer task, which gathers them into
+//! vectored writes. A write's payload that does not fit the receive buffer is read into a
+//! buffer of its own, which becomes the chunks the store keeps (no copy).
 
-use std::io::{self, IoSlice};
+use std::future::Future;
+use std::io;
+use std::pin::{pin, Pin};
 use std::sync::Arc;
+use std::task::Poll;
 use std::time::Duration;
 
-use bytes::{Buf, Bytes, BytesMut};
-use farmap_nbd_proto::consts::errno;
-use farmap_nbd_proto::{Command, Incoming, RequestDecoder, ServerHandshake, ServerStep};
-use farmap_net::BoxStream;
-use tokio::io::{AsyncReadExt, AsyncWrite, AsyncWriteExt};
-use tokio::sync::{mpsc, OwnedSemaphorePermit, Semaphore};
+use bytes::{BufMut, Bytes, BytesMut};
+use farmap_nbd_proto::consts::{errno, REQUEST_LEN};
+use farmap_nbd_proto::{
+    Command, Incoming, RequestDecoder, RequestHeader, ServerHandshake, ServerStep,
+};
+use farmap_net::{is_clean_close, raised, BoxStream};
+use tokio::io::{AsyncReadExt, AsyncWrite, AsyncWriteExt, WriteHalf};
+use tokio::sync::{mpsc, watch, Mutex, OwnedSemaphorePermit, Semaphore, TryAcquireError};
+use tokio::time::Instant;
 
-use crate::ops::{error_reply, Failure, Session};
+use crate::ops::{error_reply, ExportCtx, Failure, Session};
 use crate::server::Ctx;
 
-/// Replies waiting in the writer's queue are gathered into one vectored write of up to
-/// this many bytes...
+/// Replies waiting together are gathered into one vectored write of up to this many
+/// bytes...
 const BATCH_BYTES: usize = 1 << 20;
 /// ... or this many pieces.
 const BATCH_PIECES: usize = 512;
 /// Room kept free in the receive buffer.
 const READ_AHEAD: usize = 256 * 1024;
+/// A write at least this long is probably followed by more like it: the next header is read
+/// alone, so that the next payload lands in a buffer of its own.
+const LARGE_WRITE: u32 = 64 * 1024;
 /// Bytes charged for a reply's headers, on top of its data.
 const OVERHEAD: usize = 64;
 
+/// A reply (or one part of one) and the budget it holds until it has been written.
 type Outgoing = (Vec<Bytes>, Option<OwnedSemaphorePermit>);
+type Out = WriteHalf<BoxStream>;
 
 /// Serves one connection to its end.
 pub(crate) async fn connection(stream: BoxStream, peer: String, ctx: Arc<Ctx>) {
@@ -115,49 +133,151 @@ async fn handshake(
     }
 }
 
-/// Writes what arrives on `rx`, gathering replies that wait together into vectored writes;
-/// flushes whenever the queue runs dry.
-async fn writer<W: AsyncWrite + Unpin>(
-    out: &mut W,
-    rx: &mut mpsc::Receiver<Outgoing>,
+/// Where replies go: written at once by whoever has one when the write side is free, or
+/// queued for the writer task. A failed write poisons the write side (its stream may end
+/// in the middle of a reply) and raises `broken`, which ends the connection.
+struct Replies {
+    out: Arc<Mutex<Option<Out>>>,
+    tx: mpsc::Sender<Outgoing>,
     stall: Duration,
+    broken: Arc<watch::Sender<bool>>,
+}
+
+fn writer_gone() -> io::Error {
+    io::Error::new(
+        io::ErrorKind::BrokenPipe,
+        "the connection's replies can no longer be written",
+    )
+}
+
+impl Replies {
+    /// Sends the pieces in `parts` (emptied) as one unit; `permit` is released once they
+    /// have been written.
+    async fn send(
+        &self,
+        parts: &mut Vec<Bytes>,
+        permit: Option<OwnedSemaphorePermit>,
+    ) -> io::Result<()> {
+        if parts.is_empty() {
+            return Ok(());
+        }
+        if let Ok(mut out) = self.out.try_lock() {
+            let r = match out.as_mut() {
+                Some(w) => write_flushed(w, parts, self.stall).await,
+                None => Err(writer_gone()),
+            };
+            parts.clear();
+            if r.is_err() {
+                *out = None;
+                self.broken.send_replace(true);
+            }
+            drop(permit);
+            return r;
+        }
+        self.tx
+            .send((std::mem::take(parts), permit))
+            .await
+            .map_err(|_| writer_gone())
+    }
+}
+
+/// Replies the reader answered itself, sent together once the requests in the receive
+/// buffer have all been started.
+#[derive(Default)]
+struct Batch {
+    parts: Vec<Bytes>,
+    bytes: usize,
+    permit: Option<OwnedSemaphorePermit>,
+}
+
+impl Batch {
+    fn push(&mut self, reply: Vec<Bytes>, permit: Option<OwnedSemaphorePermit>) {
+        for p in reply {
+            self.bytes += p.len();
+            self.parts.push(p);
+        }
+        match (&mut self.permit, permit) {
+            (Some(held), Some(p)) => held.merge(p),
+            (held @ None, p) => *held = p,
+            (Some(_), None) => {}
+        }
+    }
+
+    fn is_full(&self) -> bool {
+        self.bytes >= BATCH_BYTES || self.parts.len() >= BATCH_PIECES
+    }
+
+    async fn send(&mut self, replies: &Replies) -> io::Result<()> {
+        self.bytes = 0;
+        replies.send(&mut self.parts, self.permit.take()).await
+    }
+}
+
+/// Writes what arrives on `rx`, gathering replies that wait together into vectored writes;
+/// flushes whenever the queue runs dry. Ends with a clean shutdown of the write side once
+/// every sender is gone.
+async fn writer(
+    out: Arc<Mutex<Option<Out>>>,
+    mut rx: mpsc::Receiver<Outgoing>,
+    stall: Duration,
+    broken: Arc<watch::Sender<bool>>,
 ) -> io::Result<()> {
     let mut batch: Vec<Bytes> = Vec::new();
     let mut held: Vec<Option<OwnedSemaphorePermit>> = Vec::new();
     while let Some(first) = rx.recv().await {
-        let mut bytes = 0;
-        let mut next = Some(first);
-        while let Some((parts, permit)) = next.take() {
-            held.push(permit);
-            for p in parts {
-                bytes += p.len();
-                batch.push(p);
-            }
-            if bytes >= BATCH_BYTES || batch.len() >= BATCH_PIECES {
-                write_all(out, &mut batch, stall).await?;
-                held.clear();
-                bytes = 0;
-            }
-            next = rx.try_recv().ok();
-        }
-        write_all(out, &mut batch, stall).await?;
-        within(stall, out.flush()).await?;
+        let mut guard = out.lock().await;
+        let Some(w) = guard.as_mut() else {
+            return Err(writer_gone());
+        };
+        let r = drain(w, &mut rx, first, &mut batch, &mut held, stall).await;
         held.clear();
+        if let Err(e) = r {
+            *guard = None;
+            broken.send_replace(true);
+            return Err(e);
+        }
     }
-    within(stall, out.shutdown()).await
+    let mut guard = out.lock().await;
+    match guard.as_mut() {
+        Some(w) => within(stall, w.shutdown()).await,
+        None => Ok(()),
+    }
 }
 
-async fn within<T>(
-    limit: Duration,
-    step: impl std::future::Future<Output = io::Result<T>>,
-) -> io::Result<T> {
-    match tokio::time::timeout(limit, step).await {
-        Ok(r) => r,
-        Err(_) => Err(io::Error::new(
-            io::ErrorKind::TimedOut,
-            format!("the client has not read its replies for {limit:?}"),
-        )),
+/// Writes `first` and whatever else waits in `rx`, then flushes.
+async fn drain(
+    w: &mut Out,
+    rx: &mut mpsc::Receiver<Outgoing>,
+    first: Outgoing,
+    batch: &mut Vec<Bytes>,
+    held: &mut Vec<Option<OwnedSemaphorePermit>>,
+    stall: Duration,
+) -> io::Result<()> {
+    let mut bytes = 0;
+    let mut next = Some(first);
+    while let Some((parts, permit)) = next.take() {
+        held.push(permit);
+        for p in parts {
+            bytes += p.len();
+            batch.push(p);
+        }
+        if bytes >= BATCH_BYTES || batch.len() >= BATCH_PIECES {
+            write_all(w, batch, stall).await?;
+            held.clear();
+            bytes = 0;
+        }
+        next = rx.try_recv().ok();
     }
+    write_flushed(w, batch, stall).await
+}
+
+async fn write_flushed(w: &mut Out, parts: &mut Vec<Bytes>, stall: Duration) -> io::Result<()> {
+    write_all(w, parts, stall).await?;
+    within(stall, w.flush()).await
+}
+
+async fn within<T>(limit: Duration, step: impl Future<Output = io::Result<T>>) -> io::Result<T> {
+    farmap_net::within(Some(limit), step).await
 }
 
 async fn write_all<W: AsyncWrite + Unpin>(
@@ -165,36 +285,7 @@ async fn write_all<W: AsyncWrite + Unpin>(
     batch: &mut Vec<Bytes>,
     stall: Duration,
 ) -> io::Result<()> {
-    let mut first = 0;
-    while first < batch.len() && batch[first].is_empty() {
-        first += 1;
-    }
-    while first < batch.len() {
-        let slices: Vec<IoSlice<'_>> = batch[first..]
-            .iter()
-            .take(1024)
-            .map(|b| IoSlice::new(b))
-            .collect();
-        let mut n = within(stall, out.write_vectored(&slices)).await?;
-        if n == 0 {
-            return Err(io::ErrorKind::WriteZero.into());
-        }
-        while n > 0 && first < batch.len() {
-            let head = &mut batch[first];
-            if n >= head.len() {
-                n -= head.len();
-                first += 1;
-            } else {
-                head.advance(n);
-                n = 0;
-            }
-        }
-        while first < batch.len() && batch[first].is_empty() {
-            first += 1;
-        }
-    }
-    batch.clear();
-    Ok(())
+    farmap_net::write_all_vectored(out, batch, Some(stall)).await
 }
 
 /// Why a connection ended in error.
@@ -208,6 +299,61 @@ enum ConnError {
     Idle(Duration),
 }
 
+/// A permit of `n` from `sem`, sending the reader's batch first when it has to wait (the
+/// permits the batch holds may be what it waits for). `None` once `sem` is closed.
+async fn permit(
+    sem: &Arc<Semaphore>,
+    n: u32,
+    batch: &mut Batch,
+    replies: &Replies,
+) -> io::Result<Option<OwnedSemaphorePermit>> {
+    match sem.clone().try_acquire_many_owned(n) {
+        Ok(p) => return Ok(Some(p)),
+        Err(TryAcquireError::Closed) => return Ok(None),
+        Err(TryAcquireError::NoPermits) => {}
+    }
+    batch.send(replies).await?;
+    Ok(sem.clone().acquire_many_owned(n).await.ok())
+}
+
+/// Serves a structured read longer than the maximum payload in pieces of at most that
+/// size, each read, charged to the connection's budget and sent before the next.
+async fn read_in_pieces(
+    exp: Arc<ExportCtx>,
+    h: RequestHeader,
+    s: Session,
+    replies: Arc<Replies>,
+    budget: Arc<Semaphore>,
+    conn_budget: usize,
+    mut charge: Option<OwnedSemaphorePermit>,
+) {
+    if let Err(f) = exp.check_read(&h, s) {
+        let _ = replies.send(&mut error_reply(&h, s, &f), charge).await;
+        return;
+    }
+    let end = h.offset + u64::from(h.length);
+    let mut at = h.offset;
+    while at < end {
+        let n = (end - at).min(exp.max_payload.into()) as u32;
+        let last = at + u64::from(n) == end;
+        let want = (n as usize + OVERHEAD).min(conn_budget) as u32;
+        let Ok(mut permit) = budget.clone().acquire_many_owned(want).await else {
+            return;
+        };
+        if let Some(c) = charge.take() {
+            permit.merge(c);
+        }
+        let (mut parts, failed) = match exp.read_range(h.cookie, at, n, last, s).await {
+            Ok(parts) => (parts, false),
+            Err(f) => (error_reply(&h, s, &f), true),
+        };
+        if replies.send(&mut parts, Some(permit)).await.is_err() || failed {
+            return;
+        }
+        at += u64::from(n);
+    }
+}
+
 async fn transmission(
     stream: BoxStream,
     mut buf: BytesMut,
@@ -217,18 +363,42 @@ async fn transmission(
     peer: &str,
 ) -> Result<(), ConnError> {
     let exp = ctx.exports[export].clone();
-    let (mut rd, mut wr) = tokio::io::split(stream);
-    let (tx, mut rx) = mpsc::channel::<Outgoing>(1024);
+    let (mut rd, wr) = tokio::io::split(stream);
+    let out = Arc::new(Mutex::new(Some(wr)));
+    let (tx, rx) = mpsc::channel::<Outgoing>(1024);
+    let (broken, mut broken_rx) = watch::channel(false);
+    let broken = Arc::new(broken);
     let stall = ctx.opts.idle_timeout;
-    let writer = tokio::spawn(async move { writer(&mut wr, &mut rx, stall).await });
+    let writer = tokio::spawn(writer(out.clone(), rx, stall, broken.clone()));
+    let replies = Arc::new(Replies {
+        out,
+        tx,
+        stall,
+        broken,
+    });
     let budget = Arc::new(Semaphore::new(ctx.conn_budget));
-    let in_flight = Arc::new(Semaphore::new(ctx.opts.max_in_flight_per_conn));
+    let max_in_flight = ctx.opts.max_in_flight_per_conn;
+    let in_flight = Arc::new(Semaphore::new(max_in_flight));
     let mut decoder = RequestDecoder::new(exp.max_payload);
-    let mut shutdown = ctx.shutdown.clone();
+    let mut batch = Batch::default();
     // Budget charged for a write payload that is still arriving.
     let mut payload_charge: Option<OwnedSemaphorePermit> = None;
+    // Whether the payload being awaited has a buffer of its own (read exactly into it).
+    let mut own_buffer = false;
+    // Whether the next header is read alone (after a large write).
+    let mut header_alone = false;
+    let idle_limit = ctx.opts.idle_timeout;
+    let mut last_input = Instant::now();
+    let mut idle = pin!(tokio::time::sleep(idle_limit));
+    let mut shutdown = ctx.shutdown.clone();
+    let mut stop = pin!(async move {
+        tokio::select! {
+            () = raised(&mut shutdown) => {}
+            () = raised(&mut broken_rx) => {}
+        }
+    });
     let result: Result<(), ConnError> = 'conn: loop {
-        // Decode every complete request in the buffer.
+        // Start every complete request in the buffer.
         loop {
             let incoming = match decoder.decode(&mut buf) {
                 Ok(Some(i)) => i,
@@ -237,6 +407,7 @@ async fn transmission(
             };
             let (header, payload) = match incoming {
                 Incoming::Oversized(h) => {
+                    header_alone = false;
                     let f = Failure {
                         errno: errno::EINVAL,
                         message: format!(
@@ -244,101 +415,167 @@ async fn transmission(
                             h.length, exp.max_payload
                         ),
                     };
-                    let _ = tx.send((error_reply(&h, session, &f), None)).await;
+                    batch.push(error_reply(&h, session, &f), None);
                     continue;
                 }
                 Incoming::Request { header, payload } => (header, payload),
             };
+            own_buffer = false;
+            header_alone = header.command == Command::Write && header.length >= LARGE_WRITE;
             if header.command == Command::Disc {
                 break 'conn Ok(());
             }
+            let large = exp.read_in_pieces(&header, session);
             // Charge the request's bytes (its payload, or its largest reply) to the budget.
             let reply_bytes = match header.command {
-                Command::Read => (header.length.min(exp.max_payload)) as usize,
+                Command::Read if !large => header.length as usize,
                 // A payload that arrived with its header was never charged on its way in.
                 Command::Write if payload_charge.is_none() => payload.len(),
                 _ => 0,
             };
             let charge = (reply_bytes + OVERHEAD).min(ctx.conn_budget) as u32;
-            let mut permit = match budget.clone().acquire_many_owned(charge).await {
-                Ok(p) => p,
-                Err(_) => break 'conn Ok(()),
+            let mut permit = match self::permit(&budget, charge, &mut batch, &replies).await {
+                Ok(Some(p)) => p,
+                Ok(None) => break 'conn Ok(()),
+                Err(e) => break 'conn ended(e),
             };
             if let Some(p) = payload_charge.take() {
                 permit.merge(p);
             }
-            // Nothing else in flight and no request behind this one (a client at queue
-            // depth 1): answer it here, saving the hand-off to a task of its own.
-            let idle = in_flight.available_permits() == ctx.opts.max_in_flight_per_conn;
-            if idle && buf.len() < farmap_nbd_proto::consts::REQUEST_LEN {
-                let reply = exp.handle(header, payload, session).await;
-                if tx.send((reply, Some(permit))).await.is_err() {
-                    break 'conn Ok(());
-                }
+            let slot = match self::permit(&in_flight, 1, &mut batch, &replies).await {
+                Ok(Some(s)) => s,
+                Ok(None) => break 'conn Ok(()),
+                Err(e) => break 'conn ended(e),
+            };
+            if large {
+                let task = read_in_pieces(
+                    exp.clone(),
+                    header,
+                    session,
+                    replies.clone(),
+                    budget.clone(),
+                    ctx.conn_budget,
+                    Some(permit),
+                );
+                tokio::spawn(async move {
+                    task.await;
+                    drop(slot);
+                });
                 continue;
             }
-            let slot = match in_flight.clone().acquire_owned().await {
-                Ok(s) => s,
-                Err(_) => break 'conn Ok(()),
-            };
-            let exp = exp.clone();
-            let tx = tx.clone();
-            tokio::spawn(async move {
-                let reply = exp.handle(header, payload, session).await;
-                let _ = tx.send((reply, Some(permit))).await;
-                drop(slot);
-            });
+            // Work on it here until it would wait; only then give it a task of its own.
+            let e = exp.clone();
+            let mut job: Pin<Box<dyn Future<Output = Vec<Bytes>> + Send>> =
+                Box::pin(async move { e.handle(header, payload, session).await });
+            match std::future::poll_fn(|cx| Poll::Ready(job.as_mut().poll(cx))).await {
+                Poll::Ready(reply) => {
+                    drop(slot);
+                    batch.push(reply, Some(permit));
+                    if batch.is_full() {
+                        if let Err(e) = batch.send(&replies).await {
+                            break 'conn ended(e);
+                        }
+                    }
+                }
+                Poll::Pending => {
+                    let replies = replies.clone();
+                    let peer = peer.to_owned();
+                    tokio::spawn(async move {
+                        let mut reply = job.await;
+                        if let Err(e) = replies.send(&mut reply, Some(permit)).await {
+                            if !is_clean_close(&e) {
+                                tracing::debug!("NBD client {peer}: a reply was not sent: {e}");
+                            }
+                        }
+                        drop(slot);
+                    });
+                }
+            }
         }
-        // A write payload is on its way: charge it before reading it in.
-        if let Some(len) = decoder.awaiting_payload() {
+        // Everything in the buffer has been started: send what was answered here.
+        if let Err(e) = batch.send(&replies).await {
+            break 'conn ended(e);
+        }
+        // How much to read: the rest of a payload that has a buffer of its own, a header
+        // alone, or as much as the buffer holds.
+        let limit = if let Some(len) = decoder.awaiting_payload() {
+            let len = len as usize;
+            // A write payload is on its way: charge it before reading it in.
             if payload_charge.is_none() {
-                let n = (len as usize).min(ctx.conn_budget) as u32;
+                let n = len.min(ctx.conn_budget) as u32;
                 match budget.clone().acquire_many_owned(n).await {
                     Ok(p) => payload_charge = Some(p),
                     Err(_) => break 'conn Ok(()),
                 }
-                buf.reserve(len as usize);
             }
-        }
-        if buf.capacity() - buf.len() < READ_AHEAD / 4 {
-            buf.reserve(READ_AHEAD);
-        }
-        let idle = tokio::time::sleep(ctx.opts.idle_timeout);
+            let need = len - buf.len();
+            if !own_buffer && buf.capacity() - buf.len() < need {
+                // Only the start of the payload is here (nothing behind it): move it to a
+                // buffer of exactly the payload's size and read the rest into that.
+                let mut own = BytesMut::with_capacity(len);
+                own.extend_from_slice(&buf);
+                buf = own;
+                own_buffer = true;
+            }
+            if own_buffer {
+                need
+            } else {
+                usize::MAX
+            }
+        } else if header_alone {
+            if buf.capacity() - buf.len() < REQUEST_LEN {
+                buf.reserve(REQUEST_LEN);
+            }
+            REQUEST_LEN.saturating_sub(buf.len()).max(1)
+        } else {
+            if buf.capacity() - buf.len() < READ_AHEAD / 4 {
+                buf.reserve(READ_AHEAD);
+            }
+            usize::MAX
+        };
+        let mut room = (&mut buf).limit(limit);
         tokio::select! {
-            r = rd.read_buf(&mut buf) => match r {
+            r = rd.read_buf(&mut room) => match r {
                 Ok(0) => break 'conn Ok(()),
-                Ok(_) => {}
+                Ok(_) => last_input = Instant::now(),
                 Err(e) if is_clean_close(&e) => break 'conn Ok(()),
                 Err(e) => break 'conn Err(e.into()),
             },
-            _ = idle => {
-                let busy = in_flight.available_permits() < ctx.opts.max_in_flight_per_conn;
-                if !busy {
-                    break 'conn Err(ConnError::Idle(ctx.opts.idle_timeout));
+            () = &mut idle => {
+                let busy = in_flight.available_permits() < max_in_flight;
+                if !busy && last_input.elapsed() >= idle_limit {
+                    break 'conn Err(ConnError::Idle(idle_limit));
                 }
+                let from = if busy { Instant::now() } else { last_input };
+                idle.as_mut().reset(from + idle_limit);
             }
-            _ = crate::server::raised(&mut shutdown) => break 'conn Ok(()),
+            () = &mut stop => break 'conn Ok(()),
         }
     };
-    // Let the requests in flight finish and be answered, then close.
-    drop(tx);
-    match writer.await {
-        Ok(Ok(())) => {}
-        Ok(Err(e)) if is_clean_close(&e) => {}
-        Ok(Err(e)) => {
-            if result.is_ok() {
-                return Err(e.into());
-            }
+    // Whatever the reader answered is sent; requests in flight finish and are answered;
+    // then the writer closes the write side.
+    let flushed = batch.send(&replies).await;
+    drop(replies);
+    let written = match writer.await {
+        Ok(r) => r,
+        Err(e) => {
+            tracing::warn!("NBD client {peer}: the reply writer failed: {e}");
+            Ok(())
         }
-        Err(e) => tracing::warn!("NBD client {peer}: the reply writer failed: {e}"),
+    };
+    let io = flushed.and(written);
+    match (result, io) {
+        (Err(e), _) => Err(e),
+        (Ok(()), Err(e)) if !is_clean_close(&e) => Err(e.into()),
+        (Ok(()), _) => Ok(()),
     }
-    result
 }
 
-fn is_clean_close(err: &io::Error) -> bool {
-    use io::ErrorKind as K;
-    matches!(
-        err.kind(),
-        K::UnexpectedEof | K::ConnectionReset | K::BrokenPipe | K::ConnectionAborted
-    )
+/// How a failed reply write ends the connection: quietly when the client went away.
+fn ended(e: io::Error) -> Result<(), ConnError> {
+    if is_clean_close(&e) {
+        Ok(())
+    } else {
+        Err(e.into())
+    }
 }

@@ -5,15 +5,21 @@
 //! ```text
 //!  accept loop (connection cap) ── per connection ───────────────────────────────────┐
 //!   handshake: ServerHandshake (farmap-nbd-proto) ─ STARTTLS → rustls (mTLS) ─┐      │
-//!   transmission: reader → RequestDecoder → task per request (≤ in-flight cap,  │      │
-//!                 byte budget) → Unaligned<Arc<dyn Store>> (shared by all       │      │
-//!                 connections of an export) → writer task (vectored, any order) │      │
+//!   transmission: reader → RequestDecoder → answered in the reader when the     │      │
+//!                 store does not wait, else a task (≤ in-flight cap, byte       │      │
+//!                 budget) → Unaligned<Arc<dyn Store>> (shared by all            │      │
+//!                 connections of an export) → reply written by whoever has it   │      │
+//!                 when the socket is free, else queued for the writer task     │      │
+//!                 (vectored, any order)                                         │      │
 //!  ─────────────────────────────────────────────────────────────────────────────┴──────┘
 //! ```
 //!
 //! - READ: structured replies with `OFFSET_HOLE` for chunks the store reports as zero
 //!   (`Store::status`), `OFFSET_DATA` for the rest (slices of the chunks, no copy); simple
-//!   replies for clients that did not negotiate structured replies.
+//!   replies for clients that did not negotiate structured replies. A structured read
+//!   longer than the maximum payload is served in pieces of at most that size, each read
+//!   and sent before the next (nothing is allocated for the whole length); a simple-reply
+//!   read that long is refused with `EINVAL`.
 //! - WRITE (with FUA: flushed before the reply), FLUSH, TRIM, WRITE_ZEROES (trim unless
 //!   `NO_HOLE`; `FAST_ZERO` fails with `ENOTSUP` unless the store trims), CACHE (read and
 //!   drop), BLOCK_STATUS for `base:allocation`, DISC (requests in flight are answered first).

@@ -145,19 +145,16 @@ impl ExportCtx {
         let fua = h.flags & cflag::FUA != 0;
         match h.command {
             Command::Read => {
-                self.check_range(h)?;
+                self.check_read(h, s)?;
                 if h.length > self.max_payload {
-                    let errno = if s.structured {
-                        errno::EOVERFLOW
-                    } else {
-                        errno::EINVAL
-                    };
+                    // The connection serves these in pieces; refusing is what the protocol
+                    // allows otherwise.
                     return Err(Failure::new(
-                        errno,
+                        errno::EOVERFLOW,
                         format!("reads are limited to {} bytes", self.max_payload),
                     ));
                 }
-                self.read(h, s).await
+                self.read_range(h.cookie, h.offset, h.length, true, s).await
             }
             Command::Write => {
                 self.check_writable()?;
@@ -251,34 +248,81 @@ impl ExportCtx {
         })
     }
 
-    async fn read(&self, h: &RequestHeader, s: Session) -> Result<Vec<Bytes>, Failure> {
+    /// Whether a read is served in pieces of at most the maximum payload (each piece one
+    /// round of [`read_range`](Self::read_range)) rather than in one reply: a structured
+    /// read longer than the maximum payload (the protocol allows splitting it in chunks).
+    pub(crate) fn read_in_pieces(&self, h: &RequestHeader, s: Session) -> bool {
+        h.command == Command::Read && s.structured && h.length > self.max_payload
+    }
+
+    /// Checks a read's flags and range, and its length unless it can be served in pieces:
+    /// a read longer than the maximum payload is refused with `EINVAL` under simple
+    /// replies (its data could only be one payload).
+    pub(crate) fn check_read(&self, h: &RequestHeader, s: Session) -> Result<(), Failure> {
+        if h.flags & !allowed_flags(h.command) != 0 {
+            return Err(Failure::new(
+                errno::EINVAL,
+                format!("flags {:#x} are not valid for {:?}", h.flags, h.command),
+            ));
+        }
+        self.check_range(h)?;
+        if h.length > self.max_payload && !s.structured {
+            return Err(Failure::new(
+                errno::EINVAL,
+                format!(
+                    "a read of {} bytes is over the maximum payload of {} (without \
+                     structured replies it cannot be split)",
+                    h.length, self.max_payload
+                ),
+            ));
+        }
+        Ok(())
+    }
+
+    /// The reply messages for `len` bytes at `offset` of a read with `cookie`: one simple
+    /// reply, or structured chunks, the last one flagged done when `last`.
+    pub(crate) async fn read_range(
+        &self,
+        cookie: u64,
+        offset: u64,
+        len: u32,
+        last: bool,
+        s: Session,
+    ) -> Result<Vec<Bytes>, Failure> {
         let holes = s.structured && self.caps.contains(Caps::STATUS);
         let store = &self.store;
+        let one = |at: u64, len: u64, idx: u64| async move {
+            if holes && store.status(farmap_core::ChunkIdx(idx)).await? == ChunkStatus::Zero {
+                return Ok::<_, StoreError>((at, len, None));
+            }
+            let data = store.read_bytes(at, len as usize).await?;
+            Ok((at, len, Some(data)))
+        };
         // Each piece: `None` for a hole, `Some(bytes)` for data (a slice of the chunk).
-        let pieces: Vec<(u64, u64, Option<Bytes>)> =
-            futures::stream::iter(self.pieces(h.offset, h.length.into()))
-                .map(|(at, len, idx)| async move {
-                    if holes && store.status(farmap_core::ChunkIdx(idx)).await? == ChunkStatus::Zero
-                    {
-                        return Ok::<_, StoreError>((at, len, None));
-                    }
-                    let data = store.read_bytes(at, len as usize).await?;
-                    Ok((at, len, Some(data)))
-                })
-                .buffered(PER_REQUEST)
-                .try_collect()
-                .await?;
+        let mut it = self.pieces(offset, len.into());
+        let pieces: Vec<(u64, u64, Option<Bytes>)> = match (it.next(), it.next()) {
+            (None, _) => Vec::new(),
+            // Within one chunk (a 4 KiB random read): no stream machinery.
+            (Some((at, n, idx)), None) => vec![one(at, n, idx).await?],
+            (Some(a), Some(b)) => {
+                futures::stream::iter([a, b].into_iter().chain(it))
+                    .map(|(at, n, idx)| one(at, n, idx))
+                    .buffered(PER_REQUEST)
+                    .try_collect()
+                    .await?
+            }
+        };
         if !s.structured {
             let mut out = Vec::with_capacity(1 + pieces.len());
-            out.push(Bytes::copy_from_slice(&simple_reply(h.cookie, 0)));
+            out.push(Bytes::copy_from_slice(&simple_reply(cookie, 0)));
             out.extend(pieces.into_iter().filter_map(|p| p.2));
             return Ok(out);
         }
-        if h.length == 0 {
-            return Ok(vec![Bytes::copy_from_slice(&none_chunk(h.cookie))]);
+        if len == 0 {
+            return Ok(vec![Bytes::copy_from_slice(&none_chunk(cookie))]);
         }
         // Runs of data become one OFFSET_DATA chunk each, runs of holes one OFFSET_HOLE.
-        let mut out = Vec::new();
+        let mut out = Vec::with_capacity(1 + pieces.len());
         let mut i = 0;
         while i < pieces.len() {
             let start = pieces[i].0;
@@ -289,15 +333,15 @@ impl ExportCtx {
                 len += pieces[j].1;
                 j += 1;
             }
-            let last = j == pieces.len();
+            let done = last && j == pieces.len();
             if data {
                 out.push(Bytes::copy_from_slice(&offset_data_header(
-                    h.cookie, start, len as u32, last,
+                    cookie, start, len as u32, done,
                 )));
                 out.extend(pieces[i..j].iter().filter_map(|p| p.2.clone()));
             } else {
                 out.push(Bytes::copy_from_slice(&offset_hole_chunk(
-                    h.cookie, start, len as u32, last,
+                    cookie, start, len as u32, done,
                 )));
             }
             i = j;

@@ -7,10 +7,11 @@ use std::time::Duration;
 use farmap_core::{Caps, Store, StoreError};
 use farmap_nbd_proto::consts::{tflag, DEFAULT_MAX_PAYLOAD};
 use farmap_nbd_proto::{BlockSize, ExportInfo, ServerConfig, TlsMode};
-use farmap_net::{ListenAddr, Listener, TlsConfigError, TlsServerConfig};
+use farmap_net::{
+    accept_connections, AcceptLoop, ListenAddr, Listener, TlsConfigError, TlsServerConfig,
+};
 use farmap_pipeline::Unaligned;
 use tokio::sync::watch;
-use tokio::task::JoinSet;
 use tokio_rustls::TlsAcceptor;
 
 use crate::conn::connection;
@@ -39,7 +40,9 @@ pub struct NbdServeOptions {
     /// TLS by `NBD_OPT_STARTTLS` (required of every client when set); with a client CA,
     /// mutual TLS.
     pub tls: Option<TlsServerConfig>,
-    /// Largest payload of one read or write (announced in `NBD_INFO_BLOCK_SIZE`).
+    /// Largest payload of one write or simple-reply read, and largest data chunk of a
+    /// structured read (announced in `NBD_INFO_BLOCK_SIZE`; raised to the chunk size of an
+    /// export with larger chunks). Structured reads longer than this are served in pieces.
     pub max_payload: u32,
     /// Time a client has to finish the handshake (TLS included).
     pub handshake_timeout: Duration,
@@ -223,10 +226,16 @@ pub fn serve_nbd(
         let caps = e.store.caps();
         let read_only = e.read_only || !caps.contains(Caps::WRITE);
         let flags = flags_for(caps, read_only);
+        // What is announced is what is served: writes and simple-reply reads up to `max`
+        // bytes (longer ones fail with EINVAL), structured reads of any length (sent in
+        // chunks of at most `max` bytes of data). A chunk (a power of two) is the
+        // preferred size, and never over the maximum.
+        let preferred = g.chunk_size().max(512);
+        let max_payload = opts.max_payload.max(preferred);
         let block = BlockSize {
             min: 1,
-            preferred: g.chunk_size().max(512),
-            max: opts.max_payload.max(g.chunk_size()),
+            preferred,
+            max: max_payload,
         };
         infos.push(ExportInfo {
             name: e.name.clone(),
@@ -242,14 +251,19 @@ pub fn serve_nbd(
             chunk: g.chunk_size().into(),
             read_only,
             caps,
-            max_payload: opts.max_payload,
+            max_payload,
         }));
     }
     let (stop, shutdown) = watch::channel(false);
     let connections = Arc::new(AtomicUsize::new(0));
+    let largest = ctxs
+        .iter()
+        .map(|e| e.max_payload)
+        .max()
+        .unwrap_or(opts.max_payload);
     let conn_budget = opts
         .conn_budget
-        .max(2 * opts.max_payload as usize + 4096)
+        .max(2 * largest as usize + 4096)
         .min(u32::MAX as usize);
     let ctx = Arc::new(Ctx {
         exports: ctxs,
@@ -314,51 +328,28 @@ impl Drop for NbdServer {
 }
 
 async fn accept_loop(listener: Listener, ctx: Arc<Ctx>, connections: Arc<AtomicUsize>) {
-    let mut shutdown = ctx.shutdown.clone();
-    let mut conns = JoinSet::new();
-    loop {
-        tokio::select! {
-            _ = raised(&mut shutdown) => break,
-            Some(_) = conns.join_next(), if !conns.is_empty() => {
-                connections.store(conns.len(), Ordering::Relaxed);
-            }
-            accepted = listener.accept() => match accepted {
-                Ok((stream, peer)) => {
-                    if conns.len() >= ctx.opts.max_connections {
-                        tracing::warn!(
-                            "refused NBD client {peer}: {} connections are being served \
-                             already (the limit)", conns.len()
-                        );
-                        drop(stream);
-                        continue;
-                    }
-                    conns.spawn(connection(stream, peer, ctx.clone()));
-                    connections.store(conns.len(), Ordering::Relaxed);
-                }
-                Err(e) => {
-                    tracing::warn!("accepting an NBD connection failed: {e}");
-                    tokio::time::sleep(Duration::from_millis(100)).await;
-                }
-            },
-        }
-    }
-    listener.cleanup();
-    drop(listener);
-    let grace = ctx.opts.shutdown_grace;
-    let drained =
-        tokio::time::timeout(grace, async { while conns.join_next().await.is_some() {} }).await;
-    if drained.is_err() {
-        tracing::warn!(
-            "{} NBD connections still busy after {grace:?}; closing them",
-            conns.len()
-        );
-        conns.shutdown().await;
-    }
-    connections.store(0, Ordering::Relaxed);
+    let cfg = AcceptLoop {
+        shutdown: ctx.shutdown.clone(),
+        max_connections: ctx.opts.max_connections,
+        grace: ctx.opts.shutdown_grace,
+        connections,
+        server: "NBD server",
+    };
+    let serving = ctx.clone();
+    accept_connections(
+        listener,
+        cfg,
+        |stream, peer| connection(stream, peer, serving.clone()),
+        |stream, peer, n| {
+            tracing::warn!(
+                "refused NBD client {peer}: {n} connections are being served already (the limit)"
+            );
+            drop(stream);
+        },
+    )
+    .await;
 }
 
-/// Resolves once `flag` is (or becomes) true, or its sender is gone.
-pub(crate) async fn raised(flag: &mut watch::Receiver<bool>) {
-    // The guard `wait_for` returns is not `Send`: dropped here, never held across an await.
-    let _ = flag.wait_for(|f| *f).await.map(|_| ());
-}
+/// Resolves once a flag is (or becomes) true, or its sender is gone.
+#[allow(unused_imports)]
+pub(crate) use farmap_net::raised;

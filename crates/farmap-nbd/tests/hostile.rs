@@ -6,6 +6,8 @@ use std::time::Duration;
 
 use bytes::Bytes;
 use common::*;
+use farmap_core::Store;
+use farmap_nbd::NbdServeOptions;
 use farmap_nbd_proto::consts::{cflag, errno};
 use farmap_nbd_proto::{Chunk, Command, Reply, RequestHeader};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
@@ -232,5 +234,115 @@ async fn a_tls_server_refuses_plain_clients_with_tls_required() {
         .err()
         .expect("refused");
     assert!(e.to_string().contains("TLS required"), "{e}");
+    server.shutdown().await.unwrap();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn reads_over_the_maximum_payload_are_served_in_pieces_or_refused() {
+    const MAX: u32 = 64 * 1024;
+    let store = memory(1 << 20, 4096);
+    let data = pattern(1 << 20, 5);
+    farmap_pipeline::Unaligned::new(store.clone())
+        .write_at(0, &data)
+        .await
+        .unwrap();
+    // Holes: a run of never-written chunks in the middle of the read below.
+    store
+        .trim(farmap_core::ChunkRange::new(
+            farmap_core::ChunkIdx(40),
+            farmap_core::ChunkIdx(50),
+        ))
+        .await
+        .unwrap();
+    let mut expect = data.clone();
+    expect[40 * 4096..50 * 4096].fill(0);
+    let opts = NbdServeOptions {
+        max_payload: MAX,
+        ..quiet()
+    };
+    let server = start(vec![export("", store.clone())], opts).await;
+
+    // Structured: a read of over four maximum payloads at an odd offset comes in pieces, no
+    // data chunk over the maximum, the last chunk alone flagged done, every byte right.
+    let mut c = Raw::connect(tcp(&server), "", true).await;
+    assert_eq!(c.details.block.unwrap().max, MAX, "announced = served");
+    let (off, len) = (4093u64, 300_001u32);
+    c.send(req(Command::Read, 1, off, len), &[]).await;
+    let replies = c.full_reply(|_| None).await;
+    let mut data_chunks = 0;
+    for (i, r) in replies.iter().enumerate() {
+        let Reply::Chunk { chunk, done, .. } = r else {
+            panic!("a simple reply to a structured read: {r:?}");
+        };
+        assert_eq!(*done, i + 1 == replies.len(), "only the last chunk ends it");
+        if let Chunk::OffsetData { data, .. } = chunk {
+            assert!(data.len() <= MAX as usize, "a data chunk of {}", data.len());
+            data_chunks += 1;
+        }
+    }
+    assert!(data_chunks >= 5, "{data_chunks} data chunks");
+    assert!(
+        replies.iter().any(|r| matches!(
+            r,
+            Reply::Chunk {
+                chunk: Chunk::OffsetHole { .. },
+                ..
+            }
+        )),
+        "the trimmed chunks are holes"
+    );
+    let got = assemble(&replies, off, len as usize).unwrap();
+    assert!(got == expect[off as usize..off as usize + len as usize]);
+    // Past the end is still EINVAL, before anything is read.
+    c.send(req(Command::Read, 2, 1 << 19, 1 << 19 | 1), &[])
+        .await;
+    let r = c.full_reply(|_| None).await;
+    assert_eq!(r.len(), 1);
+    assert_eq!(error_of(&r), Some(errno::EINVAL));
+
+    // Simple replies cannot be split: over the maximum is EINVAL, the connection goes on.
+    let mut c = Raw::connect(tcp(&server), "", false).await;
+    let lens = |cookie: u64| match cookie {
+        3 => Some(MAX + 1),
+        4 => Some(MAX),
+        _ => None,
+    };
+    c.send(req(Command::Read, 3, 0, MAX + 1), &[]).await;
+    assert_eq!(error_of(&c.full_reply(lens).await), Some(errno::EINVAL));
+    c.send(req(Command::Read, 4, 7, MAX), &[]).await;
+    let got = assemble(&c.full_reply(lens).await, 7, MAX as usize).unwrap();
+    assert!(got == expect[7..7 + MAX as usize]);
+    server.shutdown().await.unwrap();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn pipelined_large_writes_and_reads_keep_every_byte() {
+    // Writes of several maximum payloads back to back, each read into a buffer of its own,
+    // interleaved with reads, then checked against the store.
+    let store = memory(8 << 20, 65536);
+    let server = start(vec![export("", store.clone())], quiet()).await;
+    let mut c = Raw::connect(tcp(&server), "", true).await;
+    let data = pattern(8 << 20, 9);
+    let mut sizes = vec![1 << 20, 65536, 3 << 20, 100_000];
+    sizes.push((8 << 20) - sizes.iter().sum::<usize>());
+    let mut msg = Vec::new();
+    let mut at = 0usize;
+    for (i, n) in sizes.iter().enumerate() {
+        let mut b = bytes::BytesMut::new();
+        req(Command::Write, i as u64, at as u64, *n as u32).encode(&mut b);
+        msg.extend_from_slice(&b);
+        msg.extend_from_slice(&data[at..at + n]);
+        let mut b = bytes::BytesMut::new();
+        req(Command::Read, 100 + i as u64, 0, 4096).encode(&mut b);
+        msg.extend_from_slice(&b);
+        at += n;
+    }
+    assert_eq!(at, 8 << 20);
+    c.stream.write_all(&msg).await.unwrap();
+    for _ in 0..2 * sizes.len() {
+        let r = c.full_reply(|_| None).await;
+        assert_eq!(error_of(&r), None);
+    }
+    assert!(store_bytes(&store, 0, 8 << 20).await == data);
     server.shutdown().await.unwrap();
 }

@@ -388,3 +388,48 @@ async fn fio_with_its_nbd_engine_verifies_random_writes() {
     assert!(!out.is_empty());
     server.shutdown().await.unwrap();
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn qemu_io_requests_over_the_maximum_payload_follow_the_announced_limit() {
+    if !need(
+        "qemu_io_requests_over_the_maximum_payload_follow_the_announced_limit",
+        &[QEMU_IO],
+    ) {
+        return;
+    }
+    // 48 MiB at an odd offset: over the default maximum (32 MiB) and far over a 1 MiB one.
+    // qemu splits by the announced maximum; a write over it would fail with EINVAL.
+    for max in [farmap_nbd_proto::consts::DEFAULT_MAX_PAYLOAD, 1 << 20] {
+        let store = memory(64 << 20, 65536);
+        let opts = farmap_nbd::NbdServeOptions {
+            max_payload: max,
+            ..quiet()
+        };
+        let server = start(vec![export("", store.clone())], opts).await;
+        let u = uri(&server, "");
+        let out = ok(
+            "qemu-io",
+            &[
+                "-f",
+                "raw",
+                "-c",
+                "write -P 0x5a 1 50331648",
+                "-c",
+                "read -P 0x5a 1 50331648",
+                "-c",
+                "read -P 0 50331649 1000",
+                &u,
+            ],
+        )
+        .await;
+        assert!(
+            !out.contains("failed") && out.matches("bytes at offset").count() == 3,
+            "max {max}: {out}"
+        );
+        let b = store_bytes(&store, 0, 48 << 20 | 2).await;
+        assert_eq!(b[0], 0);
+        assert!(b[1..=48 << 20].iter().all(|&x| x == 0x5a), "max {max}");
+        assert_eq!(b[(48 << 20) + 1], 0);
+        server.shutdown().await.unwrap();
+    }
+}

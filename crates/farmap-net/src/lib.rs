@@ -25,6 +25,7 @@
 #![forbid(unsafe_code)]
 #![warn(missing_docs)]
 
+mod accept;
 mod addr;
 mod conn;
 pub mod proxy;
@@ -33,13 +34,14 @@ mod server;
 mod stream;
 mod tls;
 
+pub use accept::{accept_connections, AcceptLoop};
 pub use addr::{AddrError, ListenAddr, Listener, RemoteAddr, RemoteAddrError};
 pub use remote::{Backoff, ClientOptions, RemoteStore};
 pub use server::{
     serve, ServeError, ServeOptions, Server, DEFAULT_CONN_BUDGET, DEFAULT_IDLE_TIMEOUT,
     DEFAULT_TOTAL_BUDGET,
 };
-pub use stream::{BoxStream, Stream};
+pub use stream::{is_clean_close, raised, within, write_all_vectored, BoxStream, Stream};
 pub use tls::{
     describe_client_tls_failure, describe_server_tls_failure, TlsClientConfig, TlsConfigError,
     TlsServerConfig,

@@ -42,9 +42,9 @@ use farmap_wire::{
 use futures::future::join_all;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::sync::{mpsc, watch, OwnedSemaphorePermit, Semaphore};
-use tokio::task::JoinSet;
 use tokio_rustls::TlsAcceptor;
 
+use crate::accept::{accept_connections, AcceptLoop};
 use crate::addr::{ListenAddr, Listener};
 use crate::stream::{
     describe_foreign_bytes, io_phrase, is_clean_close, make_room, raised, write_frames, BoxStream,
@@ -309,44 +309,21 @@ impl Drop for Server {
 }
 
 async fn accept_loop(listener: Listener, ctx: Arc<Ctx>, connections: Arc<AtomicUsize>) {
-    let mut shutdown = ctx.shutdown.clone();
-    let mut conns = JoinSet::new();
-    loop {
-        tokio::select! {
-            _ = raised(&mut shutdown) => break,
-            Some(_) = conns.join_next(), if !conns.is_empty() => {
-                connections.store(conns.len(), Ordering::Relaxed);
-            }
-            accepted = listener.accept() => match accepted {
-                Ok((stream, peer)) => {
-                    if conns.len() >= ctx.opts.max_connections {
-                        refuse_full(stream, peer, &ctx, conns.len());
-                        continue;
-                    }
-                    conns.spawn(connection(stream, peer, ctx.clone()));
-                    connections.store(conns.len(), Ordering::Relaxed);
-                }
-                Err(e) => {
-                    // Out of file descriptors and the like: pause rather than spin.
-                    tracing::warn!("accepting a connection failed: {e}");
-                    tokio::time::sleep(Duration::from_millis(100)).await;
-                }
-            },
-        }
-    }
-    listener.cleanup();
-    drop(listener);
-    let grace = ctx.opts.shutdown_grace;
-    let drained =
-        tokio::time::timeout(grace, async { while conns.join_next().await.is_some() {} }).await;
-    if drained.is_err() {
-        tracing::warn!(
-            "{} connections still busy after {grace:?}; closing them",
-            conns.len()
-        );
-        conns.shutdown().await;
-    }
-    connections.store(0, Ordering::Relaxed);
+    let cfg = AcceptLoop {
+        shutdown: ctx.shutdown.clone(),
+        max_connections: ctx.opts.max_connections,
+        grace: ctx.opts.shutdown_grace,
+        connections,
+        server: "farmap server",
+    };
+    let serving = ctx.clone();
+    accept_connections(
+        listener,
+        cfg,
+        |stream, peer| connection(stream, peer, serving.clone()),
+        |stream, peer, n| refuse_full(stream, peer, &ctx, n),
+    )
+    .await;
 }
 
 /// The TLS handshake (if configured), then the client's hello: the stream and the hello, or

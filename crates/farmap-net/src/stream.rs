@@ -60,7 +60,7 @@ pub(crate) async fn write_frames<W: AsyncWrite + Unpin, H>(
 }
 
 /// Runs an I/O step, failing with [`io::ErrorKind::TimedOut`] when it takes over `limit`.
-async fn within<T>(
+pub async fn within<T>(
     limit: Option<Duration>,
     step: impl std::future::Future<Output = io::Result<T>>,
 ) -> io::Result<T> {
@@ -76,16 +76,30 @@ async fn within<T>(
     }
 }
 
-/// Writes every piece of `batch` in order and empties it.
-async fn write_all_vectored<W: AsyncWrite + Unpin>(
+/// Pieces handed to one `writev` (well under the system's `IOV_MAX`).
+const IOV_PER_WRITE: usize = 64;
+
+/// Writes every piece of `batch` in order, in vectored writes (no copy), and empties it.
+/// With a `stall` limit, a write that makes no progress for that long fails with
+/// [`io::ErrorKind::TimedOut`].
+pub async fn write_all_vectored<W: AsyncWrite + Unpin>(
     out: &mut W,
     batch: &mut Vec<Bytes>,
     stall: Option<Duration>,
 ) -> io::Result<()> {
     let mut first = 0;
+    // Skip empty pieces so that a write of zero bytes is never asked for.
+    while first < batch.len() && batch[first].is_empty() {
+        first += 1;
+    }
     while first < batch.len() {
-        let slices: Vec<IoSlice<'_>> = batch[first..].iter().map(|b| IoSlice::new(b)).collect();
-        let mut n = within(stall, out.write_vectored(&slices)).await?;
+        let mut slices = [IoSlice::new(&[]); IOV_PER_WRITE];
+        let mut k = 0;
+        for b in batch[first..].iter().take(IOV_PER_WRITE) {
+            slices[k] = IoSlice::new(b);
+            k += 1;
+        }
+        let mut n = within(stall, out.write_vectored(&slices[..k])).await?;
         if n == 0 {
             return Err(io::ErrorKind::WriteZero.into());
         }
@@ -99,7 +113,6 @@ async fn write_all_vectored<W: AsyncWrite + Unpin>(
                 n = 0;
             }
         }
-        // Skip empty pieces so that a write of zero bytes is never asked for.
         while first < batch.len() && batch[first].is_empty() {
             first += 1;
         }
@@ -139,14 +152,14 @@ pub(crate) fn io_phrase(err: &io::Error) -> String {
 }
 
 /// Resolves once `flag` is (or becomes) true, or its sender is gone.
-pub(crate) async fn raised(flag: &mut tokio::sync::watch::Receiver<bool>) {
+pub async fn raised(flag: &mut tokio::sync::watch::Receiver<bool>) {
     // The guard `wait_for` returns is not `Send`: dropped here, never held across an await.
     let _ = flag.wait_for(|f| *f).await.map(|_| ());
 }
 
 /// Whether a read or write error is only the peer going away: a reset, a closed pipe, or a
 /// TLS peer that closed without `close_notify` (what most TLS clients do).
-pub(crate) fn is_clean_close(err: &io::Error) -> bool {
+pub fn is_clean_close(err: &io::Error) -> bool {
     use io::ErrorKind as K;
     matches!(
         err.kind(),
