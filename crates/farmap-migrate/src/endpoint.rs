@@ -67,8 +67,10 @@ impl Source for Region {
         u32::try_from(Region::page_size(self)).unwrap_or(u32::MAX)
     }
 
+    /// [`Region::take_written`]: a region whose store is shared keeps pushing while it
+    /// migrates, and a push round's scan must not hide a write from the migration.
     fn take_dirty(&self) -> Result<Vec<Range<u64>>, EndpointError> {
-        Ok(Region::take_dirty(self)?.pages)
+        Ok(Region::take_written(self)?.pages)
     }
 
     fn data_plane(self: Arc<Self>) -> Arc<dyn Store> {

@@ -465,7 +465,7 @@ async fn run(
                 SeederAction::ResetTracking => {
                     rep.note("a leecher connected: tracking writes");
                     let r = region.clone();
-                    tokio::task::spawn_blocking(move || r.take_written())
+                    tokio::task::spawn_blocking(move || r.take_dirty())
                         .await
                         .map_err(|source| SeedError::Task {
                             what: "dirty scan",
@@ -475,7 +475,7 @@ async fn run(
                 }
                 SeederAction::TakeDirty { round } => {
                     let r = region.clone();
-                    let d = tokio::task::spawn_blocking(move || r.take_written())
+                    let d = tokio::task::spawn_blocking(move || r.take_dirty())
                         .await
                         .map_err(|source| SeedError::Task {
                             what: "dirty scan",
@@ -497,7 +497,7 @@ async fn run(
                         let state = s.suspend()?;
                         let at_ns = crate::monotonic_ns();
                         let t1 = Instant::now();
-                        let d = r.take_written();
+                        let d = r.take_dirty();
                         let took = (t1 - t0, t1.elapsed());
                         match d {
                             Ok(d) => Ok((d, state, at_ns, took)),
