@@ -295,10 +295,25 @@ impl RedisConfig {
     /// The spec's text before `?` (the password shown as `***`) and its options, for
     /// displaying the spec.
     pub fn display_parts(&self) -> (String, Vec<String>) {
+        self.parts(false)
+    }
+
+    /// [`display_parts`](Self::display_parts) with the password itself, as it was given: a
+    /// spec that must open the store again (a region handed to another process). Keep it out
+    /// of logs.
+    pub fn display_parts_with_password(&self) -> (String, Vec<String>) {
+        self.parts(true)
+    }
+
+    fn parts(&self, password: bool) -> (String, Vec<String>) {
         let creds = match (&self.user, &self.password) {
             (None, None) => String::new(),
             (Some(u), None) => format!("{u}@"),
-            (u, Some(_)) => format!("{}:***@", u.as_deref().unwrap_or("")),
+            (u, Some(p)) => format!(
+                "{}:{}@",
+                u.as_deref().unwrap_or(""),
+                if password { p.as_str() } else { "***" }
+            ),
         };
         let mut opts = Vec::new();
         let head = match &self.target {

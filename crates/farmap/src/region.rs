@@ -46,7 +46,8 @@ pub enum OpenRegionError {
 pub fn open_region(spec: &StoreSpec, mut opts: RegionOptions) -> Result<Region, OpenRegionError> {
     let store = open_store_blocking(spec)?;
     if opts.store_spec.is_none() {
-        opts.store_spec = Some(spec.to_string());
+        // With its password: the process the region is handed to logs in with it.
+        opts.store_spec = Some(spec.to_secret_string());
     }
     Ok(Region::open(store, opts)?)
 }

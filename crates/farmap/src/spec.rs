@@ -600,7 +600,27 @@ impl FromStr for StoreSpec {
 }
 
 impl fmt::Display for StoreSpec {
+    /// The spec as people see it: passwords as `***` (see [`StoreSpec::to_secret_string`]).
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        self.write(f, false)
+    }
+}
+
+impl StoreSpec {
+    /// The spec with its passwords, so that it opens the store again where it is parsed (a
+    /// region handed to another process). Keep it out of logs and messages: `Display` shows
+    /// passwords as `***`.
+    pub fn to_secret_string(&self) -> String {
+        struct Secret<'a>(&'a StoreSpec);
+        impl fmt::Display for Secret<'_> {
+            fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+                self.0.write(f, true)
+            }
+        }
+        Secret(self).to_string()
+    }
+
+    fn write(&self, f: &mut fmt::Formatter<'_>, secrets: bool) -> fmt::Result {
         let mut opts = Vec::new();
         match &self.kind {
             SpecKind::Memory => write!(f, "memory:{}", format_size(self.size.unwrap_or(0)))?,
@@ -643,15 +663,23 @@ impl fmt::Display for StoreSpec {
                 opts = remote_opts;
             }
             SpecKind::Cql(target) => {
-                // The password as `***`, as for Redis.
-                f.write_str(&target.shown())?;
+                // The password as `***` unless asked for, as for Redis.
+                f.write_str(&if secrets {
+                    target.base()
+                } else {
+                    target.shown()
+                })?;
                 opts = target.options();
                 if let Some(s) = self.size {
                     opts.push(format!("size={}", format_size(s)));
                 }
             }
             SpecKind::Redis(config) => {
-                let (head, redis_opts) = config.display_parts();
+                let (head, redis_opts) = if secrets {
+                    config.display_parts_with_password()
+                } else {
+                    config.display_parts()
+                };
                 f.write_str(&head)?;
                 if let Some(s) = self.size {
                     opts.push(format!("size={}", format_size(s)));
@@ -857,6 +885,31 @@ mod tests {
     }
 
     /// The property the `store_spec` fuzz target checks, on inputs picked to be awkward.
+    #[test]
+    fn the_secret_form_keeps_passwords_and_display_hides_them() {
+        for (text, password) in [
+            ("redis://u:pa@ss:w@127.0.0.1:6379/2?size=1MiB", "pa@ss:w"),
+            ("rediss://:pw@h:1/0?size=1MiB&prefix=p", "pw"),
+            ("redis+cluster://:pw@h:1,h:2/?size=1MiB", "pw"),
+            ("cql://u:p%3Aw@h:1/ks?table=t&size=1MiB", "p:w"),
+        ] {
+            let spec: StoreSpec = text.parse().unwrap();
+            let shown = spec.to_string();
+            assert!(
+                !shown.contains(password) && shown.contains("***"),
+                "{text} shown as {shown}"
+            );
+            let secret = spec.to_secret_string();
+            let again: StoreSpec = secret.parse().unwrap();
+            assert_eq!(again, spec, "{text} → {secret}");
+            assert_eq!(again.to_secret_string(), secret);
+            assert_eq!(again.to_string(), shown);
+        }
+        // Without a password, both forms are the same.
+        let plain: StoreSpec = "redis://h:1/0?size=1MiB".parse().unwrap();
+        assert_eq!(plain.to_secret_string(), plain.to_string());
+    }
+
     #[test]
     fn canonical_forms_read_back() {
         for text in [
