@@ -36,19 +36,14 @@
 //! Serving a mapping of the mount from the same process works (the mount has its own runtime
 //! and session thread), but a thread of the mount's runtime must never touch the mapping.
 #![warn(missing_docs)]
+#![forbid(unsafe_code)]
 
-#[forbid(unsafe_code)]
 mod control;
-#[forbid(unsafe_code)]
 mod error;
-#[forbid(unsafe_code)]
 mod fs;
 mod mapping;
-#[forbid(unsafe_code)]
 pub mod migrate;
-#[forbid(unsafe_code)]
 mod mount;
-#[forbid(unsafe_code)]
 mod sys;
 
 pub use control::{Access, MountControl};

@@ -23,24 +23,22 @@
 //! - [`NbdMount::shutdown`] flushes first (`fsync` of the device), then disconnects, then
 //!   stops the server (which flushes the store again).
 //! - [`genl`] is the generic netlink codec with no I/O (fuzzed: it decodes kernel replies);
-//!   the socket itself is rustix's, so the crate has no `unsafe` outside the mapping.
+//!   the socket itself is rustix's and the mapping `farmap_uffd::SharedMapping`, so the
+//!   crate has no `unsafe` code.
 //!
 //! Linux only. Configuring NBD devices needs `CAP_SYS_ADMIN`.
 #![warn(missing_docs)]
+#![forbid(unsafe_code)]
 
-#[forbid(unsafe_code)]
 pub mod genl;
 
 #[cfg(target_os = "linux")]
-#[forbid(unsafe_code)]
 mod device;
 #[cfg(target_os = "linux")]
-#[forbid(unsafe_code)]
 mod error;
 #[cfg(target_os = "linux")]
 mod mapping;
 #[cfg(target_os = "linux")]
-#[forbid(unsafe_code)]
 mod netlink;
 
 #[cfg(target_os = "linux")]

@@ -68,14 +68,15 @@
 //! every blocked thread. See [`handover`] for the message layout.
 //!
 //! # Where the `unsafe` code is
-//! Four files, every other module is `#[forbid(unsafe_code)]`:
+//! Five files, every other module is `#[forbid(unsafe_code)]`:
 //! - `sys.rs`: the raw kernel interface ([`sys::ioctl`], and `sys::pagemap_scan`, its safe
 //!   `PAGEMAP_SCAN` form);
 //! - `uffd.rs`: opening a userfaultfd and its ioctls ([`uffd::Uffd::register`] is the one
 //!   `unsafe fn` whose contract makes the others safe);
 //! - `mapping.rs`: mapping, registering, discarding and unmapping the region's memory;
 //! - `slice.rs`: [`RegionSlice`], the only way safe code reaches region memory (volatile,
-//!   bounds-checked accesses).
+//!   bounds-checked accesses);
+//! - `shared_map.rs`: [`SharedMapping`], a file or device mapped shared (the mounts' slices).
 //!
 //! eventfd, poll, mmap, madvise and `SCM_RIGHTS` go through `rustix`.
 #![warn(missing_docs)]
@@ -97,6 +98,7 @@ pub mod pagemap;
 mod region;
 #[forbid(unsafe_code)]
 mod server;
+mod shared_map;
 mod slice;
 #[forbid(unsafe_code)]
 mod stats;
@@ -108,5 +110,6 @@ pub mod uffd;
 pub use error::{RegionError, Unsupported};
 pub use options::{RegionMode, RegionOptions, TrackingMode, WriteTracking};
 pub use region::{probe, Region, Support};
+pub use shared_map::SharedMapping;
 pub use slice::{RegionSlice, SliceError};
 pub use stats::{DirtyReport, HandlerLocation, RegionStats};
