@@ -115,21 +115,10 @@ pub async fn run(args: MountArgs) -> anyhow::Result<ExitCode> {
         };
         (store_arg.parse()?, Some(PathBuf::from(&args.first)))
     };
-    let store = open_store_async(&spec)
-        .await
-        .with_context(|| format!("opening {spec}"))?;
-    let managed = if args.managed {
-        let opts = managed_options(args.workers, args.pull_order, args.push_interval);
-        Some(Arc::new(
-            Managed::open(store.clone(), opts).context("starting the managed store")?,
-        ))
-    } else {
-        None
-    };
-    let served: Arc<dyn Store> = match &managed {
-        Some(m) => m.clone(),
-        None => store,
-    };
+    let managed_opts = args
+        .managed
+        .then(|| managed_options(args.workers, args.pull_order, args.push_interval));
+    let (served, managed) = open_served(&spec, managed_opts).await?;
     if args.nbd {
         // The device is flushed and disconnected first (the server flushes the store stack
         // when it stops); then push what is left.
@@ -191,6 +180,23 @@ pub async fn run(args: MountArgs) -> anyhow::Result<ExitCode> {
     finish_managed(managed, unmounted.context("unmounting")).await?;
     status!("farmap mount: unmounted; the store is flushed");
     Ok(ExitCode::SUCCESS)
+}
+
+/// Opens the store `spec` names, behind a managed front (Cached + Puller + Pusher) when
+/// `managed` gives its options: the store to serve, and the front to finish with
+/// [`finish_managed`].
+pub(crate) async fn open_served(
+    spec: &StoreSpec,
+    managed: Option<ManagedOptions>,
+) -> anyhow::Result<(Arc<dyn Store>, Option<Arc<Managed>>)> {
+    let store = open_store_async(spec)
+        .await
+        .with_context(|| format!("opening {spec}"))?;
+    let Some(opts) = managed else {
+        return Ok((store, None));
+    };
+    let m = Arc::new(Managed::open(store, opts).context("starting the managed store")?);
+    Ok((m.clone(), Some(m)))
 }
 
 /// The managed front's options from the command line's `--workers`, `--pull-order` and

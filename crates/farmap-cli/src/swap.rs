@@ -59,12 +59,11 @@ use std::time::{Duration, Instant};
 
 use anyhow::{bail, Context};
 use clap::{Args, Subcommand, ValueEnum};
-use farmap::spec::open_store_async;
-use farmap::{Managed, Store, StoreSpec};
+use farmap::{Store, StoreSpec};
 use farmap_fuse::{FuseMount, MountOptions};
 
 use crate::bench::parse_duration;
-use crate::mount::{finish_managed, is_gone, managed_options, PullOrderArg};
+use crate::mount::{finish_managed, is_gone, managed_options, open_served, PullOrderArg};
 
 /// Where each `swap on` mounts its store: `SWAP_ROOT/PID/`.
 const SWAP_ROOT: &str = "/run/farmap/swap";
@@ -489,21 +488,10 @@ async fn on(args: SwapOnArgs, io_flusher: Option<std::io::Result<()>>) -> anyhow
     }
     check_memlock()?;
 
-    let store = open_store_async(&spec)
-        .await
-        .with_context(|| format!("opening {spec}"))?;
-    let managed = if args.managed {
-        let opts = managed_options(args.workers, args.pull_order, args.push_interval);
-        Some(Arc::new(
-            Managed::open(store.clone(), opts).context("starting the managed store")?,
-        ))
-    } else {
-        None
-    };
-    let served: Arc<dyn Store> = match &managed {
-        Some(m) => m.clone(),
-        None => store,
-    };
+    let managed_opts = args
+        .managed
+        .then(|| managed_options(args.workers, args.pull_order, args.push_interval));
+    let (served, managed) = open_served(&spec, managed_opts).await?;
     let pid = std::process::id();
     let dir = Path::new(SWAP_ROOT).join(pid.to_string());
     std::fs::create_dir_all(&dir).with_context(|| format!("creating {}", dir.display()))?;
