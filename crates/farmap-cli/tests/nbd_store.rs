@@ -44,9 +44,11 @@ impl Drop for Child {
     }
 }
 
+/// Waits until a Unix socket at `path` accepts connections (its file appears at `bind`,
+/// before `listen`).
 fn wait_for(path: &Path) {
     let t0 = Instant::now();
-    while !path.exists() {
+    while std::os::unix::net::UnixStream::connect(path).is_err() {
         assert!(
             t0.elapsed() < Duration::from_secs(10),
             "{} did not appear",
@@ -56,18 +58,31 @@ fn wait_for(path: &Path) {
     }
 }
 
-/// `nbdkit` in the foreground on a Unix socket `sock`, with `args` (filters, plugin...).
+/// `nbdkit` in the foreground on a Unix socket `sock`, with `args` (filters, plugin...);
+/// returns once it listens. The socket file appears at `bind`, before `listen`, so the
+/// pidfile nbdkit writes once it listens is what is waited for.
 fn nbdkit(sock: &Path, args: &[&str]) -> Child {
+    let pidfile = sock.with_extension("pid");
     let child = Command::new("nbdkit")
         .args(["-f", "--exit-with-parent", "-U"])
         .arg(sock)
+        .arg("-P")
+        .arg(&pidfile)
         .args(args)
         .stdout(Stdio::null())
         .stderr(Stdio::null())
         .spawn()
         .expect("start nbdkit");
     let c = Child(child);
-    wait_for(sock);
+    let t0 = Instant::now();
+    while !std::fs::read_to_string(&pidfile).is_ok_and(|p| p.ends_with('\n')) {
+        assert!(
+            t0.elapsed() < Duration::from_secs(10),
+            "nbdkit did not listen on {}",
+            sock.display()
+        );
+        std::thread::sleep(Duration::from_millis(20));
+    }
     c
 }
 

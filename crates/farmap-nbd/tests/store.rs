@@ -49,20 +49,25 @@ impl Drop for Killed {
 }
 
 /// Starts `nbdkit` in the foreground on a Unix socket in `dir` with `args` (plugin and its
-/// parameters); returns when the socket exists.
+/// parameters); returns when it accepts connections. The socket file appears at `bind`,
+/// before `listen`: a connection in between is refused. nbdkit writes its pidfile once it
+/// listens, so that is what is waited for.
 async fn nbdkit(dir: &Path, name: &str, extra: &[&str], plugin: &[&str]) -> (Killed, PathBuf) {
     let sock = dir.join(format!("{name}.sock"));
+    let pidfile = dir.join(format!("{name}.pid"));
     let child = Command::new("nbdkit")
         .args(["-f", "--exit-with-parent", "-U"])
         .arg(&sock)
+        .arg("-P")
+        .arg(&pidfile)
         .args(extra)
         .args(plugin)
         .stdout(Stdio::null())
         .spawn()
         .expect("nbdkit starts");
     let guard = Killed(child);
-    for _ in 0..200 {
-        if sock.exists() {
+    for _ in 0..400 {
+        if std::fs::read_to_string(&pidfile).is_ok_and(|p| p.ends_with('\n')) {
             return (guard, sock);
         }
         tokio::time::sleep(Duration::from_millis(25)).await;
