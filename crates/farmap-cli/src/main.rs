@@ -122,8 +122,8 @@ fn main() -> ExitCode {
     let cli = Cli::parse();
     logging::init(matches!(&cli.command, Command::Serve(args) if args.quiet));
     // Before the runtime's threads exist: they inherit it (see `swap`).
-    let io_flusher = matches!(&cli.command, Command::Swap(swap::SwapCommand::On(_)))
-        .then(swap::become_io_flusher);
+    let swap_prepared =
+        matches!(&cli.command, Command::Swap(swap::SwapCommand::On(_))).then(swap::prepare);
     let rt = match tokio::runtime::Builder::new_multi_thread()
         .enable_all()
         .build()
@@ -153,7 +153,7 @@ fn main() -> ExitCode {
             Command::MountUblk(args) => mount_ublk::run_args(args).await,
             Command::Mount(args) => mount::run(args).await,
             Command::Umount(args) => mount::umount(args).await,
-            Command::Swap(cmd) => swap::run(cmd, io_flusher).await,
+            Command::Swap(cmd) => swap::run(cmd, swap_prepared).await,
         }
     });
     match result {

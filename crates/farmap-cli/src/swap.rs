@@ -20,7 +20,7 @@
 //! # Not deadlocking under memory pressure
 //! The server's memory must never depend on the swap it serves. What is done:
 //! - `PR_SET_IO_FLUSHER` on the main thread before any other thread exists
-//!   ([`become_io_flusher`]); every thread inherits it. It needs `CAP_SYS_RESOURCE`; where
+//!   ([`prepare`]); every thread inherits it. It needs `CAP_SYS_RESOURCE`; where
 //!   root lacks it (this machine's sandbox does) a warning says so and the server goes on.
 //!   Reclaim entered by an allocation of this process then does no I/O
 //!   (`PF_MEMALLOC_NOIO`), so it can never wait for a swap-out that this process has to
@@ -32,20 +32,38 @@
 //!   `CAP_IPC_LOCK`, so `RLIMIT_MEMLOCK` does not apply; without it the limit is raised to
 //!   unlimited, and `swap on` refuses to start if that fails (a locked process whose limit
 //!   is reached cannot allocate any more).
-//! - Pre-allocated: fuser's 16 MiB request buffer, the runtimes' threads and stacks (locked).
+//! - Nothing on the swap-out path takes a new page from the kernel (an allocation that
+//!   needs one can enter reclaim, and reclaim may be waiting for this very swap-out):
+//!   - pre-allocated and locked before `swapon`: fuser's 16 MiB request buffer, the
+//!     runtimes' threads and stacks, and a pool of [`WRITE_BUFFERS`] 1 MiB buffers that write
+//!     payloads are copied into ([`farmap_fuse::WritePool`]; a buffer comes back once the
+//!     store has the data);
+//!   - the store copies what it keeps into memory that exists from the start: a memory store
+//!     is a [`DenseMemoryStore`] (every page of the region allocated and written at start),
+//!     and a managed store's local copy is one too ([`ManagedOptions::dense_local`]); a
+//!     remote store keeps nothing;
+//!   - what the path still allocates (request tasks, store futures, a read's copy,
+//!     read-modify-write buffers, network frames) comes from the heap, which is prepared on
+//!     the main thread before any other thread exists ([`prepare_heap`]: one malloc arena, no
+//!     trimming, no `mmap` for blocks up to 32 MiB) and grown by [`HEAP_RESERVE`] that is
+//!     freed again before `mlockall`: freed memory stays in the process, locked, and is what
+//!     later allocations get.
+//!
+//!   The swap test checks it: the server may take at most 1024 page faults while about
+//!   200 MiB are swapped through it. Measured (`cargo test -p farmap-cli --test swap`): 0 for
+//!   the memory store and 0 for the managed remote store; with the sparse memory store
+//!   instead of the dense one the server took 57,982 and its RSS grew by 226 MiB.
 //! - The loop device uses direct I/O (`--direct-io on`, measured below): swap-out goes
 //!   straight to the FUSE server. A buffered loop device would copy every swapped page into
 //!   the FUSE file's page cache first, charged to the memory cgroup that is swapping (the loop
 //!   driver charges its I/O to the issuer's cgroup): swap-out would need the memory it is
 //!   trying to free, and would wait for FUSE writeback.
 //!
-//! Residual risk: each write request still allocates (a copy of the payload and a tokio
-//! task) and the store allocates where it keeps data (a memory store's chunk on first write,
-//! the managed cache, network frames). These allocations come from locked memory when the
-//! host has free pages; under *global* memory pressure they can enter direct reclaim — without
-//! I/O, so not into this swap — and stall there or fail (an allocation failure aborts).
-//! Pressure from a memory cgroup limit (the tested case) does not touch the server as long as
-//! the server is not in that cgroup.
+//! Residual risk: a burst of more write requests than the pool has buffers, or more heap than
+//! the reserve, takes new pages (counted as pool misses; the reserve's size is a guess
+//! checked by the test, not a bound). Without `PR_SET_IO_FLUSHER` (this machine) reclaim
+//! entered then may do I/O. Pressure from a memory cgroup limit (the tested case) does not
+//! touch the server as long as the server is not in that cgroup.
 //!
 //! Direct I/O measured on this machine (2 shared cores, memory store, `dd` through the loop
 //! device, 1 MiB O_DIRECT requests): reads 1.7 GB/s, writes 2.1–3.4 GB/s once the store's
@@ -59,7 +77,8 @@ use std::time::{Duration, Instant};
 
 use anyhow::{bail, Context};
 use clap::{Args, Subcommand, ValueEnum};
-use farmap::{Store, StoreSpec};
+use farmap::store::DenseMemoryStore;
+use farmap::{Geometry, ManagedOptions, SpecKind, Store, StoreSpec};
 use farmap_fuse::{FuseMount, MountOptions};
 
 use crate::bench::parse_duration;
@@ -145,11 +164,70 @@ pub struct SwapOffArgs {
     target: Option<String>,
 }
 
-/// Marks the process an I/O flusher (`PR_SET_IO_FLUSHER`). Must run on the main thread
-/// before any other thread starts: threads inherit the flag from the thread that creates
-/// them, and the runtime's threads serve the swap.
-pub fn become_io_flusher() -> std::io::Result<()> {
+/// What `swap on` sets up on the main thread before any other thread exists.
+#[derive(Debug)]
+pub struct Prepared {
+    /// `PR_SET_IO_FLUSHER`'s result.
+    io_flusher: std::io::Result<()>,
+    /// Whether the allocator took the settings of [`prepare_heap`].
+    heap: bool,
+}
+
+/// Prepares the process for serving swap; must run on the main thread before any other
+/// thread starts: threads inherit the I/O flusher flag from the thread that creates them,
+/// and each thread picks its malloc arena at its first allocation.
+pub fn prepare() -> Prepared {
+    Prepared {
+        heap: prepare_heap(),
+        io_flusher: become_io_flusher(),
+    }
+}
+
+/// Marks the process an I/O flusher (`PR_SET_IO_FLUSHER`).
+fn become_io_flusher() -> std::io::Result<()> {
     rustix::process::configure_io_flusher_behavior(true).map_err(std::io::Error::from)
+}
+
+/// How much heap is kept in reserve (allocated, written and then freed before `mlockall`, and
+/// never given back): what the serving path allocates (request tasks, store futures, a
+/// read's copy, network frames) comes out of it without a page fault.
+const HEAP_RESERVE: usize = 64 << 20;
+
+/// Buffers of the mount's write pool: one per FUSE write request in flight (1 MiB each);
+/// more requests than this copy into the heap reserve.
+const WRITE_BUFFERS: usize = 32;
+
+/// glibc malloc settings under which freed memory stays in the process (and locked): one
+/// arena for every thread (each extra arena would grow, page by page, on its own), no
+/// trimming of the heap's top, no `mmap` for blocks up to 32 MiB (each would be fresh pages
+/// and a `munmap` when freed). Returns whether glibc took them all.
+#[cfg(all(target_os = "linux", target_env = "gnu"))]
+fn prepare_heap() -> bool {
+    let settings = [
+        (libc::M_ARENA_MAX, 1),
+        (libc::M_TRIM_THRESHOLD, i32::MAX),
+        (libc::M_MMAP_THRESHOLD, 32 << 20),
+        (libc::M_TOP_PAD, 16 << 20),
+    ];
+    // SAFETY: mallopt only changes allocator parameters; it is called before any other
+    // thread exists.
+    settings
+        .iter()
+        .all(|&(param, value)| unsafe { libc::mallopt(param, value) } == 1)
+}
+
+#[cfg(not(all(target_os = "linux", target_env = "gnu")))]
+fn prepare_heap() -> bool {
+    false
+}
+
+/// Grows the heap by `bytes`, written, and frees it again: with [`prepare_heap`]'s settings
+/// it stays in the process as free heap, and `mlockall` keeps it resident.
+fn reserve_heap(bytes: usize) {
+    const BLOCK: usize = 8 << 20;
+    let blocks: Vec<Vec<u8>> = (0..bytes / BLOCK).map(|_| vec![1u8; BLOCK]).collect();
+    // Not optimized away: the allocator must really have handed these out.
+    drop(std::hint::black_box(blocks));
 }
 
 /// A line on stderr; a closed stderr is ignored (this runs in a daemon's path).
@@ -382,12 +460,9 @@ async fn clean_dead(entry: &Entry) -> anyhow::Result<()> {
     Ok(())
 }
 
-pub async fn run(
-    cmd: SwapCommand,
-    io_flusher: Option<std::io::Result<()>>,
-) -> anyhow::Result<ExitCode> {
+pub async fn run(cmd: SwapCommand, prepared: Option<Prepared>) -> anyhow::Result<ExitCode> {
     match cmd {
-        SwapCommand::On(args) => on(args, io_flusher).await,
+        SwapCommand::On(args) => on(args, prepared).await,
         SwapCommand::Off(args) => off(args).await,
     }
 }
@@ -455,22 +530,30 @@ impl Setup {
     }
 }
 
-async fn on(args: SwapOnArgs, io_flusher: Option<std::io::Result<()>>) -> anyhow::Result<ExitCode> {
+async fn on(args: SwapOnArgs, prepared: Option<Prepared>) -> anyhow::Result<ExitCode> {
     if !rustix::process::geteuid().is_root() {
         bail!(
             "farmap swap on needs root (FUSE mount, losetup, swapon, mlockall, \
              PR_SET_IO_FLUSHER)"
         );
     }
-    match io_flusher {
-        Some(Ok(())) => {}
+    let Some(prepared) = prepared else {
+        bail!("internal: swap::prepare was not called before the runtime started");
+    };
+    if let Err(e) = &prepared.io_flusher {
         // Without CAP_SYS_RESOURCE (some containers drop it from root): go on, and say what
         // is lost.
-        Some(Err(e)) => tracing::warn!(
+        tracing::warn!(
             "not an I/O flusher (PR_SET_IO_FLUSHER: {e}; it needs CAP_SYS_RESOURCE): reclaim \
              entered by this server's allocations may write pages out and wait for it"
-        ),
-        None => bail!("internal: PR_SET_IO_FLUSHER was not tried before the runtime started"),
+        );
+    }
+    if !prepared.heap {
+        tracing::warn!(
+            "the allocator did not take the swap server's settings (glibc mallopt): freed \
+             memory may go back to the kernel, and allocations on the swap-out path may need \
+             new pages"
+        );
     }
     let spec: StoreSpec = args.store.parse()?;
     // Listen for SIGTERM/SIGINT from the start: one that comes before the device is printed
@@ -488,10 +571,23 @@ async fn on(args: SwapOnArgs, io_flusher: Option<std::io::Result<()>>) -> anyhow
     }
     check_memlock()?;
 
-    let managed_opts = args
-        .managed
-        .then(|| managed_options(args.workers, args.pull_order, args.push_interval));
-    let (served, managed) = open_served(&spec, managed_opts).await?;
+    // Stores whose writes copy into memory that exists from the start: a memory store is
+    // dense (the swapped pages are in memory anyway), and so is a managed store's local copy.
+    let managed_opts = args.managed.then(|| ManagedOptions {
+        dense_local: true,
+        ..managed_options(args.workers, args.pull_order, args.push_interval)
+    });
+    let (served, managed) = if matches!(spec.kind, SpecKind::Memory) && managed_opts.is_none() {
+        let g = Geometry::new(
+            spec.size.context("a memory spec has a size")?,
+            u64::from(spec.chunk_size_or_default()),
+        )
+        .with_context(|| format!("the geometry of {spec}"))?;
+        let dense: Arc<dyn Store> = Arc::new(DenseMemoryStore::new(g));
+        (dense, None)
+    } else {
+        open_served(&spec, managed_opts).await?
+    };
     let pid = std::process::id();
     let dir = Path::new(SWAP_ROOT).join(pid.to_string());
     std::fs::create_dir_all(&dir).with_context(|| format!("creating {}", dir.display()))?;
@@ -572,7 +668,16 @@ async fn on(args: SwapOnArgs, io_flusher: Option<std::io::Result<()>>) -> anyhow
     note(format_args!(
         "farmap swap on: {device} is off and detached; flushing and unmounting"
     ));
+    let pool = mount.write_pool().cloned();
     let unmounted = tokio::task::spawn_blocking(move || mount.unmount()).await?;
+    if let Some(pool) = pool.filter(|p| p.misses() > 0) {
+        note(format_args!(
+            "farmap swap on: {} write payloads found none of the {} pre-allocated buffers free \
+             and were copied into the heap",
+            pool.misses(),
+            pool.count()
+        ));
+    }
     finish_managed(managed, unmounted.context("unmounting")).await?;
     let _ = own.remove();
     note("farmap swap on: unmounted; the store is flushed");
@@ -589,6 +694,7 @@ async fn start(
 ) -> anyhow::Result<(String, bool)> {
     let opts = MountOptions {
         name: FILE_NAME.to_string(),
+        write_buffers: WRITE_BUFFERS,
         ..MountOptions::default()
     };
     let mount_dir = setup.dir.clone();
@@ -601,6 +707,7 @@ async fn start(
     }
     let file = mount.path().display().to_string();
     setup.mount = Some(mount);
+    reserve_heap(HEAP_RESERVE);
     // Everything this process has mapped, and will map, stays in memory: before swapon, so
     // that none of it can ever be swapped out to the device this process serves.
     rustix::mm::mlockall(rustix::mm::MlockAllFlags::CURRENT | rustix::mm::MlockAllFlags::FUTURE)

@@ -1,6 +1,7 @@
 //! `farmap swap on` / `farmap swap off`, run for real: a process in a memory cgroup (v1)
 //! limited to a quarter of its working set swaps into a store — memory, and a remote
-//! `farmap serve` behind a 10 ms proxy in managed mode — and its data checks out afterwards.
+//! `farmap serve` behind a 10 ms proxy in managed mode — and its data checks out afterwards,
+//! and the swap server took (almost) no new pages while serving it.
 //!
 //! Needs root, /dev/fuse, loop devices, util-linux (losetup, mkswap, swapon), the cgroup v1
 //! memory controller and python3; without them the tests say "skipped" and why. The swap
@@ -307,10 +308,38 @@ impl Drop for Workload {
     }
 }
 
+/// A process's page faults so far (minor + major, every thread's: `/proc/PID/stat`) and
+/// its resident memory in KiB (`VmRSS`).
+fn faults_and_rss(pid: u32) -> (u64, u64) {
+    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).unwrap();
+    // Fields after the command's closing parenthesis start at field 3 (state).
+    let rest: Vec<&str> = stat
+        .rsplit_once(')')
+        .unwrap()
+        .1
+        .split_whitespace()
+        .collect();
+    let (minflt, majflt): (u64, u64) = (rest[7].parse().unwrap(), rest[9].parse().unwrap());
+    let status = std::fs::read_to_string(format!("/proc/{pid}/status")).unwrap();
+    let rss = status
+        .lines()
+        .find_map(|l| l.strip_prefix("VmRSS:"))
+        .and_then(|v| v.trim().trim_end_matches("kB").trim().parse().ok())
+        .unwrap();
+    (minflt + majflt, rss)
+}
+
+/// Most page faults (4 KiB each) the swap server may take while the workload swaps through
+/// it: its memory, locked and allocated up front, must not grow with the swapped pages (a
+/// page it needed would come from reclaim, which may be waiting for this very swap-out).
+const SERVER_FAULTS_MAX: u64 = 1024;
+
 /// Runs the working set in a cgroup limited to a quarter of it, with `swap` the only swap it
 /// can use (the highest priority); asserts that it swapped into it and that its data checks
-/// out. Prints the swap-in figure.
+/// out, and that the server took (almost) no new pages meanwhile. Prints the swap-in figure.
 fn swap_through(swap: &SwapOn, name: &str) {
+    let server = swap.child.id();
+    let (faults0, rss0) = faults_and_rss(server);
     let others: Vec<_> = swaps().into_iter().filter(|s| s.0 != swap.device).collect();
     if !others.is_empty() {
         println!("other swap on this host (lower priority than ours): {others:?}");
@@ -345,6 +374,23 @@ fn swap_through(swap: &SwapOn, name: &str) {
     let status = w.child.wait().unwrap();
     assert!(status.success(), "the workload exited with {status}");
     w.finished.store(true, Ordering::Relaxed);
+    let (faults1, rss1) = faults_and_rss(server);
+    println!(
+        "{name}: the server took {} page faults and its RSS went from {} to {} MiB while \
+         {} MiB were swapped through it",
+        faults1 - faults0,
+        rss0 / 1024,
+        rss1 / 1024,
+        swapped_kib / 1024
+    );
+    assert!(
+        faults1 - faults0 <= SERVER_FAULTS_MAX,
+        "the swap server took {} page faults (RSS {} -> {} KiB) while serving the swap: its \
+         swap-out path allocates new memory",
+        faults1 - faults0,
+        rss0,
+        rss1
+    );
     println!(
         "{name}: {WORKING_SET_MIB} MiB written in {write_s:.2} s with {} MiB swapped out \
          (device: {} MiB used); read back and verified in {read_s:.2} s: swap-in about {:.0} \

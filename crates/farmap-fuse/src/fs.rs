@@ -20,6 +20,7 @@ use fuser::{
 use tokio::runtime::Handle;
 
 use crate::control::MountControl;
+use crate::pool::WritePool;
 
 /// The region file's inode.
 pub(crate) const FILE_INO: INodeNo = INodeNo(2);
@@ -45,6 +46,8 @@ pub(crate) struct Shared {
     pub max_request: u32,
     /// Written pages and the gate (live migration).
     pub control: Arc<MountControl>,
+    /// Where write payloads are copied, if the mount has pre-allocated buffers.
+    pub pool: Option<WritePool>,
 }
 
 impl Shared {
@@ -269,7 +272,10 @@ impl Filesystem for RegionFs {
         }
         // A write reaching past the end is cut short, like one on a full block device.
         let len = (data.len() as u64).min(end - offset) as usize;
-        let data = Bytes::copy_from_slice(&data[..len]);
+        let data = match &self.shared.pool {
+            Some(pool) => pool.copy(&data[..len]),
+            None => Bytes::copy_from_slice(&data[..len]),
+        };
         let shared = self.shared.clone();
         self.spawn(async move {
             let pass = match shared.control.writable().await {

@@ -26,6 +26,9 @@
 //! - [`FuseMount::unmount`] (and drop) write back the page cache, flush the store, and
 //!   unmount; if programs still hold the file, the mount is detached and served until they
 //!   let go, so nothing they write is lost.
+//! - Write payloads are copied out of fuser's request buffer into a fresh allocation, or,
+//!   with [`MountOptions::write_buffers`], into a [`WritePool`] of buffers allocated at mount
+//!   (a swap server's write path must not allocate).
 //! - A mount point whose server died (`ENOTCONN`) is detected and lazily unmounted before
 //!   mounting again.
 //!
@@ -44,10 +47,12 @@ mod fs;
 mod mapping;
 pub mod migrate;
 mod mount;
+mod pool;
 mod sys;
 
 pub use control::{Access, MountControl};
 pub use error::MountError;
 pub use mapping::MappedRegion;
 pub use mount::{find_mount, FuseMount, MountInfo, MountOptions, DEFAULT_FILE_NAME};
+pub use pool::WritePool;
 pub use sys::{cleanup_stale, is_stale};

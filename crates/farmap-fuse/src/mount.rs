@@ -20,6 +20,7 @@ use crate::control::{Access, MountControl};
 use crate::error::MountError;
 use crate::fs::{RegionFs, Shared};
 use crate::mapping::MappedRegion;
+use crate::pool::WritePool;
 use crate::sys::{self, Unmounted};
 
 pub use crate::sys::{find_mount, MountInfo};
@@ -47,10 +48,16 @@ pub struct MountOptions {
     /// Who may use the file at first: [`Access::Held`] makes every request wait until
     /// [`MountControl::open`] (a migration's destination before its hand-over).
     pub access: Access,
+    /// Buffers of `max_request` bytes allocated at mount for write payloads (a
+    /// [`WritePool`]); 0: every write's payload is copied into a fresh allocation. Only for
+    /// stores that copy what they keep (see [`WritePool`]): a swap server's writes must not
+    /// allocate.
+    pub write_buffers: usize,
 }
 
 impl Default for MountOptions {
-    /// `region`, read-write, 1 MiB requests, kernel tuning on, 4 worker threads, owner only.
+    /// `region`, read-write, 1 MiB requests, kernel tuning on, 4 worker threads, owner only,
+    /// no write pool.
     fn default() -> Self {
         Self {
             name: DEFAULT_FILE_NAME.to_string(),
@@ -60,6 +67,7 @@ impl Default for MountOptions {
             worker_threads: 4,
             allow_other: false,
             access: Access::Open,
+            write_buffers: 0,
         }
     }
 }
@@ -78,6 +86,7 @@ pub struct FuseMount {
     ended: watch::Receiver<bool>,
     runtime: Option<Runtime>,
     control: Arc<MountControl>,
+    pool: Option<WritePool>,
 }
 
 /// Checks the mount point: a directory with nothing mounted on it (a dead FUSE mount there is
@@ -151,7 +160,10 @@ impl FuseMount {
             rustix::param::page_size() as u64,
             opts.access,
         ));
+        let pool = (opts.write_buffers > 0)
+            .then(|| WritePool::new(opts.write_buffers, max_request as usize));
         let shared = Arc::new(Shared {
+            pool: pool.clone(),
             control: control.clone(),
             store: Unaligned::new(store.clone()),
             geometry,
@@ -229,6 +241,7 @@ impl FuseMount {
             ended,
             runtime: Some(runtime),
             control,
+            pool,
         };
         if opts.tune_kernel && root {
             mount.tune_read_ahead(max_request);
@@ -252,6 +265,11 @@ impl FuseMount {
     /// The mount's migration controls: written pages, and the gate in front of requests.
     pub fn control(&self) -> &Arc<MountControl> {
         &self.control
+    }
+
+    /// The pre-allocated write buffers ([`MountOptions::write_buffers`]), if any.
+    pub fn write_pool(&self) -> Option<&WritePool> {
+        self.pool.as_ref()
     }
 
     /// The store the file is served from.

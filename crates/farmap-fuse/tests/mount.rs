@@ -239,3 +239,44 @@ fn unmount_of_a_file_still_in_use_detaches_and_loses_nothing() {
     unmounter.join().unwrap().unwrap();
     assert_eq!(store_bytes(&*s, 0, 10), b"late write");
 }
+
+#[test]
+fn pooled_write_buffers_over_a_copying_store_all_come_back() {
+    if !can_mount("pooled_write_buffers_over_a_copying_store_all_come_back") {
+        return;
+    }
+    let dir = tempfile::tempdir().unwrap();
+    let g = Geometry::new(8 << 20, 64 << 10).unwrap();
+    let s = Arc::new(farmap_store::DenseMemoryStore::new(g));
+    let opts = MountOptions {
+        write_buffers: 4,
+        ..MountOptions::default()
+    };
+    let m = FuseMount::mount(s.clone(), dir.path(), opts).unwrap();
+    let pool = m.write_pool().expect("a pool was asked for").clone();
+    assert_eq!((pool.count(), pool.free()), (4, 4));
+    // Writes from 4 threads at once, many more than the pool has buffers, each fsynced.
+    std::thread::scope(|scope| {
+        for t in 0..4u8 {
+            let f = m.open().unwrap();
+            scope.spawn(move || {
+                for i in 0..16u64 {
+                    let data = pattern(t * 16 + i as u8, 128 << 10);
+                    f.write_all_at(&data, (u64::from(t) * 16 + i) * (128 << 10))
+                        .unwrap();
+                }
+                f.sync_all().unwrap();
+            });
+        }
+    });
+    for k in 0..64u64 {
+        assert_eq!(
+            store_bytes(&*s, k * (128 << 10), 128 << 10),
+            pattern(k as u8, 128 << 10),
+            "block {k}"
+        );
+    }
+    // The dense store copied every payload: every buffer is back, none was lent for good.
+    assert_eq!(pool.free(), 4, "{pool:?}");
+    m.unmount().unwrap();
+}

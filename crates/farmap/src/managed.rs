@@ -22,9 +22,9 @@ use farmap_core::{
 use farmap_pipeline::{
     Cached, PullOptions, PullProgress, PullReport, Puller, PushOptions, PushStats, Pusher,
 };
-use farmap_store::MemoryStore;
+use farmap_store::{DenseMemoryStore, MemoryStore};
 
-type Cache = Cached<SparseLocal, Arc<dyn Store>>;
+type Cache = Cached<Box<dyn Store>, Arc<dyn Store>>;
 
 /// The local memory of a managed store: a sparse [`MemoryStore`] that keeps no chunk of
 /// zeros (one is trimmed instead), so chunks the remote never wrote cost no memory and keep
@@ -76,6 +76,11 @@ pub struct ManagedOptions {
     pub push: PushOptions,
     /// When a read misses, this many chunks after it jump the puller's queue with it.
     pub readahead_chunks: u32,
+    /// Keep the local copy in memory allocated (and written) up front for the whole region,
+    /// which every write is copied into ([`DenseMemoryStore`]), instead of a sparse map
+    /// that keeps the written buffers and grows as chunks arrive. For a server whose
+    /// writes must not allocate (`farmap swap on`).
+    pub dense_local: bool,
 }
 
 impl Default for ManagedOptions {
@@ -86,6 +91,7 @@ impl Default for ManagedOptions {
             pull: Some(PullOptions::default()),
             push: PushOptions::default(),
             readahead_chunks: 4,
+            dense_local: false,
         }
     }
 }
@@ -116,10 +122,12 @@ impl Managed {
     /// Outside a tokio runtime (the puller and the push interval run on it).
     pub fn open(remote: Arc<dyn Store>, opts: ManagedOptions) -> StoreResult<Managed> {
         let geometry = remote.geometry();
-        let cache = Arc::new(Cached::new(
-            SparseLocal(MemoryStore::new(geometry)),
-            remote.clone(),
-        )?);
+        let local: Box<dyn Store> = if opts.dense_local {
+            Box::new(DenseMemoryStore::new(geometry))
+        } else {
+            Box::new(SparseLocal(MemoryStore::new(geometry)))
+        };
+        let cache = Arc::new(Cached::new(local, remote.clone())?);
         let pusher = Pusher::new(cache.clone(), remote, opts.push)?;
         let puller = opts.pull.map(|pull| Puller::start(cache.clone(), pull));
         Ok(Managed {
@@ -261,6 +269,12 @@ mod tests {
 
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn pulls_everything_and_flush_pushes_everything() {
+        for dense_local in [false, true] {
+            pulls_and_pushes(dense_local).await;
+        }
+    }
+
+    async fn pulls_and_pushes(dense_local: bool) {
         let g = Geometry::new(64 * 4096, 4096).unwrap();
         let r = remote(g);
         for i in 0..64u64 {
@@ -279,6 +293,7 @@ mod tests {
                 ..PushOptions::default()
             },
             readahead_chunks: 2,
+            dense_local,
         };
         let m = Managed::open(r.clone(), opts).unwrap();
         let report = m.wait_pull().await.unwrap();
