@@ -115,6 +115,13 @@ pub async fn run(args: MountArgs) -> anyhow::Result<ExitCode> {
         };
         (store_arg.parse()?, Some(PathBuf::from(&args.first)))
     };
+    if args.nbd && !farmap_nbd_kernel::kernel_has_nbd() {
+        // Before the store is opened: a remote one is not contacted for nothing.
+        return Err(anyhow::Error::new(
+            farmap_nbd_kernel::NbdKernelError::NoDriver,
+        ))
+        .context("setting up the kernel NBD device");
+    }
     let managed_opts = args
         .managed
         .then(|| managed_options(args.workers, args.pull_order, args.push_interval));

@@ -71,7 +71,7 @@ pub async fn serve(
     } else {
         println!("{device}");
     }
-    eprintln!(
+    status!(
         "farmap mount: {device} serves {shown} ({}, {} connections, block size {}{}); Ctrl-C or \
          SIGTERM stops it",
         mount.geometry(),
@@ -84,11 +84,11 @@ pub async fn serve(
         },
     );
     stop_signal().await?;
-    eprintln!("farmap mount: flushing {device}, then disconnecting it");
+    status!("farmap mount: flushing {device}, then disconnecting it");
     mount
         .shutdown()
         .await
         .with_context(|| format!("tearing {device} down"))?;
-    eprintln!("farmap mount: {device} is disconnected; the store is flushed");
+    status!("farmap mount: {device} is disconnected; the store is flushed");
     Ok(())
 }

@@ -33,6 +33,18 @@ fn mount_nbd_without_the_driver_says_so() {
         "took {:?}",
         start.elapsed()
     );
+    // The driver is checked before the store is opened: a remote store (here one that does
+    // not answer) is not contacted for nothing.
+    let out = Command::new(env!("CARGO_BIN_EXE_farmap"))
+        .args(["mount", "--nbd", "farmap://127.0.0.1:1"])
+        .output()
+        .unwrap();
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success());
+    assert!(
+        stderr.contains("the kernel has no nbd driver (modprobe nbd)"),
+        "stderr: {stderr}"
+    );
 }
 
 #[test]

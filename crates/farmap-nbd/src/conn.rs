@@ -418,6 +418,17 @@ async fn transmission(
                     batch.push(error_reply(&h, session, &f), None);
                     continue;
                 }
+                // A small payload that shares the read-ahead buffer with other requests gets
+                // an allocation of its own: a store that keeps it (a memory store keeps it for
+                // good) would otherwise keep the whole 256 KiB buffer alive for every 4 KiB
+                // write. A large one (which pins at most 4 times its size) is not copied.
+                Incoming::Request { header, payload }
+                    if !own_buffer
+                        && !payload.is_empty()
+                        && payload.len() < LARGE_WRITE as usize =>
+                {
+                    (header, Bytes::copy_from_slice(&payload))
+                }
                 Incoming::Request { header, payload } => (header, payload),
             };
             own_buffer = false;

@@ -346,3 +346,92 @@ async fn pipelined_large_writes_and_reads_keep_every_byte() {
     assert!(store_bytes(&store, 0, 8 << 20).await == data);
     server.shutdown().await.unwrap();
 }
+
+/// A store that remembers where the payloads it was given live in memory.
+#[derive(Debug)]
+struct Recording {
+    inner: std::sync::Arc<dyn Store>,
+    seen: std::sync::Mutex<Vec<(usize, usize)>>,
+}
+
+impl Store for Recording {
+    fn geometry(&self) -> farmap_core::Geometry {
+        self.inner.geometry()
+    }
+    fn caps(&self) -> farmap_core::Caps {
+        self.inner.caps()
+    }
+    fn read(
+        &self,
+        idx: farmap_core::ChunkIdx,
+    ) -> farmap_core::BoxFuture<'_, farmap_core::StoreResult<Bytes>> {
+        self.inner.read(idx)
+    }
+    fn write(
+        &self,
+        idx: farmap_core::ChunkIdx,
+        data: Bytes,
+    ) -> farmap_core::BoxFuture<'_, farmap_core::StoreResult<()>> {
+        self.seen
+            .lock()
+            .unwrap()
+            .push((data.as_ptr() as usize, data.len()));
+        self.inner.write(idx, data)
+    }
+    fn flush(&self) -> farmap_core::BoxFuture<'_, farmap_core::StoreResult<()>> {
+        self.inner.flush()
+    }
+    fn trim(
+        &self,
+        range: farmap_core::ChunkRange,
+    ) -> farmap_core::BoxFuture<'_, farmap_core::StoreResult<()>> {
+        self.inner.trim(range)
+    }
+    fn status(
+        &self,
+        idx: farmap_core::ChunkIdx,
+    ) -> farmap_core::BoxFuture<'_, farmap_core::StoreResult<farmap_core::ChunkStatus>> {
+        self.inner.status(idx)
+    }
+}
+
+/// Small writes arrive many to one read of the socket; the payload a store keeps must not be
+/// a slice of that shared receive buffer (a memory store keeps it for good: each 4 KiB chunk
+/// would pin the whole buffer).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn small_writes_in_one_burst_do_not_pin_the_receive_buffer() {
+    let rec = std::sync::Arc::new(Recording {
+        inner: memory(1 << 20, 4096),
+        seen: Default::default(),
+    });
+    let server = start(vec![export("", rec.clone())], quiet()).await;
+    let mut c = Raw::connect(tcp(&server), "", true).await;
+    // 32 writes of 4 KiB in one socket write: they land in one receive buffer.
+    let mut burst = bytes::BytesMut::new();
+    for i in 0..32u64 {
+        req(Command::Write, i, i * 4096, 4096).encode(&mut burst);
+        burst.extend_from_slice(&[i as u8 + 1; 4096]);
+    }
+    c.stream.write_all(&burst).await.unwrap();
+    for _ in 0..32 {
+        assert_eq!(error_of(&c.full_reply(|_| None).await), None);
+    }
+    let mut seen = rec.seen.lock().unwrap().clone();
+    assert_eq!(seen.len(), 32);
+    seen.sort_unstable();
+    // Slices of one buffer would sit a request header (28 bytes) apart.
+    for w in seen.windows(2) {
+        let ((a, len), (b, _)) = (w[0], w[1]);
+        assert_ne!(
+            b,
+            a + len + 28,
+            "two payloads are neighbours in one buffer: the store keeps the receive buffer"
+        );
+    }
+    for i in 0..32u64 {
+        assert_eq!(
+            store_bytes(&(rec.clone() as std::sync::Arc<dyn Store>), i * 4096, 4096).await,
+            vec![i as u8 + 1; 4096]
+        );
+    }
+}
