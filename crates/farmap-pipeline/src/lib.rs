@@ -42,14 +42,14 @@ pub mod timer;
 pub mod tracked;
 pub mod unaligned;
 
-pub use cached::{Cached, Fill};
+pub use cached::{Cached, EvictStats, Fill};
 pub use counting::{Counting, Counts};
 pub use delayed::{DelayOptions, Delayed};
 pub use dirty::DirtySet;
 pub use faulty::{FaultPlan, FaultTrigger, Faulty, OpSet};
 pub use gated::{GateState, Gated};
 pub use puller::{PullFailure, PullOptions, PullOrder, PullProgress, PullReport, Puller};
-pub use pusher::{DirtySource, PushOptions, PushStats, Pusher};
+pub use pusher::{DirtySource, PushHold, PushOptions, PushStats, Pusher};
 pub use retry::{retry, RetryPolicy};
 pub use tracked::Tracked;
 pub use unaligned::Unaligned;
