@@ -57,9 +57,10 @@ fn state_of(word: u32) -> u32 {
 /// to sleep), which is harmless and rare with this many.
 const MAX_STRIPES: usize = 1024;
 
-/// How long an eviction that found every present chunk pinned or busy waits before it looks
-/// again (pins last one local operation; this is rare unless the bound is a few chunks).
-const EVICT_RETRY_PAUSE: Duration = Duration::from_micros(200);
+/// Longest an eviction that found every present chunk pinned or busy waits before it looks
+/// again; it is woken earlier by an unpin, a release or a slot given back (this fallback
+/// only covers a wake-up lost between its look and its wait).
+const EVICT_RETRY_PAUSE: Duration = Duration::from_millis(1);
 
 /// The bookkeeping of a bounded cache.
 struct Bound {
@@ -76,6 +77,18 @@ struct Bound {
     clock: Mutex<VecDeque<ChunkIdx>>,
     evicted: AtomicU64,
     written_back: AtomicU64,
+    /// Evictions waiting for a chunk to become evictable or a slot to come free, and their
+    /// wake-up.
+    waiting: AtomicU64,
+    room: Notify,
+}
+
+impl Bound {
+    fn wake_evictors(&self) {
+        if self.waiting.load(Ordering::SeqCst) > 0 {
+            self.room.notify_waiters();
+        }
+    }
 }
 
 /// What a bounded [`Cached`] store's evictions have done.
@@ -198,6 +211,8 @@ impl<L: Store, R: Store> Cached<L, R> {
                 clock: Mutex::new(VecDeque::new()),
                 evicted: AtomicU64::new(0),
                 written_back: AtomicU64::new(0),
+                waiting: AtomicU64::new(0),
+                room: Notify::new(),
             }),
         })
     }
@@ -399,7 +414,8 @@ impl<L: Store, R: Store> Cached<L, R> {
 
     fn unreserve(&self) {
         if let Some(b) = &self.bound {
-            b.resident.fetch_sub(1, Ordering::AcqRel);
+            b.resident.fetch_sub(1, Ordering::SeqCst);
+            b.wake_evictors();
         }
     }
 
@@ -409,7 +425,25 @@ impl<L: Store, R: Store> Cached<L, R> {
         let Some(b) = &self.bound else {
             return Ok(());
         };
-        // Two passes: the first may only clear referenced bits.
+        // Register for a wake-up before looking, so that an unpin after the look wakes us.
+        let mut room = pin!(b.room.notified());
+        room.as_mut().enable();
+        b.waiting.fetch_add(1, Ordering::SeqCst);
+        let result = self.evict_pass(b).await;
+        if let Ok(false) = result {
+            tokio::select! {
+                _ = room => {}
+                _ = tokio::time::sleep(EVICT_RETRY_PAUSE) => {}
+            }
+        }
+        b.waiting.fetch_sub(1, Ordering::SeqCst);
+        result.map(|_| ())
+    }
+
+    /// One pass of the clock: `Ok(true)` if it evicted a chunk, `Ok(false)` if every chunk
+    /// it looked at was pinned, busy or referenced.
+    async fn evict_pass(&self, b: &Bound) -> StoreResult<bool> {
+        // Two rounds: the first may only clear referenced bits.
         let budget = 2 * b.clock.lock().len() + 1;
         for _ in 0..budget {
             let Some(idx) = b.clock.lock().pop_front() else {
@@ -455,10 +489,9 @@ impl<L: Store, R: Store> Cached<L, R> {
                 return Err(e);
             }
             evicting.finish();
-            return Ok(());
+            return Ok(true);
         }
-        tokio::time::sleep(EVICT_RETRY_PAUSE).await;
-        Ok(())
+        Ok(false)
     }
 
     /// The body of an eviction of Busy chunk `idx`: write-back if modified, local trim.
@@ -478,13 +511,9 @@ impl<L: Store, R: Store> Cached<L, R> {
             b.modified.clear(idx);
             b.written_back.fetch_add(1, Ordering::Relaxed);
         }
-        self.local
-            .trim(ChunkRange::single(idx))
-            .await
-            .map_err(|e| {
-                StoreError::new(e.kind(), format!("evicting {idx}: dropping it locally"))
-                    .with_source(e)
-            })
+        self.local.trim(ChunkRange::single(idx)).await.map_err(|e| {
+            StoreError::new(e.kind(), format!("evicting {idx}: dropping it locally")).with_source(e)
+        })
     }
 
     fn mark_modified(&self, idx: ChunkIdx) {
@@ -577,8 +606,11 @@ impl<L: Store, R: Store> Cached<L, R> {
                 r
             };
             zeroed.map_err(|e| {
-                StoreError::new(e.kind(), format!("trimming absent {run} in the remote store"))
-                    .with_source(e)
+                StoreError::new(
+                    e.kind(),
+                    format!("trimming absent {run} in the remote store"),
+                )
+                .with_source(e)
             })?;
         }
         held.release(ABSENT);
@@ -631,7 +663,10 @@ struct Pinned<'a, L: Store, R: Store> {
 
 impl<L: Store, R: Store> Drop for Pinned<'_, L, R> {
     fn drop(&mut self) {
-        self.cached.state[self.idx.as_usize()].fetch_sub(PIN, Ordering::AcqRel);
+        self.cached.state[self.idx.as_usize()].fetch_sub(PIN, Ordering::SeqCst);
+        if let Some(b) = &self.cached.bound {
+            b.wake_evictors();
+        }
     }
 }
 
@@ -712,6 +747,7 @@ fn release<L: Store, R: Store>(cached: &Cached<L, R>, idx: ChunkIdx, to: u32) {
         cached.present.fetch_add(1, Ordering::AcqRel);
         if let Some(b) = &cached.bound {
             b.clock.lock().push_back(idx);
+            b.wake_evictors();
         }
     }
     if prev == BUSY_WAITED {

@@ -70,9 +70,8 @@ async fn run(max_chunks: u64, seed: u64, remote_can_trim: bool) {
     } else {
         Arc::new(NoTrim(model.clone()))
     };
-    let cached = Arc::new(
-        Cached::bounded(MemoryStore::new(g), remote.clone(), max_chunks).unwrap(),
-    );
+    let cached =
+        Arc::new(Cached::bounded(MemoryStore::new(g), remote.clone(), max_chunks).unwrap());
     let opts = PushOptions {
         workers: 4,
         interval: Some(Duration::from_millis(1)),
@@ -133,7 +132,10 @@ async fn run(max_chunks: u64, seed: u64, remote_can_trim: bool) {
                     if trim {
                         // Sometimes a run of two of this writer's chunks... kept to one chunk
                         // so that every chunk's history stays its own.
-                        pusher.trim(ChunkRange::single(ChunkIdx(idx))).await.unwrap();
+                        pusher
+                            .trim(ChunkRange::single(ChunkIdx(idx)))
+                            .await
+                            .unwrap();
                     } else {
                         pusher.write(ChunkIdx(idx), content(idx, v)).await.unwrap();
                     }
@@ -170,8 +172,11 @@ async fn run(max_chunks: u64, seed: u64, remote_can_trim: bool) {
                         Some(v) => lo <= v && v <= hi && !kinds[v as usize],
                         None => (lo..=hi).any(|v| kinds[v as usize]),
                     };
-                    assert!(ok, "chunk {idx}: read {:?}, current versions {lo}..={hi}",
-                        decode(idx, &data));
+                    assert!(
+                        ok,
+                        "chunk {idx}: read {:?}, current versions {lo}..={hi}",
+                        decode(idx, &data)
+                    );
                     reads += 1;
                 }
                 reads
@@ -191,8 +196,14 @@ async fn run(max_chunks: u64, seed: u64, remote_can_trim: bool) {
 
     pusher.flush().await.unwrap();
     let stats = cached.evict_stats().unwrap();
-    assert!(stats.evicted_chunks > 0, "the bound forced evictions: {stats:?}");
-    assert!(stats.written_back_chunks > 0, "of modified chunks: {stats:?}");
+    assert!(
+        stats.evicted_chunks > 0,
+        "the bound forced evictions: {stats:?}"
+    );
+    assert!(
+        stats.written_back_chunks > 0,
+        "of modified chunks: {stats:?}"
+    );
     assert!(cached.present_count() <= max_chunks);
     for i in 0..CHUNKS {
         let h = &history[i as usize];
@@ -205,7 +216,11 @@ async fn run(max_chunks: u64, seed: u64, remote_can_trim: bool) {
         let through = pusher.read(ChunkIdx(i)).await.unwrap();
         assert_eq!(decode(i, &through), want, "chunk {i} through the cache");
         let remote = model.read(ChunkIdx(i)).await.unwrap();
-        assert_eq!(decode(i, &remote), want, "chunk {i} in the remote after flush");
+        assert_eq!(
+            decode(i, &remote),
+            want,
+            "chunk {i} in the remote after flush"
+        );
     }
 }
 
@@ -233,10 +248,7 @@ impl Store for NoTrim {
     fn flush(&self) -> farmap_core::BoxFuture<'_, farmap_core::StoreResult<()>> {
         self.0.flush()
     }
-    fn trim(
-        &self,
-        range: ChunkRange,
-    ) -> farmap_core::BoxFuture<'_, farmap_core::StoreResult<()>> {
+    fn trim(&self, range: ChunkRange) -> farmap_core::BoxFuture<'_, farmap_core::StoreResult<()>> {
         Box::pin(async move {
             panic!("trim of {range} reached a remote that cannot trim");
         })
