@@ -21,6 +21,8 @@
 //!        │        │ Puller: background prefetch, N async workers, order policy,
 //!     local       │ prioritize(), progress, cancel
 //!
+//!   Tiered: a store over several stores (memory, disk, remote) with capacities; chunks
+//!   placed on first write, cold ones demoted in the background.
 //!   Delayed · Faulty · Counting: latency/bandwidth, injected errors, statistics;
 //!   stack them anywhere (benchmarks and tests use them).
 //! ```
@@ -38,6 +40,7 @@ pub mod gated;
 pub mod puller;
 pub mod pusher;
 pub mod retry;
+pub mod tiered;
 pub mod timer;
 pub mod tracked;
 pub mod unaligned;
@@ -51,5 +54,6 @@ pub use gated::{GateState, Gated};
 pub use puller::{PullFailure, PullOptions, PullOrder, PullProgress, PullReport, Puller};
 pub use pusher::{DirtySource, PushHold, PushOptions, PushStats, Pusher};
 pub use retry::{retry, RetryPolicy};
+pub use tiered::{Tier, TierOptions, Tiered};
 pub use tracked::Tracked;
 pub use unaligned::Unaligned;
