@@ -19,7 +19,7 @@ use tokio::sync::RwLock;
 /// No tier holds the chunk: it was never written (or was trimmed), and reads as zeros.
 const UNPLACED: u8 = u8::MAX;
 
-/// Most tiers (the placement map keeps a tier's index in one byte, [`UNPLACED`] apart).
+/// Most tiers (the placement map keeps a tier's index in one byte, 255 meaning none).
 pub const MAX_TIERS: usize = 16;
 
 /// Stripes of per-chunk locks.

@@ -120,7 +120,7 @@ async fn run(max_chunks: u64, seed: u64, remote_can_trim: bool) {
         .map(|w| {
             let (pusher, history) = (pusher.clone(), history.clone());
             tokio::spawn(async move {
-                let mut rng = rand::rngs::StdRng::seed_from_u64(seed ^ (w + 1) * 0x9E37);
+                let mut rng = rand::rngs::StdRng::seed_from_u64(seed ^ ((w + 1) * 0x9E37));
                 let mine: Vec<u64> = (0..CHUNKS).filter(|i| i % WRITERS == w).collect();
                 for _ in 0..120 {
                     let idx = mine[rng.gen_range(0..mine.len())];
