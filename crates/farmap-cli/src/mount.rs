@@ -53,6 +53,11 @@ pub struct MountArgs {
     /// SIGTERM push everything.
     #[arg(long, default_value = "1s", value_parser = parse_duration)]
     push_interval: Duration,
+    /// Most of the region held in local memory (managed mode): SIZE (binary suffixes:
+    /// 64MiB) or N% of the region. Over it, chunks are dropped (modified ones pushed
+    /// first) and fetched again when read; there is no background pull then.
+    #[arg(long, value_name = "SIZE|N%", value_parser = parse_cache_max, requires = "managed")]
+    cache_max: Option<CacheMax>,
     /// Refuse writes.
     #[arg(long)]
     read_only: bool,
@@ -125,7 +130,7 @@ pub async fn run(args: MountArgs) -> anyhow::Result<ExitCode> {
     let managed_opts = args
         .managed
         .then(|| managed_options(args.workers, args.pull_order, args.push_interval));
-    let (served, managed) = open_served(&spec, managed_opts).await?;
+    let (served, managed) = open_served(&spec, managed_opts, args.cache_max).await?;
     if args.nbd {
         // The device is flushed and disconnected first (the server flushes the store stack
         // when it stops); then push what is left.
@@ -151,6 +156,7 @@ pub async fn run(args: MountArgs) -> anyhow::Result<ExitCode> {
         let result = crate::mount_agent::run(agent_mount(&args, socket, Some(mount))).await;
         if let Some(m) = managed {
             // The agent's last references may linger: push what is left either way.
+            report_evictions(&m);
             match Arc::try_unwrap(m) {
                 Ok(m) => m.shutdown().await.context("pushing the last writes")?,
                 Err(m) => m.flush().await.context("pushing the last writes")?,
@@ -195,6 +201,7 @@ pub async fn run(args: MountArgs) -> anyhow::Result<ExitCode> {
 pub(crate) async fn open_served(
     spec: &StoreSpec,
     managed: Option<ManagedOptions>,
+    cache_max: Option<CacheMax>,
 ) -> anyhow::Result<(Arc<dyn Store>, Option<Arc<Managed>>)> {
     let store = open_store_async(spec)
         .await
@@ -202,8 +209,76 @@ pub(crate) async fn open_served(
     let Some(opts) = managed else {
         return Ok((store, None));
     };
-    let m = Arc::new(Managed::open(store, opts).context("starting the managed store")?);
+    let m = Arc::new(open_managed(store, opts, cache_max)?);
     Ok((m.clone(), Some(m)))
+}
+
+/// Starts a managed front over `store`, bounded by `cache_max` (resolved against the
+/// region's size) when given.
+pub(crate) fn open_managed(
+    store: Arc<dyn Store>,
+    mut opts: ManagedOptions,
+    cache_max: Option<CacheMax>,
+) -> anyhow::Result<Managed> {
+    if let Some(max) = cache_max {
+        let size = store.geometry().size();
+        let bytes = max.bytes(size);
+        opts.cache_max = Some(bytes);
+        status!(
+            "farmap: the managed cache holds at most {bytes} bytes of the region's {size} \
+             ({max}); no background pull"
+        );
+    }
+    Managed::open(store, opts).context("starting the managed store")
+}
+
+/// `--cache-max`: a number of bytes, or a percentage of the region.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum CacheMax {
+    /// Bytes.
+    Bytes(u64),
+    /// Percent of the region's size (1..=100).
+    Percent(u8),
+}
+
+impl CacheMax {
+    /// The bound in bytes for a region of `size` bytes.
+    pub(crate) fn bytes(self, size: u64) -> u64 {
+        match self {
+            CacheMax::Bytes(b) => b,
+            CacheMax::Percent(p) => (u128::from(size) * u128::from(p) / 100) as u64,
+        }
+    }
+}
+
+impl std::fmt::Display for CacheMax {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            CacheMax::Bytes(b) => write!(f, "--cache-max {}", farmap::format_size(*b)),
+            CacheMax::Percent(p) => write!(f, "--cache-max {p}%"),
+        }
+    }
+}
+
+/// Parses `--cache-max`: SIZE (binary suffixes) or N% (1..=100).
+pub(crate) fn parse_cache_max(s: &str) -> Result<CacheMax, String> {
+    if let Some(p) = s.trim().strip_suffix('%') {
+        let p: u8 = p
+            .trim()
+            .parse()
+            .map_err(|_| format!("{s:?}: a percentage is a whole number from 1 to 100"))?;
+        if !(1..=100).contains(&p) {
+            return Err(format!(
+                "{s:?}: a percentage is a whole number from 1 to 100"
+            ));
+        }
+        return Ok(CacheMax::Percent(p));
+    }
+    let b = farmap::parse_size(s).map_err(|e| e.to_string())?;
+    if b == 0 {
+        return Err("a cache max of 0 bytes holds nothing".into());
+    }
+    Ok(CacheMax::Bytes(b))
 }
 
 /// The managed front's options from the command line's `--workers`, `--pull-order` and
@@ -275,6 +350,7 @@ pub(crate) async fn finish_managed(
     mut result: anyhow::Result<()>,
 ) -> anyhow::Result<()> {
     if let Some(m) = managed {
+        report_evictions(&m);
         let m =
             Arc::try_unwrap(m).map_err(|_| anyhow::anyhow!("the managed store is still in use"));
         match m {
@@ -289,6 +365,18 @@ pub(crate) async fn finish_managed(
         }
     }
     result
+}
+
+/// Prints what a bounded managed front's evictions did (nothing for an unbounded one).
+pub(crate) fn report_evictions(m: &Managed) {
+    if let Some(st) = m.evict_stats() {
+        status!(
+            "farmap: managed cache: at most {} chunks held; {} evicted, {} of them pushed first",
+            st.max_chunks,
+            st.evicted_chunks,
+            st.written_back_chunks
+        );
+    }
 }
 
 /// Whether process `pid` is gone (or a zombie: it has stopped serving).
@@ -357,4 +445,19 @@ pub async fn umount(args: UmountArgs) -> anyhow::Result<ExitCode> {
 
 fn still_mounted_by(dir: &Path, pid: u32) -> bool {
     matches!(farmap_fuse::find_mount(dir), Ok(Some(m)) if m.farmap_pid() == Some(pid))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn cache_max_parses_sizes_and_percentages() {
+        assert_eq!(parse_cache_max("4MiB"), Ok(CacheMax::Bytes(4 << 20)));
+        assert_eq!(parse_cache_max("30%"), Ok(CacheMax::Percent(30)));
+        assert_eq!(CacheMax::Percent(25).bytes(64 << 20), 16 << 20);
+        for bad in ["0", "0%", "101%", "x%", "-3%", "lots"] {
+            assert!(parse_cache_max(bad).is_err(), "{bad}");
+        }
+    }
 }

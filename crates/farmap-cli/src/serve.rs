@@ -61,6 +61,11 @@ pub struct ServeArgs {
     /// flushed at the remote. Shutdown pushes what is left.
     #[arg(long, requires = "nbd")]
     pub(crate) managed: bool,
+    /// With --managed: most of the region held in local memory, SIZE (64MiB) or N% of the
+    /// region. Over it, chunks are dropped (modified ones pushed first) and fetched again
+    /// when read; there is no background pull then.
+    #[arg(long, value_name = "SIZE|N%", value_parser = crate::mount::parse_cache_max, requires = "managed")]
+    pub(crate) cache_max: Option<crate::mount::CacheMax>,
     /// Do not log connections: only warnings and errors (the listening address and shutdown
     /// are still printed). `FARMAP_LOG` overrides it.
     #[arg(long, short)]

@@ -5,7 +5,7 @@ use std::sync::Arc;
 
 use anyhow::Context;
 use farmap::spec::open_store_async;
-use farmap::{Managed, ManagedOptions, StoreSpec};
+use farmap::{ManagedOptions, StoreSpec};
 use farmap_nbd::{serve_nbd, Export, NbdServeOptions};
 use farmap_net::Listener;
 
@@ -30,8 +30,9 @@ pub async fn run(args: ServeArgs, store: Arc<dyn farmap::Store>) -> anyhow::Resu
         );
     }
     let managed = if args.managed {
-        let m = Managed::open(store.clone(), ManagedOptions::default())
-            .context("starting the managed (cached) store")?;
+        let m =
+            crate::mount::open_managed(store.clone(), ManagedOptions::default(), args.cache_max)
+                .context("starting the managed (cached) store")?;
         Some(Arc::new(m))
     } else {
         None
@@ -99,6 +100,7 @@ pub async fn run(args: ServeArgs, store: Arc<dyn farmap::Store>) -> anyhow::Resu
         .await
         .context("shutting the NBD server down")?;
     if let Some(m) = managed {
+        crate::mount::report_evictions(&m);
         status!("farmap serve: pushing what the managed store still holds");
         farmap::Store::flush(&*m)
             .await

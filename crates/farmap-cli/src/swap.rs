@@ -586,7 +586,7 @@ async fn on(args: SwapOnArgs, prepared: Option<Prepared>) -> anyhow::Result<Exit
         let dense: Arc<dyn Store> = Arc::new(DenseMemoryStore::new(g));
         (dense, None)
     } else {
-        open_served(&spec, managed_opts).await?
+        open_served(&spec, managed_opts, None).await?
     };
     let pid = std::process::id();
     let dir = Path::new(SWAP_ROOT).join(pid.to_string());

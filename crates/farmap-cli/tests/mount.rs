@@ -392,3 +392,130 @@ fn bench_fuse_prints_one_verified_json_line_per_case_and_frontend() {
         ]
     );
 }
+
+/// A process's resident set (`VmRSS`) or its peak (`VmHWM`), in bytes.
+fn proc_kib(pid: u32, field: &str) -> u64 {
+    let status = std::fs::read_to_string(format!("/proc/{pid}/status")).unwrap();
+    status
+        .lines()
+        .find_map(|l| l.strip_prefix(field))
+        .and_then(|v| v.trim().trim_end_matches("kB").trim().parse::<u64>().ok())
+        .unwrap_or_else(|| panic!("no {field} in /proc/{pid}/status"))
+        * 1024
+}
+
+#[test]
+fn a_managed_mount_with_a_cache_max_stays_bounded() {
+    if !can_run("a_managed_mount_with_a_cache_max_stays_bounded") {
+        return;
+    }
+    const SIZE: u64 = 64 << 20;
+    const BLOCK: usize = 1 << 20;
+    let tmp = tempfile::tempdir().unwrap();
+    let dir = tmp.path().join("mnt");
+    std::fs::create_dir(&dir).unwrap();
+    let mut server = Command::new(env!("CARGO_BIN_EXE_farmap"))
+        .args([
+            "serve",
+            "memory:64MiB",
+            "--listen",
+            "127.0.0.1:0",
+            "--quiet",
+        ])
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let mut err = BufReader::new(server.stderr.take().unwrap());
+    let mut line = String::new();
+    err.read_line(&mut line).unwrap();
+    let addr = line
+        .split("listening on ")
+        .nth(1)
+        .and_then(|r| r.split_whitespace().next())
+        .unwrap_or_else(|| panic!("no address in {line:?}"))
+        .to_owned();
+    std::thread::spawn(move || std::io::copy(&mut err, &mut std::io::sink()));
+    struct Kill(Child);
+    impl Drop for Kill {
+        fn drop(&mut self) {
+            let _ = self.0.kill();
+            let _ = self.0.wait();
+        }
+    }
+    let _server = Kill(server);
+
+    let m = Mounted::start(
+        &dir,
+        &format!("farmap://{addr}"),
+        &[
+            "--managed",
+            "--cache-max",
+            "4MiB",
+            "--push-interval",
+            "50ms",
+        ],
+    );
+    let pid = m.child.id();
+    let base = proc_kib(pid, "VmRSS:");
+    let mut peak_rss = base;
+    let sample = |peak: &mut u64| *peak = (*peak).max(proc_kib(pid, "VmRSS:"));
+    {
+        use std::os::unix::fs::FileExt;
+        let f = std::fs::OpenOptions::new()
+            .read(true)
+            .write(true)
+            .open(&m.path)
+            .unwrap();
+        assert_eq!(f.metadata().unwrap().len(), SIZE);
+        for off in (0..SIZE).step_by(BLOCK) {
+            f.write_all_at(&farmap_testkit::pattern_bytes(5, off, BLOCK), off)
+                .unwrap();
+            sample(&mut peak_rss);
+        }
+        f.sync_all().unwrap();
+        let mut buf = vec![0; BLOCK];
+        for off in (0..SIZE).step_by(BLOCK) {
+            f.read_exact_at(&mut buf, off).unwrap();
+            assert!(
+                buf == farmap_testkit::pattern_bytes(5, off, BLOCK),
+                "the MiB at {off} reads back"
+            );
+            sample(&mut peak_rss);
+        }
+    }
+    let hwm = proc_kib(pid, "VmHWM:");
+    // The whole 64 MiB went through the mount; an unbounded cache would hold all of it.
+    let growth = hwm.saturating_sub(base);
+    eprintln!(
+        "mount process: RSS {} MiB at start, sampled peak {} MiB, VmHWM {} MiB",
+        base >> 20,
+        peak_rss >> 20,
+        hwm >> 20
+    );
+    assert!(
+        growth < 32 << 20,
+        "the mount's peak RSS grew by {} MiB over {} MiB at start, with a 4 MiB cache",
+        growth >> 20,
+        base >> 20
+    );
+    m.umount();
+    // A new mount (nothing cached) reads everything back from the server.
+    let m = Mounted::start(
+        &dir,
+        &format!("farmap://{addr}"),
+        &["--managed", "--cache-max", "10%"],
+    );
+    {
+        use std::os::unix::fs::FileExt;
+        let f = std::fs::File::open(&m.path).unwrap();
+        let mut buf = vec![0; BLOCK];
+        for off in (0..SIZE).step_by(BLOCK) {
+            f.read_exact_at(&mut buf, off).unwrap();
+            assert!(
+                buf == farmap_testkit::pattern_bytes(5, off, BLOCK),
+                "the MiB at {off} is in the remote"
+            );
+        }
+    }
+    m.umount();
+}

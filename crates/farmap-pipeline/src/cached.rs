@@ -1,15 +1,22 @@
-//! [`Cached`]: a local store in front of a remote one, with a per-chunk presence map; and
-//! [`Fill`], what a [`Puller`](crate::puller::Puller) fills.
+//! [`Cached`]: a local store in front of a remote one, with a per-chunk presence map and an
+//! optional bound on the chunks held locally; and [`Fill`], what a
+//! [`Puller`](crate::puller::Puller) fills.
 
+use std::collections::VecDeque;
 use std::fmt;
 use std::pin::pin;
-use std::sync::atomic::{AtomicU64, AtomicU8, Ordering};
+use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
+use std::time::Duration;
 
 use bytes::Bytes;
 use farmap_core::{
     BoxFuture, Caps, ChunkIdx, ChunkRange, ChunkStatus, Geometry, Store, StoreError, StoreResult,
 };
+use parking_lot::Mutex;
 use tokio::sync::Notify;
+
+use crate::dirty::DirtySet;
+use crate::pusher::PushHold;
 
 /// Something a [`Puller`](crate::puller::Puller) can fill chunk by chunk: a [`Cached`] store,
 /// or a userfaultfd region whose pages are fetched on demand.
@@ -25,17 +32,75 @@ pub trait Fill: Send + Sync + 'static {
     fn fetch(&self, idx: ChunkIdx) -> BoxFuture<'_, StoreResult<()>>;
 }
 
-// Per-chunk states. Busy means one task owns the chunk (fetching it, or writing or trimming
-// it while it was absent); BusyWaited is Busy with at least one task waiting, so that the
-// owner wakes waiters only when there are some.
-const ABSENT: u8 = 0;
-const BUSY: u8 = 1;
-const BUSY_WAITED: u8 = 2;
-const PRESENT: u8 = 3;
+// Per-chunk state word. The low two bits are the state: Busy means one task owns the chunk
+// (fetching it, writing or trimming it while it was absent, or evicting it); BusyWaited is
+// Busy with at least one task waiting, so that the owner wakes waiters only when there are
+// some. A bounded cache also keeps, in a present chunk's word, a referenced bit and a count
+// of pins (operations on the local copy in progress, which an eviction must not pull the
+// chunk from under). An unbounded cache never sets them: its words are exactly the states.
+const ABSENT: u32 = 0;
+const BUSY: u32 = 1;
+const BUSY_WAITED: u32 = 2;
+const PRESENT: u32 = 3;
+const STATE_MASK: u32 = 0b11;
+/// Set by every pinned access; an eviction pass clears it and passes the chunk over once
+/// (second chance).
+const REFERENCED: u32 = 0b100;
+/// One pin.
+const PIN: u32 = 0b1000;
+
+fn state_of(word: u32) -> u32 {
+    word & STATE_MASK
+}
 
 /// Most wake-up stripes: waiters on chunks that share a stripe wake each other (and go back
 /// to sleep), which is harmless and rare with this many.
 const MAX_STRIPES: usize = 1024;
+
+/// Longest an eviction that found every present chunk pinned or busy waits before it looks
+/// again; it is woken earlier by an unpin, a release or a slot given back (this fallback
+/// only covers a wake-up lost between its look and its wait).
+const EVICT_RETRY_PAUSE: Duration = Duration::from_millis(1);
+
+/// The bookkeeping of a bounded cache.
+struct Bound {
+    /// Most chunks held locally.
+    max: u64,
+    /// Chunks present plus chunks being made present (a slot is reserved before a fetch or a
+    /// write of an absent chunk starts, and given back if it does not end present).
+    resident: AtomicU64,
+    /// Chunks whose local copy may differ from the remote (written or trimmed locally since
+    /// they were last written back by an eviction). Marked while the writer still pins the
+    /// chunk, so an eviction (which needs no pins) always sees it.
+    modified: DirtySet,
+    /// Present chunks in the order they became present: the eviction clock.
+    clock: Mutex<VecDeque<ChunkIdx>>,
+    evicted: AtomicU64,
+    written_back: AtomicU64,
+    /// Evictions waiting for a chunk to become evictable or a slot to come free, and their
+    /// wake-up.
+    waiting: AtomicU64,
+    room: Notify,
+}
+
+impl Bound {
+    fn wake_evictors(&self) {
+        if self.waiting.load(Ordering::SeqCst) > 0 {
+            self.room.notify_waiters();
+        }
+    }
+}
+
+/// What a bounded [`Cached`] store's evictions have done.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct EvictStats {
+    /// Most chunks held locally.
+    pub max_chunks: u64,
+    /// Chunks dropped from the local store.
+    pub evicted_chunks: u64,
+    /// Of those, chunks written to the remote first (they had local changes).
+    pub written_back_chunks: u64,
+}
 
 /// A local store (memory, file, directory) in front of a remote store, with a presence map:
 /// chunks are fetched from the remote on first touch and served locally afterwards.
@@ -53,6 +118,28 @@ const MAX_STRIPES: usize = 1024;
 /// - `status` asks the local store for present chunks, the remote for the others; `flush`
 ///   flushes the local store only.
 ///
+/// # Bounded ([`Cached::bounded`])
+/// At most `max_chunks` chunks are present at any moment. A fetch or a write of an absent
+/// chunk first reserves a slot; when none is free it evicts a present chunk: one with local
+/// changes is written to the remote first (read locally, written remotely, while the chunk
+/// is Busy so nothing changes it meanwhile), then its local copy is trimmed (a sparse memory
+/// store frees it) and it becomes absent; its next read fetches it again. Nothing written is
+/// lost: an eviction whose write-back fails puts the chunk back, present and modified, and
+/// the operation that wanted the slot gets the error.
+///
+/// - Order: a clock (second chance) over the chunks in the order they became present. A
+///   chunk accessed since the clock hand last passed it is passed over once. This
+///   approximates least-recently-used at no cost on the hot path: the referenced bit is set
+///   by the same atomic operation that pins the chunk for the access.
+/// - Trims do not fill the cache: a trimmed chunk that is absent stays absent and is zeroed
+///   in the remote at once (trimmed there when it can trim, written with zeros otherwise),
+///   while the chunk is Busy.
+/// - A [`Pusher`](crate::pusher::Pusher) above a bounded cache must hold each chunk while it
+///   pushes it ([`Pusher::with_hold`](crate::pusher::Pusher::with_hold) with this store), so
+///   that an eviction cannot write back newer data under a push of older data; an absent
+///   chunk needs no push (its eviction wrote it back).
+/// - `evict` (for a local copy lost behind the cache's back) is not for bounded caches.
+///
 /// # Concurrency
 /// - Each chunk is Absent, Busy or Present. Absent→Busy is a compare-and-swap: exactly one
 ///   task fetches a chunk however many miss it at once; the others wait for it.
@@ -63,23 +150,43 @@ const MAX_STRIPES: usize = 1024;
 ///   so a fetch cannot start under it.
 /// - A failed (or cancelled) fetch returns the chunk to Absent and wakes the waiters, who
 ///   retry as fetchers; the error goes to the task that fetched.
-/// - Present is final unless [`evict`](Cached::evict)ed: once present, a chunk is read and
-///   written locally with no lock, and concurrent writes to it are ordered by the local store.
-/// - Trims take every absent chunk of their range Busy in ascending order; fetchers and
-///   writers never wait while holding a chunk Busy, so this cannot deadlock.
+/// - Unbounded, Present is final unless [`evict`](Cached::evict)ed: once present, a chunk is
+///   read and written locally with no lock, and concurrent writes to it are ordered by the
+///   local store. Bounded, an access to a present chunk pins it (one compare-and-swap on
+///   its state word, unpinned when the local operation ends); an eviction takes only an
+///   unpinned chunk (Present→Busy), so no local operation runs under an eviction.
+/// - Trims take every absent chunk of their range Busy in ascending order (bounded: and pin
+///   the present ones); fetchers and writers never wait while holding a chunk Busy, and
+///   evictions never wait for a pin, so this cannot deadlock.
 pub struct Cached<L, R> {
     local: L,
     remote: R,
     geometry: Geometry,
-    state: Box<[AtomicU8]>,
+    state: Box<[AtomicU32]>,
     present: AtomicU64,
     stripes: Box<[Notify]>,
+    bound: Option<Bound>,
 }
 
 impl<L: Store, R: Store> Cached<L, R> {
     /// A cache of `remote` kept in `local`, with every chunk absent. The geometries must be
     /// equal. Whatever `local` holds now is ignored and overwritten as chunks are fetched.
     pub fn new(local: L, remote: R) -> StoreResult<Self> {
+        Self::build(local, remote, None)
+    }
+
+    /// Like [`new`](Self::new), holding at most `max_chunks` chunks locally (see the type's
+    /// docs); `max_chunks` must be at least 1.
+    pub fn bounded(local: L, remote: R, max_chunks: u64) -> StoreResult<Self> {
+        if max_chunks == 0 {
+            return Err(StoreError::invalid(
+                "a bounded cache must hold at least one chunk",
+            ));
+        }
+        Self::build(local, remote, Some(max_chunks))
+    }
+
+    fn build(local: L, remote: R, max_chunks: Option<u64>) -> StoreResult<Self> {
         let geometry = local.geometry();
         if remote.geometry() != geometry {
             return Err(StoreError::invalid(format!(
@@ -94,9 +201,19 @@ impl<L: Store, R: Store> Cached<L, R> {
             local,
             remote,
             geometry,
-            state: (0..chunks).map(|_| AtomicU8::new(ABSENT)).collect(),
+            state: (0..chunks).map(|_| AtomicU32::new(ABSENT)).collect(),
             present: AtomicU64::new(0),
             stripes: (0..stripes).map(|_| Notify::new()).collect(),
+            bound: max_chunks.map(|max| Bound {
+                max,
+                resident: AtomicU64::new(0),
+                modified: DirtySet::new(geometry.chunk_count()),
+                clock: Mutex::new(VecDeque::new()),
+                evicted: AtomicU64::new(0),
+                written_back: AtomicU64::new(0),
+                waiting: AtomicU64::new(0),
+                room: Notify::new(),
+            }),
         })
     }
 
@@ -120,7 +237,7 @@ impl<L: Store, R: Store> Cached<L, R> {
     pub fn is_present(&self, idx: ChunkIdx) -> bool {
         self.state
             .get(idx.as_usize())
-            .is_some_and(|s| s.load(Ordering::Acquire) == PRESENT)
+            .is_some_and(|s| state_of(s.load(Ordering::Acquire)) == PRESENT)
     }
 
     /// Number of chunks present locally.
@@ -133,14 +250,27 @@ impl<L: Store, R: Store> Cached<L, R> {
         self.present_count() == self.geometry.chunk_count()
     }
 
+    /// The bound and what evictions did (`None` for an unbounded cache).
+    pub fn evict_stats(&self) -> Option<EvictStats> {
+        self.bound.as_ref().map(|b| EvictStats {
+            max_chunks: b.max,
+            evicted_chunks: b.evicted.load(Ordering::Relaxed),
+            written_back_chunks: b.written_back.load(Ordering::Relaxed),
+        })
+    }
+
     /// Returns present chunk `idx` to absent, so that its next read or fetch fetches it from
     /// the remote again; returns whether it was present (false for a chunk absent, being
     /// fetched, or outside the region). For a local store that lost a chunk behind the
-    /// cache's back: a userfaultfd region whose pages the application discarded.
+    /// cache's back: a userfaultfd region whose pages the application discarded. Always
+    /// false for a bounded cache (whose evictions are its own).
     ///
     /// A read or write of the chunk that is already past its presence check completes
     /// against the local store.
     pub fn evict(&self, idx: ChunkIdx) -> bool {
+        if self.bound.is_some() {
+            return false;
+        }
         let Some(st) = self.state.get(idx.as_usize()) else {
             return false;
         };
@@ -167,23 +297,53 @@ impl<L: Store, R: Store> Cached<L, R> {
         &self.stripes[idx.as_usize() & (self.stripes.len() - 1)]
     }
 
-    /// Takes chunk `idx` Busy if it is absent (waiting while another task holds it Busy);
-    /// `None` if it is present. `idx` must be in range.
-    async fn claim(&self, idx: ChunkIdx) -> Option<Claim<'_, L, R>> {
-        let st = &self.state[idx.as_usize()];
+    /// Pins present chunk `idx` (bounded caches only): `None` if it is not present.
+    fn try_pin(&self, idx: ChunkIdx) -> Option<Pinned<'_, L, R>> {
+        let st = self.state.get(idx.as_usize())?;
+        let mut word = st.load(Ordering::Acquire);
         loop {
-            match st.load(Ordering::Acquire) {
-                PRESENT => return None,
+            if state_of(word) != PRESENT {
+                return None;
+            }
+            match st.compare_exchange_weak(
+                word,
+                (word + PIN) | REFERENCED,
+                Ordering::AcqRel,
+                Ordering::Acquire,
+            ) {
+                Ok(_) => return Some(Pinned { cached: self, idx }),
+                Err(now) => word = now,
+            }
+        }
+    }
+
+    /// Takes chunk `idx` Busy if it is absent (waiting while another task holds it Busy);
+    /// `None` if it is present. With `slot` (bounded caches), a slot is reserved first (the
+    /// chunk will be present) and the claim gives it back unless released Present. `idx`
+    /// must be in range.
+    async fn claim(&self, idx: ChunkIdx, slot: bool) -> StoreResult<Option<Claim<'_, L, R>>> {
+        let st = &self.state[idx.as_usize()];
+        let slot = slot && self.bound.is_some();
+        loop {
+            match state_of(st.load(Ordering::Acquire)) {
+                PRESENT => return Ok(None),
                 ABSENT => {
+                    if slot {
+                        self.reserve().await?;
+                    }
                     if st
                         .compare_exchange(ABSENT, BUSY, Ordering::AcqRel, Ordering::Acquire)
                         .is_ok()
                     {
-                        return Some(Claim {
+                        return Ok(Some(Claim {
                             cached: self,
                             idx,
                             armed: true,
-                        });
+                            slot,
+                        }));
+                    }
+                    if slot {
+                        self.unreserve();
                     }
                 }
                 _ => self.wait_while_busy(idx).await,
@@ -217,7 +377,7 @@ impl<L: Store, R: Store> Cached<L, R> {
     /// Fetches absent chunk `idx` (or waits for whoever does); returns the data if this call
     /// fetched it, `None` if the chunk turned out present. `idx` must be in range.
     async fn ensure(&self, idx: ChunkIdx) -> StoreResult<Option<Bytes>> {
-        let Some(claim) = self.claim(idx).await else {
+        let Some(claim) = self.claim(idx, true).await? else {
             return Ok(None);
         };
         // On an error (or if this future is dropped), `claim` returns the chunk to Absent.
@@ -231,19 +391,333 @@ impl<L: Store, R: Store> Cached<L, R> {
         claim.release(PRESENT);
         Ok(Some(data))
     }
+
+    /// Reserves a slot for a chunk about to become present, evicting until one is free.
+    async fn reserve(&self) -> StoreResult<()> {
+        let Some(b) = &self.bound else {
+            return Ok(());
+        };
+        loop {
+            let used = b.resident.load(Ordering::Acquire);
+            if used < b.max {
+                if b.resident
+                    .compare_exchange(used, used + 1, Ordering::AcqRel, Ordering::Acquire)
+                    .is_ok()
+                {
+                    return Ok(());
+                }
+                continue;
+            }
+            self.evict_one().await?;
+        }
+    }
+
+    fn unreserve(&self) {
+        if let Some(b) = &self.bound {
+            b.resident.fetch_sub(1, Ordering::SeqCst);
+            b.wake_evictors();
+        }
+    }
+
+    /// Evicts one present chunk (writing it back first if it has local changes), or waits a
+    /// moment if every present chunk is pinned or busy.
+    async fn evict_one(&self) -> StoreResult<()> {
+        let Some(b) = &self.bound else {
+            return Ok(());
+        };
+        // Register for a wake-up before looking, so that an unpin after the look wakes us.
+        let mut room = pin!(b.room.notified());
+        room.as_mut().enable();
+        b.waiting.fetch_add(1, Ordering::SeqCst);
+        let result = self.evict_pass(b).await;
+        if let Ok(false) = result {
+            tokio::select! {
+                _ = room => {}
+                _ = tokio::time::sleep(EVICT_RETRY_PAUSE) => {}
+            }
+        }
+        b.waiting.fetch_sub(1, Ordering::SeqCst);
+        result.map(|_| ())
+    }
+
+    /// One pass of the clock: `Ok(true)` if it evicted a chunk, `Ok(false)` if every chunk
+    /// it looked at was pinned, busy or referenced.
+    async fn evict_pass(&self, b: &Bound) -> StoreResult<bool> {
+        // Two rounds: the first may only clear referenced bits.
+        let budget = 2 * b.clock.lock().len() + 1;
+        for _ in 0..budget {
+            let Some(idx) = b.clock.lock().pop_front() else {
+                break;
+            };
+            let st = &self.state[idx.as_usize()];
+            let word = st.load(Ordering::Acquire);
+            if state_of(word) != PRESENT {
+                // Not ours to keep track of any more (it went absent some other way).
+                continue;
+            }
+            if word & !(STATE_MASK | REFERENCED) != 0 || word & REFERENCED != 0 {
+                if word & REFERENCED != 0 {
+                    // Second chance; a failure means it was touched again, which is fine.
+                    let _ = st.compare_exchange(
+                        word,
+                        word & !REFERENCED,
+                        Ordering::AcqRel,
+                        Ordering::Relaxed,
+                    );
+                }
+                b.clock.lock().push_back(idx);
+                continue;
+            }
+            if st
+                .compare_exchange(word, BUSY, Ordering::AcqRel, Ordering::Acquire)
+                .is_err()
+            {
+                b.clock.lock().push_back(idx);
+                continue;
+            }
+            self.present.fetch_sub(1, Ordering::AcqRel);
+            // The chunk is Busy: nothing reads, writes, pushes or fetches it until released.
+            // If this future is dropped half-way, the guard puts it back (see `Evicting`).
+            let evicting = Evicting {
+                cached: self,
+                bound: b,
+                idx,
+                armed: true,
+            };
+            if let Err(e) = self.write_back_and_drop(b, idx).await {
+                drop(evicting);
+                return Err(e);
+            }
+            evicting.finish();
+            return Ok(true);
+        }
+        Ok(false)
+    }
+
+    /// The body of an eviction of Busy chunk `idx`: write-back if modified, local trim.
+    async fn write_back_and_drop(&self, b: &Bound, idx: ChunkIdx) -> StoreResult<()> {
+        if b.modified.is_dirty(idx) {
+            let data = self.local.read(idx).await.map_err(|e| {
+                StoreError::new(e.kind(), format!("evicting {idx}: reading it locally"))
+                    .with_source(e)
+            })?;
+            self.remote.write(idx, data).await.map_err(|e| {
+                StoreError::new(
+                    e.kind(),
+                    format!("evicting {idx}: writing it back to the remote store"),
+                )
+                .with_source(e)
+            })?;
+            b.modified.clear(idx);
+            b.written_back.fetch_add(1, Ordering::Relaxed);
+        }
+        self.local.trim(ChunkRange::single(idx)).await.map_err(|e| {
+            StoreError::new(e.kind(), format!("evicting {idx}: dropping it locally")).with_source(e)
+        })
+    }
+
+    fn mark_modified(&self, idx: ChunkIdx) {
+        if let Some(b) = &self.bound {
+            b.modified.mark(idx);
+        }
+    }
+
+    async fn read_bounded(&self, idx: ChunkIdx) -> StoreResult<Bytes> {
+        self.geometry.check_idx(idx)?;
+        loop {
+            if let Some(pinned) = self.try_pin(idx) {
+                let data = self.local.read(idx).await;
+                drop(pinned);
+                return data;
+            }
+            if let Some(data) = self.ensure(idx).await? {
+                return Ok(data);
+            }
+        }
+    }
+
+    async fn write_bounded(&self, idx: ChunkIdx, data: Bytes) -> StoreResult<()> {
+        self.geometry.check_write(idx, data.len())?;
+        loop {
+            // Modified is marked before the local write: a write that fails or is cancelled
+            // may have landed in part, and an eviction must then write back what is there.
+            if let Some(pinned) = self.try_pin(idx) {
+                self.mark_modified(idx);
+                let result = self.local.write(idx, data).await;
+                drop(pinned);
+                return result;
+            }
+            if let Some(claim) = self.claim(idx, true).await? {
+                self.mark_modified(idx);
+                self.local.write(idx, data).await?;
+                claim.release(PRESENT);
+                return Ok(());
+            }
+        }
+    }
+
+    async fn trim_bounded(&self, range: ChunkRange) -> StoreResult<()> {
+        self.geometry.check_range(range)?;
+        let mut pins = Vec::new();
+        let mut held = RangeClaim {
+            cached: self,
+            held: Vec::new(),
+        };
+        for idx in range.iter() {
+            loop {
+                if let Some(pinned) = self.try_pin(idx) {
+                    pins.push(pinned);
+                    break;
+                }
+                if let Some(claim) = self.claim(idx, false).await? {
+                    claim.disarm();
+                    held.held.push(idx);
+                    break;
+                }
+            }
+        }
+        for p in &pins {
+            self.mark_modified(p.idx);
+        }
+        self.local.trim(range).await?;
+        // The absent ones stay absent: zero them in the remote now, while they are Busy.
+        let can_trim = self.remote.caps().contains(Caps::TRIM);
+        let mut i = 0;
+        while i < held.held.len() {
+            let start = held.held[i];
+            let mut end = start.0 + 1;
+            while i + 1 < held.held.len() && held.held[i + 1].0 == end {
+                end += 1;
+                i += 1;
+            }
+            i += 1;
+            let run = ChunkRange::new(start, ChunkIdx(end));
+            let zeroed = if can_trim {
+                self.remote.trim(run).await
+            } else {
+                let mut r = Ok(());
+                for idx in run.iter() {
+                    let zeros = farmap_core::zero_chunk(self.geometry.chunk_len(idx));
+                    r = self.remote.write(idx, zeros).await;
+                    if r.is_err() {
+                        break;
+                    }
+                }
+                r
+            };
+            zeroed.map_err(|e| {
+                StoreError::new(
+                    e.kind(),
+                    format!("trimming absent {run} in the remote store"),
+                )
+                .with_source(e)
+            })?;
+        }
+        held.release(ABSENT);
+        drop(pins);
+        Ok(())
+    }
+
+    async fn status_bounded(&self, idx: ChunkIdx) -> StoreResult<ChunkStatus> {
+        match self.try_pin(idx) {
+            Some(pinned) => {
+                let status = self.local.status(idx).await;
+                drop(pinned);
+                status
+            }
+            None => self.remote.status(idx).await,
+        }
+    }
+
+    /// Holds chunk `idx` present (pinned) while `push` runs; skips it if absent (see
+    /// [`PushHold`]).
+    async fn hold_for_push<'a>(
+        &'a self,
+        idx: ChunkIdx,
+        push: BoxFuture<'a, StoreResult<()>>,
+    ) -> StoreResult<bool> {
+        if self.bound.is_none() || !self.geometry.contains(idx) {
+            return push.await.map(|()| true);
+        }
+        loop {
+            if let Some(pinned) = self.try_pin(idx) {
+                let result = push.await;
+                drop(pinned);
+                return result.map(|()| true);
+            }
+            match state_of(self.state[idx.as_usize()].load(Ordering::Acquire)) {
+                // Absent in a bounded cache: never written, or written back by its eviction.
+                ABSENT => return Ok(false),
+                PRESENT => {}
+                _ => self.wait_while_busy(idx).await,
+            }
+        }
+    }
 }
 
-/// Ownership of a Busy chunk; returns it to Absent (waking waiters) unless released.
-struct Claim<'a, L: Store, R: Store> {
+/// A pin of a present chunk of a bounded cache; unpins on drop.
+struct Pinned<'a, L: Store, R: Store> {
     cached: &'a Cached<L, R>,
+    idx: ChunkIdx,
+}
+
+impl<L: Store, R: Store> Drop for Pinned<'_, L, R> {
+    fn drop(&mut self) {
+        self.cached.state[self.idx.as_usize()].fetch_sub(PIN, Ordering::SeqCst);
+        if let Some(b) = &self.cached.bound {
+            b.wake_evictors();
+        }
+    }
+}
+
+/// A chunk being evicted (Busy). Dropped unfinished (a failed write-back, or a cancelled
+/// eviction), it goes back to Present if it still has local changes (the local copy is
+/// only trimmed after the write-back) and to Absent if the remote already has them.
+struct Evicting<'a, L: Store, R: Store> {
+    cached: &'a Cached<L, R>,
+    bound: &'a Bound,
     idx: ChunkIdx,
     armed: bool,
 }
 
+impl<L: Store, R: Store> Evicting<'_, L, R> {
+    fn finish(mut self) {
+        self.armed = false;
+        self.bound.evicted.fetch_add(1, Ordering::Relaxed);
+        release(self.cached, self.idx, ABSENT);
+        self.cached.unreserve();
+    }
+}
+
+impl<L: Store, R: Store> Drop for Evicting<'_, L, R> {
+    fn drop(&mut self) {
+        if self.armed {
+            if self.bound.modified.is_dirty(self.idx) {
+                release(self.cached, self.idx, PRESENT);
+            } else {
+                release(self.cached, self.idx, ABSENT);
+                self.cached.unreserve();
+            }
+        }
+    }
+}
+
+/// Ownership of a Busy chunk; returns it to Absent (waking waiters, giving back its slot)
+/// unless released.
+struct Claim<'a, L: Store, R: Store> {
+    cached: &'a Cached<L, R>,
+    idx: ChunkIdx,
+    armed: bool,
+    slot: bool,
+}
+
 impl<L: Store, R: Store> Claim<'_, L, R> {
-    fn release(mut self, to: u8) {
+    fn release(mut self, to: u32) {
         self.armed = false;
         release(self.cached, self.idx, to);
+        if self.slot && to != PRESENT {
+            self.cached.unreserve();
+        }
     }
 
     /// Forgets the claim without releasing: the caller releases `idx` itself.
@@ -256,11 +730,14 @@ impl<L: Store, R: Store> Drop for Claim<'_, L, R> {
     fn drop(&mut self) {
         if self.armed {
             release(self.cached, self.idx, ABSENT);
+            if self.slot {
+                self.cached.unreserve();
+            }
         }
     }
 }
 
-fn release<L: Store, R: Store>(cached: &Cached<L, R>, idx: ChunkIdx, to: u8) {
+fn release<L: Store, R: Store>(cached: &Cached<L, R>, idx: ChunkIdx, to: u32) {
     let prev = cached.state[idx.as_usize()].swap(to, Ordering::AcqRel);
     debug_assert!(
         prev == BUSY || prev == BUSY_WAITED,
@@ -268,6 +745,10 @@ fn release<L: Store, R: Store>(cached: &Cached<L, R>, idx: ChunkIdx, to: u8) {
     );
     if to == PRESENT {
         cached.present.fetch_add(1, Ordering::AcqRel);
+        if let Some(b) = &cached.bound {
+            b.clock.lock().push_back(idx);
+            b.wake_evictors();
+        }
     }
     if prev == BUSY_WAITED {
         cached.stripe(idx).notify_waiters();
@@ -281,7 +762,7 @@ struct RangeClaim<'a, L: Store, R: Store> {
 }
 
 impl<L: Store, R: Store> RangeClaim<'_, L, R> {
-    fn release(mut self, to: u8) {
+    fn release(mut self, to: u32) {
         for idx in std::mem::take(&mut self.held) {
             release(self.cached, idx, to);
         }
@@ -313,6 +794,9 @@ impl<L: Store, R: Store> Store for Cached<L, R> {
     }
 
     fn read(&self, idx: ChunkIdx) -> BoxFuture<'_, StoreResult<Bytes>> {
+        if self.bound.is_some() {
+            return Box::pin(self.read_bounded(idx));
+        }
         // Hot path: a present chunk is the local store's business, with no future of ours
         // around its future (`is_present` is false outside the region).
         if self.is_present(idx) {
@@ -328,13 +812,16 @@ impl<L: Store, R: Store> Store for Cached<L, R> {
     }
 
     fn write(&self, idx: ChunkIdx, data: Bytes) -> BoxFuture<'_, StoreResult<()>> {
+        if self.bound.is_some() {
+            return Box::pin(self.write_bounded(idx, data));
+        }
         if self.is_present(idx) {
             // Present is final: the local store checks the length and orders racing writes.
             return self.local.write(idx, data);
         }
         Box::pin(async move {
             self.geometry.check_write(idx, data.len())?;
-            match self.claim(idx).await {
+            match self.claim(idx, false).await? {
                 None => self.local.write(idx, data).await,
                 Some(claim) => {
                     self.local.write(idx, data).await?;
@@ -350,6 +837,9 @@ impl<L: Store, R: Store> Store for Cached<L, R> {
     }
 
     fn trim(&self, range: ChunkRange) -> BoxFuture<'_, StoreResult<()>> {
+        if self.bound.is_some() {
+            return Box::pin(self.trim_bounded(range));
+        }
         Box::pin(async move {
             self.geometry.check_range(range)?;
             let mut held = RangeClaim {
@@ -357,7 +847,7 @@ impl<L: Store, R: Store> Store for Cached<L, R> {
                 held: Vec::new(),
             };
             for idx in range.iter() {
-                if let Some(claim) = self.claim(idx).await {
+                if let Some(claim) = self.claim(idx, false).await? {
                     claim.disarm();
                     held.held.push(idx);
                 }
@@ -369,12 +859,25 @@ impl<L: Store, R: Store> Store for Cached<L, R> {
     }
 
     fn status(&self, idx: ChunkIdx) -> BoxFuture<'_, StoreResult<ChunkStatus>> {
+        if self.bound.is_some() {
+            return Box::pin(self.status_bounded(idx));
+        }
         if self.is_present(idx) {
             self.local.status(idx)
         } else {
             // Absent, Busy, or outside the region (the remote says so).
             self.remote.status(idx)
         }
+    }
+}
+
+impl<L: Store, R: Store> PushHold for Cached<L, R> {
+    fn hold<'a>(
+        &'a self,
+        idx: ChunkIdx,
+        push: BoxFuture<'a, StoreResult<()>>,
+    ) -> BoxFuture<'a, StoreResult<bool>> {
+        Box::pin(self.hold_for_push(idx, push))
     }
 }
 

@@ -102,6 +102,20 @@ impl DirtySet {
         }
     }
 
+    /// Unmarks `idx`; returns whether it was marked.
+    ///
+    /// # Panics
+    /// If `idx` is outside the set.
+    pub fn clear(&self, idx: ChunkIdx) -> bool {
+        let (w, bit) = self.locate(idx);
+        let before = self.words[w].fetch_and(!bit, Ordering::AcqRel);
+        let was = before & bit != 0;
+        if was {
+            self.count.fetch_sub(1, Ordering::Relaxed);
+        }
+        was
+    }
+
     /// Whether `idx` is marked.
     ///
     /// # Panics

@@ -21,6 +21,8 @@
 //!        │        │ Puller: background prefetch, N async workers, order policy,
 //!     local       │ prioritize(), progress, cancel
 //!
+//!   Tiered: a store over several stores (memory, disk, remote) with capacities; chunks
+//!   placed on first write, cold ones demoted in the background.
 //!   Delayed · Faulty · Counting: latency/bandwidth, injected errors, statistics;
 //!   stack them anywhere (benchmarks and tests use them).
 //! ```
@@ -38,18 +40,20 @@ pub mod gated;
 pub mod puller;
 pub mod pusher;
 pub mod retry;
+pub mod tiered;
 pub mod timer;
 pub mod tracked;
 pub mod unaligned;
 
-pub use cached::{Cached, Fill};
+pub use cached::{Cached, EvictStats, Fill};
 pub use counting::{Counting, Counts};
 pub use delayed::{DelayOptions, Delayed};
 pub use dirty::DirtySet;
 pub use faulty::{FaultPlan, FaultTrigger, Faulty, OpSet};
 pub use gated::{GateState, Gated};
 pub use puller::{PullFailure, PullOptions, PullOrder, PullProgress, PullReport, Puller};
-pub use pusher::{DirtySource, PushOptions, PushStats, Pusher};
+pub use pusher::{DirtySource, PushHold, PushOptions, PushStats, Pusher};
 pub use retry::{retry, RetryPolicy};
+pub use tiered::{Tier, TierOptions, Tiered};
 pub use tracked::Tracked;
 pub use unaligned::Unaligned;

@@ -97,12 +97,27 @@ pub trait DirtySource: Send + Sync + 'static {
     fn collect(&self, into: &DirtySet) -> StoreResult<()>;
 }
 
+/// What a [`Pusher`] asks before pushing a chunk, when its inner store may drop chunks it
+/// holds (a bounded [`Cached`](crate::cached::Cached) store, which implements this).
+pub trait PushHold: Send + Sync + 'static {
+    /// Runs `push` (read chunk `idx` from the inner store, write it to the remote) while
+    /// chunk `idx` is held in the inner store, so that nothing else writes it to the remote
+    /// meanwhile; returns `Ok(false)` without running it when the chunk need not be pushed
+    /// (not held, and the remote already has its newest data).
+    fn hold<'a>(
+        &'a self,
+        idx: ChunkIdx,
+        push: BoxFuture<'a, StoreResult<()>>,
+    ) -> BoxFuture<'a, StoreResult<bool>>;
+}
+
 struct Shared<S, R> {
     /// The inner store, with the dirty set of every chunk written or trimmed through it: the
     /// pusher's writes and trims go through `Tracked`, which marks after the inner operation.
     tracked: Tracked<S>,
     remote: R,
     source: Option<Arc<dyn DirtySource>>,
+    hold: Option<Arc<dyn PushHold>>,
     gate: RwLock<()>,
     workers: usize,
     policy: RetryPolicy,
@@ -152,8 +167,19 @@ impl Drop for Taken<'_> {
 }
 
 impl<S: Store, R: Store> Shared<S, R> {
-    /// Pushes one chunk: inner read, remote write, both retried.
+    /// Pushes one chunk (held, when there is a [`PushHold`]).
     async fn push_one(&self, idx: ChunkIdx) -> StoreResult<()> {
+        match &self.hold {
+            None => self.push_now(idx).await,
+            Some(hold) => hold
+                .hold(idx, Box::pin(self.push_now(idx)))
+                .await
+                .map(|_| ()),
+        }
+    }
+
+    /// Pushes one chunk now: inner read, remote write, both retried.
+    async fn push_now(&self, idx: ChunkIdx) -> StoreResult<()> {
         let wrap = |what: &'static str| {
             move |e: StoreError| {
                 StoreError::new(e.kind(), format!("pushing {idx}: {what}")).with_source(e)
@@ -256,7 +282,18 @@ impl<S: Store, R: Store> Pusher<S, R> {
     /// # Panics
     /// With an interval, outside a tokio runtime.
     pub fn new(inner: S, remote: R, opts: PushOptions) -> StoreResult<Self> {
-        Self::build(inner, remote, opts, None)
+        Self::build(inner, remote, opts, None, None)
+    }
+
+    /// Like [`new`](Self::new), asking `hold` before every push (for an inner store that
+    /// drops chunks: a bounded [`Cached`](crate::cached::Cached), passed here as well).
+    pub fn with_hold(
+        inner: S,
+        remote: R,
+        opts: PushOptions,
+        hold: Arc<dyn PushHold>,
+    ) -> StoreResult<Self> {
+        Self::build(inner, remote, opts, None, Some(hold))
     }
 
     /// Like [`new`](Self::new), and also pushes the chunks that `source` reports written
@@ -267,7 +304,7 @@ impl<S: Store, R: Store> Pusher<S, R> {
         opts: PushOptions,
         source: Arc<dyn DirtySource>,
     ) -> StoreResult<Self> {
-        Self::build(inner, remote, opts, Some(source))
+        Self::build(inner, remote, opts, Some(source), None)
     }
 
     fn build(
@@ -275,6 +312,7 @@ impl<S: Store, R: Store> Pusher<S, R> {
         remote: R,
         opts: PushOptions,
         source: Option<Arc<dyn DirtySource>>,
+        hold: Option<Arc<dyn PushHold>>,
     ) -> StoreResult<Self> {
         let geometry = inner.geometry();
         if remote.geometry() != geometry {
@@ -287,6 +325,7 @@ impl<S: Store, R: Store> Pusher<S, R> {
         let shared = Arc::new(Shared {
             tracked: Tracked::new(inner),
             source,
+            hold,
             remote,
             gate: RwLock::new(()),
             workers: opts.workers.max(1),

@@ -11,16 +11,23 @@
 //!
 //! The pieces are the pipeline's own ([`Cached`], [`Puller`], [`Pusher`]), assembled as a
 //! userfaultfd region assembles them, with the local store a sparse [`MemoryStore`].
+//!
+//! With [`ManagedOptions::cache_max`], the local copy is bounded: [`Cached::bounded`] drops
+//! chunks (writing modified ones back first) to stay under the bound, the pusher holds each
+//! chunk while it pushes it ([`Pusher::with_hold`]), and there is no background pull (a
+//! full pull into a bounded cache would only evict what it just fetched); reads fetch on
+//! demand.
 
 use std::fmt;
 use std::sync::Arc;
 
 use bytes::Bytes;
 use farmap_core::{
-    BoxFuture, Caps, ChunkIdx, ChunkRange, ChunkStatus, Geometry, Store, StoreResult,
+    BoxFuture, Caps, ChunkIdx, ChunkRange, ChunkStatus, Geometry, Store, StoreError, StoreResult,
 };
 use farmap_pipeline::{
-    Cached, PullOptions, PullProgress, PullReport, Puller, PushOptions, PushStats, Pusher,
+    Cached, EvictStats, PullOptions, PullProgress, PullReport, Puller, PushHold, PushOptions,
+    PushStats, Pusher,
 };
 use farmap_store::{DenseMemoryStore, MemoryStore};
 
@@ -81,6 +88,11 @@ pub struct ManagedOptions {
     /// that keeps the written buffers and grows as chunks arrive. For a server whose
     /// writes must not allocate (`farmap swap on`).
     pub dense_local: bool,
+    /// Most bytes of the region held locally (rounded down to whole chunks, at least one);
+    /// `None`: unbounded. Needs a sparse local copy (not [`dense_local`](Self::dense_local),
+    /// which cannot give memory back), and turns the background pull and the read-ahead off.
+    /// A bound the whole region fits in is no bound.
+    pub cache_max: Option<u64>,
 }
 
 impl Default for ManagedOptions {
@@ -92,6 +104,7 @@ impl Default for ManagedOptions {
             push: PushOptions::default(),
             readahead_chunks: 4,
             dense_local: false,
+            cache_max: None,
         }
     }
 }
@@ -127,15 +140,45 @@ impl Managed {
         } else {
             Box::new(SparseLocal(MemoryStore::new(geometry)))
         };
-        let cache = Arc::new(Cached::new(local, remote.clone())?);
-        let pusher = Pusher::new(cache.clone(), remote, opts.push)?;
-        let puller = opts.pull.map(|pull| Puller::start(cache.clone(), pull));
+        let bound = match opts.cache_max {
+            Some(max) if max < geometry.size() => {
+                if opts.dense_local {
+                    return Err(StoreError::invalid(
+                        "a bounded managed cache (cache max) needs a sparse local copy: a \
+                         dense one holds memory for the whole region and cannot give it back",
+                    ));
+                }
+                let chunks = max / u64::from(geometry.chunk_size());
+                if chunks == 0 {
+                    return Err(StoreError::invalid(format!(
+                        "a cache max of {max} bytes holds no chunk of {} bytes",
+                        geometry.chunk_size()
+                    )));
+                }
+                Some(chunks)
+            }
+            _ => None,
+        };
+        let (cache, pusher, puller, readahead) = match bound {
+            None => {
+                let cache = Arc::new(Cached::new(local, remote.clone())?);
+                let pusher = Pusher::new(cache.clone(), remote, opts.push)?;
+                let puller = opts.pull.map(|pull| Puller::start(cache.clone(), pull));
+                (cache, pusher, puller, u64::from(opts.readahead_chunks))
+            }
+            Some(chunks) => {
+                let cache = Arc::new(Cached::bounded(local, remote.clone(), chunks)?);
+                let hold: Arc<dyn PushHold> = cache.clone();
+                let pusher = Pusher::with_hold(cache.clone(), remote, opts.push, hold)?;
+                (cache, pusher, None, 0)
+            }
+        };
         Ok(Managed {
             geometry,
             cache,
             pusher,
             puller,
-            readahead: u64::from(opts.readahead_chunks),
+            readahead,
         })
     }
 
@@ -147,6 +190,11 @@ impl Managed {
     /// Chunks present locally.
     pub fn present_count(&self) -> u64 {
         self.cache.present_count()
+    }
+
+    /// The bound on the local copy and what its evictions did (`None`: unbounded).
+    pub fn evict_stats(&self) -> Option<EvictStats> {
+        self.cache.evict_stats()
     }
 
     /// Whether every chunk is present locally.
@@ -294,6 +342,7 @@ mod tests {
             },
             readahead_chunks: 2,
             dense_local,
+            cache_max: None,
         };
         let m = Managed::open(r.clone(), opts).unwrap();
         let report = m.wait_pull().await.unwrap();
@@ -320,5 +369,87 @@ mod tests {
             0xdd,
             "shutdown pushed it"
         );
+    }
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_bounded_cache_conforms() {
+        farmap_testkit::run_conformance(|g| async move {
+            let opts = ManagedOptions {
+                push: PushOptions {
+                    interval: Some(Duration::from_millis(5)),
+                    ..PushOptions::default()
+                },
+                // Two chunks (or the whole region for the smallest geometries).
+                cache_max: Some(2 * u64::from(g.chunk_size())),
+                ..ManagedOptions::default()
+            };
+            Arc::new(Managed::open(remote(g), opts).unwrap()) as Arc<dyn Store>
+        })
+        .await;
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_bounded_cache_stays_bounded_and_loses_nothing() {
+        let g = Geometry::new(64 * 4096, 4096).unwrap();
+        let r = remote(g);
+        let opts = ManagedOptions {
+            push: PushOptions {
+                interval: None,
+                ..PushOptions::default()
+            },
+            cache_max: Some(8 * 4096 + 100),
+            ..ManagedOptions::default()
+        };
+        let m = Managed::open(r.clone(), opts).unwrap();
+        assert!(
+            m.pull_progress().is_none(),
+            "no background pull with a bound"
+        );
+        for i in 0..64u64 {
+            m.write(ChunkIdx(i), Bytes::from(vec![i as u8 + 1; 4096]))
+                .await
+                .unwrap();
+            assert!(m.present_count() <= 8, "{} present", m.present_count());
+        }
+        let stats = m.evict_stats().unwrap();
+        assert_eq!(stats.max_chunks, 8);
+        assert_eq!(stats.evicted_chunks, 56);
+        assert_eq!(
+            stats.written_back_chunks, 56,
+            "every evicted chunk was modified"
+        );
+        for i in 0..64u64 {
+            assert_eq!(m.read(ChunkIdx(i)).await.unwrap()[0], i as u8 + 1);
+            assert!(m.present_count() <= 8);
+        }
+        m.shutdown().await.unwrap();
+        for i in 0..64u64 {
+            assert_eq!(
+                r.read(ChunkIdx(i)).await.unwrap()[0],
+                i as u8 + 1,
+                "chunk {i}"
+            );
+        }
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_bound_refuses_a_dense_local_copy_and_sub_chunk_sizes() {
+        let g = Geometry::new(64 * 4096, 4096).unwrap();
+        for (dense_local, max) in [(true, 8 * 4096), (false, 4095)] {
+            let opts = ManagedOptions {
+                dense_local,
+                cache_max: Some(max),
+                ..ManagedOptions::default()
+            };
+            let err = Managed::open(remote(g), opts).unwrap_err();
+            assert_eq!(err.kind(), farmap_core::ErrorKind::InvalidInput, "{err}");
+        }
+        // A bound the region fits in is no bound.
+        let opts = ManagedOptions {
+            dense_local: true,
+            cache_max: Some(64 * 4096),
+            ..ManagedOptions::default()
+        };
+        let m = Managed::open(remote(g), opts).unwrap();
+        assert!(m.evict_stats().is_none());
     }
 }

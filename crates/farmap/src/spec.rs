@@ -70,17 +70,28 @@ use remote::RemoteOptions;
 mod blocking;
 mod nbd;
 mod remote;
+mod tier;
+
 pub use blocking::open_store_blocking;
 use farmap_store::{DirOptions, DirStore, FileOptions, FileStore, MemoryStore};
+pub use tier::{map_path as tier_map_path, TierSpec};
 
 /// The schemes farmap knows, for error messages.
 const KNOWN: &str = "memory, file, dir, farmap, farmaps, farmap+unix, farmap+grpc, redis, rediss, \
-                     redis+cluster, s3, cql, nbd, nbds, nbd+unix, nbds+unix";
+                     redis+cluster, s3, cql, nbd, nbds, nbd+unix, nbds+unix, tier";
 
 /// Why a store spec could not be understood. Each message is one line naming the problem.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 #[non_exhaustive]
 pub enum SpecError {
+    /// A `tier:` spec that does not parse.
+    #[error("tiered store spec {spec:?}: {reason}")]
+    Tier {
+        /// The spec as given.
+        spec: String,
+        /// What is wrong with it.
+        reason: String,
+    },
     /// No `scheme:` prefix.
     #[error("store spec {spec:?} has no scheme: write it as memory:SIZE, file:PATH or dir:PATH")]
     NoScheme {
@@ -272,6 +283,8 @@ pub enum SpecKind {
         /// Deadline of each request and connection attempt, if set.
         timeout: Option<Duration>,
     },
+    /// A tiered store over other stores (`tier:(SPEC?cap=SIZE)(SPEC)...`).
+    Tier(Box<TierSpec>),
 }
 
 /// A parsed store spec. `Display` gives it back in canonical form.
@@ -302,7 +315,8 @@ impl StoreSpec {
             | SpecKind::Cql(_)
             | SpecKind::Redis(_)
             | SpecKind::S3 { .. }
-            | SpecKind::Nbd { .. } => None,
+            | SpecKind::Nbd { .. }
+            | SpecKind::Tier(_) => None,
             SpecKind::File { path } | SpecKind::Dir { path, .. } => Some(path),
         }
     }
@@ -321,6 +335,7 @@ impl StoreSpec {
             | SpecKind::Nbd { .. } => false,
             SpecKind::Cql(t) => t.create,
             SpecKind::Redis(_) => true,
+            SpecKind::Tier(t) => t.tiers.iter().any(|(s, _)| s.creates()),
             _ => self.path().is_none_or(|p| !p.exists()),
         }
     }
@@ -398,6 +413,9 @@ impl FromStr for StoreSpec {
         let (scheme, rest) = spec.split_once(':').ok_or_else(|| SpecError::NoScheme {
             spec: spec.to_owned(),
         })?;
+        if scheme.eq_ignore_ascii_case("tier") {
+            return tier::parse(spec, rest);
+        }
         if scheme.eq_ignore_ascii_case("cql") {
             let cql: CqlSpec =
                 spec.parse()
@@ -623,6 +641,7 @@ impl StoreSpec {
     fn write(&self, f: &mut fmt::Formatter<'_>, secrets: bool) -> fmt::Result {
         let mut opts = Vec::new();
         match &self.kind {
+            SpecKind::Tier(t) => return tier::write(t, f, secrets),
             SpecKind::Memory => write!(f, "memory:{}", format_size(self.size.unwrap_or(0)))?,
             SpecKind::File { path } => {
                 write!(f, "file:{}", path.display())?;
@@ -816,6 +835,7 @@ pub async fn open_store_async(spec: &StoreSpec) -> Result<Arc<dyn Store>, OpenEr
                 })?;
             Ok(Arc::new(store))
         }
+        SpecKind::Tier(t) => tier::open(spec, t).await,
         _ => open_store(spec),
     }
 }
@@ -868,7 +888,8 @@ pub fn open_store(spec: &StoreSpec) -> Result<Arc<dyn Store>, OpenError> {
         | SpecKind::Cql(_)
         | SpecKind::Redis(_)
         | SpecKind::S3 { .. }
-        | SpecKind::Nbd { .. } => {
+        | SpecKind::Nbd { .. }
+        | SpecKind::Tier(_) => {
             return Err(OpenError::NeedsAsync {
                 spec: spec.to_string(),
             })

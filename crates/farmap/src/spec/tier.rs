@@ -1,0 +1,286 @@
+//! `tier:(SPEC?cap=SIZE)(SPEC?cap=SIZE)...[?map=PATH&demote=DURATION]`: a [`Tiered`] store
+//! over the stores of the inner specs, highest priority first.
+//!
+//! Each inner spec is any spec, plus `cap=SIZE` (bytes of the region that tier holds,
+//! rounded down to whole chunks; the last tier may leave it out: the whole region). Inner
+//! specs are written in parentheses, which nest (a parenthesis inside one must be
+//! balanced). Options of the tiered store itself follow the last parenthesis: `map=PATH`,
+//! where the placement map is kept (default: beside the first tier that has a path,
+//! `PATH.tiers`; none when no tier has one), and `demote=DURATION` (how often cold chunks
+//! are demoted; default 1s, `0s` for never).
+
+use std::fmt;
+use std::path::PathBuf;
+use std::sync::Arc;
+use std::time::Duration;
+
+use farmap_core::{format_size, Store};
+use farmap_pipeline::{Tier, TierOptions, Tiered};
+
+use super::{OpenError, SpecError, SpecKind, StoreSpec};
+
+/// The settings of a `tier:` spec.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct TierSpec {
+    /// The tiers, highest priority first, each with its capacity in bytes (`None`: the
+    /// whole region).
+    pub tiers: Vec<(StoreSpec, Option<u64>)>,
+    /// Where the placement map is kept, if the spec says.
+    pub map: Option<PathBuf>,
+    /// How often cold chunks are demoted, if the spec says (zero: never).
+    pub demote: Option<Duration>,
+}
+
+fn bad(spec: &str, reason: impl Into<String>) -> SpecError {
+    SpecError::Tier {
+        spec: spec.to_owned(),
+        reason: reason.into(),
+    }
+}
+
+/// Parses the part of `spec` after `tier:`.
+pub(super) fn parse(spec: &str, rest: &str) -> Result<StoreSpec, SpecError> {
+    let mut tiers = Vec::new();
+    let mut s = rest;
+    while let Some(after) = s.strip_prefix('(') {
+        let mut depth = 1usize;
+        let end = after
+            .char_indices()
+            .find_map(|(i, c)| {
+                match c {
+                    '(' => depth += 1,
+                    ')' => depth -= 1,
+                    _ => {}
+                }
+                (depth == 0).then_some(i)
+            })
+            .ok_or_else(|| bad(spec, "a tier's '(' has no matching ')'"))?;
+        tiers.push(parse_tier(spec, &after[..end])?);
+        s = &after[end + 1..];
+    }
+    if tiers.is_empty() {
+        return Err(bad(
+            spec,
+            "write the tiers in parentheses: tier:(memory:1GiB?cap=256MiB)(dir:./chunks?size=1GiB)",
+        ));
+    }
+    let mut map = None;
+    let mut demote = None;
+    if !s.is_empty() {
+        let query = s
+            .strip_prefix('?')
+            .ok_or_else(|| bad(spec, format!("unexpected {s:?} after the last tier")))?;
+        for pair in query.split('&').filter(|p| !p.is_empty()) {
+            match pair.split_once('=') {
+                Some(("map", v)) if !v.is_empty() => map = Some(PathBuf::from(v)),
+                Some(("demote", v)) => {
+                    demote = Some(
+                        farmap_core::parse_duration(v)
+                            .map_err(|e| bad(spec, format!("demote={v}: {e}")))?,
+                    )
+                }
+                _ => {
+                    return Err(bad(
+                        spec,
+                        format!("unknown option {pair:?} (a tiered store takes map, demote)"),
+                    ))
+                }
+            }
+        }
+    }
+    let last = tiers.len() - 1;
+    if let Some(i) = tiers[..last].iter().position(|(_, cap)| cap.is_none()) {
+        return Err(bad(
+            spec,
+            format!("tier {i} needs a cap=SIZE (only the last may leave it out)"),
+        ));
+    }
+    Ok(StoreSpec {
+        kind: SpecKind::Tier(Box::new(TierSpec { tiers, map, demote })),
+        size: None,
+        chunk_size: None,
+        read_only: false,
+    })
+}
+
+/// Where the query of `spec` starts: its first '?' outside parentheses (a nested tier's
+/// tiers have their own).
+fn query_start(spec: &str) -> Option<usize> {
+    let mut depth = 0usize;
+    spec.char_indices().find_map(|(i, c)| {
+        match c {
+            '(' => depth += 1,
+            ')' => depth = depth.saturating_sub(1),
+            '?' if depth == 0 => return Some(i),
+            _ => {}
+        }
+        None
+    })
+}
+
+/// One inner spec: its own spec with `cap=SIZE` taken out of its query.
+fn parse_tier(spec: &str, inner: &str) -> Result<(StoreSpec, Option<u64>), SpecError> {
+    let (body, query) = match query_start(inner) {
+        Some(i) => (&inner[..i], Some(&inner[i + 1..])),
+        None => (inner, None),
+    };
+    let mut cap = None;
+    let mut kept = Vec::new();
+    for pair in query.into_iter().flat_map(|q| q.split('&')) {
+        match pair.strip_prefix("cap=") {
+            Some(v) => {
+                let bytes = farmap_core::parse_size(v)
+                    .map_err(|e| bad(spec, format!("cap={v} in ({inner}): {e}")))?;
+                cap = Some(bytes);
+            }
+            None => kept.push(pair),
+        }
+    }
+    let rebuilt = if kept.is_empty() {
+        body.to_owned()
+    } else {
+        format!("{body}?{}", kept.join("&"))
+    };
+    let parsed: StoreSpec = rebuilt.parse()?;
+    Ok((parsed, cap))
+}
+
+/// Writes `t` back as a spec.
+pub(super) fn write(t: &TierSpec, f: &mut fmt::Formatter<'_>, secrets: bool) -> fmt::Result {
+    f.write_str("tier:")?;
+    for (inner, cap) in &t.tiers {
+        let shown = if secrets {
+            inner.to_secret_string()
+        } else {
+            inner.to_string()
+        };
+        match cap {
+            Some(c) => {
+                let sep = if query_start(&shown).is_some() {
+                    '&'
+                } else {
+                    '?'
+                };
+                write!(f, "({shown}{sep}cap={})", format_size(*c))?;
+            }
+            None => write!(f, "({shown})")?,
+        }
+    }
+    let mut opts = Vec::new();
+    if let Some(m) = &t.map {
+        opts.push(format!("map={}", m.display()));
+    }
+    if let Some(d) = t.demote {
+        opts.push(format!("demote={}ms", d.as_millis()));
+    }
+    if !opts.is_empty() {
+        write!(f, "?{}", opts.join("&"))?;
+    }
+    Ok(())
+}
+
+/// Where the placement map of `t` is kept.
+pub fn map_path(t: &TierSpec) -> Option<PathBuf> {
+    t.map.clone().or_else(|| {
+        t.tiers.iter().find_map(|(s, _)| {
+            s.path().map(|p| {
+                let mut os = p.as_os_str().to_owned();
+                os.push(".tiers");
+                PathBuf::from(os)
+            })
+        })
+    })
+}
+
+/// Opens every tier, then the tiered store over them.
+pub(super) async fn open(spec: &StoreSpec, t: &TierSpec) -> Result<Arc<dyn Store>, OpenError> {
+    let mut tiers = Vec::new();
+    for (inner, cap) in &t.tiers {
+        let store = Box::pin(super::open_store_async(inner)).await?;
+        let g = store.geometry();
+        let capacity = match cap {
+            Some(bytes) => bytes / u64::from(g.chunk_size()),
+            None => g.chunk_count(),
+        };
+        tiers.push(Tier { store, capacity });
+    }
+    let opts = TierOptions {
+        map: map_path(t),
+        demote_every: match t.demote {
+            Some(d) if d.is_zero() => None,
+            Some(d) => Some(d),
+            None => TierOptions::default().demote_every,
+        },
+        ..TierOptions::default()
+    };
+    let store = Tiered::open(tiers, opts).map_err(|source| OpenError::Store {
+        spec: spec.to_string(),
+        source,
+    })?;
+    Ok(Arc::new(store))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn tier_specs_parse_and_print_back() {
+        let spec: StoreSpec = "tier:(memory:64MiB?cap=16MiB)(dir:/tmp/x?size=64MiB&cap=64MiB)"
+            .parse()
+            .unwrap();
+        let SpecKind::Tier(t) = &spec.kind else {
+            panic!("{spec:?}")
+        };
+        assert_eq!(t.tiers.len(), 2);
+        assert_eq!(t.tiers[0].1, Some(16 << 20));
+        assert_eq!(t.tiers[1].0.to_string(), "dir:/tmp/x?size=64MiB");
+        assert_eq!(map_path(t), Some(PathBuf::from("/tmp/x.tiers")));
+        let again: StoreSpec = spec.to_string().parse().unwrap();
+        assert_eq!(again, spec, "{spec}");
+        // Nested parentheses, options, a last tier without a cap.
+        let spec: StoreSpec = "tier:(tier:(memory:1MiB?cap=64KiB)(memory:1MiB)?cap=512KiB)(memory:1MiB)?map=/m&demote=5s"
+            .parse()
+            .unwrap();
+        let SpecKind::Tier(t) = &spec.kind else {
+            panic!("{spec:?}")
+        };
+        assert!(matches!(t.tiers[0].0.kind, SpecKind::Tier(_)));
+        assert_eq!(t.tiers[0].1, Some(512 << 10));
+        assert_eq!(t.demote, Some(Duration::from_secs(5)));
+        assert_eq!(t.map, Some(PathBuf::from("/m")));
+        assert_eq!(spec.to_string().parse::<StoreSpec>().unwrap(), spec);
+        for bad in [
+            "tier:",
+            "tier:(memory:1MiB",
+            "tier:(memory:1MiB)(memory:1MiB)",
+            "tier:(memory:1MiB?cap=1MiB)x",
+            "tier:(memory:1MiB?cap=lots)",
+            "tier:(memory:1MiB)?colour=blue",
+            "tier:(nosuch:1)",
+        ] {
+            assert!(bad.parse::<StoreSpec>().is_err(), "{bad}");
+        }
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_tier_spec_opens_and_keeps_its_map_beside_the_dir() {
+        let tmp = tempfile::tempdir().unwrap();
+        let dir = tmp.path().join("chunks");
+        let text = format!(
+            "tier:(memory:1MiB?chunk=64KiB&cap=128KiB)(dir:{}?size=1MiB&chunk=64KiB)",
+            dir.display()
+        );
+        let spec: StoreSpec = text.parse().unwrap();
+        let store = super::super::open_store_async(&spec).await.unwrap();
+        for i in 0..4u64 {
+            store
+                .write(farmap_core::ChunkIdx(i), vec![i as u8 + 1; 65536].into())
+                .await
+                .unwrap();
+        }
+        store.flush().await.unwrap();
+        assert!(tmp.path().join("chunks.tiers").exists());
+        assert_eq!(store.read(farmap_core::ChunkIdx(3)).await.unwrap()[0], 4);
+    }
+}
