@@ -46,7 +46,7 @@ pub use cached::{Cached, Fill};
 pub use counting::{Counting, Counts};
 pub use delayed::{DelayOptions, Delayed};
 pub use dirty::DirtySet;
-pub use faulty::{FaultPlan, FaultTrigger, Faulty, OpSet};
+pub use faulty::{DataFaultCounts, DataFaults, FaultPlan, FaultTrigger, Faulty, OpSet};
 pub use gated::{GateState, Gated};
 pub use puller::{PullFailure, PullOptions, PullOrder, PullProgress, PullReport, Puller};
 pub use pusher::{DirtySource, PushOptions, PushStats, Pusher};
