@@ -21,8 +21,9 @@
 //!        │        │ Puller: background prefetch, N async workers, order policy,
 //!     local       │ prioritize(), progress, cancel
 //!
-//!   Delayed · Faulty · Counting: latency/bandwidth, injected errors, statistics;
-//!   stack them anywhere (benchmarks and tests use them).
+//!   Delayed · Faulty · Counting: latency/bandwidth, injected errors and data faults,
+//!   statistics; stack them anywhere (benchmarks and tests use them).
+//!   Verified: checksums and generations in a side table; bad chunks refused as Corrupt.
 //! ```
 //!
 //! Every stage decides for every [`Store`](farmap_core::Store) method what it does; none
@@ -41,6 +42,7 @@ pub mod retry;
 pub mod timer;
 pub mod tracked;
 pub mod unaligned;
+pub mod verified;
 
 pub use cached::{Cached, Fill};
 pub use counting::{Counting, Counts};
@@ -53,3 +55,4 @@ pub use pusher::{DirtySource, PushOptions, PushStats, Pusher};
 pub use retry::{retry, RetryPolicy};
 pub use tracked::Tracked;
 pub use unaligned::Unaligned;
+pub use verified::{Verified, VerifiedLayout, VerifyStats};
