@@ -23,7 +23,8 @@
 //!
 //!   Delayed · Faulty · Counting: latency/bandwidth, injected errors and data faults,
 //!   statistics; stack them anywhere (benchmarks and tests use them).
-//!   Verified: checksums and generations in a side table; bad chunks refused as Corrupt.
+//!   Mirrored: writes to a primary and a mirror; reads fail over, a recovered primary is
+//!   resynced. Verified: checksums and generations in a side table; bad chunks refused as Corrupt.
 //! ```
 //!
 //! Every stage decides for every [`Store`](farmap_core::Store) method what it does; none
@@ -36,6 +37,7 @@ pub mod delayed;
 pub mod dirty;
 pub mod faulty;
 pub mod gated;
+pub mod mirrored;
 pub mod puller;
 pub mod pusher;
 pub mod retry;
@@ -50,6 +52,7 @@ pub use delayed::{DelayOptions, Delayed};
 pub use dirty::DirtySet;
 pub use faulty::{DataFaultCounts, DataFaults, FaultPlan, FaultTrigger, Faulty, OpSet};
 pub use gated::{GateState, Gated};
+pub use mirrored::{MirrorOptions, MirrorPolicy, MirrorStatus, Mirrored, PrimaryState};
 pub use puller::{PullFailure, PullOptions, PullOrder, PullProgress, PullReport, Puller};
 pub use pusher::{DirtySource, PushOptions, PushStats, Pusher};
 pub use retry::{retry, RetryPolicy};
