@@ -42,6 +42,8 @@ STORE SPECS:
   cql://HOST:PORT/KEYSPACE?table=T&region=R&size=SIZE&create=true   Cassandra/ScyllaDB
   nbd://HOST[:PORT]/EXPORT    an NBD server's export (nbds:// for TLS: ?ca=CA.pem;
                               nbd+unix:///EXPORT?socket=/path)
+  mirror:(SPEC)(SPEC)?policy=both|primary-first   every write to both stores; reads
+                              fail over to the mirror; a recovered primary is resynced
   verified:(SPEC)             checksums for every chunk of SPEC (kept at its end);
                               bad chunks are refused (`farmap verify` scrubs)
 Every store with an example and its options: `farmap help stores`.

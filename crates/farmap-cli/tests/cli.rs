@@ -299,3 +299,21 @@ fn verify_scrubs_a_verified_region_and_names_bad_chunks() {
     assert!(!o.status.success());
     assert!(stderr(&o).contains("corrupt"), "{}", stderr(&o));
 }
+
+#[test]
+fn info_shows_a_mirrors_state() {
+    let dir = tempfile::tempdir().unwrap();
+    let spec = format!(
+        "mirror:({})({})?policy=primary-first",
+        file_spec(&dir.path().join("p.img"), "?size=1MiB"),
+        file_spec(&dir.path().join("m.img"), "?size=1MiB")
+    );
+    let o = farmap(&["info", "--json", &spec]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    let r: serde_json::Value = serde_json::from_str(stdout(&o).trim()).unwrap();
+    assert_eq!(r["mirror"]["policy"], "primary-first", "{r}");
+    assert_eq!(r["mirror"]["primary"], "up", "{r}");
+    assert_eq!(r["mirror"]["to_resync"], 0, "{r}");
+    let o = farmap(&["info", &spec]);
+    assert!(stdout(&o).contains("mirror:   policy primary-first, primary up"), "{}", stdout(&o));
+}

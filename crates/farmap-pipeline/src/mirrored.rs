@@ -566,7 +566,7 @@ impl Mirrored {
     }
 
     /// The state now.
-    pub fn status(&self) -> MirrorStatus {
+    pub fn mirror_status(&self) -> MirrorStatus {
         let s = &self.shared;
         let st = s.state.lock();
         MirrorStatus {
@@ -741,19 +741,19 @@ mod tests {
             // No error reaches the caller.
             m.write(ChunkIdx(2), chunk(22)).await.unwrap();
             m.write(ChunkIdx(3), chunk(3)).await.unwrap();
-            assert_eq!(m.status().primary, PrimaryState::Down);
+            assert_eq!(m.mirror_status().primary, PrimaryState::Down);
             assert_eq!(m.read(ChunkIdx(1)).await.unwrap(), chunk(1));
             assert_eq!(m.read(ChunkIdx(2)).await.unwrap(), chunk(22));
-            assert_eq!(m.status().to_resync, 2, "{policy:?}");
+            assert_eq!(m.mirror_status().to_resync, 2, "{policy:?}");
             // The primary comes back: only the chunks written meanwhile are copied.
             primary.set_plan(FaultPlan::never());
             for _ in 0..500 {
-                if m.status().primary == PrimaryState::Up {
+                if m.mirror_status().primary == PrimaryState::Up {
                     break;
                 }
                 tokio::time::sleep(Duration::from_millis(10)).await;
             }
-            let st = m.status();
+            let st = m.mirror_status();
             assert_eq!(st.primary, PrimaryState::Up, "{st:?}");
             assert_eq!(st.resynced, 2, "{st:?}");
             assert_eq!(primary.inner().read(ChunkIdx(2)).await.unwrap(), chunk(22));
@@ -777,7 +777,7 @@ mod tests {
             ..crate::DataFaults::none()
         });
         assert_eq!(m.read(ChunkIdx(5)).await.unwrap(), data);
-        let st = m.status();
+        let st = m.mirror_status();
         assert_eq!((st.primary, st.fallbacks), (PrimaryState::Up, 1));
     }
 }

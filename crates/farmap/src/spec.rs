@@ -17,6 +17,7 @@
 //! | `nbd://host:10809/export` | an NBD server's export (nbdkit, qemu-nbd, `farmap serve --nbd`); see [`farmap_nbd::client`] |
 //! | `nbds://host/export?ca=ca.pem` | the same over TLS (STARTTLS); `cert=`/`key=` for client certificates |
 //! | `nbd+unix:///export?socket=/run/nbd.sock` | an NBD export on a Unix socket (`nbds+unix://` with TLS) |
+//! | `mirror:(PRIMARY)(MIRROR)?policy=both` | every write to both stores; reads fail over to the mirror; a recovered primary is resynced ([`farmap_pipeline::mirrored`]) |
 //! | `verified:(SPEC)` | checksums and generations for every chunk of SPEC, kept at its end ([`farmap_pipeline::verified`]); bad chunks are refused |
 //!
 //! Stage specs name the stores they wrap whole, in parentheses ([`stage`]); the stage's
@@ -80,7 +81,7 @@ use farmap_store::{DirOptions, DirStore, FileOptions, FileStore, MemoryStore};
 
 /// The schemes farmap knows, for error messages.
 const KNOWN: &str = "memory, file, dir, farmap, farmaps, farmap+unix, farmap+grpc, redis, rediss, \
-                     redis+cluster, s3, cql, nbd, nbds, nbd+unix, nbds+unix, verified";
+                     redis+cluster, s3, cql, nbd, nbds, nbd+unix, nbds+unix, verified, mirror";
 
 /// Why a store spec could not be understood. Each message is one line naming the problem.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
@@ -282,6 +283,15 @@ pub enum SpecKind {
         /// The store holding the data and the checksums.
         inner: Box<StoreSpec>,
     },
+    /// A primary and a mirror store (`mirror:(PRIMARY)(MIRROR)?policy=..`).
+    Mirror {
+        /// Serves reads while it is up.
+        primary: Box<StoreSpec>,
+        /// Takes every write; serves reads while the primary is down.
+        mirror: Box<StoreSpec>,
+        /// Policy, timeout, backlog, probe interval.
+        options: farmap_pipeline::MirrorOptions,
+    },
 }
 
 /// A parsed store spec. `Display` gives it back in canonical form.
@@ -314,6 +324,7 @@ impl StoreSpec {
             | SpecKind::S3 { .. }
             | SpecKind::Nbd { .. } => None,
             SpecKind::Verified { inner } => inner.path(),
+            SpecKind::Mirror { primary, .. } => primary.path(),
             SpecKind::File { path } | SpecKind::Dir { path, .. } => Some(path),
         }
     }
@@ -333,6 +344,7 @@ impl StoreSpec {
             SpecKind::Cql(t) => t.create,
             SpecKind::Redis(_) => true,
             SpecKind::Verified { inner } => inner.creates(),
+            SpecKind::Mirror { primary, mirror, .. } => primary.creates() || mirror.creates(),
             _ => self.path().is_none_or(|p| !p.exists()),
         }
     }
@@ -341,6 +353,9 @@ impl StoreSpec {
     pub fn is_remote(&self) -> bool {
         match &self.kind {
             SpecKind::Verified { inner } => inner.is_remote(),
+            SpecKind::Mirror {
+                primary, mirror, ..
+            } => primary.is_remote() || mirror.is_remote(),
             kind => matches!(
                 kind,
                 SpecKind::Remote { .. }
@@ -355,7 +370,7 @@ impl StoreSpec {
 
     /// Whether this spec is a stage over other specs (`verified:(SPEC)`).
     pub fn is_stage(&self) -> bool {
-        matches!(self.kind, SpecKind::Verified { .. })
+        matches!(self.kind, SpecKind::Verified { .. } | SpecKind::Mirror { .. })
     }
 
     /// Whether opening this spec needs an async runtime ([`open_store_async`]): remote
@@ -369,6 +384,8 @@ impl StoreSpec {
     pub fn set_read_only_where_possible(&mut self) {
         match &mut self.kind {
             SpecKind::Verified { inner } => inner.set_read_only_where_possible(),
+            // A mirror's stores take writes from resync; left as they are.
+            SpecKind::Mirror { .. } => {}
             _ => {
                 if self.path().is_some() {
                     self.read_only = true;
@@ -749,6 +766,18 @@ impl StoreSpec {
                 inner.write(f, secrets)?;
                 f.write_str(")")?;
             }
+            SpecKind::Mirror {
+                primary,
+                mirror,
+                options,
+            } => {
+                f.write_str("mirror:(")?;
+                primary.write(f, secrets)?;
+                f.write_str(")(")?;
+                mirror.write(f, secrets)?;
+                f.write_str(")")?;
+                opts = stage::mirror_options(options);
+            }
             SpecKind::S3 { location } => {
                 let (head, s3_opts) = location.display_parts();
                 f.write_str(&head)?;
@@ -880,8 +909,29 @@ pub async fn open_store_async(spec: &StoreSpec) -> Result<Arc<dyn Store>, OpenEr
                 })?;
             Ok(Arc::new(verified))
         }
+        SpecKind::Mirror {
+            primary,
+            mirror,
+            options,
+        } => Ok(Arc::new(open_mirror(spec, primary, mirror, *options).await?)),
         _ => open_store(spec),
     }
+}
+
+/// Opens both stores of a `mirror:` spec and the stage over them (on the current runtime,
+/// which runs its resync and backlog tasks).
+pub async fn open_mirror(
+    spec: &StoreSpec,
+    primary: &StoreSpec,
+    mirror: &StoreSpec,
+    options: farmap_pipeline::MirrorOptions,
+) -> Result<farmap_pipeline::Mirrored, OpenError> {
+    let p = Box::pin(open_store_async(primary)).await?;
+    let m = Box::pin(open_store_async(mirror)).await?;
+    farmap_pipeline::Mirrored::new(p, m, options).map_err(|source| OpenError::Store {
+        spec: spec.to_string(),
+        source,
+    })
 }
 
 /// Opens (or creates) the local store a spec names; remote and stage specs need
@@ -934,7 +984,8 @@ pub fn open_store(spec: &StoreSpec) -> Result<Arc<dyn Store>, OpenError> {
         | SpecKind::Redis(_)
         | SpecKind::S3 { .. }
         | SpecKind::Nbd { .. }
-        | SpecKind::Verified { .. } => {
+        | SpecKind::Verified { .. }
+        | SpecKind::Mirror { .. } => {
             return Err(OpenError::NeedsAsync {
                 spec: spec.to_string(),
             })
@@ -1230,6 +1281,31 @@ mod tests {
         let nested = parse("VERIFIED:(verified:(farmap://h:1))").unwrap();
         assert!(nested.is_remote());
         assert_eq!(nested.to_string(), "verified:(verified:(farmap://h:1))");
+        let m = parse("mirror:(file:a.img?size=1MiB)(farmap://h:1?timeout=1s)?policy=primary-first&backlog=64&timeout=500ms").unwrap();
+        let SpecKind::Mirror {
+            primary, options, ..
+        } = &m.kind
+        else {
+            panic!("{m:?}")
+        };
+        assert_eq!(primary.size, Some(1 << 20));
+        assert_eq!(options.policy, farmap_pipeline::MirrorPolicy::PrimaryFirst);
+        assert_eq!((options.backlog, options.timeout), (64, Duration::from_millis(500)));
+        assert!(m.is_remote() && m.is_stage());
+        assert_eq!(parse(&m.to_string()).unwrap(), m, "display round-trips");
+        assert_eq!(
+            parse("mirror:(memory:1MiB)(memory:1MiB)").unwrap().to_string(),
+            "mirror:(memory:1MiB)(memory:1MiB)"
+        );
+        for (spec, want) in [
+            ("mirror:(memory:1MiB)", "takes 2 stores"),
+            ("mirror:(memory:1MiB)(memory:1MiB)?policy=later", "bad value for policy"),
+            ("mirror:(memory:1MiB)(memory:1MiB)?backlog=0", "bad value for backlog"),
+            ("mirror:(memory:1MiB)(memory:1MiB)?ro", "unknown option \"ro\""),
+        ] {
+            let err = parse(spec).expect_err(spec).to_string();
+            assert!(err.contains(want), "{spec}: {err:?} should contain {want:?}");
+        }
         let deep = format!("{}memory:1MiB{}", "verified:(".repeat(9), ")".repeat(9));
         for (spec, want) in [
             ("verified:", "takes 1 store"),
