@@ -271,7 +271,11 @@ fn verify_scrubs_a_verified_region_and_names_bad_chunks() {
     let img = dir.path().join("v.img");
     let verified = format!("verified:({})", file_spec(&img, "?size=1MiB&chunk=4KiB"));
     let o = farmap(&["cp", "-q", &file_spec(&src, "?chunk=4KiB"), &verified]);
-    assert!(o.status.success(), "cp into a verified region: {}", stderr(&o));
+    assert!(
+        o.status.success(),
+        "cp into a verified region: {}",
+        stderr(&o)
+    );
 
     let o = farmap(&["verify", "--json", &verified]);
     assert!(o.status.success(), "a good region: {}", stderr(&o));
@@ -288,7 +292,12 @@ fn verify_scrubs_a_verified_region_and_names_bad_chunks() {
     std::fs::write(&img, &raw).unwrap();
     // The plain spec is read as the verified region it holds.
     let o = farmap(&["verify", "--json", &file_spec(&img, "?chunk=4KiB")]);
-    assert_eq!(o.status.code(), Some(2), "bad chunks: exit 2; {}", stderr(&o));
+    assert_eq!(
+        o.status.code(),
+        Some(2),
+        "bad chunks: exit 2; {}",
+        stderr(&o)
+    );
     let r: serde_json::Value = serde_json::from_str(stdout(&o).trim()).unwrap();
     assert_eq!(r["bad_chunks"], 2, "{r}");
     assert_eq!(r["bad"], serde_json::json!([7, 200]));
@@ -315,5 +324,9 @@ fn info_shows_a_mirrors_state() {
     assert_eq!(r["mirror"]["primary"], "up", "{r}");
     assert_eq!(r["mirror"]["to_resync"], 0, "{r}");
     let o = farmap(&["info", &spec]);
-    assert!(stdout(&o).contains("mirror:   policy primary-first, primary up"), "{}", stdout(&o));
+    assert!(
+        stdout(&o).contains("mirror:   policy primary-first, primary up"),
+        "{}",
+        stdout(&o)
+    );
 }

@@ -88,7 +88,9 @@ async fn write_run(store: Arc<Mirrored>, model: Arc<Mutex<Vec<u64>>>, n: u64, ro
                     store
                         .write(ChunkIdx(idx), content(idx, version))
                         .await
-                        .unwrap_or_else(|e| panic!("write of chunk {idx} reached the application: {e}"));
+                        .unwrap_or_else(|e| {
+                            panic!("write of chunk {idx} reached the application: {e}")
+                        });
                     model.lock()[idx as usize] = version;
                 }
             })
@@ -115,7 +117,10 @@ async fn check(store: &dyn Store, model: &[u64], what: &str) {
 
 async fn run(policy: &str) {
     let dir = tempfile::tempdir().unwrap();
-    let primary_file = format!("file:{}?size=2MiB&chunk=4KiB", dir.path().join("p.img").display());
+    let primary_file = format!(
+        "file:{}?size=2MiB&chunk=4KiB",
+        dir.path().join("p.img").display()
+    );
     let mut primary = Served::start(&primary_file, "127.0.0.1:0");
     let addr = primary.addr.clone();
     let spec: StoreSpec = format!(
@@ -134,7 +139,11 @@ async fn run(policy: &str) {
     };
     assert_eq!(
         options.policy,
-        if policy == "both" { MirrorPolicy::Both } else { MirrorPolicy::PrimaryFirst }
+        if policy == "both" {
+            MirrorPolicy::Both
+        } else {
+            MirrorPolicy::PrimaryFirst
+        }
     );
     let store = Arc::new(open_mirror(&spec, p, m, *options).await.unwrap());
     let model = Arc::new(Mutex::new(vec![0u64; CHUNKS as usize]));
@@ -142,7 +151,10 @@ async fn run(policy: &str) {
     // Writes in flight while the primary is killed.
     let writing = tokio::spawn(write_run(store.clone(), model.clone(), 3000, 0));
     tokio::time::sleep(Duration::from_millis(150)).await;
-    assert!(!writing.is_finished(), "the run must still be writing when the primary dies");
+    assert!(
+        !writing.is_finished(),
+        "the run must still be writing when the primary dies"
+    );
     primary.kill();
     writing.await.expect("no write failed");
     // More writes with the primary gone.
@@ -151,7 +163,8 @@ async fn run(policy: &str) {
     assert_eq!(st.primary, PrimaryState::Down, "{st:?}");
     assert!(st.failovers >= 1 && st.to_resync > 0, "{st:?}");
     store.flush().await.unwrap();
-    check(&*store, &model.lock().clone(), "through the mirror").await;
+    let snapshot = model.lock().clone();
+    check(&*store, &snapshot, "through the mirror").await;
 
     // The primary comes back on the same address and file: it is resynchronised.
     let _again = Served::start(&primary_file, &addr);
@@ -159,7 +172,11 @@ async fn run(policy: &str) {
     // Writes keep coming during the resync.
     write_run(store.clone(), model.clone(), 200, 2).await;
     while store.mirror_status().primary != PrimaryState::Up {
-        assert!(Instant::now() < deadline, "no resync: {:?}", store.mirror_status());
+        assert!(
+            Instant::now() < deadline,
+            "no resync: {:?}",
+            store.mirror_status()
+        );
         tokio::time::sleep(Duration::from_millis(20)).await;
     }
     let st = store.mirror_status();

@@ -598,7 +598,11 @@ mod tests {
         // Never written through the stage: nothing older kept, the read is true.
         assert_eq!(f.read(ChunkIdx(0)).await.unwrap(), chunk(0));
         f.write(ChunkIdx(0), chunk(1)).await.unwrap();
-        assert_eq!(f.read(ChunkIdx(0)).await.unwrap(), chunk(0), "zeros came before");
+        assert_eq!(
+            f.read(ChunkIdx(0)).await.unwrap(),
+            chunk(0),
+            "zeros came before"
+        );
         f.write(ChunkIdx(0), chunk(2)).await.unwrap();
         assert_eq!(f.read(ChunkIdx(0)).await.unwrap(), chunk(1));
         assert_eq!(f.data_injected().stale, 2);
@@ -629,7 +633,10 @@ mod tests {
         let (b, cb) = run(11).await;
         assert_eq!(a, b);
         assert_eq!(ca, cb);
-        assert!(ca.corrupted > 10 && ca.torn > 10 && ca.lost > 10 && ca.stale > 10, "{ca:?}");
+        assert!(
+            ca.corrupted > 10 && ca.torn > 10 && ca.lost > 10 && ca.stale > 10,
+            "{ca:?}"
+        );
         let (c, _) = run(12).await;
         assert_ne!(a, c, "another seed, other faults");
     }

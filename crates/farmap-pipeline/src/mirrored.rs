@@ -274,8 +274,7 @@ impl Shared {
                 if b.pending.len() < self.opts.backlog.max(1) || b.pending.contains_key(&idx.0) {
                     b.seq += 1;
                     let seq = b.seq;
-                    if b.pending.insert(idx.0, (seq, data)).is_none() && !b.busy.contains(&idx.0)
-                    {
+                    if b.pending.insert(idx.0, (seq, data)).is_none() && !b.busy.contains(&idx.0) {
                         b.queue.push_back(idx.0);
                     }
                     drop(b);
@@ -499,11 +498,8 @@ impl Shared {
             self.state.lock().to_resync.remove(&idx.0);
             let copied = match self.read_mirror(idx, None).await {
                 Ok(data) => {
-                    self.on_primary(
-                        || format!("resyncing {idx}"),
-                        self.primary.write(idx, data),
-                    )
-                    .await
+                    self.on_primary(|| format!("resyncing {idx}"), self.primary.write(idx, data))
+                        .await
                 }
                 Err(e) => Err(e),
             };
@@ -601,7 +597,13 @@ impl Store for Mirrored {
         // What both can do: the mirror must be able to stand in for the primary.
         let (p, m) = (self.shared.primary.caps(), self.shared.mirror.caps());
         let mut caps = Caps::NONE;
-        for c in [Caps::WRITE, Caps::FLUSH, Caps::TRIM, Caps::STATUS, Caps::PARALLEL] {
+        for c in [
+            Caps::WRITE,
+            Caps::FLUSH,
+            Caps::TRIM,
+            Caps::STATUS,
+            Caps::PARALLEL,
+        ] {
             if p.contains(c) && m.contains(c) {
                 caps = caps | c;
             }
@@ -623,7 +625,8 @@ impl Store for Mirrored {
             s.drain_backlog().await;
             let mirror = s.mirror.flush();
             if s.primary_state() == PrimaryState::Up {
-                let (p, m) = tokio::join!(s.on_primary(|| "a flush".into(), s.primary.flush()), mirror);
+                let (p, m) =
+                    tokio::join!(s.on_primary(|| "a flush".into(), s.primary.flush()), mirror);
                 if let Err(e) = p {
                     s.mark_down(&e, []);
                 }
@@ -649,7 +652,10 @@ impl Store for Mirrored {
             }
             // Resyncing: a copy of a chunk of the range may be running; the chunks are
             // noted again so that it is redone after the trim.
-            let (p, m) = tokio::join!(s.on_primary(|| format!("a trim of {range}"), s.primary.trim(range)), mirror);
+            let (p, m) = tokio::join!(
+                s.on_primary(|| format!("a trim of {range}"), s.primary.trim(range)),
+                mirror
+            );
             m?;
             for idx in range.iter() {
                 s.note_mirror(idx.0, true);
@@ -767,9 +773,17 @@ mod tests {
     async fn a_corrupt_primary_chunk_is_served_from_the_mirror() {
         let inner = ModelStore::new(crate::VerifiedLayout::inner_geometry_for(g()));
         let faulty = Arc::new(Faulty::new(inner, FaultPlan::never()));
-        let verified = Arc::new(crate::Verified::open(faulty.clone(), Some(g().size())).await.unwrap());
-        let m = Mirrored::new(verified, Arc::new(ModelStore::new(g())), opts(MirrorPolicy::Both))
-            .unwrap();
+        let verified = Arc::new(
+            crate::Verified::open(faulty.clone(), Some(g().size()))
+                .await
+                .unwrap(),
+        );
+        let m = Mirrored::new(
+            verified,
+            Arc::new(ModelStore::new(g())),
+            opts(MirrorPolicy::Both),
+        )
+        .unwrap();
         let data = Bytes::from(vec![9u8; 4096]);
         m.write(ChunkIdx(5), data.clone()).await.unwrap();
         faulty.set_data_faults(crate::DataFaults {

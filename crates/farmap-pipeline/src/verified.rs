@@ -601,11 +601,13 @@ impl<S: Store> Store for Verified<S> {
     fn status(&self, idx: ChunkIdx) -> BoxFuture<'_, StoreResult<ChunkStatus>> {
         Box::pin(async move {
             self.layout.geometry.check_idx(idx)?;
-            Ok(self.with_record(idx, |r| match (r.expect, r.in_flight.is_empty()) {
-                (Expect::Zeros, true) if r.also.is_none() => ChunkStatus::Zero,
-                (Expect::Sum(_), true) if r.also.is_none() => ChunkStatus::Data,
-                _ => ChunkStatus::Unknown,
-            }))
+            Ok(
+                self.with_record(idx, |r| match (r.expect, r.in_flight.is_empty()) {
+                    (Expect::Zeros, true) if r.also.is_none() => ChunkStatus::Zero,
+                    (Expect::Sum(_), true) if r.also.is_none() => ChunkStatus::Data,
+                    _ => ChunkStatus::Unknown,
+                }),
+            )
         })
     }
 }
@@ -635,7 +637,10 @@ mod tests {
         assert!(VerifiedLayout::new(one, None).is_err());
         for g in farmap_testkit::conformance::geometries() {
             let inner = VerifiedLayout::inner_geometry_for(g);
-            assert_eq!(VerifiedLayout::new(inner, Some(g.size())).unwrap().geometry, g);
+            assert_eq!(
+                VerifiedLayout::new(inner, Some(g.size())).unwrap().geometry,
+                g
+            );
         }
     }
 
@@ -666,7 +671,10 @@ mod tests {
         assert_eq!(v.read(ChunkIdx(3)).await.unwrap(), a);
         let e = v.read(ChunkIdx(4)).await.unwrap_err();
         assert_eq!(e.kind(), ErrorKind::Corrupt, "{e}");
-        assert!(e.to_string().contains("chunk 4") || e.to_string().contains('4'), "{e}");
+        assert!(
+            e.to_string().contains("chunk 4") || e.to_string().contains('4'),
+            "{e}"
+        );
         // Written again: good again.
         v.write(ChunkIdx(4), a.clone()).await.unwrap();
         assert_eq!(v.read(ChunkIdx(4)).await.unwrap(), a);

@@ -44,12 +44,20 @@ async fn run(verified: bool) -> Outcome {
         faults,
     ));
     let store: Arc<dyn Store> = if verified {
-        Arc::new(Verified::open(faulty.clone(), Some(g.size())).await.unwrap())
+        Arc::new(
+            Verified::open(faulty.clone(), Some(g.size()))
+                .await
+                .unwrap(),
+        )
     } else {
         faulty.clone()
     };
     if verified {
-        assert_eq!(store.geometry(), g, "the verified region is exactly the one asked for");
+        assert_eq!(
+            store.geometry(),
+            g,
+            "the verified region is exactly the one asked for"
+        );
     }
     let mut model: Vec<Bytes> = (0..g.chunk_count())
         .map(|_| Bytes::from(vec![0u8; 4096]))
@@ -85,7 +93,10 @@ async fn run(verified: bool) -> Outcome {
     let counts = faulty.data_injected();
     out.injected = counts.total();
     assert!(
-        counts.corrupted > 10_000 && counts.torn > 10_000 && counts.lost > 10_000 && counts.stale > 10_000,
+        counts.corrupted > 10_000
+            && counts.torn > 10_000
+            && counts.lost > 10_000
+            && counts.stale > 10_000,
         "every kind of fault is exercised: {counts:?}"
     );
     out
@@ -96,7 +107,10 @@ async fn verified_serves_no_bad_chunk_under_100k_faults() {
     let with = run(true).await;
     assert!(with.injected >= FAULTS);
     assert_eq!(with.bad_served, 0, "{with:?}");
-    assert!(with.refused > 0, "faults were caught, not avoided: {with:?}");
+    assert!(
+        with.refused > 0,
+        "faults were caught, not avoided: {with:?}"
+    );
 
     let without = run(false).await;
     assert!(

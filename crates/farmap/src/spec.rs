@@ -344,7 +344,9 @@ impl StoreSpec {
             SpecKind::Cql(t) => t.create,
             SpecKind::Redis(_) => true,
             SpecKind::Verified { inner } => inner.creates(),
-            SpecKind::Mirror { primary, mirror, .. } => primary.creates() || mirror.creates(),
+            SpecKind::Mirror {
+                primary, mirror, ..
+            } => primary.creates() || mirror.creates(),
             _ => self.path().is_none_or(|p| !p.exists()),
         }
     }
@@ -370,7 +372,10 @@ impl StoreSpec {
 
     /// Whether this spec is a stage over other specs (`verified:(SPEC)`).
     pub fn is_stage(&self) -> bool {
-        matches!(self.kind, SpecKind::Verified { .. } | SpecKind::Mirror { .. })
+        matches!(
+            self.kind,
+            SpecKind::Verified { .. } | SpecKind::Mirror { .. }
+        )
     }
 
     /// Whether opening this spec needs an async runtime ([`open_store_async`]): remote
@@ -901,19 +906,22 @@ pub async fn open_store_async(spec: &StoreSpec) -> Result<Arc<dyn Store>, OpenEr
         }
         SpecKind::Verified { inner } => {
             let store = Box::pin(open_store_async(inner)).await?;
-            let verified = farmap_pipeline::Verified::open(store, None)
-                .await
-                .map_err(|source| OpenError::Store {
-                    spec: spec.to_string(),
-                    source,
-                })?;
+            let verified =
+                farmap_pipeline::Verified::open(store, None)
+                    .await
+                    .map_err(|source| OpenError::Store {
+                        spec: spec.to_string(),
+                        source,
+                    })?;
             Ok(Arc::new(verified))
         }
         SpecKind::Mirror {
             primary,
             mirror,
             options,
-        } => Ok(Arc::new(open_mirror(spec, primary, mirror, *options).await?)),
+        } => Ok(Arc::new(
+            open_mirror(spec, primary, mirror, *options).await?,
+        )),
         _ => open_store(spec),
     }
 }
@@ -1275,7 +1283,10 @@ mod tests {
         assert_eq!(inner.chunk_size, Some(4096));
         assert_eq!(v.path(), Some(Path::new("./x.img")));
         assert!(v.is_stage() && v.needs_async() && !v.is_remote());
-        assert_eq!(v.to_string(), "verified:(file:./x.img?size=1GiB&chunk=4KiB)");
+        assert_eq!(
+            v.to_string(),
+            "verified:(file:./x.img?size=1GiB&chunk=4KiB)"
+        );
         assert_eq!(parse(&v.to_string()).unwrap(), v, "display round-trips");
         assert!(matches!(open_store(&v), Err(OpenError::NeedsAsync { .. })));
         let nested = parse("VERIFIED:(verified:(farmap://h:1))").unwrap();
@@ -1290,21 +1301,38 @@ mod tests {
         };
         assert_eq!(primary.size, Some(1 << 20));
         assert_eq!(options.policy, farmap_pipeline::MirrorPolicy::PrimaryFirst);
-        assert_eq!((options.backlog, options.timeout), (64, Duration::from_millis(500)));
+        assert_eq!(
+            (options.backlog, options.timeout),
+            (64, Duration::from_millis(500))
+        );
         assert!(m.is_remote() && m.is_stage());
         assert_eq!(parse(&m.to_string()).unwrap(), m, "display round-trips");
         assert_eq!(
-            parse("mirror:(memory:1MiB)(memory:1MiB)").unwrap().to_string(),
+            parse("mirror:(memory:1MiB)(memory:1MiB)")
+                .unwrap()
+                .to_string(),
             "mirror:(memory:1MiB)(memory:1MiB)"
         );
         for (spec, want) in [
             ("mirror:(memory:1MiB)", "takes 2 stores"),
-            ("mirror:(memory:1MiB)(memory:1MiB)?policy=later", "bad value for policy"),
-            ("mirror:(memory:1MiB)(memory:1MiB)?backlog=0", "bad value for backlog"),
-            ("mirror:(memory:1MiB)(memory:1MiB)?ro", "unknown option \"ro\""),
+            (
+                "mirror:(memory:1MiB)(memory:1MiB)?policy=later",
+                "bad value for policy",
+            ),
+            (
+                "mirror:(memory:1MiB)(memory:1MiB)?backlog=0",
+                "bad value for backlog",
+            ),
+            (
+                "mirror:(memory:1MiB)(memory:1MiB)?ro",
+                "unknown option \"ro\"",
+            ),
         ] {
             let err = parse(spec).expect_err(spec).to_string();
-            assert!(err.contains(want), "{spec}: {err:?} should contain {want:?}");
+            assert!(
+                err.contains(want),
+                "{spec}: {err:?} should contain {want:?}"
+            );
         }
         let deep = format!("{}memory:1MiB{}", "verified:(".repeat(9), ")".repeat(9));
         for (spec, want) in [
@@ -1335,7 +1363,10 @@ mod tests {
             .await
             .map(|_| ())
             .unwrap_err();
-        assert!(small.to_string().contains("verified:(memory:64KiB)"), "{small}");
+        assert!(
+            small.to_string().contains("verified:(memory:64KiB)"),
+            "{small}"
+        );
     }
 
     #[test]

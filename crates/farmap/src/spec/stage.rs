@@ -32,7 +32,10 @@ pub(super) fn mirror_options(o: &MirrorOptions) -> Vec<String> {
         v.push(format!("policy={}", o.policy.as_str()));
     }
     if o.timeout != d.timeout {
-        v.push(format!("timeout={}", farmap_core::format_duration(o.timeout)));
+        v.push(format!(
+            "timeout={}",
+            farmap_core::format_duration(o.timeout)
+        ));
     }
     if o.backlog != d.backlog {
         v.push(format!("backlog={}", o.backlog));
@@ -103,13 +106,21 @@ pub(super) fn parse(
         _ => unreachable!("checked by is_stage"),
     };
     let mut mirror = MirrorOptions::default();
-    for pair in query.into_iter().flat_map(|q| q.split('&')).filter(|p| !p.is_empty()) {
+    for pair in query
+        .into_iter()
+        .flat_map(|q| q.split('&'))
+        .filter(|p| !p.is_empty())
+    {
         let (key, value) = pair.split_once('=').unwrap_or((pair, ""));
         if !takes.split(", ").any(|k| k == key) {
             return Err(SpecError::UnknownOption {
                 option: key.to_owned(),
                 spec: spec.to_owned(),
-                takes: if takes.is_empty() { "no options" } else { takes },
+                takes: if takes.is_empty() {
+                    "no options"
+                } else {
+                    takes
+                },
             });
         }
         let bad = |option: &'static str, reason: String| SpecError::BadOption {
