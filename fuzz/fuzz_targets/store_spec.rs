@@ -30,6 +30,13 @@ fn shown_password(mut spec: StoreSpec) -> StoreSpec {
     match &mut spec.kind {
         SpecKind::Redis(c) if c.password.is_some() => c.password = Some("***".into()),
         SpecKind::Cql(t) if t.password.is_some() => t.password = Some("***".into()),
+        SpecKind::Verified { inner } => **inner = shown_password((**inner).clone()),
+        SpecKind::Mirror {
+            primary, mirror, ..
+        } => {
+            **primary = shown_password((**primary).clone());
+            **mirror = shown_password((**mirror).clone());
+        }
         _ => {}
     }
     spec

@@ -4,8 +4,11 @@ use std::process::ExitCode;
 
 use anyhow::Context;
 use clap::Args;
-use farmap::spec::open_store_async;
-use farmap::{format_size, ChunkStatus, StoreSpec};
+use std::sync::Arc;
+
+use farmap::pipeline::Mirrored;
+use farmap::spec::{open_mirror, open_store_async, SpecKind};
+use farmap::{format_size, ChunkStatus, Store, StoreSpec};
 use futures::StreamExt;
 use serde::Serialize;
 
@@ -33,16 +36,39 @@ struct Info {
     zero_chunks: u64,
     data_chunks: u64,
     unknown_chunks: u64,
+    /// For `mirror:` specs: the stage's state after the scan.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    mirror: Option<MirrorInfo>,
+}
+
+#[derive(Debug, Serialize)]
+struct MirrorInfo {
+    policy: &'static str,
+    primary: &'static str,
+    to_resync: u64,
+    mirror_missing: u64,
+    backlog: usize,
+    failovers: u64,
 }
 
 pub async fn run(args: InfoArgs) -> anyhow::Result<ExitCode> {
     // Look, never change: a file or dir store opens read-only, so it takes no writer's lock
     // and leaves alone a directory that a running `farmap cp` or `serve` is writing.
     let mut spec = args.spec.clone();
-    if spec.path().is_some() {
-        spec.read_only = true;
-    }
-    let store = open_store_async(&spec).await?;
+    spec.set_read_only_where_possible();
+    let mut mirrored: Option<Arc<Mirrored>> = None;
+    let store: Arc<dyn Store> = match &spec.kind {
+        SpecKind::Mirror {
+            primary,
+            mirror,
+            options,
+        } => {
+            let m = Arc::new(open_mirror(&spec, primary, mirror, *options).await?);
+            mirrored = Some(m.clone());
+            m
+        }
+        _ => open_store_async(&spec).await?,
+    };
     let g = store.geometry();
     let (mut zero, mut data, mut unknown) = (0, 0, 0);
     // Many asked at once: a remote store pipelines them over its connections, so a region
@@ -74,6 +100,17 @@ pub async fn run(args: InfoArgs) -> anyhow::Result<ExitCode> {
         zero_chunks: zero,
         data_chunks: data,
         unknown_chunks: unknown,
+        mirror: mirrored.map(|m| {
+            let st = m.mirror_status();
+            MirrorInfo {
+                policy: st.policy.as_str(),
+                primary: st.primary.as_str(),
+                to_resync: st.to_resync,
+                mirror_missing: st.mirror_missing,
+                backlog: st.backlog,
+                failovers: st.failovers,
+            }
+        }),
     };
     if args.json {
         output::json_line(&info)?;
@@ -87,6 +124,12 @@ pub async fn run(args: InfoArgs) -> anyhow::Result<ExitCode> {
         );
         println!("caps:     {}", store.caps());
         println!("data:     {data} chunks hold data, {zero} are known zero, {unknown} unknown");
+        if let Some(m) = &info.mirror {
+            println!(
+                "mirror:   policy {}, primary {}, {} chunk(s) to resync, {} missing from the mirror, {} queued",
+                m.policy, m.primary, m.to_resync, m.mirror_missing, m.backlog
+            );
+        }
     }
     Ok(ExitCode::SUCCESS)
 }

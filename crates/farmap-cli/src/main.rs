@@ -23,6 +23,7 @@ mod proxy;
 mod serve;
 mod serve_nbd;
 mod swap;
+mod verify;
 
 /// Store specs, shown in every command's help.
 const SPEC_HELP: &str = "\
@@ -41,6 +42,10 @@ STORE SPECS:
   cql://HOST:PORT/KEYSPACE?table=T&region=R&size=SIZE&create=true   Cassandra/ScyllaDB
   nbd://HOST[:PORT]/EXPORT    an NBD server's export (nbds:// for TLS: ?ca=CA.pem;
                               nbd+unix:///EXPORT?socket=/path)
+  mirror:(SPEC)(SPEC)?policy=both|primary-first   every write to both stores; reads
+                              fail over to the mirror; a recovered primary is resynced
+  verified:(SPEC)             checksums for every chunk of SPEC (kept at its end);
+                              bad chunks are refused (`farmap verify` scrubs)
 Every store with an example and its options: `farmap help stores`.
 Options after '?', joined by '&': size=SIZE, chunk=SIZE (power of two, 4KiB..4MiB,
 default 64KiB), ro (read-only file/dir), max-open=N (dir), connections=N and
@@ -72,6 +77,10 @@ enum Command {
     /// Sizes must match; a destination that does not exist yet takes the source's size.
     #[command(after_help = SPEC_HELP)]
     Cp(cp::CpArgs),
+    /// Scrub a verified region (`verified:(SPEC)`): check every chunk against its checksum
+    /// and list the bad ones; exits with 2 when there are some.
+    #[command(after_help = SPEC_HELP)]
+    Verify(verify::VerifyArgs),
     /// Measure a data path against a reference measured in the same run.
     #[command(subcommand)]
     Bench(bench::BenchCommand),
@@ -138,6 +147,7 @@ fn main() -> ExitCode {
         match cli.command {
             Command::Info(args) => info::run(args).await,
             Command::Cp(args) => cp::run(args).await,
+            Command::Verify(args) => verify::run(args).await,
             Command::Bench(cmd) => bench::run(cmd).await,
             Command::Proxy(args) => proxy::run(args).await,
             Command::Serve(args) => serve::run(args).await,

@@ -259,3 +259,74 @@ fn durations_need_a_unit_and_huge_regions_say_how_to_fit() {
     assert!(!o.status.success());
     assert!(stderr(&o).contains("larger chunk size"), "{}", stderr(&o));
 }
+
+#[test]
+fn verify_scrubs_a_verified_region_and_names_bad_chunks() {
+    let dir = tempfile::tempdir().unwrap();
+    // 256 chunks of 4 KiB under the stage: 254 of data and 1 of checksums (one unused).
+    let region = 254 * 4096;
+    let src = dir.path().join("src.img");
+    let content: Vec<u8> = (0..region).map(|i| (i % 253) as u8 + 1).collect();
+    std::fs::write(&src, &content).unwrap();
+    let img = dir.path().join("v.img");
+    let verified = format!("verified:({})", file_spec(&img, "?size=1MiB&chunk=4KiB"));
+    let o = farmap(&["cp", "-q", &file_spec(&src, "?chunk=4KiB"), &verified]);
+    assert!(
+        o.status.success(),
+        "cp into a verified region: {}",
+        stderr(&o)
+    );
+
+    let o = farmap(&["verify", "--json", &verified]);
+    assert!(o.status.success(), "a good region: {}", stderr(&o));
+    let r: serde_json::Value = serde_json::from_str(stdout(&o).trim()).unwrap();
+    assert_eq!(r["chunks"], 254);
+    assert_eq!(r["checked"], 254);
+    assert_eq!(r["bad_chunks"], 0);
+    assert_eq!(r["ok"], true);
+
+    // Two chunks change behind the region's back: a flipped bit, and one written over.
+    let mut raw = std::fs::read(&img).unwrap();
+    raw[7 * 4096 + 100] ^= 0x10;
+    raw[200 * 4096..201 * 4096].fill(0xAB);
+    std::fs::write(&img, &raw).unwrap();
+    // The plain spec is read as the verified region it holds.
+    let o = farmap(&["verify", "--json", &file_spec(&img, "?chunk=4KiB")]);
+    assert_eq!(
+        o.status.code(),
+        Some(2),
+        "bad chunks: exit 2; {}",
+        stderr(&o)
+    );
+    let r: serde_json::Value = serde_json::from_str(stdout(&o).trim()).unwrap();
+    assert_eq!(r["bad_chunks"], 2, "{r}");
+    assert_eq!(r["bad"], serde_json::json!([7, 200]));
+    assert_eq!(r["ok"], false);
+    // Read through the stage, a bad chunk is an error, never data.
+    let out = dir.path().join("out.img");
+    let o = farmap(&["cp", "-q", &verified, &file_spec(&out, "")]);
+    assert!(!o.status.success());
+    assert!(stderr(&o).contains("corrupt"), "{}", stderr(&o));
+}
+
+#[test]
+fn info_shows_a_mirrors_state() {
+    let dir = tempfile::tempdir().unwrap();
+    let spec = format!(
+        "mirror:({})({})?policy=primary-first",
+        file_spec(&dir.path().join("p.img"), "?size=1MiB"),
+        file_spec(&dir.path().join("m.img"), "?size=1MiB")
+    );
+    let o = farmap(&["info", "--json", &spec]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    let r: serde_json::Value = serde_json::from_str(stdout(&o).trim()).unwrap();
+    assert_eq!(r["mirror"]["policy"], "primary-first", "{r}");
+    assert_eq!(r["mirror"]["primary"], "up", "{r}");
+    assert_eq!(r["mirror"]["to_resync"], 0, "{r}");
+    let o = farmap(&["info", &spec]);
+    assert!(
+        stdout(&o).contains("mirror:   policy primary-first, primary up"),
+        "{}",
+        stdout(&o)
+    );
+}

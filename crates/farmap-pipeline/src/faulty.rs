@@ -1,5 +1,7 @@
-//! [`Faulty`]: injected errors (like nbdkit's error filter).
+//! [`Faulty`]: injected errors (like nbdkit's error filter) and injected data faults: flipped
+//! bits, torn writes, silently lost writes and stale reads ([`DataFaults`]).
 
+use std::collections::HashMap;
 use std::fmt;
 use std::ops::BitOr;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -141,6 +143,114 @@ struct PlanState {
     seen: u64,
 }
 
+/// Data faults: a store that answers but lies. Each is a rate in faults per million of the
+/// operations it applies to, decided by a hash of [`seed`](DataFaults::seed), the fault's kind
+/// and the operation's number (reads and writes are numbered separately, from 1, since the
+/// faults were set), so the same seed and the same sequence of operations give the same faults.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default)]
+pub struct DataFaults {
+    /// Reads whose returned data has 1 to 3 bits flipped (the stored chunk is left alone).
+    pub corrupt_reads: u32,
+    /// Writes of which only the first half lands: the chunk then holds the new first half and
+    /// the old second half. The write reports success.
+    pub torn_writes: u32,
+    /// Writes acknowledged but not written.
+    pub lost_writes: u32,
+    /// Reads that return an older version of the chunk: the content before the last write
+    /// that passed through this stage (zeros when there was none).
+    pub stale_reads: u32,
+    /// Seed of the deterministic choice.
+    pub seed: u64,
+}
+
+impl DataFaults {
+    /// No data fault.
+    pub fn none() -> Self {
+        Self::default()
+    }
+
+    fn keeps_history(&self) -> bool {
+        self.stale_reads > 0 || self.torn_writes > 0
+    }
+}
+
+/// How many data faults a [`Faulty`] stage injected, by kind.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default)]
+pub struct DataFaultCounts {
+    /// Reads returned with flipped bits.
+    pub corrupted: u64,
+    /// Writes torn in half.
+    pub torn: u64,
+    /// Writes dropped.
+    pub lost: u64,
+    /// Reads returned stale.
+    pub stale: u64,
+}
+
+impl DataFaultCounts {
+    /// All of them.
+    pub fn total(&self) -> u64 {
+        self.corrupted + self.torn + self.lost + self.stale
+    }
+}
+
+/// Salts that make the fault kinds independent of each other under one seed.
+const SALT_CORRUPT: u64 = 0x636F_7272_7570_7431;
+const SALT_TORN: u64 = 0x746F_726E_5F77_7231;
+const SALT_LOST: u64 = 0x6C6F_7374_5F77_7231;
+const SALT_STALE: u64 = 0x7374_616C_655F_7231;
+
+fn rate_fires(per_million: u32, seed: u64, salt: u64, n: u64) -> bool {
+    per_million > 0
+        && splitmix64(seed ^ salt ^ n.wrapping_mul(0xA24B_AED4_963E_E407)) % 1_000_000
+            < u64::from(per_million)
+}
+
+#[derive(Debug, Default)]
+struct DataState {
+    faults: DataFaults,
+    reads: u64,
+    writes: u64,
+    counts: DataFaultCounts,
+    /// Per chunk: the content before the last write through this stage, and the content of
+    /// that write (kept only while stale reads or torn writes are asked for).
+    history: HashMap<u64, (Option<Bytes>, Bytes)>,
+}
+
+/// What a read's data fault does to the data it returns.
+#[derive(Debug, Clone, Copy)]
+enum ReadFault {
+    Corrupt(u64),
+    Stale,
+}
+
+/// What a write's data fault does.
+#[derive(Debug, Clone, Copy)]
+enum WriteFault {
+    Torn,
+    Lost,
+}
+
+/// Flips 1 to 3 bits of `data` at positions derived from `h`.
+fn flip_bits(data: &[u8], mut h: u64) -> Bytes {
+    let mut v = data.to_vec();
+    if v.is_empty() {
+        return Bytes::from(v);
+    }
+    let flips = 1 + (h % 3) as usize;
+    let mut flipped = Vec::with_capacity(flips);
+    for _ in 0..flips {
+        h = splitmix64(h);
+        let bit = h % (v.len() as u64 * 8);
+        // The same bit twice would undo the first flip.
+        if !flipped.contains(&bit) {
+            flipped.push(bit);
+            v[(bit / 8) as usize] ^= 1 << (bit % 8);
+        }
+    }
+    Bytes::from(v)
+}
+
 /// Fails operations according to a [`FaultPlan`], before they reach the inner store.
 ///
 /// Concurrency contract:
@@ -151,11 +261,19 @@ struct PlanState {
 ///   holds no lock.
 /// - [`set_plan`](Faulty::set_plan) takes effect for operations that arrive after it returns
 ///   and restarts the numbering.
+/// - [Data faults](DataFaults) apply to reads and writes that the plan let through; they are
+///   numbered (separately for reads and writes) under the same kind of short lock. A torn write
+///   reads the inner chunk first, then writes the mix: it is not atomic with a concurrent
+///   write of the same chunk (it models a device that tears writes, after all).
+/// - For stale reads the stage keeps, per chunk written through it, the previous and the
+///   current content (shared `Bytes`, no copy); this costs memory only while stale reads or
+///   torn writes are asked for.
 #[derive(Debug)]
 pub struct Faulty<S> {
     inner: S,
     state: Mutex<PlanState>,
     injected: AtomicU64,
+    data: Mutex<DataState>,
 }
 
 impl<S: Store> Faulty<S> {
@@ -165,6 +283,93 @@ impl<S: Store> Faulty<S> {
             inner,
             state: Mutex::new(PlanState { plan, seen: 0 }),
             injected: AtomicU64::new(0),
+            data: Mutex::new(DataState::default()),
+        }
+    }
+
+    /// Wraps `inner` with no error plan and the data faults `faults`.
+    pub fn with_data_faults(inner: S, faults: DataFaults) -> Self {
+        let s = Self::new(inner, FaultPlan::never());
+        s.set_data_faults(faults);
+        s
+    }
+
+    /// Replaces the data faults and restarts their numbering (the kept history stays, so
+    /// that stale reads still find older versions).
+    pub fn set_data_faults(&self, faults: DataFaults) {
+        let mut d = self.data.lock();
+        d.faults = faults;
+        d.reads = 0;
+        d.writes = 0;
+        if !faults.keeps_history() {
+            d.history.clear();
+        }
+    }
+
+    /// The current data faults.
+    pub fn data_faults(&self) -> DataFaults {
+        self.data.lock().faults
+    }
+
+    /// How many data faults were injected since the stage was made, by kind.
+    pub fn data_injected(&self) -> DataFaultCounts {
+        self.data.lock().counts
+    }
+
+    fn read_fault(&self, idx: ChunkIdx) -> Option<ReadFault> {
+        let mut d = self.data.lock();
+        let f = d.faults;
+        if f.corrupt_reads == 0 && f.stale_reads == 0 {
+            return None;
+        }
+        d.reads += 1;
+        let n = d.reads;
+        if rate_fires(f.stale_reads, f.seed, SALT_STALE, n) && d.history.contains_key(&idx.0) {
+            d.counts.stale += 1;
+            return Some(ReadFault::Stale);
+        }
+        if rate_fires(f.corrupt_reads, f.seed, SALT_CORRUPT, n) {
+            d.counts.corrupted += 1;
+            return Some(ReadFault::Corrupt(splitmix64(f.seed ^ n ^ idx.0)));
+        }
+        None
+    }
+
+    fn write_fault(&self) -> Option<WriteFault> {
+        let mut d = self.data.lock();
+        let f = d.faults;
+        if f.lost_writes == 0 && f.torn_writes == 0 {
+            return None;
+        }
+        d.writes += 1;
+        let n = d.writes;
+        if rate_fires(f.lost_writes, f.seed, SALT_LOST, n) {
+            d.counts.lost += 1;
+            return Some(WriteFault::Lost);
+        }
+        if rate_fires(f.torn_writes, f.seed, SALT_TORN, n) {
+            d.counts.torn += 1;
+            return Some(WriteFault::Torn);
+        }
+        None
+    }
+
+    /// Records that `data` is now what the caller believes chunk `idx` holds.
+    fn remember(&self, idx: ChunkIdx, data: &Bytes) {
+        let mut d = self.data.lock();
+        if !d.faults.keeps_history() {
+            return;
+        }
+        let prev = d.history.remove(&idx.0).map(|(_, cur)| cur);
+        d.history.insert(idx.0, (prev, data.clone()));
+    }
+
+    fn stale_version(&self, idx: ChunkIdx) -> Bytes {
+        let d = self.data.lock();
+        let len = self.inner.geometry().chunk_len(idx);
+        match d.history.get(&idx.0) {
+            Some((Some(prev), _)) => prev.clone(),
+            _ => farmap_core::zero_chunk(len),
         }
     }
 
@@ -223,7 +428,14 @@ impl<S: Store> Store for Faulty<S> {
         let checked = self.check(OpSet::READ, || format!("read of {idx}"));
         Box::pin(async move {
             checked?;
-            self.inner.read(idx).await
+            self.inner.geometry().check_idx(idx)?;
+            let fault = self.read_fault(idx);
+            let data = self.inner.read(idx).await?;
+            Ok(match fault {
+                None => data,
+                Some(ReadFault::Corrupt(h)) => flip_bits(&data, h),
+                Some(ReadFault::Stale) => self.stale_version(idx),
+            })
         })
     }
 
@@ -231,7 +443,22 @@ impl<S: Store> Store for Faulty<S> {
         let checked = self.check(OpSet::WRITE, || format!("write of {idx}"));
         Box::pin(async move {
             checked?;
-            self.inner.write(idx, data).await
+            self.inner.geometry().check_write(idx, data.len())?;
+            let fault = self.write_fault();
+            match fault {
+                None => self.inner.write(idx, data.clone()).await?,
+                Some(WriteFault::Lost) => {}
+                Some(WriteFault::Torn) => {
+                    let old = self.inner.read(idx).await?;
+                    let half = data.len() / 2;
+                    let mut mix = Vec::with_capacity(data.len());
+                    mix.extend_from_slice(&data[..half]);
+                    mix.extend_from_slice(&old[half..]);
+                    self.inner.write(idx, Bytes::from(mix)).await?;
+                }
+            }
+            self.remember(idx, &data);
+            Ok(())
         })
     }
 
@@ -247,7 +474,15 @@ impl<S: Store> Store for Faulty<S> {
         let checked = self.check(OpSet::TRIM, || format!("trim of {range}"));
         Box::pin(async move {
             checked?;
-            self.inner.trim(range).await
+            self.inner.trim(range).await?;
+            let g = self.inner.geometry();
+            let keeps = self.data.lock().faults.keeps_history();
+            if keeps {
+                for idx in range.iter() {
+                    self.remember(idx, &farmap_core::zero_chunk(g.chunk_len(idx)));
+                }
+            }
+            Ok(())
         })
     }
 
@@ -299,6 +534,111 @@ mod tests {
             seed: 3,
         };
         assert_eq!(hits(all), 100_000);
+    }
+
+    use farmap_testkit::ModelStore;
+
+    fn g() -> Geometry {
+        Geometry::new(8 * 4096, 4096).unwrap()
+    }
+
+    fn chunk(v: u8) -> Bytes {
+        Bytes::from(vec![v; 4096])
+    }
+
+    #[tokio::test]
+    async fn corrupt_reads_flip_bits_without_touching_the_store() {
+        let f = Faulty::with_data_faults(
+            ModelStore::new(g()),
+            DataFaults {
+                corrupt_reads: 1_000_000,
+                seed: 5,
+                ..DataFaults::none()
+            },
+        );
+        f.write(ChunkIdx(1), chunk(7)).await.unwrap();
+        let got = f.read(ChunkIdx(1)).await.unwrap();
+        let flipped: u32 = got.iter().map(|b| (b ^ 7).count_ones()).sum();
+        assert!((1..=3).contains(&flipped), "{flipped} bits flipped");
+        assert_eq!(f.inner().read(ChunkIdx(1)).await.unwrap(), chunk(7));
+        assert_eq!(f.data_injected().corrupted, 1);
+    }
+
+    #[tokio::test]
+    async fn torn_writes_land_half_and_lost_writes_none() {
+        let f = Faulty::new(ModelStore::new(g()), FaultPlan::never());
+        f.write(ChunkIdx(2), chunk(1)).await.unwrap();
+        f.set_data_faults(DataFaults {
+            torn_writes: 1_000_000,
+            ..DataFaults::none()
+        });
+        f.write(ChunkIdx(2), chunk(2)).await.unwrap();
+        let got = f.inner().read(ChunkIdx(2)).await.unwrap();
+        assert_eq!(&got[..2048], &chunk(2)[..2048]);
+        assert_eq!(&got[2048..], &chunk(1)[2048..]);
+        f.set_data_faults(DataFaults {
+            lost_writes: 1_000_000,
+            ..DataFaults::none()
+        });
+        f.write(ChunkIdx(3), chunk(3)).await.unwrap();
+        assert_eq!(f.inner().read(ChunkIdx(3)).await.unwrap(), chunk(0));
+        assert_eq!(f.data_injected().lost, 1);
+        assert_eq!(f.data_injected().torn, 1);
+    }
+
+    #[tokio::test]
+    async fn stale_reads_return_the_previous_version() {
+        let f = Faulty::with_data_faults(
+            ModelStore::new(g()),
+            DataFaults {
+                stale_reads: 1_000_000,
+                ..DataFaults::none()
+            },
+        );
+        // Never written through the stage: nothing older kept, the read is true.
+        assert_eq!(f.read(ChunkIdx(0)).await.unwrap(), chunk(0));
+        f.write(ChunkIdx(0), chunk(1)).await.unwrap();
+        assert_eq!(
+            f.read(ChunkIdx(0)).await.unwrap(),
+            chunk(0),
+            "zeros came before"
+        );
+        f.write(ChunkIdx(0), chunk(2)).await.unwrap();
+        assert_eq!(f.read(ChunkIdx(0)).await.unwrap(), chunk(1));
+        assert_eq!(f.data_injected().stale, 2);
+    }
+
+    #[tokio::test]
+    async fn data_faults_are_deterministic_under_a_seed() {
+        async fn run(seed: u64) -> (Vec<Bytes>, DataFaultCounts) {
+            let f = Faulty::with_data_faults(
+                ModelStore::new(g()),
+                DataFaults {
+                    corrupt_reads: 200_000,
+                    torn_writes: 200_000,
+                    lost_writes: 200_000,
+                    stale_reads: 200_000,
+                    seed,
+                },
+            );
+            let mut seen = Vec::new();
+            for i in 0..200u64 {
+                let idx = ChunkIdx(i % 8);
+                f.write(idx, chunk(i as u8)).await.unwrap();
+                seen.push(f.read(ChunkIdx((i * 3) % 8)).await.unwrap());
+            }
+            (seen, f.data_injected())
+        }
+        let (a, ca) = run(11).await;
+        let (b, cb) = run(11).await;
+        assert_eq!(a, b);
+        assert_eq!(ca, cb);
+        assert!(
+            ca.corrupted > 10 && ca.torn > 10 && ca.lost > 10 && ca.stale > 10,
+            "{ca:?}"
+        );
+        let (c, _) = run(12).await;
+        assert_ne!(a, c, "another seed, other faults");
     }
 
     #[test]

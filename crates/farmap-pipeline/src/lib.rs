@@ -23,8 +23,10 @@
 //!
 //!   Tiered: a store over several stores (memory, disk, remote) with capacities; chunks
 //!   placed on first write, cold ones demoted in the background.
-//!   Delayed · Faulty · Counting: latency/bandwidth, injected errors, statistics;
-//!   stack them anywhere (benchmarks and tests use them).
+//!   Delayed · Faulty · Counting: latency/bandwidth, injected errors and data faults,
+//!   statistics; stack them anywhere (benchmarks and tests use them).
+//!   Mirrored: writes to a primary and a mirror; reads fail over, a recovered primary is
+//!   resynced. Verified: checksums and generations in a side table; bad chunks refused as Corrupt.
 //! ```
 //!
 //! Every stage decides for every [`Store`](farmap_core::Store) method what it does; none
@@ -37,6 +39,7 @@ pub mod delayed;
 pub mod dirty;
 pub mod faulty;
 pub mod gated;
+pub mod mirrored;
 pub mod puller;
 pub mod pusher;
 pub mod retry;
@@ -44,16 +47,19 @@ pub mod tiered;
 pub mod timer;
 pub mod tracked;
 pub mod unaligned;
+pub mod verified;
 
 pub use cached::{Cached, EvictStats, Fill};
 pub use counting::{Counting, Counts};
 pub use delayed::{DelayOptions, Delayed};
 pub use dirty::DirtySet;
-pub use faulty::{FaultPlan, FaultTrigger, Faulty, OpSet};
+pub use faulty::{DataFaultCounts, DataFaults, FaultPlan, FaultTrigger, Faulty, OpSet};
 pub use gated::{GateState, Gated};
+pub use mirrored::{MirrorOptions, MirrorPolicy, MirrorStatus, Mirrored, PrimaryState};
 pub use puller::{PullFailure, PullOptions, PullOrder, PullProgress, PullReport, Puller};
 pub use pusher::{DirtySource, PushHold, PushOptions, PushStats, Pusher};
 pub use retry::{retry, RetryPolicy};
 pub use tiered::{Tier, TierOptions, Tiered};
 pub use tracked::Tracked;
 pub use unaligned::Unaligned;
+pub use verified::{Verified, VerifiedLayout, VerifyStats};

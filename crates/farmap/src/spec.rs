@@ -17,6 +17,11 @@
 //! | `nbd://host:10809/export` | an NBD server's export (nbdkit, qemu-nbd, `farmap serve --nbd`); see [`farmap_nbd::client`] |
 //! | `nbds://host/export?ca=ca.pem` | the same over TLS (STARTTLS); `cert=`/`key=` for client certificates |
 //! | `nbd+unix:///export?socket=/run/nbd.sock` | an NBD export on a Unix socket (`nbds+unix://` with TLS) |
+//! | `mirror:(PRIMARY)(MIRROR)?policy=both` | every write to both stores; reads fail over to the mirror; a recovered primary is resynced ([`farmap_pipeline::mirrored`]) |
+//! | `verified:(SPEC)` | checksums and generations for every chunk of SPEC, kept at its end ([`farmap_pipeline::verified`]); bad chunks are refused |
+//!
+//! Stage specs name the stores they wrap whole, in parentheses ([`stage`]); the stage's
+//! own options follow the last parenthesis.
 //!
 //! Options go after `?`, separated by `&`: `size=` (region size), `chunk=` (chunk size, a power
 //! of two from 4KiB to 4MiB, default 64KiB), `ro` (read-only; file and dir), `max-open=`
@@ -70,6 +75,7 @@ use remote::RemoteOptions;
 mod blocking;
 mod nbd;
 mod remote;
+pub mod stage;
 mod tier;
 
 pub use blocking::open_store_blocking;
@@ -78,7 +84,7 @@ pub use tier::{map_path as tier_map_path, TierSpec};
 
 /// The schemes farmap knows, for error messages.
 const KNOWN: &str = "memory, file, dir, farmap, farmaps, farmap+unix, farmap+grpc, redis, rediss, \
-                     redis+cluster, s3, cql, nbd, nbds, nbd+unix, nbds+unix, tier";
+                     redis+cluster, s3, cql, nbd, nbds, nbd+unix, nbds+unix, tier, verified, mirror";
 
 /// Why a store spec could not be understood. Each message is one line naming the problem.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
@@ -285,6 +291,20 @@ pub enum SpecKind {
     },
     /// A tiered store over other stores (`tier:(SPEC?cap=SIZE)(SPEC)...`).
     Tier(Box<TierSpec>),
+    /// Checksums for every chunk of another store (`verified:(SPEC)`), kept at its end.
+    Verified {
+        /// The store holding the data and the checksums.
+        inner: Box<StoreSpec>,
+    },
+    /// A primary and a mirror store (`mirror:(PRIMARY)(MIRROR)?policy=..`).
+    Mirror {
+        /// Serves reads while it is up.
+        primary: Box<StoreSpec>,
+        /// Takes every write; serves reads while the primary is down.
+        mirror: Box<StoreSpec>,
+        /// Policy, timeout, backlog, probe interval.
+        options: farmap_pipeline::MirrorOptions,
+    },
 }
 
 /// A parsed store spec. `Display` gives it back in canonical form.
@@ -317,6 +337,8 @@ impl StoreSpec {
             | SpecKind::S3 { .. }
             | SpecKind::Nbd { .. }
             | SpecKind::Tier(_) => None,
+            SpecKind::Verified { inner } => inner.path(),
+            SpecKind::Mirror { primary, .. } => primary.path(),
             SpecKind::File { path } | SpecKind::Dir { path, .. } => Some(path),
         }
     }
@@ -336,21 +358,61 @@ impl StoreSpec {
             SpecKind::Cql(t) => t.create,
             SpecKind::Redis(_) => true,
             SpecKind::Tier(t) => t.tiers.iter().any(|(s, _)| s.creates()),
+            SpecKind::Verified { inner } => inner.creates(),
+            SpecKind::Mirror {
+                primary, mirror, ..
+            } => primary.creates() || mirror.creates(),
             _ => self.path().is_none_or(|p| !p.exists()),
         }
     }
 
     /// Whether this spec names a store on another host (opened with [`open_store_async`]).
     pub fn is_remote(&self) -> bool {
+        match &self.kind {
+            SpecKind::Verified { inner } => inner.is_remote(),
+            SpecKind::Tier(t) => t.tiers.iter().any(|(s, _)| s.is_remote()),
+            SpecKind::Mirror {
+                primary, mirror, ..
+            } => primary.is_remote() || mirror.is_remote(),
+            kind => matches!(
+                kind,
+                SpecKind::Remote { .. }
+                    | SpecKind::Grpc { .. }
+                    | SpecKind::Cql(_)
+                    | SpecKind::Redis(_)
+                    | SpecKind::S3 { .. }
+                    | SpecKind::Nbd { .. }
+            ),
+        }
+    }
+
+    /// Whether this spec is a stage over other specs (`verified:(SPEC)`).
+    pub fn is_stage(&self) -> bool {
         matches!(
             self.kind,
-            SpecKind::Remote { .. }
-                | SpecKind::Grpc { .. }
-                | SpecKind::Cql(_)
-                | SpecKind::Redis(_)
-                | SpecKind::S3 { .. }
-                | SpecKind::Nbd { .. }
+            SpecKind::Verified { .. } | SpecKind::Mirror { .. }
         )
+    }
+
+    /// Whether opening this spec needs an async runtime ([`open_store_async`]): remote
+    /// stores and stages (which read their metadata when opened).
+    pub fn needs_async(&self) -> bool {
+        self.is_remote() || self.is_stage() || matches!(self.kind, SpecKind::Tier(_))
+    }
+
+    /// Opens the spec read-only where that means something (file and dir stores, also under
+    /// stages), for commands that only look.
+    pub fn set_read_only_where_possible(&mut self) {
+        match &mut self.kind {
+            SpecKind::Verified { inner } => inner.set_read_only_where_possible(),
+            // A mirror's stores take writes from resync; left as they are.
+            SpecKind::Mirror { .. } => {}
+            _ => {
+                if self.path().is_some() {
+                    self.read_only = true;
+                }
+            }
+        }
     }
 
     /// Sets the size when the spec has none and would create its store (used by `cp` so that
@@ -410,11 +472,21 @@ impl FromStr for StoreSpec {
     type Err = SpecError;
 
     fn from_str(spec: &str) -> Result<Self, SpecError> {
+        Self::parse_nested(spec, 0)
+    }
+}
+
+impl StoreSpec {
+    /// Parses a spec found `depth` stages deep.
+    fn parse_nested(spec: &str, depth: usize) -> Result<Self, SpecError> {
         let (scheme, rest) = spec.split_once(':').ok_or_else(|| SpecError::NoScheme {
             spec: spec.to_owned(),
         })?;
         if scheme.eq_ignore_ascii_case("tier") {
             return tier::parse(spec, rest);
+        }
+        if stage::is_stage(&scheme.to_ascii_lowercase()) {
+            return stage::parse(&scheme.to_ascii_lowercase(), rest, spec, depth);
         }
         if scheme.eq_ignore_ascii_case("cql") {
             let cql: CqlSpec =
@@ -714,6 +786,23 @@ impl StoreSpec {
                 f.write_str(&head)?;
                 opts = nbd_opts;
             }
+            SpecKind::Verified { inner } => {
+                f.write_str("verified:(")?;
+                inner.write(f, secrets)?;
+                f.write_str(")")?;
+            }
+            SpecKind::Mirror {
+                primary,
+                mirror,
+                options,
+            } => {
+                f.write_str("mirror:(")?;
+                primary.write(f, secrets)?;
+                f.write_str(")(")?;
+                mirror.write(f, secrets)?;
+                f.write_str(")")?;
+                opts = stage::mirror_options(options);
+            }
             SpecKind::S3 { location } => {
                 let (head, s3_opts) = location.display_parts();
                 f.write_str(&head)?;
@@ -836,11 +925,46 @@ pub async fn open_store_async(spec: &StoreSpec) -> Result<Arc<dyn Store>, OpenEr
             Ok(Arc::new(store))
         }
         SpecKind::Tier(t) => tier::open(spec, t).await,
+        SpecKind::Verified { inner } => {
+            let store = Box::pin(open_store_async(inner)).await?;
+            let verified =
+                farmap_pipeline::Verified::open(store, None)
+                    .await
+                    .map_err(|source| OpenError::Store {
+                        spec: spec.to_string(),
+                        source,
+                    })?;
+            Ok(Arc::new(verified))
+        }
+        SpecKind::Mirror {
+            primary,
+            mirror,
+            options,
+        } => Ok(Arc::new(
+            open_mirror(spec, primary, mirror, *options).await?,
+        )),
         _ => open_store(spec),
     }
 }
 
-/// Opens (or creates) the local store a spec names; remote specs need [`open_store_async`].
+/// Opens both stores of a `mirror:` spec and the stage over them (on the current runtime,
+/// which runs its resync and backlog tasks).
+pub async fn open_mirror(
+    spec: &StoreSpec,
+    primary: &StoreSpec,
+    mirror: &StoreSpec,
+    options: farmap_pipeline::MirrorOptions,
+) -> Result<farmap_pipeline::Mirrored, OpenError> {
+    let p = Box::pin(open_store_async(primary)).await?;
+    let m = Box::pin(open_store_async(mirror)).await?;
+    farmap_pipeline::Mirrored::new(p, m, options).map_err(|source| OpenError::Store {
+        spec: spec.to_string(),
+        source,
+    })
+}
+
+/// Opens (or creates) the local store a spec names; remote and stage specs need
+/// [`open_store_async`] (or [`open_store_blocking`]).
 pub fn open_store(spec: &StoreSpec) -> Result<Arc<dyn Store>, OpenError> {
     let chunk = spec.chunk_size_or_default();
     let store_err = |source| OpenError::Store {
@@ -889,7 +1013,9 @@ pub fn open_store(spec: &StoreSpec) -> Result<Arc<dyn Store>, OpenError> {
         | SpecKind::Redis(_)
         | SpecKind::S3 { .. }
         | SpecKind::Nbd { .. }
-        | SpecKind::Tier(_) => {
+        | SpecKind::Tier(_)
+        | SpecKind::Verified { .. }
+        | SpecKind::Mirror { .. } => {
             return Err(OpenError::NeedsAsync {
                 spec: spec.to_string(),
             })
@@ -1167,6 +1293,102 @@ mod tests {
             );
             assert!(!err.contains('\n'), "one-line errors: {err:?}");
         }
+    }
+
+    #[test]
+    fn stage_specs() {
+        let v = parse("verified:(file:./x.img?size=1GiB&chunk=4KiB)").unwrap();
+        let SpecKind::Verified { inner } = &v.kind else {
+            panic!("{v:?}")
+        };
+        assert_eq!(inner.size, Some(1 << 30));
+        assert_eq!(inner.chunk_size, Some(4096));
+        assert_eq!(v.path(), Some(Path::new("./x.img")));
+        assert!(v.is_stage() && v.needs_async() && !v.is_remote());
+        assert_eq!(
+            v.to_string(),
+            "verified:(file:./x.img?size=1GiB&chunk=4KiB)"
+        );
+        assert_eq!(parse(&v.to_string()).unwrap(), v, "display round-trips");
+        assert!(matches!(open_store(&v), Err(OpenError::NeedsAsync { .. })));
+        let nested = parse("VERIFIED:(verified:(farmap://h:1))").unwrap();
+        assert!(nested.is_remote());
+        assert_eq!(nested.to_string(), "verified:(verified:(farmap://h:1))");
+        let m = parse("mirror:(file:a.img?size=1MiB)(farmap://h:1?timeout=1s)?policy=primary-first&backlog=64&timeout=500ms").unwrap();
+        let SpecKind::Mirror {
+            primary, options, ..
+        } = &m.kind
+        else {
+            panic!("{m:?}")
+        };
+        assert_eq!(primary.size, Some(1 << 20));
+        assert_eq!(options.policy, farmap_pipeline::MirrorPolicy::PrimaryFirst);
+        assert_eq!(
+            (options.backlog, options.timeout),
+            (64, Duration::from_millis(500))
+        );
+        assert!(m.is_remote() && m.is_stage());
+        assert_eq!(parse(&m.to_string()).unwrap(), m, "display round-trips");
+        assert_eq!(
+            parse("mirror:(memory:1MiB)(memory:1MiB)")
+                .unwrap()
+                .to_string(),
+            "mirror:(memory:1MiB)(memory:1MiB)"
+        );
+        for (spec, want) in [
+            ("mirror:(memory:1MiB)", "takes 2 stores"),
+            (
+                "mirror:(memory:1MiB)(memory:1MiB)?policy=later",
+                "bad value for policy",
+            ),
+            (
+                "mirror:(memory:1MiB)(memory:1MiB)?backlog=0",
+                "bad value for backlog",
+            ),
+            (
+                "mirror:(memory:1MiB)(memory:1MiB)?ro",
+                "unknown option \"ro\"",
+            ),
+        ] {
+            let err = parse(spec).expect_err(spec).to_string();
+            assert!(
+                err.contains(want),
+                "{spec}: {err:?} should contain {want:?}"
+            );
+        }
+        let deep = format!("{}memory:1MiB{}", "verified:(".repeat(9), ")".repeat(9));
+        for (spec, want) in [
+            ("verified:", "takes 1 store"),
+            ("verified:(memory:1MiB)(memory:1MiB)", "takes 1 store"),
+            ("verified:(memory:1MiB", "not closed"),
+            ("verified:(memory:1MiB)x", "options go after"),
+            ("verified:(memory:1MiB)?size=1G", "unknown option \"size\""),
+            ("verified:(nope:1)", "unknown store scheme"),
+            (deep.as_str(), "nest at most"),
+        ] {
+            let err = parse(spec).expect_err(spec).to_string();
+            assert!(
+                err.contains(want),
+                "{spec}: {err:?} should contain {want:?}"
+            );
+        }
+    }
+
+    #[tokio::test]
+    async fn opens_verified_specs() {
+        let v = open_store_async(&parse("verified:(memory:64MiB)").unwrap())
+            .await
+            .unwrap();
+        // One chunk of checksums for up to 4094 chunks of 64 KiB: the region says so.
+        assert_eq!(v.geometry().chunk_count(), 1023);
+        let small = open_store_async(&parse("verified:(memory:64KiB)").unwrap())
+            .await
+            .map(|_| ())
+            .unwrap_err();
+        assert!(
+            small.to_string().contains("verified:(memory:64KiB)"),
+            "{small}"
+        );
     }
 
     #[test]

@@ -4,6 +4,12 @@
 //! local store is built. Timed: from the puller's first request to the last chunk stored in
 //! local memory. Reference, measured in the same run: memcpy of the same chunk size between
 //! two pre-touched buffers, and the ideal `min(workers × chunk / rtt, memcpy)`.
+//!
+//! `--mirror-delay D`: the local store is a [`Mirrored`] pair with the `both` policy: the
+//! dense store as primary and a second dense store behind a [`Delayed`] of latency `D` as
+//! mirror, so every pulled chunk is written to both (case `cached-puller-mirrored`). Run it
+//! against the same command without the option (and `--rtt 0` so that the writes, not the
+//! round trips, bound the pull) for the cost of a slower mirror.
 
 use std::process::ExitCode;
 use std::sync::Arc;
@@ -12,7 +18,10 @@ use std::time::{Duration, Instant};
 use anyhow::{bail, Context};
 use bytes::Bytes;
 use clap::Args;
-use farmap::pipeline::{Cached, DelayOptions, Delayed, PullOptions, PullOrder, Puller};
+use farmap::pipeline::{
+    Cached, DelayOptions, Delayed, MirrorOptions, MirrorPolicy, Mirrored, PullOptions, PullOrder,
+    Puller,
+};
 use farmap::store::DenseMemoryStore;
 use farmap::{format_size, open_store_async, Geometry, Store, StoreSpec};
 use rand::{RngCore, SeedableRng};
@@ -38,6 +47,10 @@ pub struct PullArgs {
     /// Repeat the timed pull this many times (one result line each).
     #[arg(long, default_value_t = 1, value_parser = clap::value_parser!(u32).range(1..=100))]
     runs: u32,
+    /// Write every pulled chunk to a mirror too (`both` policy), a memory store this much
+    /// slower than the local one (e.g. 20us).
+    #[arg(long, value_parser = parse_duration)]
+    mirror_delay: Option<Duration>,
     /// Allow filling an existing file or directory store with random data.
     #[arg(long)]
     overwrite: bool,
@@ -54,6 +67,8 @@ struct PullResult {
     size_bytes: u64,
     chunk_bytes: u32,
     rtt_ms: f64,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    mirror_delay_us: Option<f64>,
     workers: u32,
     run: u32,
     elapsed_ms: f64,
@@ -126,7 +141,23 @@ pub async fn run(mut args: PullArgs) -> anyhow::Result<ExitCode> {
 
     for run in 1..=args.runs {
         // Setup, untimed: dense local memory, every page touched.
-        let local = DenseMemoryStore::new(g);
+        let local: Arc<dyn Store> = match args.mirror_delay {
+            None => Arc::new(DenseMemoryStore::new(g)),
+            Some(delay) => Arc::new(Mirrored::new(
+                Arc::new(DenseMemoryStore::new(g)),
+                Arc::new(Delayed::new(
+                    DenseMemoryStore::new(g),
+                    DelayOptions {
+                        latency: delay,
+                        bandwidth: None,
+                    },
+                )),
+                MirrorOptions {
+                    policy: MirrorPolicy::Both,
+                    ..MirrorOptions::default()
+                },
+            )?),
+        };
         let remote = Delayed::new(
             source.clone(),
             DelayOptions {
@@ -175,11 +206,18 @@ pub async fn run(mut args: PullArgs) -> anyhow::Result<ExitCode> {
         let mb = output::mb_per_s(g.size(), elapsed);
         let result = PullResult {
             bench: "pull",
-            case: "cached-puller",
+            case: if args.mirror_delay.is_some() {
+                "cached-puller-mirrored"
+            } else {
+                "cached-puller"
+            },
             store: args.store.to_string(),
             size_bytes: g.size(),
             chunk_bytes: chunk,
             rtt_ms: rtt_s * 1e3,
+            mirror_delay_us: args
+                .mirror_delay
+                .map(|d| output::round1(d.as_secs_f64() * 1e6)),
             workers: args.workers,
             run,
             elapsed_ms: output::round1(elapsed.as_secs_f64() * 1e3),

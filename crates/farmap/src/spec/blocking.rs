@@ -16,7 +16,7 @@ use super::{open_store, open_store_async, OpenError, StoreSpec};
 /// any runtime. Works inside an async context too (the opening runs on a scoped thread),
 /// though it blocks the calling thread until the store is open.
 pub fn open_store_blocking(spec: &StoreSpec) -> Result<Arc<dyn Store>, OpenError> {
-    if !spec.is_remote() {
+    if !spec.needs_async() {
         return open_store(spec);
     }
     let runtime = tokio::runtime::Builder::new_multi_thread()

@@ -1,0 +1,202 @@
+//! A mirrored store whose primary is a real `farmap serve` process, killed during a
+//! write-heavy run: no error reaches the application, every acknowledged write is found (by a
+//! model check) through the stage, and on the restarted primary once it is resynchronised.
+
+use std::io::{BufRead, BufReader};
+use std::process::{Child, Command, Stdio};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use bytes::Bytes;
+use farmap::pipeline::{MirrorPolicy, Mirrored, PrimaryState};
+use farmap::spec::{open_mirror, SpecKind};
+use farmap::{ChunkIdx, Store, StoreSpec};
+use farmap_net::{ClientOptions, RemoteAddr, RemoteStore};
+use parking_lot::Mutex;
+
+/// A `farmap serve` child, killed when dropped.
+struct Served {
+    child: Child,
+    addr: String,
+}
+
+impl Served {
+    fn start(spec: &str, listen: &str) -> Served {
+        let mut child = Command::new(env!("CARGO_BIN_EXE_farmap"))
+            .args(["serve", spec, "--listen", listen])
+            .stdout(Stdio::null())
+            .stderr(Stdio::piped())
+            .spawn()
+            .expect("start farmap serve");
+        let mut stderr = BufReader::new(child.stderr.take().unwrap());
+        let mut line = String::new();
+        stderr.read_line(&mut line).unwrap();
+        let addr = line
+            .split("listening on ")
+            .nth(1)
+            .and_then(|rest| rest.split_whitespace().next())
+            .unwrap_or_else(|| panic!("no address in {line:?}"))
+            .to_owned();
+        // Keep reading (and dropping) its stderr so that it never blocks on a full pipe.
+        std::thread::spawn(move || {
+            let mut sink = String::new();
+            while stderr.read_line(&mut sink).unwrap_or(0) > 0 {
+                sink.clear();
+            }
+        });
+        Served { child, addr }
+    }
+
+    fn kill(&mut self) {
+        self.child.kill().unwrap();
+        self.child.wait().unwrap();
+    }
+}
+
+impl Drop for Served {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+const CHUNK: usize = 4096;
+const CHUNKS: u64 = 512;
+const WRITERS: u64 = 4;
+
+fn content(idx: u64, version: u64) -> Bytes {
+    let tag = idx.wrapping_mul(0x9E37_79B9_7F4A_7C15) ^ version.wrapping_mul(0xBF58_476D_1CE4_E5B9);
+    Bytes::from(
+        (0..CHUNK)
+            .map(|i| (tag.rotate_left((i % 64) as u32) as u8) ^ (i as u8) | 1)
+            .collect::<Vec<u8>>(),
+    )
+}
+
+/// Writer `w` writes `n` times to its own chunks (idx % WRITERS == w); the model keeps the
+/// version of each acknowledged write. Every write must succeed.
+async fn write_run(store: Arc<Mirrored>, model: Arc<Mutex<Vec<u64>>>, n: u64, round: u64) {
+    let tasks: Vec<_> = (0..WRITERS)
+        .map(|w| {
+            let store = store.clone();
+            let model = model.clone();
+            tokio::spawn(async move {
+                for i in 0..n {
+                    let idx = (i * 7 * WRITERS + w + round * 13 * WRITERS) % CHUNKS;
+                    let idx = idx - idx % WRITERS + w;
+                    let version = round * 1_000_000 + i + 1;
+                    store
+                        .write(ChunkIdx(idx), content(idx, version))
+                        .await
+                        .unwrap_or_else(|e| {
+                            panic!("write of chunk {idx} reached the application: {e}")
+                        });
+                    model.lock()[idx as usize] = version;
+                }
+            })
+        })
+        .collect();
+    for t in tasks {
+        t.await.unwrap();
+    }
+}
+
+async fn check(store: &dyn Store, model: &[u64], what: &str) {
+    for (idx, version) in model.iter().enumerate() {
+        let got = store.read(ChunkIdx(idx as u64)).await.unwrap_or_else(|e| {
+            panic!("{what}: reading chunk {idx}: {e}");
+        });
+        let want = if *version == 0 {
+            Bytes::from(vec![0u8; CHUNK])
+        } else {
+            content(idx as u64, *version)
+        };
+        assert!(got == want, "{what}: chunk {idx} is not version {version}");
+    }
+}
+
+async fn run(policy: &str) {
+    let dir = tempfile::tempdir().unwrap();
+    let primary_file = format!(
+        "file:{}?size=2MiB&chunk=4KiB",
+        dir.path().join("p.img").display()
+    );
+    let mut primary = Served::start(&primary_file, "127.0.0.1:0");
+    let addr = primary.addr.clone();
+    let spec: StoreSpec = format!(
+        "mirror:(farmap://{addr}?timeout=2s)(file:{}?size=2MiB&chunk=4KiB)?policy={policy}&timeout=500ms&probe=50ms",
+        dir.path().join("m.img").display()
+    )
+    .parse()
+    .unwrap();
+    let SpecKind::Mirror {
+        primary: p,
+        mirror: m,
+        options,
+    } = &spec.kind
+    else {
+        panic!()
+    };
+    assert_eq!(
+        options.policy,
+        if policy == "both" {
+            MirrorPolicy::Both
+        } else {
+            MirrorPolicy::PrimaryFirst
+        }
+    );
+    let store = Arc::new(open_mirror(&spec, p, m, *options).await.unwrap());
+    let model = Arc::new(Mutex::new(vec![0u64; CHUNKS as usize]));
+
+    // Writes in flight while the primary is killed.
+    let writing = tokio::spawn(write_run(store.clone(), model.clone(), 3000, 0));
+    tokio::time::sleep(Duration::from_millis(150)).await;
+    assert!(
+        !writing.is_finished(),
+        "the run must still be writing when the primary dies"
+    );
+    primary.kill();
+    writing.await.expect("no write failed");
+    // More writes with the primary gone.
+    write_run(store.clone(), model.clone(), 500, 1).await;
+    let st = store.mirror_status();
+    assert_eq!(st.primary, PrimaryState::Down, "{st:?}");
+    assert!(st.failovers >= 1 && st.to_resync > 0, "{st:?}");
+    store.flush().await.unwrap();
+    let snapshot = model.lock().clone();
+    check(&*store, &snapshot, "through the mirror").await;
+
+    // The primary comes back on the same address and file: it is resynchronised.
+    let _again = Served::start(&primary_file, &addr);
+    let deadline = Instant::now() + Duration::from_secs(30);
+    // Writes keep coming during the resync.
+    write_run(store.clone(), model.clone(), 200, 2).await;
+    while store.mirror_status().primary != PrimaryState::Up {
+        assert!(
+            Instant::now() < deadline,
+            "no resync: {:?}",
+            store.mirror_status()
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    let st = store.mirror_status();
+    assert!(st.resynced > 0 && st.resynced <= CHUNKS, "{st:?}");
+    store.flush().await.unwrap();
+    let model = model.lock().clone();
+    check(&*store, &model, "through the stage after the resync").await;
+    // And on the primary itself: every acknowledged write is there.
+    let direct = RemoteStore::connect(RemoteAddr::Tcp(addr.clone()), ClientOptions::default())
+        .await
+        .unwrap();
+    check(&direct, &model, "on the resynchronised primary").await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn killing_the_primary_serve_loses_nothing_with_both() {
+    run("both").await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn killing_the_primary_serve_loses_nothing_with_primary_first() {
+    run("primary-first").await;
+}

@@ -1,0 +1,695 @@
+//! [`Verified`]: every chunk carries a checksum and a generation number; a chunk whose data
+//! does not match what this region last acknowledged is refused as
+//! [`ErrorKind::Corrupt`], never returned.
+//!
+//! # Where the checksums live: a side table at the end of the same store
+//!
+//! A header inside each chunk would shrink the usable chunk below a power of two, and every
+//! store and frontend here works in whole power-of-two chunks. So the checksums live in a
+//! **side table kept in a reserved area at the end of the inner store**: the region this stage
+//! shows is smaller than its inner store by the metadata chunks, and its
+//! [`geometry`](Store::geometry) says so (a `verified:(memory:64MiB)` region of 64 KiB
+//! chunks is 1023 chunks long: one chunk holds the records of 4094).
+//!
+//! ```text
+//!   inner store:  [ data 0 | data 1 | ... | data D-1 | meta 0 | ... | meta M-1 | (unused) ]
+//!   meta chunk:   header (32 bytes) + one 16-byte record per data chunk
+//!     header:     magic "FMVERIF1" | data chunks (u64) | meta index (u64) | xxh3 of the rest (u64)
+//!     record:     generation (u64; top bit: holds data, else zeros) | xxh3-64 of the data (u64)
+//! ```
+//!
+//! All integers are little-endian. The checksum is XXH3-64 (`xxhash-rust`), over the bytes of
+//! the chunk as the region shows them.
+//!
+//! # What is checked, against what
+//!
+//! The whole table is kept in memory (16 bytes per chunk) and is the authority while the
+//! region is open: every write gets the region's next generation number; when the inner write
+//! succeeds, the chunk's record becomes (generation, checksum) unless a newer generation got
+//! there first. A read hashes what the inner store returned and compares it with the record of
+//! the newest acknowledged write (or with writes still in flight: a read that overlaps a write
+//! may see either version, as the [`Store`] contract says). Anything else — flipped bits, a
+//! torn write, a write the store dropped, an older version — is refused as `Corrupt`.
+//!
+//! # Durability of the table
+//!
+//! Changed metadata chunks are written on [`flush`](Store::flush) (before the inner flush), so
+//! a flush makes data and checksums durable together. A crash between a write and the next
+//! flush may leave a chunk whose stored record is older than its data: it then reads as
+//! `Corrupt` after reopening (detected, never served wrong) until it is written again; the
+//! trait promised nothing for unflushed writes. A metadata chunk that fails its own check at
+//! opening (torn, flipped) makes the chunks it describes unverifiable: they read as `Corrupt`
+//! until written again. A stale metadata chunk *together with* equally stale data (both of its
+//! writes lost) cannot be told from the truth after a restart: nothing newer is known then.
+//! A store written without this stage reads as `Corrupt` wherever it holds data (a fresh
+//! table expects zeros).
+//!
+//! After a failed inner write the chunk may hold either version; until the next successful
+//! write both are accepted.
+//!
+//! # Concurrency contract
+//! - The table is striped (per-stripe `parking_lot` mutex, held only to read or update
+//!   records, never across an await); reads and writes of different chunks never wait for
+//!   each other.
+//! - A read that sees neither the newest acknowledged version nor a version in flight, while
+//!   the chunk was being written meanwhile, reads again (up to 4 times) before refusing.
+//! - `flush` serializes metadata writes (one async mutex); the data path never takes it.
+
+use std::sync::atomic::{AtomicU64, Ordering};
+
+use bytes::{BufMut, Bytes, BytesMut};
+use farmap_core::{
+    is_zero, BoxFuture, Caps, ChunkIdx, ChunkRange, ChunkStatus, ErrorKind, Geometry, Store,
+    StoreError, StoreResult,
+};
+use parking_lot::Mutex;
+use xxhash_rust::xxh3::{xxh3_64, xxh3_64_with_seed};
+
+const MAGIC: &[u8; 8] = b"FMVERIF1";
+const HEADER: usize = 32;
+const RECORD: usize = 16;
+const HAS_DATA: u64 = 1 << 63;
+const STRIPES: usize = 256;
+const READ_ATTEMPTS: usize = 4;
+
+/// What a chunk must read as.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Expect {
+    /// Zeros (never written, or trimmed).
+    Zeros,
+    /// Data with this XXH3-64.
+    Sum(u64),
+    /// Nothing is known (its metadata chunk failed its check): every read is refused.
+    Unknown,
+}
+
+#[derive(Debug, Clone)]
+struct Record {
+    gen: u64,
+    expect: Expect,
+    /// After a failed write: the version that may have landed.
+    also: Option<Expect>,
+    /// Writes in flight: (generation, expectation).
+    in_flight: Vec<(u64, Expect)>,
+    /// Bumped when a write starts and when it ends.
+    changes: u64,
+}
+
+impl Record {
+    fn fresh() -> Self {
+        Self {
+            gen: 0,
+            expect: Expect::Zeros,
+            also: None,
+            in_flight: Vec::new(),
+            changes: 0,
+        }
+    }
+
+    fn candidates(&self) -> Vec<Expect> {
+        let mut v = Vec::with_capacity(2 + self.in_flight.len());
+        v.push(self.expect);
+        v.extend(self.also);
+        v.extend(self.in_flight.iter().map(|(_, e)| *e));
+        v
+    }
+}
+
+/// How the inner store is divided between data and metadata.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct VerifiedLayout {
+    /// The region this stage shows.
+    pub geometry: Geometry,
+    /// Inner index of the first metadata chunk.
+    pub meta_start: u64,
+    /// Metadata chunks.
+    pub meta_chunks: u64,
+    /// Records per metadata chunk.
+    pub per_meta: u64,
+}
+
+impl VerifiedLayout {
+    /// Records one metadata chunk of `chunk_size` bytes holds.
+    pub fn records_per_chunk(chunk_size: u32) -> u64 {
+        ((chunk_size as usize - HEADER) / RECORD) as u64
+    }
+
+    /// The layout over an inner store of `inner` geometry: the largest region that fits when
+    /// `size` is `None`, else a region of `size` bytes (refused when the inner store is too
+    /// small for it and its metadata). Only whole inner chunks are used.
+    pub fn new(inner: Geometry, size: Option<u64>) -> StoreResult<Self> {
+        let c = u64::from(inner.chunk_size());
+        let full = inner.size() / c;
+        let per_meta = Self::records_per_chunk(inner.chunk_size());
+        let data = match size {
+            Some(size) => size.div_ceil(c),
+            None => {
+                let mut d = full - full.div_ceil(per_meta + 1);
+                while d > 0 && d + d.div_ceil(per_meta) > full {
+                    d -= 1;
+                }
+                while d + 1 + (d + 1).div_ceil(per_meta) <= full {
+                    d += 1;
+                }
+                d
+            }
+        };
+        let meta_chunks = data.div_ceil(per_meta);
+        if data == 0 || data + meta_chunks > full {
+            return Err(StoreError::invalid(format!(
+                "a verified region needs {} whole chunks of {c} bytes ({} of data, {meta_chunks} of checksums); the store has {full}",
+                data + meta_chunks.max(1),
+                data.max(1),
+            )));
+        }
+        let size = size.unwrap_or(data * c);
+        let geometry = Geometry::new(size, c)
+            .map_err(|e| StoreError::invalid(format!("verified region: {e}")))?;
+        Ok(Self {
+            geometry,
+            meta_start: data,
+            meta_chunks,
+            per_meta,
+        })
+    }
+
+    /// The geometry an inner store needs so that the verified region has geometry `g`.
+    pub fn inner_geometry_for(g: Geometry) -> Geometry {
+        let c = u64::from(g.chunk_size());
+        let data = g.chunk_count();
+        let meta = data.div_ceil(Self::records_per_chunk(g.chunk_size()));
+        Geometry::new((data + meta) * c, c).expect("a valid geometry grows by whole chunks")
+    }
+}
+
+/// What a [`Verified`] stage saw.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct VerifyStats {
+    /// Reads refused as corrupt.
+    pub refused: u64,
+    /// Reads that had to be repeated because the chunk was written meanwhile.
+    pub reread: u64,
+    /// Metadata chunks that failed their check at opening.
+    pub bad_meta_chunks: u64,
+    /// Metadata chunks written by flushes.
+    pub meta_writes: u64,
+}
+
+/// Checksums and generations for every chunk of an inner store; see the [module
+/// docs](self) for where they live and what is promised.
+#[derive(Debug)]
+pub struct Verified<S> {
+    inner: S,
+    layout: VerifiedLayout,
+    stripes: Vec<Mutex<Vec<Record>>>,
+    next_gen: AtomicU64,
+    /// Metadata chunks changed since the last flush.
+    dirty_meta: Mutex<Vec<bool>>,
+    meta_lock: tokio::sync::Mutex<()>,
+    refused: AtomicU64,
+    reread: AtomicU64,
+    bad_meta: u64,
+    meta_writes: AtomicU64,
+}
+
+impl<S: Store> Verified<S> {
+    /// Opens the verified region kept in `inner`: the largest that fits (`size: None`) or one
+    /// of `size` bytes, and loads its checksums (a store whose metadata area reads as zeros is
+    /// a fresh region). Fails when the store is too small, or holds the metadata of a region
+    /// of another size.
+    pub async fn open(inner: S, size: Option<u64>) -> StoreResult<Self> {
+        let layout = VerifiedLayout::new(inner.geometry(), size)?;
+        let chunks = layout.geometry.chunk_count();
+        let per_stripe = chunks.div_ceil(STRIPES as u64) as usize;
+        let stripes = (0..STRIPES.min(chunks as usize))
+            .map(|s| {
+                let start = s * per_stripe;
+                let n = per_stripe.min((chunks as usize).saturating_sub(start));
+                Mutex::new(vec![Record::fresh(); n])
+            })
+            .collect::<Vec<_>>();
+        let mut v = Self {
+            inner,
+            layout,
+            stripes,
+            next_gen: AtomicU64::new(1),
+            dirty_meta: Mutex::new(vec![false; layout.meta_chunks as usize]),
+            meta_lock: tokio::sync::Mutex::new(()),
+            refused: AtomicU64::new(0),
+            reread: AtomicU64::new(0),
+            bad_meta: 0,
+            meta_writes: AtomicU64::new(0),
+        };
+        v.load().await?;
+        Ok(v)
+    }
+
+    /// The wrapped store.
+    pub fn inner(&self) -> &S {
+        &self.inner
+    }
+
+    /// How the inner store is divided.
+    pub fn layout(&self) -> VerifiedLayout {
+        self.layout
+    }
+
+    /// What the stage saw so far.
+    pub fn stats(&self) -> VerifyStats {
+        VerifyStats {
+            refused: self.refused.load(Ordering::Relaxed),
+            reread: self.reread.load(Ordering::Relaxed),
+            bad_meta_chunks: self.bad_meta,
+            meta_writes: self.meta_writes.load(Ordering::Relaxed),
+        }
+    }
+
+    fn per_stripe(&self) -> u64 {
+        self.layout
+            .geometry
+            .chunk_count()
+            .div_ceil(self.stripes.len() as u64)
+    }
+
+    fn with_record<T>(&self, idx: ChunkIdx, f: impl FnOnce(&mut Record) -> T) -> T {
+        let per = self.per_stripe();
+        let mut stripe = self.stripes[(idx.0 / per) as usize].lock();
+        f(&mut stripe[(idx.0 % per) as usize])
+    }
+
+    fn mark_meta(&self, idx: ChunkIdx) {
+        self.dirty_meta.lock()[(idx.0 / self.layout.per_meta) as usize] = true;
+    }
+
+    async fn load(&mut self) -> StoreResult<()> {
+        let c = self.layout.geometry.chunk_size() as usize;
+        let mut max_gen = 0;
+        for m in 0..self.layout.meta_chunks {
+            let at = ChunkIdx(self.layout.meta_start + m);
+            let raw = self.inner.read(at).await.map_err(|e| {
+                StoreError::new(
+                    e.kind(),
+                    format!("reading checksum chunk {m} (inner {at}) of a verified region"),
+                )
+                .with_source(e)
+            })?;
+            if is_zero(&raw) {
+                continue;
+            }
+            let first = m * self.layout.per_meta;
+            let count = self
+                .layout
+                .per_meta
+                .min(self.layout.geometry.chunk_count() - first);
+            let ok = raw.len() == c
+                && &raw[..8] == MAGIC
+                && meta_hash(&raw) == u64::from_le_bytes(raw[24..32].try_into().expect("8"));
+            if !ok {
+                tracing::warn!(
+                    meta = m,
+                    "checksum chunk {m} of a verified region fails its own check: its {count} chunks are unverifiable until written again"
+                );
+                self.bad_meta += 1;
+                for i in 0..count {
+                    self.with_record(ChunkIdx(first + i), |r| r.expect = Expect::Unknown);
+                }
+                continue;
+            }
+            let data_chunks = u64::from_le_bytes(raw[8..16].try_into().expect("8"));
+            let index = u64::from_le_bytes(raw[16..24].try_into().expect("8"));
+            if data_chunks != self.layout.geometry.chunk_count() || index != m {
+                return Err(StoreError::invalid(format!(
+                    "checksum chunk {m} belongs to a verified region of {data_chunks} chunks (its chunk {index}), not to this one of {}: open it with that size",
+                    self.layout.geometry.chunk_count()
+                )));
+            }
+            for i in 0..count {
+                let at = HEADER + i as usize * RECORD;
+                let word = u64::from_le_bytes(raw[at..at + 8].try_into().expect("8"));
+                let sum = u64::from_le_bytes(raw[at + 8..at + 16].try_into().expect("8"));
+                let gen = word & !HAS_DATA;
+                max_gen = max_gen.max(gen);
+                self.with_record(ChunkIdx(first + i), |r| {
+                    r.gen = gen;
+                    r.expect = if word & HAS_DATA != 0 {
+                        Expect::Sum(sum)
+                    } else {
+                        Expect::Zeros
+                    };
+                });
+            }
+        }
+        self.next_gen = AtomicU64::new(max_gen + 1);
+        Ok(())
+    }
+
+    /// Serializes metadata chunk `m` from the table.
+    fn meta_chunk(&self, m: u64) -> Bytes {
+        let c = self.layout.geometry.chunk_size() as usize;
+        let mut b = BytesMut::with_capacity(c);
+        b.put_slice(MAGIC);
+        b.put_u64_le(self.layout.geometry.chunk_count());
+        b.put_u64_le(m);
+        b.put_u64_le(0);
+        let first = m * self.layout.per_meta;
+        let count = self
+            .layout
+            .per_meta
+            .min(self.layout.geometry.chunk_count() - first);
+        for i in 0..count {
+            let (gen, expect) = self.with_record(ChunkIdx(first + i), |r| (r.gen, r.expect));
+            let (word, sum) = match expect {
+                Expect::Sum(s) => (gen | HAS_DATA, s),
+                // An unknown chunk is written as zeros: after a reopen it is refused anyway
+                // if it holds data, which is all that can be said about it.
+                Expect::Zeros | Expect::Unknown => (gen, 0),
+            };
+            b.put_u64_le(word);
+            b.put_u64_le(sum);
+        }
+        b.resize(c, 0);
+        let h = meta_hash(&b);
+        b[24..32].copy_from_slice(&h.to_le_bytes());
+        b.freeze()
+    }
+
+    fn shown_len(&self, idx: ChunkIdx) -> usize {
+        self.layout.geometry.chunk_len(idx)
+    }
+
+    fn matches(data: &[u8], candidates: &[Expect], sum: &mut Option<u64>) -> bool {
+        candidates.iter().any(|e| match e {
+            Expect::Zeros => is_zero(data),
+            Expect::Sum(s) => *sum.get_or_insert_with(|| xxh3_64(data)) == *s,
+            Expect::Unknown => false,
+        })
+    }
+
+    async fn read_verified(&self, idx: ChunkIdx) -> StoreResult<Bytes> {
+        self.layout.geometry.check_idx(idx)?;
+        let len = self.shown_len(idx);
+        for attempt in 0..READ_ATTEMPTS {
+            let (before, changes) = self.with_record(idx, |r| (r.candidates(), r.changes));
+            let raw = self.inner.read(idx).await?;
+            if raw.len() < len {
+                self.refused.fetch_add(1, Ordering::Relaxed);
+                return Err(StoreError::new(
+                    ErrorKind::Corrupt,
+                    format!(
+                        "{idx} came back {} bytes long, not {len}: refused",
+                        raw.len()
+                    ),
+                ));
+            }
+            let data = raw.slice(..len);
+            let mut sum = None;
+            if Self::matches(&data, &before, &mut sum) {
+                return Ok(data);
+            }
+            let (after, changed) =
+                self.with_record(idx, |r| (r.candidates(), r.changes != changes));
+            if Self::matches(&data, &after, &mut sum) {
+                return Ok(data);
+            }
+            if !changed || attempt + 1 == READ_ATTEMPTS {
+                break;
+            }
+            self.reread.fetch_add(1, Ordering::Relaxed);
+        }
+        self.refused.fetch_add(1, Ordering::Relaxed);
+        let (gen, expect) = self.with_record(idx, |r| (r.gen, r.expect));
+        let why = match expect {
+            Expect::Zeros => format!("it should read as zeros (generation {gen})"),
+            Expect::Sum(s) => format!("generation {gen} has checksum {s:016x}"),
+            Expect::Unknown => "its checksum record was lost (its checksum chunk failed its check at opening); write it again".to_owned(),
+        };
+        Err(StoreError::new(
+            ErrorKind::Corrupt,
+            format!("{idx} does not match what this region last wrote: {why}; refused"),
+        ))
+    }
+
+    async fn write_verified(&self, idx: ChunkIdx, data: Bytes) -> StoreResult<()> {
+        if !self.inner.caps().contains(Caps::WRITE) {
+            return Err(StoreError::new(
+                ErrorKind::ReadOnly,
+                "the store under a verified region is read-only",
+            ));
+        }
+        self.layout.geometry.check_write(idx, data.len())?;
+        let expect = Expect::Sum(xxh3_64(&data));
+        let gen = self.next_gen.fetch_add(1, Ordering::Relaxed);
+        self.with_record(idx, |r| {
+            r.in_flight.push((gen, expect));
+            r.changes += 1;
+        });
+        let full = self.layout.geometry.chunk_size() as usize;
+        let padded = if data.len() == full {
+            data
+        } else {
+            let mut b = BytesMut::with_capacity(full);
+            b.put_slice(&data);
+            b.resize(full, 0);
+            b.freeze()
+        };
+        let res = self.inner.write(idx, padded).await;
+        self.settle(idx, gen, expect, res.is_ok());
+        res
+    }
+
+    /// Ends write `gen` of `idx` in the table.
+    fn settle(&self, idx: ChunkIdx, gen: u64, expect: Expect, ok: bool) {
+        self.with_record(idx, |r| {
+            r.in_flight.retain(|(g, _)| *g != gen);
+            r.changes += 1;
+            if ok {
+                if gen > r.gen {
+                    r.gen = gen;
+                    r.expect = expect;
+                    r.also = None;
+                }
+            } else {
+                r.also = Some(expect);
+            }
+        });
+        if ok {
+            self.mark_meta(idx);
+        }
+    }
+
+    async fn flush_meta(&self) -> StoreResult<()> {
+        let _serial = self.meta_lock.lock().await;
+        let dirty: Vec<u64> = {
+            let mut d = self.dirty_meta.lock();
+            let list = d
+                .iter()
+                .enumerate()
+                .filter(|(_, x)| **x)
+                .map(|(i, _)| i as u64)
+                .collect();
+            d.iter_mut().for_each(|x| *x = false);
+            list
+        };
+        for (n, m) in dirty.iter().enumerate() {
+            let chunk = self.meta_chunk(*m);
+            if let Err(e) = self
+                .inner
+                .write(ChunkIdx(self.layout.meta_start + m), chunk)
+                .await
+            {
+                // Written again by the next flush.
+                let mut d = self.dirty_meta.lock();
+                for m in &dirty[n..] {
+                    d[*m as usize] = true;
+                }
+                return Err(StoreError::new(
+                    e.kind(),
+                    format!("writing checksum chunk {m} of a verified region"),
+                )
+                .with_source(e));
+            }
+            self.meta_writes.fetch_add(1, Ordering::Relaxed);
+        }
+        Ok(())
+    }
+}
+
+/// The hash a metadata chunk carries at bytes 24..32: over bytes 0..24 and 32.. .
+fn meta_hash(raw: &[u8]) -> u64 {
+    xxh3_64_with_seed(&raw[HEADER..], xxh3_64(&raw[..24]))
+}
+
+impl<S: Store> Store for Verified<S> {
+    fn geometry(&self) -> Geometry {
+        self.layout.geometry
+    }
+
+    fn caps(&self) -> Caps {
+        // Trim is done by the table (the expected content becomes zeros), and status is
+        // answered from it.
+        let inner = self.inner.caps();
+        let mut caps = Caps::STATUS;
+        if inner.contains(Caps::WRITE) {
+            caps = caps | Caps::WRITE | Caps::TRIM;
+        }
+        if inner.contains(Caps::FLUSH) {
+            caps = caps | Caps::FLUSH;
+        }
+        caps
+    }
+
+    fn read(&self, idx: ChunkIdx) -> BoxFuture<'_, StoreResult<Bytes>> {
+        Box::pin(self.read_verified(idx))
+    }
+
+    fn write(&self, idx: ChunkIdx, data: Bytes) -> BoxFuture<'_, StoreResult<()>> {
+        Box::pin(self.write_verified(idx, data))
+    }
+
+    fn flush(&self) -> BoxFuture<'_, StoreResult<()>> {
+        Box::pin(async move {
+            self.flush_meta().await?;
+            self.inner.flush().await
+        })
+    }
+
+    fn trim(&self, range: ChunkRange) -> BoxFuture<'_, StoreResult<()>> {
+        Box::pin(async move {
+            self.layout.geometry.check_range(range)?;
+            if range.is_empty() {
+                return Ok(());
+            }
+            if !self.inner.caps().contains(Caps::WRITE) {
+                return Err(StoreError::new(
+                    ErrorKind::ReadOnly,
+                    "the store under a verified region is read-only",
+                ));
+            }
+            // Zeros become the expected content first (as a write in flight), then the inner
+            // store is trimmed; a store that cannot trim gets zeros written.
+            let gens: Vec<u64> = range
+                .iter()
+                .map(|idx| {
+                    let gen = self.next_gen.fetch_add(1, Ordering::Relaxed);
+                    self.with_record(idx, |r| {
+                        r.in_flight.push((gen, Expect::Zeros));
+                        r.changes += 1;
+                    });
+                    gen
+                })
+                .collect();
+            let res = if self.inner.caps().contains(Caps::TRIM) {
+                self.inner.trim(range).await
+            } else {
+                let zeros = farmap_core::zero_chunk(self.layout.geometry.chunk_size() as usize);
+                let mut res = Ok(());
+                for idx in range.iter() {
+                    res = self.inner.write(idx, zeros.clone()).await;
+                    if res.is_err() {
+                        break;
+                    }
+                }
+                res
+            };
+            for (idx, gen) in range.iter().zip(gens) {
+                self.settle(idx, gen, Expect::Zeros, res.is_ok());
+            }
+            res
+        })
+    }
+
+    fn status(&self, idx: ChunkIdx) -> BoxFuture<'_, StoreResult<ChunkStatus>> {
+        Box::pin(async move {
+            self.layout.geometry.check_idx(idx)?;
+            Ok(
+                self.with_record(idx, |r| match (r.expect, r.in_flight.is_empty()) {
+                    (Expect::Zeros, true) if r.also.is_none() => ChunkStatus::Zero,
+                    (Expect::Sum(_), true) if r.also.is_none() => ChunkStatus::Data,
+                    _ => ChunkStatus::Unknown,
+                }),
+            )
+        })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use farmap_testkit::ModelStore;
+    use std::sync::Arc;
+
+    #[test]
+    fn layouts_are_honest() {
+        let g = Geometry::new(64 << 20, 64 << 10).unwrap();
+        let l = VerifiedLayout::new(g, None).unwrap();
+        assert_eq!(l.per_meta, 4094);
+        assert_eq!(l.meta_chunks, 1);
+        assert_eq!(l.geometry.chunk_count(), 1023);
+        assert_eq!(l.meta_start, 1023);
+        // The largest region: one more data chunk would need more chunks than there are.
+        let g = Geometry::new(5000 * 4096, 4096).unwrap();
+        let l = VerifiedLayout::new(g, None).unwrap();
+        let d = l.geometry.chunk_count();
+        assert!(d + d.div_ceil(254) <= 5000 && (d + 1) + (d + 1).div_ceil(254) > 5000);
+        // Asked sizes: refused when they do not fit.
+        assert!(VerifiedLayout::new(g, Some(5000 * 4096)).is_err());
+        let one = Geometry::new(4096, 4096).unwrap();
+        assert!(VerifiedLayout::new(one, None).is_err());
+        for g in farmap_testkit::conformance::geometries() {
+            let inner = VerifiedLayout::inner_geometry_for(g);
+            assert_eq!(
+                VerifiedLayout::new(inner, Some(g.size())).unwrap().geometry,
+                g
+            );
+        }
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn verified_memory_conforms() {
+        farmap_testkit::run_conformance(|g| async move {
+            let inner = ModelStore::new(VerifiedLayout::inner_geometry_for(g));
+            Arc::new(Verified::open(inner, Some(g.size())).await.unwrap()) as Arc<dyn Store>
+        })
+        .await;
+    }
+
+    #[tokio::test]
+    async fn checksums_survive_a_reopen_and_catch_what_changed_meanwhile() {
+        let inner = Arc::new(ModelStore::new(Geometry::new(64 * 4096, 4096).unwrap()));
+        let v = Verified::open(inner.clone(), None).await.unwrap();
+        let a = Bytes::from(vec![7u8; 4096]);
+        v.write(ChunkIdx(3), a.clone()).await.unwrap();
+        v.write(ChunkIdx(4), a.clone()).await.unwrap();
+        v.flush().await.unwrap();
+        drop(v);
+        // Behind the region's back: one chunk changes.
+        inner
+            .write(ChunkIdx(4), Bytes::from(vec![8u8; 4096]))
+            .await
+            .unwrap();
+        let v = Verified::open(inner.clone(), None).await.unwrap();
+        assert_eq!(v.read(ChunkIdx(3)).await.unwrap(), a);
+        let e = v.read(ChunkIdx(4)).await.unwrap_err();
+        assert_eq!(e.kind(), ErrorKind::Corrupt, "{e}");
+        assert!(
+            e.to_string().contains("chunk 4") || e.to_string().contains('4'),
+            "{e}"
+        );
+        // Written again: good again.
+        v.write(ChunkIdx(4), a.clone()).await.unwrap();
+        assert_eq!(v.read(ChunkIdx(4)).await.unwrap(), a);
+        // A flipped bit in the checksum chunk: its chunks become unverifiable.
+        v.flush().await.unwrap();
+        let meta_at = ChunkIdx(v.layout().meta_start);
+        drop(v);
+        let mut raw = inner.read(meta_at).await.unwrap().to_vec();
+        raw[100] ^= 4;
+        inner.write(meta_at, Bytes::from(raw)).await.unwrap();
+        let v = Verified::open(inner.clone(), None).await.unwrap();
+        assert_eq!(v.stats().bad_meta_chunks, 1);
+        assert_eq!(
+            v.read(ChunkIdx(3)).await.unwrap_err().kind(),
+            ErrorKind::Corrupt
+        );
+    }
+}

@@ -1,0 +1,188 @@
+//! Stage specs: a stage over stores named by specs in parentheses, like `verified:(SPEC)`
+//! (checksums, [`farmap_pipeline::Verified`]) or `mirror:(PRIMARY)(MIRROR)` (every write to
+//! both, reads failing over, [`farmap_pipeline::Mirrored`]).
+//!
+//! `mirror:` options: `policy=both|primary-first` (default `both`), `timeout=DURATION` (a
+//! primary operation slower than this marks it down; default 2s), `backlog=N` (chunks queued
+//! for the mirror under `primary-first`; default 1024), `probe=DURATION` (how often a down
+//! primary is tried; default 200ms).
+//!
+//! The inner specs are written whole between parentheses, options and all; the stage's own
+//! options follow the last parenthesis after `?`. Parentheses nest (`verified:(verified:(memory:1GiB))`
+//! parses), up to [`MAX_DEPTH`] stages deep.
+
+use farmap_core::option::{parse_count, parse_timeout};
+use farmap_pipeline::{MirrorOptions, MirrorPolicy};
+
+use super::{SpecError, SpecKind, StoreSpec};
+
+/// How deeply stage specs may nest.
+pub const MAX_DEPTH: usize = 8;
+
+/// Whether `scheme` (lowercase) names a stage.
+pub(super) fn is_stage(scheme: &str) -> bool {
+    scheme == "verified" || scheme == "mirror"
+}
+
+/// The options of a `mirror:` spec that differ from the defaults, as `key=value`.
+pub(super) fn mirror_options(o: &MirrorOptions) -> Vec<String> {
+    let d = MirrorOptions::default();
+    let mut v = Vec::new();
+    if o.policy != d.policy {
+        v.push(format!("policy={}", o.policy.as_str()));
+    }
+    if o.timeout != d.timeout {
+        v.push(format!(
+            "timeout={}",
+            farmap_core::format_duration(o.timeout)
+        ));
+    }
+    if o.backlog != d.backlog {
+        v.push(format!("backlog={}", o.backlog));
+    }
+    if o.probe != d.probe {
+        v.push(format!("probe={}", farmap_core::format_duration(o.probe)));
+    }
+    v
+}
+
+/// Splits `(A)(B)?q` into `["A", "B"]` and `Some("q")`.
+fn groups<'a>(rest: &'a str, spec: &str) -> Result<(Vec<&'a str>, Option<&'a str>), SpecError> {
+    let bad = |reason: String| SpecError::BadOption {
+        option: "spec",
+        spec: spec.to_owned(),
+        reason,
+    };
+    let mut out = Vec::new();
+    let mut s = rest;
+    while let Some(body) = s.strip_prefix('(') {
+        let mut depth = 1usize;
+        let mut end = None;
+        for (i, ch) in body.char_indices() {
+            match ch {
+                '(' => depth += 1,
+                ')' => {
+                    depth -= 1;
+                    if depth == 0 {
+                        end = Some(i);
+                        break;
+                    }
+                }
+                _ => {}
+            }
+        }
+        let end = end.ok_or_else(|| bad("a '(' is not closed".into()))?;
+        out.push(&body[..end]);
+        s = &body[end + 1..];
+    }
+    let query = match s {
+        "" => None,
+        q => Some(
+            q.strip_prefix('?')
+                .ok_or_else(|| bad(format!("{q:?} after the stores: options go after '?'")))?,
+        ),
+    };
+    Ok((out, query))
+}
+
+/// Parses the part after `scheme:` of a stage spec.
+pub(super) fn parse(
+    scheme: &str,
+    rest: &str,
+    spec: &str,
+    depth: usize,
+) -> Result<StoreSpec, SpecError> {
+    if depth >= MAX_DEPTH {
+        return Err(SpecError::BadOption {
+            option: "spec",
+            spec: spec.to_owned(),
+            reason: format!("stages nest at most {MAX_DEPTH} deep"),
+        });
+    }
+    let (inner, query) = groups(rest, spec)?;
+    let takes = match scheme {
+        "verified" => "",
+        "mirror" => "policy, timeout, backlog, probe",
+        _ => unreachable!("checked by is_stage"),
+    };
+    let mut mirror = MirrorOptions::default();
+    for pair in query
+        .into_iter()
+        .flat_map(|q| q.split('&'))
+        .filter(|p| !p.is_empty())
+    {
+        let (key, value) = pair.split_once('=').unwrap_or((pair, ""));
+        if !takes.split(", ").any(|k| k == key) {
+            return Err(SpecError::UnknownOption {
+                option: key.to_owned(),
+                spec: spec.to_owned(),
+                takes: if takes.is_empty() {
+                    "no options"
+                } else {
+                    takes
+                },
+            });
+        }
+        let bad = |option: &'static str, reason: String| SpecError::BadOption {
+            option,
+            spec: spec.to_owned(),
+            reason,
+        };
+        match key {
+            "policy" => {
+                mirror.policy = match value {
+                    "both" => MirrorPolicy::Both,
+                    "primary-first" => MirrorPolicy::PrimaryFirst,
+                    _ => {
+                        return Err(bad(
+                            "policy",
+                            format!("{value:?} is not both or primary-first"),
+                        ))
+                    }
+                }
+            }
+            "timeout" => mirror.timeout = parse_timeout(value).map_err(|w| bad("timeout", w))?,
+            "probe" => mirror.probe = parse_timeout(value).map_err(|w| bad("probe", w))?,
+            "backlog" => {
+                mirror.backlog =
+                    parse_count(value, 1..=1_048_576usize).map_err(|w| bad("backlog", w))?
+            }
+            _ => unreachable!("checked against the stage's options"),
+        }
+    }
+    let (want, form) = match scheme {
+        "verified" => (1, "verified:(SPEC)"),
+        _ => (2, "mirror:(PRIMARY)(MIRROR)"),
+    };
+    if inner.len() != want {
+        return Err(SpecError::BadOption {
+            option: "spec",
+            spec: spec.to_owned(),
+            reason: format!(
+                "{scheme}: takes {want} store{} in parentheses, got {}: write {form}",
+                if want == 1 { "" } else { "s" },
+                inner.len()
+            ),
+        });
+    }
+    let inner: Vec<StoreSpec> = inner
+        .iter()
+        .map(|s| StoreSpec::parse_nested(s, depth + 1))
+        .collect::<Result<_, _>>()?;
+    let mut inner = inner.into_iter();
+    let first = Box::new(inner.next().expect("one"));
+    let kind = match scheme {
+        "verified" => SpecKind::Verified { inner: first },
+        _ => SpecKind::Mirror {
+            primary: first,
+            mirror: Box::new(inner.next().expect("two")),
+            options: mirror,
+        },
+    };
+    Ok(StoreSpec {
+        kind,
+        size: None,
+        chunk_size: None,
+        read_only: false,
+    })
+}
