@@ -55,6 +55,8 @@ pub struct DemoArgs {
     /// One JSON line per direction on stdout instead of a summary.
     #[arg(long)]
     json: bool,
+    #[command(flatten)]
+    pull: crate::migrate::PullArgs,
 }
 
 #[derive(Debug, Args)]
@@ -118,14 +120,23 @@ struct WriterState {
     ops: AtomicU64,
     last_op_ns: AtomicU64,
     max_gap_ns: AtomicU64,
+    /// When the largest gap ended (CLOCK_MONOTONIC, ns).
+    max_gap_end_ns: AtomicU64,
+    /// When this writer started here (CLOCK_MONOTONIC, ns; 0 at the first source).
+    started_ns: u64,
     /// The op count this writer started from (at a destination: the ops at the hand-over).
     resumed_at: u64,
 }
 
 impl WriterState {
     fn encode(&self) -> Bytes {
-        let mut b = Vec::with_capacity(24);
-        for v in [&self.ops, &self.last_op_ns, &self.max_gap_ns] {
+        let mut b = Vec::with_capacity(32);
+        for v in [
+            &self.ops,
+            &self.last_op_ns,
+            &self.max_gap_ns,
+            &self.max_gap_end_ns,
+        ] {
             b.extend_from_slice(&v.load(Ordering::Acquire).to_le_bytes());
         }
         Bytes::from(b)
@@ -145,6 +156,8 @@ impl WriterState {
             ops,
             last_op_ns: get(1),
             max_gap_ns: get(2),
+            max_gap_end_ns: get(3),
+            started_ns: monotonic_ns(),
         }
     }
 }
@@ -188,8 +201,12 @@ fn start_app(region: Arc<Region>, state: Arc<WriterState>, seed: u64, rate: u64)
                 let now = monotonic_ns();
                 let last = st.last_op_ns.swap(now, Ordering::AcqRel);
                 if last != 0 {
-                    st.max_gap_ns
-                        .fetch_max(now.saturating_sub(last), Ordering::AcqRel);
+                    // Only this thread writes them while it runs.
+                    let gap = now.saturating_sub(last);
+                    if gap > st.max_gap_ns.load(Ordering::Acquire) {
+                        st.max_gap_ns.store(gap, Ordering::Release);
+                        st.max_gap_end_ns.store(now, Ordering::Release);
+                    }
                 }
                 n += 1;
                 st.ops.store(n, Ordering::Release);
@@ -273,7 +290,14 @@ impl agent::App for NodeApp {
             .as_ref()
             .map_or(0, |a| a.state.max_gap_ns.load(Ordering::Acquire));
         let resumed_at = self.app.lock().as_ref().map_or(0, |a| a.state.resumed_at);
+        // Where the largest gap ended, from the writer's start here: below 0 at the source
+        // (pre-copy), near 0 at the hand-over, above 0 during the post-copy.
+        let gap_at = self.app.lock().as_ref().map_or(0.0, |a| {
+            let end = a.state.max_gap_end_ns.load(Ordering::Acquire);
+            (end as f64 - a.state.started_ns as f64) / 1e6
+        });
         let mut m = serde_json::Map::new();
+        m.insert("app_max_gap_at_ms".into(), json!((gap_at * 100.0).round() / 100.0));
         m.insert("resumed_at_op".into(), json!(resumed_at));
         // The largest gap between two of the writer's writes is what the application felt;
         // `effective_downtime_ms` is its older name, kept as an alias.
@@ -572,6 +596,7 @@ async fn migrate_once(
         data_listen: "127.0.0.1:0".into(),
         tls: None,
         reconnect_ms: 30_000,
+        pull: args.pull.budget(),
     });
     let src_agent = src.agent.clone();
     let seeding = tokio::spawn(async move {
@@ -605,6 +630,7 @@ async fn migrate_once(
         workers: 16,
         connections: 4,
         reconnect_ms: 30_000,
+        pull: args.pull.budget(),
     });
     let ui = Ui {
         prefix: "farmap demo: destination",

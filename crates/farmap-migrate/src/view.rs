@@ -432,3 +432,58 @@ impl Store for MigrationStore {
         })
     }
 }
+
+/// A store whose reads keep to a pull budget (the seeder's data plane under `--max-rate` or
+/// `--cpu-share`): each read pauses as long as the budget needs before it runs.
+pub(crate) struct Paced {
+    inner: Arc<dyn Store>,
+    pacer: crate::budget::Pacer,
+}
+
+impl Paced {
+    pub(crate) fn new(inner: Arc<dyn Store>, pacer: crate::budget::Pacer) -> Self {
+        Self { inner, pacer }
+    }
+}
+
+impl fmt::Debug for Paced {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("Paced").field("pacer", &self.pacer).finish()
+    }
+}
+
+impl Store for Paced {
+    fn geometry(&self) -> Geometry {
+        self.inner.geometry()
+    }
+
+    fn caps(&self) -> Caps {
+        self.inner.caps()
+    }
+
+    fn read(&self, idx: ChunkIdx) -> BoxFuture<'_, StoreResult<Bytes>> {
+        Box::pin(async move {
+            let g = self.inner.geometry();
+            if g.check_idx(idx).is_ok() {
+                self.pacer.pace(g.chunk_len(idx) as u64).await;
+            }
+            self.inner.read(idx).await
+        })
+    }
+
+    fn write(&self, idx: ChunkIdx, data: Bytes) -> BoxFuture<'_, StoreResult<()>> {
+        self.inner.write(idx, data)
+    }
+
+    fn flush(&self) -> BoxFuture<'_, StoreResult<()>> {
+        self.inner.flush()
+    }
+
+    fn trim(&self, range: ChunkRange) -> BoxFuture<'_, StoreResult<()>> {
+        self.inner.trim(range)
+    }
+
+    fn status(&self, idx: ChunkIdx) -> BoxFuture<'_, StoreResult<ChunkStatus>> {
+        self.inner.status(idx)
+    }
+}
