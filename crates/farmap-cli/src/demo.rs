@@ -297,7 +297,10 @@ impl agent::App for NodeApp {
             (end as f64 - a.state.started_ns as f64) / 1e6
         });
         let mut m = serde_json::Map::new();
-        m.insert("app_max_gap_at_ms".into(), json!((gap_at * 100.0).round() / 100.0));
+        m.insert(
+            "app_max_gap_at_ms".into(),
+            json!((gap_at * 100.0).round() / 100.0),
+        );
         m.insert("resumed_at_op".into(), json!(resumed_at));
         // The largest gap between two of the writer's writes is what the application felt;
         // `effective_downtime_ms` is its older name, kept as an alias.

@@ -241,7 +241,10 @@ mod tests {
         assert_eq!(p.delay(50_000), Duration::ZERO, "nothing moved yet");
         // 50 kB at 1 MB/s take 50 ms: the next batch waits for most of them.
         let d = p.delay(50_000);
-        assert!(d > Duration::from_millis(30) && d <= Duration::from_millis(50), "{d:?}");
+        assert!(
+            d > Duration::from_millis(30) && d <= Duration::from_millis(50),
+            "{d:?}"
+        );
         // Never more than the longest pause at once.
         let d = p.delay(10_000_000);
         assert!(d <= MAX_PAUSE, "{d:?}");

@@ -164,12 +164,11 @@ pub async fn seed(
 ) -> Result<Seeding, SeedError> {
     // The data plane runs on threads of its own, at the pull's priority: copying pages out
     // for the leecher gives way to the application's writers.
-    let pull_rt = crate::budget::pull_runtime(opts.pull.priority, 2).map_err(|source| {
-        SeedError::Listen {
+    let pull_rt =
+        crate::budget::pull_runtime(opts.pull.priority, 2).map_err(|source| SeedError::Listen {
             addr: opts.data_listen.to_string(),
             source,
-        }
-    })?;
+        })?;
     let mut plane = region.clone().data_plane();
     let pacer = crate::budget::Pacer::new(&opts.pull);
     if pacer.is_limited() {
