@@ -33,6 +33,40 @@ THE AGENT:
   tracking stops and the source keeps running untouched. After the hand-over the
   migration finishes (ownership has moved); a second Ctrl-C only stops watching.";
 
+/// What a migration's pull may take from the application (seed, leech, demo).
+#[derive(Debug, Clone, Args)]
+pub struct PullArgs {
+    /// Scheduling priority of the threads that pull: idle (SCHED_IDLE, only when the
+    /// application leaves a CPU free), batch (SCHED_BATCH at nice 19), nice (nice 19) or
+    /// normal. The leecher's whole process takes it until the hand-over.
+    #[arg(long, default_value = "idle")]
+    pub pull_priority: farmap_migrate::PullPriority,
+    /// Most bytes per second the pull moves, e.g. 200MB (default: no limit).
+    #[arg(long, value_name = "BYTES", value_parser = crate::bench::parse_size_arg)]
+    pub max_rate: Option<u64>,
+    /// Most CPU this side's process spends while pulling, as a share of the machine's CPUs
+    /// (0 to 1; default: no limit).
+    #[arg(long, value_name = "SHARE", value_parser = parse_share)]
+    pub cpu_share: Option<f64>,
+}
+
+fn parse_share(s: &str) -> Result<f64, String> {
+    match s.parse::<f64>() {
+        Ok(v) if v > 0.0 && v <= 1.0 => Ok(v),
+        _ => Err(format!("{s:?} is not a share between 0 (excluded) and 1")),
+    }
+}
+
+impl PullArgs {
+    pub fn budget(&self) -> farmap_migrate::PullBudget {
+        farmap_migrate::PullBudget {
+            priority: self.pull_priority,
+            max_rate: self.max_rate,
+            cpu_share: self.cpu_share,
+        }
+    }
+}
+
 #[derive(Debug, Args)]
 #[command(after_help = AGENT_HELP)]
 pub struct SeedArgs {
@@ -54,6 +88,8 @@ pub struct SeedArgs {
     /// How long to wait for a leecher that lost its connection after the hand-over.
     #[arg(long, default_value = "30s", value_parser = parse_duration)]
     reconnect_wait: Duration,
+    #[command(flatten)]
+    pull: PullArgs,
     /// Print the result as one JSON line.
     #[arg(long)]
     json: bool,
@@ -100,6 +136,8 @@ pub struct LeechArgs {
     /// How long to keep reconnecting to the seeder after the hand-over.
     #[arg(long, default_value = "30s", value_parser = parse_duration)]
     reconnect_for: Duration,
+    #[command(flatten)]
+    pull: PullArgs,
     /// Print the result as one JSON line.
     #[arg(long)]
     json: bool,
@@ -238,6 +276,7 @@ pub async fn seed(args: SeedArgs) -> anyhow::Result<ExitCode> {
             client_ca: c.client_ca,
         }),
         reconnect_ms: args.reconnect_wait.as_millis() as u64,
+        pull: args.pull.budget(),
     });
     let ui = Ui {
         prefix: "farmap seed",
@@ -268,6 +307,7 @@ pub async fn leech(args: LeechArgs) -> anyhow::Result<ExitCode> {
         workers: args.workers as usize,
         connections: args.connections as usize,
         reconnect_ms: args.reconnect_for.as_millis() as u64,
+        pull: args.pull.budget(),
     });
     let ui = Ui {
         prefix: "farmap leech",

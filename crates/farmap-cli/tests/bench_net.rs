@@ -1,4 +1,5 @@
-//! `farmap bench net` runs every case through the delay proxy and prints one JSON line each.
+//! `farmap bench net` runs every case (through the delay proxy, or directly at an RTT of 0)
+//! and prints one JSON line each.
 
 use std::process::Command;
 
@@ -36,6 +37,8 @@ fn bench_net_prints_every_case_per_rtt() {
         assert_eq!(rtt, if i < cases.len() { 0.0 } else { 2.0 });
         assert!(row["mb_per_s"].as_f64().unwrap() > 0.0, "{row}");
         assert_eq!(row["verified"], true, "{row}");
+        // At 0 ms the clients connect directly, through the proxy otherwise.
+        assert_eq!(row["proxied"], rtt > 0.0, "{row}");
         // The proxy adds the round trip: no reply can come back sooner.
         let first_us = row["first_chunk_us"].as_f64().unwrap();
         assert!(first_us >= rtt * 1000.0, "{row}");

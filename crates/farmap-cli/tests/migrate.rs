@@ -290,6 +290,7 @@ fn seed_and_leech_move_a_live_region_there_and_back() {
         for key in [
             "downtime_ms",
             "effective_downtime_ms",
+            "app_max_gap_ms",
             "total_ms",
             "dirty_rate_mb_per_s",
         ] {
@@ -493,6 +494,8 @@ fn demo_migrates_there_and_back_and_verifies() {
         for key in [
             "downtime_ms",
             "effective_downtime_ms",
+            "app_max_gap_ms",
+            "wire_mb_per_s",
             "total_ms",
             "bytes_precopy",
             "bytes_postcopy",
@@ -501,6 +504,9 @@ fn demo_migrates_there_and_back_and_verifies() {
         ] {
             assert!(row[key].as_f64().is_some(), "{key} missing in {row}");
         }
+        // The old name stays an alias of the new one; a stream of 64 MiB moved something.
+        assert_eq!(row["app_max_gap_ms"], row["effective_downtime_ms"], "{row}");
+        assert!(row["wire_mb_per_s"].as_f64().unwrap() > 0.0, "{row}");
     }
 }
 

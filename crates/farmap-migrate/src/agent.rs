@@ -34,6 +34,7 @@ use tokio::io::{AsyncBufReadExt, AsyncRead, AsyncWriteExt, BufReader};
 use tokio::net::{UnixListener, UnixStream};
 use tokio::sync::mpsc;
 
+use crate::budget::PullBudget;
 use crate::endpoint::{Destination, Source};
 use crate::event::{Event, Observer};
 use crate::leech::{leech_into, LeechError, LeechOptions, LeechReport, Opener, Resumer};
@@ -105,6 +106,9 @@ pub struct SeedRequest {
     /// How long to wait for the leecher to come back after the hand-over, in ms.
     #[serde(default = "default_reconnect_ms")]
     pub reconnect_ms: u64,
+    /// What the data plane may take from the application.
+    #[serde(default)]
+    pub pull: PullBudget,
 }
 
 /// Migrate a region here.
@@ -129,6 +133,9 @@ pub struct LeechRequest {
     /// How long to keep reconnecting after the hand-over, in ms.
     #[serde(default = "default_reconnect_ms")]
     pub reconnect_ms: u64,
+    /// What the pre-copy may take from the source's application.
+    #[serde(default)]
+    pub pull: PullBudget,
 }
 
 fn default_reconnect_ms() -> u64 {
@@ -446,6 +453,7 @@ async fn run_seed<R: AsyncRead + Unpin, A: App>(
         max_handshakes: crate::seed::MAX_HANDSHAKES,
         log: false,
         observer: Some(observer),
+        pull: req.pull,
     };
     let seeding = match seed(region, suspend, opts).await {
         Ok(s) => s,
@@ -528,6 +536,7 @@ async fn run_leech<R: AsyncRead + Unpin, A: App>(
         },
         pull_workers: req.workers,
         connections: req.connections,
+        pull: req.pull,
         reconnect_for: Duration::from_millis(req.reconnect_ms),
         log: false,
         observer: Some(observer),
@@ -621,6 +630,11 @@ mod tests {
             workers: 16,
             connections: 4,
             reconnect_ms: 1000,
+            pull: PullBudget {
+                priority: crate::PullPriority::Idle,
+                max_rate: Some(100 << 20),
+                cpu_share: Some(0.5),
+            },
         });
         let s = serde_json::to_string(&r).unwrap();
         assert!(
@@ -628,6 +642,12 @@ mod tests {
             "{s}"
         );
         assert_eq!(serde_json::from_str::<Request>(&s).unwrap(), r);
+        // A controller that predates the pull budget gets the default one.
+        let old = r#"{"op":"leech","from":"a:1","max_downtime_us":1,"max_rounds":1,"workers":1,"connections":1}"#;
+        match serde_json::from_str::<Request>(old).unwrap() {
+            Request::Leech(l) => assert_eq!(l.pull, PullBudget::default()),
+            other => panic!("{other:?}"),
+        }
         let c: Request = serde_json::from_str(r#"{"op":"cancel"}"#).unwrap();
         assert_eq!(c, Request::Cancel);
         let e = serde_json::to_string(&Reply::Error {

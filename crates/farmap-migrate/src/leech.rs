@@ -17,6 +17,7 @@ use farmap_pipeline::{PushOptions, RetryPolicy};
 use farmap_uffd::{Region, RegionMode, RegionOptions};
 use tokio::sync::mpsc;
 
+use crate::budget::{Pacer, PullBudget, PullPriority};
 use crate::channel::{connect, Channel, Sender};
 use crate::endpoint::{Destination, EndpointError};
 use crate::event::{Event, Observer, Reporter};
@@ -102,6 +103,10 @@ pub struct LeechOptions {
     pub log: bool,
     /// Receives progress events.
     pub observer: Option<Observer>,
+    /// What the pre-copy may take from the source's application: this process's threads
+    /// run at its priority until the hand-over (the application does not run here before),
+    /// and the pull keeps to its rate and CPU share.
+    pub pull: PullBudget,
 }
 
 impl LeechOptions {
@@ -119,6 +124,7 @@ impl LeechOptions {
             max_size: 1 << 40,
             log: false,
             observer: None,
+            pull: PullBudget::default(),
         }
     }
 }
@@ -434,6 +440,7 @@ pub async fn leech_into<D: Destination>(
         _ => Msg::Hello { session: 0 },
     };
     let (ch, welcome) = handshake(&opts, &hello).await?;
+    let opts_pull = opts.pull;
     let (tx, rx) = ch.split();
     let (work_tx, mut work_rx) = mpsc::unbounded_channel::<LeecherInput>();
     let mut run = Run {
@@ -463,6 +470,8 @@ pub async fn leech_into<D: Destination>(
         lost_since: None,
         answer_by: None,
         postcopy: None,
+        lowered: false,
+        pacer: Arc::new(Pacer::new(&opts_pull)),
     };
     let mut queue: VecDeque<LeecherAction> = machine.step(LeecherInput::Received(welcome)).into();
     loop {
@@ -542,10 +551,28 @@ struct Run<D> {
     answer_by: Option<tokio::time::Instant>,
     /// The post-copy task: it ends with the migration, however the migration ends.
     postcopy: Option<tokio::task::AbortHandle>,
+    /// Whether this process's threads run at the pull's priority (until the hand-over).
+    lowered: bool,
+    /// Keeps the pre-copy within its rate and CPU share.
+    pacer: Arc<Pacer>,
+}
+
+impl<D> Run<D> {
+    /// Gives this process's threads their normal priority back (before the application
+    /// resumes here, or when the migration ends).
+    fn restore_priority(&mut self) {
+        if std::mem::take(&mut self.lowered) {
+            let failed = PullPriority::Normal.apply_to_process();
+            if failed > 0 {
+                tracing::warn!("{failed} threads kept the pull's lower priority");
+            }
+        }
+    }
 }
 
 impl<D> Drop for Run<D> {
     fn drop(&mut self) {
+        self.restore_priority();
         if let Some(task) = self.postcopy.take() {
             task.abort();
         }
@@ -611,13 +638,25 @@ impl<D: Destination> Run<D> {
                 let d = open_dest(&self.opts, open, data_addr, size, chunk_size, page_size)
                     .await
                     .map_err(LeechError::Region)?;
-                self.rep
-                    .note(format!("pulling {size} bytes while the source runs"));
+                let priority = self.opts.pull.priority;
+                if priority != PullPriority::Normal {
+                    // Nothing of the application runs here yet: every thread of this process
+                    // (and those they start) pulls, and gives way to the source's writers.
+                    self.lowered = true;
+                    let failed = priority.apply_to_process();
+                    if failed > 0 {
+                        tracing::warn!("{failed} threads refused the {priority} priority");
+                    }
+                }
+                self.rep.note(format!(
+                    "pulling {size} bytes while the source runs (pull priority {priority})"
+                ));
                 let (r, st, w) = (d.region.clone(), d.store.clone(), self.work.clone());
                 let (page, chunk, workers) = (d.page, d.chunk, self.opts.pull_workers);
-                let rep = self.rep.clone();
+                let (rep, pacer) = (self.rep.clone(), self.pacer.clone());
                 tokio::spawn(async move {
-                    let input = match bulk_pull(r, st, page, chunk, workers, rep.clone()).await {
+                    let pulled = bulk_pull(r, st, page, chunk, workers, rep.clone(), pacer).await;
+                    let input = match pulled {
                         Ok(()) => LeecherInput::PullDone,
                         Err(e) => {
                             rep.note(format!("the pre-copy pull failed: {}", error_chain(&e)));
@@ -634,9 +673,10 @@ impl<D: Destination> Run<D> {
                 };
                 self.dirty_pages += run_pages(&runs);
                 let (region, store, w) = (d.region.clone(), d.store.clone(), self.work.clone());
-                let (page, rep) = (d.page, self.rep.clone());
+                let (page, rep, pacer) = (d.page, self.rep.clone(), self.pacer.clone());
                 tokio::spawn(async move {
-                    let input = match refresh_round(region, store, &runs, page, &rep).await {
+                    let round = refresh_round(region, store, &runs, page, &rep, &pacer).await;
+                    let input = match round {
                         Ok(r) => LeecherInput::RoundDone(r),
                         Err(e) => {
                             rep.note(format!("a dirty round failed: {}", error_chain(&e)));
@@ -771,6 +811,8 @@ impl<D: Destination> Run<D> {
         app_state: Bytes,
         suspended_at_ns: u64,
     ) -> Result<(), LeechError> {
+        // The application runs here from now on: nothing of this process gives way any more.
+        self.restore_priority();
         let Some(d) = self.dest.as_ref() else {
             return Ok(());
         };
@@ -849,6 +891,7 @@ async fn refresh_round<D: Destination>(
     runs: &[Range<u64>],
     page: u64,
     rep: &Reporter,
+    pacer: &Pacer,
 ) -> Result<RoundResult, RoundError> {
     let t0 = Instant::now();
     let (mut read, mut apply) = (Duration::ZERO, Duration::ZERO);
@@ -858,6 +901,7 @@ async fn refresh_round<D: Destination>(
         if pages.is_empty() {
             break;
         }
+        pacer.pace(pages.len() as u64 * page).await;
         let t = Instant::now();
         let data = store.read_pages(&pages).await.map_err(RoundError::Read)?;
         read += t.elapsed();
@@ -958,6 +1002,7 @@ async fn bulk_pull<D: Destination>(
     chunk: u64,
     workers: usize,
     rep: Reporter,
+    pacer: Arc<Pacer>,
 ) -> Result<(), PullError> {
     let chunks = region.geometry().chunk_count();
     let total = region.geometry().size();
@@ -965,6 +1010,7 @@ async fn bulk_pull<D: Destination>(
     let mut tasks = Vec::new();
     for _ in 0..PULL_IN_FLIGHT {
         let (region, store, next, rep) = (region.clone(), store.clone(), next.clone(), rep.clone());
+        let pacer = pacer.clone();
         tasks.push(tokio::spawn(async move {
             loop {
                 let first = next.fetch_add(PULL_BATCH, std::sync::atomic::Ordering::AcqRel);
@@ -975,6 +1021,7 @@ async fn bulk_pull<D: Destination>(
                 let p0 = first * chunk / page;
                 let p1 = (last * chunk).min(total) / page;
                 let pages: Vec<u64> = (p0..p1).collect();
+                pacer.pace((p1 - p0) * page).await;
                 store.stage(&pages).await.map_err(PullError::Read)?;
                 let r = region
                     .fetch_chunks((first..last).map(ChunkIdx).collect(), workers)

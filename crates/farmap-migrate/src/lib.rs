@@ -28,6 +28,7 @@
 #![warn(missing_docs)]
 
 pub mod agent;
+pub mod budget;
 pub mod channel;
 pub mod endpoint;
 pub mod event;
@@ -38,6 +39,7 @@ pub mod seed;
 pub mod suspend;
 pub mod view;
 
+pub use budget::{PullBudget, PullPriority};
 pub use endpoint::{Destination, EndpointError, Source};
 pub use event::{Event, Observer};
 pub use leech::{

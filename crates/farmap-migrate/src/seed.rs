@@ -12,6 +12,7 @@ use farmap_net::{serve, ListenAddr, Listener, ServeError, ServeOptions, TlsServe
 use tokio::sync::mpsc;
 use tokio::task::JoinHandle;
 
+use crate::budget::PullBudget;
 use crate::channel::{Accepted, Channel, ControlListener, Sender};
 use crate::endpoint::{EndpointError, Source};
 use crate::event::{Event, Observer, Reporter};
@@ -41,6 +42,9 @@ pub struct SeedOptions {
     pub log: bool,
     /// Receives progress events.
     pub observer: Option<Observer>,
+    /// What the data plane may take from the application: it runs on threads of its own at
+    /// this priority, and its reads keep to the rate and CPU share.
+    pub pull: PullBudget,
 }
 
 /// Default [`SeedOptions::handshake_timeout`].
@@ -158,25 +162,53 @@ pub async fn seed(
     suspend: Arc<dyn Suspend>,
     opts: SeedOptions,
 ) -> Result<Seeding, SeedError> {
-    let data_listener =
-        Listener::bind(&opts.data_listen)
-            .await
-            .map_err(|source| SeedError::Listen {
-                addr: opts.data_listen.to_string(),
+    // The data plane runs on threads of its own, at the pull's priority: copying pages out
+    // for the leecher gives way to the application's writers.
+    let pull_rt =
+        crate::budget::pull_runtime(opts.pull.priority, 2).map_err(|source| SeedError::Listen {
+            addr: opts.data_listen.to_string(),
+            source,
+        })?;
+    let mut plane = region.clone().data_plane();
+    let pacer = crate::budget::Pacer::new(&opts.pull);
+    if pacer.is_limited() {
+        plane = Arc::new(crate::view::Paced::new(plane, pacer));
+    }
+    let (data_listen, tls) = (opts.data_listen.clone(), opts.tls.clone());
+    let started = pull_rt
+        .handle()
+        .spawn(async move {
+            let data_listener =
+                Listener::bind(&data_listen)
+                    .await
+                    .map_err(|source| SeedError::Listen {
+                        addr: data_listen.to_string(),
+                        source,
+                    })?;
+            let data = data_listener.local_addr().map_err(SeedError::LocalAddr)?;
+            let server = serve(
+                plane,
+                data_listener,
+                ServeOptions {
+                    read_only: true,
+                    tls,
+                    log: false,
+                    ..ServeOptions::default()
+                },
+            )
+            .map_err(SeedError::Serve)?;
+            Ok::<_, SeedError>((data, server))
+        })
+        .await;
+    let (data, server) = match started {
+        Ok(r) => r?,
+        Err(source) => {
+            return Err(SeedError::Task {
+                what: "data plane",
                 source,
-            })?;
-    let data = data_listener.local_addr().map_err(SeedError::LocalAddr)?;
-    let server = serve(
-        region.clone().data_plane(),
-        data_listener,
-        ServeOptions {
-            read_only: true,
-            tls: opts.tls.clone(),
-            log: false,
-            ..ServeOptions::default()
-        },
-    )
-    .map_err(SeedError::Serve)?;
+            });
+        }
+    };
     let control_listener = ControlListener::bind(&opts.listen, opts.tls.as_ref())
         .await
         .map_err(|source| SeedError::Listen {
@@ -218,6 +250,7 @@ pub async fn seed(
         .await;
         drop(accepting);
         let _ = server.shutdown().await;
+        drop(pull_rt);
         r
     });
     Ok(Seeding {

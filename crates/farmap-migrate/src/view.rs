@@ -129,11 +129,14 @@ struct ChunkPages {
     discarded: Vec<Range<u64>>,
     /// Pages read ahead for its next fetch.
     staged: BTreeMap<u64, Bytes>,
+    /// The whole chunk read ahead (a bulk pull): its next fetch takes it as it is, with no
+    /// page-by-page lookup or copy.
+    whole: Option<Bytes>,
 }
 
 impl ChunkPages {
     fn is_empty(&self) -> bool {
-        self.discarded.is_empty() && self.staged.is_empty()
+        self.discarded.is_empty() && self.staged.is_empty() && self.whole.is_none()
     }
 }
 
@@ -203,6 +206,7 @@ impl MigrationStore {
                 for p in gone {
                     c.staged.remove(&p);
                 }
+                c.whole = None;
                 at = end;
             }
         }
@@ -245,12 +249,36 @@ impl MigrationStore {
         self.count(n);
         let per_chunk = self.per_chunk();
         let mut chunks = self.chunks.lock();
-        for (p, d) in pages.iter().zip(data) {
+        let mut i = 0;
+        while i < pages.len() {
+            let (p, chunk) = (pages[i], pages[i] / per_chunk);
+            let first = chunk * per_chunk;
+            // A chunk whose pages all came, in order, and that has nothing else staged or
+            // discarded is kept whole: its fetch is one lookup, not one per page.
+            let count = self.geometry.check_idx(ChunkIdx(chunk)).map_or(0, |()| {
+                self.geometry.chunk_len(ChunkIdx(chunk)) as u64 / self.page
+            }) as usize;
+            let whole = count > 0
+                && p == first
+                && pages
+                    .get(i..i + count)
+                    .is_some_and(|run| run.iter().copied().eq(first..first + count as u64))
+                && chunks.get(&chunk).is_none_or(ChunkPages::is_empty);
+            if whole {
+                let mut buf = BytesMut::with_capacity(count * self.page as usize);
+                for d in &data[i..i + count] {
+                    buf.extend_from_slice(d);
+                }
+                chunks.entry(chunk).or_default().whole = Some(buf.freeze());
+                i += count;
+                continue;
+            }
             chunks
-                .entry(p / per_chunk)
+                .entry(chunk)
                 .or_default()
                 .staged
-                .insert(*p, d);
+                .insert(p, data[i].clone());
+            i += 1;
         }
         Ok(())
     }
@@ -278,6 +306,7 @@ impl MigrationStore {
             let chunk = p / per_chunk;
             if let Some(c) = chunks.get_mut(&chunk) {
                 c.staged.remove(p);
+                c.whole = None;
                 if c.is_empty() {
                     chunks.remove(&chunk);
                 }
@@ -330,6 +359,14 @@ impl MigrationStore {
         let (taken, pages, local) = {
             let mut chunks = self.chunks.lock();
             let c = chunks.entry(idx.0).or_default();
+            if c.discarded.is_empty() {
+                if let Some(whole) = c.whole.take() {
+                    if c.is_empty() {
+                        chunks.remove(&idx.0);
+                    }
+                    return Ok(whole);
+                }
+            }
             let taken = std::mem::take(&mut c.discarded);
             let pages = chunk_pages(&taken, first, len as u64 / self.page, per_chunk);
             let local: Option<Vec<Bytes>> = pages
@@ -430,5 +467,60 @@ impl Store for MigrationStore {
             self.geometry.check_idx(idx)?;
             Ok(ChunkStatus::Unknown)
         })
+    }
+}
+
+/// A store whose reads keep to a pull budget (the seeder's data plane under `--max-rate` or
+/// `--cpu-share`): each read pauses as long as the budget needs before it runs.
+pub(crate) struct Paced {
+    inner: Arc<dyn Store>,
+    pacer: crate::budget::Pacer,
+}
+
+impl Paced {
+    pub(crate) fn new(inner: Arc<dyn Store>, pacer: crate::budget::Pacer) -> Self {
+        Self { inner, pacer }
+    }
+}
+
+impl fmt::Debug for Paced {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("Paced").field("pacer", &self.pacer).finish()
+    }
+}
+
+impl Store for Paced {
+    fn geometry(&self) -> Geometry {
+        self.inner.geometry()
+    }
+
+    fn caps(&self) -> Caps {
+        self.inner.caps()
+    }
+
+    fn read(&self, idx: ChunkIdx) -> BoxFuture<'_, StoreResult<Bytes>> {
+        Box::pin(async move {
+            let g = self.inner.geometry();
+            if g.check_idx(idx).is_ok() {
+                self.pacer.pace(g.chunk_len(idx) as u64).await;
+            }
+            self.inner.read(idx).await
+        })
+    }
+
+    fn write(&self, idx: ChunkIdx, data: Bytes) -> BoxFuture<'_, StoreResult<()>> {
+        self.inner.write(idx, data)
+    }
+
+    fn flush(&self) -> BoxFuture<'_, StoreResult<()>> {
+        self.inner.flush()
+    }
+
+    fn trim(&self, range: ChunkRange) -> BoxFuture<'_, StoreResult<()>> {
+        self.inner.trim(range)
+    }
+
+    fn status(&self, idx: ChunkIdx) -> BoxFuture<'_, StoreResult<ChunkStatus>> {
+        self.inner.status(idx)
     }
 }

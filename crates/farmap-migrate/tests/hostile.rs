@@ -122,6 +122,7 @@ async fn start_seeder(tls: Option<TlsServerConfig>) -> (Seeding, Arc<Region>) {
             max_handshakes: 64,
             log: false,
             observer: None,
+            pull: Default::default(),
         },
     )
     .await

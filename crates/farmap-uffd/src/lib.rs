@@ -68,7 +68,7 @@
 //! every blocked thread. See [`handover`] for the message layout.
 //!
 //! # Where the `unsafe` code is
-//! Five files, every other module is `#[forbid(unsafe_code)]`:
+//! Six files, every other module is `#[forbid(unsafe_code)]`:
 //! - `sys.rs`: the raw kernel interface ([`sys::ioctl`], and `sys::pagemap_scan`, its safe
 //!   `PAGEMAP_SCAN` form);
 //! - `uffd.rs`: opening a userfaultfd and its ioctls ([`uffd::Uffd::register`] is the one
@@ -76,7 +76,8 @@
 //! - `mapping.rs`: mapping, registering, discarding and unmapping the region's memory;
 //! - `slice.rs`: [`RegionSlice`], the only way safe code reaches region memory (volatile,
 //!   bounds-checked accesses);
-//! - `shared_map.rs`: [`SharedMapping`], a file or device mapped shared (the mounts' slices).
+//! - `shared_map.rs`: [`SharedMapping`], a file or device mapped shared (the mounts' slices);
+//! - `sched.rs`: [`sched::set_thread_policy`] (`sched_setscheduler`), for work that gives way.
 //!
 //! eventfd, poll, mmap, madvise and `SCM_RIGHTS` go through `rustix`.
 #![warn(missing_docs)]
@@ -96,6 +97,7 @@ mod options;
 pub mod pagemap;
 #[forbid(unsafe_code)]
 mod region;
+pub mod sched;
 #[forbid(unsafe_code)]
 mod server;
 mod shared_map;

@@ -3,7 +3,10 @@
 //!
 //! Everything runs in this process on loopback: a server (native protocol and gRPC) over a
 //! memory store filled with random data, one [`Proxy`] per server that delays each
-//! direction by rtt/2, and the clients. Cases, per RTT:
+//! direction by rtt/2, and the clients. At an RTT of 0 there is no proxy: the clients
+//! connect to the servers directly (a proxy adds a copy and thread wake-ups that no real
+//! link costs the hosts, so through it the ratios would partly measure the proxy; `proxied`
+//! in each result says which). Cases, per RTT:
 //! - `tcp-raw`: one plain TCP stream through the proxy: the emulated link's capacity.
 //! - `direct-native`: one request at a time over the native protocol.
 //! - `managed-native`: `Cached` + `Puller` over the native protocol, many requests in flight.
@@ -78,6 +81,8 @@ struct NetResult {
     first_chunk_us: f64,
     elapsed_ms: f64,
     verified: bool,
+    /// Whether the case ran through the delay proxy (not at an RTT of 0).
+    proxied: bool,
 }
 
 /// A server streaming `size` bytes to every client after it sends one byte.
@@ -105,6 +110,38 @@ async fn raw_source(size: u64) -> anyhow::Result<SocketAddr> {
         }
     });
     Ok(addr)
+}
+
+/// The link to `to` at `rtt`: a proxy, or none at 0 (a direct connection).
+struct Link {
+    addr: SocketAddr,
+    proxy: Option<ProxyHandle>,
+}
+
+impl Link {
+    async fn to(to: SocketAddr, rtt: Duration) -> anyhow::Result<Link> {
+        if rtt.is_zero() {
+            return Ok(Link {
+                addr: to,
+                proxy: None,
+            });
+        }
+        let p = proxy(to, rtt).await?;
+        Ok(Link {
+            addr: p.local_addr(),
+            proxy: Some(p),
+        })
+    }
+
+    fn local_addr(&self) -> SocketAddr {
+        self.addr
+    }
+
+    async fn shutdown(self) {
+        if let Some(p) = self.proxy {
+            p.shutdown().await;
+        }
+    }
 }
 
 async fn proxy(to: SocketAddr, rtt: Duration) -> anyhow::Result<ProxyHandle> {
@@ -261,13 +298,13 @@ pub async fn run(args: NetArgs) -> anyhow::Result<ExitCode> {
             }
             let (bytes, elapsed, first_us, verified) = match case.as_str() {
                 "tcp-raw" => {
-                    let p = proxy(raw_addr, rtt).await?;
+                    let p = Link::to(raw_addr, rtt).await?;
                     let (first, elapsed) = run_tcp_raw(p.local_addr(), args.size).await?;
                     p.shutdown().await;
                     (args.size, elapsed, first, true)
                 }
                 "direct-native" | "managed-native" => {
-                    let p = proxy(native_addr, rtt).await?;
+                    let p = Link::to(native_addr, rtt).await?;
                     let connections = if case == "direct-native" {
                         1
                     } else {
@@ -298,7 +335,7 @@ pub async fn run(args: NetArgs) -> anyhow::Result<ExitCode> {
                     r
                 }
                 _ => {
-                    let p = proxy(grpc_addr, rtt).await?;
+                    let p = Link::to(grpc_addr, rtt).await?;
                     let remote: Arc<dyn Store> = Arc::new(
                         GrpcStore::connect_with(
                             &format!("http://{}", p.local_addr()),
@@ -335,6 +372,7 @@ pub async fn run(args: NetArgs) -> anyhow::Result<ExitCode> {
                 first_chunk_us: output::round1(first_us),
                 elapsed_ms: output::round1(elapsed.as_secs_f64() * 1e3),
                 verified,
+                proxied: !rtt.is_zero(),
             };
             if args.json {
                 output::json_line(&result)?;
