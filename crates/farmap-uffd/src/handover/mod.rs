@@ -475,6 +475,7 @@ impl Served {
             None,
             events.clone(),
             counters.clone(),
+            None,
         ));
         let cache =
             Arc::new(Cached::new(memory, store).map_err(|e| HandoverError::Setup(Box::new(e)))?);
@@ -488,6 +489,7 @@ impl Served {
             written: None,
             events,
             counters,
+            pager: None,
         });
         server.exit_after_faults = opts.exit_after_faults;
         let server = Arc::new(server);
