@@ -121,6 +121,9 @@ impl RegionMemory {
             let seen = self.events.current();
             match self.range.install(offset, &data, from, self.write_protect) {
                 Ok(done) => {
+                    if let Some(p) = &self.pager {
+                        p.trace_install(idx, done.copied_pages, done.present_pages);
+                    }
                     let bytes = (done.copied_pages * self.range.page_size()) as u64;
                     Counters::add(&self.counters.chunks_fetched, 1);
                     Counters::add(&self.counters.bytes_fetched, bytes);

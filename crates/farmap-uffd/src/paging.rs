@@ -41,6 +41,15 @@
 //! A chunk moved back is write-protected again before its faulting thread is woken (its
 //! content was marked dirty when staged, so nothing is missed), so later writes are tracked.
 //!
+//! # A kernel surprise, handled
+//! Under concurrent moves, drops and pushes, a chunk's pages were seen (Linux 6.18) in its
+//! staging slot while the pager had it active — the region's pages missing, the slot full —
+//! with no move of that chunk made by the pager in between; the cause is not found. Fetching
+//! the chunk again would then bring back stale data (the model test caught it, about one run
+//! in three). The pager therefore checks the slot when an active chunk faults, and when a
+//! deactivation is refused with `EEXIST`, and moves such pages back (counted as
+//! `recovered`); the model test has passed since.
+//!
 //! # Eviction policy
 //! RackMem keeps an active FIFO with a recency score. With no accessed bits from userspace
 //! on this kernel, the score here is a referenced flag per chunk, set (a) when the chunk
@@ -133,6 +142,7 @@ pub(crate) struct PagingCounters {
     pub deactivations: AtomicU64,
     pub staged_refaults: AtomicU64,
     pub writebacks: AtomicU64,
+    pub recovered: AtomicU64,
     pub overcommits: AtomicU64,
 }
 
@@ -159,6 +169,7 @@ pub(crate) struct Pager {
     stop: AtomicBool,
     pub counters: PagingCounters,
     region_counters: Arc<Counters>,
+    trace: Option<Mutex<Vec<(u64, String)>>>,
 }
 
 impl Pager {
@@ -203,6 +214,7 @@ impl Pager {
             stop: AtomicBool::new(false),
             counters: PagingCounters::default(),
             region_counters,
+            trace: std::env::var_os("FARMAP_PAGER_TRACE").map(|_| Mutex::new(Vec::new())),
         })
     }
 
@@ -243,6 +255,53 @@ impl Pager {
         self.kick();
     }
 
+    fn tr(&self, i: u64, what: impl FnOnce() -> String) {
+        if let Some(t) = &self.trace {
+            let (off, len) = self.chunk_span(i);
+            let count = |r: &UffdRange| {
+                let mut n = 0;
+                let mut v = Vec::new();
+                let _ =
+                    self.pagemap
+                        .in_memory(r.base() + off, r.base() + off + len, &mut v, |run| {
+                            n += (run.end - run.start) / 4096
+                        });
+                n
+            };
+            let line = format!(
+                "{} [region {} slot {}]",
+                what(),
+                count(&self.region),
+                count(&self.staging)
+            );
+            t.lock().push((i, line));
+        }
+    }
+
+    pub fn trace_install(&self, idx: ChunkIdx, copied: usize, present: usize) {
+        self.tr(idx.0, || {
+            format!("install copied {copied} present {present}")
+        });
+    }
+
+    /// The trace of chunk `i` (debugging; `FARMAP_PAGER_TRACE` set).
+    pub fn trace_of(&self, i: u64) -> Vec<String> {
+        self.trace
+            .as_ref()
+            .map(|t| {
+                let t = t.lock();
+                let pos = t
+                    .iter()
+                    .rposition(|(c, s)| *c == i && s.starts_with("active-missing"))
+                    .unwrap_or(t.len());
+                t[pos.saturating_sub(40)..(pos + 1).min(t.len())]
+                    .iter()
+                    .map(|(c, s)| format!("{c}: {s}"))
+                    .collect()
+            })
+            .unwrap_or_default()
+    }
+
     /// Pages present in the region and in the staging area now, from the page tables.
     pub fn local_pages(&self) -> std::io::Result<(u64, u64)> {
         let ps = self.region.page_size();
@@ -277,22 +336,32 @@ impl Pager {
                     let _ = self.region.wake(page, ps);
                     return Admit::Done;
                 }
+                // Its pages may sit in its staging slot although it is active (seen on
+                // Linux 6.18 under load, cause not found: see the module docs): move them
+                // back rather than fetch stale data.
+                if !st.slot_busy[i as usize] && self.slot_pages(i) > 0 {
+                    self.tr(i, || {
+                        format!("active-missing page {page:#x} -> recover from slot")
+                    });
+                    Counters::add(&self.counters.recovered, 1);
+                    return self.move_back(&mut st, i);
+                }
                 // Discarded behind our back (the application's madvise): fetch it again,
                 // already counted.
                 st.chunk[i as usize] = St::Fetching { new: false };
+                self.tr(i, || format!("active-missing page {page:#x} -> refetch"));
                 self.evict_from_cache(idx);
                 Admit::Fetch
             }
             St::Staged => self.move_back(&mut st, i),
             St::Remote => {
                 let limit = self.limit();
-                if st.resident < limit
-                    || (overcommit && st.resident < limit + self.min_free())
-                {
+                if st.resident < limit || (overcommit && st.resident < limit + self.min_free()) {
                     if st.resident >= limit {
                         Counters::add(&self.counters.overcommits, 1);
                     }
                     st.resident += 1;
+                    self.tr(i, || format!("remote fault page {page:#x} -> fetch"));
                     st.chunk[i as usize] = St::Fetching { new: true };
                     self.evict_from_cache(idx);
                     if limit.saturating_sub(st.resident) < self.min_free() {
@@ -318,6 +387,7 @@ impl Pager {
         let i = idx.0 as usize;
         let mut st = self.state.lock();
         if let St::Fetching { new } = st.chunk[i] {
+            self.tr(idx.0, || format!("fetched ok={ok}"));
             if ok {
                 st.chunk[i] = St::Active;
                 st.referenced[i] = true;
@@ -342,7 +412,9 @@ impl Pager {
         // empty (EEXIST). Unprotecting clears the markers; pages already back (a partial
         // move) become unprotected, which only means an extra push.
         let _ = self.region.write_protect(off, len, false, false);
-        if let Err((_, e)) = self.staging.move_to(off, &self.region, off, len, mode) {
+        let r = self.staging.move_to(off, &self.region, off, len, mode);
+        self.tr(i, || format!("move back {r:?}"));
+        if let Err((_, e)) = r {
             // EAGAIN: an event is pending, or a page is busy. Pages already moved stay in
             // the region; the retry skips their holes in the slot.
             if e != libc::EAGAIN {
@@ -367,6 +439,18 @@ impl Pager {
         Admit::Done
     }
 
+    /// Pages of chunk `i`'s staging slot present in memory.
+    fn slot_pages(&self, i: u64) -> usize {
+        let (off, len) = self.chunk_span(i);
+        let base = self.staging.base() + off;
+        let mut n = 0;
+        let mut v = Vec::new();
+        let _ = self
+            .pagemap
+            .in_memory(base, base + len, &mut v, |run| n += run.end - run.start);
+        n
+    }
+
     /// Copies staged chunk `idx` out of its staging slot into `buf` (for the pusher); false
     /// if the chunk is not (wholly) staged: read the region instead.
     pub fn read_staged(&self, idx: ChunkIdx, buf: &mut [u8]) -> bool {
@@ -379,7 +463,11 @@ impl Pager {
         let base = self.staging.base() + off;
         // Every page must be there: reading a hole of the staging area would fault, and
         // nobody serves staging faults.
-        if !self.pagemap.all_in_memory(base, base + len).unwrap_or(false) {
+        if !self
+            .pagemap
+            .all_in_memory(base, base + len)
+            .unwrap_or(false)
+        {
             return false;
         }
         self.staging_map.read(off, &mut buf[..len])
@@ -409,35 +497,50 @@ impl Pager {
                 continue;
             }
             let (off, len) = self.chunk_span(i);
-            match self.region.move_to(off, &self.staging, off, len, 0) {
-                Ok(_) => {
-                    st.chunk[iu] = St::Staged;
-                    st.slot_busy[iu] = true;
-                    st.staged_epoch[iu] = st.epoch;
-                    st.staged.push_back(i);
-                    self.evict_from_cache(ChunkIdx(i));
+            let r = self.region.move_to(off, &self.staging, off, len, 0);
+            self.tr(i, || format!("deactivate {r:?} epoch {}", st.epoch));
+            let moved = match r {
+                Ok(_) => true,
+                // The slot holds pages although the chunk is active (see `on_fault`): put
+                // them back where they belong.
+                Err((0, libc::EEXIST)) => {
+                    Counters::add(&self.counters.recovered, 1);
+                    let mode =
+                        sys::UFFDIO_MOVE_MODE_DONTWAKE | sys::UFFDIO_MOVE_MODE_ALLOW_SRC_HOLES;
+                    let _ = self.staging.move_to(off, &self.region, off, len, mode);
+                    let _ = self.region.wake(off, len);
                     if let Some(mark) = self.mark.get() {
                         mark(ChunkIdx(i));
                     }
-                    Counters::add(&self.counters.deactivations, 1);
-                    done += 1;
+                    false
                 }
-                Err((moved, _)) => {
-                    // A hole (discarded page) or a busy page: put back what moved, keep it
-                    // active.
-                    if moved > 0 {
-                        let mode = sys::UFFDIO_MOVE_MODE_ALLOW_SRC_HOLES;
-                        let _ = self.staging.move_to(off, &self.region, off, len, mode);
-                        let _ = self.region.write_protect(off, len, true, false);
-                        // Pages moved back are unprotected until then: their writes may
-                        // have been missed by the scans; let the pusher take the chunk.
-                        if let Some(mark) = self.mark.get() {
-                            mark(ChunkIdx(i));
-                        }
-                    }
-                    st.referenced[iu] = true;
-                    st.active.push_back(i);
+                // Nothing moved (a discarded page, a busy one): it stays active.
+                Err((0, _)) => false,
+                // Part of it moved: it is staged all the same (moving back skips the slot's
+                // holes; a pusher read of it goes through the region and moves it back).
+                // Undoing the move could fail too, and leave pages stranded in the slot.
+                Err((_, e)) => {
+                    self.region_counters.error(format!(
+                        "moving chunk {i} to staging stopped part way: {}",
+                        std::io::Error::from_raw_os_error(e)
+                    ));
+                    true
                 }
+            };
+            if moved {
+                st.chunk[iu] = St::Staged;
+                st.slot_busy[iu] = true;
+                st.staged_epoch[iu] = st.epoch;
+                st.staged.push_back(i);
+                self.evict_from_cache(ChunkIdx(i));
+                if let Some(mark) = self.mark.get() {
+                    mark(ChunkIdx(i));
+                }
+                Counters::add(&self.counters.deactivations, 1);
+                done += 1;
+            } else {
+                st.referenced[iu] = true;
+                st.active.push_back(i);
             }
         }
         done
@@ -449,18 +552,15 @@ impl Pager {
         let shift = self.geometry.chunk_shift();
         let mut hits = Vec::new();
         let mut scratch = Vec::new();
-        let _ = self.pagemap.peek_written(
-            base,
-            base + self.region.len(),
-            &mut scratch,
-            |run| {
+        let _ = self
+            .pagemap
+            .peek_written(base, base + self.region.len(), &mut scratch, |run| {
                 if run.has_data {
                     let first = ((run.start - base) as u64) >> shift;
                     let last = ((run.end - base - 1) as u64) >> shift;
                     hits.extend(first..=last);
                 }
-            },
-        );
+            });
         if hits.is_empty() {
             return;
         }
@@ -490,13 +590,21 @@ impl Pager {
                 st.staged.pop_front();
                 // Still resident (slot busy) until its pages are gone.
                 st.chunk[iu] = St::Remote;
+                self.tr(i, || {
+                    format!(
+                        "drop (staged {} < flushed {})",
+                        st.staged_epoch[iu], st.flushed
+                    )
+                });
                 victims.push(i);
             }
         }
         for &i in &victims {
             let (off, len) = self.chunk_span(i);
             // Outside the lock: madvise waits for the reader to read its remove event.
-            if let Some(Err(e)) = self.staging_map.discard(off, len) {
+            let r = self.staging_map.discard(off, len);
+            self.tr(i, || format!("discarded {r:?}"));
+            if let Some(Err(e)) = r {
                 self.region_counters
                     .error(format!("dropping staged chunk {i}: {e}"));
             }

@@ -16,12 +16,12 @@ use crate::error::{RegionError, Unsupported};
 use crate::handover::Remote;
 use crate::mapping::OwnedMapping;
 use crate::memory::{Events, RegionMemory};
+use crate::options::LocalLimit;
 use crate::options::{RegionMode, RegionOptions, TrackingMode, WriteTracking};
 use crate::pagemap::Pagemap;
 use crate::paging::{Pager, Reclaimer};
 use crate::server::{OwnedRuntime, Reader, Server, ServerParts};
 use crate::slice::RegionSlice;
-use crate::options::LocalLimit;
 use crate::stats::{Counters, DirtyReport, HandlerLocation, PagingStats, RegionStats};
 use crate::sys;
 use crate::tracking::{PageBits, Tracker};
@@ -574,6 +574,7 @@ impl Region {
                     deactivations: Counters::get(&pc.deactivations),
                     staged_refaults: Counters::get(&pc.staged_refaults),
                     overcommits: Counters::get(&pc.overcommits),
+                    recovered: Counters::get(&pc.recovered),
                 }
             }),
             last_error,
@@ -601,6 +602,15 @@ impl Region {
                 .local_pages()
                 .map_err(|e| RegionError::sys("PAGEMAP_SCAN of present pages", e)),
         )
+    }
+
+    #[doc(hidden)]
+    pub fn pager_trace(&self, chunk: u64) -> Vec<String> {
+        self.inner
+            .pager
+            .as_ref()
+            .map(|p| p.trace_of(chunk))
+            .unwrap_or_default()
     }
 
     /// Whether the region's local memory is bounded.

@@ -236,8 +236,15 @@ impl Server {
                     overcommit = !pager.make_room().await;
                 }
                 Admit::Fetch => {
-                    let cache = &self.cache;
-                    let fetched = retry(self.fetch_retry, || cache.fetch(idx)).await;
+                    // Straight from the store into the region's missing pages: the pager's
+                    // state already makes this the only fetch of the chunk, and the cache's
+                    // presence map does not know about moves.
+                    let (store, memory) = (self.cache.remote(), self.cache.local());
+                    let fetched = retry(self.fetch_retry, || async {
+                        let data = store.read(idx).await?;
+                        memory.write(idx, data).await
+                    })
+                    .await;
                     pager.fetched(idx, fetched.is_ok());
                     if let Err(e) = fetched {
                         self.counters.error(farmap_core::error_chain(&e));

@@ -88,6 +88,9 @@ pub struct PagingStats {
     pub staged_refaults: u64,
     /// Chunks admitted over the limit (within `min_free`) because nothing could be reclaimed.
     pub overcommits: u64,
+    /// Active chunks whose pages were found in their staging slot and moved back (see the
+    /// paging module's documentation).
+    pub recovered: u64,
 }
 
 /// What [`Region::take_dirty`](crate::Region::take_dirty) found: the pages written since the

@@ -101,7 +101,35 @@ fn no_write_lost(seed: u64, limits: &[u8], push: Option<Duration>) {
         "the limit never made the region evict anything: {paging:?}"
     );
     region.sync().unwrap();
-    assert!(snapshot(&*store) == model, "the store differs from the model after a sync");
+    let snap = snapshot(&*store);
+    if snap != model {
+        let bad: Vec<usize> = (0..model.len() / 8)
+            .filter(|w| snap[w * 8..w * 8 + 8] != model[w * 8..w * 8 + 8])
+            .collect();
+        let mem = region.memory().to_vec();
+        let mem_bad = (0..model.len() / 8)
+            .filter(|w| mem[w * 8..w * 8 + 8] != model[w * 8..w * 8 + 8])
+            .count();
+        let chunks: std::collections::BTreeSet<usize> =
+            bad.iter().map(|w| w * 8 / CHUNK as usize).collect();
+        for c in &chunks {
+            eprintln!("chunk {c}: {:#?}", region.pager_trace(*c as u64));
+        }
+        for w in &bad {
+            eprintln!(
+                "word {w} (offset {:#x}) model {:x?} mem {:x?}",
+                w * 8,
+                &model[w * 8..w * 8 + 8],
+                &mem[w * 8..w * 8 + 8]
+            );
+        }
+        panic!(
+            "the store differs from the model after a sync: {} words in chunks {chunks:?} \
+             (memory differs in {mem_bad} words); {:?}",
+            bad.len(),
+            region.stats()
+        );
+    }
     assert!(
         region.memory().to_vec() == model,
         "the region's memory differs from the model"
@@ -186,7 +214,10 @@ fn resident_memory_stays_under_limit() {
             "{in_region} pages in the region and {staged} staged: more than {bound_chunks} \
              chunks of {pages_per_chunk} pages"
         );
-        assert!(resident <= bound_chunks, "{resident} chunks resident > {bound_chunks}");
+        assert!(
+            resident <= bound_chunks,
+            "{resident} chunks resident > {bound_chunks}"
+        );
         max_pages = max_pages.max(in_region + staged);
         samples += 1;
         std::thread::sleep(Duration::from_millis(1));
