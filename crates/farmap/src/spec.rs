@@ -825,6 +825,14 @@ impl StoreSpec {
     }
 }
 
+/// Turns a store's error while opening `spec` into an [`OpenError`] naming the spec.
+fn store_error(spec: &StoreSpec) -> impl Fn(farmap_core::StoreError) -> OpenError + Copy + '_ {
+    move |source| OpenError::Store {
+        spec: spec.to_string(),
+        source,
+    }
+}
+
 /// Opens (or creates) the store a spec names: any spec, local or remote (a remote store
 /// connects now; its failure to connect is the error).
 pub async fn open_store_async(spec: &StoreSpec) -> Result<Arc<dyn Store>, OpenError> {
@@ -838,10 +846,7 @@ pub async fn open_store_async(spec: &StoreSpec) -> Result<Arc<dyn Store>, OpenEr
             let opts = remote::client_options(tls, *connections, *timeout);
             let store = RemoteStore::connect(addr.clone(), opts)
                 .await
-                .map_err(|source| OpenError::Store {
-                    spec: spec.to_string(),
-                    source,
-                })?;
+                .map_err(store_error(spec))?;
             Ok(Arc::new(store))
         }
         SpecKind::Grpc {
@@ -858,10 +863,7 @@ pub async fn open_store_async(spec: &StoreSpec) -> Result<Arc<dyn Store>, OpenEr
             }
             let store = GrpcStore::connect_with(&format!("http://{addr}"), opts)
                 .await
-                .map_err(|source| OpenError::Store {
-                    spec: spec.to_string(),
-                    source,
-                })?;
+                .map_err(store_error(spec))?;
             Ok(Arc::new(store))
         }
         SpecKind::Cql(target) => {
@@ -890,10 +892,7 @@ pub async fn open_store_async(spec: &StoreSpec) -> Result<Arc<dyn Store>, OpenEr
         SpecKind::Redis(config) => {
             let store = farmap_redis::RedisStore::open(config, spec.size, spec.chunk_size)
                 .await
-                .map_err(|source| OpenError::Store {
-                    spec: spec.to_string(),
-                    source,
-                })?;
+                .map_err(store_error(spec))?;
             Ok(Arc::new(store))
         }
         SpecKind::S3 { location } => {
@@ -904,10 +903,7 @@ pub async fn open_store_async(spec: &StoreSpec) -> Result<Arc<dyn Store>, OpenEr
                 read_only: spec.read_only,
             })
             .await
-            .map_err(|source| OpenError::Store {
-                spec: spec.to_string(),
-                source,
-            })?;
+            .map_err(store_error(spec))?;
             Ok(Arc::new(store))
         }
         SpecKind::Nbd {
@@ -918,22 +914,15 @@ pub async fn open_store_async(spec: &StoreSpec) -> Result<Arc<dyn Store>, OpenEr
             let opts = nbd::client_options(spec.chunk_size, spec.read_only, *connections, *timeout);
             let store = farmap_nbd::NbdStore::connect(target.clone(), opts)
                 .await
-                .map_err(|source| OpenError::Store {
-                    spec: spec.to_string(),
-                    source,
-                })?;
+                .map_err(store_error(spec))?;
             Ok(Arc::new(store))
         }
         SpecKind::Tier(t) => tier::open(spec, t).await,
         SpecKind::Verified { inner } => {
             let store = Box::pin(open_store_async(inner)).await?;
-            let verified =
-                farmap_pipeline::Verified::open(store, None)
-                    .await
-                    .map_err(|source| OpenError::Store {
-                        spec: spec.to_string(),
-                        source,
-                    })?;
+            let verified = farmap_pipeline::Verified::open(store, None)
+                .await
+                .map_err(store_error(spec))?;
             Ok(Arc::new(verified))
         }
         SpecKind::Mirror {
@@ -957,20 +946,14 @@ pub async fn open_mirror(
 ) -> Result<farmap_pipeline::Mirrored, OpenError> {
     let p = Box::pin(open_store_async(primary)).await?;
     let m = Box::pin(open_store_async(mirror)).await?;
-    farmap_pipeline::Mirrored::new(p, m, options).map_err(|source| OpenError::Store {
-        spec: spec.to_string(),
-        source,
-    })
+    farmap_pipeline::Mirrored::new(p, m, options).map_err(store_error(spec))
 }
 
 /// Opens (or creates) the local store a spec names; remote and stage specs need
 /// [`open_store_async`] (or [`open_store_blocking`]).
 pub fn open_store(spec: &StoreSpec) -> Result<Arc<dyn Store>, OpenError> {
     let chunk = spec.chunk_size_or_default();
-    let store_err = |source| OpenError::Store {
-        spec: spec.to_string(),
-        source,
-    };
+    let store_err = store_error(spec);
     Ok(match &spec.kind {
         SpecKind::Memory => {
             let size = spec.size.expect("memory specs always carry a size");

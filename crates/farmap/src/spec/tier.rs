@@ -213,10 +213,7 @@ pub(super) async fn open(spec: &StoreSpec, t: &TierSpec) -> Result<Arc<dyn Store
         },
         ..TierOptions::default()
     };
-    let store = Tiered::open(tiers, opts).map_err(|source| OpenError::Store {
-        spec: spec.to_string(),
-        source,
-    })?;
+    let store = Tiered::open(tiers, opts).map_err(super::store_error(spec))?;
     Ok(Arc::new(store))
 }
 
