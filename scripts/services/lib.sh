@@ -32,11 +32,17 @@ svc_track() { SVC_PIDS+=("$1"); }
 # port_free PORT: whether nothing listens on 127.0.0.1:PORT.
 port_free() { ! (exec 3<>"/dev/tcp/127.0.0.1/$1") 2>/dev/null; }
 
-# free_port [PLUS]: a port in 20000-39999 where PORT (and PORT+PLUS, when given) are free.
+# free_port [PLUS]: a port where PORT (and PORT+PLUS, when given) are free, both below the
+# kernel's ephemeral range: a port in that range can be taken at any moment as the local port
+# of some outgoing connection or of a listener on port 0, and the server's bind then fails
+# ("port already in use") although nothing listened when the port was chosen.
 free_port() {
-  local plus=${1:-0} p
+  local plus=${1:-0} p lo=10000 hi
+  hi=$(cut -f1 /proc/sys/net/ipv4/ip_local_port_range 2>/dev/null || echo 32768)
+  hi=$((hi - 1 - plus))
+  [ "$hi" -gt $((lo + 100)) ] || die "no room for ports below the ephemeral range ($hi)"
   for _ in $(seq 1 200); do
-    p=$((20000 + RANDOM % 20000))
+    p=$((lo + RANDOM % (hi - lo)))
     port_free "$p" && { [ "$plus" = 0 ] || port_free $((p + plus)); } && { echo "$p"; return 0; }
   done
   die "no free port found"
