@@ -549,9 +549,13 @@ impl Store for RedisStore {
             let FlushPolicy::Wait { replicas } = self.flush else {
                 return Ok(());
             };
-            // The server gives up a little before the client would, so that its answer (how
-            // many replicas acknowledged) arrives rather than a client-side timeout.
-            let wait = self.timeout * 3 / 4;
+            // The server gives up before the client would, so that its answer (how many
+            // replicas acknowledged) arrives rather than a client-side timeout. Redis checks
+            // a blocked client's timeout from its event loop, which may sleep until the next
+            // cron tick (100 ms at the default hz 10): WAIT can answer that much late, so the
+            // margin is at least 150 ms.
+            let margin = (self.timeout / 4).max(Duration::from_millis(150));
+            let wait = self.timeout.saturating_sub(margin);
             let ms = wait.as_millis().max(1) as u64;
             let mut cmd = redis::cmd("WAIT");
             cmd.arg(replicas).arg(ms);
