@@ -2,8 +2,9 @@
 //! write-heavy run: no error reaches the application, every acknowledged write is found (by a
 //! model check) through the stage, and on the restarted primary once it is resynchronised.
 
-use std::io::{BufRead, BufReader};
-use std::process::{Child, Command, Stdio};
+mod common;
+
+use std::process::Child;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -22,28 +23,7 @@ struct Served {
 
 impl Served {
     fn start(spec: &str, listen: &str) -> Served {
-        let mut child = Command::new(env!("CARGO_BIN_EXE_farmap"))
-            .args(["serve", spec, "--listen", listen])
-            .stdout(Stdio::null())
-            .stderr(Stdio::piped())
-            .spawn()
-            .expect("start farmap serve");
-        let mut stderr = BufReader::new(child.stderr.take().unwrap());
-        let mut line = String::new();
-        stderr.read_line(&mut line).unwrap();
-        let addr = line
-            .split("listening on ")
-            .nth(1)
-            .and_then(|rest| rest.split_whitespace().next())
-            .unwrap_or_else(|| panic!("no address in {line:?}"))
-            .to_owned();
-        // Keep reading (and dropping) its stderr so that it never blocks on a full pipe.
-        std::thread::spawn(move || {
-            let mut sink = String::new();
-            while stderr.read_line(&mut sink).unwrap_or(0) > 0 {
-                sink.clear();
-            }
-        });
+        let (child, addr) = common::serve(&[spec, "--listen", listen]);
         Served { child, addr }
     }
 

@@ -6,6 +6,8 @@ use std::path::{Path, PathBuf};
 use std::process::{Child, ChildStdin, Command, Output, Stdio};
 use std::time::Duration;
 
+mod common;
+
 const SCRIPT: &str = concat!(env!("CARGO_MANIFEST_DIR"), "/tests/data/mmap_pattern.py");
 
 fn farmap(args: &[&str]) -> Output {
@@ -192,25 +194,7 @@ fn python_mmap_pattern_over_a_remote_store_in_managed_mode() {
     );
     std::fs::create_dir(&dir).unwrap();
     let dir_store = format!("dir:{}?size=8MiB", s(&chunks));
-    let serve = |spec: &str| {
-        let mut child = Command::new(env!("CARGO_BIN_EXE_farmap"))
-            .args(["serve", spec, "--listen", "127.0.0.1:0", "--quiet"])
-            .stderr(Stdio::piped())
-            .spawn()
-            .unwrap();
-        let mut line = String::new();
-        let mut err = BufReader::new(child.stderr.take().unwrap());
-        err.read_line(&mut line).unwrap();
-        let addr = line
-            .split("listening on ")
-            .nth(1)
-            .and_then(|r| r.split_whitespace().next())
-            .unwrap_or_else(|| panic!("no address in {line:?}"))
-            .to_owned();
-        // Keep reading its stderr: a server whose stderr is closed fails to log its shutdown.
-        std::thread::spawn(move || std::io::copy(&mut err, &mut std::io::sink()));
-        (child, addr)
-    };
+    let serve = |spec: &str| common::serve(&[spec, "--listen", "127.0.0.1:0", "--quiet"]);
     let stop = |mut child: Child| {
         Command::new("kill")
             .args(["-TERM", &child.id().to_string()])
@@ -414,27 +398,7 @@ fn a_managed_mount_with_a_cache_max_stays_bounded() {
     let tmp = tempfile::tempdir().unwrap();
     let dir = tmp.path().join("mnt");
     std::fs::create_dir(&dir).unwrap();
-    let mut server = Command::new(env!("CARGO_BIN_EXE_farmap"))
-        .args([
-            "serve",
-            "memory:64MiB",
-            "--listen",
-            "127.0.0.1:0",
-            "--quiet",
-        ])
-        .stderr(Stdio::piped())
-        .spawn()
-        .unwrap();
-    let mut err = BufReader::new(server.stderr.take().unwrap());
-    let mut line = String::new();
-    err.read_line(&mut line).unwrap();
-    let addr = line
-        .split("listening on ")
-        .nth(1)
-        .and_then(|r| r.split_whitespace().next())
-        .unwrap_or_else(|| panic!("no address in {line:?}"))
-        .to_owned();
-    std::thread::spawn(move || std::io::copy(&mut err, &mut std::io::sink()));
+    let (server, addr) = common::serve(&["memory:64MiB", "--listen", "127.0.0.1:0", "--quiet"]);
     struct Kill(Child);
     impl Drop for Kill {
         fn drop(&mut self) {
