@@ -72,6 +72,14 @@ pub enum Unsupported {
     /// Asynchronous write protection was asked for and is missing.
     #[error("asynchronous write protection (UFFD_FEATURE_WP_ASYNC) is missing")]
     WpAsync,
+    /// `UFFDIO_MOVE` (`UFFD_FEATURE_MOVE`, Linux 6.8+) is missing: bounded local memory
+    /// needs it.
+    #[error("UFFDIO_MOVE (UFFD_FEATURE_MOVE) is missing; bounded local memory needs it")]
+    Move,
+    /// Bounded local memory needs asynchronous write tracking (a chunk moved back from
+    /// staging is unprotected; only WP_ASYNC scans see its later writes).
+    #[error("bounded local memory needs asynchronous write tracking (WP_ASYNC)")]
+    PagingNeedsAsync,
     /// `UFFDIO_WRITEPROTECT` is not available on anonymous memory.
     #[error("UFFDIO_WRITEPROTECT is not available on anonymous memory")]
     WriteProtect,

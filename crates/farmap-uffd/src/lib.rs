@@ -57,6 +57,13 @@
 //! the write is then reported by the next scan and pushed again, so after a final
 //! [`Region::sync`] the store holds the memory's content.
 //!
+//! # Bounded local memory
+//! With [`RegionOptions::paging`] a region holds at most a limit of chunks locally (mapped
+//! or staged with `UFFDIO_MOVE`), evicts the rest to the store (written chunks are written
+//! back first) and reclaims ahead of faults on its own thread; the limit can change at run
+//! time ([`Region::set_local_max`]). The states, the eviction policy and why it was chosen
+//! are documented in the `paging` module (`src/paging.rs`).
+//!
 //! # fork()
 //! The region is marked `MADV_DONTFORK`: a child process does not inherit it, and touching
 //! its addresses in the child raises SIGSEGV (rather than silently reading zeros for pages
@@ -96,6 +103,8 @@ mod options;
 #[forbid(unsafe_code)]
 pub mod pagemap;
 #[forbid(unsafe_code)]
+mod paging;
+#[forbid(unsafe_code)]
 mod region;
 pub mod sched;
 #[forbid(unsafe_code)]
@@ -110,8 +119,10 @@ mod tracking;
 pub mod uffd;
 
 pub use error::{RegionError, Unsupported};
-pub use options::{RegionMode, RegionOptions, TrackingMode, WriteTracking};
+pub use options::{
+    LocalLimit, PagingOptions, RegionMode, RegionOptions, TrackingMode, WriteTracking,
+};
 pub use region::{probe, Region, Support};
 pub use shared_map::SharedMapping;
 pub use slice::{RegionSlice, SliceError};
-pub use stats::{DirtyReport, HandlerLocation, RegionStats};
+pub use stats::{DirtyReport, HandlerLocation, PagingStats, RegionStats};

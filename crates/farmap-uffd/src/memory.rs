@@ -16,6 +16,7 @@ use farmap_core::{
 use tokio::sync::Notify;
 
 use crate::mapping::Mapping;
+use crate::paging::Pager;
 use crate::stats::Counters;
 use crate::uffd::{InstallError, UffdRange};
 
@@ -70,6 +71,8 @@ pub(crate) struct RegionMemory {
     mapping: Option<Arc<Mapping>>,
     events: Arc<Events>,
     counters: Arc<Counters>,
+    /// Bounded local memory: staged chunks are read out of their staging slot.
+    pager: Option<Arc<Pager>>,
 }
 
 impl RegionMemory {
@@ -80,6 +83,7 @@ impl RegionMemory {
         mapping: Option<Arc<Mapping>>,
         events: Arc<Events>,
         counters: Arc<Counters>,
+        pager: Option<Arc<Pager>>,
     ) -> Self {
         Self {
             range,
@@ -88,6 +92,7 @@ impl RegionMemory {
             mapping,
             events,
             counters,
+            pager,
         }
     }
 
@@ -116,6 +121,9 @@ impl RegionMemory {
             let seen = self.events.current();
             match self.range.install(offset, &data, from, self.write_protect) {
                 Ok(done) => {
+                    if let Some(p) = &self.pager {
+                        p.trace_install(idx, done.copied_pages, done.present_pages);
+                    }
                     let bytes = (done.copied_pages * self.range.page_size()) as u64;
                     Counters::add(&self.counters.chunks_fetched, 1);
                     Counters::add(&self.counters.bytes_fetched, bytes);
@@ -168,8 +176,12 @@ impl Store for RegionMemory {
             let (Some(mapping), geometry) = (self.mapping.clone(), self.geometry) else {
                 return self.read_now(idx);
             };
+            let pager = self.pager.clone();
             let copy = tokio::task::spawn_blocking(move || {
                 let mut buf = vec![0u8; geometry.chunk_len(idx)];
+                if pager.is_some_and(|p| p.read_staged(idx, &mut buf)) {
+                    return Some(Bytes::from(buf));
+                }
                 mapping
                     .read(geometry.offset_of(idx) as usize, &mut buf)
                     .then(|| Bytes::from(buf))

@@ -145,6 +145,24 @@ impl Pagemap {
         self.walk(start, end, flags, masks, vec, f)
     }
 
+    /// Reports the written pages of `start..end` (written since they were last
+    /// write-protected; runs with `has_data` false are holes) without protecting them again:
+    /// a look that takes nothing from the write tracking.
+    pub fn peek_written(
+        &self,
+        start: usize,
+        end: usize,
+        vec: &mut Vec<PageRegion>,
+        f: impl FnMut(PageRun),
+    ) -> io::Result<()> {
+        let masks = (
+            sys::PAGE_IS_WRITTEN,
+            0,
+            sys::PAGE_IS_WRITTEN | sys::PAGE_IS_PRESENT | sys::PAGE_IS_SWAPPED,
+        );
+        self.walk(start, end, 0, masks, vec, f)
+    }
+
     /// Reports the runs of `start..end` that hold data (present or swapped pages); changes
     /// nothing.
     pub fn present(
@@ -156,6 +174,27 @@ impl Pagemap {
     ) -> io::Result<()> {
         let data = sys::PAGE_IS_PRESENT | sys::PAGE_IS_SWAPPED;
         self.walk(start, end, 0, (0, data, data), vec, f)
+    }
+
+    /// Reports the runs of `start..end` whose pages are present in memory (not swapped, not
+    /// write-protect markers on empty entries); changes nothing.
+    pub fn in_memory(
+        &self,
+        start: usize,
+        end: usize,
+        vec: &mut Vec<PageRegion>,
+        f: impl FnMut(PageRun),
+    ) -> io::Result<()> {
+        let p = sys::PAGE_IS_PRESENT;
+        self.walk(start, end, 0, (p, 0, p), vec, f)
+    }
+
+    /// Whether every page of `start..end` is present in memory.
+    pub fn all_in_memory(&self, start: usize, end: usize) -> io::Result<bool> {
+        let mut vec = Vec::with_capacity(16);
+        let mut covered = 0;
+        self.in_memory(start, end, &mut vec, |run| covered += run.end - run.start)?;
+        Ok(covered == end - start)
     }
 
     /// Whether every page of `start..end` holds data.

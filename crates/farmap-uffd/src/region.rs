@@ -16,11 +16,13 @@ use crate::error::{RegionError, Unsupported};
 use crate::handover::Remote;
 use crate::mapping::OwnedMapping;
 use crate::memory::{Events, RegionMemory};
+use crate::options::LocalLimit;
 use crate::options::{RegionMode, RegionOptions, TrackingMode, WriteTracking};
 use crate::pagemap::Pagemap;
+use crate::paging::{Pager, Reclaimer};
 use crate::server::{OwnedRuntime, Reader, Server, ServerParts};
 use crate::slice::RegionSlice;
-use crate::stats::{Counters, DirtyReport, HandlerLocation, RegionStats};
+use crate::stats::{Counters, DirtyReport, HandlerLocation, PagingStats, RegionStats};
 use crate::sys;
 use crate::tracking::{PageBits, Tracker};
 use crate::uffd::{Uffd, UffdRange};
@@ -72,6 +74,8 @@ pub fn probe() -> Result<Support, RegionError> {
 pub struct Region {
     inner: Arc<Inner>,
     mapping: OwnedMapping,
+    /// The staging area of bounded local memory.
+    staging: Option<OwnedMapping>,
     runtime: Option<OwnedRuntime>,
 }
 
@@ -89,6 +93,9 @@ pub(crate) struct Inner {
     pub remote: Mutex<Option<Remote>>,
     /// Set when the region starts closing: no take-over after that.
     pub closed: AtomicBool,
+    /// Bounded local memory: the pager and its reclaim thread.
+    pub pager: Option<Arc<Pager>>,
+    pub reclaimer: Mutex<Option<Reclaimer>>,
 }
 
 impl Inner {
@@ -114,7 +121,7 @@ impl Inner {
         if self.closed.load(Ordering::Acquire) || !self.start_reader(false)? {
             return Ok(());
         }
-        if let Some(pull) = &self.pull {
+        if let (Some(pull), None) = (&self.pull, &self.pager) {
             let missing = self.chunks_not_present()?;
             let _enter = self.handle.enter();
             let puller = Puller::start(
@@ -226,7 +233,19 @@ impl Region {
                 return Err(RegionError::unsupported(Unsupported::WpAsync))
             }
         };
+        let paging = opts.paging.clone();
+        if paging.is_some() {
+            if support.features & sys::UFFD_FEATURE_MOVE == 0 {
+                return Err(RegionError::unsupported(Unsupported::Move));
+            }
+            if mode != TrackingMode::Async {
+                return Err(RegionError::unsupported(Unsupported::PagingNeedsAsync));
+            }
+        }
         let mut features = sys::UFFD_FEATURE_EVENT_REMOVE;
+        if paging.is_some() {
+            features |= sys::UFFD_FEATURE_MOVE;
+        }
         if mode == TrackingMode::Async {
             features |= sys::UFFD_FEATURE_WP_ASYNC | sys::UFFD_FEATURE_WP_UNPOPULATED;
         }
@@ -247,7 +266,21 @@ impl Region {
         if ioctls & sys::UFFDIO_BIT_WRITEPROTECT == 0 {
             return Err(RegionError::unsupported(Unsupported::WriteProtect));
         }
-        let range = UffdRange::new(uffd, mapping.addr(), len);
+        let range = UffdRange::new(uffd.clone(), mapping.addr(), len);
+        // Bounded local memory: a staging area as large as the region (MAP_NORESERVE: only
+        // staged pages take memory), registered with the same userfaultfd so that
+        // UFFDIO_MOVE works between the two.
+        let staging = match &paging {
+            Some(_) => {
+                let owned = OwnedMapping::new(len, None)
+                    .map_err(|e| RegionError::sys("mapping the staging area", e))?;
+                owned
+                    .register(&uffd, sys::UFFDIO_REGISTER_MODE_MISSING)
+                    .map_err(|e| RegionError::sys("registering the staging area", e))?;
+                Some(owned)
+            }
+            None => None,
+        };
 
         let runtime = OwnedRuntime::new(opts.worker_threads, "farmap-uffd-rt")
             .map_err(|e| RegionError::sys("starting the region's runtime", e))?;
@@ -256,6 +289,26 @@ impl Region {
         let events = Arc::new(Events::default());
         let pages = (len / page) as u64;
         let written = (mode == TrackingMode::SyncFaults).then(|| Arc::new(PageBits::new(pages)));
+        let pager = match (&paging, &staging) {
+            (Some(p), Some(staging)) => {
+                let limit = p
+                    .local_max
+                    .chunks(geometry.size(), u64::from(geometry.chunk_size()));
+                Some(Arc::new(
+                    Pager::new(
+                        range.clone(),
+                        UffdRange::new(uffd.clone(), staging.addr(), len),
+                        staging.shared(),
+                        geometry,
+                        limit,
+                        p.min_free,
+                        counters.clone(),
+                    )
+                    .map_err(|e| RegionError::sys("opening pagemap", e))?,
+                ))
+            }
+            _ => None,
+        };
         let memory = Arc::new(RegionMemory::new(
             range.clone(),
             geometry,
@@ -263,6 +316,7 @@ impl Region {
             Some(mapping.clone()),
             events.clone(),
             counters.clone(),
+            pager.clone(),
         ));
         let cache = Arc::new(
             farmap_pipeline::Cached::new(memory.clone(), store.clone())
@@ -278,6 +332,7 @@ impl Region {
             written: written.clone(),
             events: events.clone(),
             counters: counters.clone(),
+            pager: pager.clone(),
         }));
         let tracker = Arc::new(Tracker::new(
             mode,
@@ -293,9 +348,43 @@ impl Region {
             Pusher::with_source(memory.clone(), store, opts.push, tracker.clone())
                 .map_err(RegionError::Push)?
         };
+        let pusher = Arc::new(pusher);
+        let mut reclaimer = None;
+        if let Some(pager) = &pager {
+            let (flush_pusher, mark_pusher) = (Arc::downgrade(&pusher), Arc::downgrade(&pusher));
+            pager.connect(
+                Arc::downgrade(&server.cache),
+                Box::new(move || {
+                    let pusher = flush_pusher.clone();
+                    Box::pin(async move {
+                        match pusher.upgrade() {
+                            Some(p) => p.flush().await,
+                            None => Err(farmap_core::StoreError::new(
+                                farmap_core::ErrorKind::Closed,
+                                "the region is closed",
+                            )),
+                        }
+                    })
+                }),
+                Box::new(move |idx| {
+                    if let Some(p) = mark_pusher.upgrade() {
+                        p.mark_dirty(idx);
+                    }
+                }),
+            );
+            if paging.as_ref().is_some_and(|p| p.proactive) {
+                reclaimer = Some(
+                    pager
+                        .spawn_reclaimer(handle.clone())
+                        .map_err(|e| RegionError::sys("starting the reclaim thread", e))?,
+                );
+            }
+        }
         let reader = Reader::spawn(server.clone(), handle.clone())
             .map_err(|e| RegionError::sys("starting the fault reader", e))?;
         let pull = match opts.mode {
+            // The background pull would fill a bounded region past its limit.
+            RegionMode::Managed(_) if pager.is_some() => None,
             RegionMode::Managed(pull) => Some(pull),
             RegionMode::Direct => None,
         };
@@ -310,15 +399,18 @@ impl Region {
                 server,
                 memory,
                 tracker,
-                pusher: Arc::new(pusher),
+                pusher,
                 handle,
                 reader: Mutex::new(Some(reader)),
                 pull,
                 spec: opts.store_spec,
                 remote: Mutex::new(None),
                 closed: AtomicBool::new(false),
+                pager,
+                reclaimer: Mutex::new(reclaimer),
             }),
             mapping: owned,
+            staging,
             runtime: Some(runtime),
         })
     }
@@ -469,8 +561,61 @@ impl Region {
                 .read()
                 .as_ref()
                 .map(|p| p.progress()),
+            paging: self.inner.pager.as_ref().map(|p| {
+                let (resident, staged) = p.resident();
+                let pc = &p.counters;
+                PagingStats {
+                    limit_chunks: p.limit(),
+                    min_free_chunks: p.min_free(),
+                    resident_chunks: resident,
+                    staged_chunks: staged,
+                    evictions_reactive: Counters::get(&pc.evictions_reactive),
+                    evictions_proactive: Counters::get(&pc.evictions_proactive),
+                    deactivations: Counters::get(&pc.deactivations),
+                    staged_refaults: Counters::get(&pc.staged_refaults),
+                    overcommits: Counters::get(&pc.overcommits),
+                    recovered: Counters::get(&pc.recovered),
+                }
+            }),
             last_error,
         }
+    }
+
+    /// Changes the bound on local memory at run time (bounded regions only: `false`
+    /// otherwise). Resident memory goes down to the new limit at once, in the background
+    /// (written chunks are written back first).
+    pub fn set_local_max(&self, limit: LocalLimit) -> bool {
+        let Some(pager) = &self.inner.pager else {
+            return false;
+        };
+        let g = self.inner.geometry;
+        pager.set_limit(limit.chunks(g.size(), u64::from(g.chunk_size())));
+        true
+    }
+
+    /// Pages of a bounded region present in memory now, from the page tables: `(in the
+    /// region, in its staging area)`; `None` for an unbounded region.
+    pub fn local_pages(&self) -> Option<Result<(u64, u64), RegionError>> {
+        let pager = self.inner.pager.as_ref()?;
+        Some(
+            pager
+                .local_pages()
+                .map_err(|e| RegionError::sys("PAGEMAP_SCAN of present pages", e)),
+        )
+    }
+
+    #[doc(hidden)]
+    pub fn pager_trace(&self, chunk: u64) -> Vec<String> {
+        self.inner
+            .pager
+            .as_ref()
+            .map(|p| p.trace_of(chunk))
+            .unwrap_or_default()
+    }
+
+    /// Whether the region's local memory is bounded.
+    pub fn is_paged(&self) -> bool {
+        self.inner.pager.is_some()
     }
 
     /// Syncs, then unmaps the region and stops its threads. On a sync error the region is
@@ -489,6 +634,9 @@ impl Drop for Region {
     fn drop(&mut self) {
         let inner = &self.inner;
         inner.closed.store(true, Ordering::Release);
+        if let Some(mut reclaimer) = inner.reclaimer.lock().take() {
+            reclaimer.stop();
+        }
         let remote = inner.remote.lock().take();
         let remote = remote.map(Remote::detach);
         if remote.is_some() {
@@ -503,6 +651,9 @@ impl Drop for Region {
             puller.cancel();
         }
         self.mapping.unmap();
+        if let Some(staging) = &mut self.staging {
+            staging.unmap();
+        }
         // Only now that nothing can fault: stop serving and close the hand-over socket.
         drop(remote);
         if let Some(mut reader) = inner.reader.lock().take() {

@@ -36,6 +36,7 @@ use tokio::runtime::Handle;
 
 use crate::memory::{Events, RegionMemory};
 use crate::pagemap::Pagemap;
+use crate::paging::{Admit, Pager};
 use crate::stats::Counters;
 use crate::sys::{self, UffdMsg};
 use crate::tracking::PageBits;
@@ -64,6 +65,8 @@ pub(crate) struct Server {
     pub written: Option<Arc<PageBits>>,
     pub events: Arc<Events>,
     pub counters: Arc<Counters>,
+    /// Bounded local memory, when the region has a limit.
+    pub pager: Option<Arc<Pager>>,
     /// Test hook for hand-over: exit the process upon reading this many faults, without
     /// serving the last one (a handler that dies at the worst moment).
     pub exit_after_faults: Option<u64>,
@@ -82,6 +85,7 @@ pub(crate) struct ServerParts {
     pub written: Option<Arc<PageBits>>,
     pub events: Arc<Events>,
     pub counters: Arc<Counters>,
+    pub pager: Option<Arc<Pager>>,
 }
 
 impl Server {
@@ -97,6 +101,7 @@ impl Server {
             written: p.written,
             events: p.events,
             counters: p.counters,
+            pager: p.pager,
             exit_after_faults: None,
             faults_read: AtomicU64::new(0),
             poison_unsupported: AtomicBool::new(false),
@@ -172,6 +177,9 @@ impl Server {
     async fn missing_fault(self: Arc<Self>, page: usize) {
         Counters::add(&self.counters.faults, 1);
         let idx = self.geometry.chunk_of(page as u64);
+        if let Some(pager) = self.pager.clone() {
+            return self.paged_fault(&pager, idx, page).await;
+        }
         if let Some(puller) = self.puller.read().as_ref() {
             let last = (idx.0 + self.readahead).min(self.geometry.chunk_count() - 1);
             puller.prioritize((idx.0..=last).map(ChunkIdx));
@@ -200,6 +208,50 @@ impl Server {
             Err(e) => {
                 self.counters.error(farmap_core::error_chain(&e));
                 self.poison(page).await;
+            }
+        }
+    }
+
+    /// A missing fault in a region with bounded local memory: the pager decides (move back a
+    /// staged chunk, fetch a remote one once there is room).
+    async fn paged_fault(&self, pager: &Pager, idx: ChunkIdx, page: usize) {
+        let mut overcommit = false;
+        let mut yielded = false;
+        loop {
+            let seen = self.events.current();
+            match pager.on_fault(idx, page, overcommit) {
+                Admit::Done | Admit::InFlight => return,
+                Admit::Retry => self.events.wait_past(seen).await,
+                Admit::Full => {
+                    // Reclaiming discards staging pages (madvise), which waits for this
+                    // reader to read the remove event: never on the reader thread. Yielding
+                    // once makes the reader spawn this fault onto the runtime.
+                    if !yielded {
+                        yielded = true;
+                        tokio::task::yield_now().await;
+                        continue;
+                    }
+                    // Nothing could be reclaimed (everything resident is in flight): go
+                    // over the limit by at most `min_free` rather than wait for ever.
+                    overcommit = !pager.make_room().await;
+                }
+                Admit::Fetch => {
+                    // Straight from the store into the region's missing pages: the pager's
+                    // state already makes this the only fetch of the chunk, and the cache's
+                    // presence map does not know about moves.
+                    let (store, memory) = (self.cache.remote(), self.cache.local());
+                    let fetched = retry(self.fetch_retry, || async {
+                        let data = store.read(idx).await?;
+                        memory.write(idx, data).await
+                    })
+                    .await;
+                    pager.fetched(idx, fetched.is_ok());
+                    if let Err(e) = fetched {
+                        self.counters.error(farmap_core::error_chain(&e));
+                        self.poison(page).await;
+                    }
+                    return;
+                }
             }
         }
     }

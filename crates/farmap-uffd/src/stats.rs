@@ -59,8 +59,38 @@ pub struct RegionStats {
     pub failed_pushes: u64,
     /// The background pull's progress (managed mode).
     pub pull: Option<PullProgress>,
+    /// Bounded local memory (regions with a limit).
+    pub paging: Option<PagingStats>,
     /// The most recent error of a fault's fetch, a push or a scan.
     pub last_error: Option<String>,
+}
+
+/// The counters of a region with bounded local memory (see
+/// [`PagingOptions`](crate::PagingOptions)).
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct PagingStats {
+    /// The limit now, in chunks.
+    pub limit_chunks: u64,
+    /// Chunks proactive reclaim keeps free below the limit.
+    pub min_free_chunks: u64,
+    /// Chunks counted against the limit now (mapped, staged, in flight).
+    pub resident_chunks: u64,
+    /// Of those, staged ones (moved out of the region, still local).
+    pub staged_chunks: u64,
+    /// Staged chunks dropped (after their write-back) by a fault that found the region full.
+    pub evictions_reactive: u64,
+    /// Staged chunks dropped by the reclaim thread, ahead of need.
+    pub evictions_proactive: u64,
+    /// Chunks moved from the region into staging.
+    pub deactivations: u64,
+    /// Faults served by moving a staged chunk back (no I/O).
+    pub staged_refaults: u64,
+    /// Chunks admitted over the limit (within `min_free`) because nothing could be reclaimed.
+    pub overcommits: u64,
+    /// Active chunks whose pages were found in their staging slot and moved back (see the
+    /// paging module's documentation).
+    pub recovered: u64,
 }
 
 /// What [`Region::take_dirty`](crate::Region::take_dirty) found: the pages written since the

@@ -200,6 +200,29 @@ pub const UFFDIO_COPY: u64 = ioc(IOC_READ | IOC_WRITE, 0xAA, 0x03, 40);
 pub const UFFDIO_WRITEPROTECT: u64 = ioc(IOC_READ | IOC_WRITE, 0xAA, 0x06, 24);
 /// `UFFDIO_POISON`.
 pub const UFFDIO_POISON: u64 = ioc(IOC_READ | IOC_WRITE, 0xAA, 0x08, 32);
+/// `UFFDIO_MOVE` (Linux 6.8+, `UFFD_FEATURE_MOVE`).
+pub const UFFDIO_MOVE: u64 = ioc(IOC_READ | IOC_WRITE, 0xAA, 0x05, 40);
+
+/// `UFFDIO_MOVE_MODE_DONTWAKE`: do not wake the threads waiting on the destination.
+pub const UFFDIO_MOVE_MODE_DONTWAKE: u64 = 1 << 0;
+/// `UFFDIO_MOVE_MODE_ALLOW_SRC_HOLES`: skip missing source pages instead of failing.
+pub const UFFDIO_MOVE_MODE_ALLOW_SRC_HOLES: u64 = 1 << 1;
+
+/// `struct uffdio_move`.
+#[repr(C)]
+#[derive(Debug, Clone, Copy, Default)]
+pub struct UffdioMove {
+    /// Destination address.
+    pub dst: u64,
+    /// Source address.
+    pub src: u64,
+    /// Bytes to move.
+    pub len: u64,
+    /// `UFFDIO_MOVE_MODE_*`.
+    pub mode: u64,
+    /// Out: bytes moved, or a negative errno.
+    pub moved: i64,
+}
 
 /// `PAGE_IS_WPALLOWED`.
 pub const PAGE_IS_WPALLOWED: u64 = 1 << 0;
@@ -272,6 +295,8 @@ const _: () = {
     assert!(size_of::<UffdioCopy>() == 40);
     assert!(size_of::<UffdioWriteprotect>() == 24);
     assert!(size_of::<UffdioPoison>() == 32);
+    assert!(size_of::<UffdioMove>() == 40);
+    assert!(UFFDIO_MOVE == 0xC028_AA05);
     assert!(size_of::<UffdMsg>() == 32);
     assert!(size_of::<PageRegion>() == 24);
     assert!(size_of::<PmScanArg>() == 96);

@@ -52,7 +52,9 @@ impl Uffd {
     /// registered: once registered, anyone holding this fd (here or in a process it is sent
     /// to) may fill its missing pages, write-protect and unprotect it, and poison pages
     /// (touching them raises SIGBUS); touching a missing page blocks until a handler of this
-    /// fd resolves it, and writes wait out write protection. [`UffdRange`]'s safe methods rely
+    /// fd resolves it, and writes wait out write protection; present pages may be moved out
+    /// (`UFFDIO_MOVE`: they are missing again and fault on the next touch) and missing ones
+    /// filled by a move from another range of this fd. [`UffdRange`]'s safe methods rely
     /// on this contract for every range the kernel accepts.
     pub unsafe fn register(&self, start: usize, len: usize, mode: u64) -> io::Result<u64> {
         let mut reg = sys::UffdioRegister {
@@ -416,6 +418,43 @@ impl UffdRange {
         // registered with this fd, whose registrant accepted that (`Uffd::register`'s
         // contract): touching them raises SIGBUS, no content changes.
         unsafe { sys::ioctl(self.uffd.as_raw_fd(), sys::UFFDIO_POISON, &mut p) }.map(|_| ())
+    }
+
+    /// Moves the pages of `offset..offset+len` to `dst_offset` in `dst` with one
+    /// `UFFDIO_MOVE` (`mode`: `UFFDIO_MOVE_MODE_*`): they become missing here (the next touch
+    /// faults) and present there, with no copy. Both ranges must be registered with the same
+    /// userfaultfd (the kernel refuses anything else) and the destination pages missing.
+    /// Returns the bytes moved, or how many were moved before it stopped and the errno
+    /// (`EEXIST`: a destination page is present; `ENOENT`: a source page is missing;
+    /// `EAGAIN`: an event is pending, or a page is busy; `EBUSY`: a shared page).
+    ///
+    /// # Panics
+    /// If either range is unaligned or outside its registered range.
+    pub fn move_to(
+        &self,
+        offset: usize,
+        dst: &UffdRange,
+        dst_offset: usize,
+        len: usize,
+        mode: u64,
+    ) -> Result<usize, (usize, i32)> {
+        let src = self.check(offset, len);
+        let to = dst.check(dst_offset, len);
+        let mut m = sys::UffdioMove {
+            dst: to.start,
+            src: src.start,
+            len: len as u64,
+            mode,
+            moved: 0,
+        };
+        // SAFETY: `m` is a live UffdioMove. The kernel moves pages only between ranges
+        // registered with this fd (anything else fails), whose registrants accepted that their
+        // present pages may be taken away (they fault again, `Uffd::register`'s contract) and
+        // their missing pages filled; no page is duplicated or exposed elsewhere.
+        match unsafe { sys::ioctl(self.uffd.as_raw_fd(), sys::UFFDIO_MOVE, &mut m) } {
+            Ok(_) => Ok(len),
+            Err(e) => Err((m.moved.max(0) as usize, e)),
+        }
     }
 }
 

@@ -35,7 +35,7 @@ use clap::{Args, ValueEnum};
 use farmap::pipeline::PushOptions;
 use farmap::store::MemoryStore;
 use farmap::{format_size, Geometry, Store, DEFAULT_CHUNK_SIZE};
-use farmap_uffd::{Region, RegionOptions};
+use farmap_uffd::{LocalLimit, PagingOptions, Region, RegionOptions};
 use rand::{RngCore, SeedableRng};
 use serde::Serialize;
 
@@ -111,6 +111,10 @@ pub struct UffdArgs {
     /// One JSON object per case, dirty fraction and run on stdout; no progress on stderr.
     #[arg(long)]
     json: bool,
+    /// Bound the region's local memory (`SIZE` like 256M, or `N%` of the region): chunks
+    /// beyond it are staged and written back to the store (issue 16's bounded regions).
+    #[arg(long, value_name = "SIZE|N%")]
+    local_max: Option<LocalLimit>,
 }
 
 /// Fields every row has.
@@ -205,12 +209,16 @@ pub(super) async fn store_over(data: &Bytes, chunk: usize) -> anyhow::Result<Arc
 }
 
 /// A direct-mode region over `store` that pushes nothing on its own.
-pub(super) fn open_region(store: Arc<dyn Store>) -> anyhow::Result<Region> {
+pub(super) fn open_region(
+    store: Arc<dyn Store>,
+    local_max: Option<LocalLimit>,
+) -> anyhow::Result<Region> {
     let opts = RegionOptions {
         push: PushOptions {
             interval: None,
             ..PushOptions::default()
         },
+        paging: local_max.map(PagingOptions::new),
         ..RegionOptions::direct()
     };
     Region::open(store, opts).context("opening a userfaultfd region")
@@ -237,6 +245,7 @@ fn ms(d: Duration) -> f64 {
 }
 
 struct Bench {
+    local_max: Option<LocalLimit>,
     data: Bytes,
     samples: usize,
     cpus: usize,
@@ -275,7 +284,7 @@ impl Bench {
             Ok((wp, missing))
         };
         let farmap = || -> anyhow::Result<_> {
-            let region = open_region(store)?;
+            let region = open_region(store, self.local_max)?;
             let lat = Latencies::from_samples(baseline::touch_each(region.memory(), &pages));
             Ok((lat, region.stats(), region.tracking_mode().as_str()))
         };
@@ -309,7 +318,7 @@ impl Bench {
             Ok((wp, missing))
         };
         let farmap = || -> anyhow::Result<_> {
-            let region = open_region(store)?;
+            let region = open_region(store, self.local_max)?;
             let elapsed = baseline::touch_all(region.memory());
             // Every page is present now: this times the copy alone.
             let mut buf = vec![0u8; chunk];
@@ -352,7 +361,7 @@ impl Bench {
         let case = Case::DirtyScan;
         let npages = self.data.len() / PAGE_SIZE;
         let raw = self.baseline(BaselineMode::WriteProtect)?;
-        let region = open_region(store)?;
+        let region = open_region(store, self.local_max)?;
         baseline::touch_all(region.memory());
         region.take_dirty().context("the first take_dirty")?;
         let tracking = region.tracking_mode().as_str();
@@ -459,6 +468,7 @@ pub async fn run(args: UffdArgs) -> anyhow::Result<ExitCode> {
         format_size(args.size)
     ));
     let bench = Arc::new(Bench {
+        local_max: args.local_max,
         data: tokio::task::spawn_blocking(move || random_bytes(size)).await?,
         samples: args.samples as usize,
         cpus: std::thread::available_parallelism().map_or(1, |n| n.get()),

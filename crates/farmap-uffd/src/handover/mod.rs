@@ -59,6 +59,10 @@ pub enum HandoverError {
         "the region has no store spec for the handler to open (set RegionOptions::store_spec)"
     )]
     NoSpec,
+    /// The region's local memory is bounded: its pager (staging area, moves) works only in
+    /// the region's own process.
+    #[error("a region with bounded local memory cannot hand its faults over")]
+    Paged,
     /// Another process already serves the region.
     #[error("the region is already handed over")]
     AlreadyRemote,
@@ -169,6 +173,9 @@ pub fn send(region: &Region, sock: UnixStream, opts: SendOptions) -> Result<(), 
     let inner = region.inner();
     if region.tracking_mode() != TrackingMode::Async {
         return Err(HandoverError::NeedsAsyncTracking);
+    }
+    if region.is_paged() {
+        return Err(HandoverError::Paged);
     }
     let spec = inner.spec.clone().ok_or(HandoverError::NoSpec)?;
     let mut remote = inner.remote.lock();
@@ -475,6 +482,7 @@ impl Served {
             None,
             events.clone(),
             counters.clone(),
+            None,
         ));
         let cache =
             Arc::new(Cached::new(memory, store).map_err(|e| HandoverError::Setup(Box::new(e)))?);
@@ -488,6 +496,7 @@ impl Served {
             written: None,
             events,
             counters,
+            pager: None,
         });
         server.exit_after_faults = opts.exit_after_faults;
         let server = Arc::new(server);

@@ -1,0 +1,778 @@
+//! Bounded local memory: the [`Pager`] keeps a region's resident chunks (mapped plus staged)
+//! at or below a limit that can change at run time.
+//!
+//! # Chunk states
+//! ```text
+//!   remote ──fault: fetch (UFFDIO_COPY|WP)──▶ active ──deactivate: UFFDIO_MOVE──▶ staged
+//!     ▲                                         ▲  (region → staging slot, marked     │
+//!     │                                         │   dirty for the pusher)            │
+//!     │                                         └──fault: UFFDIO_MOVE back, re-protect┘
+//!     └────── drop (MADV_DONTNEED of the slot), only after a pusher flush that began
+//!             after the chunk was staged succeeded: its staged content is in the store
+//! ```
+//! - *remote*: not local; the next touch fetches it from the store (a chunk the store does
+//!   not hold reads as zeros, so a never-written chunk costs one store lookup, no data).
+//! - *active*: mapped in the region (write-protected when installed, so that PAGEMAP_SCAN
+//!   sees the writes).
+//! - *staged* (inactive): moved with `UFFDIO_MOVE` into a staging area registered with the
+//!   same userfaultfd (the region's pages are missing again, the next touch faults, and the
+//!   fault moves them back with no I/O, ≈ 1 µs a page). Chunk `i` has slot `i` of a staging
+//!   mapping as large as the region (`MAP_NORESERVE`: only staged pages take memory).
+//!
+//! Resident = active + staged (+ fetches in flight + slots being dropped). A fault admits a
+//! new chunk only below the limit; at the limit it reclaims synchronously (a *reactive*
+//! eviction) and, if nothing can be reclaimed (everything resident is being fetched), it may
+//! go over by at most `min_free` chunks. The reclaim thread keeps `min_free` chunks free
+//! ahead of faults (*proactive* evictions). Resident memory therefore stays ≤ limit +
+//! `min_free`; after the limit is lowered, reclaim brings it down at once.
+//!
+//! # Why every staged chunk is written back before its copy is dropped
+//! `UFFDIO_MOVE` does not carry the uffd-wp bit (measured on this kernel: after moving 16
+//! write-protected pages of which 2 were written, PAGEMAP_SCAN reports all 16 as written in
+//! the destination), and a write can land between a scan of the chunk and its move. So the
+//! staged content cannot be proven clean: the pager marks each staged chunk dirty in the
+//! region's pusher (under the pager's lock, so that a flush that starts after the staging
+//! sees the mark) and drops its slot only after a pusher flush that started after the
+//! staging succeeded. The pusher reads staged chunks out of the staging slot (no fault, no
+//! move back), and rounds and flushes are ordered, so a stale push of older content can
+//! never land after the write-back. Nothing written is ever lost, whatever the limit does;
+//! the price is one chunk write per drop (clean chunks included).
+//!
+//! A chunk moved back is write-protected again before its faulting thread is woken (its
+//! content was marked dirty when staged, so nothing is missed), so later writes are tracked.
+//!
+//! # A kernel surprise, handled
+//! Under concurrent moves, drops and pushes, a chunk's pages were seen (Linux 6.18) in its
+//! staging slot while the pager had it active — the region's pages missing, the slot full —
+//! with no move of that chunk made by the pager in between; the cause is not found. Fetching
+//! the chunk again would then bring back stale data (the model test caught it, about one run
+//! in three). The pager therefore checks the slot when an active chunk faults, and when a
+//! deactivation is refused with `EEXIST`, and moves such pages back (counted as
+//! `recovered`); the model test has passed since.
+//!
+//! # Eviction policy
+//! RackMem keeps an active FIFO with a recency score. With no accessed bits from userspace
+//! on this kernel, the score here is a referenced flag per chunk, set (a) when the chunk
+//! becomes active (its fault: fetch or move back) and (b) when a non-destructive
+//! `PAGEMAP_SCAN` (which takes nothing from the write tracking) finds written pages in it;
+//! the scan runs once per reclaim pass. Victims are picked from the FIFO's head with a
+//! second chance (CLOCK): a referenced chunk has its flag cleared and goes to the tail.
+//! Read-only accesses to a resident chunk are invisible (no fault, no written bit), so a
+//! chunk that is only read ages out after one pass of the clock: the cost of having no
+//! accessed bits. Staged chunks are dropped oldest first.
+//!
+//! # Not supported with paging
+//! The managed mode's background pull (it would fill the region past the limit), hand-over
+//! of fault handling to another process, and synchronous write tracking.
+
+use std::collections::VecDeque;
+use std::fmt;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::{Arc, OnceLock, Weak};
+use std::thread::JoinHandle;
+use std::time::Duration;
+
+use farmap_core::{ChunkIdx, Geometry, StoreError, StoreResult};
+use parking_lot::{Condvar, Mutex};
+use tokio::runtime::Handle;
+use tokio::sync::Notify;
+
+use crate::mapping::Mapping;
+use crate::pagemap::Pagemap;
+use crate::server::RegionCache;
+use crate::stats::Counters;
+use crate::sys;
+use crate::uffd::UffdRange;
+
+/// Flushes the region's pusher (set once the pusher exists).
+pub(crate) type FlushFn =
+    Box<dyn Fn() -> farmap_core::BoxFuture<'static, StoreResult<()>> + Send + Sync>;
+/// Marks a chunk dirty in the region's pusher.
+pub(crate) type MarkFn = Box<dyn Fn(ChunkIdx) + Send + Sync>;
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum St {
+    Remote,
+    /// Being fetched; `new` when the fetch took a new unit of the limit (from remote).
+    Fetching {
+        new: bool,
+    },
+    Active,
+    Staged,
+}
+
+struct State {
+    chunk: Vec<St>,
+    /// The staging slot holds pages (staged, or being dropped).
+    slot_busy: Vec<bool>,
+    staged_epoch: Vec<u64>,
+    referenced: Vec<bool>,
+    active: VecDeque<u64>,
+    staged: VecDeque<u64>,
+    /// Chunks counted against the limit.
+    resident: u64,
+    /// Bumped when a flush starts.
+    epoch: u64,
+    /// The start epoch of the last successful flush: staged chunks with an older epoch are
+    /// in the store.
+    flushed: u64,
+}
+
+/// What a fault on a chunk must do, decided under the pager's lock.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Admit {
+    /// Nothing more: the page is there (woken), or the chunk was moved back (woken).
+    Done,
+    /// Another task's copy in flight will wake the thread.
+    InFlight,
+    /// Fetch the chunk from the store (it is marked fetching), then call
+    /// [`Pager::fetched`].
+    Fetch,
+    /// The region is at its limit: reclaim, then ask again.
+    Full,
+    /// A userfaultfd event is pending: wait for the reader to read it, then ask again.
+    Retry,
+}
+
+/// The paging counters.
+#[derive(Debug, Default)]
+pub(crate) struct PagingCounters {
+    pub evictions_reactive: AtomicU64,
+    pub evictions_proactive: AtomicU64,
+    pub deactivations: AtomicU64,
+    pub staged_refaults: AtomicU64,
+    pub writebacks: AtomicU64,
+    pub recovered: AtomicU64,
+    pub overcommits: AtomicU64,
+}
+
+/// The pager of one region (see the module documentation).
+pub(crate) struct Pager {
+    region: UffdRange,
+    staging: UffdRange,
+    staging_map: Arc<Mapping>,
+    geometry: Geometry,
+    pagemap: Pagemap,
+    state: Mutex<State>,
+    limit: AtomicU64,
+    min_free: AtomicU64,
+    min_free_auto: bool,
+    cache: OnceLock<Weak<RegionCache>>,
+    flush: OnceLock<FlushFn>,
+    mark: OnceLock<MarkFn>,
+    /// Serializes reclaim passes (one flush at a time).
+    reclaim_lock: tokio::sync::Mutex<()>,
+    /// Signalled when resident memory goes down or the limit changes.
+    changed: Notify,
+    /// Wakes the reclaim thread.
+    kick: (Mutex<bool>, Condvar),
+    stop: AtomicBool,
+    pub counters: PagingCounters,
+    region_counters: Arc<Counters>,
+    trace: Option<Mutex<Vec<(u64, String)>>>,
+}
+
+impl Pager {
+    #[allow(clippy::too_many_arguments)]
+    pub fn new(
+        region: UffdRange,
+        staging: UffdRange,
+        staging_map: Arc<Mapping>,
+        geometry: Geometry,
+        limit: u64,
+        min_free: Option<u64>,
+        region_counters: Arc<Counters>,
+    ) -> std::io::Result<Pager> {
+        let n = geometry.chunk_count() as usize;
+        let limit = limit.max(1);
+        Ok(Pager {
+            region,
+            staging,
+            staging_map,
+            geometry,
+            pagemap: Pagemap::open_self()?,
+            state: Mutex::new(State {
+                chunk: vec![St::Remote; n],
+                slot_busy: vec![false; n],
+                staged_epoch: vec![0; n],
+                referenced: vec![false; n],
+                active: VecDeque::new(),
+                staged: VecDeque::new(),
+                resident: 0,
+                epoch: 0,
+                flushed: 0,
+            }),
+            limit: AtomicU64::new(limit),
+            min_free: AtomicU64::new(min_free.unwrap_or_else(|| auto_min_free(limit))),
+            min_free_auto: min_free.is_none(),
+            cache: OnceLock::new(),
+            flush: OnceLock::new(),
+            mark: OnceLock::new(),
+            reclaim_lock: tokio::sync::Mutex::new(()),
+            changed: Notify::new(),
+            kick: (Mutex::new(false), Condvar::new()),
+            stop: AtomicBool::new(false),
+            counters: PagingCounters::default(),
+            region_counters,
+            trace: std::env::var_os("FARMAP_PAGER_TRACE").map(|_| Mutex::new(Vec::new())),
+        })
+    }
+
+    /// Connects the cache and the pusher (made after the pager).
+    pub fn connect(&self, cache: Weak<RegionCache>, flush: FlushFn, mark: MarkFn) {
+        let _ = self.cache.set(cache);
+        let _ = self.flush.set(flush);
+        let _ = self.mark.set(mark);
+    }
+
+    fn chunk_span(&self, idx: u64) -> (usize, usize) {
+        let i = ChunkIdx(idx);
+        (
+            self.geometry.offset_of(i) as usize,
+            self.geometry.chunk_len(i),
+        )
+    }
+
+    /// The limit, in chunks.
+    pub fn limit(&self) -> u64 {
+        self.limit.load(Ordering::Relaxed)
+    }
+
+    /// Chunks kept free by proactive reclaim.
+    pub fn min_free(&self) -> u64 {
+        self.min_free.load(Ordering::Relaxed)
+    }
+
+    /// Changes the limit (in chunks, at least 1); reclaim brings resident memory under it.
+    pub fn set_limit(&self, chunks: u64) {
+        let chunks = chunks.clamp(1, self.geometry.chunk_count().max(1));
+        self.limit.store(chunks, Ordering::Relaxed);
+        if self.min_free_auto {
+            self.min_free
+                .store(auto_min_free(chunks), Ordering::Relaxed);
+        }
+        self.changed.notify_waiters();
+        self.kick();
+    }
+
+    fn tr(&self, i: u64, what: impl FnOnce() -> String) {
+        if let Some(t) = &self.trace {
+            let (off, len) = self.chunk_span(i);
+            let count = |r: &UffdRange| {
+                let mut n = 0;
+                let mut v = Vec::new();
+                let _ =
+                    self.pagemap
+                        .in_memory(r.base() + off, r.base() + off + len, &mut v, |run| {
+                            n += (run.end - run.start) / 4096
+                        });
+                n
+            };
+            let line = format!(
+                "{} [region {} slot {}]",
+                what(),
+                count(&self.region),
+                count(&self.staging)
+            );
+            t.lock().push((i, line));
+        }
+    }
+
+    pub fn trace_install(&self, idx: ChunkIdx, copied: usize, present: usize) {
+        self.tr(idx.0, || {
+            format!("install copied {copied} present {present}")
+        });
+    }
+
+    /// The trace of chunk `i` (debugging; `FARMAP_PAGER_TRACE` set).
+    pub fn trace_of(&self, i: u64) -> Vec<String> {
+        self.trace
+            .as_ref()
+            .map(|t| {
+                let t = t.lock();
+                let pos = t
+                    .iter()
+                    .rposition(|(c, s)| *c == i && s.starts_with("active-missing"))
+                    .unwrap_or(t.len());
+                t[pos.saturating_sub(40)..(pos + 1).min(t.len())]
+                    .iter()
+                    .map(|(c, s)| format!("{c}: {s}"))
+                    .collect()
+            })
+            .unwrap_or_default()
+    }
+
+    /// Pages present in the region and in the staging area now, from the page tables.
+    pub fn local_pages(&self) -> std::io::Result<(u64, u64)> {
+        let ps = self.region.page_size();
+        let count = |r: &UffdRange| -> std::io::Result<u64> {
+            let mut n = 0;
+            let mut scratch = Vec::new();
+            self.pagemap
+                .in_memory(r.base(), r.base() + r.len(), &mut scratch, |run| {
+                    n += ((run.end - run.start) / ps) as u64
+                })?;
+            Ok(n)
+        };
+        Ok((count(&self.region)?, count(&self.staging)?))
+    }
+
+    /// `(resident, staged)` chunks now.
+    pub fn resident(&self) -> (u64, u64) {
+        let st = self.state.lock();
+        (st.resident, st.staged.len() as u64)
+    }
+
+    /// Decides what a missing fault at `page` (offset in the region) of chunk `idx` does.
+    pub fn on_fault(&self, idx: ChunkIdx, page: usize, overcommit: bool) -> Admit {
+        let i = idx.0;
+        let mut st = self.state.lock();
+        match st.chunk[i as usize] {
+            St::Fetching { .. } => Admit::InFlight,
+            St::Active => {
+                let addr = self.region.base() + page;
+                let ps = self.region.page_size();
+                if self.pagemap.all_in_memory(addr, addr + ps).unwrap_or(false) {
+                    let _ = self.region.wake(page, ps);
+                    return Admit::Done;
+                }
+                // Its pages may sit in its staging slot although it is active (seen on
+                // Linux 6.18 under load, cause not found: see the module docs): move them
+                // back rather than fetch stale data.
+                if !st.slot_busy[i as usize] && self.slot_pages(i) > 0 {
+                    self.tr(i, || {
+                        format!("active-missing page {page:#x} -> recover from slot")
+                    });
+                    Counters::add(&self.counters.recovered, 1);
+                    return self.move_back(&mut st, i);
+                }
+                // Discarded behind our back (the application's madvise): fetch it again,
+                // already counted.
+                st.chunk[i as usize] = St::Fetching { new: false };
+                self.tr(i, || format!("active-missing page {page:#x} -> refetch"));
+                self.evict_from_cache(idx);
+                Admit::Fetch
+            }
+            St::Staged => self.move_back(&mut st, i),
+            St::Remote => {
+                let limit = self.limit();
+                if st.resident < limit || (overcommit && st.resident < limit + self.min_free()) {
+                    if st.resident >= limit {
+                        Counters::add(&self.counters.overcommits, 1);
+                    }
+                    st.resident += 1;
+                    self.tr(i, || format!("remote fault page {page:#x} -> fetch"));
+                    st.chunk[i as usize] = St::Fetching { new: true };
+                    self.evict_from_cache(idx);
+                    if limit.saturating_sub(st.resident) < self.min_free() {
+                        self.kick();
+                    }
+                    Admit::Fetch
+                } else {
+                    self.kick();
+                    Admit::Full
+                }
+            }
+        }
+    }
+
+    fn evict_from_cache(&self, idx: ChunkIdx) {
+        if let Some(cache) = self.cache.get().and_then(Weak::upgrade) {
+            cache.evict(idx);
+        }
+    }
+
+    /// The fetch of a chunk [`on_fault`](Self::on_fault) admitted finished.
+    pub fn fetched(&self, idx: ChunkIdx, ok: bool) {
+        let i = idx.0 as usize;
+        let mut st = self.state.lock();
+        if let St::Fetching { new } = st.chunk[i] {
+            self.tr(idx.0, || format!("fetched ok={ok}"));
+            if ok {
+                st.chunk[i] = St::Active;
+                st.referenced[i] = true;
+                st.active.push_back(idx.0);
+            } else {
+                st.chunk[i] = St::Remote;
+                if new {
+                    st.resident -= 1;
+                    drop(st);
+                    self.changed.notify_waiters();
+                }
+            }
+        }
+    }
+
+    /// Moves staged chunk `i` back into the region, re-protects it, wakes its waiters.
+    fn move_back(&self, st: &mut State, i: u64) -> Admit {
+        let (off, len) = self.chunk_span(i);
+        let mode = sys::UFFDIO_MOVE_MODE_DONTWAKE | sys::UFFDIO_MOVE_MODE_ALLOW_SRC_HOLES;
+        // The region's empty entries carry write-protect markers (WP_UNPOPULATED: the
+        // tracker's scans protect holes too), and a move refuses a destination that is not
+        // empty (EEXIST). Unprotecting clears the markers; pages already back (a partial
+        // move) become unprotected, which only means an extra push.
+        let _ = self.region.write_protect(off, len, false, false);
+        let r = self.staging.move_to(off, &self.region, off, len, mode);
+        self.tr(i, || format!("move back {r:?}"));
+        if let Err((_, e)) = r {
+            // EAGAIN: an event is pending, or a page is busy. Pages already moved stay in
+            // the region; the retry skips their holes in the slot.
+            if e != libc::EAGAIN {
+                self.region_counters.error(format!(
+                    "moving staged chunk {i} back into the region: {}",
+                    std::io::Error::from_raw_os_error(e)
+                ));
+            }
+            return Admit::Retry;
+        }
+        // The content was marked dirty when staged: protecting it again loses no write, and
+        // makes later writes visible to the scans. A failure leaves the pages unprotected,
+        // which only means an extra push.
+        let _ = self.region.write_protect(off, len, true, false);
+        let _ = self.region.wake(off, len);
+        st.chunk[i as usize] = St::Active;
+        st.slot_busy[i as usize] = false;
+        st.referenced[i as usize] = true;
+        st.staged.retain(|&c| c != i);
+        st.active.push_back(i);
+        Counters::add(&self.counters.staged_refaults, 1);
+        Admit::Done
+    }
+
+    /// Pages of chunk `i`'s staging slot present in memory.
+    fn slot_pages(&self, i: u64) -> usize {
+        let (off, len) = self.chunk_span(i);
+        let base = self.staging.base() + off;
+        let mut n = 0;
+        let mut v = Vec::new();
+        let _ = self
+            .pagemap
+            .in_memory(base, base + len, &mut v, |run| n += run.end - run.start);
+        n
+    }
+
+    /// Copies staged chunk `idx` out of its staging slot into `buf` (for the pusher); false
+    /// if the chunk is not (wholly) staged: read the region instead.
+    pub fn read_staged(&self, idx: ChunkIdx, buf: &mut [u8]) -> bool {
+        let i = idx.0 as usize;
+        let st = self.state.lock();
+        if st.chunk.get(i) != Some(&St::Staged) {
+            return false;
+        }
+        let (off, len) = self.chunk_span(idx.0);
+        let base = self.staging.base() + off;
+        // Every page must be there: reading a hole of the staging area would fault, and
+        // nobody serves staging faults.
+        if !self
+            .pagemap
+            .all_in_memory(base, base + len)
+            .unwrap_or(false)
+        {
+            return false;
+        }
+        self.staging_map.read(off, &mut buf[..len])
+    }
+
+    /// Moves up to `n` victims from the active FIFO to staging; returns how many.
+    fn deactivate(&self, n: u64) -> u64 {
+        if n == 0 {
+            return 0;
+        }
+        self.refresh_referenced();
+        let mut st = self.state.lock();
+        let mut done = 0;
+        let mut budget = 2 * st.active.len() + 1;
+        while done < n && budget > 0 {
+            budget -= 1;
+            let Some(i) = st.active.pop_front() else {
+                break;
+            };
+            let iu = i as usize;
+            if st.chunk[iu] != St::Active {
+                continue;
+            }
+            if st.referenced[iu] || st.slot_busy[iu] {
+                st.referenced[iu] = false;
+                st.active.push_back(i);
+                continue;
+            }
+            let (off, len) = self.chunk_span(i);
+            let r = self.region.move_to(off, &self.staging, off, len, 0);
+            self.tr(i, || format!("deactivate {r:?} epoch {}", st.epoch));
+            let moved = match r {
+                Ok(_) => true,
+                // The slot holds pages although the chunk is active (see `on_fault`): put
+                // them back where they belong.
+                Err((0, libc::EEXIST)) => {
+                    Counters::add(&self.counters.recovered, 1);
+                    let mode =
+                        sys::UFFDIO_MOVE_MODE_DONTWAKE | sys::UFFDIO_MOVE_MODE_ALLOW_SRC_HOLES;
+                    let _ = self.staging.move_to(off, &self.region, off, len, mode);
+                    let _ = self.region.wake(off, len);
+                    if let Some(mark) = self.mark.get() {
+                        mark(ChunkIdx(i));
+                    }
+                    false
+                }
+                // Nothing moved (a discarded page, a busy one): it stays active.
+                Err((0, _)) => false,
+                // Part of it moved: it is staged all the same (moving back skips the slot's
+                // holes; a pusher read of it goes through the region and moves it back).
+                // Undoing the move could fail too, and leave pages stranded in the slot.
+                Err((_, e)) => {
+                    self.region_counters.error(format!(
+                        "moving chunk {i} to staging stopped part way: {}",
+                        std::io::Error::from_raw_os_error(e)
+                    ));
+                    true
+                }
+            };
+            if moved {
+                st.chunk[iu] = St::Staged;
+                st.slot_busy[iu] = true;
+                st.staged_epoch[iu] = st.epoch;
+                st.staged.push_back(i);
+                self.evict_from_cache(ChunkIdx(i));
+                if let Some(mark) = self.mark.get() {
+                    mark(ChunkIdx(i));
+                }
+                Counters::add(&self.counters.deactivations, 1);
+                done += 1;
+            } else {
+                st.referenced[iu] = true;
+                st.active.push_back(i);
+            }
+        }
+        done
+    }
+
+    /// Sets the referenced flag of chunks with written pages (a look that changes nothing).
+    fn refresh_referenced(&self) {
+        let base = self.region.base();
+        let shift = self.geometry.chunk_shift();
+        let mut hits = Vec::new();
+        let mut scratch = Vec::new();
+        let _ = self
+            .pagemap
+            .peek_written(base, base + self.region.len(), &mut scratch, |run| {
+                if run.has_data {
+                    let first = ((run.start - base) as u64) >> shift;
+                    let last = ((run.end - base - 1) as u64) >> shift;
+                    hits.extend(first..=last);
+                }
+            });
+        if hits.is_empty() {
+            return;
+        }
+        let mut st = self.state.lock();
+        for i in hits {
+            if let Some(r) = st.referenced.get_mut(i as usize) {
+                *r = true;
+            }
+        }
+    }
+
+    /// Drops up to `n` staged chunks already in the store; returns how many.
+    fn drop_flushed(&self, n: u64, proactive: bool) -> u64 {
+        let mut victims = Vec::new();
+        {
+            let mut st = self.state.lock();
+            while (victims.len() as u64) < n {
+                let Some(&i) = st.staged.front() else { break };
+                let iu = i as usize;
+                if st.chunk[iu] != St::Staged {
+                    st.staged.pop_front();
+                    continue;
+                }
+                if st.staged_epoch[iu] >= st.flushed {
+                    break;
+                }
+                st.staged.pop_front();
+                // Still resident (slot busy) until its pages are gone.
+                st.chunk[iu] = St::Remote;
+                self.tr(i, || {
+                    format!(
+                        "drop (staged {} < flushed {})",
+                        st.staged_epoch[iu], st.flushed
+                    )
+                });
+                victims.push(i);
+            }
+        }
+        for &i in &victims {
+            let (off, len) = self.chunk_span(i);
+            // Outside the lock: madvise waits for the reader to read its remove event.
+            let r = self.staging_map.discard(off, len);
+            self.tr(i, || format!("discarded {r:?}"));
+            if let Some(Err(e)) = r {
+                self.region_counters
+                    .error(format!("dropping staged chunk {i}: {e}"));
+            }
+            let mut st = self.state.lock();
+            st.slot_busy[i as usize] = false;
+            st.resident -= 1;
+        }
+        let n = victims.len() as u64;
+        if n > 0 {
+            let c = if proactive {
+                &self.counters.evictions_proactive
+            } else {
+                &self.counters.evictions_reactive
+            };
+            Counters::add(c, n);
+            Counters::add(&self.counters.writebacks, n);
+            self.changed.notify_waiters();
+        }
+        n
+    }
+
+    /// Flushes the pusher; on success every chunk staged before it started is droppable.
+    async fn flush(&self) -> StoreResult<()> {
+        let Some(flush) = self.flush.get() else {
+            return Err(StoreError::new(
+                farmap_core::ErrorKind::Closed,
+                "the region's pusher is gone",
+            ));
+        };
+        let started = {
+            let mut st = self.state.lock();
+            st.epoch += 1;
+            st.epoch
+        };
+        flush().await?;
+        let mut st = self.state.lock();
+        st.flushed = st.flushed.max(started);
+        Ok(())
+    }
+
+    /// Frees chunks until `target_free` are free below the limit (or nothing more can be
+    /// freed); returns how many were dropped.
+    pub async fn reclaim(&self, target_free: u64, proactive: bool) -> u64 {
+        let _one = self.reclaim_lock.lock().await;
+        let mut total = 0;
+        let mut flushes = 0;
+        loop {
+            let (need, staged) = {
+                let st = self.state.lock();
+                let free = self.limit().saturating_sub(st.resident);
+                (target_free.saturating_sub(free), st.staged.len() as u64)
+            };
+            if need == 0 {
+                return total;
+            }
+            let dropped = self.drop_flushed(need, proactive);
+            total += dropped;
+            if dropped >= need {
+                continue;
+            }
+            // Batches amortize the flush: stage a little more than needed.
+            let batch = (need - dropped).max(self.min_free()).max(1);
+            let staged_now = if staged < batch {
+                self.deactivate(batch - staged) + staged
+            } else {
+                staged
+            };
+            if staged_now == 0 || flushes >= 2 {
+                return total;
+            }
+            flushes += 1;
+            if let Err(e) = self.flush().await {
+                self.region_counters.error(format!(
+                    "writing staged chunks back before dropping them: {}",
+                    farmap_core::error_chain(&e)
+                ));
+                return total;
+            }
+        }
+    }
+
+    /// A fault found the region full: reclaim one chunk (a reactive eviction), or wait a
+    /// moment for someone else's.
+    pub async fn make_room(&self) -> bool {
+        let notified = self.changed.notified();
+        if self.reclaim(1, false).await > 0 {
+            return true;
+        }
+        let _ = tokio::time::timeout(Duration::from_millis(2), notified).await;
+        false
+    }
+
+    fn kick(&self) {
+        let (m, cv) = &self.kick;
+        *m.lock() = true;
+        cv.notify_one();
+    }
+
+    /// Starts the proactive reclaim thread.
+    pub fn spawn_reclaimer(self: &Arc<Self>, rt: Handle) -> std::io::Result<Reclaimer> {
+        let pager = self.clone();
+        let thread = std::thread::Builder::new()
+            .name("farmap-uffd-reclaim".into())
+            .spawn(move || pager.reclaim_loop(&rt))?;
+        Ok(Reclaimer {
+            pager: self.clone(),
+            thread: Some(thread),
+        })
+    }
+
+    fn reclaim_loop(&self, rt: &Handle) {
+        while !self.stop.load(Ordering::Acquire) {
+            {
+                let (m, cv) = &self.kick;
+                let mut kicked = m.lock();
+                if !*kicked {
+                    cv.wait_for(&mut kicked, Duration::from_millis(5));
+                }
+                *kicked = false;
+            }
+            if self.stop.load(Ordering::Acquire) {
+                return;
+            }
+            let min_free = self.min_free();
+            let short = {
+                let st = self.state.lock();
+                self.limit().saturating_sub(st.resident) < min_free
+            };
+            if short {
+                rt.block_on(self.reclaim(min_free, true));
+            }
+        }
+    }
+}
+
+fn auto_min_free(limit: u64) -> u64 {
+    (limit / 32).max(1)
+}
+
+impl fmt::Debug for Pager {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let (resident, staged) = self.resident();
+        f.debug_struct("Pager")
+            .field("limit", &self.limit())
+            .field("resident", &resident)
+            .field("staged", &staged)
+            .finish()
+    }
+}
+
+/// The proactive reclaim thread; stopped (and joined) on drop.
+pub(crate) struct Reclaimer {
+    pager: Arc<Pager>,
+    thread: Option<JoinHandle<()>>,
+}
+
+impl Reclaimer {
+    pub fn stop(&mut self) {
+        self.pager.stop.store(true, Ordering::Release);
+        self.pager.kick();
+        if let Some(t) = self.thread.take() {
+            let _ = t.join();
+        }
+    }
+}
+
+impl Drop for Reclaimer {
+    fn drop(&mut self) {
+        self.stop();
+    }
+}

@@ -1,0 +1,235 @@
+//! Bounded local memory: a region larger than its local limit loses no write whatever the
+//! limit does, and its resident memory stays under the limit.
+
+mod common;
+
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use common::*;
+use farmap_core::Geometry;
+use farmap_pipeline::PushOptions;
+use farmap_testkit::pattern_bytes;
+use farmap_uffd::{LocalLimit, PagingOptions, Region, RegionOptions, WriteTracking};
+use proptest::prelude::*;
+use rand::rngs::SmallRng;
+use rand::{Rng, SeedableRng};
+
+const CHUNK: u32 = 16 * 1024;
+const CHUNKS: u64 = 64;
+
+/// Whether bounded regions work here (userfaultfd with UFFDIO_MOVE and WP_ASYNC); records a
+/// skip otherwise.
+fn paging_available(test: &str) -> bool {
+    if !uffd_available(test) {
+        return false;
+    }
+    let support = farmap_uffd::probe().expect("probed above");
+    if support.features & farmap_uffd::sys::UFFD_FEATURE_MOVE == 0
+        || support.tracking != farmap_uffd::TrackingMode::Async
+    {
+        farmap_testkit::skip(test, "the kernel lacks UFFDIO_MOVE or WP_ASYNC");
+        return false;
+    }
+    true
+}
+
+fn bounded(limit: LocalLimit, push: Option<Duration>) -> RegionOptions {
+    RegionOptions {
+        tracking: WriteTracking::Async,
+        push: PushOptions {
+            interval: push,
+            ..PushOptions::default()
+        },
+        paging: Some(PagingOptions {
+            local_max: limit,
+            min_free: Some(2),
+            proactive: true,
+        }),
+        ..RegionOptions::direct()
+    }
+}
+
+/// One writer thread writing random words all over the region (keeping a model) while the
+/// test thread changes the limit; at the end the memory, and the store after a sync, equal
+/// the model.
+fn no_write_lost(seed: u64, limits: &[u8], push: Option<Duration>) {
+    let g = Geometry::new(CHUNKS * u64::from(CHUNK), u64::from(CHUNK)).unwrap();
+    let store = pattern_memory(g, seed);
+    let region = Region::open(
+        store.clone(),
+        bounded(LocalLimit::Percent(f64::from(limits[0])), push),
+    )
+    .unwrap();
+    let mut model = pattern_bytes(seed, 0, g.size() as usize);
+    let stop = AtomicBool::new(false);
+    std::thread::scope(|s| {
+        let writer = s.spawn(|| {
+            let mem = region.memory();
+            let mut rng = SmallRng::seed_from_u64(seed ^ 0x5eed);
+            let mut writes = Vec::new();
+            let words = region.len() / 8;
+            while !stop.load(Ordering::Relaxed) || writes.len() < 2000 {
+                // Half of the writes go to a hot eighth of the region.
+                let w = if rng.gen_bool(0.5) {
+                    rng.gen_range(0..words / 8)
+                } else {
+                    rng.gen_range(0..words)
+                };
+                let v: u64 = rng.gen();
+                mem.store_u64(w * 8, v).unwrap();
+                // Read back at once: a lost staged copy would show here too.
+                assert_eq!(mem.load_u64(w * 8).unwrap(), v, "word {w} read back");
+                writes.push((w * 8, v));
+            }
+            writes
+        });
+        for &pct in limits.iter().cycle().take(limits.len() * 3) {
+            std::thread::sleep(Duration::from_millis(3));
+            assert!(region.set_local_max(LocalLimit::Percent(f64::from(pct))));
+        }
+        stop.store(true, Ordering::Relaxed);
+        for (off, v) in writer.join().unwrap() {
+            model[off..off + 8].copy_from_slice(&v.to_ne_bytes());
+        }
+    });
+    let stats = region.stats();
+    let paging = stats.paging.clone().unwrap();
+    assert!(
+        paging.deactivations > 0,
+        "the limit never made the region evict anything: {paging:?}"
+    );
+    region.sync().unwrap();
+    let snap = snapshot(&*store);
+    if snap != model {
+        let bad: Vec<usize> = (0..model.len() / 8)
+            .filter(|w| snap[w * 8..w * 8 + 8] != model[w * 8..w * 8 + 8])
+            .collect();
+        let mem = region.memory().to_vec();
+        let mem_bad = (0..model.len() / 8)
+            .filter(|w| mem[w * 8..w * 8 + 8] != model[w * 8..w * 8 + 8])
+            .count();
+        let chunks: std::collections::BTreeSet<usize> =
+            bad.iter().map(|w| w * 8 / CHUNK as usize).collect();
+        for c in &chunks {
+            eprintln!("chunk {c}: {:#?}", region.pager_trace(*c as u64));
+        }
+        for w in &bad {
+            eprintln!(
+                "word {w} (offset {:#x}) model {:x?} mem {:x?}",
+                w * 8,
+                &model[w * 8..w * 8 + 8],
+                &mem[w * 8..w * 8 + 8]
+            );
+        }
+        panic!(
+            "the store differs from the model after a sync: {} words in chunks {chunks:?} \
+             (memory differs in {mem_bad} words); {:?}",
+            bad.len(),
+            region.stats()
+        );
+    }
+    assert!(
+        region.memory().to_vec() == model,
+        "the region's memory differs from the model"
+    );
+    assert_eq!(stats.poisoned_pages, 0);
+    drop(region);
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig { cases: 6, ..ProptestConfig::default() })]
+
+    /// A concurrent writer and random limit changes (1% to 100% of the region): no write is
+    /// lost, in memory or in the store.
+    #[test]
+    fn bounded_region_loses_no_write(
+        seed in any::<u64>(),
+        limits in proptest::collection::vec(1u8..=100, 1..6),
+        background in any::<bool>(),
+    ) {
+        if !paging_available("bounded_region_loses_no_write") {
+            return Ok(());
+        }
+        let push = background.then(|| Duration::from_millis(2));
+        no_write_lost(seed, &limits, push);
+    }
+}
+
+/// A fixed tight limit (4 of 64 chunks) and the same workload: no write lost, and every
+/// eviction path is exercised.
+#[test]
+fn tight_limit_loses_no_write() {
+    if !paging_available("tight_limit_loses_no_write") {
+        return;
+    }
+    no_write_lost(7, &[6], None);
+}
+
+/// Two threads touch the whole region again and again (reads and writes) under a limit of
+/// 20%: at every sample, the pages present in the region and its staging area (from the
+/// page tables) and the pager's own count stay within limit + min_free chunks.
+#[test]
+fn resident_memory_stays_under_limit() {
+    if !paging_available("resident_memory_stays_under_limit") {
+        return;
+    }
+    let g = Geometry::new(CHUNKS * u64::from(CHUNK), u64::from(CHUNK)).unwrap();
+    let store = pattern_memory(g, 3);
+    let region = Arc::new(Region::open(store, bounded(LocalLimit::Percent(20.0), None)).unwrap());
+    let paging = region.stats().paging.unwrap();
+    let bound_chunks = paging.limit_chunks + paging.min_free_chunks;
+    assert_eq!(paging.limit_chunks, CHUNKS / 5);
+    let pages_per_chunk = u64::from(CHUNK) / region.page_size() as u64;
+    let stop = Arc::new(AtomicBool::new(false));
+    let workers: Vec<_> = (0..2u64)
+        .map(|t| {
+            let (region, stop) = (region.clone(), stop.clone());
+            std::thread::spawn(move || {
+                let mem = region.memory();
+                let mut rng = SmallRng::seed_from_u64(t);
+                let mut n = 0u64;
+                while !stop.load(Ordering::Relaxed) {
+                    let off = rng.gen_range(0..region.len() / 8) * 8;
+                    if rng.gen_bool(0.3) {
+                        mem.store_u64(off, n).unwrap();
+                    } else {
+                        mem.load_u64(off).unwrap();
+                    }
+                    n += 1;
+                }
+                n
+            })
+        })
+        .collect();
+    let start = Instant::now();
+    let mut samples = 0;
+    let mut max_pages = 0;
+    while start.elapsed() < Duration::from_millis(400) {
+        let (in_region, staged) = region.local_pages().unwrap().unwrap();
+        let resident = region.stats().paging.unwrap().resident_chunks;
+        assert!(
+            in_region + staged <= bound_chunks * pages_per_chunk,
+            "{in_region} pages in the region and {staged} staged: more than {bound_chunks} \
+             chunks of {pages_per_chunk} pages"
+        );
+        assert!(
+            resident <= bound_chunks,
+            "{resident} chunks resident > {bound_chunks}"
+        );
+        max_pages = max_pages.max(in_region + staged);
+        samples += 1;
+        std::thread::sleep(Duration::from_millis(1));
+    }
+    stop.store(true, Ordering::Relaxed);
+    let accesses: u64 = workers.into_iter().map(|w| w.join().unwrap()).sum();
+    let paging = region.stats().paging.unwrap();
+    assert!(samples > 50, "only {samples} samples");
+    assert!(accesses > 0);
+    assert!(
+        paging.evictions_reactive + paging.evictions_proactive > 0,
+        "nothing was evicted: {paging:?}"
+    );
+    assert!(max_pages > 0);
+}
