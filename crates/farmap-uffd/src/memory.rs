@@ -195,6 +195,7 @@ impl Store for RegionMemory {
                             return Some(ok.then(|| Bytes::from(buf)));
                         }
                         PushRead::NotLocal => return None,
+                        PushRead::Zero => return Some(Some(Bytes::from(buf))),
                         PushRead::Busy => std::thread::sleep(EVENT_RETRY),
                     }
                 }

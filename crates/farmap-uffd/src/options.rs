@@ -122,6 +122,11 @@ pub struct PagingOptions {
     /// Whether a reclaim thread keeps `min_free` chunks free ahead of faults; without it,
     /// every eviction is made by a fault that found the region full.
     pub proactive: bool,
+    /// The store holds nothing for this region yet (it was created fresh): every chunk
+    /// starts in the zero state, and its first touch maps zero pages (`UFFDIO_ZEROPAGE`)
+    /// instead of reading the store. A chunk leaves the zero state for good once it has
+    /// been written back.
+    pub fresh: bool,
 }
 
 impl PagingOptions {
@@ -131,6 +136,7 @@ impl PagingOptions {
             local_max,
             min_free: None,
             proactive: true,
+            fresh: false,
         }
     }
 }

@@ -65,6 +65,7 @@ impl Pagemap {
         end: usize,
         flags: u64,
         masks: (u64, u64, u64),
+        inverted: u64,
         vec: &mut Vec<PageRegion>,
     ) -> io::Result<usize> {
         let len = if vec.capacity() == 0 {
@@ -84,7 +85,7 @@ impl Pagemap {
             vec: 0,
             vec_len: 0,
             max_pages: 0,
-            category_inverted: 0,
+            category_inverted: inverted,
             category_mask,
             category_anyof_mask: anyof,
             return_mask,
@@ -103,11 +104,26 @@ impl Pagemap {
         flags: u64,
         masks: (u64, u64, u64),
         vec: &mut Vec<PageRegion>,
+        f: impl FnMut(PageRun),
+    ) -> io::Result<()> {
+        self.walk_inverted(start, end, flags, masks, 0, vec, f)
+    }
+
+    /// [`walk`](Self::walk) with `category_inverted`.
+    #[allow(clippy::too_many_arguments)]
+    fn walk_inverted(
+        &self,
+        start: usize,
+        end: usize,
+        flags: u64,
+        masks: (u64, u64, u64),
+        inverted: u64,
+        vec: &mut Vec<PageRegion>,
         mut f: impl FnMut(PageRun),
     ) -> io::Result<()> {
         let mut cur = start;
         while cur < end {
-            let walk_end = self.scan(cur, end, flags, masks, vec)?;
+            let walk_end = self.scan(cur, end, flags, masks, inverted, vec)?;
             for r in vec.iter() {
                 f(PageRun {
                     start: r.start as usize,
@@ -187,6 +203,16 @@ impl Pagemap {
     ) -> io::Result<()> {
         let p = sys::PAGE_IS_PRESENT;
         self.walk(start, end, 0, (p, 0, p), vec, f)
+    }
+
+    /// Whether a page of `start..end` is present in memory and not the shared zero page
+    /// (something wrote it, or filled it with data).
+    pub fn any_not_zero_page(&self, start: usize, end: usize) -> io::Result<bool> {
+        let mut vec = Vec::with_capacity(16);
+        let mut found = false;
+        let (p, z) = (sys::PAGE_IS_PRESENT, sys::PAGE_IS_PFNZERO);
+        self.walk_inverted(start, end, 0, (p | z, 0, p), z, &mut vec, |_| found = true)?;
+        Ok(found)
     }
 
     /// Whether every page of `start..end` is present in memory.

@@ -10,6 +10,9 @@
 //!     └────── drop (MADV_DONTNEED of the slot), only after a pusher flush that began
 //!             after the chunk was staged succeeded: its staged content is in the store
 //! ```
+//! - *zero*: never written (a fresh region, [`PagingOptions::fresh`](crate::PagingOptions)):
+//!   the first touch maps the shared zero page with `UFFDIO_ZEROPAGE` and reads nothing from
+//!   the store; the chunk is then active like any other, and remote once written back.
 //! - *remote*: not local; the next touch fetches it from the store (a chunk the store does
 //!   not hold reads as zeros, so a never-written chunk costs one store lookup, no data).
 //! - *active*: mapped in the region (write-protected when installed, so that PAGEMAP_SCAN
@@ -102,10 +105,15 @@ pub(crate) type MarkFn = Box<dyn Fn(ChunkIdx) + Send + Sync>;
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 enum St {
+    /// Never written: the store holds nothing for it (a fresh region), so its first touch
+    /// maps zero pages, with no store read.
+    Zero,
     Remote,
-    /// Being fetched; `new` when the fetch took a new unit of the limit (from remote).
+    /// Being fetched; `new` when the fetch took a new unit of the limit (from remote or
+    /// zero), `zero` when it is filled with zeros rather than read.
     Fetching {
         new: bool,
+        zero: bool,
     },
     Active,
     Staged,
@@ -140,6 +148,9 @@ pub(crate) enum Admit {
     /// Fetch the chunk from the store (it is marked fetching), then call
     /// [`Pager::fetched`].
     Fetch,
+    /// The chunk was never written: fill it with zero pages ([`Pager::fill_zero`]), then
+    /// call [`Pager::fetched`].
+    Zero,
     /// The region is at its limit: reclaim, then ask again.
     Full,
     /// A userfaultfd event is pending: wait for the reader to read it, then ask again.
@@ -158,6 +169,7 @@ pub(crate) struct PagingCounters {
     pub overcommits: AtomicU64,
     pub partial_moves: AtomicU64,
     pub pushes_from_store: AtomicU64,
+    pub zero_fills: AtomicU64,
 }
 
 /// Where a push finds a chunk's content (see [`Pager::read_for_push`]).
@@ -169,6 +181,8 @@ pub(crate) enum PushRead {
     Pinned,
     /// Remote: the store holds its newest content.
     NotLocal,
+    /// Never written: zeros.
+    Zero,
     /// Being fetched, or its pages are being moved (a move met a busy page): ask again in a
     /// moment.
     Busy,
@@ -209,6 +223,7 @@ impl Pager {
         geometry: Geometry,
         limit: u64,
         min_free: Option<u64>,
+        fresh: bool,
         region_counters: Arc<Counters>,
     ) -> std::io::Result<Pager> {
         let n = geometry.chunk_count() as usize;
@@ -220,7 +235,7 @@ impl Pager {
             geometry,
             pagemap: Pagemap::open_self()?,
             state: Mutex::new(State {
-                chunk: vec![St::Remote; n],
+                chunk: vec![if fresh { St::Zero } else { St::Remote }; n],
                 slot_busy: vec![false; n],
                 staged_epoch: vec![0; n],
                 referenced: vec![false; n],
@@ -380,13 +395,17 @@ impl Pager {
                 }
                 // Discarded behind our back (the application's madvise): fetch it again,
                 // already counted.
-                st.chunk[i as usize] = St::Fetching { new: false };
+                st.chunk[i as usize] = St::Fetching {
+                    new: false,
+                    zero: false,
+                };
                 self.tr(i, || format!("active-missing page {page:#x} -> refetch"));
                 self.evict_from_cache(idx);
                 Admit::Fetch
             }
             St::Staged => self.move_back(&mut st, i),
-            St::Remote => {
+            St::Remote | St::Zero => {
+                let zero = st.chunk[i as usize] == St::Zero;
                 let limit = self.limit();
                 if st.resident < limit || (overcommit && st.resident < limit + self.min_free()) {
                     if st.resident >= limit {
@@ -394,12 +413,16 @@ impl Pager {
                     }
                     st.resident += 1;
                     self.tr(i, || format!("remote fault page {page:#x} -> fetch"));
-                    st.chunk[i as usize] = St::Fetching { new: true };
+                    st.chunk[i as usize] = St::Fetching { new: true, zero };
                     self.evict_from_cache(idx);
                     if limit.saturating_sub(st.resident) < self.min_free() {
                         self.kick();
                     }
-                    Admit::Fetch
+                    if zero {
+                        Admit::Zero
+                    } else {
+                        Admit::Fetch
+                    }
                 } else {
                     self.kick();
                     Admit::Full
@@ -418,14 +441,14 @@ impl Pager {
     pub fn fetched(&self, idx: ChunkIdx, ok: bool) {
         let i = idx.0 as usize;
         let mut st = self.state.lock();
-        if let St::Fetching { new } = st.chunk[i] {
+        if let St::Fetching { new, zero } = st.chunk[i] {
             self.tr(idx.0, || format!("fetched ok={ok}"));
             if ok {
                 st.chunk[i] = St::Active;
                 st.referenced[i] = true;
                 st.active.push_back(idx.0);
             } else {
-                st.chunk[i] = St::Remote;
+                st.chunk[i] = if zero { St::Zero } else { St::Remote };
                 if new {
                     st.resident -= 1;
                     drop(st);
@@ -553,6 +576,7 @@ impl Pager {
             // wakes the faulting thread before the fetch is recorded). A fetch never waits
             // for a push: wait for it.
             Some(St::Fetching { .. }) => PushRead::Busy,
+            Some(St::Zero) => PushRead::Zero,
             _ => {
                 Counters::add(&self.counters.pushes_from_store, 1);
                 PushRead::NotLocal
@@ -570,6 +594,48 @@ impl Pager {
             .pagemap
             .in_memory(base, base + len, &mut v, |run| n += run.end - run.start);
         n
+    }
+
+    /// Fills chunk `idx` (admitted with [`Admit::Zero`]) with the shared zero page and wakes
+    /// its waiters: no store read, no page allocated until a write. `Err(EAGAIN)` while an
+    /// event is pending (call again once the reader has read it).
+    ///
+    /// `UFFDIO_ZEROPAGE` has no write-protect mode: the zero pages are protected right after
+    /// (so that the scans see later writes), before anyone is woken. A thread that touches a
+    /// page for the first time in between may write it unprotected; such a page is no longer
+    /// the zero page, which the page tables tell, and the chunk is then marked dirty.
+    pub fn fill_zero(&self, idx: ChunkIdx) -> Result<(), i32> {
+        let (off, len) = self.chunk_span(idx.0);
+        // Empty entries may carry write-protect markers (the scans protect holes), which
+        // UFFDIO_ZEROPAGE refuses (EEXIST): unprotecting clears them.
+        self.region.write_protect(off, len, false, false)?;
+        let mut done = 0;
+        while done < len {
+            match self.region.zeropage(off + done, len - done, true) {
+                Ok(n) | Err(crate::uffd::CopyError::Partial(n)) => done += n,
+                // Present already (a racing install cannot happen: the chunk is ours to
+                // fill; but never overwrite data): skip the page.
+                Err(crate::uffd::CopyError::Exists) => done += self.region.page_size(),
+                Err(crate::uffd::CopyError::EventPending) => return Err(libc::EAGAIN),
+                Err(crate::uffd::CopyError::Gone) => return Err(libc::ENOENT),
+                Err(crate::uffd::CopyError::Os(e)) => return Err(e),
+            }
+        }
+        self.region.write_protect(off, len, true, false)?;
+        let base = self.region.base() + off;
+        if self
+            .pagemap
+            .any_not_zero_page(base, base + len)
+            .unwrap_or(true)
+        {
+            if let Some(mark) = self.mark.get() {
+                mark(idx);
+            }
+        }
+        Counters::add(&self.counters.zero_fills, 1);
+        self.tr(idx.0, || "zero-filled".to_string());
+        let _ = self.region.wake(off, len);
+        Ok(())
     }
 
     /// Ends a push's read of an active chunk (see [`read_for_push`](Self::read_for_push)).

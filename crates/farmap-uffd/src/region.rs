@@ -302,6 +302,7 @@ impl Region {
                         geometry,
                         limit,
                         p.min_free,
+                        p.fresh,
                         counters.clone(),
                     )
                     .map_err(|e| RegionError::sys("opening pagemap", e))?,
@@ -577,6 +578,7 @@ impl Region {
                     recovered: Counters::get(&pc.recovered),
                     partial_moves: Counters::get(&pc.partial_moves),
                     pushes_from_store: Counters::get(&pc.pushes_from_store),
+                    zero_fills: Counters::get(&pc.zero_fills),
                 }
             }),
             last_error,

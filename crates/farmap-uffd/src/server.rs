@@ -235,6 +235,26 @@ impl Server {
                     // over the limit by at most `min_free` rather than wait for ever.
                     overcommit = !pager.make_room().await;
                 }
+                Admit::Zero => {
+                    let filled = loop {
+                        let seen = self.events.current();
+                        match pager.fill_zero(idx) {
+                            Err(libc::EAGAIN) => self.events.wait_past(seen).await,
+                            r => break r,
+                        }
+                    };
+                    pager.fetched(idx, filled.is_ok());
+                    if let Err(e) = filled {
+                        self.counters.error(format!(
+                            "filling never-written chunk {idx} with zero pages: {}",
+                            io::Error::from_raw_os_error(e)
+                        ));
+                        // Its waiters fault again and try again.
+                        let off = self.geometry.offset_of(idx) as usize;
+                        let _ = self.range.wake(off, self.geometry.chunk_len(idx));
+                    }
+                    return;
+                }
                 Admit::Fetch => {
                     // Straight from the store into the region's missing pages: the pager's
                     // state already makes this the only fetch of the chunk, and the cache's

@@ -98,6 +98,8 @@ pub struct PagingStats {
     /// Pushes of chunks that were not local (a stale dirty mark): read from the store,
     /// never through the region.
     pub pushes_from_store: u64,
+    /// Never-written chunks filled with zero pages on their first touch (no store read).
+    pub zero_fills: u64,
 }
 
 /// What [`Region::take_dirty`](crate::Region::take_dirty) found: the pages written since the

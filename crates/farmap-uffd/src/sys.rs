@@ -203,6 +203,23 @@ pub const UFFDIO_POISON: u64 = ioc(IOC_READ | IOC_WRITE, 0xAA, 0x08, 32);
 /// `UFFDIO_MOVE` (Linux 6.8+, `UFFD_FEATURE_MOVE`).
 pub const UFFDIO_MOVE: u64 = ioc(IOC_READ | IOC_WRITE, 0xAA, 0x05, 40);
 
+/// `UFFDIO_ZEROPAGE`: map the shared zero page at missing pages.
+pub const UFFDIO_ZEROPAGE: u64 = ioc(IOC_READ | IOC_WRITE, 0xAA, 0x04, 32);
+/// `UFFDIO_ZEROPAGE_MODE_DONTWAKE`.
+pub const UFFDIO_ZEROPAGE_MODE_DONTWAKE: u64 = 1 << 0;
+
+/// `struct uffdio_zeropage`.
+#[repr(C)]
+#[derive(Debug, Clone, Copy, Default)]
+pub struct UffdioZeropage {
+    /// The range.
+    pub range: UffdioRange,
+    /// `UFFDIO_ZEROPAGE_MODE_*`.
+    pub mode: u64,
+    /// Out: bytes mapped, or a negated errno.
+    pub zeropage: i64,
+}
+
 /// `UFFDIO_MOVE_MODE_DONTWAKE`: do not wake the threads waiting on the destination.
 pub const UFFDIO_MOVE_MODE_DONTWAKE: u64 = 1 << 0;
 /// `UFFDIO_MOVE_MODE_ALLOW_SRC_HOLES`: skip missing source pages instead of failing.
@@ -305,6 +322,7 @@ const _: () = {
     assert!(UFFDIO_UNREGISTER == 0x8010_AA01);
     assert!(UFFDIO_WAKE == 0x8010_AA02);
     assert!(UFFDIO_COPY == 0xC028_AA03);
+    assert!(UFFDIO_ZEROPAGE == 0xC020_AA04);
     assert!(UFFDIO_WRITEPROTECT == 0xC018_AA06);
     assert!(UFFDIO_POISON == 0xC020_AA08);
     assert!(PAGEMAP_SCAN == 0xC060_6610);

@@ -420,6 +420,36 @@ impl UffdRange {
         unsafe { sys::ioctl(self.uffd.as_raw_fd(), sys::UFFDIO_POISON, &mut p) }.map(|_| ())
     }
 
+    /// Maps the shared zero page at the missing pages of `offset..offset+len` with one
+    /// `UFFDIO_ZEROPAGE` (`dontwake`: without waking the threads waiting on them). Returns
+    /// why it stopped, as [`copy`](Self::copy) does (`Exists`: the first page is not empty,
+    /// a write-protect marker included; `Partial`; `EventPending`; `Gone`).
+    ///
+    /// # Panics
+    /// If the range is unaligned or outside the registered one.
+    pub fn zeropage(&self, offset: usize, len: usize, dontwake: bool) -> Result<usize, CopyError> {
+        let mut z = sys::UffdioZeropage {
+            range: self.check(offset, len),
+            mode: if dontwake {
+                sys::UFFDIO_ZEROPAGE_MODE_DONTWAKE
+            } else {
+                0
+            },
+            zeropage: 0,
+        };
+        // SAFETY: `z` is a live UffdioZeropage. The kernel only maps the zero page at missing
+        // pages of memory registered with this fd, whose registrant accepted them being
+        // filled (`Uffd::register`'s contract); it never replaces a present page.
+        match unsafe { sys::ioctl(self.uffd.as_raw_fd(), sys::UFFDIO_ZEROPAGE, &mut z) } {
+            Ok(_) => Ok(len),
+            Err(libc::EAGAIN) if z.zeropage > 0 => Err(CopyError::Partial(z.zeropage as usize)),
+            Err(libc::EAGAIN) => Err(CopyError::EventPending),
+            Err(libc::EEXIST) => Err(CopyError::Exists),
+            Err(libc::ENOENT | libc::ESRCH) => Err(CopyError::Gone),
+            Err(e) => Err(CopyError::Os(e)),
+        }
+    }
+
     /// Moves the pages of `offset..offset+len` to `dst_offset` in `dst` with one
     /// `UFFDIO_MOVE` (`mode`: `UFFDIO_MOVE_MODE_*`): they become missing here (the next touch
     /// faults) and present there, with no copy. Both ranges must be registered with the same

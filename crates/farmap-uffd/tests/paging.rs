@@ -46,6 +46,7 @@ fn bounded(limit: LocalLimit, push: Option<Duration>) -> RegionOptions {
             local_max: limit,
             min_free: Some(2),
             proactive: true,
+            fresh: false,
         }),
         ..RegionOptions::direct()
     }
@@ -237,4 +238,53 @@ fn resident_memory_stays_under_limit() {
         "nothing was evicted: {paging:?}"
     );
     assert!(max_pages > 0);
+}
+
+/// A fresh bounded region: the first touch of every chunk maps zero pages and reads nothing
+/// from the store (counted by a `Counting` stage under it), even while chunks are evicted
+/// (reactively); later writes are kept, in memory and in the store.
+#[test]
+fn never_written_chunks_are_not_read_from_the_store() {
+    if !paging_available("never_written_chunks_are_not_read_from_the_store") {
+        return;
+    }
+    let g = Geometry::new(CHUNKS * u64::from(CHUNK), u64::from(CHUNK)).unwrap();
+    let counting = Arc::new(farmap_pipeline::Counting::new(
+        farmap_store::MemoryStore::new(g),
+    ));
+    let mut opts = bounded(LocalLimit::Percent(25.0), None);
+    let paging = opts.paging.as_mut().unwrap();
+    paging.fresh = true;
+    // Only this thread's faults evict (reactively): no chunk is evicted between its zero
+    // fill and the access that faulted, so no chunk is ever read back in phase one.
+    paging.proactive = false;
+    let region = Region::open(counting.clone(), opts).unwrap();
+    let mem = region.memory();
+    // Every chunk once, with reads only: 64 chunks through a limit of 16 (evictions happen).
+    for c in 0..CHUNKS as usize {
+        assert_eq!(mem.load_u64(c * CHUNK as usize + 8).unwrap(), 0);
+    }
+    let paging = region.stats().paging.unwrap();
+    assert_eq!(
+        counting.counts().reads,
+        0,
+        "untouched chunks were read from the store: {paging:?}"
+    );
+    assert_eq!(paging.zero_fills, CHUNKS, "{paging:?}");
+    assert!(paging.deactivations > 0, "nothing evicted: {paging:?}");
+    // Now write every chunk, and read everything back.
+    let mut model = vec![0u8; g.size() as usize];
+    for c in 0..CHUNKS as usize {
+        let off = c * CHUNK as usize + 8 * c;
+        let v = 0x5eed_0000_0000_0000 | c as u64;
+        mem.store_u64(off, v).unwrap();
+        model[off..off + 8].copy_from_slice(&v.to_ne_bytes());
+    }
+    assert!(mem.to_vec() == model, "the region lost a write");
+    region.sync().unwrap();
+    assert!(
+        snapshot(&*counting) == model,
+        "the store lacks a write after a sync"
+    );
+    assert_eq!(region.stats().paging.unwrap().recovered, 0);
 }
