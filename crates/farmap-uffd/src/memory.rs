@@ -196,7 +196,14 @@ impl Store for RegionMemory {
                         }
                         PushRead::NotLocal => return None,
                         PushRead::Zero => return Some(Some(Bytes::from(buf))),
-                        PushRead::Busy => std::thread::sleep(EVENT_RETRY),
+                        // A fetch or a move in progress. Once the region is unmapped (it
+                        // is closing, and its fetches may never finish), give up.
+                        PushRead::Busy => {
+                            if mapping.while_mapped(|| ()).is_none() {
+                                return Some(None);
+                            }
+                            std::thread::sleep(EVENT_RETRY)
+                        }
                     }
                 }
             });
