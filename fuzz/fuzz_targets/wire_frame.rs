@@ -1,4 +1,5 @@
-//! The farmap frame decoder on arbitrary bytes: it must never panic, and every frame it
+//! The farmap frame decoder on arbitrary bytes (run reads and their replies included): it
+//! must never panic, and every frame it
 //! accepts must encode back to exactly the bytes it was decoded from.
 #![no_main]
 
