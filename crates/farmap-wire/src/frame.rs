@@ -599,7 +599,44 @@ impl FrameDecoder {
             buf.reserve(total - buf.len());
             return Ok(None);
         }
-        let mut frame = buf.split_to(total).freeze();
+        let frame = buf.split_to(total).freeze();
+        self.decode_frame(frame, true).map(Some)
+    }
+
+    /// Decodes `frame`, a buffer holding exactly one whole frame in an allocation of its own
+    /// (read into a buffer of its exact size): chunk payloads are slices of it, not copies,
+    /// so that keeping one keeps only this frame's memory alive. The length prefix is checked
+    /// against the limits like [`decode`](Self::decode) does.
+    pub fn decode_own(&mut self, frame: Bytes) -> Result<Frame, WireError> {
+        if frame.len() < 4 {
+            return Err(WireError::FrameTooShort {
+                len: frame.len() as u32,
+            });
+        }
+        let rest = u32::from_be_bytes([frame[0], frame[1], frame[2], frame[3]]);
+        let total = 4 + u64::from(rest);
+        if total > u64::from(self.limits.max_frame) {
+            return Err(WireError::FrameTooLarge {
+                len: total,
+                max: self.limits.max_frame,
+            });
+        }
+        if (rest as usize) < HEADER_LEN - 4 {
+            return Err(WireError::FrameTooShort { len: rest });
+        }
+        if total != frame.len() as u64 {
+            return Err(WireError::BodyLength {
+                op: "buffered frame",
+                len: frame.len(),
+                expected: total as usize,
+            });
+        }
+        self.decode_frame(frame, false)
+    }
+
+    /// Decodes one whole frame (length prefix included, already checked); `copy`: payloads
+    /// get allocations of their own.
+    fn decode_frame(&self, mut frame: Bytes, copy: bool) -> Result<Frame, WireError> {
         frame.advance(4);
         let code = frame.get_u8();
         let id = frame.get_u64();
@@ -607,8 +644,8 @@ impl FrameDecoder {
         if id == 0 && code != op::ERROR {
             return Err(WireError::ZeroId { op: code });
         }
-        let msg = self.decode_body(code, Body::new(frame, name))?;
-        Ok(Some(Frame { id, msg }))
+        let msg = self.decode_body(code, Body::new(frame, name), copy)?;
+        Ok(Frame { id, msg })
     }
 
     fn batch_count(&self, body: &mut Body, min_entry: usize) -> Result<usize, WireError> {
@@ -630,7 +667,8 @@ impl FrameDecoder {
         Ok(count)
     }
 
-    fn decode_body(&self, code: u8, mut body: Body) -> Result<Message, WireError> {
+    fn decode_body(&self, code: u8, mut body: Body, copy: bool) -> Result<Message, WireError> {
+        let own = |b: Bytes| if copy { own(b) } else { b };
         let msg = match code {
             op::READ => {
                 let count = self.batch_count(&mut body, 8)?;

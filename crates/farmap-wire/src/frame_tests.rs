@@ -511,3 +511,48 @@ proptest! {
         }
     }
 }
+
+#[test]
+fn a_frame_in_its_own_buffer_is_decoded_without_copying_its_payloads() {
+    let payload = Bytes::from(vec![4u8; 64 * 1024]);
+    let f = Frame::new(9, Message::ReadOk(vec![Payload::Data(payload.clone())]));
+    let wire = encode(&f).freeze();
+    let mut d = FrameDecoder::default();
+    let got = d.decode_own(wire.clone()).unwrap();
+    assert_eq!(got, f);
+    let Message::ReadOk(chunks) = &got.msg else {
+        panic!("not a read reply");
+    };
+    let Payload::Data(data) = &chunks[0] else {
+        panic!("not data");
+    };
+    let inside = wire.as_ptr() as usize..wire.as_ptr() as usize + wire.len();
+    assert!(
+        inside.contains(&(data.as_ptr() as usize)),
+        "the payload is a slice of the frame"
+    );
+    // The shared-buffer decoder copies it.
+    let mut buf = BytesMut::from(&wire[..]);
+    let copied = d.decode(&mut buf).unwrap().unwrap();
+    let Message::ReadOk(chunks) = &copied.msg else {
+        panic!("not a read reply");
+    };
+    let Payload::Data(data) = &chunks[0] else {
+        panic!("not data");
+    };
+    assert_eq!(data.len(), 64 * 1024);
+    // A buffer that is not exactly one frame, or a frame over the limit, is refused.
+    assert!(d.decode_own(wire.slice(..wire.len() - 1)).is_err());
+    let mut longer = wire.to_vec();
+    longer.push(0);
+    assert!(d.decode_own(Bytes::from(longer)).is_err());
+    let mut small = FrameDecoder::new(Limits {
+        max_frame: 1024,
+        max_batch: 4,
+    });
+    assert!(matches!(
+        small.decode_own(wire),
+        Err(WireError::FrameTooLarge { .. })
+    ));
+    assert!(d.decode_own(Bytes::from_static(&[0, 0])).is_err());
+}
