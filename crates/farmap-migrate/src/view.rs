@@ -261,7 +261,8 @@ impl MigrationStore {
     }
 
     /// Reads `runs` of pages (ascending, disjoint, within the region) from the seeder: run
-    /// reads of at most [`RUN_PAGES`] pages, all in flight at once. Zero pages cost no
+    /// reads of at most [`RUN_PAGES`] pages (runs shorter than [`MIN_RUN`] pages in batches of
+    /// scattered pages), all in flight at once. Zero pages cost no
     /// bytes on the wire (nor in the counts of [`bytes`](Self::bytes)); the others arrive in
     /// one piece per run and are handed out as slices of it, never copied.
     pub async fn read_runs(&self, runs: &[Range<u64>]) -> StoreResult<Vec<Segment>> {
@@ -281,7 +282,14 @@ impl MigrationStore {
     ) -> StoreResult<Vec<Segment>> {
         let max = u64::from(remote.max_run()).clamp(1, RUN_PAGES);
         let mut reads: Vec<(u64, u32)> = Vec::new();
+        // Pages of short runs (scattered writes) go in batches of many pages per request, as
+        // a request per page would cost a round of the data plane each.
+        let mut scattered: Vec<ChunkIdx> = Vec::new();
         for r in runs {
+            if r.end - r.start < MIN_RUN {
+                scattered.extend((r.start..r.end).map(ChunkIdx));
+                continue;
+            }
             let mut at = r.start;
             while at < r.end {
                 let n = (r.end - at).min(max);
@@ -289,18 +297,51 @@ impl MigrationStore {
                 at += n;
             }
         }
-        let got = try_join_all(
-            reads
-                .iter()
-                .map(|(at, n)| remote.read_run(ChunkIdx(*at), *n)),
+        let (got, pages) = futures::future::try_join(
+            try_join_all(
+                reads
+                    .iter()
+                    .map(|(at, n)| remote.read_run(ChunkIdx(*at), *n)),
+            ),
+            async {
+                if scattered.is_empty() {
+                    Ok(Vec::new())
+                } else {
+                    remote.read_many(&scattered).await
+                }
+            },
         )
         .await?;
-        let mut segments = Vec::with_capacity(reads.len());
+        let page = self.page as usize;
+        let mut segments = Vec::with_capacity(reads.len() + pages.len());
         let mut bytes = 0u64;
         for ((at, _), run) in reads.iter().zip(got) {
             bytes += run.data_len() as u64;
             self.segments(*at, &run, &mut segments)?;
         }
+        if pages.len() != scattered.len() || pages.iter().any(|d| d.len() != page) {
+            return Err(StoreError::new(
+                ErrorKind::Corrupt,
+                format!(
+                    "the seeder's data plane answered {} pages of {page} bytes with {} pieces of \
+                     other sizes",
+                    scattered.len(),
+                    pages.len()
+                ),
+            ));
+        }
+        for (p, d) in scattered.iter().zip(pages) {
+            // Zero pages came as a flag (the remote store gives shared zeros for them).
+            let zero = farmap_core::is_zero(&d);
+            if !zero {
+                bytes += d.len() as u64;
+            }
+            segments.push(Segment {
+                pages: p.0..p.0 + 1,
+                data: (!zero).then_some(d),
+            });
+        }
+        segments.sort_by_key(|s| s.pages.start);
         self.count(bytes);
         Ok(segments)
     }
@@ -578,6 +619,10 @@ fn chunk_pages(discarded: &[Range<u64>], first: u64, count: u64, per_chunk: u64)
 /// Pages per run read: a run costs one request and one copy on each side, and a bulk batch
 /// of a few MiB still spreads over the data plane's connections.
 pub const RUN_PAGES: u64 = 256;
+
+/// Runs shorter than this many pages are read with other short runs' pages in batches (one
+/// request for many scattered pages) rather than as runs of their own.
+pub const MIN_RUN: u64 = 8;
 
 /// Pages of a run read: zero pages (no bytes), or pages holding data (one slice of the run's
 /// bytes).
