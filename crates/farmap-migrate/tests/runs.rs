@@ -36,7 +36,7 @@ fn uffd(test: &str) -> bool {
 /// chunks 1, 5, 9...
 fn starts_zero(p: u64) -> bool {
     let c = p / PER_CHUNK;
-    c % 4 == 0 || (c % 4 == 1 && p % 2 == 1)
+    c.is_multiple_of(4) || (c % 4 == 1 && p % 2 == 1)
 }
 
 fn page_of(p: u64, salt: u8) -> Vec<u8> {
