@@ -359,10 +359,13 @@ fn start(label: Arc<str>, info: ServerInfo, stream: BoxStream, buf: BytesMut) ->
 /// Frames at least this long are read into a buffer of their own, whose payloads are then
 /// handed out as slices of it (no copy per chunk; a kept chunk keeps only its own frame).
 const OWN_BUFFER_MIN: usize = 32 * 1024;
-/// After such a frame, the next read takes at most this much (the next frame's header and a
-/// little of its body), so that a large frame following it is read into its own buffer too
-/// and little of it is copied.
+/// After a frame of at least [`PEEK_AFTER`] bytes, the next read takes at most this much (the
+/// next frame's header and a little of its body), so that a large frame following it is read
+/// into its own buffer too and little of it is copied.
 const PEEK: usize = 4096;
+/// Frames from this size on are followed by a small read ([`PEEK`]); after smaller ones the
+/// next read fills the read-ahead (several frames per system call).
+const PEEK_AFTER: usize = 256 * 1024;
 
 async fn read_loop(conn: Arc<Conn>, mut rd: ReadHalf<BoxStream>, mut buf: BytesMut) {
     let mut decoder = FrameDecoder::new(Limits {
@@ -371,14 +374,14 @@ async fn read_loop(conn: Arc<Conn>, mut rd: ReadHalf<BoxStream>, mut buf: BytesM
     });
     let mut stop = conn.closed.subscribe();
     let closed = || "the server closed the connection (server gone?)".to_owned();
-    // Whether the last frame was large (large replies come in streams).
+    // Whether the last frame was at least PEEK_AFTER long (large replies come in streams).
     let mut large = false;
     let reason = 'conn: loop {
         loop {
             let before = buf.len();
             match decoder.decode(&mut buf) {
                 Ok(Some(frame)) => {
-                    large = before - buf.len() >= OWN_BUFFER_MIN;
+                    large = before - buf.len() >= PEEK_AFTER;
                     conn.complete(frame)
                 }
                 Ok(None) => break,
@@ -411,7 +414,7 @@ async fn read_loop(conn: Arc<Conn>, mut rd: ReadHalf<BoxStream>, mut buf: BytesM
                 Ok(frame) => conn.complete(frame),
                 Err(e) => break 'conn format!("the server sent a bad frame: {e}"),
             }
-            large = true;
+            large = total >= PEEK_AFTER;
             continue;
         }
         make_room(&mut buf);
