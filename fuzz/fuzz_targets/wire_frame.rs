@@ -1,8 +1,9 @@
-//! The farmap frame decoder on arbitrary bytes: it must never panic, and every frame it
-//! accepts must encode back to exactly the bytes it was decoded from.
+//! The farmap frame decoder on arbitrary bytes (run reads and their replies included): it
+//! must never panic, every frame it accepts must encode back to exactly the bytes it was
+//! decoded from, and must decode the same from a buffer of its own (`decode_own`).
 #![no_main]
 
-use bytes::BytesMut;
+use bytes::{Bytes, BytesMut};
 use farmap_wire::{FrameDecoder, Limits, Message};
 use libfuzzer_sys::fuzz_target;
 
@@ -36,6 +37,11 @@ fuzz_target!(|data: &[u8]| {
                         "encode_parts differs from encode"
                     );
                     let original = &data[consumed..consumed + used];
+                    // The same frame in a buffer of its own decodes the same (without copies).
+                    let own = decoder
+                        .decode_own(Bytes::copy_from_slice(original))
+                        .expect("a frame decoded from a stream decodes in its own buffer");
+                    assert_eq!(own, frame, "decode_own differs from decode");
                     match &frame.msg {
                         // Messages are decoded lossily (invalid UTF-8 is replaced, which may
                         // lengthen them past the cap) and unknown cap/flag bits are dropped:

@@ -10,6 +10,7 @@ use std::ops::Range;
 use std::sync::Arc;
 
 use farmap_core::{BoxFuture, ChunkIdx, Geometry, Store};
+use farmap_net::RunReader;
 use farmap_uffd::Region;
 
 use crate::view::LiveView;
@@ -31,6 +32,11 @@ pub trait Source: Send + Sync + 'static {
     /// The data plane: a read-only store of page-sized chunks with the region's current
     /// content.
     fn data_plane(self: Arc<Self>) -> Arc<dyn Store>;
+    /// What reads runs of the data plane's pages in one piece (one copy of a run out of the
+    /// region, instead of one per page); `None` serves runs page by page from the data plane.
+    fn run_reader(self: Arc<Self>) -> Option<Arc<dyn RunReader>> {
+        None
+    }
 }
 
 /// Where a migrating region lands at the leecher. Its chunks come from a
@@ -75,6 +81,10 @@ impl Source for Region {
 
     fn data_plane(self: Arc<Self>) -> Arc<dyn Store> {
         Arc::new(LiveView::new(self))
+    }
+
+    fn run_reader(self: Arc<Self>) -> Option<Arc<dyn RunReader>> {
+        Some(Arc::new(LiveView::new(self)))
     }
 }
 

@@ -869,7 +869,7 @@ impl<D: Destination> Run<D> {
 }
 
 /// Pages per read of a dirty round (the round's set is read and written batch by batch).
-const REFRESH_BATCH: usize = 1024;
+const REFRESH_BATCH: u64 = 1024;
 
 /// Why a dirty round failed (the migration is abandoned; the source runs on).
 #[derive(Debug, thiserror::Error)]
@@ -895,23 +895,23 @@ async fn refresh_round<D: Destination>(
 ) -> Result<RoundResult, RoundError> {
     let t0 = Instant::now();
     let (mut read, mut apply) = (Duration::ZERO, Duration::ZERO);
-    let mut pages_left = runs.iter().flat_map(|r| r.clone());
-    loop {
-        let pages: Vec<u64> = pages_left.by_ref().take(REFRESH_BATCH).collect();
-        if pages.is_empty() {
-            break;
-        }
-        pacer.pace(pages.len() as u64 * page).await;
+    for batch in batches_of(runs, REFRESH_BATCH) {
+        pacer.pace(run_pages(&batch) * page).await;
         let t = Instant::now();
-        let data = store.read_pages(&pages).await.map_err(RoundError::Read)?;
+        let segments = store.read_runs(&batch).await.map_err(RoundError::Read)?;
         read += t.elapsed();
         let t = Instant::now();
         let r = region.clone();
+        // One write per run of pages holding data, and zeros where the source now has zero
+        // pages (their old content is here).
         tokio::task::spawn_blocking(move || {
-            pages
-                .iter()
-                .zip(data)
-                .try_for_each(|(p, d)| r.write_at(p * page, &d))
+            segments.iter().try_for_each(|s| {
+                let at = s.pages.start * page;
+                match &s.data {
+                    Some(d) => r.write_at(at, d),
+                    None => write_zeros(&*r, at, (s.pages.end - s.pages.start) * page),
+                }
+            })
         })
         .await
         .map_err(RoundError::Task)?
@@ -931,6 +931,42 @@ async fn refresh_round<D: Destination>(
         apply,
         elapsed: t0.elapsed(),
     })
+}
+
+/// `runs` (ascending) cut into batches of at most `max` pages each.
+fn batches_of(runs: &[Range<u64>], max: u64) -> Vec<Vec<Range<u64>>> {
+    let mut out: Vec<Vec<Range<u64>>> = Vec::new();
+    let mut cur: Vec<Range<u64>> = Vec::new();
+    let mut n = 0;
+    for r in runs {
+        let mut at = r.start;
+        while at < r.end {
+            let take = (r.end - at).min(max - n);
+            cur.push(at..at + take);
+            n += take;
+            at += take;
+            if n == max {
+                out.push(std::mem::take(&mut cur));
+                n = 0;
+            }
+        }
+    }
+    if !cur.is_empty() {
+        out.push(cur);
+    }
+    out
+}
+
+/// Writes `len` zero bytes at `offset` (shared zeros, one write per 4 MiB).
+fn write_zeros<D: Destination>(d: &D, offset: u64, len: u64) -> Result<(), EndpointError> {
+    let max = u64::from(farmap_core::MAX_CHUNK_SIZE);
+    let mut done = 0;
+    while done < len {
+        let n = (len - done).min(max);
+        d.write_at(offset + done, &farmap_core::zero_chunk(n as usize))?;
+        done += n;
+    }
+    Ok(())
 }
 
 /// Post-copy: fetch the chunks of the pages discarded at the hand-over (faults fetch theirs
@@ -954,7 +990,7 @@ async fn post_copy<D: Destination>(
             };
             let lo = first.0.saturating_mul(per_chunk);
             let hi = last.0.saturating_add(1).saturating_mul(per_chunk);
-            let pages: Vec<u64> = clip(&runs, lo, hi).into_iter().flatten().collect();
+            let pages = clip(&runs, lo, hi);
             let _ = store.stage(&pages).await;
             let fetched = region.fetch_chunks(batch.to_vec(), workers).await;
             store.unstage(&pages);
@@ -1020,7 +1056,7 @@ async fn bulk_pull<D: Destination>(
                 let last = (first + PULL_BATCH).min(chunks);
                 let p0 = first * chunk / page;
                 let p1 = (last * chunk).min(total) / page;
-                let pages: Vec<u64> = (p0..p1).collect();
+                let pages: Vec<Range<u64>> = std::iter::once(p0..p1).collect();
                 pacer.pace((p1 - p0) * page).await;
                 store.stage(&pages).await.map_err(PullError::Read)?;
                 let r = region

@@ -8,7 +8,9 @@ use std::time::{Duration, Instant};
 
 use std::collections::VecDeque;
 
-use farmap_net::{serve, ListenAddr, Listener, ServeError, ServeOptions, TlsServerConfig};
+use farmap_net::{
+    serve_with_runs, ListenAddr, Listener, RunReader, ServeError, ServeOptions, TlsServerConfig,
+};
 use tokio::sync::mpsc;
 use tokio::task::JoinHandle;
 
@@ -170,9 +172,13 @@ pub async fn seed(
             source,
         })?;
     let mut plane = region.clone().data_plane();
-    let pacer = crate::budget::Pacer::new(&opts.pull);
+    let mut runs: Option<Arc<dyn RunReader>> = region.clone().run_reader();
+    let pacer = Arc::new(crate::budget::Pacer::new(&opts.pull));
     if pacer.is_limited() {
-        plane = Arc::new(crate::view::Paced::new(plane, pacer));
+        plane = Arc::new(crate::view::Paced::new(plane, pacer.clone()));
+        runs = runs.map(|r| {
+            Arc::new(crate::view::PacedRuns::new(r, plane.geometry(), pacer)) as Arc<dyn RunReader>
+        });
     }
     let (data_listen, tls) = (opts.data_listen.clone(), opts.tls.clone());
     let started = pull_rt
@@ -186,8 +192,9 @@ pub async fn seed(
                         source,
                     })?;
             let data = data_listener.local_addr().map_err(SeedError::LocalAddr)?;
-            let server = serve(
+            let server = serve_with_runs(
                 plane,
+                runs,
                 data_listener,
                 ServeOptions {
                     read_only: true,

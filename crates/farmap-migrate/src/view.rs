@@ -9,12 +9,14 @@ use std::sync::Arc;
 
 use bytes::{Bytes, BytesMut};
 use farmap_core::{
-    BoxFuture, Caps, ChunkIdx, ChunkRange, ChunkStatus, ErrorKind, Geometry, Store, StoreError,
-    StoreResult,
+    zero_chunk, BoxFuture, Caps, ChunkIdx, ChunkRange, ChunkStatus, ErrorKind, Geometry, Store,
+    StoreError, StoreResult, MAX_CHUNK_SIZE,
 };
-use farmap_net::RemoteStore;
+use farmap_net::wire::RunData;
+use farmap_net::{RemoteStore, RunReader};
 use farmap_store::MemoryStore;
 use farmap_uffd::Region;
+use futures::future::try_join_all;
 use parking_lot::{Mutex, RwLock};
 
 /// The seeder's region seen as a store of page-sized chunks: `read` copies the page out of
@@ -44,6 +46,48 @@ impl fmt::Debug for LiveView {
         f.debug_struct("LiveView")
             .field("geometry", &self.geometry)
             .finish()
+    }
+}
+
+impl RunReader for LiveView {
+    /// One copy of the run's pages out of the region's memory into one buffer (the server
+    /// finds the zero pages in it and sends the rest as slices of it).
+    fn read_run(&self, start: ChunkIdx, count: u32) -> BoxFuture<'_, StoreResult<Bytes>> {
+        Box::pin(async move {
+            let g = self.geometry;
+            let end = start.0.saturating_add(u64::from(count));
+            if count == 0 || end > g.chunk_count() {
+                return Err(StoreError::new(
+                    ErrorKind::OutOfRange,
+                    format!(
+                        "pages {}..{end} reach past the region's {} pages",
+                        start.0,
+                        g.chunk_count()
+                    ),
+                ));
+            }
+            let offset = g.offset_of(start) as usize;
+            let last = ChunkIdx(end - 1);
+            let len = (g.offset_of(last) + g.chunk_len(last) as u64) as usize - offset;
+            let region = self.region.clone();
+            let what = move || format!("reading pages {}..{end}", start.0);
+            // As in `read`: memory whose chunks are present is copied here, the rest (which
+            // may fault and wait for the region's store) on a blocking thread.
+            if region.holds(offset, len) {
+                let mut buf = vec![0u8; len];
+                return region
+                    .read_at(offset, &mut buf)
+                    .map(|()| Bytes::from(buf))
+                    .map_err(|e| StoreError::new(ErrorKind::Closed, what()).with_source(e));
+            }
+            tokio::task::spawn_blocking(move || {
+                let mut buf = vec![0u8; len];
+                region.read_at(offset, &mut buf).map(|()| Bytes::from(buf))
+            })
+            .await
+            .map_err(|e| StoreError::new(ErrorKind::Io, what()).with_source(e))?
+            .map_err(|e| StoreError::new(ErrorKind::Closed, what()).with_source(e))
+        })
     }
 }
 
@@ -216,100 +260,206 @@ impl MigrationStore {
         (u64::from(self.geometry.chunk_size()) / self.page).max(1)
     }
 
-    /// Checks that the data plane answered `asked` pages with as many whole pages.
-    fn check_pages(&self, asked: usize, data: &[Bytes]) -> StoreResult<()> {
-        let page = self.page as usize;
-        if data.len() != asked || data.iter().any(|d| d.len() != page) {
-            return Err(StoreError::new(
-                ErrorKind::Corrupt,
-                format!(
-                    "the seeder's data plane answered {asked} pages of {page} bytes with {} \
-                     pieces of other sizes",
-                    data.len()
-                ),
-            ));
-        }
-        Ok(())
-    }
-
-    /// Reads `pages` from the seeder in as few requests as the data plane allows (all in
-    /// flight at once) and keeps them for the next fetch of their chunks, which then needs
-    /// no round trip. The caller installs them at once ([`Region::fetch_chunks`]) and then
-    /// calls [`unstage`](Self::unstage): staged data is only as fresh as its read.
-    ///
-    /// [`Region::fetch_chunks`]: farmap_uffd::Region::fetch_chunks
-    pub async fn stage(&self, pages: &[u64]) -> StoreResult<()> {
-        let Some(remote) = self.remote() else {
-            return Ok(());
-        };
-        let idx: Vec<ChunkIdx> = pages.iter().map(|p| ChunkIdx(*p)).collect();
-        let data = remote.read_many(&idx).await?;
-        self.check_pages(pages.len(), &data)?;
-        let n: u64 = data.iter().map(|d| d.len() as u64).sum();
-        self.count(n);
-        let per_chunk = self.per_chunk();
-        let mut chunks = self.chunks.lock();
-        let mut i = 0;
-        while i < pages.len() {
-            let (p, chunk) = (pages[i], pages[i] / per_chunk);
-            let first = chunk * per_chunk;
-            // A chunk whose pages all came, in order, and that has nothing else staged or
-            // discarded is kept whole: its fetch is one lookup, not one per page.
-            let count = self.geometry.check_idx(ChunkIdx(chunk)).map_or(0, |()| {
-                self.geometry.chunk_len(ChunkIdx(chunk)) as u64 / self.page
-            }) as usize;
-            let whole = count > 0
-                && p == first
-                && pages
-                    .get(i..i + count)
-                    .is_some_and(|run| run.iter().copied().eq(first..first + count as u64))
-                && chunks.get(&chunk).is_none_or(ChunkPages::is_empty);
-            if whole {
-                let mut buf = BytesMut::with_capacity(count * self.page as usize);
-                for d in &data[i..i + count] {
-                    buf.extend_from_slice(d);
-                }
-                chunks.entry(chunk).or_default().whole = Some(buf.freeze());
-                i += count;
-                continue;
-            }
-            chunks
-                .entry(chunk)
-                .or_default()
-                .staged
-                .insert(p, data[i].clone());
-            i += 1;
-        }
-        Ok(())
-    }
-
-    /// Reads `pages` from the seeder (all requests in flight at once), counted like fetches.
-    pub async fn read_pages(&self, pages: &[u64]) -> StoreResult<Vec<Bytes>> {
+    /// Reads `runs` of pages (ascending, disjoint, within the region) from the seeder: run
+    /// reads of at most [`RUN_PAGES`] pages (runs shorter than [`MIN_RUN`] pages in batches of
+    /// scattered pages), all in flight at once. Zero pages cost no
+    /// bytes on the wire (nor in the counts of [`bytes`](Self::bytes)); the others arrive in
+    /// one piece per run and are handed out as slices of it, never copied.
+    pub async fn read_runs(&self, runs: &[Range<u64>]) -> StoreResult<Vec<Segment>> {
         let Some(remote) = self.remote() else {
             return Err(StoreError::new(
                 ErrorKind::Closed,
                 "the migration store is detached from its seeder",
             ));
         };
-        let idx: Vec<ChunkIdx> = pages.iter().map(|p| ChunkIdx(*p)).collect();
-        let data = remote.read_many(&idx).await?;
-        self.check_pages(pages.len(), &data)?;
-        self.count(data.iter().map(|d| d.len() as u64).sum());
-        Ok(data)
+        self.read_runs_from(&remote, runs).await
     }
 
-    /// Drops staged pages that no fetch used.
-    pub fn unstage(&self, pages: &[u64]) {
+    async fn read_runs_from(
+        &self,
+        remote: &RemoteStore,
+        runs: &[Range<u64>],
+    ) -> StoreResult<Vec<Segment>> {
+        let max = u64::from(remote.max_run()).clamp(1, RUN_PAGES);
+        let mut reads: Vec<(u64, u32)> = Vec::new();
+        // Pages of short runs (scattered writes) go in batches of many pages per request, as
+        // a request per page would cost a round of the data plane each.
+        let mut scattered: Vec<ChunkIdx> = Vec::new();
+        for r in runs {
+            if r.end - r.start < MIN_RUN {
+                scattered.extend((r.start..r.end).map(ChunkIdx));
+                continue;
+            }
+            let mut at = r.start;
+            while at < r.end {
+                let n = (r.end - at).min(max);
+                reads.push((at, n as u32));
+                at += n;
+            }
+        }
+        let (got, pages) = futures::future::try_join(
+            try_join_all(
+                reads
+                    .iter()
+                    .map(|(at, n)| remote.read_run(ChunkIdx(*at), *n)),
+            ),
+            async {
+                if scattered.is_empty() {
+                    Ok(Vec::new())
+                } else {
+                    remote.read_many(&scattered).await
+                }
+            },
+        )
+        .await?;
+        let page = self.page as usize;
+        let mut segments = Vec::with_capacity(reads.len() + pages.len());
+        let mut bytes = 0u64;
+        for ((at, _), run) in reads.iter().zip(got) {
+            bytes += run.data_len() as u64;
+            self.segments(*at, &run, &mut segments)?;
+        }
+        if pages.len() != scattered.len() || pages.iter().any(|d| d.len() != page) {
+            return Err(StoreError::new(
+                ErrorKind::Corrupt,
+                format!(
+                    "the seeder's data plane answered {} pages of {page} bytes with {} pieces of \
+                     other sizes",
+                    scattered.len(),
+                    pages.len()
+                ),
+            ));
+        }
+        for (p, d) in scattered.iter().zip(pages) {
+            // Zero pages came as a flag (the remote store gives shared zeros for them).
+            let zero = farmap_core::is_zero(&d);
+            if !zero {
+                bytes += d.len() as u64;
+            }
+            segments.push(Segment {
+                pages: p.0..p.0 + 1,
+                data: (!zero).then_some(d),
+            });
+        }
+        segments.sort_by_key(|s| s.pages.start);
+        self.count(bytes);
+        Ok(segments)
+    }
+
+    /// Cuts a run read from page `first` into segments of zero pages and of pages holding
+    /// data (each one slice of the run's bytes), checking that its data is whole pages.
+    fn segments(&self, first: u64, run: &RunData, out: &mut Vec<Segment>) -> StoreResult<()> {
+        let page = self.page as usize;
+        let data = run.data();
+        let holding = (0..run.count()).filter(|i| !run.is_zero(*i)).count();
+        if data.len() != holding * page {
+            return Err(StoreError::new(
+                ErrorKind::Corrupt,
+                format!(
+                    "the seeder's data plane answered pages {first}..{} with {} bytes for {holding} \
+                     pages of {page} bytes that are not zero",
+                    first + run.count() as u64,
+                    data.len()
+                ),
+            ));
+        }
+        let (mut i, mut at) = (0, 0);
+        while i < run.count() {
+            let zero = run.is_zero(i);
+            let mut j = i + 1;
+            while j < run.count() && run.is_zero(j) == zero {
+                j += 1;
+            }
+            let data = (!zero).then(|| {
+                let n = (j - i) * page;
+                at += n;
+                data.slice(at - n..at)
+            });
+            out.push(Segment {
+                pages: first + i as u64..first + j as u64,
+                data,
+            });
+            i = j;
+        }
+        Ok(())
+    }
+
+    /// Reads `runs` of pages (ascending, disjoint, within the region) from the seeder in run
+    /// reads (see [`read_runs`](Self::read_runs)) and keeps them for the next fetch of their
+    /// chunks, which then needs no round trip: a chunk a run covers whole is kept as one
+    /// buffer (a slice of the run's bytes when none of its pages is zero), other pages one by
+    /// one. The caller installs them at once ([`Region::fetch_chunks`]) and then calls
+    /// [`unstage`](Self::unstage): staged data is only as fresh as its read.
+    ///
+    /// [`Region::fetch_chunks`]: farmap_uffd::Region::fetch_chunks
+    pub async fn stage(&self, runs: &[Range<u64>]) -> StoreResult<()> {
+        let Some(remote) = self.remote() else {
+            return Ok(());
+        };
+        let per_chunk = self.per_chunk();
+        let page = self.page as usize;
+        let segments = split_at_chunks(self.read_runs_from(&remote, runs).await?, per_chunk, page);
+        let mut chunks = self.chunks.lock();
+        let mut k = 0;
+        while k < segments.len() {
+            let chunk = segments[k].pages.start / per_chunk;
+            let first = chunk * per_chunk;
+            let count = self.geometry.check_idx(ChunkIdx(chunk)).map_or(0, |()| {
+                self.geometry.chunk_len(ChunkIdx(chunk)) as u64 / self.page
+            });
+            let mut next = k + 1;
+            while next < segments.len() && segments[next].pages.start / per_chunk == chunk {
+                next += 1;
+            }
+            let mine = &segments[k..next];
+            k = next;
+            let covered = count > 0
+                && mine[0].pages.start == first
+                && mine[mine.len() - 1].pages.end == first + count
+                && mine.windows(2).all(|w| w[0].pages.end == w[1].pages.start);
+            // A chunk that came whole and has nothing else staged or discarded is kept whole:
+            // its fetch is one lookup, not one per page.
+            if covered && chunks.get(&chunk).is_none_or(ChunkPages::is_empty) {
+                chunks.entry(chunk).or_default().whole = Some(whole_chunk(mine, first, page));
+                continue;
+            }
+            let c = chunks.entry(chunk).or_default();
+            for s in mine {
+                for p in s.pages.clone() {
+                    let piece = match &s.data {
+                        None => zero_chunk(page),
+                        Some(d) => {
+                            let at = (p - s.pages.start) as usize * page;
+                            d.slice(at..at + page)
+                        }
+                    };
+                    c.staged.insert(p, piece);
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// Drops staged pages of `runs` that no fetch used.
+    pub fn unstage(&self, runs: &[Range<u64>]) {
         let per_chunk = self.per_chunk();
         let mut chunks = self.chunks.lock();
-        for p in pages {
-            let chunk = p / per_chunk;
-            if let Some(c) = chunks.get_mut(&chunk) {
-                c.staged.remove(p);
-                c.whole = None;
-                if c.is_empty() {
-                    chunks.remove(&chunk);
+        for r in runs {
+            let mut at = r.start;
+            while at < r.end {
+                let chunk = at / per_chunk;
+                let end = chunk.saturating_add(1).saturating_mul(per_chunk).min(r.end);
+                if let Some(c) = chunks.get_mut(&chunk) {
+                    let gone: Vec<u64> = c.staged.range(at..end).map(|(p, _)| *p).collect();
+                    for p in gone {
+                        c.staged.remove(&p);
+                    }
+                    c.whole = None;
+                    if c.is_empty() {
+                        chunks.remove(&chunk);
+                    }
                 }
+                at = end;
             }
         }
     }
@@ -378,32 +528,57 @@ impl MigrationStore {
             }
             (taken, pages, local)
         };
-        let from_remote = local.is_none();
-        let data = match local {
-            Some(d) => Ok(d),
-            None => remote
-                .read_many(&pages.iter().map(|p| ChunkIdx(*p)).collect::<Vec<_>>())
-                .await
-                .and_then(|d| self.check_pages(pages.len(), &d).map(|()| d)),
-        };
-        let data = match data {
-            Ok(d) => d,
-            Err(e) => {
-                // Put the runs back for the retry.
-                if !taken.is_empty() {
-                    self.chunks
-                        .lock()
-                        .entry(idx.0)
-                        .or_default()
-                        .discarded
-                        .extend(taken);
+        let local = match local {
+            Some(d) => d,
+            None => {
+                // Runs of the pages wanted, read as run reads: the chunk is one slice of
+                // a run when it came whole and none of its pages is zero.
+                let runs = page_runs(&pages);
+                match self.read_runs_from(&remote, &runs).await {
+                    Ok(segments) => {
+                        let segments = split_at_chunks(segments, per_chunk, self.page as usize);
+                        let whole = segments.first().is_some_and(|s| s.pages.start == first)
+                            && segments
+                                .last()
+                                .is_some_and(|s| (s.pages.end - first) * self.page == len as u64)
+                            && segments
+                                .windows(2)
+                                .all(|w| w[0].pages.end == w[1].pages.start);
+                        if whole {
+                            return Ok(whole_chunk(&segments, first, self.page as usize));
+                        }
+                        let mut out = BytesMut::zeroed(len);
+                        for s in &segments {
+                            if let Some(d) = &s.data {
+                                let at = (s.pages.start.saturating_sub(first) * self.page) as usize;
+                                let Some(dst) = out.get_mut(at..at + d.len()) else {
+                                    return Err(StoreError::new(
+                                        ErrorKind::Corrupt,
+                                        format!("pages {:?} do not fall in {idx}", s.pages),
+                                    ));
+                                };
+                                dst.copy_from_slice(d);
+                            }
+                        }
+                        return Ok(out.freeze());
+                    }
+                    Err(e) => {
+                        // Put the runs back for the retry.
+                        if !taken.is_empty() {
+                            self.chunks
+                                .lock()
+                                .entry(idx.0)
+                                .or_default()
+                                .discarded
+                                .extend(taken);
+                        }
+                        return Err(e);
+                    }
                 }
-                return Err(e);
             }
         };
         let mut out = BytesMut::zeroed(len);
-        let mut n = 0;
-        for (p, d) in pages.iter().zip(data) {
+        for (p, d) in pages.iter().zip(local) {
             let at = (p.saturating_sub(first) * self.page) as usize;
             let Some(dst) = out.get_mut(at..at + d.len()) else {
                 return Err(StoreError::new(
@@ -412,13 +587,21 @@ impl MigrationStore {
                 ));
             };
             dst.copy_from_slice(&d);
-            n += d.len() as u64;
-        }
-        if from_remote {
-            self.count(n);
         }
         Ok(out.freeze())
     }
+}
+
+/// Ascending pages as runs.
+fn page_runs(pages: &[u64]) -> Vec<Range<u64>> {
+    let mut runs: Vec<Range<u64>> = Vec::new();
+    for p in pages {
+        match runs.last_mut() {
+            Some(r) if r.end == *p => r.end += 1,
+            _ => runs.push(*p..*p + 1),
+        }
+    }
+    runs
 }
 
 /// The pages a fetch of a chunk reads: its discarded runs (within the chunk, so at most
@@ -431,6 +614,68 @@ fn chunk_pages(discarded: &[Range<u64>], first: u64, count: u64, per_chunk: u64)
     p.sort_unstable();
     p.dedup();
     p
+}
+
+/// Pages per run read: a run costs one request and one copy on each side, and a bulk batch
+/// of a few MiB still spreads over the data plane's connections.
+pub const RUN_PAGES: u64 = 256;
+
+/// Runs shorter than this many pages are read with other short runs' pages in batches (one
+/// request for many scattered pages) rather than as runs of their own.
+pub const MIN_RUN: u64 = 8;
+
+/// Pages of a run read: zero pages (no bytes), or pages holding data (one slice of the run's
+/// bytes).
+#[derive(Debug, Clone)]
+pub struct Segment {
+    /// The pages.
+    pub pages: Range<u64>,
+    /// Their bytes, `None` for zero pages.
+    pub data: Option<Bytes>,
+}
+
+/// `segments` cut where they cross a chunk boundary (slices, no copy).
+fn split_at_chunks(segments: Vec<Segment>, per_chunk: u64, page: usize) -> Vec<Segment> {
+    let mut out = Vec::with_capacity(segments.len());
+    for s in segments {
+        let mut at = s.pages.start;
+        while at < s.pages.end {
+            let end = (at / per_chunk + 1)
+                .saturating_mul(per_chunk)
+                .min(s.pages.end);
+            let data = s.data.as_ref().map(|d| {
+                let from = (at - s.pages.start) as usize * page;
+                d.slice(from..from + (end - at) as usize * page)
+            });
+            out.push(Segment {
+                pages: at..end,
+                data,
+            });
+            at = end;
+        }
+    }
+    out
+}
+
+/// A chunk from the segments that cover it, in order, from page `first`: the one slice when
+/// it is one segment of data, shared zeros when it is all zero, else one buffer.
+fn whole_chunk(segments: &[Segment], first: u64, page: usize) -> Bytes {
+    let len = (segments[segments.len() - 1].pages.end - first) as usize * page;
+    if let [one] = segments {
+        match &one.data {
+            Some(d) => return d.clone(),
+            None if len <= MAX_CHUNK_SIZE as usize => return zero_chunk(len),
+            None => {}
+        }
+    }
+    let mut buf = BytesMut::zeroed(len);
+    for s in segments {
+        if let Some(d) = &s.data {
+            let at = (s.pages.start - first) as usize * page;
+            buf[at..at + d.len()].copy_from_slice(d);
+        }
+    }
+    buf.freeze()
 }
 
 impl Store for MigrationStore {
@@ -474,12 +719,44 @@ impl Store for MigrationStore {
 /// `--cpu-share`): each read pauses as long as the budget needs before it runs.
 pub(crate) struct Paced {
     inner: Arc<dyn Store>,
-    pacer: crate::budget::Pacer,
+    pacer: Arc<crate::budget::Pacer>,
 }
 
 impl Paced {
-    pub(crate) fn new(inner: Arc<dyn Store>, pacer: crate::budget::Pacer) -> Self {
+    pub(crate) fn new(inner: Arc<dyn Store>, pacer: Arc<crate::budget::Pacer>) -> Self {
         Self { inner, pacer }
+    }
+}
+
+/// Run reads that keep to the same pull budget as [`Paced`] reads (they share its pacer).
+#[derive(Debug)]
+pub(crate) struct PacedRuns {
+    inner: Arc<dyn RunReader>,
+    geometry: Geometry,
+    pacer: Arc<crate::budget::Pacer>,
+}
+
+impl PacedRuns {
+    pub(crate) fn new(
+        inner: Arc<dyn RunReader>,
+        geometry: Geometry,
+        pacer: Arc<crate::budget::Pacer>,
+    ) -> Self {
+        Self {
+            inner,
+            geometry,
+            pacer,
+        }
+    }
+}
+
+impl RunReader for PacedRuns {
+    fn read_run(&self, start: ChunkIdx, count: u32) -> BoxFuture<'_, StoreResult<Bytes>> {
+        Box::pin(async move {
+            let bytes = u64::from(count).saturating_mul(u64::from(self.geometry.chunk_size()));
+            self.pacer.pace(bytes).await;
+            self.inner.read_run(start, count).await
+        })
     }
 }
 

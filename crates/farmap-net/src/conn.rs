@@ -10,7 +10,7 @@ use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Weak};
 use std::time::Duration;
 
-use bytes::{Bytes, BytesMut};
+use bytes::{BufMut, Bytes, BytesMut};
 use farmap_core::{ErrorKind, StoreError, StoreResult};
 use farmap_wire::{
     decode_server_hello, ClientHello, Frame, FrameDecoder, Limits, Message, Refusal, ServerHello,
@@ -356,28 +356,75 @@ fn start(label: Arc<str>, info: ServerInfo, stream: BoxStream, buf: BytesMut) ->
     conn
 }
 
+/// Frames at least this long are read into a buffer of their own, whose payloads are then
+/// handed out as slices of it (no copy per chunk; a kept chunk keeps only its own frame).
+const OWN_BUFFER_MIN: usize = 32 * 1024;
+/// After a frame of at least [`PEEK_AFTER`] bytes, the next read takes at most this much (the
+/// next frame's header and a little of its body), so that a large frame following it is read
+/// into its own buffer too and little of it is copied.
+const PEEK: usize = 4096;
+/// Frames from this size on are followed by a small read ([`PEEK`]); after smaller ones the
+/// next read fills the read-ahead (several frames per system call).
+const PEEK_AFTER: usize = 256 * 1024;
+
 async fn read_loop(conn: Arc<Conn>, mut rd: ReadHalf<BoxStream>, mut buf: BytesMut) {
     let mut decoder = FrameDecoder::new(Limits {
         max_frame: conn.info.max_frame,
         max_batch: conn.info.max_batch,
     });
     let mut stop = conn.closed.subscribe();
+    let closed = || "the server closed the connection (server gone?)".to_owned();
+    // Whether the last frame was at least PEEK_AFTER long (large replies come in streams).
+    let mut large = false;
     let reason = 'conn: loop {
         loop {
+            let before = buf.len();
             match decoder.decode(&mut buf) {
-                Ok(Some(frame)) => conn.complete(frame),
+                Ok(Some(frame)) => {
+                    large = before - buf.len() >= PEEK_AFTER;
+                    conn.complete(frame)
+                }
                 Ok(None) => break,
                 Err(e) => break 'conn format!("the server sent a bad frame: {e}"),
             }
         }
-        make_room(&mut buf);
-        tokio::select! {
-            r = rd.read_buf(&mut buf) => match r {
-                Ok(0) => break "the server closed the connection (server gone?)".to_owned(),
-                Ok(_) => {}
-                Err(e) if is_clean_close(&e) => {
-                    break "the server closed the connection (server gone?)".to_owned()
+        // The decoder has checked the announced length against the frame limit.
+        let total = match &buf[..] {
+            [a, b, c, d, ..] => 4 + u32::from_be_bytes([*a, *b, *c, *d]) as usize,
+            _ => 0,
+        };
+        if total >= OWN_BUFFER_MIN {
+            let mut frame = BytesMut::with_capacity(total);
+            frame.extend_from_slice(&buf);
+            buf.clear();
+            while frame.len() < total {
+                let want = total - frame.len();
+                let mut room = (&mut frame).limit(want);
+                tokio::select! {
+                    r = rd.read_buf(&mut room) => match r {
+                        Ok(0) => break 'conn closed(),
+                        Ok(_) => {}
+                        Err(e) if is_clean_close(&e) => break 'conn closed(),
+                        Err(e) => break 'conn io_phrase(&e),
+                    },
+                    _ = raised(&mut stop) => break 'conn "the connection was closed".to_owned(),
                 }
+            }
+            match decoder.decode_own(frame.freeze()) {
+                Ok(frame) => conn.complete(frame),
+                Err(e) => break 'conn format!("the server sent a bad frame: {e}"),
+            }
+            large = total >= PEEK_AFTER;
+            continue;
+        }
+        make_room(&mut buf);
+        let limit = if large { PEEK } else { usize::MAX };
+        let mut room = (&mut buf).limit(limit);
+        tokio::select! {
+            r = rd.read_buf(&mut room) => match r {
+                Ok(0) => break closed(),
+                Ok(_) => {}
+                Err(e) if is_clean_close(&e) => break closed(),
                 Err(e) => break io_phrase(&e),
             },
             _ = raised(&mut stop) => break "the connection was closed".to_owned(),

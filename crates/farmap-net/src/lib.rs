@@ -38,8 +38,8 @@ pub use accept::{accept_connections, AcceptLoop};
 pub use addr::{AddrError, ListenAddr, Listener, RemoteAddr, RemoteAddrError};
 pub use remote::{Backoff, ClientOptions, RemoteStore};
 pub use server::{
-    serve, ServeError, ServeOptions, Server, DEFAULT_CONN_BUDGET, DEFAULT_IDLE_TIMEOUT,
-    DEFAULT_TOTAL_BUDGET,
+    serve, serve_with_runs, RunReader, ServeError, ServeOptions, Server, DEFAULT_CONN_BUDGET,
+    DEFAULT_IDLE_TIMEOUT, DEFAULT_TOTAL_BUDGET,
 };
 pub use stream::{is_clean_close, raised, within, write_all_vectored, BoxStream, Stream};
 pub use tls::{

@@ -24,7 +24,10 @@ use farmap_core::{
     is_zero, zero_chunk, BoxFuture, Caps, ChunkIdx, ChunkRange, ChunkStatus, ErrorKind, Geometry,
     Store, StoreError, StoreResult,
 };
-use farmap_wire::{read_reply_overhead, Features, Message, Payload, ServerInfo};
+use farmap_wire::{
+    read_reply_overhead, run_reply_overhead, Features, Message, Payload, RunData, ServerInfo,
+    MAX_RUN_LIMIT,
+};
 use futures::future::try_join_all;
 use parking_lot::Mutex;
 use rand::Rng;
@@ -231,6 +234,79 @@ impl RemoteStore {
         }
     }
 
+    /// Whether the server reads runs of chunks in one request (it granted
+    /// [`Features::RUN_READS`]); otherwise [`read_run`](Self::read_run) reads chunk by chunk.
+    pub fn reads_runs(&self) -> bool {
+        self.pool.info.features.contains(Features::RUN_READS)
+    }
+
+    /// Most chunks one [`read_run`](Self::read_run) may ask for: what fits the server's frame
+    /// limit (and, with a server that does not read runs, its batch limit).
+    pub fn max_run(&self) -> u32 {
+        let info = &self.pool.info;
+        let chunk = u64::from(info.region.geometry.chunk_size()).max(1);
+        if !self.reads_runs() {
+            return info.max_batch.max(1);
+        }
+        let room = u64::from(info.max_frame)
+            .saturating_sub(run_reply_overhead(MAX_RUN_LIMIT as usize) as u64);
+        u32::try_from(room / chunk)
+            .unwrap_or(u32::MAX)
+            .clamp(1, MAX_RUN_LIMIT)
+    }
+
+    /// Reads chunks `start..start + count` (`count` from 1 to [`max_run`](Self::max_run)) in
+    /// one request: which are zero (no bytes travel for them) and the bytes of the others,
+    /// concatenated, in one piece. With a server that does not read runs, the chunks are read
+    /// in one batch and zero ones found here.
+    pub async fn read_run(&self, start: ChunkIdx, count: u32) -> StoreResult<RunData> {
+        let g = self.pool.info.region.geometry;
+        let end = start.0.saturating_add(u64::from(count));
+        if count == 0 || count > self.max_run() || end > g.chunk_count() {
+            return Err(StoreError::new(
+                ErrorKind::OutOfRange,
+                format!(
+                    "a run read of chunks {}..{end} from {}: runs have 1 to {} chunks within \
+                     the region's {}",
+                    start.0,
+                    self.pool.addr,
+                    self.max_run(),
+                    g.chunk_count()
+                ),
+            ));
+        }
+        let chunks: Vec<ChunkIdx> = (start.0..end).map(ChunkIdx).collect();
+        if !self.reads_runs() {
+            let data = self.read_batch(&chunks).await?;
+            let zero: Vec<bool> = data.iter().map(|d| is_zero(d)).collect();
+            let pieces = data.into_iter().filter(|d| !is_zero(d)).collect();
+            return Ok(RunData::new(&zero, pieces));
+        }
+        let run = match self.pool.call(Message::ReadRun { start, count }).await? {
+            Message::ReadRunOk(run) if run.count() == count as usize => run,
+            other => return Err(self.pool.unexpected("run read", &other)),
+        };
+        let want: usize = chunks
+            .iter()
+            .enumerate()
+            .filter(|(i, _)| !run.is_zero(*i))
+            .map(|(_, c)| g.chunk_len(*c))
+            .sum();
+        if run.data_len() != want {
+            return Err(StoreError::new(
+                ErrorKind::Corrupt,
+                format!(
+                    "{} answered a run read of chunks {}..{end} with {} bytes of data; its \
+                     chunks that are not zero hold {want}",
+                    self.pool.addr,
+                    start.0,
+                    run.data_len()
+                ),
+            ));
+        }
+        Ok(run)
+    }
+
     fn chunk(&self, idx: ChunkIdx, p: Payload) -> StoreResult<Bytes> {
         let len = self.pool.info.region.geometry.chunk_len(idx);
         match p {
@@ -315,7 +391,7 @@ impl Pool {
         // Writes, trims and flushes are not: their outcome is unknown, the caller decides.
         let resend = matches!(
             msg,
-            Message::Read(_) | Message::Status(_) | Message::Geometry
+            Message::Read(_) | Message::ReadRun { .. } | Message::Status(_) | Message::Geometry
         )
         .then(|| msg.clone());
         let conn = self.conn(deadline).await?;

@@ -32,12 +32,15 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use bytes::{Bytes, BytesMut};
-use farmap_core::{is_zero, zero_chunk, Caps, ErrorKind, Store, StoreError};
+use farmap_core::{
+    is_zero, zero_chunk, BoxFuture, Caps, ChunkIdx, ErrorKind, Geometry, Store, StoreError,
+    StoreResult,
+};
 use farmap_wire::{
-    decode_client_hello, read_reply_overhead, ClientHello, Features, Frame, FrameDecoder, Limits,
-    Message, Payload, Refusal, RegionInfo, RemoteError, ServerHello, ServerInfo, WireError,
-    DEFAULT_MAX_BATCH, DEFAULT_MAX_FRAME, HEADER_LEN, MAX_BATCH_LIMIT, MAX_FRAME_LIMIT,
-    MAX_IN_FLIGHT_LIMIT, MAX_MESSAGE, VERSION,
+    decode_client_hello, read_reply_overhead, run_reply_overhead, ClientHello, Features, Frame,
+    FrameDecoder, Limits, Message, Payload, Refusal, RegionInfo, RemoteError, RunData, ServerHello,
+    ServerInfo, WireError, DEFAULT_MAX_BATCH, DEFAULT_MAX_FRAME, HEADER_LEN, MAX_BATCH_LIMIT,
+    MAX_FRAME_LIMIT, MAX_IN_FLIGHT_LIMIT, MAX_MESSAGE, VERSION,
 };
 use futures::future::join_all;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
@@ -145,8 +148,18 @@ pub enum ServeError {
     Flush(#[source] StoreError),
 }
 
+/// Reads runs of contiguous chunks of a served store in one piece (run reads, op `READ_RUN`):
+/// for a store that can copy a run out at once instead of chunk by chunk (a live region's
+/// memory). Without one, the server answers run reads with one store read per chunk.
+pub trait RunReader: Send + Sync + std::fmt::Debug + 'static {
+    /// The bytes of chunks `start..start + count` of the served store, concatenated: exactly
+    /// the sum of their lengths. The range has been checked against the store's geometry.
+    fn read_run(&self, start: ChunkIdx, count: u32) -> BoxFuture<'_, StoreResult<Bytes>>;
+}
+
 struct Ctx {
     store: Arc<dyn Store>,
+    runs: Option<Arc<dyn RunReader>>,
     info: ServerInfo,
     opts: ServeOptions,
     tls: Option<TlsAcceptor>,
@@ -208,6 +221,17 @@ pub fn serve(
     listener: Listener,
     opts: ServeOptions,
 ) -> Result<Server, ServeError> {
+    serve_with_runs(store, None, listener, opts)
+}
+
+/// [`serve`], with run reads answered by `runs` (which must read the same content as
+/// `store`) rather than chunk by chunk.
+pub fn serve_with_runs(
+    store: Arc<dyn Store>,
+    runs: Option<Arc<dyn RunReader>>,
+    listener: Listener,
+    opts: ServeOptions,
+) -> Result<Server, ServeError> {
     let g = store.geometry();
     let min_frame = read_reply_overhead(1) as u64 + u64::from(g.chunk_size());
     check_option(
@@ -261,6 +285,7 @@ pub fn serve(
     let total_budget = budget_permits(opts.total_budget.max(conn_budget));
     let ctx = Arc::new(Ctx {
         store: store.clone(),
+        runs,
         info,
         opts,
         tls,
@@ -505,6 +530,11 @@ fn cost(ctx: &Ctx, msg: &Message, frame_len: usize) -> usize {
             usize::try_from(read_reply_overhead(chunks.len()) as u64 + payload)
                 .unwrap_or(usize::MAX)
         }
+        Message::ReadRun { count, .. } => usize::try_from(
+            run_reply_overhead(*count as usize) as u64
+                + u64::from(*count) * u64::from(g.chunk_size()),
+        )
+        .unwrap_or(usize::MAX),
         _ => HEADER_LEN + 1 + MAX_MESSAGE,
     };
     // Never more than a whole budget, so that every request can run.
@@ -728,6 +758,7 @@ async fn execute(ctx: &Ctx, msg: Message) -> Message {
                     .map(Message::ReadOk)
             }
         }
+        Message::ReadRun { start, count } => read_run(ctx, start, count).await,
         Message::Write { .. } | Message::Trim(_) if ctx.opts.read_only => return read_only_reply(),
         Message::Write { idx, data } => {
             let data = match data {
@@ -749,4 +780,87 @@ async fn execute(ctx: &Ctx, msg: Message) -> Message {
         }
     };
     result.unwrap_or_else(|e| error_reply(&e))
+}
+
+/// Chunks `start..start + count`, checked against the geometry: their total length.
+fn run_len(g: Geometry, start: ChunkIdx, count: u32) -> StoreResult<usize> {
+    let end = start.0.saturating_add(u64::from(count));
+    if count == 0 || end > g.chunk_count() {
+        return Err(StoreError::new(
+            ErrorKind::OutOfRange,
+            format!(
+                "a run read of chunks {}..{end} reaches past the region's {} chunks",
+                start.0,
+                g.chunk_count()
+            ),
+        ));
+    }
+    let last = ChunkIdx(end - 1);
+    Ok((g.offset_of(last) + g.chunk_len(last) as u64 - g.offset_of(start)) as usize)
+}
+
+/// A run read: the chunks' bytes (in one piece from the run reader, or chunk by chunk), zero
+/// chunks found and left out, the others sent as slices of what was read (no copy).
+async fn read_run(ctx: &Ctx, start: ChunkIdx, count: u32) -> StoreResult<Message> {
+    let g = ctx.info.region.geometry;
+    let len = run_len(g, start, count)?;
+    let reply_bytes = run_reply_overhead(count as usize) + len;
+    if reply_bytes > ctx.info.max_frame as usize {
+        return Err(StoreError::new(
+            ErrorKind::InvalidInput,
+            format!(
+                "a run read of {count} chunks needs a reply of {reply_bytes} bytes, over the \
+                 frame limit of {}",
+                ctx.info.max_frame
+            ),
+        ));
+    }
+    let chunks = (start.0..start.0 + u64::from(count)).map(ChunkIdx);
+    let mut zero = Vec::with_capacity(count as usize);
+    let mut pieces = Vec::new();
+    match &ctx.runs {
+        Some(runs) => {
+            let data = runs.read_run(start, count).await?;
+            if data.len() != len {
+                return Err(StoreError::new(
+                    ErrorKind::Corrupt,
+                    format!(
+                        "reading chunks {}..{} gave {} bytes, not {len}",
+                        start.0,
+                        start.0 + u64::from(count),
+                        data.len()
+                    ),
+                ));
+            }
+            // Adjacent chunks that are not zero travel as one slice of the buffer.
+            let (mut at, mut from) = (0usize, 0usize);
+            for idx in chunks {
+                let n = g.chunk_len(idx);
+                let z = is_zero(&data[at..at + n]);
+                if z {
+                    if from < at {
+                        pieces.push(data.slice(from..at));
+                    }
+                    from = at + n;
+                }
+                zero.push(z);
+                at += n;
+            }
+            if from < at {
+                pieces.push(data.slice(from..at));
+            }
+        }
+        None => {
+            let read = join_all(chunks.map(|c| ctx.store.read(c))).await;
+            for d in read {
+                let d = d?;
+                let z = is_zero(&d);
+                zero.push(z);
+                if !z {
+                    pieces.push(d);
+                }
+            }
+        }
+    }
+    Ok(Message::ReadRunOk(RunData::new(&zero, pieces)))
 }

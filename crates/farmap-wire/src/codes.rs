@@ -98,8 +98,11 @@ impl Features {
     pub const NONE: Features = Features(0);
     /// Writes of all-zero chunks travel as a flag, without payload.
     pub const ZERO_WRITES: Features = Features(1 << 0);
+    /// Runs of contiguous chunks are read with one request (`READ_RUN`), answered with a
+    /// bitmap of zero chunks and the other chunks' bytes in one piece.
+    pub const RUN_READS: Features = Features(1 << 1);
     /// Every feature this version implements.
-    pub const ALL: Features = Features::ZERO_WRITES;
+    pub const ALL: Features = Features(Features::ZERO_WRITES.0 | Features::RUN_READS.0);
 
     /// The features of raw bits, keeping only those this version knows.
     pub fn from_bits(bits: u32) -> Features {
@@ -172,6 +175,8 @@ mod tests {
     fn features_keep_known_bits() {
         assert_eq!(Features::from_bits(u32::MAX), Features::ALL);
         assert!(Features::ALL.contains(Features::ZERO_WRITES));
+        assert!(Features::ALL.contains(Features::RUN_READS));
+        assert!(!Features::ZERO_WRITES.contains(Features::RUN_READS));
         assert_eq!(Features::ALL & Features::NONE, Features::NONE);
     }
 }

@@ -116,6 +116,14 @@ pub enum WireError {
         /// One past the last chunk.
         end: u64,
     },
+    /// A run read whose chunks would pass chunk index 2^64.
+    #[error("a run read of {count} chunks from chunk {start} passes the largest chunk index")]
+    RunOverflow {
+        /// First chunk.
+        start: u64,
+        /// Chunks asked for.
+        count: u32,
+    },
     /// An error message longer than allowed.
     #[error("an error message of {len} bytes exceeds the limit of {max}")]
     MessageTooLong {

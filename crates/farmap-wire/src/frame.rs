@@ -21,6 +21,10 @@ pub const DEFAULT_MAX_BATCH: u32 = 256;
 /// The largest read batch any peer may announce.
 pub const MAX_BATCH_LIMIT: u32 = 4096;
 
+/// Most chunks in one run read ([`Message::ReadRun`]): a run of the smallest chunks (4 KiB)
+/// that fills the largest frame any peer may announce.
+pub const MAX_RUN_LIMIT: u32 = MAX_FRAME_LIMIT / 4096;
+
 /// Payloads of at least this many bytes are separate pieces in [`Frame::encode_parts`].
 pub const ZERO_COPY_MIN: usize = 8 * 1024;
 
@@ -42,6 +46,8 @@ pub mod op {
     pub const STATUS: u8 = 0x05;
     /// The region's geometry and capabilities.
     pub const GEOMETRY: u8 = 0x06;
+    /// Read a run of contiguous chunks (feature [`RUN_READS`](crate::Features::RUN_READS)).
+    pub const READ_RUN: u8 = 0x07;
     /// Reply to `READ`: the chunks, in request order.
     pub const READ_OK: u8 = 0x81;
     /// Reply to `WRITE`, `FLUSH` and `TRIM`: done.
@@ -50,6 +56,8 @@ pub mod op {
     pub const STATUS_OK: u8 = 0x85;
     /// Reply to `GEOMETRY`.
     pub const GEOMETRY_OK: u8 = 0x86;
+    /// Reply to `READ_RUN`: a bitmap of zero chunks and the other chunks' bytes.
+    pub const READ_RUN_OK: u8 = 0x87;
     /// Reply to any request that failed; with id 0, the connection is being closed.
     pub const ERROR: u8 = 0xff;
 }
@@ -63,6 +71,86 @@ pub enum Payload {
     /// The chunk's bytes.
     Data(Bytes),
 }
+
+/// The chunks of a run read: which are zero (no bytes travel for them), and the bytes of the
+/// others, concatenated in order, held as pieces of any sizes (a sender hands slices of the
+/// buffers it read into, without copying; a receiver gets one piece).
+#[derive(Debug, Clone)]
+pub struct RunData {
+    count: u32,
+    /// Bit `i % 8` of byte `i / 8`: chunk `i` of the run is zero.
+    zeros: Bytes,
+    pieces: Vec<Bytes>,
+    data_len: usize,
+}
+
+impl RunData {
+    /// A run of `zero.len()` chunks (1..=[`MAX_RUN_LIMIT`]), `zero[i]` telling whether chunk
+    /// `i` is zero; `pieces` are the bytes of the others, concatenated in order.
+    ///
+    /// # Panics
+    /// If the run is empty or longer than [`MAX_RUN_LIMIT`], or the data exceeds `u32::MAX`
+    /// bytes.
+    pub fn new(zero: &[bool], pieces: Vec<Bytes>) -> RunData {
+        assert!(
+            !zero.is_empty() && zero.len() <= MAX_RUN_LIMIT as usize,
+            "a run has 1..={MAX_RUN_LIMIT} chunks"
+        );
+        let mut bits = vec![0u8; zero.len().div_ceil(8)];
+        for (i, z) in zero.iter().enumerate() {
+            if *z {
+                bits[i / 8] |= 1 << (i % 8);
+            }
+        }
+        let pieces: Vec<Bytes> = pieces.into_iter().filter(|p| !p.is_empty()).collect();
+        let data_len = pieces.iter().map(Bytes::len).sum();
+        assert!(u32::try_from(data_len).is_ok(), "a run's data fits a u32");
+        RunData {
+            count: zero.len() as u32,
+            zeros: Bytes::from(bits),
+            pieces,
+            data_len,
+        }
+    }
+
+    /// Chunks in the run.
+    pub fn count(&self) -> usize {
+        self.count as usize
+    }
+
+    /// Whether chunk `i` of the run is zero (false past the run).
+    pub fn is_zero(&self, i: usize) -> bool {
+        i < self.count() && self.zeros[i / 8] & (1 << (i % 8)) != 0
+    }
+
+    /// Bytes of the chunks that are not zero (what travels besides the bitmap).
+    pub fn data_len(&self) -> usize {
+        self.data_len
+    }
+
+    /// The bytes of the chunks that are not zero, as pieces.
+    pub fn pieces(&self) -> &[Bytes] {
+        &self.pieces
+    }
+
+    /// The bytes of the chunks that are not zero, in one buffer (copied only if they are in
+    /// several pieces).
+    pub fn data(&self) -> Bytes {
+        match &self.pieces[..] {
+            [] => Bytes::new(),
+            [one] => one.clone(),
+            many => Bytes::from(many.concat()),
+        }
+    }
+}
+
+impl PartialEq for RunData {
+    fn eq(&self, other: &RunData) -> bool {
+        self.count == other.count && self.zeros == other.zeros && self.data() == other.data()
+    }
+}
+
+impl Eq for RunData {}
 
 /// The region a server serves, as announced in its hello and in geometry replies.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -105,6 +193,16 @@ pub enum Message {
     Status(ChunkIdx),
     /// The region's geometry and capabilities.
     Geometry,
+    /// Read chunks `start..start + count` (`count` from 1 to [`MAX_RUN_LIMIT`]; feature
+    /// [`RUN_READS`](crate::Features::RUN_READS)).
+    ReadRun {
+        /// The first chunk.
+        start: ChunkIdx,
+        /// How many.
+        count: u32,
+    },
+    /// The chunks of a run read.
+    ReadRunOk(RunData),
     /// The chunks of a read, in request order.
     ReadOk(Vec<Payload>),
     /// A write, flush or trim is done.
@@ -127,6 +225,8 @@ impl Message {
             Message::Trim(_) => op::TRIM,
             Message::Status(_) => op::STATUS,
             Message::Geometry => op::GEOMETRY,
+            Message::ReadRun { .. } => op::READ_RUN,
+            Message::ReadRunOk(_) => op::READ_RUN_OK,
             Message::ReadOk(_) => op::READ_OK,
             Message::Done => op::DONE,
             Message::StatusOk(_) => op::STATUS_OK,
@@ -147,6 +247,8 @@ impl Message {
             Message::Flush | Message::Geometry | Message::Done => 0,
             Message::Trim(_) => 16,
             Message::Status(_) => 8,
+            Message::ReadRun { .. } => 12,
+            Message::ReadRunOk(run) => 8 + run.zeros.len() + run.data_len,
             Message::ReadOk(chunks) => {
                 4 + chunks
                     .iter()
@@ -252,6 +354,24 @@ impl Frame {
                 dst.put_u64(r.end.0);
             }
             Message::Status(idx) => dst.put_u64(idx.0),
+            Message::ReadRun { start, count } => {
+                dst.put_u64(start.0);
+                dst.put_u32(*count);
+            }
+            Message::ReadRunOk(run) => {
+                dst.put_u32(run.count);
+                dst.put_u32(run.data_len as u32);
+                dst.put_slice(&run.zeros);
+                for piece in &run.pieces {
+                    match parts.as_deref_mut() {
+                        Some(parts) if piece.len() >= ZERO_COPY_MIN => {
+                            parts.push(dst.split().freeze());
+                            parts.push(piece.clone());
+                        }
+                        _ => dst.put_slice(piece),
+                    }
+                }
+            }
             Message::ReadOk(chunks) => {
                 dst.put_u32(chunks.len() as u32);
                 for c in chunks {
@@ -405,6 +525,11 @@ pub fn read_reply_overhead(count: usize) -> usize {
     HEADER_LEN + 4 + count * 5
 }
 
+/// Bytes a run read reply of `count` chunks takes besides the chunks' bytes.
+pub fn run_reply_overhead(count: usize) -> usize {
+    HEADER_LEN + 8 + count.div_ceil(8)
+}
+
 fn op_name(code: u8) -> Result<&'static str, WireError> {
     Ok(match code {
         0 => return Err(WireError::ZeroOp),
@@ -414,10 +539,12 @@ fn op_name(code: u8) -> Result<&'static str, WireError> {
         op::TRIM => "trim",
         op::STATUS => "status",
         op::GEOMETRY => "geometry",
+        op::READ_RUN => "run read",
         op::READ_OK => "read reply",
         op::DONE => "done reply",
         op::STATUS_OK => "status reply",
         op::GEOMETRY_OK => "geometry reply",
+        op::READ_RUN_OK => "run read reply",
         op::ERROR => "error reply",
         other => return Err(WireError::UnknownOp(other)),
     })
@@ -472,7 +599,44 @@ impl FrameDecoder {
             buf.reserve(total - buf.len());
             return Ok(None);
         }
-        let mut frame = buf.split_to(total).freeze();
+        let frame = buf.split_to(total).freeze();
+        self.decode_frame(frame, true).map(Some)
+    }
+
+    /// Decodes `frame`, a buffer holding exactly one whole frame in an allocation of its own
+    /// (read into a buffer of its exact size): chunk payloads are slices of it, not copies,
+    /// so that keeping one keeps only this frame's memory alive. The length prefix is checked
+    /// against the limits like [`decode`](Self::decode) does.
+    pub fn decode_own(&mut self, frame: Bytes) -> Result<Frame, WireError> {
+        if frame.len() < 4 {
+            return Err(WireError::FrameTooShort {
+                len: frame.len() as u32,
+            });
+        }
+        let rest = u32::from_be_bytes([frame[0], frame[1], frame[2], frame[3]]);
+        let total = 4 + u64::from(rest);
+        if total > u64::from(self.limits.max_frame) {
+            return Err(WireError::FrameTooLarge {
+                len: total,
+                max: self.limits.max_frame,
+            });
+        }
+        if (rest as usize) < HEADER_LEN - 4 {
+            return Err(WireError::FrameTooShort { len: rest });
+        }
+        if total != frame.len() as u64 {
+            return Err(WireError::BodyLength {
+                op: "buffered frame",
+                len: frame.len(),
+                expected: total as usize,
+            });
+        }
+        self.decode_frame(frame, false)
+    }
+
+    /// Decodes one whole frame (length prefix included, already checked); `copy`: payloads
+    /// get allocations of their own.
+    fn decode_frame(&self, mut frame: Bytes, copy: bool) -> Result<Frame, WireError> {
         frame.advance(4);
         let code = frame.get_u8();
         let id = frame.get_u64();
@@ -480,8 +644,8 @@ impl FrameDecoder {
         if id == 0 && code != op::ERROR {
             return Err(WireError::ZeroId { op: code });
         }
-        let msg = self.decode_body(code, Body::new(frame, name))?;
-        Ok(Some(Frame { id, msg }))
+        let msg = self.decode_body(code, Body::new(frame, name), copy)?;
+        Ok(Frame { id, msg })
     }
 
     fn batch_count(&self, body: &mut Body, min_entry: usize) -> Result<usize, WireError> {
@@ -503,7 +667,8 @@ impl FrameDecoder {
         Ok(count)
     }
 
-    fn decode_body(&self, code: u8, mut body: Body) -> Result<Message, WireError> {
+    fn decode_body(&self, code: u8, mut body: Body, copy: bool) -> Result<Message, WireError> {
+        let own = |b: Bytes| if copy { own(b) } else { b };
         let msg = match code {
             op::READ => {
                 let count = self.batch_count(&mut body, 8)?;
@@ -551,6 +716,54 @@ impl FrameDecoder {
             op::STATUS => {
                 body.exact(8)?;
                 Message::Status(ChunkIdx(body.u64()?))
+            }
+            op::READ_RUN => {
+                body.exact(12)?;
+                let (start, count) = (body.u64()?, body.u32()?);
+                run_count(count)?;
+                if start.checked_add(u64::from(count)).is_none() {
+                    return Err(WireError::RunOverflow { start, count });
+                }
+                Message::ReadRun {
+                    start: ChunkIdx(start),
+                    count,
+                }
+            }
+            op::READ_RUN_OK => {
+                let count = body.u32()?;
+                run_count(count)?;
+                let data_len = body.u32()? as usize;
+                let bits = count.div_ceil(8) as usize;
+                // The bitmap is at most MAX_RUN_LIMIT / 8 bytes (checked above); it is copied
+                // out so that the data can be checked against what is left.
+                let zeros = Bytes::copy_from_slice(&body.take(bits)?);
+                let tail = count % 8;
+                if tail != 0 && zeros[bits - 1] >> tail != 0 {
+                    return Err(WireError::BadFlags {
+                        op: body.op,
+                        flags: zeros[bits - 1],
+                    });
+                }
+                if body.len() != data_len {
+                    return Err(WireError::BodyLength {
+                        op: body.op,
+                        len: 8 + bits + body.len(),
+                        expected: 8 + bits + data_len,
+                    });
+                }
+                // One piece for the whole run, not copied: the caller installs it and drops it
+                // (it shares the receive buffer of the frame it came in).
+                let data = body.rest();
+                Message::ReadRunOk(RunData {
+                    count,
+                    zeros,
+                    pieces: if data.is_empty() {
+                        Vec::new()
+                    } else {
+                        vec![data]
+                    },
+                    data_len,
+                })
             }
             op::READ_OK => {
                 let count = self.batch_count(&mut body, 1)?;
@@ -610,6 +823,20 @@ impl FrameDecoder {
 /// to gigabytes). One copy per chunk is cheap next to the network it came over.
 fn own(payload: Bytes) -> Bytes {
     Bytes::copy_from_slice(&payload)
+}
+
+/// Checks the chunk count of a run read (1..=[`MAX_RUN_LIMIT`]).
+fn run_count(count: u32) -> Result<(), WireError> {
+    if count == 0 {
+        return Err(WireError::EmptyBatch);
+    }
+    if count > MAX_RUN_LIMIT {
+        return Err(WireError::BatchTooLarge {
+            count,
+            max: MAX_RUN_LIMIT,
+        });
+    }
+    Ok(())
 }
 
 fn check_chunk_len(len: usize) -> Result<(), WireError> {

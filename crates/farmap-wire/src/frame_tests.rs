@@ -62,6 +62,29 @@ fn sample_frames() -> Vec<Frame> {
                 Payload::Zero,
             ]),
         ),
+        Frame::new(
+            10,
+            Message::ReadRun {
+                start: ChunkIdx(5),
+                count: 9,
+            },
+        ),
+        Frame::new(
+            10,
+            Message::ReadRunOk(RunData::new(
+                &[false, true, true, false, false, true, false, true, true],
+                vec![
+                    Bytes::from_static(b"ab"),
+                    Bytes::from(vec![9u8; 10_000]),
+                    Bytes::new(),
+                    Bytes::from_static(b"c"),
+                ],
+            )),
+        ),
+        Frame::new(
+            11,
+            Message::ReadRunOk(RunData::new(&[true; 16], Vec::new())),
+        ),
         Frame::new(2, Message::Done),
         Frame::new(6, Message::StatusOk(ChunkStatus::Zero)),
         Frame::new(
@@ -364,4 +387,172 @@ proptest! {
         prop_assert!(buf.is_empty());
         prop_assert_eq!(got, frames);
     }
+}
+
+#[test]
+fn run_replies_carry_zero_chunks_as_bits_and_share_large_pieces() {
+    let page = Bytes::from(vec![5u8; 4096]);
+    let big = Bytes::from(vec![6u8; 3 * 4096]);
+    // 1 data, 1 zero, 3 data: a bitmap of one byte and 16 KiB of data.
+    let run = RunData::new(
+        &[false, true, false, false, false],
+        vec![page.clone(), big.clone()],
+    );
+    assert_eq!(run.count(), 5);
+    assert!(run.is_zero(1) && !run.is_zero(0) && !run.is_zero(4) && !run.is_zero(5));
+    assert_eq!(run.data_len(), 4 * 4096);
+    let f = Frame::new(3, Message::ReadRunOk(run));
+    let wire = encode(&f);
+    assert_eq!(wire.len(), run_reply_overhead(5) + 4 * 4096);
+    let mut parts = Vec::new();
+    f.encode_parts(&mut parts);
+    assert!(
+        parts.iter().any(|p| p.as_ptr() == big.as_ptr()),
+        "a large piece is sent as it is"
+    );
+    let back = decode_all(Limits::default(), wire).unwrap();
+    let Message::ReadRunOk(got) = &back[0].msg else {
+        panic!("not a run reply: {:?}", back[0]);
+    };
+    assert_eq!(got.pieces().len(), 1, "a received run is one piece");
+    assert_eq!(&got.data()[..4096], &page[..]);
+    assert_eq!(&got.data()[4096..], &big[..]);
+    // All zero: no data at all.
+    let zero = Frame::new(3, Message::ReadRunOk(RunData::new(&[true; 64], Vec::new())));
+    assert_eq!(encode(&zero).len(), run_reply_overhead(64));
+}
+
+#[test]
+fn bad_run_frames_are_refused() {
+    let decode = |msg_body: &[u8], code: u8| {
+        let mut b = BytesMut::new();
+        b.put_u32((HEADER_LEN - 4 + msg_body.len()) as u32);
+        b.put_u8(code);
+        b.put_u64(1);
+        b.put_slice(msg_body);
+        FrameDecoder::new(Limits::default()).decode(&mut b)
+    };
+    let req = |start: u64, count: u32| {
+        let mut v = start.to_be_bytes().to_vec();
+        v.extend_from_slice(&count.to_be_bytes());
+        v
+    };
+    assert_eq!(decode(&req(0, 0), op::READ_RUN), Err(WireError::EmptyBatch));
+    assert!(matches!(
+        decode(&req(0, MAX_RUN_LIMIT + 1), op::READ_RUN),
+        Err(WireError::BatchTooLarge { .. })
+    ));
+    assert!(matches!(
+        decode(&req(u64::MAX - 2, 5), op::READ_RUN),
+        Err(WireError::RunOverflow { .. })
+    ));
+    let reply = |count: u32, data_len: u32, bits: &[u8], data: &[u8]| {
+        let mut v = count.to_be_bytes().to_vec();
+        v.extend_from_slice(&data_len.to_be_bytes());
+        v.extend_from_slice(bits);
+        v.extend_from_slice(data);
+        v
+    };
+    // A huge count is refused before anything is allocated for it.
+    assert!(matches!(
+        decode(&reply(u32::MAX, 0, &[], &[]), op::READ_RUN_OK),
+        Err(WireError::BatchTooLarge { .. })
+    ));
+    // The bitmap is missing.
+    assert!(matches!(
+        decode(&reply(64, 0, &[0; 3], &[]), op::READ_RUN_OK),
+        Err(WireError::Truncated { .. })
+    ));
+    // Bits past the count.
+    assert!(matches!(
+        decode(&reply(3, 0, &[0b1111], &[]), op::READ_RUN_OK),
+        Err(WireError::BadFlags { .. })
+    ));
+    // The data is shorter or longer than announced.
+    assert!(matches!(
+        decode(&reply(3, 10, &[0b111], &[1; 4]), op::READ_RUN_OK),
+        Err(WireError::BodyLength { .. })
+    ));
+    assert!(matches!(
+        decode(&reply(3, 1, &[0], &[1; 4]), op::READ_RUN_OK),
+        Err(WireError::BodyLength { .. })
+    ));
+    assert!(decode(&reply(3, 4, &[0b010], &[1; 4]), op::READ_RUN_OK)
+        .unwrap()
+        .is_some());
+}
+
+proptest! {
+    /// Random bodies of run frames never panic, and what decodes encodes back to the same bytes.
+    #[test]
+    fn random_run_frames_never_panic_and_round_trip(
+        code in prop_oneof![Just(op::READ_RUN), Just(op::READ_RUN_OK)],
+        body in proptest::collection::vec(any::<u8>(), 0..600),
+        count in 0u32..200,
+        use_count in any::<bool>(),
+    ) {
+        let mut body = body;
+        if use_count && body.len() >= 8 {
+            // Often a plausible count and data length, so that decoding gets past them.
+            body[..4].copy_from_slice(&count.to_be_bytes());
+            let rest = body.len().saturating_sub(8 + count.div_ceil(8) as usize) as u32;
+            body[4..8].copy_from_slice(&rest.to_be_bytes());
+        }
+        let mut b = BytesMut::new();
+        b.put_u32((HEADER_LEN - 4 + body.len()) as u32);
+        b.put_u8(code);
+        b.put_u64(1);
+        b.put_slice(&body);
+        let wire = b.clone().freeze();
+        if let Ok(Some(f)) = FrameDecoder::new(Limits::default()).decode(&mut b) {
+            let mut again = BytesMut::new();
+            f.encode(&mut again);
+            prop_assert_eq!(&again[..], &wire[..]);
+        }
+    }
+}
+
+#[test]
+fn a_frame_in_its_own_buffer_is_decoded_without_copying_its_payloads() {
+    let payload = Bytes::from(vec![4u8; 64 * 1024]);
+    let f = Frame::new(9, Message::ReadOk(vec![Payload::Data(payload.clone())]));
+    let wire = encode(&f).freeze();
+    let mut d = FrameDecoder::default();
+    let got = d.decode_own(wire.clone()).unwrap();
+    assert_eq!(got, f);
+    let Message::ReadOk(chunks) = &got.msg else {
+        panic!("not a read reply");
+    };
+    let Payload::Data(data) = &chunks[0] else {
+        panic!("not data");
+    };
+    let inside = wire.as_ptr() as usize..wire.as_ptr() as usize + wire.len();
+    assert!(
+        inside.contains(&(data.as_ptr() as usize)),
+        "the payload is a slice of the frame"
+    );
+    // The shared-buffer decoder copies it.
+    let mut buf = BytesMut::from(&wire[..]);
+    let copied = d.decode(&mut buf).unwrap().unwrap();
+    let Message::ReadOk(chunks) = &copied.msg else {
+        panic!("not a read reply");
+    };
+    let Payload::Data(data) = &chunks[0] else {
+        panic!("not data");
+    };
+    assert_eq!(data.len(), 64 * 1024);
+    // A buffer that is not exactly one frame, or a frame over the limit, is refused.
+    assert!(d.decode_own(wire.slice(..wire.len() - 1)).is_err());
+    let mut longer = wire.to_vec();
+    longer.push(0);
+    assert!(d.decode_own(Bytes::from(longer)).is_err());
+    let mut small = FrameDecoder::new(Limits {
+        max_frame: 1024,
+        max_batch: 4,
+    });
+    assert!(matches!(
+        small.decode_own(wire),
+        Err(WireError::FrameTooLarge { .. })
+    ));
+    assert!(d.decode_own(Bytes::from_static(&[0, 0])).is_err());
 }

@@ -68,18 +68,22 @@
 //! | `04` | trim | start u64, end u64 (start ≤ end; chunks start..end) |
 //! | `05` | status | chunk index u64 |
 //! | `06` | geometry | empty |
+//! | `07` | run read | first chunk u64, count u32 (1..=[`MAX_RUN_LIMIT`]); feature [`Features::RUN_READS`] |
 //! | `81` | read reply | count u32, then per chunk in request order: flags u8 (bit 0: zero chunk), and unless zero a length u32 and that many bytes |
 //! | `82` | done | empty (reply to write, flush, trim) |
 //! | `85` | status reply | status u8: 1 zero, 2 data, 3 unknown |
 //! | `86` | geometry reply | size u64, chunk size u32, caps u32, flags u32 (as in the hello) |
+//! | `87` | run read reply | count u32, data length *D* u32, zero bitmap ⌈count / 8⌉ bytes (bit *i* % 8 of byte *i* / 8 set: chunk *i* is zero; bits past count are 0), then *D* bytes: the other chunks, in order |
 //! | `ff` | error reply | error kind u8, message UTF-8 (rest, ≤ [`MAX_MESSAGE`] bytes) |
 //!
 //! Error kind codes: 1 I/O, 2 not found, 3 out of range, 4 invalid input, 5 timeout,
 //! 6 unavailable, 7 corrupt, 8 closed, 9 read-only, 10 unsupported, 11 permission denied,
 //! 12 no space, 13 cancelled; a code the receiver does not know means I/O error.
 //!
-//! Chunks that read as zeros travel as a flag (in read replies, and in writes when the
-//! [`Features::ZERO_WRITES`] feature was granted), never as payload.
+//! Chunks that read as zeros travel as a flag (in read replies, as a bit in run read replies,
+//! and in writes when the [`Features::ZERO_WRITES`] feature was granted), never as payload.
+//! A client sends a run read only when the server granted [`Features::RUN_READS`]; older
+//! servers do not grant it and are read chunk by chunk.
 #![forbid(unsafe_code)]
 #![warn(missing_docs)]
 
@@ -94,9 +98,9 @@ pub use codes::{
 };
 pub use error::WireError;
 pub use frame::{
-    op, read_reply_overhead, Frame, FrameDecoder, Limits, Message, Payload, RegionInfo,
-    RemoteError, DEFAULT_MAX_BATCH, DEFAULT_MAX_FRAME, HEADER_LEN, MAX_BATCH_LIMIT,
-    MAX_FRAME_LIMIT, MAX_MESSAGE, ZERO_COPY_MIN,
+    op, read_reply_overhead, run_reply_overhead, Frame, FrameDecoder, Limits, Message, Payload,
+    RegionInfo, RemoteError, RunData, DEFAULT_MAX_BATCH, DEFAULT_MAX_FRAME, HEADER_LEN,
+    MAX_BATCH_LIMIT, MAX_FRAME_LIMIT, MAX_MESSAGE, MAX_RUN_LIMIT, ZERO_COPY_MIN,
 };
 pub use hello::{
     decode_client_hello, decode_server_hello, ClientHello, Refusal, ServerHello, ServerInfo,

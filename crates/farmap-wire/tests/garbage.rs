@@ -105,6 +105,8 @@ fn framed_garbage() -> impl Strategy<Value = Vec<u8>> {
             op::ERROR,
             op::GEOMETRY_OK,
             op::STATUS_OK,
+            op::READ_RUN,
+            op::READ_RUN_OK,
         ]),
         1u64..,
         prop::collection::vec(any::<u8>(), 0..2048),
