@@ -75,6 +75,8 @@ struct PullResult {
     elapsed_ms: f64,
     mb_per_s: f64,
     memcpy_mb_per_s: f64,
+    /// Minor page faults of the process during the timed phase.
+    page_faults: u64,
     ideal_mb_per_s: f64,
     ratio_to_ideal: f64,
     /// 1 − this ÷ the unmirrored case of the same run (mirrored lines only).
@@ -165,6 +167,7 @@ pub async fn run(mut args: PullArgs) -> anyhow::Result<ExitCode> {
                 ..PullOptions::default()
             };
 
+            let faults = mirror::minor_faults();
             let started = Instant::now();
             let puller = Puller::start(cached.clone(), opts);
             if bar.is_hidden() {
@@ -182,6 +185,7 @@ pub async fn run(mut args: PullArgs) -> anyhow::Result<ExitCode> {
                 }
             }
             let elapsed = started.elapsed();
+            let faults = mirror::minor_faults().saturating_sub(faults);
             bar.finish_and_clear();
 
             // Verify, untimed: every chunk of local memory (and of the mirror) equals the
@@ -218,6 +222,7 @@ pub async fn run(mut args: PullArgs) -> anyhow::Result<ExitCode> {
                 elapsed_ms: output::round1(elapsed.as_secs_f64() * 1e3),
                 mb_per_s: mb,
                 memcpy_mb_per_s: output::round1(memcpy),
+                page_faults: faults,
                 ideal_mb_per_s: output::round1(ideal),
                 ratio_to_ideal: (mb / ideal * 1000.0).round() / 1000.0,
                 mirror_cost: match (case, unmirrored) {
