@@ -202,7 +202,7 @@ const WRITE_BUFFERS: usize = 32;
 /// trimming of the heap's top, no `mmap` for blocks up to 32 MiB (each would be fresh pages
 /// and a `munmap` when freed). Returns whether glibc took them all.
 #[cfg(all(target_os = "linux", target_env = "gnu"))]
-fn prepare_heap() -> bool {
+pub(crate) fn prepare_heap() -> bool {
     let settings = [
         (libc::M_ARENA_MAX, 1),
         (libc::M_TRIM_THRESHOLD, i32::MAX),
@@ -217,7 +217,7 @@ fn prepare_heap() -> bool {
 }
 
 #[cfg(not(all(target_os = "linux", target_env = "gnu")))]
-fn prepare_heap() -> bool {
+pub(crate) fn prepare_heap() -> bool {
     false
 }
 

@@ -171,6 +171,54 @@ fn bench_pull_prints_one_json_line_per_run() {
 }
 
 #[test]
+fn bench_push_with_a_mirror_prints_both_cases_and_the_cost() {
+    for bench in ["push", "pull"] {
+        let o = farmap(&[
+            "bench",
+            bench,
+            "--store",
+            "memory:8MiB",
+            "--rtt",
+            "0ms",
+            "--runs",
+            "2",
+            "--mirror-delay",
+            "20us",
+            "--json",
+        ]);
+        assert!(o.status.success(), "{bench}: {}", stderr(&o));
+        let lines: Vec<serde_json::Value> = stdout(&o)
+            .lines()
+            .map(|l| serde_json::from_str(l).unwrap())
+            .collect();
+        // Per run: unmirrored, then mirrored; then the summary.
+        assert_eq!(lines.len(), 5, "{bench}: {lines:?}");
+        for (i, v) in lines[..4].iter().enumerate() {
+            assert_eq!(v["bench"], bench);
+            assert_eq!(v["run"], (i / 2 + 1) as u64, "{v}");
+            assert_eq!(v["verified"], true, "{v}");
+            assert_eq!(v["mirror_delay_us"], 20.0, "{v}");
+            let mirrored = i % 2 == 1;
+            assert_eq!(v["mirror"], if mirrored { "both" } else { "none" }, "{v}");
+            assert_eq!(v.get("mirror_cost").is_some(), mirrored, "{v}");
+            assert!(v["page_faults"].is_u64(), "{v}");
+        }
+        let cost = lines[1]["mirror_cost"].as_f64().unwrap();
+        let want =
+            1.0 - lines[1]["mb_per_s"].as_f64().unwrap() / lines[0]["mb_per_s"].as_f64().unwrap();
+        assert!((cost - want).abs() < 0.001, "{cost} against {want}");
+        let s = &lines[4];
+        assert_eq!(
+            (s["case"].as_str(), s["mirror"].as_str()),
+            (Some("summary"), Some("both")),
+            "{s}"
+        );
+        assert_eq!(s["runs"], 2);
+        assert!(s["mirror_cost"].is_f64(), "{s}");
+    }
+}
+
+#[test]
 fn bench_pull_refuses_to_overwrite_an_existing_file() {
     let dir = tempfile::tempdir().unwrap();
     let a = dir.path().join("precious.img");

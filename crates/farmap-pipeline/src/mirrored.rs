@@ -42,9 +42,10 @@
 //! [`Verified`]: crate::Verified
 
 use std::collections::{BTreeSet, HashMap, VecDeque};
-use std::future::Future;
+use std::future::{poll_fn, Future};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Weak};
+use std::task::Poll;
 use std::time::Duration;
 
 use bytes::Bytes;
@@ -207,6 +208,11 @@ impl Shared {
         what: impl FnOnce() -> String,
         fut: impl Future<Output = StoreResult<T>>,
     ) -> StoreResult<T> {
+        let mut fut = std::pin::pin!(fut);
+        // A primary that answers on the first poll (an in-process store) needs no timer.
+        if let Poll::Ready(r) = poll_fn(|cx| Poll::Ready(fut.as_mut().poll(cx))).await {
+            return r;
+        }
         match tokio::time::timeout(self.opts.timeout, fut).await {
             Ok(r) => r,
             Err(_) => Err(StoreError::new(

@@ -7,10 +7,12 @@ use std::time::Duration;
 use clap::Subcommand;
 
 mod fuse;
+mod mirror;
 mod nbd;
 mod net;
 mod proxy;
 mod pull;
+mod push;
 mod stores;
 mod timer;
 mod uffd;
@@ -21,6 +23,10 @@ pub enum BenchCommand {
     /// Background pull (Cached + Puller) from a store behind an emulated round trip into
     /// dense local memory, against memcpy and the ideal workers × chunk / rtt.
     Pull(pull::PullArgs),
+    /// Managed write throughput: a Pusher writing back a dense local store whole to a store
+    /// (memory by default, behind an emulated round trip). With --mirror-delay, every run
+    /// also pushes through a mirrored store and reports the mirror's cost.
+    Push(push::PushArgs),
     /// A userfaultfd region (direct mode, memory store): random 4 KiB faults, sequential
     /// fills in 4 KiB, 64 KiB and 1 MiB chunks, and take_dirty() over 1% and 100% written
     /// pages, against a raw userfaultfd handler copying from a plain buffer, and memcpy.
@@ -56,6 +62,7 @@ pub enum BenchCommand {
 pub async fn run(cmd: BenchCommand) -> anyhow::Result<ExitCode> {
     match cmd {
         BenchCommand::Pull(args) => pull::run(args).await,
+        BenchCommand::Push(args) => push::run(args).await,
         BenchCommand::Uffd(args) => uffd::run(args).await,
         BenchCommand::Net(args) => net::run(args).await,
         BenchCommand::Nbd(args) => nbd::run_bench(args).await,
@@ -92,6 +99,21 @@ pub fn parse_duration(s: &str) -> Result<Duration, String> {
         return Err(format!("invalid duration {s:?}: at most 24h"));
     }
     Ok(d)
+}
+
+/// Applies a `--chunk` flag to `spec` (a power of two from 4 KiB to 4 MiB).
+pub fn set_chunk(spec: &mut farmap::StoreSpec, chunk: Option<u64>) -> anyhow::Result<()> {
+    if let Some(c) = chunk {
+        spec.chunk_size = Some(
+            u32::try_from(c)
+                .ok()
+                .filter(|c| farmap::Geometry::new(1, u64::from(*c)).is_ok())
+                .ok_or_else(|| {
+                    anyhow::anyhow!("--chunk {c} is not a power of two from 4KiB to 4MiB")
+                })?,
+        );
+    }
+    Ok(())
 }
 
 /// Parses a size (binary suffixes) for clap.

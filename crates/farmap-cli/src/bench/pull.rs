@@ -5,11 +5,15 @@
 //! local memory. Reference, measured in the same run: memcpy of the same chunk size between
 //! two pre-touched buffers, and the ideal `min(workers × chunk / rtt, memcpy)`.
 //!
-//! `--mirror-delay D`: the local store is a [`Mirrored`] pair with the `both` policy: the
-//! dense store as primary and a second dense store behind a [`Delayed`] of latency `D` as
-//! mirror, so every pulled chunk is written to both (case `cached-puller-mirrored`). Run it
-//! against the same command without the option (and `--rtt 0` so that the writes, not the
-//! round trips, bound the pull) for the cost of a slower mirror.
+//! `--mirror-delay D` (see [`MirrorArgs`]): every run also pulls into a [`Mirrored`] local
+//! store (`--mirror-policy`, default `both`): the dense store as primary and, as mirror, a
+//! memory store (or `--mirror-store`) behind a [`Delayed`] of latency `D`, so every pulled
+//! chunk is written to both. Each run prints the unmirrored line (`"mirror":"none"`), then
+//! the mirrored one with `mirror_cost` = 1 − mirrored ÷ unmirrored, and a last
+//! `"case":"summary"` line gives the cost of the medians. Use `--rtt 0ms` so that the writes,
+//! not the round trips, bound the pull. `farmap bench push` measures the same for writes.
+//!
+//! [`Mirrored`]: farmap::pipeline::Mirrored
 
 use std::process::ExitCode;
 use std::sync::Arc;
@@ -18,16 +22,14 @@ use std::time::{Duration, Instant};
 use anyhow::{bail, Context};
 use bytes::Bytes;
 use clap::Args;
-use farmap::pipeline::{
-    Cached, DelayOptions, Delayed, MirrorOptions, MirrorPolicy, Mirrored, PullOptions, PullOrder,
-    Puller,
-};
+use farmap::pipeline::{Cached, DelayOptions, Delayed, PullOptions, PullOrder, Puller};
 use farmap::store::DenseMemoryStore;
-use farmap::{format_size, open_store_async, Geometry, Store, StoreSpec};
+use farmap::{format_size, open_store_async, Store, StoreSpec};
 use rand::{RngCore, SeedableRng};
 use serde::Serialize;
 
-use super::{measure_memcpy, parse_duration, parse_size_arg};
+use super::mirror::{self, MirrorArgs, MirrorSummary};
+use super::{measure_memcpy, parse_duration, parse_size_arg, set_chunk};
 use crate::output;
 
 #[derive(Debug, Args)]
@@ -47,10 +49,8 @@ pub struct PullArgs {
     /// Repeat the timed pull this many times (one result line each).
     #[arg(long, default_value_t = 1, value_parser = clap::value_parser!(u32).range(1..=100))]
     runs: u32,
-    /// Write every pulled chunk to a mirror too (`both` policy), a memory store this much
-    /// slower than the local one (e.g. 20us).
-    #[arg(long, value_parser = parse_duration)]
-    mirror_delay: Option<Duration>,
+    #[command(flatten)]
+    mirror: MirrorArgs,
     /// Allow filling an existing file or directory store with random data.
     #[arg(long)]
     overwrite: bool,
@@ -63,6 +63,7 @@ pub struct PullArgs {
 struct PullResult {
     bench: &'static str,
     case: &'static str,
+    mirror: &'static str,
     store: String,
     size_bytes: u64,
     chunk_bytes: u32,
@@ -74,8 +75,13 @@ struct PullResult {
     elapsed_ms: f64,
     mb_per_s: f64,
     memcpy_mb_per_s: f64,
+    /// Minor page faults of the process during the timed phase.
+    page_faults: u64,
     ideal_mb_per_s: f64,
     ratio_to_ideal: f64,
+    /// 1 − this ÷ the unmirrored case of the same run (mirrored lines only).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    mirror_cost: Option<f64>,
     chunks: u64,
     failed_chunks: u64,
     verified: bool,
@@ -103,16 +109,7 @@ async fn fill_random(store: &dyn Store, quiet: bool) -> anyhow::Result<()> {
 }
 
 pub async fn run(mut args: PullArgs) -> anyhow::Result<ExitCode> {
-    if let Some(c) = args.chunk {
-        args.store.chunk_size = Some(
-            u32::try_from(c)
-                .ok()
-                .filter(|c| Geometry::new(1, u64::from(*c)).is_ok())
-                .ok_or_else(|| {
-                    anyhow::anyhow!("--chunk {c} is not a power of two from 4KiB to 4MiB")
-                })?,
-        );
-    }
+    set_chunk(&mut args.store, args.chunk)?;
     if !args.store.creates() && !args.overwrite {
         bail!(
             "{} exists; the benchmark would overwrite it with random data (pass --overwrite to allow)",
@@ -139,116 +136,139 @@ pub async fn run(mut args: PullArgs) -> anyhow::Result<ExitCode> {
         memcpy
     };
 
+    let mut measured = Vec::new();
     for run in 1..=args.runs {
-        // Setup, untimed: dense local memory, every page touched.
-        let local: Arc<dyn Store> = match args.mirror_delay {
-            None => Arc::new(DenseMemoryStore::new(g)),
-            Some(delay) => Arc::new(Mirrored::new(
-                Arc::new(DenseMemoryStore::new(g)),
-                Arc::new(Delayed::new(
-                    DenseMemoryStore::new(g),
-                    DelayOptions {
-                        latency: delay,
-                        bandwidth: None,
-                    },
-                )),
-                MirrorOptions {
-                    policy: MirrorPolicy::Both,
-                    ..MirrorOptions::default()
+        let mut unmirrored = None;
+        // The local stores of a finished case stay alive until the run ends, so that the
+        // next case does not reuse the memory they would free.
+        let mut keep = Vec::new();
+        for case in args.mirror.cases() {
+            // Setup, untimed: dense local memory, every page touched.
+            let dense: Arc<dyn Store> = Arc::new(DenseMemoryStore::new(g));
+            let (local, mirrored) = match case {
+                None => (dense, None),
+                Some(policy) => {
+                    let m = args.mirror.mirrored(policy, dense, Duration::ZERO).await?;
+                    (m.clone() as Arc<dyn Store>, Some(m))
+                }
+            };
+            let remote = Delayed::new(
+                source.clone(),
+                DelayOptions {
+                    latency: args.rtt,
+                    bandwidth: None,
                 },
-            )?),
-        };
-        let remote = Delayed::new(
-            source.clone(),
-            DelayOptions {
-                latency: args.rtt,
-                bandwidth: None,
-            },
-        );
-        let cached = Arc::new(Cached::new(local, remote)?);
-        let bar = output::byte_bar(g.size(), "pulling", quiet);
-        let opts = PullOptions {
-            workers: args.workers as usize,
-            order: PullOrder::Sequential,
-            ..PullOptions::default()
-        };
+            );
+            let cached = Arc::new(Cached::new(local.clone(), remote)?);
+            let bar = output::byte_bar(g.size(), "pulling", quiet);
+            let opts = PullOptions {
+                workers: args.workers as usize,
+                order: PullOrder::Sequential,
+                ..PullOptions::default()
+            };
 
-        let started = Instant::now();
-        let puller = Puller::start(cached.clone(), opts);
-        let report = if bar.is_hidden() {
-            puller.wait().await
-        } else {
-            let wait = puller.wait();
-            tokio::pin!(wait);
-            loop {
-                tokio::select! {
-                    r = &mut wait => break r,
-                    _ = tokio::time::sleep(Duration::from_millis(100)) => {
-                        bar.set_position(puller.progress().done_chunks * u64::from(chunk));
+            let faults = mirror::minor_faults();
+            let started = Instant::now();
+            let puller = Puller::start(cached.clone(), opts);
+            if bar.is_hidden() {
+                puller.wait().await;
+            } else {
+                let wait = puller.wait();
+                tokio::pin!(wait);
+                loop {
+                    tokio::select! {
+                        _ = &mut wait => break,
+                        _ = tokio::time::sleep(Duration::from_millis(100)) => {
+                            bar.set_position(puller.progress().done_chunks * u64::from(chunk));
+                        }
                     }
                 }
             }
-        };
-        let elapsed = started.elapsed();
-        bar.finish_and_clear();
+            let elapsed = started.elapsed();
+            let faults = mirror::minor_faults().saturating_sub(faults);
+            bar.finish_and_clear();
 
-        // Verify, untimed: every chunk of local memory equals the source.
-        let mut verified = cached.is_complete();
-        for idx in g.all().iter() {
-            if !verified {
-                break;
+            // Verify, untimed: every chunk of local memory (and of the mirror) equals the
+            // source.
+            let mut verified = cached.is_complete();
+            for idx in g.all().iter() {
+                if !verified {
+                    break;
+                }
+                let want = source.read(idx).await?;
+                verified = want == cached.read(idx).await?;
+                if let Some(m) = &mirrored {
+                    verified = verified && want == m.mirror().read(idx).await?;
+                }
             }
-            let want = source.read(idx).await?;
-            let got = cached.read(idx).await?;
-            verified = want == got;
-        }
-        let progress = puller.progress();
-        let mb = output::mb_per_s(g.size(), elapsed);
-        let result = PullResult {
-            bench: "pull",
-            case: if args.mirror_delay.is_some() {
-                "cached-puller-mirrored"
+            let progress = puller.progress();
+            let mb = output::mb_per_s(g.size(), elapsed);
+            measured.push((case.is_some(), mb));
+            let result = PullResult {
+                bench: "pull",
+                case: if case.is_some() {
+                    "cached-puller-mirrored"
+                } else {
+                    "cached-puller"
+                },
+                mirror: mirror::mirror_name(case),
+                store: args.store.to_string(),
+                size_bytes: g.size(),
+                chunk_bytes: chunk,
+                rtt_ms: rtt_s * 1e3,
+                mirror_delay_us: args.mirror.delay_us(),
+                workers: args.workers,
+                run,
+                elapsed_ms: output::round1(elapsed.as_secs_f64() * 1e3),
+                mb_per_s: mb,
+                memcpy_mb_per_s: output::round1(memcpy),
+                page_faults: faults,
+                ideal_mb_per_s: output::round1(ideal),
+                ratio_to_ideal: (mb / ideal * 1000.0).round() / 1000.0,
+                mirror_cost: match (case, unmirrored) {
+                    (Some(_), Some(u)) => Some(mirror::cost(u, mb)),
+                    _ => None,
+                },
+                chunks: g.chunk_count(),
+                failed_chunks: progress.failed_chunks,
+                verified,
+            };
+            if case.is_none() {
+                unmirrored = Some(mb);
+            }
+            if args.json {
+                output::json_line(&result)?;
             } else {
-                "cached-puller"
-            },
-            store: args.store.to_string(),
-            size_bytes: g.size(),
-            chunk_bytes: chunk,
-            rtt_ms: rtt_s * 1e3,
-            mirror_delay_us: args
-                .mirror_delay
-                .map(|d| output::round1(d.as_secs_f64() * 1e6)),
-            workers: args.workers,
-            run,
-            elapsed_ms: output::round1(elapsed.as_secs_f64() * 1e3),
-            mb_per_s: mb,
-            memcpy_mb_per_s: output::round1(memcpy),
-            ideal_mb_per_s: output::round1(ideal),
-            ratio_to_ideal: (mb / ideal * 1000.0).round() / 1000.0,
-            chunks: g.chunk_count(),
-            failed_chunks: progress.failed_chunks,
-            verified,
-        };
-        let _ = report;
-        if args.json {
-            output::json_line(&result)?;
-        } else {
-            println!(
-                "pull {} in {} chunks, rtt {} ms, {} workers: {:.1} MB/s in {:.1} ms = {:.2} × ideal {:.1} MB/s (memcpy {:.1} MB/s){}",
-                format_size(g.size()),
-                format_size(u64::from(chunk)),
-                result.rtt_ms,
-                args.workers,
-                result.mb_per_s,
-                result.elapsed_ms,
-                result.ratio_to_ideal,
-                result.ideal_mb_per_s,
-                result.memcpy_mb_per_s,
-                if verified { ", verified" } else { ", VERIFICATION FAILED" }
-            );
+                println!(
+                    "pull {} in {} chunks, rtt {} ms, {} workers, mirror {}: {:.1} MB/s in {:.1} ms = {:.2} × ideal {:.1} MB/s (memcpy {:.1} MB/s){}{}",
+                    format_size(g.size()),
+                    format_size(u64::from(chunk)),
+                    result.rtt_ms,
+                    args.workers,
+                    result.mirror,
+                    result.mb_per_s,
+                    result.elapsed_ms,
+                    result.ratio_to_ideal,
+                    result.ideal_mb_per_s,
+                    result.memcpy_mb_per_s,
+                    result
+                        .mirror_cost
+                        .map_or(String::new(), |c| format!(", mirror cost {:.1}%", c * 100.0)),
+                    if verified { ", verified" } else { ", VERIFICATION FAILED" }
+                );
+            }
+            if !verified {
+                bail!("the pulled data differs from the source (or chunks failed to pull)");
+            }
+            keep.push(local);
         }
-        if !verified {
-            bail!("the pulled data differs from the source (or chunks failed to pull)");
+        drop(keep);
+    }
+    if let Some(summary) = MirrorSummary::new("pull", &args.mirror, args.runs, &measured) {
+        if args.json {
+            output::json_line(&summary)?;
+        } else {
+            summary.print();
         }
     }
     Ok(ExitCode::SUCCESS)
