@@ -47,7 +47,7 @@ use serde::Serialize;
 
 use super::net::Link;
 use super::paging_app::{App, AppConfig, AppReport, Budget, Pattern, INTERRUPTED};
-use super::paging_swap::{self, SwapEnv};
+use super::paging_swap::{self, KernelRun, SwapEnv};
 use super::uffd_raw::PAGE_SIZE;
 use super::{parse_duration, parse_size_arg};
 use crate::output;
@@ -161,7 +161,12 @@ pub struct PagingArgs {
     #[arg(long, default_value_t = 50, value_parser = clap::value_parser!(u32).range(0..=100))]
     writes: u32,
     /// The systems to run, comma-separated.
-    #[arg(long, value_enum, value_delimiter = ',', default_value = "farmap,kernel-swap")]
+    #[arg(
+        long,
+        value_enum,
+        value_delimiter = ',',
+        default_value = "farmap,kernel-swap"
+    )]
     system: Vec<System>,
     /// Seed of the access sequences (the same for both systems).
     #[arg(long, default_value_t = 0x9a61)]
@@ -208,6 +213,8 @@ struct Row {
     staged_refaults: Option<u64>,
     majflt: Option<u64>,
     minflt: Option<u64>,
+    /// kernel-swap: attempts the OOM killer ended before this one (each run again).
+    oom_kills: Option<u32>,
     /// The first wrong word read, if any.
     mismatch: Option<String>,
 }
@@ -390,17 +397,12 @@ impl Bench {
             staged_refaults: None,
             majflt: None,
             minflt: None,
+            oom_kills: None,
             mismatch: report.first_mismatch.clone(),
         }
     }
 
-    fn farmap_row(
-        &self,
-        pattern: Pattern,
-        local: f64,
-        run: &FarmapRun,
-        unlimited_ms: f64,
-    ) -> Row {
+    fn farmap_row(&self, pattern: Pattern, local: f64, run: &FarmapRun, unlimited_ms: f64) -> Row {
         let paging = |s: &RegionStats| s.paging.clone().unwrap_or_default();
         let (b, a) = (paging(&run.before), paging(&run.after));
         let mut row = self.row(
@@ -418,22 +420,17 @@ impl Bench {
         row
     }
 
-    fn kernel_row(
-        &self,
-        pattern: Pattern,
-        local: f64,
-        report: &AppReport,
-        limit: u64,
-        unlimited_ms: f64,
-    ) -> Row {
+    fn kernel_row(&self, pattern: Pattern, local: f64, run: &KernelRun, unlimited_ms: f64) -> Row {
+        let report = &run.report;
         let mut row = self.row(
             System::KernelSwap,
             pattern,
             local,
             report,
             unlimited_ms,
-            limit,
+            run.limit.unwrap_or(0),
         );
+        row.oom_kills = Some(run.oom_kills);
         let k = report.kernel.unwrap_or_default();
         row.faults = k.majflt + k.minflt;
         row.majflt = Some(k.majflt);
@@ -490,7 +487,7 @@ impl Bench {
     }
 }
 
-fn interrupted() -> anyhow::Result<()> {
+pub(super) fn interrupted() -> anyhow::Result<()> {
     if INTERRUPTED.load(Ordering::Relaxed) {
         bail!("interrupted");
     }
@@ -516,11 +513,14 @@ fn run_all(bench: &Bench, env: Option<&SwapEnv>) -> anyhow::Result<bool> {
         };
         let kernel_unlimited = match env {
             Some(env) => {
-                bench.progress(format_args!("kernel-swap {}: unlimited run", pattern.name()));
-                let (report, _) = env.run(&config, None)?;
-                all_verified &= report.verified;
+                bench.progress(format_args!(
+                    "kernel-swap {}: unlimited run",
+                    pattern.name()
+                ));
+                let run = env.run(&config, None)?;
+                all_verified &= run.report.verified;
                 interrupted()?;
-                Some(report.runtime_ms)
+                Some(run.report.runtime_ms)
             }
             None => None,
         };
@@ -535,11 +535,10 @@ fn run_all(bench: &Bench, env: Option<&SwapEnv>) -> anyhow::Result<bool> {
             if let (Some(env), Some(unlimited)) = (env, kernel_unlimited) {
                 bench.progress(format_args!("kernel-swap {} at {local}%", pattern.name()));
                 let bytes = (args.size as f64 * local / 100.0) as u64;
-                let (report, limit) = env.run(&config, Some(bytes))?;
+                let run = env.run(&config, Some(bytes))?;
                 interrupted()?;
-                all_verified &= report.verified;
-                let row = bench.kernel_row(pattern, local, &report, limit.unwrap_or(0), unlimited);
-                bench.emit(&row)?;
+                all_verified &= run.report.verified;
+                bench.emit(&bench.kernel_row(pattern, local, &run, unlimited))?;
             }
         }
     }
@@ -572,11 +571,17 @@ pub async fn run(args: PagingArgs) -> anyhow::Result<ExitCode> {
         format!("swap-readahead:{}", 1u64 << page_cluster.min(20))
     };
     INTERRUPTED.store(false, Ordering::Relaxed);
-    let ctrl_c = tokio::spawn(async {
-        if tokio::signal::ctrl_c().await.is_ok() {
-            INTERRUPTED.store(true, Ordering::Relaxed);
-            paging_swap::kill_child();
+    // Ctrl-C and SIGTERM stop the application and kill the kernel-swap child; the runs
+    // then end with an error and everything set up is torn down.
+    let mut term = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate())
+        .context("catching SIGTERM")?;
+    let ctrl_c = tokio::spawn(async move {
+        tokio::select! {
+            r = tokio::signal::ctrl_c() => if r.is_err() { return },
+            _ = term.recv() => {}
         }
+        INTERRUPTED.store(true, Ordering::Relaxed);
+        paging_swap::kill_child();
     });
     let want_kernel = args.system.contains(&System::KernelSwap);
     let bench = Bench {
@@ -590,7 +595,7 @@ pub async fn run(args: PagingArgs) -> anyhow::Result<ExitCode> {
             match SwapEnv::setup(bench.args.size) {
                 Ok(env) => {
                     bench.progress(format_args!(
-                        "kernel-swap: swapping to {} (a file in /dev/shm)",
+                        "kernel-swap: swapping to {} (a file in a tmpfs)",
                         env.device()
                     ));
                     Some(env)
@@ -626,7 +631,11 @@ mod tests {
         assert!(parse_percent("0%").is_err());
         assert!(parse_percent("120%").is_err());
         assert_eq!(parse_prefetch("off").unwrap(), Prefetch::Off);
-        assert!(parse_prefetch("seq:8").unwrap_err().contains("no prefetch yet"));
-        assert!(parse_prefetch("bogus").unwrap_err().contains("expected off"));
+        assert!(parse_prefetch("seq:8")
+            .unwrap_err()
+            .contains("no prefetch yet"));
+        assert!(parse_prefetch("bogus")
+            .unwrap_err()
+            .contains("expected off"));
     }
 }

@@ -605,7 +605,10 @@ impl App {
         for w in &self.workers {
             hist.merge(&w.hist);
         }
-        let us = |q| hist.quantile(q).map(|ns| (ns / 1e3 * 1000.0).round() / 1000.0);
+        let us = |q| {
+            hist.quantile(q)
+                .map(|ns| (ns / 1e3 * 1000.0).round() / 1000.0)
+        };
         let mismatches = self.workers.iter().map(|w| w.mismatches).sum();
         AppReport {
             accesses: self.workers.iter().map(|w| w.accesses).sum(),
@@ -666,7 +669,9 @@ impl AppArgs {
         ];
         match config.budget {
             Budget::Accesses(n) => v.extend(["--accesses".to_owned(), n.to_string()]),
-            Budget::Runtime(d) => v.extend(["--runtime".to_owned(), format!("{}us", d.as_micros())]),
+            Budget::Runtime(d) => {
+                v.extend(["--runtime".to_owned(), format!("{}us", d.as_micros())])
+            }
         }
         v
     }
@@ -675,6 +680,9 @@ impl AppArgs {
 /// The child's side: join the cgroup, allocate everything, say `ready` on stdout, wait for
 /// `go` on stdin, run, print the [`AppReport`] as one JSON line.
 pub fn run_child(args: AppArgs) -> anyhow::Result<std::process::ExitCode> {
+    // Die with the benchmark: an orphan would keep its cgroup (and the swap) busy.
+    rustix::process::set_parent_process_death_signal(Some(rustix::process::Signal::KILL))
+        .context("PR_SET_PDEATHSIG")?;
     if let Some(cg) = &args.cgroup {
         std::fs::write(cg.join("cgroup.procs"), std::process::id().to_string())
             .with_context(|| format!("joining the memory cgroup {}", cg.display()))?;
@@ -726,7 +734,11 @@ mod tests {
         for v in 1..=10_000u64 {
             h.record(v * 1000);
         }
-        for (q, want) in [(0.5, 5_000_000.0), (0.99, 9_900_000.0), (0.999, 9_990_000.0)] {
+        for (q, want) in [
+            (0.5, 5_000_000.0),
+            (0.99, 9_900_000.0),
+            (0.999, 9_990_000.0),
+        ] {
             let got = h.quantile(q).unwrap();
             assert!((got - want).abs() / want < 0.01, "q {q}: {got} vs {want}");
         }
@@ -751,7 +763,11 @@ mod tests {
             counts[z.draw(&mut rng)] += 1;
         }
         // Rank 0 about twice rank 1, and the top 1% of ranks take a large share.
-        assert!(counts[0] > counts[1] && counts[1] > counts[10], "{:?}", &counts[..12]);
+        assert!(
+            counts[0] > counts[1] && counts[1] > counts[10],
+            "{:?}",
+            &counts[..12]
+        );
         let top: u32 = counts[..n / 100].iter().sum();
         assert!(top > 200_000 / 3, "top 1% drew {top}");
         assert!(counts[n / 2..].iter().any(|&c| c > 0));

@@ -11,13 +11,21 @@
 //! - a cgroup of our own, `farmap-bench-paging-PID`, made under this process's own memory
 //!   cgroup (so that it stays inside whatever limits the bench itself runs under), removed
 //!   afterwards;
-//! - the swap: a file in `/dev/shm` (tmpfs) of the region's size plus 64 MiB, allocated in
-//!   full up front by this process (`fallocate`). The loop driver charges its I/O to the
-//!   memory cgroup of the task whose pages it writes: a sparse file would take a new tmpfs
-//!   page, charged to the limited cgroup, for every page swapped out, and the limit would
-//!   free nothing. Then `losetup --find --show`, `mkswap`, `swapon --priority 32767` (above
-//!   any other swap, which is left on: the kernel fills the highest priority first).
-//!   Teardown: `swapoff`, `losetup -d`, the file removed.
+//! - the swap: a private tmpfs mounted with `noswap` (`/run/farmap-bench-paging-PID`, sized
+//!   to fit), holding one file of the region's size plus 64 MiB, allocated in full up front
+//!   by this process (`fallocate`); then `losetup --find --show`, `mkswap`, `swapon
+//!   --priority 32767` (above any other swap, which is left on: the kernel fills the highest
+//!   priority first). Teardown: `swapoff`, `losetup -d`, `umount`.
+//!   - `noswap` because a swappable file under a swap device is a deadlock: this machine
+//!     runs DAMON's proactive page-out (`kdamond`), which wrote cold pages of a swap file in
+//!     `/dev/shm` out to the very loop device they back; the loop worker then waited for
+//!     that write-back forever (and so did `swapoff`). Without `noswap` (kernels before 6.4)
+//!     the baseline is skipped.
+//!   - allocated up front because the loop driver charges its I/O to the memory cgroup
+//!     whose pages it writes: a sparse file would take a new tmpfs page, charged to the
+//!     limited cgroup, for every page swapped out, and the limit would free nothing.
+//!   - Leftovers of a run that was killed (`SIGKILL`: no teardown) are cleaned up by the
+//!     next run: directories and cgroups named after a dead PID.
 //!
 //! # The limit
 //! The child joins the cgroup, allocates everything but the application's memory (its
@@ -32,6 +40,7 @@ use std::os::fd::AsFd;
 use std::path::{Path, PathBuf};
 use std::process::{Child, ChildStdin, ChildStdout, Command, Stdio};
 use std::sync::Mutex;
+use std::time::{Duration, Instant};
 
 use anyhow::{bail, Context};
 
@@ -42,6 +51,19 @@ const SWAP_PRIORITY: &str = "32767";
 
 /// Headroom of the limit over `local%` of the size and the child's measured overhead.
 pub const LIMIT_SLACK: u64 = 2 << 20;
+
+/// How often a run the OOM killer ended is tried again.
+pub const OOM_RETRIES: u32 = 3;
+
+/// One kernel-swap run.
+#[derive(Debug)]
+pub struct KernelRun {
+    pub report: AppReport,
+    /// `memory.limit_in_bytes` (`None`: unlimited).
+    pub limit: Option<u64>,
+    /// Attempts the OOM killer ended before this one.
+    pub oom_kills: u32,
+}
 
 /// The child running now, killed by Ctrl-C.
 static CHILD: Mutex<Option<u32>> = Mutex::new(None);
@@ -77,12 +99,130 @@ fn cmd(program: &str, args: &[&str]) -> anyhow::Result<String> {
 pub struct SwapEnv {
     /// Our cgroup.
     cgroup: Option<PathBuf>,
-    /// The hierarchy mounted for this run (unmounted and removed on drop).
-    mounted: Option<PathBuf>,
-    /// The swap file's directory in /dev/shm.
-    dir: Option<tempfile::TempDir>,
+    /// The v1 memory hierarchy mounted for this run (unmounted and removed on drop).
+    mounted_hierarchy: Option<PathBuf>,
+    /// The directory of the swap file, and whether our tmpfs is mounted on it.
+    dir: Option<PathBuf>,
+    tmpfs: bool,
     loop_dev: Option<String>,
     swap_on: bool,
+}
+
+/// The prefix of everything a run names after its PID (directories under `/run`, cgroups).
+const PREFIX: &str = "farmap-bench-paging-";
+
+/// How long teardown waits for `swapoff` (it reads every swapped page back).
+const SWAPOFF_TIMEOUT: Duration = Duration::from_secs(300);
+
+/// Runs a command for at most `timeout`; one still running then is left alone (it may be
+/// stuck in the kernel, where a signal would not reach it anyway).
+fn cmd_timeout(program: &str, args: &[&str], timeout: Duration) -> anyhow::Result<()> {
+    let mut child = Command::new(program)
+        .args(args)
+        .stdin(Stdio::null())
+        .stdout(Stdio::null())
+        .stderr(Stdio::piped())
+        .spawn()
+        .with_context(|| format!("running {program}"))?;
+    let deadline = Instant::now() + timeout;
+    loop {
+        if let Some(status) = child.try_wait()? {
+            if status.success() {
+                return Ok(());
+            }
+            let mut err = String::new();
+            if let Some(mut e) = child.stderr.take() {
+                let _ = std::io::Read::read_to_string(&mut e, &mut err);
+            }
+            bail!(
+                "{program} {} failed ({status}): {}",
+                args.join(" "),
+                err.trim()
+            );
+        }
+        if Instant::now() >= deadline {
+            bail!(
+                "{program} {} still runs after {} s (pid {}); left alone",
+                args.join(" "),
+                timeout.as_secs(),
+                child.id()
+            );
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    }
+}
+
+/// The PID a name made by [`PREFIX`] carries, if that process is gone.
+fn dead_owner(name: &str) -> Option<u32> {
+    let rest = name.strip_prefix(PREFIX)?;
+    let pid: u32 = rest.split('-').next()?.parse().ok()?;
+    (!Path::new(&format!("/proc/{pid}")).exists()).then_some(pid)
+}
+
+/// Whether `dir` is a mount point.
+fn is_mount_point(dir: &Path) -> bool {
+    std::fs::read_to_string("/proc/self/mounts")
+        .map(|m| {
+            m.lines()
+                .any(|l| l.split_whitespace().nth(1) == Some(&*dir.to_string_lossy()))
+        })
+        .unwrap_or(false)
+}
+
+/// Cleans up after runs that were killed before their teardown: swap, loop devices, mounts
+/// and cgroups named after a PID that is gone.
+fn clean_leftovers(cgroup_parent: &Path) {
+    let warn = |what: String, e: anyhow::Error| {
+        status!(
+            "farmap bench paging: cleaning up {what}: {}",
+            crate::output::error_chain(&e)
+        );
+    };
+    if let Ok(entries) = std::fs::read_dir("/run") {
+        for e in entries.flatten() {
+            let name = e.file_name().to_string_lossy().into_owned();
+            if dead_owner(&name).is_none() {
+                continue;
+            }
+            let dir = e.path();
+            let file = dir.join("swap");
+            if file.exists() {
+                let f = file.to_string_lossy().into_owned();
+                let devs = cmd("losetup", &["--noheadings", "--output", "NAME", "-j", &f])
+                    .unwrap_or_default();
+                for dev in devs.lines().map(str::trim).filter(|d| !d.is_empty()) {
+                    let swaps = std::fs::read_to_string("/proc/swaps").unwrap_or_default();
+                    if swaps
+                        .lines()
+                        .any(|l| l.split_whitespace().next() == Some(dev))
+                    {
+                        if let Err(err) = cmd_timeout("swapoff", &[dev], SWAPOFF_TIMEOUT) {
+                            warn(format!("{dev}"), err);
+                            continue;
+                        }
+                    }
+                    if let Err(err) = cmd("losetup", &["-d", dev]) {
+                        warn(format!("{dev}"), err);
+                    }
+                }
+            }
+            if is_mount_point(&dir) {
+                if let Err(err) = cmd("umount", &[&dir.to_string_lossy()]) {
+                    warn(dir.display().to_string(), err);
+                    continue;
+                }
+            }
+            let _ = std::fs::remove_file(&file);
+            let _ = std::fs::remove_dir(&dir);
+        }
+    }
+    if let Ok(entries) = std::fs::read_dir(cgroup_parent) {
+        for e in entries.flatten() {
+            if dead_owner(&e.file_name().to_string_lossy()).is_some() {
+                let _ = std::fs::remove_dir(e.path());
+            }
+        }
+    }
 }
 
 /// Where the memory controller's v1 hierarchy is mounted, if it is.
@@ -118,16 +258,15 @@ impl SwapEnv {
         if !rustix::process::geteuid().is_root() {
             bail!("memory cgroups, loop devices and swapon need root");
         }
+        let pid = std::process::id();
         let mut env = SwapEnv::default();
         let root = match find_v1_memory() {
             Some(root) => root,
             None => {
-                let dir = tempfile::Builder::new()
-                    .prefix("farmap-memcg-")
-                    .tempdir_in("/run")
-                    .context("making a mount point under /run")?
-                    .keep();
-                env.mounted = Some(dir.clone());
+                let dir = PathBuf::from(format!("/run/{PREFIX}{pid}-memcg"));
+                std::fs::create_dir_all(&dir)
+                    .with_context(|| format!("making {}", dir.display()))?;
+                env.mounted_hierarchy = Some(dir.clone());
                 let d = dir.to_string_lossy().into_owned();
                 cmd("mount", &["-t", "cgroup", "-o", "memory", "cgroup", &d]).context(
                     "no cgroup v1 memory hierarchy is mounted and mounting one failed \
@@ -136,12 +275,13 @@ impl SwapEnv {
                 dir
             }
         };
-        let parent = if env.mounted.is_some() {
+        let parent = if env.mounted_hierarchy.is_some() {
             root.clone()
         } else {
             root.join(own_memory_cgroup().trim_start_matches('/'))
         };
-        let cg = parent.join(format!("farmap-bench-paging-{}", std::process::id()));
+        clean_leftovers(&parent);
+        let cg = parent.join(format!("{PREFIX}{pid}"));
         std::fs::create_dir(&cg)
             .with_context(|| format!("making the memory cgroup {}", cg.display()))?;
         env.cgroup = Some(cg.clone());
@@ -149,21 +289,25 @@ impl SwapEnv {
             bail!("{} has no memory.limit_in_bytes", cg.display());
         }
 
-        let shm = Path::new("/dev/shm");
-        let fs = rustix::fs::statfs(shm).context("statfs /dev/shm")?;
-        if fs.f_type as i64 != 0x0102_1994 {
-            bail!("/dev/shm is not a tmpfs: the swap would not be in RAM");
-        }
-        let dir = tempfile::Builder::new()
-            .prefix("farmap-bench-paging-")
-            .tempdir_in(shm)
-            .context("making a directory in /dev/shm")?;
-        let file = dir.path().join("swap");
-        env.dir = Some(dir);
+        let dir = PathBuf::from(format!("/run/{PREFIX}{pid}"));
+        std::fs::create_dir_all(&dir).with_context(|| format!("making {}", dir.display()))?;
+        env.dir = Some(dir.clone());
         let len = size + (64 << 20);
+        let d = dir.to_string_lossy().into_owned();
+        let opts = format!("noswap,size={},mode=0700", len + (1 << 20));
+        cmd(
+            "mount",
+            &["-t", "tmpfs", "-o", &opts, "farmap-bench-paging", &d],
+        )
+        .context(
+            "mounting a tmpfs with `noswap` for the swap file (Linux 6.4 or later; a \
+             swappable one can deadlock the loop device)",
+        )?;
+        env.tmpfs = true;
+        let file = dir.join("swap");
         let f = std::fs::File::create(&file).context("creating the swap file")?;
         rustix::fs::fallocate(f.as_fd(), rustix::fs::FallocateFlags::empty(), 0, len)
-            .context("allocating the swap file in /dev/shm")?;
+            .context("allocating the swap file")?;
         drop(f);
         let file = file.to_string_lossy().into_owned();
         let dev = cmd("losetup", &["--find", "--show", &file])
@@ -199,9 +343,53 @@ impl SwapEnv {
             .context("memory.usage_in_bytes is not a number")
     }
 
+    /// The cgroup's OOM kills so far (`oom_kill` in `memory.oom_control`).
+    fn oom_kills(&self) -> u64 {
+        std::fs::read_to_string(self.cgroup().join("memory.oom_control"))
+            .ok()
+            .and_then(|s| {
+                s.lines()
+                    .find_map(|l| l.strip_prefix("oom_kill ")?.trim().parse().ok())
+            })
+            .unwrap_or(0)
+    }
+
     /// Runs the application in the cgroup, limited to `local` bytes (plus its overhead and
-    /// [`LIMIT_SLACK`]) or unlimited; returns its report and the limit set.
-    pub fn run(
+    /// [`LIMIT_SLACK`]) or unlimited; returns its report, the limit set and how many
+    /// attempts the OOM killer ended first (each is retried, up to [`OOM_RETRIES`]).
+    pub fn run(&self, config: &AppConfig, local: Option<u64>) -> anyhow::Result<KernelRun> {
+        let mut oom_kills = 0;
+        loop {
+            let before = self.oom_kills();
+            match self.run_once(config, local) {
+                Ok((report, limit)) => {
+                    return Ok(KernelRun {
+                        report,
+                        limit,
+                        oom_kills,
+                    })
+                }
+                Err(e) if self.oom_kills() > before && oom_kills < OOM_RETRIES => {
+                    oom_kills += 1;
+                    status!(
+                        "farmap bench paging: the OOM killer ended the kernel-swap application \
+                         (attempt {oom_kills}); running it again"
+                    );
+                    drop(e);
+                }
+                Err(e) if self.oom_kills() > before => {
+                    return Err(e.context(format!(
+                        "the OOM killer ended the kernel-swap application {} times in a row",
+                        oom_kills + 1
+                    )))
+                }
+                Err(e) => return Err(e),
+            }
+            super::paging::interrupted()?;
+        }
+    }
+
+    fn run_once(
         &self,
         config: &AppConfig,
         local: Option<u64>,
@@ -270,17 +458,42 @@ impl Drop for SwapEnv {
                 crate::output::error_chain(&e)
             );
         };
+        let mut stuck = false;
         if let Some(dev) = self.loop_dev.take() {
             if self.swap_on {
-                if let Err(e) = cmd("swapoff", &[&dev]) {
+                if let Err(e) = cmd_timeout("swapoff", &[&dev], SWAPOFF_TIMEOUT) {
                     warn("swapoff", e);
+                    stuck = true;
                 }
             }
-            if let Err(e) = cmd("losetup", &["-d", &dev]) {
-                warn("losetup -d", e);
+            if !stuck {
+                if let Err(e) = cmd("losetup", &["-d", &dev]) {
+                    warn("losetup -d", e);
+                    stuck = true;
+                }
             }
         }
-        drop(self.dir.take());
+        if let Some(dir) = self.dir.take() {
+            if self.tmpfs && !stuck {
+                // A detached loop device lets go of its file a moment later.
+                let d = dir.to_string_lossy().into_owned();
+                let mut umount = cmd("umount", &[&d]);
+                for _ in 0..50 {
+                    if umount.is_ok() {
+                        break;
+                    }
+                    std::thread::sleep(Duration::from_millis(20));
+                    umount = cmd("umount", &[&d]);
+                }
+                if let Err(e) = umount {
+                    warn("umount of the swap file's tmpfs", e);
+                    stuck = true;
+                }
+            }
+            if !stuck {
+                let _ = std::fs::remove_dir(&dir);
+            }
+        }
         if let Some(cg) = self.cgroup.take() {
             // The child has been reaped; its last pages may take a moment to be uncharged.
             let mut tries = 0;
@@ -290,15 +503,15 @@ impl Drop for SwapEnv {
                     warn(&format!("removing {}", cg.display()), e.into());
                     break;
                 }
-                std::thread::sleep(std::time::Duration::from_millis(20));
+                std::thread::sleep(Duration::from_millis(20));
             }
         }
-        if let Some(dir) = self.mounted.take() {
+        if let Some(dir) = self.mounted_hierarchy.take() {
             match cmd("umount", &[&dir.to_string_lossy()]) {
                 Ok(_) => {
                     let _ = std::fs::remove_dir(&dir);
                 }
-                Err(e) => warn("umount", e),
+                Err(e) => warn("umount of the cgroup hierarchy", e),
             }
         }
     }
