@@ -16,7 +16,7 @@ use farmap_core::{
 use tokio::sync::Notify;
 
 use crate::mapping::Mapping;
-use crate::paging::Pager;
+use crate::paging::{Pager, PushRead};
 use crate::stats::Counters;
 use crate::uffd::{InstallError, UffdRange};
 
@@ -177,18 +177,36 @@ impl Store for RegionMemory {
                 return self.read_now(idx);
             };
             let pager = self.pager.clone();
+            let paged = pager.clone();
             let copy = tokio::task::spawn_blocking(move || {
                 let mut buf = vec![0u8; geometry.chunk_len(idx)];
-                if pager.is_some_and(|p| p.read_staged(idx, &mut buf)) {
-                    return Some(Bytes::from(buf));
+                let offset = geometry.offset_of(idx) as usize;
+                let Some(pager) = pager else {
+                    return Some(mapping.read(offset, &mut buf).then(|| Bytes::from(buf)));
+                };
+                // A bounded region: never read a page of the region that can be missing
+                // (see `Pager::read_for_push`).
+                loop {
+                    match pager.read_for_push(idx, &mut buf) {
+                        PushRead::Copied => return Some(Some(Bytes::from(buf))),
+                        PushRead::Pinned => {
+                            let ok = mapping.read(offset, &mut buf);
+                            pager.unpin(idx);
+                            return Some(ok.then(|| Bytes::from(buf)));
+                        }
+                        PushRead::NotLocal => return None,
+                        PushRead::Busy => std::thread::sleep(EVENT_RETRY),
+                    }
                 }
-                mapping
-                    .read(geometry.offset_of(idx) as usize, &mut buf)
-                    .then(|| Bytes::from(buf))
             });
             match copy.await {
-                Ok(Some(data)) => Ok(data),
-                Ok(None) => Err(StoreError::new(ErrorKind::Closed, "the region is unmapped")),
+                Ok(Some(Some(data))) => Ok(data),
+                Ok(Some(None)) => Err(StoreError::new(ErrorKind::Closed, "the region is unmapped")),
+                // Not local: the store holds the newest content; writing it back is a no-op.
+                Ok(None) => match paged.and_then(|p| p.remote_store()) {
+                    Some(store) => store.read(idx).await,
+                    None => Err(StoreError::new(ErrorKind::Closed, "the region is closed")),
+                },
                 Err(e) => Err(StoreError::new(
                     ErrorKind::Cancelled,
                     format!("reading {idx} out of the region: {e}"),

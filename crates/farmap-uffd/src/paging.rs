@@ -34,22 +34,32 @@
 //! region's pusher (under the pager's lock, so that a flush that starts after the staging
 //! sees the mark) and drops its slot only after a pusher flush that started after the
 //! staging succeeded. The pusher reads staged chunks out of the staging slot (no fault, no
-//! move back), and rounds and flushes are ordered, so a stale push of older content can
+//! move back; see below), and rounds and flushes are ordered, so a stale push of older content can
 //! never land after the write-back. Nothing written is ever lost, whatever the limit does;
 //! the price is one chunk write per drop (clean chunks included).
 //!
-//! A chunk moved back is write-protected again before its faulting thread is woken (its
-//! content was marked dirty when staged, so nothing is missed), so later writes are tracked.
+//! A chunk moved back is write-protected again before its faulting thread is woken, so later
+//! writes are tracked; moved pages arrive unprotected and another thread may write one before
+//! that, so the chunk is marked dirty again after the protection.
 //!
-//! # A kernel surprise, handled
-//! Under concurrent moves, drops and pushes, a chunk's pages were seen (Linux 6.18) in its
-//! staging slot while the pager had it active — the region's pages missing, the slot full —
-//! with no move of that chunk made by the pager in between; the cause is not found. Fetching
-//! the chunk again would then bring back stale data (the model test caught it, about one run
-//! in three). The pager therefore checks the slot when an active chunk faults, and when a
-//! deactivation is refused with `EEXIST`, and moves such pages back (counted as
-//! `recovered`); the model test has passed since.
+//! # Pushes never touch a page that can be missing
+//! A fault on a missing page of the region may have to wait for the pager: for room (a
+//! reclaim, which flushes the pusher), for a fetch, or for a move back. So nothing the pager
+//! waits for (a push, a flush, an eviction) may ever read the region where a page can be
+//! missing, or the wait goes round in a circle. The rule, enforced under the state lock by
+//! [`Pager::read_for_push`]: an active chunk is pinned (not deactivated) while a push reads it
+//! out of the region; a staged chunk is copied out of its staging slot; a chunk being fetched
+//! is waited for; a remote chunk is read from the store (its staged copy was written back
+//! before it was dropped). Moves go run by run over the pages actually present, so a move that
+//! stops part way is finished (or undone) by the next call, and no chunk is left split
+//! between the region and its slot.
 //!
+//! An active chunk whose pages are found in its staging slot would be a bug of this module
+//! (an earlier version, which kept partly moved chunks as staged and let pushes fault chunks
+//! in through the region, saw it about one model run in three). The fault path checks for it
+//! before fetching again, moves the pages back rather than fetch stale data, counts it in
+//! `recovered` and records an error; the model test asserts it never happens.
+
 //! # Eviction policy
 //! RackMem keeps an active FIFO with a recency score. With no accessed bits from userspace
 //! on this kernel, the score here is a referenced flag per chunk, set (a) when the chunk
@@ -107,6 +117,8 @@ struct State {
     slot_busy: Vec<bool>,
     staged_epoch: Vec<u64>,
     referenced: Vec<bool>,
+    /// Pushes reading the chunk out of the region now: it is not deactivated meanwhile.
+    pins: Vec<u32>,
     active: VecDeque<u64>,
     staged: VecDeque<u64>,
     /// Chunks counted against the limit.
@@ -144,6 +156,22 @@ pub(crate) struct PagingCounters {
     pub writebacks: AtomicU64,
     pub recovered: AtomicU64,
     pub overcommits: AtomicU64,
+    pub partial_moves: AtomicU64,
+    pub pushes_from_store: AtomicU64,
+}
+
+/// Where a push finds a chunk's content (see [`Pager::read_for_push`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum PushRead {
+    /// Copied out of the staging slot.
+    Copied,
+    /// Active and pinned: read the region, then [`Pager::unpin`].
+    Pinned,
+    /// Remote: the store holds its newest content.
+    NotLocal,
+    /// Being fetched, or its pages are being moved (a move met a busy page): ask again in a
+    /// moment.
+    Busy,
 }
 
 /// The pager of one region (see the module documentation).
@@ -196,6 +224,7 @@ impl Pager {
                 slot_busy: vec![false; n],
                 staged_epoch: vec![0; n],
                 referenced: vec![false; n],
+                pins: vec![0; n],
                 active: VecDeque::new(),
                 staged: VecDeque::new(),
                 resident: 0,
@@ -294,8 +323,9 @@ impl Pager {
                     .iter()
                     .rposition(|(c, s)| *c == i && s.starts_with("active-missing"))
                     .unwrap_or(t.len());
-                t[pos.saturating_sub(40)..(pos + 1).min(t.len())]
+                t[..(pos + 1).min(t.len())]
                     .iter()
+                    .filter(|(c, _)| *c == i)
                     .map(|(c, s)| format!("{c}: {s}"))
                     .collect()
             })
@@ -336,14 +366,16 @@ impl Pager {
                     let _ = self.region.wake(page, ps);
                     return Admit::Done;
                 }
-                // Its pages may sit in its staging slot although it is active (seen on
-                // Linux 6.18 under load, cause not found: see the module docs): move them
-                // back rather than fetch stale data.
+                // Its pages in its staging slot although it is active: a bug (see the module
+                // docs). Move them back rather than fetch stale data, and say so.
                 if !st.slot_busy[i as usize] && self.slot_pages(i) > 0 {
                     self.tr(i, || {
                         format!("active-missing page {page:#x} -> recover from slot")
                     });
                     Counters::add(&self.counters.recovered, 1);
+                    self.region_counters.error(format!(
+                        "chunk {i} is active but its pages are in its staging slot"
+                    ));
                     return self.move_back(&mut st, i);
                 }
                 // Discarded behind our back (the application's madvise): fetch it again,
@@ -403,20 +435,46 @@ impl Pager {
         }
     }
 
+    /// Moves every page of `off..off+len` that is present in `from` to the same offset of
+    /// `to`, run by run, with `UFFDIO_MOVE` (no wake-up). Holes of `from` are skipped, so
+    /// the call is idempotent: after a partial move (`EAGAIN`: an event is pending or a page
+    /// is busy) calling it again moves the rest. Called under the state lock, which is what
+    /// keeps the pages where the page tables said they were.
+    fn move_present(
+        &self,
+        from: &UffdRange,
+        to: &UffdRange,
+        off: usize,
+        len: usize,
+    ) -> Result<(), i32> {
+        let base = from.base();
+        let mut runs = Vec::new();
+        let mut scratch = Vec::new();
+        self.pagemap
+            .in_memory(base + off, base + off + len, &mut scratch, |run| {
+                runs.push((run.start - base, run.end - run.start))
+            })
+            .map_err(|e| e.raw_os_error().unwrap_or(libc::EIO))?;
+        for (o, l) in runs {
+            from.move_to(o, to, o, l, sys::UFFDIO_MOVE_MODE_DONTWAKE)
+                .map_err(|(_, e)| e)?;
+        }
+        Ok(())
+    }
+
     /// Moves staged chunk `i` back into the region, re-protects it, wakes its waiters.
     fn move_back(&self, st: &mut State, i: u64) -> Admit {
         let (off, len) = self.chunk_span(i);
-        let mode = sys::UFFDIO_MOVE_MODE_DONTWAKE | sys::UFFDIO_MOVE_MODE_ALLOW_SRC_HOLES;
         // The region's empty entries carry write-protect markers (WP_UNPOPULATED: the
         // tracker's scans protect holes too), and a move refuses a destination that is not
-        // empty (EEXIST). Unprotecting clears the markers; pages already back (a partial
-        // move) become unprotected, which only means an extra push.
+        // empty (EEXIST). Unprotecting clears the markers.
         let _ = self.region.write_protect(off, len, false, false);
-        let r = self.staging.move_to(off, &self.region, off, len, mode);
+        let r = self.move_present(&self.staging, &self.region, off, len);
         self.tr(i, || format!("move back {r:?}"));
-        if let Err((_, e)) = r {
-            // EAGAIN: an event is pending, or a page is busy. Pages already moved stay in
-            // the region; the retry skips their holes in the slot.
+        if let Err(e) = r {
+            // EAGAIN: an event is pending, or a page is busy. The pages already moved stay
+            // in the region; the retry moves the rest.
+            Counters::add(&self.counters.partial_moves, 1);
             if e != libc::EAGAIN {
                 self.region_counters.error(format!(
                     "moving staged chunk {i} back into the region: {}",
@@ -425,10 +483,14 @@ impl Pager {
             }
             return Admit::Retry;
         }
-        // The content was marked dirty when staged: protecting it again loses no write, and
-        // makes later writes visible to the scans. A failure leaves the pages unprotected,
-        // which only means an extra push.
+        // Moved pages arrive unprotected (UFFDIO_MOVE drops the uffd-wp bit) and present,
+        // so a thread may write one before the protection below: mark the chunk dirty after
+        // protecting it, and the next push reads every such write. A protection failure
+        // leaves the pages unprotected, which only means extra pushes.
         let _ = self.region.write_protect(off, len, true, false);
+        if let Some(mark) = self.mark.get() {
+            mark(ChunkIdx(i));
+        }
         let _ = self.region.wake(off, len);
         st.chunk[i as usize] = St::Active;
         st.slot_busy[i as usize] = false;
@@ -437,6 +499,65 @@ impl Pager {
         st.active.push_back(i);
         Counters::add(&self.counters.staged_refaults, 1);
         Admit::Done
+    }
+
+    /// Decides, under the state lock, where a push reads chunk `idx` (`buf` is as long as
+    /// the chunk). The rule that keeps pushes from deadlocking with faults: a push never
+    /// touches a page of the region that can be missing. A fault on a missing page may have
+    /// to wait for room, room for a reclaim, and a reclaim for a flush of the pusher, which
+    /// waits for this very push.
+    /// - staged: copied out of its staging slot now (its pages cannot move while the lock
+    ///   is held; a partly staged chunk has the rest of its pages moved into the slot
+    ///   first);
+    /// - active: pinned (not deactivated until [`unpin`](Self::unpin)), to be read out of
+    ///   the region, where all its pages are;
+    /// - being fetched: wait until it is active (a fetch never waits for a push);
+    /// - remote: every staged copy is written back before it is dropped, so the store holds
+    ///   the newest content (and the region none of its pages).
+    pub fn read_for_push(&self, idx: ChunkIdx, buf: &mut [u8]) -> PushRead {
+        let i = idx.0 as usize;
+        let mut st = self.state.lock();
+        self.tr(idx.0, || format!("push read {:?}", st.chunk.get(i)));
+        match st.chunk.get(i) {
+            Some(St::Active) => {
+                st.pins[i] += 1;
+                PushRead::Pinned
+            }
+            Some(St::Staged) => {
+                let (off, len) = self.chunk_span(idx.0);
+                if self
+                    .move_present(&self.region, &self.staging, off, len)
+                    .is_err()
+                {
+                    Counters::add(&self.counters.partial_moves, 1);
+                    return PushRead::Busy;
+                }
+                let base = self.staging.base() + off;
+                // Reading a hole of the staging area would fault, and nobody serves staging
+                // faults: every page must be there (a staged chunk's pages are in its slot or
+                // in the region, and those were just moved).
+                if !self
+                    .pagemap
+                    .all_in_memory(base, base + len)
+                    .unwrap_or(false)
+                {
+                    return PushRead::Busy;
+                }
+                if self.staging_map.read(off, &mut buf[..len]) {
+                    PushRead::Copied
+                } else {
+                    PushRead::NotLocal
+                }
+            }
+            // Being fetched: its pages may be installed already, and written (the install
+            // wakes the faulting thread before the fetch is recorded). A fetch never waits
+            // for a push: wait for it.
+            Some(St::Fetching { .. }) => PushRead::Busy,
+            _ => {
+                Counters::add(&self.counters.pushes_from_store, 1);
+                PushRead::NotLocal
+            }
+        }
     }
 
     /// Pages of chunk `i`'s staging slot present in memory.
@@ -451,26 +572,18 @@ impl Pager {
         n
     }
 
-    /// Copies staged chunk `idx` out of its staging slot into `buf` (for the pusher); false
-    /// if the chunk is not (wholly) staged: read the region instead.
-    pub fn read_staged(&self, idx: ChunkIdx, buf: &mut [u8]) -> bool {
-        let i = idx.0 as usize;
-        let st = self.state.lock();
-        if st.chunk.get(i) != Some(&St::Staged) {
-            return false;
+    /// Ends a push's read of an active chunk (see [`read_for_push`](Self::read_for_push)).
+    pub fn unpin(&self, idx: ChunkIdx) {
+        let mut st = self.state.lock();
+        if let Some(p) = st.pins.get_mut(idx.0 as usize) {
+            *p = p.saturating_sub(1);
         }
-        let (off, len) = self.chunk_span(idx.0);
-        let base = self.staging.base() + off;
-        // Every page must be there: reading a hole of the staging area would fault, and
-        // nobody serves staging faults.
-        if !self
-            .pagemap
-            .all_in_memory(base, base + len)
-            .unwrap_or(false)
-        {
-            return false;
-        }
-        self.staging_map.read(off, &mut buf[..len])
+    }
+
+    /// The store behind the region (for pushes of chunks that are not local).
+    pub fn remote_store(&self) -> Option<Arc<dyn farmap_core::Store>> {
+        let cache = self.cache.get().and_then(Weak::upgrade)?;
+        Some(cache.remote().clone())
     }
 
     /// Moves up to `n` victims from the active FIFO to staging; returns how many.
@@ -491,40 +604,43 @@ impl Pager {
             if st.chunk[iu] != St::Active {
                 continue;
             }
-            if st.referenced[iu] || st.slot_busy[iu] {
+            if st.referenced[iu] || st.slot_busy[iu] || st.pins[iu] > 0 {
                 st.referenced[iu] = false;
                 st.active.push_back(i);
                 continue;
             }
             let (off, len) = self.chunk_span(i);
-            let r = self.region.move_to(off, &self.staging, off, len, 0);
+            let r = self.move_present(&self.region, &self.staging, off, len);
             self.tr(i, || format!("deactivate {r:?} epoch {}", st.epoch));
             let moved = match r {
-                Ok(_) => true,
-                // The slot holds pages although the chunk is active (see `on_fault`): put
-                // them back where they belong.
-                Err((0, libc::EEXIST)) => {
-                    Counters::add(&self.counters.recovered, 1);
-                    let mode =
-                        sys::UFFDIO_MOVE_MODE_DONTWAKE | sys::UFFDIO_MOVE_MODE_ALLOW_SRC_HOLES;
-                    let _ = self.staging.move_to(off, &self.region, off, len, mode);
+                Ok(()) => true,
+                Err(e) => {
+                    // Stopped part way (a busy page, an event pending): put back what moved,
+                    // so that the chunk is wholly active again. The region's holes may carry
+                    // write-protect markers by now (a scan): unprotect first, protect after,
+                    // and mark the chunk dirty (moves drop the write protection).
+                    Counters::add(&self.counters.partial_moves, 1);
+                    let _ = self.region.write_protect(off, len, false, false);
+                    let undone = self.move_present(&self.staging, &self.region, off, len);
+                    let _ = self.region.write_protect(off, len, true, false);
                     let _ = self.region.wake(off, len);
                     if let Some(mark) = self.mark.get() {
                         mark(ChunkIdx(i));
                     }
-                    false
-                }
-                // Nothing moved (a discarded page, a busy one): it stays active.
-                Err((0, _)) => false,
-                // Part of it moved: it is staged all the same (moving back skips the slot's
-                // holes; a pusher read of it goes through the region and moves it back).
-                // Undoing the move could fail too, and leave pages stranded in the slot.
-                Err((_, e)) => {
-                    self.region_counters.error(format!(
-                        "moving chunk {i} to staging stopped part way: {}",
-                        std::io::Error::from_raw_os_error(e)
-                    ));
-                    true
+                    match undone {
+                        Ok(()) => false,
+                        // Pages left in the slot: the chunk is staged (partly), and its next
+                        // fault, or a push, finishes the move one way or the other.
+                        Err(e2) => {
+                            self.region_counters.error(format!(
+                                "moving chunk {i} to staging stopped part way ({}), and so \
+                                 did moving it back ({})",
+                                std::io::Error::from_raw_os_error(e),
+                                std::io::Error::from_raw_os_error(e2)
+                            ));
+                            true
+                        }
+                    }
                 }
             };
             if moved {

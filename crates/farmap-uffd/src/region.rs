@@ -575,6 +575,8 @@ impl Region {
                     staged_refaults: Counters::get(&pc.staged_refaults),
                     overcommits: Counters::get(&pc.overcommits),
                     recovered: Counters::get(&pc.recovered),
+                    partial_moves: Counters::get(&pc.partial_moves),
+                    pushes_from_store: Counters::get(&pc.pushes_from_store),
                 }
             }),
             last_error,

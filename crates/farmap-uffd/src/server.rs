@@ -249,6 +249,11 @@ impl Server {
                     if let Err(e) = fetched {
                         self.counters.error(farmap_core::error_chain(&e));
                         self.poison(page).await;
+                        // Other threads may wait on other pages of the chunk (their faults
+                        // were told the fetch was in flight): wake them, so that they fault
+                        // again and fetch it themselves.
+                        let off = self.geometry.offset_of(idx) as usize;
+                        let _ = self.range.wake(off, self.geometry.chunk_len(idx));
                     }
                     return;
                 }

@@ -88,9 +88,16 @@ pub struct PagingStats {
     pub staged_refaults: u64,
     /// Chunks admitted over the limit (within `min_free`) because nothing could be reclaimed.
     pub overcommits: u64,
-    /// Active chunks whose pages were found in their staging slot and moved back (see the
-    /// paging module's documentation).
+    /// Active chunks whose pages were found in their staging slot and moved back: a bug
+    /// that the fault path repairs and reports (see the paging module's documentation);
+    /// always 0 unless something is wrong.
     pub recovered: u64,
+    /// Moves between the region and staging that stopped part way (a busy page, an event
+    /// pending) and were finished or undone.
+    pub partial_moves: u64,
+    /// Pushes of chunks that were not local (a stale dirty mark): read from the store,
+    /// never through the region.
+    pub pushes_from_store: u64,
 }
 
 /// What [`Region::take_dirty`](crate::Region::take_dirty) found: the pages written since the

@@ -135,6 +135,11 @@ fn no_write_lost(seed: u64, limits: &[u8], push: Option<Duration>) {
         "the region's memory differs from the model"
     );
     assert_eq!(stats.poisoned_pages, 0);
+    let paging = region.stats().paging.unwrap();
+    assert_eq!(
+        paging.recovered, 0,
+        "an active chunk's pages turned up in its staging slot: {paging:?}"
+    );
     drop(region);
 }
 
