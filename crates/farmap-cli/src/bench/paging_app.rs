@@ -507,7 +507,7 @@ impl App {
                 } else {
                     per
                 };
-                let mut rng = SmallRng::seed_from_u64(config.seed ^ (t as u64 + 1) * 0x9e37);
+                let mut rng = SmallRng::seed_from_u64(config.seed ^ ((t as u64 + 1) * 0x9e37));
                 let gen = PageGen::new(config.pattern, pages, &mut rng);
                 Worker {
                     first,

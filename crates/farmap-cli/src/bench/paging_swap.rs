@@ -197,12 +197,12 @@ fn clean_leftovers(cgroup_parent: &Path) {
                         .any(|l| l.split_whitespace().next() == Some(dev))
                     {
                         if let Err(err) = cmd_timeout("swapoff", &[dev], SWAPOFF_TIMEOUT) {
-                            warn(format!("{dev}"), err);
+                            warn(dev.to_string(), err);
                             continue;
                         }
                     }
                     if let Err(err) = cmd("losetup", &["-d", dev]) {
-                        warn(format!("{dev}"), err);
+                        warn(dev.to_string(), err);
                     }
                 }
             }
