@@ -1,7 +1,7 @@
 //! `farmap bench paging`: a self-checking application in a bounded farmap region, against
 //! the same application swapping under the kernel, in the same run (issue 16).
 //!
-//! The application ([`paging_app`](super::paging_app)) touches one page per access
+//! The application (`paging_app.rs`) touches one page per access
 //! (`--pattern seq|uniform|zipf`, `--writes` percent of them writes, `--threads` threads,
 //! `--accesses` in all or `--runtime` each), predicts and checks every word it reads, and
 //! times each access alone; it reports the percentiles of *faulting* accesses (the page
@@ -17,7 +17,7 @@
 //!   faults in the timed phase; `evictions_*` are the pager's counters over it.
 //! - `kernel-swap` (root): the same application as a plain process (`farmap __paging-app`)
 //!   in a cgroup v1 memory limit of `local%` of the size plus its own measured overhead,
-//!   swapping to a loop device over a file in RAM ([`paging_swap`](super::paging_swap) says
+//!   swapping to a loop device over a file in RAM (`paging_swap.rs` says
 //!   how it is set up and torn down). `faults` is the child's minor + major page faults in
 //!   the timed phase (`majflt` and `minflt` are given too), `evictions_reactive` the
 //!   system's `pswpout` over it (the limit's reclaim runs in the charging task: all of it is
@@ -135,7 +135,7 @@ pub struct PagingArgs {
     /// kernel baseline's memory limit (plus the process's own overhead).
     #[arg(long, value_delimiter = ',', default_value = "30%", value_parser = parse_percent)]
     local: Vec<f64>,
-    /// farmap's prefetch: off, or seq[:MAX] (sequential window doubling up to MAX chunks).
+    /// farmap's prefetch: `off`, or `seq[:MAX]` (a sequential window doubling up to MAX chunks).
     #[arg(long, default_value = "off", value_parser = parse_prefetch)]
     prefetch: Prefetch,
     /// Application threads (each touches its own block of pages).
