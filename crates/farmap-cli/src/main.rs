@@ -125,6 +125,10 @@ enum Command {
     /// `farmap mount --ublk STORE`).
     #[command(name = "__mount-ublk", hide = true)]
     MountUblk(mount_ublk::MountUblkArgs),
+    /// The application of `farmap bench paging` as a plain process, for its kernel-swap
+    /// baseline (internal).
+    #[command(name = "__paging-app", hide = true)]
+    PagingApp(bench::PagingAppArgs),
 }
 
 fn main() -> ExitCode {
@@ -165,6 +169,7 @@ fn main() -> ExitCode {
             }
             Command::DemoNode(args) => demo::node(args).await,
             Command::Guest(args) => guest::run(args),
+            Command::PagingApp(args) => bench::paging_app(args),
             Command::MountUblk(args) => mount_ublk::run_args(args).await,
             Command::Mount(args) => mount::run(args).await,
             Command::Umount(args) => mount::umount(args).await,

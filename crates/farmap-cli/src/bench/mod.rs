@@ -10,6 +10,9 @@ mod fuse;
 mod mirror;
 mod nbd;
 mod net;
+mod paging;
+mod paging_app;
+mod paging_swap;
 mod proxy;
 mod pull;
 mod push;
@@ -57,7 +60,15 @@ pub enum BenchCommand {
     /// store as the reference in the same run: direct reads, managed reads (Cached +
     /// Puller) and random 4 KiB reads (p50/p99).
     Stores(stores::StoresArgs),
+    /// A self-checking application (`--pattern seq|uniform|zipf`) in a farmap region bounded
+    /// to `--local` percent of its size, against the same application swapping under the
+    /// kernel (a cgroup v1 memory limit, swap on a loop device over a file in RAM; needs
+    /// root) in the same run: percentiles of faulting accesses, runtime against an unlimited
+    /// run, faults, evictions, prefetch.
+    Paging(paging::PagingArgs),
 }
+
+pub use paging_app::{run_child as paging_app, AppArgs as PagingAppArgs};
 
 pub async fn run(cmd: BenchCommand) -> anyhow::Result<ExitCode> {
     match cmd {
@@ -70,6 +81,7 @@ pub async fn run(cmd: BenchCommand) -> anyhow::Result<ExitCode> {
         BenchCommand::Proxy(args) => proxy::run(args).await,
         BenchCommand::Stores(args) => stores::run(args).await,
         BenchCommand::Fuse(args) => fuse::run(args).await,
+        BenchCommand::Paging(args) => paging::run(args).await,
     }
 }
 

@@ -2,6 +2,8 @@
 //!
 //! The one file of the CLI with `unsafe` code: its own mapping (mmap, munmap), registering
 //! it with a userfaultfd, unregistering it, and the volatile view of it the touch loops use.
+//! Its plain anonymous mapping ([`AnonMapping`]) is also the memory of `farmap bench
+//! paging`'s kernel-swap application (`paging_app.rs`).
 //!
 //! A [`Baseline`] uses nothing of farmap's pipeline — no store, no stages, no chunk map, no
 //! async runtime. It maps an anonymous region, registers it with a fresh userfaultfd and
@@ -387,16 +389,18 @@ pub fn spread_pages(npages: usize, percent: u32) -> Vec<usize> {
         .collect()
 }
 
-/// An anonymous private mapping of the baseline's own, unmapped on drop.
+/// An anonymous private mapping of the baseline's own (and of `farmap bench paging`'s
+/// kernel-swap application), unmapped on drop.
 #[derive(Debug)]
-struct Mapping {
+pub struct AnonMapping {
     /// The first byte (an address, so that the handler thread may share the value).
     addr: usize,
     len: usize,
 }
 
-impl Mapping {
-    fn new(len: usize) -> io::Result<Mapping> {
+impl AnonMapping {
+    /// A fresh mapping of `len` bytes (its pages appear on first touch).
+    pub fn new(len: usize) -> io::Result<AnonMapping> {
         // SAFETY: a fresh anonymous mapping at an address the kernel picks: no existing memory
         // is touched.
         let p = unsafe {
@@ -407,7 +411,7 @@ impl Mapping {
                 MapFlags::PRIVATE | MapFlags::NORESERVE,
             )
         }?;
-        Ok(Mapping {
+        Ok(AnonMapping {
             addr: p as usize,
             len,
         })
@@ -416,12 +420,21 @@ impl Mapping {
     fn addr(&self) -> usize {
         self.addr
     }
+
+    /// The memory, as a volatile slice borrowed from `self`.
+    pub fn slice(&self) -> RegionSlice<'_> {
+        let ptr = NonNull::new(self.addr as *mut u8).expect("mmap never maps at 0");
+        // SAFETY: the mapping stays mapped while `self` is borrowed (it is unmapped only when
+        // `self` drops), and no Rust reference into it is ever made: this file and
+        // `paging_app.rs` reach it only through volatile `RegionSlice` accesses.
+        unsafe { RegionSlice::new(ptr, self.len) }
+    }
 }
 
-impl Drop for Mapping {
+impl Drop for AnonMapping {
     fn drop(&mut self) {
-        // SAFETY: our own mapping, unmapped once; every `RegionSlice` of it borrows the
-        // `Registered` that owns this value, so none outlives it.
+        // SAFETY: our own mapping, unmapped once; every `RegionSlice` of it borrows this
+        // value (or the `Registered` that owns it), so none outlives it.
         let _ = unsafe { mm::munmap(self.addr as *mut std::ffi::c_void, self.len) };
     }
 }
@@ -431,13 +444,13 @@ impl Drop for Mapping {
 struct Registered {
     /// Declared first, so dropped first: the memory is unmapped before its userfaultfd is
     /// closed (as the region does), never left registered to nobody.
-    mapping: Mapping,
+    mapping: AnonMapping,
     range: UffdRange,
 }
 
 impl Registered {
     fn new(len: usize, mode: BaselineMode) -> Result<Self, BaselineError> {
-        let mapping = Mapping::new(len).map_err(sys_err("mapping the region"))?;
+        let mapping = AnonMapping::new(len).map_err(sys_err("mapping the region"))?;
         let uffd = Uffd::open(mode.features()).map_err(sys_err("opening a userfaultfd"))?;
         // SAFETY: the mapping is ours, anonymous, private and page-aligned (mmap), and no Rust
         // reference ever covers its memory: it is only reached through `slice()`, whose
@@ -450,10 +463,7 @@ impl Registered {
 
     /// The memory, as a volatile slice borrowed from `self`.
     fn slice(&self) -> RegionSlice<'_> {
-        let ptr = NonNull::new(self.mapping.addr as *mut u8).expect("mmap never maps at 0");
-        // SAFETY: the mapping stays mapped while `self` is borrowed (it is unmapped only when
-        // `self` drops), and this file never makes a reference into it.
-        unsafe { RegionSlice::new(ptr, self.mapping.len) }
+        self.mapping.slice()
     }
 
     /// Unregisters the whole region: blocked touches wake up, missing pages read as zeros.
