@@ -104,7 +104,7 @@ fn race_once(tracking: WriteTracking, background: Option<Duration>) {
     };
     let region = Region::open(store.clone(), opts).unwrap();
     let stop = AtomicBool::new(false);
-    let (writes, models, rounds, pushed) = std::thread::scope(|scope| {
+    let (writes, models, rounds, pushed, taken) = std::thread::scope(|scope| {
         let writers: Vec<_> = (0..WRITERS)
             .map(|t| {
                 let (region, stop) = (&region, &stop);
@@ -114,11 +114,13 @@ fn race_once(tracking: WriteTracking, background: Option<Duration>) {
         let started = Instant::now();
         let mut rounds = 0;
         let mut pushed = 0;
+        let mut taken = std::collections::BTreeSet::new();
         while started.elapsed() < Duration::from_millis(700) {
             let dirty = region.take_dirty().unwrap();
             for idx in dirty.chunks {
                 let data = region.read_chunk(idx).unwrap();
                 block_on(store.write(idx, data)).unwrap();
+                taken.insert(idx);
                 pushed += 1;
             }
             if rounds % 16 == 0 {
@@ -134,9 +136,18 @@ fn race_once(tracking: WriteTracking, background: Option<Duration>) {
             writes += n;
             models.push(model);
         }
-        (writes, models, rounds, pushed)
+        (writes, models, rounds, pushed, taken)
     });
     region.sync().unwrap();
+    // The chunks `take_dirty` returned are this loop's to push, and with the background
+    // pusher on, its write of a chunk can land after the pusher's write of a newer copy (the
+    // pusher took the chunk again after a later write). As an owner must, write the final
+    // contents of every chunk it took once the writers are done and the pusher is idle.
+    // (Without the pusher nothing else writes the store: no second chance is given there.)
+    for idx in taken.into_iter().filter(|_| background.is_some()) {
+        let data = region.read_chunk(idx).unwrap();
+        block_on(store.write(idx, data)).unwrap();
+    }
     let mut expected = pattern_bytes(9, 0, 4 << 20);
     for model in &models {
         for (off, word) in model {
