@@ -580,21 +580,10 @@ impl FrameDecoder {
         if buf.len() < 4 {
             return Ok(None);
         }
-        let rest = u32::from_be_bytes([buf[0], buf[1], buf[2], buf[3]]);
-        let total = 4 + u64::from(rest);
-        if total > u64::from(self.limits.max_frame) {
-            return Err(WireError::FrameTooLarge {
-                len: total,
-                max: self.limits.max_frame,
-            });
-        }
-        if (rest as usize) < HEADER_LEN - 4 {
-            return Err(WireError::FrameTooShort { len: rest });
-        }
+        let total = self.frame_len([buf[0], buf[1], buf[2], buf[3]])?;
         if buf.len() >= 5 {
             op_name(buf[4])?;
         }
-        let total = total as usize;
         if buf.len() < total {
             buf.reserve(total - buf.len());
             return Ok(None);
@@ -613,7 +602,21 @@ impl FrameDecoder {
                 len: frame.len() as u32,
             });
         }
-        let rest = u32::from_be_bytes([frame[0], frame[1], frame[2], frame[3]]);
+        let total = self.frame_len([frame[0], frame[1], frame[2], frame[3]])?;
+        if total != frame.len() {
+            return Err(WireError::BodyLength {
+                op: "buffered frame",
+                len: frame.len(),
+                expected: total,
+            });
+        }
+        self.decode_frame(frame, false)
+    }
+
+    /// The whole frame's length (prefix included) that the length prefix `prefix` gives,
+    /// checked against the limits and the header's size.
+    fn frame_len(&self, prefix: [u8; 4]) -> Result<usize, WireError> {
+        let rest = u32::from_be_bytes(prefix);
         let total = 4 + u64::from(rest);
         if total > u64::from(self.limits.max_frame) {
             return Err(WireError::FrameTooLarge {
@@ -624,14 +627,7 @@ impl FrameDecoder {
         if (rest as usize) < HEADER_LEN - 4 {
             return Err(WireError::FrameTooShort { len: rest });
         }
-        if total != frame.len() as u64 {
-            return Err(WireError::BodyLength {
-                op: "buffered frame",
-                len: frame.len(),
-                expected: total as usize,
-            });
-        }
-        self.decode_frame(frame, false)
+        Ok(total as usize)
     }
 
     /// Decodes one whole frame (length prefix included, already checked); `copy`: payloads

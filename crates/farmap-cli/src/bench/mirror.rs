@@ -103,19 +103,59 @@ impl MirrorArgs {
     }
 }
 
-/// Minor page faults of this process so far (`/proc/self/stat`), 0 where unreadable: the
-/// result lines report those of the timed phase, since fresh memory faulted in can cost more
-/// than the case measured.
+/// Minor page faults of this process so far, 0 where unreadable: the result lines report
+/// those of the timed phase, since fresh memory faulted in can cost more than the case
+/// measured.
 pub fn minor_faults() -> u64 {
-    std::fs::read_to_string("/proc/self/stat")
-        .ok()
-        .and_then(|s| {
-            // The fields after the command name (in parentheses, which may hold spaces):
-            // state is field 3, minflt field 10.
-            let rest = &s[s.rfind(')')? + 1..];
-            rest.split_whitespace().nth(7)?.parse().ok()
-        })
-        .unwrap_or(0)
+    super::self_faults().map_or(0, |f| f.minor)
+}
+
+/// The cases of a benchmark's runs: the mirror's cost for each mirrored case against the
+/// unmirrored case measured just before it (each run measures unmirrored first), and the
+/// medians of all runs at the end.
+#[derive(Debug, Default)]
+pub struct MirrorTally {
+    unmirrored: Option<f64>,
+    measured: Vec<(bool, f64)>,
+}
+
+impl MirrorTally {
+    /// Records a case's throughput; returns the cost of the mirror for a mirrored case.
+    pub fn record(&mut self, case: Option<MirrorPolicy>, mb_per_s: f64) -> Option<f64> {
+        self.measured.push((case.is_some(), mb_per_s));
+        match case {
+            None => {
+                self.unmirrored = Some(mb_per_s);
+                None
+            }
+            Some(_) => self.unmirrored.map(|u| cost(u, mb_per_s)),
+        }
+    }
+
+    /// Prints the summary line of `bench` (nothing without `--mirror-delay`).
+    pub fn finish(
+        &self,
+        bench: &'static str,
+        args: &MirrorArgs,
+        runs: u32,
+        json: bool,
+    ) -> anyhow::Result<()> {
+        if let Some(summary) = MirrorSummary::new(bench, args, runs, &self.measured) {
+            if json {
+                crate::output::json_line(&summary)?;
+            } else {
+                summary.print();
+            }
+        }
+        Ok(())
+    }
+}
+
+/// `, mirror cost N%` for a human result line; empty without a cost.
+pub fn cost_suffix(cost: Option<f64>) -> String {
+    cost.map_or(String::new(), |c| {
+        format!(", mirror cost {:.1}%", c * 100.0)
+    })
 }
 
 /// `none`, `both` or `primary-first`.

@@ -103,6 +103,36 @@ pub fn measure_memcpy(src: &[u8], chunk: usize) -> f64 {
     n as f64 / best / 1e6
 }
 
+/// Page faults of this process so far.
+#[derive(Debug, Clone, Copy)]
+pub struct SelfFaults {
+    pub minor: u64,
+    pub major: u64,
+}
+
+/// Reads this process's page faults from `/proc/self/stat`.
+pub fn self_faults() -> anyhow::Result<SelfFaults> {
+    use anyhow::Context;
+    let stat = std::fs::read_to_string("/proc/self/stat").context("reading /proc/self/stat")?;
+    // The fields after the command name (which may hold spaces) start after the last ')'.
+    let after = stat
+        .rsplit_once(')')
+        .map(|(_, rest)| rest)
+        .context("/proc/self/stat has no ')'")?;
+    let fields: Vec<&str> = after.split_whitespace().collect();
+    // state(3) ppid pgrp session tty_nr tpgid flags minflt(10) cminflt majflt(12)
+    let field = |n: usize| -> anyhow::Result<u64> {
+        fields
+            .get(n - 3)
+            .and_then(|f| f.parse().ok())
+            .with_context(|| format!("field {n} of /proc/self/stat"))
+    };
+    Ok(SelfFaults {
+        minor: field(10)?,
+        major: field(12)?,
+    })
+}
+
 /// Parses a duration flag for clap: a number and a unit (`10ms`, `250us`, `1.5s`, `2m`), one
 /// parser for every flag ([`farmap::parse_duration`]: a bare number is refused), at most a day.
 pub fn parse_duration(s: &str) -> Result<Duration, String> {

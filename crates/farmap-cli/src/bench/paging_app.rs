@@ -324,20 +324,7 @@ pub struct KernelCounters {
 impl KernelCounters {
     /// The counters now (absolute).
     pub fn now() -> anyhow::Result<KernelCounters> {
-        let stat = std::fs::read_to_string("/proc/self/stat").context("reading /proc/self/stat")?;
-        // The fields after the command name (which may hold spaces) start after the last ')'.
-        let after = stat
-            .rsplit_once(')')
-            .map(|(_, rest)| rest)
-            .context("/proc/self/stat has no ')'")?;
-        let fields: Vec<&str> = after.split_whitespace().collect();
-        // state(3) ppid pgrp session tty_nr tpgid flags minflt(10) cminflt majflt(12)
-        let field = |n: usize| -> anyhow::Result<u64> {
-            fields
-                .get(n - 3)
-                .and_then(|f| f.parse().ok())
-                .with_context(|| format!("field {n} of /proc/self/stat"))
-        };
+        let faults = super::self_faults()?;
         let vmstat = std::fs::read_to_string("/proc/vmstat").context("reading /proc/vmstat")?;
         let vm = |key: &str| -> u64 {
             vmstat
@@ -346,8 +333,8 @@ impl KernelCounters {
                 .unwrap_or(0)
         };
         Ok(KernelCounters {
-            minflt: field(10)?,
-            majflt: field(12)?,
+            minflt: faults.minor,
+            majflt: faults.major,
             pswpout: vm("pswpout"),
             swap_ra: vm("swap_ra"),
             swap_ra_hit: vm("swap_ra_hit"),

@@ -28,7 +28,7 @@ use farmap::{format_size, open_store_async, Store, StoreSpec};
 use rand::{RngCore, SeedableRng};
 use serde::Serialize;
 
-use super::mirror::{self, MirrorArgs, MirrorSummary};
+use super::mirror::{self, MirrorArgs, MirrorTally};
 use super::{measure_memcpy, parse_duration, parse_size_arg, set_chunk};
 use crate::output;
 
@@ -136,9 +136,8 @@ pub async fn run(mut args: PullArgs) -> anyhow::Result<ExitCode> {
         memcpy
     };
 
-    let mut measured = Vec::new();
+    let mut tally = MirrorTally::default();
     for run in 1..=args.runs {
-        let mut unmirrored = None;
         // The local stores of a finished case stay alive until the run ends, so that the
         // next case does not reuse the memory they would free.
         let mut keep = Vec::new();
@@ -203,7 +202,7 @@ pub async fn run(mut args: PullArgs) -> anyhow::Result<ExitCode> {
             }
             let progress = puller.progress();
             let mb = output::mb_per_s(g.size(), elapsed);
-            measured.push((case.is_some(), mb));
+            let mirror_cost = tally.record(case, mb);
             let result = PullResult {
                 bench: "pull",
                 case: if case.is_some() {
@@ -225,17 +224,11 @@ pub async fn run(mut args: PullArgs) -> anyhow::Result<ExitCode> {
                 page_faults: faults,
                 ideal_mb_per_s: output::round1(ideal),
                 ratio_to_ideal: (mb / ideal * 1000.0).round() / 1000.0,
-                mirror_cost: match (case, unmirrored) {
-                    (Some(_), Some(u)) => Some(mirror::cost(u, mb)),
-                    _ => None,
-                },
+                mirror_cost,
                 chunks: g.chunk_count(),
                 failed_chunks: progress.failed_chunks,
                 verified,
             };
-            if case.is_none() {
-                unmirrored = Some(mb);
-            }
             if args.json {
                 output::json_line(&result)?;
             } else {
@@ -251,9 +244,7 @@ pub async fn run(mut args: PullArgs) -> anyhow::Result<ExitCode> {
                     result.ratio_to_ideal,
                     result.ideal_mb_per_s,
                     result.memcpy_mb_per_s,
-                    result
-                        .mirror_cost
-                        .map_or(String::new(), |c| format!(", mirror cost {:.1}%", c * 100.0)),
+                    mirror::cost_suffix(result.mirror_cost),
                     if verified { ", verified" } else { ", VERIFICATION FAILED" }
                 );
             }
@@ -264,12 +255,6 @@ pub async fn run(mut args: PullArgs) -> anyhow::Result<ExitCode> {
         }
         drop(keep);
     }
-    if let Some(summary) = MirrorSummary::new("pull", &args.mirror, args.runs, &measured) {
-        if args.json {
-            output::json_line(&summary)?;
-        } else {
-            summary.print();
-        }
-    }
+    tally.finish("pull", &args.mirror, args.runs, args.json)?;
     Ok(ExitCode::SUCCESS)
 }

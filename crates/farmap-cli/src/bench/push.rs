@@ -36,7 +36,7 @@ use futures::StreamExt;
 use rand::{RngCore, SeedableRng};
 use serde::Serialize;
 
-use super::mirror::{self, MirrorArgs, MirrorSummary};
+use super::mirror::{self, MirrorArgs, MirrorTally};
 use super::{measure_memcpy, parse_duration, parse_size_arg, set_chunk};
 use crate::output;
 
@@ -128,9 +128,8 @@ pub async fn run(mut args: PushArgs) -> anyhow::Result<ExitCode> {
     // region's size again. With the heap settings made at start (no trimming), the memory
     // faulted in by a first, unreported run of the unmirrored case is reused by every case,
     // instead of being faulted in anew by some cases and not others.
-    let mut measured = Vec::new();
+    let mut tally = MirrorTally::default();
     for run in 0..=args.runs {
-        let mut unmirrored = None;
         let cases = if run == 0 {
             vec![None]
         } else {
@@ -193,7 +192,7 @@ pub async fn run(mut args: PushArgs) -> anyhow::Result<ExitCode> {
                 }
                 continue;
             }
-            measured.push((case.is_some(), mb));
+            let mirror_cost = tally.record(case, mb);
             let result = PushResult {
                 bench: "push",
                 case: "pusher",
@@ -207,18 +206,12 @@ pub async fn run(mut args: PushArgs) -> anyhow::Result<ExitCode> {
                 run,
                 elapsed_ms: output::round1(elapsed.as_secs_f64() * 1e3),
                 mb_per_s: mb,
-                mirror_cost: match (case, unmirrored) {
-                    (Some(_), Some(u)) => Some(mirror::cost(u, mb)),
-                    _ => None,
-                },
+                mirror_cost,
                 memcpy_mb_per_s: output::round1(memcpy),
                 page_faults: faults,
                 chunks: g.chunk_count(),
                 verified,
             };
-            if case.is_none() {
-                unmirrored = Some(mb);
-            }
             if args.json {
                 output::json_line(&result)?;
             } else {
@@ -231,9 +224,7 @@ pub async fn run(mut args: PushArgs) -> anyhow::Result<ExitCode> {
                     result.mirror,
                     result.mb_per_s,
                     result.elapsed_ms,
-                    result
-                        .mirror_cost
-                        .map_or(String::new(), |c| format!(", mirror cost {:.1}%", c * 100.0)),
+                    mirror::cost_suffix(result.mirror_cost),
                     result.memcpy_mb_per_s,
                     if verified { ", verified" } else { ", VERIFICATION FAILED" }
                 );
@@ -243,13 +234,7 @@ pub async fn run(mut args: PushArgs) -> anyhow::Result<ExitCode> {
             }
         }
     }
-    if let Some(summary) = MirrorSummary::new("push", &args.mirror, args.runs, &measured) {
-        if args.json {
-            output::json_line(&summary)?;
-        } else {
-            summary.print();
-        }
-    }
+    tally.finish("push", &args.mirror, args.runs, args.json)?;
     Ok(ExitCode::SUCCESS)
 }
 
