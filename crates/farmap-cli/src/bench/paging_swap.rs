@@ -361,7 +361,12 @@ impl SwapEnv {
         let mut oom_kills = 0;
         loop {
             let before = self.oom_kills();
-            match self.run_once(config, local) {
+            let result = self.run_once(config, local);
+            if result.is_err() {
+                // Ctrl-C reaches the child too: say so rather than guess at a cause.
+                super::paging::interrupted()?;
+            }
+            match result {
                 Ok((report, limit)) => {
                     return Ok(KernelRun {
                         report,
