@@ -229,6 +229,44 @@ impl<S: Store, R: Store> Shared<S, R> {
         first_error.into_inner()
     }
 
+    /// Pushes `chunks` (and nothing else), then flushes the remote. The caller holds the
+    /// write guard of `gate`. Their dirty marks are cleared first and set again for every
+    /// chunk whose push fails (or if this future is dropped part way).
+    async fn push_chunks(&self, chunks: &[ChunkIdx]) -> StoreResult<()> {
+        let dirty = self.tracked.dirty();
+        for &idx in chunks {
+            dirty.clear(idx);
+        }
+        let mut taken = Taken {
+            dirty,
+            chunks: chunks.to_vec(),
+            armed: true,
+        };
+        let first_error = Mutex::new(None);
+        futures::stream::iter(chunks.iter().copied())
+            .for_each_concurrent(self.workers, |idx| {
+                let first_error = &first_error;
+                async move {
+                    if let Err(e) = self.push_one(idx).await {
+                        dirty.mark(idx);
+                        self.failed_pushes.fetch_add(1, Ordering::Relaxed);
+                        *self.last_error.lock() = Some(e.to_owned_lossy().to_string());
+                        first_error.lock().get_or_insert(e);
+                    }
+                }
+            })
+            .await;
+        taken.armed = false;
+        if let Some(e) = first_error.into_inner() {
+            return Err(e);
+        }
+        retry(self.policy, || self.remote.flush())
+            .await
+            .map_err(|e| {
+                StoreError::new(e.kind(), "flushing the remote store after a push").with_source(e)
+            })
+    }
+
     async fn background_round(&self) {
         let _round = self.gate.read().await;
         // Errors are recorded in the stats and the chunks stay dirty: the next round or
@@ -356,6 +394,25 @@ impl<S: Store, R: Store> Pusher<S, R> {
         if self.shared.tracked.geometry().contains(idx) {
             self.shared.tracked.dirty().mark(idx);
         }
+    }
+
+    /// Writes back `chunks` now, whether marked dirty or not, and only them: for a caller
+    /// about to drop its local copies (a bounded region's reclaim), for which a whole
+    /// [`flush`](Store::flush) would also push every other dirty chunk.
+    ///
+    /// Ordered like a flush: it waits for the background round in flight and holds off new
+    /// ones, so no push of an older copy of one of these chunks can land after it. Their
+    /// dirty marks are cleared before their pushes read them (a write meanwhile marks the
+    /// chunk again, for the next round). `Ok` means each chunk's content as read by its push
+    /// is in the remote, and the remote is flushed; on an error the chunks that failed are
+    /// marked dirty again and the first error is returned.
+    pub async fn write_back(&self, chunks: &[ChunkIdx]) -> StoreResult<()> {
+        let g = self.shared.tracked.geometry();
+        for &idx in chunks {
+            g.check_idx(idx)?;
+        }
+        let _exclusive = self.shared.gate.write().await;
+        self.shared.push_chunks(chunks).await
     }
 
     /// Number of chunks written and not yet taken for a push.
@@ -527,6 +584,65 @@ mod tests {
         assert_eq!(pusher.dirty_count(), 1);
         pusher.flush().await.unwrap();
         assert_eq!(remote.read(ChunkIdx(4)).await.unwrap(), chunk(9));
+    }
+
+    #[tokio::test]
+    async fn write_back_pushes_only_the_chunks_named() {
+        let g = geometry();
+        let remote = Arc::new(ModelStore::new(g));
+        let p = Pusher::new(ModelStore::new(g), remote.clone(), manual()).unwrap();
+        for i in 0..4 {
+            p.write(ChunkIdx(i), chunk(i as u8 + 1)).await.unwrap();
+        }
+        // Not marked dirty at all: written back all the same.
+        p.inner().write(ChunkIdx(7), chunk(70)).await.unwrap();
+        p.write_back(&[ChunkIdx(1), ChunkIdx(7)]).await.unwrap();
+        assert_eq!(remote.read(ChunkIdx(1)).await.unwrap(), chunk(2));
+        assert_eq!(remote.read(ChunkIdx(7)).await.unwrap(), chunk(70));
+        assert_eq!(
+            remote.read(ChunkIdx(0)).await.unwrap(),
+            Bytes::from(vec![0u8; 4096]),
+            "a chunk not named stays unpushed"
+        );
+        assert_eq!(
+            p.dirty_count(),
+            3,
+            "the others stay dirty, the named one is clean"
+        );
+        assert_eq!(p.stats().pushed_chunks, 2);
+        let err = p
+            .write_back(&[ChunkIdx(2), ChunkIdx(32)])
+            .await
+            .unwrap_err();
+        assert_eq!(err.kind(), ErrorKind::OutOfRange);
+        assert_eq!(p.stats().pushed_chunks, 2, "nothing pushed on bad input");
+        assert_eq!(p.dirty_count(), 3);
+        p.flush().await.unwrap();
+        assert_eq!(remote.snapshot(), p.inner().snapshot());
+    }
+
+    #[tokio::test]
+    async fn a_failed_write_back_leaves_the_chunk_dirty() {
+        let g = geometry();
+        let failing = Arc::new(AtomicBool::new(true));
+        let f = failing.clone();
+        let remote = Arc::new(Hooked::new(ModelStore::new(g), move |op, _| {
+            let fail = op == Op::Write && f.load(Ordering::SeqCst);
+            Box::pin(async move {
+                if fail {
+                    Err(StoreError::new(ErrorKind::InvalidInput, "refused"))
+                } else {
+                    Ok(())
+                }
+            })
+        }));
+        let p = Pusher::new(ModelStore::new(g), remote.clone(), manual()).unwrap();
+        p.inner().write(ChunkIdx(5), chunk(5)).await.unwrap();
+        p.write_back(&[ChunkIdx(5)]).await.unwrap_err();
+        assert_eq!(p.dirty_count(), 1, "marked dirty again for the next round");
+        failing.store(false, Ordering::SeqCst);
+        p.flush().await.unwrap();
+        assert_eq!(remote.inner.read(ChunkIdx(5)).await.unwrap(), chunk(5));
     }
 
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -21,7 +21,8 @@ use crate::stats::Counters;
 use crate::uffd::{InstallError, UffdRange};
 
 /// How long a copy waits for the handler to read a pending event before trying again (the
-/// remover may take a moment to finish after its event was read).
+/// remover may take a moment to finish after its event was read: copies fail until it has
+/// returned; the pager's own discards bump the generation again once they return).
 const EVENT_RETRY: Duration = Duration::from_millis(1);
 
 /// A generation counter the handler bumps after reading events, for copies that must wait

@@ -7,8 +7,8 @@
 //!     ▲                                         ▲  (region → staging slot, marked     │
 //!     │                                         │   dirty for the pusher)            │
 //!     │                                         └──fault: UFFDIO_MOVE back, re-protect┘
-//!     └────── drop (MADV_DONTNEED of the slot), only after a pusher flush that began
-//!             after the chunk was staged succeeded: its staged content is in the store
+//!     └────── drop (MADV_DONTNEED of the slot), only after a write-back of the chunk
+//!             that began after it was staged succeeded: its staged content is in the store
 //! ```
 //! - *zero*: never written (a fresh region, [`PagingOptions::fresh`](crate::PagingOptions)):
 //!   the first touch maps the shared zero page with `UFFDIO_ZEROPAGE` and reads nothing from
@@ -25,9 +25,12 @@
 //! Resident = active + staged (+ fetches in flight + slots being dropped). A fault admits a
 //! new chunk only below the limit; at the limit it reclaims synchronously (a *reactive*
 //! eviction) and, if nothing can be reclaimed (everything resident is being fetched), it may
-//! go over by at most `min_free` chunks. The reclaim thread keeps `min_free` chunks free
-//! ahead of faults (*proactive* evictions). Resident memory therefore stays ≤ limit +
-//! `min_free`; after the limit is lowered, reclaim brings it down at once.
+//! go over by at most `min_free` chunks. A fault that finds a reclaim pass already running
+//! does not queue behind it: it is woken as soon as the pass frees a chunk. The reclaim
+//! thread keeps chunks free ahead of faults (*proactive* evictions), between two watermarks:
+//! once fewer than `min_free / 2` are free it frees up to `min_free`, in one batch (one
+//! write-back, one `madvise`). Resident memory therefore stays ≤ limit + `min_free`; after
+//! the limit is lowered, reclaim brings it down at once.
 //!
 //! # Why every staged chunk is written back before its copy is dropped
 //! `UFFDIO_MOVE` does not carry the uffd-wp bit (measured on this kernel: after moving 16
@@ -35,9 +38,11 @@
 //! the destination), and a write can land between a scan of the chunk and its move. So the
 //! staged content cannot be proven clean: the pager marks each staged chunk dirty in the
 //! region's pusher (under the pager's lock, so that a flush that starts after the staging
-//! sees the mark) and drops its slot only after a pusher flush that started after the
-//! staging succeeded. The pusher reads staged chunks out of the staging slot (no fault, no
-//! move back; see below), and rounds and flushes are ordered, so a stale push of older content can
+//! sees the mark) and drops its slot only after a write-back of that chunk that started after
+//! the staging succeeded. A write-back ([`Pusher::write_back`](farmap_pipeline::Pusher::write_back)) pushes just the victims, not
+//! every dirty chunk of the region as a flush would, and is ordered with the pusher's rounds
+//! and flushes like a flush is. The pusher reads staged chunks out of the staging slot (no fault, no
+//! move back; see below), and rounds, flushes and write-backs are ordered, so a stale push of older content can
 //! never land after the write-back. Nothing written is ever lost, whatever the limit does;
 //! the price is one chunk write per drop (clean chunks included).
 //!
@@ -47,7 +52,7 @@
 //!
 //! # Pushes never touch a page that can be missing
 //! A fault on a missing page of the region may have to wait for the pager: for room (a
-//! reclaim, which flushes the pusher), for a fetch, or for a move back. So nothing the pager
+//! reclaim, which writes back through the pusher), for a fetch, or for a move back. So nothing the pager
 //! waits for (a push, a flush, an eviction) may ever read the region where a page can be
 //! missing, or the wait goes round in a circle. The rule, enforced under the state lock by
 //! [`Pager::read_for_push`]: an active chunk is pinned (not deactivated) while a push reads it
@@ -91,15 +96,17 @@ use tokio::runtime::Handle;
 use tokio::sync::Notify;
 
 use crate::mapping::Mapping;
+use crate::memory::Events;
 use crate::pagemap::Pagemap;
 use crate::server::RegionCache;
 use crate::stats::Counters;
 use crate::sys;
 use crate::uffd::UffdRange;
 
-/// Flushes the region's pusher (set once the pusher exists).
-pub(crate) type FlushFn =
-    Box<dyn Fn() -> farmap_core::BoxFuture<'static, StoreResult<()>> + Send + Sync>;
+/// Writes back the given chunks through the region's pusher, ordered with its rounds and
+/// flushes ([`farmap_pipeline::Pusher::write_back`]; set once the pusher exists).
+pub(crate) type WriteBackFn =
+    Box<dyn Fn(Vec<ChunkIdx>) -> farmap_core::BoxFuture<'static, StoreResult<()>> + Send + Sync>;
 /// Marks a chunk dirty in the region's pusher.
 pub(crate) type MarkFn = Box<dyn Fn(ChunkIdx) + Send + Sync>;
 
@@ -123,7 +130,11 @@ struct State {
     chunk: Vec<St>,
     /// The staging slot holds pages (staged, or being dropped).
     slot_busy: Vec<bool>,
+    /// The epoch when the chunk was last staged.
     staged_epoch: Vec<u64>,
+    /// The epoch at the start of the chunk's last successful write-back: a staged chunk whose
+    /// `staged_epoch` is older is in the store, and its slot can be dropped.
+    written_back: Vec<u64>,
     referenced: Vec<bool>,
     /// Pushes reading the chunk out of the region now: it is not deactivated meanwhile.
     pins: Vec<u32>,
@@ -131,11 +142,8 @@ struct State {
     staged: VecDeque<u64>,
     /// Chunks counted against the limit.
     resident: u64,
-    /// Bumped when a flush starts.
+    /// Bumped when a write-back starts.
     epoch: u64,
-    /// The start epoch of the last successful flush: staged chunks with an older epoch are
-    /// in the store.
-    flushed: u64,
 }
 
 /// What a fault on a chunk must do, decided under the pager's lock.
@@ -192,6 +200,14 @@ pub(crate) enum PushRead {
 pub(crate) struct Pager {
     region: UffdRange,
     staging: UffdRange,
+    /// The staging area's tail, past the slots: dropped chunks' pages are moved here so that
+    /// one `madvise` frees a batch of them (see [`discard_slots`](Self::discard_slots)).
+    trash: Option<UffdRange>,
+    /// Where the trash starts in `staging_map`, and how many chunks it holds.
+    trash_offset: usize,
+    trash_chunks: usize,
+    /// Bumped after every discard, for copies waiting on `EAGAIN`.
+    events: Arc<Events>,
     staging_map: Arc<Mapping>,
     geometry: Geometry,
     pagemap: Pagemap,
@@ -200,9 +216,9 @@ pub(crate) struct Pager {
     min_free: AtomicU64,
     min_free_auto: bool,
     cache: OnceLock<Weak<RegionCache>>,
-    flush: OnceLock<FlushFn>,
+    write_back: OnceLock<WriteBackFn>,
     mark: OnceLock<MarkFn>,
-    /// Serializes reclaim passes (one flush at a time).
+    /// Serializes reclaim passes (one write-back at a time).
     reclaim_lock: tokio::sync::Mutex<()>,
     /// Signalled when resident memory goes down or the limit changes.
     changed: Notify,
@@ -220,6 +236,7 @@ impl Pager {
         region: UffdRange,
         staging: UffdRange,
         staging_map: Arc<Mapping>,
+        events: Arc<Events>,
         geometry: Geometry,
         limit: u64,
         min_free: Option<u64>,
@@ -228,9 +245,24 @@ impl Pager {
     ) -> std::io::Result<Pager> {
         let n = geometry.chunk_count() as usize;
         let limit = limit.max(1);
+        // The staging mapping's tail past the slots (see `trash_len`) is the trash.
+        let trash_offset = staging.len();
+        let trash_len = staging_map.len().saturating_sub(trash_offset);
+        let trash_chunks = trash_len / geometry.chunk_size() as usize;
+        let trash = (trash_chunks > 0).then(|| {
+            UffdRange::new(
+                staging.uffd().clone(),
+                staging.base() + trash_offset,
+                trash_len,
+            )
+        });
         Ok(Pager {
             region,
             staging,
+            trash,
+            trash_offset,
+            trash_chunks,
+            events,
             staging_map,
             geometry,
             pagemap: Pagemap::open_self()?,
@@ -238,19 +270,19 @@ impl Pager {
                 chunk: vec![if fresh { St::Zero } else { St::Remote }; n],
                 slot_busy: vec![false; n],
                 staged_epoch: vec![0; n],
+                written_back: vec![0; n],
                 referenced: vec![false; n],
                 pins: vec![0; n],
                 active: VecDeque::new(),
                 staged: VecDeque::new(),
                 resident: 0,
                 epoch: 0,
-                flushed: 0,
             }),
             limit: AtomicU64::new(limit),
             min_free: AtomicU64::new(min_free.unwrap_or_else(|| auto_min_free(limit))),
             min_free_auto: min_free.is_none(),
             cache: OnceLock::new(),
-            flush: OnceLock::new(),
+            write_back: OnceLock::new(),
             mark: OnceLock::new(),
             reclaim_lock: tokio::sync::Mutex::new(()),
             changed: Notify::new(),
@@ -263,9 +295,9 @@ impl Pager {
     }
 
     /// Connects the cache and the pusher (made after the pager).
-    pub fn connect(&self, cache: Weak<RegionCache>, flush: FlushFn, mark: MarkFn) {
+    pub fn connect(&self, cache: Weak<RegionCache>, write_back: WriteBackFn, mark: MarkFn) {
         let _ = self.cache.set(cache);
-        let _ = self.flush.set(flush);
+        let _ = self.write_back.set(write_back);
         let _ = self.mark.set(mark);
     }
 
@@ -285,6 +317,13 @@ impl Pager {
     /// Chunks kept free by proactive reclaim.
     pub fn min_free(&self) -> u64 {
         self.min_free.load(Ordering::Relaxed)
+    }
+
+    /// The free chunks below which the reclaim thread starts a pass (which frees up to
+    /// `min_free`): half of `min_free`, so that a pass drops a batch of chunks, with one
+    /// remove event, rather than one chunk each time a fault takes one.
+    fn low_water(&self) -> u64 {
+        self.min_free().div_ceil(2)
     }
 
     /// Changes the limit (in chunks, at least 1); reclaim brings resident memory under it.
@@ -347,7 +386,8 @@ impl Pager {
             .unwrap_or_default()
     }
 
-    /// Pages present in the region and in the staging area now, from the page tables.
+    /// Pages present in the region and in the staging area (slots and trash) now, from the
+    /// page tables.
     pub fn local_pages(&self) -> std::io::Result<(u64, u64)> {
         let ps = self.region.page_size();
         let count = |r: &UffdRange| -> std::io::Result<u64> {
@@ -359,7 +399,11 @@ impl Pager {
                 })?;
             Ok(n)
         };
-        Ok((count(&self.region)?, count(&self.staging)?))
+        let trash = match &self.trash {
+            Some(t) => count(t)?,
+            None => 0,
+        };
+        Ok((count(&self.region)?, count(&self.staging)? + trash))
     }
 
     /// `(resident, staged)` chunks now.
@@ -415,7 +459,7 @@ impl Pager {
                     self.tr(i, || format!("remote fault page {page:#x} -> fetch"));
                     st.chunk[i as usize] = St::Fetching { new: true, zero };
                     self.evict_from_cache(idx);
-                    if limit.saturating_sub(st.resident) < self.min_free() {
+                    if limit.saturating_sub(st.resident) < self.low_water() {
                         self.kick();
                     }
                     if zero {
@@ -470,17 +514,38 @@ impl Pager {
         off: usize,
         len: usize,
     ) -> Result<(), i32> {
+        self.move_present_to(from, off, to, off, len)
+    }
+
+    /// [`move_present`](Self::move_present) from `from_off` of `from` to `to_off` of `to`.
+    fn move_present_to(
+        &self,
+        from: &UffdRange,
+        from_off: usize,
+        to: &UffdRange,
+        to_off: usize,
+        len: usize,
+    ) -> Result<(), i32> {
         let base = from.base();
         let mut runs = Vec::new();
         let mut scratch = Vec::new();
         self.pagemap
-            .in_memory(base + off, base + off + len, &mut scratch, |run| {
-                runs.push((run.start - base, run.end - run.start))
-            })
+            .in_memory(
+                base + from_off,
+                base + from_off + len,
+                &mut scratch,
+                |run| runs.push((run.start - base, run.end - run.start)),
+            )
             .map_err(|e| e.raw_os_error().unwrap_or(libc::EIO))?;
         for (o, l) in runs {
-            from.move_to(o, to, o, l, sys::UFFDIO_MOVE_MODE_DONTWAKE)
-                .map_err(|(_, e)| e)?;
+            from.move_to(
+                o,
+                to,
+                to_off + (o - from_off),
+                l,
+                sys::UFFDIO_MOVE_MODE_DONTWAKE,
+            )
+            .map_err(|(_, e)| e)?;
         }
         Ok(())
     }
@@ -527,7 +592,7 @@ impl Pager {
     /// Decides, under the state lock, where a push reads chunk `idx` (`buf` is as long as
     /// the chunk). The rule that keeps pushes from deadlocking with faults: a push never
     /// touches a page of the region that can be missing. A fault on a missing page may have
-    /// to wait for room, room for a reclaim, and a reclaim for a flush of the pusher, which
+    /// to wait for room, room for a reclaim, and a reclaim for a write-back, which
     /// waits for this very push.
     /// - staged: copied out of its staging slot now (its pages cannot move while the lock
     ///   is held; a partly staged chunk has the rest of its pages moved into the slot
@@ -754,45 +819,37 @@ impl Pager {
         }
     }
 
-    /// Drops up to `n` staged chunks already in the store; returns how many.
-    fn drop_flushed(&self, n: u64, proactive: bool) -> u64 {
+    /// Drops up to `n` staged chunks already in the store (oldest first); returns how many.
+    fn drop_written_back(&self, n: u64, proactive: bool) -> u64 {
         let mut victims = Vec::new();
         {
             let mut st = self.state.lock();
-            while (victims.len() as u64) < n {
-                let Some(&i) = st.staged.front() else { break };
+            let st = &mut *st;
+            let (chunk, staged_epoch, written_back) =
+                (&mut st.chunk, &st.staged_epoch, &st.written_back);
+            st.staged.retain(|&i| {
                 let iu = i as usize;
-                if st.chunk[iu] != St::Staged {
-                    st.staged.pop_front();
-                    continue;
+                if chunk[iu] != St::Staged {
+                    return false;
                 }
-                if st.staged_epoch[iu] >= st.flushed {
-                    break;
+                if victims.len() as u64 >= n || staged_epoch[iu] >= written_back[iu] {
+                    return true;
                 }
-                st.staged.pop_front();
                 // Still resident (slot busy) until its pages are gone.
-                st.chunk[iu] = St::Remote;
-                self.tr(i, || {
-                    format!(
-                        "drop (staged {} < flushed {})",
-                        st.staged_epoch[iu], st.flushed
-                    )
-                });
+                chunk[iu] = St::Remote;
                 victims.push(i);
-            }
+                false
+            });
         }
-        for &i in &victims {
-            let (off, len) = self.chunk_span(i);
-            // Outside the lock: madvise waits for the reader to read its remove event.
-            let r = self.staging_map.discard(off, len);
-            self.tr(i, || format!("discarded {r:?}"));
-            if let Some(Err(e)) = r {
-                self.region_counters
-                    .error(format!("dropping staged chunk {i}: {e}"));
-            }
+        for group in victims.chunks(self.trash_chunks.max(1)) {
+            self.discard_slots(group);
             let mut st = self.state.lock();
-            st.slot_busy[i as usize] = false;
-            st.resident -= 1;
+            for &i in group {
+                st.slot_busy[i as usize] = false;
+            }
+            st.resident -= group.len() as u64;
+            drop(st);
+            self.changed.notify_waiters();
         }
         let n = victims.len() as u64;
         if n > 0 {
@@ -802,37 +859,104 @@ impl Pager {
                 &self.counters.evictions_reactive
             };
             Counters::add(c, n);
-            Counters::add(&self.counters.writebacks, n);
-            self.changed.notify_waiters();
         }
         n
     }
 
-    /// Flushes the pusher; on success every chunk staged before it started is droppable.
-    async fn flush(&self) -> StoreResult<()> {
-        let Some(flush) = self.flush.get() else {
+    /// Frees the staging slots of `victims` (at most `trash_chunks`; dropped chunks, their
+    /// slots busy, so nobody else moves their pages) with one `madvise`: their pages are
+    /// moved into the trash area first, so that one remove event covers them all. Each remove
+    /// event makes every copy into the region fail (`EAGAIN`) until the discarding thread
+    /// has returned from `madvise`, well after the handler read the event; one event a chunk
+    /// kept the region's fetches failing most of the time. A slot whose pages cannot be moved
+    /// (an event pending) is discarded where it is. Copies waiting for events are woken once
+    /// the discard returned.
+    fn discard_slots(&self, victims: &[u64]) {
+        let chunk = self.geometry.chunk_size() as usize;
+        let mut in_trash = 0;
+        for &i in victims {
+            let (off, len) = self.chunk_span(i);
+            let moved = self.trash.as_ref().is_some_and(|trash| {
+                self.move_present_to(&self.staging, off, trash, in_trash * chunk, len)
+                    .is_ok()
+            });
+            self.tr(i, || format!("drop (written back), to the trash: {moved}"));
+            if moved {
+                in_trash += 1;
+                continue;
+            }
+            // Outside the lock: madvise waits for the reader to read its remove event.
+            let r = self.staging_map.discard(off, len);
+            self.tr(i, || format!("discarded {r:?}"));
+            if let Some(Err(e)) = r {
+                self.region_counters
+                    .error(format!("dropping staged chunk {i}: {e}"));
+            }
+            self.events.bump();
+        }
+        if in_trash > 0 {
+            let r = self
+                .staging_map
+                .discard(self.trash_offset, in_trash * chunk);
+            if let Some(Err(e)) = r {
+                self.region_counters
+                    .error(format!("dropping {in_trash} staged chunks: {e}"));
+            }
+            self.events.bump();
+        }
+    }
+
+    /// Writes back up to `n` staged chunks not yet in the store (oldest first), and only
+    /// them; returns how many were written back. On success each is droppable, unless it was
+    /// staged again meanwhile.
+    async fn write_back_staged(&self, n: u64) -> StoreResult<u64> {
+        let Some(write_back) = self.write_back.get() else {
             return Err(StoreError::new(
                 farmap_core::ErrorKind::Closed,
                 "the region's pusher is gone",
             ));
         };
-        let started = {
+        let (victims, started) = {
             let mut st = self.state.lock();
+            let victims: Vec<u64> = st
+                .staged
+                .iter()
+                .copied()
+                .filter(|&i| {
+                    let iu = i as usize;
+                    st.chunk[iu] == St::Staged && st.staged_epoch[iu] >= st.written_back[iu]
+                })
+                .take(n as usize)
+                .collect();
+            if victims.is_empty() {
+                return Ok(0);
+            }
             st.epoch += 1;
-            st.epoch
+            (victims, st.epoch)
         };
-        flush().await?;
+        write_back(victims.iter().copied().map(ChunkIdx).collect()).await?;
         let mut st = self.state.lock();
-        st.flushed = st.flushed.max(started);
-        Ok(())
+        for &i in &victims {
+            st.written_back[i as usize] = started;
+        }
+        let n = victims.len() as u64;
+        Counters::add(&self.counters.writebacks, n);
+        Ok(n)
     }
 
     /// Frees chunks until `target_free` are free below the limit (or nothing more can be
     /// freed); returns how many were dropped.
     pub async fn reclaim(&self, target_free: u64, proactive: bool) -> u64 {
         let _one = self.reclaim_lock.lock().await;
+        self.reclaim_locked(target_free, proactive).await
+    }
+
+    /// [`reclaim`](Self::reclaim), `reclaim_lock` held: drop staged chunks already written
+    /// back; stage victims (a batch of at least `min_free`, which amortizes the write-back)
+    /// and write back just them, at most twice.
+    async fn reclaim_locked(&self, target_free: u64, proactive: bool) -> u64 {
         let mut total = 0;
-        let mut flushes = 0;
+        let mut rounds = 0;
         loop {
             let (need, staged) = {
                 let st = self.state.lock();
@@ -842,41 +966,54 @@ impl Pager {
             if need == 0 {
                 return total;
             }
-            let dropped = self.drop_flushed(need, proactive);
+            let dropped = self.drop_written_back(need, proactive);
             total += dropped;
             if dropped >= need {
                 continue;
             }
-            // Batches amortize the flush: stage a little more than needed.
             let batch = (need - dropped).max(self.min_free()).max(1);
-            let staged_now = if staged < batch {
-                self.deactivate(batch - staged) + staged
-            } else {
-                staged
-            };
-            if staged_now == 0 || flushes >= 2 {
+            let staged = staged.saturating_sub(dropped);
+            if staged < batch {
+                self.deactivate(batch - staged);
+            }
+            if rounds >= 2 {
                 return total;
             }
-            flushes += 1;
-            if let Err(e) = self.flush().await {
-                self.region_counters.error(format!(
-                    "writing staged chunks back before dropping them: {}",
-                    farmap_core::error_chain(&e)
-                ));
-                return total;
+            rounds += 1;
+            match self.write_back_staged(batch).await {
+                Ok(0) => {
+                    // Nothing left to write back: drop what can be, and stop.
+                    return total + self.drop_written_back(need - dropped, proactive);
+                }
+                Ok(_) => {}
+                Err(e) => {
+                    self.region_counters.error(format!(
+                        "writing staged chunks back before dropping them: {}",
+                        farmap_core::error_chain(&e)
+                    ));
+                    return total;
+                }
             }
         }
     }
 
     /// A fault found the region full: reclaim one chunk (a reactive eviction), or wait a
     /// moment for someone else's.
+    ///
+    /// While a reclaim pass runs (the reclaim thread's, usually), the fault does not queue
+    /// behind it: it waits until the pass frees room (woken at once) or 2 ms pass. Returns
+    /// whether room appeared; `false` lets the fault go over the limit (by at most
+    /// `min_free`).
     pub async fn make_room(&self) -> bool {
         let notified = self.changed.notified();
-        if self.reclaim(1, false).await > 0 {
-            return true;
+        if let Ok(_one) = self.reclaim_lock.try_lock() {
+            if self.reclaim_locked(1, false).await > 0 {
+                return true;
+            }
         }
-        let _ = tokio::time::timeout(Duration::from_millis(2), notified).await;
-        false
+        tokio::time::timeout(Duration::from_millis(2), notified)
+            .await
+            .is_ok()
     }
 
     fn kick(&self) {
@@ -910,16 +1047,21 @@ impl Pager {
             if self.stop.load(Ordering::Acquire) {
                 return;
             }
-            let min_free = self.min_free();
             let short = {
                 let st = self.state.lock();
-                self.limit().saturating_sub(st.resident) < min_free
+                self.limit().saturating_sub(st.resident) < self.low_water()
             };
             if short {
-                rt.block_on(self.reclaim(min_free, true));
+                rt.block_on(self.reclaim(self.min_free(), true));
             }
         }
     }
+}
+
+/// Bytes of trash after a region of `geometry`'s staging slots: 64 chunks (address space
+/// only, `MAP_NORESERVE`; pages pass through it on their way out).
+pub(crate) fn trash_len(geometry: Geometry) -> usize {
+    64 * geometry.chunk_size() as usize
 }
 
 fn auto_min_free(limit: u64) -> u64 {

@@ -267,12 +267,12 @@ impl Region {
             return Err(RegionError::unsupported(Unsupported::WriteProtect));
         }
         let range = UffdRange::new(uffd.clone(), mapping.addr(), len);
-        // Bounded local memory: a staging area as large as the region (MAP_NORESERVE: only
-        // staged pages take memory), registered with the same userfaultfd so that
+        // Bounded local memory: a staging area as large as the region and a trash area after
+        // it (MAP_NORESERVE: only staged pages take memory), registered with the same userfaultfd so that
         // UFFDIO_MOVE works between the two.
         let staging = match &paging {
             Some(_) => {
-                let owned = OwnedMapping::new(len, None)
+                let owned = OwnedMapping::new(len + crate::paging::trash_len(geometry), None)
                     .map_err(|e| RegionError::sys("mapping the staging area", e))?;
                 owned
                     .register(&uffd, sys::UFFDIO_REGISTER_MODE_MISSING)
@@ -299,6 +299,7 @@ impl Region {
                         range.clone(),
                         UffdRange::new(uffd.clone(), staging.addr(), len),
                         staging.shared(),
+                        events.clone(),
                         geometry,
                         limit,
                         p.min_free,
@@ -352,14 +353,14 @@ impl Region {
         let pusher = Arc::new(pusher);
         let mut reclaimer = None;
         if let Some(pager) = &pager {
-            let (flush_pusher, mark_pusher) = (Arc::downgrade(&pusher), Arc::downgrade(&pusher));
+            let (wb_pusher, mark_pusher) = (Arc::downgrade(&pusher), Arc::downgrade(&pusher));
             pager.connect(
                 Arc::downgrade(&server.cache),
-                Box::new(move || {
-                    let pusher = flush_pusher.clone();
+                Box::new(move |chunks| {
+                    let pusher = wb_pusher.clone();
                     Box::pin(async move {
                         match pusher.upgrade() {
-                            Some(p) => p.flush().await,
+                            Some(p) => p.write_back(&chunks).await,
                             None => Err(farmap_core::StoreError::new(
                                 farmap_core::ErrorKind::Closed,
                                 "the region is closed",

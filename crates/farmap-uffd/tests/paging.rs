@@ -288,3 +288,47 @@ fn never_written_chunks_are_not_read_from_the_store() {
     );
     assert_eq!(region.stats().paging.unwrap().recovered, 0);
 }
+
+/// Dropped chunks leave in batches: their pages pass through the trash, and one madvise (one
+/// remove event, which makes every copy into the region fail until the madvise returns)
+/// frees a batch, not one chunk each. Sweeps read and write every page, twice, through a
+/// limit of a quarter of the region; everything is still there afterwards.
+#[test]
+fn evictions_leave_in_batches() {
+    if !paging_available("evictions_leave_in_batches") {
+        return;
+    }
+    let g = Geometry::new(256 * u64::from(CHUNK), u64::from(CHUNK)).unwrap();
+    let store = pattern_memory(g, 11);
+    let mut opts = bounded(LocalLimit::Percent(25.0), None);
+    if let Some(p) = &mut opts.paging {
+        p.min_free = Some(16);
+    }
+    let region = Region::open(store, opts).unwrap();
+    let mem = region.memory();
+    let page = region.page_size() as u64;
+    for sweep in 0..2u64 {
+        for off in (0..region.len() as u64).step_by(page as usize) {
+            let want = if sweep == 0 {
+                u64::from_le_bytes(pattern_bytes(11, off, 8).try_into().unwrap())
+            } else {
+                off ^ 0x5a5a
+            };
+            assert_eq!(
+                mem.load_u64(off as usize).unwrap(),
+                want,
+                "page at {off:#x}"
+            );
+            mem.store_u64(off as usize, off ^ 0x5a5a).unwrap();
+        }
+    }
+    let stats = region.stats();
+    let paging = stats.paging.unwrap();
+    let evictions = paging.evictions_reactive + paging.evictions_proactive;
+    assert!(evictions >= 256, "only {evictions} evictions: {paging:?}");
+    assert!(
+        stats.remove_events * 4 <= evictions,
+        "{} remove events for {evictions} evictions",
+        stats.remove_events
+    );
+}
