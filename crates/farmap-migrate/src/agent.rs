@@ -55,7 +55,7 @@ pub const MAX_LINE: usize = 64 * 1024;
 
 /// What an application offers its agent.
 pub trait App: Send + Sync + 'static {
-    /// What an arriving region lands in (a userfaultfd [`Region`](farmap_uffd::Region), a
+    /// What an arriving region lands in (a userfaultfd [`Region`], a
     /// FUSE mount's file…).
     type Dest: Destination;
     /// The region this process holds and the hook that stops its writers; `None` if it
