@@ -79,6 +79,8 @@ pub struct NodeArgs {
     /// `check-store OPS` reads.
     #[arg(long, value_name = "SPEC")]
     store: Option<farmap::StoreSpec>,
+    #[command(flatten)]
+    local: crate::region::LocalMaxArgs,
 }
 
 // ---- the workload: pure functions of (seed, op) -------------------------------------------
@@ -254,6 +256,10 @@ impl agent::App for NodeApp {
         Some((a.region.clone(), a.gate.clone()))
     }
 
+    fn uffd_region(&self) -> Option<Arc<Region>> {
+        self.app.lock().as_ref().map(|a| a.region.clone())
+    }
+
     fn released(&self, _: &SeedReport) {
         let taken = self.app.lock().take();
         if let Some(App {
@@ -315,6 +321,21 @@ impl agent::App for NodeApp {
 /// stdin, JSON lines on stdout.
 pub async fn node(args: NodeArgs) -> anyhow::Result<ExitCode> {
     let slot: Arc<parking_lot::Mutex<Option<App>>> = Default::default();
+    if args.local.local_max.is_some() {
+        // Refused rather than ignored: the region would not be bounded.
+        if !args.init {
+            bail!(
+                "--local-max needs --init: a node without it is a migration destination, and \
+                 a region that arrives by migration cannot bound its local memory"
+            );
+        }
+        if args.store.is_some() {
+            bail!(
+                "--local-max cannot be used with --store: that region is pulled in the \
+                 background (managed mode), which bounded local memory does not support"
+            );
+        }
+    }
     if args.init {
         let region = match &args.store {
             None => {
@@ -327,9 +348,12 @@ pub async fn node(args: NodeArgs) -> anyhow::Result<ExitCode> {
                             interval: None,
                             ..PushOptions::default()
                         },
+                        // A new memory store holds nothing yet.
+                        paging: args.local.paging(true)?,
                         ..RegionOptions::direct()
                     },
-                )?
+                )
+                .context("opening the node's region")?
             }
             Some(spec) => {
                 // Pushed often, so that push rounds and a migration's dirty rounds interleave.

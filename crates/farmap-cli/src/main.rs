@@ -20,6 +20,7 @@ mod mount_agent;
 mod mount_nbd;
 mod mount_ublk;
 mod proxy;
+mod region;
 mod serve;
 mod serve_nbd;
 mod swap;
@@ -97,6 +98,10 @@ enum Command {
     /// Migrate a live region here: tell this host's application agent to pull it from a
     /// seeder (pre-copy while the source runs, hand-over within --max-downtime, post-copy).
     Leech(migrate::LeechArgs),
+    /// Bound the local memory of the region an application holds, while it runs (`region
+    /// limit --app SOCKET SIZE|N%`), or show its paging state (`region stats --app SOCKET`).
+    #[command(subcommand)]
+    Region(region::RegionCommand),
     /// Live migration, shown: a region that a deterministic writer keeps changing moves to
     /// another process over loopback (through an emulated link), is verified, and moves back.
     Demo(demo::DemoArgs),
@@ -163,6 +168,7 @@ fn main() -> ExitCode {
             Command::Seed(args) => migrate::seed(args).await,
             Command::Leech(args) => migrate::leech(args).await,
             Command::Demo(args) => demo::run(args).await,
+            Command::Region(cmd) => region::run(cmd).await,
             Command::Stores => {
                 println!("{STORES_HELP}");
                 Ok(ExitCode::SUCCESS)

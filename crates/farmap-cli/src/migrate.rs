@@ -226,6 +226,9 @@ pub async fn drive(
                 }
                 note(&bar, "handed over");
             }
+            Reply::Paging(_) => {
+                bail!("the agent answered a migration request with a paging report")
+            }
             Reply::Done { report } => {
                 if let Some(b) = bar.take() {
                     b.finish_and_clear();

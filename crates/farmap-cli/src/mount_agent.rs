@@ -65,6 +65,12 @@ impl App for MountApp {
         Some((src.clone(), src))
     }
 
+    /// A mounted file is not a userfaultfd region: its local memory is bounded by the
+    /// mount's own cache options, not through the agent.
+    fn uffd_region(&self) -> Option<Arc<farmap_uffd::Region>> {
+        None
+    }
+
     fn released(&self, _report: &SeedReport) {
         tracing::info!(
             "the file moved to the destination: this mount now refuses reads (EIO) and writes \

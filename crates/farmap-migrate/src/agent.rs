@@ -17,9 +17,12 @@
 //! nothing cancels it: ownership has moved, and the agents finish the post-copy.
 //!
 //! The protocol, one JSON object per line: the controller sends one [`Request`] (then at
-//! most `{"op":"cancel"}`); the agent answers with [`Reply`] lines ending with `done` or
-//! `error`. Lines are capped at [`MAX_LINE`] bytes. The socket is created mode 0600: only
-//! the application's user may drive it.
+//! most `{"op":"cancel"}`); the agent answers with [`Reply`] lines ending with `done`,
+//! `paging` or `error`. Lines are capped at [`MAX_LINE`] bytes. The socket is created mode
+//! 0600: only the application's user may drive it.
+//!
+//! The same socket changes the bound on the region's local memory at run time
+//! (`set_local_max`) and reports its paging state (`paging_state`): see [`mod@paging`].
 
 use std::io;
 use std::path::{Path, PathBuf};
@@ -28,6 +31,7 @@ use std::time::Duration;
 
 use farmap_core::error_chain;
 use farmap_net::{ListenAddr, RemoteAddr, TlsClientConfig, TlsServerConfig};
+use farmap_uffd::Region;
 use serde::{Deserialize, Serialize};
 use serde_json::{json, Map, Value};
 use tokio::io::{AsyncBufReadExt, AsyncRead, AsyncWriteExt, BufReader};
@@ -42,17 +46,26 @@ use crate::machine::Convergence;
 use crate::seed::{seed, SeedError, SeedOptions, SeedReport};
 use crate::suspend::Suspend;
 
+pub mod paging;
+
+pub use paging::{LocalMax, LocalMaxError, PagingReport, SetLocalMaxRequest};
+
 /// Longest request or reply line.
 pub const MAX_LINE: usize = 64 * 1024;
 
 /// What an application offers its agent.
 pub trait App: Send + Sync + 'static {
-    /// What an arriving region lands in (a userfaultfd [`Region`](farmap_uffd::Region), a
+    /// What an arriving region lands in (a userfaultfd [`Region`], a
     /// FUSE mount's file…).
     type Dest: Destination;
     /// The region this process holds and the hook that stops its writers; `None` if it
     /// holds none (it can then receive one).
     fn region(&self) -> Option<(Arc<dyn Source>, Arc<dyn Suspend>)>;
+    /// The userfaultfd region this process holds, for the local-memory requests
+    /// ([`Request::SetLocalMax`], [`Request::PagingState`]); `None` if it holds none or
+    /// holds another kind (a mounted file). Unlike [`region`](Self::region), it starts
+    /// nothing: it may be called at any time, during a migration too.
+    fn uffd_region(&self) -> Option<Arc<Region>>;
     /// The region was handed over and released: it is no longer this process's.
     fn released(&self, report: &SeedReport);
     /// Opens the destination of a region that is arriving (before pre-copy); for a
@@ -152,6 +165,11 @@ pub enum Request {
     Leech(LeechRequest),
     /// Abandon the migration if the hand-over has not happened.
     Cancel,
+    /// Change the bound on the local memory of the region held here; answered with
+    /// [`Reply::Paging`].
+    SetLocalMax(SetLocalMaxRequest),
+    /// Report the paging state of the region held here; answered with [`Reply::Paging`].
+    PagingState,
 }
 
 /// Why an agent's migration ended without success.
@@ -194,6 +212,8 @@ pub enum Reply {
     },
     /// The point of no return has passed.
     HandedOver,
+    /// The paging state of the region held here (the answer to a local-memory request).
+    Paging(PagingReport),
     /// Finished.
     Done {
         /// Metrics.
@@ -374,6 +394,9 @@ async fn connection<A: App>(
     let reply = match request {
         Err(e) => refuse(e),
         Ok(Request::Cancel) => refuse("nothing to cancel on a new connection".into()),
+        // Never behind a migration: they change or read the region's bound, nothing else.
+        Ok(Request::SetLocalMax(r)) => paging::set_local_max(r, app.uffd_region()).await,
+        Ok(Request::PagingState) => paging::state(app.uffd_region()).await,
         Ok(req) => {
             if let Ok(_guard) = tokio::time::timeout(BUSY_WAIT, busy.lock_owned()).await {
                 let observer = {
@@ -392,7 +415,9 @@ async fn connection<A: App>(
                 match req {
                     Request::Seed(r) => run_seed(r, &*app, observer, &mut rd, &tx).await,
                     Request::Leech(r) => run_leech(r, &*app, observer, &mut rd).await,
-                    Request::Cancel => unreachable!("handled above"),
+                    Request::Cancel | Request::SetLocalMax(_) | Request::PagingState => {
+                        unreachable!("handled above")
+                    }
                 }
             } else {
                 refuse("a migration is already running in this process".into())
@@ -437,6 +462,15 @@ async fn run_seed<R: AsyncRead + Unpin, A: App>(
         (Ok(a), Ok(b)) => (a, b),
         (Err(e), _) | (_, Err(e)) => return refuse(e),
     };
+    if app.uffd_region().is_some_and(|r| r.is_paged()) {
+        // Its write tracking scans the region only: a page written and then moved out to
+        // staging before a dirty round would never reach the destination.
+        return refuse(
+            "the region here has bounded local memory (--local-max), which migration does \
+             not support: writes to chunks moved out of the region would not be tracked"
+                .into(),
+        );
+    }
     let Some((region, suspend)) = app.region() else {
         return refuse("this process holds no region to seed".into());
     };
@@ -685,6 +719,9 @@ mod tests {
         fn region(&self) -> Option<(Arc<dyn Source>, Arc<dyn Suspend>)> {
             None
         }
+        fn uffd_region(&self) -> Option<Arc<Region>> {
+            None
+        }
         fn opener(&self) -> Opener<farmap_uffd::Region> {
             crate::leech::region_opener()
         }
@@ -725,8 +762,25 @@ mod tests {
             serve(&path, Arc::new(NoRegion)).await.is_err(),
             "a live agent's socket is not taken over"
         );
-        let cases: [(&str, &str); 4] = [
+        let cases: [(&str, &str); 9] = [
             ("{\"op\":\"nope\"}\n", "a bad request"),
+            (
+                "{\"op\":\"set_local_max\",\"local_max\":{\"bytes\":65536}}\n",
+                "holds no userfaultfd region",
+            ),
+            ("{\"op\":\"paging_state\"}\n", "holds no userfaultfd region"),
+            (
+                "{\"op\":\"set_local_max\",\"local_max\":{\"bytes\":0}}\n",
+                "limit of 0 bytes",
+            ),
+            (
+                "{\"op\":\"set_local_max\",\"local_max\":{\"percent\":150}}\n",
+                "150% is not a share of the region",
+            ),
+            (
+                "{\"op\":\"set_local_max\",\"local_max\":{\"bytes\":1},\"wait_ms\":61000}\n",
+                "longer than the 60 s",
+            ),
             (
                 "{\"op\":\"seed\",\"listen\":\"127.0.0.1:0\",\"data_listen\":\"127.0.0.1:0\"}\n",
                 "holds no region",
