@@ -64,6 +64,15 @@
 //! time ([`Region::set_local_max`]). The states, the eviction policy and why it was chosen
 //! are documented in the `paging` module (`src/paging.rs`).
 //!
+//! # Waiting for faults
+//! By default the reader sleeps in `poll(2)` between faults ([`FaultWait::Sleep`]). On a VM
+//! whose idle virtual CPUs halt, each round trip then pays two wake-ups (the reader's and
+//! the faulting thread's). [`FaultWait::Poll`] keeps the reader reading without sleeping for
+//! a bounded window after each batch, and keeps every CPU awake meanwhile with one
+//! `SCHED_IDLE` companion thread per CPU; [`RegionStats::faults_polled`] and
+//! [`RegionStats::faults_slept`] say which path found each fault, and
+//! [`RegionStats::handler_cpu`] what it cost. See the `polling` module (`src/polling.rs`).
+//!
 //! # fork()
 //! The region is marked `MADV_DONTFORK`: a child process does not inherit it, and touching
 //! its addresses in the child raises SIGSEGV (rather than silently reading zeros for pages
@@ -105,6 +114,8 @@ pub mod pagemap;
 #[forbid(unsafe_code)]
 mod paging;
 #[forbid(unsafe_code)]
+mod polling;
+#[forbid(unsafe_code)]
 mod region;
 pub mod sched;
 #[forbid(unsafe_code)]
@@ -120,9 +131,9 @@ pub mod uffd;
 
 pub use error::{RegionError, Unsupported};
 pub use options::{
-    LocalLimit, PagingOptions, RegionMode, RegionOptions, TrackingMode, WriteTracking,
+    FaultWait, LocalLimit, PagingOptions, RegionMode, RegionOptions, TrackingMode, WriteTracking,
 };
 pub use region::{probe, Region, Support};
 pub use shared_map::SharedMapping;
 pub use slice::{RegionSlice, SliceError};
-pub use stats::{DirtyReport, HandlerLocation, PagingStats, RegionStats};
+pub use stats::{DirtyReport, HandlerCpu, HandlerLocation, PagingStats, RegionStats};

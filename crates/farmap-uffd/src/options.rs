@@ -1,5 +1,7 @@
 //! How a [`Region`](crate::Region) is opened: [`RegionOptions`] and its enums.
 
+use std::time::Duration;
+
 use farmap_pipeline::{PullOptions, PushOptions, RetryPolicy};
 
 /// Where a region's chunks come from besides faults.
@@ -141,6 +143,24 @@ impl PagingOptions {
     }
 }
 
+/// How a region's fault reader waits for the next fault (see the `polling` module:
+/// `src/polling.rs`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum FaultWait {
+    /// Block in `poll(2)` as soon as no message is queued: no CPU spent while idle, but on a
+    /// VM each fault after a pause pays the wake-up of an idle virtual CPU (tens of µs here),
+    /// for the reader and again for the faulting thread.
+    #[default]
+    Sleep,
+    /// After each batch, keep reading the userfaultfd without sleeping for up to this long
+    /// before blocking in `poll(2)` again; while that window is open, one `SCHED_IDLE`
+    /// companion thread per CPU spins so that no CPU halts (any other thread preempts them
+    /// at once). Back-to-back faults then pay neither wake-up, at the cost of the reader's
+    /// spinning (a CPU for up to the window after each fault) and of otherwise idle CPU
+    /// time (see [`RegionStats::handler_cpu`](crate::RegionStats::handler_cpu)).
+    Poll(Duration),
+}
+
 /// How to open a [`Region`](crate::Region).
 #[derive(Debug, Clone)]
 pub struct RegionOptions {
@@ -167,6 +187,8 @@ pub struct RegionOptions {
     /// write tracking and `UFFDIO_MOVE`; a managed region's background pull is off with it
     /// (it would fill the region past the limit).
     pub paging: Option<PagingOptions>,
+    /// How the fault reader waits for faults (sleeping by default).
+    pub fault_wait: FaultWait,
 }
 
 impl Default for RegionOptions {
@@ -183,6 +205,7 @@ impl Default for RegionOptions {
             readahead_chunks: 4,
             store_spec: None,
             paging: None,
+            fault_wait: FaultWait::Sleep,
         }
     }
 }

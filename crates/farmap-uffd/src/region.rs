@@ -335,6 +335,7 @@ impl Region {
             events: events.clone(),
             counters: counters.clone(),
             pager: pager.clone(),
+            fault_wait: opts.fault_wait,
         }));
         let tracker = Arc::new(Tracker::new(
             mode,
@@ -544,6 +545,9 @@ impl Region {
             faults: Counters::get(&c.faults),
             faults_inline: Counters::get(&c.faults_inline),
             wp_faults: Counters::get(&c.wp_faults),
+            faults_polled: Counters::get(&c.faults_polled),
+            faults_slept: Counters::get(&c.faults_slept),
+            handler_cpu: self.inner.server.handler_cpu(),
             chunks_fetched: Counters::get(&c.chunks_fetched),
             bytes_fetched: Counters::get(&c.bytes_fetched),
             present_chunks: self.inner.server.cache.present_count(),

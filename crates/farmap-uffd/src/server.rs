@@ -14,6 +14,10 @@
 //!                                            wakes the faulting thread; or UFFDIO_POISON
 //! ```
 //!
+//! With [`FaultWait::Poll`] the reader, after each batch, goes on reading without blocking
+//! for the window before it returns to `poll(2)`, and idle-priority companions keep the CPUs
+//! awake meanwhile: see the `polling` module.
+//!
 //! The reader never blocks on a fetch and never touches region memory, and neither do the
 //! runtime's async workers: only blocking threads (pushes) and application threads read the
 //! memory, so a fault they take is always served.
@@ -27,6 +31,7 @@ use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::Arc;
 use std::task::{Context, Poll, Waker};
 use std::thread::JoinHandle;
+use std::time::Instant;
 
 use farmap_core::{ChunkIdx, Geometry, Store};
 use farmap_pipeline::{retry, Cached, Puller, RetryPolicy};
@@ -35,9 +40,11 @@ use rustix::event::{eventfd, poll, EventfdFlags, PollFd, PollFlags};
 use tokio::runtime::Handle;
 
 use crate::memory::{Events, RegionMemory};
+use crate::options::FaultWait;
 use crate::pagemap::Pagemap;
 use crate::paging::{Admit, Pager};
-use crate::stats::Counters;
+use crate::polling::{Companions, HandlerAccounts, PollWindow};
+use crate::stats::{Counters, HandlerCpu};
 use crate::sys::{self, UffdMsg};
 use crate::tracking::PageBits;
 use crate::uffd::UffdRange;
@@ -70,6 +77,10 @@ pub(crate) struct Server {
     /// Test hook for hand-over: exit the process upon reading this many faults, without
     /// serving the last one (a handler that dies at the worst moment).
     pub exit_after_faults: Option<u64>,
+    /// How the reader waits for faults.
+    pub fault_wait: FaultWait,
+    /// CPU time of the reader threads and companions.
+    handler_cpu: HandlerAccounts,
     faults_read: AtomicU64,
     poison_unsupported: AtomicBool,
 }
@@ -86,6 +97,7 @@ pub(crate) struct ServerParts {
     pub events: Arc<Events>,
     pub counters: Arc<Counters>,
     pub pager: Option<Arc<Pager>>,
+    pub fault_wait: FaultWait,
 }
 
 impl Server {
@@ -103,6 +115,8 @@ impl Server {
             counters: p.counters,
             pager: p.pager,
             exit_after_faults: None,
+            fault_wait: p.fault_wait,
+            handler_cpu: HandlerAccounts::default(),
             faults_read: AtomicU64::new(0),
             poison_unsupported: AtomicBool::new(false),
         }
@@ -110,6 +124,34 @@ impl Server {
 
     fn page(&self) -> usize {
         self.range.page_size()
+    }
+
+    /// CPU time of the reader threads and companions so far.
+    pub fn handler_cpu(&self) -> HandlerCpu {
+        let (reader_ns, _) = self.handler_cpu.reader.total();
+        let (companions_ns, companions) = self.handler_cpu.companions.total();
+        HandlerCpu {
+            reader_ns,
+            companions_ns,
+            companions,
+        }
+    }
+
+    /// Counts the fault messages of a batch the reader found by polling or after `poll(2)`
+    /// (before handling them, so that a woken thread already sees them counted).
+    fn count_found(&self, msgs: &[UffdMsg], polled: bool) {
+        let n = msgs
+            .iter()
+            .filter(|m| {
+                m.event == sys::UFFD_EVENT_PAGEFAULT && self.range.contains(m.arg1 as usize)
+            })
+            .count() as u64;
+        let counter = if polled {
+            &self.counters.faults_polled
+        } else {
+            &self.counters.faults_slept
+        };
+        Counters::add(counter, n);
     }
 
     /// Handles a batch of messages: events first, then faults.
@@ -388,19 +430,32 @@ impl fmt::Debug for OwnedRuntime {
 pub(crate) struct Reader {
     stop: Arc<StopSignal>,
     thread: Option<JoinHandle<()>>,
+    /// Stopped after the thread that opens their windows.
+    companions: Option<Arc<PollWindow>>,
 }
 
 impl Reader {
     /// Starts reading `server`'s userfaultfd; fault tasks run on `rt`.
     pub fn spawn(server: Arc<Server>, rt: Handle) -> io::Result<Reader> {
         let stop = Arc::new(StopSignal::new()?);
-        let thread_stop = stop.clone();
+        let window = match server.fault_wait {
+            FaultWait::Sleep => None,
+            FaultWait::Poll(window) => Some(Arc::new(PollWindow {
+                window,
+                companions: Companions::per_cpu(server.handler_cpu.companions.clone())?,
+            })),
+        };
+        let (thread_stop, thread_window) = (stop.clone(), window.clone());
         let thread = std::thread::Builder::new()
             .name("farmap-uffd-reader".into())
-            .spawn(move || read_loop(&server, &rt, &thread_stop))?;
+            .spawn(move || {
+                let _cpu = server.handler_cpu.reader.enter();
+                read_loop(&server, &rt, &thread_stop, thread_window.as_deref())
+            })?;
         Ok(Reader {
             stop,
             thread: Some(thread),
+            companions: window,
         })
     }
 
@@ -411,6 +466,8 @@ impl Reader {
         if let Some(t) = self.thread.take() {
             let _ = t.join();
         }
+        // The thread held the other reference: the companions stop and are joined here.
+        drop(self.companions.take());
     }
 }
 
@@ -428,20 +485,27 @@ impl fmt::Debug for Reader {
     }
 }
 
-/// An eventfd that tells a thread blocked in `poll` to stop.
+/// An eventfd that tells a thread blocked in `poll` to stop, and a flag that tells one
+/// that polls without blocking.
 #[derive(Debug)]
-pub(crate) struct StopSignal(OwnedFd);
+pub(crate) struct StopSignal(OwnedFd, AtomicBool);
 
 impl StopSignal {
     pub fn new() -> io::Result<StopSignal> {
         let fd = eventfd(0, EventfdFlags::CLOEXEC | EventfdFlags::NONBLOCK)?;
-        Ok(StopSignal(fd))
+        Ok(StopSignal(fd, AtomicBool::new(false)))
     }
 
-    /// Makes the eventfd readable (for good: nothing reads it).
+    /// Raises the flag and makes the eventfd readable (for good: nothing reads it).
     pub fn signal(&self) {
+        self.1.store(true, Ordering::Release);
         // Only fails if the counter would overflow, which one add per stop never reaches.
         let _ = rustix::io::write(&self.0, &1u64.to_ne_bytes());
+    }
+
+    /// Whether [`signal`](Self::signal) was called.
+    pub fn is_raised(&self) -> bool {
+        self.1.load(Ordering::Acquire)
     }
 
     /// The fd to poll.
@@ -450,7 +514,9 @@ impl StopSignal {
     }
 }
 
-fn read_loop(server: &Arc<Server>, rt: &Handle, stop: &StopSignal) {
+/// Reads and handles messages until stopped: blocks in `poll(2)`, then (with a poll window)
+/// keeps reading without blocking while batches keep coming within the window.
+fn read_loop(server: &Arc<Server>, rt: &Handle, stop: &StopSignal, window: Option<&PollWindow>) {
     // Futures polled inline may create timers or spawn: give them the runtime's context.
     let _enter = rt.enter();
     let uffd = server.range.uffd().clone();
@@ -484,12 +550,61 @@ fn read_loop(server: &Arc<Server>, rt: &Handle, stop: &StopSignal) {
         }
         match uffd.read_messages(&mut msgs) {
             Ok(0) => {}
-            Ok(n) => server.handle(&msgs[..n], rt),
+            Ok(n) => {
+                server.count_found(&msgs[..n], false);
+                server.handle(&msgs[..n], rt);
+                if let Some(w) = window {
+                    if poll_window(server, rt, stop, w, &mut msgs).is_err() {
+                        return;
+                    }
+                }
+            }
             Err(e) => {
                 server
                     .counters
                     .error(format!("reading the userfaultfd: {e}"));
                 return;
+            }
+        }
+    }
+}
+
+/// The reader must stop (signalled, or the userfaultfd failed).
+struct StopReading;
+
+/// Reads the userfaultfd without blocking until a whole window passes with no message; each
+/// batch found is handled and opens the window again.
+fn poll_window(
+    server: &Arc<Server>,
+    rt: &Handle,
+    stop: &StopSignal,
+    window: &PollWindow,
+    msgs: &mut [UffdMsg],
+) -> Result<(), StopReading> {
+    let uffd = server.range.uffd();
+    let mut until = window.open();
+    loop {
+        if stop.is_raised() {
+            return Err(StopReading);
+        }
+        // The fd is non-blocking: no message reads as 0.
+        match uffd.read_messages(msgs) {
+            Ok(0) => {
+                if Instant::now() >= until {
+                    return Ok(());
+                }
+                std::hint::spin_loop();
+            }
+            Ok(n) => {
+                server.count_found(&msgs[..n], true);
+                server.handle(&msgs[..n], rt);
+                until = window.open();
+            }
+            Err(e) => {
+                server
+                    .counters
+                    .error(format!("reading the userfaultfd: {e}"));
+                return Err(StopReading);
             }
         }
     }

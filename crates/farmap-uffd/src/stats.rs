@@ -33,6 +33,18 @@ pub struct RegionStats {
     pub faults_inline: u64,
     /// Write-protect faults served (synchronous tracking only).
     pub wp_faults: u64,
+    /// Fault messages (missing and write-protect: `faults + wp_faults` in all) that the
+    /// reader found by reading the userfaultfd without sleeping, in the poll window of
+    /// [`FaultWait::Poll`](crate::FaultWait::Poll).
+    pub faults_polled: u64,
+    /// Fault messages read after a blocking `poll(2)` (every fault with
+    /// [`FaultWait::Sleep`](crate::FaultWait::Sleep); with `Poll`, the first fault after a
+    /// pause longer than the window). The reader may not really have slept: a message
+    /// queued before `poll(2)` was called returns at once.
+    pub faults_slept: u64,
+    /// CPU time of this process's fault reader threads, and of the companions of
+    /// [`FaultWait::Poll`](crate::FaultWait::Poll), since the region was opened.
+    pub handler_cpu: HandlerCpu,
     /// Chunks installed by this process (on faults and by the puller).
     pub chunks_fetched: u64,
     /// Bytes copied in for them (pages found present are not counted).
@@ -63,6 +75,29 @@ pub struct RegionStats {
     pub paging: Option<PagingStats>,
     /// The most recent error of a fault's fetch, a push or a scan.
     pub last_error: Option<String>,
+}
+
+/// CPU time spent by a region's fault path in this process, from the kernel's accounting
+/// (`/proc/self/task/TID/schedstat`) of the threads running now, plus the final time of the
+/// ones that have exited (a reader stopped for a hand-over, say).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct HandlerCpu {
+    /// The fault reader: serving faults inline, `poll(2)`, and the poll window's reads.
+    pub reader_ns: u64,
+    /// The idle-priority companions of [`FaultWait::Poll`](crate::FaultWait::Poll), all
+    /// together (CPU time no other thread wanted).
+    pub companions_ns: u64,
+    /// How many companions are running now (one per CPU while the reader runs with
+    /// `Poll`; 0 otherwise).
+    pub companions: u32,
+}
+
+impl HandlerCpu {
+    /// Reader and companions together.
+    pub fn total_ns(&self) -> u64 {
+        self.reader_ns + self.companions_ns
+    }
 }
 
 /// The counters of a region with bounded local memory (see
@@ -131,6 +166,8 @@ pub(crate) struct Counters {
     pub faults: AtomicU64,
     pub faults_inline: AtomicU64,
     pub wp_faults: AtomicU64,
+    pub faults_polled: AtomicU64,
+    pub faults_slept: AtomicU64,
     pub chunks_fetched: AtomicU64,
     pub bytes_fetched: AtomicU64,
     pub refetched_chunks: AtomicU64,

@@ -230,7 +230,7 @@ impl Bench {
     }
 
     fn uffd(&self, case: Case, store: Arc<dyn Store>, pages: &[usize]) -> anyhow::Result<Measured> {
-        let region = open_region(store, None)?;
+        let region = open_region(store, None, farmap_uffd::FaultWait::Sleep)?;
         Ok(self.measure(case, region.memory(), pages))
     }
 }

@@ -15,6 +15,15 @@
 //! down after the clock stops. One untimed fill warms the kernel's page allocator up first,
 //! and the region and the baselines take turns going first from one run to the next.
 //!
+//! With `--poll DURATION` the region's fault reader polls for that long after each batch
+//! before it sleeps, with idle-priority companions keeping the CPUs awake meanwhile
+//! (`FaultWait::Poll`, see farmap-uffd's `polling` module); the baselines are unchanged, so
+//! the same run still holds the sleeping reference. Every row says `fault_path` (`sleep` or
+//! `poll`); fault and fill rows count the faults found by polling and after sleeping
+//! (`faults_polled`, `faults_slept`) and the fault path's CPU time (`cpu_ms`: the reader and
+//! the companions, from the region's open to the end of the timed touches; also split as
+//! `reader_cpu_ms` and `companions_cpu_ms`).
+//!
 //! Cases:
 //! - `fault-4k`: random distinct single-page reads, 4 KiB chunks, each timed alone by the
 //!   touching thread: `p50_us`, `p99_us`.
@@ -35,11 +44,11 @@ use clap::{Args, ValueEnum};
 use farmap::pipeline::PushOptions;
 use farmap::store::MemoryStore;
 use farmap::{format_size, Geometry, Store, DEFAULT_CHUNK_SIZE};
-use farmap_uffd::{LocalLimit, PagingOptions, Region, RegionOptions};
+use farmap_uffd::{FaultWait, LocalLimit, PagingOptions, Region, RegionOptions, RegionStats};
 use rand::{RngCore, SeedableRng};
 use serde::Serialize;
 
-use super::{measure_memcpy, parse_size_arg};
+use super::{measure_memcpy, parse_duration, parse_size_arg};
 use crate::output;
 
 /// The dirty fractions `dirty-scan` measures, in percent of the region's pages.
@@ -115,6 +124,11 @@ pub struct UffdArgs {
     /// beyond it are staged and written back to the store (issue 16's bounded regions).
     #[arg(long, value_name = "SIZE|N%")]
     local_max: Option<LocalLimit>,
+    /// Let the region's fault reader poll for this long (e.g. 50us) after each batch before
+    /// it sleeps, with idle-priority companions keeping the CPUs awake (issue 16's fault
+    /// path for VMs); the baselines are unchanged. Default: the reader sleeps.
+    #[arg(long, value_name = "DURATION", value_parser = parse_duration)]
+    poll: Option<Duration>,
 }
 
 /// Fields every row has.
@@ -129,6 +143,36 @@ struct Common {
     tracking: &'static str,
     /// CPUs this process may run on (wake-ups across CPUs cost more on some VMs).
     cpus: usize,
+    /// How the region's reader waits for faults: `sleep` or `poll` (`--poll`).
+    fault_path: &'static str,
+    /// The poll window in µs (0 with `sleep`).
+    poll_us: f64,
+}
+
+/// Which path served the region's faults, and what the fault path's threads cost.
+#[derive(Debug, Serialize)]
+struct PathCounts {
+    /// Fault messages the reader found while polling.
+    faults_polled: u64,
+    /// Fault messages the reader read after a blocking `poll(2)`.
+    faults_slept: u64,
+    /// CPU time of the region's reader and companions, from open to the end of the touches.
+    cpu_ms: f64,
+    reader_cpu_ms: f64,
+    companions_cpu_ms: f64,
+}
+
+impl PathCounts {
+    fn of(stats: &RegionStats) -> Self {
+        let cpu = stats.handler_cpu;
+        Self {
+            faults_polled: stats.faults_polled,
+            faults_slept: stats.faults_slept,
+            cpu_ms: round3(cpu.total_ns() as f64 / 1e6),
+            reader_cpu_ms: round3(cpu.reader_ns as f64 / 1e6),
+            companions_cpu_ms: round3(cpu.companions_ns as f64 / 1e6),
+        }
+    }
 }
 
 #[derive(Debug, Serialize)]
@@ -146,6 +190,8 @@ struct FaultRow {
     /// Of the region's faults, those served without leaving the handler thread.
     faults: u64,
     faults_inline: u64,
+    #[serde(flatten)]
+    path: PathCounts,
 }
 
 #[derive(Debug, Serialize)]
@@ -162,6 +208,8 @@ struct FillRow {
     ratio_to_baseline: f64,
     faults: u64,
     faults_inline: u64,
+    #[serde(flatten)]
+    path: PathCounts,
     verified: bool,
 }
 
@@ -212,6 +260,7 @@ pub(super) async fn store_over(data: &Bytes, chunk: usize) -> anyhow::Result<Arc
 pub(super) fn open_region(
     store: Arc<dyn Store>,
     local_max: Option<LocalLimit>,
+    fault_wait: FaultWait,
 ) -> anyhow::Result<Region> {
     let opts = RegionOptions {
         push: PushOptions {
@@ -219,6 +268,7 @@ pub(super) fn open_region(
             ..PushOptions::default()
         },
         paging: local_max.map(PagingOptions::new),
+        fault_wait,
         ..RegionOptions::direct()
     };
     Region::open(store, opts).context("opening a userfaultfd region")
@@ -246,6 +296,7 @@ fn ms(d: Duration) -> f64 {
 
 struct Bench {
     local_max: Option<LocalLimit>,
+    fault_wait: FaultWait,
     data: Bytes,
     samples: usize,
     cpus: usize,
@@ -262,6 +313,14 @@ impl Bench {
             chunk_bytes: case.chunk(),
             tracking,
             cpus: self.cpus,
+            fault_path: match self.fault_wait {
+                FaultWait::Sleep => "sleep",
+                FaultWait::Poll(_) => "poll",
+            },
+            poll_us: match self.fault_wait {
+                FaultWait::Sleep => 0.0,
+                FaultWait::Poll(d) => round3(d.as_secs_f64() * 1e6),
+            },
         }
     }
 
@@ -284,7 +343,7 @@ impl Bench {
             Ok((wp, missing))
         };
         let farmap = || -> anyhow::Result<_> {
-            let region = open_region(store, self.local_max)?;
+            let region = open_region(store, self.local_max, self.fault_wait)?;
             let lat = Latencies::from_samples(baseline::touch_each(region.memory(), &pages));
             Ok((lat, region.stats(), region.tracking_mode().as_str()))
         };
@@ -301,6 +360,7 @@ impl Bench {
             baseline_missing_p99_us: round3(missing.p99_us),
             faults: stats.faults,
             faults_inline: stats.faults_inline,
+            path: PathCounts::of(&stats),
         })
     }
 
@@ -318,7 +378,7 @@ impl Bench {
             Ok((wp, missing))
         };
         let farmap = || -> anyhow::Result<_> {
-            let region = open_region(store, self.local_max)?;
+            let region = open_region(store, self.local_max, self.fault_wait)?;
             let elapsed = baseline::touch_all(region.memory());
             // Every page is present now: this times the copy alone.
             let mut buf = vec![0u8; chunk];
@@ -353,6 +413,7 @@ impl Bench {
             ratio_to_baseline: round3(mb / wp.mb_per_s().max(1e-9)),
             faults: stats.faults,
             faults_inline: stats.faults_inline,
+            path: PathCounts::of(&stats),
             verified,
         })
     }
@@ -361,7 +422,7 @@ impl Bench {
         let case = Case::DirtyScan;
         let npages = self.data.len() / PAGE_SIZE;
         let raw = self.baseline(BaselineMode::WriteProtect)?;
-        let region = open_region(store, self.local_max)?;
+        let region = open_region(store, self.local_max, self.fault_wait)?;
         baseline::touch_all(region.memory());
         region.take_dirty().context("the first take_dirty")?;
         let tracking = region.tracking_mode().as_str();
@@ -390,7 +451,8 @@ impl Bench {
 fn print_fault(r: &FaultRow) {
     println!(
         "fault-4k   {} random faults in {}: p50 {:.1} µs, p99 {:.1} µs \
-         (baseline {:.1} / {:.1} µs, missing-only {:.1} / {:.1} µs; {} of {} faults inline)",
+         (baseline {:.1} / {:.1} µs, missing-only {:.1} / {:.1} µs; {} of {} faults inline; \
+         {}: {} faults found polling, {} after sleeping, fault path CPU {:.1} ms)",
         r.samples,
         format_size(r.common.size_bytes),
         r.p50_us,
@@ -401,6 +463,10 @@ fn print_fault(r: &FaultRow) {
         r.baseline_missing_p99_us,
         r.faults_inline,
         r.faults,
+        r.common.fault_path,
+        r.path.faults_polled,
+        r.path.faults_slept,
+        r.path.cpu_ms,
     );
 }
 
@@ -469,6 +535,7 @@ pub async fn run(args: UffdArgs) -> anyhow::Result<ExitCode> {
     ));
     let bench = Arc::new(Bench {
         local_max: args.local_max,
+        fault_wait: args.poll.map_or(FaultWait::Sleep, FaultWait::Poll),
         data: tokio::task::spawn_blocking(move || random_bytes(size)).await?,
         samples: args.samples as usize,
         cpus: std::thread::available_parallelism().map_or(1, |n| n.get()),

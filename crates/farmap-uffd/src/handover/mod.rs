@@ -497,6 +497,8 @@ impl Served {
             events,
             counters,
             pager: None,
+            // The serving process sleeps between faults (it has no poll option yet).
+            fault_wait: crate::FaultWait::Sleep,
         });
         server.exit_after_faults = opts.exit_after_faults;
         let server = Arc::new(server);
