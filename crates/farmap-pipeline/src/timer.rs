@@ -5,17 +5,25 @@
 //! millisecond. [`sleep`] and [`sleep_until`] instead hand their deadline to one dedicated
 //! thread, started on first use and shared by the whole process, that keeps a min-heap of
 //! deadlines and waits for the earliest with a nanosecond futex timeout. A sleep completes a
-//! few tens of microseconds after its deadline, and never before it: the thread asks the
+//! few tens of microseconds after its deadline (see `GRACE_MAX` for the most a busy process
+//! adds), and never before it: the thread asks the
 //! kernel for 1 µs of timer slack instead of the default 50 µs, and the rest is the time the
 //! runtime takes to poll the woken task.
 //!
 //! Concurrency contract:
 //! - A [`Sleep`] is an ordinary `Send` future; it works on any executor, on any number of
 //!   threads, and is not affected by tokio's paused test clock.
-//! - Registering a sleep costs one heap push under a short lock; the timer thread is only
-//!   notified when the new deadline becomes the earliest.
-//! - The timer thread wakes tasks outside its lock, so registration never waits for a burst of
-//!   expirations to be delivered.
+//! - Registering a sleep costs one heap push under a short lock. The timer thread is only
+//!   notified when it sleeps past the new deadline (or with nothing to wait for); while it is
+//!   awake, or already due to wake earlier, registration makes no system call.
+//! - A registration also completes up to [`FIRE_ON_REGISTER`] sleeps whose deadline has already
+//!   passed, waking their tasks from the registering thread. A thread that sleeps often (a
+//!   pipeline starting an operation every few microseconds) thus delivers the expirations it
+//!   passes by itself, instead of each waiting for the timer thread to be scheduled; the
+//!   thread remains the backstop that delivers every expiration nobody else did. Either way a
+//!   sleep completes only once `Instant::now()` has reached its deadline.
+//! - Tasks are woken outside the lock (by the timer thread and by registrations), so
+//!   registration never waits for a burst of expirations to be delivered.
 //! - A deadline already reached completes on the first poll without touching the thread.
 //! - Dropping a [`Sleep`] early is fine: its waker is released at once, and its heap entry
 //!   expires into nothing at its deadline.
@@ -87,14 +95,15 @@ impl Future for Sleep {
         let this = self.get_mut();
         match &this.shared {
             None => {
-                if Instant::now() >= this.deadline {
+                let now = Instant::now();
+                if now >= this.deadline {
                     return Poll::Ready(());
                 }
                 let shared = Arc::new(Shared {
                     fired: AtomicBool::new(false),
                     waker: Mutex::new(Some(cx.waker().clone())),
                 });
-                timer().register(this.deadline, shared.clone());
+                timer().register(this.deadline, shared.clone(), now);
                 this.shared = Some(shared);
                 Poll::Pending
             }
@@ -182,10 +191,44 @@ impl Ord for Entry {
     }
 }
 
+/// Most sleeps already due that one registration completes (a bound on the work, and on the
+/// stack space, that a registration takes on for others).
+pub const FIRE_ON_REGISTER: usize = 8;
+
+/// The first step of the timer thread's grace (see [`GRACE_MAX`]).
+const GRACE_STEP: Duration = Duration::from_micros(5);
+
+/// Longest the timer thread waits past the earliest deadline. Its grace starts at zero; each
+/// time it wakes for a deadline that a registration had already delivered, it doubles (from
+/// [`GRACE_STEP`]), and the first time the thread finds a sleep due that nobody delivered, it
+/// is zero again. While a busy thread delivers expirations as it registers sleeps, the timer
+/// thread thus wakes about once per `GRACE_MAX` instead of once per deadline (each wake-up
+/// costs CPU time, on a small machine the busy thread's); a sleep is late by at most this
+/// much more, only if registrations stop right after delivering every earlier one.
+const GRACE_MAX: Duration = Duration::from_micros(40);
+
 /// The process-wide timer: the heap and the condition variable its thread waits on.
 struct Timer {
-    heap: Mutex<BinaryHeap<Entry>>,
+    state: Mutex<TimerState>,
     cond: Condvar,
+}
+
+/// What the timer's lock guards.
+struct TimerState {
+    heap: BinaryHeap<Entry>,
+    /// What the timer thread does: a registration notifies it only when it would otherwise
+    /// sleep past the new deadline.
+    thread: ThreadState,
+}
+
+#[derive(Clone, Copy)]
+enum ThreadState {
+    /// Running: it looks at the heap again before it next waits.
+    Awake,
+    /// Waiting for the earliest deadline, this one (plus its grace), or a notification.
+    Until(Instant),
+    /// Waiting for a notification only (the heap was empty).
+    Idle,
 }
 
 fn timer() -> &'static Timer {
@@ -193,7 +236,10 @@ fn timer() -> &'static Timer {
     TIMER.get_or_init(|| {
         // Leaked on purpose: the timer lives as long as the process, like its thread.
         let timer: &'static Timer = Box::leak(Box::new(Timer {
-            heap: Mutex::new(BinaryHeap::with_capacity(1024)),
+            state: Mutex::new(TimerState {
+                heap: BinaryHeap::with_capacity(1024),
+                thread: ThreadState::Awake,
+            }),
             cond: Condvar::new(),
         }));
         thread::Builder::new()
@@ -221,39 +267,85 @@ fn reduce_timer_slack() {
 }
 
 impl Timer {
-    fn register(&self, deadline: Instant, shared: Arc<Shared>) {
-        let mut heap = self.heap.lock();
-        let earliest = heap.peek().is_none_or(|top| deadline < top.deadline);
-        heap.push(Entry { deadline, shared });
-        drop(heap);
-        if earliest {
+    /// Adds `shared`'s deadline to the heap, and completes the sleeps due at `now` (a clock
+    /// reading taken before this call, so never ahead of the time; at most
+    /// [`FIRE_ON_REGISTER`] of them) on the way.
+    fn register(&self, deadline: Instant, shared: Arc<Shared>, now: Instant) {
+        let mut due: [Option<Arc<Shared>>; FIRE_ON_REGISTER] = Default::default();
+        let mut st = self.state.lock();
+        for slot in &mut due {
+            match st.heap.peek() {
+                Some(top) if top.deadline <= now => {
+                    *slot = st.heap.pop().map(|entry| entry.shared);
+                }
+                _ => break,
+            }
+        }
+        st.heap.push(Entry { deadline, shared });
+        let notify = match st.thread {
+            ThreadState::Awake => false,
+            // The thread delivers everything due by `earliest` when it wakes (at most its
+            // grace later); only a new earliest deadline needs it sooner.
+            ThreadState::Until(earliest) => deadline < earliest,
+            ThreadState::Idle => true,
+        };
+        if notify {
+            // Marked awake so that the registrations until it runs do not notify it again.
+            st.thread = ThreadState::Awake;
+        }
+        drop(st);
+        if notify {
             self.cond.notify_one();
+        }
+        for shared in due.iter().flatten() {
+            shared.fire();
         }
     }
 
     fn run(&self) {
         let mut due: Vec<Arc<Shared>> = Vec::with_capacity(256);
-        let mut heap = self.heap.lock();
+        // How long after the earliest deadline the thread wakes (see `GRACE_MAX`).
+        let mut grace = Duration::ZERO;
+        // The earliest deadline when the last wait timed out.
+        let mut waited_for: Option<Instant> = None;
+        let mut st = self.state.lock();
         loop {
+            st.thread = ThreadState::Awake;
+            if let Some(earliest) = waited_for.take() {
+                // Delivered meanwhile by a registration: wake later next time. Still there:
+                // nobody else delivers, so be on time again.
+                let delivered = st.heap.peek().is_none_or(|top| top.deadline > earliest);
+                grace = if delivered {
+                    (grace * 2).clamp(GRACE_STEP, GRACE_MAX)
+                } else {
+                    Duration::ZERO
+                };
+            }
             let now = Instant::now();
-            while heap.peek().is_some_and(|top| top.deadline <= now) {
-                if let Some(entry) = heap.pop() {
+            while st.heap.peek().is_some_and(|top| top.deadline <= now) {
+                if let Some(entry) = st.heap.pop() {
                     due.push(entry.shared);
                 }
             }
             if !due.is_empty() {
-                MutexGuard::unlocked(&mut heap, || {
+                MutexGuard::unlocked(&mut st, || {
                     for shared in due.drain(..) {
                         shared.fire();
                     }
                 });
                 continue;
             }
-            match heap.peek().map(|top| top.deadline) {
-                Some(deadline) => {
-                    self.cond.wait_until(&mut heap, deadline);
+            match st.heap.peek().map(|top| top.deadline) {
+                Some(earliest) => {
+                    st.thread = ThreadState::Until(earliest);
+                    if self.cond.wait_until(&mut st, earliest + grace).timed_out() {
+                        waited_for = Some(earliest);
+                    }
                 }
-                None => self.cond.wait(&mut heap),
+                None => {
+                    st.thread = ThreadState::Idle;
+                    self.cond.wait(&mut st);
+                }
             }
         }
     }
@@ -329,6 +421,48 @@ mod tests {
             .expect("runtime");
         rt.block_on(sleep(Duration::from_millis(1)));
         assert_eq!(count.0.load(AtomicOrdering::SeqCst), 0);
+    }
+
+    /// Records when it was woken, and how often.
+    struct StampWaker(Mutex<Vec<Instant>>);
+
+    impl Wake for StampWaker {
+        fn wake(self: Arc<Self>) {
+            self.0.lock().push(Instant::now());
+        }
+    }
+
+    #[test]
+    fn every_sleep_is_woken_once_and_not_before_its_deadline() {
+        // Deadlines 0-40 µs apart, registered back to back from this thread: many are due
+        // while later ones register, so both the registrations and the timer thread deliver
+        // them. Whoever does, each task is woken exactly once, at or after its deadline.
+        let mut sleeps = Vec::new();
+        let start = Instant::now();
+        for i in 0..2000u32 {
+            let stamps = Arc::new(StampWaker(Mutex::new(Vec::new())));
+            let waker = Waker::from(stamps.clone());
+            let mut s = sleep(Duration::from_micros(u64::from(i % 41)));
+            if Pin::new(&mut s)
+                .poll(&mut Context::from_waker(&waker))
+                .is_pending()
+            {
+                sleeps.push((s, stamps));
+            }
+        }
+        for (s, stamps) in &sleeps {
+            while stamps.0.lock().is_empty() {
+                assert!(start.elapsed() < Duration::from_secs(10), "never woken");
+                thread::yield_now();
+            }
+            let woken = stamps.0.lock()[0];
+            assert!(woken >= s.deadline(), "woken before its deadline");
+        }
+        // Late duplicate deliveries would show up after a moment.
+        thread::sleep(Duration::from_millis(2));
+        for (_, stamps) in &sleeps {
+            assert_eq!(stamps.0.lock().len(), 1, "woken more than once");
+        }
     }
 
     /// Held by the tests that measure time, so that they do not load the machine for each other.
