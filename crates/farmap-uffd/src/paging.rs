@@ -728,6 +728,10 @@ impl Pager {
         let mut budget = 2 * st.active.len() + 1;
         while done < n && budget > 0 {
             budget -= 1;
+            // A batch moves hundreds of chunks: let a waiting fault take the lock between
+            // two of them (each victim is handled whole under the lock), rather than hold
+            // it for milliseconds.
+            parking_lot::MutexGuard::bump(&mut st);
             let Some(i) = st.active.pop_front() else {
                 break;
             };

@@ -42,7 +42,7 @@ use farmap::net::{serve, ClientOptions, ListenAddr, Listener, RemoteAddr, Remote
 use farmap::pipeline::PushOptions;
 use farmap::store::MemoryStore;
 use farmap::{Geometry, Store};
-use farmap_uffd::{LocalLimit, PagingOptions, Region, RegionOptions, RegionStats};
+use farmap_uffd::{FaultWait, LocalLimit, PagingOptions, Region, RegionOptions, RegionStats};
 use serde::Serialize;
 
 use super::net::Link;
@@ -150,6 +150,11 @@ pub struct PagingArgs {
     /// The farmap region's chunk size (the kernel swaps 4 KiB pages).
     #[arg(long, default_value = "64KiB", value_parser = parse_size_arg)]
     chunk: u64,
+    /// Let farmap's fault reader poll for this long (e.g. 50us) after each batch before it
+    /// sleeps, with idle-priority companions keeping the CPUs awake (the fault path for VMs;
+    /// see `farmap bench uffd --poll`). Default: the reader sleeps.
+    #[arg(long, value_name = "DURATION", value_parser = parse_duration)]
+    poll: Option<Duration>,
     /// Timed accesses in all, split between the threads.
     #[arg(long, default_value_t = 200_000, conflicts_with = "runtime",
           value_parser = clap::value_parser!(u64).range(1..))]
@@ -211,6 +216,14 @@ struct Row {
     limit_bytes: u64,
     /// farmap: faults served by moving a staged chunk back.
     staged_refaults: Option<u64>,
+    /// farmap: how its fault reader waits (`sleep` or `poll`, `--poll`).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    fault_path: Option<&'static str>,
+    /// farmap: fault messages its reader found while polling, and after sleeping.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    faults_polled: Option<u64>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    faults_slept: Option<u64>,
     majflt: Option<u64>,
     minflt: Option<u64>,
     /// kernel-swap: attempts the OOM killer ended before this one (each run again).
@@ -280,8 +293,10 @@ fn run_farmap(
     config: &AppConfig,
     store: Arc<dyn Store>,
     local: Option<f64>,
+    poll: Option<Duration>,
 ) -> anyhow::Result<FarmapRun> {
     let opts = RegionOptions {
+        fault_wait: poll.map_or(FaultWait::Sleep, FaultWait::Poll),
         push: PushOptions {
             interval: None,
             ..PushOptions::default()
@@ -337,7 +352,7 @@ impl Bench {
             .handle
             .block_on(FarmapStore::open(kind, g, rtt))
             .context("setting up the store")?;
-        let run = run_farmap(config, store.store.clone(), local);
+        let run = run_farmap(config, store.store.clone(), local, self.args.poll);
         self.handle.block_on(store.close());
         run
     }
@@ -395,6 +410,9 @@ impl Bench {
             unlimited_runtime_ms: unlimited_ms,
             limit_bytes,
             staged_refaults: None,
+            fault_path: None,
+            faults_polled: None,
+            faults_slept: None,
             majflt: None,
             minflt: None,
             oom_kills: None,
@@ -417,6 +435,13 @@ impl Bench {
         row.evictions_reactive = a.evictions_reactive - b.evictions_reactive;
         row.evictions_proactive = a.evictions_proactive - b.evictions_proactive;
         row.staged_refaults = Some(a.staged_refaults - b.staged_refaults);
+        row.fault_path = Some(if self.args.poll.is_some() {
+            "poll"
+        } else {
+            "sleep"
+        });
+        row.faults_polled = Some(run.after.faults_polled - run.before.faults_polled);
+        row.faults_slept = Some(run.after.faults_slept - run.before.faults_slept);
         row
     }
 
