@@ -131,7 +131,8 @@ pub mod uffd;
 
 pub use error::{RegionError, Unsupported};
 pub use options::{
-    FaultWait, LocalLimit, PagingOptions, RegionMode, RegionOptions, TrackingMode, WriteTracking,
+    FaultWait, LocalLimit, PagingOptions, Prefetch, RegionMode, RegionOptions, TrackingMode,
+    WriteTracking,
 };
 pub use region::{probe, Region, Support};
 pub use shared_map::SharedMapping;

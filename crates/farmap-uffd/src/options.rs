@@ -129,6 +129,53 @@ pub struct PagingOptions {
     /// instead of reading the store. A chunk leaves the zero state for good once it has
     /// been written back.
     pub fresh: bool,
+    /// Per-thread sequential prefetch.
+    pub prefetch: Prefetch,
+}
+
+/// Prefetch of a bounded region (see the paging module's documentation).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum Prefetch {
+    /// Only what faults asks for is fetched.
+    #[default]
+    Off,
+    /// Each faulting thread (told apart by `UFFD_FEATURE_THREAD_ID`) has a window that
+    /// doubles on every fault at the chunk after its previous fault's window, up to
+    /// `max_chunks`, and closes on any other fault; the window's chunks after the faulting
+    /// one are fetched once the faulting thread is woken, while there is room below the limit.
+    Sequential {
+        /// The largest window, in chunks (at least 1).
+        max_chunks: u32,
+    },
+}
+
+impl Prefetch {
+    /// `off`, or `seq:MAX`.
+    pub fn name(self) -> String {
+        match self {
+            Prefetch::Off => "off".to_string(),
+            Prefetch::Sequential { max_chunks } => format!("seq:{max_chunks}"),
+        }
+    }
+}
+
+impl std::str::FromStr for Prefetch {
+    type Err = String;
+
+    /// `off`, `seq` (a window of at most 32 chunks) or `seq:MAX`.
+    fn from_str(s: &str) -> Result<Self, String> {
+        match s.split_once(':') {
+            None if s == "off" => Ok(Prefetch::Off),
+            None if s == "seq" => Ok(Prefetch::Sequential { max_chunks: 32 }),
+            Some(("seq", max)) => match max.parse::<u32>() {
+                Ok(m) if (1..=4096).contains(&m) => Ok(Prefetch::Sequential { max_chunks: m }),
+                _ => Err(format!(
+                    "{s:?}: the window is a number of chunks from 1 to 4096 (seq:32)"
+                )),
+            },
+            _ => Err(format!("{s:?} is not off, seq or seq:MAX")),
+        }
+    }
 }
 
 impl PagingOptions {
@@ -139,6 +186,7 @@ impl PagingOptions {
             min_free: None,
             proactive: true,
             fresh: false,
+            prefetch: Prefetch::Off,
         }
     }
 }

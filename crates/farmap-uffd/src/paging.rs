@@ -83,7 +83,7 @@
 //! The managed mode's background pull (it would fill the region past the limit), hand-over
 //! of fault handling to another process, and synchronous write tracking.
 
-use std::collections::VecDeque;
+use std::collections::{HashMap, VecDeque};
 use std::fmt;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, OnceLock, Weak};
@@ -97,6 +97,7 @@ use tokio::sync::Notify;
 
 use crate::mapping::Mapping;
 use crate::memory::Events;
+use crate::options::Prefetch;
 use crate::pagemap::Pagemap;
 use crate::server::RegionCache;
 use crate::stats::Counters;
@@ -136,6 +137,8 @@ struct State {
     /// `staged_epoch` is older is in the store, and its slot can be dropped.
     written_back: Vec<u64>,
     referenced: Vec<bool>,
+    /// Fetched ahead of faults and not yet found used.
+    prefetched: Vec<bool>,
     /// Pushes reading the chunk out of the region now: it is not deactivated meanwhile.
     pins: Vec<u32>,
     active: VecDeque<u64>,
@@ -178,7 +181,27 @@ pub(crate) struct PagingCounters {
     pub partial_moves: AtomicU64,
     pub pushes_from_store: AtomicU64,
     pub zero_fills: AtomicU64,
+    pub prefetched: AtomicU64,
+    pub prefetch_hits: AtomicU64,
+    pub prefetch_wasted: AtomicU64,
 }
+
+/// A faulting thread's sequential stream (prefetch).
+#[derive(Debug, Clone, Copy, Default)]
+struct Stream {
+    /// The chunk whose fault would continue the stream.
+    next: Option<u64>,
+    /// The window, in chunks (0: closed).
+    window: u64,
+    /// The chunks prefetched for this window: `next - pending .. next`.
+    pending: u64,
+    /// A fault inside the window has already extended it.
+    extended: bool,
+}
+
+/// Threads whose streams are remembered at most (a process that churns through threads
+/// forgets them all and starts over).
+const MAX_STREAMS: usize = 4096;
 
 /// Where a push finds a chunk's content (see [`Pager::read_for_push`]).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -215,6 +238,9 @@ pub(crate) struct Pager {
     limit: AtomicU64,
     min_free: AtomicU64,
     min_free_auto: bool,
+    prefetch: Prefetch,
+    /// Each faulting thread's sequential stream, by thread id.
+    streams: Mutex<HashMap<u32, Stream>>,
     cache: OnceLock<Weak<RegionCache>>,
     write_back: OnceLock<WriteBackFn>,
     mark: OnceLock<MarkFn>,
@@ -241,6 +267,7 @@ impl Pager {
         limit: u64,
         min_free: Option<u64>,
         fresh: bool,
+        prefetch: Prefetch,
         region_counters: Arc<Counters>,
     ) -> std::io::Result<Pager> {
         let n = geometry.chunk_count() as usize;
@@ -272,6 +299,7 @@ impl Pager {
                 staged_epoch: vec![0; n],
                 written_back: vec![0; n],
                 referenced: vec![false; n],
+                prefetched: vec![false; n],
                 pins: vec![0; n],
                 active: VecDeque::new(),
                 staged: VecDeque::new(),
@@ -281,6 +309,8 @@ impl Pager {
             limit: AtomicU64::new(limit),
             min_free: AtomicU64::new(min_free.unwrap_or_else(|| auto_min_free(limit))),
             min_free_auto: min_free.is_none(),
+            prefetch,
+            streams: Mutex::new(HashMap::new()),
             cache: OnceLock::new(),
             write_back: OnceLock::new(),
             mark: OnceLock::new(),
@@ -493,6 +523,7 @@ impl Pager {
                 st.active.push_back(idx.0);
             } else {
                 st.chunk[i] = if zero { St::Zero } else { St::Remote };
+                st.prefetched[i] = false;
                 if new {
                     st.resident -= 1;
                     drop(st);
@@ -649,6 +680,99 @@ impl Pager {
         }
     }
 
+    /// After thread `tid`'s fault at chunk `idx` was served: moves its sequential stream on
+    /// and admits the chunks to prefetch (marked fetching and prefetched; the caller fetches
+    /// each and calls [`fetched`](Self::fetched)), as `(chunk, zero)` where `zero` says the
+    /// chunk is to be filled with zero pages rather than read. Empty without prefetch.
+    ///
+    /// A fault at the chunk after the thread's last window doubles the window (up to the
+    /// maximum) and counts the last window's chunks still marked prefetched as hits; the
+    /// first fault inside the window (the thread caught up with chunks still being fetched)
+    /// extends it by as much again, ahead of the thread; any other fault closes it. Chunks already local are skipped; admission stops at the limit
+    /// (prefetch never overcommits nor waits for room; it wakes the reclaim thread instead).
+    pub fn prefetch_after(&self, tid: u32, idx: ChunkIdx) -> Vec<(ChunkIdx, bool)> {
+        let Prefetch::Sequential { max_chunks } = self.prefetch else {
+            return Vec::new();
+        };
+        let count = self.geometry.chunk_count();
+        let (confirm, start, window, extend) = {
+            let mut streams = self.streams.lock();
+            if streams.len() >= MAX_STREAMS && !streams.contains_key(&tid) {
+                streams.clear();
+            }
+            let s = streams.entry(tid).or_default();
+            let sequential = s.next == Some(idx.0);
+            // A fault inside the window: a prefetched chunk still being fetched (the thread
+            // is woken before its window is fetched, and catches up with it). The thread is
+            // that close behind: extend the window once by as much again, ahead of it.
+            let inside = s
+                .next
+                .filter(|&next| !sequential && idx.0 < next && idx.0 >= next - s.pending);
+            if let Some(next) = inside {
+                if s.extended || next >= count {
+                    return Vec::new();
+                }
+                s.extended = true;
+                (0..0, next, s.window.min(count - next), true)
+            } else {
+                let confirm = if sequential {
+                    idx.0 - s.pending..idx.0
+                } else {
+                    0..0
+                };
+                s.window = if sequential {
+                    (s.window * 2).clamp(1, u64::from(max_chunks.max(1)))
+                } else {
+                    0
+                };
+                s.extended = false;
+                (confirm, idx.0 + 1, s.window.min(count - 1 - idx.0), false)
+            }
+        };
+        let mut st = self.state.lock();
+        let mut used = 0;
+        for i in confirm {
+            used += u64::from(std::mem::take(&mut st.prefetched[i as usize]));
+        }
+        Counters::add(&self.counters.prefetch_hits, used);
+        let limit = self.limit();
+        let mut admitted = Vec::new();
+        // The chunks after `idx` that are local or admitted now: the window as it stands
+        // (it ends early at the limit, and the next fault after it continues the stream).
+        let mut covered = 0;
+        for i in start..start + window {
+            let iu = i as usize;
+            let zero = match st.chunk[iu] {
+                St::Remote => false,
+                St::Zero => true,
+                _ => {
+                    covered += 1;
+                    continue;
+                }
+            };
+            if st.resident >= limit {
+                self.kick();
+                break;
+            }
+            st.resident += 1;
+            st.chunk[iu] = St::Fetching { new: true, zero };
+            st.prefetched[iu] = true;
+            self.evict_from_cache(ChunkIdx(i));
+            admitted.push((ChunkIdx(i), zero));
+            covered += 1;
+        }
+        if limit.saturating_sub(st.resident) < self.low_water() {
+            self.kick();
+        }
+        drop(st);
+        if let Some(s) = self.streams.lock().get_mut(&tid) {
+            s.pending = if extend { s.pending + covered } else { covered };
+            s.next = Some(start + covered);
+        }
+        Counters::add(&self.counters.prefetched, admitted.len() as u64);
+        admitted
+    }
+
     /// Pages of chunk `i`'s staging slot present in memory.
     fn slot_pages(&self, i: u64) -> usize {
         let (off, len) = self.chunk_span(i);
@@ -779,6 +903,9 @@ impl Pager {
                 }
             };
             if moved {
+                if std::mem::take(&mut st.prefetched[iu]) {
+                    Counters::add(&self.counters.prefetch_wasted, 1);
+                }
                 st.chunk[iu] = St::Staged;
                 st.slot_busy[iu] = true;
                 st.staged_epoch[iu] = st.epoch;
@@ -816,11 +943,16 @@ impl Pager {
             return;
         }
         let mut st = self.state.lock();
+        let mut used = 0;
         for i in hits {
             if let Some(r) = st.referenced.get_mut(i as usize) {
                 *r = true;
             }
+            if let Some(p) = st.prefetched.get_mut(i as usize) {
+                used += u64::from(std::mem::take(p));
+            }
         }
+        Counters::add(&self.counters.prefetch_hits, used);
     }
 
     /// Drops up to `n` staged chunks already in the store (oldest first); returns how many.

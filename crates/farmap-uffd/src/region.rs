@@ -243,8 +243,12 @@ impl Region {
             }
         }
         let mut features = sys::UFFD_FEATURE_EVENT_REMOVE;
-        if paging.is_some() {
+        if let Some(p) = &paging {
             features |= sys::UFFD_FEATURE_MOVE;
+            if p.prefetch != crate::Prefetch::Off {
+                // The faulting thread's id, for per-thread prefetch windows.
+                features |= sys::UFFD_FEATURE_THREAD_ID;
+            }
         }
         if mode == TrackingMode::Async {
             features |= sys::UFFD_FEATURE_WP_ASYNC | sys::UFFD_FEATURE_WP_UNPOPULATED;
@@ -304,6 +308,7 @@ impl Region {
                         limit,
                         p.min_free,
                         p.fresh,
+                        p.prefetch,
                         counters.clone(),
                     )
                     .map_err(|e| RegionError::sys("opening pagemap", e))?,
@@ -584,6 +589,9 @@ impl Region {
                     partial_moves: Counters::get(&pc.partial_moves),
                     pushes_from_store: Counters::get(&pc.pushes_from_store),
                     zero_fills: Counters::get(&pc.zero_fills),
+                    prefetched: Counters::get(&pc.prefetched),
+                    prefetch_hits: Counters::get(&pc.prefetch_hits),
+                    prefetch_wasted: Counters::get(&pc.prefetch_wasted),
                 }
             }),
             last_error,

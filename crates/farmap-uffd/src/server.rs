@@ -181,7 +181,8 @@ impl Server {
             let fut: FaultFuture = if m.arg0 & sys::UFFD_PAGEFAULT_FLAG_WP != 0 {
                 Box::pin(self.clone().write_fault(page))
             } else {
-                Box::pin(self.clone().missing_fault(page))
+                // The faulting thread's id (0 unless UFFD_FEATURE_THREAD_ID is on).
+                Box::pin(self.clone().missing_fault(page, m.arg2 as u32))
             };
             run_inline_or_spawn(fut, rt, &self.counters);
         }
@@ -216,11 +217,17 @@ impl Server {
     }
 
     /// A missing-page fault at `page` (offset in the region).
-    async fn missing_fault(self: Arc<Self>, page: usize) {
+    async fn missing_fault(self: Arc<Self>, page: usize, tid: u32) {
         Counters::add(&self.counters.faults, 1);
         let idx = self.geometry.chunk_of(page as u64);
         if let Some(pager) = self.pager.clone() {
-            return self.paged_fault(&pager, idx, page).await;
+            self.paged_fault(&pager, idx, page).await;
+            // The faulting thread is woken: fetch what its stream will touch next.
+            let ahead = pager.prefetch_after(tid, idx);
+            if !ahead.is_empty() {
+                tokio::spawn(self.clone().prefetch(pager, ahead));
+            }
+            return;
         }
         if let Some(puller) = self.puller.read().as_ref() {
             let last = (idx.0 + self.readahead).min(self.geometry.chunk_count() - 1);
@@ -278,49 +285,87 @@ impl Server {
                     overcommit = !pager.make_room().await;
                 }
                 Admit::Zero => {
-                    let filled = loop {
-                        let seen = self.events.current();
-                        match pager.fill_zero(idx) {
-                            Err(libc::EAGAIN) => self.events.wait_past(seen).await,
-                            r => break r,
-                        }
-                    };
-                    pager.fetched(idx, filled.is_ok());
-                    if let Err(e) = filled {
+                    if let Err(e) = self.zero_fill(pager, idx).await {
                         self.counters.error(format!(
                             "filling never-written chunk {idx} with zero pages: {}",
                             io::Error::from_raw_os_error(e)
                         ));
-                        // Its waiters fault again and try again.
-                        let off = self.geometry.offset_of(idx) as usize;
-                        let _ = self.range.wake(off, self.geometry.chunk_len(idx));
                     }
                     return;
                 }
                 Admit::Fetch => {
-                    // Straight from the store into the region's missing pages: the pager's
-                    // state already makes this the only fetch of the chunk, and the cache's
-                    // presence map does not know about moves.
-                    let (store, memory) = (self.cache.remote(), self.cache.local());
-                    let fetched = retry(self.fetch_retry, || async {
-                        let data = store.read(idx).await?;
-                        memory.write(idx, data).await
-                    })
-                    .await;
-                    pager.fetched(idx, fetched.is_ok());
-                    if let Err(e) = fetched {
+                    if let Err(e) = self.fetch_paged(pager, idx).await {
                         self.counters.error(farmap_core::error_chain(&e));
                         self.poison(page).await;
-                        // Other threads may wait on other pages of the chunk (their faults
-                        // were told the fetch was in flight): wake them, so that they fault
-                        // again and fetch it themselves.
-                        let off = self.geometry.offset_of(idx) as usize;
-                        let _ = self.range.wake(off, self.geometry.chunk_len(idx));
                     }
                     return;
                 }
             }
         }
+    }
+
+    /// Fills chunk `idx`, admitted as zero by the pager, with zero pages, and tells the
+    /// pager. On an error its waiters are woken: they fault again and try again.
+    async fn zero_fill(&self, pager: &Pager, idx: ChunkIdx) -> Result<(), i32> {
+        let filled = loop {
+            let seen = self.events.current();
+            match pager.fill_zero(idx) {
+                Err(libc::EAGAIN) => self.events.wait_past(seen).await,
+                r => break r,
+            }
+        };
+        pager.fetched(idx, filled.is_ok());
+        if filled.is_err() {
+            let off = self.geometry.offset_of(idx) as usize;
+            let _ = self.range.wake(off, self.geometry.chunk_len(idx));
+        }
+        filled
+    }
+
+    /// Fetches chunk `idx`, admitted by the pager, straight from the store into the region's
+    /// missing pages (the pager's state already makes this the only fetch of the chunk, and
+    /// the cache's presence map does not know about moves), and tells the pager. On an error
+    /// the threads waiting on its pages (told the fetch was in flight) are woken, so that
+    /// they fault again and fetch it themselves.
+    async fn fetch_paged(&self, pager: &Pager, idx: ChunkIdx) -> farmap_core::StoreResult<()> {
+        let (store, memory) = (self.cache.remote(), self.cache.local());
+        let fetched = retry(self.fetch_retry, || async {
+            let data = store.read(idx).await?;
+            memory.write(idx, data).await
+        })
+        .await;
+        pager.fetched(idx, fetched.is_ok());
+        if fetched.is_err() {
+            let off = self.geometry.offset_of(idx) as usize;
+            let _ = self.range.wake(off, self.geometry.chunk_len(idx));
+        }
+        fetched
+    }
+
+    /// Fetches (or zero-fills) the chunks [`Pager::prefetch_after`] admitted, all at once.
+    /// A failure only counts an error: a thread that touches the chunk later faults and
+    /// fetches it again.
+    async fn prefetch(self: Arc<Self>, pager: Arc<Pager>, chunks: Vec<(ChunkIdx, bool)>) {
+        let mut tasks = tokio::task::JoinSet::new();
+        for (idx, zero) in chunks {
+            let (me, pager) = (self.clone(), pager.clone());
+            tasks.spawn(async move {
+                if zero {
+                    if let Err(e) = me.zero_fill(&pager, idx).await {
+                        me.counters.error(format!(
+                            "prefetching never-written chunk {idx} (zero pages): {}",
+                            io::Error::from_raw_os_error(e)
+                        ));
+                    }
+                } else if let Err(e) = me.fetch_paged(&pager, idx).await {
+                    me.counters.error(format!(
+                        "prefetching {idx}: {}",
+                        farmap_core::error_chain(&e)
+                    ));
+                }
+            });
+        }
+        while tasks.join_next().await.is_some() {}
     }
 
     /// The fetch for a fault failed for good: poison the page, so that the faulting thread

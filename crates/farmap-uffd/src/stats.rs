@@ -135,6 +135,14 @@ pub struct PagingStats {
     pub pushes_from_store: u64,
     /// Never-written chunks filled with zero pages on their first touch (no store read).
     pub zero_fills: u64,
+    /// Chunks fetched ahead of a thread's sequential faults (`Prefetch::Sequential`).
+    pub prefetched: u64,
+    /// Prefetched chunks that were used: the thread's next sequential fault went past them,
+    /// or they were found written.
+    pub prefetch_hits: u64,
+    /// Prefetched chunks evicted without having been found used (a chunk only read, and
+    /// not followed by a sequential fault, counts here too: reads leave no trace).
+    pub prefetch_wasted: u64,
 }
 
 /// What [`Region::take_dirty`](crate::Region::take_dirty) found: the pages written since the

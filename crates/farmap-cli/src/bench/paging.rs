@@ -42,7 +42,9 @@ use farmap::net::{serve, ClientOptions, ListenAddr, Listener, RemoteAddr, Remote
 use farmap::pipeline::PushOptions;
 use farmap::store::MemoryStore;
 use farmap::{Geometry, Store};
-use farmap_uffd::{FaultWait, LocalLimit, PagingOptions, Region, RegionOptions, RegionStats};
+use farmap_uffd::{
+    FaultWait, LocalLimit, PagingOptions, Prefetch, Region, RegionOptions, RegionStats,
+};
 use serde::Serialize;
 
 use super::net::Link;
@@ -80,29 +82,8 @@ pub enum System {
     KernelSwap,
 }
 
-/// farmap's prefetch setting.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Prefetch {
-    Off,
-}
-
-impl Prefetch {
-    fn name(self) -> String {
-        match self {
-            Prefetch::Off => "off".to_owned(),
-        }
-    }
-}
-
 fn parse_prefetch(s: &str) -> Result<Prefetch, String> {
-    match s {
-        "off" => Ok(Prefetch::Off),
-        s if s == "seq" || s.starts_with("seq:") => Err(format!(
-            "--prefetch {s}: this build's userfaultfd regions have no prefetch yet \
-             (issue 16); only `off` is accepted"
-        )),
-        s => Err(format!("--prefetch {s:?}: expected off or seq[:MAX]")),
-    }
+    s.parse::<Prefetch>().map_err(|e| format!("--prefetch {e}"))
 }
 
 /// `30%` or `30`: a share of the size in (0, 100].
@@ -199,6 +180,9 @@ struct Row {
     evictions_proactive: u64,
     prefetch_hits: u64,
     prefetch_wasted: u64,
+    /// farmap: chunks fetched ahead of faults.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    prefetched: Option<u64>,
     verified: bool,
     /// The farmap region's store (`memory`, `remote`); `none` for kernel-swap.
     store: &'static str,
@@ -294,6 +278,7 @@ fn run_farmap(
     store: Arc<dyn Store>,
     local: Option<f64>,
     poll: Option<Duration>,
+    prefetch: Prefetch,
 ) -> anyhow::Result<FarmapRun> {
     let opts = RegionOptions {
         fault_wait: poll.map_or(FaultWait::Sleep, FaultWait::Poll),
@@ -301,7 +286,10 @@ fn run_farmap(
             interval: None,
             ..PushOptions::default()
         },
-        paging: local.map(|p| PagingOptions::new(LocalLimit::Percent(p))),
+        paging: local.map(|p| PagingOptions {
+            prefetch,
+            ..PagingOptions::new(LocalLimit::Percent(p))
+        }),
         ..RegionOptions::direct()
     };
     let region = Region::open(store, opts).context("opening the farmap region")?;
@@ -352,7 +340,13 @@ impl Bench {
             .handle
             .block_on(FarmapStore::open(kind, g, rtt))
             .context("setting up the store")?;
-        let run = run_farmap(config, store.store.clone(), local, self.args.poll);
+        let run = run_farmap(
+            config,
+            store.store.clone(),
+            local,
+            self.args.poll,
+            self.args.prefetch,
+        );
         self.handle.block_on(store.close());
         run
     }
@@ -398,6 +392,7 @@ impl Bench {
             evictions_proactive: 0,
             prefetch_hits: 0,
             prefetch_wasted: 0,
+            prefetched: None,
             verified: report.verified,
             store,
             rtt_ms,
@@ -435,6 +430,9 @@ impl Bench {
         row.evictions_reactive = a.evictions_reactive - b.evictions_reactive;
         row.evictions_proactive = a.evictions_proactive - b.evictions_proactive;
         row.staged_refaults = Some(a.staged_refaults - b.staged_refaults);
+        row.prefetch_hits = a.prefetch_hits - b.prefetch_hits;
+        row.prefetch_wasted = a.prefetch_wasted - b.prefetch_wasted;
+        row.prefetched = Some(a.prefetched - b.prefetched);
         row.fault_path = Some(if self.args.poll.is_some() {
             "poll"
         } else {
@@ -656,11 +654,16 @@ mod tests {
         assert!(parse_percent("0%").is_err());
         assert!(parse_percent("120%").is_err());
         assert_eq!(parse_prefetch("off").unwrap(), Prefetch::Off);
-        assert!(parse_prefetch("seq:8")
+        assert_eq!(
+            parse_prefetch("seq:8").unwrap(),
+            Prefetch::Sequential { max_chunks: 8 }
+        );
+        assert_eq!(parse_prefetch("seq").unwrap().name(), "seq:32");
+        assert!(parse_prefetch("seq:0")
             .unwrap_err()
-            .contains("no prefetch yet"));
+            .contains("from 1 to 4096"));
         assert!(parse_prefetch("bogus")
             .unwrap_err()
-            .contains("expected off"));
+            .contains("is not off, seq or seq:MAX"));
     }
 }
