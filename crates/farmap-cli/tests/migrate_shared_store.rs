@@ -7,10 +7,12 @@
 //! - the source, released after the hand-over, synced its region to Redis, and a fresh
 //!   client reads from Redis exactly the image at the hand-over's op count.
 
-use std::io::{BufRead, BufReader, Write};
+use std::io::Write;
 use std::process::{Child, ChildStdin, Command, Stdio};
 use std::sync::mpsc;
 use std::time::{Duration, Instant};
+
+mod common;
 
 use farmap_testkit::{skip, Service};
 use serde_json::Value;
@@ -27,19 +29,6 @@ struct Proc {
     seen_err: Vec<String>,
 }
 
-fn collect(r: impl std::io::Read + Send + 'static, tag: String) -> mpsc::Receiver<String> {
-    let (tx, rx) = mpsc::channel();
-    std::thread::spawn(move || {
-        for l in BufReader::new(r).lines().map_while(Result::ok) {
-            eprintln!("[{tag}] {l}");
-            if tx.send(l).is_err() {
-                return;
-            }
-        }
-    });
-    rx
-}
-
 impl Proc {
     fn spawn(name: &'static str, args: &[&str]) -> Proc {
         let mut child = Command::new(env!("CARGO_BIN_EXE_farmap"))
@@ -52,8 +41,8 @@ impl Proc {
         Proc {
             name,
             stdin: child.stdin.take().unwrap(),
-            out: collect(child.stdout.take().unwrap(), format!("{name} out")),
-            err: collect(child.stderr.take().unwrap(), format!("{name} err")),
+            out: common::lines(child.stdout.take().unwrap(), Some(format!("{name} out"))),
+            err: common::lines(child.stderr.take().unwrap(), Some(format!("{name} err"))),
             child,
             seen_err: Vec::new(),
         }
@@ -61,19 +50,7 @@ impl Proc {
 
     /// The next stdout JSON line whose `event` is `event`.
     fn event(&mut self, event: &str) -> Value {
-        let deadline = Instant::now() + WAIT;
-        loop {
-            let left = deadline.saturating_duration_since(Instant::now());
-            let l = self
-                .out
-                .recv_timeout(left)
-                .unwrap_or_else(|e| panic!("{}: no '{event}' event ({e})", self.name));
-            if let Ok(v) = serde_json::from_str::<Value>(&l) {
-                if v["event"] == event {
-                    return v;
-                }
-            }
-        }
+        common::next_event(&self.out, event, self.name, WAIT)
     }
 
     fn send(&mut self, line: &str) {

@@ -5,13 +5,15 @@
 //! must come down to it and stay there, and the region must still hold exactly what the
 //! writer wrote. Bad input is refused with a clear message and a non-zero exit.
 
-use std::io::{BufRead, BufReader, Write};
+use std::io::Write;
 use std::path::{Path, PathBuf};
 use std::process::{Child, ChildStdin, Command, Output, Stdio};
 use std::sync::mpsc;
 use std::time::{Duration, Instant};
 
 use serde_json::Value;
+
+mod common;
 
 const KIB: u64 = 1 << 10;
 const MIB: u64 = 1 << 20;
@@ -103,15 +105,7 @@ impl Node {
             .stdout(Stdio::piped())
             .spawn()
             .expect("start farmap __demo-node");
-        let (tx, out) = mpsc::channel();
-        let stdout = child.stdout.take().unwrap();
-        std::thread::spawn(move || {
-            for l in BufReader::new(stdout).lines().map_while(Result::ok) {
-                if tx.send(l).is_err() {
-                    return;
-                }
-            }
-        });
+        let out = common::lines(child.stdout.take().unwrap(), None);
         let mut node = Node {
             stdin: child.stdin.take().unwrap(),
             child,
@@ -127,19 +121,7 @@ impl Node {
     }
 
     fn event(&mut self, event: &str) -> Value {
-        let deadline = Instant::now() + WAIT;
-        loop {
-            let left = deadline.saturating_duration_since(Instant::now());
-            let l = self
-                .out
-                .recv_timeout(left)
-                .unwrap_or_else(|e| panic!("no '{event}' from the node ({e})"));
-            if let Ok(v) = serde_json::from_str::<Value>(&l) {
-                if v["event"] == event {
-                    return v;
-                }
-            }
-        }
+        common::next_event(&self.out, event, "the node", WAIT)
     }
 
     /// Pauses the writer and compares the whole region with the image recomputed from its

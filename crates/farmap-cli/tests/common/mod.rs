@@ -62,3 +62,46 @@ pub fn pki(dir: &Path) -> [String; 5] {
         client_key,
     ]
 }
+
+/// The lines of `r` (a child's stdout or stderr), read to the end on a thread of their own
+/// (so the child never blocks on a full pipe); with `tag`, each is also echoed to stderr
+/// as `[tag] line`.
+pub fn lines(
+    r: impl std::io::Read + Send + 'static,
+    tag: Option<String>,
+) -> std::sync::mpsc::Receiver<String> {
+    let (tx, rx) = std::sync::mpsc::channel();
+    std::thread::spawn(move || {
+        for l in BufReader::new(r).lines().map_while(Result::ok) {
+            if let Some(tag) = &tag {
+                eprintln!("[{tag}] {l}");
+            }
+            if tx.send(l).is_err() {
+                return;
+            }
+        }
+    });
+    rx
+}
+
+/// The next line of `out` that is a JSON object whose `event` is `event`, skipping the
+/// others; panics naming `who` if none comes within `wait`.
+pub fn next_event(
+    out: &std::sync::mpsc::Receiver<String>,
+    event: &str,
+    who: &str,
+    wait: std::time::Duration,
+) -> serde_json::Value {
+    let deadline = std::time::Instant::now() + wait;
+    loop {
+        let left = deadline.saturating_duration_since(std::time::Instant::now());
+        let l = out
+            .recv_timeout(left)
+            .unwrap_or_else(|e| panic!("{who}: no '{event}' event ({e})"));
+        if let Ok(v) = serde_json::from_str::<serde_json::Value>(&l) {
+            if v["event"] == event {
+                return v;
+            }
+        }
+    }
+}
