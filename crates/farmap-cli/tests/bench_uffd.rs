@@ -136,3 +136,66 @@ fn bench_uffd_refuses_a_region_too_small_to_measure() {
         String::from_utf8_lossy(&out.stderr)
     );
 }
+
+/// `refault-staged`, served by the reader and then in the faulting thread: one row each,
+/// every timed re-fault counted on the path the flag chose.
+#[test]
+fn bench_uffd_refault_staged_says_which_path_served() {
+    let test = "bench_uffd_refault_staged_says_which_path_served";
+    match farmap_uffd::probe() {
+        Err(e) => {
+            farmap_testkit::skip(test, format_args!("userfaultfd is not usable here: {e}"));
+            return;
+        }
+        Ok(s) if s.features & farmap_uffd::sys::UFFD_FEATURE_MOVE == 0 => {
+            farmap_testkit::skip(test, "the kernel lacks UFFDIO_MOVE");
+            return;
+        }
+        Ok(_) => {}
+    }
+    for in_thread in [false, true] {
+        let mut args = vec![
+            "bench",
+            "uffd",
+            "--json",
+            "--size",
+            "16MiB",
+            "--samples",
+            "500",
+            "--case",
+            "refault-staged",
+        ];
+        if in_thread {
+            args.push("--in-thread");
+        }
+        let out = Command::new(env!("CARGO_BIN_EXE_farmap"))
+            .args(&args)
+            .output()
+            .expect("run farmap");
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        assert!(out.status.success(), "farmap {args:?} failed: {stderr}");
+        let stdout = String::from_utf8_lossy(&out.stdout);
+        let rows: Vec<Value> = stdout
+            .lines()
+            .map(|l| serde_json::from_str(l).unwrap_or_else(|e| panic!("{e}: {l:?}")))
+            .collect();
+        assert_eq!(rows.len(), 1, "{stdout}");
+        let row = &rows[0];
+        assert_eq!(row["case"], "refault-staged", "{row}");
+        assert_eq!(row["in_thread"], in_thread, "{row}");
+        assert_eq!(row["samples"], 500, "{row}");
+        assert!(num(row, "p50_us") > 0.0 && num(row, "p50_us") <= num(row, "p99_us"));
+        let (served_in_thread, posted) =
+            (num(row, "faults_in_thread"), num(row, "faults_signalled"));
+        let by_reader = num(row, "faults_polled") + num(row, "faults_slept");
+        if in_thread {
+            assert_eq!(
+                (served_in_thread, posted, by_reader),
+                (500.0, 0.0, 0.0),
+                "{row}"
+            );
+        } else {
+            assert_eq!((served_in_thread, by_reader), (0.0, 500.0), "{row}");
+        }
+    }
+}

@@ -80,6 +80,9 @@ pub enum Unsupported {
     /// staging is unprotected; only WP_ASYNC scans see its later writes).
     #[error("bounded local memory needs asynchronous write tracking (WP_ASYNC)")]
     PagingNeedsAsync,
+    /// `UFFD_FEATURE_SIGBUS` is missing: in-thread fault resolution needs it.
+    #[error("UFFD_FEATURE_SIGBUS is missing; in-thread fault resolution needs it")]
+    Sigbus,
     /// `UFFDIO_WRITEPROTECT` is not available on anonymous memory.
     #[error("UFFDIO_WRITEPROTECT is not available on anonymous memory")]
     WriteProtect,

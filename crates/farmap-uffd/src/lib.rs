@@ -73,6 +73,13 @@
 //! [`RegionStats::faults_slept`] say which path found each fault, and
 //! [`RegionStats::handler_cpu`] what it cost. See the `polling` module (`src/polling.rs`).
 //!
+//! A bounded region can go further for its staged chunks ([`PagingOptions::in_thread`]):
+//! its userfaultfd raises `SIGBUS` in the faulting thread, whose handler moves a staged
+//! chunk back itself (one `UFFDIO_MOVE`, no other thread involved) and posts any other fault
+//! to the reader; [`RegionStats::faults_in_thread`] counts the first kind. Kernel-mode
+//! accesses to missing pages then fail with `EFAULT` rather than wait: see the `signal`
+//! module (`src/signal.rs`).
+//!
 //! # fork()
 //! The region is marked `MADV_DONTFORK`: a child process does not inherit it, and touching
 //! its addresses in the child raises SIGSEGV (rather than silently reading zeros for pages
@@ -84,7 +91,7 @@
 //! every blocked thread. See [`handover`] for the message layout.
 //!
 //! # Where the `unsafe` code is
-//! Six files, every other module is `#[forbid(unsafe_code)]`:
+//! Seven files, every other module is `#[forbid(unsafe_code)]`:
 //! - `sys.rs`: the raw kernel interface ([`sys::ioctl`], and `sys::pagemap_scan`, its safe
 //!   `PAGEMAP_SCAN` form);
 //! - `uffd.rs`: opening a userfaultfd and its ioctls ([`uffd::Uffd::register`] is the one
@@ -93,7 +100,8 @@
 //! - `slice.rs`: [`RegionSlice`], the only way safe code reaches region memory (volatile,
 //!   bounds-checked accesses);
 //! - `shared_map.rs`: [`SharedMapping`], a file or device mapped shared (the mounts' slices);
-//! - `sched.rs`: [`sched::set_thread_policy`] (`sched_setscheduler`), for work that gives way.
+//! - `sched.rs`: [`sched::set_thread_policy`] (`sched_setscheduler`), for work that gives way;
+//! - `signal.rs`: the `SIGBUS` handler of in-thread fault resolution (`sigaction`, `futex`).
 //!
 //! eventfd, poll, mmap, madvise and `SCM_RIGHTS` go through `rustix`.
 #![warn(missing_docs)]
@@ -121,6 +129,7 @@ pub mod sched;
 #[forbid(unsafe_code)]
 mod server;
 mod shared_map;
+mod signal;
 mod slice;
 #[forbid(unsafe_code)]
 mod stats;

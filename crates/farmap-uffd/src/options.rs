@@ -131,6 +131,12 @@ pub struct PagingOptions {
     pub fresh: bool,
     /// Per-thread sequential prefetch.
     pub prefetch: Prefetch,
+    /// Resolve faults on staged chunks in the faulting thread (`UFFD_FEATURE_SIGBUS`: its
+    /// `SIGBUS` handler moves the chunk back, no other thread is woken); other faults are
+    /// posted to the reader. Plain loads and stores only: a system call that touches a
+    /// missing page of the region fails with `EFAULT` instead of waiting. See the `signal`
+    /// module (`src/signal.rs`) for what else it implies.
+    pub in_thread: bool,
 }
 
 /// Prefetch of a bounded region (see the paging module's documentation).
@@ -187,6 +193,7 @@ impl PagingOptions {
             proactive: true,
             fresh: false,
             prefetch: Prefetch::Off,
+            in_thread: false,
         }
     }
 }

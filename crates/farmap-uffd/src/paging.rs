@@ -142,7 +142,16 @@ struct State {
     /// Pushes reading the chunk out of the region now: it is not deactivated meanwhile.
     pins: Vec<u32>,
     active: VecDeque<u64>,
-    staged: VecDeque<u64>,
+    /// Staged chunks, oldest first, with the id of their staging: an entry is current only
+    /// while its chunk is staged with that id (leaving the staged state removes nothing
+    /// here, so that a move back, in a signal handler too, is O(1)).
+    staged: VecDeque<(u64, u64)>,
+    /// The id of each chunk's last staging.
+    stage_id: Vec<u64>,
+    /// The last staging id given.
+    stage_seq: u64,
+    /// Chunks in the staged state.
+    n_staged: u64,
     /// Chunks counted against the limit.
     resident: u64,
     /// Bumped when a write-back starts.
@@ -168,6 +177,15 @@ pub(crate) enum Admit {
     Retry,
 }
 
+/// What a fault served in the faulting thread's signal handler came to.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum InThread {
+    /// The chunk was moved back: retry the access.
+    Done,
+    /// The reader must serve this fault.
+    Elsewhere,
+}
+
 /// The paging counters.
 #[derive(Debug, Default)]
 pub(crate) struct PagingCounters {
@@ -175,6 +193,7 @@ pub(crate) struct PagingCounters {
     pub evictions_proactive: AtomicU64,
     pub deactivations: AtomicU64,
     pub staged_refaults: AtomicU64,
+    pub staged_refaults_in_thread: AtomicU64,
     pub writebacks: AtomicU64,
     pub recovered: AtomicU64,
     pub overcommits: AtomicU64,
@@ -251,6 +270,11 @@ pub(crate) struct Pager {
     /// Wakes the reclaim thread.
     kick: (Mutex<bool>, Condvar),
     stop: AtomicBool,
+    /// Chunks moved back in a faulting thread and not write-protected yet (one bit each):
+    /// the next reclaim pass protects them, off the fault path.
+    unprotected: Vec<AtomicU64>,
+    /// Some bit of `unprotected` may be set.
+    unprotected_any: AtomicBool,
     pub counters: PagingCounters,
     region_counters: Arc<Counters>,
     trace: Option<Mutex<Vec<(u64, String)>>>,
@@ -301,8 +325,13 @@ impl Pager {
                 referenced: vec![false; n],
                 prefetched: vec![false; n],
                 pins: vec![0; n],
-                active: VecDeque::new(),
+                // Reserved so that a move back in a signal handler never allocates (one
+                // entry per chunk, plus stale duplicates of refetched chunks).
+                active: VecDeque::with_capacity(n + n / 8 + 64),
                 staged: VecDeque::new(),
+                stage_id: vec![0; n],
+                stage_seq: 0,
+                n_staged: 0,
                 resident: 0,
                 epoch: 0,
             }),
@@ -318,6 +347,8 @@ impl Pager {
             changed: Notify::new(),
             kick: (Mutex::new(false), Condvar::new()),
             stop: AtomicBool::new(false),
+            unprotected: (0..n.div_ceil(64)).map(|_| AtomicU64::new(0)).collect(),
+            unprotected_any: AtomicBool::new(false),
             counters: PagingCounters::default(),
             region_counters,
             trace: std::env::var_os("FARMAP_PAGER_TRACE").map(|_| Mutex::new(Vec::new())),
@@ -439,7 +470,7 @@ impl Pager {
     /// `(resident, staged)` chunks now.
     pub fn resident(&self) -> (u64, u64) {
         let st = self.state.lock();
-        (st.resident, st.staged.len() as u64)
+        (st.resident, st.n_staged)
     }
 
     /// Decides what a missing fault at `page` (offset in the region) of chunk `idx` does.
@@ -584,11 +615,15 @@ impl Pager {
     /// Moves staged chunk `i` back into the region, re-protects it, wakes its waiters.
     fn move_back(&self, st: &mut State, i: u64) -> Admit {
         let (off, len) = self.chunk_span(i);
-        // The region's empty entries carry write-protect markers (WP_UNPOPULATED: the
-        // tracker's scans protect holes too), and a move refuses a destination that is not
-        // empty (EEXIST). Unprotecting clears the markers.
-        let _ = self.region.write_protect(off, len, false, false);
-        let r = self.move_present(&self.staging, &self.region, off, len);
+        // One move of the whole slot first; if it stops part way, the page-by-page path
+        // below finishes it.
+        let r = match self.move_slot_back(off, len) {
+            Ok(()) => Ok(()),
+            Err(()) => {
+                let _ = self.region.write_protect(off, len, false, false);
+                self.move_present(&self.staging, &self.region, off, len)
+            }
+        };
         self.tr(i, || format!("move back {r:?}"));
         if let Err(e) = r {
             // EAGAIN: an event is pending, or a page is busy. The pages already moved stay
@@ -611,13 +646,76 @@ impl Pager {
             mark(ChunkIdx(i));
         }
         let _ = self.region.wake(off, len);
-        st.chunk[i as usize] = St::Active;
-        st.slot_busy[i as usize] = false;
-        st.referenced[i as usize] = true;
-        st.staged.retain(|&c| c != i);
-        st.active.push_back(i);
+        Self::staged_to_active(st, i);
         Counters::add(&self.counters.staged_refaults, 1);
         Admit::Done
+    }
+
+    /// Moves the pages of the staging slot at `off..off+len` back into the region with one
+    /// `UFFDIO_MOVE` (holes of the slot skipped). The region's empty entries may carry
+    /// write-protect markers (WP_UNPOPULATED: the tracker's scans protect holes too), which
+    /// a move refuses as not empty (`EEXIST`): then they are cleared and the move tried once
+    /// more. `Err` if it stopped part way (the pages moved stay in the region, and
+    /// [`move_present`](Self::move_present) finishes the rest). Async-signal-safe.
+    fn move_slot_back(&self, off: usize, len: usize) -> Result<(), ()> {
+        let mode = sys::UFFDIO_MOVE_MODE_DONTWAKE | sys::UFFDIO_MOVE_MODE_ALLOW_SRC_HOLES;
+        let mut moved = self.staging.move_to(off, &self.region, off, len, mode);
+        if let Err((0, libc::EEXIST)) = moved {
+            let _ = self.region.write_protect(off, len, false, false);
+            moved = self.staging.move_to(off, &self.region, off, len, mode);
+        }
+        moved.map(|_| ()).map_err(|_| ())
+    }
+
+    /// The state change of a move back (its pages are in the region, protected, marked).
+    fn staged_to_active(st: &mut State, i: u64) {
+        let iu = i as usize;
+        st.chunk[iu] = St::Active;
+        st.slot_busy[iu] = false;
+        st.referenced[iu] = true;
+        st.n_staged -= 1;
+        st.active.push_back(i);
+    }
+
+    /// A fault on chunk `i`, served in the faulting thread's signal handler (see the
+    /// `signal` module): a staged chunk whose slot holds all its pages is moved back with one
+    /// `UFFDIO_MOVE`, re-protected and marked dirty, and [`InThread::Done`] tells the thread to
+    /// retry its access. Anything else (another state, the lock taken, a move that stops part
+    /// way, a trace being recorded) is [`InThread::Elsewhere`]: the reader serves it, and
+    /// finishes any partial move as [`move_back`](Self::move_back) does. Async-signal-safe:
+    /// no allocation, no blocking lock.
+    pub fn move_back_in_thread(&self, i: u64) -> InThread {
+        if self.trace.is_some() {
+            return InThread::Elsewhere;
+        }
+        let Some(mut st) = self.state.try_lock() else {
+            return InThread::Elsewhere;
+        };
+        let iu = i as usize;
+        if st.chunk.get(iu) != Some(&St::Staged) || st.active.len() >= st.active.capacity() {
+            return InThread::Elsewhere;
+        }
+        let (off, len) = self.chunk_span(i);
+        if self.move_slot_back(off, len).is_err() {
+            Counters::add(&self.counters.partial_moves, 1);
+            return InThread::Elsewhere;
+        }
+        // Not write-protected here (one ioctl, a µs, off the fault path): moved pages carry
+        // no uffd-wp bit, so until the next reclaim pass protects the chunk
+        // (`protect_moved_back`) every write to it shows as written to the tracker's scans.
+        // Marked dirty now for the staged content itself.
+        self.unprotected[iu / 64].fetch_or(1 << (iu % 64), Ordering::Release);
+        self.unprotected_any.store(true, Ordering::Release);
+        if let Some(mark) = self.mark.get() {
+            mark(ChunkIdx(i));
+        }
+        Self::staged_to_active(&mut st, i);
+        drop(st);
+        // Other threads of this chunk may be waiting for it.
+        self.region.uffd().wakeups().bump();
+        Counters::add(&self.counters.staged_refaults, 1);
+        Counters::add(&self.counters.staged_refaults_in_thread, 1);
+        InThread::Done
     }
 
     /// Decides, under the state lock, where a push reads chunk `idx` (`buf` is as long as
@@ -842,7 +940,7 @@ impl Pager {
     }
 
     /// Moves up to `n` victims from the active FIFO to staging; returns how many.
-    fn deactivate(&self, n: u64) -> u64 {
+    pub fn deactivate(&self, n: u64) -> u64 {
         if n == 0 {
             return 0;
         }
@@ -909,7 +1007,11 @@ impl Pager {
                 st.chunk[iu] = St::Staged;
                 st.slot_busy[iu] = true;
                 st.staged_epoch[iu] = st.epoch;
-                st.staged.push_back(i);
+                st.stage_seq += 1;
+                let id = st.stage_seq;
+                st.stage_id[iu] = id;
+                st.n_staged += 1;
+                st.staged.push_back((i, id));
                 self.evict_from_cache(ChunkIdx(i));
                 if let Some(mark) = self.mark.get() {
                     mark(ChunkIdx(i));
@@ -924,8 +1026,33 @@ impl Pager {
         done
     }
 
+    /// Write-protects the chunks moved back in their faulting thread since the last pass, so
+    /// that their written bits (the eviction score) mean "written since", and marks each
+    /// dirty after protecting it, like [`move_back`](Self::move_back) does: a write that
+    /// landed unprotected in between is pushed. A chunk staged again meanwhile has no pages
+    /// to protect (at most write-protect markers on its holes, which a move back clears).
+    fn protect_moved_back(&self) {
+        if !self.unprotected_any.swap(false, Ordering::AcqRel) {
+            return;
+        }
+        for (w, word) in self.unprotected.iter().enumerate() {
+            let mut bits = word.swap(0, Ordering::AcqRel);
+            while bits != 0 {
+                let b = bits.trailing_zeros() as u64;
+                bits &= bits - 1;
+                let i = w as u64 * 64 + b;
+                let (off, len) = self.chunk_span(i);
+                let _ = self.region.write_protect(off, len, true, false);
+                if let Some(mark) = self.mark.get() {
+                    mark(ChunkIdx(i));
+                }
+            }
+        }
+    }
+
     /// Sets the referenced flag of chunks with written pages (a look that changes nothing).
     fn refresh_referenced(&self) {
+        self.protect_moved_back();
         let base = self.region.base();
         let shift = self.geometry.chunk_shift();
         let mut hits = Vec::new();
@@ -961,11 +1088,15 @@ impl Pager {
         {
             let mut st = self.state.lock();
             let st = &mut *st;
-            let (chunk, staged_epoch, written_back) =
-                (&mut st.chunk, &st.staged_epoch, &st.written_back);
-            st.staged.retain(|&i| {
+            let (chunk, staged_epoch, written_back, stage_id) = (
+                &mut st.chunk,
+                &st.staged_epoch,
+                &st.written_back,
+                &st.stage_id,
+            );
+            st.staged.retain(|&(i, id)| {
                 let iu = i as usize;
-                if chunk[iu] != St::Staged {
+                if chunk[iu] != St::Staged || stage_id[iu] != id {
                     return false;
                 }
                 if victims.len() as u64 >= n || staged_epoch[iu] >= written_back[iu] {
@@ -976,6 +1107,7 @@ impl Pager {
                 victims.push(i);
                 false
             });
+            st.n_staged -= victims.len() as u64;
         }
         for group in victims.chunks(self.trash_chunks.max(1)) {
             self.discard_slots(group);
@@ -1058,10 +1190,13 @@ impl Pager {
                 .staged
                 .iter()
                 .copied()
-                .filter(|&i| {
+                .filter(|&(i, id)| {
                     let iu = i as usize;
-                    st.chunk[iu] == St::Staged && st.staged_epoch[iu] >= st.written_back[iu]
+                    st.chunk[iu] == St::Staged
+                        && st.stage_id[iu] == id
+                        && st.staged_epoch[iu] >= st.written_back[iu]
                 })
+                .map(|(i, _)| i)
                 .take(n as usize)
                 .collect();
             if victims.is_empty() {
@@ -1097,7 +1232,7 @@ impl Pager {
             let (need, staged) = {
                 let st = self.state.lock();
                 let free = self.limit().saturating_sub(st.resident);
-                (target_free.saturating_sub(free), st.staged.len() as u64)
+                (target_free.saturating_sub(free), st.n_staged)
             };
             if need == 0 {
                 return total;

@@ -5,6 +5,7 @@ use std::fmt;
 use std::future::Future;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
+use std::time::Duration;
 
 use bytes::Bytes;
 use farmap_core::{ChunkIdx, Geometry, Store};
@@ -17,10 +18,11 @@ use crate::handover::Remote;
 use crate::mapping::OwnedMapping;
 use crate::memory::{Events, RegionMemory};
 use crate::options::LocalLimit;
-use crate::options::{RegionMode, RegionOptions, TrackingMode, WriteTracking};
+use crate::options::{FaultWait, RegionMode, RegionOptions, TrackingMode, WriteTracking};
 use crate::pagemap::Pagemap;
 use crate::paging::{Pager, Reclaimer};
 use crate::server::{OwnedRuntime, Reader, Server, ServerParts};
+use crate::signal::{Registration, SignalPath};
 use crate::slice::RegionSlice;
 use crate::stats::{Counters, DirtyReport, HandlerLocation, PagingStats, RegionStats};
 use crate::sys;
@@ -76,6 +78,8 @@ pub struct Region {
     mapping: OwnedMapping,
     /// The staging area of bounded local memory.
     staging: Option<OwnedMapping>,
+    /// In-thread fault resolution: the region's entry in the SIGBUS handler's registry.
+    signal: Option<Registration>,
     runtime: Option<OwnedRuntime>,
 }
 
@@ -242,6 +246,10 @@ impl Region {
                 return Err(RegionError::unsupported(Unsupported::PagingNeedsAsync));
             }
         }
+        let in_thread = paging.as_ref().is_some_and(|p| p.in_thread);
+        if in_thread && support.features & sys::UFFD_FEATURE_SIGBUS == 0 {
+            return Err(RegionError::unsupported(Unsupported::Sigbus));
+        }
         let mut features = sys::UFFD_FEATURE_EVENT_REMOVE;
         if let Some(p) = &paging {
             features |= sys::UFFD_FEATURE_MOVE;
@@ -255,6 +263,10 @@ impl Region {
         }
         if support.poison {
             features |= sys::UFFD_FEATURE_POISON;
+        }
+        if in_thread {
+            // Missing faults raise SIGBUS in the faulting thread (the `signal` module).
+            features |= sys::UFFD_FEATURE_SIGBUS;
         }
 
         let owned = OwnedMapping::new(len, opts.address)
@@ -329,6 +341,25 @@ impl Region {
             farmap_pipeline::Cached::new(memory.clone(), store.clone())
                 .expect("the region's memory has the store's geometry"),
         );
+        let signal = match (&pager, in_thread) {
+            (Some(pager), true) => Some(Arc::new(
+                SignalPath::new(
+                    range.base(),
+                    len,
+                    page,
+                    geometry.chunk_shift(),
+                    pager.clone(),
+                    uffd.clone(),
+                    counters.clone(),
+                    match opts.fault_wait {
+                        FaultWait::Poll(window) => window,
+                        FaultWait::Sleep => Duration::ZERO,
+                    },
+                )
+                .map_err(|e| RegionError::sys("making the in-thread fault pipe", e))?,
+            )),
+            _ => None,
+        };
         let server = Arc::new(Server::new(ServerParts {
             range: range.clone(),
             geometry,
@@ -341,6 +372,7 @@ impl Region {
             counters: counters.clone(),
             pager: pager.clone(),
             fault_wait: opts.fault_wait,
+            signal: signal.clone(),
         }));
         let tracker = Arc::new(Tracker::new(
             mode,
@@ -390,6 +422,11 @@ impl Region {
         }
         let reader = Reader::spawn(server.clone(), handle.clone())
             .map_err(|e| RegionError::sys("starting the fault reader", e))?;
+        // Registered last: from here on, this region's faults are served in their threads.
+        let signal = signal
+            .map(Registration::new)
+            .transpose()
+            .map_err(|e| RegionError::sys("installing the SIGBUS handler", e))?;
         let pull = match opts.mode {
             // The background pull would fill a bounded region past its limit.
             RegionMode::Managed(_) if pager.is_some() => None,
@@ -419,6 +456,7 @@ impl Region {
             }),
             mapping: owned,
             staging,
+            signal,
             runtime: Some(runtime),
         })
     }
@@ -552,6 +590,8 @@ impl Region {
             wp_faults: Counters::get(&c.wp_faults),
             faults_polled: Counters::get(&c.faults_polled),
             faults_slept: Counters::get(&c.faults_slept),
+            faults_in_thread: Counters::get(&c.faults_in_thread),
+            faults_signalled: Counters::get(&c.faults_signalled),
             handler_cpu: self.inner.server.handler_cpu(),
             chunks_fetched: Counters::get(&c.chunks_fetched),
             bytes_fetched: Counters::get(&c.bytes_fetched),
@@ -584,6 +624,7 @@ impl Region {
                     evictions_proactive: Counters::get(&pc.evictions_proactive),
                     deactivations: Counters::get(&pc.deactivations),
                     staged_refaults: Counters::get(&pc.staged_refaults),
+                    staged_refaults_in_thread: Counters::get(&pc.staged_refaults_in_thread),
                     overcommits: Counters::get(&pc.overcommits),
                     recovered: Counters::get(&pc.recovered),
                     partial_moves: Counters::get(&pc.partial_moves),
@@ -608,6 +649,16 @@ impl Region {
         let g = self.inner.geometry;
         pager.set_limit(limit.chunks(g.size(), u64::from(g.chunk_size())));
         true
+    }
+
+    /// Moves up to `max` of a bounded region's mapped chunks, oldest first (the eviction
+    /// policy's order, written-to chunks given a second chance), to its staging pool: they
+    /// stay local and count against the limit, their next touch moves them back with no
+    /// I/O, and a reclaim drops them after their write-back. Returns how many moved (`None`
+    /// for an unbounded region). For tests and benchmarks of the staged path, and for an
+    /// application that knows a phase is over.
+    pub fn deactivate(&self, max: u64) -> Option<u64> {
+        self.inner.pager.as_ref().map(|p| p.deactivate(max))
     }
 
     /// Pages of a bounded region present in memory now, from the page tables: `(in the
@@ -667,6 +718,7 @@ impl Drop for Region {
         if let Some(puller) = inner.server.puller.write().take() {
             puller.cancel();
         }
+        drop(self.signal.take());
         self.mapping.unmap();
         if let Some(staging) = &mut self.staging {
             staging.unmap();

@@ -44,6 +44,7 @@ use crate::options::FaultWait;
 use crate::pagemap::Pagemap;
 use crate::paging::{Admit, Pager};
 use crate::polling::{Companions, HandlerAccounts, PollWindow};
+use crate::signal::SignalPath;
 use crate::stats::{Counters, HandlerCpu};
 use crate::sys::{self, UffdMsg};
 use crate::tracking::PageBits;
@@ -79,6 +80,8 @@ pub(crate) struct Server {
     pub exit_after_faults: Option<u64>,
     /// How the reader waits for faults.
     pub fault_wait: FaultWait,
+    /// In-thread mode: faults the faulting threads' SIGBUS handlers post to the reader.
+    pub signal: Option<Arc<SignalPath>>,
     /// CPU time of the reader threads and companions.
     handler_cpu: HandlerAccounts,
     faults_read: AtomicU64,
@@ -98,6 +101,7 @@ pub(crate) struct ServerParts {
     pub counters: Arc<Counters>,
     pub pager: Option<Arc<Pager>>,
     pub fault_wait: FaultWait,
+    pub signal: Option<Arc<SignalPath>>,
 }
 
 impl Server {
@@ -116,6 +120,7 @@ impl Server {
             pager: p.pager,
             exit_after_faults: None,
             fault_wait: p.fault_wait,
+            signal: p.signal,
             handler_cpu: HandlerAccounts::default(),
             faults_read: AtomicU64::new(0),
             poison_unsupported: AtomicBool::new(false),
@@ -566,10 +571,28 @@ fn read_loop(server: &Arc<Server>, rt: &Handle, stop: &StopSignal, window: Optio
     let _enter = rt.enter();
     let uffd = server.range.uffd().clone();
     let mut msgs = [UffdMsg::default(); BATCH];
+    let signal = server.signal.as_deref();
     loop {
+        if let Some(s) = signal {
+            // Faults posted by SIGBUS handlers (in-thread mode).
+            let n = s.read_posted(&mut msgs);
+            if n > 0 {
+                server.count_found(&msgs[..n], false);
+                server.handle(&msgs[..n], rt);
+                if let Some(w) = window {
+                    if poll_window(server, rt, stop, w, &mut msgs).is_err() {
+                        return;
+                    }
+                }
+                continue;
+            }
+        }
+        // Without in-thread mode the third entry polls the stop signal twice.
+        let posted = signal.map_or(stop.fd(), SignalPath::posted);
         let mut fds = [
             PollFd::new(&*uffd, PollFlags::IN),
             PollFd::from_borrowed_fd(stop.fd(), PollFlags::IN),
+            PollFd::from_borrowed_fd(posted, PollFlags::IN),
         ];
         match poll(&mut fds, None) {
             Ok(_) => {}
@@ -631,6 +654,15 @@ fn poll_window(
     loop {
         if stop.is_raised() {
             return Err(StopReading);
+        }
+        if let Some(s) = server.signal.as_deref() {
+            let n = s.read_posted(msgs);
+            if n > 0 {
+                server.count_found(&msgs[..n], true);
+                server.handle(&msgs[..n], rt);
+                until = window.open();
+                continue;
+            }
         }
         // The fd is non-blocking: no message reads as 0.
         match uffd.read_messages(msgs) {

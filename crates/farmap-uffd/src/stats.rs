@@ -42,6 +42,14 @@ pub struct RegionStats {
     /// pause longer than the window). The reader may not really have slept: a message
     /// queued before `poll(2)` was called returns at once.
     pub faults_slept: u64,
+    /// Missing faults resolved in the faulting thread's own `SIGBUS` handler, with no other
+    /// thread involved ([`PagingOptions::in_thread`](crate::PagingOptions): a staged chunk
+    /// moved back).
+    pub faults_in_thread: u64,
+    /// Missing faults the faulting thread's `SIGBUS` handler posted to the reader (in-thread
+    /// mode: anything but a staged chunk); a thread woken early posts again, so this can
+    /// exceed the faults.
+    pub faults_signalled: u64,
     /// CPU time of this process's fault reader threads, and of the companions of
     /// [`FaultWait::Poll`](crate::FaultWait::Poll), since the region was opened.
     pub handler_cpu: HandlerCpu,
@@ -121,6 +129,8 @@ pub struct PagingStats {
     pub deactivations: u64,
     /// Faults served by moving a staged chunk back (no I/O).
     pub staged_refaults: u64,
+    /// Of those, the ones the faulting thread served itself (in-thread mode).
+    pub staged_refaults_in_thread: u64,
     /// Chunks admitted over the limit (within `min_free`) because nothing could be reclaimed.
     pub overcommits: u64,
     /// Active chunks whose pages were found in their staging slot and moved back: a bug
@@ -176,6 +186,8 @@ pub(crate) struct Counters {
     pub wp_faults: AtomicU64,
     pub faults_polled: AtomicU64,
     pub faults_slept: AtomicU64,
+    pub faults_in_thread: AtomicU64,
+    pub faults_signalled: AtomicU64,
     pub chunks_fetched: AtomicU64,
     pub bytes_fetched: AtomicU64,
     pub refetched_chunks: AtomicU64,

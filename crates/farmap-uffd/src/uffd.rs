@@ -8,12 +8,16 @@ use std::io;
 use std::os::fd::{AsFd, AsRawFd, BorrowedFd, FromRawFd, OwnedFd, RawFd};
 use std::sync::Arc;
 
+use crate::signal::Wakeups;
 use crate::sys::{self, UffdMsg};
 
 /// A userfaultfd, opened `O_CLOEXEC | O_NONBLOCK`, past its `UFFDIO_API` handshake.
 pub struct Uffd {
     fd: OwnedFd,
     features: u64,
+    /// With `UFFD_FEATURE_SIGBUS` no thread waits in the kernel: faulting threads wait on
+    /// this word, bumped by every operation that would have woken them.
+    wakeups: Wakeups,
 }
 
 impl Uffd {
@@ -29,13 +33,31 @@ impl Uffd {
     pub fn open(features: u64) -> io::Result<Uffd> {
         let fd = open_raw()?;
         api(&fd, features)?;
-        Ok(Uffd { fd, features })
+        Ok(Uffd::from_owned(fd, features))
     }
 
     /// Adopts a userfaultfd that is already past its handshake (received from the process
     /// that opened it), with the features that process enabled.
     pub fn from_owned(fd: OwnedFd, features: u64) -> Uffd {
-        Uffd { fd, features }
+        Uffd {
+            fd,
+            features,
+            wakeups: Wakeups::default(),
+        }
+    }
+
+    /// What threads waiting for faults of this fd in a signal handler wait on
+    /// (`UFFD_FEATURE_SIGBUS`; see the `signal` module).
+    pub(crate) fn wakeups(&self) -> &Wakeups {
+        &self.wakeups
+    }
+
+    /// Tells the threads waiting in a signal handler that pages may have arrived (with
+    /// `UFFD_FEATURE_SIGBUS`; nothing otherwise: the kernel wakes its own waiters).
+    fn woke(&self) {
+        if self.features & sys::UFFD_FEATURE_SIGBUS != 0 {
+            self.wakeups.bump();
+        }
     }
 
     /// The features enabled at the handshake.
@@ -294,7 +316,11 @@ impl UffdRange {
         // the call. The kernel copies only into missing pages of memory registered with this
         // fd (anything else fails), whose registrant accepted them being filled
         // (`Uffd::register`'s contract); it never overwrites a present page.
-        match unsafe { sys::ioctl(self.uffd.as_raw_fd(), sys::UFFDIO_COPY, &mut c) } {
+        let r = unsafe { sys::ioctl(self.uffd.as_raw_fd(), sys::UFFDIO_COPY, &mut c) };
+        if mode & sys::UFFDIO_COPY_MODE_DONTWAKE == 0 {
+            self.uffd.woke();
+        }
+        match r {
             Ok(_) => Ok(src.len()),
             Err(libc::EAGAIN) if c.copy > 0 => {
                 let n = c.copy as usize;
@@ -367,9 +393,9 @@ impl UffdRange {
     pub fn wake(&self, offset: usize, len: usize) -> io::Result<()> {
         let mut r = self.check(offset, len);
         // SAFETY: `r` is a live UffdioRange; waking changes no memory.
-        unsafe { sys::ioctl(self.uffd.as_raw_fd(), sys::UFFDIO_WAKE, &mut r) }
-            .map(|_| ())
-            .map_err(io::Error::from_raw_os_error)
+        let woken = unsafe { sys::ioctl(self.uffd.as_raw_fd(), sys::UFFDIO_WAKE, &mut r) };
+        self.uffd.woke();
+        woken.map(|_| ()).map_err(io::Error::from_raw_os_error)
     }
 
     /// Write-protects (`protect`) or unprotects `offset..offset+len`; when unprotecting,
@@ -399,7 +425,11 @@ impl UffdRange {
         // SAFETY: `w` is a live UffdioWriteprotect; the kernel only changes the protection of
         // memory registered with this fd in write-protect mode, whose registrant accepted it
         // (`Uffd::register`'s contract); no content changes.
-        unsafe { sys::ioctl(self.uffd.as_raw_fd(), sys::UFFDIO_WRITEPROTECT, &mut w) }.map(|_| ())
+        let r = unsafe { sys::ioctl(self.uffd.as_raw_fd(), sys::UFFDIO_WRITEPROTECT, &mut w) };
+        if wake && !protect {
+            self.uffd.woke();
+        }
+        r.map(|_| ())
     }
 
     /// Poisons the missing pages of `offset..offset+len` and wakes their waiters: touching
@@ -417,7 +447,9 @@ impl UffdRange {
         // SAFETY: `p` is a live UffdioPoison; the kernel only poisons missing pages of memory
         // registered with this fd, whose registrant accepted that (`Uffd::register`'s
         // contract): touching them raises SIGBUS, no content changes.
-        unsafe { sys::ioctl(self.uffd.as_raw_fd(), sys::UFFDIO_POISON, &mut p) }.map(|_| ())
+        let r = unsafe { sys::ioctl(self.uffd.as_raw_fd(), sys::UFFDIO_POISON, &mut p) };
+        self.uffd.woke();
+        r.map(|_| ())
     }
 
     /// Maps the shared zero page at the missing pages of `offset..offset+len` with one
@@ -440,7 +472,11 @@ impl UffdRange {
         // SAFETY: `z` is a live UffdioZeropage. The kernel only maps the zero page at missing
         // pages of memory registered with this fd, whose registrant accepted them being
         // filled (`Uffd::register`'s contract); it never replaces a present page.
-        match unsafe { sys::ioctl(self.uffd.as_raw_fd(), sys::UFFDIO_ZEROPAGE, &mut z) } {
+        let r = unsafe { sys::ioctl(self.uffd.as_raw_fd(), sys::UFFDIO_ZEROPAGE, &mut z) };
+        if !dontwake {
+            self.uffd.woke();
+        }
+        match r {
             Ok(_) => Ok(len),
             Err(libc::EAGAIN) if z.zeropage > 0 => Err(CopyError::Partial(z.zeropage as usize)),
             Err(libc::EAGAIN) => Err(CopyError::EventPending),
@@ -481,7 +517,11 @@ impl UffdRange {
         // registered with this fd (anything else fails), whose registrants accepted that their
         // present pages may be taken away (they fault again, `Uffd::register`'s contract) and
         // their missing pages filled; no page is duplicated or exposed elsewhere.
-        match unsafe { sys::ioctl(self.uffd.as_raw_fd(), sys::UFFDIO_MOVE, &mut m) } {
+        let r = unsafe { sys::ioctl(self.uffd.as_raw_fd(), sys::UFFDIO_MOVE, &mut m) };
+        if mode & sys::UFFDIO_MOVE_MODE_DONTWAKE == 0 {
+            dst.uffd.woke();
+        }
+        match r {
             Ok(_) => Ok(len),
             Err(e) => Err((m.moved.max(0) as usize, e)),
         }

@@ -48,6 +48,7 @@ fn bounded(limit: LocalLimit, push: Option<Duration>) -> RegionOptions {
             proactive: true,
             fresh: false,
             prefetch: farmap_uffd::Prefetch::Off,
+            in_thread: false,
         }),
         ..RegionOptions::direct()
     }
@@ -56,14 +57,14 @@ fn bounded(limit: LocalLimit, push: Option<Duration>) -> RegionOptions {
 /// One writer thread writing random words all over the region (keeping a model) while the
 /// test thread changes the limit; at the end the memory, and the store after a sync, equal
 /// the model.
-fn no_write_lost(seed: u64, limits: &[u8], push: Option<Duration>) {
+fn no_write_lost(seed: u64, limits: &[u8], push: Option<Duration>, in_thread: bool) {
     let g = Geometry::new(CHUNKS * u64::from(CHUNK), u64::from(CHUNK)).unwrap();
     let store = pattern_memory(g, seed);
-    let region = Region::open(
-        store.clone(),
-        bounded(LocalLimit::Percent(f64::from(limits[0])), push),
-    )
-    .unwrap();
+    let mut opts = bounded(LocalLimit::Percent(f64::from(limits[0])), push);
+    if let Some(p) = &mut opts.paging {
+        p.in_thread = in_thread;
+    }
+    let region = Region::open(store.clone(), opts).unwrap();
     let mut model = pattern_bytes(seed, 0, g.size() as usize);
     let stop = AtomicBool::new(false);
     std::thread::scope(|s| {
@@ -149,18 +150,20 @@ proptest! {
     #![proptest_config(ProptestConfig { cases: 6, ..ProptestConfig::default() })]
 
     /// A concurrent writer and random limit changes (1% to 100% of the region): no write is
-    /// lost, in memory or in the store.
+    /// lost, in memory or in the store, with faults served by the reader or (staged chunks)
+    /// in the faulting thread.
     #[test]
     fn bounded_region_loses_no_write(
         seed in any::<u64>(),
         limits in proptest::collection::vec(1u8..=100, 1..6),
         background in any::<bool>(),
+        in_thread in any::<bool>(),
     ) {
         if !paging_available("bounded_region_loses_no_write") {
             return Ok(());
         }
         let push = background.then(|| Duration::from_millis(2));
-        no_write_lost(seed, &limits, push);
+        no_write_lost(seed, &limits, push, in_thread);
     }
 }
 
@@ -171,7 +174,91 @@ fn tight_limit_loses_no_write() {
     if !paging_available("tight_limit_loses_no_write") {
         return;
     }
-    no_write_lost(7, &[6], None);
+    no_write_lost(7, &[6], None, false);
+}
+
+/// The same with staged chunks moved back by the faulting thread itself (SIGBUS mode).
+#[test]
+fn tight_limit_loses_no_write_in_thread() {
+    if !paging_available("tight_limit_loses_no_write_in_thread") {
+        return;
+    }
+    no_write_lost(8, &[6], None, true);
+}
+
+/// In-thread mode: every chunk read (served by the reader, posted by the SIGBUS handler),
+/// some written, all staged, all read again: the staged ones come back in the faulting
+/// thread with their content, and the writes made before and after still reach the store.
+#[test]
+fn staged_chunks_come_back_in_the_faulting_thread() {
+    if !paging_available("staged_chunks_come_back_in_the_faulting_thread") {
+        return;
+    }
+    let g = Geometry::new(CHUNKS * u64::from(CHUNK), u64::from(CHUNK)).unwrap();
+    let store = pattern_memory(g, 11);
+    let mut opts = bounded(LocalLimit::Percent(100.0), None);
+    if let Some(p) = &mut opts.paging {
+        p.in_thread = true;
+        // The whole region fits: no reclaim drops what the test stages.
+        p.proactive = false;
+    }
+    let region = Region::open(store.clone(), opts).unwrap();
+    let mem = region.memory();
+    let mut model = pattern_bytes(11, 0, g.size() as usize);
+    let chunk = CHUNK as usize;
+    let check = |model: &[u8], what: &str| {
+        for c in 0..CHUNKS as usize {
+            for off in [c * chunk, c * chunk + chunk - 8] {
+                let want = u64::from_ne_bytes(model[off..off + 8].try_into().unwrap());
+                assert_eq!(mem.load_u64(off).unwrap(), want, "{what}: offset {off:#x}");
+            }
+        }
+    };
+    check(&model, "first touch");
+    let first = region.stats();
+    assert!(
+        first.faults_signalled >= CHUNKS,
+        "every first touch goes to the reader: {first:?}"
+    );
+    // Writes before staging, to every fourth chunk.
+    for c in (0..CHUNKS as usize).step_by(4) {
+        let off = c * chunk + 64;
+        mem.store_u64(off, 0xfeed_0000 + c as u64).unwrap();
+        model[off..off + 8].copy_from_slice(&(0xfeed_0000 + c as u64).to_ne_bytes());
+    }
+    // Written chunks get a second chance in the first pass; a chunk whose fetch has woken
+    // its thread may not be active yet (the pager hears of it just after).
+    let mut staged = 0;
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while staged < CHUNKS && Instant::now() < deadline {
+        staged += region.deactivate(CHUNKS).unwrap();
+        std::thread::sleep(Duration::from_millis(1));
+    }
+    assert_eq!(staged, CHUNKS, "every chunk staged");
+    check(&model, "after staging");
+    let after = region.stats();
+    let paging = after.paging.clone().unwrap();
+    assert_eq!(
+        paging.staged_refaults_in_thread, CHUNKS,
+        "every staged chunk came back in its thread: {after:?}"
+    );
+    assert_eq!(after.faults_in_thread - first.faults_in_thread, CHUNKS);
+    assert_eq!(
+        after.faults_signalled, first.faults_signalled,
+        "no staged fault went to the reader"
+    );
+    // Writes after the move back are tracked (the chunk was protected again).
+    for c in (1..CHUNKS as usize).step_by(4) {
+        let off = c * chunk + 128;
+        mem.store_u64(off, 0xbeef_0000 + c as u64).unwrap();
+        model[off..off + 8].copy_from_slice(&(0xbeef_0000 + c as u64).to_ne_bytes());
+    }
+    region.sync().unwrap();
+    assert!(
+        snapshot(&*store) == model,
+        "the store differs from the model"
+    );
+    assert!(region.memory().to_vec() == model);
 }
 
 /// Two threads touch the whole region again and again (reads and writes) under a limit of

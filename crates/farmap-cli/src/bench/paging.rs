@@ -136,6 +136,10 @@ pub struct PagingArgs {
     /// see `farmap bench uffd --poll`). Default: the reader sleeps.
     #[arg(long, value_name = "DURATION", value_parser = parse_duration)]
     poll: Option<Duration>,
+    /// farmap: the faulting thread moves staged chunks back itself, in a SIGBUS handler
+    /// (`PagingOptions::in_thread`); other faults still go to the reader.
+    #[arg(long)]
+    in_thread: bool,
     /// Timed accesses in all, split between the threads.
     #[arg(long, default_value_t = 200_000, conflicts_with = "runtime",
           value_parser = clap::value_parser!(u64).range(1..))]
@@ -208,6 +212,9 @@ struct Row {
     faults_polled: Option<u64>,
     #[serde(skip_serializing_if = "Option::is_none")]
     faults_slept: Option<u64>,
+    /// farmap with `--in-thread`: faults its threads resolved in their SIGBUS handler.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    faults_in_thread: Option<u64>,
     majflt: Option<u64>,
     minflt: Option<u64>,
     /// kernel-swap: attempts the OOM killer ended before this one (each run again).
@@ -279,6 +286,7 @@ fn run_farmap(
     local: Option<f64>,
     poll: Option<Duration>,
     prefetch: Prefetch,
+    in_thread: bool,
 ) -> anyhow::Result<FarmapRun> {
     let opts = RegionOptions {
         fault_wait: poll.map_or(FaultWait::Sleep, FaultWait::Poll),
@@ -288,6 +296,7 @@ fn run_farmap(
         },
         paging: local.map(|p| PagingOptions {
             prefetch,
+            in_thread,
             ..PagingOptions::new(LocalLimit::Percent(p))
         }),
         ..RegionOptions::direct()
@@ -346,6 +355,7 @@ impl Bench {
             local,
             self.args.poll,
             self.args.prefetch,
+            self.args.in_thread,
         );
         self.handle.block_on(store.close());
         run
@@ -408,6 +418,7 @@ impl Bench {
             fault_path: None,
             faults_polled: None,
             faults_slept: None,
+            faults_in_thread: None,
             majflt: None,
             minflt: None,
             oom_kills: None,
@@ -440,6 +451,9 @@ impl Bench {
         });
         row.faults_polled = Some(run.after.faults_polled - run.before.faults_polled);
         row.faults_slept = Some(run.after.faults_slept - run.before.faults_slept);
+        if self.args.in_thread {
+            row.faults_in_thread = Some(run.after.faults_in_thread - run.before.faults_in_thread);
+        }
         row
     }
 

@@ -32,6 +32,14 @@
 //!   the source (`verified`).
 //! - `dirty-scan`: the region (64 KiB chunks) is faulted in whole and scanned once; then 1%
 //!   or 100% of its pages (evenly spread) are written and one `take_dirty()` is timed: `ms`.
+//! - `refault-staged` (not in the default list): the same random pages as `fault-4k`, 4 KiB
+//!   chunks, in a bounded region that holds them all (`--local-max` is ignored); they are
+//!   faulted in untimed, every chunk is staged (`Region::deactivate`: moved out with
+//!   `UFFDIO_MOVE`, still local), and the re-faults are timed one by one: `p50_us`, `p99_us`.
+//!   The reference in the same run is the raw userfaultfd fault of `fault-4k` (a handler
+//!   thread copying the page in). With `--in-thread` the region resolves these faults in
+//!   the faulting thread (`PagingOptions::in_thread`, SIGBUS); `faults_in_thread` says how
+//!   many were served there.
 
 use std::process::ExitCode;
 use std::sync::Arc;
@@ -75,6 +83,9 @@ pub enum Case {
     /// `take_dirty()` with 1% and 100% of the pages written.
     #[value(name = "dirty-scan")]
     DirtyScan,
+    /// Re-faults of staged chunks (evicted, still local), 4 KiB chunks.
+    #[value(name = "refault-staged")]
+    RefaultStaged,
 }
 
 impl Case {
@@ -85,12 +96,13 @@ impl Case {
             Case::Fill64k => "fill-64k",
             Case::Fill1m => "fill-1m",
             Case::DirtyScan => "dirty-scan",
+            Case::RefaultStaged => "refault-staged",
         }
     }
 
     fn chunk(self) -> usize {
         match self {
-            Case::Fault4k | Case::Fill4k => 4 << 10,
+            Case::Fault4k | Case::Fill4k | Case::RefaultStaged => 4 << 10,
             Case::Fill64k => 64 << 10,
             Case::Fill1m => 1 << 20,
             Case::DirtyScan => DEFAULT_CHUNK_SIZE as usize,
@@ -129,6 +141,10 @@ pub struct UffdArgs {
     /// path for VMs); the baselines are unchanged. Default: the reader sleeps.
     #[arg(long, value_name = "DURATION", value_parser = parse_duration)]
     poll: Option<Duration>,
+    /// refault-staged: the faulting thread moves staged chunks back itself, in a SIGBUS
+    /// handler (`PagingOptions::in_thread`), with no other thread woken.
+    #[arg(long)]
+    in_thread: bool,
 }
 
 /// Fields every row has.
@@ -147,6 +163,8 @@ struct Common {
     fault_path: &'static str,
     /// The poll window in µs (0 with `sleep`).
     poll_us: f64,
+    /// Staged chunks moved back in the faulting thread (`--in-thread`, refault-staged only).
+    in_thread: bool,
 }
 
 /// Which path served the region's faults, and what the fault path's threads cost.
@@ -156,6 +174,10 @@ struct PathCounts {
     faults_polled: u64,
     /// Fault messages the reader read after a blocking `poll(2)`.
     faults_slept: u64,
+    /// Faults the faulting thread resolved itself in its SIGBUS handler (`--in-thread`).
+    faults_in_thread: u64,
+    /// Faults its SIGBUS handler posted to the reader (`--in-thread`).
+    faults_signalled: u64,
     /// CPU time of the region's reader and companions, from open to the end of the touches.
     cpu_ms: f64,
     reader_cpu_ms: f64,
@@ -168,6 +190,8 @@ impl PathCounts {
         Self {
             faults_polled: stats.faults_polled,
             faults_slept: stats.faults_slept,
+            faults_in_thread: stats.faults_in_thread,
+            faults_signalled: stats.faults_signalled,
             cpu_ms: round3(cpu.total_ns() as f64 / 1e6),
             reader_cpu_ms: round3(cpu.reader_ns as f64 / 1e6),
             companions_cpu_ms: round3(cpu.companions_ns as f64 / 1e6),
@@ -301,6 +325,7 @@ struct Bench {
     samples: usize,
     cpus: usize,
     json: bool,
+    in_thread: bool,
 }
 
 impl Bench {
@@ -321,6 +346,7 @@ impl Bench {
                 FaultWait::Sleep => 0.0,
                 FaultWait::Poll(d) => round3(d.as_secs_f64() * 1e6),
             },
+            in_thread: self.in_thread && case == Case::RefaultStaged,
         }
     }
 
@@ -361,6 +387,84 @@ impl Bench {
             faults: stats.faults,
             faults_inline: stats.faults_inline,
             path: PathCounts::of(&stats),
+        })
+    }
+
+    fn refault_staged(&self, store: Arc<dyn Store>, run: u32) -> anyhow::Result<FaultRow> {
+        let case = Case::RefaultStaged;
+        let pages = baseline::random_pages(self.data.len() / PAGE_SIZE, self.samples, PAGES_SEED);
+        let baselines = || -> anyhow::Result<_> {
+            let wp = self
+                .baseline(BaselineMode::WriteProtect)?
+                .fault_latency(case.chunk(), &pages)
+                .context("baseline fault latency")?;
+            let missing = self
+                .baseline(BaselineMode::Missing)?
+                .fault_latency(case.chunk(), &pages)
+                .context("baseline (missing only) fault latency")?;
+            Ok((wp, missing))
+        };
+        let farmap = || -> anyhow::Result<_> {
+            let opts = RegionOptions {
+                push: PushOptions {
+                    interval: None,
+                    ..PushOptions::default()
+                },
+                paging: Some(PagingOptions {
+                    // Everything fits, and no reclaim drops what is staged.
+                    proactive: false,
+                    in_thread: self.in_thread,
+                    ..PagingOptions::new(LocalLimit::Percent(100.0))
+                }),
+                fault_wait: self.fault_wait,
+                ..RegionOptions::direct()
+            };
+            let region = Region::open(store, opts).context("opening a userfaultfd region")?;
+            let mem = region.memory();
+            baseline::touch_each(mem, &pages);
+            // A chunk whose fetch woke its thread may become active a moment later.
+            let mut staged = 0;
+            let deadline = Instant::now() + Duration::from_secs(5);
+            while staged < pages.len() as u64 && Instant::now() < deadline {
+                staged += region.deactivate(pages.len() as u64).unwrap_or(0);
+                std::thread::sleep(Duration::from_millis(1));
+            }
+            if staged < pages.len() as u64 {
+                bail!("only {staged} of {} chunks could be staged", pages.len());
+            }
+            let before = region.stats();
+            let lat = Latencies::from_samples(baseline::touch_each(mem, &pages));
+            let after = region.stats();
+            let moved_back = after.paging.as_ref().map_or(0, |p| p.staged_refaults)
+                - before.paging.as_ref().map_or(0, |p| p.staged_refaults);
+            if moved_back < pages.len() as u64 {
+                bail!(
+                    "{moved_back} of {} re-faults moved a staged chunk back",
+                    pages.len()
+                );
+            }
+            Ok((lat, after, before, region.tracking_mode().as_str()))
+        };
+        let ((wp, missing), (lat, stats, before, tracking)) = in_turn(run, baselines, farmap)?;
+        let mut path = PathCounts::of(&stats);
+        // Only the timed re-faults.
+        path.faults_polled -= before.faults_polled;
+        path.faults_slept -= before.faults_slept;
+        path.faults_in_thread -= before.faults_in_thread;
+        path.faults_signalled -= before.faults_signalled;
+        Ok(FaultRow {
+            common: self.common(case, run, tracking),
+            samples: lat.samples,
+            p50_us: round3(lat.p50_us),
+            p99_us: round3(lat.p99_us),
+            max_us: round3(lat.max_us),
+            baseline_p50_us: round3(wp.p50_us),
+            baseline_p99_us: round3(wp.p99_us),
+            baseline_missing_p50_us: round3(missing.p50_us),
+            baseline_missing_p99_us: round3(missing.p99_us),
+            faults: stats.faults - before.faults,
+            faults_inline: stats.faults_inline - before.faults_inline,
+            path,
         })
     }
 
@@ -450,9 +554,11 @@ impl Bench {
 
 fn print_fault(r: &FaultRow) {
     println!(
-        "fault-4k   {} random faults in {}: p50 {:.1} µs, p99 {:.1} µs \
+        "{:<14} {} random faults in {}: p50 {:.1} µs, p99 {:.1} µs \
          (baseline {:.1} / {:.1} µs, missing-only {:.1} / {:.1} µs; {} of {} faults inline; \
-         {}: {} faults found polling, {} after sleeping, fault path CPU {:.1} ms)",
+         {}: {} faults found polling, {} after sleeping, {} in the faulting thread; fault path \
+         CPU {:.1} ms)",
+        r.common.case,
         r.samples,
         format_size(r.common.size_bytes),
         r.p50_us,
@@ -466,6 +572,7 @@ fn print_fault(r: &FaultRow) {
         r.common.fault_path,
         r.path.faults_polled,
         r.path.faults_slept,
+        r.path.faults_in_thread,
         r.path.cpu_ms,
     );
 }
@@ -540,6 +647,7 @@ pub async fn run(args: UffdArgs) -> anyhow::Result<ExitCode> {
         samples: args.samples as usize,
         cpus: std::thread::available_parallelism().map_or(1, |n| n.get()),
         json: args.json,
+        in_thread: args.in_thread,
     });
     // The first region a process maps fills slower than the next ones (fresh pages from the
     // kernel's allocator): warm up, untimed, so that the first measurement is not penalized.
@@ -561,6 +669,10 @@ pub async fn run(args: UffdArgs) -> anyhow::Result<ExitCode> {
                 match case {
                     Case::Fault4k => {
                         let row = b.fault(s, run)?;
+                        emit(b.json, &row, print_fault)?;
+                    }
+                    Case::RefaultStaged => {
+                        let row = b.refault_staged(s, run)?;
                         emit(b.json, &row, print_fault)?;
                     }
                     Case::Fill4k | Case::Fill64k | Case::Fill1m => {
