@@ -17,10 +17,19 @@
 //!   not hold reads as zeros, so a never-written chunk costs one store lookup, no data).
 //! - *active*: mapped in the region (write-protected when installed, so that PAGEMAP_SCAN
 //!   sees the writes).
-//! - *staged* (inactive): moved with `UFFDIO_MOVE` into a staging area registered with the
-//!   same userfaultfd (the region's pages are missing again, the next touch faults, and the
-//!   fault moves them back with no I/O, ≈ 1 µs a page). Chunk `i` has slot `i` of a staging
-//!   mapping as large as the region (`MAP_NORESERVE`: only staged pages take memory).
+//! - *staged* (inactive): moved with `UFFDIO_MOVE` into a staging area (the region's pages
+//!   are missing again, the next touch faults, and the fault moves them back with no I/O,
+//!   ≈ 1 µs a page). Chunk `i` has slot `i` of a staging mapping as large as the region
+//!   (`MAP_NORESERVE`: only staged pages take memory).
+//!
+//! The staging area is registered with a second, *quiet* userfaultfd: no events, and
+//! write-protect mode only (its holes read as zeros). `UFFDIO_MOVE` only requires its
+//! destination to be registered with the fd it is issued on, so moves are issued on the
+//! destination's fd and pages go both ways. Dropping staged pages (`madvise`) then raises no
+//! `UFFD_EVENT_REMOVE` on the region's fd. With one fd for both (the first design), every
+//! drop set the region's `mmap_changing` from the `madvise` until its caller returned, and
+//! every fetch, zero fill and move into the region failed with `EAGAIN` meanwhile: a
+//! reclaim thread descheduled inside `madvise` stalled all faults for its time slice.
 //!
 //! Resident = active + staged (+ fetches in flight + slots being dropped). A fault admits a
 //! new chunk only below the limit; at the limit it reclaims synchronously (a *reactive*
@@ -28,8 +37,9 @@
 //! go over by at most `min_free` chunks. A fault that finds a reclaim pass already running
 //! does not queue behind it: it is woken as soon as the pass frees a chunk. The reclaim
 //! thread keeps chunks free ahead of faults (*proactive* evictions), between two watermarks:
-//! once fewer than `min_free / 2` are free it frees up to `min_free`, in one batch (one
-//! write-back, one `madvise`). Resident memory therefore stays ≤ limit + `min_free`; after
+//! once fewer than `min_free / 2` are free it frees up to `min_free`, in steps of up to 64
+//! chunks (each one write-back and one `madvise`, so that faults waiting for room wait for
+//! a step, not for the pass). Resident memory therefore stays ≤ limit + `min_free`; after
 //! the limit is lowered, reclaim brings it down at once.
 //!
 //! # Why every staged chunk is written back before its copy is dropped
@@ -381,8 +391,8 @@ impl Pager {
     }
 
     /// The free chunks below which the reclaim thread starts a pass (which frees up to
-    /// `min_free`): half of `min_free`, so that a pass drops a batch of chunks, with one
-    /// remove event, rather than one chunk each time a fault takes one.
+    /// `min_free`): half of `min_free`, so that a pass drops batches of chunks, one write-back
+    /// and one `madvise` each, rather than one chunk each time a fault takes one.
     fn low_water(&self) -> u64 {
         self.min_free().div_ceil(2)
     }
@@ -941,10 +951,18 @@ impl Pager {
 
     /// Moves up to `n` victims from the active FIFO to staging; returns how many.
     pub fn deactivate(&self, n: u64) -> u64 {
+        self.deactivate_inner(n, true)
+    }
+
+    /// [`deactivate`](Self::deactivate); `refresh`: scan for written chunks first (once per
+    /// reclaim pass is enough: a scan reads the whole region's page tables).
+    fn deactivate_inner(&self, n: u64, refresh: bool) -> u64 {
         if n == 0 {
             return 0;
         }
-        self.refresh_referenced();
+        if refresh {
+            self.refresh_referenced();
+        }
         let mut st = self.state.lock();
         let mut done = 0;
         let mut budget = 2 * st.active.len() + 1;
@@ -1133,12 +1151,10 @@ impl Pager {
 
     /// Frees the staging slots of `victims` (at most `trash_chunks`; dropped chunks, their
     /// slots busy, so nobody else moves their pages) with one `madvise`: their pages are
-    /// moved into the trash area first, so that one remove event covers them all. Each remove
-    /// event makes every copy into the region fail (`EAGAIN`) until the discarding thread
-    /// has returned from `madvise`, well after the handler read the event; one event a chunk
-    /// kept the region's fetches failing most of the time. A slot whose pages cannot be moved
-    /// (an event pending) is discarded where it is. Copies waiting for events are woken once
-    /// the discard returned.
+    /// moved into the trash area first, so that one system call (and one TLB flush) frees
+    /// them all. A slot whose pages cannot be moved is discarded where it is. The staging
+    /// area's fd raises no events (see the module docs); the event generation is still
+    /// bumped after each discard, which only wakes copies that wait for one anyway.
     fn discard_slots(&self, victims: &[u64]) {
         let chunk = self.geometry.chunk_size() as usize;
         let mut in_trash = 0;
@@ -1153,7 +1169,7 @@ impl Pager {
                 in_trash += 1;
                 continue;
             }
-            // Outside the lock: madvise waits for the reader to read its remove event.
+            // Outside the lock.
             let r = self.staging_map.discard(off, len);
             self.tr(i, || format!("discarded {r:?}"));
             if let Some(Err(e)) = r {
@@ -1223,11 +1239,17 @@ impl Pager {
     }
 
     /// [`reclaim`](Self::reclaim), `reclaim_lock` held: drop staged chunks already written
-    /// back; stage victims (a batch of at least `min_free`, which amortizes the write-back)
-    /// and write back just them, at most twice.
+    /// back; stage victims and write back just them, in steps of at most `trash_chunks`
+    /// (the chunks one `madvise` drops), so that the first room appears after one step
+    /// rather than after the whole pass: faults that wait for room wait for a step.
     async fn reclaim_locked(&self, target_free: u64, proactive: bool) -> u64 {
+        let step = (self.trash_chunks as u64).max(1);
         let mut total = 0;
         let mut rounds = 0;
+        // Each step either drops what it wrote back or finds nothing more to do; the bound
+        // only stops a pass that keeps losing its victims (staged and moved back at once).
+        let max_rounds = 2 + 2 * target_free.div_ceil(step);
+        let mut refreshed = false;
         loop {
             let (need, staged) = {
                 let st = self.state.lock();
@@ -1242,12 +1264,13 @@ impl Pager {
             if dropped >= need {
                 continue;
             }
-            let batch = (need - dropped).max(self.min_free()).max(1);
+            let batch = (need - dropped).max(self.min_free()).min(step).max(1);
             let staged = staged.saturating_sub(dropped);
             if staged < batch {
-                self.deactivate(batch - staged);
+                self.deactivate_inner(batch - staged, !refreshed);
+                refreshed = true;
             }
-            if rounds >= 2 {
+            if rounds >= max_rounds {
                 return total;
             }
             rounds += 1;

@@ -284,16 +284,21 @@ impl Region {
         }
         let range = UffdRange::new(uffd.clone(), mapping.addr(), len);
         // Bounded local memory: a staging area as large as the region and a trash area after
-        // it (MAP_NORESERVE: only staged pages take memory), registered with the same userfaultfd so that
-        // UFFDIO_MOVE works between the two.
+        // it (MAP_NORESERVE: only staged pages take memory), registered with a second, quiet
+        // userfaultfd (no events, write-protect mode only: its holes read as zeros). A move
+        // is issued on its destination's fd, so pages move both ways; and dropping staged
+        // pages (madvise) raises no remove event on the region's fd, whose copies would
+        // fail with EAGAIN until the madvise returned (the paging module's docs).
         let staging = match &paging {
             Some(_) => {
+                let quiet = Uffd::open(sys::UFFD_FEATURE_MOVE)
+                    .map_err(|e| RegionError::sys("opening the staging area's userfaultfd", e))?;
                 let owned = OwnedMapping::new(len + crate::paging::trash_len(geometry), None)
                     .map_err(|e| RegionError::sys("mapping the staging area", e))?;
                 owned
-                    .register(&uffd, sys::UFFDIO_REGISTER_MODE_MISSING)
+                    .register(&quiet, sys::UFFDIO_REGISTER_MODE_WP)
                     .map_err(|e| RegionError::sys("registering the staging area", e))?;
-                Some(owned)
+                Some((owned, Arc::new(quiet)))
             }
             None => None,
         };
@@ -306,14 +311,14 @@ impl Region {
         let pages = (len / page) as u64;
         let written = (mode == TrackingMode::SyncFaults).then(|| Arc::new(PageBits::new(pages)));
         let pager = match (&paging, &staging) {
-            (Some(p), Some(staging)) => {
+            (Some(p), Some((staging, quiet))) => {
                 let limit = p
                     .local_max
                     .chunks(geometry.size(), u64::from(geometry.chunk_size()));
                 Some(Arc::new(
                     Pager::new(
                         range.clone(),
-                        UffdRange::new(uffd.clone(), staging.addr(), len),
+                        UffdRange::new(quiet.clone(), staging.addr(), len),
                         staging.shared(),
                         events.clone(),
                         geometry,
@@ -455,7 +460,7 @@ impl Region {
                 reclaimer: Mutex::new(reclaimer),
             }),
             mapping: owned,
-            staging,
+            staging: staging.map(|(owned, _)| owned),
             signal,
             runtime: Some(runtime),
         })

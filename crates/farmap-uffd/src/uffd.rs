@@ -488,8 +488,11 @@ impl UffdRange {
 
     /// Moves the pages of `offset..offset+len` to `dst_offset` in `dst` with one
     /// `UFFDIO_MOVE` (`mode`: `UFFDIO_MOVE_MODE_*`): they become missing here (the next touch
-    /// faults) and present there, with no copy. Both ranges must be registered with the same
-    /// userfaultfd (the kernel refuses anything else) and the destination pages missing.
+    /// faults) and present there, with no copy. The ioctl is issued on the destination's
+    /// userfaultfd: the kernel requires the destination to be registered with the fd the
+    /// ioctl is issued on, and checks nothing of the kind for the source (another
+    /// userfaultfd's range works; the test `moves_cross_userfaultfds_and_quiet_discards_raise_no_event`).
+    /// The destination pages must be missing.
     /// Returns the bytes moved, or how many were moved before it stopped and the errno
     /// (`EEXIST`: a destination page is present; `ENOENT`: a source page is missing;
     /// `EAGAIN`: an event is pending, or a page is busy; `EBUSY`: a shared page).
@@ -517,7 +520,7 @@ impl UffdRange {
         // registered with this fd (anything else fails), whose registrants accepted that their
         // present pages may be taken away (they fault again, `Uffd::register`'s contract) and
         // their missing pages filled; no page is duplicated or exposed elsewhere.
-        let r = unsafe { sys::ioctl(self.uffd.as_raw_fd(), sys::UFFDIO_MOVE, &mut m) };
+        let r = unsafe { sys::ioctl(dst.uffd.as_raw_fd(), sys::UFFDIO_MOVE, &mut m) };
         if mode & sys::UFFDIO_MOVE_MODE_DONTWAKE == 0 {
             dst.uffd.woke();
         }
@@ -658,5 +661,69 @@ mod tests {
             let message = panic.downcast_ref::<String>().cloned().unwrap_or_default();
             assert!(message.contains("outside"), "panic message: {message:?}");
         }
+    }
+}
+
+#[cfg(test)]
+mod quiet_staging {
+    use super::*;
+    use crate::mapping::OwnedMapping;
+
+    const PAGE: usize = 4096;
+
+    /// The kernel facts the pager's staging area rests on: `UFFDIO_MOVE` checks only that
+    /// the destination is registered with the userfaultfd the ioctl is issued on, so pages
+    /// move between a range of one userfaultfd and a range of another; and discarding a
+    /// range whose userfaultfd has no `UFFD_FEATURE_EVENT_REMOVE` raises no event on the
+    /// other one (copies into the first never see `EAGAIN` for it).
+    #[test]
+    fn moves_cross_userfaultfds_and_quiet_discards_raise_no_event() {
+        let support = match Uffd::probe() {
+            Ok(f) => f,
+            Err(e) => {
+                farmap_testkit::skip("quiet_staging", format!("userfaultfd: {e}"));
+                return;
+            }
+        };
+        if support & sys::UFFD_FEATURE_MOVE == 0 {
+            farmap_testkit::skip("quiet_staging", "no UFFDIO_MOVE");
+            return;
+        }
+        let loud =
+            Arc::new(Uffd::open(sys::UFFD_FEATURE_EVENT_REMOVE | sys::UFFD_FEATURE_MOVE).unwrap());
+        let quiet = Arc::new(Uffd::open(sys::UFFD_FEATURE_MOVE).unwrap());
+        let region = OwnedMapping::new(4 * PAGE, None).unwrap();
+        region
+            .register(
+                &loud,
+                sys::UFFDIO_REGISTER_MODE_MISSING | sys::UFFDIO_REGISTER_MODE_WP,
+            )
+            .unwrap();
+        let staging = OwnedMapping::new(4 * PAGE, None).unwrap();
+        staging
+            .register(&quiet, sys::UFFDIO_REGISTER_MODE_WP)
+            .unwrap();
+        let r_loud = UffdRange::new(loud.clone(), region.addr(), region.len());
+        let s_quiet = UffdRange::new(quiet.clone(), staging.addr(), staging.len());
+        let data = vec![7u8; 2 * PAGE];
+        r_loud.copy(0, &data, 0).unwrap();
+        // Region → staging: issued on the staging's (quiet) fd.
+        assert_eq!(
+            r_loud.move_to(0, &s_quiet, 0, 2 * PAGE, sys::UFFDIO_MOVE_MODE_DONTWAKE),
+            Ok(2 * PAGE)
+        );
+        assert_eq!(staging.slice().load_u8(PAGE + 5).unwrap(), 7);
+        // Staging → region: issued on the region's (loud) fd.
+        assert_eq!(
+            s_quiet.move_to(0, &r_loud, 0, PAGE, sys::UFFDIO_MOVE_MODE_DONTWAKE),
+            Ok(PAGE)
+        );
+        assert_eq!(region.slice().load_u8(5).unwrap(), 7);
+        // Discarding the staging area raises nothing on the loud fd, and a hole of a range
+        // registered for write protection only reads as zeros (no fault waits).
+        staging.discard(PAGE, PAGE).unwrap().unwrap();
+        let mut msgs = [UffdMsg::default(); 4];
+        assert_eq!(loud.read_messages(&mut msgs).unwrap(), 0, "no remove event");
+        assert_eq!(staging.slice().load_u8(PAGE + 5).unwrap(), 0);
     }
 }
