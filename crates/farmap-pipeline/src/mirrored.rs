@@ -43,7 +43,7 @@
 
 use std::collections::{BTreeSet, HashMap, VecDeque};
 use std::future::{poll_fn, Future};
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Weak};
 use std::task::Poll;
 use std::time::Duration;
@@ -181,6 +181,8 @@ struct Shared {
     failovers: AtomicU64,
     fallbacks: AtomicU64,
     resynced: AtomicU64,
+    /// Whether `state.mirror_missing` may be non-empty (written under the state lock).
+    any_missing: AtomicBool,
 }
 
 /// A primary and a mirror store as one; see the [module docs](self).
@@ -242,10 +244,22 @@ impl Shared {
     }
 
     fn note_mirror(&self, idx: u64, ok: bool) {
+        // The common case, a mirror write that succeeded with no chunk missing, takes no lock.
+        // `any_missing` is only set under the state lock, before a chunk is added, so a write
+        // that sees it clear cannot have a missing mark to remove, unless a concurrent write
+        // of the same chunk adds one after this check: as if that failure came after this
+        // success, which it may have.
+        if ok && !self.any_missing.load(Ordering::Acquire) {
+            return;
+        }
         let mut st = self.state.lock();
         if ok {
             st.mirror_missing.remove(&idx);
+            if st.mirror_missing.is_empty() {
+                self.any_missing.store(false, Ordering::Release);
+            }
         } else {
+            self.any_missing.store(true, Ordering::Release);
             st.mirror_missing.insert(idx);
         }
     }
@@ -554,6 +568,7 @@ impl Mirrored {
             failovers: AtomicU64::new(0),
             fallbacks: AtomicU64::new(0),
             resynced: AtomicU64::new(0),
+            any_missing: AtomicBool::new(false),
         });
         let mut tasks = vec![tokio::spawn(Shared::resync_loop(
             Arc::downgrade(&shared),
@@ -772,6 +787,43 @@ mod tests {
             assert_eq!(primary.inner().read(ChunkIdx(3)).await.unwrap(), chunk(3));
             m.flush().await.unwrap();
             assert_eq!(mirror.read(ChunkIdx(1)).await.unwrap(), chunk(1));
+        }
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn chunks_the_mirror_missed_are_noted_until_written_again() {
+        // Exercises the lock-free path of `note_mirror`: a missing mark must be set by a
+        // failed mirror write, cleared by the next successful one, and set again after that.
+        let mirror = Arc::new(Faulty::new(ModelStore::new(g()), FaultPlan::never()));
+        let m = Mirrored::new(
+            Arc::new(ModelStore::new(g())),
+            mirror.clone(),
+            opts(MirrorPolicy::Both),
+        )
+        .unwrap();
+        let chunk = |v: u8| Bytes::from(vec![v; 4096]);
+        let fail_writes = || FaultPlan {
+            ops: OpSet::WRITE,
+            trigger: FaultTrigger::Always,
+            kind: ErrorKind::Unavailable,
+        };
+        m.write(ChunkIdx(1), chunk(1)).await.unwrap();
+        assert_eq!(m.mirror_status().mirror_missing, 0);
+        for round in 0..2u8 {
+            mirror.set_plan(fail_writes());
+            // The primary took them: the writes succeed, the mirror's misses are noted.
+            m.write(ChunkIdx(1), chunk(10 + round)).await.unwrap();
+            m.write(ChunkIdx(2), chunk(20 + round)).await.unwrap();
+            assert_eq!(m.mirror_status().mirror_missing, 2, "round {round}");
+            mirror.set_plan(FaultPlan::never());
+            m.write(ChunkIdx(1), chunk(30 + round)).await.unwrap();
+            assert_eq!(m.mirror_status().mirror_missing, 1, "round {round}");
+            m.write(ChunkIdx(2), chunk(40 + round)).await.unwrap();
+            assert_eq!(m.mirror_status().mirror_missing, 0, "round {round}");
+            assert_eq!(
+                mirror.inner().read(ChunkIdx(2)).await.unwrap(),
+                chunk(40 + round)
+            );
         }
     }
 

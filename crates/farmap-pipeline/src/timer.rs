@@ -24,7 +24,8 @@
 //!   sleep completes only once `Instant::now()` has reached its deadline.
 //! - Tasks are woken outside the lock (by the timer thread and by registrations), so
 //!   registration never waits for a burst of expirations to be delivered.
-//! - A deadline already reached completes on the first poll without touching the thread.
+//! - A deadline already reached completes on the first poll without touching the thread
+//!   (for [`sleep`], reached by the time `sleep` was called; see there).
 //! - Dropping a [`Sleep`] early is fine: its waker is released at once, and its heap entry
 //!   expires into nothing at its deadline.
 
@@ -46,20 +47,32 @@ use parking_lot::{Condvar, Mutex, MutexGuard};
 /// Made by [`sleep`] or [`sleep_until`].
 pub struct Sleep {
     deadline: Instant,
+    /// The clock reading [`sleep`] took, used by the first poll instead of reading the clock
+    /// again (see [`sleep`]); `None` from [`sleep_until`] and after the first poll.
+    started: Option<Instant>,
     /// Set on the first poll that had to wait; shared with the timer thread's heap entry.
     shared: Option<Arc<Shared>>,
 }
 
 /// Completes after `duration` (measured from this call, not from the first poll).
 ///
+/// The first poll does not read the clock again: it takes the reading of this call as "now"
+/// (one clock read per sleep instead of two; a latency-emulating stage makes one sleep per
+/// operation). That reading is never ahead of the time, so the sleep still never completes
+/// early; a sleep first polled only after its deadline is registered instead of completing
+/// on that poll, and is completed by the next registration or by the timer thread.
+///
 /// # Panics
 /// If the timer thread cannot be started (the process is out of threads), on first use.
 pub fn sleep(duration: Duration) -> Sleep {
     let now = Instant::now();
-    sleep_until(
-        now.checked_add(duration)
+    Sleep {
+        deadline: now
+            .checked_add(duration)
             .unwrap_or(now + Duration::from_secs(1 << 32)),
-    )
+        started: Some(now),
+        shared: None,
+    }
 }
 
 /// Completes at `deadline`. A deadline in the past completes on the first poll.
@@ -69,6 +82,7 @@ pub fn sleep(duration: Duration) -> Sleep {
 pub fn sleep_until(deadline: Instant) -> Sleep {
     Sleep {
         deadline,
+        started: None,
         shared: None,
     }
 }
@@ -95,7 +109,7 @@ impl Future for Sleep {
         let this = self.get_mut();
         match &this.shared {
             None => {
-                let now = Instant::now();
+                let now = this.started.take().unwrap_or_else(Instant::now);
                 if now >= this.deadline {
                     return Poll::Ready(());
                 }
@@ -130,8 +144,11 @@ impl Future for Sleep {
 impl Drop for Sleep {
     fn drop(&mut self) {
         // Release the task's waker now rather than at the deadline (it may be far away).
+        // Once fired, whoever fired it has taken the waker already: no lock needed.
         if let Some(shared) = &self.shared {
-            shared.waker.lock().take();
+            if !shared.fired.load(AtomicOrdering::Acquire) {
+                shared.waker.lock().take();
+            }
         }
     }
 }
@@ -421,6 +438,28 @@ mod tests {
             .expect("runtime");
         rt.block_on(sleep(Duration::from_millis(1)));
         assert_eq!(count.0.load(AtomicOrdering::SeqCst), 0);
+    }
+
+    #[test]
+    fn a_sleep_first_polled_after_its_deadline_completes_and_not_early() {
+        // `sleep` lends its clock reading to the first poll; polled late, the sleep is due
+        // although that reading says otherwise: it must still complete, soon, exactly once.
+        let rt = tokio::runtime::Builder::new_current_thread()
+            .build()
+            .expect("runtime");
+        for _ in 0..20 {
+            let s = sleep(Duration::from_micros(200));
+            let deadline = s.deadline();
+            thread::sleep(Duration::from_millis(1));
+            // Never woken would hang here (the test harness's timeout catches it).
+            rt.block_on(s);
+            assert!(Instant::now() >= deadline);
+        }
+        // Polled before its deadline, a `sleep` still waits for it.
+        let s = sleep(Duration::from_millis(2));
+        let deadline = s.deadline();
+        rt.block_on(s);
+        assert!(Instant::now() >= deadline, "a sleep ended early");
     }
 
     /// Records when it was woken, and how often.
