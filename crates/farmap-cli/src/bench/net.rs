@@ -240,9 +240,16 @@ async fn proxy(to: SocketAddr, rtt: Duration) -> anyhow::Result<ProxyHandle> {
         .spawn())
 }
 
-/// Receives a raw stream of `size` bytes: into one reused 1 MiB buffer, or (`into_region`)
-/// into a region-sized buffer touched before the clock starts, 1 MiB per read.
-async fn run_tcp_raw(to: SocketAddr, size: u64, into_region: bool) -> anyhow::Result<(f64, Timed)> {
+/// Receives a raw stream of `size` bytes: into one reused 1 MiB buffer, or (`region`: the
+/// region the stream comes from) into a region-sized buffer touched before the clock starts,
+/// 1 MiB per read, and checked against the region after the clock stopped. Returns the time to
+/// the first bytes (µs), the time of the whole stream, and whether the check passed.
+async fn run_tcp_raw(
+    to: SocketAddr,
+    size: u64,
+    region: Option<&dyn Store>,
+) -> anyhow::Result<(f64, Timed, bool)> {
+    let into_region = region.is_some();
     const READ: usize = 1 << 20;
     let mut sock = TcpStream::connect(to).await?;
     sock.set_nodelay(true)?;
@@ -273,8 +280,21 @@ async fn run_tcp_raw(to: SocketAddr, size: u64, into_region: bool) -> anyhow::Re
         first.get_or_insert_with(|| started.elapsed());
         got += n as u64;
     }
+    let timed = clock.stop()?;
     let first = first.unwrap_or_default();
-    Ok((first.as_secs_f64() * 1e6, clock.stop()?))
+    let mut verified = true;
+    if let Some(region) = region {
+        let g = region.geometry();
+        for idx in g.all().iter() {
+            let at = g.offset_of(idx) as usize;
+            let chunk = region.read(idx).await?;
+            if buf[at..at + chunk.len()] != chunk[..] {
+                verified = false;
+                break;
+            }
+        }
+    }
+    Ok((first.as_secs_f64() * 1e6, timed, verified))
 }
 
 /// Time of one read on an established connection: every pooled connection is used once
@@ -408,11 +428,10 @@ pub async fn run(args: NetArgs) -> anyhow::Result<ExitCode> {
                     } else {
                         Link::to(raw_addr, rtt).await?
                     };
-                    let into_region = case == "tcp-region";
-                    let (first, timed) =
-                        run_tcp_raw(p.local_addr(), args.size, into_region).await?;
+                    let region = (case == "tcp-region").then_some(store.as_ref());
+                    let (first, timed, ok) = run_tcp_raw(p.local_addr(), args.size, region).await?;
                     p.shutdown().await;
-                    (args.size, timed, first, true)
+                    (args.size, timed, first, ok)
                 }
                 "direct-native" | "managed-native" => {
                     let p = Link::to(native_addr, rtt).await?;
