@@ -42,5 +42,40 @@ fn bench_net_prints_every_case_per_rtt() {
         // The proxy adds the round trip: no reply can come back sooner.
         let first_us = row["first_chunk_us"].as_f64().unwrap();
         assert!(first_us >= rtt * 1000.0, "{row}");
+        assert!(row["cpu_ms"].as_f64().unwrap() > 0.0, "{row}");
+    }
+}
+
+#[test]
+fn bench_net_streams_into_a_region_and_through_the_proxy_at_zero_rtt() {
+    let o = Command::new(env!("CARGO_BIN_EXE_farmap"))
+        .args([
+            "bench",
+            "net",
+            "--json",
+            "--size",
+            "8MiB",
+            "--rtt",
+            "0ms",
+            "--case",
+            "tcp-raw,tcp-region,tcp-proxied",
+        ])
+        .output()
+        .unwrap();
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    let rows: Vec<serde_json::Value> = String::from_utf8_lossy(&o.stdout)
+        .lines()
+        .map(|l| serde_json::from_str(l).unwrap())
+        .collect();
+    let cases: Vec<&str> = rows.iter().map(|r| r["case"].as_str().unwrap()).collect();
+    assert_eq!(cases, ["tcp-raw", "tcp-region", "tcp-proxied"], "{rows:?}");
+    for row in &rows {
+        assert_eq!(row["size_bytes"], 8 << 20, "{row}");
+        assert!(row["mb_per_s"].as_f64().unwrap() > 0.0, "{row}");
+        assert!(row["cpu_ms"].as_f64().unwrap() > 0.0, "{row}");
+        // tcp-region checks what it received against the region.
+        assert_eq!(row["verified"], true, "{row}");
+        // Only tcp-proxied goes through the proxy at an RTT of 0.
+        assert_eq!(row["proxied"], row["case"] == "tcp-proxied", "{row}");
     }
 }

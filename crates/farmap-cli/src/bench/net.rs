@@ -7,10 +7,19 @@
 //! connect to the servers directly (a proxy adds a copy and thread wake-ups that no real
 //! link costs the hosts, so through it the ratios would partly measure the proxy; `proxied`
 //! in each result says which). Cases, per RTT:
-//! - `tcp-raw`: one plain TCP stream through the proxy: the emulated link's capacity.
+//! - `tcp-raw`: one plain TCP stream through the proxy: the emulated link's capacity. Both
+//!   ends reuse one 1 MiB buffer, which stays in the CPU's caches.
+//! - `tcp-region`: the same stream, sent from the source region's chunks and received into a
+//!   region-sized buffer (touched before the clock starts): the link's capacity for moving a
+//!   region, whose bytes come from and go to memory rather than the caches.
+//! - `tcp-proxied`: `tcp-raw` through a proxy even at an RTT of 0: what the proxy itself
+//!   costs (compare with `tcp-raw` at 0).
 //! - `direct-native`: one request at a time over the native protocol.
 //! - `managed-native`: `Cached` + `Puller` over the native protocol, many requests in flight.
 //! - `managed-grpc`: the same over gRPC.
+//!
+//! `cpu_ms` is the CPU time the whole process (servers, proxy, clients) spent during the
+//! timed part: what a case costs the hosts, steadier than its rate on a shared machine.
 //!
 //! `first_chunk_us` is the time from the first request on an established connection to its
 //! reply (for `tcp-raw`: from a one-byte request to the first byte of the stream).
@@ -25,7 +34,8 @@ use bytes::Bytes;
 use clap::Args;
 use farmap::net::proxy::{Proxy, ProxyHandle, ProxyOptions};
 use farmap::net::{
-    serve, ClientOptions, ListenAddr, Listener, RemoteAddr, RemoteStore, ServeOptions,
+    serve, write_all_vectored, ClientOptions, ListenAddr, Listener, RemoteAddr, RemoteStore,
+    ServeOptions,
 };
 use farmap::pipeline::{Cached, PullOptions, PullOrder, Puller};
 use farmap::store::{DenseMemoryStore, MemoryStore};
@@ -39,7 +49,16 @@ use tokio::net::{TcpListener, TcpStream};
 use super::{parse_duration, parse_size_arg};
 use crate::output;
 
-const CASES: [&str; 4] = ["tcp-raw", "direct-native", "managed-native", "managed-grpc"];
+const CASES: [&str; 6] = [
+    "tcp-raw",
+    "tcp-region",
+    "tcp-proxied",
+    "direct-native",
+    "managed-native",
+    "managed-grpc",
+];
+/// The cases run when none are named (`tcp-region` and `tcp-proxied` on request).
+const DEFAULT_CASES: [&str; 4] = ["tcp-raw", "direct-native", "managed-native", "managed-grpc"];
 
 #[derive(Debug, Args)]
 pub struct NetArgs {
@@ -62,7 +81,7 @@ pub struct NetArgs {
     #[arg(long, default_value = "2s", value_parser = parse_duration)]
     direct_time: Duration,
     /// Cases to run, comma-separated.
-    #[arg(long, value_delimiter = ',', default_values_t = CASES.map(String::from))]
+    #[arg(long, value_delimiter = ',', default_values_t = DEFAULT_CASES.map(String::from))]
     case: Vec<String>,
     /// One JSON object per case and RTT on stdout.
     #[arg(long)]
@@ -80,21 +99,67 @@ struct NetResult {
     mb_per_s: f64,
     first_chunk_us: f64,
     elapsed_ms: f64,
+    /// CPU time of the whole process (servers, proxy and clients) over the case, in ms: the
+    /// work a case costs, less noisy than its rate on a shared machine.
+    cpu_ms: f64,
     verified: bool,
     /// Whether the case ran through the delay proxy (not at an RTT of 0).
     proxied: bool,
 }
 
-/// A server streaming `size` bytes to every client after it sends one byte.
-async fn raw_source(size: u64) -> anyhow::Result<SocketAddr> {
+/// How long a timed part of a case took, and the CPU time the whole process spent meanwhile.
+#[derive(Debug, Clone, Copy)]
+pub(super) struct Timed {
+    pub(super) elapsed: Duration,
+    pub(super) cpu_ns: u64,
+}
+
+/// A running clock of wall and CPU time (see [`Timed`]).
+struct Clock {
+    started: Instant,
+    cpu: u64,
+}
+
+impl Clock {
+    fn start() -> anyhow::Result<Clock> {
+        Ok(Clock {
+            cpu: super::self_cpu_ns()?,
+            started: Instant::now(),
+        })
+    }
+
+    fn stop(&self) -> anyhow::Result<Timed> {
+        let elapsed = self.started.elapsed();
+        Ok(Timed {
+            elapsed,
+            cpu_ns: super::self_cpu_ns()?.saturating_sub(self.cpu),
+        })
+    }
+}
+
+/// The request byte of a raw stream: its bytes from one reused 1 MiB buffer.
+const FROM_BUFFER: u8 = 1;
+/// The request byte of a raw stream: the region's chunks, in order.
+const FROM_REGION: u8 = 2;
+/// Chunks gathered into one vectored write of a region stream (1 MiB of 64 KiB chunks).
+const REGION_GATHER: usize = 16;
+
+/// A server streaming `size` bytes to every client after it sends one byte: from a reused
+/// buffer ([`FROM_BUFFER`]) or from `region`'s chunks ([`FROM_REGION`]).
+async fn raw_source(size: u64, region: Arc<dyn Store>) -> anyhow::Result<SocketAddr> {
     let listener = TcpListener::bind("127.0.0.1:0").await?;
     let addr = listener.local_addr()?;
     tokio::spawn(async move {
         while let Ok((mut sock, _)) = listener.accept().await {
+            let region = region.clone();
             tokio::spawn(async move {
                 let _ = sock.set_nodelay(true);
                 let mut go = [0u8; 1];
                 if sock.read_exact(&mut go).await.is_err() {
+                    return;
+                }
+                if go[0] == FROM_REGION {
+                    let _ = stream_region(&mut sock, region.as_ref()).await;
                     return;
                 }
                 let buf = vec![0x5au8; 1 << 20];
@@ -112,6 +177,20 @@ async fn raw_source(size: u64) -> anyhow::Result<SocketAddr> {
     Ok(addr)
 }
 
+/// Writes every chunk of `region` to `sock`, [`REGION_GATHER`] chunks per vectored write (the
+/// chunks are not copied on their way to the kernel).
+async fn stream_region(sock: &mut TcpStream, region: &dyn Store) -> anyhow::Result<()> {
+    let mut batch = Vec::with_capacity(REGION_GATHER);
+    for idx in region.geometry().all().iter() {
+        batch.push(region.read(idx).await?);
+        if batch.len() == REGION_GATHER {
+            write_all_vectored(sock, &mut batch, None).await?;
+        }
+    }
+    write_all_vectored(sock, &mut batch, None).await?;
+    Ok(())
+}
+
 /// The link to `to` at `rtt`: a proxy, or none at 0 (a direct connection). `farmap bench
 /// paging` reaches its remote store through one too.
 pub(super) struct Link {
@@ -127,6 +206,11 @@ impl Link {
                 proxy: None,
             });
         }
+        Link::through_proxy(to, rtt).await
+    }
+
+    /// The link to `to` through a proxy, even at an RTT of 0.
+    async fn through_proxy(to: SocketAddr, rtt: Duration) -> anyhow::Result<Link> {
         let p = proxy(to, rtt).await?;
         Ok(Link {
             addr: p.local_addr(),
@@ -156,22 +240,61 @@ async fn proxy(to: SocketAddr, rtt: Duration) -> anyhow::Result<ProxyHandle> {
         .spawn())
 }
 
-async fn run_tcp_raw(to: SocketAddr, size: u64) -> anyhow::Result<(f64, Duration)> {
+/// Receives a raw stream of `size` bytes: into one reused 1 MiB buffer, or (`region`: the
+/// region the stream comes from) into a region-sized buffer touched before the clock starts,
+/// 1 MiB per read, and checked against the region after the clock stopped. Returns the time to
+/// the first bytes (µs), the time of the whole stream, and whether the check passed.
+async fn run_tcp_raw(
+    to: SocketAddr,
+    size: u64,
+    region: Option<&dyn Store>,
+) -> anyhow::Result<(f64, Timed, bool)> {
+    let into_region = region.is_some();
+    const READ: usize = 1 << 20;
     let mut sock = TcpStream::connect(to).await?;
     sock.set_nodelay(true)?;
-    let mut buf = vec![0u8; 1 << 20];
-    let started = Instant::now();
-    sock.write_all(&[1]).await?;
-    let mut got = sock.read(&mut buf).await? as u64;
-    let first = started.elapsed();
+    let len = if into_region {
+        usize::try_from(size).context("the region does not fit this machine's memory")?
+    } else {
+        READ
+    };
+    // Filled with ones, so that every page has its own frame before the clock starts.
+    let mut buf = vec![1u8; len];
+    let go = if into_region {
+        FROM_REGION
+    } else {
+        FROM_BUFFER
+    };
+    let clock = Clock::start()?;
+    let started = clock.started;
+    sock.write_all(&[go]).await?;
+    let mut got = 0u64;
+    let mut first = None;
     while got < size {
-        let n = sock.read(&mut buf).await?;
+        let at = if into_region { got as usize } else { 0 };
+        let end = (at + READ).min(buf.len());
+        let n = sock.read(&mut buf[at..end]).await?;
         if n == 0 {
             bail!("the raw stream ended after {got} of {size} bytes");
         }
+        first.get_or_insert_with(|| started.elapsed());
         got += n as u64;
     }
-    Ok((first.as_secs_f64() * 1e6, started.elapsed()))
+    let timed = clock.stop()?;
+    let first = first.unwrap_or_default();
+    let mut verified = true;
+    if let Some(region) = region {
+        let g = region.geometry();
+        for idx in g.all().iter() {
+            let at = g.offset_of(idx) as usize;
+            let chunk = region.read(idx).await?;
+            if buf[at..at + chunk.len()] != chunk[..] {
+                verified = false;
+                break;
+            }
+        }
+    }
+    Ok((first.as_secs_f64() * 1e6, timed, verified))
 }
 
 /// Time of one read on an established connection: every pooled connection is used once
@@ -194,9 +317,10 @@ async fn first_chunk(store: &dyn Store, connections: usize) -> anyhow::Result<f6
 }
 
 /// Reads chunks one at a time until `budget` is spent or the region ends.
-async fn run_direct(store: &dyn Store, budget: Duration) -> anyhow::Result<(u64, Duration)> {
+async fn run_direct(store: &dyn Store, budget: Duration) -> anyhow::Result<(u64, Timed)> {
     let g = store.geometry();
-    let started = Instant::now();
+    let clock = Clock::start()?;
+    let started = clock.started;
     let mut bytes = 0u64;
     for idx in g.all().iter() {
         bytes += store.read(idx).await?.len() as u64;
@@ -204,24 +328,24 @@ async fn run_direct(store: &dyn Store, budget: Duration) -> anyhow::Result<(u64,
             break;
         }
     }
-    Ok((bytes, started.elapsed()))
+    Ok((bytes, clock.stop()?))
 }
 
 /// Pulls the whole region with `Cached` + `Puller` (`workers` in flight, in order); returns
-/// the time and whether every local chunk equals `expected(idx)` (checked after the clock
+/// the time (wall and CPU) and whether every local chunk equals `expected(idx)` (checked after the clock
 /// stopped). `farmap bench stores` measures its managed case with it too.
 pub(super) async fn run_managed<F, Fut>(
     remote: Arc<dyn Store>,
     workers: usize,
     expected: F,
-) -> anyhow::Result<(Duration, bool)>
+) -> anyhow::Result<(Timed, bool)>
 where
     F: Fn(ChunkIdx) -> Fut,
     Fut: std::future::Future<Output = anyhow::Result<Bytes>>,
 {
     let g = remote.geometry();
     let cached = Arc::new(Cached::new(DenseMemoryStore::new(g), remote)?);
-    let started = Instant::now();
+    let clock = Clock::start()?;
     let puller = Puller::start(
         cached.clone(),
         PullOptions {
@@ -231,7 +355,7 @@ where
         },
     );
     let report = puller.wait().await;
-    let elapsed = started.elapsed();
+    let timed = clock.stop()?;
     let mut verified = report.is_complete();
     for idx in g.all().iter() {
         if !verified {
@@ -239,7 +363,7 @@ where
         }
         verified = cached.local().read(idx).await? == expected(idx).await?;
     }
-    Ok((elapsed, verified))
+    Ok((timed, verified))
 }
 
 /// What `source` holds at `idx`, for [`run_managed`]'s check.
@@ -289,7 +413,7 @@ pub async fn run(args: NetArgs) -> anyhow::Result<ExitCode> {
             let _ = grpc_stopped.await;
         },
     ));
-    let raw_addr = raw_source(args.size).await?;
+    let raw_addr = raw_source(args.size, store.clone()).await?;
 
     let mut failed = false;
     for &rtt in &args.rtt {
@@ -297,12 +421,17 @@ pub async fn run(args: NetArgs) -> anyhow::Result<ExitCode> {
             if !args.json {
                 eprintln!("running {case} at rtt {} ms", rtt.as_secs_f64() * 1e3);
             }
-            let (bytes, elapsed, first_us, verified) = match case.as_str() {
-                "tcp-raw" => {
-                    let p = Link::to(raw_addr, rtt).await?;
-                    let (first, elapsed) = run_tcp_raw(p.local_addr(), args.size).await?;
+            let (bytes, timed, first_us, verified) = match case.as_str() {
+                "tcp-raw" | "tcp-region" | "tcp-proxied" => {
+                    let p = if case == "tcp-proxied" {
+                        Link::through_proxy(raw_addr, rtt).await?
+                    } else {
+                        Link::to(raw_addr, rtt).await?
+                    };
+                    let region = (case == "tcp-region").then_some(store.as_ref());
+                    let (first, timed, ok) = run_tcp_raw(p.local_addr(), args.size, region).await?;
                     p.shutdown().await;
-                    (args.size, elapsed, first, true)
+                    (args.size, timed, first, ok)
                 }
                 "direct-native" | "managed-native" => {
                     let p = Link::to(native_addr, rtt).await?;
@@ -357,6 +486,7 @@ pub async fn run(args: NetArgs) -> anyhow::Result<ExitCode> {
                     (args.size, elapsed, first, ok)
                 }
             };
+            let elapsed = timed.elapsed;
             failed |= !verified;
             let result = NetResult {
                 bench: "net",
@@ -372,19 +502,21 @@ pub async fn run(args: NetArgs) -> anyhow::Result<ExitCode> {
                 mb_per_s: output::mb_per_s(bytes, elapsed),
                 first_chunk_us: output::round1(first_us),
                 elapsed_ms: output::round1(elapsed.as_secs_f64() * 1e3),
+                cpu_ms: output::round1(timed.cpu_ns as f64 / 1e6),
                 verified,
-                proxied: !rtt.is_zero(),
+                proxied: !rtt.is_zero() || case == "tcp-proxied",
             };
             if args.json {
                 output::json_line(&result)?;
             } else {
                 println!(
-                    "{:<15} rtt {:>5.1} ms: {:>8.1} MB/s over {} in {:.1} ms, first chunk {:.0} us{}",
+                    "{:<15} rtt {:>5.1} ms: {:>8.1} MB/s over {} in {:.1} ms ({:.0} ms of CPU), first chunk {:.0} us{}",
                     result.case,
                     result.rtt_ms,
                     result.mb_per_s,
                     format_size(bytes),
                     result.elapsed_ms,
+                    result.cpu_ms,
                     result.first_chunk_us,
                     if verified { "" } else { ", VERIFICATION FAILED" }
                 );

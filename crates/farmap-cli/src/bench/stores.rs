@@ -183,10 +183,11 @@ async fn direct_read(
 
 async fn managed_read(remote: Arc<dyn Store>, workers: usize) -> anyhow::Result<(Duration, bool)> {
     let g = remote.geometry();
-    super::net::run_managed(remote, workers, |idx| {
+    let (timed, verified) = super::net::run_managed(remote, workers, |idx| {
         std::future::ready(Ok(content(g, idx)))
     })
-    .await
+    .await?;
+    Ok((timed.elapsed, verified))
 }
 
 async fn read_4k(
