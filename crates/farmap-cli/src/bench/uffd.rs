@@ -354,27 +354,35 @@ impl Bench {
         Baseline::new(&self.data, mode).context("setting up the baseline")
     }
 
-    fn fault(&self, store: Arc<dyn Store>, run: u32) -> anyhow::Result<FaultRow> {
-        let case = Case::Fault4k;
-        let pages = baseline::random_pages(self.data.len() / PAGE_SIZE, self.samples, PAGES_SEED);
-        let baselines = || -> anyhow::Result<_> {
-            let wp = self
-                .baseline(BaselineMode::WriteProtect)?
-                .fault_latency(case.chunk(), &pages)
-                .context("baseline fault latency")?;
-            let missing = self
-                .baseline(BaselineMode::Missing)?
-                .fault_latency(case.chunk(), &pages)
-                .context("baseline (missing only) fault latency")?;
-            Ok((wp, missing))
-        };
-        let farmap = || -> anyhow::Result<_> {
-            let region = open_region(store, self.local_max, self.fault_wait)?;
-            let lat = Latencies::from_samples(baseline::touch_each(region.memory(), &pages));
-            Ok((lat, region.stats(), region.tracking_mode().as_str()))
-        };
-        let ((wp, missing), (lat, stats, tracking)) = in_turn(run, baselines, farmap)?;
-        Ok(FaultRow {
+    /// The raw userfaultfd's fault latencies on `pages`: write-protect mode (the reference)
+    /// and missing only.
+    fn fault_baselines(
+        &self,
+        chunk: usize,
+        pages: &[usize],
+    ) -> anyhow::Result<(Latencies, Latencies)> {
+        let wp = self
+            .baseline(BaselineMode::WriteProtect)?
+            .fault_latency(chunk, pages)
+            .context("baseline fault latency")?;
+        let missing = self
+            .baseline(BaselineMode::Missing)?
+            .fault_latency(chunk, pages)
+            .context("baseline (missing only) fault latency")?;
+        Ok((wp, missing))
+    }
+
+    /// A fault row: the region's latencies, the baselines', and the counts of the faults
+    /// timed (`faults`, `faults_inline` and the paths).
+    fn fault_row(
+        &self,
+        (case, run, tracking): (Case, u32, &'static str),
+        lat: &Latencies,
+        (wp, missing): &(Latencies, Latencies),
+        (faults, faults_inline): (u64, u64),
+        path: PathCounts,
+    ) -> FaultRow {
+        FaultRow {
             common: self.common(case, run, tracking),
             samples: lat.samples,
             p50_us: round3(lat.p50_us),
@@ -384,26 +392,35 @@ impl Bench {
             baseline_p99_us: round3(wp.p99_us),
             baseline_missing_p50_us: round3(missing.p50_us),
             baseline_missing_p99_us: round3(missing.p99_us),
-            faults: stats.faults,
-            faults_inline: stats.faults_inline,
-            path: PathCounts::of(&stats),
-        })
+            faults,
+            faults_inline,
+            path,
+        }
+    }
+
+    fn fault(&self, store: Arc<dyn Store>, run: u32) -> anyhow::Result<FaultRow> {
+        let case = Case::Fault4k;
+        let pages = baseline::random_pages(self.data.len() / PAGE_SIZE, self.samples, PAGES_SEED);
+        let baselines = || self.fault_baselines(case.chunk(), &pages);
+        let farmap = || -> anyhow::Result<_> {
+            let region = open_region(store, self.local_max, self.fault_wait)?;
+            let lat = Latencies::from_samples(baseline::touch_each(region.memory(), &pages));
+            Ok((lat, region.stats(), region.tracking_mode().as_str()))
+        };
+        let (base, (lat, stats, tracking)) = in_turn(run, baselines, farmap)?;
+        Ok(self.fault_row(
+            (case, run, tracking),
+            &lat,
+            &base,
+            (stats.faults, stats.faults_inline),
+            PathCounts::of(&stats),
+        ))
     }
 
     fn refault_staged(&self, store: Arc<dyn Store>, run: u32) -> anyhow::Result<FaultRow> {
         let case = Case::RefaultStaged;
         let pages = baseline::random_pages(self.data.len() / PAGE_SIZE, self.samples, PAGES_SEED);
-        let baselines = || -> anyhow::Result<_> {
-            let wp = self
-                .baseline(BaselineMode::WriteProtect)?
-                .fault_latency(case.chunk(), &pages)
-                .context("baseline fault latency")?;
-            let missing = self
-                .baseline(BaselineMode::Missing)?
-                .fault_latency(case.chunk(), &pages)
-                .context("baseline (missing only) fault latency")?;
-            Ok((wp, missing))
-        };
+        let baselines = || self.fault_baselines(case.chunk(), &pages);
         let farmap = || -> anyhow::Result<_> {
             let opts = RegionOptions {
                 push: PushOptions {
@@ -445,27 +462,23 @@ impl Bench {
             }
             Ok((lat, after, before, region.tracking_mode().as_str()))
         };
-        let ((wp, missing), (lat, stats, before, tracking)) = in_turn(run, baselines, farmap)?;
+        let (base, (lat, stats, before, tracking)) = in_turn(run, baselines, farmap)?;
         let mut path = PathCounts::of(&stats);
         // Only the timed re-faults.
         path.faults_polled -= before.faults_polled;
         path.faults_slept -= before.faults_slept;
         path.faults_in_thread -= before.faults_in_thread;
         path.faults_signalled -= before.faults_signalled;
-        Ok(FaultRow {
-            common: self.common(case, run, tracking),
-            samples: lat.samples,
-            p50_us: round3(lat.p50_us),
-            p99_us: round3(lat.p99_us),
-            max_us: round3(lat.max_us),
-            baseline_p50_us: round3(wp.p50_us),
-            baseline_p99_us: round3(wp.p99_us),
-            baseline_missing_p50_us: round3(missing.p50_us),
-            baseline_missing_p99_us: round3(missing.p99_us),
-            faults: stats.faults - before.faults,
-            faults_inline: stats.faults_inline - before.faults_inline,
+        Ok(self.fault_row(
+            (case, run, tracking),
+            &lat,
+            &base,
+            (
+                stats.faults - before.faults,
+                stats.faults_inline - before.faults_inline,
+            ),
             path,
-        })
+        ))
     }
 
     fn fill(&self, case: Case, store: Arc<dyn Store>, run: u32) -> anyhow::Result<FillRow> {
