@@ -3,31 +3,34 @@
 
 use std::process::Command;
 
-#[test]
-fn bench_net_prints_every_case_per_rtt() {
+/// Runs `farmap bench net --json ARGS` and returns its rows.
+fn bench_net_rows(args: &[&str]) -> Vec<serde_json::Value> {
     let o = Command::new(env!("CARGO_BIN_EXE_farmap"))
-        .args([
-            "bench",
-            "net",
-            "--json",
-            "--size",
-            "8MiB",
-            "--rtt",
-            "0ms,2ms",
-            "--workers",
-            "64",
-            "--connections",
-            "2",
-            "--direct-time",
-            "100ms",
-        ])
+        .args(["bench", "net", "--json"])
+        .args(args)
         .output()
         .unwrap();
     assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
-    let rows: Vec<serde_json::Value> = String::from_utf8_lossy(&o.stdout)
+    String::from_utf8_lossy(&o.stdout)
         .lines()
         .map(|l| serde_json::from_str(l).unwrap())
-        .collect();
+        .collect()
+}
+
+#[test]
+fn bench_net_prints_every_case_per_rtt() {
+    let rows = bench_net_rows(&[
+        "--size",
+        "8MiB",
+        "--rtt",
+        "0ms,2ms",
+        "--workers",
+        "64",
+        "--connections",
+        "2",
+        "--direct-time",
+        "100ms",
+    ]);
     let cases = ["tcp-raw", "direct-native", "managed-native", "managed-grpc"];
     assert_eq!(rows.len(), 2 * cases.len(), "{rows:?}");
     for (i, row) in rows.iter().enumerate() {
@@ -48,25 +51,14 @@ fn bench_net_prints_every_case_per_rtt() {
 
 #[test]
 fn bench_net_streams_into_a_region_and_through_the_proxy_at_zero_rtt() {
-    let o = Command::new(env!("CARGO_BIN_EXE_farmap"))
-        .args([
-            "bench",
-            "net",
-            "--json",
-            "--size",
-            "8MiB",
-            "--rtt",
-            "0ms",
-            "--case",
-            "tcp-raw,tcp-region,tcp-proxied",
-        ])
-        .output()
-        .unwrap();
-    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
-    let rows: Vec<serde_json::Value> = String::from_utf8_lossy(&o.stdout)
-        .lines()
-        .map(|l| serde_json::from_str(l).unwrap())
-        .collect();
+    let rows = bench_net_rows(&[
+        "--size",
+        "8MiB",
+        "--rtt",
+        "0ms",
+        "--case",
+        "tcp-raw,tcp-region,tcp-proxied",
+    ]);
     let cases: Vec<&str> = rows.iter().map(|r| r["case"].as_str().unwrap()).collect();
     assert_eq!(cases, ["tcp-raw", "tcp-region", "tcp-proxied"], "{rows:?}");
     for row in &rows {

@@ -349,12 +349,9 @@ impl Region {
         let signal = match (&pager, in_thread) {
             (Some(pager), true) => Some(Arc::new(
                 SignalPath::new(
-                    range.base(),
-                    len,
-                    page,
+                    &range,
                     geometry.chunk_shift(),
                     pager.clone(),
-                    uffd.clone(),
                     counters.clone(),
                     match opts.fault_wait {
                         FaultWait::Poll(window) => window,

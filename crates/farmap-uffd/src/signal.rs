@@ -50,7 +50,7 @@ use std::time::{Duration, Instant};
 use crate::paging::{InThread, Pager};
 use crate::stats::Counters;
 use crate::sys::{self, UffdMsg};
-use crate::uffd::Uffd;
+use crate::uffd::{Uffd, UffdRange};
 
 /// A word that faulting threads wait on in a signal handler, bumped by every operation that
 /// would wake a thread blocked in the kernel.
@@ -140,14 +140,11 @@ pub(crate) struct SignalPath {
 }
 
 impl SignalPath {
-    #[allow(clippy::too_many_arguments)]
+    /// Serves faults of `region` (chunks of `1 << chunk_shift` bytes) for `pager`.
     pub fn new(
-        base: usize,
-        len: usize,
-        page: usize,
+        region: &UffdRange,
         chunk_shift: u32,
         pager: Arc<Pager>,
-        uffd: Arc<Uffd>,
         counters: Arc<Counters>,
         spin: Duration,
     ) -> io::Result<SignalPath> {
@@ -160,12 +157,12 @@ impl SignalPath {
         let (posted, post) =
             unsafe { (OwnedFd::from_raw_fd(fds[0]), OwnedFd::from_raw_fd(fds[1])) };
         Ok(SignalPath {
-            base,
-            len,
-            page,
+            base: region.base(),
+            len: region.len(),
+            page: region.page_size(),
             chunk_shift,
             pager,
-            uffd,
+            uffd: region.uffd().clone(),
             counters,
             spin,
             post,
