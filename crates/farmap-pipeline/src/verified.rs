@@ -23,13 +23,21 @@
 //!
 //! # What is checked, against what
 //!
-//! The whole table is kept in memory (16 bytes per chunk) and is the authority while the
+//! The whole table is kept in memory (about 90 bytes per chunk) and is the authority while the
 //! region is open: every write gets the region's next generation number; when the inner write
-//! succeeds, the chunk's record becomes (generation, checksum) unless a newer generation got
-//! there first. A read hashes what the inner store returned and compares it with the record of
-//! the newest acknowledged write (or with writes still in flight: a read that overlaps a write
-//! may see either version, as the [`Store`] contract says). Anything else — flipped bits, a
-//! torn write, a write the store dropped, an older version — is refused as `Corrupt`.
+//! succeeds, the chunk's record becomes (generation, checksum). A read hashes what the inner
+//! store returned and compares it with the versions the chunk may hold: the last acknowledged
+//! write, and writes still in flight (a read that overlaps a write may see either version, as
+//! the [`Store`] contract says). Anything else — flipped bits, a torn write, a write the store
+//! dropped, an older version — is refused as `Corrupt`.
+//!
+//! Writes of one chunk that overlap in time may land in either order, so when one succeeds,
+//! every write of that chunk that was still running when it started stays acceptable too
+//! (whichever landed last is what the store holds); a write that ended before a successful
+//! one started is overwritten and no longer accepted. The first read that finds the chunk
+//! quiet settles which version it holds, and a flush settles the chunks it writes records
+//! for (reading them when more than one version is possible), so a metadata record always
+//! names the version that is there.
 //!
 //! # Durability of the table
 //!
@@ -45,7 +53,7 @@
 //! table expects zeros).
 //!
 //! After a failed inner write the chunk may hold either version; until the next successful
-//! write both are accepted.
+//! write (or a read that finds out which) both are accepted.
 //!
 //! # Concurrency contract
 //! - The table is striped (per-stripe `parking_lot` mutex, held only to read or update
@@ -83,35 +91,110 @@ enum Expect {
     Unknown,
 }
 
-#[derive(Debug, Clone)]
-struct Record {
+/// One version a chunk may hold.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+struct Version {
     gen: u64,
     expect: Expect,
-    /// After a failed write: the version that may have landed.
-    also: Option<Expect>,
-    /// Writes in flight: (generation, expectation).
-    in_flight: Vec<(u64, Expect)>,
+    /// The record's tick when the write that made it ended (0: loaded at opening).
+    ended: u64,
+}
+
+#[derive(Debug, Clone)]
+struct Record {
+    /// The newest version the chunk may hold when no write is in flight.
+    cur: Version,
+    /// Other versions it may hold: writes that overlapped the newest one, or failed writes
+    /// that may have landed. Usually empty.
+    more: Vec<Version>,
+    /// Writes in flight: (generation, expectation, tick when it started).
+    in_flight: Vec<(u64, Expect, u64)>,
     /// Bumped when a write starts and when it ends.
     changes: u64,
 }
 
 impl Record {
     fn fresh() -> Self {
+        Self::loaded(0, Expect::Zeros)
+    }
+
+    fn loaded(gen: u64, expect: Expect) -> Self {
         Self {
-            gen: 0,
-            expect: Expect::Zeros,
-            also: None,
+            cur: Version {
+                gen,
+                expect,
+                ended: 0,
+            },
+            more: Vec::new(),
             in_flight: Vec::new(),
             changes: 0,
         }
     }
 
     fn candidates(&self) -> Vec<Expect> {
-        let mut v = Vec::with_capacity(2 + self.in_flight.len());
-        v.push(self.expect);
-        v.extend(self.also);
-        v.extend(self.in_flight.iter().map(|(_, e)| *e));
+        let mut v = Vec::with_capacity(1 + self.more.len() + self.in_flight.len());
+        v.push(self.cur.expect);
+        v.extend(self.more.iter().map(|m| m.expect));
+        v.extend(self.in_flight.iter().map(|(_, e, _)| *e));
         v
+    }
+
+    /// Whether the chunk holds exactly one known version and nothing is being written.
+    fn settled(&self) -> bool {
+        self.more.is_empty() && self.in_flight.is_empty()
+    }
+
+    fn start(&mut self, gen: u64, expect: Expect) {
+        self.changes += 1;
+        self.in_flight.push((gen, expect, self.changes));
+    }
+
+    /// Ends write `gen`: a success overwrote every version that ended before it started; a
+    /// failure may or may not have landed.
+    fn end(&mut self, gen: u64, ok: bool) {
+        self.changes += 1;
+        let Some(at) = self.in_flight.iter().position(|(g, _, _)| *g == gen) else {
+            return;
+        };
+        let (_, expect, started) = self.in_flight.swap_remove(at);
+        let new = Version {
+            gen,
+            expect,
+            ended: self.changes,
+        };
+        if ok && self.more.is_empty() && self.cur.ended <= started {
+            // The common case, without allocating: it overwrote the one version there was.
+            self.cur = new;
+            return;
+        }
+        let mut all = std::mem::take(&mut self.more);
+        all.push(self.cur);
+        if ok {
+            all.retain(|v| v.ended > started);
+        }
+        all.push(new);
+        self.set_versions(all);
+    }
+
+    /// Keeps only the versions `keep` accepts (at least one must be kept).
+    fn narrow(&mut self, keep: impl Fn(&Version) -> bool) {
+        let mut all = std::mem::take(&mut self.more);
+        all.push(self.cur);
+        let kept: Vec<Version> = all.iter().copied().filter(|v| keep(v)).collect();
+        self.set_versions(if kept.is_empty() { all } else { kept });
+    }
+
+    fn set_versions(&mut self, mut all: Vec<Version>) {
+        // Newest first; one entry per distinct content.
+        all.sort_unstable_by_key(|v| std::cmp::Reverse(v.gen));
+        let mut seen: Vec<Expect> = Vec::with_capacity(all.len());
+        all.retain(|v| {
+            let new = !seen.contains(&v.expect);
+            seen.push(v.expect);
+            new
+        });
+        self.cur = all.remove(0);
+        self.more = all;
     }
 }
 
@@ -311,7 +394,9 @@ impl<S: Store> Verified<S> {
                 );
                 self.bad_meta += 1;
                 for i in 0..count {
-                    self.with_record(ChunkIdx(first + i), |r| r.expect = Expect::Unknown);
+                    self.with_record(ChunkIdx(first + i), |r| {
+                        *r = Record::loaded(0, Expect::Unknown)
+                    });
                 }
                 continue;
             }
@@ -329,18 +414,35 @@ impl<S: Store> Verified<S> {
                 let sum = u64::from_le_bytes(raw[at + 8..at + 16].try_into().expect("8"));
                 let gen = word & !HAS_DATA;
                 max_gen = max_gen.max(gen);
-                self.with_record(ChunkIdx(first + i), |r| {
-                    r.gen = gen;
-                    r.expect = if word & HAS_DATA != 0 {
-                        Expect::Sum(sum)
-                    } else {
-                        Expect::Zeros
-                    };
-                });
+                let expect = if word & HAS_DATA != 0 {
+                    Expect::Sum(sum)
+                } else {
+                    Expect::Zeros
+                };
+                self.with_record(ChunkIdx(first + i), |r| *r = Record::loaded(gen, expect));
             }
         }
         self.next_gen = AtomicU64::new(max_gen + 1);
         Ok(())
+    }
+
+    /// Reads the chunks described by metadata chunk `m` that may hold more than one version,
+    /// so that the record written names the one they hold. A chunk whose read fails or is
+    /// being written keeps its newest version in the record.
+    async fn settle_ambiguous(&self, m: u64) {
+        let first = m * self.layout.per_meta;
+        let count = self
+            .layout
+            .per_meta
+            .min(self.layout.geometry.chunk_count() - first);
+        for i in 0..count {
+            let idx = ChunkIdx(first + i);
+            if self.with_record(idx, |r| !r.more.is_empty() && r.in_flight.is_empty()) {
+                // A read that matches narrows the record; one that does not is refused and
+                // counted, which is all that is known then.
+                let _ = self.read_verified(idx).await;
+            }
+        }
     }
 
     /// Serializes metadata chunk `m` from the table.
@@ -357,7 +459,7 @@ impl<S: Store> Verified<S> {
             .per_meta
             .min(self.layout.geometry.chunk_count() - first);
         for i in 0..count {
-            let (gen, expect) = self.with_record(ChunkIdx(first + i), |r| (r.gen, r.expect));
+            let Version { gen, expect, .. } = self.with_record(ChunkIdx(first + i), |r| r.cur);
             let (word, sum) = match expect {
                 Expect::Sum(s) => (gen | HAS_DATA, s),
                 // An unknown chunk is written as zeros: after a reopen it is refused anyway
@@ -377,12 +479,36 @@ impl<S: Store> Verified<S> {
         self.layout.geometry.chunk_len(idx)
     }
 
-    fn matches(data: &[u8], candidates: &[Expect], sum: &mut Option<u64>) -> bool {
-        candidates.iter().any(|e| match e {
+    fn is(data: &[u8], e: Expect, sum: &mut Option<u64>) -> bool {
+        match e {
             Expect::Zeros => is_zero(data),
-            Expect::Sum(s) => *sum.get_or_insert_with(|| xxh3_64(data)) == *s,
+            Expect::Sum(s) => *sum.get_or_insert_with(|| xxh3_64(data)) == s,
             Expect::Unknown => false,
-        })
+        }
+    }
+
+    fn matches(data: &[u8], candidates: &[Expect], sum: &mut Option<u64>) -> bool {
+        candidates.iter().any(|e| Self::is(data, *e, sum))
+    }
+
+    /// After a read of `data` that no write overlapped (the record's tick is still `changes`):
+    /// when the chunk could hold several versions, it holds this one.
+    fn settle_by_read(&self, idx: ChunkIdx, changes: u64, data: &[u8], sum: &mut Option<u64>) {
+        let ambiguous = self.with_record(idx, |r| !r.more.is_empty());
+        if !ambiguous {
+            return;
+        }
+        let sum = *sum.get_or_insert_with(|| xxh3_64(data));
+        let zero = is_zero(data);
+        self.with_record(idx, |r| {
+            if r.changes == changes && r.in_flight.is_empty() {
+                r.narrow(|v| match v.expect {
+                    Expect::Zeros => zero,
+                    Expect::Sum(s) => s == sum,
+                    Expect::Unknown => false,
+                });
+            }
+        });
     }
 
     async fn read_verified(&self, idx: ChunkIdx) -> StoreResult<Bytes> {
@@ -404,6 +530,7 @@ impl<S: Store> Verified<S> {
             let data = raw.slice(..len);
             let mut sum = None;
             if Self::matches(&data, &before, &mut sum) {
+                self.settle_by_read(idx, changes, &data, &mut sum);
                 return Ok(data);
             }
             let (after, changed) =
@@ -417,7 +544,7 @@ impl<S: Store> Verified<S> {
             self.reread.fetch_add(1, Ordering::Relaxed);
         }
         self.refused.fetch_add(1, Ordering::Relaxed);
-        let (gen, expect) = self.with_record(idx, |r| (r.gen, r.expect));
+        let Version { gen, expect, .. } = self.with_record(idx, |r| r.cur);
         let why = match expect {
             Expect::Zeros => format!("it should read as zeros (generation {gen})"),
             Expect::Sum(s) => format!("generation {gen} has checksum {s:016x}"),
@@ -439,10 +566,7 @@ impl<S: Store> Verified<S> {
         self.layout.geometry.check_write(idx, data.len())?;
         let expect = Expect::Sum(xxh3_64(&data));
         let gen = self.next_gen.fetch_add(1, Ordering::Relaxed);
-        self.with_record(idx, |r| {
-            r.in_flight.push((gen, expect));
-            r.changes += 1;
-        });
+        self.with_record(idx, |r| r.start(gen, expect));
         let full = self.layout.geometry.chunk_size() as usize;
         let padded = if data.len() == full {
             data
@@ -453,25 +577,13 @@ impl<S: Store> Verified<S> {
             b.freeze()
         };
         let res = self.inner.write(idx, padded).await;
-        self.settle(idx, gen, expect, res.is_ok());
+        self.settle(idx, gen, res.is_ok());
         res
     }
 
     /// Ends write `gen` of `idx` in the table.
-    fn settle(&self, idx: ChunkIdx, gen: u64, expect: Expect, ok: bool) {
-        self.with_record(idx, |r| {
-            r.in_flight.retain(|(g, _)| *g != gen);
-            r.changes += 1;
-            if ok {
-                if gen > r.gen {
-                    r.gen = gen;
-                    r.expect = expect;
-                    r.also = None;
-                }
-            } else {
-                r.also = Some(expect);
-            }
-        });
+    fn settle(&self, idx: ChunkIdx, gen: u64, ok: bool) {
+        self.with_record(idx, |r| r.end(gen, ok));
         if ok {
             self.mark_meta(idx);
         }
@@ -491,6 +603,7 @@ impl<S: Store> Verified<S> {
             list
         };
         for (n, m) in dirty.iter().enumerate() {
+            self.settle_ambiguous(*m).await;
             let chunk = self.meta_chunk(*m);
             if let Err(e) = self
                 .inner
@@ -571,10 +684,7 @@ impl<S: Store> Store for Verified<S> {
                 .iter()
                 .map(|idx| {
                     let gen = self.next_gen.fetch_add(1, Ordering::Relaxed);
-                    self.with_record(idx, |r| {
-                        r.in_flight.push((gen, Expect::Zeros));
-                        r.changes += 1;
-                    });
+                    self.with_record(idx, |r| r.start(gen, Expect::Zeros));
                     gen
                 })
                 .collect();
@@ -592,7 +702,7 @@ impl<S: Store> Store for Verified<S> {
                 res
             };
             for (idx, gen) in range.iter().zip(gens) {
-                self.settle(idx, gen, Expect::Zeros, res.is_ok());
+                self.settle(idx, gen, res.is_ok());
             }
             res
         })
@@ -602,9 +712,9 @@ impl<S: Store> Store for Verified<S> {
         Box::pin(async move {
             self.layout.geometry.check_idx(idx)?;
             Ok(
-                self.with_record(idx, |r| match (r.expect, r.in_flight.is_empty()) {
-                    (Expect::Zeros, true) if r.also.is_none() => ChunkStatus::Zero,
-                    (Expect::Sum(_), true) if r.also.is_none() => ChunkStatus::Data,
+                self.with_record(idx, |r| match (r.cur.expect, r.settled()) {
+                    (Expect::Zeros, true) => ChunkStatus::Zero,
+                    (Expect::Sum(_), true) => ChunkStatus::Data,
                     _ => ChunkStatus::Unknown,
                 }),
             )
@@ -642,6 +752,144 @@ mod tests {
                 g
             );
         }
+    }
+
+    #[test]
+    fn overlapping_writes_keep_every_version_that_may_have_landed_last() {
+        let (a, b, c) = (Expect::Sum(1), Expect::Sum(2), Expect::Sum(3));
+        let mut r = Record::fresh();
+        // A and B overlap; B ends first: either may be there.
+        r.start(1, a);
+        r.start(2, b);
+        r.end(2, true);
+        r.end(1, true);
+        assert_eq!(r.cur.expect, b);
+        assert_eq!(r.more.iter().map(|v| v.expect).collect::<Vec<_>>(), [a]);
+        assert!(!r.settled());
+        // C starts after both ended: it overwrote them.
+        r.start(3, c);
+        r.end(3, true);
+        assert_eq!(r.candidates(), [c]);
+        assert!(r.settled());
+        // A write that ended before another started is not accepted after it.
+        r.start(4, a);
+        r.end(4, true);
+        r.start(5, b);
+        r.end(5, true);
+        assert_eq!(r.candidates(), [b]);
+        // A failed write may have landed; the next success ends that.
+        r.start(6, c);
+        r.end(6, false);
+        assert_eq!(r.candidates(), [c, b]);
+        r.start(7, a);
+        r.end(7, true);
+        assert_eq!(r.candidates(), [a]);
+        // A read narrows an ambiguous record to what it found.
+        r.start(8, b);
+        r.start(9, c);
+        r.end(8, true);
+        r.end(9, true);
+        r.narrow(|v| v.expect == b);
+        assert_eq!(r.candidates(), [b]);
+        assert_eq!(r.cur.gen, 8);
+    }
+
+    /// Holds back writes whose first byte is `held` until released.
+    #[derive(Debug)]
+    struct Holding {
+        inner: ModelStore,
+        held: u8,
+        gate: tokio::sync::Semaphore,
+    }
+
+    impl Store for Holding {
+        fn geometry(&self) -> Geometry {
+            self.inner.geometry()
+        }
+        fn caps(&self) -> Caps {
+            self.inner.caps()
+        }
+        fn read(&self, idx: ChunkIdx) -> BoxFuture<'_, StoreResult<Bytes>> {
+            self.inner.read(idx)
+        }
+        fn write(&self, idx: ChunkIdx, data: Bytes) -> BoxFuture<'_, StoreResult<()>> {
+            Box::pin(async move {
+                if data[0] == self.held {
+                    self.gate.acquire().await.expect("open").forget();
+                }
+                self.inner.write(idx, data).await
+            })
+        }
+        fn flush(&self) -> BoxFuture<'_, StoreResult<()>> {
+            self.inner.flush()
+        }
+        fn trim(&self, range: ChunkRange) -> BoxFuture<'_, StoreResult<()>> {
+            self.inner.trim(range)
+        }
+        fn status(&self, idx: ChunkIdx) -> BoxFuture<'_, StoreResult<ChunkStatus>> {
+            self.inner.status(idx)
+        }
+    }
+
+    #[tokio::test]
+    async fn an_older_write_that_lands_last_is_served_and_survives_a_reopen() {
+        let inner = Arc::new(Holding {
+            inner: ModelStore::new(Geometry::new(64 * 4096, 4096).unwrap()),
+            held: 1,
+            gate: tokio::sync::Semaphore::new(0),
+        });
+        let v = Arc::new(Verified::open(inner.clone(), None).await.unwrap());
+        let (old, new) = (Bytes::from(vec![1u8; 4096]), Bytes::from(vec![2u8; 4096]));
+        let first = tokio::spawn({
+            let (v, old) = (v.clone(), old.clone());
+            async move { v.write(ChunkIdx(5), old).await }
+        });
+        // The older write is in flight (held) when the newer one runs and finishes.
+        while v.with_record(ChunkIdx(5), |r| r.in_flight.is_empty()) {
+            tokio::task::yield_now().await;
+        }
+        v.write(ChunkIdx(5), new.clone()).await.unwrap();
+        inner.gate.add_permits(1);
+        first.await.unwrap().unwrap();
+        // The older one landed last: that is what the chunk holds, and it is not corrupt.
+        assert_eq!(v.read(ChunkIdx(5)).await.unwrap(), old);
+        assert_eq!(v.stats().refused, 0);
+        v.flush().await.unwrap();
+        drop(v);
+        let v = Verified::open(inner.clone(), None).await.unwrap();
+        assert_eq!(v.read(ChunkIdx(5)).await.unwrap(), old);
+        // And the newer one, had it landed, is not accepted after the chunk was settled.
+        inner.inner.write(ChunkIdx(5), new).await.unwrap();
+        assert_eq!(
+            v.read(ChunkIdx(5)).await.unwrap_err().kind(),
+            ErrorKind::Corrupt
+        );
+    }
+
+    #[tokio::test]
+    async fn a_flush_records_the_version_an_ambiguous_chunk_holds() {
+        let inner = Arc::new(Holding {
+            inner: ModelStore::new(Geometry::new(64 * 4096, 4096).unwrap()),
+            held: 1,
+            gate: tokio::sync::Semaphore::new(0),
+        });
+        let v = Arc::new(Verified::open(inner.clone(), None).await.unwrap());
+        let (old, new) = (Bytes::from(vec![1u8; 4096]), Bytes::from(vec![2u8; 4096]));
+        let first = tokio::spawn({
+            let (v, old) = (v.clone(), old.clone());
+            async move { v.write(ChunkIdx(9), old).await }
+        });
+        while v.with_record(ChunkIdx(9), |r| r.in_flight.is_empty()) {
+            tokio::task::yield_now().await;
+        }
+        v.write(ChunkIdx(9), new).await.unwrap();
+        inner.gate.add_permits(1);
+        first.await.unwrap().unwrap();
+        // No read in between: the flush must find out which version is there.
+        v.flush().await.unwrap();
+        drop(v);
+        let v = Verified::open(inner.clone(), None).await.unwrap();
+        assert_eq!(v.read(ChunkIdx(9)).await.unwrap(), old);
     }
 
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
