@@ -56,7 +56,14 @@ impl Region {
             );
             match self.mapping().discard(offset, len) {
                 None => return Err(RegionError::Closed),
-                Some(Ok(())) => {}
+                Some(Ok(())) => {
+                    // The reader may not have handled the remove event yet: its chunks must
+                    // be absent before this returns.
+                    let base = self.as_ptr() as usize;
+                    self.inner()
+                        .server
+                        .forget(base + offset, base + offset + len);
+                }
                 Some(Err(e)) => {
                     return Err(RegionError::sys(
                         "discarding pages with madvise(MADV_DONTNEED)",

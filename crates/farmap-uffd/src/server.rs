@@ -198,6 +198,16 @@ impl Server {
     /// their content: the copy skips them).
     fn removed(&self, start: usize, end: usize) {
         Counters::add(&self.counters.remove_events, 1);
+        self.forget(start, end);
+    }
+
+    /// Makes the chunks of `start..end` (addresses) absent and clears the written marks of
+    /// its pages: what a remove event of that range means. Idempotent. Called by the reader
+    /// for every remove event, and by [`Region::discard_pages`](crate::Region::discard_pages)
+    /// itself once its `madvise` has returned: the kernel lets `madvise` go on as soon as the
+    /// reader has *read* the event, which may be long before the reader handles it, and a
+    /// chunk still marked present meanwhile would never be fetched again.
+    pub(crate) fn forget(&self, start: usize, end: usize) {
         let base = self.range.base();
         let start = start.clamp(base, base + self.range.len()) - base;
         let end = end.clamp(base, base + self.range.len()) - base;
