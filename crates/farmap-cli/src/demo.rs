@@ -248,6 +248,10 @@ impl agent::App for NodeApp {
         farmap_migrate::region_opener()
     }
 
+    fn shared_opener(&self) -> Option<farmap_migrate::SharedOpener> {
+        Some(crate::migrate::shared_opener())
+    }
+
     fn region(&self) -> Option<(Arc<dyn farmap_migrate::Source>, Arc<dyn Suspend>)> {
         let g = self.app.lock();
         let a = g.as_ref()?;
@@ -624,6 +628,7 @@ async fn migrate_once(
         tls: None,
         reconnect_ms: 30_000,
         pull: args.pull.budget(),
+        push_budget_ms: 2000,
     });
     let src_agent = src.agent.clone();
     let seeding = tokio::spawn(async move {
@@ -658,6 +663,8 @@ async fn migrate_once(
         connections: 4,
         reconnect_ms: 30_000,
         pull: args.pull.budget(),
+        mode: farmap_migrate::Mode::Precopy,
+        store: None,
     });
     let ui = Ui {
         prefix: "farmap demo: destination",

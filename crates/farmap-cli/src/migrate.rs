@@ -50,6 +50,30 @@ pub struct PullArgs {
     pub cpu_share: Option<f64>,
 }
 
+/// Opens an instant migration's shared store from its spec, as any farmap command opens a
+/// store (for applications' agents).
+pub fn shared_opener() -> farmap_migrate::SharedOpener {
+    farmap_migrate::SharedOpener(std::sync::Arc::new(|spec: String| {
+        Box::pin(async move {
+            // A parsed spec is not `Send`: it is opened on a blocking thread.
+            tokio::task::spawn_blocking(move || {
+                let parsed: farmap::StoreSpec = spec
+                    .parse()
+                    .map_err(|e| format!("the shared store's spec {spec:?}: {e}"))?;
+                let store = farmap::spec::open_store_blocking(&parsed).map_err(|e| {
+                    format!("opening the shared store: {:#}", anyhow::Error::new(e))
+                })?;
+                Ok::<_, farmap_migrate::EndpointError>(store)
+            })
+            .await?
+        })
+    }))
+}
+
+fn parse_mode(s: &str) -> Result<farmap_migrate::Mode, String> {
+    s.parse()
+}
+
 fn parse_share(s: &str) -> Result<f64, String> {
     match s.parse::<f64>() {
         Ok(v) if v > 0.0 && v <= 1.0 => Ok(v),
@@ -90,6 +114,11 @@ pub struct SeedArgs {
     reconnect_wait: Duration,
     #[command(flatten)]
     pull: PullArgs,
+    /// Instant migrations (`farmap leech --mode instant`): how long the source pushes what
+    /// the shared store lacks while the application still runs, before it suspends.
+    /// Whatever is left is fetched from the source after the hand-over.
+    #[arg(long, default_value = "2s", value_parser = parse_duration)]
+    push_budget: Duration,
     /// Print the result as one JSON line.
     #[arg(long)]
     json: bool,
@@ -108,6 +137,19 @@ pub struct LeechArgs {
     /// seeder announces (through a proxy or NAT, for example).
     #[arg(long, value_name = "ADDR")]
     data: Option<RemoteAddr>,
+    /// How the region moves. precopy: pull it while the source runs, then pause for the
+    /// last changes (--max-downtime). postcopy: hand over at once; every chunk comes from
+    /// the source afterwards, faulted chunks first. instant: for a region that lives in a
+    /// store both hosts reach (redis://, s3://, cql://, farmap://): the source pushes what
+    /// the store lacks, pauses, and sends a manifest (per chunk: in the store with its
+    /// checksum, or only at the source); the destination resumes at once, reads the store,
+    /// checks every chunk, and takes from the source only what the store lacks.
+    #[arg(long, default_value = "precopy", value_parser = parse_mode)]
+    mode: farmap_migrate::Mode,
+    /// Instant mode: the shared store to open here instead of the spec the source announces
+    /// (another address for it, or this host's credentials).
+    #[arg(long, value_name = "SPEC")]
+    store: Option<String>,
     /// Downtime budget: pre-copy rounds go on until the last changes fit in it (or stop
     /// shrinking, or --max-rounds is reached).
     #[arg(long, default_value = "10ms", value_parser = parse_duration)]
@@ -280,6 +322,7 @@ pub async fn seed(args: SeedArgs) -> anyhow::Result<ExitCode> {
         }),
         reconnect_ms: args.reconnect_wait.as_millis() as u64,
         pull: args.pull.budget(),
+        push_budget_ms: args.push_budget.as_millis() as u64,
     });
     let ui = Ui {
         prefix: "farmap seed",
@@ -296,6 +339,9 @@ pub async fn seed(args: SeedArgs) -> anyhow::Result<ExitCode> {
 }
 
 pub async fn leech(args: LeechArgs) -> anyhow::Result<ExitCode> {
+    if args.store.is_some() && args.mode != farmap_migrate::Mode::Instant {
+        bail!("--store names the shared store of an instant migration: add --mode instant");
+    }
     let request = Request::Leech(LeechRequest {
         from: args.from.to_string(),
         data: args.data.map(|d| d.to_string()),
@@ -311,6 +357,8 @@ pub async fn leech(args: LeechArgs) -> anyhow::Result<ExitCode> {
         connections: args.connections as usize,
         reconnect_ms: args.reconnect_for.as_millis() as u64,
         pull: args.pull.budget(),
+        mode: args.mode,
+        store: args.store,
     });
     let ui = Ui {
         prefix: "farmap leech",
@@ -322,17 +370,28 @@ pub async fn leech(args: LeechArgs) -> anyhow::Result<ExitCode> {
         warn_unless_converged(r);
     }
     finish("leech", outcome, args.json, |r| {
-        format!(
-            "leeched: downtime {} ms, total {} ms, {} rounds, pre-copy {} MB + post-copy {} MB \
-             of a {} MB region, source dirtying {} MB/s",
+        let mb = |k: &str| r[k].as_u64().unwrap_or(0) as f64 / 1e6;
+        let mut line = format!(
+            "leeched ({}): downtime {} ms, total {} ms, {} rounds, {:.1} MB before resuming, \
+             pre-copy {:.1} MB + post-copy {:.1} MB of a {:.1} MB region",
+            r["mode"].as_str().unwrap_or("precopy"),
             r["downtime_ms"],
             r["total_ms"],
             r["rounds"],
-            r["bytes_precopy"].as_u64().unwrap_or(0) / 1_000_000,
-            r["bytes_postcopy"].as_u64().unwrap_or(0) / 1_000_000,
-            r["region_bytes"].as_u64().unwrap_or(0) / 1_000_000,
-            r["dirty_rate_mb_per_s"],
-        )
+            mb("bytes_before_resume"),
+            mb("bytes_precopy"),
+            mb("bytes_postcopy"),
+            mb("region_bytes"),
+        );
+        if r["mode"] == "instant" {
+            line += &format!(
+                "; chunks: {} from the shared store, {} from the source, {} failed their check",
+                r["chunks_from_store"], r["chunks_from_source"], r["verify_failures"]
+            );
+        } else {
+            line += &format!(", source dirtying {} MB/s", r["dirty_rate_mb_per_s"]);
+        }
+        line
     })
 }
 

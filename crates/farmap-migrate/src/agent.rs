@@ -41,8 +41,11 @@ use tokio::sync::mpsc;
 use crate::budget::PullBudget;
 use crate::endpoint::{Destination, Source};
 use crate::event::{Event, Observer};
-use crate::leech::{leech_into, LeechError, LeechOptions, LeechReport, Opener, Resumer};
+use crate::leech::{
+    leech_into, LeechError, LeechOptions, LeechReport, Opener, Resumer, SharedOpener,
+};
 use crate::machine::Convergence;
+use crate::msg::Mode;
 use crate::seed::{seed, SeedError, SeedOptions, SeedReport};
 use crate::suspend::Suspend;
 
@@ -74,8 +77,14 @@ pub trait App: Send + Sync + 'static {
     /// Starts the application on a region that is arriving (called inside the downtime).
     fn resumer(&self) -> Resumer<Self::Dest>;
     /// A migration here finished; the returned fields are added to the report (for
-    /// application metrics such as the largest pause its workload saw).
+    /// application metrics such as the largest pause its workload saw, or `ttr80_ms`).
     fn arrived(&self, report: &LeechReport<Self::Dest>) -> Map<String, Value>;
+    /// Opens the shared store of an instant migration from a spec (the seeder's, or the
+    /// request's `store`); `None` if this application cannot (instant migrations are then
+    /// refused here).
+    fn shared_opener(&self) -> Option<SharedOpener> {
+        None
+    }
 }
 
 /// TLS of a seeder's listeners, as PEM file paths readable by the application.
@@ -122,6 +131,14 @@ pub struct SeedRequest {
     /// What the data plane may take from the application.
     #[serde(default)]
     pub pull: PullBudget,
+    /// Instant migrations: how long to push what the shared store lacks before suspending,
+    /// in ms.
+    #[serde(default = "default_push_budget_ms")]
+    pub push_budget_ms: u64,
+}
+
+fn default_push_budget_ms() -> u64 {
+    crate::seed::PUSH_BUDGET.as_millis() as u64
 }
 
 /// Migrate a region here.
@@ -149,6 +166,13 @@ pub struct LeechRequest {
     /// What the pre-copy may take from the source's application.
     #[serde(default)]
     pub pull: PullBudget,
+    /// How the region moves.
+    #[serde(default)]
+    pub mode: Mode,
+    /// Instant mode: the shared store's spec to open here instead of the one the seeder
+    /// announces (another address, or credentials of this host).
+    #[serde(default)]
+    pub store: Option<String>,
 }
 
 fn default_reconnect_ms() -> u64 {
@@ -251,6 +275,14 @@ pub fn leech_metrics<D: Destination>(r: &LeechReport<D>) -> Map<String, Value> {
         "final_dirty_pages": r.final_pages,
         "dirty_rate_mb_per_s": (r.dirty_rate / 1e5).round() / 10.0,
         "region_bytes": r.region.geometry().size(),
+        "mode": r.mode.name(),
+        "bytes_before_resume": r.bytes_before_resume,
+        "chunks_from_store": r.instant.chunks_from_store,
+        "chunks_from_source": r.instant.chunks_from_source,
+        "verify_failures": r.instant.verify_failures,
+        // Measured by the application's workload (its `arrived`), when it has one.
+        "ttr80_ms": Value::Null,
+        "effective_downtime_ms": Value::Null,
     });
     into_map(v)
 }
@@ -488,6 +520,7 @@ async fn run_seed<R: AsyncRead + Unpin, A: App>(
         log: false,
         observer: Some(observer),
         pull: req.pull,
+        push_budget: Duration::from_millis(req.push_budget_ms),
     };
     let seeding = match seed(region, suspend, opts).await {
         Ok(s) => s,
@@ -555,6 +588,21 @@ async fn run_leech<R: AsyncRead + Unpin, A: App>(
     if req.workers == 0 || req.connections == 0 {
         return refuse("workers and connections must be at least 1".into());
     }
+    let shared = match (req.mode, app.shared_opener()) {
+        (Mode::Instant, None) => {
+            return refuse(
+                "this application cannot open a shared store: instant migrations \
+                           cannot arrive here"
+                    .into(),
+            )
+        }
+        // The request's spec, when given, replaces the seeder's.
+        (_, Some(open)) => Some(match req.store.clone() {
+            Some(spec) => SharedOpener(Arc::new(move |_| (open.0)(spec.clone()))),
+            None => open,
+        }),
+        (_, None) => None,
+    };
     let opts = LeechOptions {
         data,
         tls: req.tls.map(|t| TlsClientConfig {
@@ -574,6 +622,8 @@ async fn run_leech<R: AsyncRead + Unpin, A: App>(
         reconnect_for: Duration::from_millis(req.reconnect_ms),
         log: false,
         observer: Some(observer),
+        mode: req.mode,
+        shared,
         ..LeechOptions::new(from)
     };
     let (cancel_tx, cancel_rx) = tokio::sync::watch::channel(false);
@@ -669,8 +719,11 @@ mod tests {
                 max_rate: Some(100 << 20),
                 cpu_share: Some(0.5),
             },
+            mode: Mode::Instant,
+            store: Some("redis://10.0.0.2:6379".into()),
         });
         let s = serde_json::to_string(&r).unwrap();
+        assert!(s.contains(r#""mode":"instant""#), "{s}");
         assert!(
             s.starts_with(r#"{"op":"leech","from":"10.0.0.1:7100""#),
             "{s}"
@@ -679,7 +732,10 @@ mod tests {
         // A controller that predates the pull budget gets the default one.
         let old = r#"{"op":"leech","from":"a:1","max_downtime_us":1,"max_rounds":1,"workers":1,"connections":1}"#;
         match serde_json::from_str::<Request>(old).unwrap() {
-            Request::Leech(l) => assert_eq!(l.pull, PullBudget::default()),
+            Request::Leech(l) => {
+                assert_eq!(l.pull, PullBudget::default());
+                assert_eq!(l.mode, Mode::Precopy);
+            }
             other => panic!("{other:?}"),
         }
         let c: Request = serde_json::from_str(r#"{"op":"cancel"}"#).unwrap();

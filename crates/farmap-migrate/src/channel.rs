@@ -4,6 +4,8 @@
 
 use std::io;
 use std::pin::Pin;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
 use std::task::{Context, Poll};
 use std::time::Duration;
 
@@ -23,6 +25,8 @@ pub struct Channel {
     stream: BoxStream,
     /// Largest payload accepted from the peer.
     max_payload: u32,
+    /// Bytes of the frames received so far (shared with the reader task after a split).
+    received: Arc<AtomicU64>,
 }
 
 impl std::fmt::Debug for Channel {
@@ -34,6 +38,12 @@ impl std::fmt::Debug for Channel {
 }
 
 impl Channel {
+    /// Bytes of the whole frames received so far on this connection (it keeps counting
+    /// after a [`split`](Self::split)).
+    pub fn received(&self) -> Arc<AtomicU64> {
+        self.received.clone()
+    }
+
     /// Sends one message.
     pub async fn send(&mut self, m: &Msg) -> io::Result<()> {
         self.stream.write_all(&m.encode()).await?;
@@ -75,6 +85,8 @@ impl Channel {
                 "the peer closed the control connection in the middle of a message",
             ));
         }
+        self.received
+            .fetch_add((HEADER_LEN + len) as u64, Ordering::Relaxed);
         Msg::decode(h.kind, &p)
             .map(Some)
             .map_err(|e| io::Error::new(io::ErrorKind::InvalidData, e))
@@ -213,6 +225,7 @@ impl Accepted {
         Ok(Channel {
             stream,
             max_payload: MAX_LEECHER_PAYLOAD,
+            received: Arc::default(),
         })
     }
 
@@ -331,6 +344,7 @@ pub async fn connect(
         Ok::<_, io::Error>(Channel {
             stream,
             max_payload: MAX_PAYLOAD,
+            received: Arc::default(),
         })
     };
     tokio::time::timeout(timeout, fut)
@@ -377,11 +391,12 @@ impl Channel {
         // One message waits in the queue, one in the reader: what a connection can make this
         // side hold is two messages, however fast the peer sends.
         let (tx, rx) = tokio::sync::mpsc::channel(1);
-        let max_payload = self.max_payload;
+        let (max_payload, received) = (self.max_payload, self.received);
         tokio::spawn(async move {
             let mut reader = Channel {
                 stream: Box::new(ReadOnly(r)),
                 max_payload,
+                received,
             };
             loop {
                 // The reader ends with its receiver: a dropped connection is closed even if

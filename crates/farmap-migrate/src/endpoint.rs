@@ -8,11 +8,14 @@
 
 use std::ops::Range;
 use std::sync::Arc;
+use std::time::Duration;
 
 use farmap_core::{BoxFuture, ChunkIdx, Geometry, Store};
 use farmap_net::RunReader;
 use farmap_uffd::Region;
 
+use crate::machine::Manifest;
+use crate::msg::{Location, ManifestRun};
 use crate::view::LiveView;
 
 /// An error of a frontend's migration hooks.
@@ -37,6 +40,57 @@ pub trait Source: Send + Sync + 'static {
     fn run_reader(self: Arc<Self>) -> Option<Arc<dyn RunReader>> {
         None
     }
+    /// The spec of a store that holds this region's chunks and that another host can open
+    /// (what an instant migration needs); `None` if there is none.
+    fn shared_store(&self) -> Option<String> {
+        None
+    }
+    /// Instant migration, while the application runs: pushes what the shared store lacks for
+    /// at most `budget`; `Ok(true)` if it then held everything. Blocks.
+    fn push_shared(&self, _budget: Duration) -> Result<bool, EndpointError> {
+        Ok(false)
+    }
+    /// Instant migration, with the writers stopped: stops every push for good (the store now
+    /// belongs to the destination) and says where each chunk is. Blocks.
+    fn seal(&self) -> Result<Manifest, EndpointError> {
+        Err("this source cannot hand over through a shared store".into())
+    }
+}
+
+/// Builds a manifest from a push ledger: chunks pushed and not written since are in the
+/// store with their record; chunks written since are at the source (listed first, in the
+/// order given: most recent first); chunks never pushed are taken as the store has them.
+pub fn manifest_from_ledger(ledger: &farmap_pipeline::PushLedger) -> Manifest {
+    let n = ledger.pushed.len() as u64;
+    let mut at_source = vec![false; n as usize];
+    for c in &ledger.dirty {
+        if let Some(x) = at_source.get_mut(c.0 as usize) {
+            *x = true;
+        }
+    }
+    let mut source: Vec<ManifestRun> = Vec::new();
+    let mut store: Vec<ManifestRun> = Vec::new();
+    let mut pushed = Vec::new();
+    for i in 0..n {
+        let (location, runs) = if at_source[i as usize] {
+            (Location::Source, &mut source)
+        } else {
+            pushed.push(ledger.pushed[i as usize].unwrap_or((0, 0)));
+            (Location::Store, &mut store)
+        };
+        match runs.last_mut() {
+            Some(r) if r.chunks.end == i => r.chunks.end = i + 1,
+            _ => runs.push(ManifestRun {
+                location,
+                chunks: i..i + 1,
+            }),
+        }
+    }
+    source.extend(store);
+    Manifest {
+        runs: source,
+        pushed,
+    }
 }
 
 /// Where a migrating region lands at the leecher. Its chunks come from a
@@ -55,6 +109,12 @@ pub trait Destination: Send + Sync + 'static {
     /// Writes `data` at `offset` (a pre-copy dirty round; the application does not run here
     /// yet). Blocks.
     fn write_at(&self, offset: u64, data: &[u8]) -> Result<(), EndpointError>;
+    /// Writes `chunks` (fetched from the source of an instant migration) to the store the
+    /// destination lives in, so that the shared store holds them before the source is
+    /// released. Blocks.
+    fn push_chunks(&self, _chunks: Vec<ChunkIdx>) -> Result<(), EndpointError> {
+        Err("this destination cannot push to a shared store".into())
+    }
     /// Forgets pages written at the source after they were fetched: the next access to one
     /// fetches it again. Blocks.
     fn discard_pages(&self, runs: &[Range<u64>]) -> Result<(), EndpointError>;
@@ -86,6 +146,22 @@ impl Source for Region {
     fn run_reader(self: Arc<Self>) -> Option<Arc<dyn RunReader>> {
         Some(Arc::new(LiveView::new(self)))
     }
+
+    /// The region's store spec, unless it is a `memory:` store (which lives only in this
+    /// process) or the region was opened without one.
+    fn shared_store(&self) -> Option<String> {
+        self.store_spec()
+            .filter(|s| !s.trim_start().starts_with("memory:"))
+            .map(str::to_owned)
+    }
+
+    fn push_shared(&self, budget: Duration) -> Result<bool, EndpointError> {
+        Ok(self.sync_for(budget)?)
+    }
+
+    fn seal(&self) -> Result<Manifest, EndpointError> {
+        Ok(manifest_from_ledger(&self.seal_pushes()?))
+    }
 }
 
 impl Destination for Region {
@@ -109,6 +185,10 @@ impl Destination for Region {
 
     fn discard_pages(&self, runs: &[Range<u64>]) -> Result<(), EndpointError> {
         Ok(Region::discard_pages(self, runs)?)
+    }
+
+    fn push_chunks(&self, chunks: Vec<ChunkIdx>) -> Result<(), EndpointError> {
+        Ok(Region::push_chunks(self, chunks)?)
     }
 
     fn present_chunks(&self) -> u64 {

@@ -23,9 +23,9 @@ use crate::endpoint::{Destination, EndpointError};
 use crate::event::{Event, Observer, Reporter};
 use crate::machine::{
     AbortCause, Convergence, Finalization, Leecher, LeecherAction, LeecherInput, LeecherLimits,
-    RoundResult,
+    Manifest, RoundResult,
 };
-use crate::msg::{run_pages, Msg};
+use crate::msg::{run_pages, Location, Mode, Msg};
 use crate::view::MigrationStore;
 
 /// Called at the hand-over with the region and the application state: starts the
@@ -41,6 +41,27 @@ pub struct OpenContext {
     pub page_size: u32,
     /// How long a fetch should keep retrying a lost seeder (the runner's reconnect time).
     pub reconnect_for: Duration,
+    /// How the region moves (an instant destination lives in the shared store from the
+    /// hand-over on, and should push its writes there in the background).
+    pub mode: Mode,
+}
+
+/// Opens the store an instant migration's chunks live in, given the spec the seeder
+/// announced (the caller may ignore it and open another, e.g. with its own credentials).
+#[derive(Clone)]
+pub struct SharedOpener(
+    #[allow(clippy::type_complexity)]
+    pub  Arc<
+        dyn Fn(String) -> BoxFuture<'static, Result<Arc<dyn farmap_core::Store>, EndpointError>>
+            + Send
+            + Sync,
+    >,
+);
+
+impl std::fmt::Debug for SharedOpener {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("SharedOpener")
+    }
 }
 
 /// Opens the destination over the store of the seeder's pages (called once the seeder has
@@ -61,7 +82,9 @@ pub fn region_opener() -> Opener<Region> {
             let ropts = RegionOptions {
                 mode: RegionMode::Direct,
                 push: PushOptions {
-                    interval: None,
+                    // An instant destination lives in the shared store: it pushes there as
+                    // any region does. Otherwise the region keeps its chunks itself.
+                    interval: (ctx.mode == Mode::Instant).then(|| Duration::from_secs(1)),
                     ..PushOptions::default()
                 },
                 worker_threads: 2,
@@ -107,6 +130,10 @@ pub struct LeechOptions {
     /// run at its priority until the hand-over (the application does not run here before),
     /// and the pull keeps to its rate and CPU share.
     pub pull: PullBudget,
+    /// How the region moves.
+    pub mode: Mode,
+    /// Opens the shared store of an instant migration (required for [`Mode::Instant`]).
+    pub shared: Option<SharedOpener>,
 }
 
 impl LeechOptions {
@@ -125,6 +152,8 @@ impl LeechOptions {
             log: false,
             observer: None,
             pull: PullBudget::default(),
+            mode: Mode::Precopy,
+            shared: None,
         }
     }
 }
@@ -205,6 +234,18 @@ pub enum OpenError {
     /// Opening the region panicked.
     #[error("opening the region panicked")]
     Task(#[source] tokio::task::JoinError),
+    /// An instant migration, and this leecher cannot open the shared store.
+    #[error(
+        "an instant migration needs the shared store {spec:?}, and this leecher was given no \
+         way to open it"
+    )]
+    NoSharedOpener {
+        /// The spec the seeder announced.
+        spec: String,
+    },
+    /// The shared store could not be opened.
+    #[error("opening the shared store failed")]
+    Shared(#[source] EndpointError),
 }
 
 /// What failed after the hand-over (the application runs here; chunks not yet fetched are
@@ -291,13 +332,22 @@ pub struct LeechReport<D = Region> {
     pub final_pages: u64,
     /// Resume → everything local.
     pub postcopy: Duration,
+    /// How the region moved.
+    pub mode: Mode,
+    /// Bytes received before the application resumed here (pages and control messages).
+    pub bytes_before_resume: u64,
+    /// Instant mode: what was read from where, and what failed its check.
+    pub instant: crate::view::InstantCounts,
 }
 
 impl<D> LeechReport<D> {
     /// Whether pre-copy converged: the last round's set fit the downtime budget (not merely
     /// `max_rounds` reached or rounds that stopped shrinking).
     pub fn converged(&self) -> bool {
-        self.finalization == Finalization::Converged
+        matches!(
+            self.finalization,
+            Finalization::Converged | Finalization::NoPreCopy
+        )
     }
 
     /// Whether the downtime exceeded its budget.
@@ -434,12 +484,17 @@ pub async fn leech_into<D: Destination>(
             max_size: opts.max_size,
             ..LeecherLimits::new(page_size)
         },
-    );
+    )
+    .with_mode(opts.mode);
     let hello = match machine.start().pop() {
         Some(LeecherAction::Send(m)) => m,
-        _ => Msg::Hello { session: 0 },
+        _ => Msg::Hello {
+            session: 0,
+            mode: opts.mode,
+        },
     };
     let (ch, welcome) = handshake(&opts, &hello).await?;
+    let received = ch.received();
     let opts_pull = opts.pull;
     let (tx, rx) = ch.split();
     let (work_tx, mut work_rx) = mpsc::unbounded_channel::<LeecherInput>();
@@ -472,6 +527,8 @@ pub async fn leech_into<D: Destination>(
         postcopy: None,
         lowered: false,
         pacer: Arc::new(Pacer::new(&opts_pull)),
+        received,
+        bytes_before_resume: 0,
     };
     let mut queue: VecDeque<LeecherAction> = machine.step(LeecherInput::Received(welcome)).into();
     loop {
@@ -555,6 +612,9 @@ struct Run<D> {
     lowered: bool,
     /// Keeps the pre-copy within its rate and CPU share.
     pacer: Arc<Pacer>,
+    /// Bytes of control frames received on the first connection.
+    received: Arc<std::sync::atomic::AtomicU64>,
+    bytes_before_resume: u64,
 }
 
 impl<D> Run<D> {
@@ -614,6 +674,9 @@ impl<D: Destination> Run<D> {
                              finalizing anyway; the downtime may exceed its budget of {:?}",
                             self.opts.convergence.max_downtime
                         ),
+                        Some(Finalization::NoPreCopy) => {
+                            format!("{} mode: finalizing at once", self.opts.mode)
+                        }
                     });
                 }
                 if self.connected && self.tx.send(&m).await.is_err() {
@@ -627,6 +690,8 @@ impl<D: Destination> Run<D> {
                 page_size,
                 data_port,
                 boot_id,
+                shared,
+                mode,
                 ..
             } => {
                 self.seeder_boot = boot_id;
@@ -635,9 +700,17 @@ impl<D: Destination> Run<D> {
                 let Some(open) = self.open.take() else {
                     return Ok(None);
                 };
-                let d = open_dest(&self.opts, open, data_addr, size, chunk_size, page_size)
+                let geometry = (size, chunk_size, page_size);
+                let d = open_dest(&self.opts, open, data_addr, geometry, mode, shared)
                     .await
                     .map_err(LeechError::Region)?;
+                if mode != Mode::Precopy {
+                    self.rep.note(format!(
+                        "{mode}: region of {size} bytes opened here; handing over at once"
+                    ));
+                    self.dest = Some(d);
+                    return Ok(None);
+                }
                 let priority = self.opts.pull.priority;
                 if priority != PullPriority::Normal {
                     // Nothing of the application runs here yet: every thread of this process
@@ -690,7 +763,12 @@ impl<D: Destination> Run<D> {
                 runs,
                 app_state,
                 suspended_at_ns,
-            } => self.resume(runs, app_state, suspended_at_ns).await?,
+                manifest,
+                fetch_all,
+            } => {
+                self.resume(runs, app_state, suspended_at_ns, manifest, fetch_all)
+                    .await?
+            }
             LeecherAction::Reconnect => {
                 self.rep.note("control connection lost: reconnecting");
                 // The deadline runs from the first loss: a seeder that accepts and then says
@@ -760,6 +838,9 @@ impl<D: Destination> Run<D> {
                     },
                     final_pages: self.final_pages,
                     postcopy: self.resumed_at.map(|r| r.elapsed()).unwrap_or_default(),
+                    mode: self.opts.mode,
+                    bytes_before_resume: self.bytes_before_resume,
+                    instant: d.store.instant_counts(),
                 }));
             }
             LeecherAction::Abort(cause) => {
@@ -810,6 +891,8 @@ impl<D: Destination> Run<D> {
         runs: Vec<Range<u64>>,
         app_state: Bytes,
         suspended_at_ns: u64,
+        manifest: Option<Manifest>,
+        fetch_all: bool,
     ) -> Result<(), LeechError> {
         // The application runs here from now on: nothing of this process gives way any more.
         self.restore_priority();
@@ -817,18 +900,26 @@ impl<D: Destination> Run<D> {
             return Ok(());
         };
         d.store.start_postcopy();
-        d.store.note_discarded(&runs);
+        if let Some(m) = &manifest {
+            d.store.install_manifest(m);
+        }
         let t_discard = Instant::now();
-        // madvise waits for the fault handler to read each remove event: a blocking thread's
-        // work, not an async worker's.
-        let (region, discard) = (d.region.clone(), runs.clone());
-        tokio::task::spawn_blocking(move || region.discard_pages(&discard))
-            .await
-            .unwrap_or_else(|e| Err(e.into()))
-            .map_err(|e| LeechError::LostAfterHandOver(AfterHandOver::Discard(e)))?;
+        // Only pre-copy has pages here that the source changed since.
+        if manifest.is_none() && !fetch_all {
+            d.store.note_discarded(&runs);
+            // madvise waits for the fault handler to read each remove event: a blocking
+            // thread's work, not an async worker's.
+            let (region, discard) = (d.region.clone(), runs.clone());
+            tokio::task::spawn_blocking(move || region.discard_pages(&discard))
+                .await
+                .unwrap_or_else(|e| Err(e.into()))
+                .map_err(|e| LeechError::LostAfterHandOver(AfterHandOver::Discard(e)))?;
+        }
         if let Some(resume) = self.resume.take() {
             resume(d.region.clone(), app_state);
         }
+        self.bytes_before_resume =
+            d.store.bytes().0 + self.received.load(std::sync::atomic::Ordering::Relaxed);
         let now = Instant::now();
         let same_boot = self.seeder_boot == crate::boot_id() && self.seeder_boot != [0; 16];
         self.downtime = if same_boot {
@@ -842,13 +933,25 @@ impl<D: Destination> Run<D> {
         self.final_pages = run_pages(&runs);
         self.dirty_pages += self.final_pages;
         let budget = self.opts.convergence.max_downtime;
-        self.rep.note(format!(
-            "discarding took {:.1} ms; resumed here after {:.1} ms; fetching {} changed pages \
-             in the background",
-            t_discard.elapsed().as_secs_f64() * 1e3,
-            self.downtime.as_secs_f64() * 1e3,
-            self.final_pages
-        ));
+        match (&manifest, fetch_all) {
+            (Some(m), _) => self.rep.note(format!(
+                "resumed here after {:.1} ms; {} chunks come from the source, the rest from the \
+                 shared store",
+                self.downtime.as_secs_f64() * 1e3,
+                m.source_chunks()
+            )),
+            (None, true) => self.rep.note(format!(
+                "resumed here after {:.1} ms; every chunk comes from the source (faults first)",
+                self.downtime.as_secs_f64() * 1e3,
+            )),
+            (None, false) => self.rep.note(format!(
+                "discarding took {:.1} ms; resumed here after {:.1} ms; fetching {} changed \
+                 pages in the background",
+                t_discard.elapsed().as_secs_f64() * 1e3,
+                self.downtime.as_secs_f64() * 1e3,
+                self.final_pages
+            )),
+        }
         if self.downtime > budget {
             self.rep.note(format!(
                 "warning: the downtime of {:.1} ms exceeded its budget of {:.1} ms",
@@ -859,8 +962,24 @@ impl<D: Destination> Run<D> {
         let (region, store, w) = (d.region.clone(), d.store.clone(), self.work.clone());
         let (page, chunk, workers, rep) =
             (d.page, d.chunk, self.opts.pull_workers, self.rep.clone());
+        let all_pages = region.geometry().size() / page;
         let task = tokio::spawn(async move {
-            post_copy(region, store, runs, page, chunk, workers, rep).await;
+            match manifest {
+                Some(m) => instant_copy(region, store, m, page, chunk, workers, rep).await,
+                None if fetch_all => {
+                    post_copy(
+                        region,
+                        store,
+                        std::iter::once(0..all_pages).collect(),
+                        page,
+                        chunk,
+                        workers,
+                        rep,
+                    )
+                    .await
+                }
+                None => post_copy(region, store, runs, page, chunk, workers, rep).await,
+            }
             let _ = w.send(LeecherInput::AllLocal);
         });
         self.postcopy = Some(task.abort_handle());
@@ -1014,6 +1133,80 @@ async fn post_copy<D: Destination>(
     }
 }
 
+/// After an instant hand-over: fetch the chunks only the source holds (in the manifest's
+/// order; faults fetch theirs first) and push each batch to the shared store, then read and
+/// check the chunks the store holds (one failing its check is read from the source), so
+/// that the source holds nothing the destination needs when it is released. Retries until
+/// done.
+async fn instant_copy<D: Destination>(
+    region: Arc<D>,
+    store: Arc<MigrationStore>,
+    manifest: Manifest,
+    page: u64,
+    chunk: u64,
+    workers: usize,
+    rep: Reporter,
+) {
+    let per_chunk = (chunk / page).max(1);
+    let of = |loc: Location| -> Vec<ChunkIdx> {
+        manifest
+            .runs
+            .iter()
+            .filter(|r| r.location == loc)
+            .flat_map(|r| r.chunks.clone().map(ChunkIdx))
+            .collect()
+    };
+    let (source, shared) = (of(Location::Source), of(Location::Store));
+    let total_pages = region.geometry().size().div_ceil(page);
+    for (chunks, from_source) in [(source, true), (shared, false)] {
+        for batch in chunks.chunks(PULL_BATCH as usize) {
+            loop {
+                let pages: Vec<Range<u64>> = if from_source {
+                    let mut sorted = batch.to_vec();
+                    sorted.sort_unstable();
+                    let mut runs: Vec<Range<u64>> = Vec::new();
+                    for c in sorted {
+                        let (a, b) = (c.0 * per_chunk, ((c.0 + 1) * per_chunk).min(total_pages));
+                        match runs.last_mut() {
+                            Some(r) if r.end == a => r.end = b,
+                            _ => runs.push(a..b),
+                        }
+                    }
+                    runs
+                } else {
+                    Vec::new()
+                };
+                if !pages.is_empty() {
+                    let _ = store.stage(&pages).await;
+                }
+                let fetched = region.fetch_chunks(batch.to_vec(), workers).await;
+                store.unstage(&pages);
+                let pushed = match fetched {
+                    Ok(()) if from_source => {
+                        let (r, b) = (region.clone(), batch.to_vec());
+                        tokio::task::spawn_blocking(move || r.push_chunks(b))
+                            .await
+                            .unwrap_or_else(|e| Err(e.into()))
+                    }
+                    other => other,
+                };
+                match pushed {
+                    Ok(()) => break,
+                    Err(e) => {
+                        rep.note(format!("instant: {}; retrying", error_chain(e.as_ref())));
+                        tokio::time::sleep(Duration::from_millis(50)).await;
+                    }
+                }
+            }
+        }
+        let c = store.instant_counts();
+        rep.note(format!(
+            "instant: {} chunks from the source, {} from the shared store, {} failed their check",
+            c.chunks_from_source, c.chunks_from_store, c.verify_failures
+        ));
+    }
+}
+
 /// Chunks per bulk-pull batch (one `read_many` of their pages, then one install each).
 const PULL_BATCH: u64 = 64;
 /// Bulk-pull batches in flight (enough to fill a long fat link: 8 × 4 MiB).
@@ -1081,9 +1274,9 @@ async fn open_dest<D: Destination>(
     opts: &LeechOptions,
     open: Opener<D>,
     data: RemoteAddr,
-    size: u64,
-    chunk_size: u32,
-    page_size: u32,
+    (size, chunk_size, page_size): (u64, u32, u32),
+    mode: Mode,
+    shared: String,
 ) -> Result<Dest<D>, OpenError> {
     let remote = RemoteStore::connect(
         data.clone(),
@@ -1108,15 +1301,22 @@ async fn open_dest<D: Destination>(
             want: pages,
         });
     }
-    let store = Arc::new(MigrationStore::new(
-        geometry,
-        page_size.into(),
-        Arc::new(remote),
-    ));
+    let store = if mode == Mode::Instant {
+        let Some(opener) = &opts.shared else {
+            return Err(OpenError::NoSharedOpener { spec: shared });
+        };
+        let shared = (opener.0)(shared).await.map_err(OpenError::Shared)?;
+        MigrationStore::instant(geometry, page_size.into(), Arc::new(remote), shared)
+            .map_err(|e| OpenError::Shared(e.into()))?
+    } else {
+        MigrationStore::new(geometry, page_size.into(), Arc::new(remote))
+    };
+    let store = Arc::new(store);
     let ctx = OpenContext {
         geometry,
         page_size,
         reconnect_for: opts.reconnect_for,
+        mode,
     };
     let region = open(store.clone(), ctx).await.map_err(OpenError::Open)?;
     Ok(Dest {

@@ -24,6 +24,14 @@
 //! the source, sends the last dirty set, and the destination discards those pages and
 //! resumes at once: a fault on them fetches its chunk first, the rest arrive in the
 //! background (post-copy).
+//!
+//! The other [`Mode`]s hand over at once. Post-copy: every chunk comes from the source
+//! afterwards. Instant, when the region lives in a store both hosts reach: the source pushes
+//! what the store lacks for a bounded time, suspends, stops pushing for good and sends a
+//! [`Manifest`] (per chunk: in the store, with the generation and XXH3-64 of its last push,
+//! or only at the source); the destination reads the store, checks each chunk against the
+//! manifest, and fetches from the source only what the store does not hold (or holds
+//! wrong), then pushes those chunks to the store before releasing the source.
 #![forbid(unsafe_code)]
 #![warn(missing_docs)]
 
@@ -44,12 +52,13 @@ pub use endpoint::{Destination, EndpointError, Source};
 pub use event::{Event, Observer};
 pub use leech::{
     leech, leech_into, region_opener, LeechError, LeechOptions, LeechReport, OpenContext, Opener,
-    Resumer,
+    Resumer, SharedOpener,
 };
-pub use machine::{Convergence, Finalization, Leecher, LeecherLimits, Seeder};
+pub use machine::{Convergence, Finalization, Leecher, LeecherLimits, Manifest, Seeder};
+pub use msg::Mode;
 pub use seed::{seed, SeedError, SeedOptions, SeedReport};
 pub use suspend::{ProcessSuspend, Suspend, SuspendError, WriterGate};
-pub use view::{LiveView, MigrationStore};
+pub use view::{InstantCounts, LiveView, MigrationStore};
 
 /// CLOCK_MONOTONIC now, in ns (comparable between processes of one boot).
 pub fn monotonic_ns() -> u64 {

@@ -28,7 +28,9 @@ use std::time::Duration;
 
 use bytes::Bytes;
 
-use crate::msg::{check_runs, run_pages, Msg, RunError};
+use crate::msg::{
+    check_manifest, check_runs, run_pages, ManifestError, ManifestRun, Mode, Msg, RunError,
+};
 
 /// What a seeder knows about its region, sent in `Welcome`.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -43,6 +45,9 @@ pub struct RegionInfo {
     pub data_port: u16,
     /// Boot id of the seeder's host.
     pub boot_id: [u8; 16],
+    /// The spec of the store the region's chunks live in, if both hosts can reach it (empty:
+    /// none, and instant migrations are refused).
+    pub shared: String,
 }
 
 /// Where a [`Seeder`] is.
@@ -89,6 +94,8 @@ pub enum SeederInput {
     Suspended {
         /// Pages written since the last set.
         runs: Vec<Range<u64>>,
+        /// In instant mode: the manifest (where each chunk is).
+        manifest: Option<Manifest>,
         /// Application state.
         app_state: Bytes,
         /// CLOCK_MONOTONIC of the suspension (ns).
@@ -111,8 +118,13 @@ pub enum SeederAction {
         round: u32,
     },
     /// Suspend the application, take the final dirty set and its state; answer with
-    /// [`SeederInput::Suspended`] or [`SeederInput::SuspendFailed`].
-    Suspend,
+    /// [`SeederInput::Suspended`] or [`SeederInput::SuspendFailed`]. With `instant`: first
+    /// push what the shared store lacks for a bounded time while the application runs, then
+    /// suspend, stop the pushes for good and make the manifest instead of a dirty set.
+    Suspend {
+        /// Instant mode.
+        instant: bool,
+    },
     /// Let the application run again (only before the hand-over).
     Resume,
     /// The leecher is gone before the hand-over: stop tracking, the source runs untouched.
@@ -134,10 +146,41 @@ pub struct Seeder {
     info: RegionInfo,
     state: SeederState,
     next_session: u64,
-    /// The hand-over sent, to send again to a leecher that reconnects before resuming.
-    handover: Option<Msg>,
+    /// The hand-over sent (a manifest and the hand-over in instant mode), to send again to a
+    /// leecher that reconnects before resuming.
+    handover: Vec<Msg>,
     /// The last dirty round asked for in this session (rounds go 1, 2, 3…).
     last_round: u32,
+    /// The session's mode.
+    mode: Mode,
+}
+
+/// Where every chunk is after an instant hand-over (see [`Msg::Manifest`]).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Manifest {
+    /// Runs of chunks covering the region once, in fetch order.
+    pub runs: Vec<ManifestRun>,
+    /// (generation, XXH3-64) per chunk of the `Store` runs, in run order.
+    pub pushed: Vec<(u64, u64)>,
+}
+
+impl Manifest {
+    /// Chunks only the source holds.
+    pub fn source_chunks(&self) -> u64 {
+        self.runs
+            .iter()
+            .filter(|r| r.location == crate::msg::Location::Source)
+            .map(|r| r.chunks.end - r.chunks.start)
+            .sum()
+    }
+
+    /// The message that carries it.
+    pub fn to_msg(&self) -> Msg {
+        Msg::Manifest {
+            runs: self.runs.clone(),
+            pushed: self.pushed.clone(),
+        }
+    }
 }
 
 impl Seeder {
@@ -148,8 +191,9 @@ impl Seeder {
             info,
             state: SeederState::Idle,
             next_session: session_seed.max(1),
-            handover: None,
+            handover: Vec::new(),
             last_round: 0,
+            mode: Mode::Precopy,
         }
     }
 
@@ -166,7 +210,13 @@ impl Seeder {
             page_size: self.info.page_size,
             data_port: self.info.data_port,
             boot_id: self.info.boot_id,
+            shared: self.info.shared.clone(),
         }
+    }
+
+    /// The session's mode.
+    pub fn mode(&self) -> Mode {
+        self.mode
     }
 
     fn refuse(reason: &str) -> Vec<SeederAction> {
@@ -207,7 +257,15 @@ impl Seeder {
         use SeederAction as A;
         use SeederState as S;
         match (self.state, input) {
-            (S::Idle, SeederInput::Received(Msg::Hello { session: 0 })) => {
+            (S::Idle, SeederInput::Received(Msg::Hello { session: 0, mode })) => {
+                if mode == Mode::Instant && self.info.shared.is_empty() {
+                    return Self::refuse(
+                        "an instant migration needs the region's chunks in a store both hosts \
+                         reach, and this region has none (move it with --mode precopy or \
+                         postcopy)",
+                    );
+                }
+                self.mode = mode;
                 let session = self.next_session;
                 self.next_session = self.next_session.wrapping_add(1).max(1);
                 self.last_round = 0;
@@ -219,11 +277,11 @@ impl Seeder {
             ),
             (
                 S::HandedOver { session, resumed },
-                SeederInput::Received(Msg::Hello { session: s }),
+                SeederInput::Received(Msg::Hello { session: s, .. }),
             ) if s == session => {
                 let mut out = vec![A::Send(self.welcome(session))];
-                if let (false, Some(h)) = (resumed, &self.handover) {
-                    out.push(A::Send(h.clone()));
+                if !resumed {
+                    out.extend(self.handover.iter().cloned().map(A::Send));
                 }
                 out
             }
@@ -246,12 +304,15 @@ impl Seeder {
             }
             (S::Serving { session }, SeederInput::Received(Msg::Finalize)) => {
                 self.state = S::Suspending { session };
-                vec![A::Suspend]
+                vec![A::Suspend {
+                    instant: self.mode == Mode::Instant,
+                }]
             }
             (
                 S::Suspending { session },
                 SeederInput::Suspended {
                     runs,
+                    manifest,
                     app_state,
                     at_ns,
                 },
@@ -260,13 +321,13 @@ impl Seeder {
                     session,
                     resumed: false,
                 };
-                let h = Msg::HandOver {
+                self.handover = manifest.iter().map(Manifest::to_msg).collect();
+                self.handover.push(Msg::HandOver {
                     runs,
                     app_state,
                     suspended_at_ns: at_ns,
-                };
-                self.handover = Some(h.clone());
-                vec![A::Send(h)]
+                });
+                self.handover.iter().cloned().map(A::Send).collect()
             }
             (S::Suspending { .. }, SeederInput::SuspendFailed(reason)) => {
                 self.state = S::Idle;
@@ -350,6 +411,7 @@ pub fn msg_name(m: &Msg) -> &'static str {
         Msg::Done => "Done",
         Msg::Bye => "Bye",
         Msg::Abort { .. } => "Abort",
+        Msg::Manifest { .. } => "Manifest",
     }
 }
 
@@ -460,6 +522,20 @@ pub enum WelcomeError {
     },
 }
 
+/// Why a seeder's instant hand-over cannot be acted on.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum InstantError {
+    /// The Welcome named no shared store.
+    #[error("the seeder named no shared store, which an instant migration needs")]
+    NoSharedStore,
+    /// The hand-over came without a manifest.
+    #[error("the hand-over of an instant migration came without a manifest")]
+    NoManifest,
+    /// The manifest does not describe the region.
+    #[error("its manifest")]
+    Manifest(#[source] ManifestError),
+}
+
 /// Checks a `Welcome`'s region description against `limits`.
 pub fn check_welcome(
     size: u64,
@@ -504,6 +580,9 @@ pub enum Violation {
     /// A `Welcome` describing a region this leecher cannot hold.
     #[error("its Welcome")]
     Welcome(#[source] WelcomeError),
+    /// An instant hand-over that cannot be acted on.
+    #[error("its instant hand-over")]
+    Instant(#[source] InstantError),
     /// Page runs that do not fit the region.
     #[error("the page runs of its {msg}")]
     Runs {
@@ -558,6 +637,8 @@ pub enum Finalization {
     MaxRounds,
     /// Rounds stopped shrinking before the set fit the budget.
     NotShrinking,
+    /// The mode has no pre-copy (post-copy, instant).
+    NoPreCopy,
 }
 
 /// Where a [`Leecher`] is.
@@ -619,6 +700,10 @@ pub enum LeecherAction {
         data_port: u16,
         /// Seeder boot id.
         boot_id: [u8; 16],
+        /// The shared store's spec (from the Welcome).
+        shared: String,
+        /// The mode: only pre-copy pulls before the hand-over.
+        mode: Mode,
     },
     /// Discard these pages and fetch them again; answer with [`LeecherInput::RoundDone`].
     Refresh {
@@ -635,6 +720,10 @@ pub enum LeecherAction {
         app_state: Bytes,
         /// Suspension time at the source (CLOCK_MONOTONIC ns).
         suspended_at_ns: u64,
+        /// Instant mode: where each chunk is (no page was pulled before).
+        manifest: Option<Manifest>,
+        /// Post-copy mode: every chunk comes from the source (no page was pulled before).
+        fetch_all: bool,
     },
     /// Reconnect the control connection; answer with [`LeecherInput::Reconnected`].
     Reconnect,
@@ -657,6 +746,11 @@ pub struct Leecher {
     /// Dirty rounds done.
     rounds: u32,
     finalization: Option<Finalization>,
+    mode: Mode,
+    /// Chunks of the region (from the Welcome).
+    chunks: u64,
+    /// The instant manifest, once received.
+    manifest: Option<Manifest>,
 }
 
 impl Leecher {
@@ -671,7 +765,21 @@ impl Leecher {
             last_pages: None,
             rounds: 0,
             finalization: None,
+            mode: Mode::Precopy,
+            chunks: 0,
+            manifest: None,
         }
+    }
+
+    /// The same, moving the region in `mode`.
+    pub fn with_mode(mut self, mode: Mode) -> Self {
+        self.mode = mode;
+        self
+    }
+
+    /// The mode asked for.
+    pub fn mode(&self) -> Mode {
+        self.mode
     }
 
     /// Why pre-copy stopped, once it has.
@@ -699,7 +807,10 @@ impl Leecher {
 
     /// The first actions: say hello.
     pub fn start(&self) -> Vec<LeecherAction> {
-        vec![LeecherAction::Send(Msg::Hello { session: 0 })]
+        vec![LeecherAction::Send(Msg::Hello {
+            session: 0,
+            mode: self.mode,
+        })]
     }
 
     /// Where it is.
@@ -742,22 +853,52 @@ impl Leecher {
                     page_size,
                     data_port,
                     boot_id,
+                    shared,
                 }),
             ) => {
                 if let Err(e) = check_welcome(size, chunk_size, page_size, &self.limits) {
                     return self.invalid(Violation::Welcome(e));
                 }
+                if self.mode == Mode::Instant && shared.is_empty() {
+                    return self.invalid(Violation::Instant(InstantError::NoSharedStore));
+                }
                 self.session = session;
                 self.pages = size / u64::from(page_size);
-                self.state = S::PreCopy { round: 0 };
-                vec![A::OpenRegion {
+                self.chunks = size.div_ceil(u64::from(chunk_size));
+                let open = A::OpenRegion {
                     session,
                     size,
                     chunk_size,
                     page_size,
                     data_port,
                     boot_id,
-                }]
+                    shared,
+                    mode: self.mode,
+                };
+                if self.mode == Mode::Precopy {
+                    self.state = S::PreCopy { round: 0 };
+                    vec![open]
+                } else {
+                    // Nothing to pull first: hand over at once.
+                    self.finalization = Some(Finalization::NoPreCopy);
+                    self.state = S::Finalizing;
+                    vec![open, A::Send(Msg::Finalize)]
+                }
+            }
+            (S::Finalizing, LeecherInput::Received(Msg::Manifest { runs, pushed }))
+                if self.mode == Mode::Instant =>
+            {
+                if let Err(e) = check_manifest(&runs, &pushed, self.chunks) {
+                    return self.invalid(Violation::Instant(InstantError::Manifest(e)));
+                }
+                self.manifest = Some(Manifest { runs, pushed });
+                vec![]
+            }
+            // A manifest sent again after a reconnect: already acted on.
+            (S::PostCopy | S::Completing, LeecherInput::Received(Msg::Manifest { .. }))
+                if self.mode == Mode::Instant =>
+            {
+                vec![]
             }
             (S::PreCopy { round: 0 }, LeecherInput::PullDone) => {
                 self.state = S::PreCopy { round: 1 };
@@ -801,12 +942,21 @@ impl Leecher {
                         source,
                     });
                 }
+                let manifest = match self.mode {
+                    Mode::Instant => match self.manifest.take() {
+                        Some(m) => Some(m),
+                        None => return self.invalid(Violation::Instant(InstantError::NoManifest)),
+                    },
+                    _ => None,
+                };
                 self.state = S::PostCopy;
                 vec![
                     A::Resume {
                         runs,
                         app_state,
                         suspended_at_ns,
+                        manifest,
+                        fetch_all: self.mode == Mode::Postcopy,
                     },
                     A::Send(Msg::Resumed),
                 ]
@@ -826,6 +976,7 @@ impl Leecher {
             (S::Finalizing | S::PostCopy | S::Completing, LeecherInput::Reconnected) => {
                 vec![A::Send(Msg::Hello {
                     session: self.session,
+                    mode: self.mode,
                 })]
             }
             (S::Finalizing | S::PostCopy, LeecherInput::Received(Msg::Welcome { .. })) => vec![],

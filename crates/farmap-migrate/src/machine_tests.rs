@@ -9,6 +9,7 @@ fn info() -> RegionInfo {
         page_size: 4096,
         data_port: 9,
         boot_id: [1; 16],
+        shared: String::new(),
     }
 }
 
@@ -88,10 +89,11 @@ fn a_whole_migration_step_by_step() {
     assert_eq!(l.rounds(), 2);
     assert_eq!(
         s.step(SeederInput::Received(Msg::Finalize)),
-        vec![SeederAction::Suspend]
+        vec![SeederAction::Suspend { instant: false }]
     );
     let a = s.step(SeederInput::Suspended {
         runs: vec![7..8],
+        manifest: None,
         app_state: Bytes::from_static(b"op=42"),
         at_ns: 1,
     });
@@ -118,18 +120,27 @@ fn a_whole_migration_step_by_step() {
 #[test]
 fn leecher_gone_before_the_hand_over_leaves_the_source_running() {
     let mut s = Seeder::new(info(), 1);
-    s.step(SeederInput::Received(Msg::Hello { session: 0 }));
+    s.step(SeederInput::Received(Msg::Hello {
+        session: 0,
+        mode: Mode::Precopy,
+    }));
     let a = s.step(SeederInput::Disconnected);
     assert!(matches!(a[0], SeederAction::StopTracking { .. }));
     assert_eq!(s.state(), SeederState::Idle);
     // During the finalization, before the hand-over: resume.
-    s.step(SeederInput::Received(Msg::Hello { session: 0 }));
+    s.step(SeederInput::Received(Msg::Hello {
+        session: 0,
+        mode: Mode::Precopy,
+    }));
     s.step(SeederInput::Received(Msg::Finalize));
     let a = s.step(SeederInput::Disconnected);
     assert_eq!(a[0], SeederAction::Resume);
     // A new leecher may come.
     assert!(matches!(
-        s.step(SeederInput::Received(Msg::Hello { session: 0 }))[0],
+        s.step(SeederInput::Received(Msg::Hello {
+            session: 0,
+            mode: Mode::Precopy
+        }))[0],
         SeederAction::ResetTracking
     ));
 }
@@ -144,6 +155,7 @@ fn seeder_gone_before_finalize_aborts_the_leecher() {
         page_size: 4096,
         data_port: 1,
         boot_id: [0; 16],
+        shared: String::new(),
     }));
     let a = l.step(LeecherInput::Disconnected);
     assert_eq!(a, vec![LeecherAction::Abort(AbortCause::SeederGone)]);
@@ -162,7 +174,10 @@ fn a_connection_lost_after_finalize_is_resumed_with_the_session() {
     );
     deliver(
         &mut l,
-        s.step(SeederInput::Received(Msg::Hello { session: 0 })),
+        s.step(SeederInput::Received(Msg::Hello {
+            session: 0,
+            mode: Mode::Precopy,
+        })),
     );
     l.step(LeecherInput::PullDone);
     s.step(SeederInput::Received(Msg::DirtyRequest { round: 1 }));
@@ -180,6 +195,7 @@ fn a_connection_lost_after_finalize_is_resumed_with_the_session() {
     s.step(SeederInput::Received(Msg::Finalize));
     let handover = s.step(SeederInput::Suspended {
         runs: vec![],
+        manifest: None,
         app_state: Bytes::new(),
         at_ns: 0,
     });
@@ -194,7 +210,13 @@ fn a_connection_lost_after_finalize_is_resumed_with_the_session() {
         vec![LeecherAction::Reconnect]
     );
     let hello = sent(&l.step(LeecherInput::Reconnected));
-    assert_eq!(hello, vec![Msg::Hello { session: 8 }]);
+    assert_eq!(
+        hello,
+        vec![Msg::Hello {
+            session: 8,
+            mode: Mode::Precopy
+        }]
+    );
     let a = s.step(SeederInput::Received(hello[0].clone()));
     assert!(matches!(
         a[0],
@@ -217,7 +239,10 @@ fn a_connection_lost_after_finalize_is_resumed_with_the_session() {
     // A stranger's session is refused.
     let mut s2 = Seeder::new(info(), 1);
     assert!(matches!(
-        s2.step(SeederInput::Received(Msg::Hello { session: 77 }))[0],
+        s2.step(SeederInput::Received(Msg::Hello {
+            session: 77,
+            mode: Mode::Precopy
+        }))[0],
         SeederAction::Send(Msg::Abort { .. })
     ));
 }
@@ -232,6 +257,7 @@ fn rounds_stop_when_the_set_stops_shrinking() {
         page_size: 4096,
         data_port: 1,
         boot_id: [0; 16],
+        shared: String::new(),
     }));
     l.step(LeecherInput::PullDone);
     assert_eq!(
@@ -256,6 +282,7 @@ fn welcome(size: u64, chunk_size: u32, page_size: u32) -> Msg {
         page_size,
         data_port: 1,
         boot_id: [0; 16],
+        shared: String::new(),
     }
 }
 
@@ -376,7 +403,10 @@ fn max_rounds_is_not_called_converged() {
 #[test]
 fn a_leecher_out_of_step_is_dropped_and_tracking_stops() {
     let mut s = Seeder::new(info(), 5);
-    s.step(SeederInput::Received(Msg::Hello { session: 0 }));
+    s.step(SeederInput::Received(Msg::Hello {
+        session: 0,
+        mode: Mode::Precopy,
+    }));
     let a = s.step(SeederInput::Received(Msg::DirtyRequest { round: 7 }));
     assert!(matches!(&a[0], SeederAction::Send(Msg::Abort { .. })));
     assert!(a
@@ -385,7 +415,10 @@ fn a_leecher_out_of_step_is_dropped_and_tracking_stops() {
     assert_eq!(a.last(), Some(&SeederAction::Close));
     assert_eq!(s.state(), SeederState::Idle);
     // The next leecher is welcome.
-    s.step(SeederInput::Received(Msg::Hello { session: 0 }));
+    s.step(SeederInput::Received(Msg::Hello {
+        session: 0,
+        mode: Mode::Precopy,
+    }));
     assert!(matches!(
         s.step(SeederInput::Received(Msg::Bye))[0],
         SeederAction::Send(Msg::Abort { .. })
@@ -396,10 +429,13 @@ fn a_leecher_out_of_step_is_dropped_and_tracking_stops() {
 #[test]
 fn a_failed_suspension_tells_the_leecher_why_and_leaves_the_source_running() {
     let mut s = Seeder::new(info(), 1);
-    s.step(SeederInput::Received(Msg::Hello { session: 0 }));
+    s.step(SeederInput::Received(Msg::Hello {
+        session: 0,
+        mode: Mode::Precopy,
+    }));
     assert_eq!(
         s.step(SeederInput::Received(Msg::Finalize)),
-        vec![SeederAction::Suspend]
+        vec![SeederAction::Suspend { instant: false }]
     );
     let cause = std::io::Error::new(std::io::ErrorKind::PermissionDenied, "kill(1234) refused");
     let a = s.step(SeederInput::SuspendFailed(std::sync::Arc::new(cause)));
@@ -414,4 +450,178 @@ fn a_failed_suspension_tells_the_leecher_why_and_leaves_the_source_running() {
         "{reason}"
     );
     assert_eq!(s.state(), SeederState::Idle);
+}
+
+fn shared_info() -> RegionInfo {
+    RegionInfo {
+        shared: "farmap://127.0.0.1:7000".into(),
+        ..info()
+    }
+}
+
+#[test]
+fn post_copy_hands_over_at_once_and_fetches_everything() {
+    let mut s = Seeder::new(info(), 5);
+    let mut l =
+        Leecher::new(Convergence::default(), LeecherLimits::new(4096)).with_mode(Mode::Postcopy);
+    let hello = sent(&l.start());
+    assert_eq!(
+        hello,
+        vec![Msg::Hello {
+            session: 0,
+            mode: Mode::Postcopy
+        }]
+    );
+    let la = deliver(&mut l, s.step(SeederInput::Received(hello[0].clone())));
+    assert!(matches!(
+        la[0],
+        LeecherAction::OpenRegion {
+            mode: Mode::Postcopy,
+            ..
+        }
+    ));
+    assert_eq!(sent(&la), vec![Msg::Finalize], "no pull, no rounds");
+    assert_eq!(l.finalization(), Some(Finalization::NoPreCopy));
+    assert_eq!(
+        s.step(SeederInput::Received(Msg::Finalize)),
+        vec![SeederAction::Suspend { instant: false }]
+    );
+    let la = deliver(
+        &mut l,
+        s.step(SeederInput::Suspended {
+            runs: vec![1..2],
+            manifest: None,
+            app_state: Bytes::new(),
+            at_ns: 1,
+        }),
+    );
+    assert!(matches!(
+        &la[0],
+        LeecherAction::Resume {
+            fetch_all: true,
+            manifest: None,
+            ..
+        }
+    ));
+}
+
+fn manifest() -> Manifest {
+    use crate::msg::Location;
+    Manifest {
+        runs: vec![
+            ManifestRun {
+                location: Location::Source,
+                chunks: 10..12,
+            },
+            ManifestRun {
+                location: Location::Store,
+                chunks: 0..10,
+            },
+            ManifestRun {
+                location: Location::Store,
+                chunks: 12..16,
+            },
+        ],
+        pushed: vec![(1, 2); 14],
+    }
+}
+
+#[test]
+fn instant_sends_the_manifest_before_the_hand_over_and_again_after_a_reconnect() {
+    let mut s = Seeder::new(shared_info(), 5);
+    let mut l =
+        Leecher::new(Convergence::default(), LeecherLimits::new(4096)).with_mode(Mode::Instant);
+    let hello = sent(&l.start())[0].clone();
+    let la = deliver(&mut l, s.step(SeederInput::Received(hello)));
+    assert!(matches!(
+        &la[0],
+        LeecherAction::OpenRegion { shared, mode: Mode::Instant, .. } if shared == "farmap://127.0.0.1:7000"
+    ));
+    assert_eq!(sent(&la), vec![Msg::Finalize]);
+    assert_eq!(
+        s.step(SeederInput::Received(Msg::Finalize)),
+        vec![SeederAction::Suspend { instant: true }]
+    );
+    let a = s.step(SeederInput::Suspended {
+        runs: vec![],
+        manifest: Some(manifest()),
+        app_state: Bytes::from_static(b"x"),
+        at_ns: 1,
+    });
+    assert!(matches!(a[0], SeederAction::Send(Msg::Manifest { .. })));
+    assert!(matches!(a[1], SeederAction::Send(Msg::HandOver { .. })));
+    // The connection drops before the leecher saw them: both are sent again.
+    s.step(SeederInput::Disconnected);
+    let again = s.step(SeederInput::Received(Msg::Hello {
+        session: 5,
+        mode: Mode::Instant,
+    }));
+    assert_eq!(again.len(), 3, "welcome, manifest, hand-over: {again:?}");
+    let la = deliver(&mut l, a);
+    assert!(matches!(
+        &la[0],
+        LeecherAction::Resume { manifest: Some(m), fetch_all: false, .. } if *m == manifest()
+    ));
+    // Sent again after the resume: ignored.
+    assert!(deliver(&mut l, vec![again[1].clone()]).is_empty());
+}
+
+#[test]
+fn instant_without_a_shared_store_or_with_a_bad_manifest_is_refused() {
+    let mut s = Seeder::new(info(), 5);
+    let refused = s.step(SeederInput::Received(Msg::Hello {
+        session: 0,
+        mode: Mode::Instant,
+    }));
+    assert!(
+        matches!(&refused[0], SeederAction::Send(Msg::Abort { reason }) if reason.contains("store")),
+        "{refused:?}"
+    );
+    assert_eq!(s.state(), SeederState::Idle);
+    // A leecher told of no shared store gives up before opening anything.
+    let mut l =
+        Leecher::new(Convergence::default(), LeecherLimits::new(4096)).with_mode(Mode::Instant);
+    let la = l.step(LeecherInput::Received(welcome(1 << 20, 65536, 4096)));
+    assert!(la.iter().any(|a| matches!(
+        a,
+        LeecherAction::Abort(AbortCause::Invalid(Violation::Instant(
+            InstantError::NoSharedStore
+        )))
+    )));
+    // A manifest that leaves chunks out aborts before the hand-over.
+    let mut s = Seeder::new(shared_info(), 5);
+    let mut l =
+        Leecher::new(Convergence::default(), LeecherLimits::new(4096)).with_mode(Mode::Instant);
+    let hello = sent(&l.start())[0].clone();
+    deliver(&mut l, s.step(SeederInput::Received(hello)));
+    let mut m = manifest();
+    m.runs.pop();
+    m.pushed.truncate(10);
+    let la = deliver(&mut l, vec![SeederAction::Send(m.to_msg())]);
+    assert!(la.iter().any(|a| matches!(
+        a,
+        LeecherAction::Abort(AbortCause::Invalid(Violation::Instant(
+            InstantError::Manifest(_)
+        )))
+    )));
+    assert_eq!(l.state(), LeecherState::Aborted);
+    // A hand-over without a manifest too.
+    let mut l =
+        Leecher::new(Convergence::default(), LeecherLimits::new(4096)).with_mode(Mode::Instant);
+    let hello = sent(&l.start())[0].clone();
+    deliver(
+        &mut l,
+        Seeder::new(shared_info(), 5).step(SeederInput::Received(hello)),
+    );
+    let la = l.step(LeecherInput::Received(Msg::HandOver {
+        runs: vec![],
+        app_state: Bytes::new(),
+        suspended_at_ns: 0,
+    }));
+    assert!(la.iter().any(|a| matches!(
+        a,
+        LeecherAction::Abort(AbortCause::Invalid(Violation::Instant(
+            InstantError::NoManifest
+        )))
+    )));
 }

@@ -35,18 +35,97 @@ pub const MAX_TEXT: u32 = 4096;
 /// Largest payload of a message the leecher sends (Hello, DirtyRequest, Abort…): what a
 /// seeder accepts from a leecher.
 pub const MAX_LEECHER_PAYLOAD: u32 = 4 + MAX_TEXT;
+/// Most runs in a manifest.
+pub const MAX_MANIFEST_RUNS: u32 = 1 << 20;
+/// Most chunk records (generation and checksum) in a manifest.
+pub const MAX_MANIFEST_CHUNKS: u32 = (MAX_PAYLOAD - 8 - 17 * MAX_MANIFEST_RUNS) / 16;
+
+/// How a region moves.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, serde::Serialize, serde::Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Mode {
+    /// Pull the region while the source runs, rounds of changed pages, then a short pause
+    /// (the default).
+    #[default]
+    Precopy,
+    /// Hand over at once; every chunk comes from the source afterwards (faults first).
+    Postcopy,
+    /// Hand over at once with a manifest of where each chunk is: the destination reads the
+    /// store both hosts share, checked against the manifest, and only what the store does not
+    /// hold from the source.
+    Instant,
+}
+
+impl Mode {
+    fn code(self) -> u8 {
+        match self {
+            Mode::Precopy => 0,
+            Mode::Postcopy => 1,
+            Mode::Instant => 2,
+        }
+    }
+
+    /// Its name on the command line and in JSON.
+    pub fn name(self) -> &'static str {
+        match self {
+            Mode::Precopy => "precopy",
+            Mode::Postcopy => "postcopy",
+            Mode::Instant => "instant",
+        }
+    }
+}
+
+impl std::fmt::Display for Mode {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(self.name())
+    }
+}
+
+impl std::str::FromStr for Mode {
+    type Err = String;
+    fn from_str(s: &str) -> Result<Self, String> {
+        match s {
+            "precopy" | "pre-copy" => Ok(Mode::Precopy),
+            "postcopy" | "post-copy" => Ok(Mode::Postcopy),
+            "instant" => Ok(Mode::Instant),
+            _ => Err(format!(
+                "{s:?} is not a migration mode (precopy, postcopy or instant)"
+            )),
+        }
+    }
+}
+
+/// Where a run of chunks is read from after an instant hand-over.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Location {
+    /// The shared store holds them as the source last pushed them (one record each in the
+    /// manifest's `pushed`, in run order).
+    Store,
+    /// Only the source holds their newest content.
+    Source,
+}
+
+/// A run of chunks in a manifest.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ManifestRun {
+    /// Where they are.
+    pub location: Location,
+    /// Chunk indices.
+    pub chunks: Range<u64>,
+}
 
 /// The largest payload a message of `kind` can have (0 for a kind this version does not
 /// define: such a frame is refused by [`Msg::decode`] anyway).
 pub fn max_payload(kind: u8) -> u32 {
     match kind {
-        1 => 8,
-        2 => 8 + 8 + 4 + 4 + 2 + 16,
+        1 => 9,
+        2 => 8 + 8 + 4 + 4 + 2 + 16 + 4 + MAX_TEXT,
         3 => 4,
         4 => 4 + 4 + 12 * MAX_RUNS,
         6 => 4 + 12 * MAX_RUNS + 4 + MAX_APP_STATE + 8,
         5 | 7 | 8 | 9 => 0,
         10 => 4 + MAX_TEXT,
+        11 => MAX_PAYLOAD,
         _ => 0,
     }
 }
@@ -59,6 +138,8 @@ pub enum Msg {
     Hello {
         /// Session to continue, 0 for a new one.
         session: u64,
+        /// How to move the region (a peer that sends no mode asks for pre-copy).
+        mode: Mode,
     },
     /// S→L: the answer to `Hello`.
     Welcome {
@@ -75,6 +156,9 @@ pub enum Msg {
         data_port: u16,
         /// The seeder host's boot id: clocks of one boot are comparable.
         boot_id: [u8; 16],
+        /// The store the region's chunks live in, as a spec both hosts can open (empty:
+        /// none; an instant migration needs one).
+        shared: String,
     },
     /// L→S: which pages were written since the last dirty set (round `round`).
     DirtyRequest {
@@ -101,6 +185,17 @@ pub enum Msg {
     },
     /// L→S: the destination runs the application (ownership has moved).
     Resumed,
+    /// S→L (instant mode, right before `HandOver`): where every chunk is. Runs cover the
+    /// region's chunks exactly once, in the order the destination should fetch what it must
+    /// fetch from the source (most recently used first); `pushed` holds one (generation,
+    /// XXH3-64) per chunk of the `Store` runs, in run order ((0, 0): not pushed by the
+    /// source, taken as the store has it).
+    Manifest {
+        /// Runs of chunks.
+        runs: Vec<ManifestRun>,
+        /// Generation and checksum of each chunk of the `Store` runs.
+        pushed: Vec<(u64, u64)>,
+    },
     /// L→S: every chunk is local; the seeder may release the region.
     Done,
     /// S→L: the seeder released the region.
@@ -166,7 +261,7 @@ pub fn decode_header(h: &[u8; HEADER_LEN]) -> Result<Header, DecodeError> {
             cap: MAX_PAYLOAD.into(),
         });
     }
-    if !(1..=10).contains(&kind) {
+    if !(1..=11).contains(&kind) {
         return Err(DecodeError::Kind(kind));
     }
     if len > max_payload(kind) {
@@ -192,6 +287,7 @@ impl Msg {
             Msg::Done => 8,
             Msg::Bye => 9,
             Msg::Abort { .. } => 10,
+            Msg::Manifest { .. } => 11,
         }
     }
 
@@ -199,7 +295,10 @@ impl Msg {
     pub fn encode(&self) -> Bytes {
         let mut p = BytesMut::new();
         match self {
-            Msg::Hello { session } => p.put_u64(*session),
+            Msg::Hello { session, mode } => {
+                p.put_u64(*session);
+                p.put_u8(mode.code());
+            }
             Msg::Welcome {
                 session,
                 size,
@@ -207,6 +306,7 @@ impl Msg {
                 page_size,
                 data_port,
                 boot_id,
+                shared,
             } => {
                 p.put_u64(*session);
                 p.put_u64(*size);
@@ -214,6 +314,23 @@ impl Msg {
                 p.put_u32(*page_size);
                 p.put_u16(*data_port);
                 p.put_slice(boot_id);
+                put_text(&mut p, shared);
+            }
+            Msg::Manifest { runs, pushed } => {
+                p.put_u32(runs.len() as u32);
+                for r in runs {
+                    p.put_u8(match r.location {
+                        Location::Store => 1,
+                        Location::Source => 2,
+                    });
+                    p.put_u64(r.chunks.start);
+                    p.put_u64(r.chunks.end.saturating_sub(r.chunks.start));
+                }
+                p.put_u32(pushed.len() as u32);
+                for (gen, sum) in pushed {
+                    p.put_u64(*gen);
+                    p.put_u64(*sum);
+                }
             }
             Msg::DirtyRequest { round } => p.put_u32(*round),
             Msg::Dirty { round, runs } => {
@@ -231,11 +348,7 @@ impl Msg {
                 p.put_u64(*suspended_at_ns);
             }
             Msg::Finalize | Msg::Resumed | Msg::Done | Msg::Bye => {}
-            Msg::Abort { reason } => {
-                let r = &reason.as_bytes()[..reason.len().min(MAX_TEXT as usize)];
-                p.put_u32(r.len() as u32);
-                p.put_slice(r);
-            }
+            Msg::Abort { reason } => put_text(&mut p, reason),
         }
         let mut f = BytesMut::with_capacity(HEADER_LEN + p.len());
         f.put_slice(&MAGIC);
@@ -252,6 +365,16 @@ impl Msg {
         let msg = match kind {
             1 => Msg::Hello {
                 session: get_u64(p)?,
+                mode: match p.first() {
+                    // A peer that predates modes.
+                    None => Mode::Precopy,
+                    Some(_) => match p.get_u8() {
+                        0 => Mode::Precopy,
+                        1 => Mode::Postcopy,
+                        2 => Mode::Instant,
+                        _ => return Err(DecodeError::Malformed("an unknown migration mode")),
+                    },
+                },
             },
             2 => Msg::Welcome {
                 session: get_u64(p)?,
@@ -267,6 +390,11 @@ impl Msg {
                     let mut b = [0; 16];
                     p.copy_to_slice(&mut b);
                     b
+                },
+                shared: if p.is_empty() {
+                    String::new()
+                } else {
+                    get_exact_text(p, "a store spec")?
                 },
             },
             3 => Msg::DirtyRequest { round: get_u32(p)? },
@@ -290,12 +418,36 @@ impl Msg {
             7 => Msg::Resumed,
             8 => Msg::Done,
             9 => Msg::Bye,
-            10 => {
-                let len = capped(get_u32(p)?, MAX_TEXT, "a reason")?;
-                need(p, len)?;
-                let reason = String::from_utf8_lossy(&p[..len]).into_owned();
-                p.advance(len);
-                Msg::Abort { reason }
+            10 => Msg::Abort {
+                reason: get_text(p, "a reason")?,
+            },
+            11 => {
+                let n = capped(get_u32(p)?, MAX_MANIFEST_RUNS, "manifest runs")?;
+                need(p, n * 17)?;
+                let mut runs = Vec::with_capacity(n);
+                for _ in 0..n {
+                    let location = match p.get_u8() {
+                        1 => Location::Store,
+                        2 => Location::Source,
+                        _ => return Err(DecodeError::Malformed("an unknown chunk location")),
+                    };
+                    let start = p.get_u64();
+                    let len = p.get_u64();
+                    if len == 0 {
+                        return Err(DecodeError::Malformed("an empty manifest run"));
+                    }
+                    let end = start
+                        .checked_add(len)
+                        .ok_or(DecodeError::Malformed("a manifest run past 2^64"))?;
+                    runs.push(ManifestRun {
+                        location,
+                        chunks: start..end,
+                    });
+                }
+                let n = capped(get_u32(p)?, MAX_MANIFEST_CHUNKS, "manifest chunk records")?;
+                need(p, n * 16)?;
+                let pushed = (0..n).map(|_| (p.get_u64(), p.get_u64())).collect();
+                Msg::Manifest { runs, pushed }
             }
             k => return Err(DecodeError::Kind(k)),
         };
@@ -339,6 +491,36 @@ fn get_runs(p: &mut &[u8]) -> Result<Vec<Range<u64>>, DecodeError> {
         runs.push(start..end);
     }
     Ok(runs)
+}
+
+fn put_text(p: &mut BytesMut, text: &str) {
+    // Cut at a character boundary at most MAX_TEXT bytes in.
+    let mut end = text.len().min(MAX_TEXT as usize);
+    while !text.is_char_boundary(end) {
+        end -= 1;
+    }
+    p.put_u32(end as u32);
+    p.put_slice(&text.as_bytes()[..end]);
+}
+
+/// A length-prefixed text, decoded lossily (a reason for people).
+fn get_text(p: &mut &[u8], what: &'static str) -> Result<String, DecodeError> {
+    let len = capped(get_u32(p)?, MAX_TEXT, what)?;
+    need(p, len)?;
+    let text = String::from_utf8_lossy(&p[..len]).into_owned();
+    p.advance(len);
+    Ok(text)
+}
+
+/// A length-prefixed text that must be UTF-8 (a spec to act on).
+fn get_exact_text(p: &mut &[u8], what: &'static str) -> Result<String, DecodeError> {
+    let len = capped(get_u32(p)?, MAX_TEXT, what)?;
+    need(p, len)?;
+    let text = std::str::from_utf8(&p[..len])
+        .map_err(|_| DecodeError::Malformed("a store spec that is not UTF-8"))?
+        .to_owned();
+    p.advance(len);
+    Ok(text)
 }
 
 fn capped(len: u32, cap: u32, what: &'static str) -> Result<usize, DecodeError> {
@@ -428,6 +610,66 @@ pub fn check_runs(runs: &[Range<u64>], pages: u64) -> Result<u64, RunError> {
     Ok(total)
 }
 
+/// Why a manifest does not describe a region.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum ManifestError {
+    /// Its runs leave chunks out, cover some twice, or reach past the region.
+    #[error(
+        "its runs do not cover the region's {chunks} chunks exactly once (first problem at \
+         chunk {at})"
+    )]
+    Coverage {
+        /// Chunks in the region.
+        chunks: u64,
+        /// The first chunk missing, doubled or past the end.
+        at: u64,
+    },
+    /// The records do not match the chunks its `Store` runs hold.
+    #[error("it has {records} chunk records for {store} chunks in the store")]
+    Records {
+        /// Records sent.
+        records: u64,
+        /// Chunks of the `Store` runs.
+        store: u64,
+    },
+}
+
+/// Checks that a manifest's runs cover chunks `0..chunks` exactly once (in any order) and that
+/// it has one record per chunk of its `Store` runs. Runs are checked as ranges.
+pub fn check_manifest(
+    runs: &[ManifestRun],
+    pushed: &[(u64, u64)],
+    chunks: u64,
+) -> Result<(), ManifestError> {
+    let mut ranges: Vec<Range<u64>> = runs.iter().map(|r| r.chunks.clone()).collect();
+    ranges.sort_unstable_by_key(|r| r.start);
+    let mut next = 0u64;
+    for r in &ranges {
+        if r.start != next || r.end <= r.start || r.end > chunks {
+            return Err(ManifestError::Coverage {
+                chunks,
+                at: next.min(r.start),
+            });
+        }
+        next = r.end;
+    }
+    if next != chunks {
+        return Err(ManifestError::Coverage { chunks, at: next });
+    }
+    let store: u64 = runs
+        .iter()
+        .filter(|r| r.location == Location::Store)
+        .map(|r| r.chunks.end - r.chunks.start)
+        .sum();
+    if store != pushed.len() as u64 {
+        return Err(ManifestError::Records {
+            records: pushed.len() as u64,
+            store,
+        });
+    }
+    Ok(())
+}
+
 #[cfg(test)]
 #[allow(clippy::single_range_in_vec_init)] // page runs: one run is a real case
 mod tests {
@@ -442,14 +684,32 @@ mod tests {
 
     #[test]
     fn every_message_round_trips() {
-        roundtrip(Msg::Hello { session: 7 });
-        roundtrip(Msg::Welcome {
-            session: 1,
-            size: 1 << 30,
-            chunk_size: 65536,
-            page_size: 4096,
-            data_port: 7401,
-            boot_id: [3; 16],
+        for mode in [Mode::Precopy, Mode::Postcopy, Mode::Instant] {
+            roundtrip(Msg::Hello { session: 7, mode });
+        }
+        for shared in ["", "redis://127.0.0.1:6379/0"] {
+            roundtrip(Msg::Welcome {
+                session: 1,
+                size: 1 << 30,
+                chunk_size: 65536,
+                page_size: 4096,
+                data_port: 7401,
+                boot_id: [3; 16],
+                shared: shared.into(),
+            });
+        }
+        roundtrip(Msg::Manifest {
+            runs: vec![
+                ManifestRun {
+                    location: Location::Source,
+                    chunks: 4..6,
+                },
+                ManifestRun {
+                    location: Location::Store,
+                    chunks: 0..4,
+                },
+            ],
+            pushed: vec![(1, 2), (0, 0), (3, 4), (5, 6)],
         });
         roundtrip(Msg::DirtyRequest { round: 2 });
         roundtrip(Msg::Dirty {
@@ -528,11 +788,93 @@ mod tests {
         );
         assert_eq!(check_runs(&[5..5], 100), Err(RunError::Empty { start: 5 }));
         // A kind's own cap is checked with the header.
-        let mut big = Msg::Hello { session: 1 }.encode().to_vec();
-        big[7..11].copy_from_slice(&9u32.to_be_bytes());
+        let mut big = Msg::Hello {
+            session: 1,
+            mode: Mode::Instant,
+        }
+        .encode()
+        .to_vec();
+        big[7..11].copy_from_slice(&10u32.to_be_bytes());
         assert!(matches!(
             decode_header(big[..HEADER_LEN].try_into().unwrap()),
-            Err(DecodeError::TooLong { len: 9, cap: 8, .. })
+            Err(DecodeError::TooLong {
+                len: 10,
+                cap: 9,
+                ..
+            })
         ));
+    }
+
+    #[test]
+    fn peers_without_modes_or_shared_stores_are_understood() {
+        // The hello and welcome of a build that predates modes.
+        assert_eq!(
+            Msg::decode(1, &5u64.to_be_bytes()),
+            Ok(Msg::Hello {
+                session: 5,
+                mode: Mode::Precopy
+            })
+        );
+        let mut w = Msg::Welcome {
+            session: 1,
+            size: 4096,
+            chunk_size: 4096,
+            page_size: 4096,
+            data_port: 1,
+            boot_id: [0; 16],
+            shared: String::new(),
+        }
+        .encode()
+        .to_vec();
+        w.truncate(w.len() - 4);
+        let m = Msg::decode(2, &w[HEADER_LEN..]).unwrap();
+        assert!(matches!(m, Msg::Welcome { shared, .. } if shared.is_empty()));
+        let mut h = 5u64.to_be_bytes().to_vec();
+        h.push(9);
+        assert!(matches!(Msg::decode(1, &h), Err(DecodeError::Malformed(_))));
+    }
+
+    #[test]
+    fn manifests_are_capped_and_checked() {
+        // Counts beyond what the payload holds are refused before allocating.
+        let mut p = u32::MAX.to_be_bytes().to_vec();
+        assert!(matches!(
+            Msg::decode(11, &p),
+            Err(DecodeError::TooLong { .. })
+        ));
+        p = 1u32.to_be_bytes().to_vec();
+        assert!(matches!(
+            Msg::decode(11, &p),
+            Err(DecodeError::Malformed(_))
+        ));
+        p.extend_from_slice(&[1, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 2]);
+        p.extend_from_slice(&(MAX_MANIFEST_CHUNKS + 1).to_be_bytes());
+        assert!(matches!(
+            Msg::decode(11, &p),
+            Err(DecodeError::TooLong { .. })
+        ));
+        let run = |location, chunks| ManifestRun { location, chunks };
+        let ok = [run(Location::Source, 3..5), run(Location::Store, 0..3)];
+        assert_eq!(check_manifest(&ok, &[(1, 1); 3], 5), Ok(()));
+        assert_eq!(
+            check_manifest(&ok, &[(1, 1); 2], 5),
+            Err(ManifestError::Records {
+                records: 2,
+                store: 3
+            })
+        );
+        assert!(
+            check_manifest(&ok, &[(1, 1); 3], 6).is_err(),
+            "a chunk left out"
+        );
+        assert!(
+            check_manifest(&ok, &[(1, 1); 3], 4).is_err(),
+            "past the end"
+        );
+        let twice = [run(Location::Source, 2..5), run(Location::Store, 0..3)];
+        assert!(
+            check_manifest(&twice, &[(1, 1); 3], 5).is_err(),
+            "a chunk twice"
+        );
     }
 }

@@ -47,7 +47,14 @@ pub struct SeedOptions {
     /// What the data plane may take from the application: it runs on threads of its own at
     /// this priority, and its reads keep to the rate and CPU share.
     pub pull: PullBudget,
+    /// Instant migration: how long the source pushes what the shared store lacks while the
+    /// application still runs, before it suspends (what is still unpushed then is fetched
+    /// from the source after the hand-over). Zero pushes nothing more.
+    pub push_budget: Duration,
 }
+
+/// Default [`SeedOptions::push_budget`].
+pub const PUSH_BUDGET: Duration = Duration::from_secs(2);
 
 /// Default [`SeedOptions::handshake_timeout`].
 pub const HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(10);
@@ -105,6 +112,8 @@ enum FinalError {
     Suspend(#[from] SuspendError),
     #[error("taking the final dirty set failed")]
     Dirty(#[source] EndpointError),
+    #[error("sealing the region's pushes for the manifest failed")]
+    Seal(#[source] EndpointError),
 }
 /// What a finished seeding did.
 #[derive(Debug, Clone)]
@@ -234,6 +243,7 @@ pub async fn seed(
             ListenAddr::Unix(_) => 0,
         },
         boot_id: crate::boot_id(),
+        shared: region.shared_store().unwrap_or_default(),
     };
     let seed = u64::from(std::process::id()) << 32 | (crate::monotonic_ns() & 0xffff_ffff);
     let (cancel, cancelled) = tokio::sync::watch::channel(false);
@@ -447,7 +457,7 @@ async fn run(
                     Some(new) = conns.recv() => {
                         let reconnect = matches!(
                             (machine.state(), &new.first),
-                            (SeederState::HandedOver { session, .. }, Msg::Hello { session: s })
+                            (SeederState::HandedOver { session, .. }, Msg::Hello { session: s, .. })
                                 if *s == session
                         );
                         if current.is_some() && !reconnect {
@@ -530,20 +540,44 @@ async fn run(
                     ));
                     inputs.push_back(SeederInput::Dirty { round, runs: d });
                 }
-                SeederAction::Suspend => {
+                SeederAction::Suspend { instant } => {
                     let (r, s) = (region.clone(), suspend.clone());
+                    let budget = opts.push_budget;
+                    if instant && !budget.is_zero() {
+                        rep.note(format!(
+                            "instant: pushing what the shared store lacks (at most {budget:?})"
+                        ));
+                    }
                     let done = tokio::task::spawn_blocking(move || {
+                        if instant && !budget.is_zero() {
+                            // The application runs on meanwhile; whatever is left is
+                            // fetched from here after the hand-over.
+                            if let Err(e) = r.push_shared(budget) {
+                                tracing::warn!(
+                                    "pushing before an instant hand-over failed (those chunks                                      come from the source): {}",
+                                    farmap_core::error_chain(e.as_ref())
+                                );
+                            }
+                        }
                         let t0 = Instant::now();
                         let state = s.suspend()?;
                         let at_ns = crate::monotonic_ns();
                         let t1 = Instant::now();
-                        let d = r.take_dirty();
+                        let d = if instant {
+                            r.seal()
+                                .map(|m| (Vec::new(), Some(m)))
+                                .map_err(FinalError::Seal)
+                        } else {
+                            r.take_dirty()
+                                .map(|d| (d, None))
+                                .map_err(FinalError::Dirty)
+                        };
                         let took = (t1 - t0, t1.elapsed());
                         match d {
-                            Ok(d) => Ok((d, state, at_ns, took)),
+                            Ok((d, m)) => Ok((d, m, state, at_ns, took)),
                             Err(e) => {
                                 s.resume();
-                                Err(FinalError::Dirty(e))
+                                Err(e)
                             }
                         }
                     })
@@ -553,18 +587,29 @@ async fn run(
                         source,
                     })?;
                     inputs.push_back(match done {
-                        Ok((d, app_state, at_ns, (suspending, scan))) => {
+                        Ok((d, manifest, app_state, at_ns, (suspending, scan))) => {
                             report.dirty_sets += 1;
                             report.dirty_pages += run_pages(&d);
-                            rep.note(format!(
-                                "suspended in {:.2} ms (final scan {:.2} ms); handing over \
-                                 {} pages written since the last round",
-                                suspending.as_secs_f64() * 1e3,
-                                scan.as_secs_f64() * 1e3,
-                                run_pages(&d)
-                            ));
+                            match &manifest {
+                                Some(m) => rep.note(format!(
+                                    "suspended in {:.2} ms (manifest {:.2} ms): {} chunks in \
+                                     the shared store, {} only here",
+                                    suspending.as_secs_f64() * 1e3,
+                                    scan.as_secs_f64() * 1e3,
+                                    m.pushed.len(),
+                                    m.source_chunks(),
+                                )),
+                                None => rep.note(format!(
+                                    "suspended in {:.2} ms (final scan {:.2} ms); handing over \
+                                     {} pages written since the last round",
+                                    suspending.as_secs_f64() * 1e3,
+                                    scan.as_secs_f64() * 1e3,
+                                    run_pages(&d)
+                                )),
+                            }
                             SeederInput::Suspended {
                                 runs: d,
+                                manifest,
                                 app_state,
                                 at_ns,
                             }

@@ -204,6 +204,31 @@ pub struct MigrationStore {
     postcopy: AtomicBool,
     bytes_pre: AtomicU64,
     bytes_post: AtomicU64,
+    /// Instant mode: the shared store and the manifest.
+    instant: Option<InstantSide>,
+}
+
+/// The instant-mode half of a [`MigrationStore`]: chunks the manifest places in the shared
+/// store are read from it and checked; writes go to it.
+struct InstantSide {
+    shared: Arc<dyn Store>,
+    /// Per chunk: `None` at the source, `Some(None)` in the store as it is, `Some(Some(sum))`
+    /// in the store with this XXH3-64. Empty until the hand-over.
+    manifest: RwLock<Vec<Option<Option<u64>>>>,
+    from_store: AtomicU64,
+    from_source: AtomicU64,
+    verify_failures: AtomicU64,
+}
+
+/// What an instant migration's destination read from where.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct InstantCounts {
+    /// Chunks read from the shared store that matched the manifest (or had no checksum).
+    pub chunks_from_store: u64,
+    /// Chunks read from the source (placed there, or failing their check).
+    pub chunks_from_source: u64,
+    /// Chunks the shared store returned that did not match the manifest's checksum.
+    pub verify_failures: u64,
 }
 
 impl fmt::Debug for MigrationStore {
@@ -227,7 +252,118 @@ impl MigrationStore {
             postcopy: AtomicBool::new(false),
             bytes_pre: AtomicU64::new(0),
             bytes_post: AtomicU64::new(0),
+            instant: None,
         }
+    }
+
+    /// The same for an instant migration: chunks are read from `shared` (the store both hosts
+    /// reach, of the region's geometry) where the manifest says so, checked against it, and
+    /// from the seeder otherwise; writes go to `shared`. Until
+    /// [`install_manifest`](Self::install_manifest), everything comes from the seeder.
+    pub fn instant(
+        geometry: Geometry,
+        page: u64,
+        remote: Arc<RemoteStore>,
+        shared: Arc<dyn Store>,
+    ) -> StoreResult<Self> {
+        if shared.geometry() != geometry {
+            return Err(StoreError::invalid(format!(
+                "the shared store is {}, the region {geometry}: an instant migration needs the \
+                 same geometry on both hosts",
+                shared.geometry()
+            )));
+        }
+        let mut s = Self::new(geometry, page, remote);
+        s.instant = Some(InstantSide {
+            shared,
+            manifest: RwLock::new(Vec::new()),
+            from_store: AtomicU64::new(0),
+            from_source: AtomicU64::new(0),
+            verify_failures: AtomicU64::new(0),
+        });
+        Ok(s)
+    }
+
+    /// Installs a checked manifest (instant mode; ignored otherwise).
+    pub fn install_manifest(&self, m: &crate::machine::Manifest) {
+        let Some(side) = &self.instant else { return };
+        let mut table = vec![None; self.geometry.chunk_count() as usize];
+        let mut sums = m.pushed.iter();
+        for r in &m.runs {
+            for c in r.chunks.clone() {
+                let at = match r.location {
+                    crate::msg::Location::Source => None,
+                    crate::msg::Location::Store => {
+                        let (gen, sum) = sums.next().copied().unwrap_or((0, 0));
+                        Some((gen != 0).then_some(sum))
+                    }
+                };
+                if let Some(e) = table.get_mut(c as usize) {
+                    *e = at;
+                }
+            }
+        }
+        *side.manifest.write() = table;
+    }
+
+    /// What an instant destination read from where (zeros in other modes).
+    pub fn instant_counts(&self) -> InstantCounts {
+        self.instant
+            .as_ref()
+            .map(|s| InstantCounts {
+                chunks_from_store: s.from_store.load(Ordering::Relaxed),
+                chunks_from_source: s.from_source.load(Ordering::Relaxed),
+                verify_failures: s.verify_failures.load(Ordering::Relaxed),
+            })
+            .unwrap_or_default()
+    }
+
+    /// Reads `idx` in instant mode: from the shared store when the manifest places it there
+    /// and it matches, else from the seeder (while attached).
+    async fn fetch_instant(&self, side: &InstantSide, idx: ChunkIdx) -> StoreResult<Bytes> {
+        let place = side.manifest.read().get(idx.0 as usize).copied();
+        let attached = self.remote.read().is_some();
+        match place {
+            Some(Some(expect)) => match side.shared.read(idx).await {
+                Ok(data) => {
+                    let good = match expect {
+                        None => true,
+                        Some(sum) => xxhash_rust::xxh3::xxh3_64(&data) == sum,
+                    };
+                    if good {
+                        side.from_store.fetch_add(1, Ordering::Relaxed);
+                        return Ok(data);
+                    }
+                    side.verify_failures.fetch_add(1, Ordering::Relaxed);
+                    tracing::warn!(
+                        "{idx} from the shared store does not match the manifest: reading it \
+                         from the source"
+                    );
+                    if !attached {
+                        return Err(StoreError::new(
+                            ErrorKind::Corrupt,
+                            format!(
+                                "{idx} from the shared store does not match the manifest of \
+                                 the migration, and the source is released"
+                            ),
+                        ));
+                    }
+                }
+                Err(e) if attached => tracing::warn!(
+                    "reading {idx} from the shared store failed ({}): reading it from the \
+                     source",
+                    farmap_core::error_chain(&e)
+                ),
+                Err(e) => return Err(e),
+            },
+            // At the source (or no manifest yet): from the seeder while attached; once
+            // released, the destination pushed it to the shared store.
+            Some(None) | None if !attached => return side.shared.read(idx).await,
+            Some(None) | None => {}
+        }
+        let data = self.fetch(idx).await?;
+        side.from_source.fetch_add(1, Ordering::Relaxed);
+        Ok(data)
     }
 
     /// Notes pages about to be discarded: their chunks' next fetch reads only those pages.
@@ -690,21 +826,34 @@ impl Store for MigrationStore {
     fn read(&self, idx: ChunkIdx) -> BoxFuture<'_, StoreResult<Bytes>> {
         Box::pin(async move {
             self.geometry.check_idx(idx)?;
-            self.fetch(idx).await
+            match &self.instant {
+                Some(side) => self.fetch_instant(side, idx).await,
+                None => self.fetch(idx).await,
+            }
         })
     }
 
+    /// Pushes of the region land locally (the seeder is read-only), or in the shared store
+    /// in instant mode.
     fn write(&self, idx: ChunkIdx, data: Bytes) -> BoxFuture<'_, StoreResult<()>> {
-        // Pushes of the region (at its sync) land locally: the seeder is read-only.
-        self.local.write(idx, data)
+        match &self.instant {
+            Some(side) => side.shared.write(idx, data),
+            None => self.local.write(idx, data),
+        }
     }
 
     fn flush(&self) -> BoxFuture<'_, StoreResult<()>> {
-        self.local.flush()
+        match &self.instant {
+            Some(side) => side.shared.flush(),
+            None => self.local.flush(),
+        }
     }
 
     fn trim(&self, range: ChunkRange) -> BoxFuture<'_, StoreResult<()>> {
-        self.local.trim(range)
+        match &self.instant {
+            Some(side) => side.shared.trim(range),
+            None => self.local.trim(range),
+        }
     }
 
     fn status(&self, idx: ChunkIdx) -> BoxFuture<'_, StoreResult<ChunkStatus>> {

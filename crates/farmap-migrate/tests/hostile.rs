@@ -12,7 +12,7 @@ use bytes::Bytes;
 use farmap_core::{Geometry, Store};
 use farmap_migrate::leech::{ConnectError, LeechError, LeechOptions};
 use farmap_migrate::machine::{AbortCause, Violation, WelcomeError};
-use farmap_migrate::msg::{decode_header, Msg, HEADER_LEN, MAGIC, VERSION};
+use farmap_migrate::msg::{decode_header, Mode, Msg, HEADER_LEN, MAGIC, VERSION};
 use farmap_migrate::seed::{SeedOptions, Seeding};
 use farmap_migrate::{leech, seed, WriterGate};
 use farmap_net::{
@@ -123,6 +123,7 @@ async fn start_seeder(tls: Option<TlsServerConfig>) -> (Seeding, Arc<Region>) {
             log: false,
             observer: None,
             pull: Default::default(),
+            push_budget: farmap_migrate::seed::PUSH_BUDGET,
         },
     )
     .await
@@ -181,6 +182,7 @@ fn welcome(page_size: u32, data_port: u16) -> Msg {
         page_size,
         data_port,
         boot_id: [0; 16],
+        shared: String::new(),
     }
 }
 
@@ -193,7 +195,13 @@ async fn a_seeder_with_a_bad_page_size_is_refused_before_anything_is_opened() {
     ] {
         let (told_tx, told_rx) = tokio::sync::oneshot::channel();
         let (addr, task) = fake_seeder(move |mut s| async move {
-            assert_eq!(read_msg(&mut s).await.unwrap(), Msg::Hello { session: 0 });
+            assert_eq!(
+                read_msg(&mut s).await.unwrap(),
+                Msg::Hello {
+                    session: 0,
+                    mode: Mode::Precopy
+                }
+            );
             write_msg(&mut s, &welcome(page_size, 1)).await;
             let _ = told_tx.send(abort_reason(read_msg(&mut s).await));
         })
@@ -231,7 +239,13 @@ where
 {
     let (server, port) = zero_data_plane().await;
     fake_seeder(move |mut s| async move {
-        assert_eq!(read_msg(&mut s).await.unwrap(), Msg::Hello { session: 0 });
+        assert_eq!(
+            read_msg(&mut s).await.unwrap(),
+            Msg::Hello {
+                session: 0,
+                mode: Mode::Precopy
+            }
+        );
         write_msg(&mut s, &welcome(PAGE, port)).await;
         script(s).await;
         let _ = server.shutdown().await;
@@ -444,7 +458,12 @@ async fn garbage_huge_lengths_floods_and_idle_connections_leave_the_seeder_servi
     let r = poke(at, &flood).await;
     assert!(r.contains("unexpected Done"), "{r}");
     // A leecher that asks for rounds out of order is dropped, and tracking stops.
-    let mut frames = Msg::Hello { session: 0 }.encode().to_vec();
+    let mut frames = Msg::Hello {
+        session: 0,
+        mode: Mode::Precopy,
+    }
+    .encode()
+    .to_vec();
     frames.extend_from_slice(&Msg::DirtyRequest { round: 5 }.encode());
     let mut s = TcpStream::connect(at).await.unwrap();
     s.write_all(&frames).await.unwrap();
@@ -652,7 +671,13 @@ async fn zero_data_plane() -> (Server, u16) {
 
 /// A fake seeder's side of a migration with nothing dirty, up to the leecher's `Resumed`.
 async fn through_hand_over(s: &mut TcpStream, port: u16) {
-    assert_eq!(read_msg(s).await.unwrap(), Msg::Hello { session: 0 });
+    assert_eq!(
+        read_msg(s).await.unwrap(),
+        Msg::Hello {
+            session: 0,
+            mode: Mode::Precopy
+        }
+    );
     write_msg(s, &welcome(PAGE, port)).await;
     assert_eq!(read_msg(s).await.unwrap(), Msg::DirtyRequest { round: 1 });
     let empty = Msg::Dirty {

@@ -92,6 +92,7 @@ async fn migrate(region: Arc<Region>, gate: Arc<WriterGate>) -> LeechReport {
             log: false,
             observer: None,
             pull: Default::default(),
+            push_budget: farmap_migrate::seed::PUSH_BUDGET,
         },
     )
     .await

@@ -81,6 +81,14 @@ pub struct PushStats {
 /// - A push interrupted (a flush future dropped) marks its chunks dirty again.
 /// - Dropping the `Pusher` stops the background task; chunks still dirty are **not** pushed.
 ///   Call [`shutdown`](Self::shutdown) for a final flush.
+///
+/// # The push ledger
+/// Every successful push records, for its chunk, a generation (one counter per pusher,
+/// starting at 1) and the XXH3-64 of the bytes written. [`seal`](Self::seal) stops all
+/// pushing for good and returns the ledger with the chunks still dirty: what an instant
+/// migration hands over (a chunk with a ledger entry and not dirty is in the remote exactly
+/// as hashed). The ledger costs 16 bytes per chunk of address space, committed only for
+/// chunks pushed.
 pub struct Pusher<S, R> {
     shared: Arc<Shared<S, R>>,
     stop: Arc<Stop>,
@@ -125,6 +133,21 @@ struct Shared<S, R> {
     pushed_bytes: AtomicU64,
     failed_pushes: AtomicU64,
     last_error: Mutex<Option<String>>,
+    /// Per chunk: [generation, XXH3-64] of its last push (generation 0: never pushed).
+    ledger: Mutex<Vec<[u64; 2]>>,
+    generation: AtomicU64,
+    /// Set by [`Pusher::seal`]: nothing is pushed any more.
+    sealed: AtomicBool,
+}
+
+/// What a [`Pusher`] hands over when it is [sealed](Pusher::seal).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct PushLedger {
+    /// Per chunk: (generation, XXH3-64 of the bytes pushed) of its last push, or `None` if
+    /// this pusher never pushed it.
+    pub pushed: Vec<Option<(u64, u64)>>,
+    /// Chunks written and not pushed (their remote copy, if any, is older), ascending.
+    pub dirty: Vec<ChunkIdx>,
 }
 
 /// A stop signal the background task waits on without keeping the shared state alive.
@@ -189,9 +212,14 @@ impl<S: Store, R: Store> Shared<S, R> {
             .await
             .map_err(wrap("reading it locally"))?;
         let len = data.len() as u64;
+        let sum = xxhash_rust::xxh3::xxh3_64(&data);
         retry(self.policy, || self.remote.write(idx, data.clone()))
             .await
             .map_err(wrap("writing it to the remote store"))?;
+        let gen = self.generation.fetch_add(1, Ordering::Relaxed) + 1;
+        if let Some(e) = self.ledger.lock().get_mut(idx.0 as usize) {
+            *e = [gen, sum];
+        }
         self.pushed_chunks.fetch_add(1, Ordering::Relaxed);
         self.pushed_bytes.fetch_add(len, Ordering::Relaxed);
         Ok(())
@@ -200,6 +228,9 @@ impl<S: Store, R: Store> Shared<S, R> {
     /// Takes the dirty set and pushes it; failed chunks are marked dirty again. Returns the
     /// first error. The caller holds a guard of `gate`.
     async fn push_dirty(&self) -> Option<StoreError> {
+        if self.sealed.load(Ordering::Acquire) {
+            return Some(sealed_error());
+        }
         if let Some(source) = &self.source {
             if let Err(e) = source.collect(self.tracked.dirty()) {
                 *self.last_error.lock() = Some(e.to_owned_lossy().to_string());
@@ -233,6 +264,9 @@ impl<S: Store, R: Store> Shared<S, R> {
     /// write guard of `gate`. Their dirty marks are cleared first and set again for every
     /// chunk whose push fails (or if this future is dropped part way).
     async fn push_chunks(&self, chunks: &[ChunkIdx]) -> StoreResult<()> {
+        if self.sealed.load(Ordering::Acquire) {
+            return Err(sealed_error());
+        }
         let dirty = self.tracked.dirty();
         for &idx in chunks {
             dirty.clear(idx);
@@ -269,6 +303,9 @@ impl<S: Store, R: Store> Shared<S, R> {
 
     async fn background_round(&self) {
         let _round = self.gate.read().await;
+        if self.sealed.load(Ordering::Acquire) {
+            return;
+        }
         // Errors are recorded in the stats and the chunks stay dirty: the next round or
         // flush retries them, and a flush reports them.
         let _ = self.push_dirty().await;
@@ -294,6 +331,13 @@ impl<S: Store, R: Store> Shared<S, R> {
         }
         result
     }
+}
+
+fn sealed_error() -> StoreError {
+    StoreError::new(
+        farmap_core::ErrorKind::Closed,
+        "this pusher was sealed (its region was handed over): it pushes nothing any more",
+    )
 }
 
 async fn run_background<S: Store, R: Store>(
@@ -372,6 +416,10 @@ impl<S: Store, R: Store> Pusher<S, R> {
             pushed_bytes: AtomicU64::new(0),
             failed_pushes: AtomicU64::new(0),
             last_error: Mutex::new(None),
+            // Zeroed memory: committed only where chunks are pushed.
+            ledger: Mutex::new(vec![[0; 2]; geometry.chunk_count() as usize]),
+            generation: AtomicU64::new(0),
+            sealed: AtomicBool::new(false),
         });
         let stop = Arc::new(Stop::default());
         let background = opts.interval.map(|interval| {
@@ -413,6 +461,39 @@ impl<S: Store, R: Store> Pusher<S, R> {
         }
         let _exclusive = self.shared.gate.write().await;
         self.shared.push_chunks(chunks).await
+    }
+
+    /// Stops pushing for good and returns the ledger and the chunks still dirty (after
+    /// collecting the dirty source one last time). It waits for the round or write-back in
+    /// flight; from then on, rounds push nothing and flushes and write-backs fail with
+    /// `Closed`. Meant for a region whose writers are stopped and whose remote now belongs
+    /// to someone else (an instant migration's source after the hand-over): a push landing
+    /// later could overwrite the new owner's data.
+    pub async fn seal(&self) -> StoreResult<PushLedger> {
+        let _exclusive = self.shared.gate.write().await;
+        self.shared.sealed.store(true, Ordering::Release);
+        if let Some(source) = &self.shared.source {
+            source.collect(self.shared.tracked.dirty())?;
+        }
+        let mut dirty = self.shared.tracked.take_dirty();
+        // Still dirty: give them back, so that the stage's count stays honest.
+        for &idx in &dirty {
+            self.shared.tracked.dirty().mark(idx);
+        }
+        dirty.sort_unstable();
+        let pushed = self
+            .shared
+            .ledger
+            .lock()
+            .iter()
+            .map(|[gen, sum]| (*gen > 0).then_some((*gen, *sum)))
+            .collect();
+        Ok(PushLedger { pushed, dirty })
+    }
+
+    /// Whether [`seal`](Self::seal) was called.
+    pub fn is_sealed(&self) -> bool {
+        self.shared.sealed.load(Ordering::Acquire)
     }
 
     /// Number of chunks written and not yet taken for a push.
@@ -584,6 +665,46 @@ mod tests {
         assert_eq!(pusher.dirty_count(), 1);
         pusher.flush().await.unwrap();
         assert_eq!(remote.read(ChunkIdx(4)).await.unwrap(), chunk(9));
+    }
+
+    #[tokio::test]
+    async fn seal_hands_over_the_ledger_and_stops_every_push() {
+        let g = geometry();
+        let source = Arc::new(Behind::default());
+        let remote = Arc::new(ModelStore::new(g));
+        let pusher =
+            Pusher::with_source(ModelStore::new(g), remote.clone(), manual(), source.clone())
+                .unwrap();
+        pusher.write(ChunkIdx(1), chunk(1)).await.unwrap();
+        pusher.write(ChunkIdx(2), chunk(2)).await.unwrap();
+        pusher.flush().await.unwrap();
+        pusher.write(ChunkIdx(2), chunk(3)).await.unwrap();
+        pusher.flush().await.unwrap();
+        // Written after the last push: through the pusher, and behind its back.
+        pusher.write(ChunkIdx(1), chunk(4)).await.unwrap();
+        pusher.inner().write(ChunkIdx(5), chunk(5)).await.unwrap();
+        source.written.lock().push(ChunkIdx(5));
+        let ledger = pusher.seal().await.unwrap();
+        assert!(pusher.is_sealed());
+        assert_eq!(ledger.dirty, [ChunkIdx(1), ChunkIdx(5)]);
+        let sum = |b: u8| xxhash_rust::xxh3::xxh3_64(&chunk(b));
+        let (g1, s1) = ledger.pushed[1].unwrap();
+        let (g2, s2) = ledger.pushed[2].unwrap();
+        assert_eq!(
+            (s1, s2),
+            (sum(1), sum(3)),
+            "the sums of what was pushed last"
+        );
+        assert!(g2 > g1, "a later push has a later generation");
+        assert_eq!(ledger.pushed[5], None);
+        assert_eq!(ledger.pushed.len() as u64, g.chunk_count());
+        // Nothing is pushed any more, whatever asks.
+        let e = pusher.flush().await.unwrap_err();
+        assert_eq!(e.kind(), ErrorKind::Closed, "{e}");
+        assert!(pusher.write_back(&[ChunkIdx(1)]).await.is_err());
+        assert_eq!(remote.read(ChunkIdx(1)).await.unwrap(), chunk(1));
+        assert_eq!(remote.read(ChunkIdx(5)).await.unwrap(), chunk(0));
+        assert_eq!(pusher.dirty_count(), 2, "the dirty chunks stay counted");
     }
 
     #[tokio::test]

@@ -559,6 +559,43 @@ impl Region {
             .map_err(RegionError::Push)
     }
 
+    /// Pushes written chunks to the store for at most `budget` (the rest stay dirty for the
+    /// next round); `Ok(true)` if everything written before the call is in the store.
+    pub fn sync_for(&self, budget: Duration) -> Result<bool, RegionError> {
+        let pusher = self.inner.pusher.clone();
+        self.inner
+            .block_on(async move { tokio::time::timeout(budget, pusher.flush()).await })
+            .map_or(Ok(false), |r| r.map(|()| true).map_err(RegionError::Push))
+    }
+
+    /// Stops every push of this region for good and returns what its store holds: per chunk
+    /// the generation and XXH3-64 of its last push, and the chunks written since (see
+    /// [`Pusher::seal`](farmap_pipeline::Pusher::seal)). For the source of an instant
+    /// migration, with its writers stopped: the store now belongs to the destination. Later
+    /// syncs fail.
+    pub fn seal_pushes(&self) -> Result<farmap_pipeline::PushLedger, RegionError> {
+        let pusher = self.inner.pusher.clone();
+        self.inner
+            .block_on(async move { pusher.seal().await })
+            .map_err(RegionError::Push)
+    }
+
+    /// Pushes `chunks` to the store now, written or not (see
+    /// [`Pusher::write_back`](farmap_pipeline::Pusher::write_back)): for chunks that came from
+    /// somewhere else than the store and must be in it.
+    pub fn push_chunks(&self, chunks: Vec<ChunkIdx>) -> Result<(), RegionError> {
+        let pusher = self.inner.pusher.clone();
+        self.inner
+            .block_on(async move { pusher.write_back(&chunks).await })
+            .map_err(RegionError::Push)
+    }
+
+    /// The spec of the region's store, if it was opened from one
+    /// ([`RegionOptions::store_spec`](crate::RegionOptions::store_spec)).
+    pub fn store_spec(&self) -> Option<&str> {
+        self.inner.spec.as_deref()
+    }
+
     /// [`sync`](Self::sync) as a future (for async code; the work runs on the region's own
     /// runtime, so any executor can await it).
     pub fn sync_async(&self) -> impl Future<Output = Result<(), RegionError>> + Send + 'static {

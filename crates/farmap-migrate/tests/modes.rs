@@ -1,0 +1,347 @@
+//! The other migration modes, end to end over real sockets: post-copy (hand over at once,
+//! every chunk from the source) and instant (hand over at once with a manifest; chunks come
+//! from a store both hosts reach, served by `farmap_net::serve` here, checked against the
+//! manifest, and from the source only where the store lacks them or holds them wrong).
+
+use std::collections::HashSet;
+use std::sync::Arc;
+use std::time::Duration;
+
+use bytes::{Bytes, BytesMut};
+use farmap_core::{
+    BoxFuture, Caps, ChunkIdx, ChunkRange, ChunkStatus, Geometry, Store, StoreResult,
+};
+use farmap_migrate::leech::{LeechOptions, SharedOpener};
+use farmap_migrate::seed::SeedOptions;
+use farmap_migrate::{leech, seed, LeechReport, Mode, WriterGate};
+use farmap_net::{ClientOptions, ListenAddr, Listener, RemoteAddr, RemoteStore, ServeOptions};
+use farmap_pipeline::PushOptions;
+use farmap_store::MemoryStore;
+use farmap_uffd::{Region, RegionOptions};
+
+const CHUNK: u64 = 64 << 10;
+const CHUNKS: u64 = 64;
+const SIZE: u64 = CHUNK * CHUNKS;
+
+fn uffd(test: &str) -> bool {
+    match farmap_uffd::probe() {
+        Ok(_) => true,
+        Err(e) => {
+            farmap_testkit::skip(test, e);
+            false
+        }
+    }
+}
+
+fn geometry() -> Geometry {
+    Geometry::new(SIZE, CHUNK).unwrap()
+}
+
+/// Chunk `c`'s content in version `v`: every chunk holds data.
+fn chunk_of(c: u64, v: u8) -> Vec<u8> {
+    (0..CHUNK)
+        .map(|i| (i as u8).wrapping_mul(13) ^ (c as u8) ^ v.wrapping_mul(71) | 1)
+        .collect()
+}
+
+/// A shared store on a socket, as `farmap serve` runs one; returns its spec, address and
+/// the memory behind it.
+async fn shared_store() -> (String, RemoteAddr, Arc<MemoryStore>, farmap_net::Server) {
+    let mem = Arc::new(MemoryStore::new(geometry()));
+    let listener = Listener::bind(&"127.0.0.1:0".parse::<ListenAddr>().unwrap())
+        .await
+        .unwrap();
+    let at = listener.local_addr().unwrap();
+    let server = farmap_net::serve(mem.clone(), listener, ServeOptions::default()).unwrap();
+    let addr = RemoteAddr::from(&at);
+    (format!("farmap://{at}"), addr, mem, server)
+}
+
+async fn connect(addr: RemoteAddr) -> Arc<dyn Store> {
+    Arc::new(
+        RemoteStore::connect(addr, ClientOptions::default())
+            .await
+            .unwrap(),
+    )
+}
+
+/// A source region over `store`, every chunk written (version 0) and pushed, then
+/// `unpushed` chunks written again (version 1) and not pushed.
+async fn source(
+    store: Arc<dyn Store>,
+    spec: Option<String>,
+    unpushed: &[u64],
+) -> (Arc<Region>, Arc<WriterGate>) {
+    let unpushed = unpushed.to_vec();
+    let region = tokio::task::spawn_blocking(move || {
+        let region = Region::open(
+            store,
+            RegionOptions {
+                push: PushOptions {
+                    interval: None,
+                    ..PushOptions::default()
+                },
+                store_spec: spec,
+                ..RegionOptions::direct()
+            },
+        )
+        .unwrap();
+        for c in 0..CHUNKS {
+            region
+                .write_at((c * CHUNK) as usize, &chunk_of(c, 0))
+                .unwrap();
+        }
+        region.sync().unwrap();
+        for &c in &unpushed {
+            region
+                .write_at((c * CHUNK) as usize, &chunk_of(c, 1))
+                .unwrap();
+        }
+        region
+    })
+    .await
+    .unwrap();
+    (
+        Arc::new(region),
+        Arc::new(WriterGate::new(|| Bytes::from_static(b"state"))),
+    )
+}
+
+async fn migrate(
+    region: Arc<Region>,
+    gate: Arc<WriterGate>,
+    mode: Mode,
+    shared: Option<SharedOpener>,
+) -> LeechReport {
+    let seeding = seed(
+        region,
+        gate,
+        SeedOptions {
+            listen: "127.0.0.1:0".parse().unwrap(),
+            data_listen: "127.0.0.1:0".parse().unwrap(),
+            tls: None,
+            reconnect_wait: Duration::from_secs(5),
+            handshake_timeout: Duration::from_secs(5),
+            max_handshakes: 64,
+            log: false,
+            observer: None,
+            pull: Default::default(),
+            // Nothing more is pushed before the hand-over: the chunks written since the
+            // last push must come from the source.
+            push_budget: Duration::ZERO,
+        },
+    )
+    .await
+    .unwrap();
+    let (_cancel, cancelled) = tokio::sync::watch::channel(false);
+    let report = leech(
+        LeechOptions {
+            handshake_timeout: Duration::from_secs(5),
+            reconnect_for: Duration::from_secs(5),
+            mode,
+            shared,
+            ..LeechOptions::new(RemoteAddr::from(&seeding.control))
+        },
+        Box::new(|_, _| {}),
+        cancelled,
+    )
+    .await
+    .expect("the migration completes");
+    seeding.finish().await.expect("the seeder completes");
+    report
+}
+
+fn image(r: &Region) -> Vec<u8> {
+    let mut v = vec![0u8; SIZE as usize];
+    r.read_at(0, &mut v).unwrap();
+    v
+}
+
+fn assert_same(want: &[u8], got: &[u8]) {
+    for c in 0..CHUNKS as usize {
+        let r = c * CHUNK as usize..(c + 1) * CHUNK as usize;
+        assert!(want[r.clone()] == got[r], "chunk {c} differs");
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn post_copy_hands_over_at_once_and_every_chunk_arrives() {
+    if !uffd("post_copy_hands_over_at_once_and_every_chunk_arrives") {
+        return;
+    }
+    let store: Arc<dyn Store> = Arc::new(MemoryStore::new(geometry()));
+    let (region, gate) = source(store, None, &[3, 9]).await;
+    let want = image(&region);
+    let report = migrate(region, gate, Mode::Postcopy, None).await;
+    assert_eq!(report.mode, Mode::Postcopy);
+    assert_eq!(report.rounds, 0, "no pre-copy rounds");
+    assert_eq!(
+        report.bytes_precopy, 0,
+        "nothing pulled before the hand-over"
+    );
+    assert_eq!(
+        report.bytes_postcopy, SIZE,
+        "every chunk came from the source after it"
+    );
+    assert_same(&want, &image(&report.region));
+}
+
+/// The destination's view of the shared store, with faults: chunks in `corrupt` come back
+/// with a flipped bit, chunks in `stale` as the version before the source's last push.
+#[derive(Debug)]
+struct BadReads {
+    inner: Arc<dyn Store>,
+    corrupt: HashSet<u64>,
+    stale: HashSet<u64>,
+}
+
+impl Store for BadReads {
+    fn geometry(&self) -> Geometry {
+        self.inner.geometry()
+    }
+    fn caps(&self) -> Caps {
+        self.inner.caps()
+    }
+    fn read(&self, idx: ChunkIdx) -> BoxFuture<'_, StoreResult<Bytes>> {
+        Box::pin(async move {
+            let data = self.inner.read(idx).await?;
+            if self.stale.contains(&idx.0) {
+                return Ok(Bytes::from(chunk_of(idx.0, 0)));
+            }
+            if self.corrupt.contains(&idx.0) {
+                let mut b = BytesMut::from(&data[..]);
+                b[100] ^= 0x10;
+                return Ok(b.freeze());
+            }
+            Ok(data)
+        })
+    }
+    fn write(&self, idx: ChunkIdx, data: Bytes) -> BoxFuture<'_, StoreResult<()>> {
+        self.inner.write(idx, data)
+    }
+    fn flush(&self) -> BoxFuture<'_, StoreResult<()>> {
+        self.inner.flush()
+    }
+    fn trim(&self, range: ChunkRange) -> BoxFuture<'_, StoreResult<()>> {
+        self.inner.trim(range)
+    }
+    fn status(&self, idx: ChunkIdx) -> BoxFuture<'_, StoreResult<ChunkStatus>> {
+        self.inner.status(idx)
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn instant_takes_only_what_the_store_lacks_and_catches_a_bad_store() {
+    if !uffd("instant_takes_only_what_the_store_lacks_and_catches_a_bad_store") {
+        return;
+    }
+    let (spec, addr, behind, _server) = shared_store().await;
+    // Chunk 20 is pushed in version 1 too (the store then "loses" that push: stale reads);
+    // chunks 3, 9 and 40 are written after the last push.
+    let (region, gate) = source(connect(addr.clone()).await, Some(spec.clone()), &[]).await;
+    let r2 = region.clone();
+    tokio::task::spawn_blocking(move || {
+        r2.write_at((20 * CHUNK) as usize, &chunk_of(20, 1))
+            .unwrap();
+        r2.sync().unwrap();
+        for c in [3u64, 9, 40] {
+            r2.write_at((c * CHUNK) as usize, &chunk_of(c, 1)).unwrap();
+        }
+    })
+    .await
+    .unwrap();
+    let want = image(&region);
+    let opened = Arc::new(parking_lot::Mutex::new(Vec::new()));
+    let opener = {
+        let opened = opened.clone();
+        SharedOpener(Arc::new(move |spec: String| {
+            opened.lock().push(spec);
+            let addr = addr.clone();
+            Box::pin(async move {
+                let store: Arc<dyn Store> = Arc::new(BadReads {
+                    inner: connect(addr).await,
+                    corrupt: [7, 33].into(),
+                    stale: [20].into(),
+                });
+                Ok(store)
+            })
+        }))
+    };
+    let report = migrate(region.clone(), gate, Mode::Instant, Some(opener)).await;
+    assert_eq!(
+        *opened.lock(),
+        vec![spec],
+        "the seeder's spec is what was opened"
+    );
+    let c = report.instant;
+    assert_eq!(
+        c.verify_failures, 3,
+        "chunks 7, 20 and 33 fail their checks: {c:?}"
+    );
+    assert_eq!(
+        c.chunks_from_source, 6,
+        "3, 9 and 40 (never pushed) and the three bad ones: {c:?}"
+    );
+    assert_eq!(c.chunks_from_store, CHUNKS - 6, "{c:?}");
+    assert_eq!(report.bytes_precopy, 0);
+    assert!(
+        report.bytes_before_resume <= 32 * CHUNKS + 65536,
+        "{} bytes before resuming",
+        report.bytes_before_resume
+    );
+    // Byte for byte, and the shared store holds what the source alone held.
+    assert_same(&want, &image(&report.region));
+    for c in [3u64, 9, 40] {
+        assert_eq!(
+            &behind.read(ChunkIdx(c)).await.unwrap()[..],
+            &chunk_of(c, 1)[..],
+            "chunk {c} was pushed to the shared store before the source was released"
+        );
+    }
+    // The source pushes nothing any more.
+    assert!(region.sync().is_err(), "a sealed source cannot push");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn instant_is_refused_for_a_region_without_a_shared_store() {
+    if !uffd("instant_is_refused_for_a_region_without_a_shared_store") {
+        return;
+    }
+    let store: Arc<dyn Store> = Arc::new(MemoryStore::new(geometry()));
+    let (region, gate) = source(store, Some("memory:4MiB".into()), &[]).await;
+    let seeding = seed(
+        region.clone(),
+        gate,
+        SeedOptions {
+            listen: "127.0.0.1:0".parse().unwrap(),
+            data_listen: "127.0.0.1:0".parse().unwrap(),
+            tls: None,
+            reconnect_wait: Duration::from_secs(5),
+            handshake_timeout: Duration::from_secs(5),
+            max_handshakes: 64,
+            log: false,
+            observer: None,
+            pull: Default::default(),
+            push_budget: Duration::ZERO,
+        },
+    )
+    .await
+    .unwrap();
+    let (_cancel, cancelled) = tokio::sync::watch::channel(false);
+    let err = leech(
+        LeechOptions {
+            mode: Mode::Instant,
+            ..LeechOptions::new(RemoteAddr::from(&seeding.control))
+        },
+        Box::new(|_, _| {}),
+        cancelled,
+    )
+    .await
+    .unwrap_err();
+    let msg = farmap_core::error_chain(&err);
+    assert!(msg.contains("store"), "{msg}");
+    // The source runs on, and can still push.
+    region.write_at(0, &[9u8; 16]).unwrap();
+    region.sync().unwrap();
+    seeding.cancel();
+}
