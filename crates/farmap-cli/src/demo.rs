@@ -264,7 +264,7 @@ impl agent::App for NodeApp {
         self.app.lock().as_ref().map(|a| a.region.clone())
     }
 
-    fn released(&self, _: &SeedReport) {
+    fn released(&self, report: &SeedReport) {
         let taken = self.app.lock().take();
         if let Some(App {
             thread: Some(t),
@@ -273,7 +273,10 @@ impl agent::App for NodeApp {
         }) = taken
         {
             let _ = t.join();
-            if self.synced_store {
+            if self.synced_store && report.mode == farmap_migrate::Mode::Instant {
+                // The store belongs to the destination now: this side pushes nothing.
+                say(json!({"event": "released", "synced": false, "handed_store_over": true}));
+            } else if self.synced_store {
                 // The writer stopped at the hand-over: the store gets the image it left.
                 let synced = region.sync();
                 say(json!({

@@ -113,20 +113,34 @@ fn verify(node: &mut Proc) -> u64 {
     v["ops"].as_u64().unwrap()
 }
 
-#[test]
-fn a_region_over_redis_migrates_live_and_redis_holds_the_hand_over_image() {
-    let test = "a_region_over_redis_migrates_live_and_redis_holds_the_hand_over_image";
+/// Two demo nodes over one Redis region (`a` holds it and writes, `b` waits), the service
+/// kept alive, and the tempdir of their agents.
+struct Pair {
+    a: Proc,
+    b: Proc,
+    agent_a: String,
+    agent_b: String,
+    size: u64,
+    _svc: &'static Service,
+    _dir: tempfile::TempDir,
+}
+
+fn pair(test: &str) -> Option<Pair> {
     if let Err(e) = farmap_uffd::probe() {
-        return skip(test, format!("userfaultfd: {e}"));
+        skip(test, format!("userfaultfd: {e}"));
+        return None;
     }
     let svc = match Service::shared("redis") {
         Ok(s) => s,
-        Err(e) => return skip(test, e),
+        Err(e) => {
+            skip(test, e);
+            return None;
+        }
     };
     let dir = tempfile::tempdir().unwrap();
     let size: u64 = 16 << 20;
     let spec = format!(
-        "{}/0?size={size}&prefix=migrate-{}",
+        "{}/0?size={size}&prefix=migrate-{}-{test}",
         svc.var("SPEC_BASE"),
         std::process::id()
     );
@@ -155,18 +169,27 @@ fn a_region_over_redis_migrates_live_and_redis_holds_the_hand_over_image() {
         p.event("ready");
         p
     };
-    let mut a = node("a", &agent_a, true);
-    let mut b = node("b", &agent_b, false);
-    // Let a few push rounds run with the writer going.
-    std::thread::sleep(Duration::from_millis(300));
-    let before = verify(&mut a);
+    let a = node("a", &agent_a, true);
+    let b = node("b", &agent_b, false);
+    Some(Pair {
+        a,
+        b,
+        agent_a,
+        agent_b,
+        size,
+        _svc: svc,
+        _dir: dir,
+    })
+}
 
+/// `farmap seed` on `a`, `farmap leech` on `b` with `extra` arguments: the leech report.
+fn migrate(p: &Pair, extra: &[&str]) -> Value {
     let mut seed = Proc::spawn(
         "seed",
         &[
             "seed",
             "--app",
-            &agent_a,
+            &p.agent_a,
             "--listen",
             "127.0.0.1:0",
             "--json",
@@ -175,46 +198,95 @@ fn a_region_over_redis_migrates_live_and_redis_holds_the_hand_over_image() {
     let l = seed.stderr_line("waiting for a leecher: control on ");
     let rest = l.split("control on ").nth(1).unwrap();
     let (control, data) = rest.split_once(", data plane on ").unwrap();
-    let leech = Proc::spawn(
+    let mut args = vec![
         "leech",
-        &[
-            "leech",
-            "--app",
-            &agent_b,
-            "--from",
-            control.trim(),
-            "--data",
-            data.trim(),
-            "--max-downtime",
-            "10ms",
-            "--json",
-        ],
-    );
+        "--app",
+        &p.agent_b,
+        "--from",
+        control.trim(),
+        "--data",
+        data.trim(),
+        "--max-downtime",
+        "10ms",
+        "--json",
+    ];
+    args.extend_from_slice(extra);
+    let leech = Proc::spawn("leech", &args);
     let (ok, report, err) = leech.finish();
     assert!(ok, "leech failed: {err}");
+    let (ok, _, err) = seed.finish();
+    assert!(ok, "seed failed: {err}");
+    report
+}
+
+#[test]
+fn a_region_over_redis_migrates_live_and_redis_holds_the_hand_over_image() {
+    let Some(mut p) = pair("a_region_over_redis_migrates_live_and_redis_holds_the_hand_over_image")
+    else {
+        return;
+    };
+    // Let a few push rounds run with the writer going.
+    std::thread::sleep(Duration::from_millis(300));
+    let before = verify(&mut p.a);
+    let report = migrate(&p, &[]);
     let handed_over_at = report["resumed_at_op"]
         .as_u64()
         .unwrap_or_else(|| panic!("resumed_at_op missing in {report}"));
     assert!(handed_over_at >= before, "{handed_over_at} < {before}");
-    let (ok, _, err) = seed.finish();
-    assert!(ok, "seed failed: {err}");
 
     // The source synced what it held at the hand-over, and holds nothing now.
-    let released = a.event("released");
+    let released = p.a.event("released");
     assert_eq!(released["synced"], true, "{released}");
-    a.send("verify");
-    assert_eq!(a.event("verified")["error"], "no region here");
+    p.a.send("verify");
+    assert_eq!(p.a.event("verified")["error"], "no region here");
 
     // The destination runs on with every write, and the writer goes on there.
     std::thread::sleep(Duration::from_millis(200));
-    let after = verify(&mut b);
+    let after = verify(&mut p.b);
     assert!(
         after > handed_over_at,
         "{after} ops <= {handed_over_at} at the hand-over"
     );
 
     // Redis, read by a fresh client, holds the image at the hand-over.
-    b.send(&format!("check-store {handed_over_at}"));
-    let checked = b.event("store-checked");
+    p.b.send(&format!("check-store {handed_over_at}"));
+    let checked = p.b.event("store-checked");
     assert_eq!(checked["ok"], true, "{checked}");
+}
+
+#[test]
+fn an_instant_migration_over_redis_takes_only_what_redis_lacks() {
+    let Some(mut p) = pair("an_instant_migration_over_redis_takes_only_what_redis_lacks") else {
+        return;
+    };
+    std::thread::sleep(Duration::from_millis(300));
+    let before = verify(&mut p.a);
+    let report = migrate(&p, &["--mode", "instant"]);
+    assert_eq!(report["mode"], "instant", "{report}");
+    let chunks = p.size / (64 << 10);
+    let (from_store, from_source) = (
+        report["chunks_from_store"].as_u64().unwrap(),
+        report["chunks_from_source"].as_u64().unwrap(),
+    );
+    assert_eq!(report["verify_failures"], 0, "{report}");
+    assert_eq!(from_store + from_source, chunks, "{report}");
+    assert!(
+        from_store > chunks / 2,
+        "most chunks come from Redis: {report}"
+    );
+    assert_eq!(report["bytes_precopy"], 0, "{report}");
+    let before_resume = report["bytes_before_resume"].as_u64().unwrap();
+    assert!(
+        before_resume <= 32 * chunks + 65536,
+        "{before_resume} bytes before resuming: {report}"
+    );
+    let handed_over_at = report["resumed_at_op"].as_u64().unwrap();
+    assert!(handed_over_at >= before, "{handed_over_at} < {before}");
+    // The source handed the store over and pushed nothing after.
+    let released = p.a.event("released");
+    assert_eq!(released["handed_store_over"], true, "{released}");
+    // Every write is there, and the writer goes on at the destination.
+    std::thread::sleep(Duration::from_millis(200));
+    let after = verify(&mut p.b);
+    assert!(after > handed_over_at, "{after} <= {handed_over_at}");
 }

@@ -293,6 +293,7 @@ fn seed_metrics(r: &SeedReport) -> Map<String, Value> {
         "dirty_pages": r.dirty_pages,
         "abandoned_leechers": r.abandoned,
         "elapsed_ms": (r.elapsed.as_secs_f64() * 1e5).round() / 100.0,
+        "mode": r.mode.name(),
     });
     into_map(v)
 }

@@ -126,6 +126,9 @@ pub struct SeedReport {
     pub abandoned: u32,
     /// From the first leecher's hello to the release.
     pub elapsed: Duration,
+    /// How the region moved (an instant migration's source never pushes again: the shared
+    /// store belongs to the destination).
+    pub mode: crate::msg::Mode,
 }
 
 /// A seeder at work: its addresses, and the task.
@@ -427,6 +430,7 @@ async fn run(
         dirty_pages: 0,
         abandoned: 0,
         elapsed: Duration::ZERO,
+        mode: crate::msg::Mode::Precopy,
     };
     let mut started: Option<Instant> = None;
     // Cancelling counts only before the hand-over.
@@ -633,6 +637,7 @@ async fn run(
                     suspend.retire();
                     rep.note("the leecher has everything: region released");
                     report.elapsed = started.map_or(Duration::ZERO, |s| s.elapsed());
+                    report.mode = machine.mode();
                     return Ok(report);
                 }
                 SeederAction::Close => {
