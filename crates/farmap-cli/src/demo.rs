@@ -85,7 +85,8 @@ pub struct NodeArgs {
 
 // ---- the workload: pure functions of (seed, op) -------------------------------------------
 
-fn mix(mut z: u64) -> u64 {
+/// A 64-bit mixer (SplitMix64's finalizer): the workloads' pseudo-random positions and values.
+pub(crate) fn mix(mut z: u64) -> u64 {
     z = z.wrapping_add(0x9e37_79b9_7f4a_7c15);
     z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
     z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);

@@ -7,6 +7,7 @@ use std::time::Duration;
 use clap::Subcommand;
 
 mod fuse;
+mod migrate;
 mod mirror;
 mod nbd;
 mod net;
@@ -66,6 +67,12 @@ pub enum BenchCommand {
     /// root) in the same run: percentiles of faulting accesses, runtime against an unlimited
     /// run, faults, evictions, prefetch.
     Paging(paging::PagingArgs),
+    /// The migration modes (`--modes instant,precopy,postcopy`) on one workload, for each
+    /// region size (`--sizes 1GiB,4GiB`) with the same working set, over a shared store this
+    /// command serves on loopback: downtime, bytes before resuming, TTR80 (until the writer
+    /// runs at 80% of its rate before), effective downtime (its largest pause), what came
+    /// from the store and from the source; the destination is checked byte for byte.
+    Migrate(migrate::MigrateArgs),
 }
 
 pub use paging_app::{run_child as paging_app, AppArgs as PagingAppArgs};
@@ -82,6 +89,7 @@ pub async fn run(cmd: BenchCommand) -> anyhow::Result<ExitCode> {
         BenchCommand::Stores(args) => stores::run(args).await,
         BenchCommand::Fuse(args) => fuse::run(args).await,
         BenchCommand::Paging(args) => paging::run(args).await,
+        BenchCommand::Migrate(args) => migrate::run(args).await,
     }
 }
 
