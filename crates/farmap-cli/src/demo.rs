@@ -57,6 +57,116 @@ pub struct DemoArgs {
     json: bool,
     #[command(flatten)]
     pull: crate::migrate::PullArgs,
+    /// How the region moves (as `farmap leech --mode`): precopy, postcopy, or instant (the
+    /// region lives in a shared store, see --store).
+    #[arg(long, default_value = "precopy", value_parser = parse_mode)]
+    mode: farmap_migrate::Mode,
+    /// The store both nodes' region lives in, started by the demo: farmap (a `farmap serve`
+    /// of a memory store on loopback, in this process) or redis (a `redis-server` of its
+    /// own, which must be installed). Instant mode needs one and uses farmap by default.
+    #[arg(long, value_name = "redis|farmap")]
+    store: Option<DemoStore>,
+}
+
+/// The shared store a demo starts.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+pub enum DemoStore {
+    /// A memory store served by this process (as `farmap serve memory:SIZE`).
+    Farmap,
+    /// A `redis-server` started for the demo.
+    Redis,
+}
+
+fn parse_mode(s: &str) -> Result<farmap_migrate::Mode, String> {
+    s.parse()
+}
+
+/// A shared store the demo started, stopped when dropped.
+struct SharedStore {
+    spec: String,
+    _server: Option<farmap_net::Server>,
+    redis: Option<std::process::Child>,
+    _dir: Option<tempfile::TempDir>,
+}
+
+impl Drop for SharedStore {
+    fn drop(&mut self) {
+        if let Some(r) = &mut self.redis {
+            let _ = r.kill();
+            let _ = r.wait();
+        }
+    }
+}
+
+async fn start_store(kind: DemoStore, size: u64) -> anyhow::Result<SharedStore> {
+    match kind {
+        DemoStore::Farmap => {
+            let g = Geometry::with_default_chunk(size)?;
+            let mem: Arc<dyn Store> = Arc::new(farmap::store::MemoryStore::new(g));
+            let listener = farmap_net::Listener::bind(&"127.0.0.1:0".parse()?).await?;
+            let at = listener.local_addr()?;
+            let server = farmap_net::serve(
+                mem,
+                listener,
+                farmap_net::ServeOptions {
+                    log: false,
+                    ..farmap_net::ServeOptions::default()
+                },
+            )?;
+            Ok(SharedStore {
+                spec: format!("farmap://{at}"),
+                _server: Some(server),
+                redis: None,
+                _dir: None,
+            })
+        }
+        DemoStore::Redis => {
+            let dir = tempfile::Builder::new()
+                .prefix("farmap-demo-redis")
+                .tempdir()?;
+            // A free port now; redis-server takes it a moment later.
+            let port = std::net::TcpListener::bind("127.0.0.1:0")?
+                .local_addr()?
+                .port();
+            let child = Proc::new("redis-server")
+                .args(["--port", &port.to_string(), "--bind", "127.0.0.1"])
+                .args(["--save", "", "--appendonly", "no"])
+                .arg("--dir")
+                .arg(dir.path())
+                .stdout(Stdio::null())
+                .stderr(Stdio::null())
+                .spawn()
+                .context(
+                    "starting redis-server (is it installed? `apt-get install redis-server`, or \
+                     use --store farmap)",
+                )?;
+            let mut store = SharedStore {
+                spec: format!(
+                    "redis://127.0.0.1:{port}/0?size={size}&prefix=farmap-demo-{}",
+                    std::process::id()
+                ),
+                _server: None,
+                redis: Some(child),
+                _dir: Some(dir),
+            };
+            let deadline = Instant::now() + Duration::from_secs(10);
+            while tokio::net::TcpStream::connect(("127.0.0.1", port))
+                .await
+                .is_err()
+            {
+                if let Some(r) = &mut store.redis {
+                    if let Some(status) = r.try_wait()? {
+                        bail!("redis-server exited at once ({status}): is port {port} taken?");
+                    }
+                }
+                if Instant::now() >= deadline {
+                    bail!("redis-server did not listen on port {port} within 10 s");
+                }
+                tokio::time::sleep(Duration::from_millis(20)).await;
+            }
+            Ok(store)
+        }
+    }
 }
 
 #[derive(Debug, Args)]
@@ -493,6 +603,7 @@ impl Node {
         args: &DemoArgs,
         dir: &std::path::Path,
         init: bool,
+        store: Option<&str>,
     ) -> anyhow::Result<Node> {
         let exe = std::env::current_exe()?;
         let words = (args.size / 4096) as f64;
@@ -513,6 +624,9 @@ impl Node {
             .stdout(Stdio::piped());
         if init {
             cmd.arg("--init");
+        }
+        if let Some(spec) = store {
+            cmd.args(["--store", spec]);
         }
         let mut child = cmd.spawn().context("starting a demo node")?;
         let mut node = Node {
@@ -667,7 +781,7 @@ async fn migrate_once(
         connections: 4,
         reconnect_ms: 30_000,
         pull: args.pull.budget(),
-        mode: farmap_migrate::Mode::Precopy,
+        mode: args.mode,
         store: None,
     });
     let ui = Ui {
@@ -697,9 +811,25 @@ pub async fn run(args: DemoArgs) -> anyhow::Result<ExitCode> {
         .prefix("farmap-demo")
         .tempdir()
         .context("creating a directory for the agents' sockets")?;
-    let mut a = tokio::task::block_in_place(|| Node::spawn("source", &args, dir.path(), true))?;
+    let kind = match (args.store, args.mode) {
+        (None, farmap_migrate::Mode::Instant) => Some(DemoStore::Farmap),
+        (k, _) => k,
+    };
+    let shared = match kind {
+        Some(k) => Some(start_store(k, args.size).await?),
+        None => None,
+    };
+    let spec = shared.as_ref().map(|s| s.spec.as_str());
+    if let Some(spec) = spec {
+        eprintln!(
+            "farmap demo: the region lives in {spec}; moving it in {} mode",
+            args.mode
+        );
+    }
+    let mut a =
+        tokio::task::block_in_place(|| Node::spawn("source", &args, dir.path(), true, spec))?;
     let mut b =
-        tokio::task::block_in_place(|| Node::spawn("destination", &args, dir.path(), false))?;
+        tokio::task::block_in_place(|| Node::spawn("destination", &args, dir.path(), false, spec))?;
     let mut ok = true;
     a.send("verify")?;
     let before = tokio::task::block_in_place(|| a.expect("verified"))?;
@@ -755,6 +885,16 @@ pub async fn run(args: DemoArgs) -> anyhow::Result<ExitCode> {
                 g("dirty_rate_mb_per_s"),
                 verified
             );
+            if args.mode == farmap_migrate::Mode::Instant {
+                println!(
+                    "{direction:>5}: instant: {} bytes before resuming; chunks: {} from the \
+                     shared store, {} from the source, {} failed their check",
+                    g("bytes_before_resume"),
+                    g("chunks_from_store"),
+                    g("chunks_from_source"),
+                    g("verify_failures")
+                );
+            }
         }
     }
     for n in [&mut a, &mut b] {

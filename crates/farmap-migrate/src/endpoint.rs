@@ -55,6 +55,11 @@ pub trait Source: Send + Sync + 'static {
     fn seal(&self) -> Result<Manifest, EndpointError> {
         Err("this source cannot hand over through a shared store".into())
     }
+    /// Instant migration, before suspending: starts no more pushes and waits for those
+    /// running, so that the seal inside the downtime waits for none. Blocks.
+    fn quiesce(&self) {}
+    /// An instant migration was abandoned before its hand-over: pushes resume.
+    fn unseal(&self) {}
 }
 
 /// Builds a manifest from a push ledger: chunks pushed and not written since are in the
@@ -161,6 +166,14 @@ impl Source for Region {
 
     fn seal(&self) -> Result<Manifest, EndpointError> {
         Ok(manifest_from_ledger(&self.seal_pushes()?))
+    }
+
+    fn quiesce(&self) {
+        self.quiesce_pushes();
+    }
+
+    fn unseal(&self) {
+        self.unseal_pushes();
     }
 }
 

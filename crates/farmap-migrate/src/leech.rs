@@ -44,6 +44,9 @@ pub struct OpenContext {
     /// How the region moves (an instant destination lives in the shared store from the
     /// hand-over on, and should push its writes there in the background).
     pub mode: Mode,
+    /// Instant mode: the shared store's spec as opened here (what the region should give as
+    /// its store spec, so that it can move on the same way).
+    pub shared: Option<String>,
 }
 
 /// Opens the store an instant migration's chunks live in, given the spec the seeder
@@ -92,6 +95,7 @@ pub fn region_opener() -> Opener<Region> {
                 // long as the runner tries to reconnect, instead of failing the application
                 // with SIGBUS.
                 fetch_retry: RetryPolicy::for_at_least(ctx.reconnect_for),
+                store_spec: ctx.shared.clone(),
                 ..RegionOptions::default()
             };
             let s2: Arc<dyn farmap_core::Store> = store;
@@ -1301,6 +1305,7 @@ async fn open_dest<D: Destination>(
             want: pages,
         });
     }
+    let spec = (mode == Mode::Instant).then(|| shared.clone());
     let store = if mode == Mode::Instant {
         let Some(opener) = &opts.shared else {
             return Err(OpenError::NoSharedOpener { spec: shared });
@@ -1317,6 +1322,7 @@ async fn open_dest<D: Destination>(
         page_size,
         reconnect_for: opts.reconnect_for,
         mode,
+        shared: spec,
     };
     let region = open(store.clone(), ctx).await.map_err(OpenError::Open)?;
     Ok(Dest {

@@ -563,8 +563,21 @@ async fn run(
                                 );
                             }
                         }
+                        if instant {
+                            // The pushes still running finish while the application runs:
+                            // the seal in the downtime then waits for none.
+                            r.quiesce();
+                        }
                         let t0 = Instant::now();
-                        let state = s.suspend()?;
+                        let state = match s.suspend() {
+                            Ok(state) => state,
+                            Err(e) => {
+                                if instant {
+                                    r.unseal();
+                                }
+                                return Err(e.into());
+                            }
+                        };
                         let at_ns = crate::monotonic_ns();
                         let t1 = Instant::now();
                         let d = if instant {
@@ -580,6 +593,9 @@ async fn run(
                         match d {
                             Ok((d, m)) => Ok((d, m, state, at_ns, took)),
                             Err(e) => {
+                                if instant {
+                                    r.unseal();
+                                }
                                 s.resume();
                                 Err(e)
                             }
@@ -621,7 +637,13 @@ async fn run(
                         Err(e) => SeederInput::SuspendFailed(Arc::new(e)),
                     });
                 }
-                SeederAction::Resume => suspend.resume(),
+                SeederAction::Resume => {
+                    if machine.mode() == crate::msg::Mode::Instant {
+                        // Abandoned before the hand-over: the region keeps its store.
+                        region.unseal();
+                    }
+                    suspend.resume();
+                }
                 SeederAction::StopTracking { reason } => {
                     report.abandoned += 1;
                     rep.note(reason);

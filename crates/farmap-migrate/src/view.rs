@@ -837,7 +837,16 @@ impl Store for MigrationStore {
     /// in instant mode.
     fn write(&self, idx: ChunkIdx, data: Bytes) -> BoxFuture<'_, StoreResult<()>> {
         match &self.instant {
-            Some(side) => side.shared.write(idx, data),
+            Some(side) => Box::pin(async move {
+                // The store holds this now, whatever the manifest said: a later read (after
+                // the release, or of a chunk dropped here) checks against it.
+                let sum = xxhash_rust::xxh3::xxh3_64(&data);
+                let res = side.shared.write(idx, data).await;
+                if let Some(e) = side.manifest.write().get_mut(idx.0 as usize) {
+                    *e = Some(res.is_ok().then_some(sum));
+                }
+                res
+            }),
             None => self.local.write(idx, data),
         }
     }

@@ -138,6 +138,9 @@ struct Shared<S, R> {
     generation: AtomicU64,
     /// Set by [`Pusher::seal`]: nothing is pushed any more.
     sealed: AtomicBool,
+    /// Set when a seal starts: the round in flight starts no more pushes (its chunks stay
+    /// dirty), so that the seal waits only for the pushes already running.
+    sealing: AtomicBool,
 }
 
 /// What a [`Pusher`] hands over when it is [sealed](Pusher::seal).
@@ -247,6 +250,13 @@ impl<S: Store, R: Store> Shared<S, R> {
             .for_each_concurrent(self.workers, |idx| {
                 let first_error = &first_error;
                 async move {
+                    if self.sealing.load(Ordering::Acquire) {
+                        // A seal is waiting for this round: leave the chunk dirty (and a
+                        // flush fails: it did not push everything).
+                        self.tracked.dirty().mark(idx);
+                        first_error.lock().get_or_insert_with(sealed_error);
+                        return;
+                    }
                     if let Err(e) = self.push_one(idx).await {
                         self.tracked.dirty().mark(idx);
                         self.failed_pushes.fetch_add(1, Ordering::Relaxed);
@@ -420,6 +430,7 @@ impl<S: Store, R: Store> Pusher<S, R> {
             ledger: Mutex::new(vec![[0; 2]; geometry.chunk_count() as usize]),
             generation: AtomicU64::new(0),
             sealed: AtomicBool::new(false),
+            sealing: AtomicBool::new(false),
         });
         let stop = Arc::new(Stop::default());
         let background = opts.interval.map(|interval| {
@@ -464,12 +475,14 @@ impl<S: Store, R: Store> Pusher<S, R> {
     }
 
     /// Stops pushing for good and returns the ledger and the chunks still dirty (after
-    /// collecting the dirty source one last time). It waits for the round or write-back in
-    /// flight; from then on, rounds push nothing and flushes and write-backs fail with
+    /// collecting the dirty source one last time). A round in flight starts no more pushes
+    /// (its other chunks stay dirty) and the seal waits only for the pushes already running
+    /// (or a write-back in flight); from then on, rounds push nothing and flushes and write-backs fail with
     /// `Closed`. Meant for a region whose writers are stopped and whose remote now belongs
     /// to someone else (an instant migration's source after the hand-over): a push landing
     /// later could overwrite the new owner's data.
     pub async fn seal(&self) -> StoreResult<PushLedger> {
+        self.shared.sealing.store(true, Ordering::Release);
         let _exclusive = self.shared.gate.write().await;
         self.shared.sealed.store(true, Ordering::Release);
         if let Some(source) = &self.shared.source {
@@ -489,6 +502,22 @@ impl<S: Store, R: Store> Pusher<S, R> {
             .map(|[gen, sum]| (*gen > 0).then_some((*gen, *sum)))
             .collect();
         Ok(PushLedger { pushed, dirty })
+    }
+
+    /// Starts no more pushes and waits for the ones running (the writers may go on: what
+    /// they write stays dirty): what a [`seal`](Self::seal) would wait for, done ahead of it
+    /// (an instant migration's source, before it suspends its writers). Flushes fail until
+    /// [`unseal`](Self::unseal).
+    pub async fn quiesce(&self) {
+        self.shared.sealing.store(true, Ordering::Release);
+        drop(self.shared.gate.write().await);
+    }
+
+    /// Undoes [`quiesce`](Self::quiesce) or [`seal`](Self::seal): pushes resume (a migration
+    /// abandoned before its hand-over; the chunks still dirty are pushed by the next round).
+    pub fn unseal(&self) {
+        self.shared.sealed.store(false, Ordering::Release);
+        self.shared.sealing.store(false, Ordering::Release);
     }
 
     /// Whether [`seal`](Self::seal) was called.
@@ -705,6 +734,56 @@ mod tests {
         assert_eq!(remote.read(ChunkIdx(1)).await.unwrap(), chunk(1));
         assert_eq!(remote.read(ChunkIdx(5)).await.unwrap(), chunk(0));
         assert_eq!(pusher.dirty_count(), 2, "the dirty chunks stay counted");
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn seal_waits_only_for_the_pushes_already_running() {
+        let g = geometry();
+        let remote = Arc::new(crate::Delayed::new(
+            ModelStore::new(g),
+            crate::DelayOptions {
+                latency: Duration::from_millis(50),
+                bandwidth: None,
+            },
+        ));
+        let pusher = Arc::new(
+            Pusher::new(
+                ModelStore::new(g),
+                remote.clone(),
+                PushOptions {
+                    workers: 1,
+                    ..manual()
+                },
+            )
+            .unwrap(),
+        );
+        for c in 0..20 {
+            pusher.write(ChunkIdx(c), chunk(c as u8)).await.unwrap();
+        }
+        // A flush of 20 chunks one at a time takes a second; the seal comes in its first push.
+        let flushing = tokio::spawn({
+            let p = pusher.clone();
+            async move { p.flush().await }
+        });
+        tokio::time::sleep(Duration::from_millis(20)).await;
+        let t = std::time::Instant::now();
+        let ledger = pusher.seal().await.unwrap();
+        assert!(
+            t.elapsed() < Duration::from_millis(400),
+            "the seal waited {:?}",
+            t.elapsed()
+        );
+        assert!(ledger.dirty.len() >= 18, "{:?}", ledger.dirty);
+        let pushed = ledger.pushed.iter().filter(|p| p.is_some()).count();
+        assert_eq!(
+            pushed + ledger.dirty.len(),
+            20,
+            "each chunk pushed or still dirty"
+        );
+        assert!(
+            flushing.await.unwrap().is_err(),
+            "the flush did not push everything"
+        );
     }
 
     #[tokio::test]

@@ -580,6 +580,20 @@ impl Region {
             .map_err(RegionError::Push)
     }
 
+    /// Starts no more pushes and waits for those running (see
+    /// [`Pusher::quiesce`](farmap_pipeline::Pusher::quiesce)): before a seal, so that the
+    /// seal has nothing to wait for.
+    pub fn quiesce_pushes(&self) {
+        let pusher = self.inner.pusher.clone();
+        self.inner.block_on(async move { pusher.quiesce().await });
+    }
+
+    /// Lets pushes run again after [`quiesce_pushes`](Self::quiesce_pushes) or
+    /// [`seal_pushes`](Self::seal_pushes) (a migration abandoned before its hand-over).
+    pub fn unseal_pushes(&self) {
+        self.inner.pusher.unseal();
+    }
+
     /// Pushes `chunks` to the store now, written or not (see
     /// [`Pusher::write_back`](farmap_pipeline::Pusher::write_back)): for chunks that came from
     /// somewhere else than the store and must be in it.

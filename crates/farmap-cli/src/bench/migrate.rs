@@ -56,6 +56,9 @@ pub struct MigrateArgs {
     /// One JSON object per line on stdout.
     #[arg(long)]
     json: bool,
+    /// Log the migrations' progress (both sides) on stderr.
+    #[arg(long)]
+    log: bool,
 }
 
 fn parse_mode(s: &str) -> Result<Mode, String> {
@@ -233,7 +236,7 @@ async fn one(size: u64, mode: Mode, args: &MigrateArgs) -> anyhow::Result<Outcom
             reconnect_wait: Duration::from_secs(30),
             handshake_timeout: farmap_migrate::seed::HANDSHAKE_TIMEOUT,
             max_handshakes: farmap_migrate::seed::MAX_HANDSHAKES,
-            log: false,
+            log: args.log,
             observer: None,
             pull: Default::default(),
             push_budget: farmap_migrate::seed::PUSH_BUDGET,
@@ -270,6 +273,7 @@ async fn one(size: u64, mode: Mode, args: &MigrateArgs) -> anyhow::Result<Outcom
         LeechOptions {
             mode,
             shared: Some(opener),
+            log: args.log,
             ..LeechOptions::new(RemoteAddr::from(&seeding.control))
         },
         resume,
