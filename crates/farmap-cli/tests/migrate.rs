@@ -511,6 +511,48 @@ fn demo_migrates_there_and_back_and_verifies() {
 }
 
 #[test]
+fn demo_instant_over_each_store_it_starts_moves_there_and_back() {
+    if !usable("demo_instant_over_each_store_it_starts_moves_there_and_back") {
+        return;
+    }
+    let mut stores = vec!["farmap"];
+    match farmap_testkit::Service::shared("redis") {
+        // The demo starts a redis-server of its own: the service proves one is installed.
+        Ok(_) => stores.push("redis"),
+        Err(e) => farmap_testkit::skip(
+            "demo_instant_over_each_store_it_starts_moves_there_and_back (redis)",
+            e,
+        ),
+    }
+    for store in stores {
+        let out = Command::new(env!("CARGO_BIN_EXE_farmap"))
+            .args(["demo", "--size", "16MiB", "--json", "--mode", "instant"])
+            .args(["--store", store])
+            .output()
+            .unwrap();
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert!(out.status.success(), "demo over {store} failed: {err}");
+        let rows: Vec<Value> = String::from_utf8_lossy(&out.stdout)
+            .lines()
+            .map(|l| serde_json::from_str(l).unwrap_or_else(|e| panic!("{e}: {l}")))
+            .collect();
+        assert_eq!(rows.len(), 2, "{store}: {rows:?}");
+        for row in &rows {
+            assert_eq!(row["verified"], true, "{store}: {row}");
+            assert_eq!(row["mode"], "instant", "{row}");
+            assert_eq!(row["bytes_precopy"], 0, "{row}");
+            let (from_store, from_source) = (
+                row["chunks_from_store"].as_u64().unwrap(),
+                row["chunks_from_source"].as_u64().unwrap(),
+            );
+            assert_eq!(from_store + from_source, 16 * MIB / (64 << 10), "{row}");
+            assert!(from_store > 0, "{row}");
+            assert_eq!(row["verify_failures"], 0, "{row}");
+        }
+    }
+}
+
+#[test]
 fn migration_over_mutual_tls_refuses_a_leecher_without_a_certificate() {
     if !usable("migration_over_mutual_tls_refuses_a_leecher_without_a_certificate") {
         return;
