@@ -5,6 +5,9 @@
 //! migration completes).
 #![allow(clippy::single_range_in_vec_init)] // page runs: one run is a real case
 
+mod common;
+use common::uffd;
+
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -26,16 +29,6 @@ use tokio::net::{TcpListener, TcpStream};
 
 const SIZE: u64 = 1 << 20;
 const PAGE: u32 = 4096;
-
-fn uffd(test: &str) -> bool {
-    match farmap_uffd::probe() {
-        Ok(_) => true,
-        Err(e) => {
-            farmap_testkit::skip(test, e);
-            false
-        }
-    }
-}
 
 /// This process's resident set, in MiB (0 if unknown).
 fn rss_mib() -> u64 {

@@ -3,6 +3,9 @@
 //! from a store both hosts reach, served by `farmap_net::serve` here, checked against the
 //! manifest, and from the source only where the store lacks them or holds them wrong).
 
+mod common;
+use common::uffd;
+
 use std::collections::HashSet;
 use std::sync::Arc;
 use std::time::Duration;
@@ -12,7 +15,6 @@ use farmap_core::{
     BoxFuture, Caps, ChunkIdx, ChunkRange, ChunkStatus, Geometry, Store, StoreResult,
 };
 use farmap_migrate::leech::{LeechOptions, SharedOpener};
-use farmap_migrate::seed::SeedOptions;
 use farmap_migrate::{leech, seed, LeechReport, Mode, WriterGate};
 use farmap_net::{ClientOptions, ListenAddr, Listener, RemoteAddr, RemoteStore, ServeOptions};
 use farmap_pipeline::PushOptions;
@@ -22,16 +24,6 @@ use farmap_uffd::{Region, RegionOptions};
 const CHUNK: u64 = 64 << 10;
 const CHUNKS: u64 = 64;
 const SIZE: u64 = CHUNK * CHUNKS;
-
-fn uffd(test: &str) -> bool {
-    match farmap_uffd::probe() {
-        Ok(_) => true,
-        Err(e) => {
-            farmap_testkit::skip(test, e);
-            false
-        }
-    }
-}
 
 fn geometry() -> Geometry {
     Geometry::new(SIZE, CHUNK).unwrap()
@@ -113,26 +105,9 @@ async fn migrate(
     mode: Mode,
     shared: Option<SharedOpener>,
 ) -> LeechReport {
-    let seeding = seed(
-        region,
-        gate,
-        SeedOptions {
-            listen: "127.0.0.1:0".parse().unwrap(),
-            data_listen: "127.0.0.1:0".parse().unwrap(),
-            tls: None,
-            reconnect_wait: Duration::from_secs(5),
-            handshake_timeout: Duration::from_secs(5),
-            max_handshakes: 64,
-            log: false,
-            observer: None,
-            pull: Default::default(),
-            // Nothing more is pushed before the hand-over: the chunks written since the
-            // last push must come from the source.
-            push_budget: Duration::ZERO,
-        },
-    )
-    .await
-    .unwrap();
+    let seeding = seed(region, gate, common::seed_options(Duration::ZERO))
+        .await
+        .unwrap();
     let (_cancel, cancelled) = tokio::sync::watch::channel(false);
     let report = leech(
         LeechOptions {
@@ -309,24 +284,9 @@ async fn instant_is_refused_for_a_region_without_a_shared_store() {
     }
     let store: Arc<dyn Store> = Arc::new(MemoryStore::new(geometry()));
     let (region, gate) = source(store, Some("memory:4MiB".into()), &[]).await;
-    let seeding = seed(
-        region.clone(),
-        gate,
-        SeedOptions {
-            listen: "127.0.0.1:0".parse().unwrap(),
-            data_listen: "127.0.0.1:0".parse().unwrap(),
-            tls: None,
-            reconnect_wait: Duration::from_secs(5),
-            handshake_timeout: Duration::from_secs(5),
-            max_handshakes: 64,
-            log: false,
-            observer: None,
-            pull: Default::default(),
-            push_budget: Duration::ZERO,
-        },
-    )
-    .await
-    .unwrap();
+    let seeding = seed(region.clone(), gate, common::seed_options(Duration::ZERO))
+        .await
+        .unwrap();
     let (_cancel, cancelled) = tokio::sync::watch::channel(false);
     let err = leech(
         LeechOptions {

@@ -2,6 +2,9 @@
 //! written during the migration in isolated pages, runs, whole chunks and pages made zero,
 //! arrives byte for byte; zero pages cost no bytes on the wire.
 
+mod common;
+use common::uffd;
+
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
@@ -9,7 +12,6 @@ use std::time::Duration;
 use bytes::Bytes;
 use farmap_core::{Geometry, Store};
 use farmap_migrate::leech::LeechOptions;
-use farmap_migrate::seed::SeedOptions;
 use farmap_migrate::{leech, seed, LeechReport, WriterGate};
 use farmap_net::RemoteAddr;
 use farmap_pipeline::PushOptions;
@@ -21,16 +23,6 @@ const CHUNK: u64 = 64 << 10;
 const CHUNKS: u64 = 64;
 const SIZE: u64 = CHUNK * CHUNKS;
 const PER_CHUNK: u64 = CHUNK / PAGE;
-
-fn uffd(test: &str) -> bool {
-    match farmap_uffd::probe() {
-        Ok(_) => true,
-        Err(e) => {
-            farmap_testkit::skip(test, e);
-            false
-        }
-    }
-}
 
 /// Whether page `p` starts as zeros: every page of chunks 0, 4, 8..., every other page of
 /// chunks 1, 5, 9...
@@ -82,18 +74,7 @@ async fn migrate(region: Arc<Region>, gate: Arc<WriterGate>) -> LeechReport {
     let seeding = seed(
         region,
         gate,
-        SeedOptions {
-            listen: "127.0.0.1:0".parse().unwrap(),
-            data_listen: "127.0.0.1:0".parse().unwrap(),
-            tls: None,
-            reconnect_wait: Duration::from_secs(5),
-            handshake_timeout: Duration::from_secs(5),
-            max_handshakes: 64,
-            log: false,
-            observer: None,
-            pull: Default::default(),
-            push_budget: farmap_migrate::seed::PUSH_BUDGET,
-        },
+        common::seed_options(farmap_migrate::seed::PUSH_BUDGET),
     )
     .await
     .unwrap();

@@ -831,8 +831,12 @@ mod tests {
         }
     }
 
-    #[tokio::test]
-    async fn an_older_write_that_lands_last_is_served_and_survives_a_reopen() {
+    /// A verified region over a [`Holding`] store in which an older write of chunk `idx`
+    /// (ones) lands after a newer one (twos) that overlapped it; returns the store, the
+    /// region and the two versions.
+    async fn older_lands_last(
+        idx: ChunkIdx,
+    ) -> (Arc<Holding>, Arc<Verified<Arc<Holding>>>, Bytes, Bytes) {
         let inner = Arc::new(Holding {
             inner: ModelStore::new(Geometry::new(64 * 4096, 4096).unwrap()),
             held: 1,
@@ -842,15 +846,21 @@ mod tests {
         let (old, new) = (Bytes::from(vec![1u8; 4096]), Bytes::from(vec![2u8; 4096]));
         let first = tokio::spawn({
             let (v, old) = (v.clone(), old.clone());
-            async move { v.write(ChunkIdx(5), old).await }
+            async move { v.write(idx, old).await }
         });
         // The older write is in flight (held) when the newer one runs and finishes.
-        while v.with_record(ChunkIdx(5), |r| r.in_flight.is_empty()) {
+        while v.with_record(idx, |r| r.in_flight.is_empty()) {
             tokio::task::yield_now().await;
         }
-        v.write(ChunkIdx(5), new.clone()).await.unwrap();
+        v.write(idx, new.clone()).await.unwrap();
         inner.gate.add_permits(1);
         first.await.unwrap().unwrap();
+        (inner, v, old, new)
+    }
+
+    #[tokio::test]
+    async fn an_older_write_that_lands_last_is_served_and_survives_a_reopen() {
+        let (inner, v, old, new) = older_lands_last(ChunkIdx(5)).await;
         // The older one landed last: that is what the chunk holds, and it is not corrupt.
         assert_eq!(v.read(ChunkIdx(5)).await.unwrap(), old);
         assert_eq!(v.stats().refused, 0);
@@ -868,23 +878,7 @@ mod tests {
 
     #[tokio::test]
     async fn a_flush_records_the_version_an_ambiguous_chunk_holds() {
-        let inner = Arc::new(Holding {
-            inner: ModelStore::new(Geometry::new(64 * 4096, 4096).unwrap()),
-            held: 1,
-            gate: tokio::sync::Semaphore::new(0),
-        });
-        let v = Arc::new(Verified::open(inner.clone(), None).await.unwrap());
-        let (old, new) = (Bytes::from(vec![1u8; 4096]), Bytes::from(vec![2u8; 4096]));
-        let first = tokio::spawn({
-            let (v, old) = (v.clone(), old.clone());
-            async move { v.write(ChunkIdx(9), old).await }
-        });
-        while v.with_record(ChunkIdx(9), |r| r.in_flight.is_empty()) {
-            tokio::task::yield_now().await;
-        }
-        v.write(ChunkIdx(9), new).await.unwrap();
-        inner.gate.add_permits(1);
-        first.await.unwrap().unwrap();
+        let (inner, v, old, _) = older_lands_last(ChunkIdx(9)).await;
         // No read in between: the flush must find out which version is there.
         v.flush().await.unwrap();
         drop(v);
