@@ -63,39 +63,45 @@ pub trait Source: Send + Sync + 'static {
 }
 
 /// Builds a manifest from a push ledger: chunks pushed and not written since are in the
-/// store with their record; chunks written since are at the source (listed first, in the
-/// order given: most recent first); chunks never pushed are taken as the store has them.
+/// store with their record; chunks written since are at the source, listed first in the
+/// ledger's order (most recently written first); chunks never pushed are taken as the store
+/// has them.
 pub fn manifest_from_ledger(ledger: &farmap_pipeline::PushLedger) -> Manifest {
     let n = ledger.pushed.len() as u64;
     let mut at_source = vec![false; n as usize];
+    let mut runs: Vec<ManifestRun> = Vec::new();
     for c in &ledger.dirty {
-        if let Some(x) = at_source.get_mut(c.0 as usize) {
-            *x = true;
+        let Some(x) = at_source.get_mut(c.0 as usize) else {
+            continue;
+        };
+        if std::mem::replace(x, true) {
+            continue;
+        }
+        match runs.last_mut() {
+            Some(r) if r.chunks.end == c.0 => r.chunks.end += 1,
+            _ => runs.push(ManifestRun {
+                location: Location::Source,
+                chunks: c.0..c.0 + 1,
+            }),
         }
     }
-    let mut source: Vec<ManifestRun> = Vec::new();
-    let mut store: Vec<ManifestRun> = Vec::new();
     let mut pushed = Vec::new();
+    let first_store = runs.len();
     for i in 0..n {
-        let (location, runs) = if at_source[i as usize] {
-            (Location::Source, &mut source)
-        } else {
-            pushed.push(ledger.pushed[i as usize].unwrap_or((0, 0)));
-            (Location::Store, &mut store)
-        };
+        if at_source[i as usize] {
+            continue;
+        }
+        pushed.push(ledger.pushed[i as usize].unwrap_or((0, 0)));
+        let extends = runs.len() > first_store;
         match runs.last_mut() {
-            Some(r) if r.chunks.end == i => r.chunks.end = i + 1,
+            Some(r) if extends && r.chunks.end == i => r.chunks.end = i + 1,
             _ => runs.push(ManifestRun {
-                location,
+                location: Location::Store,
                 chunks: i..i + 1,
             }),
         }
     }
-    source.extend(store);
-    Manifest {
-        runs: source,
-        pushed,
-    }
+    Manifest { runs, pushed }
 }
 
 /// Where a migrating region lands at the leecher. Its chunks come from a
@@ -210,5 +216,44 @@ impl Destination for Region {
 
     fn is_complete(&self) -> bool {
         Region::is_complete(self)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use farmap_core::ChunkIdx;
+
+    #[test]
+    fn a_manifest_lists_the_source_chunks_first_most_recent_first_and_every_chunk_once() {
+        let mut pushed = vec![Some((1, 11)); 10];
+        pushed[2] = None;
+        let ledger = farmap_pipeline::PushLedger {
+            pushed,
+            // 7 and 8 written last, then 3 and 4 earlier.
+            dirty: vec![ChunkIdx(7), ChunkIdx(8), ChunkIdx(3), ChunkIdx(4)],
+        };
+        let m = manifest_from_ledger(&ledger);
+        let runs: Vec<(Location, std::ops::Range<u64>)> = m
+            .runs
+            .iter()
+            .map(|r| (r.location, r.chunks.clone()))
+            .collect();
+        assert_eq!(
+            runs,
+            [
+                (Location::Source, 7..9),
+                (Location::Source, 3..5),
+                (Location::Store, 0..3),
+                (Location::Store, 5..7),
+                (Location::Store, 9..10),
+            ]
+        );
+        // One record per store chunk, in run order; never pushed: (0, 0).
+        assert_eq!(
+            m.pushed,
+            [(1, 11), (1, 11), (0, 0), (1, 11), (1, 11), (1, 11)]
+        );
+        assert_eq!(crate::msg::check_manifest(&m.runs, &m.pushed, 10), Ok(()));
     }
 }

@@ -149,7 +149,9 @@ pub struct PushLedger {
     /// Per chunk: (generation, XXH3-64 of the bytes pushed) of its last push, or `None` if
     /// this pusher never pushed it.
     pub pushed: Vec<Option<(u64, u64)>>,
-    /// Chunks written and not pushed (their remote copy, if any, is older), ascending.
+    /// Chunks written and not pushed (their remote copy, if any, is older): those the
+    /// dirty source reported at the seal (written most recently) first, then the others,
+    /// each part ascending.
     pub dirty: Vec<ChunkIdx>,
 }
 
@@ -485,15 +487,22 @@ impl<S: Store, R: Store> Pusher<S, R> {
         self.shared.sealing.store(true, Ordering::Release);
         let _exclusive = self.shared.gate.write().await;
         self.shared.sealed.store(true, Ordering::Release);
-        if let Some(source) = &self.shared.source {
-            source.collect(self.shared.tracked.dirty())?;
-        }
-        let mut dirty = self.shared.tracked.take_dirty();
+        let mut older = self.shared.tracked.take_dirty();
+        let collected = match &self.shared.source {
+            Some(source) => source.collect(self.shared.tracked.dirty()),
+            None => Ok(()),
+        };
+        let mut recent = self.shared.tracked.take_dirty();
         // Still dirty: give them back, so that the stage's count stays honest.
-        for &idx in &dirty {
+        for &idx in older.iter().chain(&recent) {
             self.shared.tracked.dirty().mark(idx);
         }
-        dirty.sort_unstable();
+        collected?;
+        recent.sort_unstable();
+        older.sort_unstable();
+        older.retain(|c| recent.binary_search(c).is_err());
+        let mut dirty = recent;
+        dirty.extend(older);
         let pushed = self
             .shared
             .ledger
@@ -715,7 +724,8 @@ mod tests {
         source.written.lock().push(ChunkIdx(5));
         let ledger = pusher.seal().await.unwrap();
         assert!(pusher.is_sealed());
-        assert_eq!(ledger.dirty, [ChunkIdx(1), ChunkIdx(5)]);
+        // What the dirty source reported at the seal (written last) comes first.
+        assert_eq!(ledger.dirty, [ChunkIdx(5), ChunkIdx(1)]);
         let sum = |b: u8| xxhash_rust::xxh3::xxh3_64(&chunk(b));
         let (g1, s1) = ledger.pushed[1].unwrap();
         let (g2, s2) = ledger.pushed[2].unwrap();
