@@ -96,7 +96,8 @@ enum Command {
     /// progress until a leecher has taken it over, print the result.
     Seed(migrate::SeedArgs),
     /// Migrate a live region here: tell this host's application agent to pull it from a
-    /// seeder (pre-copy while the source runs, hand-over within --max-downtime, post-copy).
+    /// seeder (by default pre-copy while the source runs, hand-over within --max-downtime,
+    /// post-copy; --mode postcopy hands over at once, --mode instant through a shared store).
     Leech(migrate::LeechArgs),
     /// Bound the local memory of the region an application holds, while it runs (`region
     /// limit --app SOCKET SIZE|N%`), or show its paging state (`region stats --app SOCKET`).

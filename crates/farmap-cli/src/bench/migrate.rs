@@ -363,13 +363,12 @@ pub async fn run(args: MigrateArgs) -> anyhow::Result<ExitCode> {
     for &size in &args.sizes {
         for &mode in &args.modes {
             for run in 1..=args.runs {
-                if !args.json {
-                    status!(
-                        "farmap bench migrate: {mode}, {} MiB region, working set {} MiB, run {run}",
-                        size >> 20,
-                        args.working_set >> 20
-                    );
-                }
+                // Progress on stderr, with --json too: a 4 GiB run takes tens of seconds.
+                status!(
+                    "farmap bench migrate: {mode}, {} MiB region, working set {} MiB, run {run}",
+                    size >> 20,
+                    args.working_set >> 20
+                );
                 let o = one(size, mode, &args).await?;
                 let r = &o.report;
                 failed |= !o.verified;
