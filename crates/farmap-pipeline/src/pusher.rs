@@ -242,25 +242,32 @@ impl<S: Store, R: Store> Shared<S, R> {
                 return Some(e);
             }
         }
-        let mut taken = Taken {
+        self.push_taken(Taken {
             dirty: self.tracked.dirty(),
             chunks: self.tracked.take_dirty(),
             armed: true,
-        };
+        })
+        .await
+    }
+
+    /// Pushes the chunks of `taken`, `workers` at a time; each that fails (or is not started
+    /// because a seal is waiting) is marked dirty again. Returns the first error.
+    async fn push_taken(&self, mut taken: Taken<'_>) -> Option<StoreError> {
         let first_error = Mutex::new(None);
+        let dirty = taken.dirty;
         futures::stream::iter(taken.chunks.iter().copied())
             .for_each_concurrent(self.workers, |idx| {
                 let first_error = &first_error;
                 async move {
                     if self.sealing.load(Ordering::Acquire) {
-                        // A seal is waiting for this round: leave the chunk dirty (and a
-                        // flush fails: it did not push everything).
-                        self.tracked.dirty().mark(idx);
+                        // A seal is waiting: leave the chunk dirty (and a flush fails: it
+                        // did not push everything).
+                        dirty.mark(idx);
                         first_error.lock().get_or_insert_with(sealed_error);
                         return;
                     }
                     if let Err(e) = self.push_one(idx).await {
-                        self.tracked.dirty().mark(idx);
+                        dirty.mark(idx);
                         self.failed_pushes.fetch_add(1, Ordering::Relaxed);
                         *self.last_error.lock() = Some(e.to_owned_lossy().to_string());
                         first_error.lock().get_or_insert(e);
@@ -283,27 +290,12 @@ impl<S: Store, R: Store> Shared<S, R> {
         for &idx in chunks {
             dirty.clear(idx);
         }
-        let mut taken = Taken {
+        let taken = Taken {
             dirty,
             chunks: chunks.to_vec(),
             armed: true,
         };
-        let first_error = Mutex::new(None);
-        futures::stream::iter(chunks.iter().copied())
-            .for_each_concurrent(self.workers, |idx| {
-                let first_error = &first_error;
-                async move {
-                    if let Err(e) = self.push_one(idx).await {
-                        dirty.mark(idx);
-                        self.failed_pushes.fetch_add(1, Ordering::Relaxed);
-                        *self.last_error.lock() = Some(e.to_owned_lossy().to_string());
-                        first_error.lock().get_or_insert(e);
-                    }
-                }
-            })
-            .await;
-        taken.armed = false;
-        if let Some(e) = first_error.into_inner() {
+        if let Some(e) = self.push_taken(taken).await {
             return Err(e);
         }
         retry(self.policy, || self.remote.flush())
