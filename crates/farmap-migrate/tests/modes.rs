@@ -17,9 +17,8 @@ use farmap_core::{
 use farmap_migrate::leech::{LeechOptions, SharedOpener};
 use farmap_migrate::{leech, seed, LeechReport, Mode, WriterGate};
 use farmap_net::{ClientOptions, ListenAddr, Listener, RemoteAddr, RemoteStore, ServeOptions};
-use farmap_pipeline::PushOptions;
 use farmap_store::MemoryStore;
-use farmap_uffd::{Region, RegionOptions};
+use farmap_uffd::Region;
 
 const CHUNK: u64 = 64 << 10;
 const CHUNKS: u64 = 64;
@@ -65,19 +64,7 @@ async fn source(
     unpushed: &[u64],
 ) -> (Arc<Region>, Arc<WriterGate>) {
     let unpushed = unpushed.to_vec();
-    let region = tokio::task::spawn_blocking(move || {
-        let region = Region::open(
-            store,
-            RegionOptions {
-                push: PushOptions {
-                    interval: None,
-                    ..PushOptions::default()
-                },
-                store_spec: spec,
-                ..RegionOptions::direct()
-            },
-        )
-        .unwrap();
+    common::source_region(store, spec, move |region| {
         for c in 0..CHUNKS {
             region
                 .write_at((c * CHUNK) as usize, &chunk_of(c, 0))
@@ -89,14 +76,8 @@ async fn source(
                 .write_at((c * CHUNK) as usize, &chunk_of(c, 1))
                 .unwrap();
         }
-        region
     })
     .await
-    .unwrap();
-    (
-        Arc::new(region),
-        Arc::new(WriterGate::new(|| Bytes::from_static(b"state"))),
-    )
 }
 
 async fn migrate(

@@ -9,14 +9,12 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
-use bytes::Bytes;
 use farmap_core::{Geometry, Store};
 use farmap_migrate::leech::LeechOptions;
 use farmap_migrate::{leech, seed, LeechReport, WriterGate};
 use farmap_net::RemoteAddr;
-use farmap_pipeline::PushOptions;
 use farmap_store::MemoryStore;
-use farmap_uffd::{Region, RegionOptions};
+use farmap_uffd::Region;
 
 const PAGE: u64 = 4096;
 const CHUNK: u64 = 64 << 10;
@@ -39,20 +37,9 @@ fn page_of(p: u64, salt: u8) -> Vec<u8> {
 
 /// The source: a region holding the mix above, and its writer gate.
 async fn source() -> (Arc<Region>, Arc<WriterGate>) {
-    let region = tokio::task::spawn_blocking(|| {
-        let g = Geometry::new(SIZE, CHUNK).unwrap();
-        let store: Arc<dyn Store> = Arc::new(MemoryStore::new(g));
-        let region = Region::open(
-            store,
-            RegionOptions {
-                push: PushOptions {
-                    interval: None,
-                    ..PushOptions::default()
-                },
-                ..RegionOptions::direct()
-            },
-        )
-        .unwrap();
+    let g = Geometry::new(SIZE, CHUNK).unwrap();
+    let store: Arc<dyn Store> = Arc::new(MemoryStore::new(g));
+    common::source_region(store, None, |region| {
         for p in 0..SIZE / PAGE {
             if !starts_zero(p) {
                 region
@@ -60,14 +47,8 @@ async fn source() -> (Arc<Region>, Arc<WriterGate>) {
                     .unwrap();
             }
         }
-        region
     })
     .await
-    .unwrap();
-    (
-        Arc::new(region),
-        Arc::new(WriterGate::new(|| Bytes::from_static(b"state"))),
-    )
 }
 
 async fn migrate(region: Arc<Region>, gate: Arc<WriterGate>) -> LeechReport {

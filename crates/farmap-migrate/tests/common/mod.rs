@@ -32,3 +32,39 @@ pub fn seed_options(push_budget: Duration) -> SeedOptions {
         push_budget,
     }
 }
+
+/// A source region over `store` (direct mode, pushed only when synced, `spec` as its store
+/// spec), filled by `fill` on a blocking thread, and the writer gate its writers use.
+pub async fn source_region(
+    store: std::sync::Arc<dyn farmap_core::Store>,
+    spec: Option<String>,
+    fill: impl FnOnce(&farmap_uffd::Region) + Send + 'static,
+) -> (
+    std::sync::Arc<farmap_uffd::Region>,
+    std::sync::Arc<farmap_migrate::WriterGate>,
+) {
+    let region = tokio::task::spawn_blocking(move || {
+        let region = farmap_uffd::Region::open(
+            store,
+            farmap_uffd::RegionOptions {
+                push: farmap_pipeline::PushOptions {
+                    interval: None,
+                    ..farmap_pipeline::PushOptions::default()
+                },
+                store_spec: spec,
+                ..farmap_uffd::RegionOptions::direct()
+            },
+        )
+        .unwrap();
+        fill(&region);
+        region
+    })
+    .await
+    .unwrap();
+    (
+        std::sync::Arc::new(region),
+        std::sync::Arc::new(farmap_migrate::WriterGate::new(|| {
+            bytes::Bytes::from_static(b"state")
+        })),
+    )
+}
