@@ -14,7 +14,7 @@ use farmap_core::{BoxFuture, ChunkIdx, Geometry, Store};
 use farmap_net::RunReader;
 use farmap_uffd::Region;
 
-use crate::machine::Manifest;
+use crate::machine::{Confirm, Manifest};
 use crate::msg::{Location, ManifestRun};
 use crate::view::LiveView;
 
@@ -50,16 +50,40 @@ pub trait Source: Send + Sync + 'static {
     fn push_shared(&self, _budget: Duration) -> Result<bool, EndpointError> {
         Ok(false)
     }
-    /// Instant migration, with the writers stopped: stops every push for good (the store now
-    /// belongs to the destination) and says where each chunk is. Blocks.
-    fn seal(&self) -> Result<Manifest, EndpointError> {
+    /// Instant migration, before suspending (the application runs): starts no more pushes,
+    /// waits for those running, and says where each chunk is as things stand. From here on
+    /// only writes change that, and a chunk only ever moves from the store to the source.
+    /// Blocks.
+    fn draft(&self) -> Result<Manifest, EndpointError> {
         Err("this source cannot hand over through a shared store".into())
     }
-    /// Instant migration, before suspending: starts no more pushes and waits for those
-    /// running, so that the seal inside the downtime waits for none. Blocks.
-    fn quiesce(&self) {}
+    /// Instant migration, with the writers stopped: stops every push for good (the store now
+    /// belongs to the destination) and says which chunks were written since the draft among
+    /// those it looks at now (the ones written lately: what the downtime can afford); the
+    /// others stay pending until [`confirm_rest`](Self::confirm_rest). Blocks.
+    fn seal(&self) -> Result<Confirm, EndpointError> {
+        Err("this source cannot hand over through a shared store".into())
+    }
+    /// Instant migration, after the hand-over: the same for the chunks the seal left
+    /// pending (nothing is pending afterwards). Never fails: a chunk it cannot look at is
+    /// placed at the source. Blocks.
+    fn confirm_rest(&self) -> Confirm {
+        Confirm::default()
+    }
     /// An instant migration was abandoned before its hand-over: pushes resume.
     fn unseal(&self) {}
+}
+
+/// How far back an instant migration's draft takes the chunks pushed by the source's
+/// rounds as written lately (looked at inside the downtime, the rest right after it).
+pub const HOT_WINDOW: Duration = Duration::from_secs(2);
+
+/// What a seal found, for the wire.
+pub fn confirm_from_delta(d: farmap_pipeline::SealDelta) -> Confirm {
+    Confirm {
+        at_source: d.at_source,
+        pending: d.pending,
+    }
 }
 
 /// Builds a manifest from a push ledger: chunks pushed and not written since are in the
@@ -170,12 +194,16 @@ impl Source for Region {
         Ok(self.sync_for(budget)?)
     }
 
-    fn seal(&self) -> Result<Manifest, EndpointError> {
-        Ok(manifest_from_ledger(&self.seal_pushes()?))
+    fn draft(&self) -> Result<Manifest, EndpointError> {
+        Ok(manifest_from_ledger(&self.draft_pushes(HOT_WINDOW)?.ledger))
     }
 
-    fn quiesce(&self) {
-        self.quiesce_pushes();
+    fn seal(&self) -> Result<Confirm, EndpointError> {
+        Ok(confirm_from_delta(self.seal_hot_pushes()?))
+    }
+
+    fn confirm_rest(&self) -> Confirm {
+        confirm_from_delta(self.seal_rest_pushes())
     }
 
     fn unseal(&self) {

@@ -533,6 +533,7 @@ pub async fn leech_into<D: Destination>(
         pacer: Arc::new(Pacer::new(&opts_pull)),
         received,
         bytes_before_resume: 0,
+        manifest: None,
     };
     let mut queue: VecDeque<LeecherAction> = machine.step(LeecherInput::Received(welcome)).into();
     loop {
@@ -619,6 +620,8 @@ struct Run<D> {
     /// Bytes of control frames received on the first connection.
     received: Arc<std::sync::atomic::AtomicU64>,
     bytes_before_resume: u64,
+    /// Instant mode: the manifest installed (its runs give the order of the fetches).
+    manifest: Option<Manifest>,
 }
 
 impl<D> Run<D> {
@@ -767,11 +770,39 @@ impl<D: Destination> Run<D> {
                 runs,
                 app_state,
                 suspended_at_ns,
-                manifest,
+                confirm,
                 fetch_all,
             } => {
-                self.resume(runs, app_state, suspended_at_ns, manifest, fetch_all)
+                self.resume(runs, app_state, suspended_at_ns, confirm, fetch_all)
                     .await?
+            }
+            LeecherAction::InstallManifest(m) => {
+                if let Some(d) = self.dest.as_ref() {
+                    // Before the hand-over, while the source still runs: the downtime
+                    // carries only the confirmation of the chunks written lately.
+                    let t0 = Instant::now();
+                    d.store.install_manifest(&m);
+                    self.rep.note(format!(
+                        "instant: manifest installed in {:.2} ms ({} chunks in the shared \
+                         store, {} at the source)",
+                        t0.elapsed().as_secs_f64() * 1e3,
+                        m.pushed.len(),
+                        m.source_chunks()
+                    ));
+                }
+                self.manifest = Some(m);
+            }
+            LeecherAction::Confirm(c) => {
+                if let Some(d) = self.dest.as_ref() {
+                    d.store.apply_confirm(&c);
+                    if c.pending.is_empty() {
+                        self.rep.note(format!(
+                            "instant: the source confirmed every chunk ({} more chunks come \
+                             from it)",
+                            run_pages(&c.at_source)
+                        ));
+                    }
+                }
             }
             LeecherAction::Reconnect => {
                 self.rep.note("control connection lost: reconnecting");
@@ -895,7 +926,7 @@ impl<D: Destination> Run<D> {
         runs: Vec<Range<u64>>,
         app_state: Bytes,
         suspended_at_ns: u64,
-        manifest: Option<Manifest>,
+        confirm: Option<crate::machine::Confirm>,
         fetch_all: bool,
     ) -> Result<(), LeechError> {
         // The application runs here from now on: nothing of this process gives way any more.
@@ -904,12 +935,16 @@ impl<D: Destination> Run<D> {
             return Ok(());
         };
         d.store.start_postcopy();
-        if let Some(m) = &manifest {
-            d.store.install_manifest(m);
-        }
+        let manifest = match &confirm {
+            Some(c) => {
+                d.store.apply_confirm(c);
+                self.manifest.take()
+            }
+            None => None,
+        };
         let t_discard = Instant::now();
         // Only pre-copy has pages here that the source changed since.
-        if manifest.is_none() && !fetch_all {
+        if confirm.is_none() && !fetch_all {
             d.store.note_discarded(&runs);
             // madvise waits for the fault handler to read each remove event: a blocking
             // thread's work, not an async worker's.
@@ -942,7 +977,7 @@ impl<D: Destination> Run<D> {
                 "resumed here after {:.1} ms; {} chunks come from the source, the rest from the \
                  shared store",
                 self.downtime.as_secs_f64() * 1e3,
-                m.source_chunks()
+                m.source_chunks() + confirm.as_ref().map_or(0, |c| run_pages(&c.at_source)),
             )),
             (None, true) => self.rep.note(format!(
                 "resumed here after {:.1} ms; every chunk comes from the source (faults first)",
@@ -969,7 +1004,10 @@ impl<D: Destination> Run<D> {
         let all_pages = region.geometry().size() / page;
         let task = tokio::spawn(async move {
             match manifest {
-                Some(m) => instant_copy(region, store, m, page, chunk, workers, rep).await,
+                Some(m) => {
+                    let first = confirm.map(|c| c.at_source).unwrap_or_default();
+                    instant_copy(region, store, m, first, page, chunk, workers, rep).await
+                }
                 None if fetch_all => {
                     post_copy(
                         region,
@@ -1137,32 +1175,86 @@ async fn post_copy<D: Destination>(
     }
 }
 
-/// After an instant hand-over: fetch the chunks only the source holds (in the manifest's
-/// order; faults fetch theirs first) and push each batch to the shared store, then read and
-/// check the chunks the store holds (one failing its check is read from the source), so
-/// that the source holds nothing the destination needs when it is released. Retries until
-/// done.
+/// After an instant hand-over: fetch the chunks only the source holds (those written
+/// lately first, then in the manifest's order; faults fetch theirs first) and push each
+/// batch to the shared store; once the source has confirmed every chunk, the same for the
+/// chunks it found written last, then read and check the chunks the store holds (one failing
+/// its check is read from the source, and pushed again), so that the source holds nothing
+/// the destination needs when it is released. Retries until done.
+#[allow(clippy::too_many_arguments)]
 async fn instant_copy<D: Destination>(
     region: Arc<D>,
     store: Arc<MigrationStore>,
     manifest: Manifest,
+    first: Vec<Range<u64>>,
     page: u64,
     chunk: u64,
     workers: usize,
     rep: Reporter,
 ) {
-    let per_chunk = (chunk / page).max(1);
-    let of = |loc: Location| -> Vec<ChunkIdx> {
-        manifest
-            .runs
-            .iter()
-            .filter(|r| r.location == loc)
-            .flat_map(|r| r.chunks.clone().map(ChunkIdx))
-            .collect()
+    let n = region.geometry().chunk_count();
+    let mut done = vec![false; n as usize];
+    let mut source = Vec::new();
+    let lately = first.iter().flat_map(|r| r.clone());
+    let placed = manifest
+        .runs
+        .iter()
+        .filter(|r| r.location == Location::Source)
+        .flat_map(|r| r.chunks.clone());
+    for c in lately.chain(placed) {
+        if let Some(d) = done.get_mut(c as usize) {
+            if !std::mem::replace(d, true) {
+                source.push(ChunkIdx(c));
+            }
+        }
+    }
+    drop(manifest);
+    let copy = CopyCtx {
+        region: &region,
+        store: &store,
+        page,
+        chunk,
+        workers,
+        rep: &rep,
     };
-    let (source, shared) = (of(Location::Source), of(Location::Store));
-    let total_pages = region.geometry().size().div_ceil(page);
-    for (chunks, from_source) in [(source, true), (shared, false)] {
+    copy.batches(&source, true).await;
+    store.wait_confirmed().await;
+    let (all_source, shared) = store.instant_places();
+    let late: Vec<ChunkIdx> = all_source
+        .into_iter()
+        .filter(|c| !done[c.0 as usize])
+        .collect();
+    copy.batches(&late, true).await;
+    copy.batches(&shared, false).await;
+    // Chunks whose store copy failed its check came from the source: the store gets them
+    // now, or it would keep serving the bad copy once the source is gone.
+    let failed = store.take_failed();
+    if !failed.is_empty() {
+        copy.batches(&failed, true).await;
+    }
+    let c = store.instant_counts();
+    rep.note(format!(
+        "instant: {} chunks from the source, {} from the shared store, {} failed their check",
+        c.chunks_from_source, c.chunks_from_store, c.verify_failures
+    ));
+}
+
+/// What [`instant_copy`] fetches with.
+struct CopyCtx<'a, D> {
+    region: &'a Arc<D>,
+    store: &'a Arc<MigrationStore>,
+    page: u64,
+    chunk: u64,
+    workers: usize,
+    rep: &'a Reporter,
+}
+
+impl<D: Destination> CopyCtx<'_, D> {
+    /// Fetches `chunks` batch by batch (from the source: staged in one read a batch, then
+    /// pushed to the shared store), retrying each batch until it is done.
+    async fn batches(&self, chunks: &[ChunkIdx], from_source: bool) {
+        let per_chunk = (self.chunk / self.page).max(1);
+        let total_pages = self.region.geometry().size().div_ceil(self.page);
         for batch in chunks.chunks(PULL_BATCH as usize) {
             loop {
                 let pages: Vec<Range<u64>> = if from_source {
@@ -1181,13 +1273,13 @@ async fn instant_copy<D: Destination>(
                     Vec::new()
                 };
                 if !pages.is_empty() {
-                    let _ = store.stage(&pages).await;
+                    let _ = self.store.stage(&pages).await;
                 }
-                let fetched = region.fetch_chunks(batch.to_vec(), workers).await;
-                store.unstage(&pages);
+                let fetched = self.region.fetch_chunks(batch.to_vec(), self.workers).await;
+                self.store.unstage(&pages);
                 let pushed = match fetched {
                     Ok(()) if from_source => {
-                        let (r, b) = (region.clone(), batch.to_vec());
+                        let (r, b) = (self.region.clone(), batch.to_vec());
                         tokio::task::spawn_blocking(move || r.push_chunks(b))
                             .await
                             .unwrap_or_else(|e| Err(e.into()))
@@ -1197,17 +1289,13 @@ async fn instant_copy<D: Destination>(
                 match pushed {
                     Ok(()) => break,
                     Err(e) => {
-                        rep.note(format!("instant: {}; retrying", error_chain(e.as_ref())));
+                        self.rep
+                            .note(format!("instant: {}; retrying", error_chain(e.as_ref())));
                         tokio::time::sleep(Duration::from_millis(50)).await;
                     }
                 }
             }
         }
-        let c = store.instant_counts();
-        rep.note(format!(
-            "instant: {} chunks from the source, {} from the shared store, {} failed their check",
-            c.chunks_from_source, c.chunks_from_store, c.verify_failures
-        ));
     }
 }
 

@@ -54,7 +54,7 @@ pub use leech::{
     leech, leech_into, region_opener, LeechError, LeechOptions, LeechReport, OpenContext, Opener,
     Resumer, SharedOpener,
 };
-pub use machine::{Convergence, Finalization, Leecher, LeecherLimits, Manifest, Seeder};
+pub use machine::{Confirm, Convergence, Finalization, Leecher, LeecherLimits, Manifest, Seeder};
 pub use msg::Mode;
 pub use seed::{seed, SeedError, SeedOptions, SeedReport};
 pub use suspend::{ProcessSuspend, Suspend, SuspendError, WriterGate};

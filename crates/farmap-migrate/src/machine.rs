@@ -90,19 +90,24 @@ pub enum SeederInput {
         /// Written pages.
         runs: Vec<Range<u64>>,
     },
+    /// Result of [`SeederAction::Draft`]: the manifest, the application still running.
+    Drafted(Manifest),
     /// Result of [`SeederAction::Suspend`]: suspended, final dirty set taken.
     Suspended {
         /// Pages written since the last set.
         runs: Vec<Range<u64>>,
-        /// In instant mode: the manifest (where each chunk is).
-        manifest: Option<Manifest>,
+        /// In instant mode: what the seal found among the chunks written lately.
+        confirm: Option<Confirm>,
         /// Application state.
         app_state: Bytes,
         /// CLOCK_MONOTONIC of the suspension (ns).
         at_ns: u64,
     },
-    /// [`SeederAction::Suspend`] failed (the application runs on), and why.
+    /// [`SeederAction::Draft`] or [`SeederAction::Suspend`] failed (the application runs
+    /// on), and why.
     SuspendFailed(Arc<dyn std::error::Error + Send + Sync>),
+    /// Result of [`SeederAction::ConfirmRest`].
+    Confirmed(Confirm),
 }
 
 /// Actions a [`Seeder`] asks for.
@@ -117,14 +122,21 @@ pub enum SeederAction {
         /// The round.
         round: u32,
     },
+    /// Instant mode, the application running: push what the shared store lacks for a
+    /// bounded time, stop the pushes and make the manifest; answer with
+    /// [`SeederInput::Drafted`] or [`SeederInput::SuspendFailed`].
+    Draft,
     /// Suspend the application, take the final dirty set and its state; answer with
-    /// [`SeederInput::Suspended`] or [`SeederInput::SuspendFailed`]. With `instant`: first
-    /// push what the shared store lacks for a bounded time while the application runs, then
-    /// suspend, stop the pushes for good and make the manifest instead of a dirty set.
+    /// [`SeederInput::Suspended`] or [`SeederInput::SuspendFailed`]. With `instant`: stop
+    /// the pushes for good and look at the chunks written lately instead of taking a dirty
+    /// set.
     Suspend {
         /// Instant mode.
         instant: bool,
     },
+    /// Instant mode, once the leecher resumed: look at the chunks the seal left pending;
+    /// answer with [`SeederInput::Confirmed`].
+    ConfirmRest,
     /// Let the application run again (only before the hand-over).
     Resume,
     /// The leecher is gone before the hand-over: stop tracking, the source runs untouched.
@@ -146,9 +158,12 @@ pub struct Seeder {
     info: RegionInfo,
     state: SeederState,
     next_session: u64,
-    /// The hand-over sent (a manifest and the hand-over in instant mode), to send again to a
-    /// leecher that reconnects before resuming.
+    /// The hand-over sent (the manifest, a confirmation and the hand-over in instant mode),
+    /// to send again to a leecher that reconnects before resuming.
     handover: Vec<Msg>,
+    /// Instant mode: the last confirmation, sent after the hand-over (and again to a leecher
+    /// that reconnects).
+    last_confirm: Option<Msg>,
     /// The last dirty round asked for in this session (rounds go 1, 2, 3…).
     last_round: u32,
     /// The session's mode.
@@ -162,6 +177,26 @@ pub struct Manifest {
     pub runs: Vec<ManifestRun>,
     /// (generation, XXH3-64) per chunk of the `Store` runs, in run order.
     pub pushed: Vec<(u64, u64)>,
+}
+
+/// What the source found among the chunks a [`Manifest`] places in the store (see
+/// [`Msg::Confirm`]).
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct Confirm {
+    /// Chunk runs written since the manifest: only the source holds them.
+    pub at_source: Vec<Range<u64>>,
+    /// Chunk runs not looked at yet (empty in the last confirmation).
+    pub pending: Vec<Range<u64>>,
+}
+
+impl Confirm {
+    /// The message that carries it.
+    pub fn to_msg(&self) -> Msg {
+        Msg::Confirm {
+            at_source: self.at_source.clone(),
+            pending: self.pending.clone(),
+        }
+    }
 }
 
 impl Manifest {
@@ -192,6 +227,7 @@ impl Seeder {
             state: SeederState::Idle,
             next_session: session_seed.max(1),
             handover: Vec::new(),
+            last_confirm: None,
             last_round: 0,
             mode: Mode::Precopy,
         }
@@ -283,6 +319,7 @@ impl Seeder {
                 if !resumed {
                     out.extend(self.handover.iter().cloned().map(A::Send));
                 }
+                out.extend(self.last_confirm.iter().cloned().map(A::Send));
                 out
             }
             (
@@ -304,15 +341,26 @@ impl Seeder {
             }
             (S::Serving { session }, SeederInput::Received(Msg::Finalize)) => {
                 self.state = S::Suspending { session };
-                vec![A::Suspend {
-                    instant: self.mode == Mode::Instant,
-                }]
+                self.handover.clear();
+                self.last_confirm = None;
+                if self.mode == Mode::Instant {
+                    vec![A::Draft]
+                } else {
+                    vec![A::Suspend { instant: false }]
+                }
+            }
+            (S::Suspending { .. }, SeederInput::Drafted(manifest))
+                if self.mode == Mode::Instant && self.handover.is_empty() =>
+            {
+                let msg = manifest.to_msg();
+                self.handover.push(msg.clone());
+                vec![A::Send(msg), A::Suspend { instant: true }]
             }
             (
                 S::Suspending { session },
                 SeederInput::Suspended {
                     runs,
-                    manifest,
+                    confirm,
                     app_state,
                     at_ns,
                 },
@@ -321,13 +369,23 @@ impl Seeder {
                     session,
                     resumed: false,
                 };
-                self.handover = manifest.iter().map(Manifest::to_msg).collect();
+                let first = self.handover.len();
+                self.handover.extend(confirm.as_ref().map(Confirm::to_msg));
                 self.handover.push(Msg::HandOver {
                     runs,
                     app_state,
                     suspended_at_ns: at_ns,
                 });
-                self.handover.iter().cloned().map(A::Send).collect()
+                self.handover[first..]
+                    .iter()
+                    .cloned()
+                    .map(A::Send)
+                    .collect()
+            }
+            (S::HandedOver { .. }, SeederInput::Confirmed(confirm)) => {
+                let msg = confirm.to_msg();
+                self.last_confirm = Some(msg.clone());
+                vec![A::Send(msg)]
             }
             (S::Suspending { .. }, SeederInput::SuspendFailed(reason)) => {
                 self.state = S::Idle;
@@ -343,12 +401,18 @@ impl Seeder {
                     A::Close,
                 ]
             }
-            (S::HandedOver { session, .. }, SeederInput::Received(Msg::Resumed)) => {
+            (S::HandedOver { session, resumed }, SeederInput::Received(Msg::Resumed)) => {
                 self.state = S::HandedOver {
                     session,
                     resumed: true,
                 };
-                vec![]
+                // Instant mode: the rest is looked at once the destination runs, so that
+                // the look does not compete with its resumption.
+                if self.mode == Mode::Instant && !resumed {
+                    vec![A::ConfirmRest]
+                } else {
+                    vec![]
+                }
             }
             (S::HandedOver { .. }, SeederInput::Received(Msg::Done)) => {
                 self.state = S::Released;
@@ -412,6 +476,7 @@ pub fn msg_name(m: &Msg) -> &'static str {
         Msg::Bye => "Bye",
         Msg::Abort { .. } => "Abort",
         Msg::Manifest { .. } => "Manifest",
+        Msg::Confirm { .. } => "Confirm",
     }
 }
 
@@ -531,6 +596,12 @@ pub enum InstantError {
     /// The hand-over came without a manifest.
     #[error("the hand-over of an instant migration came without a manifest")]
     NoManifest,
+    /// The hand-over came without the confirmation of the chunks written lately.
+    #[error("the hand-over of an instant migration came without a confirmation")]
+    NoConfirm,
+    /// A confirmation's chunk runs do not fit the region.
+    #[error("a confirmation's chunk runs")]
+    ConfirmRuns(#[source] RunError),
     /// The manifest does not describe the region.
     #[error("its manifest")]
     Manifest(#[source] ManifestError),
@@ -720,11 +791,17 @@ pub enum LeecherAction {
         app_state: Bytes,
         /// Suspension time at the source (CLOCK_MONOTONIC ns).
         suspended_at_ns: u64,
-        /// Instant mode: where each chunk is (no page was pulled before).
-        manifest: Option<Manifest>,
+        /// Instant mode: what the source found among the chunks written lately (the
+        /// manifest came before, with [`LeecherAction::InstallManifest`]).
+        confirm: Option<Confirm>,
         /// Post-copy mode: every chunk comes from the source (no page was pulled before).
         fetch_all: bool,
     },
+    /// Instant mode, before the hand-over: where each chunk is (every chunk it places in the
+    /// store is pending until a confirmation says otherwise).
+    InstallManifest(Manifest),
+    /// Instant mode, after the hand-over: the last confirmation.
+    Confirm(Confirm),
     /// Reconnect the control connection; answer with [`LeecherInput::Reconnected`].
     Reconnect,
     /// The migration is complete: detach the region from the seeder.
@@ -749,8 +826,10 @@ pub struct Leecher {
     mode: Mode,
     /// Chunks of the region (from the Welcome).
     chunks: u64,
-    /// The instant manifest, once received.
-    manifest: Option<Manifest>,
+    /// Instant mode: a manifest was received (and installed).
+    manifest_seen: bool,
+    /// Instant mode: the confirmation received before the hand-over.
+    hot: Option<Confirm>,
 }
 
 impl Leecher {
@@ -767,7 +846,8 @@ impl Leecher {
             finalization: None,
             mode: Mode::Precopy,
             chunks: 0,
-            manifest: None,
+            manifest_seen: false,
+            hot: None,
         }
     }
 
@@ -891,8 +971,29 @@ impl Leecher {
                 if let Err(e) = check_manifest(&runs, &pushed, self.chunks) {
                     return self.invalid(Violation::Instant(InstantError::Manifest(e)));
                 }
-                self.manifest = Some(Manifest { runs, pushed });
-                vec![]
+                self.manifest_seen = true;
+                self.hot = None;
+                vec![A::InstallManifest(Manifest { runs, pushed })]
+            }
+            (
+                S::Finalizing | S::PostCopy | S::Completing,
+                LeecherInput::Received(Msg::Confirm { at_source, pending }),
+            ) if self.mode == Mode::Instant => {
+                for runs in [&at_source, &pending] {
+                    if let Err(e) = check_runs(runs, self.chunks) {
+                        return self.invalid(Violation::Instant(InstantError::ConfirmRuns(e)));
+                    }
+                }
+                if !self.manifest_seen {
+                    return self.invalid(Violation::Instant(InstantError::NoManifest));
+                }
+                let c = Confirm { at_source, pending };
+                if self.state == S::Finalizing {
+                    self.hot = Some(c);
+                    vec![]
+                } else {
+                    vec![A::Confirm(c)]
+                }
             }
             // A manifest sent again after a reconnect: already acted on.
             (S::PostCopy | S::Completing, LeecherInput::Received(Msg::Manifest { .. }))
@@ -942,10 +1043,13 @@ impl Leecher {
                         source,
                     });
                 }
-                let manifest = match self.mode {
-                    Mode::Instant => match self.manifest.take() {
-                        Some(m) => Some(m),
-                        None => return self.invalid(Violation::Instant(InstantError::NoManifest)),
+                let confirm = match self.mode {
+                    Mode::Instant if !self.manifest_seen => {
+                        return self.invalid(Violation::Instant(InstantError::NoManifest))
+                    }
+                    Mode::Instant => match self.hot.take() {
+                        Some(c) => Some(c),
+                        None => return self.invalid(Violation::Instant(InstantError::NoConfirm)),
                     },
                     _ => None,
                 };
@@ -955,7 +1059,7 @@ impl Leecher {
                         runs,
                         app_state,
                         suspended_at_ns,
-                        manifest,
+                        confirm,
                         fetch_all: self.mode == Mode::Postcopy,
                     },
                     A::Send(Msg::Resumed),

@@ -93,7 +93,7 @@ fn a_whole_migration_step_by_step() {
     );
     let a = s.step(SeederInput::Suspended {
         runs: vec![7..8],
-        manifest: None,
+        confirm: None,
         app_state: Bytes::from_static(b"op=42"),
         at_ns: 1,
     });
@@ -195,7 +195,7 @@ fn a_connection_lost_after_finalize_is_resumed_with_the_session() {
     s.step(SeederInput::Received(Msg::Finalize));
     let handover = s.step(SeederInput::Suspended {
         runs: vec![],
-        manifest: None,
+        confirm: None,
         app_state: Bytes::new(),
         at_ns: 0,
     });
@@ -490,7 +490,7 @@ fn post_copy_hands_over_at_once_and_fetches_everything() {
         &mut l,
         s.step(SeederInput::Suspended {
             runs: vec![1..2],
-            manifest: None,
+            confirm: None,
             app_state: Bytes::new(),
             at_ns: 1,
         }),
@@ -499,7 +499,7 @@ fn post_copy_hands_over_at_once_and_fetches_everything() {
         &la[0],
         LeecherAction::Resume {
             fetch_all: true,
-            manifest: None,
+            confirm: None,
             ..
         }
     ));
@@ -527,7 +527,8 @@ fn manifest() -> Manifest {
 }
 
 #[test]
-fn instant_sends_the_manifest_before_the_hand_over_and_again_after_a_reconnect() {
+fn instant_sends_the_manifest_while_running_then_confirms_in_two_steps_and_again_after_a_reconnect()
+{
     let mut s = Seeder::new(shared_info(), 5);
     let mut l =
         Leecher::new(Convergence::default(), LeecherLimits::new(4096)).with_mode(Mode::Instant);
@@ -538,32 +539,123 @@ fn instant_sends_the_manifest_before_the_hand_over_and_again_after_a_reconnect()
         LeecherAction::OpenRegion { shared, mode: Mode::Instant, .. } if shared == "farmap://127.0.0.1:7000"
     ));
     assert_eq!(sent(&la), vec![Msg::Finalize]);
+    // The draft comes first, the application still running; then the suspension.
     assert_eq!(
         s.step(SeederInput::Received(Msg::Finalize)),
-        vec![SeederAction::Suspend { instant: true }]
+        vec![SeederAction::Draft]
     );
+    let a = s.step(SeederInput::Drafted(manifest()));
+    assert_eq!(
+        a,
+        vec![
+            SeederAction::Send(manifest().to_msg()),
+            SeederAction::Suspend { instant: true }
+        ]
+    );
+    let la = deliver(&mut l, a);
+    assert_eq!(la, vec![LeecherAction::InstallManifest(manifest())]);
+    let hot = Confirm {
+        at_source: vec![3..4],
+        pending: vec![0..3, 12..16],
+    };
     let a = s.step(SeederInput::Suspended {
         runs: vec![],
-        manifest: Some(manifest()),
+        confirm: Some(hot.clone()),
         app_state: Bytes::from_static(b"x"),
         at_ns: 1,
     });
-    assert!(matches!(a[0], SeederAction::Send(Msg::Manifest { .. })));
+    assert_eq!(a.len(), 2);
+    assert_eq!(a[0], SeederAction::Send(hot.to_msg()));
     assert!(matches!(a[1], SeederAction::Send(Msg::HandOver { .. })));
-    // The connection drops before the leecher saw them: both are sent again.
+    // The connection drops before the leecher saw them: all of it is sent again.
     s.step(SeederInput::Disconnected);
     let again = s.step(SeederInput::Received(Msg::Hello {
         session: 5,
         mode: Mode::Instant,
     }));
-    assert_eq!(again.len(), 3, "welcome, manifest, hand-over: {again:?}");
+    assert_eq!(
+        again.len(),
+        4,
+        "welcome, manifest, confirmation, hand-over: {again:?}"
+    );
     let la = deliver(&mut l, a);
     assert!(matches!(
         &la[0],
-        LeecherAction::Resume { manifest: Some(m), fetch_all: false, .. } if *m == manifest()
+        LeecherAction::Resume { confirm: Some(c), fetch_all: false, .. } if *c == hot
     ));
-    // Sent again after the resume: ignored.
-    assert!(deliver(&mut l, vec![again[1].clone()]).is_empty());
+    // The rest is looked at once the destination runs (once).
+    assert_eq!(sent(&la), vec![Msg::Resumed]);
+    assert_eq!(
+        s.step(SeederInput::Received(Msg::Resumed)),
+        vec![SeederAction::ConfirmRest]
+    );
+    // The rest, after the hand-over; and again to a leecher that reconnects after resuming.
+    let rest = Confirm {
+        at_source: vec![13..14],
+        pending: vec![],
+    };
+    let a = s.step(SeederInput::Confirmed(rest.clone()));
+    assert_eq!(a, vec![SeederAction::Send(rest.to_msg())]);
+    assert_eq!(
+        deliver(&mut l, a),
+        vec![LeecherAction::Confirm(rest.clone())]
+    );
+    assert!(s.step(SeederInput::Received(Msg::Resumed)).is_empty());
+    s.step(SeederInput::Disconnected);
+    let again = s.step(SeederInput::Received(Msg::Hello {
+        session: 5,
+        mode: Mode::Instant,
+    }));
+    assert_eq!(again.len(), 2, "welcome, the last confirmation: {again:?}");
+    assert_eq!(again[1], SeederAction::Send(rest.to_msg()));
+    // The manifest sent again after the resume: ignored.
+    assert!(deliver(&mut l, vec![SeederAction::Send(manifest().to_msg())]).is_empty());
+}
+
+#[test]
+fn a_hand_over_without_its_confirmation_or_a_confirmation_past_the_region_is_refused() {
+    let start = || {
+        let mut s = Seeder::new(shared_info(), 5);
+        let mut l =
+            Leecher::new(Convergence::default(), LeecherLimits::new(4096)).with_mode(Mode::Instant);
+        let hello = sent(&l.start())[0].clone();
+        deliver(&mut l, s.step(SeederInput::Received(hello)));
+        deliver(&mut l, vec![SeederAction::Send(manifest().to_msg())]);
+        l
+    };
+    let mut l = start();
+    let la = l.step(LeecherInput::Received(Msg::HandOver {
+        runs: vec![],
+        app_state: Bytes::new(),
+        suspended_at_ns: 0,
+    }));
+    assert!(la.iter().any(|a| matches!(
+        a,
+        LeecherAction::Abort(AbortCause::Invalid(Violation::Instant(
+            InstantError::NoConfirm
+        )))
+    )));
+    assert_eq!(l.state(), LeecherState::Aborted);
+    let mut l = start();
+    let la = l.step(LeecherInput::Received(Msg::Confirm {
+        at_source: vec![15..17],
+        pending: vec![],
+    }));
+    assert!(la.iter().any(|a| matches!(
+        a,
+        LeecherAction::Abort(AbortCause::Invalid(Violation::Instant(
+            InstantError::ConfirmRuns(_)
+        )))
+    )));
+    // A confirmation in another mode is a protocol error too.
+    let mut l = Leecher::new(Convergence::default(), LeecherLimits::new(4096));
+    let la = l.step(LeecherInput::Received(Msg::Confirm {
+        at_source: vec![],
+        pending: vec![],
+    }));
+    assert!(la
+        .iter()
+        .any(|a| matches!(a, LeecherAction::Abort(AbortCause::Unexpected { .. }))));
 }
 
 #[test]

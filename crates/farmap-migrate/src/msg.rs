@@ -126,6 +126,7 @@ pub fn max_payload(kind: u8) -> u32 {
         5 | 7 | 8 | 9 => 0,
         10 => 4 + MAX_TEXT,
         11 => MAX_PAYLOAD,
+        12 => 4 + 12 * MAX_RUNS + 4 + 12 * MAX_RUNS,
         _ => 0,
     }
 }
@@ -196,6 +197,18 @@ pub enum Msg {
         /// Generation and checksum of each chunk of the `Store` runs.
         pushed: Vec<(u64, u64)>,
     },
+    /// S→L (instant mode, after the `Manifest`): what the source found when it looked at
+    /// the chunks the manifest places in the store: those of `at_source` (chunk runs) were
+    /// written since and only the source holds them; every chunk not in `pending` (chunk
+    /// runs) is now confirmed where the manifest says. One comes right before `HandOver`
+    /// (the chunks written lately, looked at inside the downtime), the last one (nothing
+    /// pending) after it: until then, the destination reads no pending chunk from the store.
+    Confirm {
+        /// Chunk runs written since the manifest (now at the source).
+        at_source: Vec<Range<u64>>,
+        /// Chunk runs not looked at yet.
+        pending: Vec<Range<u64>>,
+    },
     /// L→S: every chunk is local; the seeder may release the region.
     Done,
     /// S→L: the seeder released the region.
@@ -261,7 +274,7 @@ pub fn decode_header(h: &[u8; HEADER_LEN]) -> Result<Header, DecodeError> {
             cap: MAX_PAYLOAD.into(),
         });
     }
-    if !(1..=11).contains(&kind) {
+    if !(1..=12).contains(&kind) {
         return Err(DecodeError::Kind(kind));
     }
     if len > max_payload(kind) {
@@ -288,6 +301,7 @@ impl Msg {
             Msg::Bye => 9,
             Msg::Abort { .. } => 10,
             Msg::Manifest { .. } => 11,
+            Msg::Confirm { .. } => 12,
         }
     }
 
@@ -331,6 +345,10 @@ impl Msg {
                     p.put_u64(*gen);
                     p.put_u64(*sum);
                 }
+            }
+            Msg::Confirm { at_source, pending } => {
+                put_runs(&mut p, at_source);
+                put_runs(&mut p, pending);
             }
             Msg::DirtyRequest { round } => p.put_u32(*round),
             Msg::Dirty { round, runs } => {
@@ -449,6 +467,10 @@ impl Msg {
                 let pushed = (0..n).map(|_| (p.get_u64(), p.get_u64())).collect();
                 Msg::Manifest { runs, pushed }
             }
+            12 => Msg::Confirm {
+                at_source: get_runs(p)?,
+                pending: get_runs(p)?,
+            },
             k => return Err(DecodeError::Kind(k)),
         };
         if !p.is_empty() {
@@ -698,6 +720,14 @@ mod tests {
                 shared: shared.into(),
             });
         }
+        roundtrip(Msg::Confirm {
+            at_source: vec![3..4, 9..12],
+            pending: vec![0..3, 12..1 << 20],
+        });
+        roundtrip(Msg::Confirm {
+            at_source: Vec::new(),
+            pending: Vec::new(),
+        });
         roundtrip(Msg::Manifest {
             runs: vec![
                 ManifestRun {

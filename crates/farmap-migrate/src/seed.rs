@@ -544,30 +544,57 @@ async fn run(
                     ));
                     inputs.push_back(SeederInput::Dirty { round, runs: d });
                 }
-                SeederAction::Suspend { instant } => {
-                    let (r, s) = (region.clone(), suspend.clone());
+                SeederAction::Draft => {
+                    let r = region.clone();
                     let budget = opts.push_budget;
-                    if instant && !budget.is_zero() {
+                    if !budget.is_zero() {
                         rep.note(format!(
                             "instant: pushing what the shared store lacks (at most {budget:?})"
                         ));
                     }
-                    let done = tokio::task::spawn_blocking(move || {
-                        if instant && !budget.is_zero() {
+                    let drafted = tokio::task::spawn_blocking(move || {
+                        if !budget.is_zero() {
                             // The application runs on meanwhile; whatever is left is
                             // fetched from here after the hand-over.
                             if let Err(e) = r.push_shared(budget) {
                                 tracing::warn!(
-                                    "pushing before an instant hand-over failed (those chunks                                      come from the source): {}",
+                                    "pushing before an instant hand-over failed (those chunks \
+                                     come from the source): {}",
                                     farmap_core::error_chain(e.as_ref())
                                 );
                             }
                         }
-                        if instant {
-                            // The pushes still running finish while the application runs:
-                            // the seal in the downtime then waits for none.
-                            r.quiesce();
+                        // No push starts from here on; the manifest is sent while the
+                        // application still runs, so the downtime does not carry it.
+                        let t0 = Instant::now();
+                        let m = r.draft();
+                        if m.is_err() {
+                            r.unseal();
                         }
+                        m.map(|m| (m, t0.elapsed())).map_err(FinalError::Seal)
+                    })
+                    .await
+                    .map_err(|source| SeedError::Task {
+                        what: "the instant draft",
+                        source,
+                    })?;
+                    inputs.push_back(match drafted {
+                        Ok((m, took)) => {
+                            rep.note(format!(
+                                "instant: manifest made in {:.2} ms while the application \
+                                 runs: {} chunks in the shared store, {} only here",
+                                took.as_secs_f64() * 1e3,
+                                m.pushed.len(),
+                                m.source_chunks(),
+                            ));
+                            SeederInput::Drafted(m)
+                        }
+                        Err(e) => SeederInput::SuspendFailed(Arc::new(e)),
+                    });
+                }
+                SeederAction::Suspend { instant } => {
+                    let (r, s) = (region.clone(), suspend.clone());
+                    let done = tokio::task::spawn_blocking(move || {
                         let t0 = Instant::now();
                         let state = match s.suspend() {
                             Ok(state) => state,
@@ -582,16 +609,14 @@ async fn run(
                         let t1 = Instant::now();
                         let d = if instant {
                             r.seal()
-                                .map(|m| (Vec::new(), Some(m)))
+                                .map(|c| (Vec::new(), Some(c)))
                                 .map_err(FinalError::Seal)
                         } else {
-                            r.take_dirty()
-                                .map(|d| (d, None))
-                                .map_err(FinalError::Dirty)
+                            r.take_dirty().map(|d| (d, None)).map_err(FinalError::Dirty)
                         };
                         let took = (t1 - t0, t1.elapsed());
                         match d {
-                            Ok((d, m)) => Ok((d, m, state, at_ns, took)),
+                            Ok((d, c)) => Ok((d, c, state, at_ns, took)),
                             Err(e) => {
                                 if instant {
                                     r.unseal();
@@ -607,17 +632,18 @@ async fn run(
                         source,
                     })?;
                     inputs.push_back(match done {
-                        Ok((d, manifest, app_state, at_ns, (suspending, scan))) => {
+                        Ok((d, confirm, app_state, at_ns, (suspending, scan))) => {
                             report.dirty_sets += 1;
                             report.dirty_pages += run_pages(&d);
-                            match &manifest {
-                                Some(m) => rep.note(format!(
-                                    "suspended in {:.2} ms (manifest {:.2} ms): {} chunks in \
-                                     the shared store, {} only here",
+                            match &confirm {
+                                Some(c) => rep.note(format!(
+                                    "suspended in {:.2} ms (seal {:.2} ms): {} chunks written \
+                                     lately moved to the source, {} chunk runs looked at after \
+                                     the hand-over",
                                     suspending.as_secs_f64() * 1e3,
                                     scan.as_secs_f64() * 1e3,
-                                    m.pushed.len(),
-                                    m.source_chunks(),
+                                    run_pages(&c.at_source),
+                                    c.pending.len(),
                                 )),
                                 None => rep.note(format!(
                                     "suspended in {:.2} ms (final scan {:.2} ms); handing over \
@@ -629,13 +655,30 @@ async fn run(
                             }
                             SeederInput::Suspended {
                                 runs: d,
-                                manifest,
+                                confirm,
                                 app_state,
                                 at_ns,
                             }
                         }
                         Err(e) => SeederInput::SuspendFailed(Arc::new(e)),
                     });
+                }
+                SeederAction::ConfirmRest => {
+                    let r = region.clone();
+                    let t0 = Instant::now();
+                    let c = tokio::task::spawn_blocking(move || r.confirm_rest())
+                        .await
+                        .map_err(|source| SeedError::Task {
+                            what: "the instant confirmation",
+                            source,
+                        })?;
+                    rep.note(format!(
+                        "instant: looked at the other chunks in {:.2} ms after the hand-over: \
+                         {} more written lately",
+                        t0.elapsed().as_secs_f64() * 1e3,
+                        run_pages(&c.at_source),
+                    ));
+                    inputs.push_back(SeederInput::Confirmed(c));
                 }
                 SeederAction::Resume => {
                     if machine.mode() == crate::msg::Mode::Instant {

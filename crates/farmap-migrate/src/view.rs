@@ -212,14 +212,33 @@ pub struct MigrationStore {
 /// store are read from it and checked; writes go to it.
 struct InstantSide {
     shared: Arc<dyn Store>,
-    /// Per chunk: `None` at the source, `Some(None)` in the store as it is, `Some(Some(sum))`
-    /// in the store with this XXH3-64. Empty until the hand-over.
-    manifest: RwLock<Vec<Option<Option<u64>>>>,
+    /// Per chunk, where it is. Empty until the manifest.
+    manifest: RwLock<Vec<Place>>,
     /// Source chunks read (or read ahead) already: a read-ahead skips them.
     taken: Mutex<Vec<bool>>,
+    /// Chunks still pending (not confirmed by the source).
+    pending: AtomicU64,
+    /// Woken by every confirmation.
+    confirmed: tokio::sync::Notify,
+    /// Chunks that failed their check and were read from the source instead: the shared
+    /// store still holds a bad copy of each.
+    failed: Mutex<Vec<ChunkIdx>>,
     from_store: AtomicU64,
     from_source: AtomicU64,
     verify_failures: AtomicU64,
+}
+
+/// Where a chunk of an instant migration is (for a chunk in the store: the XXH3-64 its
+/// content must have, if the source knows it).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Place {
+    /// Only the source holds its newest content.
+    Source,
+    /// In the shared store, confirmed (or written there by this side).
+    Store(Option<u64>),
+    /// In the shared store says the manifest, unless the source wrote it since: not read
+    /// until a confirmation says which.
+    Pending(Option<u64>),
 }
 
 /// What an instant migration's destination read from where.
@@ -280,6 +299,9 @@ impl MigrationStore {
             shared,
             manifest: RwLock::new(Vec::new()),
             taken: Mutex::new(Vec::new()),
+            pending: AtomicU64::new(0),
+            confirmed: tokio::sync::Notify::new(),
+            failed: Mutex::new(Vec::new()),
             from_store: AtomicU64::new(0),
             from_source: AtomicU64::new(0),
             verify_failures: AtomicU64::new(0),
@@ -287,18 +309,21 @@ impl MigrationStore {
         Ok(s)
     }
 
-    /// Installs a checked manifest (instant mode; ignored otherwise).
+    /// Installs a checked manifest (instant mode; ignored otherwise). Every chunk it places
+    /// in the store is pending until a [confirmation](Self::apply_confirm) says where it is.
     pub fn install_manifest(&self, m: &crate::machine::Manifest) {
         let Some(side) = &self.instant else { return };
-        let mut table = vec![None; self.geometry.chunk_count() as usize];
+        let mut table = vec![Place::Source; self.geometry.chunk_count() as usize];
         let mut sums = m.pushed.iter();
+        let mut pending = 0;
         for r in &m.runs {
             for c in r.chunks.clone() {
                 let at = match r.location {
-                    crate::msg::Location::Source => None,
+                    crate::msg::Location::Source => Place::Source,
                     crate::msg::Location::Store => {
                         let (gen, sum) = sums.next().copied().unwrap_or((0, 0));
-                        Some((gen != 0).then_some(sum))
+                        pending += 1;
+                        Place::Pending((gen != 0).then_some(sum))
                     }
                 };
                 if let Some(e) = table.get_mut(c as usize) {
@@ -308,6 +333,95 @@ impl MigrationStore {
         }
         *side.taken.lock() = vec![false; table.len()];
         *side.manifest.write() = table;
+        side.pending.store(pending, Ordering::Release);
+        side.confirmed.notify_waiters();
+    }
+
+    /// Applies a checked confirmation (instant mode; ignored otherwise): pending chunks of
+    /// `at_source` are at the source, every other pending chunk outside `pending` is where
+    /// the manifest said. Costs the runs it confirms, not the region.
+    pub fn apply_confirm(&self, c: &crate::machine::Confirm) {
+        let Some(side) = &self.instant else { return };
+        let mut table = side.manifest.write();
+        let n = table.len() as u64;
+        let mut settled = 0;
+        let mut settle = |table: &mut Vec<Place>, c: u64, source: bool| {
+            if let Some(e) = table.get_mut(c as usize) {
+                if let Place::Pending(sum) = *e {
+                    *e = if source {
+                        Place::Source
+                    } else {
+                        Place::Store(sum)
+                    };
+                    settled += 1;
+                }
+            }
+        };
+        for r in &c.at_source {
+            for i in r.start..r.end.min(n) {
+                settle(&mut table, i, true);
+            }
+        }
+        let mut at = 0;
+        for r in c.pending.iter().chain(std::iter::once(&(n..n))) {
+            for i in at..r.start.min(n) {
+                settle(&mut table, i, false);
+            }
+            at = at.max(r.end);
+        }
+        drop(table);
+        let _ = side
+            .pending
+            .fetch_update(Ordering::AcqRel, Ordering::Acquire, |p| {
+                Some(p.saturating_sub(settled))
+            });
+        side.confirmed.notify_waiters();
+    }
+
+    /// Whether every chunk is confirmed (always, outside instant mode).
+    pub fn all_confirmed(&self) -> bool {
+        self.instant
+            .as_ref()
+            .is_none_or(|s| s.pending.load(Ordering::Acquire) == 0)
+    }
+
+    /// Waits until every chunk is confirmed.
+    pub async fn wait_confirmed(&self) {
+        let Some(side) = &self.instant else { return };
+        loop {
+            let notified = side.confirmed.notified();
+            tokio::pin!(notified);
+            notified.as_mut().enable();
+            if side.pending.load(Ordering::Acquire) == 0 {
+                return;
+            }
+            notified.await;
+        }
+    }
+
+    /// Instant mode, once every chunk is confirmed: the chunks at the source and those in
+    /// the store, each ascending.
+    pub fn instant_places(&self) -> (Vec<ChunkIdx>, Vec<ChunkIdx>) {
+        let Some(side) = &self.instant else {
+            return Default::default();
+        };
+        let (mut source, mut store) = (Vec::new(), Vec::new());
+        for (i, p) in side.manifest.read().iter().enumerate() {
+            match p {
+                Place::Source => source.push(ChunkIdx(i as u64)),
+                Place::Store(_) | Place::Pending(_) => store.push(ChunkIdx(i as u64)),
+            }
+        }
+        (source, store)
+    }
+
+    /// The chunks that failed their check since the last call (read from the source
+    /// instead: the shared store still holds a bad copy of each).
+    pub fn take_failed(&self) -> Vec<ChunkIdx> {
+        self.instant
+            .as_ref()
+            .map(|s| std::mem::take(&mut *s.failed.lock()))
+            .unwrap_or_default()
     }
 
     /// Before chunk `idx`, at the source, is read: reads it and the next source chunks not
@@ -326,7 +440,7 @@ impl MigrationStore {
             taken[idx.0 as usize] = true;
             while last + 1 < manifest.len() as u64
                 && last + 1 < idx.0 + SOURCE_READ_AHEAD
-                && manifest[(last + 1) as usize].is_none()
+                && manifest[(last + 1) as usize] == Place::Source
                 && !taken[(last + 1) as usize]
                 && !self.chunks.lock().contains_key(&(last + 1))
             {
@@ -359,10 +473,11 @@ impl MigrationStore {
     /// Reads `idx` in instant mode: from the shared store when the manifest places it there
     /// and it matches, else from the seeder (while attached).
     async fn fetch_instant(&self, side: &InstantSide, idx: ChunkIdx) -> StoreResult<Bytes> {
-        let place = side.manifest.read().get(idx.0 as usize).copied();
+        let place = Self::confirmed_place(side, idx).await;
         let attached = self.remote.read().is_some();
+        let mut failed = false;
         match place {
-            Some(Some(expect)) => match side.shared.read(idx).await {
+            Some(Place::Store(expect)) => match side.shared.read(idx).await {
                 Ok(data) => {
                     let good = match expect {
                         None => true,
@@ -373,6 +488,7 @@ impl MigrationStore {
                         return Ok(data);
                     }
                     side.verify_failures.fetch_add(1, Ordering::Relaxed);
+                    failed = true;
                     tracing::warn!(
                         "{idx} from the shared store does not match the manifest: reading it \
                          from the source"
@@ -396,13 +512,32 @@ impl MigrationStore {
             },
             // At the source (or no manifest yet): from the seeder while attached; once
             // released, the destination pushed it to the shared store.
-            Some(None) | None if !attached => return side.shared.read(idx).await,
-            Some(None) => self.read_ahead_source(side, idx).await,
+            Some(Place::Source | Place::Pending(_)) | None if !attached => {
+                return side.shared.read(idx).await
+            }
+            Some(Place::Source | Place::Pending(_)) => self.read_ahead_source(side, idx).await,
             None => {}
         }
         let data = self.fetch(idx).await?;
         side.from_source.fetch_add(1, Ordering::Relaxed);
+        if failed {
+            side.failed.lock().push(idx);
+        }
         Ok(data)
+    }
+
+    /// Where `idx` is, once the source has confirmed it (waits while it is pending).
+    async fn confirmed_place(side: &InstantSide, idx: ChunkIdx) -> Option<Place> {
+        loop {
+            let notified = side.confirmed.notified();
+            tokio::pin!(notified);
+            notified.as_mut().enable();
+            let place = side.manifest.read().get(idx.0 as usize).copied();
+            if !matches!(place, Some(Place::Pending(_))) {
+                return place;
+            }
+            notified.await;
+        }
     }
 
     /// Notes pages about to be discarded: their chunks' next fetch reads only those pages.
@@ -885,8 +1020,19 @@ impl Store for MigrationStore {
                 // the release, or of a chunk dropped here) checks against it.
                 let sum = xxhash_rust::xxh3::xxh3_64(&data);
                 let res = side.shared.write(idx, data).await;
-                if let Some(e) = side.manifest.write().get_mut(idx.0 as usize) {
-                    *e = Some(res.is_ok().then_some(sum));
+                let was = side
+                    .manifest
+                    .write()
+                    .get_mut(idx.0 as usize)
+                    .map(|e| std::mem::replace(e, Place::Store(res.is_ok().then_some(sum))));
+                if matches!(was, Some(Place::Pending(_))) {
+                    // Written here: whatever the source says of it no longer matters.
+                    let _ = side
+                        .pending
+                        .fetch_update(Ordering::AcqRel, Ordering::Acquire, |p| {
+                            Some(p.saturating_sub(1))
+                        });
+                    side.confirmed.notify_waiters();
                 }
                 res
             }),

@@ -286,3 +286,62 @@ async fn instant_is_refused_for_a_region_without_a_shared_store() {
     region.sync().unwrap();
     seeding.cancel();
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn instant_catches_the_writes_made_after_the_manifest_was_sent() {
+    if !uffd("instant_catches_the_writes_made_after_the_manifest_was_sent") {
+        return;
+    }
+    let (spec, addr, behind, _server) = shared_store().await;
+    let (region, _) = source(connect(addr.clone()).await, Some(spec), &[]).await;
+    // Every chunk was pushed longer ago than the draft's window (cold), except chunk 7
+    // (hot: pushed within it).
+    tokio::time::sleep(farmap_migrate::endpoint::HOT_WINDOW + Duration::from_millis(200)).await;
+    let r2 = region.clone();
+    tokio::task::spawn_blocking(move || {
+        r2.write_at((7 * CHUNK) as usize, &chunk_of(7, 1)).unwrap();
+        r2.sync().unwrap();
+    })
+    .await
+    .unwrap();
+    // The application's last writes land after the manifest went out, as it stops: one
+    // hot chunk and one cold one.
+    let weak = Arc::downgrade(&region);
+    let gate = Arc::new(WriterGate::new(move || {
+        if let Some(r) = weak.upgrade() {
+            for c in [7u64, 30] {
+                r.write_at((c * CHUNK) as usize, &chunk_of(c, 2)).unwrap();
+            }
+        }
+        Bytes::from_static(b"state")
+    }));
+    let shared = {
+        let addr = addr.clone();
+        SharedOpener(Arc::new(move |_spec: String| {
+            let addr = addr.clone();
+            Box::pin(async move { Ok(connect(addr).await) })
+        }))
+    };
+    let report = migrate(region.clone(), gate, Mode::Instant, Some(shared)).await;
+    let want = image(&region);
+    for c in [7u64, 30] {
+        assert_eq!(
+            &want[(c * CHUNK) as usize..((c + 1) * CHUNK) as usize],
+            &chunk_of(c, 2)[..]
+        );
+    }
+    assert_same(&want, &image(&report.region));
+    let c = report.instant;
+    assert_eq!(c.verify_failures, 0, "{c:?}");
+    assert_eq!(
+        c.chunks_from_source, 2,
+        "chunks 7 and 30, written after the manifest: {c:?}"
+    );
+    for c in [7u64, 30] {
+        assert_eq!(
+            &behind.read(ChunkIdx(c)).await.unwrap()[..],
+            &chunk_of(c, 2)[..],
+            "chunk {c} reached the shared store before the source was released"
+        );
+    }
+}

@@ -57,7 +57,9 @@ pub use faulty::{DataFaultCounts, DataFaults, FaultPlan, FaultTrigger, Faulty, O
 pub use gated::{GateState, Gated};
 pub use mirrored::{MirrorOptions, MirrorPolicy, MirrorStatus, Mirrored, PrimaryState};
 pub use puller::{PullFailure, PullOptions, PullOrder, PullProgress, PullReport, Puller};
-pub use pusher::{DirtySource, PushHold, PushLedger, PushOptions, PushStats, Pusher};
+pub use pusher::{
+    DirtySource, PushDraft, PushHold, PushLedger, PushOptions, PushStats, Pusher, SealDelta,
+};
 pub use retry::{retry, RetryPolicy};
 pub use tiered::{Tier, TierOptions, Tiered};
 pub use tracked::Tracked;

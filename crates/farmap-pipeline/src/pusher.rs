@@ -1,11 +1,13 @@
 //! [`Pusher`]: write-back of dirty chunks from a local store to a remote one, in the
 //! background on an interval and completely on `flush`.
 
+use std::collections::VecDeque;
 use std::fmt;
+use std::ops::Range;
 use std::pin::pin;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Weak};
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use bytes::Bytes;
 use farmap_core::{
@@ -103,6 +105,14 @@ pub trait DirtySource: Send + Sync + 'static {
     /// atomically with respect to concurrent writers (a write is reported by this call or by
     /// the next one, never lost).
     fn collect(&self, into: &DirtySet) -> StoreResult<()>;
+
+    /// Like [`collect`](Self::collect), for the chunks of `runs` (ascending chunk runs) only:
+    /// writes elsewhere stay for a later call. The default collects everything, which is
+    /// never wrong (a write is reported no later than it would have been).
+    fn collect_within(&self, into: &DirtySet, runs: &[Range<u64>]) -> StoreResult<()> {
+        let _ = runs;
+        self.collect(into)
+    }
 }
 
 /// What a [`Pusher`] asks before pushing a chunk, when its inner store may drop chunks it
@@ -141,6 +151,47 @@ struct Shared<S, R> {
     /// Set when a seal starts: the round in flight starts no more pushes (its chunks stay
     /// dirty), so that the seal waits only for the pushes already running.
     sealing: AtomicBool,
+    /// (when, generation) at the start of the latest rounds and flushes, oldest first: which
+    /// chunks were pushed lately (the hot ones of a [`Pusher::draft`]).
+    marks: Mutex<VecDeque<(Instant, u64)>>,
+    /// What the last [`Pusher::draft`] handed over, for the seals that follow it.
+    draft: Mutex<Option<DraftState>>,
+}
+
+/// Rounds remembered in `marks`.
+const MARKS: usize = 64;
+
+/// Hot runs closer than this many chunks are scanned as one (a scan's system call costs more
+/// than walking a few chunks' page tables).
+const HOT_GAP: u64 = 8;
+
+/// A draft handed over, and what the seals since found.
+struct DraftState {
+    /// Per chunk: placed at the source (by the draft or a seal since).
+    at_source: Vec<bool>,
+    /// The chunk runs the first seal collects (the rest are collected after the hand-over).
+    hot: Vec<Range<u64>>,
+}
+
+/// What a [`Pusher`] hands over before its writers stop: the ledger as it stands once the
+/// pushes are quiesced, and the chunks written lately.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct PushDraft {
+    /// The ledger; `dirty` holds the chunks written and not pushed so far.
+    pub ledger: PushLedger,
+    /// Ascending chunk runs written or pushed lately: the chunks most likely to be written
+    /// again before the writers stop, which [`Pusher::seal_hot`] collects.
+    pub hot: Vec<Range<u64>>,
+}
+
+/// What a seal after a [`Pusher::draft`] found.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct SealDelta {
+    /// Chunk runs (ascending) written since the draft that it placed in the remote: only
+    /// the local store holds them now.
+    pub at_source: Vec<Range<u64>>,
+    /// Chunk runs (ascending) not collected yet: a later seal says whether they were written.
+    pub pending: Vec<Range<u64>>,
 }
 
 /// What a [`Pusher`] hands over when it is [sealed](Pusher::seal).
@@ -235,6 +286,13 @@ impl<S: Store, R: Store> Shared<S, R> {
     async fn push_dirty(&self) -> Option<StoreError> {
         if self.sealed.load(Ordering::Acquire) {
             return Some(sealed_error());
+        }
+        {
+            let mut marks = self.marks.lock();
+            if marks.len() == MARKS {
+                marks.pop_front();
+            }
+            marks.push_back((Instant::now(), self.generation.load(Ordering::Relaxed)));
         }
         if let Some(source) = &self.source {
             if let Err(e) = source.collect(self.tracked.dirty()) {
@@ -337,6 +395,52 @@ impl<S: Store, R: Store> Shared<S, R> {
     }
 }
 
+/// The runs of indices whose flag is set, joining runs less than `gap` apart.
+fn merge_runs(flags: impl Iterator<Item = bool>, gap: u64) -> Vec<Range<u64>> {
+    let mut runs: Vec<Range<u64>> = Vec::new();
+    for (i, set) in flags.enumerate() {
+        let i = i as u64;
+        if !set {
+            continue;
+        }
+        match runs.last_mut() {
+            Some(r) if i <= r.end + gap => r.end = i + 1,
+            _ => runs.push(i..i + 1),
+        }
+    }
+    runs
+}
+
+/// `0..n` less the ascending, disjoint `runs`.
+fn complement(runs: &[Range<u64>], n: u64) -> Vec<Range<u64>> {
+    let mut out = Vec::new();
+    let mut at = 0;
+    for r in runs {
+        if r.start > at {
+            out.push(at..r.start.min(n));
+        }
+        at = at.max(r.end);
+    }
+    if at < n {
+        out.push(at..n);
+    }
+    out
+}
+
+/// The union of two lists of ascending, disjoint runs, as ascending disjoint runs.
+fn merge_sorted(a: &[Range<u64>], b: &[Range<u64>]) -> Vec<Range<u64>> {
+    let mut all: Vec<Range<u64>> = a.iter().chain(b).cloned().collect();
+    all.sort_unstable_by_key(|r| r.start);
+    let mut out: Vec<Range<u64>> = Vec::new();
+    for r in all {
+        match out.last_mut() {
+            Some(l) if r.start <= l.end => l.end = l.end.max(r.end),
+            _ => out.push(r),
+        }
+    }
+    out
+}
+
 fn sealed_error() -> StoreError {
     StoreError::new(
         farmap_core::ErrorKind::Closed,
@@ -425,6 +529,8 @@ impl<S: Store, R: Store> Pusher<S, R> {
             generation: AtomicU64::new(0),
             sealed: AtomicBool::new(false),
             sealing: AtomicBool::new(false),
+            marks: Mutex::new(VecDeque::with_capacity(MARKS)),
+            draft: Mutex::new(None),
         });
         let stop = Arc::new(Stop::default());
         let background = opts.interval.map(|interval| {
@@ -514,11 +620,164 @@ impl<S: Store, R: Store> Pusher<S, R> {
         drop(self.shared.gate.write().await);
     }
 
-    /// Undoes [`quiesce`](Self::quiesce) or [`seal`](Self::seal): pushes resume (a migration
-    /// abandoned before its hand-over; the chunks still dirty are pushed by the next round).
+    /// Undoes [`quiesce`](Self::quiesce), [`draft`](Self::draft) or a seal: pushes resume (a
+    /// migration abandoned before its hand-over; the chunks still dirty are pushed by the
+    /// next round).
     pub fn unseal(&self) {
+        *self.shared.draft.lock() = None;
         self.shared.sealed.store(false, Ordering::Release);
         self.shared.sealing.store(false, Ordering::Release);
+    }
+
+    /// The first half of a seal in two steps, while the writers still run: starts no more
+    /// pushes (like [`quiesce`](Self::quiesce)), collects the dirty source, and returns the
+    /// ledger as it stands (from here on it only changes by chunks turning dirty) with the
+    /// chunks dirty or pushed by the rounds and flushes that started within `window`: the
+    /// *hot* chunks, which
+    /// [`seal_hot`](Self::seal_hot) collects once the writers are stopped, so that the work
+    /// inside the downtime follows what the writers touch, not the region's size.
+    /// [`seal_rest`](Self::seal_rest) collects the others after that. Undone by
+    /// [`unseal`](Self::unseal). Without a dirty source, every chunk is hot (the dirty set
+    /// is all there is to look at).
+    pub async fn draft(&self, window: Duration) -> StoreResult<PushDraft> {
+        let s = &self.shared;
+        s.sealing.store(true, Ordering::Release);
+        let _exclusive = s.gate.write().await;
+        if let Some(source) = &s.source {
+            source.collect(s.tracked.dirty())?;
+        }
+        let mut dirty = s.tracked.take_dirty();
+        for &idx in &dirty {
+            s.tracked.dirty().mark(idx);
+        }
+        dirty.sort_unstable();
+        let n = s.tracked.geometry().chunk_count();
+        // Pushed lately: by the rounds (and flushes) that started within the window.
+        let since = {
+            let marks = s.marks.lock();
+            let cut = Instant::now().checked_sub(window);
+            marks
+                .iter()
+                .find(|(at, _)| cut.is_none_or(|c| *at > c))
+                .map_or(s.generation.load(Ordering::Relaxed), |&(_, gen)| gen)
+        };
+        let mut at_source = vec![false; n as usize];
+        for &idx in &dirty {
+            at_source[idx.0 as usize] = true;
+        }
+        let ledger = s.ledger.lock();
+        let pushed: Vec<Option<(u64, u64)>> = ledger
+            .iter()
+            .map(|[gen, sum]| (*gen > 0).then_some((*gen, *sum)))
+            .collect();
+        let hot = if s.source.is_none() {
+            std::iter::once(0..n).filter(|r| !r.is_empty()).collect()
+        } else {
+            let lately = ledger
+                .iter()
+                .zip(&at_source)
+                .map(|([gen, _], &src)| src || *gen > since);
+            merge_runs(lately, HOT_GAP)
+        };
+        drop(ledger);
+        *s.draft.lock() = Some(DraftState {
+            at_source,
+            hot: hot.clone(),
+        });
+        Ok(PushDraft {
+            ledger: PushLedger { pushed, dirty },
+            hot,
+        })
+    }
+
+    /// With the writers stopped, after a [`draft`](Self::draft): stops pushing for good
+    /// (like [`seal`](Self::seal)), collects the dirty source within the draft's hot chunks
+    /// only, and returns the chunks written since the draft there; every other chunk is
+    /// `pending` until [`seal_rest`](Self::seal_rest). On an error the pusher stays sealed
+    /// (call [`unseal`](Self::unseal) to resume).
+    pub async fn seal_hot(&self) -> StoreResult<SealDelta> {
+        let s = &self.shared;
+        s.sealing.store(true, Ordering::Release);
+        let _exclusive = s.gate.write().await;
+        s.sealed.store(true, Ordering::Release);
+        let n = s.tracked.geometry().chunk_count();
+        let hot = match s.draft.lock().as_ref() {
+            Some(d) => d.hot.clone(),
+            None => {
+                return Err(StoreError::invalid(
+                    "a seal of the hot chunks needs a draft first",
+                ))
+            }
+        };
+        if let Some(source) = &s.source {
+            source.collect_within(s.tracked.dirty(), &hot)?;
+        }
+        Ok(self.take_new(complement(&hot, n)))
+    }
+
+    /// After [`seal_hot`](Self::seal_hot): collects the dirty source over the chunks it left
+    /// pending and returns those written since the draft. If the source cannot be collected,
+    /// every pending chunk is placed at the source (never wrong, only slower for the new
+    /// owner), and the error is logged.
+    pub async fn seal_rest(&self) -> SealDelta {
+        let s = &self.shared;
+        let _exclusive = s.gate.write().await;
+        let n = s.tracked.geometry().chunk_count();
+        let Some(hot) = s.draft.lock().as_ref().map(|d| d.hot.clone()) else {
+            return SealDelta::default();
+        };
+        let cold = complement(&hot, n);
+        let collected = match &s.source {
+            Some(source) if !cold.is_empty() => source.collect_within(s.tracked.dirty(), &cold),
+            _ => Ok(()),
+        };
+        match collected {
+            Ok(()) => self.take_new(Vec::new()),
+            Err(e) => {
+                tracing::warn!(
+                    "collecting the chunks written last failed ({}): placing every chunk not                      looked at yet at the source",
+                    farmap_core::error_chain(&e)
+                );
+                let mut delta = self.take_new(Vec::new());
+                if let Some(d) = s.draft.lock().as_mut() {
+                    for r in &cold {
+                        for c in r.clone() {
+                            d.at_source[c as usize] = true;
+                        }
+                    }
+                }
+                delta.at_source = merge_sorted(&delta.at_source, &cold);
+                delta
+            }
+        }
+    }
+
+    /// The dirty chunks not placed at the source yet (placing them there), and `pending`.
+    fn take_new(&self, pending: Vec<Range<u64>>) -> SealDelta {
+        let s = &self.shared;
+        let dirty = s.tracked.take_dirty();
+        for &idx in &dirty {
+            s.tracked.dirty().mark(idx);
+        }
+        let mut new = Vec::new();
+        if let Some(d) = s.draft.lock().as_mut() {
+            for idx in dirty {
+                if let Some(x) = d.at_source.get_mut(idx.0 as usize) {
+                    if !std::mem::replace(x, true) {
+                        new.push(idx.0);
+                    }
+                }
+            }
+        }
+        new.sort_unstable();
+        let mut at_source: Vec<Range<u64>> = Vec::new();
+        for c in new {
+            match at_source.last_mut() {
+                Some(r) if r.end == c => r.end += 1,
+                _ => at_source.push(c..c + 1),
+            }
+        }
+        SealDelta { at_source, pending }
     }
 
     /// Whether [`seal`](Self::seal) was called.
@@ -624,6 +883,7 @@ impl<S: fmt::Debug, R: fmt::Debug> fmt::Debug for Pusher<S, R> {
 }
 
 #[cfg(test)]
+#[allow(clippy::single_range_in_vec_init)] // chunk runs: one run is a real case
 mod tests {
     use super::*;
     use crate::cached::test_support::{Hooked, Op};
@@ -665,6 +925,121 @@ mod tests {
             }
             Ok(())
         }
+    }
+
+    /// Reports chunks written behind the pusher's back, and only those asked for when asked
+    /// for some.
+    #[derive(Default)]
+    struct Ranged {
+        written: Mutex<Vec<ChunkIdx>>,
+        fail: AtomicBool,
+    }
+
+    impl DirtySource for Ranged {
+        fn collect(&self, into: &DirtySet) -> StoreResult<()> {
+            self.collect_within(into, &[0..u64::MAX])
+        }
+
+        fn collect_within(&self, into: &DirtySet, runs: &[Range<u64>]) -> StoreResult<()> {
+            if self.fail.load(Ordering::SeqCst) {
+                return Err(StoreError::new(ErrorKind::Io, "scan failed"));
+            }
+            self.written.lock().retain(|idx| {
+                let within = runs.iter().any(|r| r.contains(&idx.0));
+                if within {
+                    into.mark(*idx);
+                }
+                !within
+            });
+            Ok(())
+        }
+    }
+
+    #[tokio::test]
+    async fn a_draft_then_two_seals_place_every_chunk_written_since() {
+        let g = geometry();
+        let source = Arc::new(Ranged::default());
+        let remote = Arc::new(ModelStore::new(g));
+        let pusher =
+            Pusher::with_source(ModelStore::new(g), remote.clone(), manual(), source.clone())
+                .unwrap();
+        for i in [1, 2, 30] {
+            pusher
+                .inner()
+                .write(ChunkIdx(i), chunk(i as u8))
+                .await
+                .unwrap();
+            source.written.lock().push(ChunkIdx(i));
+        }
+        pusher.flush().await.unwrap();
+        // Chunk 30 is cold: pushed by an older round.
+        tokio::time::sleep(Duration::from_millis(30)).await;
+        for i in [1, 2] {
+            source.written.lock().push(ChunkIdx(i));
+        }
+        pusher.flush().await.unwrap();
+        source.written.lock().push(ChunkIdx(3));
+        let draft = pusher.draft(Duration::from_millis(10)).await.unwrap();
+        assert_eq!(draft.ledger.dirty, [ChunkIdx(3)]);
+        assert!(draft.ledger.pushed[1].is_some() && draft.ledger.pushed[30].is_some());
+        assert_eq!(draft.hot, [1..4], "pushed lately or dirty, not chunk 30");
+        // Written after the draft: one hot chunk, one cold one, and the dirty one again.
+        for i in [2, 20, 3] {
+            source.written.lock().push(ChunkIdx(i));
+        }
+        let hot = pusher.seal_hot().await.unwrap();
+        assert_eq!(hot.at_source, [2..3], "chunk 3 was at the source already");
+        assert_eq!(hot.pending, [0..1, 4..32]);
+        assert!(pusher.is_sealed());
+        assert_eq!(pusher.flush().await.unwrap_err().kind(), ErrorKind::Closed);
+        let rest = pusher.seal_rest().await;
+        assert_eq!(rest.at_source, [20..21]);
+        assert!(rest.pending.is_empty());
+        // Nothing left: a second look finds nothing new.
+        assert_eq!(pusher.seal_rest().await.at_source, Vec::<Range<u64>>::new());
+    }
+
+    #[tokio::test]
+    async fn a_failed_look_at_the_rest_places_it_all_at_the_source() {
+        let g = geometry();
+        let source = Arc::new(Ranged::default());
+        let pusher = Pusher::with_source(
+            ModelStore::new(g),
+            ModelStore::new(g),
+            manual(),
+            source.clone(),
+        )
+        .unwrap();
+        source.written.lock().push(ChunkIdx(5));
+        pusher.flush().await.unwrap();
+        let draft = pusher.draft(Duration::from_secs(10)).await.unwrap();
+        assert_eq!(draft.hot, [5..6]);
+        let hot = pusher.seal_hot().await.unwrap();
+        assert!(hot.at_source.is_empty());
+        assert_eq!(hot.pending, [0..5, 6..32]);
+        source.fail.store(true, Ordering::SeqCst);
+        let rest = pusher.seal_rest().await;
+        assert_eq!(rest.at_source, [0..5, 6..32]);
+        // Abandoned: pushes resume, and a seal of the hot chunks needs a new draft.
+        source.fail.store(false, Ordering::SeqCst);
+        pusher.unseal();
+        pusher.flush().await.unwrap();
+        assert_eq!(
+            pusher.seal_hot().await.unwrap_err().kind(),
+            ErrorKind::InvalidInput
+        );
+    }
+
+    #[test]
+    fn runs_merge_across_small_gaps_and_complement() {
+        let flags = [
+            false, true, true, false, false, true, false, false, false, true,
+        ];
+        assert_eq!(merge_runs(flags.iter().copied(), 0), [1..3, 5..6, 9..10]);
+        assert_eq!(merge_runs(flags.iter().copied(), 2), [1..6, 9..10]);
+        assert_eq!(complement(&[1..3, 5..6], 8), [0..1, 3..5, 6..8]);
+        assert_eq!(complement(&[0..8], 8), Vec::<Range<u64>>::new());
+        assert_eq!(merge_sorted(&[4..6], &[0..2, 5..9]), [0..2, 4..9]);
     }
 
     #[tokio::test]

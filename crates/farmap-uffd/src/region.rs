@@ -580,6 +580,38 @@ impl Region {
             .map_err(RegionError::Push)
     }
 
+    /// The first half of a seal in two steps, while the application runs (see
+    /// [`Pusher::draft`](farmap_pipeline::Pusher::draft)): no more pushes start, and the
+    /// ledger as it stands comes back with the chunks written or pushed within `window`,
+    /// which [`seal_hot_pushes`](Self::seal_hot_pushes) looks at once the writers are
+    /// stopped.
+    pub fn draft_pushes(
+        &self,
+        window: Duration,
+    ) -> Result<farmap_pipeline::PushDraft, RegionError> {
+        let pusher = self.inner.pusher.clone();
+        self.inner
+            .block_on(async move { pusher.draft(window).await })
+            .map_err(RegionError::Push)
+    }
+
+    /// With the writers stopped, after [`draft_pushes`](Self::draft_pushes): stops every push
+    /// for good and says which of the draft's hot chunks were written since (see
+    /// [`Pusher::seal_hot`](farmap_pipeline::Pusher::seal_hot)).
+    pub fn seal_hot_pushes(&self) -> Result<farmap_pipeline::SealDelta, RegionError> {
+        let pusher = self.inner.pusher.clone();
+        self.inner
+            .block_on(async move { pusher.seal_hot().await })
+            .map_err(RegionError::Push)
+    }
+
+    /// After [`seal_hot_pushes`](Self::seal_hot_pushes): which of the other chunks were
+    /// written since the draft (see [`Pusher::seal_rest`](farmap_pipeline::Pusher::seal_rest)).
+    pub fn seal_rest_pushes(&self) -> farmap_pipeline::SealDelta {
+        let pusher = self.inner.pusher.clone();
+        self.inner.block_on(async move { pusher.seal_rest().await })
+    }
+
     /// Starts no more pushes and waits for those running (see
     /// [`Pusher::quiesce`](farmap_pipeline::Pusher::quiesce)): before a seal, so that the
     /// seal has nothing to wait for.

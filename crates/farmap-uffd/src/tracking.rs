@@ -165,7 +165,19 @@ impl Tracker {
             .unwrap_or(Err(RegionError::Closed))
     }
 
-    fn scan_mapped(&self, mut f: impl FnMut(Range<u64>)) -> Result<(), RegionError> {
+    fn scan_mapped(&self, f: impl FnMut(Range<u64>)) -> Result<(), RegionError> {
+        let whole = 0..self.range.len();
+        self.scan_mapped_within(std::slice::from_ref(&whole), f)
+    }
+
+    /// [`scan_mapped`](Self::scan_mapped) over the byte ranges `within` (ascending, within the
+    /// region) only, in asynchronous mode; synchronous tracking takes every recorded page
+    /// (as cheap as taking some).
+    fn scan_mapped_within(
+        &self,
+        within: &[Range<usize>],
+        mut f: impl FnMut(Range<u64>),
+    ) -> Result<(), RegionError> {
         let page = self.range.page_size();
         let base = self.range.base();
         let mut pages = 0;
@@ -176,16 +188,18 @@ impl Tracker {
         match self.mode {
             TrackingMode::Async => {
                 let mut scratch = self.scratch.lock();
-                self.pagemap
-                    .collect_written(base, base + self.range.len(), &mut scratch, |run| {
-                        if run.has_data {
-                            report(
-                                ((run.start - base) / page) as u64
-                                    ..((run.end - base) / page) as u64,
-                            );
-                        }
-                    })
-                    .map_err(|e| RegionError::sys("PAGEMAP_SCAN of the region", e))?;
+                for w in within {
+                    self.pagemap
+                        .collect_written(base + w.start, base + w.end, &mut scratch, |run| {
+                            if run.has_data {
+                                report(
+                                    ((run.start - base) / page) as u64
+                                        ..((run.end - base) / page) as u64,
+                                );
+                            }
+                        })
+                        .map_err(|e| RegionError::sys("PAGEMAP_SCAN of the region", e))?;
+                }
             }
             TrackingMode::SyncFaults => {
                 let written = self.written.as_ref().expect("sync tracking records pages");
@@ -238,6 +252,34 @@ impl Tracker {
         }
     }
 
+    /// Like [`take`](Self::take), for the chunks of `runs` (ascending chunk runs) only.
+    pub fn take_within(&self, runs: &[Range<u64>]) -> Result<DirtyReport, RegionError> {
+        let chunk = u64::from(self.geometry.chunk_size());
+        let len = self.range.len() as u64;
+        let within: Vec<Range<usize>> = runs
+            .iter()
+            .map(|r| {
+                (r.start.saturating_mul(chunk).min(len)) as usize
+                    ..(r.end.saturating_mul(chunk).min(len)) as usize
+            })
+            .filter(|r| !r.is_empty())
+            .collect();
+        let mut report = DirtyReport::default();
+        let observed = self.observed.get();
+        self.mapping
+            .while_mapped(|| {
+                self.scan_mapped_within(&within, |r| {
+                    if let Some(o) = observed {
+                        o.set_range(r.clone());
+                    }
+                    self.add_run(&mut report, r);
+                })
+            })
+            .unwrap_or(Err(RegionError::Closed))?;
+        Counters::add(&self.counters.dirty_chunks, report.chunks.len() as u64);
+        Ok(report)
+    }
+
     /// The pages written since the last scan, and their chunks.
     pub fn take(&self) -> Result<DirtyReport, RegionError> {
         let mut report = DirtyReport::default();
@@ -284,6 +326,20 @@ impl DirtySource for Tracker {
             self.take()
         };
         let report = taken.map_err(|e| {
+            let message = format!("collecting the region's written pages: {e}");
+            self.counters.error(message.clone());
+            StoreError::new(ErrorKind::Io, message).with_source(e)
+        })?;
+        for idx in report.chunks {
+            into.mark(idx);
+        }
+        Ok(())
+    }
+
+    /// Scans the chunks of `runs` only (what an instant migration's seal looks at inside
+    /// the downtime: the chunks written lately, not the whole region).
+    fn collect_within(&self, into: &DirtySet, runs: &[Range<u64>]) -> StoreResult<()> {
+        let report = self.take_within(runs).map_err(|e| {
             let message = format!("collecting the region's written pages: {e}");
             self.counters.error(message.clone());
             StoreError::new(ErrorKind::Io, message).with_source(e)

@@ -482,3 +482,65 @@ fn holds_says_which_ranges_read_without_a_fetch() {
     assert!(!region.holds(region.len(), 1), "outside the region");
     assert!(!region.holds(usize::MAX, 2));
 }
+
+#[test]
+#[allow(clippy::single_range_in_vec_init)] // chunk runs: one run is a real case
+fn a_seal_in_two_steps_looks_at_the_hot_chunks_first_and_misses_no_write() {
+    if !uffd_available("a_seal_in_two_steps_looks_at_the_hot_chunks_first_and_misses_no_write") {
+        return;
+    }
+    for tracking in tracking_modes() {
+        let g = Geometry::new(4 << 20, 64 << 10).unwrap();
+        let store = pattern_memory(g, 9);
+        let region = Region::open(store.clone(), direct(tracking)).unwrap();
+        let at = |c: u64| (c * (64 << 10)) as usize + 100;
+        poke(&region, at(40), 1);
+        region.sync().unwrap();
+        // Chunk 40 was pushed before the window, chunk 2 within it; chunk 3 is dirty.
+        std::thread::sleep(std::time::Duration::from_millis(300));
+        poke(&region, at(2), 1);
+        region.sync().unwrap();
+        poke(&region, at(3), 1);
+        let draft = region
+            .draft_pushes(std::time::Duration::from_millis(200))
+            .unwrap();
+        assert_eq!(draft.ledger.dirty, [chunk(3)], "{tracking:?}");
+        assert!(draft.ledger.pushed[40].is_some() && draft.ledger.pushed[2].is_some());
+        assert_eq!(draft.hot, [2..4], "{tracking:?}");
+        // Written after the draft: a hot chunk, a cold one, one never pushed.
+        for c in [2, 40, 50] {
+            poke(&region, at(c), 2);
+        }
+        let hot = region.seal_hot_pushes().unwrap();
+        assert_eq!(hot.pending, [0..2, 4..64], "{tracking:?}");
+        let rest = region.seal_rest_pushes();
+        assert!(rest.pending.is_empty());
+        let mut found: Vec<u64> = hot
+            .at_source
+            .iter()
+            .chain(&rest.at_source)
+            .flat_map(|r| r.clone())
+            .collect();
+        found.sort_unstable();
+        assert_eq!(
+            found,
+            [2, 40, 50],
+            "{tracking:?}: every write since the draft"
+        );
+        if tracking == WriteTracking::Async {
+            assert_eq!(
+                hot.at_source,
+                [2..3],
+                "inside the downtime, only the hot chunks are looked at"
+            );
+        }
+        assert!(region.sync().is_err(), "{tracking:?}: sealed");
+        region.unseal_pushes();
+        region.sync().unwrap();
+        assert_eq!(
+            block_on(store.read(chunk(50))).unwrap()[100],
+            2,
+            "{tracking:?}: unsealed, the pushes resume"
+        );
+    }
+}
