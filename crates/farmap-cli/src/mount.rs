@@ -11,6 +11,7 @@ use clap::{Args, ValueEnum};
 use farmap::pipeline::{PullOptions, PullOrder, PushOptions};
 use farmap::spec::open_store_async;
 use farmap::{Managed, ManagedOptions, Store, StoreSpec};
+use farmap_fuse::migrate::MountShared;
 use farmap_fuse::{FuseMount, MountOptions};
 
 use crate::bench::parse_duration;
@@ -114,7 +115,7 @@ pub async fn run(args: MountArgs) -> anyhow::Result<ExitCode> {
         let Some(store_arg) = &args.second else {
             if let Some(socket) = args.agent.clone() {
                 // A migration's destination: the file arrives through the agent.
-                return crate::mount_agent::run(agent_mount(&args, socket, None)).await;
+                return crate::mount_agent::run(agent_mount(&args, socket, None, None)).await;
             }
             bail!("farmap mount needs a mount point and a store: farmap mount DIR STORE");
         };
@@ -153,8 +154,20 @@ pub async fn run(args: MountArgs) -> anyhow::Result<ExitCode> {
         .with_context(|| format!("mounting {spec} at {}", dir.display()))?;
     println!("{}", mount.path().display());
     if let Some(socket) = args.agent.clone() {
-        let result = crate::mount_agent::run(agent_mount(&args, socket, Some(mount))).await;
-        if let Some(m) = managed {
+        // A store another host can open moves instantly: only where each chunk is travels.
+        let secret = spec.to_secret_string();
+        let shared = (!secret.trim_start().starts_with("memory:")).then(|| MountShared {
+            spec: secret,
+            seal: managed
+                .clone()
+                .map(|m| m as Arc<dyn farmap::pipeline::Seal>),
+        });
+        let result = crate::mount_agent::run(agent_mount(&args, socket, Some(mount), shared)).await;
+        if let Some(m) = managed.filter(|m| {
+            // An instant migration handed the store over with the file: pushing here now
+            // could overwrite the destination's writes.
+            !m.is_sealed()
+        }) {
             // The agent's last references may linger: push what is left either way.
             report_evictions(&m);
             match Arc::try_unwrap(m) {
@@ -322,6 +335,7 @@ fn agent_mount(
     args: &MountArgs,
     socket: PathBuf,
     mount: Option<FuseMount>,
+    shared: Option<MountShared>,
 ) -> crate::mount_agent::AgentMount {
     use farmap_fuse::migrate::{After, SuspendHow};
     crate::mount_agent::AgentMount {
@@ -340,6 +354,7 @@ fn agent_mount(
             None => After::Signal(libc::SIGTERM),
         },
         mount,
+        shared,
     }
 }
 

@@ -12,7 +12,7 @@ use std::sync::Arc;
 
 use anyhow::Context;
 use farmap::Store;
-use farmap_fuse::migrate::{After, MountDest, MountSource, SuspendHow};
+use farmap_fuse::migrate::{After, MountDest, MountShared, MountSource, SuspendHow};
 use farmap_fuse::{Access, FuseMount, MountOptions};
 use farmap_migrate::agent::{self, App};
 use farmap_migrate::{LeechReport, Opener, Resumer, SeedReport, Source, Suspend};
@@ -44,6 +44,8 @@ struct MountApp {
     after: After,
     slot: Arc<Slot>,
     arrival: Arc<Mutex<Arrival>>,
+    /// The source's store, when another host can open it (instant migrations).
+    shared: Option<MountShared>,
 }
 
 impl App for MountApp {
@@ -55,13 +57,16 @@ impl App for MountApp {
         if m.control().access() != Access::Open {
             return None;
         }
-        let src = Arc::new(MountSource::new(
-            m.path().to_path_buf(),
-            m.store().clone(),
-            m.control().clone(),
-            self.how.clone(),
-            self.after.clone(),
-        ));
+        let src = Arc::new(
+            MountSource::new(
+                m.path().to_path_buf(),
+                m.store().clone(),
+                m.control().clone(),
+                self.how.clone(),
+                self.after.clone(),
+            )
+            .with_shared(self.shared.clone()),
+        );
         Some((src.clone(), src))
     }
 
@@ -69,6 +74,10 @@ impl App for MountApp {
     /// mount's own cache options, not through the agent.
     fn uffd_region(&self) -> Option<Arc<farmap_uffd::Region>> {
         None
+    }
+
+    fn shared_opener(&self) -> Option<farmap_migrate::SharedOpener> {
+        Some(crate::migrate::shared_opener())
     }
 
     fn released(&self, _report: &SeedReport) {
@@ -153,6 +162,8 @@ pub struct AgentMount {
     pub after: After,
     /// The mount at the source (none at a destination).
     pub mount: Option<FuseMount>,
+    /// The source's store, when another host can open it (instant migrations).
+    pub shared: Option<MountShared>,
 }
 
 /// Serves the agent (and the mount, once there is one) until SIGINT/SIGTERM or an unmount;
@@ -168,6 +179,7 @@ pub async fn run(a: AgentMount) -> anyhow::Result<ExitCode> {
         after: a.after,
         slot: slot.clone(),
         arrival: Default::default(),
+        shared: a.shared,
     });
     let agent = agent::serve(&a.socket, app)
         .await

@@ -141,6 +141,11 @@ fn pair(tmp: &Path, store: &str, extra: &[&str]) -> Pair {
 
 /// `farmap seed` + `farmap leech` between the pair's agents; the leech's JSON report.
 fn migrate(p: &Pair) -> Value {
+    migrate_with(p, &[])
+}
+
+/// The same, with `extra` arguments for `farmap leech`.
+fn migrate_with(p: &Pair, extra: &[&str]) -> Value {
     let mut seed = Proc::spawn(
         "seed",
         Command::new(env!("CARGO_BIN_EXE_farmap"))
@@ -173,7 +178,10 @@ fn migrate(p: &Pair) -> Value {
             "--data",
             &data,
             "--json",
-        ],
+        ]
+        .into_iter()
+        .chain(extra.iter().copied())
+        .collect::<Vec<_>>(),
     );
     let out = leech.finish();
     let report: Value = serde_json::from_str(out.lines().last().expect("a JSON line"))
@@ -389,4 +397,116 @@ fn sqlite_in_wal_mode_keeps_every_committed_transaction_across_a_mount_migration
         "{rows} rows for {committed} + 200 commits"
     );
     drop(clean);
+}
+
+#[test]
+fn a_managed_mount_over_redis_moves_instantly_and_redis_holds_the_file_afterwards() {
+    // Pushed to Redis every 100 ms while the writer runs: most chunks are there already.
+    instant_over_redis(
+        "a_managed_mount_over_redis_moves_instantly_and_redis_holds_the_file_afterwards",
+        &["--managed", "--push-interval", "100ms"],
+    );
+}
+
+#[test]
+fn a_direct_mount_over_redis_moves_instantly() {
+    // Every write goes to Redis as it is made: every chunk is there.
+    instant_over_redis("a_direct_mount_over_redis_moves_instantly", &[]);
+}
+
+/// A mount of a Redis region (with `mount_args`) moves with `--mode instant` while a program
+/// writes it: the destination has every write, Redis holds the destination's file.
+fn instant_over_redis(test: &str, mount_args: &[&str]) {
+    if !can_run(test) {
+        return;
+    }
+    let svc = match farmap_testkit::Service::shared("redis") {
+        Ok(s) => s,
+        Err(e) => {
+            farmap_testkit::skip(test, e);
+            return;
+        }
+    };
+    let size: u64 = 32 << 20;
+    let spec = format!(
+        "{}/0?size={size}&prefix=mount-instant-{}-{}",
+        svc.var("SPEC_BASE"),
+        std::process::id(),
+        mount_args.len()
+    );
+    let tmp = tempfile::tempdir().unwrap();
+    let p = pair(tmp.path(), &spec, mount_args);
+    let expected = tmp.path().join("expected");
+    let mut writer = Proc::spawn(
+        "writer",
+        Command::new("python3").args([
+            WRITER,
+            "writer",
+            p.src_file.to_str().unwrap(),
+            expected.to_str().unwrap(),
+            "2000",
+        ]),
+    );
+    assert_eq!(writer.line(), "writing");
+    std::thread::sleep(Duration::from_millis(600));
+    let report = migrate_with(&p, &["--mode", "instant"]);
+    assert_eq!(report["mode"], "instant", "{report}");
+    assert_eq!(report["region_bytes"], size, "{report}");
+    assert_eq!(report["verify_failures"], 0, "{report}");
+    assert_eq!(report["bytes_precopy"], 0, "{report}");
+    let (from_store, from_source) = (
+        report["chunks_from_store"].as_u64().unwrap(),
+        report["chunks_from_source"].as_u64().unwrap(),
+    );
+    assert!(from_store > 0, "chunks came from Redis: {report}");
+    let chunks = from_store + from_source;
+    let before = report["bytes_before_resume"].as_u64().unwrap();
+    assert!(
+        before <= 32 * chunks + 65536,
+        "{before} bytes before resuming: {report}"
+    );
+    let done: Value = serde_json::from_str(&writer.finish()).unwrap();
+    assert!(done["writes"].as_u64().unwrap() > 0, "{done}");
+    let last = done["last"].to_string();
+    assert_eq!(
+        python(&[
+            WRITER,
+            "check",
+            p.dst_file.to_str().unwrap(),
+            expected.to_str().unwrap(),
+            &last
+        ]),
+        "ok"
+    );
+    assert_eq!(
+        python(&[WRITER, "refused", p.src_file.to_str().unwrap()]),
+        "refused"
+    );
+    // The destination writes through to Redis, and the source's last chunks were pushed
+    // there before it was released: a fresh reader of Redis sees the destination's file.
+    let mut f = std::fs::OpenOptions::new()
+        .read(true)
+        .write(true)
+        .open(&p.dst_file)
+        .unwrap();
+    std::io::Write::write_all(&mut f, b"written at the destination").unwrap();
+    f.sync_all().unwrap();
+    drop(f);
+    let copy = tmp.path().join("copy");
+    let out = Command::new(env!("CARGO_BIN_EXE_farmap"))
+        .args(["cp", &spec, &format!("file:{}", copy.display())])
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "farmap cp: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let (a, b) = (
+        std::fs::read(&p.dst_file).unwrap(),
+        std::fs::read(&copy).unwrap(),
+    );
+    assert_eq!(a.len(), b.len());
+    assert!(a == b, "Redis holds the destination's file byte for byte");
+    assert!(a.starts_with(b"written at the destination"));
 }

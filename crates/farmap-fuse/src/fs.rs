@@ -115,6 +115,12 @@ impl RegionFs {
 
     /// Flushes the store and replies.
     fn flush_store(&self, reply: ReplyEmpty) {
+        // A mount whose file moved away refuses writes (a page written back now fails
+        // before this request): it has nothing to flush, and its store may belong to the
+        // destination now.
+        if self.shared.control.access() == crate::Access::Retired {
+            return reply.ok();
+        }
         let shared = self.shared.clone();
         self.spawn(async move {
             match shared.store.flush().await {

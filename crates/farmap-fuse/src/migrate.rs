@@ -37,8 +37,10 @@ use farmap_core::{
     BoxFuture, Caps, ChunkIdx, ChunkRange, ChunkStatus, ErrorKind, Geometry, Store, StoreError,
     StoreResult,
 };
+use farmap_migrate::msg::{Location, ManifestRun};
 use farmap_migrate::{
-    Destination, EndpointError, MigrationStore, OpenContext, Source, Suspend, SuspendError,
+    Confirm, Destination, EndpointError, Manifest, MigrationStore, Mode, OpenContext, Source,
+    Suspend, SuspendError,
 };
 use parking_lot::Mutex;
 
@@ -233,6 +235,27 @@ impl Store for PageView {
     }
 }
 
+/// The store a mount's file lives in, when another host can open it too: what an instant
+/// migration hands over instead of copying the file.
+#[derive(Clone)]
+pub struct MountShared {
+    /// The store's spec, as another host opens it.
+    pub spec: String,
+    /// The write-back in front of it (a managed mount); `None`: writes reach the store as
+    /// they are made (a direct mount), so the store holds every chunk once the page cache
+    /// is written back.
+    pub seal: Option<Arc<dyn farmap_pipeline::Seal>>,
+}
+
+impl fmt::Debug for MountShared {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("MountShared")
+            .field("spec", &self.spec)
+            .field("managed", &self.seal.is_some())
+            .finish()
+    }
+}
+
 /// A mounted file as a migration source and the hook that suspends its programs (see the
 /// module notes).
 pub struct MountSource {
@@ -242,6 +265,13 @@ pub struct MountSource {
     how: SuspendHow,
     after: After,
     stopped: Mutex<Vec<u32>>,
+    shared: Option<MountShared>,
+    /// Set by an instant migration's draft: the store takes no flush any more (its pushes
+    /// are stopped), so the page cache is written back without asking for one.
+    drafted: std::sync::atomic::AtomicBool,
+    /// The file, open for write-backs without a flush (kept open: a close asks the FUSE
+    /// server for a flush too).
+    file: Mutex<Option<std::fs::File>>,
 }
 
 impl fmt::Debug for MountSource {
@@ -271,13 +301,42 @@ impl MountSource {
             how,
             after,
             stopped: Mutex::new(Vec::new()),
+            shared: None,
+            drafted: std::sync::atomic::AtomicBool::new(false),
+            file: Mutex::new(None),
         }
     }
 
-    /// Writes the page cache back to the FUSE server (and flushes the store). The server
-    /// serves the writes on its own threads; this blocks.
+    /// The same, whose store another host can open (`None`: not shared): instant
+    /// migrations hand it over.
+    pub fn with_shared(mut self, shared: Option<MountShared>) -> Self {
+        self.shared = shared;
+        self
+    }
+
+    /// Writes the page cache back to the FUSE server (and flushes the store, unless an
+    /// instant migration stopped its pushes). The server serves the writes on its own
+    /// threads; this blocks.
     fn write_back(&self) -> std::io::Result<()> {
-        std::fs::File::open(&self.path)?.sync_all()
+        if !self.drafted.load(Ordering::Acquire) {
+            return std::fs::File::open(&self.path)?.sync_all();
+        }
+        // sync_file_range writes the dirty pages back (FUSE writes) and waits for them,
+        // without the fsync that would ask the store for a flush.
+        let mut file = self.file.lock();
+        if file.is_none() {
+            *file = Some(std::fs::File::open(&self.path)?);
+        }
+        farmap_uffd::sys::write_back_file(std::os::fd::AsFd::as_fd(
+            file.as_ref().expect("opened just above"),
+        ))
+    }
+
+    /// Runs `f` on the runtime this blocking thread belongs to.
+    fn block_on<T>(f: impl std::future::Future<Output = T>) -> Result<T, EndpointError> {
+        let handle = tokio::runtime::Handle::try_current()
+            .map_err(|_| "an instant migration's hooks run on the agent's runtime")?;
+        Ok(handle.block_on(f))
     }
 
     fn stop_holders(&self) -> Result<Vec<u32>, SuspendError> {
@@ -352,6 +411,75 @@ impl Source for MountSource {
             })?;
         }
         Ok(self.control.take_dirty())
+    }
+
+    fn shared_store(&self) -> Option<String> {
+        self.shared.as_ref().map(|s| s.spec.clone())
+    }
+
+    fn push_shared(&self, budget: Duration) -> Result<bool, EndpointError> {
+        let Some(seal) = self.shared.as_ref().and_then(|s| s.seal.clone()) else {
+            return Ok(true);
+        };
+        let t0 = Instant::now();
+        self.write_back().map_err(|e| {
+            format!(
+                "writing the page cache of {} back: {e}",
+                self.path.display()
+            )
+        })?;
+        let left = budget.saturating_sub(t0.elapsed());
+        Ok(Self::block_on(seal.push_for(left))??)
+    }
+
+    fn draft(&self) -> Result<Manifest, EndpointError> {
+        let Some(shared) = &self.shared else {
+            return Err("this mount's store is not shared: it cannot move instantly".into());
+        };
+        let n = self.store.geometry().chunk_count();
+        match &shared.seal {
+            Some(seal) => match Self::block_on(async {
+                // From here on the store takes no flush: write-backs skip it.
+                self.drafted.store(true, Ordering::Release);
+                seal.draft(farmap_migrate::endpoint::HOT_WINDOW).await
+            })? {
+                Ok(d) => Ok(farmap_migrate::endpoint::manifest_from_ledger(&d.ledger)),
+                Err(e) => {
+                    self.unseal();
+                    Err(e.into())
+                }
+            },
+            // Every write reaches the store as it is made: it holds every chunk (the ones
+            // the page cache still holds arrive with the suspension's write-back).
+            None => Ok(Manifest {
+                runs: std::iter::once(n)
+                    .filter(|&n| n > 0)
+                    .map(|n| ManifestRun {
+                        location: Location::Store,
+                        chunks: 0..n,
+                    })
+                    .collect(),
+                pushed: vec![(0, 0); n as usize],
+            }),
+        }
+    }
+
+    /// Every chunk is looked at inside the downtime: the writes that reached the mount's
+    /// store since the draft are its dirty set, with nothing to scan.
+    fn seal(&self) -> Result<Confirm, EndpointError> {
+        match self.shared.as_ref().and_then(|s| s.seal.clone()) {
+            Some(seal) => Ok(farmap_migrate::endpoint::confirm_from_delta(
+                Self::block_on(seal.seal_hot())??,
+            )),
+            None => Ok(Confirm::default()),
+        }
+    }
+
+    fn unseal(&self) {
+        self.drafted.store(false, Ordering::Release);
+        if let Some(seal) = self.shared.as_ref().and_then(|s| s.seal.as_ref()) {
+            seal.unseal();
+        }
     }
 
     fn data_plane(self: Arc<Self>) -> Arc<dyn Store> {
@@ -457,6 +585,9 @@ struct DestInner {
     geometry: Geometry,
     page: u64,
     remote: Arc<MigrationStore>,
+    /// Instant mode: the file lives in the shared store from the hand-over on; writes go
+    /// through to it.
+    instant: bool,
     slots: Box<[tokio::sync::Mutex<Slot>]>,
     local: AtomicU64,
 }
@@ -488,6 +619,7 @@ impl MountDest {
                 geometry: ctx.geometry,
                 page: u64::from(ctx.page_size),
                 remote,
+                instant: ctx.mode == Mode::Instant,
                 slots: (0..n).map(|_| Default::default()).collect(),
                 local: AtomicU64::new(0),
             }),
@@ -570,16 +702,30 @@ impl Store for MountDest {
                     format!("writing {idx}: {} bytes for a chunk of {len}", data.len()),
                 ));
             }
+            if self.inner.instant {
+                // The shared store first: a write it refuses fails, and changes nothing.
+                self.inner.remote.write(idx, data.clone()).await?;
+            }
             self.inner.put(idx, data).await
         })
     }
 
+    /// Instant mode: flushes the shared store (writes went through to it).
     fn flush(&self) -> BoxFuture<'_, StoreResult<()>> {
-        Box::pin(async { Ok(()) })
+        Box::pin(async {
+            if self.inner.instant {
+                return self.inner.remote.flush().await;
+            }
+            Ok(())
+        })
     }
 
     fn trim(&self, range: ChunkRange) -> BoxFuture<'_, StoreResult<()>> {
         Box::pin(async move {
+            if self.inner.instant {
+                self.inner.geometry.check_range(range)?;
+                self.inner.remote.trim(range).await?;
+            }
             for i in range.start.0..range.end.0 {
                 let idx = ChunkIdx(i);
                 let len = self.inner.geometry.chunk_len(idx);
@@ -679,6 +825,24 @@ impl Destination for MountDest {
                 p = end;
             }
         }
+        Ok(())
+    }
+
+    /// Instant mode: writes the chunks (fetched from the source) to the shared store.
+    fn push_chunks(&self, chunks: Vec<ChunkIdx>) -> Result<(), EndpointError> {
+        if !self.inner.instant {
+            return Err("this destination does not live in a shared store".into());
+        }
+        let handle = tokio::runtime::Handle::try_current()
+            .map_err(|_| "pushing chunks needs the leecher's runtime")?;
+        let inner = self.inner.clone();
+        handle.block_on(async move {
+            for idx in chunks {
+                let data = inner.ensure(idx).await?;
+                inner.remote.write(idx, data).await?;
+            }
+            inner.remote.flush().await
+        })?;
         Ok(())
     }
 

@@ -58,7 +58,7 @@ pub use gated::{GateState, Gated};
 pub use mirrored::{MirrorOptions, MirrorPolicy, MirrorStatus, Mirrored, PrimaryState};
 pub use puller::{PullFailure, PullOptions, PullOrder, PullProgress, PullReport, Puller};
 pub use pusher::{
-    DirtySource, PushDraft, PushHold, PushLedger, PushOptions, PushStats, Pusher, SealDelta,
+    DirtySource, PushDraft, PushHold, PushLedger, PushOptions, PushStats, Pusher, Seal, SealDelta,
 };
 pub use retry::{retry, RetryPolicy};
 pub use tiered::{Tier, TierOptions, Tiered};

@@ -194,6 +194,50 @@ pub struct SealDelta {
     pub pending: Vec<Range<u64>>,
 }
 
+/// A pusher's seal in two steps as an object ([`Pusher::draft`], [`Pusher::seal_hot`],
+/// [`Pusher::seal_rest`], [`Pusher::unseal`]): for a frontend that hands its store over
+/// without knowing the pusher's type (a managed mount's instant migration).
+pub trait Seal: Send + Sync {
+    /// [`Pusher::draft`].
+    fn draft(&self, window: Duration) -> BoxFuture<'_, StoreResult<PushDraft>>;
+    /// [`Pusher::seal_hot`].
+    fn seal_hot(&self) -> BoxFuture<'_, StoreResult<SealDelta>>;
+    /// [`Pusher::seal_rest`].
+    fn seal_rest(&self) -> BoxFuture<'_, SealDelta>;
+    /// [`Pusher::unseal`].
+    fn unseal(&self);
+    /// Pushes what is dirty for at most `budget` (a flush cut short leaves the rest
+    /// dirty); `Ok(true)` if everything was pushed.
+    fn push_for(&self, budget: Duration) -> BoxFuture<'_, StoreResult<bool>>;
+}
+
+impl<S: Store, R: Store> Seal for Pusher<S, R> {
+    fn draft(&self, window: Duration) -> BoxFuture<'_, StoreResult<PushDraft>> {
+        Box::pin(Pusher::draft(self, window))
+    }
+
+    fn seal_hot(&self) -> BoxFuture<'_, StoreResult<SealDelta>> {
+        Box::pin(Pusher::seal_hot(self))
+    }
+
+    fn seal_rest(&self) -> BoxFuture<'_, SealDelta> {
+        Box::pin(Pusher::seal_rest(self))
+    }
+
+    fn unseal(&self) {
+        Pusher::unseal(self)
+    }
+
+    fn push_for(&self, budget: Duration) -> BoxFuture<'_, StoreResult<bool>> {
+        Box::pin(async move {
+            match tokio::time::timeout(budget, self.shared.flush()).await {
+                Ok(r) => r.map(|()| true),
+                Err(_) => Ok(false),
+            }
+        })
+    }
+}
+
 /// What a [`Pusher`] hands over when it is [sealed](Pusher::seal).
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct PushLedger {
@@ -454,6 +498,11 @@ async fn run_background<S: Store, R: Store>(
     interval: Duration,
 ) {
     loop {
+        // Checked before a timer is made: once stopped, the runtime may be shutting down,
+        // and making a timer then panics.
+        if stop.stopped.load(Ordering::Acquire) {
+            return;
+        }
         tokio::select! {
             _ = tokio::time::sleep(interval) => {}
             _ = stop.wait() => return,
@@ -783,6 +832,12 @@ impl<S: Store, R: Store> Pusher<S, R> {
     /// Whether [`seal`](Self::seal) was called.
     pub fn is_sealed(&self) -> bool {
         self.shared.sealed.load(Ordering::Acquire)
+    }
+
+    /// Stops the background task (a round in flight finishes; no round starts after it),
+    /// as dropping the pusher does: before its runtime shuts down.
+    pub fn stop_background(&self) {
+        self.stop.stop();
     }
 
     /// Number of chunks written and not yet taken for a push.

@@ -93,7 +93,7 @@
 //! # Where the `unsafe` code is
 //! Seven files, every other module is `#[forbid(unsafe_code)]`:
 //! - `sys.rs`: the raw kernel interface ([`sys::ioctl`], and `sys::pagemap_scan`, its safe
-//!   `PAGEMAP_SCAN` form);
+//!   `PAGEMAP_SCAN` form; [`sys::write_back_file`], `sync_file_range` for the mounts);
 //! - `uffd.rs`: opening a userfaultfd and its ioctls ([`uffd::Uffd::register`] is the one
 //!   `unsafe fn` whose contract makes the others safe);
 //! - `mapping.rs`: mapping, registering, discarding and unmapping the region's memory;

@@ -813,6 +813,9 @@ impl Drop for Region {
         if let Some(mut reader) = inner.reader.lock().take() {
             reader.stop();
         }
+        // The pusher outlives the runtime (others may hold it): its background task stops
+        // first, so that it makes no timer while the runtime shuts down.
+        inner.pusher.stop_background();
         drop(self.runtime.take());
     }
 }

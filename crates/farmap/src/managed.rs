@@ -128,6 +128,35 @@ pub struct Managed {
     readahead: u64,
 }
 
+/// An instant migration hands a managed store's remote over through its pusher's seal.
+impl farmap_pipeline::Seal for Managed {
+    fn draft(
+        &self,
+        window: std::time::Duration,
+    ) -> farmap_core::BoxFuture<'_, StoreResult<farmap_pipeline::PushDraft>> {
+        farmap_pipeline::Seal::draft(&self.pusher, window)
+    }
+
+    fn seal_hot(&self) -> farmap_core::BoxFuture<'_, StoreResult<farmap_pipeline::SealDelta>> {
+        farmap_pipeline::Seal::seal_hot(&self.pusher)
+    }
+
+    fn seal_rest(&self) -> farmap_core::BoxFuture<'_, farmap_pipeline::SealDelta> {
+        farmap_pipeline::Seal::seal_rest(&self.pusher)
+    }
+
+    fn unseal(&self) {
+        self.pusher.unseal()
+    }
+
+    fn push_for(
+        &self,
+        budget: std::time::Duration,
+    ) -> farmap_core::BoxFuture<'_, StoreResult<bool>> {
+        farmap_pipeline::Seal::push_for(&self.pusher, budget)
+    }
+}
+
 impl Managed {
     /// Starts a managed store over `remote`.
     ///
@@ -213,6 +242,12 @@ impl Managed {
             Some(p) => Some(p.wait().await),
             None => None,
         }
+    }
+
+    /// Whether the write-back was sealed for good (an instant migration handed the remote
+    /// over): nothing is pushed any more.
+    pub fn is_sealed(&self) -> bool {
+        self.pusher.is_sealed()
     }
 
     /// Chunks written and not yet taken for a push.
