@@ -328,7 +328,9 @@ impl<S: Store, R: Store> Shared<S, R> {
     /// Takes the dirty set and pushes it; failed chunks are marked dirty again. Returns the
     /// first error. The caller holds a guard of `gate`.
     async fn push_dirty(&self) -> Option<StoreError> {
-        if self.sealed.load(Ordering::Acquire) {
+        // Sealed, or a seal (or a draft) waits: nothing would be pushed, so nothing is
+        // collected either (a collect may walk the whole region).
+        if self.sealed.load(Ordering::Acquire) || self.sealing.load(Ordering::Acquire) {
             return Some(sealed_error());
         }
         {
