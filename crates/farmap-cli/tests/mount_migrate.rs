@@ -191,6 +191,45 @@ fn migrate_with(p: &Pair, extra: &[&str]) -> Value {
     report
 }
 
+/// Starts the writer on the pair's source file (it saves what it wrote to `expected`).
+fn start_writer(p: &Pair, expected: &Path) -> Proc {
+    // It maps the file and writes pages at random until it is told (SIGTERM, the source's
+    // default --after) that the file moved; then it saves what it wrote.
+    let mut writer = Proc::spawn(
+        "writer",
+        Command::new("python3").args([
+            WRITER,
+            "writer",
+            p.src_file.to_str().unwrap(),
+            expected.to_str().unwrap(),
+            "2000",
+        ]),
+    );
+    assert_eq!(writer.line(), "writing");
+    writer
+}
+
+/// Everything the writer wrote before it was stopped (`done`: its report) is at the
+/// destination (the page it was in the middle of may be torn: it is excused), and the
+/// source refuses writes (EROFS) and reads that reach it (EIO).
+fn check_moved(p: &Pair, expected: &Path, done: &Value) {
+    let last = done["last"].to_string();
+    assert_eq!(
+        python(&[
+            WRITER,
+            "check",
+            p.dst_file.to_str().unwrap(),
+            expected.to_str().unwrap(),
+            &last
+        ]),
+        "ok"
+    );
+    assert_eq!(
+        python(&[WRITER, "refused", p.src_file.to_str().unwrap()]),
+        "refused"
+    );
+}
+
 fn python(args: &[&str]) -> String {
     let out = Command::new("python3").args(args).output().unwrap();
     assert!(
@@ -210,19 +249,7 @@ fn a_mount_moves_while_a_program_writes_it_and_the_source_refuses_it_afterwards(
     let tmp = tempfile::tempdir().unwrap();
     let p = pair(tmp.path(), "memory:32MiB", &[]);
     let expected = tmp.path().join("expected");
-    // The writer maps the file and writes pages at random until it is told (SIGTERM, the
-    // source's default --after) that the file moved; then it saves what it wrote.
-    let mut writer = Proc::spawn(
-        "writer",
-        Command::new("python3").args([
-            WRITER,
-            "writer",
-            p.src_file.to_str().unwrap(),
-            expected.to_str().unwrap(),
-            "2000",
-        ]),
-    );
-    assert_eq!(writer.line(), "writing");
+    let mut writer = start_writer(&p, &expected);
     std::thread::sleep(Duration::from_millis(300));
     let report = migrate(&p);
     assert_eq!(report["role"], "leech");
@@ -237,24 +264,7 @@ fn a_mount_moves_while_a_program_writes_it_and_the_source_refuses_it_afterwards(
         !Path::new(&format!("/proc/{pid}")).exists(),
         "the writer exited"
     );
-    // Everything it wrote before it was stopped is at the destination (the page it was in
-    // the middle of may be torn: it is excused).
-    let last = done["last"].to_string();
-    assert_eq!(
-        python(&[
-            WRITER,
-            "check",
-            p.dst_file.to_str().unwrap(),
-            expected.to_str().unwrap(),
-            &last
-        ]),
-        "ok"
-    );
-    // The source refuses writes (EROFS) and reads that reach it (EIO).
-    assert_eq!(
-        python(&[WRITER, "refused", p.src_file.to_str().unwrap()]),
-        "refused"
-    );
+    check_moved(&p, &expected, &done);
     // The destination file is a normal read-write file now.
     std::fs::OpenOptions::new()
         .write(true)
@@ -437,17 +447,7 @@ fn instant_over_redis(test: &str, mount_args: &[&str]) {
     let tmp = tempfile::tempdir().unwrap();
     let p = pair(tmp.path(), &spec, mount_args);
     let expected = tmp.path().join("expected");
-    let mut writer = Proc::spawn(
-        "writer",
-        Command::new("python3").args([
-            WRITER,
-            "writer",
-            p.src_file.to_str().unwrap(),
-            expected.to_str().unwrap(),
-            "2000",
-        ]),
-    );
-    assert_eq!(writer.line(), "writing");
+    let mut writer = start_writer(&p, &expected);
     std::thread::sleep(Duration::from_millis(600));
     let report = migrate_with(&p, &["--mode", "instant"]);
     assert_eq!(report["mode"], "instant", "{report}");
@@ -467,21 +467,7 @@ fn instant_over_redis(test: &str, mount_args: &[&str]) {
     );
     let done: Value = serde_json::from_str(&writer.finish()).unwrap();
     assert!(done["writes"].as_u64().unwrap() > 0, "{done}");
-    let last = done["last"].to_string();
-    assert_eq!(
-        python(&[
-            WRITER,
-            "check",
-            p.dst_file.to_str().unwrap(),
-            expected.to_str().unwrap(),
-            &last
-        ]),
-        "ok"
-    );
-    assert_eq!(
-        python(&[WRITER, "refused", p.src_file.to_str().unwrap()]),
-        "refused"
-    );
+    check_moved(&p, &expected, &done);
     // The destination writes through to Redis, and the source's last chunks were pushed
     // there before it was released: a fresh reader of Redis sees the destination's file.
     let mut f = std::fs::OpenOptions::new()

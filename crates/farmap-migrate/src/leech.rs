@@ -15,6 +15,7 @@ use farmap_core::{error_chain, ChunkIdx, Geometry, GeometryError, StoreError};
 use farmap_net::{ClientOptions, RemoteAddr, RemoteStore, TlsClientConfig};
 use farmap_pipeline::{PushOptions, RetryPolicy};
 use farmap_uffd::{Region, RegionMode, RegionOptions};
+use futures::StreamExt;
 use tokio::sync::mpsc;
 
 use crate::budget::{Pacer, PullBudget, PullPriority};
@@ -1250,54 +1251,72 @@ struct CopyCtx<'a, D> {
 }
 
 impl<D: Destination> CopyCtx<'_, D> {
-    /// Fetches `chunks` batch by batch (from the source: staged in one read a batch, then
-    /// pushed to the shared store), retrying each batch until it is done.
+    /// Fetches `chunks` batch by batch, [`INSTANT_IN_FLIGHT`] batches at once (from the
+    /// source: each staged in one read first), retrying each batch until it is done; then,
+    /// for chunks from the source, pushes them to the shared store. The application waits
+    /// for the fetches, not for the pushes, which follow once everything is here.
     async fn batches(&self, chunks: &[ChunkIdx], from_source: bool) {
-        let per_chunk = (self.chunk / self.page).max(1);
-        let total_pages = self.region.geometry().size().div_ceil(self.page);
+        futures::stream::iter(chunks.chunks(PULL_BATCH as usize))
+            .for_each_concurrent(INSTANT_IN_FLIGHT, |batch| self.fetch(batch, from_source))
+            .await;
+        if !from_source {
+            return;
+        }
         for batch in chunks.chunks(PULL_BATCH as usize) {
             loop {
-                let pages: Vec<Range<u64>> = if from_source {
-                    let mut sorted = batch.to_vec();
-                    sorted.sort_unstable();
-                    let mut runs: Vec<Range<u64>> = Vec::new();
-                    for c in sorted {
-                        let (a, b) = (c.0 * per_chunk, ((c.0 + 1) * per_chunk).min(total_pages));
-                        match runs.last_mut() {
-                            Some(r) if r.end == a => r.end = b,
-                            _ => runs.push(a..b),
-                        }
-                    }
-                    runs
-                } else {
-                    Vec::new()
-                };
-                if !pages.is_empty() {
-                    let _ = self.store.stage(&pages).await;
-                }
-                let fetched = self.region.fetch_chunks(batch.to_vec(), self.workers).await;
-                self.store.unstage(&pages);
-                let pushed = match fetched {
-                    Ok(()) if from_source => {
-                        let (r, b) = (self.region.clone(), batch.to_vec());
-                        tokio::task::spawn_blocking(move || r.push_chunks(b))
-                            .await
-                            .unwrap_or_else(|e| Err(e.into()))
-                    }
-                    other => other,
-                };
-                match pushed {
+                let (r, b) = (self.region.clone(), batch.to_vec());
+                match tokio::task::spawn_blocking(move || r.push_chunks(b))
+                    .await
+                    .unwrap_or_else(|e| Err(e.into()))
+                {
                     Ok(()) => break,
-                    Err(e) => {
-                        self.rep
-                            .note(format!("instant: {}; retrying", error_chain(e.as_ref())));
-                        tokio::time::sleep(Duration::from_millis(50)).await;
-                    }
+                    Err(e) => self.retry_after(e.as_ref()).await,
                 }
             }
         }
     }
+
+    /// Fetches one batch, retrying until it is done.
+    async fn fetch(&self, batch: &[ChunkIdx], from_source: bool) {
+        let per_chunk = (self.chunk / self.page).max(1);
+        let total_pages = self.region.geometry().size().div_ceil(self.page);
+        loop {
+            let pages: Vec<Range<u64>> = if from_source {
+                let mut sorted = batch.to_vec();
+                sorted.sort_unstable();
+                let mut runs: Vec<Range<u64>> = Vec::new();
+                for c in sorted {
+                    let (a, b) = (c.0 * per_chunk, ((c.0 + 1) * per_chunk).min(total_pages));
+                    match runs.last_mut() {
+                        Some(r) if r.end == a => r.end = b,
+                        _ => runs.push(a..b),
+                    }
+                }
+                runs
+            } else {
+                Vec::new()
+            };
+            if !pages.is_empty() {
+                let _ = self.store.stage(&pages).await;
+            }
+            let fetched = self.region.fetch_chunks(batch.to_vec(), self.workers).await;
+            self.store.unstage(&pages);
+            match fetched {
+                Ok(()) => return,
+                Err(e) => self.retry_after(e.as_ref()).await,
+            }
+        }
+    }
+
+    async fn retry_after(&self, e: &(dyn std::error::Error + Send + Sync + 'static)) {
+        self.rep
+            .note(format!("instant: {}; retrying", error_chain(e)));
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
 }
+
+/// Batches an instant migration's copy fetches at once.
+const INSTANT_IN_FLIGHT: usize = 4;
 
 /// Chunks per bulk-pull batch (one `read_many` of their pages, then one install each).
 const PULL_BATCH: u64 = 64;

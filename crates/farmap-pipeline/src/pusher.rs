@@ -179,8 +179,8 @@ struct DraftState {
 pub struct PushDraft {
     /// The ledger; `dirty` holds the chunks written and not pushed so far.
     pub ledger: PushLedger,
-    /// Ascending chunk runs written or pushed lately: the chunks most likely to be written
-    /// again before the writers stop, which [`Pusher::seal_hot`] collects.
+    /// Ascending chunk runs pushed lately and not dirty: the chunks in the remote most likely
+    /// to be written again before the writers stop, which [`Pusher::seal_hot`] collects.
     pub hot: Vec<Range<u64>>,
 }
 
@@ -506,8 +506,11 @@ async fn run_background<S: Store, R: Store>(
             return;
         }
         tokio::select! {
-            _ = tokio::time::sleep(interval) => {}
+            // The stop first: woken by it while the runtime shuts down, the task must not
+            // poll its timer (that panics then).
+            biased;
             _ = stop.wait() => return,
+            _ = tokio::time::sleep(interval) => {}
         }
         let Some(shared) = shared.upgrade() else {
             return;
@@ -683,8 +686,8 @@ impl<S: Store, R: Store> Pusher<S, R> {
     /// The first half of a seal in two steps, while the writers still run: starts no more
     /// pushes (like [`quiesce`](Self::quiesce)), collects the dirty source, and returns the
     /// ledger as it stands (from here on it only changes by chunks turning dirty) with the
-    /// chunks dirty or pushed by the rounds and flushes that started within `window`: the
-    /// *hot* chunks, which
+    /// chunks not dirty and pushed by the rounds and flushes that started within `window`:
+    /// the *hot* chunks, which
     /// [`seal_hot`](Self::seal_hot) collects once the writers are stopped, so that the work
     /// inside the downtime follows what the writers touch, not the region's size.
     /// [`seal_rest`](Self::seal_rest) collects the others after that. Undone by
@@ -724,10 +727,12 @@ impl<S: Store, R: Store> Pusher<S, R> {
         let hot = if s.source.is_none() {
             std::iter::once(0..n).filter(|r| !r.is_empty()).collect()
         } else {
+            // A chunk at the source already needs no look: what it holds is read from
+            // here after the hand-over whatever was written.
             let lately = ledger
                 .iter()
                 .zip(&at_source)
-                .map(|([gen, _], &src)| src || *gen > since);
+                .map(|([gen, _], &src)| !src && *gen > since);
             merge_runs(lately, HOT_GAP)
         };
         drop(ledger);
@@ -1039,14 +1044,14 @@ mod tests {
         let draft = pusher.draft(Duration::from_millis(10)).await.unwrap();
         assert_eq!(draft.ledger.dirty, [ChunkIdx(3)]);
         assert!(draft.ledger.pushed[1].is_some() && draft.ledger.pushed[30].is_some());
-        assert_eq!(draft.hot, [1..4], "pushed lately or dirty, not chunk 30");
+        assert_eq!(draft.hot, [1..3], "pushed lately, not chunk 30 nor dirty 3");
         // Written after the draft: one hot chunk, one cold one, and the dirty one again.
         for i in [2, 20, 3] {
             source.written.lock().push(ChunkIdx(i));
         }
         let hot = pusher.seal_hot().await.unwrap();
         assert_eq!(hot.at_source, [2..3], "chunk 3 was at the source already");
-        assert_eq!(hot.pending, [0..1, 4..32]);
+        assert_eq!(hot.pending, [0..1, 3..32]);
         assert!(pusher.is_sealed());
         assert_eq!(pusher.flush().await.unwrap_err().kind(), ErrorKind::Closed);
         let rest = pusher.seal_rest().await;

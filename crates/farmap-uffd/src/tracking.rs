@@ -312,18 +312,19 @@ impl Tracker {
     }
 }
 
-impl DirtySource for Tracker {
-    /// Called by the pusher on the region's runtime. A scan is a system call that walks the
-    /// page tables (and, with synchronous tracking, may wait for the reader to read pending
-    /// events): it runs as blocking work, so that the runtime's other workers keep serving
-    /// faults meanwhile (`block_in_place` hands this worker's queue to another thread).
-    fn collect(&self, into: &DirtySet) -> StoreResult<()> {
+impl Tracker {
+    /// Runs the scan `take` as blocking work and marks the chunks it found in `into`.
+    fn collect_by(
+        &self,
+        into: &DirtySet,
+        take: impl FnOnce() -> Result<DirtyReport, RegionError>,
+    ) -> StoreResult<()> {
         let on_async_worker = tokio::runtime::Handle::try_current()
             .is_ok_and(|h| h.runtime_flavor() == tokio::runtime::RuntimeFlavor::MultiThread);
         let taken = if on_async_worker {
-            tokio::task::block_in_place(|| self.take())
+            tokio::task::block_in_place(take)
         } else {
-            self.take()
+            take()
         };
         let report = taken.map_err(|e| {
             let message = format!("collecting the region's written pages: {e}");
@@ -335,18 +336,20 @@ impl DirtySource for Tracker {
         }
         Ok(())
     }
+}
+
+impl DirtySource for Tracker {
+    /// Called by the pusher on the region's runtime. A scan is a system call that walks the
+    /// page tables (and, with synchronous tracking, may wait for the reader to read pending
+    /// events): it runs as blocking work, so that the runtime's other workers keep serving
+    /// faults meanwhile (`block_in_place` hands this worker's queue to another thread).
+    fn collect(&self, into: &DirtySet) -> StoreResult<()> {
+        self.collect_by(into, || self.take())
+    }
 
     /// Scans the chunks of `runs` only (what an instant migration's seal looks at inside
     /// the downtime: the chunks written lately, not the whole region).
     fn collect_within(&self, into: &DirtySet, runs: &[Range<u64>]) -> StoreResult<()> {
-        let report = self.take_within(runs).map_err(|e| {
-            let message = format!("collecting the region's written pages: {e}");
-            self.counters.error(message.clone());
-            StoreError::new(ErrorKind::Io, message).with_source(e)
-        })?;
-        for idx in report.chunks {
-            into.mark(idx);
-        }
-        Ok(())
+        self.collect_by(into, || self.take_within(runs))
     }
 }
