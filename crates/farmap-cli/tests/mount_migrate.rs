@@ -249,7 +249,7 @@ fn a_mount_moves_while_a_program_writes_it_and_the_source_refuses_it_afterwards(
     let tmp = tempfile::tempdir().unwrap();
     let p = pair(tmp.path(), "memory:32MiB", &[]);
     let expected = tmp.path().join("expected");
-    let mut writer = start_writer(&p, &expected);
+    let writer = start_writer(&p, &expected);
     std::thread::sleep(Duration::from_millis(300));
     let report = migrate(&p);
     assert_eq!(report["role"], "leech");
@@ -447,7 +447,7 @@ fn instant_over_redis(test: &str, mount_args: &[&str]) {
     let tmp = tempfile::tempdir().unwrap();
     let p = pair(tmp.path(), &spec, mount_args);
     let expected = tmp.path().join("expected");
-    let mut writer = start_writer(&p, &expected);
+    let writer = start_writer(&p, &expected);
     std::thread::sleep(Duration::from_millis(600));
     let report = migrate_with(&p, &["--mode", "instant"]);
     assert_eq!(report["mode"], "instant", "{report}");
