@@ -1251,13 +1251,16 @@ struct CopyCtx<'a, D> {
 }
 
 impl<D: Destination> CopyCtx<'_, D> {
-    /// Fetches `chunks` batch by batch, [`INSTANT_IN_FLIGHT`] batches at once (from the
-    /// source: each staged in one read first), retrying each batch until it is done; then,
-    /// for chunks from the source, pushes them to the shared store. The application waits
-    /// for the fetches, not for the pushes, which follow once everything is here.
+    /// Fetches `chunks` batch by batch (from the source: [`INSTANT_IN_FLIGHT`] batches at
+    /// once, each staged in one read first; from the store, where nobody waits for them,
+    /// one at a time, so that the application keeps the CPU), retrying each batch until it
+    /// is done; then, for chunks from the source, pushes them to the shared store. The
+    /// application waits for the fetches, not for the pushes, which follow once everything
+    /// is here.
     async fn batches(&self, chunks: &[ChunkIdx], from_source: bool) {
+        let in_flight = if from_source { INSTANT_IN_FLIGHT } else { 1 };
         futures::stream::iter(chunks.chunks(PULL_BATCH as usize))
-            .for_each_concurrent(INSTANT_IN_FLIGHT, |batch| self.fetch(batch, from_source))
+            .for_each_concurrent(in_flight, |batch| self.fetch(batch, from_source))
             .await;
         if !from_source {
             return;
