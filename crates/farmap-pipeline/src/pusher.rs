@@ -841,10 +841,15 @@ impl<S: Store, R: Store> Pusher<S, R> {
         self.shared.sealed.load(Ordering::Acquire)
     }
 
-    /// Stops the background task (a round in flight finishes; no round starts after it),
-    /// as dropping the pusher does: before its runtime shuts down.
+    /// Stops the background task for good, before its runtime shuts down: a round in flight
+    /// is cancelled at its next await (its chunks stay dirty). Flushes still push.
     pub fn stop_background(&self) {
         self.stop.stop();
+        // Woken and not yet polled, the task is dropped instead: a timer polled while its
+        // runtime shuts down panics.
+        if let Some(task) = &self.background {
+            task.abort();
+        }
     }
 
     /// Number of chunks written and not yet taken for a push.
