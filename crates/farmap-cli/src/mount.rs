@@ -364,19 +364,34 @@ pub(crate) async fn finish_managed(
     managed: Option<Arc<Managed>>,
     mut result: anyhow::Result<()>,
 ) -> anyhow::Result<()> {
-    if let Some(m) = managed {
+    if let Some(mut m) = managed {
         report_evictions(&m);
-        let m =
-            Arc::try_unwrap(m).map_err(|_| anyhow::anyhow!("the managed store is still in use"));
-        match m {
-            Ok(m) => {
-                let shut = m
-                    .shutdown()
-                    .await
-                    .context("pushing the last writes to the store");
-                result = result.and(shut);
+        // The frontend's last requests may still be finishing on the runtime (a reply task
+        // holds the store until it ends): give them a moment.
+        let deadline = Instant::now() + Duration::from_secs(5);
+        loop {
+            match Arc::try_unwrap(m) {
+                Ok(owned) => {
+                    let shut = owned
+                        .shutdown()
+                        .await
+                        .context("pushing the last writes to the store");
+                    return result.and(shut);
+                }
+                Err(shared) if Instant::now() < deadline => {
+                    m = shared;
+                    tokio::time::sleep(Duration::from_millis(10)).await;
+                }
+                Err(shared) => {
+                    // Still held: push what is dirty all the same.
+                    tracing::warn!("the managed store is still in use: flushing it instead");
+                    let flushed = shared
+                        .flush()
+                        .await
+                        .context("pushing the last writes to the store");
+                    return result.and(flushed);
+                }
             }
-            Err(e) => result = result.and(Err(e)),
         }
     }
     result

@@ -224,17 +224,9 @@ fn a_connection_lost_after_finalize_is_resumed_with_the_session() {
     ));
     // The seeder sends the hand-over again; the leecher resumes once.
     assert!(matches!(a[1], SeederAction::Send(Msg::HandOver { .. })));
-    let la = l.step(LeecherInput::Received(Msg::HandOver {
-        runs: vec![],
-        app_state: Bytes::new(),
-        suspended_at_ns: 0,
-    }));
+    let la = l.step(empty_handover());
     assert!(matches!(la[0], LeecherAction::Resume { .. }));
-    let again = l.step(LeecherInput::Received(Msg::HandOver {
-        runs: vec![],
-        app_state: Bytes::new(),
-        suspended_at_ns: 0,
-    }));
+    let again = l.step(empty_handover());
     assert_eq!(sent(&again), vec![Msg::Resumed]);
     // A stranger's session is refused.
     let mut s2 = Seeder::new(info(), 1);
@@ -505,6 +497,23 @@ fn post_copy_hands_over_at_once_and_fetches_everything() {
     ));
 }
 
+/// A hand-over with nothing in it.
+fn empty_handover() -> LeecherInput {
+    LeecherInput::Received(Msg::HandOver {
+        runs: vec![],
+        app_state: Bytes::new(),
+        suspended_at_ns: 0,
+    })
+}
+
+/// Why `la` gives an instant migration up, if it does.
+fn instant_abort(la: &[LeecherAction]) -> Option<&InstantError> {
+    la.iter().find_map(|a| match a {
+        LeecherAction::Abort(AbortCause::Invalid(Violation::Instant(e))) => Some(e),
+        _ => None,
+    })
+}
+
 fn manifest() -> Manifest {
     use crate::msg::Location;
     Manifest {
@@ -624,29 +633,21 @@ fn a_hand_over_without_its_confirmation_or_a_confirmation_past_the_region_is_ref
         l
     };
     let mut l = start();
-    let la = l.step(LeecherInput::Received(Msg::HandOver {
-        runs: vec![],
-        app_state: Bytes::new(),
-        suspended_at_ns: 0,
-    }));
-    assert!(la.iter().any(|a| matches!(
-        a,
-        LeecherAction::Abort(AbortCause::Invalid(Violation::Instant(
-            InstantError::NoConfirm
-        )))
-    )));
+    let la = l.step(empty_handover());
+    assert!(
+        matches!(instant_abort(&la), Some(InstantError::NoConfirm)),
+        "{la:?}"
+    );
     assert_eq!(l.state(), LeecherState::Aborted);
     let mut l = start();
     let la = l.step(LeecherInput::Received(Msg::Confirm {
         at_source: vec![15..17],
         pending: vec![],
     }));
-    assert!(la.iter().any(|a| matches!(
-        a,
-        LeecherAction::Abort(AbortCause::Invalid(Violation::Instant(
-            InstantError::ConfirmRuns(_)
-        )))
-    )));
+    assert!(
+        matches!(instant_abort(&la), Some(InstantError::ConfirmRuns(_))),
+        "{la:?}"
+    );
     // A confirmation in another mode is a protocol error too.
     let mut l = Leecher::new(Convergence::default(), LeecherLimits::new(4096));
     let la = l.step(LeecherInput::Received(Msg::Confirm {
@@ -674,12 +675,10 @@ fn instant_without_a_shared_store_or_with_a_bad_manifest_is_refused() {
     let mut l =
         Leecher::new(Convergence::default(), LeecherLimits::new(4096)).with_mode(Mode::Instant);
     let la = l.step(LeecherInput::Received(welcome(1 << 20, 65536, 4096)));
-    assert!(la.iter().any(|a| matches!(
-        a,
-        LeecherAction::Abort(AbortCause::Invalid(Violation::Instant(
-            InstantError::NoSharedStore
-        )))
-    )));
+    assert!(
+        matches!(instant_abort(&la), Some(InstantError::NoSharedStore)),
+        "{la:?}"
+    );
     // A manifest that leaves chunks out aborts before the hand-over.
     let mut s = Seeder::new(shared_info(), 5);
     let mut l =
@@ -690,12 +689,10 @@ fn instant_without_a_shared_store_or_with_a_bad_manifest_is_refused() {
     m.runs.pop();
     m.pushed.truncate(10);
     let la = deliver(&mut l, vec![SeederAction::Send(m.to_msg())]);
-    assert!(la.iter().any(|a| matches!(
-        a,
-        LeecherAction::Abort(AbortCause::Invalid(Violation::Instant(
-            InstantError::Manifest(_)
-        )))
-    )));
+    assert!(
+        matches!(instant_abort(&la), Some(InstantError::Manifest(_))),
+        "{la:?}"
+    );
     assert_eq!(l.state(), LeecherState::Aborted);
     // A hand-over without a manifest too.
     let mut l =
@@ -705,15 +702,9 @@ fn instant_without_a_shared_store_or_with_a_bad_manifest_is_refused() {
         &mut l,
         Seeder::new(shared_info(), 5).step(SeederInput::Received(hello)),
     );
-    let la = l.step(LeecherInput::Received(Msg::HandOver {
-        runs: vec![],
-        app_state: Bytes::new(),
-        suspended_at_ns: 0,
-    }));
-    assert!(la.iter().any(|a| matches!(
-        a,
-        LeecherAction::Abort(AbortCause::Invalid(Violation::Instant(
-            InstantError::NoManifest
-        )))
-    )));
+    let la = l.step(empty_handover());
+    assert!(
+        matches!(instant_abort(&la), Some(InstantError::NoManifest)),
+        "{la:?}"
+    );
 }
