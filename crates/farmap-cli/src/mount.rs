@@ -362,7 +362,7 @@ fn agent_mount(
 /// stops it (the frontend's last reference went with it).
 pub(crate) async fn finish_managed(
     managed: Option<Arc<Managed>>,
-    mut result: anyhow::Result<()>,
+    result: anyhow::Result<()>,
 ) -> anyhow::Result<()> {
     if let Some(mut m) = managed {
         report_evictions(&m);
