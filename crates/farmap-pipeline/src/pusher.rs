@@ -665,16 +665,7 @@ impl<S: Store, R: Store> Pusher<S, R> {
         Ok(PushLedger { pushed, dirty })
     }
 
-    /// Starts no more pushes and waits for the ones running (the writers may go on: what
-    /// they write stays dirty): what a [`seal`](Self::seal) would wait for, done ahead of it
-    /// (an instant migration's source, before it suspends its writers). Flushes fail until
-    /// [`unseal`](Self::unseal).
-    pub async fn quiesce(&self) {
-        self.shared.sealing.store(true, Ordering::Release);
-        drop(self.shared.gate.write().await);
-    }
-
-    /// Undoes [`quiesce`](Self::quiesce), [`draft`](Self::draft) or a seal: pushes resume (a
+    /// Undoes a [`draft`](Self::draft) or a seal: pushes resume (a
     /// migration abandoned before its hand-over; the chunks still dirty are pushed by the
     /// next round).
     pub fn unseal(&self) {
@@ -684,7 +675,7 @@ impl<S: Store, R: Store> Pusher<S, R> {
     }
 
     /// The first half of a seal in two steps, while the writers still run: starts no more
-    /// pushes (like [`quiesce`](Self::quiesce)), collects the dirty source, and returns the
+    /// pushes and waits for the ones running, collects the dirty source, and returns the
     /// ledger as it stands (from here on it only changes by chunks turning dirty) with the
     /// chunks not dirty and pushed by the rounds and flushes that started within `window`:
     /// the *hot* chunks, which

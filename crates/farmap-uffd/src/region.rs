@@ -568,18 +568,6 @@ impl Region {
             .map_or(Ok(false), |r| r.map(|()| true).map_err(RegionError::Push))
     }
 
-    /// Stops every push of this region for good and returns what its store holds: per chunk
-    /// the generation and XXH3-64 of its last push, and the chunks written since (see
-    /// [`Pusher::seal`](farmap_pipeline::Pusher::seal)). For the source of an instant
-    /// migration, with its writers stopped: the store now belongs to the destination. Later
-    /// syncs fail.
-    pub fn seal_pushes(&self) -> Result<farmap_pipeline::PushLedger, RegionError> {
-        let pusher = self.inner.pusher.clone();
-        self.inner
-            .block_on(async move { pusher.seal().await })
-            .map_err(RegionError::Push)
-    }
-
     /// The first half of a seal in two steps, while the application runs (see
     /// [`Pusher::draft`](farmap_pipeline::Pusher::draft)): no more pushes start, and the
     /// ledger as it stands comes back with the chunks written or pushed within `window`,
@@ -612,16 +600,9 @@ impl Region {
         self.inner.block_on(async move { pusher.seal_rest().await })
     }
 
-    /// Starts no more pushes and waits for those running (see
-    /// [`Pusher::quiesce`](farmap_pipeline::Pusher::quiesce)): before a seal, so that the
-    /// seal has nothing to wait for.
-    pub fn quiesce_pushes(&self) {
-        let pusher = self.inner.pusher.clone();
-        self.inner.block_on(async move { pusher.quiesce().await });
-    }
-
-    /// Lets pushes run again after [`quiesce_pushes`](Self::quiesce_pushes) or
-    /// [`seal_pushes`](Self::seal_pushes) (a migration abandoned before its hand-over).
+    /// Lets pushes run again after [`draft_pushes`](Self::draft_pushes) or
+    /// [`seal_hot_pushes`](Self::seal_hot_pushes) (a migration abandoned before its
+    /// hand-over).
     pub fn unseal_pushes(&self) {
         self.inner.pusher.unseal();
     }
