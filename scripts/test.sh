@@ -6,6 +6,9 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 export CARGO_TERM_COLOR=never
+# A one-off build of everything gains nothing from incremental compilation, whose caches
+# would double the size of target/ (CI machines have had little disk to spare).
+export CARGO_INCREMENTAL="${CARGO_INCREMENTAL:-0}"
 
 step() { printf '\n=== %s\n' "$*" >&2; }
 
@@ -32,6 +35,10 @@ if ((${#missing[@]})); then
   apt-get update -qq
   DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends "${missing[@]}"
 fi
+
+target_dir="${CARGO_TARGET_DIR:-target}"
+mkdir -p "$target_dir"
+step "disk: $(df -h --output=avail "$target_dir" | tail -1 | tr -d ' ') free for $target_dir"
 
 # --- static checks -----------------------------------------------------------------------
 step "cargo fmt --check"
