@@ -22,6 +22,9 @@ svc_cleanup() {
     for _ in $(seq 1 50); do kill -0 "$p" 2>/dev/null || break; sleep 0.1; done
     kill -KILL "$p" 2>/dev/null || true
   done
+  # Once the test process is gone nobody reads the data or the logs: leave nothing behind
+  # (a stopped service's directory is removed by Service::stop).
+  if ! kill -0 "$SVC_PARENT" 2>/dev/null; then rm -rf "$SVC_DIR"; fi
 }
 trap svc_cleanup EXIT
 trap 'exit 0' TERM INT

@@ -762,6 +762,13 @@ impl<S: Store, R: Store> Pusher<S, R> {
         Ok(self.take_new(complement(&hot, n)))
     }
 
+    /// [`seal_hot`](Self::seal_hot) on the calling thread, which may block (a suspension's):
+    /// inside a migration's downtime, a round trip to a runtime's worker would cost two
+    /// thread wake-ups. Not for an async task.
+    pub fn seal_hot_blocking(&self) -> StoreResult<SealDelta> {
+        futures::executor::block_on(self.seal_hot())
+    }
+
     /// After [`seal_hot`](Self::seal_hot): collects the dirty source over the chunks it left
     /// pending and returns those written since the draft. If the source cannot be collected,
     /// every pending chunk is placed at the source (never wrong, only slower for the new
@@ -782,7 +789,8 @@ impl<S: Store, R: Store> Pusher<S, R> {
             Ok(()) => self.take_new(Vec::new()),
             Err(e) => {
                 tracing::warn!(
-                    "collecting the chunks written last failed ({}): placing every chunk not                      looked at yet at the source",
+                    "collecting the chunks written last failed ({}): placing every chunk not \
+                     looked at yet at the source",
                     farmap_core::error_chain(&e)
                 );
                 let mut delta = self.take_new(Vec::new());

@@ -78,6 +78,10 @@ impl Service {
             std::process::id(),
             unique()
         ));
+        // A directory of that name is left over from a process that had this pid before (a
+        // service shared by a test binary is not stopped, its script is): start afresh, or
+        // the servers would find the last run's state (a Redis cluster node its old peers).
+        let _ = std::fs::remove_dir_all(&dir);
         std::fs::create_dir_all(&dir).map_err(|e| err(format!("{}: {e}", dir.display())))?;
         let log = dir.join("script.log");
         let stderr =

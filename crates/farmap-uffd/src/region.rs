@@ -586,10 +586,13 @@ impl Region {
     /// With the writers stopped, after [`draft_pushes`](Self::draft_pushes): stops every push
     /// for good and says which of the draft's hot chunks were written since (see
     /// [`Pusher::seal_hot`](farmap_pipeline::Pusher::seal_hot)).
+    ///
+    /// Runs on the calling thread (no hop to the region's runtime inside the downtime), which
+    /// must be one that may block.
     pub fn seal_hot_pushes(&self) -> Result<farmap_pipeline::SealDelta, RegionError> {
-        let pusher = self.inner.pusher.clone();
         self.inner
-            .block_on(async move { pusher.seal_hot().await })
+            .pusher
+            .seal_hot_blocking()
             .map_err(RegionError::Push)
     }
 
