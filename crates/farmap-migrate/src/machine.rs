@@ -129,7 +129,7 @@ pub enum SeederAction {
     /// Suspend the application, take the final dirty set and its state; answer with
     /// [`SeederInput::Suspended`] or [`SeederInput::SuspendFailed`]. With `instant`: stop
     /// the pushes for good and look at the chunks written lately instead of taking a dirty
-    /// set.
+    /// set (asked for once the leecher says the manifest is installed, [`Msg::Installed`]).
     Suspend {
         /// Instant mode.
         instant: bool,
@@ -164,6 +164,8 @@ pub struct Seeder {
     /// Instant mode: the last confirmation, sent after the hand-over (and again to a leecher
     /// that reconnects).
     last_confirm: Option<Msg>,
+    /// Instant mode: the manifest is sent and the leecher has not said it is installed.
+    awaiting_install: bool,
     /// The last dirty round asked for in this session (rounds go 1, 2, 3…).
     last_round: u32,
     /// The session's mode.
@@ -228,6 +230,7 @@ impl Seeder {
             next_session: session_seed.max(1),
             handover: Vec::new(),
             last_confirm: None,
+            awaiting_install: false,
             last_round: 0,
             mode: Mode::Precopy,
         }
@@ -343,6 +346,7 @@ impl Seeder {
                 self.state = S::Suspending { session };
                 self.handover.clear();
                 self.last_confirm = None;
+                self.awaiting_install = false;
                 if self.mode == Mode::Instant {
                     vec![A::Draft]
                 } else {
@@ -354,8 +358,18 @@ impl Seeder {
             {
                 let msg = manifest.to_msg();
                 self.handover.push(msg.clone());
-                vec![A::Send(msg), A::Suspend { instant: true }]
+                // The suspension waits for the leecher's `Installed`: installing a manifest
+                // takes time that grows with the region, and the application runs meanwhile.
+                self.awaiting_install = true;
+                vec![A::Send(msg)]
             }
+            (S::Suspending { .. }, SeederInput::Received(Msg::Installed))
+                if std::mem::take(&mut self.awaiting_install) =>
+            {
+                vec![A::Suspend { instant: true }]
+            }
+            // A manifest sent again to a leecher that reconnected: installed again, no news.
+            (S::HandedOver { .. }, SeederInput::Received(Msg::Installed)) => vec![],
             (
                 S::Suspending { session },
                 SeederInput::Suspended {
@@ -477,6 +491,7 @@ pub fn msg_name(m: &Msg) -> &'static str {
         Msg::Abort { .. } => "Abort",
         Msg::Manifest { .. } => "Manifest",
         Msg::Confirm { .. } => "Confirm",
+        Msg::Installed => "Installed",
     }
 }
 
@@ -973,7 +988,12 @@ impl Leecher {
                 }
                 self.manifest_seen = true;
                 self.hot = None;
-                vec![A::InstallManifest(Manifest { runs, pushed })]
+                // The runner installs it before it sends the acknowledgement (actions run
+                // in order).
+                vec![
+                    A::InstallManifest(Manifest { runs, pushed }),
+                    A::Send(Msg::Installed),
+                ]
             }
             (
                 S::Finalizing | S::PostCopy | S::Completing,

@@ -554,15 +554,20 @@ fn instant_sends_the_manifest_while_running_then_confirms_in_two_steps_and_again
         vec![SeederAction::Draft]
     );
     let a = s.step(SeederInput::Drafted(manifest()));
+    assert_eq!(a, vec![SeederAction::Send(manifest().to_msg())]);
+    // The suspension waits until the destination has installed the manifest.
+    let la = deliver(&mut l, a);
     assert_eq!(
-        a,
+        la,
         vec![
-            SeederAction::Send(manifest().to_msg()),
-            SeederAction::Suspend { instant: true }
+            LeecherAction::InstallManifest(manifest()),
+            LeecherAction::Send(Msg::Installed)
         ]
     );
-    let la = deliver(&mut l, a);
-    assert_eq!(la, vec![LeecherAction::InstallManifest(manifest())]);
+    assert_eq!(
+        s.step(SeederInput::Received(Msg::Installed)),
+        vec![SeederAction::Suspend { instant: true }]
+    );
     let hot = Confirm {
         at_source: vec![3..4],
         pending: vec![0..3, 12..16],

@@ -123,7 +123,7 @@ pub fn max_payload(kind: u8) -> u32 {
         3 => 4,
         4 => 4 + 4 + 12 * MAX_RUNS,
         6 => 4 + 12 * MAX_RUNS + 4 + MAX_APP_STATE + 8,
-        5 | 7 | 8 | 9 => 0,
+        5 | 7 | 8 | 9 | 13 => 0,
         10 => 4 + MAX_TEXT,
         11 => MAX_PAYLOAD,
         12 => 4 + 12 * MAX_RUNS + 4 + 12 * MAX_RUNS,
@@ -209,6 +209,10 @@ pub enum Msg {
         /// Chunk runs not looked at yet.
         pending: Vec<Range<u64>>,
     },
+    /// L→S (instant mode): the `Manifest` is installed; the source may suspend. The
+    /// manifest grows with the region: installed before the suspension, it stays out of
+    /// the downtime.
+    Installed,
     /// L→S: every chunk is local; the seeder may release the region.
     Done,
     /// S→L: the seeder released the region.
@@ -274,7 +278,7 @@ pub fn decode_header(h: &[u8; HEADER_LEN]) -> Result<Header, DecodeError> {
             cap: MAX_PAYLOAD.into(),
         });
     }
-    if !(1..=12).contains(&kind) {
+    if !(1..=13).contains(&kind) {
         return Err(DecodeError::Kind(kind));
     }
     if len > max_payload(kind) {
@@ -302,6 +306,7 @@ impl Msg {
             Msg::Abort { .. } => 10,
             Msg::Manifest { .. } => 11,
             Msg::Confirm { .. } => 12,
+            Msg::Installed => 13,
         }
     }
 
@@ -365,7 +370,7 @@ impl Msg {
                 p.put_slice(app_state);
                 p.put_u64(*suspended_at_ns);
             }
-            Msg::Finalize | Msg::Resumed | Msg::Done | Msg::Bye => {}
+            Msg::Finalize | Msg::Resumed | Msg::Installed | Msg::Done | Msg::Bye => {}
             Msg::Abort { reason } => put_text(&mut p, reason),
         }
         let mut f = BytesMut::with_capacity(HEADER_LEN + p.len());
@@ -471,6 +476,7 @@ impl Msg {
                 at_source: get_runs(p)?,
                 pending: get_runs(p)?,
             },
+            13 => Msg::Installed,
             k => return Err(DecodeError::Kind(k)),
         };
         if !p.is_empty() {
@@ -753,6 +759,7 @@ mod tests {
             suspended_at_ns: 99,
         });
         roundtrip(Msg::Resumed);
+        roundtrip(Msg::Installed);
         roundtrip(Msg::Done);
         roundtrip(Msg::Bye);
         roundtrip(Msg::Abort {

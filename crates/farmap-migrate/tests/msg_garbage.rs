@@ -45,7 +45,7 @@ proptest! {
     /// to end early and some with lengths that claim far more than follows.
     #[test]
     fn random_payloads_never_panic(
-        kind in 0u8..14,
+        kind in 0u8..16,
         payload in proptest::collection::vec(any::<u8>(), 0..120),
     ) {
         check(kind, &payload);
