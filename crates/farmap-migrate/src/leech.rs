@@ -535,6 +535,7 @@ pub async fn leech_into<D: Destination>(
         received,
         bytes_before_resume: 0,
         manifest: None,
+        awake: None,
     };
     let mut queue: VecDeque<LeecherAction> = machine.step(LeecherInput::Received(welcome)).into();
     loop {
@@ -623,9 +624,28 @@ struct Run<D> {
     bytes_before_resume: u64,
     /// Instant mode: the manifest installed (its runs give the order of the fetches).
     manifest: Option<Manifest>,
+    /// Keeps this host's CPUs awake from the request for the hand-over until it arrives.
+    awake: Option<farmap_uffd::KeepAwake>,
 }
 
 impl<D> Run<D> {
+    /// Keeps the CPUs awake for at most [`HANDOVER_AWAKE`] (see [`farmap_uffd::KeepAwake`]);
+    /// without it (no threads to spare), the hand-over only waits for a CPU's wake-up.
+    fn keep_awake(&mut self) {
+        if self.awake.is_none() {
+            match farmap_uffd::KeepAwake::new() {
+                Ok(a) => self.awake = Some(a),
+                Err(e) => {
+                    tracing::debug!(error = %e, "cannot keep the CPUs awake for the hand-over");
+                    return;
+                }
+            }
+        }
+        if let Some(a) = &self.awake {
+            a.until(Instant::now() + HANDOVER_AWAKE);
+        }
+    }
+
     /// Gives this process's threads their normal priority back (before the application
     /// resumes here, or when the migration ends).
     fn restore_priority(&mut self) {
@@ -686,6 +706,16 @@ impl<D: Destination> Run<D> {
                             format!("{} mode: finalizing at once", self.opts.mode)
                         }
                     });
+                }
+                // The hand-over follows these within milliseconds (after the draft, in
+                // instant mode): its reading must not wait for a halted CPU to wake up.
+                let handover_next = match m {
+                    Msg::Installed => true,
+                    Msg::Finalize => self.opts.mode != Mode::Instant,
+                    _ => false,
+                };
+                if handover_next {
+                    self.keep_awake();
                 }
                 if self.connected && self.tx.send(&m).await.is_err() {
                     self.connected = false;
@@ -968,6 +998,13 @@ impl<D: Destination> Run<D> {
             self.finalize_sent.map_or(Duration::ZERO, |f| now - f)
         };
         self.resumed_at = Some(now);
+        if let Some(awake) = self.awake.take() {
+            awake.release();
+            tracing::debug!(
+                cpu_ms = awake.cpu_time().as_secs_f64() * 1e3,
+                "the CPUs were kept awake for the hand-over"
+            );
+        }
         self.handed_over = true;
         self.rep.emit(Event::HandedOver);
         self.final_pages = run_pages(&runs);
@@ -1218,7 +1255,18 @@ async fn instant_copy<D: Destination>(
         workers,
         rep: &rep,
     };
-    copy.batches(&source, true).await;
+    let t0 = Instant::now();
+    copy.fetch_all(&source, true).await;
+    if !source.is_empty() {
+        let took = t0.elapsed().as_secs_f64();
+        rep.note(format!(
+            "instant: the {} chunks only the source held came in {:.1} ms ({:.0} MB/s)",
+            source.len(),
+            took * 1e3,
+            (source.len() as u64 * chunk) as f64 / took.max(1e-9) / 1e6
+        ));
+    }
+    copy.push(&source).await;
     store.wait_confirmed().await;
     let (all_source, shared) = store.instant_places();
     let late: Vec<ChunkIdx> = all_source
@@ -1258,13 +1306,22 @@ impl<D: Destination> CopyCtx<'_, D> {
     /// application waits for the fetches, not for the pushes, which follow once everything
     /// is here.
     async fn batches(&self, chunks: &[ChunkIdx], from_source: bool) {
+        self.fetch_all(chunks, from_source).await;
+        if from_source {
+            self.push(chunks).await;
+        }
+    }
+
+    /// The fetches of [`batches`](Self::batches).
+    async fn fetch_all(&self, chunks: &[ChunkIdx], from_source: bool) {
         let in_flight = if from_source { INSTANT_IN_FLIGHT } else { 1 };
         futures::stream::iter(chunks.chunks(PULL_BATCH as usize))
             .for_each_concurrent(in_flight, |batch| self.fetch(batch, from_source))
             .await;
-        if !from_source {
-            return;
-        }
+    }
+
+    /// Pushes `chunks`, fetched from the source, to the shared store, batch by batch.
+    async fn push(&self, chunks: &[ChunkIdx]) {
         for batch in chunks.chunks(PULL_BATCH as usize) {
             loop {
                 let (r, b) = (self.region.clone(), batch.to_vec());
@@ -1317,6 +1374,10 @@ impl<D: Destination> CopyCtx<'_, D> {
         tokio::time::sleep(Duration::from_millis(50)).await;
     }
 }
+
+/// How long the destination keeps its CPUs awake waiting for the hand-over: the source's
+/// suspension and last scan take milliseconds; past this, the CPUs may halt again.
+const HANDOVER_AWAKE: Duration = Duration::from_millis(100);
 
 /// Batches an instant migration's copy fetches at once.
 const INSTANT_IN_FLIGHT: usize = 4;

@@ -18,6 +18,17 @@
 //!  Finish ◀──────────────────────── Bye ────
 //! ```
 //!
+//! Instant mode has no rounds; the manifest travels while the application runs:
+//!
+//! ```text
+//!  Finalize ───────────────────────────────▶ Draft (pushes stop; the manifest is made)
+//!  InstallManifest ◀────────── Manifest ────
+//!  Installed ──────────────────────────────▶ Suspend, look at the chunks pushed lately
+//!  Resume ◀─────────── Confirm, HandOver ─── (→ HandedOver)
+//!  Resumed ────────────────────────────────▶ ConfirmRest (the other chunks)
+//!  pending chunks confirmed ◀── Confirm ────
+//! ```
+//!
 //! A lost connection before the hand-over aborts (the source keeps running, tracking
 //! stops); after `Finalize` the leecher reconnects with its session, and the seeder, if it
 //! handed over, sends the hand-over again.

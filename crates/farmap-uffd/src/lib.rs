@@ -143,6 +143,7 @@ pub use options::{
     FaultWait, LocalLimit, PagingOptions, Prefetch, RegionMode, RegionOptions, TrackingMode,
     WriteTracking,
 };
+pub use polling::KeepAwake;
 pub use region::{probe, Region, Support};
 pub use shared_map::SharedMapping;
 pub use slice::{RegionSlice, SliceError};

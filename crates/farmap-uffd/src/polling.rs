@@ -278,6 +278,46 @@ fn companion(s: &Shared, on: Option<usize>) {
     }
 }
 
+/// Keeps every CPU of this process from halting for a short, known wait: the same
+/// idle-priority companions as the polling fault path, opened on demand.
+///
+/// On a VM whose idle virtual CPUs halt, waking a thread on one costs tens of µs, and more at
+/// random: a migration's destination uses this between asking for the hand-over and
+/// receiving it, so that the wake-up of the thread that reads the hand-over lands on a
+/// running CPU. The companions run at `SCHED_IDLE` (any other thread preempts them at once)
+/// and only until the deadline given; their CPU time is [`cpu_time`](Self::cpu_time).
+#[derive(Debug)]
+pub struct KeepAwake {
+    companions: Companions,
+    cpu: Arc<CpuAccount>,
+}
+
+impl KeepAwake {
+    /// Starts one parked companion per CPU this process may run on.
+    pub fn new() -> io::Result<KeepAwake> {
+        let cpu = Arc::new(CpuAccount::default());
+        Ok(KeepAwake {
+            companions: Companions::per_cpu(cpu.clone())?,
+            cpu,
+        })
+    }
+
+    /// Keeps the CPUs awake until `deadline`.
+    pub fn until(&self, deadline: Instant) {
+        self.companions.open_until(deadline);
+    }
+
+    /// Lets the CPUs halt again (the companions park at their next look at the clock).
+    pub fn release(&self) {
+        self.companions.open_until(Instant::now());
+    }
+
+    /// CPU time the companions have used so far.
+    pub fn cpu_time(&self) -> Duration {
+        Duration::from_nanos(self.cpu.total().0)
+    }
+}
+
 /// The reader's side of [`FaultWait::Poll`](crate::FaultWait::Poll): its window and its
 /// companions.
 #[derive(Debug)]
@@ -344,6 +384,29 @@ mod tests {
         c.stop();
         assert_eq!(cpu.total().1, 0, "every companion is joined");
         assert!(cpu.total().0 >= after, "their time is kept after they exit");
+    }
+
+    #[test]
+    fn keep_awake_spins_until_released() {
+        let a = KeepAwake::new().unwrap();
+        for _ in 0..500 {
+            if a.cpu.total().1 > 0 {
+                break;
+            }
+            std::thread::sleep(Duration::from_millis(2));
+        }
+        assert!(a.cpu.total().1 > 0, "the companions run");
+        let (idle, parked) = settled(&a.cpu);
+        assert!(parked, "nothing spins before a deadline is set");
+        a.until(Instant::now() + Duration::from_secs(60));
+        std::thread::sleep(Duration::from_millis(100));
+        assert!(
+            a.cpu_time().as_nanos() as u64 > idle,
+            "they spin until the deadline"
+        );
+        a.release();
+        let (_, parked) = settled(&a.cpu);
+        assert!(parked, "released long before the deadline, they park again");
     }
 
     #[test]
