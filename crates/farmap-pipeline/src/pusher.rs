@@ -516,6 +516,13 @@ async fn run_background<S: Store, R: Store>(
             return;
         };
         shared.background_round().await;
+        drop(shared);
+        // The round's dirty scan may have run under `block_in_place`, which hands this
+        // worker's core to another thread: this thread then finishes the task's poll on its
+        // own, and the runtime may shut down (its timer too) meanwhile, whatever the stop
+        // check above says. Yielding moves the task back onto a worker that holds a core
+        // (or, if the runtime is shutting down, it is dropped) before it makes a timer.
+        tokio::task::yield_now().await;
     }
 }
 
