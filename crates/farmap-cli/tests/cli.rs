@@ -2,6 +2,7 @@
 
 use std::path::Path;
 use std::process::{Command, Output};
+use std::time::{Duration, Instant};
 
 fn farmap(args: &[&str]) -> Output {
     Command::new(env!("CARGO_BIN_EXE_farmap"))
@@ -282,18 +283,18 @@ fn info_reads_a_dir_store_that_a_writer_holds() {
     drop(writer);
     // Closing releases the lock, but a child that another test of this binary forks at that
     // moment holds a copy of the descriptor until its exec: allow for that window.
-    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(5);
+    let deadline = Instant::now() + Duration::from_secs(5);
     loop {
         let o = farmap(&["cp", "memory:1MiB", &format!("dir:{}", dir.display())]);
         if o.status.success() {
             break;
         }
         assert!(
-            std::time::Instant::now() < deadline && stderr(&o).contains("in use"),
+            Instant::now() < deadline && stderr(&o).contains("in use"),
             "{}",
             stderr(&o)
         );
-        std::thread::sleep(std::time::Duration::from_millis(50));
+        std::thread::sleep(Duration::from_millis(50));
     }
 }
 

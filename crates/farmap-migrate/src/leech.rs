@@ -998,8 +998,8 @@ impl<D: Destination> Run<D> {
             self.finalize_sent.map_or(Duration::ZERO, |f| now - f)
         };
         self.resumed_at = Some(now);
+        // Dropped here: the spinners stop.
         if let Some(awake) = self.awake.take() {
-            awake.release();
             tracing::debug!(
                 cpu_ms = awake.cpu_time().as_secs_f64() * 1e3,
                 "the CPUs were kept awake for the hand-over"

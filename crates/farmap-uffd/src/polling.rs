@@ -302,14 +302,10 @@ impl KeepAwake {
         })
     }
 
-    /// Keeps the CPUs awake until `deadline`.
+    /// Keeps the CPUs awake until `deadline` (a deadline already past lets them halt again;
+    /// dropping the `KeepAwake` stops the companions).
     pub fn until(&self, deadline: Instant) {
         self.companions.open_until(deadline);
-    }
-
-    /// Lets the CPUs halt again (the companions park at their next look at the clock).
-    pub fn release(&self) {
-        self.companions.open_until(Instant::now());
     }
 
     /// CPU time the companions have used so far.
@@ -387,7 +383,7 @@ mod tests {
     }
 
     #[test]
-    fn keep_awake_spins_until_released() {
+    fn keep_awake_spins_until_its_deadline_is_moved_back() {
         let a = KeepAwake::new().unwrap();
         for _ in 0..500 {
             if a.cpu.total().1 > 0 {
@@ -404,9 +400,12 @@ mod tests {
             a.cpu_time().as_nanos() as u64 > idle,
             "they spin until the deadline"
         );
-        a.release();
+        a.until(Instant::now());
         let (_, parked) = settled(&a.cpu);
-        assert!(parked, "released long before the deadline, they park again");
+        assert!(
+            parked,
+            "with the deadline moved back to now, they park again"
+        );
     }
 
     #[test]

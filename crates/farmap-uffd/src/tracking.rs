@@ -343,6 +343,9 @@ impl DirtySource for Tracker {
     /// page tables (and, with synchronous tracking, may wait for the reader to read pending
     /// events): it runs as blocking work, so that the runtime's other workers keep serving
     /// faults meanwhile (`block_in_place` hands this worker's queue to another thread).
+    /// The calling task then finishes its poll on a thread without a worker's core, where a
+    /// runtime shutting down meanwhile may already have stopped its timer: a task that makes
+    /// a timer after a collect yields first (the pusher's background round does).
     fn collect(&self, into: &DirtySet) -> StoreResult<()> {
         self.collect_by(into, || self.take())
     }
