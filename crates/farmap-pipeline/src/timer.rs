@@ -36,10 +36,11 @@ use std::future::Future;
 use std::pin::Pin;
 use std::sync::atomic::{AtomicBool, Ordering as AtomicOrdering};
 use std::sync::{Arc, OnceLock};
-use std::task::{Context, Poll, Waker};
+use std::task::{Context, Poll};
 use std::thread;
 use std::time::{Duration, Instant};
 
+use futures::task::AtomicWaker;
 use parking_lot::{Condvar, Mutex, MutexGuard};
 
 /// A future that completes at (shortly after, never before) its deadline.
@@ -115,8 +116,9 @@ impl Future for Sleep {
                 }
                 let shared = Arc::new(Shared {
                     fired: AtomicBool::new(false),
-                    waker: Mutex::new(Some(cx.waker().clone())),
+                    waker: AtomicWaker::new(),
                 });
+                shared.waker.register(cx.waker());
                 timer().register(this.deadline, shared.clone(), now);
                 this.shared = Some(shared);
                 Poll::Pending
@@ -125,15 +127,12 @@ impl Future for Sleep {
                 if shared.fired.load(AtomicOrdering::Acquire) {
                     return Poll::Ready(());
                 }
-                let mut slot = shared.waker.lock();
-                // The timer thread sets `fired` while holding the slot: checked again under
-                // the lock, a waker stored here is either taken by it or not needed.
+                // `register` keeps the stored waker when it would wake the same task. The
+                // timer sets `fired` before it takes the waker: checked again after the
+                // registration, a waker stored here is either taken by it or not needed.
+                shared.waker.register(cx.waker());
                 if shared.fired.load(AtomicOrdering::Acquire) {
                     return Poll::Ready(());
-                }
-                match &*slot {
-                    Some(w) if w.will_wake(cx.waker()) => {}
-                    _ => *slot = Some(cx.waker().clone()),
                 }
                 Poll::Pending
             }
@@ -147,7 +146,7 @@ impl Drop for Sleep {
         // Once fired, whoever fired it has taken the waker already: no lock needed.
         if let Some(shared) = &self.shared {
             if !shared.fired.load(AtomicOrdering::Acquire) {
-                shared.waker.lock().take();
+                drop(shared.waker.take());
             }
         }
     }
@@ -164,21 +163,18 @@ impl fmt::Debug for Sleep {
 }
 
 /// State shared by a [`Sleep`] and its heap entry.
+///
+/// No lock: `fired` is set before the waker is taken, and a poll checks it again after it
+/// registers its waker, so a wake-up is never lost.
 struct Shared {
     fired: AtomicBool,
-    waker: Mutex<Option<Waker>>,
+    waker: AtomicWaker,
 }
 
 impl Shared {
     fn fire(&self) {
-        let waker = {
-            let mut slot = self.waker.lock();
-            self.fired.store(true, AtomicOrdering::Release);
-            slot.take()
-        };
-        if let Some(w) = waker {
-            w.wake();
-        }
+        self.fired.store(true, AtomicOrdering::Release);
+        self.waker.wake();
     }
 }
 
@@ -372,7 +368,7 @@ impl Timer {
 mod tests {
     use super::*;
     use std::sync::atomic::AtomicUsize;
-    use std::task::Wake;
+    use std::task::{Wake, Waker};
 
     struct CountingWaker(AtomicUsize);
 

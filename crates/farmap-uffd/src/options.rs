@@ -202,15 +202,17 @@ impl PagingOptions {
 /// `src/polling.rs`).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 pub enum FaultWait {
-    /// Block in `poll(2)` as soon as no message is queued: no CPU spent while idle, but on a
-    /// VM each fault after a pause pays the wake-up of an idle virtual CPU (tens of µs here),
-    /// for the reader and again for the faulting thread.
+    /// Block in `poll(2)` as soon as no message is queued: no CPU spent while idle. One
+    /// reader per CPU (at most 8), each kept to its CPU, so that the reader of the faulting
+    /// thread's CPU serves the fault without waking an idle virtual CPU, for itself or for the
+    /// faulting thread (a single reader on another CPU paid both: tens of µs here). A reader
+    /// whose CPU has no faulting thread rests for a few ms at a time.
     #[default]
     Sleep,
-    /// After each batch, keep reading the userfaultfd without sleeping for up to this long
-    /// before blocking in `poll(2)` again; while that window is open, one `SCHED_IDLE`
-    /// companion thread per CPU spins so that no CPU halts (any other thread preempts them
-    /// at once). Back-to-back faults then pay neither wake-up, at the cost of the reader's
+    /// One reader, which after each batch keeps reading the userfaultfd without sleeping for
+    /// up to this long before blocking in `poll(2)` again; while that window is open, one
+    /// `SCHED_IDLE` companion thread per CPU spins so that no CPU halts (any other thread
+    /// preempts them at once). Back-to-back faults then pay neither wake-up, at the cost of the reader's
     /// spinning (a CPU for up to the window after each fault) and of otherwise idle CPU
     /// time (see [`RegionStats::handler_cpu`](crate::RegionStats::handler_cpu)).
     Poll(Duration),

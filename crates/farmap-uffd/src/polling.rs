@@ -67,6 +67,19 @@ use crate::sched::{set_thread_policy, ThreadPolicy};
 /// Spin hints between two looks at the clock in a companion's loop.
 const SPINS_PER_CHECK: u32 = 16;
 
+/// The CPUs this process may run on, in order; `None` if the affinity cannot be read.
+pub(crate) fn affinity_cpus() -> Option<Vec<usize>> {
+    let set = rustix::thread::sched_getaffinity(None).ok()?;
+    Some((0..CpuSet::MAX_CPU).filter(|c| set.is_set(*c)).collect())
+}
+
+/// Keeps the calling thread to `cpu`.
+pub(crate) fn keep_to_cpu(cpu: usize) -> io::Result<()> {
+    let mut set = CpuSet::new();
+    set.set(cpu);
+    rustix::thread::sched_setaffinity(None, &set).map_err(io::Error::from)
+}
+
 /// CPU time of a set of threads: the ones alive, read from the kernel, plus the ones gone.
 #[derive(Debug, Default)]
 pub(crate) struct CpuAccount {
@@ -193,12 +206,9 @@ impl Companions {
     /// CPU has one: the scheduler, left alone, sometimes stacks them on one CPU, since they
     /// weigh next to nothing); one per CPU, unpinned, if the affinity cannot be read.
     pub fn per_cpu(cpu: Arc<CpuAccount>) -> io::Result<Companions> {
-        let cpus = match rustix::thread::sched_getaffinity(None) {
-            Ok(set) => (0..CpuSet::MAX_CPU)
-                .filter(|c| set.is_set(*c))
-                .map(Some)
-                .collect(),
-            Err(_) => {
+        let cpus = match affinity_cpus() {
+            Some(cpus) => cpus.into_iter().map(Some).collect(),
+            None => {
                 let n = std::thread::available_parallelism().map_or(1, |n| n.get());
                 vec![None; n]
             }
@@ -251,9 +261,7 @@ fn companion(s: &Shared, on: Option<usize>) {
         return;
     }
     if let Some(c) = on {
-        let mut set = CpuSet::new();
-        set.set(c);
-        if let Err(e) = rustix::thread::sched_setaffinity(None, &set) {
+        if let Err(e) = keep_to_cpu(c) {
             // Still useful wherever the scheduler puts it.
             tracing::debug!(error = %e, cpu = c, "a fault-path companion cannot keep to its CPU");
         }

@@ -258,6 +258,10 @@ impl Region {
                 features |= sys::UFFD_FEATURE_THREAD_ID;
             }
         }
+        if support.features & sys::UFFD_FEATURE_THREAD_ID != 0 {
+            // Also tells a fault reader where the faulting thread runs (`src/server.rs`).
+            features |= sys::UFFD_FEATURE_THREAD_ID;
+        }
         if mode == TrackingMode::Async {
             features |= sys::UFFD_FEATURE_WP_ASYNC | sys::UFFD_FEATURE_WP_UNPOPULATED;
         }
@@ -659,6 +663,8 @@ impl Region {
             wp_faults: Counters::get(&c.wp_faults),
             faults_polled: Counters::get(&c.faults_polled),
             faults_slept: Counters::get(&c.faults_slept),
+            fault_readers: self.inner.server.readers() as u32,
+            reader_rests: Counters::get(&c.reader_rests),
             faults_in_thread: Counters::get(&c.faults_in_thread),
             faults_signalled: Counters::get(&c.faults_signalled),
             handler_cpu: self.inner.server.handler_cpu(),

@@ -14,7 +14,20 @@
 //!                                            wakes the faulting thread; or UFFDIO_POISON
 //! ```
 //!
-//! With [`FaultWait::Poll`] the reader, after each batch, goes on reading without blocking
+//! With [`FaultWait::Sleep`] (the default) there is one reader per CPU the process may run
+//! on (at most [`MAX_READERS`]), each kept to its CPU. A fault wakes every reader blocked in
+//! `poll(2)`; the one on the faulting thread's CPU runs as soon as that thread sleeps, with no
+//! idle CPU to wake, and its copy wakes the faulting thread on the same CPU: on this VM about
+//! 10 µs a fault, against about 50 µs for a single reader on another, idle CPU. A reader that
+//! has no business on its CPU stops polling for [`DORMANT`], and so stops costing each fault
+//! a wake-up of its CPU: when its wake-ups keep finding nothing to read (another reader was
+//! first), or when the faulting threads of what it reads run on other CPUs only (looked up
+//! in `/proc` at most every [`CPU_CHECK_EVERY`]). One reader always stays. A reader holds
+//! `read_order` from its read until it has handled the events among what it read (faults
+//! after that), so every message read after an event is handled after the event, as with a
+//! single reader (a remove event clears written marks that a later fault may set again).
+//!
+//! With [`FaultWait::Poll`] one reader, after each batch, goes on reading without blocking
 //! for the window before it returns to `poll(2)`, and idle-priority companions keep the CPUs
 //! awake meanwhile: see the `polling` module.
 //!
@@ -27,15 +40,15 @@ use std::future::Future;
 use std::io;
 use std::os::fd::{AsFd, BorrowedFd, OwnedFd};
 use std::pin::Pin;
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::task::{Context, Poll, Waker};
 use std::thread::JoinHandle;
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
 use farmap_core::{ChunkIdx, Geometry, Store};
 use farmap_pipeline::{retry, Cached, Puller, RetryPolicy};
-use parking_lot::RwLock;
+use parking_lot::{Mutex, RwLock};
 use rustix::event::{eventfd, poll, EventfdFlags, PollFd, PollFlags};
 use tokio::runtime::Handle;
 
@@ -43,7 +56,7 @@ use crate::memory::{Events, RegionMemory};
 use crate::options::FaultWait;
 use crate::pagemap::Pagemap;
 use crate::paging::{Admit, Pager};
-use crate::polling::{Companions, HandlerAccounts, PollWindow};
+use crate::polling::{affinity_cpus, keep_to_cpu, Companions, HandlerAccounts, PollWindow};
 use crate::signal::SignalPath;
 use crate::stats::{Counters, HandlerCpu};
 use crate::sys::{self, UffdMsg};
@@ -57,6 +70,33 @@ type FaultFuture = Pin<Box<dyn Future<Output = ()> + Send>>;
 
 /// Messages read per `read(2)`.
 const BATCH: usize = 64;
+
+/// Most readers of a sleeping server (one per CPU, on the first CPUs of the process's
+/// affinity).
+pub(crate) const MAX_READERS: usize = 8;
+
+/// Wake-ups in a row that found nothing to read after which a reader stops polling for
+/// [`DORMANT`] (when another reader still polls).
+const SPURIOUS_LIMIT: u32 = 8;
+
+/// How often at most a reader looks up on which CPU the thread of a fault it read runs (a
+/// read of `/proc`, a few µs); one on another CPU sends the reader to rest.
+const CPU_CHECK_EVERY: Duration = Duration::from_micros(200);
+
+/// How long a resting reader stays out of `poll(2)`. A fault on its CPU meanwhile is served
+/// by another CPU's reader, slower (a wake-up of that CPU).
+///
+/// Measured (`farmap bench uffd --case fault-4k`, one unpinned thread faulting, 2-CPU VM):
+/// 1, 2, 5 and 20 ms all gave a p50 of 10-11 µs; at 5 ms the other reader rests about 50
+/// times in 20,000 faults. Calling a resting reader back as soon as another saw a fault from
+/// its CPU made it worse (12-16 µs): the faulting thread moves between CPUs now and then, and
+/// the readers took turns.
+pub(crate) const DORMANT: Duration = Duration::from_millis(5);
+
+/// A reader that saw a fault from its own CPU this recently does not rest, whatever else it
+/// sees (the faults of a process whose threads run on several CPUs). Measured as above: 0 and
+/// 1 ms gave 10-12 µs, 5 ms 12-17 µs (a faulting thread that moved kept both readers up).
+const HOME_WINDOW: Duration = Duration::from_millis(1);
 
 /// Everything a fault needs, shared by the reader thread and the tasks it spawns.
 pub(crate) struct Server {
@@ -86,6 +126,11 @@ pub(crate) struct Server {
     handler_cpu: HandlerAccounts,
     faults_read: AtomicU64,
     poison_unsupported: AtomicBool,
+    /// Held by a reader from a read of messages to the end of the handling of the events it
+    /// read (see the module doc).
+    read_order: Mutex<()>,
+    /// Reader threads started.
+    readers: AtomicUsize,
 }
 
 /// What a [`Server`] is made of.
@@ -124,11 +169,18 @@ impl Server {
             handler_cpu: HandlerAccounts::default(),
             faults_read: AtomicU64::new(0),
             poison_unsupported: AtomicBool::new(false),
+            read_order: Mutex::new(()),
+            readers: AtomicUsize::new(0),
         }
     }
 
     fn page(&self) -> usize {
         self.range.page_size()
+    }
+
+    /// Reader threads started for this server.
+    pub fn readers(&self) -> usize {
+        self.readers.load(Ordering::Relaxed)
     }
 
     /// CPU time of the reader threads and companions so far.
@@ -159,8 +211,35 @@ impl Server {
         Counters::add(counter, n);
     }
 
-    /// Handles a batch of messages: events first, then faults.
-    fn handle(self: &Arc<Self>, msgs: &[UffdMsg], rt: &Handle) {
+    /// Reads a batch from the userfaultfd (`posted`: from the SIGBUS handlers' posts) into
+    /// `msgs`, counts its faults, handles its events and then its faults; returns how many
+    /// messages it read. The events are handled under `read_order` (see the module doc).
+    fn read_and_handle(
+        self: &Arc<Self>,
+        msgs: &mut [UffdMsg],
+        rt: &Handle,
+        posted: bool,
+        polled: bool,
+    ) -> io::Result<usize> {
+        let n = {
+            let _order = self.read_order.lock();
+            let n = match (posted, &self.signal) {
+                (true, Some(s)) => s.read_posted(msgs),
+                (true, None) => 0,
+                (false, _) => self.range.uffd().read_messages(msgs)?,
+            };
+            if n > 0 {
+                self.count_found(&msgs[..n], polled);
+                self.handle_events(&msgs[..n]);
+            }
+            n
+        };
+        self.handle_faults(&msgs[..n], rt);
+        Ok(n)
+    }
+
+    /// Handles the events of a batch (its faults are left to [`handle_faults`](Self::handle_faults)).
+    fn handle_events(&self, msgs: &[UffdMsg]) {
         let mut events = false;
         for m in msgs.iter().filter(|m| m.event != sys::UFFD_EVENT_PAGEFAULT) {
             events = true;
@@ -171,6 +250,10 @@ impl Server {
         if events {
             self.events.bump();
         }
+    }
+
+    /// Handles the faults of a batch whose events were handled.
+    fn handle_faults(self: &Arc<Self>, msgs: &[UffdMsg], rt: &Handle) {
         for m in msgs.iter().filter(|m| m.event == sys::UFFD_EVENT_PAGEFAULT) {
             let addr = m.arg1 as usize;
             if !self.range.contains(addr) {
@@ -489,7 +572,7 @@ impl fmt::Debug for OwnedRuntime {
 /// The reader thread of a [`Server`]: reads messages until stopped.
 pub(crate) struct Reader {
     stop: Arc<StopSignal>,
-    thread: Option<JoinHandle<()>>,
+    threads: Vec<JoinHandle<()>>,
     /// Stopped after the thread that opens their windows.
     companions: Option<Arc<PollWindow>>,
 }
@@ -505,28 +588,56 @@ impl Reader {
                 companions: Companions::per_cpu(server.handler_cpu.companions.clone())?,
             })),
         };
-        let (thread_stop, thread_window) = (stop.clone(), window.clone());
-        let thread = std::thread::Builder::new()
-            .name("farmap-uffd-reader".into())
-            .spawn(move || {
-                let _cpu = server.handler_cpu.reader.enter();
-                read_loop(&server, &rt, &thread_stop, thread_window.as_deref())
-            })?;
-        Ok(Reader {
+        // Sleeping: a reader per CPU, each kept to it (see the module doc); polling, or when
+        // the affinity cannot be read: one reader, anywhere.
+        let cpus: Vec<Option<usize>> = match (&window, affinity_cpus()) {
+            (None, Some(cpus)) if !cpus.is_empty() => {
+                cpus.into_iter().take(MAX_READERS).map(Some).collect()
+            }
+            _ => vec![None],
+        };
+        let set = match cpus.as_slice() {
+            [_, _, ..] => Some(Arc::new(ReaderSet::new(
+                cpus.iter().map(|c| c.unwrap_or(0)).collect(),
+            ))),
+            _ => None,
+        };
+        let mut reader = Reader {
             stop,
-            thread: Some(thread),
+            threads: Vec::with_capacity(cpus.len()),
             companions: window,
-        })
+        };
+        for (me, on) in cpus.into_iter().enumerate() {
+            let (server, rt, set) = (server.clone(), rt.clone(), set.clone());
+            let (stop, window) = (reader.stop.clone(), reader.companions.clone());
+            server.readers.fetch_add(1, Ordering::Relaxed);
+            // On an error, dropping `reader` stops the threads already started.
+            let thread = std::thread::Builder::new()
+                .name("farmap-uffd-reader".into())
+                .spawn(move || {
+                    if let Some(cpu) = on {
+                        if let Err(e) = keep_to_cpu(cpu) {
+                            // Still a reader, wherever the scheduler puts it.
+                            tracing::debug!(error = %e, cpu, "a fault reader cannot keep to its CPU");
+                        }
+                    }
+                    let _cpu = server.handler_cpu.reader.enter();
+                    let seat = set.as_deref().map(|set| Seat { set, me });
+                    read_loop(&server, &rt, &stop, window.as_deref(), seat)
+                })?;
+            reader.threads.push(thread);
+        }
+        Ok(reader)
     }
 
     /// Stops the thread (it finishes the batch in hand; spawned fault tasks go on) and waits
     /// for it.
     pub fn stop(&mut self) {
         self.stop.signal();
-        if let Some(t) = self.thread.take() {
+        for t in self.threads.drain(..) {
             let _ = t.join();
         }
-        // The thread held the other reference: the companions stop and are joined here.
+        // The threads held the other reference: the companions stop and are joined here.
         drop(self.companions.take());
     }
 }
@@ -540,7 +651,7 @@ impl Drop for Reader {
 impl fmt::Debug for Reader {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.debug_struct("Reader")
-            .field("running", &self.thread.is_some())
+            .field("threads", &self.threads.len())
             .finish()
     }
 }
@@ -575,32 +686,56 @@ impl StopSignal {
 }
 
 /// Reads and handles messages until stopped: blocks in `poll(2)`, then (with a poll window)
-/// keeps reading without blocking while batches keep coming within the window.
-fn read_loop(server: &Arc<Server>, rt: &Handle, stop: &StopSignal, window: Option<&PollWindow>) {
+/// keeps reading without blocking while batches keep coming within the window. `seat`: this
+/// reader's place among the per-CPU readers of a sleeping server (see the module doc).
+fn read_loop(
+    server: &Arc<Server>,
+    rt: &Handle,
+    stop: &StopSignal,
+    window: Option<&PollWindow>,
+    seat: Option<Seat<'_>>,
+) {
     // Futures polled inline may create timers or spawn: give them the runtime's context.
     let _enter = rt.enter();
-    let uffd = server.range.uffd().clone();
     let mut msgs = [UffdMsg::default(); BATCH];
     let signal = server.signal.as_deref();
+    // Wake-ups in a row that found nothing to read.
+    let mut empty_wakes = 0u32;
+    // When this reader last looked where a faulting thread runs, and when a look last found
+    // one on this reader's CPU.
+    let mut checked = Instant::now();
+    let mut home_seen: Option<Instant> = None;
     loop {
-        if let Some(s) = signal {
+        if signal.is_some() {
             // Faults posted by SIGBUS handlers (in-thread mode).
-            let n = s.read_posted(&mut msgs);
-            if n > 0 {
-                server.count_found(&msgs[..n], false);
-                server.handle(&msgs[..n], rt);
-                if let Some(w) = window {
-                    if poll_window(server, rt, stop, w, &mut msgs).is_err() {
-                        return;
+            // Reading posts does not fail (a failed read reads as no post).
+            match server.read_and_handle(&mut msgs, rt, true, false) {
+                Ok(0) | Err(_) => {}
+                Ok(_) => {
+                    empty_wakes = 0;
+                    if let Some(w) = window {
+                        if poll_window(server, rt, stop, w, &mut msgs).is_err() {
+                            return;
+                        }
                     }
+                    continue;
+                }
+            }
+        }
+        if let Some(seat) = &seat {
+            if empty_wakes >= SPURIOUS_LIMIT {
+                empty_wakes = 0;
+                if seat.rest(server, stop).is_err() {
+                    return;
                 }
                 continue;
             }
         }
+        let uffd = server.range.uffd();
         // Without in-thread mode the third entry polls the stop signal twice.
         let posted = signal.map_or(stop.fd(), SignalPath::posted);
         let mut fds = [
-            PollFd::new(&*uffd, PollFlags::IN),
+            PollFd::new(&**uffd, PollFlags::IN),
             PollFd::from_borrowed_fd(stop.fd(), PollFlags::IN),
             PollFd::from_borrowed_fd(posted, PollFlags::IN),
         ];
@@ -626,14 +761,41 @@ fn read_loop(server: &Arc<Server>, rt: &Handle, stop: &StopSignal, window: Optio
                 .error("the userfaultfd reported an error".to_string());
             return;
         }
-        match uffd.read_messages(&mut msgs) {
-            Ok(0) => {}
+        match server.read_and_handle(&mut msgs, rt, false, false) {
+            Ok(0) => {
+                // Another reader took what woke this one (a posted fault is no sign either
+                // way: the next turn reads it).
+                if fds[2].revents().is_empty() {
+                    empty_wakes += 1;
+                }
+            }
             Ok(n) => {
-                server.count_found(&msgs[..n], false);
-                server.handle(&msgs[..n], rt);
+                empty_wakes = 0;
                 if let Some(w) = window {
                     if poll_window(server, rt, stop, w, &mut msgs).is_err() {
                         return;
+                    }
+                }
+                if let Some(seat) = &seat {
+                    if checked.elapsed() >= CPU_CHECK_EVERY {
+                        checked = Instant::now();
+                        let cpu = msgs[..n]
+                            .iter()
+                            .find(|m| m.event == sys::UFFD_EVENT_PAGEFAULT && m.arg2 != 0)
+                            .and_then(|m| task_cpu(m.arg2 as u32));
+                        // Faults from other CPUs only, lately: this CPU's reader is not needed
+                        // (with faults on several, each reader stays for its own).
+                        let away = match cpu {
+                            Some(cpu) if cpu == seat.home() => {
+                                home_seen = Some(checked);
+                                false
+                            }
+                            Some(_) => home_seen.is_none_or(|t| t.elapsed() >= HOME_WINDOW),
+                            None => false,
+                        };
+                        if away && seat.rest(server, stop).is_err() {
+                            return;
+                        }
                     }
                 }
             }
@@ -644,6 +806,77 @@ fn read_loop(server: &Arc<Server>, rt: &Handle, stop: &StopSignal, window: Optio
                 return;
             }
         }
+    }
+}
+
+/// The CPU thread `tid` of this process last ran on (field 39 of its `stat`), if readable.
+fn task_cpu(tid: u32) -> Option<usize> {
+    use std::io::Read;
+    let mut buf = [0u8; 1024];
+    let mut f = std::fs::File::open(format!("/proc/self/task/{tid}/stat")).ok()?;
+    let mut len = 0;
+    while len < buf.len() {
+        match f.read(&mut buf[len..]) {
+            Ok(0) => break,
+            Ok(k) => len += k,
+            Err(_) => return None,
+        }
+    }
+    let line = std::str::from_utf8(&buf[..len]).ok()?;
+    // The command name (field 2) is in parentheses and may hold anything: count from the
+    // last ')'; field 3 comes right after it.
+    let rest = &line[line.rfind(')')? + 1..];
+    rest.split_ascii_whitespace().nth(39 - 3)?.parse().ok()
+}
+
+/// The per-CPU readers of a sleeping server: their CPUs, and how many poll now.
+struct ReaderSet {
+    cpus: Vec<usize>,
+    polling: AtomicUsize,
+}
+
+impl ReaderSet {
+    fn new(cpus: Vec<usize>) -> ReaderSet {
+        ReaderSet {
+            polling: AtomicUsize::new(cpus.len()),
+            cpus,
+        }
+    }
+}
+
+/// One reader's place in a [`ReaderSet`].
+struct Seat<'a> {
+    set: &'a ReaderSet,
+    me: usize,
+}
+
+impl Seat<'_> {
+    /// The CPU this reader is kept to.
+    fn home(&self) -> usize {
+        self.set.cpus[self.me]
+    }
+
+    /// Stays out of `poll(2)` for [`DORMANT`], unless this is the last reader polling.
+    /// Err: stop.
+    fn rest(&self, server: &Server, stop: &StopSignal) -> Result<(), StopReading> {
+        let set = self.set;
+        let left = set
+            .polling
+            .fetch_update(Ordering::SeqCst, Ordering::SeqCst, |n| {
+                (n > 1).then(|| n - 1)
+            });
+        if left.is_err() {
+            return Ok(());
+        }
+        Counters::add(&server.counters.reader_rests, 1);
+        let mut fds = [PollFd::from_borrowed_fd(stop.fd(), PollFlags::IN)];
+        let timeout = rustix::event::Timespec::try_from(DORMANT).ok();
+        let _ = poll(&mut fds, timeout.as_ref());
+        set.polling.fetch_add(1, Ordering::SeqCst);
+        if stop.is_raised() {
+            return Err(StopReading);
+        }
+        Ok(())
     }
 }
 
@@ -659,34 +892,26 @@ fn poll_window(
     window: &PollWindow,
     msgs: &mut [UffdMsg],
 ) -> Result<(), StopReading> {
-    let uffd = server.range.uffd();
     let mut until = window.open();
     loop {
         if stop.is_raised() {
             return Err(StopReading);
         }
-        if let Some(s) = server.signal.as_deref() {
-            let n = s.read_posted(msgs);
-            if n > 0 {
-                server.count_found(&msgs[..n], true);
-                server.handle(&msgs[..n], rt);
-                until = window.open();
-                continue;
-            }
+        if server.signal.is_some()
+            && matches!(server.read_and_handle(msgs, rt, true, true), Ok(n) if n > 0)
+        {
+            until = window.open();
+            continue;
         }
         // The fd is non-blocking: no message reads as 0.
-        match uffd.read_messages(msgs) {
+        match server.read_and_handle(msgs, rt, false, true) {
             Ok(0) => {
                 if Instant::now() >= until {
                     return Ok(());
                 }
                 std::hint::spin_loop();
             }
-            Ok(n) => {
-                server.count_found(&msgs[..n], true);
-                server.handle(&msgs[..n], rt);
-                until = window.open();
-            }
+            Ok(_) => until = window.open(),
             Err(e) => {
                 server
                     .counters

@@ -42,6 +42,12 @@ pub struct RegionStats {
     /// pause longer than the window). The reader may not really have slept: a message
     /// queued before `poll(2)` was called returns at once.
     pub faults_slept: u64,
+    /// Fault reader threads ([`FaultWait::Sleep`](crate::FaultWait::Sleep): one per CPU,
+    /// each kept to its CPU; `Poll`: one).
+    pub fault_readers: u32,
+    /// Times a reader stopped polling for a while because its wake-ups kept finding nothing
+    /// to read (the faults came from another CPU; see `src/server.rs`).
+    pub reader_rests: u64,
     /// Missing faults resolved in the faulting thread's own `SIGBUS` handler, with no other
     /// thread involved ([`PagingOptions::in_thread`](crate::PagingOptions): a staged chunk
     /// moved back).
@@ -186,6 +192,7 @@ pub(crate) struct Counters {
     pub wp_faults: AtomicU64,
     pub faults_polled: AtomicU64,
     pub faults_slept: AtomicU64,
+    pub reader_rests: AtomicU64,
     pub faults_in_thread: AtomicU64,
     pub faults_signalled: AtomicU64,
     pub chunks_fetched: AtomicU64,

@@ -1,6 +1,8 @@
 //! The polling fault path (`FaultWait::Poll`): faults are served with the right bytes, every
 //! fault message is counted once as found by polling or after sleeping, and the idle-priority
 //! companions stop spinning when the window closes and are joined when the region closes.
+//! The sleeping path (`FaultWait::Sleep`): a reader per CPU, each serving faults, resting when
+//! its CPU faults nothing, joined at close.
 //!
 //! One test function: it counts this process's threads by name, which other tests running
 //! in parallel in the same process would disturb.
@@ -174,4 +176,84 @@ fn polling_serves_faults_counts_them_and_its_companions_stop() {
     assert_counts_add_up(&s, "sleep");
     assert_eq!(s.faults_polled, 0, "{s:?}");
     assert_eq!(s.handler_cpu.companions, 0, "{s:?}");
+    drop(region);
+
+    sleeping_readers_one_per_cpu();
+}
+
+/// The CPUs this process may run on.
+fn affinity() -> Vec<usize> {
+    let set = rustix::thread::sched_getaffinity(None).unwrap();
+    (0..rustix::thread::CpuSet::MAX_CPU)
+        .filter(|c| set.is_set(*c))
+        .collect()
+}
+
+/// Runs `f` on a thread kept to `cpu`.
+fn on_cpu<T: Send + 'static>(cpu: usize, f: impl FnOnce() -> T + Send + 'static) -> T {
+    std::thread::spawn(move || {
+        let mut set = rustix::thread::CpuSet::new();
+        set.set(cpu);
+        rustix::thread::sched_setaffinity(None, &set).unwrap();
+        f()
+    })
+    .join()
+    .unwrap()
+}
+
+/// A sleeping region has a reader per CPU; faults from threads on every CPU are served with
+/// the right bytes; a reader whose CPU has no faulting thread rests; the readers are joined at
+/// close.
+fn sleeping_readers_one_per_cpu() {
+    let cpus = affinity();
+    let readers = cpus.len().min(8);
+    // 4 KiB chunks: a fault per page.
+    let g = Geometry::new(SIZE, 4096).unwrap();
+    let store: Arc<dyn Store> = Arc::new(PatternStore::new(g, 7));
+    let region =
+        Arc::new(Region::open(store, options(WriteTracking::Auto, FaultWait::Sleep)).unwrap());
+    assert_eq!(region.stats().fault_readers as usize, readers);
+    for _ in 0..1000 {
+        if threads_named("farmap-uffd-reader").len() == readers {
+            break;
+        }
+        std::thread::sleep(Duration::from_millis(10));
+    }
+    assert_eq!(threads_named("farmap-uffd-reader").len(), readers);
+
+    // The first half from one thread on the first CPU; the second half in slices, each from a
+    // thread on the next CPU in turn.
+    let half = (SIZE / 2) as usize;
+    let r = region.clone();
+    let first = on_cpu(cpus[0], move || {
+        r.memory().subslice(0, half).unwrap().to_vec()
+    });
+    assert!(first == pattern_bytes(7, 0, half), "the first half");
+    let after_one_cpu = region.stats();
+    if readers > 1 {
+        assert!(
+            after_one_cpu.reader_rests >= 1,
+            "a reader whose CPU faults nothing rests: {after_one_cpu:?}"
+        );
+    }
+    let slice = half / 8;
+    for (i, cpu) in cpus.iter().cycle().take(8).enumerate() {
+        let r = region.clone();
+        let off = half + i * slice;
+        let got = on_cpu(*cpu, move || {
+            r.memory().subslice(off, slice).unwrap().to_vec()
+        });
+        assert!(
+            got == pattern_bytes(7, off as u64, slice),
+            "slice {i} on CPU {cpu}"
+        );
+    }
+    let s = region.stats();
+    assert_eq!(s.faults, SIZE / 4096, "a fault per page: {s:?}");
+    assert_counts_add_up(&s, "per-CPU readers");
+    drop(region);
+    assert!(
+        threads_named("farmap-uffd-reader").is_empty(),
+        "the readers are joined at close"
+    );
 }

@@ -15,7 +15,9 @@
 //! down after the clock stops. One untimed fill warms the kernel's page allocator up first,
 //! and the region and the baselines take turns going first from one run to the next.
 //!
-//! With `--poll DURATION` the region's fault reader polls for that long after each batch
+//! Without `--poll`, the region has a sleeping fault reader per CPU, each kept to its CPU
+//! (`fault_readers`; `reader_rests`: how often one whose CPU had no faulting thread rested).
+//! With `--poll DURATION` the region's one fault reader polls for that long after each batch
 //! before it sleeps, with idle-priority companions keeping the CPUs awake meanwhile
 //! (`FaultWait::Poll`, see farmap-uffd's `polling` module); the baselines are unchanged, so
 //! the same run still holds the sleeping reference. Every row says `fault_path` (`sleep` or
@@ -178,6 +180,10 @@ struct PathCounts {
     faults_in_thread: u64,
     /// Faults its SIGBUS handler posted to the reader (`--in-thread`).
     faults_signalled: u64,
+    /// Reader threads (sleeping: one per CPU, each kept to its CPU; `--poll`: one).
+    fault_readers: u32,
+    /// Times a reader stopped polling because its wake-ups kept finding nothing.
+    reader_rests: u64,
     /// CPU time of the region's reader and companions, from open to the end of the touches.
     cpu_ms: f64,
     reader_cpu_ms: f64,
@@ -192,6 +198,8 @@ impl PathCounts {
             faults_slept: stats.faults_slept,
             faults_in_thread: stats.faults_in_thread,
             faults_signalled: stats.faults_signalled,
+            fault_readers: stats.fault_readers,
+            reader_rests: stats.reader_rests,
             cpu_ms: round3(cpu.total_ns() as f64 / 1e6),
             reader_cpu_ms: round3(cpu.reader_ns as f64 / 1e6),
             companions_cpu_ms: round3(cpu.companions_ns as f64 / 1e6),
@@ -469,6 +477,7 @@ impl Bench {
         path.faults_slept -= before.faults_slept;
         path.faults_in_thread -= before.faults_in_thread;
         path.faults_signalled -= before.faults_signalled;
+        path.reader_rests -= before.reader_rests;
         Ok(self.fault_row(
             (case, run, tracking),
             &lat,
