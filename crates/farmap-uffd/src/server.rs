@@ -129,7 +129,7 @@ pub(crate) struct Server {
     /// Held by a reader from a read of messages to the end of the handling of the events it
     /// read (see the module doc).
     read_order: Mutex<()>,
-    /// Reader threads started.
+    /// Reader threads of the last start.
     readers: AtomicUsize,
 }
 
@@ -178,7 +178,7 @@ impl Server {
         self.range.page_size()
     }
 
-    /// Reader threads started for this server.
+    /// Reader threads of this server's last start.
     pub fn readers(&self) -> usize {
         self.readers.load(Ordering::Relaxed)
     }
@@ -602,6 +602,8 @@ impl Reader {
             ))),
             _ => None,
         };
+        // Set, not added: a hand-over's take-over starts the readers again.
+        server.readers.store(cpus.len(), Ordering::Relaxed);
         let mut reader = Reader {
             stop,
             threads: Vec::with_capacity(cpus.len()),
@@ -610,7 +612,6 @@ impl Reader {
         for (me, on) in cpus.into_iter().enumerate() {
             let (server, rt, set) = (server.clone(), rt.clone(), set.clone());
             let (stop, window) = (reader.stop.clone(), reader.companions.clone());
-            server.readers.fetch_add(1, Ordering::Relaxed);
             // On an error, dropping `reader` stops the threads already started.
             let thread = std::thread::Builder::new()
                 .name("farmap-uffd-reader".into())
