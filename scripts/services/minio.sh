@@ -64,9 +64,22 @@ for i in $(seq 1 300); do
   sleep 0.1
 done
 
-# Create the bucket: a signed PUT (curl signs AWS SigV4 itself).
-curl -sf --aws-sigv4 "aws:amz:$region:s3" --user "$access_key:$secret_key" \
-  -X PUT "$endpoint/$bucket" >/dev/null || die "cannot create bucket $bucket"
+# Create the bucket: a signed PUT (curl signs AWS SigV4 itself). MinIO can answer 503 (its
+# object layer not initialized yet) for a moment after its readiness check passed on a busy
+# machine: retry for up to 30 s, and say what it answered if it never takes the bucket.
+answer=
+for i in $(seq 1 150); do
+  kill -0 $pid 2>/dev/null || { tail -n 30 "$SVC_DIR/minio.log" >&2; die "minio exited while the bucket was created"; }
+  answer=$(curl -s -o "$SVC_DIR/bucket.out" -w '%{http_code}' --aws-sigv4 "aws:amz:$region:s3" \
+    --user "$access_key:$secret_key" -X PUT "$endpoint/$bucket" 2>&1) || true
+  [ "$answer" = 200 ] && break
+  [ "$i" = 150 ] && {
+    cat "$SVC_DIR/bucket.out" >&2 2>/dev/null
+    tail -n 30 "$SVC_DIR/minio.log" >&2
+    die "cannot create bucket $bucket: the last answer was HTTP '$answer'"
+  }
+  sleep 0.2
+done
 
 echo "PORT=$port"
 echo "ENDPOINT=$endpoint"

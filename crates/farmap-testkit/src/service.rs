@@ -27,6 +27,8 @@ pub struct ServiceError {
     pub name: String,
     /// What went wrong (with the script's last output lines when it exited).
     pub reason: String,
+    /// Whether the script ran and exited before `READY` (not a timeout or a missing script).
+    pub exited: bool,
 }
 
 impl std::fmt::Display for ServiceError {
@@ -59,13 +61,36 @@ pub fn repo_root() -> PathBuf {
 /// a cold machine included; building MinIO from source takes minutes the first time).
 const START_TIMEOUT: Duration = Duration::from_secs(15 * 60);
 
+/// How many times [`Service::start`] runs a script that exits before `READY`.
+pub const START_ATTEMPTS: u32 = 3;
+
 impl Service {
     /// Starts `scripts/services/<name>.sh` with a fresh data directory and `args`, and waits
-    /// for its `READY` line.
+    /// for its `READY` line. A script that exits before `READY` is started again (at most
+    /// [`START_ATTEMPTS`] times, each in a fresh directory): on a busy machine a server's port
+    /// can be taken between the script's choice and its bind, or a server can refuse its
+    /// first requests although its readiness check passed. A script that hangs is not.
     pub fn start(name: &str, args: &[&str]) -> Result<Service, ServiceError> {
+        let mut attempt = 1;
+        loop {
+            match Service::start_once(name, args) {
+                Err(e) if e.exited && attempt < START_ATTEMPTS => {
+                    eprintln!(
+                        "service {name}: attempt {attempt} of {START_ATTEMPTS} failed, starting it again: {}",
+                        e.reason
+                    );
+                    attempt += 1;
+                }
+                other => return other,
+            }
+        }
+    }
+
+    fn start_once(name: &str, args: &[&str]) -> Result<Service, ServiceError> {
         let err = |reason: String| ServiceError {
             name: name.to_string(),
             reason,
+            exited: false,
         };
         let script = repo_root()
             .join("scripts/services")
@@ -133,11 +158,14 @@ impl Service {
                 }
                 Err(std::sync::mpsc::RecvTimeoutError::Disconnected) => {
                     let status = child.wait().ok();
-                    return Err(err(format!(
-                        "the script exited ({status:?}) before READY; its log ({}):\n{}",
-                        log.display(),
-                        tail(&log)
-                    )));
+                    return Err(ServiceError {
+                        exited: true,
+                        ..err(format!(
+                            "the script exited ({status:?}) before READY; its log ({}):\n{}",
+                            log.display(),
+                            tail(&log)
+                        ))
+                    });
                 }
             }
         }
@@ -170,6 +198,7 @@ impl Service {
             Err(e) => Err(ServiceError {
                 name: e.name.clone(),
                 reason: e.reason.clone(),
+                exited: e.exited,
             }),
         }
     }
