@@ -74,19 +74,15 @@ impl RunReader for LiveView {
             // As in `read`: memory whose chunks are present is copied here, the rest (which
             // may fault and wait for the region's store) on a blocking thread.
             if region.holds(offset, len) {
-                let mut buf = vec![0u8; len];
                 return region
-                    .read_at(offset, &mut buf)
-                    .map(|()| Bytes::from(buf))
+                    .read_vec_at(offset, len)
+                    .map(Bytes::from)
                     .map_err(|e| StoreError::new(ErrorKind::Closed, what()).with_source(e));
             }
-            tokio::task::spawn_blocking(move || {
-                let mut buf = vec![0u8; len];
-                region.read_at(offset, &mut buf).map(|()| Bytes::from(buf))
-            })
-            .await
-            .map_err(|e| StoreError::new(ErrorKind::Io, what()).with_source(e))?
-            .map_err(|e| StoreError::new(ErrorKind::Closed, what()).with_source(e))
+            tokio::task::spawn_blocking(move || region.read_vec_at(offset, len).map(Bytes::from))
+                .await
+                .map_err(|e| StoreError::new(ErrorKind::Io, what()).with_source(e))?
+                .map_err(|e| StoreError::new(ErrorKind::Closed, what()).with_source(e))
         })
     }
 }
@@ -111,23 +107,21 @@ impl Store for LiveView {
             // hand-off per 4 KiB page would cost more than the copy (it tripled the time of a
             // 1 GiB migration).
             if region.holds(offset, len) {
-                let mut buf = vec![0u8; len];
                 return region
-                    .read_at(offset, &mut buf)
-                    .map(|()| Bytes::from(buf))
+                    .read_vec_at(offset, len)
+                    .map(Bytes::from)
                     .map_err(|e| {
                         StoreError::new(ErrorKind::Closed, format!("reading {idx}")).with_source(e)
                     });
             }
-            tokio::task::spawn_blocking(move || {
-                let mut buf = vec![0u8; len];
-                region.read_at(offset, &mut buf).map(|()| Bytes::from(buf))
-            })
-            .await
-            .map_err(|e| StoreError::new(ErrorKind::Io, format!("reading {idx}")).with_source(e))?
-            .map_err(|e| {
-                StoreError::new(ErrorKind::Closed, format!("reading {idx}")).with_source(e)
-            })
+            tokio::task::spawn_blocking(move || region.read_vec_at(offset, len).map(Bytes::from))
+                .await
+                .map_err(|e| {
+                    StoreError::new(ErrorKind::Io, format!("reading {idx}")).with_source(e)
+                })?
+                .map_err(|e| {
+                    StoreError::new(ErrorKind::Closed, format!("reading {idx}")).with_source(e)
+                })
         })
     }
 

@@ -24,6 +24,12 @@ impl Region {
         Ok(self.memory().read_into(offset, dst)?)
     }
 
+    /// The `len` bytes at `offset`, copied as [`read_at`](Self::read_at) copies them, into a
+    /// new buffer that is not zeroed first.
+    pub fn read_vec_at(&self, offset: usize, len: usize) -> Result<Vec<u8>, RegionError> {
+        Ok(self.memory().read_vec(offset, len)?)
+    }
+
     /// Writes `src` at `offset` into the region with volatile stores (missing pages are
     /// fetched first; the write is tracked). Concurrent writes to the same bytes race like
     /// any shared memory: the bytes end up old or new.

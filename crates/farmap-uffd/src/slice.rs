@@ -182,8 +182,24 @@ impl<'a> RegionSlice<'a> {
         // SAFETY: the source range lies in the slice (checked), readable for `'a` by
         // `new`'s contract; `dst` is an exclusive Rust buffer, which cannot overlap region
         // memory (no reference into it exists, `new`'s contract).
-        unsafe { copy_from_volatile(self.ptr.as_ptr().add(offset), dst) };
+        unsafe { copy_from_volatile(self.ptr.as_ptr().add(offset), dst.as_mut_ptr(), dst.len()) };
         Ok(())
+    }
+
+    /// A copy of the `len` bytes at `offset`, as [`read_into`](Self::read_into) makes it,
+    /// into a new vector that is not zeroed first (a buffer filled once, not twice).
+    pub fn read_vec(&self, offset: usize, len: usize) -> Result<Vec<u8>, SliceError> {
+        self.check(offset, len)?;
+        let mut v = Vec::with_capacity(len);
+        // SAFETY: the source range lies in the slice (checked), readable for `'a` by
+        // `new`'s contract; the vector's spare capacity (at least `len` bytes, a fresh
+        // allocation) is writable and cannot overlap region memory. Every one of the `len`
+        // bytes is written before the length is set.
+        unsafe {
+            copy_from_volatile(self.ptr.as_ptr().add(offset), v.as_mut_ptr(), len);
+            v.set_len(len);
+        }
+        Ok(v)
     }
 
     /// Copies `src` to `offset` with volatile stores (8 bytes at a time where aligned).
@@ -210,10 +226,8 @@ impl<'a> RegionSlice<'a> {
 
     /// A copy of the whole slice.
     pub fn to_vec(&self) -> Vec<u8> {
-        let mut v = vec![0u8; self.len];
-        self.read_into(0, &mut v)
-            .expect("the whole slice is in range");
-        v
+        self.read_vec(0, self.len)
+            .expect("the whole slice is in range")
     }
 
     /// The byte at `offset` (a volatile load).
@@ -264,25 +278,23 @@ impl fmt::Debug for RegionSlice<'_> {
     }
 }
 
-/// Copies `dst.len()` bytes from `src` into `dst`: volatile byte loads up to the first
-/// 8-byte boundary of `src`, then volatile word loads (four per round), then volatile byte
-/// loads for the tail. The stores into `dst` are plain (unaligned) ones.
+/// Copies `len` bytes from `src` to `d`: volatile byte loads up to the first 8-byte
+/// boundary of `src`, then volatile word loads (four per round), then volatile byte loads
+/// for the tail. The stores to `d` are plain (unaligned) ones, so `d` may be uninitialized.
 ///
 /// # Safety
-/// `src..src+dst.len()` must be readable, and must not overlap `dst`.
-unsafe fn copy_from_volatile(src: *const u8, dst: &mut [u8]) {
-    let len = dst.len();
-    let d = dst.as_mut_ptr();
+/// `src..src+len` must be readable, `d..d+len` writable, and the two must not overlap.
+unsafe fn copy_from_volatile(src: *const u8, d: *mut u8, len: usize) {
     let head = src.align_offset(WORD).min(len);
     let mut i = 0;
     while i < head {
         // SAFETY: `i < head <= len`: the byte lies in the readable source (the caller's
-        // contract) and in `dst`.
+        // contract) and in the destination.
         unsafe { d.add(i).write(src.add(i).read_volatile()) };
         i += 1;
     }
     while i + 4 * WORD <= len {
-        // SAFETY: `i + 32 <= len`: the four words lie in the readable source and in `dst`;
+        // SAFETY: `i + 32 <= len`: the four words lie in the readable source and in the destination;
         // `src + i` is 8-byte aligned (past the head), the `dst` stores are unaligned ones.
         unsafe {
             let p = src.add(i).cast::<u64>();
@@ -301,7 +313,7 @@ unsafe fn copy_from_volatile(src: *const u8, dst: &mut [u8]) {
         i += 4 * WORD;
     }
     while i + WORD <= len {
-        // SAFETY: `i + 8 <= len`: the word lies in the source and in `dst`; `src + i` is
+        // SAFETY: `i + 8 <= len`: the word lies in the source and in the destination; `src + i` is
         // aligned (past the head), the `dst` store is an unaligned one.
         unsafe {
             let w = src.add(i).cast::<u64>().read_volatile();
@@ -310,7 +322,7 @@ unsafe fn copy_from_volatile(src: *const u8, dst: &mut [u8]) {
         i += WORD;
     }
     while i < len {
-        // SAFETY: `i < len`: the byte lies in the readable source and in `dst`.
+        // SAFETY: `i < len`: the byte lies in the readable source and in the destination.
         unsafe { d.add(i).write(src.add(i).read_volatile()) };
         i += 1;
     }
@@ -390,6 +402,8 @@ mod tests {
                 size: 100,
             };
             assert_eq!(s.read_into(90, &mut [0; 11]), Err(oob(90, 11)));
+            assert_eq!(s.read_vec(90, 11), Err(oob(90, 11)));
+            assert_eq!(s.read_vec(usize::MAX, 2), Err(oob(usize::MAX, 2)));
             assert_eq!(s.write_from(100, &[1]), Err(oob(100, 1)));
             assert_eq!(s.write_from(usize::MAX, &[1, 2]), Err(oob(usize::MAX, 2)));
             assert_eq!(s.load_u8(100), Err(oob(100, 1)));
@@ -445,6 +459,10 @@ mod tests {
                 let mut back = vec![0u8; n];
                 s.read_into(off, &mut back).unwrap();
                 assert_eq!(back, data);
+                // The unzeroed copy: every byte at every alignment and length.
+                let start = (seed >> 4) as usize % len;
+                let m = (seed >> 12) as usize % (len - start + 1);
+                assert_eq!(s.read_vec(start, m).unwrap(), model[start..start + m]);
             }
             assert_eq!(s.to_vec(), model);
             s.fill(3, 250, 0xAB).unwrap();
