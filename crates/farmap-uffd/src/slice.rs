@@ -278,6 +278,44 @@ impl fmt::Debug for RegionSlice<'_> {
     }
 }
 
+/// Copies of at least this many bytes go through [`bulk_copy`] where it has a fast path.
+const BULK: usize = 512;
+
+/// Copies `len` bytes from `src` to `dst` with one `rep movsb` (x86-64; `false` elsewhere,
+/// copying nothing). The instruction is opaque to the compiler, like a volatile access: it
+/// cannot assume the bytes stay as they are, or split, merge or elide the accesses; bytes
+/// another thread writes meanwhile are copied old or new. On CPUs with fast string moves
+/// (ERMS) it copies at `memcpy`'s speed, where the volatile word loops below are slower
+/// (measured here, copying 512 MiB out with `read_vec`, median of 3: 4 KiB pieces 22.7
+/// against 18.7 GB/s, 64 KiB 18.8 against 12.0, 4 MiB 18.3 against 15.6).
+///
+/// # Safety
+/// `src..src+len` must be readable, `dst..dst+len` writable, and the two must not overlap.
+#[cfg_attr(not(target_arch = "x86_64"), allow(unused_variables))]
+unsafe fn bulk_copy(src: *const u8, dst: *mut u8, len: usize) -> bool {
+    #[cfg(target_arch = "x86_64")]
+    {
+        // SAFETY: the caller's contract: `len` bytes readable at `src` and writable at
+        // `dst`, not overlapping. The direction flag is clear at every function boundary
+        // (the System V ABI), so the copy goes forwards; the registers it changes are
+        // declared as clobbered.
+        unsafe {
+            std::arch::asm!(
+                "rep movsb",
+                inout("rcx") len => _,
+                inout("rsi") src => _,
+                inout("rdi") dst => _,
+                options(nostack, preserves_flags)
+            );
+        }
+        true
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    {
+        false
+    }
+}
+
 /// Copies `len` bytes from `src` to `d`: volatile byte loads up to the first 8-byte
 /// boundary of `src`, then volatile word loads (four per round), then volatile byte loads
 /// for the tail. The stores to `d` are plain (unaligned) ones, so `d` may be uninitialized.
@@ -285,6 +323,12 @@ impl fmt::Debug for RegionSlice<'_> {
 /// # Safety
 /// `src..src+len` must be readable, `d..d+len` writable, and the two must not overlap.
 unsafe fn copy_from_volatile(src: *const u8, d: *mut u8, len: usize) {
+    if len >= BULK {
+        // SAFETY: the caller's contract, which is `bulk_copy`'s.
+        if unsafe { bulk_copy(src, d, len) } {
+            return;
+        }
+    }
     let head = src.align_offset(WORD).min(len);
     let mut i = 0;
     while i < head {
@@ -336,6 +380,12 @@ unsafe fn copy_from_volatile(src: *const u8, d: *mut u8, len: usize) {
 unsafe fn copy_to_volatile(src: &[u8], dst: *mut u8) {
     let len = src.len();
     let s = src.as_ptr();
+    if len >= BULK {
+        // SAFETY: the caller's contract, which is `bulk_copy`'s.
+        if unsafe { bulk_copy(s, dst, len) } {
+            return;
+        }
+    }
     let head = dst.align_offset(WORD).min(len);
     let mut i = 0;
     while i < head {
@@ -440,6 +490,32 @@ mod tests {
             let sub = s.subslice(1, 40).unwrap();
             assert!(sub.load_u64(0).is_err(), "alignment is of the address");
             assert_eq!(sub.load_u64(15), Ok(0x0102_0304_0506_0708));
+        });
+    }
+
+    #[test]
+    fn bulk_copies_match_a_plain_model_at_every_alignment() {
+        let len = 3 * BULK + 77;
+        with_buffer(len, |s| {
+            let mut model = vec![0u8; len];
+            for (round, (off, n)) in [(0, len), (1, BULK), (7, BULK + 9), (BULK - 3, 2 * BULK)]
+                .into_iter()
+                .enumerate()
+            {
+                let data: Vec<u8> = (0..n).map(|i| (i * 7 + round) as u8).collect();
+                s.write_from(off, &data).unwrap();
+                model[off..off + n].copy_from_slice(&data);
+                assert_eq!(s.read_vec(off, n).unwrap(), data);
+                let mut back = vec![0u8; n + 3];
+                s.read_into(off, &mut back[3..]).unwrap();
+                assert_eq!(back[3..], data[..]);
+                assert_eq!(
+                    back[..3],
+                    [0, 0, 0],
+                    "the copy wrote outside its destination"
+                );
+            }
+            assert_eq!(s.to_vec(), model);
         });
     }
 
