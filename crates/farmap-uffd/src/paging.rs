@@ -1212,24 +1212,50 @@ impl Pager {
     /// bumped after each discard, which only wakes copies that wait for one anyway.
     fn discard_slots(&self, victims: &[u64]) {
         let chunk = self.geometry.chunk_size() as usize;
+        let mut sorted = victims.to_vec();
+        sorted.sort_unstable();
         let mut in_trash = 0;
-        for &i in victims {
-            let (off, len) = self.chunk_span(i);
-            let moved = self.trash.as_ref().is_some_and(|trash| {
+        let mut rest = &sorted[..];
+        // Each run of consecutive slots goes with one move (one TLB flush, as in
+        // `deactivate_inner`).
+        while let Some(&first) = rest.first() {
+            let k = rest
+                .iter()
+                .zip(first..)
+                .take_while(|(&i, want)| i == *want)
+                .count();
+            let (run, after) = rest.split_at(k);
+            rest = after;
+            let (off, _) = self.chunk_span(first);
+            let (last_off, last_len) = self.chunk_span(first + k as u64 - 1);
+            let len = last_off + last_len - off;
+            let moved = self.trash.as_ref().map(|trash| {
                 self.move_present_to(&self.staging, off, trash, in_trash * chunk, len)
                     .is_ok()
             });
-            self.tr(i, || format!("drop (written back), to the trash: {moved}"));
-            if moved {
-                in_trash += 1;
+            for &i in run {
+                self.tr(i, || {
+                    format!("drop (written back), to the trash: {moved:?}")
+                });
+            }
+            if moved.is_some() {
+                // The run's trash slots are discarded below, whatever landed in them (a move
+                // that stopped part way leaves some pages there).
+                in_trash += k;
+            }
+            if moved == Some(true) {
                 continue;
             }
-            // Outside the lock.
+            // What is left in the slots goes where it is. Outside the lock.
             let r = self.staging_map.discard(off, len);
-            self.tr(i, || format!("discarded {r:?}"));
+            for &i in run {
+                self.tr(i, || format!("discarded {r:?}"));
+            }
             if let Some(Err(e)) = r {
-                self.region_counters
-                    .error(format!("dropping staged chunk {i}: {e}"));
+                self.region_counters.error(format!(
+                    "dropping staged chunks {first}..{}: {e}",
+                    first + k as u64
+                ));
             }
             self.events.bump();
         }
