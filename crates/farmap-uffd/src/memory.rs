@@ -151,6 +151,16 @@ impl RegionMemory {
     }
 }
 
+/// A chunk pinned by [`Pager::read_for_push`], unpinned when dropped (also when the
+/// blocking read that holds it never runs).
+struct Pinned(Arc<Pager>, ChunkIdx);
+
+impl Drop for Pinned {
+    fn drop(&mut self) {
+        self.0.unpin(self.1);
+    }
+}
+
 impl fmt::Debug for RegionMemory {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.debug_struct("RegionMemory")
@@ -179,6 +189,47 @@ impl Store for RegionMemory {
             };
             let pager = self.pager.clone();
             let paged = pager.clone();
+            if let Some(pager) = &pager {
+                // A bounded region's chunk that is staged, remote or never written is
+                // decided (and a staged one copied out of its slot) under the pager's lock
+                // without touching a page of the region that can be missing: here, with no
+                // blocking thread (a hand-off per chunk cost more than the copy; the
+                // write-backs of a paging run are mostly such chunks).
+                let mut buf = vec![0u8; geometry.chunk_len(idx)];
+                match pager.read_for_push(idx, &mut buf) {
+                    PushRead::Copied | PushRead::Zero => return Ok(Bytes::from(buf)),
+                    PushRead::NotLocal => {
+                        return match pager.remote_store() {
+                            Some(store) => store.read(idx).await,
+                            None => Err(StoreError::new(ErrorKind::Closed, "the region is closed")),
+                        }
+                    }
+                    PushRead::Pinned => {
+                        // Read out of the region (all its pages are there, but a read of
+                        // region memory goes to a blocking thread all the same).
+                        let pin = Pinned(pager.clone(), idx);
+                        let mapping = mapping.clone();
+                        let offset = geometry.offset_of(idx) as usize;
+                        let read = tokio::task::spawn_blocking(move || {
+                            let ok = mapping.read(offset, &mut buf);
+                            drop(pin);
+                            ok.then(|| Bytes::from(buf))
+                        });
+                        return match read.await {
+                            Ok(Some(data)) => Ok(data),
+                            Ok(None) => {
+                                Err(StoreError::new(ErrorKind::Closed, "the region is unmapped"))
+                            }
+                            Err(e) => Err(StoreError::new(
+                                ErrorKind::Cancelled,
+                                format!("reading {idx} out of the region: {e}"),
+                            )),
+                        };
+                    }
+                    // Being fetched or moved: wait on a blocking thread, below.
+                    PushRead::Busy => {}
+                }
+            }
             let copy = tokio::task::spawn_blocking(move || {
                 let mut buf = vec![0u8; geometry.chunk_len(idx)];
                 let offset = geometry.offset_of(idx) as usize;
