@@ -244,6 +244,11 @@ const MAX_STREAMS: usize = 4096;
 /// [`Pager::deactivate`]): 64 pages of 4 KiB.
 const GROUP_BYTES: u64 = 256 << 10;
 
+/// `sorted` (ascending, no repeats) cut into runs of consecutive chunk indices.
+fn consecutive_runs(sorted: &[u64]) -> impl Iterator<Item = &[u64]> {
+    sorted.chunk_by(|a, b| *a + 1 == *b)
+}
+
 /// Where a push finds a chunk's content (see [`Pager::read_for_push`]).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(crate) enum PushRead {
@@ -390,6 +395,14 @@ impl Pager {
             self.geometry.offset_of(i) as usize,
             self.geometry.chunk_len(i),
         )
+    }
+
+    /// The bytes of a run of consecutive chunks (not empty): its first one's offset and the
+    /// length up to the end of its last one.
+    fn run_span(&self, run: &[u64]) -> (usize, usize) {
+        let (off, _) = self.chunk_span(run[0]);
+        let (last_off, last_len) = self.chunk_span(run[run.len() - 1]);
+        (off, last_off + last_len - off)
     }
 
     /// The limit, in chunks.
@@ -1012,19 +1025,9 @@ impl Pager {
                 break;
             }
             group.sort_unstable();
-            let mut rest = &group[..];
-            while let Some(&first) = rest.first() {
-                let len = rest
-                    .iter()
-                    .zip(first..)
-                    .take_while(|(&i, want)| i == *want)
-                    .count();
-                let (run, after) = rest.split_at(len);
-                rest = after;
-                let (off, _) = self.chunk_span(first);
-                let (last_off, last_len) = self.chunk_span(first + len as u64 - 1);
-                let r =
-                    self.move_present(&self.region, &self.staging, off, last_off + last_len - off);
+            for run in consecutive_runs(&group) {
+                let (off, len) = self.run_span(run);
+                let r = self.move_present(&self.region, &self.staging, off, len);
                 for &i in run {
                     self.tr(i, || format!("deactivate {r:?} epoch {}", st.epoch));
                     let moved = match r {
@@ -1215,20 +1218,11 @@ impl Pager {
         let mut sorted = victims.to_vec();
         sorted.sort_unstable();
         let mut in_trash = 0;
-        let mut rest = &sorted[..];
         // Each run of consecutive slots goes with one move (one TLB flush, as in
         // `deactivate_inner`).
-        while let Some(&first) = rest.first() {
-            let k = rest
-                .iter()
-                .zip(first..)
-                .take_while(|(&i, want)| i == *want)
-                .count();
-            let (run, after) = rest.split_at(k);
-            rest = after;
-            let (off, _) = self.chunk_span(first);
-            let (last_off, last_len) = self.chunk_span(first + k as u64 - 1);
-            let len = last_off + last_len - off;
+        for run in consecutive_runs(&sorted) {
+            let (off, len) = self.run_span(run);
+            let (first, k) = (run[0], run.len());
             let moved = self.trash.as_ref().map(|trash| {
                 self.move_present_to(&self.staging, off, trash, in_trash * chunk, len)
                     .is_ok()
@@ -1482,5 +1476,18 @@ impl Reclaimer {
 impl Drop for Reclaimer {
     fn drop(&mut self) {
         self.stop();
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::consecutive_runs;
+
+    #[test]
+    fn runs_of_consecutive_chunks() {
+        let runs: Vec<&[u64]> = consecutive_runs(&[1, 2, 3, 5, 7, 8, 10]).collect();
+        assert_eq!(runs, [&[1, 2, 3][..], &[5], &[7, 8], &[10]]);
+        assert_eq!(consecutive_runs(&[]).count(), 0);
+        assert_eq!(consecutive_runs(&[4]).collect::<Vec<_>>(), [&[4][..]]);
     }
 }
