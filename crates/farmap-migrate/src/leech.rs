@@ -1136,7 +1136,7 @@ async fn refresh_round<D: Destination>(
     let pages = run_pages(runs);
     rep.note(format!(
         "round: {pages} pages in {} runs: read {:.1} ms, written in place in {:.1} ms \
-         (overlapping the reads) in {:.1} ms",
+         (overlapping the reads), {:.1} ms in all",
         runs.len(),
         read.as_secs_f64() * 1e3,
         apply.as_secs_f64() * 1e3,

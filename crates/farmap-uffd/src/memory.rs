@@ -151,16 +151,6 @@ impl RegionMemory {
     }
 }
 
-/// A chunk pinned by [`Pager::read_for_push`], unpinned when dropped (also when the
-/// blocking read that holds it never runs).
-struct Pinned(Arc<Pager>, ChunkIdx);
-
-impl Drop for Pinned {
-    fn drop(&mut self) {
-        self.0.unpin(self.1);
-    }
-}
-
 impl fmt::Debug for RegionMemory {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.debug_struct("RegionMemory")
@@ -204,29 +194,10 @@ impl Store for RegionMemory {
                             None => Err(StoreError::new(ErrorKind::Closed, "the region is closed")),
                         }
                     }
-                    PushRead::Pinned => {
-                        // Read out of the region (all its pages are there, but a read of
-                        // region memory goes to a blocking thread all the same).
-                        let pin = Pinned(pager.clone(), idx);
-                        let mapping = mapping.clone();
-                        let offset = geometry.offset_of(idx) as usize;
-                        let read = tokio::task::spawn_blocking(move || {
-                            let ok = mapping.read(offset, &mut buf);
-                            drop(pin);
-                            ok.then(|| Bytes::from(buf))
-                        });
-                        return match read.await {
-                            Ok(Some(data)) => Ok(data),
-                            Ok(None) => {
-                                Err(StoreError::new(ErrorKind::Closed, "the region is unmapped"))
-                            }
-                            Err(e) => Err(StoreError::new(
-                                ErrorKind::Cancelled,
-                                format!("reading {idx} out of the region: {e}"),
-                            )),
-                        };
-                    }
-                    // Being fetched or moved: wait on a blocking thread, below.
+                    // An active chunk is read out of the region, which goes to a blocking
+                    // thread (below, where it is pinned again); being fetched or moved: waited
+                    // for there.
+                    PushRead::Pinned => pager.unpin(idx),
                     PushRead::Busy => {}
                 }
             }
