@@ -17,6 +17,11 @@
 //!   not hold reads as zeros, so a never-written chunk costs one store lookup, no data).
 //! - *active*: mapped in the region (write-protected when installed, so that PAGEMAP_SCAN
 //!   sees the writes).
+//! - *moving*: active chunks a deactivation is moving to staging. The moves run outside the
+//!   state lock (scattered victims are one move, and one TLB flush, each: a group of them
+//!   takes hundreds of µs, which every fault would otherwise wait for); a fault on a page
+//!   already moved waits until the group is recorded as staged, then moves it back; a push
+//!   waits too.
 //! - *staged* (inactive): moved with `UFFDIO_MOVE` into a staging area (the region's pages
 //!   are missing again, the next touch faults, and the fault moves them back with no I/O,
 //!   ≈ 1 µs a page). Chunk `i` has slot `i` of a staging mapping as large as the region
@@ -142,6 +147,9 @@ enum St {
         zero: bool,
     },
     Active,
+    /// Active, its pages being moved to its staging slot by a deactivation (outside the
+    /// state lock); then staged, or active again if the move could be undone.
+    Moving,
     Staged,
 }
 
@@ -191,7 +199,9 @@ pub(crate) enum Admit {
     Zero,
     /// The region is at its limit: reclaim, then ask again.
     Full,
-    /// A userfaultfd event is pending: wait for the reader to read it, then ask again.
+    /// A userfaultfd event is pending, or the chunk is being staged: wait for the event
+    /// generation to move on (the reader read the event; the deactivation recorded the
+    /// chunk as staged), then ask again.
     Retry,
 }
 
@@ -243,6 +253,12 @@ const MAX_STREAMS: usize = 4096;
 /// Most bytes of victims a deactivation takes at once under the state lock (see
 /// [`Pager::deactivate`]): 64 pages of 4 KiB.
 const GROUP_BYTES: u64 = 256 << 10;
+
+/// Most chunks of the active FIFO a deactivation looks at under one hold of the state lock.
+/// After a scan for written chunks most resident chunks can be referenced, and the clock
+/// then goes through all of them before it finds a victim (≈ 20,000 chunks, a few hundred
+/// µs, at 30% of a 256 MiB region in 4 KiB chunks): faults would wait for all of it.
+const SCAN_PER_HOLD: usize = 1024;
 
 /// The pager's state lock: a futex lock that puts a contended waiter to sleep after a short
 /// spin, and wakes it when the holder unlocks.
@@ -549,6 +565,9 @@ impl Pager {
         let mut st = self.state.lock();
         match st.chunk[i as usize] {
             St::Fetching { .. } => Admit::InFlight,
+            // Its pages are on their way to the staging slot: ask again once they are there
+            // (the deactivation bumps the event generation), and move them back then.
+            St::Moving => Admit::Retry,
             St::Active => {
                 let addr = self.region.base() + page;
                 let ps = self.region.page_size();
@@ -637,8 +656,9 @@ impl Pager {
     /// Moves every page of `off..off+len` that is present in `from` to the same offset of
     /// `to`, run by run, with `UFFDIO_MOVE` (no wake-up). Holes of `from` are skipped, so
     /// the call is idempotent: after a partial move (`EAGAIN`: an event is pending or a page
-    /// is busy) calling it again moves the rest. Called under the state lock, which is what
-    /// keeps the pages where the page tables said they were.
+    /// is busy) calling it again moves the rest. Called under the state lock, or by a
+    /// deactivation on chunks it marked `Moving`: either keeps every other mover of this
+    /// module away from the pages, so they stay where the page tables said they were.
     fn move_present(
         &self,
         from: &UffdRange,
@@ -840,6 +860,8 @@ impl Pager {
             // wakes the faulting thread before the fetch is recorded). A fetch never waits
             // for a push: wait for it.
             Some(St::Fetching { .. }) => PushRead::Busy,
+            // Being staged: its pages are moving; read it from its slot once it is staged.
+            Some(St::Moving) => PushRead::Busy,
             Some(St::Zero) => PushRead::Zero,
             _ => {
                 Counters::add(&self.counters.pushes_from_store, 1);
@@ -1033,17 +1055,14 @@ impl Pager {
         let mut done = 0;
         let mut budget = 2 * st.active.len() + 1;
         let mut group: Vec<u64> = Vec::with_capacity(per_group as usize);
+        let mut outcomes: Vec<(u64, bool)> = Vec::with_capacity(per_group as usize);
         while done < n && budget > 0 {
-            // A pass moves hundreds of chunks: unlock between two groups (each group is
-            // handled whole under the lock), rather than hold the lock for milliseconds. A
-            // waiter spinning on the other CPU takes it; one asleep is woken, and takes it
-            // here or at the next group.
-            drop(st);
-            st = self.state.lock();
             group.clear();
             let want = per_group.min(n - done) as usize;
-            while group.len() < want && budget > 0 {
+            let mut popped = 0;
+            while group.len() < want && budget > 0 && popped < SCAN_PER_HOLD {
                 budget -= 1;
+                popped += 1;
                 let Some(i) = st.active.pop_front() else {
                     break;
                 };
@@ -1059,44 +1078,59 @@ impl Pager {
                 group.push(i);
             }
             if group.is_empty() {
+                if popped == SCAN_PER_HOLD && budget > 0 {
+                    // Second chances only so far: let the faults waiting for the lock in
+                    // before scanning on.
+                    drop(st);
+                    st = self.state.lock();
+                    continue;
+                }
                 break;
             }
+            // The moves run outside the lock (a scattered group is one move, and one TLB
+            // flush, per chunk: hundreds of µs that every fault would wait for). Meanwhile
+            // the group's chunks are `Moving`: a fault on one of their pages waits for the
+            // state change below, and a push waits too.
+            for &i in &group {
+                st.chunk[i as usize] = St::Moving;
+            }
+            let epoch = st.epoch;
+            drop(st);
             group.sort_unstable();
+            outcomes.clear();
             for run in consecutive_runs(&group) {
-                done += self.deactivate_run(&mut st, run);
-            }
-        }
-        done
-    }
-
-    /// Moves `run` (consecutive active chunks, none pinned) to staging with one move; returns
-    /// how many chunks were staged (a chunk whose move stopped part way and could be put back
-    /// stays active, at the FIFO's tail).
-    fn deactivate_run(&self, st: &mut State, run: &[u64]) -> u64 {
-        let (off, len) = self.run_span(run);
-        let r = self.move_present(&self.region, &self.staging, off, len);
-        let mut done = 0;
-        for &i in run {
-            self.tr(i, || format!("deactivate {r:?} epoch {}", st.epoch));
-            let moved = match r {
-                Ok(()) => true,
-                Err(e) => self.undo_deactivation(i, e),
-            };
-            if moved {
-                self.active_to_staged(st, i);
-                self.evict_from_cache(ChunkIdx(i));
-                if let Some(mark) = self.mark.get() {
-                    mark(ChunkIdx(i));
+                let (off, len) = self.run_span(run);
+                let r = self.move_present(&self.region, &self.staging, off, len);
+                if r.is_err() {
+                    Counters::add(&self.counters.partial_moves, 1);
                 }
-                Counters::add(&self.counters.deactivations, 1);
-                done += 1;
-            } else {
-                st.referenced[i as usize] = true;
-                st.active.push_back(i);
+                for &i in run {
+                    self.tr(i, || format!("deactivate {r:?} epoch {epoch}"));
+                    let staged = match r {
+                        Ok(()) => true,
+                        Err(e) => self.undo_deactivation(i, e),
+                    };
+                    outcomes.push((i, staged));
+                }
             }
-        }
-        if r.is_err() {
-            Counters::add(&self.counters.partial_moves, 1);
+            st = self.state.lock();
+            for &(i, staged) in &outcomes {
+                if staged {
+                    self.active_to_staged(&mut st, i);
+                    self.evict_from_cache(ChunkIdx(i));
+                    if let Some(mark) = self.mark.get() {
+                        mark(ChunkIdx(i));
+                    }
+                    Counters::add(&self.counters.deactivations, 1);
+                    done += 1;
+                } else {
+                    st.chunk[i as usize] = St::Active;
+                    st.referenced[i as usize] = true;
+                    st.active.push_back(i);
+                }
+            }
+            // Wakes the faults that found a chunk of the group moving (`Admit::Retry`).
+            self.events.bump();
         }
         done
     }
