@@ -67,6 +67,9 @@ fn bench_paging_prints_one_sane_line_per_system_and_pattern() {
         "30%",
         "--threads",
         "2",
+        // Every faulting access is "slow" at 0: each must be printed on stderr.
+        "--trace-slow",
+        "0us",
     ];
     if no_kernel.is_some() {
         args.extend(["--system", "farmap"]);
@@ -107,6 +110,28 @@ fn bench_paging_prints_one_sane_line_per_system_and_pattern() {
         })
         .collect();
     assert_eq!(got, expected, "one line per system and pattern, in order");
+
+    // `--trace-slow 0us`: one line per faulting access of every run (the unlimited runs
+    // that the runtimes are normalised to included), of both systems.
+    let traced: Vec<&str> = stderr
+        .lines()
+        .filter(|l| l.starts_with("slow access: "))
+        .collect();
+    let faulting: f64 = rows.iter().map(|r| num(r, "faulting_accesses")).sum();
+    assert!(
+        traced.len() as f64 >= faulting,
+        "{} traced accesses, {faulting} faulting ones in the results",
+        traced.len()
+    );
+    for l in &traced {
+        let f: Vec<&str> = l["slow access: ".len()..].split(' ').collect();
+        let keys: Vec<&str> = f.iter().map(|kv| kv.split('=').next().unwrap()).collect();
+        assert_eq!(keys, ["end", "us", "write", "page", "tid"], "{l}");
+        let value = |i: usize| f[i].split_once('=').unwrap().1;
+        assert!(value(0).parse::<f64>().unwrap() > 0.0, "{l}");
+        assert!(value(3).parse::<u64>().unwrap() < (32 << 20) / 4096, "{l}");
+        assert!(value(4).parse::<u32>().unwrap() > 0, "{l}");
+    }
 
     for row in &rows {
         assert_eq!(row["bench"], "paging", "{row}");

@@ -161,6 +161,11 @@ pub struct PagingArgs {
     /// Seed of the access sequences (the same for both systems).
     #[arg(long, default_value_t = 0x9a61)]
     seed: u64,
+    /// Print every faulting access slower than this (e.g. 300us) on stderr, with the
+    /// CLOCK_MONOTONIC time it ended at and its thread id, to line it up with a trace taken
+    /// meanwhile (`perf sched record -k CLOCK_MONOTONIC`).
+    #[arg(long, value_name = "DURATION", value_parser = parse_duration)]
+    trace_slow: Option<Duration>,
     /// One JSON object per system, pattern and local share on stdout.
     #[arg(long)]
     json: bool,
@@ -334,6 +339,7 @@ impl Bench {
             },
             writes_percent: self.args.writes,
             seed: self.args.seed,
+            trace_slow: self.args.trace_slow,
         }
     }
 

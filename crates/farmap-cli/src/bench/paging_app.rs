@@ -111,6 +111,8 @@ pub struct AppConfig {
     /// Percent of accesses that write.
     pub writes_percent: u32,
     pub seed: u64,
+    /// Print every faulting access slower than this on stderr (see [`Worker::trace`]).
+    pub trace_slow: Option<Duration>,
 }
 
 /// The tag of `page` at `version`.
@@ -367,9 +369,25 @@ struct Worker {
     first_mismatch: Option<String>,
     /// Scratch space of the pagemap scans.
     scan: Vec<farmap_uffd::sys::PageRegion>,
+    trace_slow: Option<Duration>,
 }
 
 impl Worker {
+    /// Prints a faulting access that took `elapsed` (at least `--trace-slow`) on stderr, with
+    /// the `CLOCK_MONOTONIC` time it ended at and the thread's id: the times `perf record -k
+    /// CLOCK_MONOTONIC` (and `perf sched record`) stamp their events with, so that a trace
+    /// taken during the run shows what the access waited for.
+    fn trace(&self, elapsed: Duration, write: bool, page: usize) {
+        let end = rustix::time::clock_gettime(rustix::time::ClockId::Monotonic);
+        eprintln!(
+            "slow access: end={}.{:09} us={} write={write} page={page} tid={}",
+            end.tv_sec,
+            end.tv_nsec,
+            elapsed.as_micros(),
+            rustix::thread::gettid().as_raw_nonzero()
+        );
+    }
+
     fn mismatch(&mut self, page: usize, what: &str, got: u64, want: u64) {
         self.mismatches += 1;
         if self.first_mismatch.is_none() {
@@ -444,6 +462,9 @@ impl Worker {
                 self.mismatch(page, "last word", b, want);
             }
             if faulting {
+                if self.trace_slow.is_some_and(|t| elapsed >= t) {
+                    self.trace(elapsed, write, page);
+                }
                 self.faulting += 1;
                 self.hist.record(elapsed.as_nanos() as u64);
             }
@@ -508,6 +529,7 @@ impl App {
                     mismatches: 0,
                     first_mismatch: None,
                     scan: Vec::with_capacity(16),
+                    trace_slow: config.trace_slow,
                 }
             })
             .collect();
@@ -634,6 +656,8 @@ pub struct AppArgs {
     writes: u32,
     #[arg(long)]
     seed: u64,
+    #[arg(long, value_parser = parse_duration)]
+    trace_slow: Option<Duration>,
 }
 
 impl AppArgs {
@@ -654,6 +678,9 @@ impl AppArgs {
             "--seed".to_owned(),
             config.seed.to_string(),
         ];
+        if let Some(t) = config.trace_slow {
+            v.extend(["--trace-slow".to_owned(), format!("{}us", t.as_micros())]);
+        }
         match config.budget {
             Budget::Accesses(n) => v.extend(["--accesses".to_owned(), n.to_string()]),
             Budget::Runtime(d) => {
@@ -685,6 +712,7 @@ pub fn run_child(args: AppArgs) -> anyhow::Result<std::process::ExitCode> {
         },
         writes_percent: args.writes,
         seed: args.seed,
+        trace_slow: args.trace_slow,
     };
     let mut app = App::new(config)?;
     let mapping = AnonMapping::new(size).context("mapping the application's memory")?;
@@ -788,6 +816,7 @@ mod tests {
                 budget: Budget::Accesses(2000),
                 writes_percent: 50,
                 seed: 3,
+                trace_slow: None,
             })
             .unwrap();
             app.init(mapping.slice()).unwrap();
@@ -827,6 +856,7 @@ mod tests {
             budget: Budget::Runtime(Duration::from_millis(1500)),
             writes_percent: 20,
             seed: 9,
+            trace_slow: Some(Duration::from_micros(300)),
         };
         let mut argv = vec!["farmap".to_owned()];
         argv.extend(AppArgs::command_line(&config, std::path::Path::new("/cg")));
@@ -836,5 +866,6 @@ mod tests {
         assert_eq!(a.runtime, Some(Duration::from_millis(1500)));
         assert_eq!(a.cgroup.as_deref(), Some(std::path::Path::new("/cg")));
         assert_eq!((a.threads, a.writes, a.seed), (3, 20, 9));
+        assert_eq!(a.trace_slow, Some(Duration::from_micros(300)));
     }
 }
