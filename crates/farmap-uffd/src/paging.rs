@@ -169,6 +169,9 @@ struct State {
     /// Pushes reading the chunk out of the region now: it is not deactivated meanwhile.
     pins: Vec<u32>,
     active: VecDeque<u64>,
+    /// Drop-behind: chunks that a sequential stream has left behind, oldest first, taken as
+    /// victims before the clock's (entries whose chunk is no longer active are skipped).
+    behind: VecDeque<u64>,
     /// Staged chunks, oldest first, with the id of their staging: an entry is current only
     /// while its chunk is staged with that id (leaving the staged state removes nothing
     /// here, so that a move back, in a signal handler too, is O(1)).
@@ -232,6 +235,7 @@ pub(crate) struct PagingCounters {
     pub prefetched: AtomicU64,
     pub prefetch_hits: AtomicU64,
     pub prefetch_wasted: AtomicU64,
+    pub dropped_behind: AtomicU64,
 }
 
 /// A faulting thread's sequential stream (prefetch).
@@ -245,6 +249,8 @@ struct Stream {
     pending: u64,
     /// A fault inside the window has already extended it.
     extended: bool,
+    /// The first chunk behind the thread not queued for drop-behind yet.
+    behind: u64,
 }
 
 /// Threads whose streams are remembered at most (a process that churns through threads
@@ -260,6 +266,10 @@ const GROUP_BYTES: u64 = 256 << 10;
 /// then goes through all of them before it finds a victim (≈ 20,000 chunks, a few hundred
 /// µs, at 30% of a 256 MiB region in 4 KiB chunks): faults would wait for all of it.
 const SCAN_PER_HOLD: usize = 1024;
+
+/// Most chunks one sequential fault queues for drop-behind (a stream that jumped far ahead
+/// does not queue everything it skipped).
+const MAX_BEHIND: u64 = 4096;
 
 /// The pager's state lock: a futex lock that puts a contended waiter to sleep after a short
 /// spin, and wakes it when the holder unlocks.
@@ -484,6 +494,7 @@ impl Pager {
                 // Reserved so that a move back in a signal handler never allocates (one
                 // entry per chunk, plus stale duplicates of refetched chunks).
                 active: VecDeque::with_capacity(n + n / 8 + 64),
+                behind: VecDeque::new(),
                 staged: VecDeque::new(),
                 stage_id: vec![0; n],
                 stage_seq: 0,
@@ -963,7 +974,7 @@ impl Pager {
             return Vec::new();
         };
         let count = self.geometry.chunk_count();
-        let (confirm, start, window, extend) = {
+        let (confirm, start, window, extend, behind) = {
             let mut streams = self.streams.lock();
             if streams.len() >= MAX_STREAMS && !streams.contains_key(&tid) {
                 streams.clear();
@@ -981,7 +992,7 @@ impl Pager {
                     return Vec::new();
                 }
                 s.extended = true;
-                (0..0, next, s.window.min(count - next), true)
+                (0..0, next, s.window.min(count - next), true, 0..0)
             } else {
                 let confirm = if sequential {
                     idx.0 - s.pending..idx.0
@@ -994,7 +1005,23 @@ impl Pager {
                     0
                 };
                 s.extended = false;
-                (confirm, idx.0 + 1, s.window.min(count - 1 - idx.0), false)
+                // Drop-behind: the chunks more than a maximal window behind the thread.
+                let behind = if sequential {
+                    let upto = idx.0.saturating_sub(u64::from(max_chunks.max(1)));
+                    let from = s.behind.max(upto.saturating_sub(MAX_BEHIND));
+                    s.behind = s.behind.max(upto);
+                    from..upto
+                } else {
+                    s.behind = idx.0;
+                    0..0
+                };
+                (
+                    confirm,
+                    idx.0 + 1,
+                    s.window.min(count - 1 - idx.0),
+                    false,
+                    behind,
+                )
             }
         };
         let mut st = self.state.lock();
@@ -1003,6 +1030,13 @@ impl Pager {
             used += u64::from(std::mem::take(&mut st.prefetched[i as usize]));
         }
         Counters::add(&self.counters.prefetch_hits, used);
+        if !behind.is_empty() {
+            let n = st.chunk.len();
+            if st.behind.len() + (behind.end - behind.start) as usize > n {
+                st.behind.clear();
+            }
+            st.behind.extend(behind);
+        }
         let limit = self.limit();
         let mut admitted = Vec::new();
         // The chunks after `idx` that are local or admitted now: the window as it stands
@@ -1137,6 +1171,21 @@ impl Pager {
         while done < n && budget > 0 {
             group.clear();
             let want = per_group.min(n - done) as usize;
+            // Drop-behind first: what sequential streams left behind goes in runs, whatever
+            // its referenced flag says (written during the scan, it would get a second chance
+            // and the victims of a group would alternate: a move and a TLB flush each).
+            while group.len() < want {
+                let Some(i) = st.behind.pop_front() else {
+                    break;
+                };
+                let iu = i as usize;
+                if st.chunk[iu] == St::Active && !st.slot_busy[iu] && st.pins[iu] == 0 {
+                    st.referenced[iu] = false;
+                    st.chunk[iu] = St::Moving;
+                    group.push(i);
+                    Counters::add(&self.counters.dropped_behind, 1);
+                }
+            }
             let mut popped = 0;
             while group.len() < want && budget > 0 && popped < SCAN_PER_HOLD {
                 budget -= 1;
@@ -1153,6 +1202,8 @@ impl Pager {
                     st.active.push_back(i);
                     continue;
                 }
+                // Moving from here on (also keeps a chunk from being taken twice).
+                st.chunk[iu] = St::Moving;
                 group.push(i);
             }
             if group.is_empty() {
@@ -1174,7 +1225,6 @@ impl Pager {
             // (its push waits for the chunk to be staged, then reads the slot). Marked after
             // the move, a flush in between finished without it.
             for &i in &group {
-                st.chunk[i as usize] = St::Moving;
                 if let Some(mark) = self.mark.get() {
                     mark(ChunkIdx(i));
                 }

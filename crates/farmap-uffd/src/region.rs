@@ -708,6 +708,7 @@ impl Region {
                     prefetched: Counters::get(&pc.prefetched),
                     prefetch_hits: Counters::get(&pc.prefetch_hits),
                     prefetch_wasted: Counters::get(&pc.prefetch_wasted),
+                    dropped_behind: Counters::get(&pc.dropped_behind),
                 }
             }),
             last_error,

@@ -159,6 +159,9 @@ pub struct PagingStats {
     /// Prefetched chunks evicted without having been found used (a chunk only read, and
     /// not followed by a sequential fault, counts here too: reads leave no trace).
     pub prefetch_wasted: u64,
+    /// Chunks a sequential stream had left behind, taken as victims before the clock's
+    /// (drop-behind, with `Prefetch::Sequential`).
+    pub dropped_behind: u64,
 }
 
 /// What [`Region::take_dirty`](crate::Region::take_dirty) found: the pages written since the

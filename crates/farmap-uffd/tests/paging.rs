@@ -58,11 +58,30 @@ fn bounded(limit: LocalLimit, push: Option<Duration>) -> RegionOptions {
 /// test thread changes the limit; at the end the memory, and the store after a sync, equal
 /// the model.
 fn no_write_lost(seed: u64, limits: &[u8], push: Option<Duration>, in_thread: bool) {
+    no_write_lost_as(seed, limits, push, in_thread, false);
+}
+
+/// The paging counters at the end of a [`no_write_lost_as`] run.
+type PagingCounters = farmap_uffd::PagingStats;
+
+/// [`no_write_lost`]; `sequential`: the writer sweeps the region chunk after chunk (a word
+/// in each, over and over) with sequential prefetch on, so that its stream leaves chunks
+/// behind for drop-behind.
+fn no_write_lost_as(
+    seed: u64,
+    limits: &[u8],
+    push: Option<Duration>,
+    in_thread: bool,
+    sequential: bool,
+) -> PagingCounters {
     let g = Geometry::new(CHUNKS * u64::from(CHUNK), u64::from(CHUNK)).unwrap();
     let store = pattern_memory(g, seed);
     let mut opts = bounded(LocalLimit::Percent(f64::from(limits[0])), push);
     if let Some(p) = &mut opts.paging {
         p.in_thread = in_thread;
+        if sequential {
+            p.prefetch = farmap_uffd::Prefetch::Sequential { max_chunks: 2 };
+        }
     }
     let region = Region::open(store.clone(), opts).unwrap();
     let mut model = pattern_bytes(seed, 0, g.size() as usize);
@@ -73,9 +92,13 @@ fn no_write_lost(seed: u64, limits: &[u8], push: Option<Duration>, in_thread: bo
             let mut rng = SmallRng::seed_from_u64(seed ^ 0x5eed);
             let mut writes = Vec::new();
             let words = region.len() / 8;
+            let per_chunk = CHUNK as usize / 8;
             while !stop.load(Ordering::Relaxed) || writes.len() < 2000 {
                 // Half of the writes go to a hot eighth of the region.
-                let w = if rng.gen_bool(0.5) {
+                let w = if sequential {
+                    let k = writes.len();
+                    (k % (words / per_chunk)) * per_chunk + rng.gen_range(0..per_chunk)
+                } else if rng.gen_bool(0.5) {
                     rng.gen_range(0..words / 8)
                 } else {
                     rng.gen_range(0..words)
@@ -144,6 +167,7 @@ fn no_write_lost(seed: u64, limits: &[u8], push: Option<Duration>, in_thread: bo
         "an active chunk's pages turned up in its staging slot: {paging:?}"
     );
     drop(region);
+    paging
 }
 
 proptest! {
@@ -175,6 +199,24 @@ fn tight_limit_loses_no_write() {
         return;
     }
     no_write_lost(7, &[6], None, false);
+}
+
+/// A writer sweeping the region chunk after chunk with sequential prefetch: the chunks it
+/// leaves behind are evicted first (drop-behind), and no write is lost, with faults served by
+/// the reader or in the faulting thread, with or without background pushes.
+#[test]
+fn sequential_sweep_drops_behind_and_loses_no_write() {
+    if !paging_available("sequential_sweep_drops_behind_and_loses_no_write") {
+        return;
+    }
+    for (seed, in_thread, push) in [(11, false, None), (12, true, Some(2)), (13, false, Some(2))] {
+        let push = push.map(Duration::from_millis);
+        let paging = no_write_lost_as(seed, &[25, 10, 40], push, in_thread, true);
+        assert!(
+            paging.dropped_behind > 0,
+            "the sweep left nothing behind to drop: {paging:?}"
+        );
+    }
 }
 
 /// The same with staged chunks moved back by the faulting thread itself (SIGBUS mode).
