@@ -103,6 +103,13 @@
 //! chunk that is only read ages out after one pass of the clock: the cost of having no
 //! accessed bits. Staged chunks are dropped oldest first.
 //!
+//! With sequential prefetch, chunks that a thread's stream has left more than a maximal
+//! window behind are queued for *drop-behind* and taken as victims before the clock's,
+//! whatever their referenced flag: a scan writes half its chunks (say), and the clock would
+//! give those a second chance, so the victims of a group would alternate, one move and one
+//! TLB flush each (runs averaged 2.7 chunks); in queue order they are consecutive.
+//! `bench paging --pattern seq --chunk 4KiB --prefetch seq:32`: 4.16 → 2.10-2.20 s.
+//!
 //! # Not supported with paging
 //! The managed mode's background pull (it would fill the region past the limit), hand-over
 //! of fault handling to another process, and synchronous write tracking.
