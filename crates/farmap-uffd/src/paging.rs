@@ -443,6 +443,10 @@ pub(crate) struct Pager {
     /// Wakes the reclaim thread.
     kick: (Mutex<bool>, Condvar),
     stop: AtomicBool,
+    /// Deactivations moving pages outside the state lock now, and how many such batches
+    /// have ended: [`local_pages`](Self::local_pages) counts only between two batches.
+    moving: AtomicU64,
+    moved: AtomicU64,
     /// Chunks moved back in a faulting thread and not write-protected yet (one bit each):
     /// the next reclaim pass protects them, off the fault path.
     unprotected: Vec<AtomicU64>,
@@ -521,6 +525,8 @@ impl Pager {
             changed: Notify::new(),
             kick: (Mutex::new(false), Condvar::new()),
             stop: AtomicBool::new(false),
+            moving: AtomicU64::new(0),
+            moved: AtomicU64::new(0),
             unprotected: (0..n.div_ceil(64)).map(|_| AtomicU64::new(0)).collect(),
             unprotected_any: AtomicBool::new(false),
             counters: PagingCounters::default(),
@@ -630,8 +636,32 @@ impl Pager {
     }
 
     /// Pages present in the region and in the staging area (slots and trash) now, from the
-    /// page tables.
+    /// page tables. A page moving between two of the scans could be counted twice: the
+    /// scans run under the state lock (which the moves back and a push's moves take) while
+    /// no deactivation moves pages (it moves outside the lock; the count is taken again if
+    /// one ran meanwhile, up to a few times). The other moves go from the staging slots to
+    /// the trash, scanned first: a page moving meanwhile is missed, never counted twice.
     pub fn local_pages(&self) -> std::io::Result<(u64, u64)> {
+        let mut tries = 0;
+        loop {
+            let before = self.moved.load(Ordering::SeqCst);
+            let idle = self.moving.load(Ordering::SeqCst) == 0;
+            let counts = {
+                let _st = self.state.lock();
+                self.count_local_pages()?
+            };
+            tries += 1;
+            let quiet = idle
+                && self.moving.load(Ordering::SeqCst) == 0
+                && self.moved.load(Ordering::SeqCst) == before;
+            if quiet || tries >= 100 {
+                return Ok(counts);
+            }
+            std::thread::yield_now();
+        }
+    }
+
+    fn count_local_pages(&self) -> std::io::Result<(u64, u64)> {
         let ps = self.region.page_size();
         let count = |r: &UffdRange| -> std::io::Result<u64> {
             let mut n = 0;
@@ -1237,6 +1267,7 @@ impl Pager {
                 }
             }
             let epoch = st.epoch;
+            self.moving.fetch_add(1, Ordering::SeqCst);
             drop(st);
             group.sort_unstable();
             outcomes.clear();
@@ -1255,6 +1286,8 @@ impl Pager {
                     outcomes.push((i, staged));
                 }
             }
+            self.moved.fetch_add(1, Ordering::SeqCst);
+            self.moving.fetch_sub(1, Ordering::SeqCst);
             st = self.state.lock_yielding();
             for &(i, staged) in &outcomes {
                 if staged {
