@@ -1261,8 +1261,8 @@ impl Pager {
             // tracking as they move, and a flush that starts meanwhile must see the chunk
             // (its push waits for the chunk to be staged, then reads the slot). Marked after
             // the move, a flush in between finished without it.
-            for &i in &group {
-                if let Some(mark) = self.mark.get() {
+            if let Some(mark) = self.mark.get() {
+                for &i in &group {
                     mark(ChunkIdx(i));
                 }
             }

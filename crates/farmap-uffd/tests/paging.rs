@@ -61,9 +61,6 @@ fn no_write_lost(seed: u64, limits: &[u8], push: Option<Duration>, in_thread: bo
     no_write_lost_as(seed, limits, push, in_thread, false);
 }
 
-/// The paging counters at the end of a [`no_write_lost_as`] run.
-type PagingCounters = farmap_uffd::PagingStats;
-
 /// [`no_write_lost`]; `sequential`: the writer sweeps the region chunk after chunk (a word
 /// in each, over and over) with sequential prefetch on, so that its stream leaves chunks
 /// behind for drop-behind.
@@ -73,7 +70,7 @@ fn no_write_lost_as(
     push: Option<Duration>,
     in_thread: bool,
     sequential: bool,
-) -> PagingCounters {
+) -> farmap_uffd::PagingStats {
     let g = Geometry::new(CHUNKS * u64::from(CHUNK), u64::from(CHUNK)).unwrap();
     let store = pattern_memory(g, seed);
     let mut opts = bounded(LocalLimit::Percent(f64::from(limits[0])), push);
