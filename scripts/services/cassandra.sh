@@ -160,8 +160,50 @@ until cql_answers; do
   sleep 0.25
 done
 log "Cassandra answers CQL on 127.0.0.1:$cql_port after $((SECONDS - started)) s"
+# --- 5. with auth, ready when the default superuser logs in ------------------------------
+# The node makes the role `cassandra` in a background task once it is up (even with
+# superuser_setup_delay_ms=0), so on a busy machine the port answers before the password does.
+# STARTUP, then AUTH_RESPONSE with SASL PLAIN ("\0user\0password"): AUTH_SUCCESS is opcode 0x10.
+cql_logs_in() {
+  timeout 5 python3 - "$cql_port" <<'PY' 2>/dev/null
+import socket, struct, sys
+s = socket.create_connection(("127.0.0.1", int(sys.argv[1])), timeout=4)
+def frame(stream, opcode, body):
+    s.sendall(struct.pack(">BBhBI", 4, 0, stream, opcode, len(body)) + body)
+    head = b""
+    while len(head) < 9:
+        more = s.recv(9 - len(head))
+        if not more:
+            sys.exit(1)
+        head += more
+    _, _, _, op, n = struct.unpack(">BBhBI", head)
+    left = n
+    while left:
+        more = s.recv(min(left, 65536))
+        if not more:
+            sys.exit(1)
+        left -= len(more)
+    return op
+def string(t):
+    return struct.pack(">H", len(t)) + t
+if frame(1, 0x01, struct.pack(">H", 1) + string(b"CQL_VERSION") + string(b"3.0.0")) != 0x03:
+    sys.exit(1)
+token = b"\0cassandra\0cassandra"
+sys.exit(0 if frame(2, 0x0F, struct.pack(">i", len(token)) + token) == 0x10 else 1)
+PY
+}
 if [ -n "$AUTH" ]; then
-  # The default superuser is made once the node is up (superuser_setup_delay_ms=0).
+  until cql_logs_in; do
+    if ! kill -0 "$pid" 2>/dev/null; then
+      tail -n 40 "$SVC_DIR/run/system.log" >&2 2>/dev/null || true
+      die "Cassandra (pid $pid) exited before its default superuser could log in"
+    fi
+    ((SECONDS - started < 180)) || die "the default superuser cannot log in to Cassandra after 180 s"
+    sleep 0.25
+  done
+  log "the default superuser logs in after $((SECONDS - started)) s"
+fi
+if [ -n "$AUTH" ]; then
   echo "USER=cassandra"
   echo "PASSWORD=cassandra"
   echo "SPEC_BASE=cql://cassandra:cassandra@127.0.0.1:$cql_port"
