@@ -138,7 +138,7 @@ fn bench_uffd_refuses_a_region_too_small_to_measure() {
 }
 
 /// `refault-staged`, served by the reader and then in the faulting thread: one row each,
-/// every timed re-fault counted on the path the flag chose.
+/// every timed re-fault counted on the path the flag chose, with the raw in-thread reference.
 #[test]
 fn bench_uffd_refault_staged_says_which_path_served() {
     let test = "bench_uffd_refault_staged_says_which_path_served";
@@ -185,6 +185,12 @@ fn bench_uffd_refault_staged_says_which_path_served() {
         assert_eq!(row["in_thread"], in_thread, "{row}");
         assert_eq!(row["samples"], 500, "{row}");
         assert!(num(row, "p50_us") > 0.0 && num(row, "p50_us") <= num(row, "p99_us"));
+        // The raw in-thread reference ran (it fails the run if a page was not moved back).
+        let raw = num(row, "baseline_in_thread_p50_us");
+        assert!(
+            raw > 0.0 && raw <= num(row, "baseline_in_thread_p99_us"),
+            "{row}"
+        );
         let (served_in_thread, posted) =
             (num(row, "faults_in_thread"), num(row, "faults_signalled"));
         let by_reader = num(row, "faults_polled") + num(row, "faults_slept");

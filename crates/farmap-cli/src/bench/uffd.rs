@@ -38,10 +38,13 @@
 //!   chunks, in a bounded region that holds them all (`--local-max` is ignored); they are
 //!   faulted in untimed, every chunk is staged (`Region::deactivate`: moved out with
 //!   `UFFDIO_MOVE`, still local), and the re-faults are timed one by one: `p50_us`, `p99_us`.
-//!   The reference in the same run is the raw userfaultfd fault of `fault-4k` (a handler
-//!   thread copying the page in). With `--in-thread` the region resolves these faults in
-//!   the faulting thread (`PagingOptions::in_thread`, SIGBUS); `faults_in_thread` says how
-//!   many were served there.
+//!   The references in the same run are the raw userfaultfd fault of `fault-4k` (a handler
+//!   thread copying the page in) and, for the in-thread path, `baseline_in_thread_p50_us` /
+//!   `_p99_us`: the same pages staged in a raw mapping and moved back by a bare `SIGBUS`
+//!   handler with one `UFFDIO_MOVE` each (a fault, a signal and a move: the floor of that
+//!   path on this machine). With `--in-thread` the region resolves these faults in the
+//!   faulting thread (`PagingOptions::in_thread`, SIGBUS); `faults_in_thread` says how many
+//!   were served there.
 
 use std::process::ExitCode;
 use std::sync::Arc;
@@ -219,6 +222,11 @@ struct FaultRow {
     baseline_p99_us: f64,
     baseline_missing_p50_us: f64,
     baseline_missing_p99_us: f64,
+    /// refault-staged only: the raw in-thread reference (a bare SIGBUS handler's move).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    baseline_in_thread_p50_us: Option<f64>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    baseline_in_thread_p99_us: Option<f64>,
     /// Of the region's faults, those served without leaving the handler thread.
     faults: u64,
     faults_inline: u64,
@@ -400,6 +408,8 @@ impl Bench {
             baseline_p99_us: round3(wp.p99_us),
             baseline_missing_p50_us: round3(missing.p50_us),
             baseline_missing_p99_us: round3(missing.p99_us),
+            baseline_in_thread_p50_us: None,
+            baseline_in_thread_p99_us: None,
             faults,
             faults_inline,
             path,
@@ -428,7 +438,14 @@ impl Bench {
     fn refault_staged(&self, store: Arc<dyn Store>, run: u32) -> anyhow::Result<FaultRow> {
         let case = Case::RefaultStaged;
         let pages = baseline::random_pages(self.data.len() / PAGE_SIZE, self.samples, PAGES_SEED);
-        let baselines = || self.fault_baselines(case.chunk(), &pages);
+        let baselines = || -> anyhow::Result<_> {
+            let raw = self.fault_baselines(case.chunk(), &pages)?;
+            let in_thread = self
+                .baseline(BaselineMode::Missing)?
+                .refault_in_thread(&pages)
+                .context("baseline in-thread re-faults")?;
+            Ok((raw, in_thread))
+        };
         let farmap = || -> anyhow::Result<_> {
             let opts = RegionOptions {
                 push: PushOptions {
@@ -470,7 +487,7 @@ impl Bench {
             }
             Ok((lat, after, before, region.tracking_mode().as_str()))
         };
-        let (base, (lat, stats, before, tracking)) = in_turn(run, baselines, farmap)?;
+        let ((base, in_thread), (lat, stats, before, tracking)) = in_turn(run, baselines, farmap)?;
         let mut path = PathCounts::of(&stats);
         // Only the timed re-faults.
         path.faults_polled -= before.faults_polled;
@@ -478,7 +495,7 @@ impl Bench {
         path.faults_in_thread -= before.faults_in_thread;
         path.faults_signalled -= before.faults_signalled;
         path.reader_rests -= before.reader_rests;
-        Ok(self.fault_row(
+        let mut row = self.fault_row(
             (case, run, tracking),
             &lat,
             &base,
@@ -487,7 +504,10 @@ impl Bench {
                 stats.faults_inline - before.faults_inline,
             ),
             path,
-        ))
+        );
+        row.baseline_in_thread_p50_us = Some(round3(in_thread.p50_us));
+        row.baseline_in_thread_p99_us = Some(round3(in_thread.p99_us));
+        Ok(row)
     }
 
     fn fill(&self, case: Case, store: Arc<dyn Store>, run: u32) -> anyhow::Result<FillRow> {
@@ -575,9 +595,13 @@ impl Bench {
 }
 
 fn print_fault(r: &FaultRow) {
+    let in_thread = match (r.baseline_in_thread_p50_us, r.baseline_in_thread_p99_us) {
+        (Some(p50), Some(p99)) => format!(", raw in-thread {p50:.1} / {p99:.1} µs"),
+        _ => String::new(),
+    };
     println!(
         "{:<14} {} random faults in {}: p50 {:.1} µs, p99 {:.1} µs \
-         (baseline {:.1} / {:.1} µs, missing-only {:.1} / {:.1} µs; {} of {} faults inline; \
+         (baseline {:.1} / {:.1} µs, missing-only {:.1} / {:.1} µs{}; {} of {} faults inline; \
          {}: {} faults found polling, {} after sleeping, {} in the faulting thread; fault path \
          CPU {:.1} ms)",
         r.common.case,
@@ -589,6 +613,7 @@ fn print_fault(r: &FaultRow) {
         r.baseline_p99_us,
         r.baseline_missing_p50_us,
         r.baseline_missing_p99_us,
+        in_thread,
         r.faults_inline,
         r.faults,
         r.common.fault_path,

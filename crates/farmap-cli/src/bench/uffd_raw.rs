@@ -19,13 +19,21 @@
 //! - [`BaselineMode::Missing`]: registered `MISSING` only, plain `UFFDIO_COPY`: the cheapest
 //!   handler there is, for comparison.
 //!
+//! And one reference for re-faults of staged pages ([`Baseline::refault_in_thread`]): the
+//! pages wait in a staging area (a second mapping, as a bounded region's), and the faulting
+//! thread's own `SIGBUS` handler moves each back with one `UFFDIO_MOVE` — the least the
+//! in-thread path (`UFFD_FEATURE_SIGBUS`) can cost: a fault, a signal and a move.
+//!
 //! The touch loops ([`touch_each`], [`touch_all`], [`write_each`]) and the page choices
 //! ([`random_pages`], [`spread_pages`]) are public so that the benchmark drives a region with
 //! exactly the code it drives the baseline with.
 //!
 //! # Concurrency
 //! - One handler thread per measurement, scoped to it; the measuring thread is the only one
-//!   touching the region.
+//!   touching the region. The in-thread reference has no handler thread: its `SIGBUS` handler
+//!   is installed for the measurement and the one before it put back afterwards, so it must
+//!   not overlap a farmap region resolving faults in its threads (the benchmark runs one
+//!   measurement at a time; a second in-thread reference at once is refused).
 //! - If the handler meets an error it cannot serve around, it unregisters the region, which
 //!   wakes every blocked touch (they then read zero pages): the measurement ends with an
 //!   error, never with a hung thread.
@@ -34,7 +42,7 @@ use std::hint::black_box;
 use std::io;
 use std::os::fd::AsRawFd;
 use std::ptr::NonNull;
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicI32, AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Barrier};
 use std::time::{Duration, Instant};
 
@@ -263,6 +271,54 @@ impl<'a> Baseline<'a> {
         })
     }
 
+    /// Times a read of each page in `pages` (page indices), each alone, where every page
+    /// waits in a staging area and the faulting thread moves it back itself: the region's
+    /// userfaultfd has `UFFD_FEATURE_SIGBUS` (and a write-tracking region's features, like a
+    /// farmap region's), and a `SIGBUS` handler issues one `UFFDIO_MOVE` of the page from the
+    /// staging area (registered write-protect-only with a second userfaultfd, as a bounded
+    /// region's is) and returns. Setup (staging the pages) and teardown are not timed.
+    pub fn refault_in_thread(&self, pages: &[usize]) -> Result<Latencies, BaselineError> {
+        self.check_pages(pages)?;
+        let len = self.source.len();
+        let features = sys::UFFD_FEATURE_SIGBUS
+            | sys::UFFD_FEATURE_MOVE
+            | BaselineMode::WriteProtect.features();
+        let region =
+            Registered::with_features(len, features, BaselineMode::WriteProtect.register_mode())?;
+        let staging = AnonMapping::new(len).map_err(sys_err("mapping the staging area"))?;
+        for &p in pages {
+            let at = p * PAGE_SIZE;
+            staging
+                .slice()
+                .write_from(at, &self.source[at..at + PAGE_SIZE])
+                .expect("pages are checked");
+        }
+        let quiet = Uffd::open(sys::UFFD_FEATURE_MOVE)
+            .map_err(sys_err("opening the staging area's userfaultfd"))?;
+        // SAFETY: the staging mapping is ours, anonymous, private and page-aligned; write-protect
+        // mode only changes nothing until a page is protected, which nothing here does.
+        unsafe { quiet.register(staging.addr(), len, sys::UFFDIO_REGISTER_MODE_WP) }
+            .map_err(sys_err("registering the staging area"))?;
+        let handler = InThreadHandler::install(
+            region.range.base(),
+            len,
+            staging.addr(),
+            region.range.uffd().as_raw_fd(),
+        )?;
+        let samples = touch_each(region.slice(), pages);
+        let (moved, failed) = handler.uninstall();
+        if failed > 0 || moved < pages.len() as u64 {
+            return Err(BaselineError::Serve {
+                offset: 0,
+                source: io::Error::other(format!(
+                    "the in-thread handler moved {moved} of {} pages back ({failed} moves failed)",
+                    pages.len()
+                )),
+            });
+        }
+        Ok(Latencies::from_samples(samples))
+    }
+
     fn check_pages(&self, pages: &[usize]) -> Result<(), BaselineError> {
         let npages = self.source.len() / PAGE_SIZE;
         match pages.iter().find(|&&p| p >= npages) {
@@ -450,12 +506,16 @@ struct Registered {
 
 impl Registered {
     fn new(len: usize, mode: BaselineMode) -> Result<Self, BaselineError> {
+        Self::with_features(len, mode.features(), mode.register_mode())
+    }
+
+    fn with_features(len: usize, features: u64, register_mode: u64) -> Result<Self, BaselineError> {
         let mapping = AnonMapping::new(len).map_err(sys_err("mapping the region"))?;
-        let uffd = Uffd::open(mode.features()).map_err(sys_err("opening a userfaultfd"))?;
+        let uffd = Uffd::open(features).map_err(sys_err("opening a userfaultfd"))?;
         // SAFETY: the mapping is ours, anonymous, private and page-aligned (mmap), and no Rust
         // reference ever covers its memory: it is only reached through `slice()`, whose
         // volatile accesses accept pages being filled, protected or read as zeros.
-        unsafe { uffd.register(mapping.addr(), len, mode.register_mode()) }
+        unsafe { uffd.register(mapping.addr(), len, register_mode) }
             .map_err(sys_err("registering the region"))?;
         let range = UffdRange::new(Arc::new(uffd), mapping.addr(), len);
         Ok(Self { mapping, range })
@@ -483,6 +543,148 @@ impl Registered {
             )
         };
     }
+}
+
+/// What the in-thread reference's `SIGBUS` handler serves: one region at a time, set while
+/// its handler is installed (an address of 0 means none).
+static IN_THREAD_BASE: AtomicUsize = AtomicUsize::new(0);
+static IN_THREAD_LEN: AtomicUsize = AtomicUsize::new(0);
+static IN_THREAD_STAGING: AtomicUsize = AtomicUsize::new(0);
+static IN_THREAD_FD: AtomicI32 = AtomicI32::new(-1);
+static IN_THREAD_MOVED: AtomicU64 = AtomicU64::new(0);
+static IN_THREAD_FAILED: AtomicU64 = AtomicU64::new(0);
+/// Set while an in-thread reference measures: a second one is refused.
+static IN_THREAD_BUSY: AtomicBool = AtomicBool::new(false);
+
+/// The in-thread reference's `SIGBUS` handler, installed until [`uninstall`]
+/// (or drop), which puts the previous action back.
+///
+/// [`uninstall`]: InThreadHandler::uninstall
+struct InThreadHandler {
+    previous: libc::sigaction,
+    installed: bool,
+}
+
+impl InThreadHandler {
+    fn install(
+        base: usize,
+        len: usize,
+        staging: usize,
+        fd: i32,
+    ) -> Result<InThreadHandler, BaselineError> {
+        if IN_THREAD_BUSY.swap(true, Ordering::SeqCst) {
+            return Err(BaselineError::Invalid(
+                "another in-thread reference is measuring".into(),
+            ));
+        }
+        IN_THREAD_LEN.store(len, Ordering::SeqCst);
+        IN_THREAD_STAGING.store(staging, Ordering::SeqCst);
+        IN_THREAD_FD.store(fd, Ordering::SeqCst);
+        IN_THREAD_MOVED.store(0, Ordering::SeqCst);
+        IN_THREAD_FAILED.store(0, Ordering::SeqCst);
+        IN_THREAD_BASE.store(base, Ordering::SeqCst);
+        // SAFETY: plain-old-data structs filled before use; the handler only does
+        // async-signal-safe work (atomics, one or two ioctls, errno).
+        unsafe {
+            let mut act: libc::sigaction = std::mem::zeroed();
+            act.sa_sigaction = in_thread_sigbus as *const () as usize;
+            // As a farmap region's handler (the signal module): SA_NODEFER, empty mask.
+            act.sa_flags = libc::SA_SIGINFO | libc::SA_RESTART | libc::SA_NODEFER;
+            libc::sigemptyset(&mut act.sa_mask);
+            let mut previous: libc::sigaction = std::mem::zeroed();
+            if libc::sigaction(libc::SIGBUS, &act, &mut previous) != 0 {
+                let e = io::Error::last_os_error();
+                IN_THREAD_BASE.store(0, Ordering::SeqCst);
+                IN_THREAD_BUSY.store(false, Ordering::SeqCst);
+                return Err(sys_err("installing the SIGBUS handler")(e));
+            }
+            Ok(InThreadHandler {
+                previous,
+                installed: true,
+            })
+        }
+    }
+
+    /// Puts the previous action back; returns the pages moved and the moves that failed.
+    fn uninstall(mut self) -> (u64, u64) {
+        self.restore();
+        (
+            IN_THREAD_MOVED.load(Ordering::SeqCst),
+            IN_THREAD_FAILED.load(Ordering::SeqCst),
+        )
+    }
+
+    fn restore(&mut self) {
+        if std::mem::take(&mut self.installed) {
+            // SAFETY: puts back the action `install` replaced.
+            unsafe { libc::sigaction(libc::SIGBUS, &self.previous, std::ptr::null_mut()) };
+            IN_THREAD_BASE.store(0, Ordering::SeqCst);
+            IN_THREAD_BUSY.store(false, Ordering::SeqCst);
+        }
+    }
+}
+
+impl Drop for InThreadHandler {
+    fn drop(&mut self) {
+        self.restore();
+    }
+}
+
+/// Moves the faulting page back from the staging area. A fault it cannot serve that way
+/// (not the measured region, or a move that fails) gets a zero page when it is in the
+/// region, so the access completes and the measurement reports the failure, and otherwise
+/// the default action (the access faults again and the process dies, as without a handler).
+extern "C" fn in_thread_sigbus(
+    _sig: libc::c_int,
+    info: *mut libc::siginfo_t,
+    _: *mut libc::c_void,
+) {
+    // SAFETY: errno is this thread's; restored before returning.
+    let errno = unsafe { *libc::__errno_location() };
+    // SAFETY: the kernel passes a valid siginfo to an SA_SIGINFO handler; SIGBUS's carries
+    // si_addr.
+    let (code, addr) = unsafe { ((*info).si_code, (*info).si_addr() as usize) };
+    let base = IN_THREAD_BASE.load(Ordering::Acquire);
+    let len = IN_THREAD_LEN.load(Ordering::Relaxed);
+    if code != libc::BUS_ADRERR || base == 0 || addr < base || addr >= base + len {
+        // SAFETY: restores the default action; async-signal-safe.
+        unsafe {
+            let mut dfl: libc::sigaction = std::mem::zeroed();
+            dfl.sa_sigaction = libc::SIG_DFL;
+            libc::sigaction(libc::SIGBUS, &dfl, std::ptr::null_mut());
+        }
+        return;
+    }
+    let page = addr & !(PAGE_SIZE - 1);
+    let fd = IN_THREAD_FD.load(Ordering::Relaxed);
+    let mut m = sys::UffdioMove {
+        dst: page as u64,
+        src: (IN_THREAD_STAGING.load(Ordering::Relaxed) + (page - base)) as u64,
+        len: PAGE_SIZE as u64,
+        mode: sys::UFFDIO_MOVE_MODE_DONTWAKE,
+        moved: 0,
+    };
+    // SAFETY: `m` is a live UffdioMove naming one page of the measured region (registered
+    // with `fd`) and the same page of its staging area: the move only fills the region's
+    // missing page with the staged one.
+    if unsafe { sys::ioctl(fd, sys::UFFDIO_MOVE, &mut m) }.is_ok() {
+        IN_THREAD_MOVED.fetch_add(1, Ordering::Relaxed);
+    } else {
+        IN_THREAD_FAILED.fetch_add(1, Ordering::Relaxed);
+        let mut z = sys::UffdioZeropage {
+            range: sys::UffdioRange {
+                start: page as u64,
+                len: PAGE_SIZE as u64,
+            },
+            mode: 0,
+            zeropage: 0,
+        };
+        // SAFETY: `z` is a live UffdioZeropage naming one missing page of the measured region,
+        // whose volatile readers accept zeros.
+        let _ = unsafe { sys::ioctl(fd, sys::UFFDIO_ZEROPAGE, &mut z) };
+    }
+    // SAFETY: as above.
+    unsafe { *libc::__errno_location() = errno };
 }
 
 /// Installs `data` at `offset`, reading no events: the baseline enables none, so an
