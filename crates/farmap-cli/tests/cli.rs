@@ -203,6 +203,10 @@ fn bench_push_with_a_mirror_prints_both_cases_and_the_cost() {
             assert_eq!(v["mirror"], if mirrored { "both" } else { "none" }, "{v}");
             assert_eq!(v.get("mirror_cost").is_some(), mirrored, "{v}");
             assert!(v["page_faults"].is_u64(), "{v}");
+            if bench == "push" {
+                // The timed push ran on some thread of the process.
+                assert!(v["cpu_ms"].as_f64().is_some_and(|ms| ms > 0.0), "{v}");
+            }
         }
         let cost = lines[1]["mirror_cost"].as_f64().unwrap();
         let want =

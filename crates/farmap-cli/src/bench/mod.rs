@@ -141,6 +141,13 @@ pub fn self_faults() -> anyhow::Result<SelfFaults> {
     })
 }
 
+/// CPU time of this process so far, in nanoseconds (`CLOCK_PROCESS_CPUTIME_ID`: every
+/// thread, including the time of threads that have exited, up to the moment of the call).
+pub fn process_cpu_ns() -> u64 {
+    let t = rustix::time::clock_gettime(rustix::time::ClockId::ProcessCPUTime);
+    (t.tv_sec as u64).saturating_mul(1_000_000_000) + t.tv_nsec as u64
+}
+
 /// CPU time this process's threads have run so far, in nanoseconds: the sum of the first
 /// field of every `/proc/self/task/*/schedstat` (nanosecond precision, where `/proc/self/stat`
 /// counts 10 ms ticks). A thread that exits between two readings takes its time with it.
