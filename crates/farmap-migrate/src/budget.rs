@@ -130,7 +130,9 @@ struct PacerState {
     bytes: u64,
 }
 
-fn process_cpu() -> Duration {
+/// CPU time of this process so far (`CLOCK_PROCESS_CPUTIME_ID`: every thread, including
+/// those that have exited, up to the moment of the call).
+pub fn process_cpu() -> Duration {
     let t = rustix::time::clock_gettime(rustix::time::ClockId::ProcessCPUTime);
     Duration::new(t.tv_sec as u64, t.tv_nsec as u32)
 }

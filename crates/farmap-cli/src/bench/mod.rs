@@ -141,37 +141,6 @@ pub fn self_faults() -> anyhow::Result<SelfFaults> {
     })
 }
 
-/// CPU time of this process so far, in nanoseconds (`CLOCK_PROCESS_CPUTIME_ID`: every
-/// thread, including the time of threads that have exited, up to the moment of the call).
-pub fn process_cpu_ns() -> u64 {
-    let t = rustix::time::clock_gettime(rustix::time::ClockId::ProcessCPUTime);
-    (t.tv_sec as u64).saturating_mul(1_000_000_000) + t.tv_nsec as u64
-}
-
-/// CPU time this process's threads have run so far, in nanoseconds: the sum of the first
-/// field of every `/proc/self/task/*/schedstat` (nanosecond precision, where `/proc/self/stat`
-/// counts 10 ms ticks). A thread that exits between two readings takes its time with it.
-pub fn self_cpu_ns() -> anyhow::Result<u64> {
-    use anyhow::Context;
-    let mut total = 0u64;
-    for task in std::fs::read_dir("/proc/self/task").context("listing /proc/self/task")? {
-        let path = task
-            .context("listing /proc/self/task")?
-            .path()
-            .join("schedstat");
-        // A thread that ended after the listing has no file any more: it counts for nothing.
-        let Ok(stat) = std::fs::read_to_string(&path) else {
-            continue;
-        };
-        total += stat
-            .split_whitespace()
-            .next()
-            .and_then(|f| f.parse::<u64>().ok())
-            .with_context(|| format!("the run time in {}", path.display()))?;
-    }
-    Ok(total)
-}
-
 /// Parses a duration flag for clap: a number and a unit (`10ms`, `250us`, `1.5s`, `2m`), one
 /// parser for every flag ([`farmap::parse_duration`]: a bare number is refused), at most a day.
 pub fn parse_duration(s: &str) -> Result<Duration, String> {

@@ -41,6 +41,7 @@ use farmap::pipeline::{Cached, PullOptions, PullOrder, Puller};
 use farmap::store::{DenseMemoryStore, MemoryStore};
 use farmap::{format_size, ChunkIdx, Geometry, Store};
 use farmap_grpc::{serve_grpc_with_shutdown, GrpcClientOptions, GrpcServerOptions, GrpcStore};
+use farmap_migrate::budget::process_cpu;
 use rand::{RngCore, SeedableRng};
 use serde::Serialize;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
@@ -117,23 +118,22 @@ pub(super) struct Timed {
 /// A running clock of wall and CPU time (see [`Timed`]).
 struct Clock {
     started: Instant,
-    cpu: u64,
+    cpu: Duration,
 }
 
 impl Clock {
-    fn start() -> anyhow::Result<Clock> {
-        Ok(Clock {
-            cpu: super::self_cpu_ns()?,
+    fn start() -> Clock {
+        Clock {
+            cpu: process_cpu(),
             started: Instant::now(),
-        })
+        }
     }
 
-    fn stop(&self) -> anyhow::Result<Timed> {
-        let elapsed = self.started.elapsed();
-        Ok(Timed {
-            elapsed,
-            cpu_ns: super::self_cpu_ns()?.saturating_sub(self.cpu),
-        })
+    fn stop(&self) -> Timed {
+        Timed {
+            elapsed: self.started.elapsed(),
+            cpu_ns: process_cpu().saturating_sub(self.cpu).as_nanos() as u64,
+        }
     }
 }
 
@@ -265,7 +265,7 @@ async fn run_tcp_raw(
     } else {
         FROM_BUFFER
     };
-    let clock = Clock::start()?;
+    let clock = Clock::start();
     let started = clock.started;
     sock.write_all(&[go]).await?;
     let mut got = 0u64;
@@ -280,7 +280,7 @@ async fn run_tcp_raw(
         first.get_or_insert_with(|| started.elapsed());
         got += n as u64;
     }
-    let timed = clock.stop()?;
+    let timed = clock.stop();
     let first = first.unwrap_or_default();
     let mut verified = true;
     if let Some(region) = region {
@@ -319,7 +319,7 @@ async fn first_chunk(store: &dyn Store, connections: usize) -> anyhow::Result<f6
 /// Reads chunks one at a time until `budget` is spent or the region ends.
 async fn run_direct(store: &dyn Store, budget: Duration) -> anyhow::Result<(u64, Timed)> {
     let g = store.geometry();
-    let clock = Clock::start()?;
+    let clock = Clock::start();
     let started = clock.started;
     let mut bytes = 0u64;
     for idx in g.all().iter() {
@@ -328,7 +328,7 @@ async fn run_direct(store: &dyn Store, budget: Duration) -> anyhow::Result<(u64,
             break;
         }
     }
-    Ok((bytes, clock.stop()?))
+    Ok((bytes, clock.stop()))
 }
 
 /// Pulls the whole region with `Cached` + `Puller` (`workers` in flight, in order); returns
@@ -345,7 +345,7 @@ where
 {
     let g = remote.geometry();
     let cached = Arc::new(Cached::new(DenseMemoryStore::new(g), remote)?);
-    let clock = Clock::start()?;
+    let clock = Clock::start();
     let puller = Puller::start(
         cached.clone(),
         PullOptions {
@@ -355,7 +355,7 @@ where
         },
     );
     let report = puller.wait().await;
-    let timed = clock.stop()?;
+    let timed = clock.stop();
     let mut verified = report.is_complete();
     for idx in g.all().iter() {
         if !verified {

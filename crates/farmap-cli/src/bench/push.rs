@@ -32,6 +32,7 @@ use clap::Args;
 use farmap::pipeline::{DelayOptions, Delayed, PushOptions, Pusher};
 use farmap::store::DenseMemoryStore;
 use farmap::{format_size, open_store_async, ChunkIdx, Store, StoreSpec};
+use farmap_migrate::budget::process_cpu;
 use futures::StreamExt;
 use rand::{RngCore, SeedableRng};
 use serde::Serialize;
@@ -175,11 +176,11 @@ pub async fn run(mut args: PushArgs) -> anyhow::Result<ExitCode> {
             }
 
             let faults = mirror::minor_faults();
-            let cpu = super::process_cpu_ns();
+            let cpu = process_cpu();
             let started = Instant::now();
             pusher.flush().await.context("pushing")?;
             let elapsed = started.elapsed();
-            let cpu = super::process_cpu_ns().saturating_sub(cpu);
+            let cpu = process_cpu().saturating_sub(cpu);
             let faults = mirror::minor_faults().saturating_sub(faults);
 
             // Verify, untimed: the store and the mirror hold every chunk.
@@ -214,7 +215,7 @@ pub async fn run(mut args: PushArgs) -> anyhow::Result<ExitCode> {
                 mirror_cost,
                 memcpy_mb_per_s: output::round1(memcpy),
                 page_faults: faults,
-                cpu_ms: output::round1(cpu as f64 / 1e6),
+                cpu_ms: output::round1(cpu.as_secs_f64() * 1e3),
                 chunks: g.chunk_count(),
                 verified,
             };

@@ -546,15 +546,27 @@ impl Registered {
 }
 
 /// What the in-thread reference's `SIGBUS` handler serves: one region at a time, set while
-/// its handler is installed (an address of 0 means none).
-static IN_THREAD_BASE: AtomicUsize = AtomicUsize::new(0);
-static IN_THREAD_LEN: AtomicUsize = AtomicUsize::new(0);
-static IN_THREAD_STAGING: AtomicUsize = AtomicUsize::new(0);
-static IN_THREAD_FD: AtomicI32 = AtomicI32::new(-1);
-static IN_THREAD_MOVED: AtomicU64 = AtomicU64::new(0);
-static IN_THREAD_FAILED: AtomicU64 = AtomicU64::new(0);
-/// Set while an in-thread reference measures: a second one is refused.
-static IN_THREAD_BUSY: AtomicBool = AtomicBool::new(false);
+/// its handler is installed (a `base` of 0 means none).
+struct InThreadTarget {
+    base: AtomicUsize,
+    len: AtomicUsize,
+    staging: AtomicUsize,
+    fd: AtomicI32,
+    moved: AtomicU64,
+    failed: AtomicU64,
+    /// Set while an in-thread reference measures: a second one is refused.
+    busy: AtomicBool,
+}
+
+static IN_THREAD: InThreadTarget = InThreadTarget {
+    base: AtomicUsize::new(0),
+    len: AtomicUsize::new(0),
+    staging: AtomicUsize::new(0),
+    fd: AtomicI32::new(-1),
+    moved: AtomicU64::new(0),
+    failed: AtomicU64::new(0),
+    busy: AtomicBool::new(false),
+};
 
 /// The in-thread reference's `SIGBUS` handler, installed until [`uninstall`]
 /// (or drop), which puts the previous action back.
@@ -572,17 +584,17 @@ impl InThreadHandler {
         staging: usize,
         fd: i32,
     ) -> Result<InThreadHandler, BaselineError> {
-        if IN_THREAD_BUSY.swap(true, Ordering::SeqCst) {
+        if IN_THREAD.busy.swap(true, Ordering::SeqCst) {
             return Err(BaselineError::Invalid(
                 "another in-thread reference is measuring".into(),
             ));
         }
-        IN_THREAD_LEN.store(len, Ordering::SeqCst);
-        IN_THREAD_STAGING.store(staging, Ordering::SeqCst);
-        IN_THREAD_FD.store(fd, Ordering::SeqCst);
-        IN_THREAD_MOVED.store(0, Ordering::SeqCst);
-        IN_THREAD_FAILED.store(0, Ordering::SeqCst);
-        IN_THREAD_BASE.store(base, Ordering::SeqCst);
+        IN_THREAD.len.store(len, Ordering::SeqCst);
+        IN_THREAD.staging.store(staging, Ordering::SeqCst);
+        IN_THREAD.fd.store(fd, Ordering::SeqCst);
+        IN_THREAD.moved.store(0, Ordering::SeqCst);
+        IN_THREAD.failed.store(0, Ordering::SeqCst);
+        IN_THREAD.base.store(base, Ordering::SeqCst);
         // SAFETY: plain-old-data structs filled before use; the handler only does
         // async-signal-safe work (atomics, one or two ioctls, errno).
         unsafe {
@@ -594,8 +606,8 @@ impl InThreadHandler {
             let mut previous: libc::sigaction = std::mem::zeroed();
             if libc::sigaction(libc::SIGBUS, &act, &mut previous) != 0 {
                 let e = io::Error::last_os_error();
-                IN_THREAD_BASE.store(0, Ordering::SeqCst);
-                IN_THREAD_BUSY.store(false, Ordering::SeqCst);
+                IN_THREAD.base.store(0, Ordering::SeqCst);
+                IN_THREAD.busy.store(false, Ordering::SeqCst);
                 return Err(sys_err("installing the SIGBUS handler")(e));
             }
             Ok(InThreadHandler {
@@ -609,8 +621,8 @@ impl InThreadHandler {
     fn uninstall(mut self) -> (u64, u64) {
         self.restore();
         (
-            IN_THREAD_MOVED.load(Ordering::SeqCst),
-            IN_THREAD_FAILED.load(Ordering::SeqCst),
+            IN_THREAD.moved.load(Ordering::SeqCst),
+            IN_THREAD.failed.load(Ordering::SeqCst),
         )
     }
 
@@ -618,8 +630,8 @@ impl InThreadHandler {
         if std::mem::take(&mut self.installed) {
             // SAFETY: puts back the action `install` replaced.
             unsafe { libc::sigaction(libc::SIGBUS, &self.previous, std::ptr::null_mut()) };
-            IN_THREAD_BASE.store(0, Ordering::SeqCst);
-            IN_THREAD_BUSY.store(false, Ordering::SeqCst);
+            IN_THREAD.base.store(0, Ordering::SeqCst);
+            IN_THREAD.busy.store(false, Ordering::SeqCst);
         }
     }
 }
@@ -644,8 +656,8 @@ extern "C" fn in_thread_sigbus(
     // SAFETY: the kernel passes a valid siginfo to an SA_SIGINFO handler; SIGBUS's carries
     // si_addr.
     let (code, addr) = unsafe { ((*info).si_code, (*info).si_addr() as usize) };
-    let base = IN_THREAD_BASE.load(Ordering::Acquire);
-    let len = IN_THREAD_LEN.load(Ordering::Relaxed);
+    let base = IN_THREAD.base.load(Ordering::Acquire);
+    let len = IN_THREAD.len.load(Ordering::Relaxed);
     if code != libc::BUS_ADRERR || base == 0 || addr < base || addr >= base + len {
         // SAFETY: restores the default action; async-signal-safe.
         unsafe {
@@ -656,10 +668,10 @@ extern "C" fn in_thread_sigbus(
         return;
     }
     let page = addr & !(PAGE_SIZE - 1);
-    let fd = IN_THREAD_FD.load(Ordering::Relaxed);
+    let fd = IN_THREAD.fd.load(Ordering::Relaxed);
     let mut m = sys::UffdioMove {
         dst: page as u64,
-        src: (IN_THREAD_STAGING.load(Ordering::Relaxed) + (page - base)) as u64,
+        src: (IN_THREAD.staging.load(Ordering::Relaxed) + (page - base)) as u64,
         len: PAGE_SIZE as u64,
         mode: sys::UFFDIO_MOVE_MODE_DONTWAKE,
         moved: 0,
@@ -668,9 +680,9 @@ extern "C" fn in_thread_sigbus(
     // with `fd`) and the same page of its staging area: the move only fills the region's
     // missing page with the staged one.
     if unsafe { sys::ioctl(fd, sys::UFFDIO_MOVE, &mut m) }.is_ok() {
-        IN_THREAD_MOVED.fetch_add(1, Ordering::Relaxed);
+        IN_THREAD.moved.fetch_add(1, Ordering::Relaxed);
     } else {
-        IN_THREAD_FAILED.fetch_add(1, Ordering::Relaxed);
+        IN_THREAD.failed.fetch_add(1, Ordering::Relaxed);
         let mut z = sys::UffdioZeropage {
             range: sys::UffdioRange {
                 start: page as u64,
