@@ -5,8 +5,8 @@
 //! millisecond. [`sleep`] and [`sleep_until`] instead hand their deadline to one dedicated
 //! thread, started on first use and shared by the whole process, that keeps a min-heap of
 //! deadlines and waits for the earliest with a nanosecond futex timeout. A sleep completes a
-//! few tens of microseconds after its deadline (see `GRACE_MAX` for the most a busy process
-//! adds), and never before it: the thread asks the
+//! few tens of microseconds after its deadline (see `Backoff` for how late registrations
+//! that stop after a busy phase can leave one), and never before it: the thread asks the
 //! kernel for 1 µs of timer slack instead of the default 50 µs, and the rest is the time the
 //! runtime takes to poll the woken task.
 //!
@@ -208,17 +208,65 @@ impl Ord for Entry {
 /// stack space, that a registration takes on for others).
 pub const FIRE_ON_REGISTER: usize = 8;
 
-/// The first step of the timer thread's grace (see [`GRACE_MAX`]).
+/// The first step of the timer thread's grace (see [`Backoff`]).
 const GRACE_STEP: Duration = Duration::from_micros(5);
 
-/// Longest the timer thread waits past the earliest deadline. Its grace starts at zero; each
-/// time it wakes for a deadline that a registration had already delivered, it doubles (from
-/// [`GRACE_STEP`]), and the first time the thread finds a sleep due that nobody delivered, it
-/// is zero again. While a busy thread delivers expirations as it registers sleeps, the timer
-/// thread thus wakes about once per `GRACE_MAX` instead of once per deadline (each wake-up
-/// costs CPU time, on a small machine the busy thread's); a sleep is late by at most this
-/// much more, only if registrations stop right after delivering every earlier one.
-const GRACE_MAX: Duration = Duration::from_micros(40);
+/// Longest the timer thread waits past the earliest deadline (its grace; see [`Backoff`]).
+/// While a busy thread delivers expirations as it registers sleeps, the timer thread thus
+/// wakes about once per `GRACE_MAX` instead of once per deadline: each wake-up of a thread on
+/// an idle virtual CPU costs tens of microseconds of the host's time (`farmap bench push
+/// --mirror-delay 20us`, whose mirror's emulated latency keeps a sleep registered all the
+/// time, woke this thread every 40 µs when that was the most: 2000-2500 wake-ups and 45-52 ms
+/// of CPU per GiB pushed, against about 300 wake-ups now).
+const GRACE_MAX: Duration = Duration::from_micros(1000);
+
+/// How late registrations may deliver sleeps for the timer thread to keep backing off (see
+/// [`Backoff`]). Registrations every few microseconds deliver each sleep within that time of
+/// its deadline; sparser ones deliver later, and the thread then comes back closer to the
+/// deadlines itself.
+const ON_TIME: Duration = Duration::from_micros(40);
+
+/// The timer thread's grace: how long past the earliest deadline it waits, on the bet that
+/// registrations deliver that sleep (and the others due) before it wakes.
+///
+/// After each wait that timed out, for the deadline it had waited for:
+/// - still there: nobody else delivers, so the grace is zero (on time again) and the run of
+///   deliveries by registrations is over;
+/// - delivered by registrations, every sleep they delivered meanwhile at most [`ON_TIME`]
+///   late: the grace doubles (from [`GRACE_STEP`]);
+/// - delivered, but some later than that: it halves (down to [`GRACE_STEP`]).
+///
+/// It never exceeds a quarter of the time registrations have been delivering for the thread
+/// (nor [`GRACE_MAX`]). That bounds what a stop costs: when registrations stop right after
+/// delivering every earlier sleep, the next sleeps are late by the grace, once. A short
+/// burst (a reply through an emulated link) thus leaves its sleeps at most a few tens of
+/// microseconds late, as before the grace could grow past 40 µs; a long busy phase (a push
+/// of a whole region through a slow mirror) at most a millisecond, at its end.
+#[derive(Debug, Default)]
+struct Backoff {
+    grace: Duration,
+    /// When registrations started delivering for the thread (the grace left zero).
+    delivering_since: Option<Instant>,
+}
+
+impl Backoff {
+    /// Updates the grace after a wait for a deadline that timed out at `now`; `delivered`:
+    /// registrations delivered that sleep, `late`: the latest they delivered any sleep.
+    fn update(&mut self, now: Instant, delivered: bool, late: Duration) {
+        if !delivered {
+            *self = Self::default();
+            return;
+        }
+        let since = *self.delivering_since.get_or_insert(now);
+        let cap = (now.saturating_duration_since(since) / 4).clamp(GRACE_STEP, GRACE_MAX);
+        self.grace = if late <= ON_TIME {
+            self.grace * 2
+        } else {
+            self.grace / 2
+        }
+        .clamp(GRACE_STEP, cap);
+    }
+}
 
 /// The process-wide timer: the heap and the condition variable its thread waits on.
 struct Timer {
@@ -232,6 +280,9 @@ struct TimerState {
     /// What the timer thread does: a registration notifies it only when it would otherwise
     /// sleep past the new deadline.
     thread: ThreadState,
+    /// The latest that a registration delivered a sleep past its deadline since the timer
+    /// thread last looked.
+    delivered_late: Duration,
 }
 
 #[derive(Clone, Copy)]
@@ -252,6 +303,7 @@ fn timer() -> &'static Timer {
             state: Mutex::new(TimerState {
                 heap: BinaryHeap::with_capacity(1024),
                 thread: ThreadState::Awake,
+                delivered_late: Duration::ZERO,
             }),
             cond: Condvar::new(),
         }));
@@ -289,6 +341,8 @@ impl Timer {
         for slot in &mut due {
             match st.heap.peek() {
                 Some(top) if top.deadline <= now => {
+                    let late = now - top.deadline;
+                    st.delivered_late = st.delivered_late.max(late);
                     *slot = st.heap.pop().map(|entry| entry.shared);
                 }
                 _ => break,
@@ -318,22 +372,17 @@ impl Timer {
     fn run(&self) {
         let mut due: Vec<Arc<Shared>> = Vec::with_capacity(256);
         // How long after the earliest deadline the thread wakes (see `GRACE_MAX`).
-        let mut grace = Duration::ZERO;
+        let mut backoff = Backoff::default();
         // The earliest deadline when the last wait timed out.
         let mut waited_for: Option<Instant> = None;
         let mut st = self.state.lock();
         loop {
             st.thread = ThreadState::Awake;
             if let Some(earliest) = waited_for.take() {
-                // Delivered meanwhile by a registration: wake later next time. Still there:
-                // nobody else delivers, so be on time again.
                 let delivered = st.heap.peek().is_none_or(|top| top.deadline > earliest);
-                grace = if delivered {
-                    (grace * 2).clamp(GRACE_STEP, GRACE_MAX)
-                } else {
-                    Duration::ZERO
-                };
+                backoff.update(Instant::now(), delivered, st.delivered_late);
             }
+            st.delivered_late = Duration::ZERO;
             let now = Instant::now();
             while st.heap.peek().is_some_and(|top| top.deadline <= now) {
                 if let Some(entry) = st.heap.pop() {
@@ -351,7 +400,11 @@ impl Timer {
             match st.heap.peek().map(|top| top.deadline) {
                 Some(earliest) => {
                     st.thread = ThreadState::Until(earliest);
-                    if self.cond.wait_until(&mut st, earliest + grace).timed_out() {
+                    if self
+                        .cond
+                        .wait_until(&mut st, earliest + backoff.grace)
+                        .timed_out()
+                    {
                         waited_for = Some(earliest);
                     }
                 }
@@ -381,6 +434,43 @@ mod tests {
     fn counting_waker() -> (Arc<CountingWaker>, Waker) {
         let c = Arc::new(CountingWaker(AtomicUsize::new(0)));
         (c.clone(), Waker::from(c))
+    }
+
+    #[test]
+    fn the_grace_grows_only_while_registrations_deliver_on_time() {
+        let us = Duration::from_micros;
+        let start = Instant::now();
+        let mut b = Backoff::default();
+        // Registrations deliver on time, one wake-up every 100 µs: the grace doubles, but
+        // stays within a quarter of the time they have been delivering.
+        let mut steps = Vec::new();
+        for i in 0..5u32 {
+            b.update(start + us(100) * i, true, us(3));
+            steps.push(b.grace);
+        }
+        assert_eq!(steps, [us(5), us(10), us(20), us(40), us(80)]);
+        for i in 5..200u32 {
+            b.update(start + us(100) * i, true, us(3));
+            assert!(b.grace <= us(100) * i / 4, "grace {:?} at {i}", b.grace);
+        }
+        assert_eq!(b.grace, GRACE_MAX, "after 20 ms of on-time deliveries");
+        // Late deliveries bring it closer again, halving, never below the first step.
+        let later = start + Duration::from_millis(30);
+        b.update(later, true, ON_TIME + us(1));
+        assert_eq!(b.grace, GRACE_MAX / 2);
+        for _ in 0..20 {
+            b.update(later, true, us(500));
+        }
+        assert_eq!(b.grace, GRACE_STEP);
+        // A sleep nobody delivered: on time again at once, and a new run starts afresh.
+        b.update(later, false, Duration::ZERO);
+        assert_eq!(b.grace, Duration::ZERO);
+        b.update(later + us(10), true, us(1));
+        b.update(later + us(20), true, us(1));
+        assert_eq!(
+            b.grace, GRACE_STEP,
+            "a run 10 µs long allows no more than the first step"
+        );
     }
 
     #[test]
