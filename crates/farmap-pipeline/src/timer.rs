@@ -241,7 +241,8 @@ const ON_TIME: Duration = Duration::from_micros(40);
 /// delivering every earlier sleep, the next sleeps are late by the grace, once. A short
 /// burst (a reply through an emulated link) thus leaves its sleeps at most a few tens of
 /// microseconds late, as before the grace could grow past 40 µs; a long busy phase (a push
-/// of a whole region through a slow mirror) at most a millisecond, at its end.
+/// of a whole region through a slow mirror) at most a millisecond, at its end. A thread
+/// with nothing left to wait for starts again from zero.
 #[derive(Debug, Default)]
 struct Backoff {
     grace: Duration,
@@ -409,6 +410,9 @@ impl Timer {
                     }
                 }
                 None => {
+                    // Nothing left to deliver: whoever was delivering has stopped, and the
+                    // next sleep, maybe a lone one, must not wait for a grace earned before.
+                    backoff = Backoff::default();
                     st.thread = ThreadState::Idle;
                     self.cond.wait(&mut st);
                 }
