@@ -379,12 +379,12 @@ impl Timer {
         let mut st = self.state.lock();
         loop {
             st.thread = ThreadState::Awake;
+            let now = Instant::now();
             if let Some(earliest) = waited_for.take() {
                 let delivered = st.heap.peek().is_none_or(|top| top.deadline > earliest);
-                backoff.update(Instant::now(), delivered, st.delivered_late);
+                backoff.update(now, delivered, st.delivered_late);
             }
             st.delivered_late = Duration::ZERO;
-            let now = Instant::now();
             while st.heap.peek().is_some_and(|top| top.deadline <= now) {
                 if let Some(entry) = st.heap.pop() {
                     due.push(entry.shared);
