@@ -10,7 +10,7 @@
 mod common;
 
 use std::sync::Arc;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use common::*;
 use farmap_core::{Geometry, Store};
@@ -252,6 +252,14 @@ fn sleeping_readers_one_per_cpu() {
     assert_eq!(s.faults, SIZE / 4096, "a fault per page: {s:?}");
     assert_counts_add_up(&s, "per-CPU readers");
     drop(region);
+    // A joined thread can still be listed in /proc for a moment: the join returns when the
+    // thread clears its id, before the kernel removes its task.
+    let start = Instant::now();
+    while !threads_named("farmap-uffd-reader").is_empty()
+        && start.elapsed() < Duration::from_secs(2)
+    {
+        std::thread::sleep(Duration::from_millis(5));
+    }
     assert!(
         threads_named("farmap-uffd-reader").is_empty(),
         "the readers are joined at close"
