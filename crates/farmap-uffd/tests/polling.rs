@@ -41,6 +41,20 @@ fn threads_named(name: &str) -> Vec<(String, char)> {
     out
 }
 
+/// Whether no thread named `name` is left, waiting up to two seconds for joined ones to go:
+/// a join returns when the thread clears its id, before the kernel removes its task from
+/// `/proc`, so a thread joined a moment ago can still be listed.
+fn none_named(name: &str) -> bool {
+    let start = Instant::now();
+    while !threads_named(name).is_empty() {
+        if start.elapsed() > Duration::from_secs(2) {
+            return false;
+        }
+        std::thread::sleep(Duration::from_millis(5));
+    }
+    true
+}
+
 /// Samples the companions' CPU time until two samples 50 ms apart agree (all parked) or
 /// ten seconds pass; returns the last sample and whether it settled.
 fn companions_settle(region: &Region) -> (u64, bool) {
@@ -158,11 +172,11 @@ fn polling_serves_faults_counts_them_and_its_companions_stop() {
 
         drop(region);
         assert!(
-            threads_named("farmap-uffd-spin").is_empty(),
+            none_named("farmap-uffd-spin"),
             "{tracking:?}: companions are joined at close"
         );
         assert!(
-            threads_named("farmap-uffd-reader").is_empty(),
+            none_named("farmap-uffd-reader"),
             "{tracking:?}: the reader is joined at close"
         );
     }
@@ -170,7 +184,7 @@ fn polling_serves_faults_counts_them_and_its_companions_stop() {
     // The sleeping path: no companions, every fault found after poll(2).
     let store: Arc<dyn Store> = Arc::new(PatternStore::new(g, 6));
     let region = Region::open(store, options(WriteTracking::Auto, FaultWait::Sleep)).unwrap();
-    assert!(threads_named("farmap-uffd-spin").is_empty());
+    assert!(none_named("farmap-uffd-spin"));
     assert!(region.memory().to_vec() == pattern_bytes(6, 0, SIZE as usize));
     let s = region.stats();
     assert_counts_add_up(&s, "sleep");
@@ -252,16 +266,8 @@ fn sleeping_readers_one_per_cpu() {
     assert_eq!(s.faults, SIZE / 4096, "a fault per page: {s:?}");
     assert_counts_add_up(&s, "per-CPU readers");
     drop(region);
-    // A joined thread can still be listed in /proc for a moment: the join returns when the
-    // thread clears its id, before the kernel removes its task.
-    let start = Instant::now();
-    while !threads_named("farmap-uffd-reader").is_empty()
-        && start.elapsed() < Duration::from_secs(2)
-    {
-        std::thread::sleep(Duration::from_millis(5));
-    }
     assert!(
-        threads_named("farmap-uffd-reader").is_empty(),
+        none_named("farmap-uffd-reader"),
         "the readers are joined at close"
     );
 }
