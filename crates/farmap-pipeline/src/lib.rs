@@ -59,6 +59,7 @@ pub use mirrored::{MirrorOptions, MirrorPolicy, MirrorStatus, Mirrored, PrimaryS
 pub use puller::{PullFailure, PullOptions, PullOrder, PullProgress, PullReport, Puller};
 pub use pusher::{
     DirtySource, PushDraft, PushHold, PushLedger, PushOptions, PushStats, Pusher, Seal, SealDelta,
+    DRAFT_PATIENCE,
 };
 pub use retry::{retry, RetryPolicy};
 pub use tiered::{Tier, TierOptions, Tiered};

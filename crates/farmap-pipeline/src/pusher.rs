@@ -15,7 +15,7 @@ use farmap_core::{
 };
 use futures::StreamExt;
 use parking_lot::Mutex;
-use tokio::sync::{Notify, RwLock};
+use tokio::sync::{Notify, RwLock, RwLockWriteGuard};
 use tokio::task::JoinHandle;
 
 use crate::dirty::DirtySet;
@@ -156,7 +156,18 @@ struct Shared<S, R> {
     marks: Mutex<VecDeque<(Instant, u64)>>,
     /// What the last [`Pusher::draft`] handed over, for the seals that follow it.
     draft: Mutex<Option<DraftState>>,
+    /// Notified when a seal pending since a draft (or a seal waiting for the gate) is
+    /// resolved: sealed for good, or undone by [`Pusher::unseal`]. Flushes wait for it.
+    resolved: Notify,
 }
+
+/// Longest a flush waits for a migration that drafted the hand-over of the region to seal it
+/// or give it up (then it fails with `Timeout`). Between the two the writers are being
+/// suspended, which takes milliseconds. A writer that flushes while the suspension waits for
+/// it (a thread blocked in `fsync` does not stop for `SIGSTOP`; a writer may sync while it
+/// holds its pass) keeps both waiting until the suspension gives up: its patience is far
+/// shorter than this (seconds at most), the migration is abandoned, and the flush pushes.
+pub const DRAFT_PATIENCE: Duration = Duration::from_secs(30);
 
 /// Rounds remembered in `marks`.
 const MARKS: usize = 64;
@@ -419,12 +430,57 @@ impl<S: Store, R: Store> Shared<S, R> {
         let _ = self.push_dirty().await;
     }
 
+    /// Whether a seal has started (a draft, or a seal waiting for the gate) but not ended:
+    /// no push may start, and the region may be handed over or kept.
+    fn seal_pending(&self) -> bool {
+        self.sealing.load(Ordering::Acquire) && !self.sealed.load(Ordering::Acquire)
+    }
+
+    /// Called when a pending seal is resolved (sealed, or unsealed).
+    fn seal_resolved(&self) {
+        self.resolved.notify_waiters();
+    }
+
     async fn flush(&self) -> StoreResult<()> {
-        // Waits for the background round in flight, holds off new ones; app writes go on.
-        let _exclusive = self.gate.write().await;
-        if let Some(e) = self.push_dirty().await {
-            return Err(e);
+        // A flush while a migration hands the region over waits to learn how that ends: kept
+        // (unsealed), it pushes as usual; handed over (sealed), it fails with `Closed`, as
+        // every flush after a seal does. It does not push meanwhile: the seal would then wait
+        // for those pushes inside the application's downtime.
+        let started = Instant::now();
+        loop {
+            let resolved = self.resolved.notified();
+            {
+                // Waits for the background round in flight, holds off new ones; app writes
+                // go on.
+                let exclusive = self.gate.write().await;
+                if !self.seal_pending() {
+                    match self.push_dirty().await {
+                        None => return self.flush_remote(exclusive).await,
+                        // A draft started meanwhile: its chunks stay dirty; wait for it.
+                        Some(_) if self.seal_pending() => {}
+                        Some(e) => return Err(e),
+                    }
+                }
+            }
+            let left = DRAFT_PATIENCE.saturating_sub(started.elapsed());
+            let timeout = pin!(crate::timer::sleep(left));
+            if let futures::future::Either::Right(_) =
+                futures::future::select(pin!(resolved), timeout).await
+            {
+                return Err(StoreError::new(
+                    farmap_core::ErrorKind::Timeout,
+                    format!(
+                        "flushing: a migration has been handing this region over for \
+                         {DRAFT_PATIENCE:?} without sealing it or giving up; nothing was pushed \
+                         meanwhile"
+                    ),
+                ));
+            }
         }
+    }
+
+    /// The end of a flush whose pushes succeeded: flushes the remote and the inner store.
+    async fn flush_remote(&self, _exclusive: RwLockWriteGuard<'_, ()>) -> StoreResult<()> {
         let (remote, inner) = futures::join!(
             retry(self.policy, || self.remote.flush()),
             self.tracked.inner().flush()
@@ -592,6 +648,7 @@ impl<S: Store, R: Store> Pusher<S, R> {
             sealing: AtomicBool::new(false),
             marks: Mutex::new(VecDeque::with_capacity(MARKS)),
             draft: Mutex::new(None),
+            resolved: Notify::new(),
         });
         let stop = Arc::new(Stop::default());
         let background = opts.interval.map(|interval| {
@@ -646,6 +703,7 @@ impl<S: Store, R: Store> Pusher<S, R> {
         self.shared.sealing.store(true, Ordering::Release);
         let _exclusive = self.shared.gate.write().await;
         self.shared.sealed.store(true, Ordering::Release);
+        self.shared.seal_resolved();
         let mut older = self.shared.tracked.take_dirty();
         let collected = match &self.shared.source {
             Some(source) => source.collect(self.shared.tracked.dirty()),
@@ -679,6 +737,7 @@ impl<S: Store, R: Store> Pusher<S, R> {
         *self.shared.draft.lock() = None;
         self.shared.sealed.store(false, Ordering::Release);
         self.shared.sealing.store(false, Ordering::Release);
+        self.shared.seal_resolved();
     }
 
     /// The first half of a seal in two steps, while the writers still run: starts no more
@@ -689,7 +748,8 @@ impl<S: Store, R: Store> Pusher<S, R> {
     /// [`seal_hot`](Self::seal_hot) collects once the writers are stopped, so that the work
     /// inside the downtime follows what the writers touch, not the region's size.
     /// [`seal_rest`](Self::seal_rest) collects the others after that. Undone by
-    /// [`unseal`](Self::unseal). Without a dirty source, every chunk is hot (the dirty set
+    /// [`unseal`](Self::unseal). A flush from then on waits for the seal (and fails with
+    /// `Closed`) or the unseal (and pushes), at most [`DRAFT_PATIENCE`]. Without a dirty source, every chunk is hot (the dirty set
     /// is all there is to look at).
     pub async fn draft(&self, window: Duration) -> StoreResult<PushDraft> {
         let s = &self.shared;
@@ -754,6 +814,7 @@ impl<S: Store, R: Store> Pusher<S, R> {
         s.sealing.store(true, Ordering::Release);
         let _exclusive = s.gate.write().await;
         s.sealed.store(true, Ordering::Release);
+        s.seal_resolved();
         let n = s.tracked.geometry().chunk_count();
         let hot = match s.draft.lock().as_ref() {
             Some(d) => d.hot.clone(),
@@ -1026,6 +1087,48 @@ mod tests {
             });
             Ok(())
         }
+    }
+
+    #[tokio::test]
+    async fn a_flush_during_a_draft_waits_for_the_seal_or_the_unseal() {
+        let g = geometry();
+        let remote = Arc::new(ModelStore::new(g));
+        let pusher = Arc::new(Pusher::new(ModelStore::new(g), remote.clone(), manual()).unwrap());
+        pusher.write(ChunkIdx(1), chunk(1)).await.unwrap();
+        pusher.draft(Duration::from_millis(10)).await.unwrap();
+        // Given up: the flush, waiting until then, pushes as usual.
+        let flush = tokio::spawn({
+            let p = pusher.clone();
+            async move { p.flush().await }
+        });
+        tokio::time::sleep(Duration::from_millis(50)).await;
+        assert!(
+            !flush.is_finished(),
+            "a flush waits while the draft is pending"
+        );
+        assert_eq!(
+            remote.read(ChunkIdx(1)).await.unwrap(),
+            chunk(0),
+            "nothing pushed yet"
+        );
+        pusher.unseal();
+        flush.await.unwrap().unwrap();
+        assert_eq!(remote.read(ChunkIdx(1)).await.unwrap(), chunk(1));
+
+        // Handed over: the waiting flush fails as every flush after a seal does, and pushed
+        // nothing.
+        pusher.write(ChunkIdx(2), chunk(2)).await.unwrap();
+        pusher.draft(Duration::from_millis(10)).await.unwrap();
+        let flush = tokio::spawn({
+            let p = pusher.clone();
+            async move { p.flush().await }
+        });
+        tokio::time::sleep(Duration::from_millis(50)).await;
+        assert!(!flush.is_finished());
+        pusher.seal_hot().await.unwrap();
+        let e = flush.await.unwrap().unwrap_err();
+        assert_eq!(e.kind(), ErrorKind::Closed, "{e}");
+        assert_eq!(remote.read(ChunkIdx(2)).await.unwrap(), chunk(0));
     }
 
     #[tokio::test]
