@@ -149,6 +149,25 @@ pub(crate) struct ServerParts {
     pub signal: Option<Arc<SignalPath>>,
 }
 
+/// Where a reader reads fault messages from.
+#[derive(Debug, Clone, Copy)]
+enum ReadFrom {
+    /// The posts of the SIGBUS handlers (in-thread mode).
+    Posts,
+    /// The userfaultfd itself.
+    Uffd,
+}
+
+/// How a reader came upon a batch, for the counters.
+#[derive(Debug, Clone, Copy)]
+enum Found {
+    /// Looking again within the polling window, without sleeping (`faults_polled`).
+    Polling,
+    /// Outside the polling window: after `poll(2)`, or the posts read before it (the
+    /// `faults_slept` counter).
+    AfterSleep,
+}
+
 impl Server {
     pub fn new(p: ServerParts) -> Self {
         Self {
@@ -194,42 +213,41 @@ impl Server {
         }
     }
 
-    /// Counts the fault messages of a batch the reader found by polling or after `poll(2)`
-    /// (before handling them, so that a woken thread already sees them counted).
-    fn count_found(&self, msgs: &[UffdMsg], polled: bool) {
+    /// Counts the fault messages of a batch as found `how` (before handling them, so that a
+    /// woken thread already sees them counted).
+    fn count_found(&self, msgs: &[UffdMsg], how: Found) {
         let n = msgs
             .iter()
             .filter(|m| {
                 m.event == sys::UFFD_EVENT_PAGEFAULT && self.range.contains(m.arg1 as usize)
             })
             .count() as u64;
-        let counter = if polled {
-            &self.counters.faults_polled
-        } else {
-            &self.counters.faults_slept
+        let counter = match how {
+            Found::Polling => &self.counters.faults_polled,
+            Found::AfterSleep => &self.counters.faults_slept,
         };
         Counters::add(counter, n);
     }
 
-    /// Reads a batch from the userfaultfd (`posted`: from the SIGBUS handlers' posts) into
-    /// `msgs`, counts its faults, handles its events and then its faults; returns how many
-    /// messages it read. The events are handled under `read_order` (see the module doc).
+    /// Reads a batch from `from` into `msgs`, counts its faults as found `how`, handles its
+    /// events and then its faults; returns how many messages it read. The events are handled
+    /// under `read_order` (see the module doc).
     fn read_and_handle(
         self: &Arc<Self>,
         msgs: &mut [UffdMsg],
         rt: &Handle,
-        posted: bool,
-        polled: bool,
+        from: ReadFrom,
+        how: Found,
     ) -> io::Result<usize> {
         let n = {
             let _order = self.read_order.lock();
-            let n = match (posted, &self.signal) {
-                (true, Some(s)) => s.read_posted(msgs),
-                (true, None) => 0,
-                (false, _) => self.range.uffd().read_messages(msgs)?,
+            let n = match (from, &self.signal) {
+                (ReadFrom::Posts, Some(s)) => s.read_posted(msgs),
+                (ReadFrom::Posts, None) => 0,
+                (ReadFrom::Uffd, _) => self.range.uffd().read_messages(msgs)?,
             };
             if n > 0 {
-                self.count_found(&msgs[..n], polled);
+                self.count_found(&msgs[..n], how);
                 self.handle_events(&msgs[..n]);
             }
             n
@@ -710,7 +728,7 @@ fn read_loop(
         if signal.is_some() {
             // Faults posted by SIGBUS handlers (in-thread mode).
             // Reading posts does not fail (a failed read reads as no post).
-            match server.read_and_handle(&mut msgs, rt, true, false) {
+            match server.read_and_handle(&mut msgs, rt, ReadFrom::Posts, Found::AfterSleep) {
                 Ok(0) | Err(_) => {}
                 Ok(_) => {
                     empty_wakes = 0;
@@ -762,7 +780,7 @@ fn read_loop(
                 .error("the userfaultfd reported an error".to_string());
             return;
         }
-        match server.read_and_handle(&mut msgs, rt, false, false) {
+        match server.read_and_handle(&mut msgs, rt, ReadFrom::Uffd, Found::AfterSleep) {
             Ok(0) => {
                 // Another reader took what woke this one (a posted fault is no sign either
                 // way: the next turn reads it).
@@ -899,13 +917,13 @@ fn poll_window(
             return Err(StopReading);
         }
         if server.signal.is_some()
-            && matches!(server.read_and_handle(msgs, rt, true, true), Ok(n) if n > 0)
+            && matches!(server.read_and_handle(msgs, rt, ReadFrom::Posts, Found::Polling), Ok(n) if n > 0)
         {
             until = window.open();
             continue;
         }
         // The fd is non-blocking: no message reads as 0.
-        match server.read_and_handle(msgs, rt, false, true) {
+        match server.read_and_handle(msgs, rt, ReadFrom::Uffd, Found::Polling) {
             Ok(0) => {
                 if Instant::now() >= until {
                     return Ok(());
