@@ -75,17 +75,23 @@ impl PullPriority {
         Ok(())
     }
 
-    /// Gives every thread of this process this priority (threads they start inherit it);
-    /// returns how many threads refused (they exited meanwhile, or lack the privilege).
+    /// Gives every thread of this process this priority (threads they start inherit it),
+    /// except the idle-priority companions of the fault path
+    /// ([`farmap_uffd::idle_companions`]), which stay at `SCHED_IDLE`; returns how many
+    /// threads refused (they exited meanwhile, or lack the privilege).
     pub fn apply_to_process(self) -> usize {
         let Ok(tasks) = std::fs::read_dir("/proc/self/task") else {
             return 1;
         };
+        let companions = farmap_uffd::idle_companions();
         let mut failed = 0;
         for t in tasks.flatten() {
             let Some(tid) = t.file_name().to_str().and_then(|s| s.parse::<i32>().ok()) else {
                 continue;
             };
+            if companions.contains(&tid) {
+                continue;
+            }
             if let Err(e) = self.apply(tid) {
                 tracing::debug!("thread {tid}: setting the {self} priority failed: {e}");
                 failed += 1;

@@ -148,7 +148,7 @@ pub use options::{
     FaultWait, LocalLimit, PagingOptions, Prefetch, RegionMode, RegionOptions, TrackingMode,
     WriteTracking,
 };
-pub use polling::KeepAwake;
+pub use polling::{idle_companions, KeepAwake};
 pub use region::{probe, Region, Support};
 pub use shared_map::SharedMapping;
 pub use slice::{RegionSlice, SliceError};

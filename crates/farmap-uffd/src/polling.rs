@@ -254,7 +254,38 @@ impl fmt::Debug for Companions {
     }
 }
 
+/// Thread ids of the companions alive in this process (see [`idle_companions`]).
+static COMPANION_TIDS: Mutex<Vec<i32>> = Mutex::new(Vec::new());
+
+/// The thread ids of this process's companions (of the polling fault path and of
+/// [`KeepAwake`]), which run at `SCHED_IDLE` by design: code that sets the priority of every
+/// thread of the process (a migration's pull, lowered and then restored) leaves them alone,
+/// since a companion at normal priority spins against the application.
+pub fn idle_companions() -> Vec<i32> {
+    COMPANION_TIDS.lock().clone()
+}
+
+/// Keeps the calling companion listed in [`COMPANION_TIDS`] until dropped.
+struct Listed(i32);
+
+impl Listed {
+    fn new() -> Listed {
+        let tid = rustix::thread::gettid().as_raw_nonzero().get();
+        COMPANION_TIDS.lock().push(tid);
+        Listed(tid)
+    }
+}
+
+impl Drop for Listed {
+    fn drop(&mut self) {
+        COMPANION_TIDS.lock().retain(|&t| t != self.0);
+    }
+}
+
 fn companion(s: &Shared, on: Option<usize>) {
+    // Listed before its policy is set, so that a priority change of the whole process
+    // meanwhile cannot undo it.
+    let _listed = Listed::new();
     if let Err(e) = set_thread_policy(0, ThreadPolicy::Idle) {
         // Spinning at normal priority would take the CPU from the application.
         tracing::warn!(error = %e, "a fault-path companion cannot run at SCHED_IDLE; it exits");
