@@ -1089,16 +1089,15 @@ mod tests {
         }
     }
 
-    #[tokio::test]
-    async fn a_flush_during_a_draft_waits_for_the_seal_or_the_unseal() {
-        let g = geometry();
-        let remote = Arc::new(ModelStore::new(g));
-        let pusher = Arc::new(Pusher::new(ModelStore::new(g), remote.clone(), manual()).unwrap());
-        pusher.write(ChunkIdx(1), chunk(1)).await.unwrap();
-        pusher.draft(Duration::from_millis(10)).await.unwrap();
-        // Given up: the flush, waiting until then, pushes as usual.
+    /// Writes chunk `i`, drafts, and starts a flush, still waiting 50 ms later.
+    async fn flush_in_draft(
+        p: &Arc<Pusher<ModelStore, Arc<ModelStore>>>,
+        i: u64,
+    ) -> JoinHandle<StoreResult<()>> {
+        p.write(ChunkIdx(i), chunk(i as u8)).await.unwrap();
+        p.draft(Duration::from_millis(10)).await.unwrap();
         let flush = tokio::spawn({
-            let p = pusher.clone();
+            let p = p.clone();
             async move { p.flush().await }
         });
         tokio::time::sleep(Duration::from_millis(50)).await;
@@ -1106,6 +1105,16 @@ mod tests {
             !flush.is_finished(),
             "a flush waits while the draft is pending"
         );
+        flush
+    }
+
+    #[tokio::test]
+    async fn a_flush_during_a_draft_waits_for_the_seal_or_the_unseal() {
+        let g = geometry();
+        let remote = Arc::new(ModelStore::new(g));
+        let pusher = Arc::new(Pusher::new(ModelStore::new(g), remote.clone(), manual()).unwrap());
+        // Given up: the flush, waiting until then, pushes as usual.
+        let flush = flush_in_draft(&pusher, 1).await;
         assert_eq!(
             remote.read(ChunkIdx(1)).await.unwrap(),
             chunk(0),
@@ -1117,14 +1126,7 @@ mod tests {
 
         // Handed over: the waiting flush fails as every flush after a seal does, and pushed
         // nothing.
-        pusher.write(ChunkIdx(2), chunk(2)).await.unwrap();
-        pusher.draft(Duration::from_millis(10)).await.unwrap();
-        let flush = tokio::spawn({
-            let p = pusher.clone();
-            async move { p.flush().await }
-        });
-        tokio::time::sleep(Duration::from_millis(50)).await;
-        assert!(!flush.is_finished());
+        let flush = flush_in_draft(&pusher, 2).await;
         pusher.seal_hot().await.unwrap();
         let e = flush.await.unwrap().unwrap_err();
         assert_eq!(e.kind(), ErrorKind::Closed, "{e}");
