@@ -287,49 +287,53 @@ fn start_app(region: Arc<Region>, state: Arc<WriterState>, seed: u64, rate: u64)
     let s2 = state.clone();
     let gate = Arc::new(WriterGate::new(move || s2.encode()));
     let (r, g, st) = (region.clone(), gate.clone(), state.clone());
-    let thread = std::thread::spawn(move || {
-        let words = r.len() as u64 / 8;
-        let mut start = Instant::now();
-        let mut base_ops = st.ops.load(Ordering::Acquire);
-        loop {
-            let pass = match g.enter(Duration::from_millis(50)) {
-                Ok(p) => p,
-                Err(farmap_migrate::suspend::Closed::Retired) => return,
-                Err(farmap_migrate::suspend::Closed::Suspended) => {
-                    // Paused (by `verify`): go on at the same rate afterwards, without a
-                    // burst to catch up on the time lost.
-                    start = Instant::now();
-                    base_ops = st.ops.load(Ordering::Acquire);
-                    continue;
-                }
-            };
-            let due = base_ops + (start.elapsed().as_secs_f64() * rate as f64) as u64;
-            let mut n = st.ops.load(Ordering::Acquire);
-            let batch_end = due.min(n + 64);
-            while n < batch_end {
-                let (k, v) = op(seed, words, n);
-                if r.write_at((k * 8) as usize, &v.to_le_bytes()).is_err() {
-                    return;
-                }
-                let now = monotonic_ns();
-                let last = st.last_op_ns.swap(now, Ordering::AcqRel);
-                if last != 0 {
-                    // Only this thread writes them while it runs.
-                    let gap = now.saturating_sub(last);
-                    if gap > st.max_gap_ns.load(Ordering::Acquire) {
-                        st.max_gap_ns.store(gap, Ordering::Release);
-                        st.max_gap_end_ns.store(now, Ordering::Release);
+    // Named, so that a trace of a migration can tell the application's thread apart.
+    let spawned = std::thread::Builder::new()
+        .name("demo-writer".into())
+        .spawn(move || {
+            let words = r.len() as u64 / 8;
+            let mut start = Instant::now();
+            let mut base_ops = st.ops.load(Ordering::Acquire);
+            loop {
+                let pass = match g.enter(Duration::from_millis(50)) {
+                    Ok(p) => p,
+                    Err(farmap_migrate::suspend::Closed::Retired) => return,
+                    Err(farmap_migrate::suspend::Closed::Suspended) => {
+                        // Paused (by `verify`): go on at the same rate afterwards, without a
+                        // burst to catch up on the time lost.
+                        start = Instant::now();
+                        base_ops = st.ops.load(Ordering::Acquire);
+                        continue;
                     }
+                };
+                let due = base_ops + (start.elapsed().as_secs_f64() * rate as f64) as u64;
+                let mut n = st.ops.load(Ordering::Acquire);
+                let batch_end = due.min(n + 64);
+                while n < batch_end {
+                    let (k, v) = op(seed, words, n);
+                    if r.write_at((k * 8) as usize, &v.to_le_bytes()).is_err() {
+                        return;
+                    }
+                    let now = monotonic_ns();
+                    let last = st.last_op_ns.swap(now, Ordering::AcqRel);
+                    if last != 0 {
+                        // Only this thread writes them while it runs.
+                        let gap = now.saturating_sub(last);
+                        if gap > st.max_gap_ns.load(Ordering::Acquire) {
+                            st.max_gap_ns.store(gap, Ordering::Release);
+                            st.max_gap_end_ns.store(now, Ordering::Release);
+                        }
+                    }
+                    n += 1;
+                    st.ops.store(n, Ordering::Release);
                 }
-                n += 1;
-                st.ops.store(n, Ordering::Release);
+                drop(pass);
+                if n >= due {
+                    std::thread::sleep(Duration::from_micros(200));
+                }
             }
-            drop(pass);
-            if n >= due {
-                std::thread::sleep(Duration::from_micros(200));
-            }
-        }
-    });
+        });
+    let thread = spawned.expect("cannot start the demo's writer thread");
     App {
         region,
         gate,
@@ -738,6 +742,7 @@ async fn migrate_once(
     let wire = wire_rate(popts, args.size.clamp(64 << 20, 1 << 30))
         .await
         .context("measuring the wire through the proxy")?;
+    let steal_before = host_steal();
     let (ltx, lrx) = tokio::sync::oneshot::channel::<(String, String)>();
     let mut ltx = Some(ltx);
     let seed_req = Request::Seed(SeedRequest {
@@ -796,7 +801,37 @@ async fn migrate_once(
     let mut line = done("destination", leeched?)?;
     done("source", seeded?)?;
     line.insert("wire_mb_per_s".into(), json!(wire));
+    if let (Some(a), Some(b)) = (steal_before, host_steal()) {
+        line.insert(
+            "steal_ms".into(),
+            json!(output::round1(b.saturating_sub(a).as_secs_f64() * 1e3)),
+        );
+    }
     Ok(line)
+}
+
+/// CPU time the hypervisor has taken from this machine's CPUs so far (all CPUs together:
+/// the `steal` column of `/proc/stat`'s `cpu` line, in clock ticks of 10 ms), `None` where
+/// unreadable. While it is taken, no thread of this machine runs: a gap between the
+/// writer's writes that the host made, not farmap.
+fn host_steal() -> Option<Duration> {
+    let stat = std::fs::read_to_string("/proc/stat").ok()?;
+    // SAFETY: sysconf has no preconditions.
+    let hz = unsafe { libc::sysconf(libc::_SC_CLK_TCK) };
+    steal_in(&stat, u64::try_from(hz).ok()?)
+}
+
+/// The steal time of a `/proc/stat` text whose ticks are `1/hz` s.
+fn steal_in(stat: &str, hz: u64) -> Option<Duration> {
+    if hz == 0 {
+        return None;
+    }
+    let line = stat.lines().find(|l| l.starts_with("cpu "))?;
+    // cpu user nice system idle iowait irq softirq steal ...
+    let ticks: u64 = line.split_whitespace().nth(8)?.parse().ok()?;
+    Some(Duration::from_nanos(
+        ticks.saturating_mul(1_000_000_000 / hz),
+    ))
 }
 
 pub async fn run(args: DemoArgs) -> anyhow::Result<ExitCode> {
@@ -863,6 +898,7 @@ pub async fn run(args: DemoArgs) -> anyhow::Result<ExitCode> {
             } else {
                 0.0
             };
+            let steal = line["steal_ms"].as_f64().unwrap_or(0.0);
             println!(
                 "{direction:>5}: downtime {} ms (largest gap between writes {} ms{}), total {} ms \
                  (the wire, {} MB/s raw TCP through the proxy, carries the region in {} ms), \
@@ -870,10 +906,16 @@ pub async fn run(args: DemoArgs) -> anyhow::Result<ExitCode> {
                  {} MB/s, verified: {}",
                 g("downtime_ms"),
                 g("app_max_gap_ms"),
-                if gap > budget {
-                    format!(": OVER the {budget} ms budget, the application felt the migration")
-                } else {
-                    String::new()
+                match (gap > budget, steal > 0.0) {
+                    (true, false) => {
+                        format!(": OVER the {budget} ms budget, the application felt the migration")
+                    }
+                    (true, true) => format!(
+                        ": OVER the {budget} ms budget, the application felt the migration; the \
+                         hypervisor took {steal} ms of CPU time from this machine meanwhile \
+                         (steal time), so part of it may be the host's"
+                    ),
+                    (false, _) => String::new(),
                 },
                 g("total_ms"),
                 wire,
@@ -906,4 +948,20 @@ pub async fn run(args: DemoArgs) -> anyhow::Result<ExitCode> {
     } else {
         ExitCode::FAILURE
     })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn steal_is_the_eighth_value_of_the_cpu_line() {
+        let stat = "cpu  4283366 0 626630 2246684 27754 0 19768 79205 0 0\n\
+                    cpu0 2115050 0 305254 1163311 10152 0 7990 39599 0 0\n";
+        assert_eq!(steal_in(stat, 100), Some(Duration::from_millis(792_050)));
+        assert_eq!(steal_in(stat, 0), None);
+        // Kernels without the column, or no aggregate line: unknown, not zero.
+        assert_eq!(steal_in("cpu  1 2 3 4 5 6 7\n", 100), None);
+        assert_eq!(steal_in("cpu0 1 2 3 4 5 6 7 8\n", 100), None);
+    }
 }

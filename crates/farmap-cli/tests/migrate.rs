@@ -496,6 +496,7 @@ fn demo_migrates_there_and_back_and_verifies() {
             "effective_downtime_ms",
             "app_max_gap_ms",
             "wire_mb_per_s",
+            "steal_ms",
             "total_ms",
             "bytes_precopy",
             "bytes_postcopy",

@@ -760,15 +760,26 @@ impl<D: Destination> Run<D> {
                     }
                 }
                 self.rep.note(format!(
-                    "pulling {size} bytes while the source runs (pull priority {priority})"
+                    "pulling {size} bytes while the source runs (pull priority {priority}; \
+                     region opened {:.1} ms after the start)",
+                    self.started.elapsed().as_secs_f64() * 1e3
                 ));
                 let (r, st, w) = (d.region.clone(), d.store.clone(), self.work.clone());
                 let (page, chunk, workers) = (d.page, d.chunk, self.opts.pull_workers);
                 let (rep, pacer) = (self.rep.clone(), self.pacer.clone());
                 tokio::spawn(async move {
+                    let started = Instant::now();
                     let pulled = bulk_pull(r, st, page, chunk, workers, rep.clone(), pacer).await;
                     let input = match pulled {
-                        Ok(()) => LeecherInput::PullDone,
+                        Ok(()) => {
+                            let took = started.elapsed().as_secs_f64();
+                            rep.note(format!(
+                                "pre-copy pull: {size} bytes in {:.1} ms ({:.0} MB/s)",
+                                took * 1e3,
+                                size as f64 / took.max(1e-9) / 1e6
+                            ));
+                            LeecherInput::PullDone
+                        }
                         Err(e) => {
                             rep.note(format!("the pre-copy pull failed: {}", error_chain(&e)));
                             LeecherInput::Disconnected
