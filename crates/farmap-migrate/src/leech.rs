@@ -1087,6 +1087,10 @@ impl<D: Destination> Run<D> {
 
 /// Pages per read of a dirty round (the round's set is read and written batch by batch).
 const REFRESH_BATCH: u64 = 1024;
+/// Reads of a dirty round in flight at once: one at a time, a round of scattered pages paid a
+/// round trip of the data plane per batch (12 batches for the 12,000 pages of a 1 GiB demo's
+/// first round).
+const REFRESH_READS: usize = 4;
 
 /// Why a dirty round failed (the migration is abandoned; the source runs on).
 #[derive(Debug, thiserror::Error)]
@@ -1100,8 +1104,8 @@ enum RoundError {
 }
 
 /// A pre-copy dirty round: read the changed pages and write them in place, batch by batch,
-/// the read of a batch overlapping the write of the one before (1024 pages of reading is a
-/// round trip and a transfer; writing them is a memcpy on a blocking thread).
+/// [`REFRESH_READS`] batches read at once while the one before is written (1024 pages of
+/// reading is a round trip and a transfer; writing them is a memcpy on a blocking thread).
 /// The application does not run here yet, and a write costs a memcpy where a discard costs a
 /// round trip through the fault reader per run.
 async fn refresh_round<D: Destination>(
@@ -1115,6 +1119,13 @@ async fn refresh_round<D: Destination>(
     let t0 = Instant::now();
     let mut read = Duration::ZERO;
     let mut apply = Duration::ZERO;
+    let store = &store;
+    let mut reads = futures::stream::iter(batches_of(runs, REFRESH_BATCH))
+        .map(|batch| async move {
+            pacer.pace(run_pages(&batch) * page).await;
+            store.read_runs(&batch).await
+        })
+        .buffered(REFRESH_READS);
     let mut writing: Option<tokio::task::JoinHandle<Result<Duration, EndpointError>>> = None;
     // Waits for the batch being written; a failed or panicked write fails the round.
     async fn written(
@@ -1124,11 +1135,9 @@ async fn refresh_round<D: Destination>(
             .map_err(RoundError::Task)?
             .map_err(RoundError::Write)
     }
-    for batch in batches_of(runs, REFRESH_BATCH) {
-        pacer.pace(run_pages(&batch) * page).await;
-        let t = Instant::now();
-        let segments = store.read_runs(&batch).await;
-        read += t.elapsed();
+    while let Some(segments) = reads.next().await {
+        // Until the last batch arrived (reads overlap each other and the writes).
+        read = t0.elapsed();
         if let Some(job) = writing.take() {
             apply += written(job).await?;
         }
@@ -1153,7 +1162,7 @@ async fn refresh_round<D: Destination>(
     }
     let pages = run_pages(runs);
     rep.note(format!(
-        "round: {pages} pages in {} runs: read {:.1} ms, written in place in {:.1} ms \
+        "round: {pages} pages in {} runs: read in {:.1} ms, written in place in {:.1} ms \
          (overlapping the reads), {:.1} ms in all",
         runs.len(),
         read.as_secs_f64() * 1e3,
