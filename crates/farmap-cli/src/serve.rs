@@ -154,18 +154,22 @@ pub async fn run(args: ServeArgs) -> anyhow::Result<ExitCode> {
     };
     let geometry = store.geometry();
     let caps = served_caps(store.caps(), args.read_only);
-    let server = serve(store, listener, opts).context("starting the server")?;
+    let local = listener
+        .local_addr()
+        .context("reading the address listened on")?;
     let security = match (&args.tls.tls_cert, &args.tls.tls_client_ca) {
         (None, _) => "no TLS",
         (Some(_), None) => "TLS",
         (Some(_), Some(_)) => "mutual TLS",
     };
+    // Said before the first connection can be accepted (and logged): tools wait for this
+    // line first.
     status!(
-        "farmap serve: listening on {} ({security}{}), serving {} ({geometry}, {caps})",
-        server.local_addr(),
+        "farmap serve: listening on {local} ({security}{}), serving {} ({geometry}, {caps})",
         if args.read_only { ", read-only" } else { "" },
         args.store,
     );
+    let server = serve(store, listener, opts).context("starting the server")?;
     stop_signal().await?;
     status!("farmap serve: shutting down: answering requests in flight, flushing the store");
     server

@@ -81,18 +81,22 @@ pub async fn run(args: ServeArgs, store: Arc<dyn farmap::Store>) -> anyhow::Resu
         .iter()
         .map(|e| format!("{:?} = {} ({})", e.name, e.description, e.store.geometry()))
         .collect();
-    let server = serve_nbd(exports, listener, opts).context("starting the NBD server")?;
+    let local = listener
+        .local_addr()
+        .context("reading the address listened on")?;
     let security = match (&args.tls.tls_cert, &args.tls.tls_client_ca) {
         (None, _) => "no TLS",
         (Some(_), None) => "TLS required",
         (Some(_), Some(_)) => "mutual TLS required",
     };
+    // Said before the first connection can be accepted (and logged): tools wait for this
+    // line first.
     status!(
-        "farmap serve: listening on {} (NBD, {security}{}), exports: {}",
-        server.local_addr(),
+        "farmap serve: listening on {local} (NBD, {security}{}), exports: {}",
         if args.read_only { ", read-only" } else { "" },
         described.join(", "),
     );
+    let server = serve_nbd(exports, listener, opts).context("starting the NBD server")?;
     stop_signal().await?;
     status!("farmap serve: shutting down: answering requests in flight, flushing the stores");
     server

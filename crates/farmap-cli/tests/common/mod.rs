@@ -19,12 +19,18 @@ pub fn serve(args: &[&str]) -> (Child, String) {
     let mut err = BufReader::new(child.stderr.take().unwrap());
     let mut line = String::new();
     err.read_line(&mut line).unwrap();
-    let addr = line
+    // The first line, before any connection is logged: that is what tools wait for.
+    let Some(addr) = line
         .split("listening on ")
         .nth(1)
         .and_then(|rest| rest.split_whitespace().next())
-        .unwrap_or_else(|| panic!("no address in {line:?}"))
-        .to_owned();
+        .map(str::to_owned)
+    else {
+        // Not left running (holding its port, and whatever it inherited) after the panic.
+        let _ = child.kill();
+        let _ = child.wait();
+        panic!("no address in {line:?}");
+    };
     std::thread::spawn(move || std::io::copy(&mut err, &mut std::io::sink()));
     (child, addr)
 }
