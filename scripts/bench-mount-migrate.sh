@@ -14,7 +14,7 @@ farmap="${1:-$here/target/release/farmap}"
 runs="${2:-3}"
 size_mib="${3:-256}"
 rate="${4:-5000}"
-writer="$here/crates/farmap-cli/tests/data/mount_writer.py"
+writer="$here/crates/app/farmap-cli/tests/data/mount_writer.py"
 pages=$((size_mib * 256))
 
 pids=()

@@ -3,7 +3,7 @@
 # by farmap_testkit::Service: it starts its server(s) on 127.0.0.1 with data in DIR, prints
 # KEY=VALUE lines and then READY on stdout, logs to stderr, and stays alive until SIGTERM or
 # until its parent (the test process) exits; then it stops its servers. See
-# crates/farmap-testkit/src/service.rs.
+# crates/testkit/farmap-testkit/src/service.rs.
 set -euo pipefail
 
 SVC_DIR=${1:?usage: $0 DIR [ARGS...]}

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One MinIO server (S3) on loopback, with an empty test bucket (see lib.sh for the contract).
 # Prints PORT=, ENDPOINT=, ACCESS_KEY=, SECRET_KEY=, REGION=, BUCKET= and
-# SPEC_BASE=s3://BUCKET (append /prefix?endpoint=...; see crates/farmap-s3).
+# SPEC_BASE=s3://BUCKET (append /prefix?endpoint=...; see crates/stores/farmap-s3).
 #
 # MinIO has no semver tags: the pinned pseudo-version below is built once with `go install`
 # (3-7 min on 2 cores) and the binary cached under $CACHE/minio-<version>/, so later runs

@@ -1,0 +1,116 @@
+//! `farmap serve --nbd`: serve stores as NBD exports.
+
+use std::process::ExitCode;
+use std::sync::Arc;
+
+use anyhow::Context;
+use farmap::spec::open_store_async;
+use farmap::{ManagedOptions, StoreSpec};
+use farmap_nbd::{serve_nbd, Export, NbdServeOptions};
+use farmap_net::Listener;
+
+use crate::serve::ServeArgs;
+use crate::stop::stop_signal;
+
+/// Parses `NAME=SPEC`.
+fn parse_export(s: &str) -> anyhow::Result<(String, StoreSpec)> {
+    let (name, spec) = s
+        .split_once('=')
+        .with_context(|| format!("--export {s:?}: write NAME=SPEC (e.g. disk2=memory:1GiB)"))?;
+    let spec: StoreSpec = spec
+        .parse()
+        .with_context(|| format!("--export {name}: the store spec {spec:?}"))?;
+    Ok((name.to_owned(), spec))
+}
+
+pub async fn run(args: ServeArgs, store: Arc<dyn farmap::Store>) -> anyhow::Result<ExitCode> {
+    if args.max_memory.is_some() {
+        anyhow::bail!(
+            "--max-memory applies to farmap's native protocol; an NBD connection's memory is \
+             bounded by its budget of two maximum payloads (64 MiB)"
+        );
+    }
+    let managed = if args.managed {
+        let m =
+            crate::mount::open_managed(store.clone(), ManagedOptions::default(), args.cache_max)
+                .context("starting the managed (cached) store")?;
+        Some(Arc::new(m))
+    } else {
+        None
+    };
+    let served: Arc<dyn farmap::Store> = match &managed {
+        Some(m) => m.clone(),
+        None => store,
+    };
+    let mut exports = vec![Export {
+        name: String::new(),
+        description: if managed.is_some() {
+            format!("{} (managed)", args.store)
+        } else {
+            args.store.to_string()
+        },
+        store: served,
+        read_only: args.read_only,
+    }];
+    for e in &args.exports {
+        let (name, spec) = parse_export(e)?;
+        let store = open_store_async(&spec)
+            .await
+            .with_context(|| format!("opening the store of export {name:?}"))?;
+        exports.push(Export {
+            name,
+            description: spec.to_string(),
+            store,
+            read_only: args.read_only,
+        });
+    }
+    let listen = args.listen("127.0.0.1:10809");
+    let listener = Listener::bind(&listen)
+        .await
+        .with_context(|| format!("cannot listen on {listen}"))?;
+    let defaults = NbdServeOptions::default();
+    let opts = NbdServeOptions {
+        max_connections: args.max_connections as usize,
+        max_in_flight_per_conn: args.max_in_flight as usize,
+        tls: args.tls.config(),
+        idle_timeout: args.idle_timeout,
+        handshake_timeout: args.handshake_timeout.unwrap_or(defaults.handshake_timeout),
+        log: !args.quiet,
+        ..defaults
+    };
+    let described: Vec<String> = exports
+        .iter()
+        .map(|e| format!("{:?} = {} ({})", e.name, e.description, e.store.geometry()))
+        .collect();
+    let local = listener
+        .local_addr()
+        .context("reading the address listened on")?;
+    let security = match (&args.tls.tls_cert, &args.tls.tls_client_ca) {
+        (None, _) => "no TLS",
+        (Some(_), None) => "TLS required",
+        (Some(_), Some(_)) => "mutual TLS required",
+    };
+    // Said before the first connection can be accepted (and logged): tools wait for this
+    // line first.
+    status!(
+        "farmap serve: listening on {local} (NBD, {security}{}), exports: {}",
+        if args.read_only { ", read-only" } else { "" },
+        described.join(", "),
+    );
+    let server = serve_nbd(exports, listener, opts).context("starting the NBD server")?;
+    stop_signal().await?;
+    status!("farmap serve: shutting down: answering requests in flight, flushing the stores");
+    server
+        .shutdown()
+        .await
+        .context("shutting the NBD server down")?;
+    if let Some(m) = managed {
+        crate::mount::report_evictions(&m);
+        status!("farmap serve: pushing what the managed store still holds");
+        farmap::Store::flush(&*m)
+            .await
+            .context("pushing the last writes to the remote store")?;
+    }
+    status!("farmap serve: stopped");
+    Ok(ExitCode::SUCCESS)
+}
