@@ -1,7 +1,7 @@
 //! What is not the farmap product but ships beside it, linked into the `farmap` binary by its
 //! default `tools` feature:
 //!
-//! - [`bench`]: `farmap bench ...`, a benchmark per data path, each against a reference
+//! - [`mod@bench`]: `farmap bench ...`, a benchmark per data path, each against a reference
 //!   measured in the same run (`--json`: one object per line on stdout);
 //! - [`demo`]: `farmap demo`, a live migration shown end to end between two processes, and
 //!   the hidden `farmap __demo-node` those processes run;

@@ -96,17 +96,18 @@
 //! every blocked thread. See [`handover`] for the message layout.
 //!
 //! # Where the `unsafe` code is
-//! Seven files, every other module is `#[forbid(unsafe_code)]`:
-//! - `sys.rs`: the raw kernel interface ([`sys::ioctl`], and `sys::pagemap_scan`, its safe
-//!   `PAGEMAP_SCAN` form; [`sys::write_back_file`], `sync_file_range` for the mounts);
+//! Four files, every other module is `#[forbid(unsafe_code)]`:
+//! - `sys.rs`: the raw kernel interface (its private `ioctl`, and `pagemap_scan`, its safe
+//!   `PAGEMAP_SCAN` form);
 //! - `uffd.rs`: opening a userfaultfd and its ioctls ([`uffd::Uffd::register`] is the one
 //!   `unsafe fn` whose contract makes the others safe);
-//! - `mapping.rs`: mapping, registering, discarding and unmapping the region's memory;
-//! - `slice.rs`: [`RegionSlice`], the only way safe code reaches region memory (volatile,
-//!   bounds-checked accesses);
-//! - `shared_map.rs`: [`SharedMapping`], a file or device mapped shared (the mounts' slices);
-//! - `sched.rs`: [`sched::set_thread_policy`] (`sched_setscheduler`), for work that gives way;
+//! - `mapping.rs`: mapping, registering, discarding and unmapping the region's memory, and
+//!   making [`RegionSlice`]s of it;
 //! - `signal.rs`: the `SIGBUS` handler of in-thread fault resolution (`sigaction`, `futex`).
+//!
+//! Region memory is reached through `farmap-memory`'s [`RegionSlice`] (volatile,
+//! bounds-checked accesses), the layer that FUSE and NBD mounts share; scheduling classes
+//! and `sync_file_range` live there too.
 //!
 //! eventfd, poll, mmap, madvise and `SCM_RIGHTS` go through `rustix`.
 #![warn(missing_docs)]

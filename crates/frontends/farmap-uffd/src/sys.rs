@@ -8,7 +8,7 @@
 //!
 //! Everything here is raw: prefer the safe types of this crate
 //! ([`Uffd`](crate::uffd::Uffd), [`UffdRange`](crate::uffd::UffdRange),
-//! [`Pagemap`](crate::pagemap::Pagemap)). The one `unsafe` function, [`ioctl`], is the only
+//! [`Pagemap`](crate::pagemap::Pagemap)). The one `unsafe` function, `ioctl` (private to this crate), is the only
 //! way this crate calls `ioctl(2)`; `pagemap_scan` is its safe `PAGEMAP_SCAN` form.
 
 use std::os::fd::{AsRawFd, BorrowedFd, RawFd};

@@ -692,7 +692,7 @@ impl AppArgs {
 }
 
 /// The child's side: join the cgroup, allocate everything, say `ready` on stdout, wait for
-/// `go` on stdin, run, print the [`AppReport`] as one JSON line.
+/// `go` on stdin, run, print the `AppReport` as one JSON line.
 pub fn run_child(args: AppArgs) -> anyhow::Result<std::process::ExitCode> {
     // Die with the benchmark: an orphan would keep its cgroup (and the swap) busy.
     rustix::process::set_parent_process_death_signal(Some(rustix::process::Signal::KILL))
