@@ -97,15 +97,7 @@ impl LocalMaxArgs {
 /// `SIZE` (binary suffixes, as everywhere: 64KiB, 512M, 2GiB) or `N%` of the region, with
 /// N in (0, 100].
 pub fn parse_local_max(s: &str) -> Result<LocalLimit, String> {
-    if s.trim_end().ends_with('%') {
-        return s.parse();
-    }
-    match parse_size_arg(s)? {
-        0 => Err(format!(
-            "{s:?}: a limit of 0 bytes would hold nothing (the least is one chunk)"
-        )),
-        b => Ok(LocalLimit::Bytes(b)),
-    }
+    s.parse()
 }
 
 #[cfg(test)]

@@ -11,8 +11,8 @@ use clap::{Args, ValueEnum};
 use farmap::pipeline::{PullOptions, PullOrder, PushOptions};
 use farmap::spec::open_store_async;
 use farmap::{Managed, ManagedOptions, Store, StoreSpec};
-use farmap_fuse::migrate::MountShared;
 use farmap_fuse::{FuseMount, MountOptions};
+use farmap_migrate::mount::MountShared;
 
 use crate::cache_max::{parse_cache_max, CacheMax};
 use crate::stop::stop_signal;
@@ -236,11 +236,11 @@ pub(crate) fn open_managed(
 ) -> anyhow::Result<Managed> {
     if let Some(max) = cache_max {
         let size = store.geometry().size();
-        let bytes = max.bytes(size);
+        let bytes = max.bytes_of(size);
         opts.cache_max = Some(bytes);
         status!(
             "farmap: the managed cache holds at most {bytes} bytes of the region's {size} \
-             ({max}); no background pull"
+             (--cache-max {max}); no background pull"
         );
     }
     Managed::open(store, opts).context("starting the managed store")
@@ -289,7 +289,7 @@ fn agent_mount(
     mount: Option<FuseMount>,
     shared: Option<MountShared>,
 ) -> crate::mount_agent::AgentMount {
-    use farmap_fuse::migrate::{After, SuspendHow};
+    use farmap_migrate::mount::{After, SuspendHow};
     crate::mount_agent::AgentMount {
         socket,
         dir: PathBuf::from(&args.first),

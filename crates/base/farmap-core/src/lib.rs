@@ -12,6 +12,9 @@
 //! - [`ChunkStatus`]: what a store knows about a chunk without reading it (zero or data).
 //! - [`size`]: parsing and printing of sizes (binary suffixes in, MB = 10^6 bytes out).
 //! - [`duration`]: parsing and printing of durations (a unit is always required).
+//! - [`SizeOrPercent`]: "SIZE or N%", for bounds given in bytes or as a share of a region.
+//! - [`RetryPolicy`]: attempts, exponential backoff and jitter, for every retry and reconnect.
+//! - [`query`] and [`option`]: the grammar of a store spec's `?key=value&...` and its values.
 //!
 //! This crate has no runtime dependency and no `unsafe`.
 #![forbid(unsafe_code)]
@@ -22,6 +25,9 @@ pub mod duration;
 mod error;
 mod geometry;
 pub mod option;
+pub mod query;
+mod retry;
+mod share;
 pub mod size;
 mod store;
 mod zeros;
@@ -33,6 +39,8 @@ pub use geometry::{
     ChunkIdx, ChunkRange, Geometry, GeometryError, DEFAULT_CHUNK_SIZE, MAX_CHUNKS, MAX_CHUNK_SIZE,
     MIN_CHUNK_SIZE,
 };
+pub use retry::RetryPolicy;
+pub use share::SizeOrPercent;
 pub use size::{format_size, parse_size, MbPerSec, SizeError};
 pub use store::{BoxFuture, ChunkStatus, Store};
 pub use zeros::{is_zero, zero_chunk};

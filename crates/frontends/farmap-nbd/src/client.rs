@@ -77,34 +77,15 @@ impl NbdTarget {
 /// An export name as it is written in an NBD URI: `%`, `?`, `#`, `&`, spaces and
 /// non-printable or non-ASCII bytes percent-encoded.
 pub fn encode_export(name: &str) -> String {
-    let mut out = String::with_capacity(name.len());
-    for b in name.bytes() {
-        if b.is_ascii_graphic() && !matches!(b, b'%' | b'?' | b'#' | b'&') {
-            out.push(b as char);
-        } else {
-            out.push_str(&format!("%{b:02X}"));
-        }
-    }
-    out
+    farmap_core::query::percent_encode(name, |b| {
+        b.is_ascii_graphic() && !matches!(b, b'%' | b'?' | b'#' | b'&')
+    })
 }
 
 /// The export name an NBD URI's path names (without its leading `/`, percent-decoded);
 /// `None` when a `%` is not followed by two hex digits or the result is not UTF-8.
 pub fn decode_export(path: &str) -> Option<String> {
-    let b = path.as_bytes();
-    let mut out = Vec::with_capacity(b.len());
-    let mut i = 0;
-    while i < b.len() {
-        if b[i] == b'%' {
-            let hex = std::str::from_utf8(b.get(i + 1..i + 3)?).ok()?;
-            out.push(u8::from_str_radix(hex, 16).ok()?);
-            i += 3;
-        } else {
-            out.push(b[i]);
-            i += 1;
-        }
-    }
-    String::from_utf8(out).ok()
+    farmap_core::query::percent_decode(path)
 }
 
 /// How an [`NbdStore`] connects and cuts the region.

@@ -51,67 +51,9 @@ impl TrackingMode {
     }
 }
 
-/// A bound on a region's local memory: bytes, or a share of the region's size.
-#[derive(Debug, Clone, Copy, PartialEq)]
-pub enum LocalLimit {
-    /// At most this many bytes (rounded down to whole chunks, at least one chunk).
-    Bytes(u64),
-    /// At most this percentage of the region's size (0 < p ≤ 100).
-    Percent(f64),
-}
-
-impl LocalLimit {
-    /// The limit in chunks for a region of `size` bytes in chunks of `chunk_size` bytes
-    /// (at least one chunk, at most every chunk).
-    pub fn chunks(&self, size: u64, chunk_size: u64) -> u64 {
-        let total = size.div_ceil(chunk_size.max(1));
-        let bytes = match *self {
-            LocalLimit::Bytes(b) => b,
-            LocalLimit::Percent(p) => (size as f64 * p.clamp(0.0, 100.0) / 100.0) as u64,
-        };
-        (bytes / chunk_size.max(1)).clamp(1, total.max(1))
-    }
-}
-
-impl std::str::FromStr for LocalLimit {
-    type Err = String;
-
-    /// `N%` (a share of the region) or a size: `4096`, `64K`, `512M`, `2G` (powers of 1024).
-    fn from_str(s: &str) -> Result<Self, String> {
-        let s = s.trim();
-        if let Some(p) = s.strip_suffix('%') {
-            let p: f64 = p
-                .trim()
-                .parse()
-                .map_err(|_| format!("{s:?}: not a percentage"))?;
-            if !(p > 0.0 && p <= 100.0) {
-                return Err(format!("{s:?}: the percentage must be in (0, 100]"));
-            }
-            return Ok(LocalLimit::Percent(p));
-        }
-        let (num, mult) = match s.char_indices().last() {
-            Some((i, c)) if c.is_ascii_alphabetic() => {
-                let mult: u64 = match c.to_ascii_uppercase() {
-                    'K' => 1 << 10,
-                    'M' => 1 << 20,
-                    'G' => 1 << 30,
-                    'T' => 1 << 40,
-                    _ => return Err(format!("{s:?}: unknown size suffix {c:?} (K, M, G, T)")),
-                };
-                (&s[..i], mult)
-            }
-            _ => (s, 1),
-        };
-        let n: u64 = num
-            .trim()
-            .parse()
-            .map_err(|_| format!("{s:?}: not a size (like 512M) or a percentage (like 30%)"))?;
-        n.checked_mul(mult)
-            .filter(|b| *b > 0)
-            .map(LocalLimit::Bytes)
-            .ok_or_else(|| format!("{s:?}: the size must be positive and fit 64 bits"))
-    }
-}
+/// A bound on a region's local memory: bytes, or a share of the region's size (`SIZE|N%`,
+/// the grammar of every such bound).
+pub type LocalLimit = farmap_core::SizeOrPercent;
 
 /// Bounded local memory for a region (see [`paging`](crate#bounded-local-memory)).
 #[derive(Debug, Clone, PartialEq)]

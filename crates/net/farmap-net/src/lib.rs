@@ -35,7 +35,7 @@ mod tls;
 
 pub use accept::{accept_connections, AcceptLoop};
 pub use addr::{AddrError, ListenAddr, Listener, RemoteAddr, RemoteAddrError};
-pub use remote::{Backoff, ClientOptions, RemoteStore};
+pub use remote::{reconnect_policy, ClientOptions, RemoteStore};
 pub use server::{
     serve, serve_with_runs, RunReader, ServeError, ServeOptions, Server, DEFAULT_CONN_BUDGET,
     DEFAULT_IDLE_TIMEOUT, DEFAULT_TOTAL_BUDGET,

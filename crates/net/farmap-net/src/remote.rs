@@ -22,7 +22,7 @@ use std::time::Duration;
 use bytes::Bytes;
 use farmap_core::{
     is_zero, zero_chunk, BoxFuture, Caps, ChunkIdx, ChunkRange, ChunkStatus, ErrorKind, Geometry,
-    Store, StoreError, StoreResult,
+    RetryPolicy, Store, StoreError, StoreResult,
 };
 use farmap_wire::{
     read_reply_overhead, run_reply_overhead, Features, Message, Payload, RunData, ServerInfo,
@@ -30,7 +30,6 @@ use farmap_wire::{
 };
 use futures::future::try_join_all;
 use parking_lot::Mutex;
-use rand::Rng;
 use tokio::sync::watch;
 use tokio::time::Instant;
 
@@ -39,22 +38,13 @@ use crate::conn::{open, Conn, TlsSetup};
 use crate::stream::raised;
 use crate::tls::TlsClientConfig;
 
-/// Pauses between reconnect attempts: `initial`, doubling up to `max`, with jitter.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct Backoff {
-    /// Pause after the first failed attempt.
-    pub initial: Duration,
-    /// Longest pause.
-    pub max: Duration,
-}
-
-impl Default for Backoff {
-    /// 50 ms doubling up to 2 s.
-    fn default() -> Self {
-        Self {
-            initial: Duration::from_millis(50),
-            max: Duration::from_secs(2),
-        }
+/// The pauses between reconnect attempts: 50 ms doubling up to 2 s, with jitter, for as long
+/// as the store is open.
+pub fn reconnect_policy() -> RetryPolicy {
+    RetryPolicy {
+        attempts: u32::MAX,
+        initial_backoff: Duration::from_millis(50),
+        max_backoff: Duration::from_secs(2),
     }
 }
 
@@ -70,8 +60,9 @@ pub struct ClientOptions {
     pub connect_timeout: Duration,
     /// TLS; `None` for plain TCP or Unix sockets.
     pub tls: Option<TlsClientConfig>,
-    /// Pauses between reconnect attempts.
-    pub reconnect: Backoff,
+    /// Pauses between reconnect attempts (its `attempts` are ignored: a slot reconnects
+    /// until the store closes).
+    pub reconnect: RetryPolicy,
 }
 
 impl Default for ClientOptions {
@@ -82,7 +73,7 @@ impl Default for ClientOptions {
             request_timeout: Duration::from_secs(30),
             connect_timeout: Duration::from_secs(10),
             tls: None,
-            reconnect: Backoff::default(),
+            reconnect: reconnect_policy(),
         }
     }
 }
@@ -453,7 +444,7 @@ impl Pool {
 async fn supervise(pool: Arc<Pool>, i: usize, mut next: Option<Arc<Conn>>) {
     let slot = &pool.slots[i];
     let mut stop = pool.stop.subscribe();
-    let mut delay = pool.opts.reconnect.initial;
+    let mut failed = 0u32;
     loop {
         let conn = match next.take() {
             Some(c) => c,
@@ -476,18 +467,18 @@ async fn supervise(pool: Arc<Pool>, i: usize, mut next: Option<Arc<Conn>>) {
                     Ok(c) => c,
                     Err(e) => {
                         *slot.last_error.lock() = Some(e);
-                        let pause = delay.mul_f64(rand::thread_rng().gen_range(0.5..=1.0));
+                        failed = failed.saturating_add(1);
+                        let pause = pool.opts.reconnect.backoff(failed);
                         tokio::select! {
                             _ = tokio::time::sleep(pause) => {}
                             _ = raised(&mut stop) => break,
                         }
-                        delay = (delay * 2).min(pool.opts.reconnect.max);
                         continue;
                     }
                 }
             }
         };
-        delay = pool.opts.reconnect.initial;
+        failed = 0;
         *slot.last_error.lock() = None;
         *slot.conn.lock() = Some(conn.clone());
         pool.changed.send_modify(|g| *g += 1);

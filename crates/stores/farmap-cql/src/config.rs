@@ -209,51 +209,21 @@ fn is_identifier(s: &str, max: usize) -> bool {
 }
 
 fn parse_bool(option: &str, value: &str) -> Result<bool, CqlSpecError> {
-    match value {
-        "" | "1" | "true" | "yes" => Ok(true),
-        "0" | "false" | "no" => Ok(false),
-        _ => Err(CqlSpecError::new(format!(
-            "bad value for {option}: {value:?} is not true or false"
-        ))),
-    }
+    farmap_core::query::parse_bool(value)
+        .map_err(|why| CqlSpecError::new(format!("bad value for {option}: {why}")))
 }
 
 /// Decodes `%XX` escapes (user names and passwords may hold `@`, `:`, `/`...).
 fn percent_decode(s: &str, what: &str) -> Result<String, CqlSpecError> {
-    let bytes = s.as_bytes();
-    let mut out = Vec::with_capacity(bytes.len());
-    let mut i = 0;
-    while i < bytes.len() {
-        if bytes[i] == b'%' {
-            let hex = s
-                .get(i + 1..i + 3)
-                .and_then(|h| u8::from_str_radix(h, 16).ok());
-            let Some(b) = hex else {
-                return Err(CqlSpecError::new(format!(
-                    "the {what} has a % that is not followed by two hex digits"
-                )));
-            };
-            out.push(b);
-            i += 3;
-        } else {
-            out.push(bytes[i]);
-            i += 1;
-        }
-    }
-    String::from_utf8(out)
-        .map_err(|_| CqlSpecError::new(format!("the {what} is not UTF-8 once %-decoded")))
+    farmap_core::query::percent_decode(s).ok_or_else(|| {
+        CqlSpecError::new(format!(
+            "the {what} has a % not followed by two hex digits, or is not UTF-8 once decoded"
+        ))
+    })
 }
 
 fn percent_encode(s: &str) -> String {
-    let mut out = String::with_capacity(s.len());
-    for b in s.bytes() {
-        if b.is_ascii_alphanumeric() || b"-._~".contains(&b) {
-            out.push(b as char);
-        } else {
-            out.push_str(&format!("%{b:02X}"));
-        }
-    }
-    out
+    farmap_core::query::percent_encode(s, |b| b.is_ascii_alphanumeric() || b"-._~".contains(&b))
 }
 
 /// `host`, `host:port`, `[v6]` or `[v6]:port` → `host:port`.
@@ -364,8 +334,7 @@ impl FromStr for CqlSpec {
             read_only: false,
         };
         let t = &mut out.target;
-        for pair in query.split('&').filter(|p| !p.is_empty()) {
-            let (key, value) = pair.split_once('=').unwrap_or((pair, ""));
+        for (key, value) in farmap_core::query::pairs(query) {
             let bad = |reason: String| CqlSpecError::new(format!("bad value for {key}: {reason}"));
             match key {
                 "table" => {
