@@ -25,8 +25,8 @@ pub mod spec;
 
 pub use farmap_core::{
     error_chain, format_duration, format_size, is_zero, parse_duration, parse_size, zero_chunk,
-    BoxFuture, Caps, ChunkIdx, ChunkRange, ChunkStatus, ErrorKind, Geometry, MbPerSec, Store,
-    StoreError, StoreResult, DEFAULT_CHUNK_SIZE,
+    BoxFuture, Caps, ChunkIdx, ChunkRange, ChunkStatus, ErrorKind, Geometry, MbPerSec,
+    SizeOrPercent, Store, StoreError, StoreResult, DEFAULT_CHUNK_SIZE,
 };
 pub use managed::{Managed, ManagedOptions};
 pub use region::{

@@ -7,12 +7,11 @@ use farmap_testkit::{skip, Service};
 #[test]
 fn a_region_over_redis_writes_reach_redis_and_read_back() {
     let test = "a_region_over_redis_writes_reach_redis_and_read_back";
-    if let Err(e) = farmap_uffd::probe() {
-        return skip(test, format!("userfaultfd: {e}"));
+    if skip::unless(test, farmap_uffd::probe()).is_none() {
+        return;
     }
-    let svc = match Service::shared("redis") {
-        Ok(s) => s,
-        Err(e) => return skip(test, e),
+    let Some(svc) = skip::unless(test, Service::shared("redis")) else {
+        return;
     };
     let spec: StoreSpec = format!("{}/0?size=4MiB&prefix=region-test", svc.var("SPEC_BASE"))
         .parse()
@@ -48,8 +47,8 @@ fn a_region_over_redis_writes_reach_redis_and_read_back() {
 #[test]
 fn a_region_over_an_nbd_export_writes_reach_the_server_and_read_back() {
     let test = "a_region_over_an_nbd_export_writes_reach_the_server_and_read_back";
-    if let Err(e) = farmap_uffd::probe() {
-        return skip(test, format!("userfaultfd: {e}"));
+    if skip::unless(test, farmap_uffd::probe()).is_none() {
+        return;
     }
     // farmap's own NBD server over a memory store, on a runtime of its own.
     let rt = tokio::runtime::Runtime::new().unwrap();

@@ -114,7 +114,7 @@ fn read_profile_file(path: &Path, config_file: bool) -> StoreResult<HashMap<Stri
 /// `env` (the process environment in [`crate::S3Store::open`]; a map in tests).
 pub(crate) fn resolve(
     loc: &S3Location,
-    env: &dyn Fn(&str) -> Option<String>,
+    env: &(dyn Fn(&str) -> Option<String> + Sync),
 ) -> StoreResult<Resolved> {
     let var = |k: &str| env(k).filter(|v| !v.is_empty());
     let home = var("HOME").map(PathBuf::from);

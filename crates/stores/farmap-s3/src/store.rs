@@ -146,7 +146,7 @@ impl S3Store {
     /// [`S3Store::open`] reading the environment through `env` instead of the process's.
     pub async fn open_with_env(
         opts: S3Options,
-        env: &dyn Fn(&str) -> Option<String>,
+        env: &(dyn Fn(&str) -> Option<String> + Sync),
     ) -> StoreResult<S3Store> {
         let loc = &opts.location;
         let resolved = config::resolve(loc, env)?;

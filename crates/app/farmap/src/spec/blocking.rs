@@ -7,7 +7,8 @@ use farmap_core::{
     BoxFuture, Caps, ChunkIdx, ChunkRange, ChunkStatus, Geometry, Store, StoreResult,
 };
 
-use super::{open_store, open_store_async, OpenError, StoreSpec};
+use super::model::{OpenError, StoreSpec};
+use super::open::{open_store, open_store_async};
 
 /// Opens the store `spec` names from synchronous code, whatever its kind: local stores
 /// directly ([`open_store`]); network stores (`farmap://`, `redis://`, `s3://`, `cql://`...)

@@ -3,38 +3,94 @@
 //! `nbds+unix:///export?socket=/path&ca=...`.
 
 use std::path::{Path, PathBuf};
+use std::sync::Arc;
 use std::time::Duration;
 
+use farmap_core::{BoxFuture, Store};
 use farmap_nbd::client::{decode_export, encode_export};
-use farmap_nbd::{NbdClientOptions, NbdTarget, NBD_PORT};
+use farmap_nbd::{NbdClientOptions, NbdStore, NbdTarget, NBD_PORT};
 use farmap_net::{RemoteAddr, TlsClientConfig};
 
+use super::common::Parts;
+use super::model::{store_error, OpenError, SpecError, SpecKind, StoreSpec};
 use super::remote::{format_timeout, RemoteOptions};
-use super::{SpecError, SpecKind};
+use super::scheme::Scheme;
 
-/// The options each NBD scheme takes.
-pub(super) fn takes(scheme: &str) -> Option<&'static str> {
-    Some(match scheme {
-        "nbd" => "chunk, ro, connections, timeout",
-        "nbds" => "chunk, ro, connections, timeout, ca, cert, key, name, tls-certificates",
-        "nbd+unix" => "socket, chunk, ro, connections, timeout",
-        "nbds+unix" => {
-            "socket, chunk, ro, connections, timeout, ca, cert, key, name, tls-certificates"
+/// `nbd://`, `nbds://`, `nbd+unix://`, `nbds+unix://`.
+#[derive(Debug)]
+pub(super) struct Nbd;
+
+impl Scheme for Nbd {
+    fn names(&self) -> &'static [&'static str] {
+        &["nbd", "nbds", "nbd+unix", "nbds+unix"]
+    }
+
+    fn parse(
+        &self,
+        scheme: &str,
+        rest: &str,
+        spec: &str,
+        _: usize,
+    ) -> Result<StoreSpec, SpecError> {
+        let takes = match scheme {
+            "nbd" => "chunk, ro, connections, timeout",
+            "nbds" => "chunk, ro, connections, timeout, ca, cert, key, name, tls-certificates",
+            "nbd+unix" => "socket, chunk, ro, connections, timeout",
+            _ => "socket, chunk, ro, connections, timeout, ca, cert, key, name, tls-certificates",
+        };
+        let p = Parts::parse(rest, spec, takes)?;
+        let remote = RemoteOptions::from_parts(&p)?;
+        let mut nbd = NbdOptions::default();
+        for (key, value) in &p.options {
+            if matches!(*key, "socket" | "tls-certificates") {
+                nbd.set(key, value, spec)?;
+            }
         }
-        _ => return None,
-    })
+        let kind = into_kind(scheme, p.body, remote, nbd, spec)?;
+        p.finish(kind)
+    }
+
+    fn display_parts(&self, spec: &StoreSpec, _: bool) -> (String, Vec<String>) {
+        let SpecKind::Nbd {
+            target,
+            connections,
+            timeout,
+        } = &spec.kind
+        else {
+            unreachable!("not an nbd:// spec: {spec:?}")
+        };
+        display_parts(target, *connections, *timeout)
+    }
+
+    fn open<'a>(&'a self, spec: &'a StoreSpec) -> BoxFuture<'a, Result<Arc<dyn Store>, OpenError>> {
+        Box::pin(async move {
+            let SpecKind::Nbd {
+                target,
+                connections,
+                timeout,
+            } = &spec.kind
+            else {
+                unreachable!("not an nbd:// spec: {spec:?}")
+            };
+            let opts = client_options(spec.chunk_size, spec.read_only, *connections, *timeout);
+            let store = NbdStore::connect(target.clone(), opts)
+                .await
+                .map_err(store_error(spec))?;
+            Ok(Arc::new(store) as Arc<dyn Store>)
+        })
+    }
 }
 
 /// The options only NBD specs take (`socket=`, `tls-certificates=`), gathered while the
 /// query is read.
 #[derive(Debug, Default)]
-pub(super) struct NbdOptions {
-    pub(super) socket: Option<PathBuf>,
-    pub(super) tls_dir: Option<PathBuf>,
+struct NbdOptions {
+    socket: Option<PathBuf>,
+    tls_dir: Option<PathBuf>,
 }
 
 impl NbdOptions {
-    pub(super) fn set(&mut self, key: &str, value: &str, spec: &str) -> Result<(), SpecError> {
+    fn set(&mut self, key: &str, value: &str, spec: &str) -> Result<(), SpecError> {
         if value.is_empty() {
             return Err(SpecError::BadOption {
                 option: if key == "socket" {
@@ -55,7 +111,7 @@ impl NbdOptions {
 }
 
 /// The store kind for an NBD `scheme:body`.
-pub(super) fn into_kind(
+fn into_kind(
     scheme: &str,
     body: &str,
     remote: RemoteOptions,
@@ -170,7 +226,7 @@ fn with_port(hp: &str) -> Option<String> {
 }
 
 /// The spec's text before its options, and its options.
-pub(super) fn display_parts(
+fn display_parts(
     target: &NbdTarget,
     connections: Option<usize>,
     timeout: Option<Duration>,
@@ -208,7 +264,7 @@ pub(super) fn display_parts(
 }
 
 /// The client options a spec asks for.
-pub(super) fn client_options(
+fn client_options(
     chunk_size: Option<u32>,
     read_only: bool,
     connections: Option<usize>,

@@ -3,10 +3,74 @@
 use std::path::PathBuf;
 use std::time::Duration;
 
-use farmap_core::option::{parse_count, parse_timeout};
-use farmap_net::{ClientOptions, RemoteAddr, TlsClientConfig};
+use std::sync::Arc;
 
-use super::{SpecError, SpecKind};
+use farmap_core::option::{parse_count, parse_timeout};
+use farmap_core::{BoxFuture, Store};
+use farmap_net::{ClientOptions, RemoteAddr, RemoteStore, TlsClientConfig};
+
+use super::common::Parts;
+use super::model::{store_error, OpenError, SpecError, SpecKind, StoreSpec};
+use super::scheme::Scheme;
+
+/// `farmap://`, `farmaps://`, `farmap+unix:`.
+#[derive(Debug)]
+pub(super) struct Remote;
+
+impl Scheme for Remote {
+    fn names(&self) -> &'static [&'static str] {
+        &["farmap", "farmaps", "farmap+unix"]
+    }
+
+    fn parse(
+        &self,
+        scheme: &str,
+        rest: &str,
+        spec: &str,
+        _: usize,
+    ) -> Result<StoreSpec, SpecError> {
+        let takes = if scheme == "farmaps" {
+            "ca, cert, key, name, connections, timeout"
+        } else {
+            "connections, timeout"
+        };
+        let p = Parts::parse(rest, spec, takes)?;
+        let kind = RemoteOptions::from_parts(&p)?.into_kind(scheme, p.body, spec)?;
+        p.finish(kind)
+    }
+
+    fn display_parts(&self, spec: &StoreSpec, _: bool) -> (String, Vec<String>) {
+        let SpecKind::Remote {
+            addr,
+            tls,
+            connections,
+            timeout,
+        } = &spec.kind
+        else {
+            unreachable!("not a farmap:// spec: {spec:?}")
+        };
+        display_parts(addr, tls, *connections, *timeout)
+    }
+
+    fn open<'a>(&'a self, spec: &'a StoreSpec) -> BoxFuture<'a, Result<Arc<dyn Store>, OpenError>> {
+        Box::pin(async move {
+            let SpecKind::Remote {
+                addr,
+                tls,
+                connections,
+                timeout,
+            } = &spec.kind
+            else {
+                unreachable!("not a farmap:// spec: {spec:?}")
+            };
+            let opts = client_options(tls, *connections, *timeout);
+            let store = RemoteStore::connect(addr.clone(), opts)
+                .await
+                .map_err(store_error(spec))?;
+            Ok(Arc::new(store) as Arc<dyn Store>)
+        })
+    }
+}
 
 /// The options of a remote spec, gathered while its query is read.
 #[derive(Debug, Default)]
@@ -25,6 +89,21 @@ pub(super) fn format_timeout(d: Duration) -> String {
 }
 
 impl RemoteOptions {
+    /// The remote options among a spec's options (`connections`, `timeout`, `ca`, `cert`,
+    /// `key`, `name`); the scheme checked which it takes.
+    pub(super) fn from_parts(p: &Parts<'_>) -> Result<Self, SpecError> {
+        let mut o = RemoteOptions::default();
+        for (key, value) in &p.options {
+            if matches!(
+                *key,
+                "connections" | "timeout" | "ca" | "cert" | "key" | "name"
+            ) {
+                o.set(key, value, p.spec)?;
+            }
+        }
+        Ok(o)
+    }
+
     /// Takes one `key=value` option (the key was checked against the scheme's options).
     pub(super) fn set(&mut self, key: &str, value: &str, spec: &str) -> Result<(), SpecError> {
         let bad = |option: &'static str, reason: String| SpecError::BadOption {

@@ -11,21 +11,112 @@
 //! options follow the last parenthesis after `?`. Parentheses nest (`verified:(verified:(memory:1GiB))`
 //! parses), up to [`MAX_DEPTH`] stages deep.
 
+use std::path::Path;
+use std::sync::Arc;
+
 use farmap_core::option::{parse_count, parse_timeout};
+use farmap_core::{query, BoxFuture, Store};
 use farmap_pipeline::{MirrorOptions, MirrorPolicy};
 
-use super::{SpecError, SpecKind, StoreSpec};
+use super::model::{store_error, OpenError, SpecError, SpecKind, StoreSpec};
+use super::open::{open_mirror, open_store_async};
+use super::registry;
+use super::scheme::Scheme;
 
 /// How deeply stage specs may nest.
 pub const MAX_DEPTH: usize = 8;
 
-/// Whether `scheme` (lowercase) names a stage.
-pub(super) fn is_stage(scheme: &str) -> bool {
-    scheme == "verified" || scheme == "mirror"
+/// `verified:`, `mirror:`.
+#[derive(Debug)]
+pub(super) struct Stages;
+
+impl Scheme for Stages {
+    fn names(&self) -> &'static [&'static str] {
+        &["verified", "mirror"]
+    }
+
+    fn parse(
+        &self,
+        scheme: &str,
+        rest: &str,
+        spec: &str,
+        depth: usize,
+    ) -> Result<StoreSpec, SpecError> {
+        parse(scheme, rest, spec, depth)
+    }
+
+    fn display_parts(&self, spec: &StoreSpec, secrets: bool) -> (String, Vec<String>) {
+        match &spec.kind {
+            SpecKind::Verified { inner } => {
+                (format!("verified:({})", inner.render(secrets)), vec![])
+            }
+            SpecKind::Mirror {
+                primary,
+                mirror,
+                options,
+            } => (
+                format!(
+                    "mirror:({})({})",
+                    primary.render(secrets),
+                    mirror.render(secrets)
+                ),
+                mirror_options(options),
+            ),
+            other => unreachable!("not a stage spec: {other:?}"),
+        }
+    }
+
+    fn open<'a>(&'a self, spec: &'a StoreSpec) -> BoxFuture<'a, Result<Arc<dyn Store>, OpenError>> {
+        Box::pin(async move {
+            Ok(match &spec.kind {
+                SpecKind::Verified { inner } => {
+                    let store = Box::pin(open_store_async(inner)).await?;
+                    let verified = farmap_pipeline::Verified::open(store, None)
+                        .await
+                        .map_err(store_error(spec))?;
+                    Arc::new(verified) as Arc<dyn Store>
+                }
+                SpecKind::Mirror {
+                    primary,
+                    mirror,
+                    options,
+                } => Arc::new(open_mirror(spec, primary, mirror, *options).await?),
+                other => unreachable!("not a stage spec: {other:?}"),
+            })
+        })
+    }
+
+    fn path<'a>(&self, spec: &'a StoreSpec) -> Option<&'a Path> {
+        match &spec.kind {
+            SpecKind::Verified { inner } => inner.path(),
+            SpecKind::Mirror { primary, .. } => primary.path(),
+            _ => None,
+        }
+    }
+
+    fn creates(&self, spec: &StoreSpec) -> bool {
+        match &spec.kind {
+            SpecKind::Verified { inner } => inner.creates(),
+            SpecKind::Mirror {
+                primary, mirror, ..
+            } => primary.creates() || mirror.creates(),
+            _ => false,
+        }
+    }
+
+    fn is_remote(&self, spec: &StoreSpec) -> bool {
+        match &spec.kind {
+            SpecKind::Verified { inner } => inner.is_remote(),
+            SpecKind::Mirror {
+                primary, mirror, ..
+            } => primary.is_remote() || mirror.is_remote(),
+            _ => false,
+        }
+    }
 }
 
 /// The options of a `mirror:` spec that differ from the defaults, as `key=value`.
-pub(super) fn mirror_options(o: &MirrorOptions) -> Vec<String> {
+fn mirror_options(o: &MirrorOptions) -> Vec<String> {
     let d = MirrorOptions::default();
     let mut v = Vec::new();
     if o.policy != d.policy {
@@ -86,12 +177,7 @@ fn groups<'a>(rest: &'a str, spec: &str) -> Result<(Vec<&'a str>, Option<&'a str
 }
 
 /// Parses the part after `scheme:` of a stage spec.
-pub(super) fn parse(
-    scheme: &str,
-    rest: &str,
-    spec: &str,
-    depth: usize,
-) -> Result<StoreSpec, SpecError> {
+fn parse(scheme: &str, rest: &str, spec: &str, depth: usize) -> Result<StoreSpec, SpecError> {
     if depth >= MAX_DEPTH {
         return Err(SpecError::BadOption {
             option: "spec",
@@ -99,19 +185,14 @@ pub(super) fn parse(
             reason: format!("stages nest at most {MAX_DEPTH} deep"),
         });
     }
-    let (inner, query) = groups(rest, spec)?;
+    let (inner, q) = groups(rest, spec)?;
     let takes = match scheme {
         "verified" => "",
         "mirror" => "policy, timeout, backlog, probe",
         _ => unreachable!("checked by is_stage"),
     };
     let mut mirror = MirrorOptions::default();
-    for pair in query
-        .into_iter()
-        .flat_map(|q| q.split('&'))
-        .filter(|p| !p.is_empty())
-    {
-        let (key, value) = pair.split_once('=').unwrap_or((pair, ""));
+    for (key, value) in q.into_iter().flat_map(query::pairs) {
         if !takes.split(", ").any(|k| k == key) {
             return Err(SpecError::UnknownOption {
                 option: key.to_owned(),
@@ -167,7 +248,7 @@ pub(super) fn parse(
     }
     let inner: Vec<StoreSpec> = inner
         .iter()
-        .map(|s| StoreSpec::parse_nested(s, depth + 1))
+        .map(|s| registry::parse(s, depth + 1))
         .collect::<Result<_, _>>()?;
     let mut inner = inner.into_iter();
     let first = Box::new(inner.next().expect("one"));

@@ -9,26 +9,53 @@
 //! `PATH.tiers`; none when no tier has one), and `demote=DURATION` (how often cold chunks
 //! are demoted; default 1s, `0s` for never).
 
-use std::fmt;
+use std::fmt::Write as _;
 use std::path::PathBuf;
 use std::sync::Arc;
-use std::time::Duration;
 
-use farmap_core::{format_size, Store};
+use farmap_core::{format_size, query, BoxFuture, Store};
 use farmap_pipeline::{Tier, TierOptions, Tiered};
 
-use super::{OpenError, SpecError, SpecKind, StoreSpec};
+use super::model::{store_error, OpenError, SpecError, SpecKind, StoreSpec, TierSpec};
+use super::open::open_store_async;
+use super::scheme::Scheme;
 
-/// The settings of a `tier:` spec.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct TierSpec {
-    /// The tiers, highest priority first, each with its capacity in bytes (`None`: the
-    /// whole region).
-    pub tiers: Vec<(StoreSpec, Option<u64>)>,
-    /// Where the placement map is kept, if the spec says.
-    pub map: Option<PathBuf>,
-    /// How often cold chunks are demoted, if the spec says (zero: never).
-    pub demote: Option<Duration>,
+/// `tier:`.
+#[derive(Debug)]
+pub(super) struct Tiers;
+
+impl Scheme for Tiers {
+    fn names(&self) -> &'static [&'static str] {
+        &["tier"]
+    }
+
+    fn parse(&self, _: &str, rest: &str, spec: &str, _: usize) -> Result<StoreSpec, SpecError> {
+        parse(spec, rest)
+    }
+
+    fn display_parts(&self, spec: &StoreSpec, secrets: bool) -> (String, Vec<String>) {
+        let SpecKind::Tier(t) = &spec.kind else {
+            unreachable!("not a tier: spec: {spec:?}")
+        };
+        render(t, secrets)
+    }
+
+    fn open<'a>(&'a self, spec: &'a StoreSpec) -> BoxFuture<'a, Result<Arc<dyn Store>, OpenError>> {
+        Box::pin(async move {
+            let SpecKind::Tier(t) = &spec.kind else {
+                unreachable!("not a tier: spec: {spec:?}")
+            };
+            open(spec, t).await
+        })
+    }
+
+    fn creates(&self, spec: &StoreSpec) -> bool {
+        matches!(&spec.kind, SpecKind::Tier(t) if t.tiers.iter().any(|(s, _)| s.creates()))
+    }
+
+    fn is_remote(&self, spec: &StoreSpec) -> bool {
+        matches!(&spec.kind, SpecKind::Tier(t) if t.tiers.iter().any(|(s, _)| s.is_remote()))
+    }
 }
 
 fn bad(spec: &str, reason: impl Into<String>) -> SpecError {
@@ -39,7 +66,7 @@ fn bad(spec: &str, reason: impl Into<String>) -> SpecError {
 }
 
 /// Parses the part of `spec` after `tier:`.
-pub(super) fn parse(spec: &str, rest: &str) -> Result<StoreSpec, SpecError> {
+fn parse(spec: &str, rest: &str) -> Result<StoreSpec, SpecError> {
     let mut tiers = Vec::new();
     let mut s = rest;
     while let Some(after) = s.strip_prefix('(') {
@@ -67,13 +94,13 @@ pub(super) fn parse(spec: &str, rest: &str) -> Result<StoreSpec, SpecError> {
     let mut map = None;
     let mut demote = None;
     if !s.is_empty() {
-        let query = s
+        let q = s
             .strip_prefix('?')
             .ok_or_else(|| bad(spec, format!("unexpected {s:?} after the last tier")))?;
-        for pair in query.split('&').filter(|p| !p.is_empty()) {
-            match pair.split_once('=') {
-                Some(("map", v)) if !v.is_empty() => map = Some(PathBuf::from(v)),
-                Some(("demote", v)) => {
+        for (key, v) in query::pairs(q) {
+            match (key, v) {
+                ("map", v) if !v.is_empty() => map = Some(PathBuf::from(v)),
+                ("demote", v) => {
                     demote = Some(
                         farmap_core::parse_duration(v)
                             .map_err(|e| bad(spec, format!("demote={v}: {e}")))?,
@@ -82,7 +109,7 @@ pub(super) fn parse(spec: &str, rest: &str) -> Result<StoreSpec, SpecError> {
                 _ => {
                     return Err(bad(
                         spec,
-                        format!("unknown option {pair:?} (a tiered store takes map, demote)"),
+                        format!("unknown option {key:?} (a tiered store takes map, demote)"),
                     ))
                 }
             }
@@ -145,26 +172,22 @@ fn parse_tier(spec: &str, inner: &str) -> Result<(StoreSpec, Option<u64>), SpecE
     Ok((parsed, cap))
 }
 
-/// Writes `t` back as a spec.
-pub(super) fn write(t: &TierSpec, f: &mut fmt::Formatter<'_>, secrets: bool) -> fmt::Result {
-    f.write_str("tier:")?;
+/// `t` as a spec: the tiers, each with its cap, then the tiered store's own options.
+fn render(t: &TierSpec, secrets: bool) -> (String, Vec<String>) {
+    let mut head = String::from("tier:");
     for (inner, cap) in &t.tiers {
-        let shown = if secrets {
-            inner.to_secret_string()
-        } else {
-            inner.to_string()
-        };
-        match cap {
+        let shown = inner.render(secrets);
+        let _ = match cap {
             Some(c) => {
                 let sep = if query_start(&shown).is_some() {
                     '&'
                 } else {
                     '?'
                 };
-                write!(f, "({shown}{sep}cap={})", format_size(*c))?;
+                write!(head, "({shown}{sep}cap={})", format_size(*c))
             }
-            None => write!(f, "({shown})")?,
-        }
+            None => write!(head, "({shown})"),
+        };
     }
     let mut opts = Vec::new();
     if let Some(m) = &t.map {
@@ -173,10 +196,7 @@ pub(super) fn write(t: &TierSpec, f: &mut fmt::Formatter<'_>, secrets: bool) -> 
     if let Some(d) = t.demote {
         opts.push(format!("demote={}ms", d.as_millis()));
     }
-    if !opts.is_empty() {
-        write!(f, "?{}", opts.join("&"))?;
-    }
-    Ok(())
+    (head, opts)
 }
 
 /// Where the placement map of `t` is kept.
@@ -193,10 +213,10 @@ pub fn map_path(t: &TierSpec) -> Option<PathBuf> {
 }
 
 /// Opens every tier, then the tiered store over them.
-pub(super) async fn open(spec: &StoreSpec, t: &TierSpec) -> Result<Arc<dyn Store>, OpenError> {
+async fn open(spec: &StoreSpec, t: &TierSpec) -> Result<Arc<dyn Store>, OpenError> {
     let mut tiers = Vec::new();
     for (inner, cap) in &t.tiers {
-        let store = Box::pin(super::open_store_async(inner)).await?;
+        let store = Box::pin(open_store_async(inner)).await?;
         let g = store.geometry();
         let capacity = match cap {
             Some(bytes) => bytes / u64::from(g.chunk_size()),
@@ -213,13 +233,14 @@ pub(super) async fn open(spec: &StoreSpec, t: &TierSpec) -> Result<Arc<dyn Store
         },
         ..TierOptions::default()
     };
-    let store = Tiered::open(tiers, opts).map_err(super::store_error(spec))?;
+    let store = Tiered::open(tiers, opts).map_err(store_error(spec))?;
     Ok(Arc::new(store))
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+    use std::time::Duration;
 
     #[test]
     fn tier_specs_parse_and_print_back() {
