@@ -9,6 +9,7 @@
 //!   their VM;
 //! - `bench/uffd_raw.rs`: a raw userfaultfd handler, the reference of `bench uffd` and
 //!   `bench paging` (the crate's only `unsafe` code).
+#![deny(unsafe_code)]
 
 #[macro_use]
 extern crate farmap_cli_kit;

@@ -19,9 +19,11 @@ mod mount;
 mod mount_agent;
 mod mount_nbd;
 mod mount_ublk;
+#[cfg(feature = "tools")]
 mod proxy;
 mod region;
 mod serve;
+mod serve_args;
 mod serve_nbd;
 mod stop;
 mod swap;
@@ -94,6 +96,7 @@ enum Command {
     Bench(bench::BenchCommand),
     /// Forward TCP connections through an emulated slow link (added round-trip time and
     /// bandwidth), for benchmarks and tests; runs until Ctrl-C.
+    #[cfg(feature = "tools")]
     Proxy(proxy::ProxyArgs),
     /// Serve a store to other hosts (farmap://, farmaps://, farmap+unix: clients, or NBD
     /// clients with --nbd) until Ctrl-C.
@@ -154,9 +157,9 @@ impl Command {
     /// demo's pull measured 789 -> 708-725 ms, medians of 8).
     fn moves_regions(&self) -> bool {
         match self {
-            Command::Seed(_) | Command::Leech(_) | Command::Proxy(_) => true,
+            Command::Seed(_) | Command::Leech(_) => true,
             #[cfg(feature = "tools")]
-            Command::Demo(_) | Command::DemoNode(_) => true,
+            Command::Demo(_) | Command::DemoNode(_) | Command::Proxy(_) => true,
             _ => false,
         }
     }
@@ -196,6 +199,7 @@ fn main() -> ExitCode {
             Command::Verify(args) => verify::run(args).await,
             #[cfg(feature = "tools")]
             Command::Bench(cmd) => bench::run(cmd).await,
+            #[cfg(feature = "tools")]
             Command::Proxy(args) => proxy::run(args).await,
             Command::Serve(args) => serve::run(args).await,
             Command::Seed(args) => migrate::seed(args).await,

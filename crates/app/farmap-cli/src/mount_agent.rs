@@ -12,9 +12,9 @@ use std::sync::Arc;
 
 use anyhow::Context;
 use farmap::Store;
-use farmap_fuse::migrate::{After, MountDest, MountShared, MountSource, SuspendHow};
 use farmap_fuse::{Access, FuseMount, MountOptions};
 use farmap_migrate::agent::{self, App};
+use farmap_migrate::mount::{After, MountDest, MountShared, MountSource, SuspendHow};
 use farmap_migrate::{LeechReport, Opener, Resumer, SeedReport, Source, Suspend};
 use parking_lot::Mutex;
 use serde_json::{json, Map, Value};

@@ -9,7 +9,7 @@ use farmap::{ManagedOptions, StoreSpec};
 use farmap_nbd::{serve_nbd, Export, NbdServeOptions};
 use farmap_net::Listener;
 
-use crate::serve::ServeArgs;
+use crate::serve_args::ServeArgs;
 use crate::stop::stop_signal;
 
 /// Parses `NAME=SPEC`.

@@ -32,9 +32,9 @@
 //! - A mount point whose server died (`ENOTCONN`) is detected and lazily unmounted before
 //!   mounting again.
 //!
-//! - [`migrate`]: live migration of a mount (`farmap mount --agent`): writes are tracked as
-//!   they reach the server ([`MountControl`]), the programs holding the file are suspended
-//!   at the hand-over, and the destination mount serves at once.
+//! - Live migration of a mount (`farmap mount --agent`) is `farmap_migrate::mount`, above this
+//!   crate: writes are tracked as they reach the server ([`MountControl`]), the programs
+//!   holding the file are suspended at the hand-over, and the destination mount serves at once.
 //!
 //! Serving a mapping of the mount from the same process works (the mount has its own runtime
 //! and session thread), but a thread of the mount's runtime must never touch the mapping.
@@ -45,7 +45,6 @@ mod control;
 mod error;
 mod fs;
 mod mapping;
-pub mod migrate;
 mod mount;
 mod pool;
 mod sys;

@@ -25,8 +25,8 @@ use tokio::io::{AsyncReadExt, AsyncWrite, AsyncWriteExt, WriteHalf};
 use tokio::sync::{mpsc, watch, Mutex, OwnedSemaphorePermit, Semaphore, TryAcquireError};
 use tokio::time::Instant;
 
+use crate::ctx::Ctx;
 use crate::ops::{error_reply, ExportCtx, Failure, Session};
-use crate::server::Ctx;
 
 /// Replies waiting together are gathered into one vectored write of up to this many
 /// bytes...

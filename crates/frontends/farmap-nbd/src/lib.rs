@@ -35,9 +35,12 @@
 pub mod client;
 mod client_conn;
 mod conn;
+mod ctx;
 mod ops;
+mod options;
 mod server;
 
 pub use client::{NbdClientOptions, NbdStore, NbdTarget, NBD_PORT};
 
-pub use server::{serve_nbd, Export, NbdServeError, NbdServeOptions, NbdServer};
+pub use options::{Export, NbdServeOptions};
+pub use server::{serve_nbd, NbdServeError, NbdServer};

@@ -2,79 +2,19 @@
 
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
-use std::time::Duration;
 
 use farmap_core::{Caps, Store, StoreError};
-use farmap_nbd_proto::consts::{tflag, DEFAULT_MAX_PAYLOAD};
+use farmap_nbd_proto::consts::tflag;
 use farmap_nbd_proto::{BlockSize, ExportInfo, ServerConfig, TlsMode};
-use farmap_net::{
-    accept_connections, AcceptLoop, ListenAddr, Listener, TlsConfigError, TlsServerConfig,
-};
+use farmap_net::{accept_connections, AcceptLoop, ListenAddr, Listener, TlsConfigError};
 use farmap_pipeline::Unaligned;
 use tokio::sync::watch;
 use tokio_rustls::TlsAcceptor;
 
 use crate::conn::connection;
+use crate::ctx::Ctx;
 use crate::ops::ExportCtx;
-
-/// One export: a name and the store behind it.
-#[derive(Debug, Clone)]
-pub struct Export {
-    /// The name clients ask for (`""` is the default export).
-    pub name: String,
-    /// A description shown by `nbdinfo --list`.
-    pub description: String,
-    /// The store.
-    pub store: Arc<dyn Store>,
-    /// Refuse writes, trims and zeroing on this export.
-    pub read_only: bool,
-}
-
-/// How the NBD server serves.
-#[derive(Debug, Clone)]
-pub struct NbdServeOptions {
-    /// Connections served at once; more are closed at once.
-    pub max_connections: usize,
-    /// Requests worked on at once per connection.
-    pub max_in_flight_per_conn: usize,
-    /// TLS by `NBD_OPT_STARTTLS` (required of every client when set); with a client CA,
-    /// mutual TLS.
-    pub tls: Option<TlsServerConfig>,
-    /// Largest payload of one write or simple-reply read, and largest data chunk of a
-    /// structured read (announced in `NBD_INFO_BLOCK_SIZE`; raised to the chunk size of an
-    /// export with larger chunks). Structured reads longer than this are served in pieces.
-    pub max_payload: u32,
-    /// Time a client has to finish the handshake (TLS included).
-    pub handshake_timeout: Duration,
-    /// A connection that sends nothing for this long with nothing in flight is closed; so
-    /// is one that does not read its replies for this long.
-    pub idle_timeout: Duration,
-    /// Bytes of requests in flight and replies queued per connection (raised to at least
-    /// two maximum payloads).
-    pub conn_budget: usize,
-    /// How long [`NbdServer::shutdown`] waits for connections to finish.
-    pub shutdown_grace: Duration,
-    /// Log connections at `info` (else `debug`).
-    pub log: bool,
-}
-
-impl Default for NbdServeOptions {
-    /// 256 connections, 128 requests in flight each, no TLS, 32 MiB payloads, 10 s
-    /// handshake, 120 s idle, 64 MiB per connection, 10 s grace, logging on.
-    fn default() -> Self {
-        Self {
-            max_connections: 256,
-            max_in_flight_per_conn: 128,
-            tls: None,
-            max_payload: DEFAULT_MAX_PAYLOAD,
-            handshake_timeout: Duration::from_secs(10),
-            idle_timeout: Duration::from_secs(120),
-            conn_budget: 2 * DEFAULT_MAX_PAYLOAD as usize,
-            shutdown_grace: Duration::from_secs(10),
-            log: true,
-        }
-    }
-}
+use crate::options::{Export, NbdServeOptions};
 
 /// Why the server could not start or stop cleanly.
 #[derive(Debug, thiserror::Error)]
@@ -110,25 +50,6 @@ pub enum NbdServeError {
         #[source]
         source: StoreError,
     },
-}
-
-pub(crate) struct Ctx {
-    pub(crate) exports: Vec<Arc<ExportCtx>>,
-    pub(crate) handshake: ServerConfig,
-    pub(crate) opts: NbdServeOptions,
-    pub(crate) tls: Option<TlsAcceptor>,
-    pub(crate) shutdown: watch::Receiver<bool>,
-    pub(crate) conn_budget: usize,
-}
-
-impl Ctx {
-    pub(crate) fn note(&self, msg: std::fmt::Arguments<'_>) {
-        if self.opts.log {
-            tracing::info!("{msg}");
-        } else {
-            tracing::debug!("{msg}");
-        }
-    }
 }
 
 /// A running NBD server. Dropping it stops it abruptly; [`shutdown`](Self::shutdown) stops
@@ -349,7 +270,3 @@ async fn accept_loop(listener: Listener, ctx: Arc<Ctx>, connections: Arc<AtomicU
     )
     .await;
 }
-
-/// Resolves once a flag is (or becomes) true, or its sender is gone.
-#[allow(unused_imports)]
-pub(crate) use farmap_net::raised;

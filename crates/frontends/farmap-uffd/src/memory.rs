@@ -13,10 +13,10 @@ use farmap_core::{
     BoxFuture, Caps, ChunkIdx, ChunkRange, ChunkStatus, ErrorKind, Geometry, Store, StoreError,
     StoreResult,
 };
+use farmap_pipeline::Cached;
 use tokio::sync::Notify;
 
 use crate::mapping::Mapping;
-use crate::paging::{Pager, PushRead};
 use crate::stats::Counters;
 use crate::uffd::{InstallError, UffdRange};
 
@@ -24,6 +24,39 @@ use crate::uffd::{InstallError, UffdRange};
 /// remover may take a moment to finish after its event was read: copies fail until it has
 /// returned; the pager's own discards bump the generation again once they return).
 const EVENT_RETRY: Duration = Duration::from_millis(1);
+
+/// The cache over a region: its memory in front of the store.
+pub(crate) type RegionCache = Cached<Arc<RegionMemory>, Arc<dyn Store>>;
+
+/// Where a push finds a chunk's content (see [`PushReads::read_for_push`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum PushRead {
+    /// Copied out of the staging slot.
+    Copied,
+    /// Active and pinned: read the region, then [`PushReads::unpin`].
+    Pinned,
+    /// Remote: the store holds its newest content.
+    NotLocal,
+    /// Never written: zeros.
+    Zero,
+    /// Being fetched, or its pages are being moved (a move met a busy page): ask again in a
+    /// moment.
+    Busy,
+}
+
+/// What bounded local memory (the region's pager) decides for the reads of a push: a chunk
+/// that is staged, remote or never written is not read out of the region, whose pages may
+/// be missing. Implemented by the pager, which sits above this memory.
+pub(crate) trait PushReads: Send + Sync {
+    /// Where chunk `idx`'s content is (copied into `buf` when staged or zero).
+    fn read_for_push(&self, idx: ChunkIdx, buf: &mut [u8]) -> PushRead;
+    /// Ends the pin of [`PushRead::Pinned`].
+    fn unpin(&self, idx: ChunkIdx);
+    /// The store behind the region, for chunks that are not local.
+    fn remote_store(&self) -> Option<Arc<dyn Store>>;
+    /// Records an installed chunk in the pager's trace.
+    fn trace_install(&self, idx: ChunkIdx, copied_pages: usize, present_pages: usize);
+}
 
 /// A generation counter the handler bumps after reading events, for copies that must wait
 /// for pending events to be read (`EAGAIN`).
@@ -73,7 +106,7 @@ pub(crate) struct RegionMemory {
     events: Arc<Events>,
     counters: Arc<Counters>,
     /// Bounded local memory: staged chunks are read out of their staging slot.
-    pager: Option<Arc<Pager>>,
+    pager: Option<Arc<dyn PushReads>>,
 }
 
 impl RegionMemory {
@@ -84,7 +117,7 @@ impl RegionMemory {
         mapping: Option<Arc<Mapping>>,
         events: Arc<Events>,
         counters: Arc<Counters>,
-        pager: Option<Arc<Pager>>,
+        pager: Option<Arc<dyn PushReads>>,
     ) -> Self {
         Self {
             range,
@@ -208,7 +241,7 @@ impl Store for RegionMemory {
                     return Some(mapping.read(offset, &mut buf).then(|| Bytes::from(buf)));
                 };
                 // A bounded region: never read a page of the region that can be missing
-                // (see `Pager::read_for_push`).
+                // (see `PushReads::read_for_push`).
                 loop {
                     match pager.read_for_push(idx, &mut buf) {
                         PushRead::Copied => return Some(Some(Bytes::from(buf))),

@@ -127,10 +127,9 @@ use tokio::runtime::Handle;
 use tokio::sync::Notify;
 
 use crate::mapping::Mapping;
-use crate::memory::Events;
+use crate::memory::{Events, PushRead, PushReads, RegionCache};
 use crate::options::Prefetch;
 use crate::pagemap::Pagemap;
-use crate::server::RegionCache;
 use crate::stats::Counters;
 use crate::sys;
 use crate::uffd::UffdRange;
@@ -393,22 +392,6 @@ impl<T> Drop for Yielding<'_, T> {
 /// `sorted` (ascending, no repeats) cut into runs of consecutive chunk indices.
 fn consecutive_runs(sorted: &[u64]) -> impl Iterator<Item = &[u64]> {
     sorted.chunk_by(|a, b| *a + 1 == *b)
-}
-
-/// Where a push finds a chunk's content (see [`Pager::read_for_push`]).
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub(crate) enum PushRead {
-    /// Copied out of the staging slot.
-    Copied,
-    /// Active and pinned: read the region, then [`Pager::unpin`].
-    Pinned,
-    /// Remote: the store holds its newest content.
-    NotLocal,
-    /// Never written: zeros.
-    Zero,
-    /// Being fetched, or its pages are being moved (a move met a busy page): ask again in a
-    /// moment.
-    Busy,
 }
 
 /// The pager of one region (see the module documentation).
@@ -1728,6 +1711,24 @@ impl Reclaimer {
 impl Drop for Reclaimer {
     fn drop(&mut self) {
         self.stop();
+    }
+}
+
+impl PushReads for Pager {
+    fn read_for_push(&self, idx: ChunkIdx, buf: &mut [u8]) -> PushRead {
+        Pager::read_for_push(self, idx, buf)
+    }
+
+    fn unpin(&self, idx: ChunkIdx) {
+        Pager::unpin(self, idx)
+    }
+
+    fn remote_store(&self) -> Option<Arc<dyn farmap_core::Store>> {
+        Pager::remote_store(self)
+    }
+
+    fn trace_install(&self, idx: ChunkIdx, copied_pages: usize, present_pages: usize) {
+        Pager::trace_install(self, idx, copied_pages, present_pages)
     }
 }
 

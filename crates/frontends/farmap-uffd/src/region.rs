@@ -14,9 +14,8 @@ use parking_lot::Mutex;
 use tokio::runtime::Handle;
 
 use crate::error::{RegionError, Unsupported};
-use crate::handover::Remote;
 use crate::mapping::OwnedMapping;
-use crate::memory::{Events, RegionMemory};
+use crate::memory::{Events, PushReads, RegionMemory};
 use crate::options::LocalLimit;
 use crate::options::{FaultWait, RegionMode, RegionOptions, TrackingMode, WriteTracking};
 use crate::pagemap::Pagemap;
@@ -69,6 +68,18 @@ pub fn probe() -> Result<Support, RegionError> {
     })
 }
 
+/// The owner's side of a hand-over in progress (`handover::send`): the watcher of the
+/// process that serves the region's faults, stopped when the region closes.
+pub(crate) trait HandedOver: Send + fmt::Debug {
+    /// Stops the watcher (it will not take over) and returns the socket, which the caller
+    /// closes once the region is unmapped.
+    fn detach(self: Box<Self>) -> Arc<std::os::unix::net::UnixStream>;
+    /// The socket to the process that serves the faults.
+    fn socket(&self) -> Arc<std::os::unix::net::UnixStream>;
+    /// Forgets the watcher thread without joining it (called on that thread).
+    fn forget_watcher(&mut self);
+}
+
 /// A memory region whose content lives in a store: touching a chunk for the first time
 /// fetches it, writes are tracked per page and pushed back.
 ///
@@ -94,7 +105,7 @@ pub(crate) struct Inner {
     pub reader: Mutex<Option<Reader>>,
     pub pull: Option<PullOptions>,
     pub spec: Option<String>,
-    pub remote: Mutex<Option<Remote>>,
+    pub remote: Mutex<Option<Box<dyn HandedOver>>>,
     /// Set when the region starts closing: no take-over after that.
     pub closed: AtomicBool,
     /// Bounded local memory: the pager and its reclaim thread.
@@ -344,7 +355,7 @@ impl Region {
             Some(mapping.clone()),
             events.clone(),
             counters.clone(),
-            pager.clone(),
+            pager.clone().map(|p| p as Arc<dyn PushReads>),
         ));
         let cache = Arc::new(
             farmap_pipeline::Cached::new(memory.clone(), store.clone())
@@ -782,7 +793,7 @@ impl Drop for Region {
             reclaimer.stop();
         }
         let remote = inner.remote.lock().take();
-        let remote = remote.map(Remote::detach);
+        let remote = remote.map(|r| r.detach());
         if remote.is_some() {
             // Reads in flight may wait for faults the other process serves, and it may die
             // now that nobody watches it: serve here too until the memory is gone (both

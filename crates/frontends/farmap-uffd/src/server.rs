@@ -47,12 +47,12 @@ use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
 use farmap_core::{ChunkIdx, Geometry, Store};
-use farmap_pipeline::{retry, Cached, Puller, RetryPolicy};
+use farmap_pipeline::{retry, Puller, RetryPolicy};
 use parking_lot::{Mutex, RwLock};
 use rustix::event::{eventfd, poll, EventfdFlags, PollFd, PollFlags};
 use tokio::runtime::Handle;
 
-use crate::memory::{Events, RegionMemory};
+use crate::memory::{Events, RegionCache};
 use crate::options::FaultWait;
 use crate::pagemap::Pagemap;
 use crate::paging::{Admit, Pager};
@@ -62,9 +62,6 @@ use crate::stats::{Counters, HandlerCpu};
 use crate::sys::{self, UffdMsg};
 use crate::tracking::PageBits;
 use crate::uffd::UffdRange;
-
-/// The cache over a region: its memory in front of the store.
-pub(crate) type RegionCache = Cached<Arc<RegionMemory>, Arc<dyn Store>>;
 
 type FaultFuture = Pin<Box<dyn Future<Output = ()> + Send>>;
 

@@ -43,77 +43,14 @@
 
 use std::io;
 use std::os::fd::{AsFd, AsRawFd, BorrowedFd, FromRawFd, OwnedFd};
-use std::sync::atomic::{AtomicPtr, AtomicU32, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicPtr, AtomicUsize, Ordering};
 use std::sync::{Arc, OnceLock};
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use crate::paging::{InThread, Pager};
 use crate::stats::Counters;
 use crate::sys::{self, UffdMsg};
 use crate::uffd::{Uffd, UffdRange};
-
-/// A word that faulting threads wait on in a signal handler, bumped by every operation that
-/// would wake a thread blocked in the kernel.
-#[derive(Debug, Default)]
-pub(crate) struct Wakeups {
-    generation: AtomicU32,
-    sleepers: AtomicU32,
-}
-
-impl Wakeups {
-    /// Bumps the word, and wakes the threads in `futex(2)` on it if there are any.
-    pub fn bump(&self) {
-        self.generation.fetch_add(1, Ordering::SeqCst);
-        if self.sleepers.load(Ordering::SeqCst) > 0 {
-            // SAFETY: FUTEX_WAKE on a live, aligned u32; changes no memory.
-            unsafe {
-                libc::syscall(
-                    libc::SYS_futex,
-                    self.generation.as_ptr(),
-                    libc::FUTEX_WAKE | libc::FUTEX_PRIVATE_FLAG,
-                    i32::MAX,
-                );
-            }
-        }
-    }
-
-    fn current(&self) -> u32 {
-        self.generation.load(Ordering::SeqCst)
-    }
-
-    /// Waits until the word moves past `seen`: spinning for up to `spin`, then in `futex(2)`
-    /// for up to `timeout` (a thread that returns without its page faults again).
-    fn wait_past(&self, seen: u32, spin: Duration, timeout: Duration) {
-        if !spin.is_zero() {
-            let until = Instant::now() + spin;
-            while self.current() == seen {
-                if Instant::now() >= until {
-                    break;
-                }
-                std::hint::spin_loop();
-            }
-            if self.current() != seen {
-                return;
-            }
-        }
-        let ts = libc::timespec {
-            tv_sec: timeout.as_secs() as libc::time_t,
-            tv_nsec: timeout.subsec_nanos() as libc::c_long,
-        };
-        self.sleepers.fetch_add(1, Ordering::SeqCst);
-        // SAFETY: FUTEX_WAIT on a live, aligned u32 with a live timespec; it only sleeps.
-        unsafe {
-            libc::syscall(
-                libc::SYS_futex,
-                self.generation.as_ptr(),
-                libc::FUTEX_WAIT | libc::FUTEX_PRIVATE_FLAG,
-                seen,
-                &ts as *const libc::timespec,
-            );
-        }
-        self.sleepers.fetch_sub(1, Ordering::SeqCst);
-    }
-}
 
 /// How long a thread waits in `futex(2)` before it retries its access (and posts its fault
 /// again): only a safety net, every install wakes it.

@@ -11,7 +11,10 @@ use std::time::{Duration, Instant};
 use common::*;
 use farmap_core::{Geometry, Store};
 use farmap_pipeline::{DelayOptions, Delayed, PullOptions, PushOptions, RetryPolicy};
-use farmap_testkit::pattern_bytes;
+use farmap_store::MemoryStore;
+use farmap_testkit::contents::{snapshot, with_pattern};
+use farmap_testkit::wait::within;
+use farmap_testkit::{block_on, pattern_bytes};
 use farmap_uffd::{Region, RegionMode, RegionOptions, WriteTracking};
 use rand::rngs::SmallRng;
 use rand::{Rng, SeedableRng};
@@ -94,7 +97,7 @@ fn writer(region: &Region, t: usize, stop: &AtomicBool) -> (u64, HashMap<usize, 
 fn race_once(tracking: WriteTracking, background: Option<Duration>) {
     let what = format!("{tracking:?}, background push {background:?}");
     let g = Geometry::new(4 << 20, 16 << 10).unwrap();
-    let store = pattern_memory(g, 9);
+    let store = with_pattern(MemoryStore::new(g), 9);
     let opts = RegionOptions {
         push: PushOptions {
             interval: background,
@@ -184,7 +187,7 @@ fn a_slow_store_under_eight_threads_with_the_puller() {
         return;
     }
     let g = Geometry::new(8 << 20, 64 << 10).unwrap();
-    let backing = pattern_memory(g, 4);
+    let backing = with_pattern(MemoryStore::new(g), 4);
     let delayed = Arc::new(Delayed::new(
         backing.clone(),
         DelayOptions {
@@ -219,7 +222,7 @@ fn a_slow_store_under_eight_threads_with_the_puller() {
                 while started.elapsed() < Duration::from_millis(400) {
                     let off = rng.gen_range(0..len);
                     let page = off / PAGE;
-                    let got = peek(&region, off);
+                    let got = region.memory().load_u8(off).unwrap();
                     // Only the first byte of a page is ever written, by its owner thread.
                     let want = match (off % PAGE, mine[page]) {
                         (0, Some(v)) => v,
@@ -230,7 +233,7 @@ fn a_slow_store_under_eight_threads_with_the_puller() {
                     reads += 1;
                     if page % 8 == t as usize && rng.gen_bool(0.3) {
                         let v: u8 = rng.gen();
-                        poke(&region, page * PAGE, v);
+                        region.memory().store_u8(page * PAGE, v).unwrap();
                         mine[page] = Some(v);
                     }
                 }

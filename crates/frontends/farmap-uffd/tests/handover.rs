@@ -13,12 +13,13 @@ use std::process::{Child, Command, Stdio};
 use std::sync::Arc;
 use std::time::Duration;
 
-use bytes::Bytes;
 use common::*;
 use farmap_core::{ChunkIdx, Geometry, Store};
 use farmap_pipeline::PullOptions;
 use farmap_store::{FileOptions, FileStore};
-use farmap_testkit::pattern_bytes;
+use farmap_testkit::contents::write_pattern;
+use farmap_testkit::wait::{eventually, within};
+use farmap_testkit::{block_on, pattern_bytes};
 use farmap_uffd::handover::{self, SendOptions, ServeOptions};
 use farmap_uffd::{HandlerLocation, Region, RegionMode, RegionOptions, WriteTracking};
 
@@ -48,10 +49,7 @@ fn pattern_file(dir: &Path, seed: u64) -> (String, Arc<dyn Store>) {
     };
     let store = FileStore::open(&path, opts).unwrap();
     block_on(async {
-        for idx in g.all().iter() {
-            let data = pattern_bytes(seed, g.offset_of(idx), CHUNK);
-            store.write(idx, Bytes::from(data)).await.unwrap();
-        }
+        write_pattern(&store, seed).await;
         store.flush().await.unwrap();
     });
     (format!("file:{}", path.display()), Arc::new(store))
@@ -154,8 +152,9 @@ fn a_handler_process_serves_faults_and_gives_them_back() {
     assert_eq!(after.faults, before.faults, "the other process served them");
     assert_eq!(after.handler, HandlerLocation::Remote);
     // Writes are still tracked and pushed here, including to pages the handler installed.
-    poke(&region, 10 * CHUNK + 1, 0xEE);
-    poke(&region, 60 * CHUNK, 0xDD); // not yet present: the handler fetches it first
+    region.memory().store_u8(10 * CHUNK + 1, 0xEE).unwrap();
+    // Not yet present: the handler fetches it first.
+    region.memory().store_u8(60 * CHUNK, 0xDD).unwrap();
     region.sync().unwrap();
     let c10 = block_on(store.read(ChunkIdx(10))).unwrap();
     let c60 = block_on(store.read(ChunkIdx(60))).unwrap();
@@ -191,26 +190,19 @@ fn a_managed_region_is_pulled_by_the_handler() {
     let (sock, mut child) = spawn_handler("serve", false);
     handover::send(&region, sock, SendOptions::default()).unwrap();
     let before = region.stats().chunks_fetched;
-    eventually_within(LIMIT, || {
+    eventually("the handler pulled the region", LIMIT, || {
         // The handler's pull installs everything; this process fetches nothing.
         let r = region.clone();
         within(LIMIT, "reading the region", move || {
             let mem = r.memory();
-            (0..mem.len() / CHUNK).all(|c| peek(&r, c * CHUNK + 7) == byte(c * CHUNK + 7))
+            (0..mem.len() / CHUNK)
+                .all(|c| mem.load_u8(c * CHUNK + 7).unwrap() == byte(c * CHUNK + 7))
         })
     });
     // A fetch of this process's own puller that was in flight when it stopped may finish.
     assert!(region.stats().chunks_fetched <= before + 1);
     handover::reclaim(&region, LIMIT).unwrap();
     within(LIMIT, "the handler's exit", move || child.wait().unwrap());
-}
-
-fn eventually_within(limit: Duration, mut cond: impl FnMut() -> bool) {
-    let deadline = std::time::Instant::now() + limit;
-    while !cond() {
-        assert!(std::time::Instant::now() < deadline, "not within {limit:?}");
-        std::thread::sleep(Duration::from_millis(5));
-    }
 }
 
 #[test]
@@ -315,7 +307,9 @@ fn a_chunk_discarded_during_hand_over_is_fetched_again_after() {
     let (spec, store) = pattern_file(dir.path(), 6);
     let region = Arc::new(open_region(spec, store, RegionMode::Direct));
     touch(&region, 0..1);
-    eventually("chunk 0 present", || region.stats().present_chunks == 1);
+    eventually("chunk 0 present", Duration::from_secs(1), || {
+        region.stats().present_chunks == 1
+    });
     let (sock, child) = spawn_handler("serve", false);
     handover::send(&region, sock, SendOptions::default()).unwrap();
     let r = region.clone();

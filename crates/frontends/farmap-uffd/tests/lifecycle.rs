@@ -2,13 +2,12 @@
 //! makes is gone shortly after it is dropped (its own test binary, so that no other test
 //! opens descriptors meanwhile).
 
-mod common;
-
 use std::time::{Duration, Instant};
 
-use common::*;
 use farmap_core::Geometry;
 use farmap_pipeline::PushOptions;
+use farmap_store::MemoryStore;
+use farmap_testkit::contents::with_pattern;
 use farmap_uffd::{Region, RegionOptions};
 
 fn count(dir: &str) -> usize {
@@ -17,11 +16,12 @@ fn count(dir: &str) -> usize {
 
 #[test]
 fn dropped_regions_release_threads_and_descriptors() {
-    if !uffd_available("dropped_regions_release_threads_and_descriptors") {
+    let test = "dropped_regions_release_threads_and_descriptors";
+    if farmap_testkit::skip::unless(test, farmap_uffd::probe()).is_none() {
         return;
     }
     let g = Geometry::new(4 << 20, 64 << 10).unwrap();
-    let store = pattern_memory(g, 1);
+    let store = with_pattern(MemoryStore::new(g), 1);
     let cycle = |i: usize| {
         let opts = RegionOptions {
             push: PushOptions {

@@ -1,15 +1,14 @@
 //! Bounded local memory: a region larger than its local limit loses no write whatever the
 //! limit does, and its resident memory stays under the limit.
 
-mod common;
-
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use common::*;
 use farmap_core::Geometry;
 use farmap_pipeline::PushOptions;
+use farmap_store::MemoryStore;
+use farmap_testkit::contents::{snapshot, with_pattern};
 use farmap_testkit::pattern_bytes;
 use farmap_uffd::{LocalLimit, PagingOptions, Region, RegionOptions, WriteTracking};
 use proptest::prelude::*;
@@ -22,10 +21,9 @@ const CHUNKS: u64 = 64;
 /// Whether bounded regions work here (userfaultfd with UFFDIO_MOVE and WP_ASYNC); records a
 /// skip otherwise.
 fn paging_available(test: &str) -> bool {
-    if !uffd_available(test) {
+    let Some(support) = farmap_testkit::skip::unless(test, farmap_uffd::probe()) else {
         return false;
-    }
-    let support = farmap_uffd::probe().expect("probed above");
+    };
     if support.features & farmap_uffd::sys::UFFD_FEATURE_MOVE == 0
         || support.tracking != farmap_uffd::TrackingMode::Async
     {
@@ -72,7 +70,7 @@ fn no_write_lost_as(
     sequential: bool,
 ) -> farmap_uffd::PagingStats {
     let g = Geometry::new(CHUNKS * u64::from(CHUNK), u64::from(CHUNK)).unwrap();
-    let store = pattern_memory(g, seed);
+    let store = with_pattern(MemoryStore::new(g), seed);
     let mut opts = bounded(LocalLimit::Percent(f64::from(limits[0])), push);
     if let Some(p) = &mut opts.paging {
         p.in_thread = in_thread;
@@ -234,7 +232,7 @@ fn staged_chunks_come_back_in_the_faulting_thread() {
         return;
     }
     let g = Geometry::new(CHUNKS * u64::from(CHUNK), u64::from(CHUNK)).unwrap();
-    let store = pattern_memory(g, 11);
+    let store = with_pattern(MemoryStore::new(g), 11);
     let mut opts = bounded(LocalLimit::Percent(100.0), None);
     if let Some(p) = &mut opts.paging {
         p.in_thread = true;
@@ -309,7 +307,7 @@ fn resident_memory_stays_under_limit() {
         return;
     }
     let g = Geometry::new(CHUNKS * u64::from(CHUNK), u64::from(CHUNK)).unwrap();
-    let store = pattern_memory(g, 3);
+    let store = with_pattern(MemoryStore::new(g), 3);
     let region = Arc::new(Region::open(store, bounded(LocalLimit::Percent(20.0), None)).unwrap());
     let paging = region.stats().paging.unwrap();
     let bound_chunks = paging.limit_chunks + paging.min_free_chunks;
@@ -426,7 +424,7 @@ fn evictions_raise_no_remove_events() {
         return;
     }
     let g = Geometry::new(256 * u64::from(CHUNK), u64::from(CHUNK)).unwrap();
-    let store = pattern_memory(g, 11);
+    let store = with_pattern(MemoryStore::new(g), 11);
     let mut opts = bounded(LocalLimit::Percent(25.0), None);
     if let Some(p) = &mut opts.paging {
         p.min_free = Some(16);
@@ -471,7 +469,7 @@ fn sequential_prefetch_cuts_faults() {
     }
     let g = Geometry::new(512 * u64::from(CHUNK), u64::from(CHUNK)).unwrap();
     let run = |prefetch: farmap_uffd::Prefetch, random: bool| {
-        let store = pattern_memory(g, 5);
+        let store = with_pattern(MemoryStore::new(g), 5);
         let mut opts = bounded(LocalLimit::Percent(30.0), None);
         if let Some(p) = &mut opts.paging {
             p.prefetch = prefetch;

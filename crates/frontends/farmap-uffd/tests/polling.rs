@@ -114,7 +114,7 @@ fn polling_serves_faults_counts_them_and_its_companions_stop() {
         let head = SIZE - CHUNK;
         for off in [3 * CHUNK + 17, 0, head - 1, SIZE / 2 + 4095] {
             assert_eq!(
-                peek(&region, off as usize),
+                region.memory().load_u8(off as usize).unwrap(),
                 pattern_bytes(5, off, 1)[0],
                 "{tracking:?}: byte {off}"
             );
@@ -126,7 +126,7 @@ fn polling_serves_faults_counts_them_and_its_companions_stop() {
         );
         // Writes: with synchronous tracking each first write per page is a fault too.
         for page in 0..32usize {
-            poke(&region, page * 4096 * 7, 0xa5);
+            region.memory().store_u8(page * 4096 * 7, 0xa5).unwrap();
         }
         let s = region.stats();
         assert_eq!(s.faults, head / CHUNK, "{tracking:?}: one fault per chunk");

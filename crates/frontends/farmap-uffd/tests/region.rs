@@ -9,10 +9,15 @@ use std::sync::Arc;
 use common::*;
 use farmap_core::{ChunkIdx, Geometry, Store};
 use farmap_store::MemoryStore;
-use farmap_testkit::{pattern_bytes, PatternStore};
+use farmap_testkit::contents::{snapshot, with_pattern};
+use farmap_testkit::wait::eventually;
+use farmap_testkit::{block_on, pattern_bytes, PatternStore};
 use farmap_uffd::{Region, RegionOptions, SliceError, TrackingMode, WriteTracking};
 
 const PAGE: usize = 4096;
+/// How long a counter may lag the memory (counters are bumped just after the faulting thread
+/// is woken).
+const SETTLE: std::time::Duration = std::time::Duration::from_secs(1);
 
 #[test]
 fn read_faults_return_store_data() {
@@ -32,7 +37,7 @@ fn read_faults_return_store_data() {
             "byte {off}"
         );
     }
-    eventually("three chunks fetched", || {
+    eventually("three chunks fetched", SETTLE, || {
         region.stats().chunks_fetched == 3
     });
     let s = region.stats();
@@ -43,7 +48,7 @@ fn read_faults_return_store_data() {
         mem.to_vec() == pattern_bytes(11, 0, 8 << 20),
         "the region equals the store"
     );
-    eventually("every chunk fetched", || {
+    eventually("every chunk fetched", SETTLE, || {
         region.stats().chunks_fetched == 128
     });
     assert_eq!(region.stats().present_chunks, 128);
@@ -167,7 +172,7 @@ fn sync_pushes_every_written_chunk_and_close_syncs() {
     }
     for tracking in tracking_modes() {
         let g = Geometry::new(2 << 20, 16 << 10).unwrap();
-        let store = pattern_memory(g, 5);
+        let store = with_pattern(MemoryStore::new(g), 5);
         let region = Region::open(store.clone(), direct(tracking)).unwrap();
         let mem = region.memory();
         for (i, off) in [0usize, 70_000, 1 << 20, (2 << 20) - 1]
@@ -205,7 +210,7 @@ fn discarded_chunks_are_fetched_again() {
     for tracking in tracking_modes() {
         let chunk = 64 << 10;
         let g = Geometry::new(1 << 20, chunk as u64).unwrap();
-        let store = pattern_memory(g, 21);
+        let store = with_pattern(MemoryStore::new(g), 21);
         let region = Region::open(store.clone(), direct(tracking)).unwrap();
         let expected = pattern_bytes(21, 0, 1 << 20);
         let mem = region.memory();
@@ -216,7 +221,9 @@ fn discarded_chunks_are_fetched_again() {
         let page = region.page_size() as u64;
         let (c, p) = (chunk as u64, page);
         // The copies woke their readers before the cache counted them.
-        eventually("four chunks present", || region.stats().present_chunks == 4);
+        eventually("four chunks present", SETTLE, || {
+            region.stats().present_chunks == 4
+        });
         let present = region.stats().present_chunks;
         region
             .discard_pages(&[c / p..2 * c / p, (2 * c + c / 2) / p..3 * c / p])
@@ -229,7 +236,9 @@ fn discarded_chunks_are_fetched_again() {
             present - 2,
             "{tracking:?}: discarded chunks are absent when discard_pages returns"
         );
-        eventually("two remove events", || region.stats().remove_events == 2);
+        eventually("two remove events", SETTLE, || {
+            region.stats().remove_events == 2
+        });
         assert_eq!(region.stats().removed_chunks, 2, "{tracking:?}");
         let s = region.stats();
         assert_eq!(s.remove_events, 2, "{tracking:?}: {s:?}");
@@ -249,7 +258,7 @@ fn discarded_chunks_are_fetched_again() {
                 == expected[2 * chunk + 1..3 * chunk],
             "{tracking:?}: the discarded half is fetched again, the rest kept"
         );
-        eventually("two chunks fetched again", || {
+        eventually("two chunks fetched again", SETTLE, || {
             region.stats().chunks_fetched == fetched + 2
         });
         let d = region.take_dirty().unwrap();
@@ -363,7 +372,7 @@ fn written_chunks_are_pushed_on_the_interval() {
     };
     let region = Region::open(store.clone(), opts).unwrap();
     region.memory().store_u8(3 * (64 << 10) + 1, 42).unwrap();
-    eventually("the background push", || {
+    eventually("the background push", SETTLE, || {
         block_on(store.read(ChunkIdx(3))).unwrap()[1] == 42
     });
     assert!(region.stats().pushed_chunks >= 1);
@@ -491,25 +500,25 @@ fn a_seal_in_two_steps_looks_at_the_hot_chunks_first_and_misses_no_write() {
     }
     for tracking in tracking_modes() {
         let g = Geometry::new(4 << 20, 64 << 10).unwrap();
-        let store = pattern_memory(g, 9);
+        let store = with_pattern(MemoryStore::new(g), 9);
         let region = Region::open(store.clone(), direct(tracking)).unwrap();
         let at = |c: u64| (c * (64 << 10)) as usize + 100;
-        poke(&region, at(40), 1);
+        region.memory().store_u8(at(40), 1).unwrap();
         region.sync().unwrap();
         // Chunk 40 was pushed before the window, chunk 2 within it; chunk 3 is dirty.
         std::thread::sleep(std::time::Duration::from_millis(300));
-        poke(&region, at(2), 1);
+        region.memory().store_u8(at(2), 1).unwrap();
         region.sync().unwrap();
-        poke(&region, at(3), 1);
+        region.memory().store_u8(at(3), 1).unwrap();
         let draft = region
             .draft_pushes(std::time::Duration::from_millis(200))
             .unwrap();
-        assert_eq!(draft.ledger.dirty, [chunk(3)], "{tracking:?}");
+        assert_eq!(draft.ledger.dirty, [ChunkIdx(3)], "{tracking:?}");
         assert!(draft.ledger.pushed[40].is_some() && draft.ledger.pushed[2].is_some());
         assert_eq!(draft.hot, [2..3], "{tracking:?}: pushed lately, not dirty");
         // Written after the draft: a hot chunk, a cold one, one never pushed.
         for c in [2, 40, 50] {
-            poke(&region, at(c), 2);
+            region.memory().store_u8(at(c), 2).unwrap();
         }
         let hot = region.seal_hot_pushes().unwrap();
         assert_eq!(hot.pending, [0..2, 3..64], "{tracking:?}");
@@ -538,7 +547,7 @@ fn a_seal_in_two_steps_looks_at_the_hot_chunks_first_and_misses_no_write() {
         region.unseal_pushes();
         region.sync().unwrap();
         assert_eq!(
-            block_on(store.read(chunk(50))).unwrap()[100],
+            block_on(store.read(ChunkIdx(50))).unwrap()[100],
             2,
             "{tracking:?}: unsealed, the pushes resume"
         );

@@ -428,8 +428,12 @@ async fn connection<A: App>(
         Err(e) => refuse(e),
         Ok(Request::Cancel) => refuse("nothing to cancel on a new connection".into()),
         // Never behind a migration: they change or read the region's bound, nothing else.
-        Ok(Request::SetLocalMax(r)) => paging::set_local_max(r, app.uffd_region()).await,
-        Ok(Request::PagingState) => paging::state(app.uffd_region()).await,
+        Ok(Request::SetLocalMax(r)) => paging::set_local_max(r, app.uffd_region())
+            .await
+            .map_or_else(refuse, Reply::Paging),
+        Ok(Request::PagingState) => paging::state(app.uffd_region())
+            .await
+            .map_or_else(refuse, Reply::Paging),
         Ok(req) => {
             if let Ok(_guard) = tokio::time::timeout(BUSY_WAIT, busy.lock_owned()).await {
                 let observer = {

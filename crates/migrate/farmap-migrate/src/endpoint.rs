@@ -4,7 +4,7 @@
 //! A userfaultfd [`Region`] is both (written pages found with PAGEMAP_SCAN; pages installed
 //! with UFFDIO_COPY and discarded with madvise). Other frontends bring their own: the FUSE
 //! mount tracks writes as they reach its server and lands pages in a store that serves the
-//! file (`farmap_fuse::migrate`). The state machines, wire messages and runners are the same.
+//! file ([`crate::mount`]). The state machines, wire messages and runners are the same.
 
 use std::ops::Range;
 use std::sync::Arc;

@@ -17,6 +17,8 @@
 //! - [`view`]: [`LiveView`] (the live region as a read-only store of pages, served with
 //!   `farmap_net::serve`) and [`MigrationStore`] (the leecher region's store).
 //! - [`suspend`]: [`Suspend`], [`WriterGate`] (in-process), [`ProcessSuspend`] (SIGSTOP).
+//! - [`mount`]: the adapters that migrate a mounted file (`farmap mount --agent`), beside the
+//!   region's in [`agent`].
 //! - [`mod@seed`] and [`mod@leech`]: the runners, over TCP, Unix sockets, TLS and mutual TLS.
 //!
 //! Pre-copy pulls the region while the application runs at the source; dirty rounds discard
@@ -42,6 +44,7 @@ pub mod endpoint;
 pub mod event;
 pub mod leech;
 pub mod machine;
+pub mod mount;
 pub mod msg;
 pub mod seed;
 pub mod suspend;

@@ -32,19 +32,19 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
+use crate::msg::{Location, ManifestRun};
+use crate::{
+    Confirm, Destination, EndpointError, Manifest, MigrationStore, Mode, OpenContext, Source,
+    Suspend, SuspendError,
+};
 use bytes::{Bytes, BytesMut};
 use farmap_core::{
     BoxFuture, Caps, ChunkIdx, ChunkRange, ChunkStatus, ErrorKind, Geometry, Store, StoreError,
     StoreResult,
 };
-use farmap_migrate::msg::{Location, ManifestRun};
-use farmap_migrate::{
-    Confirm, Destination, EndpointError, Manifest, MigrationStore, Mode, OpenContext, Source,
-    Suspend, SuspendError,
-};
 use parking_lot::Mutex;
 
-use crate::control::MountControl;
+use farmap_fuse::{Access, MountControl};
 
 /// How the source's programs are stopped at the hand-over.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -286,7 +286,7 @@ impl fmt::Debug for MountSource {
 
 impl MountSource {
     /// The source of the file at `path`, served from `store` under `control` (a mount's
-    /// [`FuseMount::control`](crate::FuseMount::control)).
+    /// [`FuseMount::control`](farmap_fuse::FuseMount::control)).
     pub fn new(
         path: PathBuf,
         store: Arc<dyn Store>,
@@ -402,7 +402,7 @@ impl Source for MountSource {
         // While the gate is open, pages written through mappings may still be in the page
         // cache only: write them back first, so this round carries them. Once the writers
         // are suspended, the suspension has written everything back.
-        if self.control.access() == crate::Access::Open {
+        if self.control.access() == Access::Open {
             self.write_back().map_err(|e| {
                 format!(
                     "writing the page cache of {} back (fsync): {e}",
@@ -441,9 +441,9 @@ impl Source for MountSource {
             Some(seal) => match Self::block_on(async {
                 // From here on the store takes no flush: write-backs skip it.
                 self.drafted.store(true, Ordering::Release);
-                seal.draft(farmap_migrate::endpoint::HOT_WINDOW).await
+                seal.draft(crate::endpoint::HOT_WINDOW).await
             })? {
-                Ok(d) => Ok(farmap_migrate::endpoint::manifest_from_ledger(&d.ledger)),
+                Ok(d) => Ok(crate::endpoint::manifest_from_ledger(&d.ledger)),
                 Err(e) => {
                     self.unseal();
                     Err(e.into())
@@ -468,9 +468,9 @@ impl Source for MountSource {
     /// store since the draft are its dirty set, with nothing to scan.
     fn seal(&self) -> Result<Confirm, EndpointError> {
         match self.shared.as_ref().and_then(|s| s.seal.clone()) {
-            Some(seal) => Ok(farmap_migrate::endpoint::confirm_from_delta(
-                Self::block_on(seal.seal_hot())??,
-            )),
+            Some(seal) => Ok(crate::endpoint::confirm_from_delta(Self::block_on(
+                seal.seal_hot(),
+            )??)),
             None => Ok(Confirm::default()),
         }
     }
@@ -498,7 +498,7 @@ impl Suspend for MountSource {
     /// state handed over is the CLOCK_MONOTONIC time the suspension began (8 bytes, little
     /// endian), so that the destination can report the freeze the programs saw.
     fn suspend(&self) -> Result<Bytes, SuspendError> {
-        let t0 = farmap_migrate::monotonic_ns();
+        let t0 = crate::monotonic_ns();
         match &self.how {
             SuspendHow::Holders => *self.stopped.lock() = self.stop_holders()?,
             SuspendHow::Command { suspend, .. } => {

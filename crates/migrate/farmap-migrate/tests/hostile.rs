@@ -21,9 +21,9 @@ use farmap_migrate::{leech, seed, WriterGate};
 use farmap_net::{
     ListenAddr, Listener, RemoteAddr, ServeOptions, Server, TlsClientConfig, TlsServerConfig,
 };
-use farmap_pipeline::PushOptions;
 use farmap_store::MemoryStore;
-use farmap_uffd::{Region, RegionOptions};
+use farmap_testkit::tls::Pki;
+use farmap_uffd::Region;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::{TcpListener, TcpStream};
 
@@ -77,28 +77,13 @@ async fn run_leech(opts: LeechOptions) -> Result<farmap_migrate::LeechReport, Le
 
 /// A source region of `SIZE` bytes holding a pattern, with a writer gate.
 async fn source() -> (Arc<Region>, Arc<WriterGate>) {
-    let region = tokio::task::spawn_blocking(|| {
-        let g = Geometry::new(SIZE, 65536).unwrap();
-        let store: Arc<dyn Store> = Arc::new(MemoryStore::new(g));
-        let region = Region::open(
-            store,
-            RegionOptions {
-                push: PushOptions {
-                    interval: None,
-                    ..PushOptions::default()
-                },
-                ..RegionOptions::direct()
-            },
-        )
-        .unwrap();
+    let g = Geometry::new(SIZE, 65536).unwrap();
+    let store: Arc<dyn Store> = Arc::new(MemoryStore::new(g));
+    common::source_region(store, None, |region| {
         let data: Vec<u8> = (0..SIZE).map(|i| (i * 7 % 251) as u8).collect();
         region.write_at(0, &data).unwrap();
-        region
     })
     .await
-    .unwrap();
-    let gate = Arc::new(WriterGate::new(|| Bytes::from_static(b"state")));
-    (Arc::new(region), gate)
 }
 
 async fn start_seeder(tls: Option<TlsServerConfig>) -> (Seeding, Arc<Region>) {
@@ -107,16 +92,9 @@ async fn start_seeder(tls: Option<TlsServerConfig>) -> (Seeding, Arc<Region>) {
         region.clone(),
         gate,
         SeedOptions {
-            listen: "127.0.0.1:0".parse().unwrap(),
-            data_listen: "127.0.0.1:0".parse().unwrap(),
             tls,
-            reconnect_wait: Duration::from_secs(5),
             handshake_timeout: Duration::from_secs(2),
-            max_handshakes: 64,
-            log: false,
-            observer: None,
-            pull: Default::default(),
-            push_budget: farmap_migrate::seed::PUSH_BUDGET,
+            ..common::seed_options(farmap_migrate::seed::PUSH_BUDGET)
         },
     )
     .await
@@ -501,30 +479,17 @@ async fn an_idle_connection_does_not_block_a_leecher() {
     drop(idle);
 }
 
-/// A CA and a server certificate for 127.0.0.1, as PEM files in `dir`.
-fn pki(dir: &std::path::Path) -> (TlsServerConfig, TlsClientConfig) {
-    use rcgen::{BasicConstraints, CertificateParams, IsCa, KeyPair};
-    let ca_key = KeyPair::generate().unwrap();
-    let mut ca_params = CertificateParams::new(Vec::<String>::new()).unwrap();
-    ca_params.is_ca = IsCa::Ca(BasicConstraints::Unconstrained);
-    let ca = ca_params.self_signed(&ca_key).unwrap();
-    let key = KeyPair::generate().unwrap();
-    let cert = CertificateParams::new(vec!["127.0.0.1".to_owned()])
-        .unwrap()
-        .signed_by(&key, &ca, &ca_key)
-        .unwrap();
-    let (ca_pem, cert_pem, key_pem) = (dir.join("ca.pem"), dir.join("s.pem"), dir.join("k.pem"));
-    std::fs::write(&ca_pem, ca.pem()).unwrap();
-    std::fs::write(&cert_pem, cert.pem()).unwrap();
-    std::fs::write(&key_pem, key.serialize_pem()).unwrap();
+/// TLS for a seeder (its certificate, for 127.0.0.1) and for a leecher that trusts its CA
+/// (without a certificate of its own).
+fn tls(pki: &Pki) -> (TlsServerConfig, TlsClientConfig) {
     (
         TlsServerConfig {
-            cert: cert_pem,
-            key: key_pem,
+            cert: pki.server.cert.clone(),
+            key: pki.server.key.clone(),
             client_ca: None,
         },
         TlsClientConfig {
-            ca: ca_pem,
+            ca: pki.ca.pem.clone(),
             cert: None,
             key: None,
             server_name: None,
@@ -537,8 +502,8 @@ async fn a_plain_leecher_is_told_that_the_seeder_requires_tls() {
     if !uffd("a_plain_leecher_is_told_that_the_seeder_requires_tls") {
         return;
     }
-    let dir = tempfile::tempdir().unwrap();
-    let (server, client) = pki(dir.path());
+    let pki = Pki::new();
+    let (server, client) = tls(&pki);
     let (seeding, region) = start_seeder(Some(server)).await;
     let err = run_leech(leech_opts(control_of(&seeding)))
         .await

@@ -86,25 +86,12 @@ async fn migrate(
     mode: Mode,
     shared: Option<SharedOpener>,
 ) -> LeechReport {
-    let seeding = seed(region, gate, common::seed_options(Duration::ZERO))
-        .await
-        .unwrap();
-    let (_cancel, cancelled) = tokio::sync::watch::channel(false);
-    let report = leech(
-        LeechOptions {
-            handshake_timeout: Duration::from_secs(5),
-            reconnect_for: Duration::from_secs(5),
-            mode,
-            shared,
-            ..LeechOptions::new(RemoteAddr::from(&seeding.control))
-        },
-        Box::new(|_, _| {}),
-        cancelled,
-    )
+    common::migrate(region, gate, Duration::ZERO, |o| LeechOptions {
+        mode,
+        shared,
+        ..o
+    })
     .await
-    .expect("the migration completes");
-    seeding.finish().await.expect("the seeder completes");
-    report
 }
 
 fn image(r: &Region) -> Vec<u8> {

@@ -10,9 +10,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use farmap_core::{Geometry, Store};
-use farmap_migrate::leech::LeechOptions;
-use farmap_migrate::{leech, seed, LeechReport, WriterGate};
-use farmap_net::RemoteAddr;
+use farmap_migrate::{LeechReport, WriterGate};
 use farmap_store::MemoryStore;
 use farmap_uffd::Region;
 
@@ -52,27 +50,7 @@ async fn source() -> (Arc<Region>, Arc<WriterGate>) {
 }
 
 async fn migrate(region: Arc<Region>, gate: Arc<WriterGate>) -> LeechReport {
-    let seeding = seed(
-        region,
-        gate,
-        common::seed_options(farmap_migrate::seed::PUSH_BUDGET),
-    )
-    .await
-    .unwrap();
-    let (_cancel, cancelled) = tokio::sync::watch::channel(false);
-    let report = leech(
-        LeechOptions {
-            handshake_timeout: Duration::from_secs(5),
-            reconnect_for: Duration::from_secs(5),
-            ..LeechOptions::new(RemoteAddr::from(&seeding.control))
-        },
-        Box::new(|_, _| {}),
-        cancelled,
-    )
-    .await
-    .expect("the migration completes");
-    seeding.finish().await.expect("the seeder completes");
-    report
+    common::migrate(region, gate, farmap_migrate::seed::PUSH_BUDGET, |o| o).await
 }
 
 fn assert_same(source: &Region, dest: &Region) {

@@ -24,7 +24,7 @@ use farmap_fuse::{FuseMount, MountOptions};
 use farmap_memory::RegionSlice;
 use serde::Serialize;
 
-use super::parse_size_arg;
+use super::common::parse_size_arg;
 use super::uffd::{open_region, random_bytes, store_over};
 use super::uffd_raw::{random_pages, touch_each, Latencies, PAGE_SIZE};
 

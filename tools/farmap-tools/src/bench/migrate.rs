@@ -28,7 +28,7 @@ use farmap_net::{ClientOptions, ListenAddr, Listener, RemoteAddr, RemoteStore, S
 use farmap_uffd::{Region, RegionOptions};
 use serde_json::json;
 
-use super::{parse_duration, parse_size_arg};
+use super::common::{parse_duration, parse_size_arg};
 use crate::output;
 
 #[derive(Debug, Args)]

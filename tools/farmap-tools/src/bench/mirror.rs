@@ -14,7 +14,7 @@ use farmap::store::MemoryStore;
 use farmap::{open_store_async, Geometry, Store, StoreSpec};
 use serde::Serialize;
 
-use super::parse_duration;
+use super::common::parse_duration;
 
 #[derive(Debug, Clone, Args)]
 pub struct MirrorArgs {
@@ -107,7 +107,7 @@ impl MirrorArgs {
 /// those of the timed phase, since fresh memory faulted in can cost more than the case
 /// measured.
 pub fn minor_faults() -> u64 {
-    super::self_faults().map_or(0, |f| f.minor)
+    super::common::self_faults().map_or(0, |f| f.minor)
 }
 
 /// The cases of a benchmark's runs: the mirror's cost for each mirrored case against the

@@ -23,7 +23,7 @@ use farmap_nbd::{serve_nbd, Export, NbdServeOptions};
 use farmap_net::{ListenAddr, Listener};
 use serde::Serialize;
 
-use super::{parse_duration, parse_size_arg};
+use super::common::{parse_duration, parse_size_arg};
 use crate::output;
 
 #[derive(Debug, Args)]

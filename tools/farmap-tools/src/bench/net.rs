@@ -47,7 +47,7 @@ use serde::Serialize;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::{TcpListener, TcpStream};
 
-use super::{parse_duration, parse_size_arg};
+use super::common::{parse_duration, parse_size_arg};
 use crate::output;
 
 const CASES: [&str; 6] = [

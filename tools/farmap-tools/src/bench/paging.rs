@@ -47,11 +47,11 @@ use farmap_uffd::{
 };
 use serde::Serialize;
 
+use super::common::{parse_duration, parse_size_arg};
 use super::net::Link;
-use super::paging_app::{App, AppConfig, AppReport, Budget, Pattern, INTERRUPTED};
+use super::paging_app::{interrupted, App, AppConfig, AppReport, Budget, Pattern, INTERRUPTED};
 use super::paging_swap::{self, KernelRun, SwapEnv};
 use super::uffd_raw::PAGE_SIZE;
-use super::{parse_duration, parse_size_arg};
 use crate::output;
 
 /// Where the farmap region's chunks live.
@@ -528,13 +528,6 @@ impl Bench {
             );
         }
     }
-}
-
-pub(super) fn interrupted() -> anyhow::Result<()> {
-    if INTERRUPTED.load(Ordering::Relaxed) {
-        bail!("interrupted");
-    }
-    Ok(())
 }
 
 /// The blocking part: every run, in order, one line per system, pattern and share.

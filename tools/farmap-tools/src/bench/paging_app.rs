@@ -57,7 +57,7 @@ use rand::rngs::SmallRng;
 use rand::{Rng, SeedableRng};
 use serde::{Deserialize, Serialize};
 
-use super::parse_duration;
+use super::common::parse_duration;
 use super::uffd_raw::{AnonMapping, PAGE_SIZE};
 
 /// Makes a zero page wrong for every page and version.
@@ -68,6 +68,14 @@ pub const ZIPF_THETA: f64 = 0.99;
 
 /// Set by Ctrl-C: every thread of the application stops at its next access.
 pub static INTERRUPTED: AtomicBool = AtomicBool::new(false);
+
+/// Fails once Ctrl-C has come ([`INTERRUPTED`]).
+pub(super) fn interrupted() -> anyhow::Result<()> {
+    if INTERRUPTED.load(Ordering::Relaxed) {
+        bail!("interrupted");
+    }
+    Ok(())
+}
 
 /// An access pattern.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum, Serialize, Deserialize)]
@@ -326,7 +334,7 @@ pub struct KernelCounters {
 impl KernelCounters {
     /// The counters now (absolute).
     pub fn now() -> anyhow::Result<KernelCounters> {
-        let faults = super::self_faults()?;
+        let faults = super::common::self_faults()?;
         let vmstat = std::fs::read_to_string("/proc/vmstat").context("reading /proc/vmstat")?;
         let vm = |key: &str| -> u64 {
             vmstat
@@ -642,7 +650,7 @@ pub struct AppArgs {
     /// Join this memory cgroup (v1 directory) before allocating anything.
     #[arg(long)]
     cgroup: Option<PathBuf>,
-    #[arg(long, value_parser = super::parse_size_arg)]
+    #[arg(long, value_parser = super::common::parse_size_arg)]
     size: u64,
     #[arg(long, value_enum)]
     pattern: Pattern,

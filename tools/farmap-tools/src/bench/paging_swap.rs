@@ -364,7 +364,7 @@ impl SwapEnv {
             let result = self.run_once(config, local);
             if result.is_err() {
                 // Ctrl-C reaches the child too: say so rather than guess at a cause.
-                super::paging::interrupted()?;
+                super::paging_app::interrupted()?;
             }
             match result {
                 Ok((report, limit)) => {
@@ -390,7 +390,7 @@ impl SwapEnv {
                 }
                 Err(e) => return Err(e),
             }
-            super::paging::interrupted()?;
+            super::paging_app::interrupted()?;
         }
     }
 

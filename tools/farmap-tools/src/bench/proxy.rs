@@ -24,7 +24,7 @@ use farmap::format_size;
 use farmap_proxy::{Bandwidth, Proxy, ProxyHandle, ProxyOptions};
 use serde::Serialize;
 
-use super::{parse_duration, parse_size_arg};
+use super::common::{parse_duration, parse_size_arg};
 use crate::output;
 
 #[derive(Debug, Args)]

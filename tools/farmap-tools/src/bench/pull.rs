@@ -28,8 +28,8 @@ use farmap::{format_size, open_store_async, Store, StoreSpec};
 use rand::{RngCore, SeedableRng};
 use serde::Serialize;
 
+use super::common::{measure_memcpy, parse_duration, parse_size_arg, set_chunk};
 use super::mirror::{self, MirrorArgs, MirrorTally};
-use super::{measure_memcpy, parse_duration, parse_size_arg, set_chunk};
 use crate::output;
 
 #[derive(Debug, Args)]

@@ -37,8 +37,8 @@ use futures::StreamExt;
 use rand::{RngCore, SeedableRng};
 use serde::Serialize;
 
+use super::common::{measure_memcpy, parse_duration, parse_size_arg, set_chunk};
 use super::mirror::{self, MirrorArgs, MirrorTally};
-use super::{measure_memcpy, parse_duration, parse_size_arg, set_chunk};
 use crate::output;
 
 #[derive(Debug, Args)]

@@ -28,7 +28,7 @@ use futures::stream::{self, StreamExt, TryStreamExt};
 use rand::{Rng, RngCore, SeedableRng};
 use serde::Serialize;
 
-use super::{parse_duration, parse_size_arg};
+use super::common::{parse_duration, parse_size_arg};
 use crate::output;
 
 #[derive(Debug, Args)]

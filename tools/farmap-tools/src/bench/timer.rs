@@ -27,7 +27,7 @@ use farmap::store::MemoryStore;
 use farmap::{format_size, ChunkIdx, Geometry, Store};
 use serde::Serialize;
 
-use super::{parse_duration, parse_size_arg};
+use super::common::{parse_duration, parse_size_arg};
 use crate::output;
 
 const CHUNK: u64 = 64 << 10;

@@ -61,7 +61,7 @@ use farmap_uffd::{FaultWait, LocalLimit, PagingOptions, Region, RegionOptions, R
 use rand::{RngCore, SeedableRng};
 use serde::Serialize;
 
-use super::{measure_memcpy, parse_duration, parse_size_arg};
+use super::common::{measure_memcpy, parse_duration, parse_size_arg};
 use crate::output;
 
 /// The dirty fractions `dirty-scan` measures, in percent of the region's pages.

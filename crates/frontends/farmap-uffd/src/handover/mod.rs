@@ -40,7 +40,7 @@ use farmap_pipeline::{Cached, PullOptions, PullOrder, PullProgress, Puller, Retr
 use crate::memory::{Events, RegionMemory};
 use crate::options::TrackingMode;
 use crate::pagemap::Pagemap;
-use crate::region::{Inner, Region};
+use crate::region::{HandedOver, Inner, Region};
 use crate::server::{OwnedRuntime, Reader, Server, ServerParts, StopSignal};
 use crate::stats::Counters;
 use crate::sys;
@@ -160,6 +160,20 @@ impl Remote {
     }
 }
 
+impl HandedOver for Remote {
+    fn detach(self: Box<Self>) -> Arc<UnixStream> {
+        Remote::detach(*self)
+    }
+
+    fn socket(&self) -> Arc<UnixStream> {
+        self.sock.clone()
+    }
+
+    fn forget_watcher(&mut self) {
+        self.thread = None;
+    }
+}
+
 impl fmt::Debug for Remote {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.debug_struct("Remote").field("sock", &self.sock).finish()
@@ -247,11 +261,11 @@ pub fn send(region: &Region, sock: UnixStream, opts: SendOptions) -> Result<(), 
             return Err(io_err("starting the watcher thread")(e));
         }
     };
-    *remote = Some(Remote {
+    *remote = Some(Box::new(Remote {
         sock,
         stop,
         thread: Some(thread),
-    });
+    }));
     Ok(())
 }
 
@@ -275,7 +289,7 @@ fn watch(inner: &Arc<Inner>, sock: &UnixStream, stop: &StopSignal) {
     let Some(mut mine) = inner.remote.lock().take() else {
         return;
     };
-    mine.thread = None; // that is this thread: do not join it
+    mine.forget_watcher(); // that is this thread: do not join it
     if let Err(e) = inner.take_over() {
         inner
             .server
@@ -289,7 +303,7 @@ fn watch(inner: &Arc<Inner>, sock: &UnixStream, stop: &StopSignal) {
 pub fn reclaim(region: &Region, timeout: Duration) -> Result<(), HandoverError> {
     let inner = region.inner();
     let sock = match inner.remote.lock().as_ref() {
-        Some(r) => r.sock.clone(),
+        Some(r) => r.socket(),
         None => return Ok(()),
     };
     // A handler that already died cannot read it; the watcher takes over all the same.

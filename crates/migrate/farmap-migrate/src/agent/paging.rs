@@ -2,7 +2,8 @@
 //! the application holds ([`Request::SetLocalMax`](super::Request::SetLocalMax)), and report
 //! its paging state ([`Request::PagingState`](super::Request::PagingState)).
 //!
-//! Both answer with one line, [`Reply::Paging`] or [`Reply::Error`] (kind `refused`), and
+//! Both answer with one line, [`Reply::Paging`](super::Reply::Paging) or
+//! [`Reply::Error`](super::Reply::Error) (kind `refused`), and
 //! never wait for a migration: they do not take the agent's migration lock. A request is
 //! validated completely before anything changes: a refused one changes nothing.
 //!
@@ -14,8 +15,6 @@ use std::time::{Duration, Instant};
 
 use farmap_uffd::{LocalLimit, Region};
 use serde::{Deserialize, Serialize};
-
-use super::{FailKind, Reply};
 
 /// The longest a [`SetLocalMaxRequest`] may ask to wait for resident memory to settle.
 pub const MAX_SETTLE_WAIT: Duration = Duration::from_secs(60);
@@ -160,43 +159,31 @@ fn paged(region: Option<Arc<Region>>) -> Result<Arc<Region>, String> {
     }
 }
 
-fn refuse(message: String) -> Reply {
-    Reply::Error {
-        kind: FailKind::Refused,
-        message,
-    }
-}
-
-/// The reply to [`Request::PagingState`](super::Request::PagingState).
-pub(super) async fn state(region: Option<Arc<Region>>) -> Reply {
-    match paged(region) {
-        Ok(region) => report(region).await,
-        Err(why) => refuse(why),
-    }
+/// The answer to [`Request::PagingState`](super::Request::PagingState): the report, or why
+/// the agent refuses.
+pub(super) async fn state(region: Option<Arc<Region>>) -> Result<PagingReport, String> {
+    report(paged(region)?).await
 }
 
 /// Applies a [`SetLocalMaxRequest`] to `region` (the one the application holds) and replies
 /// with the state after it. Everything is checked before the limit changes.
-pub(super) async fn set_local_max(req: SetLocalMaxRequest, region: Option<Arc<Region>>) -> Reply {
-    let limit = match req.local_max.limit() {
-        Ok(l) => l,
-        Err(e) => return refuse(e.to_string()),
-    };
+pub(super) async fn set_local_max(
+    req: SetLocalMaxRequest,
+    region: Option<Arc<Region>>,
+) -> Result<PagingReport, String> {
+    let limit = req.local_max.limit().map_err(|e| e.to_string())?;
     let wait = Duration::from_millis(req.wait_ms);
     if wait > MAX_SETTLE_WAIT {
-        return refuse(format!(
+        return Err(format!(
             "wait_ms {} is longer than the {} s a request may wait",
             req.wait_ms,
             MAX_SETTLE_WAIT.as_secs()
         ));
     }
-    let region = match paged(region) {
-        Ok(r) => r,
-        Err(why) => return refuse(why),
-    };
+    let region = paged(region)?;
     if !region.set_local_max(limit) {
         // A bounded region stays bounded; said rather than assumed.
-        return refuse("the region lost its local-memory limit".into());
+        return Err("the region lost its local-memory limit".into());
     }
     tracing::info!(?limit, "local-memory limit changed by the agent");
     let deadline = Instant::now() + wait;
@@ -214,17 +201,17 @@ fn settled(region: &Region) -> bool {
         .is_some_and(|p| p.resident_chunks <= p.limit_chunks + p.min_free_chunks)
 }
 
-async fn report(region: Arc<Region>) -> Reply {
+async fn report(region: Arc<Region>) -> Result<PagingReport, String> {
     match tokio::task::spawn_blocking(move || PagingReport::of(&region)).await {
-        Ok(Some(r)) => Reply::Paging(r),
-        Ok(None) => refuse("the region lost its local-memory limit".into()),
-        Err(e) => refuse(format!("reading the region's paging state failed: {e}")),
+        Ok(Some(r)) => Ok(r),
+        Ok(None) => Err("the region lost its local-memory limit".into()),
+        Err(e) => Err(format!("reading the region's paging state failed: {e}")),
     }
 }
 
 #[cfg(test)]
 mod tests {
-    use super::super::Request;
+    use super::super::{Reply, Request};
     use super::*;
 
     #[test]

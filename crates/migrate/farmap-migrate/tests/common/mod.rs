@@ -1,19 +1,17 @@
 //! What the migration tests share.
-#![allow(dead_code)] // each test file uses part of it
 
+use std::sync::Arc;
 use std::time::Duration;
 
+use farmap_migrate::leech::LeechOptions;
 use farmap_migrate::seed::SeedOptions;
+use farmap_migrate::{leech, seed, LeechReport, WriterGate};
+use farmap_net::RemoteAddr;
+use farmap_uffd::Region;
 
-/// Whether userfaultfd works here; prints why a test is skipped if not.
+/// Whether userfaultfd works here; records why a test is skipped if not.
 pub fn uffd(test: &str) -> bool {
-    match farmap_uffd::probe() {
-        Ok(_) => true,
-        Err(e) => {
-            farmap_testkit::skip(test, e);
-            false
-        }
-    }
+    farmap_testkit::skip::unless(test, farmap_uffd::probe()).is_some()
 }
 
 /// A seeder on loopback with no TLS, no log, the default pull, pushing for `push_budget`
@@ -67,4 +65,28 @@ pub async fn source_region(
             bytes::Bytes::from_static(b"state")
         })),
     )
+}
+
+/// Seeds `region` (with [`seed_options`]`(push_budget)`) and moves it to a leecher in this
+/// process, with the test's leech options (5 s to shake hands and to reconnect) as changed by
+/// `leech_options`: the leech report, once both sides are done.
+#[allow(dead_code)] // hostile.rs drives its leechers by hand
+pub async fn migrate(
+    region: Arc<Region>,
+    gate: Arc<WriterGate>,
+    push_budget: Duration,
+    leech_options: impl FnOnce(LeechOptions) -> LeechOptions,
+) -> LeechReport {
+    let seeding = seed(region, gate, seed_options(push_budget)).await.unwrap();
+    let (_cancel, cancelled) = tokio::sync::watch::channel(false);
+    let opts = leech_options(LeechOptions {
+        handshake_timeout: Duration::from_secs(5),
+        reconnect_for: Duration::from_secs(5),
+        ..LeechOptions::new(RemoteAddr::from(&seeding.control))
+    });
+    let report = leech(opts, Box::new(|_, _| {}), cancelled)
+        .await
+        .expect("the migration completes");
+    seeding.finish().await.expect("the seeder completes");
+    report
 }
