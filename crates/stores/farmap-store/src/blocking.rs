@@ -1,6 +1,14 @@
-//! Running blocking file system calls off the async worker threads.
+//! Running blocking file system calls off the async worker threads, and the [`Store`] that
+//! the file and dir stores share over them ([`OnBlocking`]).
 
-use farmap_core::{ErrorKind, StoreError, StoreResult};
+use std::path::Path;
+use std::sync::Arc;
+
+use bytes::Bytes;
+use farmap_core::{
+    BoxFuture, Caps, ChunkIdx, ChunkRange, ChunkStatus, ErrorKind, Geometry, StoreError,
+    StoreResult,
+};
 
 /// Runs `f` on Tokio's blocking pool and returns its result.
 ///
@@ -20,3 +28,151 @@ where
         )),
     }
 }
+
+/// A store's state whose operations are blocking system calls (a file's positional I/O, a
+/// directory's chunk files): [`OnBlocking`] runs them on the blocking pool, after the checks
+/// every such store makes.
+pub(crate) trait BlockingChunks: Send + Sync + 'static {
+    /// The region's shape.
+    fn geometry(&self) -> Geometry;
+    /// Opened read-only.
+    fn read_only(&self) -> bool;
+    /// The file or directory, for messages.
+    fn location(&self) -> &Path;
+    /// Reads chunk `idx` (checked).
+    fn read_chunk(&self, idx: ChunkIdx) -> StoreResult<Bytes>;
+    /// Writes chunk `idx` (checked, writable).
+    fn write_chunk(&self, idx: ChunkIdx, data: &[u8]) -> StoreResult<()>;
+    /// Makes every write durable.
+    fn flush_all(&self) -> StoreResult<()>;
+    /// Trims `range` (checked, not empty, writable).
+    fn trim_range(&self, range: ChunkRange) -> StoreResult<()>;
+    /// What chunk `idx` holds (checked).
+    fn chunk_status(&self, idx: ChunkIdx) -> StoreResult<ChunkStatus>;
+}
+
+/// The [`Store`] over a [`BlockingChunks`] state: the file and dir stores are this, with their
+/// own opening and accessors.
+pub(crate) struct OnBlocking<I>(pub Arc<I>);
+
+impl<I: BlockingChunks> OnBlocking<I> {
+    fn check_writable(&self) -> StoreResult<()> {
+        if self.0.read_only() {
+            Err(StoreError::new(
+                ErrorKind::ReadOnly,
+                format!("{} was opened read-only", self.0.location().display()),
+            ))
+        } else {
+            Ok(())
+        }
+    }
+
+    /// Runs `op` on the state, on the blocking pool.
+    async fn run<T: Send + 'static>(
+        &self,
+        op: impl FnOnce(&I) -> StoreResult<T> + Send + 'static,
+    ) -> StoreResult<T> {
+        let inner = self.0.clone();
+        blocking(move || op(&inner)).await
+    }
+
+    pub fn geometry(&self) -> Geometry {
+        self.0.geometry()
+    }
+
+    pub fn caps(&self) -> Caps {
+        let caps = Caps::WRITE | Caps::FLUSH | Caps::TRIM | Caps::STATUS | Caps::PARALLEL;
+        if self.0.read_only() {
+            caps.without(Caps::WRITE | Caps::TRIM)
+        } else {
+            caps
+        }
+    }
+
+    pub fn read(&self, idx: ChunkIdx) -> BoxFuture<'_, StoreResult<Bytes>> {
+        Box::pin(async move {
+            self.0.geometry().check_idx(idx)?;
+            self.run(move |i| i.read_chunk(idx)).await
+        })
+    }
+
+    pub fn write(&self, idx: ChunkIdx, data: Bytes) -> BoxFuture<'_, StoreResult<()>> {
+        Box::pin(async move {
+            self.check_writable()?;
+            self.0.geometry().check_write(idx, data.len())?;
+            self.run(move |i| i.write_chunk(idx, &data)).await
+        })
+    }
+
+    pub fn flush(&self) -> BoxFuture<'_, StoreResult<()>> {
+        Box::pin(async move {
+            if self.0.read_only() {
+                return Ok(());
+            }
+            self.run(|i| i.flush_all()).await
+        })
+    }
+
+    pub fn trim(&self, range: ChunkRange) -> BoxFuture<'_, StoreResult<()>> {
+        Box::pin(async move {
+            self.check_writable()?;
+            self.0.geometry().check_range(range)?;
+            if range.is_empty() {
+                return Ok(());
+            }
+            self.run(move |i| i.trim_range(range)).await
+        })
+    }
+
+    pub fn status(&self, idx: ChunkIdx) -> BoxFuture<'_, StoreResult<ChunkStatus>> {
+        Box::pin(async move {
+            self.0.geometry().check_idx(idx)?;
+            self.run(move |i| i.chunk_status(idx)).await
+        })
+    }
+}
+
+/// `impl Store for $store`, whose field `blocking` is an [`OnBlocking`]: every data method
+/// is the shared one (nothing forwards by default: the list is written out once, here).
+macro_rules! store_on_blocking {
+    ($store:ty) => {
+        impl farmap_core::Store for $store {
+            fn geometry(&self) -> farmap_core::Geometry {
+                self.blocking.geometry()
+            }
+            fn caps(&self) -> farmap_core::Caps {
+                self.blocking.caps()
+            }
+            fn read(
+                &self,
+                idx: farmap_core::ChunkIdx,
+            ) -> farmap_core::BoxFuture<'_, farmap_core::StoreResult<bytes::Bytes>> {
+                self.blocking.read(idx)
+            }
+            fn write(
+                &self,
+                idx: farmap_core::ChunkIdx,
+                data: bytes::Bytes,
+            ) -> farmap_core::BoxFuture<'_, farmap_core::StoreResult<()>> {
+                self.blocking.write(idx, data)
+            }
+            fn flush(&self) -> farmap_core::BoxFuture<'_, farmap_core::StoreResult<()>> {
+                self.blocking.flush()
+            }
+            fn trim(
+                &self,
+                range: farmap_core::ChunkRange,
+            ) -> farmap_core::BoxFuture<'_, farmap_core::StoreResult<()>> {
+                self.blocking.trim(range)
+            }
+            fn status(
+                &self,
+                idx: farmap_core::ChunkIdx,
+            ) -> farmap_core::BoxFuture<'_, farmap_core::StoreResult<farmap_core::ChunkStatus>>
+            {
+                self.blocking.status(idx)
+            }
+        }
+    };
+}
+pub(crate) use store_on_blocking;

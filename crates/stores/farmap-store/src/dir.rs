@@ -14,14 +14,14 @@ use std::sync::Arc;
 
 use bytes::Bytes;
 use farmap_core::{
-    is_zero, zero_chunk, BoxFuture, Caps, ChunkIdx, ChunkRange, ChunkStatus, ErrorKind, Geometry,
-    Store, StoreError, StoreResult, DEFAULT_CHUNK_SIZE,
+    is_zero, zero_chunk, ChunkIdx, ChunkRange, ChunkStatus, ErrorKind, Geometry, StoreError,
+    StoreResult, DEFAULT_CHUNK_SIZE,
 };
 use parking_lot::Mutex;
 use rustix::fs::FlockOperation;
 use rustix::io::Errno;
 
-use crate::blocking::blocking;
+use crate::blocking::{store_on_blocking, BlockingChunks, OnBlocking};
 use crate::stripes::Stripes;
 use handles::HandleCache;
 use meta::{sync_dir, Meta, META_FILE, META_TEMP};
@@ -117,7 +117,7 @@ impl Default for DirOptions {
 ///   Read-only openings take no lock and change nothing (not even `tmp/`), so `farmap info`
 ///   can look at a directory a writer is using; they see each chunk whole, old or new.
 pub struct DirStore {
-    inner: Arc<Inner>,
+    blocking: OnBlocking<Inner>,
 }
 
 struct Inner {
@@ -199,7 +199,7 @@ impl DirStore {
             clear_temp_dir(&temp_dir)?;
         }
         Ok(Self {
-            inner: Arc::new(Inner {
+            blocking: OnBlocking(Arc::new(Inner {
                 _lock: lock,
                 root: path.to_owned(),
                 temp_dir,
@@ -213,35 +213,29 @@ impl DirStore {
                 trimmed_groups: Mutex::new(HashSet::new()),
                 new_groups: AtomicBool::new(false),
                 flush_lock: Mutex::new(()),
-            }),
+            })),
         })
     }
 
     /// The directory the store was opened in.
     pub fn path(&self) -> &Path {
-        &self.inner.root
+        &self.blocking.0.root
     }
 
     /// Number of chunk files held open in the read handle cache.
     pub fn open_files(&self) -> usize {
-        self.inner.handles.len()
+        self.blocking.0.handles.len()
     }
 
     /// Number of chunks written since the last successful flush (their data is synced, but
     /// their names are not yet known to be durable).
     pub fn unflushed_chunks(&self) -> usize {
-        self.inner.unflushed.iter().map(|s| s.lock().len()).sum()
-    }
-
-    fn check_writable(&self) -> StoreResult<()> {
-        if self.inner.read_only {
-            Err(StoreError::new(
-                ErrorKind::ReadOnly,
-                format!("{} was opened read-only", self.inner.root.display()),
-            ))
-        } else {
-            Ok(())
-        }
+        self.blocking
+            .0
+            .unflushed
+            .iter()
+            .map(|s| s.lock().len())
+            .sum()
     }
 }
 
@@ -566,73 +560,47 @@ impl Inner {
 impl fmt::Debug for DirStore {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.debug_struct("DirStore")
-            .field("path", &self.inner.root)
-            .field("geometry", &self.inner.geometry)
-            .field("read_only", &self.inner.read_only)
+            .field("path", &self.blocking.0.root)
+            .field("geometry", &self.blocking.0.geometry)
+            .field("read_only", &self.blocking.0.read_only)
             .field("open_files", &self.open_files())
-            .field("max_open_files", &self.inner.handles.capacity())
+            .field("max_open_files", &self.blocking.0.handles.capacity())
             .finish()
     }
 }
 
-impl Store for DirStore {
+store_on_blocking!(DirStore);
+
+impl BlockingChunks for Inner {
     fn geometry(&self) -> Geometry {
-        self.inner.geometry
+        self.geometry
     }
 
-    fn caps(&self) -> Caps {
-        let caps = Caps::WRITE | Caps::FLUSH | Caps::TRIM | Caps::STATUS | Caps::PARALLEL;
-        if self.inner.read_only {
-            caps.without(Caps::WRITE | Caps::TRIM)
-        } else {
-            caps
-        }
+    fn read_only(&self) -> bool {
+        self.read_only
     }
 
-    fn read(&self, idx: ChunkIdx) -> BoxFuture<'_, StoreResult<Bytes>> {
-        Box::pin(async move {
-            self.inner.geometry.check_idx(idx)?;
-            let inner = self.inner.clone();
-            blocking(move || inner.read_chunk(idx)).await
-        })
+    fn location(&self) -> &Path {
+        &self.root
     }
 
-    fn write(&self, idx: ChunkIdx, data: Bytes) -> BoxFuture<'_, StoreResult<()>> {
-        Box::pin(async move {
-            self.check_writable()?;
-            self.inner.geometry.check_write(idx, data.len())?;
-            let inner = self.inner.clone();
-            blocking(move || inner.write_chunk(idx, &data)).await
-        })
+    fn read_chunk(&self, idx: ChunkIdx) -> StoreResult<Bytes> {
+        Inner::read_chunk(self, idx)
     }
 
-    fn flush(&self) -> BoxFuture<'_, StoreResult<()>> {
-        Box::pin(async move {
-            if self.inner.read_only {
-                return Ok(());
-            }
-            let inner = self.inner.clone();
-            blocking(move || inner.flush_all()).await
-        })
+    fn write_chunk(&self, idx: ChunkIdx, data: &[u8]) -> StoreResult<()> {
+        Inner::write_chunk(self, idx, data)
     }
 
-    fn trim(&self, range: ChunkRange) -> BoxFuture<'_, StoreResult<()>> {
-        Box::pin(async move {
-            self.check_writable()?;
-            self.inner.geometry.check_range(range)?;
-            if range.is_empty() {
-                return Ok(());
-            }
-            let inner = self.inner.clone();
-            blocking(move || inner.trim_range(range)).await
-        })
+    fn flush_all(&self) -> StoreResult<()> {
+        Inner::flush_all(self)
     }
 
-    fn status(&self, idx: ChunkIdx) -> BoxFuture<'_, StoreResult<ChunkStatus>> {
-        Box::pin(async move {
-            self.inner.geometry.check_idx(idx)?;
-            let inner = self.inner.clone();
-            blocking(move || inner.chunk_status(idx)).await
-        })
+    fn trim_range(&self, range: ChunkRange) -> StoreResult<()> {
+        Inner::trim_range(self, range)
+    }
+
+    fn chunk_status(&self, idx: ChunkIdx) -> StoreResult<ChunkStatus> {
+        Inner::chunk_status(self, idx)
     }
 }

@@ -9,13 +9,13 @@ use std::sync::Arc;
 
 use bytes::Bytes;
 use farmap_core::{
-    format_size, zero_chunk, BoxFuture, Caps, ChunkIdx, ChunkRange, ChunkStatus, ErrorKind,
-    Geometry, Store, StoreError, StoreResult, DEFAULT_CHUNK_SIZE, MAX_CHUNK_SIZE,
+    format_size, zero_chunk, ChunkIdx, ChunkRange, ChunkStatus, ErrorKind, Geometry, StoreError,
+    StoreResult, DEFAULT_CHUNK_SIZE, MAX_CHUNK_SIZE,
 };
 use rustix::fs::{FallocateFlags, SeekFrom};
 use rustix::io::Errno;
 
-use crate::blocking::blocking;
+use crate::blocking::{store_on_blocking, BlockingChunks, OnBlocking};
 use crate::stripes::{Stripes, STRIPES};
 
 /// How [`FileStore::open`] opens its file.
@@ -72,7 +72,7 @@ impl Default for FileOptions {
 ///   share a stripe, a write or trim holds it alone, so a read never sees half a write.
 /// - Other processes writing the same file get no such guarantee.
 pub struct FileStore {
-    inner: Arc<Inner>,
+    blocking: OnBlocking<Inner>,
 }
 
 struct Inner {
@@ -119,30 +119,19 @@ impl FileStore {
             }
         };
         Ok(Self {
-            inner: Arc::new(Inner {
+            blocking: OnBlocking(Arc::new(Inner {
                 path: path.to_owned(),
                 file,
                 geometry,
                 read_only: opts.read_only,
                 stripes: Stripes::new(),
-            }),
+            })),
         })
     }
 
     /// The path the store was opened with.
     pub fn path(&self) -> &Path {
-        &self.inner.path
-    }
-
-    fn check_writable(&self) -> StoreResult<()> {
-        if self.inner.read_only {
-            Err(StoreError::new(
-                ErrorKind::ReadOnly,
-                format!("{} was opened read-only", self.inner.path.display()),
-            ))
-        } else {
-            Ok(())
-        }
+        &self.blocking.0.path
     }
 }
 
@@ -324,77 +313,47 @@ impl Inner {
 impl fmt::Debug for FileStore {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.debug_struct("FileStore")
-            .field("path", &self.inner.path)
-            .field("geometry", &self.inner.geometry)
-            .field("read_only", &self.inner.read_only)
+            .field("path", &self.blocking.0.path)
+            .field("geometry", &self.blocking.0.geometry)
+            .field("read_only", &self.blocking.0.read_only)
             .finish()
     }
 }
 
-impl Store for FileStore {
+store_on_blocking!(FileStore);
+
+impl BlockingChunks for Inner {
     fn geometry(&self) -> Geometry {
-        self.inner.geometry
+        self.geometry
     }
 
-    fn caps(&self) -> Caps {
-        let caps = Caps::WRITE | Caps::FLUSH | Caps::TRIM | Caps::STATUS | Caps::PARALLEL;
-        if self.inner.read_only {
-            caps.without(Caps::WRITE | Caps::TRIM)
-        } else {
-            caps
-        }
+    fn read_only(&self) -> bool {
+        self.read_only
     }
 
-    fn read(&self, idx: ChunkIdx) -> BoxFuture<'_, StoreResult<Bytes>> {
-        Box::pin(async move {
-            self.inner.geometry.check_idx(idx)?;
-            let inner = self.inner.clone();
-            blocking(move || inner.read_chunk(idx)).await
-        })
+    fn location(&self) -> &Path {
+        &self.path
     }
 
-    fn write(&self, idx: ChunkIdx, data: Bytes) -> BoxFuture<'_, StoreResult<()>> {
-        Box::pin(async move {
-            self.check_writable()?;
-            self.inner.geometry.check_write(idx, data.len())?;
-            let inner = self.inner.clone();
-            blocking(move || inner.write_chunk(idx, &data)).await
-        })
+    fn read_chunk(&self, idx: ChunkIdx) -> StoreResult<Bytes> {
+        Inner::read_chunk(self, idx)
     }
 
-    fn flush(&self) -> BoxFuture<'_, StoreResult<()>> {
-        Box::pin(async move {
-            if self.inner.read_only {
-                return Ok(());
-            }
-            let inner = self.inner.clone();
-            blocking(move || {
-                inner
-                    .file
-                    .sync_data()
-                    .map_err(|e| inner.io_error("flushing", e))
-            })
-            .await
-        })
+    fn write_chunk(&self, idx: ChunkIdx, data: &[u8]) -> StoreResult<()> {
+        Inner::write_chunk(self, idx, data)
     }
 
-    fn trim(&self, range: ChunkRange) -> BoxFuture<'_, StoreResult<()>> {
-        Box::pin(async move {
-            self.check_writable()?;
-            self.inner.geometry.check_range(range)?;
-            if range.is_empty() {
-                return Ok(());
-            }
-            let inner = self.inner.clone();
-            blocking(move || inner.trim_range(range)).await
-        })
+    fn flush_all(&self) -> StoreResult<()> {
+        self.file
+            .sync_data()
+            .map_err(|e| self.io_error("flushing", e))
     }
 
-    fn status(&self, idx: ChunkIdx) -> BoxFuture<'_, StoreResult<ChunkStatus>> {
-        Box::pin(async move {
-            self.inner.geometry.check_idx(idx)?;
-            let inner = self.inner.clone();
-            blocking(move || inner.chunk_status(idx)).await
-        })
+    fn trim_range(&self, range: ChunkRange) -> StoreResult<()> {
+        Inner::trim_range(self, range)
+    }
+
+    fn chunk_status(&self, idx: ChunkIdx) -> StoreResult<ChunkStatus> {
+        Inner::chunk_status(self, idx)
     }
 }
