@@ -47,6 +47,16 @@ cargo fmt --all -- --check
 step "cargo clippy (all targets, warnings are errors)"
 cargo clippy --locked --workspace --all-targets -- -D warnings
 
+step "layers: crate arrows point down, no file import cycles (scripts/check-layers.py)"
+if ! python3 scripts/check-layers.py --check >/dev/null; then
+  python3 scripts/check-layers.py --check >&2 || true
+  exit 1
+fi
+
+step "cargo check without default features (the library face alone, the binary without its tools)"
+cargo check --locked -p farmap --no-default-features --quiet
+cargo check --locked -p farmap-cli --no-default-features --quiet
+
 step "cargo doc (warnings are errors)"
 RUSTDOCFLAGS="-D warnings" cargo doc --locked --workspace --no-deps --quiet
 
