@@ -1,39 +1,30 @@
 //! `farmap bench migrate` runs every mode on one workload for every size, prints one JSON
 //! line each with the issue's keys, and checks every destination byte for byte.
 
-use std::process::Command;
+mod common;
+use common::farmap;
 
 #[test]
 fn bench_migrate_runs_every_mode_for_every_size_and_verifies() {
-    if let Err(e) = farmap_uffd::probe() {
-        return farmap_testkit::skip(
-            "bench_migrate_runs_every_mode_for_every_size_and_verifies",
-            format!("userfaultfd: {e}"),
-        );
+    let test = "bench_migrate_runs_every_mode_for_every_size_and_verifies";
+    if farmap_testkit::skip::unless(test, farmap_uffd::probe()).is_none() {
+        return;
     }
-    let o = Command::new(env!("CARGO_BIN_EXE_farmap"))
-        .args([
-            "bench",
-            "migrate",
-            "--modes",
-            "instant,precopy,postcopy",
-            "--sizes",
-            "8MiB,16MiB",
-            "--working-set",
-            "2MiB",
-            "--warmup",
-            "200ms",
-            "--settle",
-            "3s",
-            "--json",
-        ])
-        .output()
-        .unwrap();
-    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
-    let rows: Vec<serde_json::Value> = String::from_utf8_lossy(&o.stdout)
-        .lines()
-        .map(|l| serde_json::from_str(l).unwrap())
-        .collect();
+    let rows = farmap().json_lines(&[
+        "bench",
+        "migrate",
+        "--modes",
+        "instant,precopy,postcopy",
+        "--sizes",
+        "8MiB,16MiB",
+        "--working-set",
+        "2MiB",
+        "--warmup",
+        "200ms",
+        "--settle",
+        "3s",
+        "--json",
+    ]);
     assert_eq!(rows.len(), 6, "{rows:?}");
     for (i, row) in rows.iter().enumerate() {
         let mode = ["instant", "precopy", "postcopy"][i % 3];
@@ -85,25 +76,15 @@ fn bench_migrate_runs_every_mode_for_every_size_and_verifies() {
 
 #[test]
 fn bench_migrate_refuses_bad_sizes_clearly() {
-    let o = Command::new(env!("CARGO_BIN_EXE_farmap"))
-        .args([
-            "bench",
-            "migrate",
-            "--sizes",
-            "1MiB",
-            "--working-set",
-            "4MiB",
-        ])
-        .output()
-        .unwrap();
-    assert!(!o.status.success());
-    let err = String::from_utf8_lossy(&o.stderr);
+    let err = farmap().fails(&[
+        "bench",
+        "migrate",
+        "--sizes",
+        "1MiB",
+        "--working-set",
+        "4MiB",
+    ]);
     assert!(err.contains("working set"), "{err}");
-    let o = Command::new(env!("CARGO_BIN_EXE_farmap"))
-        .args(["bench", "migrate", "--modes", "teleport"])
-        .output()
-        .unwrap();
-    assert!(!o.status.success());
-    let err = String::from_utf8_lossy(&o.stderr);
+    let err = farmap().fails(&["bench", "migrate", "--modes", "teleport"]);
     assert!(err.contains("precopy, postcopy or instant"), "{err}");
 }

@@ -1,20 +1,14 @@
 //! `farmap bench net` runs every case (through the delay proxy, or directly at an RTT of 0)
 //! and prints one JSON line each.
 
-use std::process::Command;
+mod common;
+use common::farmap;
 
 /// Runs `farmap bench net --json ARGS` and returns its rows.
 fn bench_net_rows(args: &[&str]) -> Vec<serde_json::Value> {
-    let o = Command::new(env!("CARGO_BIN_EXE_farmap"))
-        .args(["bench", "net", "--json"])
-        .args(args)
-        .output()
-        .unwrap();
-    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
-    String::from_utf8_lossy(&o.stdout)
-        .lines()
-        .map(|l| serde_json::from_str(l).unwrap())
-        .collect()
+    let mut all = vec!["bench", "net", "--json"];
+    all.extend_from_slice(args);
+    farmap().json_lines(&all)
 }
 
 #[test]

@@ -3,9 +3,10 @@
 //! the farmap limit applied (evictions at 30%) and the kernel baseline swapping (faults).
 //! No speed is asserted: benchmarks are not correctness tests.
 
-use std::process::Command;
-
 use serde_json::Value;
+
+mod common;
+use common::farmap;
 
 const PATTERNS: [&str; 3] = ["seq", "uniform", "zipf"];
 
@@ -41,17 +42,15 @@ fn kernel_swap_unavailable() -> Option<String> {
     None
 }
 
+/// The number `key` of `row`.
 fn num(row: &Value, key: &str) -> f64 {
-    row[key]
-        .as_f64()
-        .unwrap_or_else(|| panic!("{key} is not a number in {row}"))
+    farmap_testkit::cli::number(row, key)
 }
 
 #[test]
 fn bench_paging_prints_one_sane_line_per_system_and_pattern() {
     let test = "bench_paging_prints_one_sane_line_per_system_and_pattern";
-    if let Err(e) = farmap_uffd::probe() {
-        farmap_testkit::skip(test, format_args!("userfaultfd is not usable here: {e}"));
+    if farmap_testkit::skip::unless(test, farmap_uffd::probe()).is_none() {
         return;
     }
     let no_kernel = kernel_swap_unavailable();
@@ -74,7 +73,8 @@ fn bench_paging_prints_one_sane_line_per_system_and_pattern() {
     if no_kernel.is_some() {
         args.extend(["--system", "farmap"]);
     }
-    let child = Command::new(env!("CARGO_BIN_EXE_farmap"))
+    let child = farmap()
+        .command()
         .args(&args)
         .stdout(std::process::Stdio::piped())
         .stderr(std::process::Stdio::piped())

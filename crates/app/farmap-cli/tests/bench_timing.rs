@@ -3,26 +3,17 @@
 //! early, data intact) hold. No figure is asserted: precision and throughput are measured by
 //! these benchmarks, not by tests.
 
-use std::process::Command;
-
 use serde_json::Value;
 
+mod common;
+use common::farmap;
+
+/// Runs `farmap bench ARGS --json` and returns its rows.
 fn bench(args: &[&str]) -> Vec<Value> {
-    let out = Command::new(env!("CARGO_BIN_EXE_farmap"))
-        .arg("bench")
-        .args(args)
-        .arg("--json")
-        .output()
-        .expect("run farmap");
-    let stderr = String::from_utf8_lossy(&out.stderr);
-    assert!(
-        out.status.success(),
-        "farmap bench {args:?} failed: {stderr}"
-    );
-    String::from_utf8_lossy(&out.stdout)
-        .lines()
-        .map(|l| serde_json::from_str(l).unwrap_or_else(|e| panic!("{e}: {l:?} is not JSON")))
-        .collect()
+    let mut all = vec!["bench"];
+    all.extend_from_slice(args);
+    all.push("--json");
+    farmap().json_lines(&all)
 }
 
 /// `row` is an object with exactly `keys`, and `numbers` of them are numbers.

@@ -2,43 +2,31 @@
 //! benchmark promises and values that make sense. No speed is asserted: benchmarks are not
 //! correctness tests.
 
-use std::process::Command;
-
 use serde_json::Value;
 
+mod common;
+use common::farmap;
+
+/// The number `key` of `row`.
 fn num(row: &Value, key: &str) -> f64 {
-    row[key]
-        .as_f64()
-        .unwrap_or_else(|| panic!("{key} is not a number in {row}"))
+    farmap_testkit::cli::number(row, key)
 }
 
 #[test]
 fn bench_uffd_prints_one_sane_json_row_per_case() {
-    if let Err(e) = farmap_uffd::probe() {
-        farmap_testkit::skip(
-            "bench_uffd_prints_one_sane_json_row_per_case",
-            format_args!("userfaultfd is not usable here: {e}"),
-        );
+    let test = "bench_uffd_prints_one_sane_json_row_per_case";
+    if farmap_testkit::skip::unless(test, farmap_uffd::probe()).is_none() {
         return;
     }
-    let out = Command::new(env!("CARGO_BIN_EXE_farmap"))
-        .args([
-            "bench",
-            "uffd",
-            "--json",
-            "--size",
-            "64MiB",
-            "--samples",
-            "2000",
-        ])
-        .output()
-        .expect("run farmap");
-    let stderr = String::from_utf8_lossy(&out.stderr);
-    assert!(out.status.success(), "farmap bench uffd failed: {stderr}");
-    let rows: Vec<Value> = String::from_utf8_lossy(&out.stdout)
-        .lines()
-        .map(|l| serde_json::from_str(l).unwrap_or_else(|e| panic!("{e}: {l:?} is not JSON")))
-        .collect();
+    let rows = farmap().json_lines(&[
+        "bench",
+        "uffd",
+        "--json",
+        "--size",
+        "64MiB",
+        "--samples",
+        "2000",
+    ]);
 
     let cases: Vec<(&str, Option<u64>)> = rows
         .iter()
@@ -131,16 +119,8 @@ fn bench_uffd_prints_one_sane_json_row_per_case() {
 
 #[test]
 fn bench_uffd_refuses_a_region_too_small_to_measure() {
-    let out = Command::new(env!("CARGO_BIN_EXE_farmap"))
-        .args(["bench", "uffd", "--size", "64KiB"])
-        .output()
-        .expect("run farmap");
-    assert!(!out.status.success());
-    assert!(
-        String::from_utf8_lossy(&out.stderr).contains("at least 1MiB"),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
+    let err = farmap().fails(&["bench", "uffd", "--size", "64KiB"]);
+    assert!(err.contains("at least 1MiB"), "{err}");
 }
 
 /// `refault-staged`, served by the reader and then in the faulting thread: one row each,
@@ -148,16 +128,12 @@ fn bench_uffd_refuses_a_region_too_small_to_measure() {
 #[test]
 fn bench_uffd_refault_staged_says_which_path_served() {
     let test = "bench_uffd_refault_staged_says_which_path_served";
-    match farmap_uffd::probe() {
-        Err(e) => {
-            farmap_testkit::skip(test, format_args!("userfaultfd is not usable here: {e}"));
-            return;
-        }
-        Ok(s) if s.features & farmap_uffd::sys::UFFD_FEATURE_MOVE == 0 => {
-            farmap_testkit::skip(test, "the kernel lacks UFFDIO_MOVE");
-            return;
-        }
-        Ok(_) => {}
+    let Some(support) = farmap_testkit::skip::unless(test, farmap_uffd::probe()) else {
+        return;
+    };
+    if support.features & farmap_uffd::sys::UFFD_FEATURE_MOVE == 0 {
+        farmap_testkit::skip(test, "the kernel lacks UFFDIO_MOVE");
+        return;
     }
     for in_thread in [false, true] {
         let mut args = vec![
@@ -174,19 +150,7 @@ fn bench_uffd_refault_staged_says_which_path_served() {
         if in_thread {
             args.push("--in-thread");
         }
-        let out = Command::new(env!("CARGO_BIN_EXE_farmap"))
-            .args(&args)
-            .output()
-            .expect("run farmap");
-        let stderr = String::from_utf8_lossy(&out.stderr);
-        assert!(out.status.success(), "farmap {args:?} failed: {stderr}");
-        let stdout = String::from_utf8_lossy(&out.stdout);
-        let rows: Vec<Value> = stdout
-            .lines()
-            .map(|l| serde_json::from_str(l).unwrap_or_else(|e| panic!("{e}: {l:?}")))
-            .collect();
-        assert_eq!(rows.len(), 1, "{stdout}");
-        let row = &rows[0];
+        let row = &farmap().json(&args);
         assert_eq!(row["case"], "refault-staged", "{row}");
         assert_eq!(row["in_thread"], in_thread, "{row}");
         assert_eq!(row["samples"], 500, "{row}");

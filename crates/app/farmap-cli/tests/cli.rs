@@ -4,12 +4,8 @@ use std::path::Path;
 use std::process::{Command, Output};
 use std::time::{Duration, Instant};
 
-fn farmap(args: &[&str]) -> Output {
-    Command::new(env!("CARGO_BIN_EXE_farmap"))
-        .args(args)
-        .output()
-        .expect("run farmap")
-}
+mod common;
+use common::farmap;
 
 fn stdout(o: &Output) -> String {
     String::from_utf8_lossy(&o.stdout).into_owned()
@@ -25,13 +21,13 @@ fn file_spec(p: &Path, opts: &str) -> String {
 
 #[test]
 fn help_explains_every_command_and_specs() {
-    let o = farmap(&["--help"]);
+    let o = farmap().run(&["--help"]);
     assert!(o.status.success());
     let out = stdout(&o);
     for word in ["info", "cp", "bench", "STORE SPECS", "memory:SIZE", "KiB"] {
         assert!(out.contains(word), "--help lacks {word:?}:\n{out}");
     }
-    let o = farmap(&["bench", "pull", "--help"]);
+    let o = farmap().run(&["bench", "pull", "--help"]);
     assert!(o.status.success());
     for word in ["--rtt", "--workers", "--chunk", "--json", "--store"] {
         assert!(stdout(&o).contains(word), "bench pull --help lacks {word}");
@@ -46,7 +42,7 @@ fn bad_specs_give_one_line_errors() {
         ("memory:1GiB?size=2GiB", "conflicting sizes"),
         ("file:/nonexistent-dir/x.img", "x.img"),
     ] {
-        let o = farmap(&["info", spec]);
+        let o = farmap().run(&["info", spec]);
         assert!(!o.status.success(), "{spec} should fail");
         let err = stderr(&o);
         // The problem is named on the first line (clap may add its "try --help" hint after).
@@ -74,7 +70,7 @@ fn cp_round_trips_file_to_dir_to_file_and_skips_zeros() {
     }
     std::fs::write(&a, &content).unwrap();
     let chunks = dir.path().join("chunks");
-    let o = farmap(&[
+    let o = farmap().run(&[
         "cp",
         "--json",
         &file_spec(&a, "?chunk=4KiB"),
@@ -89,7 +85,7 @@ fn cp_round_trips_file_to_dir_to_file_and_skips_zeros() {
         "zero blocks must be skipped: {report}"
     );
     let b = dir.path().join("b.img");
-    let o = farmap(&[
+    let o = farmap().run(&[
         "cp",
         "-q",
         &format!("dir:{}", chunks.display()),
@@ -106,7 +102,7 @@ fn cp_round_trips_file_to_dir_to_file_and_skips_zeros() {
     // A destination of another size is refused and left alone.
     let c = dir.path().join("c.img");
     std::fs::write(&c, vec![9u8; 8192]).unwrap();
-    let o = farmap(&["cp", &file_spec(&a, ""), &file_spec(&c, "")]);
+    let o = farmap().run(&["cp", &file_spec(&a, ""), &file_spec(&c, "")]);
     assert!(!o.status.success());
     assert!(stderr(&o).contains("sizes differ"), "{}", stderr(&o));
     assert_eq!(std::fs::read(&c).unwrap(), vec![9u8; 8192]);
@@ -119,14 +115,14 @@ fn cp_overwrites_stale_data_with_zeros() {
     let b = dir.path().join("b.img");
     std::fs::write(&a, vec![0u8; 256 << 10]).unwrap();
     std::fs::write(&b, vec![0xffu8; 256 << 10]).unwrap();
-    let o = farmap(&["cp", "-q", &file_spec(&a, ""), &file_spec(&b, "")]);
+    let o = farmap().run(&["cp", "-q", &file_spec(&a, ""), &file_spec(&b, "")]);
     assert!(o.status.success(), "{}", stderr(&o));
     assert!(std::fs::read(&b).unwrap().iter().all(|&x| x == 0));
 }
 
 #[test]
 fn bench_pull_prints_one_json_line_per_run() {
-    let o = farmap(&[
+    let o = farmap().run(&[
         "bench",
         "pull",
         "--store",
@@ -174,7 +170,7 @@ fn bench_pull_prints_one_json_line_per_run() {
 #[test]
 fn bench_push_with_a_mirror_prints_both_cases_and_the_cost() {
     for bench in ["push", "pull"] {
-        let o = farmap(&[
+        let o = farmap().run(&[
             "bench",
             bench,
             "--store",
@@ -234,7 +230,7 @@ fn bench_pull_refuses_to_overwrite_an_existing_file() {
     let dir = tempfile::tempdir().unwrap();
     let a = dir.path().join("precious.img");
     std::fs::write(&a, vec![1u8; 65536]).unwrap();
-    let o = farmap(&["bench", "pull", "--store", &file_spec(&a, ""), "--json"]);
+    let o = farmap().run(&["bench", "pull", "--store", &file_spec(&a, ""), "--json"]);
     assert!(!o.status.success());
     assert!(stderr(&o).contains("--overwrite"), "{}", stderr(&o));
     assert_eq!(std::fs::read(&a).unwrap(), vec![1u8; 65536]);
@@ -276,14 +272,14 @@ fn info_reads_a_dir_store_that_a_writer_holds() {
     let tmp = tempfile::TempDir::new().unwrap();
     let dir = tmp.path().join("chunks");
     let spec = format!("dir:{}?size=1MiB", dir.display());
-    assert!(farmap(&["cp", "memory:1MiB", &spec]).status.success());
+    assert!(farmap().run(&["cp", "memory:1MiB", &spec]).status.success());
     // A writer holds the directory (as a running `farmap cp` or `serve` would).
     let writer = farmap::store::DirStore::open(&dir, farmap::store::DirOptions::default())
         .expect("the writer opens the store");
-    let o = farmap(&["info", &format!("dir:{}", dir.display())]);
+    let o = farmap().run(&["info", &format!("dir:{}", dir.display())]);
     assert!(o.status.success(), "info reads meanwhile: {}", stderr(&o));
     assert!(stdout(&o).contains("1MiB"), "{}", stdout(&o));
-    let o = farmap(&["cp", "memory:1MiB", &format!("dir:{}", dir.display())]);
+    let o = farmap().run(&["cp", "memory:1MiB", &format!("dir:{}", dir.display())]);
     assert!(!o.status.success(), "a second writer is refused");
     let err = stderr(&o);
     assert!(
@@ -295,7 +291,7 @@ fn info_reads_a_dir_store_that_a_writer_holds() {
     // moment holds a copy of the descriptor until its exec: allow for that window.
     let deadline = Instant::now() + Duration::from_secs(5);
     loop {
-        let o = farmap(&["cp", "memory:1MiB", &format!("dir:{}", dir.display())]);
+        let o = farmap().run(&["cp", "memory:1MiB", &format!("dir:{}", dir.display())]);
         if o.status.success() {
             break;
         }
@@ -310,7 +306,7 @@ fn info_reads_a_dir_store_that_a_writer_holds() {
 
 #[test]
 fn durations_need_a_unit_and_huge_regions_say_how_to_fit() {
-    let o = farmap(&[
+    let o = farmap().run(&[
         "proxy",
         "--listen",
         "127.0.0.1:0",
@@ -325,9 +321,9 @@ fn durations_need_a_unit_and_huge_regions_say_how_to_fit() {
         err.contains("a unit is required") && err.contains("ms"),
         "{err}"
     );
-    let o = farmap(&["info", "farmap://127.0.0.1:1?timeout=30"]);
+    let o = farmap().run(&["info", "farmap://127.0.0.1:1?timeout=30"]);
     assert!(stderr(&o).contains("a unit is required"), "{}", stderr(&o));
-    let o = farmap(&["info", "memory:1PiB"]);
+    let o = farmap().run(&["info", "memory:1PiB"]);
     assert!(!o.status.success());
     assert!(stderr(&o).contains("larger chunk size"), "{}", stderr(&o));
 }
@@ -342,14 +338,14 @@ fn verify_scrubs_a_verified_region_and_names_bad_chunks() {
     std::fs::write(&src, &content).unwrap();
     let img = dir.path().join("v.img");
     let verified = format!("verified:({})", file_spec(&img, "?size=1MiB&chunk=4KiB"));
-    let o = farmap(&["cp", "-q", &file_spec(&src, "?chunk=4KiB"), &verified]);
+    let o = farmap().run(&["cp", "-q", &file_spec(&src, "?chunk=4KiB"), &verified]);
     assert!(
         o.status.success(),
         "cp into a verified region: {}",
         stderr(&o)
     );
 
-    let o = farmap(&["verify", "--json", &verified]);
+    let o = farmap().run(&["verify", "--json", &verified]);
     assert!(o.status.success(), "a good region: {}", stderr(&o));
     let r: serde_json::Value = serde_json::from_str(stdout(&o).trim()).unwrap();
     assert_eq!(r["chunks"], 254);
@@ -363,7 +359,7 @@ fn verify_scrubs_a_verified_region_and_names_bad_chunks() {
     raw[200 * 4096..201 * 4096].fill(0xAB);
     std::fs::write(&img, &raw).unwrap();
     // The plain spec is read as the verified region it holds.
-    let o = farmap(&["verify", "--json", &file_spec(&img, "?chunk=4KiB")]);
+    let o = farmap().run(&["verify", "--json", &file_spec(&img, "?chunk=4KiB")]);
     assert_eq!(
         o.status.code(),
         Some(2),
@@ -376,7 +372,7 @@ fn verify_scrubs_a_verified_region_and_names_bad_chunks() {
     assert_eq!(r["ok"], false);
     // Read through the stage, a bad chunk is an error, never data.
     let out = dir.path().join("out.img");
-    let o = farmap(&["cp", "-q", &verified, &file_spec(&out, "")]);
+    let o = farmap().run(&["cp", "-q", &verified, &file_spec(&out, "")]);
     assert!(!o.status.success());
     assert!(stderr(&o).contains("corrupt"), "{}", stderr(&o));
 }
@@ -389,13 +385,13 @@ fn info_shows_a_mirrors_state() {
         file_spec(&dir.path().join("p.img"), "?size=1MiB"),
         file_spec(&dir.path().join("m.img"), "?size=1MiB")
     );
-    let o = farmap(&["info", "--json", &spec]);
+    let o = farmap().run(&["info", "--json", &spec]);
     assert!(o.status.success(), "{}", stderr(&o));
     let r: serde_json::Value = serde_json::from_str(stdout(&o).trim()).unwrap();
     assert_eq!(r["mirror"]["policy"], "primary-first", "{r}");
     assert_eq!(r["mirror"]["primary"], "up", "{r}");
     assert_eq!(r["mirror"]["to_resync"], 0, "{r}");
-    let o = farmap(&["info", &spec]);
+    let o = farmap().run(&["info", &spec]);
     assert!(
         stdout(&o).contains("mirror:   policy primary-first, primary up"),
         "{}",

@@ -5,7 +5,6 @@
 
 use std::io::{ErrorKind, Read, Write};
 use std::net::{SocketAddr, TcpStream};
-use std::process::{Child, Command, Stdio};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
@@ -15,6 +14,10 @@ use farmap::ChunkIdx;
 use farmap_net::wire::{
     decode_server_hello, ClientHello, Frame, FrameDecoder, Limits, Message, Payload, ServerHello,
 };
+use farmap_testkit::cli::Listening;
+
+mod common;
+use common::farmap;
 
 const MIB: u64 = 1 << 20;
 const CHUNK: u64 = 64 << 10;
@@ -22,51 +25,29 @@ const CHUNK: u64 = 64 << 10;
 const BATCH: u64 = 255;
 
 /// A `farmap serve` child whose stderr is drained on a thread (so that its logs never block
-/// it) and kept.
+/// it) and kept; killed when dropped.
 struct Served {
-    child: Child,
+    server: Listening,
     addr: SocketAddr,
     log: Arc<Mutex<String>>,
 }
 
 impl Served {
     fn start(spec: &str, args: &[&str]) -> Served {
-        let mut child = Command::new(env!("CARGO_BIN_EXE_farmap"))
-            .args(["serve", spec, "--listen", "127.0.0.1:0"])
-            .args(args)
-            .stdout(Stdio::null())
-            .stderr(Stdio::piped())
-            .spawn()
-            .expect("start farmap serve");
-        let mut stderr = std::io::BufReader::new(child.stderr.take().unwrap());
-        let mut line = String::new();
-        std::io::BufRead::read_line(&mut stderr, &mut line).unwrap();
-        let addr = line
-            .split("listening on ")
-            .nth(1)
-            .and_then(|rest| rest.split_whitespace().next())
-            .unwrap_or_else(|| panic!("no address in {line:?}"))
-            .parse()
-            .unwrap();
-        let log = Arc::new(Mutex::new(line));
-        let sink = log.clone();
-        std::thread::spawn(move || {
-            let mut buf = [0u8; 4096];
-            while let Ok(n) = stderr.read(&mut buf) {
-                if n == 0 {
-                    break;
-                }
-                sink.lock()
-                    .unwrap()
-                    .push_str(&String::from_utf8_lossy(&buf[..n]));
-            }
-        });
-        Served { child, addr, log }
+        let mut all = vec!["serve", spec, "--listen", "127.0.0.1:0"];
+        all.extend_from_slice(args);
+        let mut server = farmap().listening(&all);
+        let addr = server
+            .addr()
+            .parse::<SocketAddr>()
+            .unwrap_or_else(|e| panic!("{e}: {}", server.banner()));
+        let log = server.log_stderr();
+        Served { server, addr, log }
     }
 
     /// Resident memory of the server, in bytes.
     fn rss(&self) -> u64 {
-        let status = std::fs::read_to_string(format!("/proc/{}/status", self.child.id()))
+        let status = std::fs::read_to_string(format!("/proc/{}/status", self.server.id()))
             .expect("the server is running");
         let kb: u64 = status
             .lines()
@@ -80,20 +61,13 @@ impl Served {
     fn assert_running(&mut self) {
         let log = self.log.lock().unwrap().clone();
         assert!(
-            self.child.try_wait().unwrap().is_none(),
+            self.server.child().try_wait().unwrap().is_none(),
             "the server stopped; its log:\n{log}"
         );
     }
 
     fn log(&self) -> String {
         self.log.lock().unwrap().clone()
-    }
-}
-
-impl Drop for Served {
-    fn drop(&mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
     }
 }
 

@@ -23,10 +23,12 @@
 
 use std::io::{BufRead, BufReader, Read};
 use std::path::{Path, PathBuf};
-use std::process::{Child, Command, Stdio};
+use std::process::{Command, Stdio};
 use std::time::Duration;
 
 use farmap_testkit::pattern_bytes;
+// A child process killed (and reaped) when dropped.
+use farmap_testkit::process::KillOnDrop as Proc;
 use farmap_testkit::vm::{Vm, VmError};
 
 const MIB: u64 = 1 << 20;
@@ -49,16 +51,6 @@ const UNSYNCED_RANGE: (u64, u64, u64) = (60 * MIB + 5 * 4096 + 17, 512 * 1024 + 
 
 fn farmap_bin() -> &'static str {
     env!("CARGO_BIN_EXE_farmap")
-}
-
-/// A child process killed (and reaped) when dropped.
-struct Proc(Child);
-
-impl Drop for Proc {
-    fn drop(&mut self) {
-        let _ = self.0.kill();
-        let _ = self.0.wait();
-    }
 }
 
 /// An NBD server for the guest's kernel client.

@@ -5,148 +5,28 @@
 //! back. After each, the regions are checked against content recomputed from the writer's
 //! seed and history.
 
-use std::io::{BufRead, BufReader, Write};
 use std::path::{Path, PathBuf};
-use std::process::{Child, ChildStdin, Command, Stdio};
-use std::sync::mpsc;
-use std::time::{Duration, Instant};
+use std::process::Command;
+use std::time::Duration;
 
+use farmap_testkit::process::Proc;
 use serde_json::Value;
 
 mod common;
+use common::farmap;
 
 const MIB: u64 = 1 << 20;
 const WAIT: Duration = Duration::from_secs(90);
 
 /// Whether userfaultfd works here; if not, `test` is recorded as skipped.
 fn usable(test: &str) -> bool {
-    match farmap_uffd::probe() {
-        Ok(_) => true,
-        Err(e) => {
-            farmap_testkit::skip(test, format_args!("userfaultfd is not usable here: {e}"));
-            false
-        }
-    }
+    farmap_testkit::skip::unless(test, farmap_uffd::probe()).is_some()
 }
 
-/// A child process whose stdout and stderr lines are collected as they come.
-struct Proc {
-    name: String,
-    child: Child,
-    stdin: Option<ChildStdin>,
-    out: mpsc::Receiver<String>,
-    err: mpsc::Receiver<String>,
-    seen_err: Vec<String>,
-}
-
-fn lines(
-    r: impl std::io::Read + Send + 'static,
-    tag: String,
-    echo: bool,
-) -> mpsc::Receiver<String> {
-    let (tx, rx) = mpsc::channel();
-    std::thread::spawn(move || {
-        for l in BufReader::new(r).lines().map_while(Result::ok) {
-            if echo {
-                eprintln!("[{tag}] {l}");
-            }
-            if tx.send(l).is_err() {
-                return;
-            }
-        }
-    });
-    rx
-}
-
-impl Proc {
-    fn spawn(name: &str, args: &[&str]) -> Proc {
-        let mut child = Command::new(env!("CARGO_BIN_EXE_farmap"))
-            .args(args)
-            .stdin(Stdio::piped())
-            .stdout(Stdio::piped())
-            .stderr(Stdio::piped())
-            .spawn()
-            .expect("start farmap");
-        let out = lines(child.stdout.take().unwrap(), format!("{name} out"), false);
-        let err = lines(child.stderr.take().unwrap(), format!("{name} err"), true);
-        Proc {
-            name: name.into(),
-            stdin: child.stdin.take(),
-            child,
-            out,
-            err,
-            seen_err: Vec::new(),
-        }
-    }
-
-    /// The next stdout line that is JSON with `event` = `event`.
-    fn event(&mut self, event: &str) -> Value {
-        let deadline = Instant::now() + WAIT;
-        loop {
-            let left = deadline.saturating_duration_since(Instant::now());
-            let l = self.out.recv_timeout(left).unwrap_or_else(|e| {
-                panic!("{}: no '{event}' event ({e})", self.name);
-            });
-            if let Ok(v) = serde_json::from_str::<Value>(&l) {
-                if v["event"] == event {
-                    return v;
-                }
-            }
-        }
-    }
-
-    /// Waits for a stderr line containing `text`; returns it.
-    fn stderr_line(&mut self, text: &str) -> String {
-        if let Some(l) = self.seen_err.iter().find(|l| l.contains(text)) {
-            return l.clone();
-        }
-        let deadline = Instant::now() + WAIT;
-        loop {
-            let left = deadline.saturating_duration_since(Instant::now());
-            let l = self.err.recv_timeout(left).unwrap_or_else(|e| {
-                panic!(
-                    "{}: no stderr line with {text:?} ({e}); saw {:#?}",
-                    self.name, self.seen_err
-                )
-            });
-            self.seen_err.push(l.clone());
-            if l.contains(text) {
-                return l;
-            }
-        }
-    }
-
-    /// Waits for the exit; returns success, stdout lines and all stderr.
-    fn finish(mut self) -> (bool, Vec<String>, String) {
-        let deadline = Instant::now() + WAIT;
-        let status = loop {
-            if let Some(s) = self.child.try_wait().unwrap() {
-                break s;
-            }
-            assert!(Instant::now() < deadline, "{} did not exit", self.name);
-            std::thread::sleep(Duration::from_millis(20));
-        };
-        let out: Vec<String> = std::iter::from_fn(|| self.out.recv_timeout(WAIT).ok()).collect();
-        self.seen_err
-            .extend(std::iter::from_fn(|| self.err.recv_timeout(WAIT).ok()));
-        (status.success(), out, self.seen_err.join("\n"))
-    }
-
-    fn kill(&mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
-    }
-
-    fn running(&mut self) -> bool {
-        self.child.try_wait().unwrap().is_none()
-    }
-}
-
-impl Drop for Proc {
-    fn drop(&mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
-    }
+/// `farmap ARGS` as a [`Proc`] named `name`: its stdout and stderr lines collected as they
+/// come.
+fn spawn(name: &str, args: &[&str]) -> Proc {
+    farmap().proc(name, args, WAIT)
 }
 
 /// An application with a region (or waiting for one) and its migration agent.
@@ -173,7 +53,7 @@ impl App {
         if init {
             args.push("--init");
         }
-        let mut proc = Proc::spawn(name, &args);
+        let mut proc = spawn(name, &args);
         proc.event("ready");
         App { proc, agent }
     }
@@ -185,17 +65,16 @@ impl App {
     /// Stops the writer for a moment and compares the region with the recomputed image:
     /// `Some(writer ops)` if it matches, `None` if this application holds no region.
     fn verify(&mut self) -> Option<u64> {
-        let stdin = self.proc.stdin.as_mut().unwrap();
-        writeln!(stdin, "verify").unwrap();
-        stdin.flush().unwrap();
+        self.proc.send("verify");
         let v = self.proc.event("verified");
         if v["error"] == "no region here" {
             return None;
         }
         assert_eq!(
-            v["ok"], true,
+            v["ok"],
+            true,
             "{}: region differs from its history: {v}",
-            self.proc.name
+            self.proc.name()
         );
         Some(v["ops"].as_u64().unwrap())
     }
@@ -215,7 +94,7 @@ fn seed_cmd_with(app: &App, extra: &[&str]) -> (Proc, String, String) {
         "--json",
     ];
     args.extend_from_slice(extra);
-    let mut p = Proc::spawn("seed", &args);
+    let mut p = spawn("seed", &args);
     let l = p.stderr_line("waiting for a leecher: control on ");
     let rest = l.split("control on ").nth(1).unwrap();
     let (control, data) = rest.split_once(", data plane on ").unwrap();
@@ -234,7 +113,7 @@ fn leech_cmd(app: &App, from: &str, data: &str, extra: &[&str]) -> Proc {
         "--json",
     ];
     args.extend_from_slice(extra);
-    Proc::spawn("leech", &args)
+    spawn("leech", &args)
 }
 
 /// A `farmap proxy` process; `port` 0 picks one.
@@ -244,7 +123,7 @@ fn proxy(to: &str, port: u16, bandwidth: Option<&str>) -> (Proc, String) {
     if let Some(b) = bandwidth {
         args.extend(["--bandwidth", b]);
     }
-    let mut p = Proc::spawn("proxy", &args);
+    let mut p = spawn("proxy", &args);
     let l = p.stderr_line("listening on ");
     let addr = l.split("listening on ").nth(1).unwrap();
     let addr = addr.split(',').next().unwrap().trim().to_owned();
@@ -445,7 +324,7 @@ fn a_connection_lost_during_the_post_copy_is_reconnected_and_the_migration_compl
     // The data plane carried pages after it came back: the cut hit the post-copy's fetches
     // (had the post-copy been over, nothing would be left to fetch).
     let status = Command::new("kill")
-        .args(["-INT", &pd2.child.id().to_string()])
+        .args(["-INT", &pd2.id().to_string()])
         .status()
         .unwrap();
     assert!(status.success());
@@ -476,16 +355,7 @@ fn demo_migrates_there_and_back_and_verifies() {
     if !usable("demo_migrates_there_and_back_and_verifies") {
         return;
     }
-    let out = Command::new(env!("CARGO_BIN_EXE_farmap"))
-        .args(["demo", "--size", "32MiB", "--json"])
-        .output()
-        .unwrap();
-    let err = String::from_utf8_lossy(&out.stderr);
-    assert!(out.status.success(), "demo failed: {err}");
-    let rows: Vec<Value> = String::from_utf8_lossy(&out.stdout)
-        .lines()
-        .map(|l| serde_json::from_str(l).unwrap_or_else(|e| panic!("{e}: {l}")))
-        .collect();
+    let rows = farmap().json_lines(&["demo", "--size", "32MiB", "--json"]);
     assert_eq!(rows.len(), 2, "one line per direction: {rows:?}");
     for (row, dir) in rows.iter().zip(["there", "back"]) {
         assert_eq!(row["direction"], dir);
@@ -526,17 +396,9 @@ fn demo_instant_over_each_store_it_starts_moves_there_and_back() {
         ),
     }
     for store in stores {
-        let out = Command::new(env!("CARGO_BIN_EXE_farmap"))
-            .args(["demo", "--size", "16MiB", "--json", "--mode", "instant"])
-            .args(["--store", store])
-            .output()
-            .unwrap();
-        let err = String::from_utf8_lossy(&out.stderr);
-        assert!(out.status.success(), "demo over {store} failed: {err}");
-        let rows: Vec<Value> = String::from_utf8_lossy(&out.stdout)
-            .lines()
-            .map(|l| serde_json::from_str(l).unwrap_or_else(|e| panic!("{e}: {l}")))
-            .collect();
+        let rows = farmap().json_lines(&[
+            "demo", "--size", "16MiB", "--json", "--mode", "instant", "--store", store,
+        ]);
         assert_eq!(rows.len(), 2, "{store}: {rows:?}");
         for row in &rows {
             assert_eq!(row["verified"], true, "{store}: {row}");
@@ -559,7 +421,8 @@ fn migration_over_mutual_tls_refuses_a_leecher_without_a_certificate() {
         return;
     }
     let dir = tempfile::tempdir().unwrap();
-    let [ca, server, server_key, client, client_key] = common::pki(dir.path());
+    let pki = farmap_testkit::tls::Pki::new();
+    let [ca, server, server_key, client, client_key] = pki.paths();
     let size = 16 * MIB;
     let mut a = App::start(dir.path(), "a", size, 200, true);
     let mut b = App::start(dir.path(), "b", size, 200, false);

@@ -7,98 +7,32 @@
 //! - the source, released after the hand-over, synced its region to Redis, and a fresh
 //!   client reads from Redis exactly the image at the hand-over's op count.
 
-use std::io::Write;
-use std::process::{Child, ChildStdin, Command, Stdio};
-use std::sync::mpsc;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 mod common;
+use common::farmap;
 
+use farmap_testkit::process::Proc;
 use farmap_testkit::{skip, Service};
 use serde_json::Value;
 
 const WAIT: Duration = Duration::from_secs(120);
 
-/// A farmap process with its stdout (JSON lines) and stderr lines collected as they come.
-struct Proc {
-    name: &'static str,
-    child: Child,
-    stdin: ChildStdin,
-    out: mpsc::Receiver<String>,
-    err: mpsc::Receiver<String>,
-    seen_err: Vec<String>,
+/// `farmap ARGS` as a [`Proc`] named `name`: its stdout (JSON lines) and stderr lines
+/// collected as they come.
+fn spawn(name: &str, args: &[&str]) -> Proc {
+    farmap().proc(name, args, WAIT)
 }
 
-impl Proc {
-    fn spawn(name: &'static str, args: &[&str]) -> Proc {
-        let mut child = Command::new(env!("CARGO_BIN_EXE_farmap"))
-            .args(args)
-            .stdin(Stdio::piped())
-            .stdout(Stdio::piped())
-            .stderr(Stdio::piped())
-            .spawn()
-            .expect("start farmap");
-        Proc {
-            name,
-            stdin: child.stdin.take().unwrap(),
-            out: common::lines(child.stdout.take().unwrap(), Some(format!("{name} out"))),
-            err: common::lines(child.stderr.take().unwrap(), Some(format!("{name} err"))),
-            child,
-            seen_err: Vec::new(),
-        }
-    }
-
-    /// The next stdout JSON line whose `event` is `event`.
-    fn event(&mut self, event: &str) -> Value {
-        common::next_event(&self.out, event, self.name, WAIT)
-    }
-
-    fn send(&mut self, line: &str) {
-        writeln!(self.stdin, "{line}").unwrap();
-        self.stdin.flush().unwrap();
-    }
-
-    fn stderr_line(&mut self, text: &str) -> String {
-        let deadline = Instant::now() + WAIT;
-        loop {
-            let left = deadline.saturating_duration_since(Instant::now());
-            let l = self
-                .err
-                .recv_timeout(left)
-                .unwrap_or_else(|e| panic!("{}: no stderr line with {text:?} ({e})", self.name));
-            self.seen_err.push(l.clone());
-            if l.contains(text) {
-                return l;
-            }
-        }
-    }
-
-    /// Waits for the exit: success and the last stdout line as JSON.
-    fn finish(mut self) -> (bool, Value, String) {
-        let deadline = Instant::now() + WAIT;
-        let status = loop {
-            if let Some(s) = self.child.try_wait().unwrap() {
-                break s;
-            }
-            assert!(Instant::now() < deadline, "{} did not exit", self.name);
-            std::thread::sleep(Duration::from_millis(20));
-        };
-        let out: Vec<String> = std::iter::from_fn(|| self.out.recv_timeout(WAIT).ok()).collect();
-        self.seen_err
-            .extend(std::iter::from_fn(|| self.err.recv_timeout(WAIT).ok()));
-        let last = out
-            .last()
-            .and_then(|l| serde_json::from_str(l).ok())
-            .unwrap_or(Value::Null);
-        (status.success(), last, self.seen_err.join("\n"))
-    }
-}
-
-impl Drop for Proc {
-    fn drop(&mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
-    }
+/// Waits for `p`'s exit: its success, the last stdout line as JSON (`Null` if none), and its
+/// stderr.
+fn finish(p: Proc) -> (bool, Value, String) {
+    let (ok, out, err) = p.finish();
+    let last = out
+        .last()
+        .and_then(|l| serde_json::from_str(l).ok())
+        .unwrap_or(Value::Null);
+    (ok, last, err)
 }
 
 /// Asks a demo node to compare its region with the recomputed image: the op count.
@@ -106,9 +40,10 @@ fn verify(node: &mut Proc) -> u64 {
     node.send("verify");
     let v = node.event("verified");
     assert_eq!(
-        v["ok"], true,
+        v["ok"],
+        true,
         "{}: region differs from its history: {v}",
-        node.name
+        node.name()
     );
     v["ops"].as_u64().unwrap()
 }
@@ -126,17 +61,8 @@ struct Pair {
 }
 
 fn pair(test: &str) -> Option<Pair> {
-    if let Err(e) = farmap_uffd::probe() {
-        skip(test, format!("userfaultfd: {e}"));
-        return None;
-    }
-    let svc = match Service::shared("redis") {
-        Ok(s) => s,
-        Err(e) => {
-            skip(test, e);
-            return None;
-        }
-    };
+    skip::unless(test, farmap_uffd::probe())?;
+    let svc = skip::unless(test, Service::shared("redis"))?;
     let dir = tempfile::tempdir().unwrap();
     let size: u64 = 16 << 20;
     let spec = format!(
@@ -165,7 +91,7 @@ fn pair(test: &str) -> Option<Pair> {
         if init {
             args.push("--init");
         }
-        let mut p = Proc::spawn(name, &args);
+        let mut p = spawn(name, &args);
         p.event("ready");
         p
     };
@@ -184,7 +110,7 @@ fn pair(test: &str) -> Option<Pair> {
 
 /// `farmap seed` on `a`, `farmap leech` on `b` with `extra` arguments: the leech report.
 fn migrate(p: &Pair, extra: &[&str]) -> Value {
-    let mut seed = Proc::spawn(
+    let mut seed = spawn(
         "seed",
         &[
             "seed",
@@ -211,10 +137,10 @@ fn migrate(p: &Pair, extra: &[&str]) -> Value {
         "--json",
     ];
     args.extend_from_slice(extra);
-    let leech = Proc::spawn("leech", &args);
-    let (ok, report, err) = leech.finish();
+    let leech = spawn("leech", &args);
+    let (ok, report, err) = finish(leech);
     assert!(ok, "leech failed: {err}");
-    let (ok, _, err) = seed.finish();
+    let (ok, _, err) = finish(seed);
     assert!(ok, "seed failed: {err}");
     report
 }

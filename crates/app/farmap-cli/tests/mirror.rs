@@ -3,8 +3,8 @@
 //! model check) through the stage, and on the restarted primary once it is resynchronised.
 
 mod common;
+use common::farmap;
 
-use std::process::Child;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -13,44 +13,23 @@ use farmap::pipeline::{MirrorPolicy, Mirrored, PrimaryState};
 use farmap::spec::{open_mirror, SpecKind};
 use farmap::{ChunkIdx, Store, StoreSpec};
 use farmap_net::{ClientOptions, RemoteAddr, RemoteStore};
+use farmap_testkit::cli::Listening;
 use parking_lot::Mutex;
 
-/// A `farmap serve` child, killed when dropped.
-struct Served {
-    child: Child,
-    addr: String,
-}
-
-impl Served {
-    fn start(spec: &str, listen: &str) -> Served {
-        let (child, addr) = common::serve(&[spec, "--listen", listen]);
-        Served { child, addr }
-    }
-
-    fn kill(&mut self) {
-        self.child.kill().unwrap();
-        self.child.wait().unwrap();
-    }
-}
-
-impl Drop for Served {
-    fn drop(&mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
-    }
+/// `farmap serve SPEC --listen LISTEN`, its stderr drained; killed when dropped.
+fn serve(spec: &str, listen: &str) -> Listening {
+    farmap()
+        .listening(&["serve", spec, "--listen", listen])
+        .drained()
 }
 
 const CHUNK: usize = 4096;
 const CHUNKS: u64 = 512;
 const WRITERS: u64 = 4;
 
+/// Chunk `idx` as written at `version`.
 fn content(idx: u64, version: u64) -> Bytes {
-    let tag = idx.wrapping_mul(0x9E37_79B9_7F4A_7C15) ^ version.wrapping_mul(0xBF58_476D_1CE4_E5B9);
-    Bytes::from(
-        (0..CHUNK)
-            .map(|i| (tag.rotate_left((i % 64) as u32) as u8) ^ (i as u8) | 1)
-            .collect::<Vec<u8>>(),
-    )
+    farmap_testkit::versioned_chunk(idx, version, CHUNK)
 }
 
 /// Writer `w` writes `n` times to its own chunks (idx % WRITERS == w); the model keeps the
@@ -101,8 +80,8 @@ async fn run(policy: &str) {
         "file:{}?size=2MiB&chunk=4KiB",
         dir.path().join("p.img").display()
     );
-    let mut primary = Served::start(&primary_file, "127.0.0.1:0");
-    let addr = primary.addr.clone();
+    let mut primary = serve(&primary_file, "127.0.0.1:0");
+    let addr = primary.addr().to_owned();
     let spec: StoreSpec = format!(
         "mirror:(farmap://{addr}?timeout=2s)(file:{}?size=2MiB&chunk=4KiB)?policy={policy}&timeout=500ms&probe=50ms",
         dir.path().join("m.img").display()
@@ -147,7 +126,7 @@ async fn run(policy: &str) {
     check(&*store, &snapshot, "through the mirror").await;
 
     // The primary comes back on the same address and file: it is resynchronised.
-    let _again = Served::start(&primary_file, &addr);
+    let _again = serve(&primary_file, &addr);
     let deadline = Instant::now() + Duration::from_secs(30);
     // Writes keep coming during the resync.
     write_run(store.clone(), model.clone(), 200, 2).await;

@@ -3,35 +3,21 @@
 
 use std::io::{BufRead, BufReader, Write};
 use std::path::{Path, PathBuf};
-use std::process::{Child, ChildStdin, Command, Output, Stdio};
+use std::process::{Child, ChildStdin, Command, Stdio};
 use std::time::Duration;
 
+use farmap_testkit::cli::Listening;
+use farmap_testkit::process::{stdout_of, terminate};
+use farmap_testkit::skip;
+
 mod common;
+use common::farmap;
 
 const SCRIPT: &str = concat!(env!("CARGO_MANIFEST_DIR"), "/tests/data/mmap_pattern.py");
 
-fn farmap(args: &[&str]) -> Output {
-    Command::new(env!("CARGO_BIN_EXE_farmap"))
-        .args(args)
-        .output()
-        .expect("run farmap")
-}
-
 /// Whether this machine can run these tests; records a skip when not.
 fn can_run(test: &str) -> bool {
-    if !Path::new("/dev/fuse").exists() {
-        farmap_testkit::skip(test, "/dev/fuse is missing (no FUSE in this kernel)");
-        return false;
-    }
-    if !rustix::process::geteuid().is_root() {
-        farmap_testkit::skip(test, "mounting FUSE without fusermount3 needs root");
-        return false;
-    }
-    if Command::new("python3").arg("-V").output().is_err() {
-        farmap_testkit::skip(test, "python3 is missing");
-        return false;
-    }
-    true
+    skip::fuse_mountable(test) && skip::program(test, "python3", &["-V"])
 }
 
 /// A `farmap mount` child process; stopped with SIGTERM when dropped.
@@ -43,7 +29,8 @@ struct Mounted {
 
 impl Mounted {
     fn start(dir: &Path, store: &str, args: &[&str]) -> Mounted {
-        let mut child = Command::new(env!("CARGO_BIN_EXE_farmap"))
+        let mut child = farmap()
+            .command()
             .arg("mount")
             .arg(dir)
             .arg(store)
@@ -69,7 +56,7 @@ impl Mounted {
 
     /// `farmap umount DIR`; returns once the mount process has exited successfully.
     fn umount(mut self) {
-        let out = farmap(&["umount", self.dir.to_str().unwrap()]);
+        let out = farmap().run(&["umount", self.dir.to_str().unwrap()]);
         assert!(
             out.status.success(),
             "umount: {}",
@@ -82,27 +69,12 @@ impl Mounted {
 
 impl Drop for Mounted {
     fn drop(&mut self) {
-        if let Ok(None) = self.child.try_wait() {
-            let _ = Command::new("kill")
-                .args(["-TERM", &self.child.id().to_string()])
-                .status();
-            let _ = self.child.wait();
-        }
+        terminate(&mut self.child, Duration::from_secs(60));
     }
 }
 
 fn python(args: &[&str]) -> String {
-    let out = Command::new("python3")
-        .arg(SCRIPT)
-        .args(args)
-        .output()
-        .expect("run python3");
-    assert!(
-        out.status.success(),
-        "python3 {args:?}: {}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-    String::from_utf8_lossy(&out.stdout).into_owned()
+    stdout_of(Command::new("python3").arg(SCRIPT).args(args))
 }
 
 /// A Python program left running until its stdin closes.
@@ -194,16 +166,17 @@ fn python_mmap_pattern_over_a_remote_store_in_managed_mode() {
     );
     std::fs::create_dir(&dir).unwrap();
     let dir_store = format!("dir:{}?size=8MiB", s(&chunks));
-    let serve = |spec: &str| common::serve(&[spec, "--listen", "127.0.0.1:0", "--quiet"]);
-    let stop = |mut child: Child| {
-        Command::new("kill")
-            .args(["-TERM", &child.id().to_string()])
-            .status()
-            .unwrap();
-        assert!(child.wait().unwrap().success());
+    let serve = |spec: &str| {
+        farmap()
+            .listening(&["serve", spec, "--listen", "127.0.0.1:0", "--quiet"])
+            .drained()
     };
-    let (server, addr) = serve(&dir_store);
-    let remote = format!("farmap://{addr}");
+    let stop = |server: Listening| {
+        let (status, _) = server.stop("TERM");
+        assert!(status.success());
+    };
+    let server = serve(&dir_store);
+    let remote = format!("farmap://{}", server.addr());
     let m = Mounted::start(
         &dir,
         &remote,
@@ -220,10 +193,10 @@ fn python_mmap_pattern_over_a_remote_store_in_managed_mode() {
     assert_eq!(python(&["read", s(&m.path), s(&expected)]).trim(), "ok");
     m.umount();
     // And through the server again, managed, pulled in reverse.
-    let (server, addr) = serve(&dir_store);
+    let server = serve(&dir_store);
     let m = Mounted::start(
         &dir,
-        &format!("farmap://{addr}"),
+        &format!("farmap://{}", server.addr()),
         &["--managed", "--pull-order", "reverse"],
     );
     assert_eq!(python(&["read", s(&m.path), s(&expected)]).trim(), "ok");
@@ -250,7 +223,7 @@ fn fsync_reaches_the_store_and_umount_with_a_dirty_mapping_loses_nothing() {
     // A program keeps a dirty mapping (no msync) while `farmap umount` runs.
     let dirty = Lingering::start(&["dirty", s(&m.path), "1048577", "dirty page"], "ready");
     let dir2 = dir.clone();
-    let umount = std::thread::spawn(move || farmap(&["umount", s(&dir2)]));
+    let umount = std::thread::spawn(move || farmap().run(&["umount", s(&dir2)]));
     std::thread::sleep(Duration::from_millis(500));
     // The unmount flushed the page cache first: the write is in the store before the
     // program has even let go of the file.
@@ -297,10 +270,10 @@ fn a_mount_whose_server_died_is_cleaned_up_by_the_next_mount() {
     m2.umount();
     assert!(std::fs::read_dir(&dir).unwrap().next().is_none());
     // umount of something that is not a farmap mount says what it is.
-    let out = farmap(&["umount", s(&dir)]);
+    let out = farmap().run(&["umount", s(&dir)]);
     assert!(!out.status.success());
     assert!(String::from_utf8_lossy(&out.stderr).contains("is not a mount point"));
-    let out = farmap(&["umount", "/proc"]);
+    let out = farmap().run(&["umount", "/proc"]);
     let err = String::from_utf8_lossy(&out.stderr);
     assert!(
         !out.status.success() && err.contains("is not a farmap mount"),
@@ -311,7 +284,7 @@ fn a_mount_whose_server_died_is_cleaned_up_by_the_next_mount() {
 #[test]
 fn ublk_names_what_it_needs() {
     // (--nbd: tests/mount_nbd.rs.) --ublk takes a store only.
-    let out = farmap(&["mount", "--ublk", "memory:1MiB", "/mnt"]);
+    let out = farmap().run(&["mount", "--ublk", "memory:1MiB", "/mnt"]);
     let err = String::from_utf8_lossy(&out.stderr);
     assert!(
         !out.status.success() && err.contains("takes only a store"),
@@ -320,7 +293,7 @@ fn ublk_names_what_it_needs() {
     // Where the kernel has no ublk driver (this machine; the VM test covers the device), the
     // error names it.
     if !std::path::Path::new("/dev/ublk-control").exists() {
-        let out = farmap(&["mount", "--ublk", "memory:1MiB"]);
+        let out = farmap().run(&["mount", "--ublk", "memory:1MiB"]);
         let err = String::from_utf8_lossy(&out.stderr);
         assert!(!out.status.success() && err.contains("ublk_drv"), "{err}");
     }
@@ -331,7 +304,7 @@ fn bench_fuse_prints_one_verified_json_line_per_case_and_frontend() {
     if !can_run("bench_fuse_prints_one_verified_json_line_per_case_and_frontend") {
         return;
     }
-    let out = farmap(&[
+    let rows = farmap().json_lines(&[
         "bench",
         "fuse",
         "--json",
@@ -340,15 +313,6 @@ fn bench_fuse_prints_one_verified_json_line_per_case_and_frontend() {
         "--samples",
         "200",
     ]);
-    assert!(
-        out.status.success(),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-    let rows: Vec<serde_json::Value> = String::from_utf8_lossy(&out.stdout)
-        .lines()
-        .map(|l| serde_json::from_str(l).unwrap())
-        .collect();
     let mut seen = Vec::new();
     for r in &rows {
         assert_eq!(r["bench"], "fuse");
@@ -398,15 +362,16 @@ fn a_managed_mount_with_a_cache_max_stays_bounded() {
     let tmp = tempfile::tempdir().unwrap();
     let dir = tmp.path().join("mnt");
     std::fs::create_dir(&dir).unwrap();
-    let (server, addr) = common::serve(&["memory:64MiB", "--listen", "127.0.0.1:0", "--quiet"]);
-    struct Kill(Child);
-    impl Drop for Kill {
-        fn drop(&mut self) {
-            let _ = self.0.kill();
-            let _ = self.0.wait();
-        }
-    }
-    let _server = Kill(server);
+    let server = farmap()
+        .listening(&[
+            "serve",
+            "memory:64MiB",
+            "--listen",
+            "127.0.0.1:0",
+            "--quiet",
+        ])
+        .drained();
+    let addr = server.addr();
 
     let m = Mounted::start(
         &dir,

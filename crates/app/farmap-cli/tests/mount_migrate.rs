@@ -8,25 +8,19 @@ use std::path::{Path, PathBuf};
 use std::process::{Child, ChildStdout, Command, Stdio};
 use std::time::{Duration, Instant};
 
+use farmap_testkit::process::{stdout_of, terminate};
+use farmap_testkit::skip;
 use serde_json::Value;
+
+mod common;
+use common::farmap;
 
 const WRITER: &str = concat!(env!("CARGO_MANIFEST_DIR"), "/tests/data/mount_writer.py");
 const SQL: &str = concat!(env!("CARGO_MANIFEST_DIR"), "/tests/data/mount_sqlite.py");
 
+/// Whether this machine can run these tests; records a skip when not.
 fn can_run(test: &str) -> bool {
-    if !Path::new("/dev/fuse").exists() {
-        farmap_testkit::skip(test, "/dev/fuse is missing (no FUSE in this kernel)");
-        return false;
-    }
-    if !rustix::process::geteuid().is_root() {
-        farmap_testkit::skip(test, "mounting FUSE without fusermount3 needs root");
-        return false;
-    }
-    if Command::new("python3").arg("-V").output().is_err() {
-        farmap_testkit::skip(test, "python3 is missing");
-        return false;
-    }
-    true
+    skip::fuse_mountable(test) && skip::program(test, "python3", &["-V"])
 }
 
 /// A child process, killed (and reaped) when dropped.
@@ -47,7 +41,7 @@ impl Proc {
     }
 
     fn farmap(name: &'static str, args: &[&str]) -> Proc {
-        Proc::spawn(name, Command::new(env!("CARGO_BIN_EXE_farmap")).args(args))
+        Proc::spawn(name, farmap().command().args(args))
     }
 
     fn line(&mut self) -> String {
@@ -79,20 +73,8 @@ impl Proc {
 
 impl Drop for Proc {
     fn drop(&mut self) {
-        if let Ok(None) = self.child.try_wait() {
-            // SIGTERM first: a mount flushes and unmounts.
-            let pid = rustix::process::Pid::from_raw(self.child.id() as i32).unwrap();
-            let _ = rustix::process::kill_process(pid, rustix::process::Signal::TERM);
-            let t0 = Instant::now();
-            while t0.elapsed() < Duration::from_secs(5) {
-                if let Ok(Some(_)) = self.child.try_wait() {
-                    return;
-                }
-                std::thread::sleep(Duration::from_millis(20));
-            }
-            let _ = self.child.kill();
-            let _ = self.child.wait();
-        }
+        // SIGTERM first: a mount flushes and unmounts.
+        terminate(&mut self.child, Duration::from_secs(5));
     }
 }
 
@@ -148,7 +130,8 @@ fn migrate(p: &Pair) -> Value {
 fn migrate_with(p: &Pair, extra: &[&str]) -> Value {
     let mut seed = Proc::spawn(
         "seed",
-        Command::new(env!("CARGO_BIN_EXE_farmap"))
+        farmap()
+            .command()
             .args(["seed", "--app", &p.src_sock, "--listen", "127.0.0.1:0"])
             .args(["--json"])
             .stderr(Stdio::piped()),
@@ -231,13 +214,7 @@ fn check_moved(p: &Pair, expected: &Path, done: &Value) {
 }
 
 fn python(args: &[&str]) -> String {
-    let out = Command::new("python3").args(args).output().unwrap();
-    assert!(
-        out.status.success(),
-        "python3 {args:?}: {}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-    String::from_utf8_lossy(&out.stdout).trim().to_owned()
+    run("python3", args)
 }
 
 #[test]
@@ -272,14 +249,9 @@ fn a_mount_moves_while_a_program_writes_it_and_the_source_refuses_it_afterwards(
         .unwrap();
 }
 
+/// Runs `cmd ARGS`, which must succeed: its stdout, trimmed.
 fn run(cmd: &str, args: &[&str]) -> String {
-    let out = Command::new(cmd).args(args).output().unwrap();
-    assert!(
-        out.status.success(),
-        "{cmd} {args:?}: {}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-    String::from_utf8_lossy(&out.stdout).trim().to_owned()
+    stdout_of(Command::new(cmd).args(args)).trim().to_owned()
 }
 
 /// Unmounts the ext4 file systems and detaches their loop devices (before the farmap mounts
@@ -479,15 +451,7 @@ fn instant_over_redis(test: &str, mount_args: &[&str]) {
     f.sync_all().unwrap();
     drop(f);
     let copy = tmp.path().join("copy");
-    let out = Command::new(env!("CARGO_BIN_EXE_farmap"))
-        .args(["cp", &spec, &format!("file:{}", copy.display())])
-        .output()
-        .unwrap();
-    assert!(
-        out.status.success(),
-        "farmap cp: {}",
-        String::from_utf8_lossy(&out.stderr)
-    );
+    farmap().ok(&["cp", &spec, &format!("file:{}", copy.display())]);
     let (a, b) = (
         std::fs::read(&p.dst_file).unwrap(),
         std::fs::read(&copy).unwrap(),

@@ -1,8 +1,10 @@
 //! `farmap mount --nbd` on this machine, whose kernel has no nbd driver: a clear error, no
 //! hang. The device itself is tested in the VM (`kernel_vm.rs`).
 
-use std::process::Command;
 use std::time::{Duration, Instant};
+
+mod common;
+use common::farmap;
 
 #[test]
 fn mount_nbd_without_the_driver_says_so() {
@@ -14,10 +16,7 @@ fn mount_nbd_without_the_driver_says_so() {
         );
     }
     let start = Instant::now();
-    let out = Command::new(env!("CARGO_BIN_EXE_farmap"))
-        .args(["mount", "--nbd", "memory:1MiB", "--connections", "2"])
-        .output()
-        .unwrap();
+    let out = farmap().run(&["mount", "--nbd", "memory:1MiB", "--connections", "2"]);
     let stderr = String::from_utf8_lossy(&out.stderr);
     assert!(
         !out.status.success(),
@@ -35,12 +34,7 @@ fn mount_nbd_without_the_driver_says_so() {
     );
     // The driver is checked before the store is opened: a remote store (here one that does
     // not answer) is not contacted for nothing.
-    let out = Command::new(env!("CARGO_BIN_EXE_farmap"))
-        .args(["mount", "--nbd", "farmap://127.0.0.1:1"])
-        .output()
-        .unwrap();
-    let stderr = String::from_utf8_lossy(&out.stderr);
-    assert!(!out.status.success());
+    let stderr = farmap().fails(&["mount", "--nbd", "farmap://127.0.0.1:1"]);
     assert!(
         stderr.contains("the kernel has no nbd driver (modprobe nbd)"),
         "stderr: {stderr}"
@@ -63,12 +57,7 @@ fn mount_nbd_refuses_a_mount_point_and_bad_options() {
             "cannot be used with",
         ),
     ] {
-        let out = Command::new(env!("CARGO_BIN_EXE_farmap"))
-            .args(args)
-            .output()
-            .unwrap();
-        let stderr = String::from_utf8_lossy(&out.stderr);
-        assert!(!out.status.success(), "{args:?} succeeded");
+        let stderr = farmap().fails(args);
         assert!(stderr.contains(want), "{args:?}: {stderr}");
     }
 }

@@ -2,46 +2,19 @@
 //! qemu-nbd, `farmap serve` of an `nbd+unix://` store, and a server killed mid-copy.
 //! nbdkit and qemu-nbd are installed when missing.
 
-use std::io::{BufRead, BufReader};
 use std::path::{Path, PathBuf};
-use std::process::{Command, Output, Stdio};
+use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
-fn have(bin: &str) -> bool {
-    Command::new("sh")
-        .arg("-c")
-        .arg(format!("command -v {bin}"))
-        .output()
-        .is_ok_and(|o| o.status.success())
-}
+use farmap_testkit::pattern_with_zeros;
+use farmap_testkit::process::KillOnDrop;
+
+mod common;
+use common::farmap;
 
 /// Makes sure `bin` (from Debian package `pkg`) is there; false after recording a skip.
 fn need(test: &str, bin: &str, pkg: &str) -> bool {
-    if !have(bin) {
-        let _ = Command::new("sh")
-            .arg("-c")
-            .arg(format!(
-                "flock /tmp/farmap-apt.lock sh -c 'apt-get update -qq && \
-                 DEBIAN_FRONTEND=noninteractive apt-get install -y -qq \
-                 --no-install-recommends {pkg}'"
-            ))
-            .output();
-    }
-    if have(bin) {
-        return true;
-    }
-    farmap_testkit::skip(test, format!("{bin} ({pkg}) missing and not installable"));
-    false
-}
-
-/// A child process killed (and reaped) when dropped.
-struct Child(std::process::Child);
-
-impl Drop for Child {
-    fn drop(&mut self) {
-        let _ = self.0.kill();
-        let _ = self.0.wait();
-    }
+    farmap_testkit::tools::need(test, &[(bin, pkg)])
 }
 
 /// Waits until a Unix socket at `path` accepts connections (its file appears at `bind`,
@@ -61,7 +34,7 @@ fn wait_for(path: &Path) {
 /// `nbdkit` in the foreground on a Unix socket `sock`, with `args` (filters, plugin...);
 /// returns once it listens. The socket file appears at `bind`, before `listen`, so the
 /// pidfile nbdkit writes once it listens is what is waited for.
-fn nbdkit(sock: &Path, args: &[&str]) -> Child {
+fn nbdkit(sock: &Path, args: &[&str]) -> KillOnDrop {
     let pidfile = sock.with_extension("pid");
     let child = Command::new("nbdkit")
         .args(["-f", "--exit-with-parent", "-U"])
@@ -73,7 +46,7 @@ fn nbdkit(sock: &Path, args: &[&str]) -> Child {
         .stderr(Stdio::null())
         .spawn()
         .expect("start nbdkit");
-    let c = Child(child);
+    let c = KillOnDrop(child);
     let t0 = Instant::now();
     while !std::fs::read_to_string(&pidfile).is_ok_and(|p| p.ends_with('\n')) {
         assert!(
@@ -87,7 +60,7 @@ fn nbdkit(sock: &Path, args: &[&str]) -> Child {
 }
 
 /// `nbdkit` in the foreground on a free TCP port of 127.0.0.1; the child and the port.
-fn nbdkit_tcp(args: &[&str]) -> (Child, u16) {
+fn nbdkit_tcp(args: &[&str]) -> (KillOnDrop, u16) {
     let port = std::net::TcpListener::bind("127.0.0.1:0")
         .unwrap()
         .local_addr()
@@ -101,7 +74,7 @@ fn nbdkit_tcp(args: &[&str]) -> (Child, u16) {
         .stderr(Stdio::null())
         .spawn()
         .expect("start nbdkit");
-    let c = Child(child);
+    let c = KillOnDrop(child);
     let t0 = Instant::now();
     while std::net::TcpStream::connect(("127.0.0.1", port)).is_err() {
         assert!(
@@ -113,28 +86,8 @@ fn nbdkit_tcp(args: &[&str]) -> (Child, u16) {
     (c, port)
 }
 
-fn farmap(args: &[&str]) -> Output {
-    Command::new(env!("CARGO_BIN_EXE_farmap"))
-        .args(args)
-        .output()
-        .expect("run farmap")
-}
-
 fn farmap_ok(args: &[&str]) -> String {
-    let out = farmap(args);
-    assert!(
-        out.status.success(),
-        "farmap {args:?} failed: {}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-    String::from_utf8_lossy(&out.stdout).into_owned()
-}
-
-/// Bytes that differ along the file, with a run of zeros in the middle.
-fn pattern(len: usize, seed: u64) -> Vec<u8> {
-    let mut v = farmap_testkit::pattern_bytes(seed, 0, len);
-    v[len / 3..len / 3 + len / 8].fill(0);
-    v
+    farmap().ok(args)
 }
 
 fn file_with(dir: &Path, name: &str, data: &[u8]) -> PathBuf {
@@ -157,7 +110,7 @@ fn cp_in_and_out_of_nbdkit_over_tcp_is_identical() {
         return;
     }
     let dir = tempfile::tempdir().unwrap();
-    let data = pattern(8 << 20, 21);
+    let data = pattern_with_zeros(21, 8 << 20);
     let src = file_with(dir.path(), "in.img", &data);
     let back = dir.path().join("back.img");
     let (_kit, port) = nbdkit_tcp(&["memory", "8M"]);
@@ -180,12 +133,12 @@ fn cp_in_and_out_of_qemu_nbd_over_a_unix_socket_is_identical() {
         return;
     }
     let dir = tempfile::tempdir().unwrap();
-    let data = pattern(6 << 20, 22);
+    let data = pattern_with_zeros(22, 6 << 20);
     let src = file_with(dir.path(), "in.img", &data);
     let disk = file_with(dir.path(), "disk.raw", &vec![0u8; 6 << 20]);
     let back = dir.path().join("back.img");
     let sock = dir.path().join("q.sock");
-    let _q = Child(
+    let _q = KillOnDrop(
         Command::new("qemu-nbd")
             .args(["-f", "raw", "-t", "--shared=8", "-k"])
             .arg(&sock)
@@ -222,25 +175,13 @@ fn serve_of_an_nbd_store_carries_reads_and_writes_to_nbdkit() {
     let sock = dir.path().join("kit.sock");
     let _kit = nbdkit(&sock, &["memory", "4M"]);
     let nbd = format!("nbd+unix:///?socket={}&chunk=256KiB", sock.display());
-    let mut child = Command::new(env!("CARGO_BIN_EXE_farmap"))
-        .args(["serve", "-q", &nbd, "--listen", "127.0.0.1:0"])
-        .stdout(Stdio::null())
-        .stderr(Stdio::piped())
-        .spawn()
-        .expect("start farmap serve");
-    let mut stderr = BufReader::new(child.stderr.take().unwrap());
-    let _serve = Child(child);
-    let mut banner = String::new();
-    stderr.read_line(&mut banner).unwrap();
-    std::thread::spawn(move || std::io::copy(&mut stderr, &mut std::io::sink()));
-    let addr = banner
-        .split("listening on ")
-        .nth(1)
-        .and_then(|r| r.split_whitespace().next())
-        .unwrap_or_else(|| panic!("no address in {banner:?}"));
+    let serve = farmap()
+        .listening(&["serve", "-q", &nbd, "--listen", "127.0.0.1:0"])
+        .drained();
+    let banner = serve.banner();
     assert!(banner.contains("256KiB"), "{banner}");
-    let remote = format!("farmap://{addr}");
-    let data = pattern(4 << 20, 23);
+    let remote = format!("farmap://{}", serve.addr());
+    let data = pattern_with_zeros(23, 4 << 20);
     let src = file_with(dir.path(), "in.img", &data);
     farmap_ok(&["cp", "-q", &spec("file", &src), &remote]);
     // What farmap's server wrote went to nbdkit: read it straight from there.
@@ -271,16 +212,17 @@ fn a_server_killed_mid_copy_fails_the_copy_instead_of_hanging() {
     let sock = dir.path().join("slow.sock");
     // Every write takes 50 ms: 64 MiB in 64 KiB chunks with 16 workers takes ~13 s.
     let mut kit = nbdkit(&sock, &["--filter=delay", "memory", "64M", "wdelay=50ms"]);
-    let data = pattern(64 << 20, 24);
+    let data = pattern_with_zeros(24, 64 << 20);
     let src = file_with(dir.path(), "in.img", &data);
     let uri = format!("nbd+unix:///?socket={}&timeout=20s", sock.display());
-    let cp = Command::new(env!("CARGO_BIN_EXE_farmap"))
+    let cp = farmap()
+        .command()
         .args(["cp", "-q", &spec("file", &src), &uri])
         .stdout(Stdio::null())
         .stderr(Stdio::piped())
         .spawn()
         .expect("start farmap cp");
-    let mut cp = Child(cp);
+    let mut cp = KillOnDrop(cp);
     std::thread::sleep(Duration::from_millis(1500));
     assert!(
         cp.0.try_wait().unwrap().is_none(),

@@ -2,70 +2,38 @@
 //! forwarding, clear errors, and a clean stop on Ctrl-C. (The proxy's precision is measured
 //! by the `farmap-net` unit tests, alone on the machine.)
 
-use std::io::{BufRead, BufReader, Read, Write};
+use std::io::{Read, Write};
 use std::net::{Shutdown, SocketAddr, TcpListener, TcpStream};
-use std::process::{Child, ChildStderr, Command, Output, Stdio};
 use std::thread;
 use std::time::{Duration, Instant};
 
-fn farmap(args: &[&str]) -> Output {
-    Command::new(env!("CARGO_BIN_EXE_farmap"))
-        .args(args)
-        .output()
-        .expect("run farmap")
-}
+use farmap_testkit::cli::Listening;
+
+mod common;
+use common::farmap;
 
 /// A proxy process and the address it printed.
 struct Running {
-    child: Child,
-    stderr: BufReader<ChildStderr>,
+    proxy: Listening,
     addr: SocketAddr,
 }
 
 impl Running {
     fn start(args: &[&str]) -> Self {
-        let mut child = Command::new(env!("CARGO_BIN_EXE_farmap"))
-            .arg("proxy")
-            .args(args)
-            .stdout(Stdio::null())
-            .stderr(Stdio::piped())
-            .spawn()
-            .expect("start farmap proxy");
-        let mut stderr = BufReader::new(child.stderr.take().expect("stderr"));
-        let mut line = String::new();
-        stderr.read_line(&mut line).expect("first line");
-        let addr = line
-            .split("listening on ")
-            .nth(1)
-            .and_then(|rest| rest.split(',').next())
-            .and_then(|a| a.trim().parse().ok())
-            .unwrap_or_else(|| panic!("no address in {line:?}"));
-        Self {
-            child,
-            stderr,
-            addr,
-        }
+        let mut all = vec!["proxy"];
+        all.extend_from_slice(args);
+        let proxy = farmap().listening(&all);
+        let addr = proxy
+            .addr()
+            .parse::<SocketAddr>()
+            .unwrap_or_else(|e| panic!("{e}: {}", proxy.banner()));
+        Self { proxy, addr }
     }
 
     /// Sends Ctrl-C; returns the exit status's success and the rest of stderr.
-    fn interrupt(mut self) -> (bool, String) {
-        let pid = self.child.id().to_string();
-        let sent = Command::new("kill")
-            .args(["-INT", &pid])
-            .status()
-            .expect("kill");
-        assert!(sent.success());
-        let status = self.child.wait().expect("wait");
-        let mut rest = String::new();
-        self.stderr.read_to_string(&mut rest).expect("stderr");
+    fn interrupt(self) -> (bool, String) {
+        let (status, rest) = self.proxy.stop("INT");
         (status.success(), rest)
-    }
-}
-
-impl Drop for Running {
-    fn drop(&mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
     }
 }
 
@@ -100,7 +68,7 @@ fn connect(addr: SocketAddr) -> TcpStream {
 
 #[test]
 fn help_names_the_link_options() {
-    let o = farmap(&["proxy", "--help"]);
+    let o = farmap().run(&["proxy", "--help"]);
     assert!(o.status.success());
     let help = String::from_utf8_lossy(&o.stdout);
     for word in ["--listen", "--to", "--rtt", "--bandwidth", "Mbit", "MB/s"] {
@@ -123,7 +91,7 @@ fn bad_arguments_give_one_line_errors() {
             all.extend(["--listen", "127.0.0.1:0"]);
         }
         all.extend(args.split_whitespace());
-        let o = farmap(&all);
+        let o = farmap().run(&all);
         assert!(!o.status.success(), "{args} should fail");
         let err = String::from_utf8_lossy(&o.stderr);
         let first = err.lines().next().unwrap_or_default();

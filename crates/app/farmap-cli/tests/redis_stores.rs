@@ -1,25 +1,10 @@
 //! `farmap cp` and `farmap info` with Redis and Redis Cluster stores, against real servers
 //! (scripts/services/redis.sh and redis-cluster.sh).
 
-use std::process::{Command, Output};
-
 use farmap_testkit::{pattern_bytes, Service};
 
-fn farmap(args: &[&str]) -> Output {
-    Command::new(env!("CARGO_BIN_EXE_farmap"))
-        .args(args)
-        .output()
-        .expect("run farmap")
-}
-
-fn ok(o: Output, what: &str) -> String {
-    assert!(
-        o.status.success(),
-        "{what} failed: {}",
-        String::from_utf8_lossy(&o.stderr)
-    );
-    String::from_utf8_lossy(&o.stdout).into_owned()
-}
+mod common;
+use common::farmap;
 
 /// `farmap cp file:in SPEC` and back gives identical bytes; `info` needs no size afterwards.
 fn round_trip(service: &'static str, spec_of: impl Fn(&Service, &str) -> String) {
@@ -38,19 +23,13 @@ fn round_trip(service: &'static str, spec_of: impl Fn(&Service, &str) -> String)
     std::fs::write(&input, &data).unwrap();
     let prefix = format!("cli-{service}-{}", std::process::id());
     let spec = spec_of(svc, &format!("size=64MiB&prefix={prefix}"));
-    ok(
-        farmap(&["cp", "-q", &format!("file:{}", input.display()), &spec]),
-        "cp in",
-    );
+    farmap().ok(&["cp", "-q", &format!("file:{}", input.display()), &spec]);
     // Without size=: the region's record gives it.
     let bare = spec_of(svc, &format!("prefix={prefix}"));
-    let info = ok(farmap(&["info", "--json", &bare]), "info");
+    let info = farmap().ok(&["info", "--json", &bare]);
     let v: serde_json::Value = serde_json::from_str(&info).unwrap();
     assert_eq!(v["size_bytes"], size as u64, "{info}");
-    ok(
-        farmap(&["cp", "-q", &bare, &format!("file:{}", output.display())]),
-        "cp out",
-    );
+    farmap().ok(&["cp", "-q", &bare, &format!("file:{}", output.display())]);
     let back = std::fs::read(&output).unwrap();
     assert!(back == data, "the bytes that came back differ");
 }
@@ -82,7 +61,7 @@ fn rediss_with_the_wrong_ca_is_refused_clearly() {
         svc.var("SPEC_BASE"),
         svc.var("WRONG_CA")
     );
-    let o = farmap(&["info", &spec]);
+    let o = farmap().run(&["info", &spec]);
     assert!(!o.status.success(), "a server from another CA was accepted");
     let err = String::from_utf8_lossy(&o.stderr);
     assert!(
@@ -106,7 +85,7 @@ fn redis_errors_name_the_problem() {
     };
     let prefix = format!("cli-missing-{}", std::process::id());
     let spec = format!("redis://127.0.0.1:{}/0?prefix={prefix}", svc.var("PORT"));
-    let o = farmap(&["info", &spec]);
+    let o = farmap().run(&["info", &spec]);
     assert!(!o.status.success());
     let err = String::from_utf8_lossy(&o.stderr);
     assert!(
@@ -118,7 +97,7 @@ fn redis_errors_name_the_problem() {
 #[test]
 fn help_stores_lists_every_scheme_with_an_example() {
     for args in [&["help", "stores"][..], &["stores"][..]] {
-        let out = ok(farmap(args), "help stores");
+        let out = farmap().ok(args);
         for section in [
             "## memory",
             "## file",
@@ -152,20 +131,17 @@ fn bench_stores_reports_every_case_for_memory_and_redis() {
         svc.var("PORT"),
         std::process::id()
     );
-    let out = ok(
-        farmap(&[
-            "bench",
-            "stores",
-            "--json",
-            "--size",
-            "2MiB",
-            "--samples",
-            "20",
-            "--store",
-            &spec,
-        ]),
-        "bench stores",
-    );
+    let out = farmap().ok(&[
+        "bench",
+        "stores",
+        "--json",
+        "--size",
+        "2MiB",
+        "--samples",
+        "20",
+        "--store",
+        &spec,
+    ]);
     let lines: Vec<serde_json::Value> = out
         .lines()
         .map(|l| serde_json::from_str(l).expect("one JSON object per line"))

@@ -7,13 +7,15 @@
 
 use std::io::Write;
 use std::path::{Path, PathBuf};
-use std::process::{Child, ChildStdin, Command, Output, Stdio};
+use std::process::{Child, ChildStdin, Stdio};
 use std::sync::mpsc;
 use std::time::{Duration, Instant};
 
+use farmap_testkit::process::{lines, next_event, wait_or_kill};
 use serde_json::Value;
 
 mod common;
+use common::farmap;
 
 const KIB: u64 = 1 << 10;
 const MIB: u64 = 1 << 20;
@@ -22,55 +24,32 @@ const WAIT: Duration = Duration::from_secs(60);
 /// Whether bounded regions work here (userfaultfd with WP_ASYNC and UFFDIO_MOVE); if not,
 /// `test` is recorded as skipped.
 fn paging_usable(test: &str) -> bool {
-    match farmap_uffd::probe() {
-        Ok(s)
-            if s.tracking == farmap_uffd::TrackingMode::Async
-                && s.features & farmap_uffd::sys::UFFD_FEATURE_MOVE != 0 =>
-        {
-            true
-        }
-        Ok(s) => {
-            farmap_testkit::skip(
-                test,
-                format_args!(
-                    "bounded regions need WP_ASYNC and UFFDIO_MOVE; this kernel offers {:#x}",
-                    s.features
-                ),
-            );
-            false
-        }
-        Err(e) => {
-            farmap_testkit::skip(test, format_args!("userfaultfd is not usable here: {e}"));
-            false
-        }
+    let Some(s) = farmap_testkit::skip::unless(test, farmap_uffd::probe()) else {
+        return false;
+    };
+    if s.tracking == farmap_uffd::TrackingMode::Async
+        && s.features & farmap_uffd::sys::UFFD_FEATURE_MOVE != 0
+    {
+        return true;
     }
-}
-
-fn farmap(args: &[&str]) -> Output {
-    Command::new(env!("CARGO_BIN_EXE_farmap"))
-        .args(args)
-        .stdin(Stdio::null())
-        .output()
-        .expect("run farmap")
+    farmap_testkit::skip(
+        test,
+        format_args!(
+            "bounded regions need WP_ASYNC and UFFDIO_MOVE; this kernel offers {:#x}",
+            s.features
+        ),
+    );
+    false
 }
 
 /// Runs farmap with `--json` and returns its one JSON line.
 fn farmap_json(args: &[&str]) -> Value {
-    let out = farmap(args);
-    let stdout = String::from_utf8_lossy(&out.stdout);
-    assert!(
-        out.status.success(),
-        "farmap {args:?} failed: {}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-    let lines: Vec<&str> = stdout.lines().collect();
-    assert_eq!(lines.len(), 1, "one JSON line from {args:?}: {stdout}");
-    serde_json::from_str(lines[0]).unwrap_or_else(|e| panic!("{e}: {stdout}"))
+    farmap().json(args)
 }
 
 /// Runs farmap expecting it to fail; returns its stderr, which must say `says`.
 fn farmap_fails(args: &[&str], says: &str) -> String {
-    let out = farmap(args);
+    let out = farmap().run(args);
     let stderr = String::from_utf8_lossy(&out.stderr).into_owned();
     assert!(!out.status.success(), "farmap {args:?} succeeded: {stderr}");
     assert!(
@@ -96,7 +75,8 @@ struct Node {
 impl Node {
     fn start(dir: &Path, name: &str, size: u64, extra: &[&str]) -> Node {
         let agent = dir.join(format!("{name}.agent"));
-        let mut child = Command::new(env!("CARGO_BIN_EXE_farmap"))
+        let mut child = farmap()
+            .command()
             .args(["__demo-node", "--size", &size.to_string(), "--seed", "7"])
             .args(["--ops-per-sec", "20000", "--agent"])
             .arg(&agent)
@@ -105,7 +85,7 @@ impl Node {
             .stdout(Stdio::piped())
             .spawn()
             .expect("start farmap __demo-node");
-        let out = common::lines(child.stdout.take().unwrap(), None);
+        let out = lines(child.stdout.take().unwrap(), None);
         let mut node = Node {
             stdin: child.stdin.take().unwrap(),
             child,
@@ -121,7 +101,7 @@ impl Node {
     }
 
     fn event(&mut self, event: &str) -> Value {
-        common::next_event(&self.out, event, "the node", WAIT)
+        next_event(&self.out, event, "the node", WAIT)
     }
 
     /// Pauses the writer and compares the whole region with the image recomputed from its
@@ -139,15 +119,7 @@ impl Drop for Node {
     fn drop(&mut self) {
         let _ = writeln!(self.stdin, "quit");
         let _ = self.stdin.flush();
-        let deadline = Instant::now() + Duration::from_secs(10);
-        while Instant::now() < deadline {
-            if let Ok(Some(_)) = self.child.try_wait() {
-                return;
-            }
-            std::thread::sleep(Duration::from_millis(20));
-        }
-        let _ = self.child.kill();
-        let _ = self.child.wait();
+        wait_or_kill(&mut self.child, Duration::from_secs(10));
     }
 }
 
@@ -224,7 +196,7 @@ fn region_limit_lowers_a_running_applications_local_memory() {
     assert!(ops > 0, "the writer ran");
 
     // A percentage, printed for people this time.
-    let out = farmap(&["region", "limit", "--app", &sock, "25%"]);
+    let out = farmap().run(&["region", "limit", "--app", &sock, "25%"]);
     let stdout = String::from_utf8_lossy(&out.stdout);
     assert!(
         out.status.success(),
@@ -342,13 +314,13 @@ fn region_commands_and_local_max_refuse_bad_input_clearly() {
     let args: Vec<&str> = args.iter().map(String::as_str).collect();
     farmap_fails(&args, "--local-max");
     // The help explains the flags.
-    let help = farmap(&["region", "limit", "--help"]);
+    let help = farmap().run(&["region", "limit", "--help"]);
     let help = String::from_utf8_lossy(&help.stdout);
     assert!(
         help.contains("SIZE|N%") && help.contains("min_free"),
         "{help}"
     );
-    let help = farmap(&["__demo-node", "--help"]);
+    let help = farmap().run(&["__demo-node", "--help"]);
     let help = String::from_utf8_lossy(&help.stdout);
     assert!(
         help.contains("--local-max <SIZE|N%>") && help.contains("farmap region limit"),

@@ -1,26 +1,19 @@
 //! `farmap cp` and `farmap info` with an S3 store, against a real MinIO
 //! (scripts/services/minio.sh).
 
-use std::process::{Command, Output};
-
+use farmap_testkit::cli::Cli;
 use farmap_testkit::{skip, Service};
 
-fn farmap(svc: &Service, args: &[&str]) -> Output {
-    Command::new(env!("CARGO_BIN_EXE_farmap"))
-        .args(args)
+mod common;
+
+/// `farmap` with `svc`'s keys in its environment, and none of this machine's AWS settings.
+fn farmap(svc: &Service) -> Cli {
+    common::farmap()
         .env("AWS_ACCESS_KEY_ID", svc.var("ACCESS_KEY"))
         .env("AWS_SECRET_ACCESS_KEY", svc.var("SECRET_KEY"))
         .env_remove("AWS_PROFILE")
         .env_remove("AWS_ENDPOINT_URL")
         .env_remove("AWS_ENDPOINT_URL_S3")
-        .output()
-        .expect("run farmap")
-}
-
-fn ok(o: Output, what: &str) -> String {
-    let err = String::from_utf8_lossy(&o.stderr);
-    assert!(o.status.success(), "{what} failed: {err}");
-    String::from_utf8_lossy(&o.stdout).into_owned()
 }
 
 #[test]
@@ -54,39 +47,29 @@ fn cp_to_s3_and_back_gives_identical_bytes() {
         svc.var("ENDPOINT")
     );
     let src = format!("file:{}", input.display());
-    ok(
-        farmap(svc, &["cp", "-q", &src, &format!("{base}&size=64MiB")]),
-        "cp to s3",
-    );
+    farmap(svc).ok(&["cp", "-q", &src, &format!("{base}&size=64MiB")]);
     // The region's geometry is stored with it: no size= from here on.
-    let info = ok(farmap(svc, &["info", "--json", &base]), "info");
+    let info = farmap(svc).ok(&["info", "--json", &base]);
     let info: serde_json::Value = serde_json::from_str(info.trim()).expect("one JSON line");
     assert_eq!(info["size_bytes"], 64u64 << 20, "{info}");
     assert_eq!(info["chunk_bytes"], 65536, "{info}");
     assert_eq!(info["data_chunks"], 1024 - 13 * 16, "{info}");
     let dst = format!("file:{}", output.display());
-    ok(farmap(svc, &["cp", "-q", &base, &dst]), "cp from s3");
+    farmap(svc).ok(&["cp", "-q", &base, &dst]);
     let back = std::fs::read(&output).unwrap();
     assert!(back == data, "the copy back differs");
     // Errors reach the user as one sentence naming the problem.
-    let o = farmap(
-        svc,
-        &[
-            "info",
-            &format!(
-                "s3://no-such-bucket-x/{prefix}?endpoint={}",
-                svc.var("ENDPOINT")
-            ),
-        ],
-    );
-    assert!(!o.status.success());
-    let err = String::from_utf8_lossy(&o.stderr);
+    let err = farmap(svc).fails(&[
+        "info",
+        &format!(
+            "s3://no-such-bucket-x/{prefix}?endpoint={}",
+            svc.var("ENDPOINT")
+        ),
+    ]);
     assert!(
         err.contains("bucket no-such-bucket-x does not exist"),
         "{err}"
     );
-    let o = farmap(svc, &["info", &format!("{base}&size=1GiB")]);
-    assert!(!o.status.success());
-    let err = String::from_utf8_lossy(&o.stderr);
+    let err = farmap(svc).fails(&["info", &format!("{base}&size=1GiB")]);
     assert!(err.contains("holds a region of 64MiB"), "{err}");
 }

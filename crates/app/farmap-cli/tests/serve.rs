@@ -2,10 +2,9 @@
 //! being killed and restarted.
 
 mod common;
-use common::pki;
-use std::io::{BufRead, BufReader};
+use common::farmap;
 use std::path::Path;
-use std::process::{Child, Command, Output, Stdio};
+use std::process::Output;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -15,80 +14,15 @@ use farmap::pipeline::{
 use farmap::store::MemoryStore;
 use farmap::Store;
 use farmap_net::{ClientOptions, RemoteAddr, RemoteStore};
+use farmap_testkit::cli::Listening;
+use farmap_testkit::tls::Pki;
 use rand::{RngCore, SeedableRng};
 
-fn farmap(args: &[&str]) -> Output {
-    Command::new(env!("CARGO_BIN_EXE_farmap"))
-        .args(args)
-        .output()
-        .expect("run farmap")
-}
-
-/// A `farmap serve` child process and the address it printed.
-struct Served {
-    child: Child,
-    addr: String,
-    /// `None` once [`Served::close_stderr`] closed it.
-    stderr: Option<BufReader<std::process::ChildStderr>>,
-    /// The line that named the address.
-    banner: String,
-}
-
-impl Served {
-    /// Starts `farmap serve SPEC --listen LISTEN ARGS...` and waits for its address line.
-    fn start(spec: &str, listen: &str, args: &[&str]) -> Served {
-        let mut child = Command::new(env!("CARGO_BIN_EXE_farmap"))
-            .args(["serve", spec, "--listen", listen])
-            .args(args)
-            .stdout(Stdio::null())
-            .stderr(Stdio::piped())
-            .spawn()
-            .expect("start farmap serve");
-        let mut stderr = BufReader::new(child.stderr.take().unwrap());
-        let mut line = String::new();
-        stderr.read_line(&mut line).unwrap();
-        let addr = line
-            .split("listening on ")
-            .nth(1)
-            .and_then(|rest| rest.split_whitespace().next())
-            .unwrap_or_else(|| panic!("no address in {line:?}"))
-            .to_owned();
-        Served {
-            child,
-            addr,
-            stderr: Some(stderr),
-            banner: line,
-        }
-    }
-
-    /// Closes our end of the server's stderr pipe, as a parent that stops reading does.
-    fn close_stderr(&mut self) {
-        self.stderr = None;
-    }
-
-    /// Sends `signal` (by name, through kill(1)) and returns the exit status and the rest of
-    /// stderr.
-    fn stop(mut self, signal: &str) -> (std::process::ExitStatus, String) {
-        let ok = Command::new("kill")
-            .args([&format!("-{signal}"), &self.child.id().to_string()])
-            .status()
-            .unwrap()
-            .success();
-        assert!(ok, "kill -{signal} failed");
-        let status = self.child.wait().unwrap();
-        let mut rest = String::new();
-        if let Some(stderr) = &mut self.stderr {
-            let _ = std::io::Read::read_to_string(stderr, &mut rest);
-        }
-        (status, rest)
-    }
-}
-
-impl Drop for Served {
-    fn drop(&mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
-    }
+/// Starts `farmap serve SPEC --listen LISTEN ARGS...` and waits for its address line.
+fn serve(spec: &str, listen: &str, args: &[&str]) -> Listening {
+    let mut all = vec!["serve", spec, "--listen", listen];
+    all.extend_from_slice(args);
+    farmap().listening(&all)
 }
 
 fn random_file(path: &Path, len: usize, seed: u64) -> Vec<u8> {
@@ -115,20 +49,20 @@ fn serve_then_cp_both_ways_and_stop_cleanly_on_ctrl_c() {
     let back = dir.path().join("back.img");
     let data = random_file(&src, 4 << 20, 1);
 
-    let served = Served::start("memory:4MiB?chunk=16KiB", "127.0.0.1:0", &[]);
-    let url = format!("farmap://{}", served.addr);
+    let served = serve("memory:4MiB?chunk=16KiB", "127.0.0.1:0", &[]);
+    let url = format!("farmap://{}", served.addr());
     check(
-        &farmap(&["cp", "-q", &format!("file:{}", src.display()), &url]),
+        &farmap().run(&["cp", "-q", &format!("file:{}", src.display()), &url]),
         "cp to the server",
     );
-    let info = farmap(&["info", &url]);
+    let info = farmap().run(&["info", &url]);
     check(&info, "info");
     assert!(
         String::from_utf8_lossy(&info.stdout).contains("16"),
         "{info:?}"
     );
     check(
-        &farmap(&["cp", "-q", &url, &format!("file:{}", back.display())]),
+        &farmap().run(&["cp", "-q", &url, &format!("file:{}", back.display())]),
         "cp from the server",
     );
     assert!(std::fs::read(&back).unwrap() == data, "round trip differs");
@@ -148,9 +82,9 @@ fn a_server_whose_stderr_is_closed_still_flushes_at_sigterm() {
     let data = random_file(&src, 1 << 20, 7);
     let spec = format!("file:{}?size=1MiB", store.display());
 
-    let mut served = Served::start(&spec, "127.0.0.1:0", &[]);
-    let url = format!("farmap://{}", served.addr);
-    let copied = farmap(&["cp", "-q", &format!("file:{}", src.display()), &url]);
+    let mut served = serve(&spec, "127.0.0.1:0", &[]);
+    let url = format!("farmap://{}", served.addr());
+    let copied = farmap().run(&["cp", "-q", &format!("file:{}", src.display()), &url]);
     served.close_stderr();
     check(&copied, "cp to the server");
     let (status, _) = served.stop("TERM");
@@ -171,14 +105,14 @@ fn serve_grpc_then_cp_both_ways() {
     let back = dir.path().join("back.img");
     let data = random_file(&src, 2 << 20, 2);
 
-    let served = Served::start("memory:2MiB?chunk=16KiB", "127.0.0.1:0", &["--grpc"]);
-    let url = format!("farmap+grpc://{}", served.addr);
+    let served = serve("memory:2MiB?chunk=16KiB", "127.0.0.1:0", &["--grpc"]);
+    let url = format!("farmap+grpc://{}", served.addr());
     check(
-        &farmap(&["cp", "-q", &format!("file:{}", src.display()), &url]),
+        &farmap().run(&["cp", "-q", &format!("file:{}", src.display()), &url]),
         "cp to the gRPC server",
     );
     check(
-        &farmap(&["cp", "-q", &url, &format!("file:{}", back.display())]),
+        &farmap().run(&["cp", "-q", &url, &format!("file:{}", back.display())]),
         "cp from the gRPC server",
     );
     assert!(
@@ -189,7 +123,7 @@ fn serve_grpc_then_cp_both_ways() {
     assert!(status.success(), "{status:?}: {log}");
 
     // gRPC is TCP only, without TLS.
-    let o = farmap(&[
+    let o = farmap().run(&[
         "serve",
         "memory:1MiB",
         "--grpc",
@@ -206,20 +140,20 @@ fn serve_over_a_unix_socket_read_only() {
     let src = dir.path().join("disk.img");
     let data = random_file(&src, 1 << 20, 2);
     let sock = dir.path().join("farmap.sock");
-    let served = Served::start(
+    let served = serve(
         &format!("file:{}", src.display()),
         &format!("unix:{}", sock.display()),
         &["--read-only", "--quiet"],
     );
-    assert_eq!(served.addr, format!("unix:{}", sock.display()));
+    assert_eq!(served.addr(), format!("unix:{}", sock.display()));
     let url = format!("farmap+unix:{}", sock.display());
     let copy = dir.path().join("copy.img");
     check(
-        &farmap(&["cp", "-q", &url, &format!("file:{}", copy.display())]),
+        &farmap().run(&["cp", "-q", &url, &format!("file:{}", copy.display())]),
         "cp from the unix socket",
     );
     assert!(std::fs::read(&copy).unwrap() == data);
-    let o = farmap(&["cp", "-q", &format!("file:{}", copy.display()), &url]);
+    let o = farmap().run(&["cp", "-q", &format!("file:{}", copy.display()), &url]);
     assert!(!o.status.success());
     let err = String::from_utf8_lossy(&o.stderr);
     assert!(err.contains("read-only"), "{err}");
@@ -230,8 +164,9 @@ fn serve_over_a_unix_socket_read_only() {
 #[test]
 fn serve_with_mutual_tls_and_copy_with_url_parameters() {
     let dir = tempfile::tempdir().unwrap();
-    let [ca, server, server_key, client, client_key] = pki(dir.path());
-    let served = Served::start(
+    let pki = Pki::new();
+    let [ca, server, server_key, client, client_key] = pki.paths();
+    let served = serve(
         "memory:1MiB",
         "127.0.0.1:0",
         &[
@@ -248,21 +183,21 @@ fn serve_with_mutual_tls_and_copy_with_url_parameters() {
     let data = random_file(&src, 1 << 20, 4);
     let url = format!(
         "farmaps://{}?ca={ca}&cert={client}&key={client_key}",
-        served.addr
+        served.addr()
     );
     check(
-        &farmap(&["cp", "-q", &format!("file:{}", src.display()), &url]),
+        &farmap().run(&["cp", "-q", &format!("file:{}", src.display()), &url]),
         "cp over mutual TLS",
     );
     let back = dir.path().join("back.img");
     check(
-        &farmap(&["cp", "-q", &url, &format!("file:{}", back.display())]),
+        &farmap().run(&["cp", "-q", &url, &format!("file:{}", back.display())]),
         "cp back over mutual TLS",
     );
     assert!(std::fs::read(&back).unwrap() == data);
 
     // Without a client certificate: refused, and the message says why.
-    let o = farmap(&["info", &format!("farmaps://{}?ca={ca}", served.addr)]);
+    let o = farmap().run(&["info", &format!("farmaps://{}?ca={ca}", served.addr())]);
     assert!(!o.status.success());
     let err = String::from_utf8_lossy(&o.stderr);
     assert!(err.contains("requires a client certificate"), "{err}");
@@ -284,7 +219,7 @@ fn clear_errors_for_wrong_addresses_and_bad_listen_addresses() {
         .local_addr()
         .unwrap()
         .port();
-    let o = farmap(&["info", &format!("farmap://127.0.0.1:{port}")]);
+    let o = farmap().run(&["info", &format!("farmap://127.0.0.1:{port}")]);
     assert!(!o.status.success());
     let err = String::from_utf8_lossy(&o.stderr);
     assert!(
@@ -295,7 +230,7 @@ fn clear_errors_for_wrong_addresses_and_bad_listen_addresses() {
     );
     assert_eq!(err.trim_end().lines().count(), 1, "{err}");
 
-    let o = farmap(&["serve", "memory:1MiB", "--listen", "localhost"]);
+    let o = farmap().run(&["serve", "memory:1MiB", "--listen", "localhost"]);
     assert!(!o.status.success());
     assert!(String::from_utf8_lossy(&o.stderr).contains("IP:PORT"));
 }
@@ -313,7 +248,7 @@ async fn a_pull_survives_the_server_being_killed_and_restarted() {
         .unwrap()
         .port();
     let listen = format!("127.0.0.1:{port}");
-    let served = Served::start(&spec, &listen, &["--quiet"]);
+    let served = serve(&spec, &listen, &["--quiet"]);
 
     let opts = ClientOptions {
         connections: 4,
@@ -359,7 +294,7 @@ async fn a_pull_survives_the_server_being_killed_and_restarted() {
         "the pull finished before the kill"
     );
     tokio::time::sleep(Duration::from_millis(300)).await;
-    let restarted = Served::start(&spec, &listen, &["--quiet"]);
+    let restarted = serve(&spec, &listen, &["--quiet"]);
 
     let report = tokio::time::timeout(Duration::from_secs(60), puller.wait())
         .await
@@ -386,35 +321,35 @@ async fn a_pull_survives_the_server_being_killed_and_restarted() {
 
 #[test]
 fn a_read_only_banner_lists_no_write_or_trim() {
-    let served = Served::start("memory:1MiB", "127.0.0.1:0", &["--read-only"]);
-    assert!(served.banner.contains("read-only"), "{}", served.banner);
-    let caps = served.banner.rsplit('(').next().unwrap();
+    let served = serve("memory:1MiB", "127.0.0.1:0", &["--read-only"]);
+    assert!(served.banner().contains("read-only"), "{}", served.banner());
+    let caps = served.banner().rsplit('(').next().unwrap();
     assert!(
         !caps.contains("write") && !caps.contains("trim"),
         "the served caps: {}",
-        served.banner
+        served.banner()
     );
-    let served = Served::start("memory:1MiB", "127.0.0.1:0", &["--read-only", "--grpc"]);
-    let caps = served.banner.rsplit('(').next().unwrap();
+    let served = serve("memory:1MiB", "127.0.0.1:0", &["--read-only", "--grpc"]);
+    let caps = served.banner().rsplit('(').next().unwrap();
     assert!(
         !caps.contains("write") && !caps.contains("trim"),
         "the served caps: {}",
-        served.banner
+        served.banner()
     );
 }
 
 #[test]
 fn native_and_grpc_clients_are_told_about_each_others_servers() {
-    let grpc = Served::start("memory:1MiB", "127.0.0.1:0", &["--grpc", "-q"]);
-    let o = farmap(&["info", &format!("farmap://{}", grpc.addr)]);
+    let grpc = serve("memory:1MiB", "127.0.0.1:0", &["--grpc", "-q"]);
+    let o = farmap().run(&["info", &format!("farmap://{}", grpc.addr())]);
     let err = String::from_utf8_lossy(&o.stderr);
     assert!(!o.status.success());
     assert!(
         err.contains("HTTP/2") && err.contains("farmap+grpc://"),
         "a native client against a gRPC server: {err}"
     );
-    let native = Served::start("memory:1MiB", "127.0.0.1:0", &["-q"]);
-    let o = farmap(&["info", &format!("farmap+grpc://{}", native.addr)]);
+    let native = serve("memory:1MiB", "127.0.0.1:0", &["-q"]);
+    let o = farmap().run(&["info", &format!("farmap+grpc://{}", native.addr())]);
     let err = String::from_utf8_lossy(&o.stderr);
     assert!(!o.status.success());
     assert!(
@@ -428,25 +363,25 @@ fn native_and_grpc_clients_are_told_about_each_others_servers() {
 #[test]
 fn grpc_honours_the_connection_limit_and_refuses_native_only_options() {
     // A gRPC client opens a pool of 4 connections.
-    let served = Served::start(
+    let served = serve(
         "memory:1MiB",
         "127.0.0.1:0",
         &["--grpc", "--max-connections", "4"],
     );
     // One connection holds one of the 4 slots.
-    let held = std::net::TcpStream::connect(&served.addr).unwrap();
-    let o = farmap(&["info", &format!("farmap+grpc://{}", served.addr)]);
+    let held = std::net::TcpStream::connect(served.addr()).unwrap();
+    let o = farmap().run(&["info", &format!("farmap+grpc://{}", served.addr())]);
     assert!(!o.status.success(), "a second connection is not served");
     drop(held);
     std::thread::sleep(Duration::from_millis(200));
     check(
-        &farmap(&["info", &format!("farmap+grpc://{}", served.addr)]),
+        &farmap().run(&["info", &format!("farmap+grpc://{}", served.addr())]),
         "info once the slot is free",
     );
     let (_, log) = served.stop("TERM");
     assert!(log.contains("already serving 4 connections"), "{log}");
 
-    let o = farmap(&[
+    let o = farmap().run(&[
         "serve",
         "memory:1MiB",
         "--grpc",
@@ -466,9 +401,9 @@ fn grpc_honours_the_connection_limit_and_refuses_native_only_options() {
 #[test]
 fn quiet_servers_do_not_log_connections() {
     for (args, logged) in [(&[][..], true), (&["-q"][..], false)] {
-        let served = Served::start("memory:1MiB", "127.0.0.1:0", args);
+        let served = serve("memory:1MiB", "127.0.0.1:0", args);
         check(
-            &farmap(&["info", &format!("farmap://{}", served.addr)]),
+            &farmap().run(&["info", &format!("farmap://{}", served.addr())]),
             "info",
         );
         std::thread::sleep(Duration::from_millis(200));
@@ -480,8 +415,8 @@ fn quiet_servers_do_not_log_connections() {
 #[test]
 fn idle_connections_are_closed_after_the_idle_timeout() {
     use std::io::{Read, Write};
-    let served = Served::start("memory:1MiB", "127.0.0.1:0", &["--idle-timeout", "300ms"]);
-    let mut s = std::net::TcpStream::connect(&served.addr).unwrap();
+    let served = serve("memory:1MiB", "127.0.0.1:0", &["--idle-timeout", "300ms"]);
+    let mut s = std::net::TcpStream::connect(served.addr()).unwrap();
     s.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
     let mut hello = bytes::BytesMut::new();
     farmap_net::wire::ClientHello::current().encode(&mut hello);

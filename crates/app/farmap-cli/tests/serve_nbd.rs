@@ -1,62 +1,27 @@
 //! `farmap serve --nbd`, run for real: named exports over a Unix socket and TCP, seen by
 //! libnbd's tools (installed when missing).
 
-use std::io::{BufRead, BufReader};
-use std::process::{Command, Stdio};
+use std::process::Command;
 
-fn have(bin: &str) -> bool {
-    Command::new("sh")
-        .arg("-c")
-        .arg(format!("command -v {bin}"))
-        .output()
-        .is_ok_and(|o| o.status.success())
-}
+use farmap_testkit::cli::Listening;
 
+mod common;
+use common::farmap;
+
+/// Makes sure libnbd's tools are installed; false after recording a skip.
 fn need_libnbd(test: &str) -> bool {
-    if !have("nbdinfo") || !have("nbdcopy") {
-        let _ = Command::new("sh")
-            .arg("-c")
-            .arg(
-                "flock /tmp/farmap-apt.lock sh -c 'apt-get update -qq && \
-                 DEBIAN_FRONTEND=noninteractive apt-get install -y -qq \
-                 --no-install-recommends libnbd-bin'",
-            )
-            .output();
-    }
-    if have("nbdinfo") && have("nbdcopy") {
-        return true;
-    }
-    farmap_testkit::skip(
+    farmap_testkit::tools::need(
         test,
-        "libnbd-bin (nbdinfo, nbdcopy) missing and not installable",
-    );
-    false
+        &[("nbdinfo", "libnbd-bin"), ("nbdcopy", "libnbd-bin")],
+    )
 }
 
-struct Child(std::process::Child);
-
-impl Drop for Child {
-    fn drop(&mut self) {
-        let _ = self.0.kill();
-        let _ = self.0.wait();
-    }
-}
-
-/// Starts `farmap serve --nbd ARGS...`; the child and its banner line.
-fn serve(args: &[&str]) -> (Child, String) {
-    let mut child = Command::new(env!("CARGO_BIN_EXE_farmap"))
-        .args(["serve", "--nbd", "-q"])
-        .args(args)
-        .stdout(Stdio::null())
-        .stderr(Stdio::piped())
-        .spawn()
-        .expect("start farmap serve --nbd");
-    let mut stderr = BufReader::new(child.stderr.take().unwrap());
-    let mut line = String::new();
-    stderr.read_line(&mut line).unwrap();
-    // Keep reading its stderr: a closed pipe would make its shutdown messages fail.
-    std::thread::spawn(move || std::io::copy(&mut stderr, &mut std::io::sink()));
-    (Child(child), line)
+/// Starts `farmap serve --nbd -q ARGS...`, its banner read and the rest of its stderr drained
+/// (a closed pipe would make its shutdown messages fail).
+fn serve(args: &[&str]) -> Listening {
+    let mut all = vec!["serve", "--nbd", "-q"];
+    all.extend_from_slice(args);
+    farmap().listening(&all).drained()
 }
 
 #[test]
@@ -67,13 +32,14 @@ fn serve_nbd_exports_named_stores_over_a_unix_socket_and_tcp() {
     let dir = tempfile::tempdir().unwrap();
     let sock = dir.path().join("nbd.sock");
     let listen = format!("unix:{}", sock.display());
-    let (_child, banner) = serve(&[
+    let served = serve(&[
         "memory:4MiB",
         "--export",
         "small=memory:1MiB",
         "--listen",
         &listen,
     ]);
+    let banner = served.banner();
     assert!(
         banner.contains("NBD") && banner.contains("\"small\""),
         "{banner}"
@@ -112,13 +78,8 @@ fn serve_nbd_exports_named_stores_over_a_unix_socket_and_tcp() {
     assert!(std::fs::read(&back).unwrap() == data);
 
     // Read-only over TCP: writes are refused.
-    let (_ro, banner) = serve(&["memory:1MiB", "--listen", "127.0.0.1:0", "--read-only"]);
-    let addr = banner
-        .split("listening on ")
-        .nth(1)
-        .and_then(|r| r.split_whitespace().next())
-        .unwrap_or_else(|| panic!("{banner}"))
-        .to_owned();
+    let ro = serve(&["memory:1MiB", "--listen", "127.0.0.1:0", "--read-only"]);
+    let addr = ro.addr();
     let info = Command::new("nbdinfo")
         .arg(format!("nbd://{addr}/"))
         .output()
@@ -133,12 +94,7 @@ fn serve_nbd_exports_named_stores_over_a_unix_socket_and_tcp() {
 
 #[test]
 fn serve_nbd_rejects_a_malformed_export() {
-    let out = Command::new(env!("CARGO_BIN_EXE_farmap"))
-        .args(["serve", "--nbd", "memory:1MiB", "--export", "nospec"])
-        .output()
-        .unwrap();
-    assert!(!out.status.success());
-    let err = String::from_utf8_lossy(&out.stderr);
+    let err = farmap().fails(&["serve", "--nbd", "memory:1MiB", "--export", "nospec"]);
     assert!(err.contains("NAME=SPEC"), "{err}");
 }
 
@@ -158,30 +114,15 @@ fn serve_nbd_managed_is_a_caching_front_of_a_remote_region() {
     content.resize(8 << 20, 0);
     std::fs::write(&image, &content).unwrap();
     let far_spec = format!("file:{}", image.display());
-    let mut far = Command::new(env!("CARGO_BIN_EXE_farmap"))
-        .args(["serve", "-q", &far_spec, "--listen", "127.0.0.1:0"])
-        .stdout(Stdio::null())
-        .stderr(Stdio::piped())
-        .spawn()
-        .expect("start farmap serve");
-    let mut far_err = BufReader::new(far.stderr.take().unwrap());
-    let mut line = String::new();
-    far_err.read_line(&mut line).unwrap();
-    let far_addr = line
-        .split("listening on ")
-        .nth(1)
-        .and_then(|r| r.split_whitespace().next())
-        .unwrap_or_else(|| panic!("no address in {line:?}"))
-        .trim_end_matches(',')
-        .to_owned();
-    std::thread::spawn(move || std::io::copy(&mut far_err, &mut std::io::sink()));
-    let far = Child(far);
+    let far = farmap()
+        .listening(&["serve", "-q", &far_spec, "--listen", "127.0.0.1:0"])
+        .drained();
 
     let sock = dir.path().join("front.sock");
     let listen = format!("unix:{}", sock.display());
-    let remote = format!("farmap://{far_addr}");
-    let (front, banner) = serve(&["--managed", &remote, "--listen", &listen]);
-    assert!(banner.contains("managed"), "{banner}");
+    let remote = format!("farmap://{}", far.addr());
+    let front = serve(&["--managed", &remote, "--listen", &listen]);
+    assert!(front.banner().contains("managed"), "{}", front.banner());
     let uri = format!("nbd+unix:///?socket={}", sock.display());
 
     // Read through the front: the remote's data.
@@ -206,17 +147,9 @@ fn serve_nbd_managed_is_a_caching_front_of_a_remote_region() {
     assert!(out.status.success(), "{out:?}");
 
     // Stop the front (SIGTERM: it pushes what is left), then the remote (flushes its file).
-    let mut front = front;
-    let _ = Command::new("kill")
-        .args(["-TERM", &front.0.id().to_string()])
-        .status();
-    let status = front.0.wait().unwrap();
+    let (status, _) = front.stop("TERM");
     assert!(status.success(), "the managed front exited with {status}");
-    let mut far = far;
-    let _ = Command::new("kill")
-        .args(["-TERM", &far.0.id().to_string()])
-        .status();
-    let _ = far.0.wait();
+    let _ = far.stop("TERM");
     assert_eq!(
         std::fs::read(&image).unwrap(),
         new_content,

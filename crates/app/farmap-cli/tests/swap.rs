@@ -10,10 +10,15 @@
 
 use std::io::{BufRead, BufReader, Write};
 use std::path::{Path, PathBuf};
-use std::process::{Child, ChildStdin, Command, Output, Stdio};
+use std::process::{Child, ChildStdin, Command, Stdio};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
+
+use farmap_testkit::process::terminate;
+
+mod common;
+use common::farmap;
 
 const WORKLOAD: &str = concat!(env!("CARGO_MANIFEST_DIR"), "/tests/data/swap_workload.py");
 const CGROUP_ROOT: &str = "/sys/fs/cgroup/memory";
@@ -25,13 +30,6 @@ const WORKLOAD_TIMEOUT: Duration = Duration::from_secs(50);
 
 /// One swap test at a time.
 static SERIAL: Mutex<()> = Mutex::new(());
-
-fn farmap(args: &[&str]) -> Output {
-    Command::new(env!("CARGO_BIN_EXE_farmap"))
-        .args(args)
-        .output()
-        .expect("run farmap")
-}
 
 fn runs(tool: &str, args: &[&str]) -> bool {
     Command::new(tool)
@@ -117,7 +115,8 @@ struct SwapOn {
 
 impl SwapOn {
     fn start(store: &str, args: &[&str]) -> SwapOn {
-        let mut child = Command::new(env!("CARGO_BIN_EXE_farmap"))
+        let mut child = farmap()
+            .command()
             .args(["swap", "on", store, "--priority", "32767", "--json"])
             .args(args)
             .stdout(Stdio::piped())
@@ -166,7 +165,7 @@ impl SwapOn {
     /// `farmap swap off DEVICE`; asserts that everything is gone afterwards.
     fn off(mut self) {
         self.done = true;
-        let out = farmap(&["swap", "off", &self.device]);
+        let out = farmap().run(&["swap", "off", &self.device]);
         assert!(
             out.status.success(),
             "swap off: {}",
@@ -183,14 +182,9 @@ impl SwapOn {
 impl Drop for SwapOn {
     fn drop(&mut self) {
         if !self.done {
-            let _ = farmap(&["swap", "off", &self.device]);
+            let _ = farmap().run(&["swap", "off", &self.device]);
         }
-        if let Ok(None) = self.child.try_wait() {
-            let _ = Command::new("kill")
-                .args(["-TERM", &self.child.id().to_string()])
-                .status();
-            let _ = self.child.wait();
-        }
+        terminate(&mut self.child, Duration::from_secs(60));
     }
 }
 
@@ -412,41 +406,6 @@ fn a_cgroup_limited_to_a_quarter_swaps_into_a_memory_store() {
     swap.off();
 }
 
-/// A child process that prints its address on stderr (`farmap serve`, `farmap proxy`).
-struct Listening {
-    child: Child,
-    addr: String,
-}
-
-impl Listening {
-    fn start(args: &[&str]) -> Listening {
-        let mut child = Command::new(env!("CARGO_BIN_EXE_farmap"))
-            .args(args)
-            .stderr(Stdio::piped())
-            .spawn()
-            .unwrap();
-        let mut err = BufReader::new(child.stderr.take().unwrap());
-        let mut line = String::new();
-        err.read_line(&mut line).unwrap();
-        let addr = line
-            .split("listening on ")
-            .nth(1)
-            .and_then(|r| r.split(|c: char| c.is_whitespace() || c == ',').next())
-            .unwrap_or_else(|| panic!("no address in {line:?}"))
-            .to_owned();
-        // Keep draining its stderr: a closed pipe would fail its logging.
-        std::thread::spawn(move || std::io::copy(&mut err, &mut std::io::sink()));
-        Listening { child, addr }
-    }
-}
-
-impl Drop for Listening {
-    fn drop(&mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
-    }
-}
-
 #[test]
 fn a_cgroup_limited_to_a_quarter_swaps_into_a_remote_store_behind_10ms_managed() {
     let test = "a_cgroup_limited_to_a_quarter_swaps_into_a_remote_store_behind_10ms_managed";
@@ -454,24 +413,29 @@ fn a_cgroup_limited_to_a_quarter_swaps_into_a_remote_store_behind_10ms_managed()
         return;
     }
     let _serial = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
-    let server = Listening::start(&[
-        "serve",
-        "memory:512MiB",
-        "--listen",
-        "127.0.0.1:0",
-        "--quiet",
-    ]);
-    let proxy = Listening::start(&[
-        "proxy",
-        "--listen",
-        "127.0.0.1:0",
-        "--to",
-        &server.addr,
-        "--rtt",
-        "10ms",
-    ]);
+    // Their stderr drained: a closed pipe would fail their logging.
+    let server = farmap()
+        .listening(&[
+            "serve",
+            "memory:512MiB",
+            "--listen",
+            "127.0.0.1:0",
+            "--quiet",
+        ])
+        .drained();
+    let proxy = farmap()
+        .listening(&[
+            "proxy",
+            "--listen",
+            "127.0.0.1:0",
+            "--to",
+            server.addr(),
+            "--rtt",
+            "10ms",
+        ])
+        .drained();
     let swap = SwapOn::start(
-        &format!("farmap://{}", proxy.addr),
+        &format!("farmap://{}", proxy.addr()),
         &["--managed", "--push-interval", "200ms"],
     );
     swap_through(&swap, "remote");
@@ -480,9 +444,9 @@ fn a_cgroup_limited_to_a_quarter_swaps_into_a_remote_store_behind_10ms_managed()
     // the pages swapped out (swapoff leaves them in place).
     let tmp = tempfile::tempdir().unwrap();
     let copy = tmp.path().join("remote.img");
-    let out = farmap(&[
+    let out = farmap().run(&[
         "cp",
-        &format!("farmap://{}", server.addr),
+        &format!("farmap://{}", server.addr()),
         &format!("file:{}", copy.display()),
     ]);
     assert!(
@@ -524,7 +488,7 @@ fn swap_off_and_the_next_swap_on_clean_up_after_a_killed_server() {
     };
     let mut first = SwapOn::start("memory:64MiB", &[]);
     kill_server(&mut first);
-    let out = farmap(&["swap", "off", &first.device]);
+    let out = farmap().run(&["swap", "off", &first.device]);
     let err = String::from_utf8_lossy(&out.stderr);
     assert!(out.status.success(), "swap off: {err}");
     assert!(err.contains("cleaned up after the dead server"), "{err}");
@@ -545,7 +509,7 @@ fn swap_off_and_the_next_swap_on_clean_up_after_a_killed_server() {
     third.off();
 
     // What swap off does not know, it says.
-    let out = farmap(&["swap", "off", "/dev/loop-nonexistent"]);
+    let out = farmap().run(&["swap", "off", "/dev/loop-nonexistent"]);
     let err = String::from_utf8_lossy(&out.stderr);
     assert!(
         !out.status.success() && err.contains("is not a farmap swap"),
@@ -555,7 +519,7 @@ fn swap_off_and_the_next_swap_on_clean_up_after_a_killed_server() {
 
 #[test]
 fn swap_on_help_says_why_a_loop_device() {
-    let out = farmap(&["swap", "on", "--help"]);
+    let out = farmap().run(&["swap", "on", "--help"]);
     let help = String::from_utf8_lossy(&out.stdout);
     for words in [
         "refuses swap directly on a FUSE file",
@@ -592,7 +556,7 @@ fn sigterm_turns_it_off_and_a_held_device_is_named() {
     // device, and fails; once it lets go, swap off finishes.
     let swap = SwapOn::start("memory:64MiB", &[]);
     let held = std::fs::File::open(&swap.device).unwrap();
-    let out = farmap(&["swap", "off", &swap.device]);
+    let out = farmap().run(&["swap", "off", &swap.device]);
     let err = String::from_utf8_lossy(&out.stderr);
     assert!(!out.status.success(), "{err}");
     assert!(

@@ -1,67 +1,20 @@
 //! Random bytes never make a decoder panic, and never make it allocate more than its caps
 //! allow, however large the lengths the bytes claim.
 //!
-//! The allocation bound is measured, not assumed: a global allocator wrapper records the
-//! largest single allocation made on the test's thread while a decoder runs. This file is a
-//! test binary of its own, so the `unsafe` the allocator trait needs stays out of the crate
-//! (which forbids it).
-
-use std::alloc::{GlobalAlloc, Layout, System};
-use std::cell::Cell;
+//! The allocation bound is measured, not assumed: the test kit's counting global allocator
+//! records the largest single allocation made on the test's thread while a decoder runs (this
+//! file is a test binary of its own, so the allocator counts for these tests only).
 
 use bytes::{BufMut, BytesMut};
+use farmap_testkit::alloc::{largest_allocation, CountingAlloc};
 use farmap_wire::{
     decode_client_hello, decode_server_hello, op, FrameDecoder, Limits, MAX_HELLO_BODY,
     SERVER_HELLO_HEADER_LEN,
 };
 use proptest::prelude::*;
 
-struct Tracking;
-
-thread_local! {
-    static TRACK: Cell<bool> = const { Cell::new(false) };
-    static LARGEST: Cell<usize> = const { Cell::new(0) };
-}
-
-fn note(size: usize) {
-    // `try_with`: the thread-locals may be gone while a thread shuts down.
-    let _ = TRACK.try_with(|t| {
-        if t.get() {
-            let _ = LARGEST.try_with(|l| l.set(l.get().max(size)));
-        }
-    });
-}
-
-// SAFETY: every call forwards to `System` with the same arguments; the wrapper only records
-// sizes in const-initialized thread-locals, which never allocate.
-unsafe impl GlobalAlloc for Tracking {
-    unsafe fn alloc(&self, layout: Layout) -> *mut u8 {
-        note(layout.size());
-        // SAFETY: the caller upholds `GlobalAlloc::alloc`'s contract, passed on unchanged.
-        unsafe { System.alloc(layout) }
-    }
-    unsafe fn dealloc(&self, ptr: *mut u8, layout: Layout) {
-        // SAFETY: `ptr` was allocated by `System` with `layout` (every allocation goes there).
-        unsafe { System.dealloc(ptr, layout) }
-    }
-    unsafe fn realloc(&self, ptr: *mut u8, layout: Layout, new_size: usize) -> *mut u8 {
-        note(new_size);
-        // SAFETY: as for `dealloc`; the caller upholds `realloc`'s contract.
-        unsafe { System.realloc(ptr, layout, new_size) }
-    }
-}
-
 #[global_allocator]
-static GLOBAL: Tracking = Tracking;
-
-/// Runs `f` and returns the largest allocation it made on this thread.
-fn largest_allocation(f: impl FnOnce()) -> usize {
-    LARGEST.with(|l| l.set(0));
-    TRACK.with(|t| t.set(true));
-    f();
-    TRACK.with(|t| t.set(false));
-    LARGEST.with(|l| l.get())
-}
+static GLOBAL: CountingAlloc = CountingAlloc;
 
 const LIMITS: Limits = Limits {
     max_frame: 1 << 20,

@@ -1,54 +1,17 @@
 //! Decoded chunk payloads own exactly their bytes: keeping them never keeps the receive
 //! buffer they arrived in alive.
 //!
-//! Measured, not assumed: a global allocator wrapper counts the bytes allocated and not yet
-//! freed on the test's thread. This file is a test binary of its own, so the `unsafe` the
-//! allocator trait needs stays out of the crate (which forbids it).
-
-use std::alloc::{GlobalAlloc, Layout, System};
-use std::cell::Cell;
+//! Measured, not assumed: the test kit's counting global allocator counts the bytes allocated
+//! and not yet freed on the test's thread (this file is a test binary of its own, so the
+//! allocator counts for these tests only).
 
 use bytes::{Bytes, BytesMut};
 use farmap_core::ChunkIdx;
+use farmap_testkit::alloc::{live_bytes, CountingAlloc};
 use farmap_wire::{Frame, FrameDecoder, Limits, Message, Payload};
 
-struct Counting;
-
-thread_local! {
-    static LIVE: Cell<isize> = const { Cell::new(0) };
-}
-
-fn add(delta: isize) {
-    // `try_with`: the thread-local may be gone while a thread shuts down.
-    let _ = LIVE.try_with(|l| l.set(l.get() + delta));
-}
-
-// SAFETY: every call forwards to `System` with the same arguments; the wrapper only counts
-// sizes in a const-initialized thread-local, which never allocates.
-unsafe impl GlobalAlloc for Counting {
-    unsafe fn alloc(&self, layout: Layout) -> *mut u8 {
-        add(layout.size() as isize);
-        // SAFETY: the caller upholds `GlobalAlloc::alloc`'s contract, passed on unchanged.
-        unsafe { System.alloc(layout) }
-    }
-    unsafe fn dealloc(&self, ptr: *mut u8, layout: Layout) {
-        add(-(layout.size() as isize));
-        // SAFETY: `ptr` was allocated by `System` with `layout` (every allocation goes there).
-        unsafe { System.dealloc(ptr, layout) }
-    }
-    unsafe fn realloc(&self, ptr: *mut u8, layout: Layout, new_size: usize) -> *mut u8 {
-        add(new_size as isize - layout.size() as isize);
-        // SAFETY: as for `dealloc`; the caller upholds `realloc`'s contract.
-        unsafe { System.realloc(ptr, layout, new_size) }
-    }
-}
-
 #[global_allocator]
-static GLOBAL: Counting = Counting;
-
-fn live() -> isize {
-    LIVE.with(|l| l.get())
-}
+static GLOBAL: CountingAlloc = CountingAlloc;
 
 const CHUNK: usize = 4096;
 const ROUNDS: usize = 64;
@@ -67,17 +30,17 @@ fn decode_from_big_buffer(frame: &Frame) -> Frame {
 }
 
 fn kept_bytes(make: impl Fn(u8) -> Frame, payload_of: impl Fn(Frame) -> Bytes) -> isize {
-    let before = live();
+    let before = live_bytes();
     let mut kept = Vec::with_capacity(ROUNDS);
-    let base = live();
+    let base = live_bytes();
     for i in 0..ROUNDS {
         kept.push(payload_of(decode_from_big_buffer(&make(i as u8))));
     }
-    let grown = live() - base;
+    let grown = live_bytes() - base;
     assert!(kept.iter().all(|k| k.len() == CHUNK));
     drop(kept);
     assert!(
-        live() <= before,
+        live_bytes() <= before,
         "everything is freed once the payloads are"
     );
     grown

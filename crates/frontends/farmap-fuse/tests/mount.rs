@@ -8,34 +8,15 @@ use std::sync::Arc;
 use farmap_core::{ChunkIdx, Geometry, Store};
 use farmap_fuse::{FuseMount, MountError, MountOptions};
 use farmap_store::MemoryStore;
+use farmap_testkit::block_on;
 
 /// Whether this machine can mount FUSE file systems here; records a skip when not.
 fn can_mount(test: &str) -> bool {
-    if !std::path::Path::new("/dev/fuse").exists() {
-        farmap_testkit::skip(test, "/dev/fuse is missing (no FUSE in this kernel)");
-        return false;
-    }
-    if !rustix_is_root() {
-        farmap_testkit::skip(test, "mounting FUSE without fusermount3 needs root");
-        return false;
-    }
-    true
-}
-
-fn rustix_is_root() -> bool {
-    rustix::process::geteuid().is_root()
+    farmap_testkit::skip::fuse_mountable(test)
 }
 
 fn store(size: u64, chunk: u64) -> Arc<MemoryStore> {
     Arc::new(MemoryStore::new(Geometry::new(size, chunk).unwrap()))
-}
-
-fn block_on<T>(f: impl std::future::Future<Output = T>) -> T {
-    tokio::runtime::Builder::new_current_thread()
-        .enable_all()
-        .build()
-        .unwrap()
-        .block_on(f)
 }
 
 /// The store's bytes `offset..offset+len`.

@@ -3,12 +3,17 @@
 
 mod common;
 
+use std::process::{Command, Output};
 use std::sync::Arc;
 use std::time::Duration;
 
 use bytes::Bytes;
 use common::*;
 use farmap_core::{ChunkIdx, Store};
+use farmap_nbd::NbdServer;
+use farmap_testkit::pattern_with_zeros;
+use farmap_testkit::tls::Pki;
+use farmap_testkit::tools::need;
 
 const LIBNBD: (&str, &str) = ("nbdinfo", "libnbd-bin");
 const NBDCOPY: (&str, &str) = ("nbdcopy", "libnbd-bin");
@@ -18,6 +23,36 @@ const NBDKIT: (&str, &str) = ("nbdkit", "nbdkit");
 const NBDFUSE: (&str, &str) = ("nbdfuse", "libnbd-bin");
 const FUSERMOUNT: (&str, &str) = ("fusermount3", "fuse3");
 const FIO: (&str, &str) = ("fio", "fio");
+
+fn uri(server: &NbdServer, export: &str) -> String {
+    format!("nbd://{}/{export}", tcp(server))
+}
+
+/// Runs a command on a blocking thread (the server runs on the test's runtime).
+async fn run(cmd: &str, args: &[&str]) -> Output {
+    let cmd = cmd.to_owned();
+    let args: Vec<String> = args.iter().map(|s| s.to_string()).collect();
+    tokio::task::spawn_blocking(move || {
+        Command::new(&cmd)
+            .args(&args)
+            .output()
+            .unwrap_or_else(|e| panic!("cannot run {cmd}: {e}"))
+    })
+    .await
+    .unwrap()
+}
+
+/// Runs a command that must succeed; its stdout.
+async fn ok(cmd: &str, args: &[&str]) -> String {
+    let out = run(cmd, args).await;
+    assert!(
+        out.status.success(),
+        "{cmd} {args:?} failed: {}\n{}",
+        out.status,
+        String::from_utf8_lossy(&out.stderr)
+    );
+    String::from_utf8_lossy(&out.stdout).into_owned()
+}
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn nbdinfo_lists_exports_and_maps_holes() {
@@ -69,10 +104,10 @@ async fn nbdcopy_both_ways_keeps_every_byte() {
     let dir = tempfile::tempdir().unwrap();
     let store = memory(16 << 20, 65536);
     let server = start(vec![export("", store.clone())], quiet()).await;
-    let data = pattern(16 << 20, 11);
+    let data = pattern_with_zeros(11, 16 << 20);
     let src = dir.path().join("src.img");
     let back = dir.path().join("back.img");
-    write_file(&src, &data);
+    std::fs::write(&src, &data).unwrap();
     let u = uri(&server, "");
     ok("nbdcopy", &["--connections=4", src.to_str().unwrap(), &u]).await;
     assert!(
@@ -99,10 +134,10 @@ async fn qemu_img_converts_compares_and_makes_a_qcow2_on_an_export() {
     let raw = memory(8 << 20, 65536);
     let q = memory(32 << 20, 65536);
     let server = start(vec![export("", raw.clone()), export("q", q)], quiet()).await;
-    let data = pattern(8 << 20, 5);
+    let data = pattern_with_zeros(5, 8 << 20);
     let src = dir.path().join("src.img");
     let out = dir.path().join("out.img");
-    write_file(&src, &data);
+    std::fs::write(&src, &data).unwrap();
     let (s, o) = (src.to_str().unwrap(), out.to_str().unwrap());
     let u = uri(&server, "");
     ok(
@@ -117,7 +152,7 @@ async fn qemu_img_converts_compares_and_makes_a_qcow2_on_an_export() {
     // A different byte makes compare fail.
     let mut changed = data.clone();
     changed[5_000_001] ^= 0xff;
-    write_file(&src, &changed);
+    std::fs::write(&src, &changed).unwrap();
     let cmp = run("qemu-img", &["compare", "-f", "raw", "-F", "raw", s, &u]).await;
     assert_eq!(
         cmp.status.code(),
@@ -313,31 +348,28 @@ async fn libnbd_over_tls_with_client_certificates() {
         return;
     }
     let dir = tempfile::tempdir().unwrap();
-    let pki = Pki::new(dir.path());
+    let pki = Pki::new();
     let store = memory(4 << 20, 65536);
-    let opts = farmap_nbd::NbdServeOptions {
-        tls: Some(pki.server_tls(true)),
-        ..quiet()
-    };
+    let opts = tls_options(&pki, true);
     let server = start(vec![export("", store.clone())], opts).await;
     let addr = tcp(&server);
     let with = format!(
         "nbds://127.0.0.1:{}/?tls-certificates={}",
         addr.port(),
-        pki.client_dir.display()
+        pki.gnutls_client_dir(true).display()
     );
     let info = ok("nbdinfo", &[&with]).await;
     assert!(info.contains("using TLS") || info.contains("TLS"), "{info}");
-    let data = pattern(4 << 20, 9);
+    let data = pattern_with_zeros(9, 4 << 20);
     let src = dir.path().join("src.img");
-    write_file(&src, &data);
+    std::fs::write(&src, &data).unwrap();
     ok("nbdcopy", &[src.to_str().unwrap(), &with]).await;
     assert!(store_bytes(&store, 0, data.len()).await == data);
     // Without a client certificate: refused.
     let without = format!(
         "nbds://127.0.0.1:{}/?tls-certificates={}",
         addr.port(),
-        pki.nocert_dir.display()
+        pki.gnutls_client_dir(false).display()
     );
     let r = run("nbdinfo", &[&without]).await;
     assert!(

@@ -4,7 +4,7 @@
 mod common;
 
 use std::path::{Path, PathBuf};
-use std::process::{Child, Command, Stdio};
+use std::process::{Command, Stdio};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
@@ -18,6 +18,10 @@ use farmap_nbd_proto::{
     ServerStep, TlsMode,
 };
 use farmap_net::{ListenAddr, RemoteAddr, TlsClientConfig};
+use farmap_testkit::pattern_with_zeros;
+use farmap_testkit::process::KillOnDrop;
+use farmap_testkit::tls::Pki;
+use farmap_testkit::tools::need;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::{TcpListener, TcpStream};
 
@@ -38,21 +42,11 @@ fn tcp_target(addr: std::net::SocketAddr, export: &str) -> NbdTarget {
     }
 }
 
-/// A child process killed (and reaped) when dropped.
-struct Killed(Child);
-
-impl Drop for Killed {
-    fn drop(&mut self) {
-        let _ = self.0.kill();
-        let _ = self.0.wait();
-    }
-}
-
 /// Starts `nbdkit` in the foreground on a Unix socket in `dir` with `args` (plugin and its
 /// parameters); returns when it accepts connections. The socket file appears at `bind`,
 /// before `listen`: a connection in between is refused. nbdkit writes its pidfile once it
 /// listens, so that is what is waited for.
-async fn nbdkit(dir: &Path, name: &str, extra: &[&str], plugin: &[&str]) -> (Killed, PathBuf) {
+async fn nbdkit(dir: &Path, name: &str, extra: &[&str], plugin: &[&str]) -> (KillOnDrop, PathBuf) {
     let sock = dir.join(format!("{name}.sock"));
     let pidfile = dir.join(format!("{name}.pid"));
     let child = Command::new("nbdkit")
@@ -65,7 +59,7 @@ async fn nbdkit(dir: &Path, name: &str, extra: &[&str], plugin: &[&str]) -> (Kil
         .stdout(Stdio::null())
         .spawn()
         .expect("nbdkit starts");
-    let guard = Killed(child);
+    let guard = KillOnDrop(child);
     for _ in 0..400 {
         if std::fs::read_to_string(&pidfile).is_ok_and(|p| p.ends_with('\n')) {
             return (guard, sock);
@@ -115,7 +109,7 @@ async fn conforms_against_nbdkit_memory() {
         return;
     }
     let dir = tempfile::tempdir().unwrap();
-    let kits: Arc<Mutex<Vec<Killed>>> = Arc::default();
+    let kits: Arc<Mutex<Vec<KillOnDrop>>> = Arc::default();
     let n = Arc::new(std::sync::atomic::AtomicUsize::new(0));
     // nbdkit's memory plugin keeps its allocation map in 32 KiB pages: a zeroed 4 KiB chunk
     // next to data stays "allocated" (no STATE_ZERO), which the suite's exact status check
@@ -155,7 +149,7 @@ async fn big_chunks_are_split_into_the_servers_maximum_payload() {
         .await
         .unwrap();
     assert_eq!(store.max_request(), 64 * 1024);
-    let data = Bytes::from(pattern(1 << 20, 3));
+    let data = Bytes::from(pattern_with_zeros(3, 1 << 20));
     store.write(ChunkIdx(2), data.clone()).await.unwrap();
     assert!(store_bytes(&backing, 2 << 20, 1 << 20).await == data[..]);
     assert!(store.read(ChunkIdx(2)).await.unwrap() == data);
@@ -212,18 +206,13 @@ async fn a_read_only_export_and_ro_refuse_writes_before_sending() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn tls_against_farmaps_server_with_client_certificates_and_refusals() {
-    let dir = tempfile::tempdir().unwrap();
-    let pki = Pki::new(dir.path());
+    let pki = Pki::new();
     let backing = memory(1 << 20, 65536);
-    let o = farmap_nbd::NbdServeOptions {
-        tls: Some(pki.server_tls(true)),
-        ..quiet()
-    };
-    let server = start(vec![export("", backing.clone())], o).await;
+    let server = start(vec![export("", backing.clone())], tls_options(&pki, true)).await;
     let with_cert = TlsClientConfig {
-        ca: pki.ca.clone(),
-        cert: Some(pki.client_dir.join("client-cert.pem")),
-        key: Some(pki.client_dir.join("client-key.pem")),
+        ca: pki.ca.pem.clone(),
+        cert: Some(pki.client.cert.clone()),
+        key: Some(pki.client.key.clone()),
         server_name: Some("localhost".into()),
     };
     let mut t = tcp_target(tcp(&server), "");
@@ -258,13 +247,9 @@ async fn nbds_against_nbdkit_with_certificates_and_a_refusal() {
         return;
     }
     let dir = tempfile::tempdir().unwrap();
-    let pki = Pki::new(dir.path());
+    let pki = Pki::new();
     // nbdkit's --tls-certificates directory: ca-cert.pem, server-cert.pem, server-key.pem.
-    let sdir = dir.path().join("server");
-    std::fs::create_dir(&sdir).unwrap();
-    std::fs::copy(&pki.ca, sdir.join("ca-cert.pem")).unwrap();
-    std::fs::copy(&pki.server_cert, sdir.join("server-cert.pem")).unwrap();
-    std::fs::copy(&pki.server_key, sdir.join("server-key.pem")).unwrap();
+    let sdir = pki.gnutls_server_dir();
     let certs = format!("--tls-certificates={}", sdir.display());
     let (_kit, sock) = nbdkit(
         dir.path(),
@@ -274,15 +259,15 @@ async fn nbds_against_nbdkit_with_certificates_and_a_refusal() {
     )
     .await;
     let with_cert = TlsClientConfig {
-        ca: pki.ca.clone(),
-        cert: Some(pki.client_dir.join("client-cert.pem")),
-        key: Some(pki.client_dir.join("client-key.pem")),
+        ca: pki.ca.pem.clone(),
+        cert: Some(pki.client.cert.clone()),
+        key: Some(pki.client.key.clone()),
         server_name: None,
     };
     let mut t = unix_target(&sock);
     t.tls = Some(with_cert.clone());
     let store = NbdStore::connect(t.clone(), opts(65536)).await.unwrap();
-    let data = Bytes::from(pattern(65536, 4));
+    let data = Bytes::from(pattern_with_zeros(4, 65536));
     store.write(ChunkIdx(5), data.clone()).await.unwrap();
     store.flush().await.unwrap();
     assert!(store.read(ChunkIdx(5)).await.unwrap() == data);

@@ -5,11 +5,12 @@ mod common;
 
 use std::sync::Arc;
 
-use common::{addr_of, client, connect, memory_server, quiet, start, Pki};
+use common::{addr_of, client, client_tls, connect, memory_server, quiet, server_tls, start};
 use farmap_core::Store;
 use farmap_net::{ClientOptions, RemoteAddr, ServeOptions};
 use farmap_store::MemoryStore;
 use farmap_testkit::run_conformance;
+use farmap_testkit::tls::Pki;
 
 /// Keeps the server alive as long as the client store: the suite only holds the store.
 #[derive(Debug)]
@@ -95,12 +96,12 @@ async fn remote_store_over_mutual_tls_conforms() {
     let pki = &pki;
     run_conformance(|g| async move {
         let opts = ServeOptions {
-            tls: Some(pki.server_tls(true)),
+            tls: Some(server_tls(pki, true)),
             ..quiet()
         };
         let server = memory_server(g, opts).await;
         let opts = ClientOptions {
-            tls: Some(pki.client_tls(true)),
+            tls: Some(client_tls(pki, true)),
             ..client()
         };
         served(server, opts).await

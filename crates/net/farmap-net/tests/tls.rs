@@ -5,9 +5,10 @@ mod common;
 use std::sync::Arc;
 
 use bytes::Bytes;
-use common::{addr_of, client, connect, memory_server, quiet, Ca, Pki};
+use common::{addr_of, client, client_tls, connect, memory_server, quiet, server_tls};
 use farmap_core::{ChunkIdx, ErrorKind, Geometry, Store};
 use farmap_net::{ClientOptions, RemoteStore, ServeOptions, TlsClientConfig};
+use farmap_testkit::tls::{Ca, Pki};
 
 fn geometry() -> Geometry {
     Geometry::new(1 << 20, 4096).unwrap()
@@ -28,13 +29,13 @@ async fn refusal(server: &farmap_net::Server, tls: TlsClientConfig) -> (ErrorKin
 async fn mtls_refuses_clients_without_a_trusted_certificate_and_serves_the_others() {
     let pki = Pki::new();
     let opts = ServeOptions {
-        tls: Some(pki.server_tls(true)),
+        tls: Some(server_tls(&pki, true)),
         ..quiet()
     };
     let server = memory_server(geometry(), opts).await;
 
     // No certificate at all.
-    let (kind, msg) = refusal(&server, pki.client_tls(false)).await;
+    let (kind, msg) = refusal(&server, client_tls(&pki, false)).await;
     assert_eq!(kind, ErrorKind::PermissionDenied, "{msg}");
     assert!(
         msg.contains("requires a client certificate") && msg.contains("none was sent"),
@@ -42,9 +43,9 @@ async fn mtls_refuses_clients_without_a_trusted_certificate_and_serves_the_other
     );
 
     // A certificate from another CA.
-    let other = Ca::new(pki.dir.path(), "other");
-    let stranger = other.issue(pki.dir.path(), "stranger", &["client.farmap.test"]);
-    let mut tls = pki.client_tls(false);
+    let other = Ca::new(pki.dir(), "other");
+    let stranger = other.issue(pki.dir(), "stranger", &["client.farmap.test"]);
+    let mut tls = client_tls(&pki, false);
     tls.cert = Some(stranger.cert);
     tls.key = Some(stranger.key);
     let (kind, msg) = refusal(&server, tls).await;
@@ -56,7 +57,7 @@ async fn mtls_refuses_clients_without_a_trusted_certificate_and_serves_the_other
 
     // A trusted client is served, by the same server, after the refusals.
     let opts = ClientOptions {
-        tls: Some(pki.client_tls(true)),
+        tls: Some(client_tls(&pki, true)),
         ..client()
     };
     let store = connect(addr_of(&server), opts).await;
@@ -73,13 +74,13 @@ async fn mtls_refuses_clients_without_a_trusted_certificate_and_serves_the_other
 async fn a_server_certificate_from_an_unknown_ca_or_for_another_name_is_not_trusted() {
     let pki = Pki::new();
     let opts = ServeOptions {
-        tls: Some(pki.server_tls(false)),
+        tls: Some(server_tls(&pki, false)),
         ..quiet()
     };
     let server = memory_server(geometry(), opts).await;
 
-    let other = Ca::new(pki.dir.path(), "other");
-    let mut tls = pki.client_tls(false);
+    let other = Ca::new(pki.dir(), "other");
+    let mut tls = client_tls(&pki, false);
     tls.ca = other.pem.clone();
     let (kind, msg) = refusal(&server, tls).await;
     assert_eq!(kind, ErrorKind::PermissionDenied, "{msg}");
@@ -89,14 +90,14 @@ async fn a_server_certificate_from_an_unknown_ca_or_for_another_name_is_not_trus
         "{msg}"
     );
 
-    let mut tls = pki.client_tls(false);
+    let mut tls = client_tls(&pki, false);
     tls.server_name = Some("elsewhere.example".into());
     let (_, msg) = refusal(&server, tls).await;
     assert!(msg.contains("not valid for the server name"), "{msg}");
 
     // Without mutual TLS, a client without a certificate is fine.
     let opts = ClientOptions {
-        tls: Some(pki.client_tls(false)),
+        tls: Some(client_tls(&pki, false)),
         ..client()
     };
     let store = connect(addr_of(&server), opts).await;
@@ -111,7 +112,7 @@ async fn plain_and_tls_peers_do_not_hang_each_other() {
     let tls_server = memory_server(
         geometry(),
         ServeOptions {
-            tls: Some(pki.server_tls(false)),
+            tls: Some(server_tls(&pki, false)),
             ..quiet()
         },
     )
@@ -122,7 +123,7 @@ async fn plain_and_tls_peers_do_not_hang_each_other() {
     assert!(err.to_string().contains("expects TLS"), "{err}");
 
     let plain_server = memory_server(geometry(), quiet()).await;
-    let (_, msg) = refusal(&plain_server, pki.client_tls(false)).await;
+    let (_, msg) = refusal(&plain_server, client_tls(&pki, false)).await;
     assert!(msg.contains("TLS with"), "{msg}");
     assert!(
         msg.contains("did not answer in TLS") && msg.contains("farmap://"),
@@ -133,8 +134,8 @@ async fn plain_and_tls_peers_do_not_hang_each_other() {
 #[tokio::test]
 async fn unreadable_tls_files_are_named() {
     let pki = Pki::new();
-    let mut tls = pki.client_tls(false);
-    tls.ca = pki.dir.path().join("missing.pem");
+    let mut tls = client_tls(&pki, false);
+    tls.ca = pki.dir().join("missing.pem");
     let opts = ClientOptions {
         tls: Some(tls),
         ..client()
@@ -146,8 +147,8 @@ async fn unreadable_tls_files_are_named() {
     let source = std::error::Error::source(&err).unwrap().to_string();
     assert!(source.contains("missing.pem"), "{source}");
 
-    let mut bad = pki.server_tls(false);
-    bad.key = pki.dir.path().join("nope-key.pem");
+    let mut bad = server_tls(&pki, false);
+    bad.key = pki.dir().join("nope-key.pem");
     let listener = farmap_net::Listener::bind(&"127.0.0.1:0".parse().unwrap())
         .await
         .unwrap();

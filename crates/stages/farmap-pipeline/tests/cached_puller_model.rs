@@ -93,10 +93,7 @@ async fn run(case: Case) {
     // The remote: a model store filled with the pattern, behind a small latency so that the
     // puller is still busy while the operations run.
     let filled = ModelStore::new(g);
-    for idx in g.all().iter() {
-        let data = pattern_bytes(case.seed, g.offset_of(idx), g.chunk_len(idx));
-        filled.write(idx, data.into()).await.unwrap();
-    }
+    farmap_testkit::contents::write_pattern(&filled, case.seed).await;
     let remote = Arc::new(Delayed::new(
         filled,
         DelayOptions {
@@ -173,7 +170,7 @@ async fn run(case: Case) {
     assert!(cached.is_complete());
     assert_eq!(cached.present_count(), n);
     assert!(
-        common::contents(cached.local().as_ref()).await == model,
+        farmap_testkit::contents::read_all(cached.local().as_ref()).await == model,
         "local after the pull"
     );
     // Every chunk was fetched at most once, by the puller or by a foreground miss.

@@ -11,16 +11,10 @@ use farmap_testkit::strategies::{byte_ops, ByteOp};
 use farmap_testkit::ModelStore;
 use proptest::prelude::*;
 
-fn runtime() -> tokio::runtime::Runtime {
-    tokio::runtime::Builder::new_current_thread()
-        .build()
-        .expect("runtime")
-}
-
 /// Applies `ops` to an `Unaligned<ModelStore>` and to a vector, alternating between the
 /// borrowed and the owned (`Bytes`) forms of reads and writes.
 fn check_against_vec(g: Geometry, ops: Vec<ByteOp>) -> Result<(), TestCaseError> {
-    runtime().block_on(async {
+    farmap_testkit::block_on(async {
         let u = Unaligned::new(ModelStore::new(g));
         let mut model = vec![0u8; g.size() as usize];
         for (i, op) in ops.into_iter().enumerate() {

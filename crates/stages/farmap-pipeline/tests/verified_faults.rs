@@ -8,6 +8,7 @@ use bytes::Bytes;
 use farmap_core::{ChunkIdx, ErrorKind, Geometry, Store};
 use farmap_pipeline::{DataFaults, Faulty, Verified, VerifiedLayout};
 use farmap_store::MemoryStore;
+use farmap_testkit::versioned_chunk;
 use rand::rngs::SmallRng;
 use rand::{Rng, SeedableRng};
 
@@ -19,15 +20,6 @@ struct Outcome {
     bad_served: u64,
     refused: u64,
     injected: u64,
-}
-
-fn content(idx: u64, version: u64, len: usize) -> Bytes {
-    let mut v = vec![0u8; len];
-    let tag = idx.wrapping_mul(0x9E37_79B9_7F4A_7C15) ^ version.wrapping_mul(0xBF58_476D_1CE4_E5B9);
-    for (i, b) in v.iter_mut().enumerate() {
-        *b = (tag.rotate_left((i % 64) as u32) as u8) ^ (i as u8) | 1;
-    }
-    Bytes::from(v)
 }
 
 async fn run(verified: bool) -> Outcome {
@@ -69,7 +61,7 @@ async fn run(verified: bool) -> Outcome {
         let idx = rng.gen_range(0..g.chunk_count());
         if rng.gen_bool(0.5) {
             version += 1;
-            let data = content(idx, version, 4096);
+            let data = versioned_chunk(idx, version, 4096);
             store.write(ChunkIdx(idx), data.clone()).await.unwrap();
             model[idx as usize] = data;
         } else {

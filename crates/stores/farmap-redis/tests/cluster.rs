@@ -17,7 +17,7 @@ async fn cluster_conforms() {
         return;
     };
     let base = svc.var("SPEC_BASE").to_owned();
-    farmap_testkit::run_conformance(|g| common::fresh_dyn(&base, g)).await;
+    farmap_testkit::run_conformance(|g| common::fresh_dyn(&base, g, &[])).await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

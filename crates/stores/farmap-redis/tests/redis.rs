@@ -24,20 +24,13 @@ async fn conforms() {
         return;
     };
     let base = svc.var("SPEC_BASE").to_owned();
-    farmap_testkit::run_conformance(|g| common::fresh_dyn(&base, g)).await;
-}
-
-fn runtime() -> tokio::runtime::Runtime {
-    tokio::runtime::Builder::new_current_thread()
-        .enable_all()
-        .build()
-        .expect("runtime")
+    farmap_testkit::run_conformance(|g| common::fresh_dyn(&base, g, &[])).await;
 }
 
 /// Byte-range operations through `Unaligned` over Redis against a vector, and chunk-level
 /// trims and statuses against the model store.
 fn check_against_model(base: &str, g: Geometry, ops: Vec<ByteOp>) -> Result<(), TestCaseError> {
-    runtime().block_on(async {
+    farmap_testkit::block_on(async {
         let u = Unaligned::new(fresh_store(base, g, &[("connections", "2")]).await);
         let model = Unaligned::new(ModelStore::new(g));
         for (i, op) in ops.into_iter().enumerate() {

@@ -4,7 +4,7 @@
 
 mod common;
 
-use common::{config, fresh_dyn_with, service};
+use common::{config, fresh_dyn, service};
 use farmap_core::Geometry;
 use farmap_redis::RedisStore;
 
@@ -18,7 +18,7 @@ async fn conforms_over_tls() {
     assert!(base.starts_with("rediss://"), "{base}");
     farmap_testkit::run_conformance(|g| {
         let (base, ca) = (base.clone(), ca.clone());
-        async move { fresh_dyn_with(&base, g, &[("ca", &ca)]).await }
+        async move { fresh_dyn(&base, g, &[("ca", &ca)]).await }
     })
     .await;
 }

@@ -6,11 +6,12 @@ mod common;
 use std::sync::Arc;
 
 use bytes::Bytes;
-use common::{env_of, fresh_prefix, fresh_store, location, minio, open_with};
+use common::{env_of, fresh_prefix, location, minio, open_with};
 use farmap_core::{
     error_chain, ChunkIdx, ChunkRange, ChunkStatus, ErrorKind, Geometry, Store, StoreError,
 };
-use farmap_testkit::ModelStore;
+use farmap_s3::S3Store;
+use farmap_testkit::{ModelStore, Service};
 use object_store::aws::AmazonS3Builder;
 use object_store::path::Path;
 use object_store::{ObjectStoreExt, PutPayload};
@@ -18,6 +19,14 @@ use proptest::prelude::*;
 
 fn chain(e: &StoreError) -> String {
     error_chain(e)
+}
+
+/// A new, empty region of geometry `g` on a fresh prefix.
+async fn fresh_store(svc: &Service, name: &str, g: Geometry) -> S3Store {
+    let loc = location(svc, svc.var("ENDPOINT"), &fresh_prefix(name));
+    open_with(loc, Some(g), false, &env_of(svc))
+        .await
+        .unwrap_or_else(|e| panic!("opening a fresh S3 region: {}", chain(&e)))
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -41,6 +41,26 @@ pub fn pattern_bytes(seed: u64, offset: u64, len: usize) -> Vec<u8> {
     out
 }
 
+/// [`pattern_bytes`]`(seed, 0, len)` with a run of zeros (bytes `len / 3 .. len / 3 + len / 8`):
+/// file content that differs along the file and has a stretch a copy may skip.
+pub fn pattern_with_zeros(seed: u64, len: usize) -> Vec<u8> {
+    let mut v = pattern_bytes(seed, 0, len);
+    let z = len / 3;
+    v[z..z + len / 8].fill(0);
+    v
+}
+
+/// `len` bytes of chunk `idx` as written at `version`: every byte depends on both through a
+/// 64-bit tag (so that a stale or torn chunk shows), and none is zero.
+pub fn versioned_chunk(idx: u64, version: u64, len: usize) -> Bytes {
+    let tag = idx.wrapping_mul(0x9E37_79B9_7F4A_7C15) ^ version.wrapping_mul(0xBF58_476D_1CE4_E5B9);
+    Bytes::from(
+        (0..len)
+            .map(|i| (tag.rotate_left((i % 64) as u32) as u8) ^ (i as u8) | 1)
+            .collect::<Vec<u8>>(),
+    )
+}
+
 /// A read-only store whose byte at offset `o` is [`pattern_byte`]`(seed, o)`: an oracle for
 /// anything that moves data (pullers, caches, network transports, frontends).
 #[derive(Debug, Clone)]

@@ -253,6 +253,17 @@ impl Drop for Service {
     }
 }
 
+/// A name that no other call in this process gives, nor an earlier run (its pid and the time
+/// are in it): `TAG-PID-N-NANOS`, for the regions, prefixes and keys a test makes on a server
+/// that other tests, and earlier runs, use too.
+pub fn unique_name(tag: &str) -> String {
+    let nanos = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map(|d| d.as_nanos())
+        .unwrap_or(0);
+    format!("{tag}-{}-{}-{nanos}", std::process::id(), unique())
+}
+
 fn unique() -> u64 {
     use std::sync::atomic::{AtomicU64, Ordering};
     static N: AtomicU64 = AtomicU64::new(0);

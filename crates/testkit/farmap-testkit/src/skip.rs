@@ -5,6 +5,10 @@
 //! named by `FARMAP_SKIP_LOG` (set by `scripts/test.sh`, which prints how many tests skipped
 //! and fails under `CI=true` if any did). Under `CI=true`, [`skip`] panics instead: the CI
 //! machine has everything the suite needs, so a skip there is a failure.
+//!
+//! The checks a test makes first: [`unless`] (a probe or a service that may fail),
+//! [`fuse_mountable`], [`program`]; [`tools::need`](crate::tools::need) installs Debian
+//! packages a test needs.
 
 use std::io::Write;
 
@@ -26,6 +30,57 @@ pub fn skip(test: &str, why: impl std::fmt::Display) {
         panic!("{line} (under CI=true nothing may be skipped)");
     }
     println!("{line}");
+}
+
+/// The value of `ready`, or `None` after recording (see [`skip`]) that `test` is skipped
+/// because of its error: what a test that needs something of this machine or a service
+/// calls first.
+///
+/// ```text
+/// let Some(support) = skip::unless(test, farmap_uffd::probe()) else { return };
+/// let Some(redis) = skip::unless(test, Service::shared("redis")) else { return };
+/// ```
+pub fn unless<T, E: std::fmt::Display>(test: &str, ready: Result<T, E>) -> Option<T> {
+    match ready {
+        Ok(v) => Some(v),
+        Err(e) => {
+            skip(test, e);
+            None
+        }
+    }
+}
+
+/// Whether this process runs as root (effective user id 0).
+pub fn is_root() -> bool {
+    rustix::process::geteuid().is_root()
+}
+
+/// Whether FUSE file systems can be mounted here (`/dev/fuse`, and root: the mounts are made
+/// without fusermount3); records that `test` is skipped, and why, when not.
+pub fn fuse_mountable(test: &str) -> bool {
+    if !std::path::Path::new("/dev/fuse").exists() {
+        skip(test, "/dev/fuse is missing (no FUSE in this kernel)");
+        return false;
+    }
+    if !is_root() {
+        skip(test, "mounting FUSE without fusermount3 needs root");
+        return false;
+    }
+    true
+}
+
+/// Whether `program ARGS` can be started here (its exit status does not matter); records
+/// that `test` is skipped because `program` is missing when not.
+pub fn program(test: &str, program: &str, args: &[&str]) -> bool {
+    if std::process::Command::new(program)
+        .args(args)
+        .output()
+        .is_ok()
+    {
+        return true;
+    }
+    skip(test, format!("{program} is missing"));
+    false
 }
 
 /// Appends `line` to the skip log at `path` (best effort: a log that cannot be written must

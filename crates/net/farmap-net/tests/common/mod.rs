@@ -1,7 +1,9 @@
-//! Shared helpers: certificates made at run time, servers over memory stores.
+//! Shared helpers: servers over memory stores, clients, TLS configurations from the test
+//! kit's certificates.
+// Not every test binary uses every helper, and these name farmap-net's own types, so they
+// cannot live in farmap-testkit (which does not depend on farmap-net).
 #![allow(dead_code)]
 
-use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -11,51 +13,7 @@ use farmap_net::{
     TlsClientConfig, TlsServerConfig,
 };
 use farmap_store::MemoryStore;
-use rcgen::{BasicConstraints, Certificate, CertificateParams, IsCa, KeyPair};
-
-/// A certificate authority made for one test.
-pub struct Ca {
-    cert: Certificate,
-    key: KeyPair,
-    /// Its certificate as a PEM file.
-    pub pem: PathBuf,
-}
-
-/// A leaf certificate and key, as PEM files.
-pub struct Leaf {
-    pub cert: PathBuf,
-    pub key: PathBuf,
-}
-
-impl Ca {
-    pub fn new(dir: &Path, name: &str) -> Ca {
-        let key = KeyPair::generate().unwrap();
-        let mut params = CertificateParams::new(Vec::<String>::new()).unwrap();
-        params.is_ca = IsCa::Ca(BasicConstraints::Unconstrained);
-        params
-            .distinguished_name
-            .push(rcgen::DnType::CommonName, format!("farmap test CA {name}"));
-        let cert = params.self_signed(&key).unwrap();
-        let pem = dir.join(format!("{name}-ca.pem"));
-        std::fs::write(&pem, cert.pem()).unwrap();
-        Ca { cert, key, pem }
-    }
-
-    /// A certificate for `names` (DNS names or IP addresses), signed by this CA.
-    pub fn issue(&self, dir: &Path, file: &str, names: &[&str]) -> Leaf {
-        let key = KeyPair::generate().unwrap();
-        let names: Vec<String> = names.iter().map(|s| s.to_string()).collect();
-        let params = CertificateParams::new(names).unwrap();
-        let cert = params.signed_by(&key, &self.cert, &self.key).unwrap();
-        let leaf = Leaf {
-            cert: dir.join(format!("{file}.pem")),
-            key: dir.join(format!("{file}-key.pem")),
-        };
-        std::fs::write(&leaf.cert, cert.pem()).unwrap();
-        std::fs::write(&leaf.key, key.serialize_pem()).unwrap();
-        leaf
-    }
-}
+use farmap_testkit::tls::Pki;
 
 /// Server options for tests: quiet, short timeouts.
 pub fn quiet() -> ServeOptions {
@@ -94,43 +52,24 @@ pub fn addr_of(server: &Server) -> RemoteAddr {
     RemoteAddr::from(server.local_addr())
 }
 
-/// TLS files for a server and a client trusted by it.
-pub struct Pki {
-    pub dir: tempfile::TempDir,
-    pub ca: Ca,
-    pub server: Leaf,
-    pub client: Leaf,
+/// A server's TLS with `pki`'s server certificate; with `mtls`, clients must present a
+/// certificate from `pki`'s CA.
+pub fn server_tls(pki: &Pki, mtls: bool) -> TlsServerConfig {
+    TlsServerConfig {
+        cert: pki.server.cert.clone(),
+        key: pki.server.key.clone(),
+        client_ca: mtls.then(|| pki.ca.pem.clone()),
+    }
 }
 
-impl Pki {
-    pub fn new() -> Pki {
-        let dir = tempfile::tempdir().unwrap();
-        let ca = Ca::new(dir.path(), "main");
-        let server = ca.issue(dir.path(), "server", &["localhost", "127.0.0.1"]);
-        let client = ca.issue(dir.path(), "client", &["client.farmap.test"]);
-        Pki {
-            dir,
-            ca,
-            server,
-            client,
-        }
-    }
-
-    pub fn server_tls(&self, mtls: bool) -> TlsServerConfig {
-        TlsServerConfig {
-            cert: self.server.cert.clone(),
-            key: self.server.key.clone(),
-            client_ca: mtls.then(|| self.ca.pem.clone()),
-        }
-    }
-
-    pub fn client_tls(&self, with_cert: bool) -> TlsClientConfig {
-        TlsClientConfig {
-            ca: self.ca.pem.clone(),
-            cert: with_cert.then(|| self.client.cert.clone()),
-            key: with_cert.then(|| self.client.key.clone()),
-            server_name: None,
-        }
+/// A client's TLS trusting `pki`'s CA; with `with_cert`, presenting `pki`'s client
+/// certificate.
+pub fn client_tls(pki: &Pki, with_cert: bool) -> TlsClientConfig {
+    TlsClientConfig {
+        ca: pki.ca.pem.clone(),
+        cert: with_cert.then(|| pki.client.cert.clone()),
+        key: with_cert.then(|| pki.client.key.clone()),
+        server_name: None,
     }
 }
 

@@ -1,6 +1,5 @@
 //! The stores a stage's tests run over: the single-mutex model store and the real local stores
 //! of `farmap-store` (sparse memory, one file, a directory of chunk files).
-#![allow(dead_code)] // each test binary uses its own part
 
 use std::sync::Arc;
 
@@ -13,18 +12,15 @@ use tempfile::TempDir;
 /// Which store backs a stage under test.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Backing {
+    #[allow(dead_code)] // real_stores.rs runs over the real stores only
     Model,
     Memory,
     File,
     Dir,
 }
 
-impl Backing {
-    pub const ALL: [Backing; 4] = [Backing::Model, Backing::Memory, Backing::File, Backing::Dir];
-    pub const REAL: [Backing; 3] = [Backing::Memory, Backing::File, Backing::Dir];
-}
-
 /// Any backing, for proptest cases.
+#[allow(dead_code)] // real_stores.rs draws none
 pub fn backing() -> impl Strategy<Value = Backing> {
     prop_oneof![
         Just(Backing::Model),
@@ -61,14 +57,4 @@ pub fn new_store(kind: Backing, g: Geometry) -> (Arc<dyn Store>, Option<TempDir>
             (Arc::new(store), Some(tmp))
         }
     }
-}
-
-/// The whole region's bytes, read chunk by chunk.
-pub async fn contents(store: &dyn Store) -> Vec<u8> {
-    let g = store.geometry();
-    let mut out = Vec::with_capacity(g.size() as usize);
-    for idx in g.all().iter() {
-        out.extend_from_slice(&store.read(idx).await.expect("a read of the whole region"));
-    }
-    out
 }

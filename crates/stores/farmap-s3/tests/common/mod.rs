@@ -1,23 +1,15 @@
 //! A MinIO server for the tests (scripts/services/minio.sh, one per test binary) and stores on
 //! fresh prefixes of its bucket.
-#![allow(dead_code)]
 
 use std::collections::HashMap;
-use std::sync::atomic::{AtomicU64, Ordering};
 
 use farmap_core::{Geometry, StoreResult};
 use farmap_s3::{S3Location, S3Options, S3Store};
-use farmap_testkit::{skip, Service};
+use farmap_testkit::Service;
 
 /// The shared MinIO, or `None` after recording why the test is skipped.
 pub fn minio(test: &str) -> Option<&'static Service> {
-    match Service::shared("minio") {
-        Ok(s) => Some(s),
-        Err(e) => {
-            skip(test, e);
-            None
-        }
-    }
+    farmap_testkit::skip::unless(test, Service::shared("minio"))
 }
 
 /// The environment a client of `svc` sees: its keys, and no profile files.
@@ -31,16 +23,7 @@ pub fn env_of(svc: &Service) -> HashMap<String, String> {
 
 /// A prefix no other test (or earlier run) uses.
 pub fn fresh_prefix(name: &str) -> String {
-    static N: AtomicU64 = AtomicU64::new(0);
-    let nanos = std::time::SystemTime::now()
-        .duration_since(std::time::UNIX_EPOCH)
-        .map(|d| d.as_nanos())
-        .unwrap_or(0);
-    format!(
-        "t/{name}-{}-{}-{nanos}",
-        std::process::id(),
-        N.fetch_add(1, Ordering::Relaxed)
-    )
+    farmap_testkit::unique_name(&format!("t/{name}"))
 }
 
 /// The location `prefix` of the service's bucket, through `endpoint`.
@@ -67,17 +50,4 @@ pub async fn open_with(
         &|k| env.get(k).cloned(),
     )
     .await
-}
-
-/// A new, empty region of geometry `g` on a fresh prefix.
-pub async fn fresh_store(svc: &Service, name: &str, g: Geometry) -> S3Store {
-    let loc = location(svc, svc.var("ENDPOINT"), &fresh_prefix(name));
-    open_with(loc, Some(g), false, &env_of(svc))
-        .await
-        .unwrap_or_else(|e| {
-            panic!(
-                "opening a fresh S3 region: {}",
-                farmap_core::error_chain(&e)
-            )
-        })
 }
