@@ -17,7 +17,9 @@ use crate::error::{RegionError, Unsupported};
 use crate::mapping::OwnedMapping;
 use crate::memory::{Events, PushReads, RegionMemory};
 use crate::options::LocalLimit;
-use crate::options::{FaultWait, RegionMode, RegionOptions, TrackingMode, WriteTracking};
+use crate::options::{
+    FaultWait, PagingOptions, RegionMode, RegionOptions, TrackingMode, WriteTracking,
+};
 use crate::pagemap::Pagemap;
 use crate::paging::{Pager, Reclaimer};
 use crate::server::{OwnedRuntime, Reader, Server, ServerParts};
@@ -224,66 +226,14 @@ impl Region {
     pub fn open(store: Arc<dyn Store>, opts: RegionOptions) -> Result<Region, RegionError> {
         let geometry = store.geometry();
         let page = sys::page_size();
-        let geometry_error = |reason| RegionError::Geometry {
-            size: geometry.size(),
-            chunk_size: geometry.chunk_size(),
-            reason,
-        };
-        if !geometry.size().is_multiple_of(page as u64) {
-            return Err(geometry_error(
-                "the size is not a multiple of the page size",
-            ));
-        }
-        if (geometry.chunk_size() as usize) < page {
-            return Err(geometry_error("chunks are smaller than a page"));
-        }
-        let len = usize::try_from(geometry.size())
-            .map_err(|_| geometry_error("the size does not fit the address space"))?;
+        let len = region_len(geometry, page)?;
         let support = probe()?;
-        let mode = match (opts.tracking, support.tracking) {
-            (WriteTracking::SyncFaults, _) => TrackingMode::SyncFaults,
-            (_, TrackingMode::Async) => TrackingMode::Async,
-            (WriteTracking::Auto, TrackingMode::SyncFaults) => TrackingMode::SyncFaults,
-            (WriteTracking::Async, TrackingMode::SyncFaults) => {
-                return Err(RegionError::unsupported(Unsupported::WpAsync))
-            }
-        };
+        let Features {
+            mode,
+            bits: features,
+            in_thread,
+        } = Features::choose(&opts, &support)?;
         let paging = opts.paging.clone();
-        if paging.is_some() {
-            if support.features & sys::UFFD_FEATURE_MOVE == 0 {
-                return Err(RegionError::unsupported(Unsupported::Move));
-            }
-            if mode != TrackingMode::Async {
-                return Err(RegionError::unsupported(Unsupported::PagingNeedsAsync));
-            }
-        }
-        let in_thread = paging.as_ref().is_some_and(|p| p.in_thread);
-        if in_thread && support.features & sys::UFFD_FEATURE_SIGBUS == 0 {
-            return Err(RegionError::unsupported(Unsupported::Sigbus));
-        }
-        let mut features = sys::UFFD_FEATURE_EVENT_REMOVE;
-        if let Some(p) = &paging {
-            features |= sys::UFFD_FEATURE_MOVE;
-            if p.prefetch != crate::Prefetch::Off {
-                // The faulting thread's id, for per-thread prefetch windows.
-                features |= sys::UFFD_FEATURE_THREAD_ID;
-            }
-        }
-        if support.features & sys::UFFD_FEATURE_THREAD_ID != 0 {
-            // Also tells a fault reader where the faulting thread runs (`src/server.rs`).
-            features |= sys::UFFD_FEATURE_THREAD_ID;
-        }
-        if mode == TrackingMode::Async {
-            features |= sys::UFFD_FEATURE_WP_ASYNC | sys::UFFD_FEATURE_WP_UNPOPULATED;
-        }
-        if support.poison {
-            features |= sys::UFFD_FEATURE_POISON;
-        }
-        if in_thread {
-            // Missing faults raise SIGBUS in the faulting thread (the `signal` module).
-            features |= sys::UFFD_FEATURE_SIGBUS;
-        }
-
         let owned = OwnedMapping::new(len, opts.address)
             .map_err(|e| RegionError::sys("mapping the region's memory", e))?;
         let mapping = owned.shared();
@@ -298,26 +248,10 @@ impl Region {
             return Err(RegionError::unsupported(Unsupported::WriteProtect));
         }
         let range = UffdRange::new(uffd.clone(), mapping.addr(), len);
-        // Bounded local memory: a staging area as large as the region and a trash area after
-        // it (MAP_NORESERVE: only staged pages take memory), registered with a second, quiet
-        // userfaultfd (no events, write-protect mode only: its holes read as zeros). A move
-        // is issued on its destination's fd, so pages move both ways; and dropping staged
-        // pages (madvise) raises no remove event on the region's fd, whose copies would
-        // fail with EAGAIN until the madvise returned (the paging module's docs).
         let staging = match &paging {
-            Some(_) => {
-                let quiet = Uffd::open(sys::UFFD_FEATURE_MOVE)
-                    .map_err(|e| RegionError::sys("opening the staging area's userfaultfd", e))?;
-                let owned = OwnedMapping::new(len + crate::paging::trash_len(geometry), None)
-                    .map_err(|e| RegionError::sys("mapping the staging area", e))?;
-                owned
-                    .register(&quiet, sys::UFFDIO_REGISTER_MODE_WP)
-                    .map_err(|e| RegionError::sys("registering the staging area", e))?;
-                Some((owned, Arc::new(quiet)))
-            }
+            Some(_) => Some(staging_area(len, geometry)?),
             None => None,
         };
-
         let runtime = OwnedRuntime::new(opts.worker_threads, "farmap-uffd-rt")
             .map_err(|e| RegionError::sys("starting the region's runtime", e))?;
         let handle = runtime.handle().clone();
@@ -406,37 +340,10 @@ impl Region {
                 .map_err(RegionError::Push)?
         };
         let pusher = Arc::new(pusher);
-        let mut reclaimer = None;
-        if let Some(pager) = &pager {
-            let (wb_pusher, mark_pusher) = (Arc::downgrade(&pusher), Arc::downgrade(&pusher));
-            pager.connect(
-                Arc::downgrade(&server.cache),
-                Box::new(move |chunks| {
-                    let pusher = wb_pusher.clone();
-                    Box::pin(async move {
-                        match pusher.upgrade() {
-                            Some(p) => p.write_back(&chunks).await,
-                            None => Err(farmap_core::StoreError::new(
-                                farmap_core::ErrorKind::Closed,
-                                "the region is closed",
-                            )),
-                        }
-                    })
-                }),
-                Box::new(move |idx| {
-                    if let Some(p) = mark_pusher.upgrade() {
-                        p.mark_dirty(idx);
-                    }
-                }),
-            );
-            if paging.as_ref().is_some_and(|p| p.proactive) {
-                reclaimer = Some(
-                    pager
-                        .spawn_reclaimer(handle.clone())
-                        .map_err(|e| RegionError::sys("starting the reclaim thread", e))?,
-                );
-            }
-        }
+        let reclaimer = match &pager {
+            Some(pager) => connect_pager(pager, &server, &pusher, paging.as_ref(), &handle)?,
+            None => None,
+        };
         let reader = Reader::spawn(server.clone(), handle.clone())
             .map_err(|e| RegionError::sys("starting the fault reader", e))?;
         // Registered last: from here on, this region's faults are served in their threads.
@@ -831,4 +738,141 @@ impl fmt::Debug for Region {
             .field("handler", &self.handler())
             .finish()
     }
+}
+/// The region's length in bytes, if `geometry` can be a region: whole pages, chunks of at
+/// least a page, within the address space.
+fn region_len(geometry: Geometry, page: usize) -> Result<usize, RegionError> {
+    let geometry_error = |reason| RegionError::Geometry {
+        size: geometry.size(),
+        chunk_size: geometry.chunk_size(),
+        reason,
+    };
+    if !geometry.size().is_multiple_of(page as u64) {
+        return Err(geometry_error(
+            "the size is not a multiple of the page size",
+        ));
+    }
+    if (geometry.chunk_size() as usize) < page {
+        return Err(geometry_error("chunks are smaller than a page"));
+    }
+    usize::try_from(geometry.size())
+        .map_err(|_| geometry_error("the size does not fit the address space"))
+}
+
+/// What a region asks of userfaultfd: its write-tracking mode, the feature bits, whether
+/// missing faults are resolved in the faulting thread.
+struct Features {
+    mode: TrackingMode,
+    bits: u64,
+    in_thread: bool,
+}
+
+impl Features {
+    /// The features `opts` need, refused when this kernel (`support`) lacks one.
+    fn choose(opts: &RegionOptions, support: &Support) -> Result<Features, RegionError> {
+        let mode = match (opts.tracking, support.tracking) {
+            (WriteTracking::SyncFaults, _) => TrackingMode::SyncFaults,
+            (_, TrackingMode::Async) => TrackingMode::Async,
+            (WriteTracking::Auto, TrackingMode::SyncFaults) => TrackingMode::SyncFaults,
+            (WriteTracking::Async, TrackingMode::SyncFaults) => {
+                return Err(RegionError::unsupported(Unsupported::WpAsync))
+            }
+        };
+        let paging = opts.paging.clone();
+        if paging.is_some() {
+            if support.features & sys::UFFD_FEATURE_MOVE == 0 {
+                return Err(RegionError::unsupported(Unsupported::Move));
+            }
+            if mode != TrackingMode::Async {
+                return Err(RegionError::unsupported(Unsupported::PagingNeedsAsync));
+            }
+        }
+        let in_thread = paging.as_ref().is_some_and(|p| p.in_thread);
+        if in_thread && support.features & sys::UFFD_FEATURE_SIGBUS == 0 {
+            return Err(RegionError::unsupported(Unsupported::Sigbus));
+        }
+        let mut features = sys::UFFD_FEATURE_EVENT_REMOVE;
+        if let Some(p) = &paging {
+            features |= sys::UFFD_FEATURE_MOVE;
+            if p.prefetch != crate::Prefetch::Off {
+                // The faulting thread's id, for per-thread prefetch windows.
+                features |= sys::UFFD_FEATURE_THREAD_ID;
+            }
+        }
+        if support.features & sys::UFFD_FEATURE_THREAD_ID != 0 {
+            // Also tells a fault reader where the faulting thread runs (`src/server.rs`).
+            features |= sys::UFFD_FEATURE_THREAD_ID;
+        }
+        if mode == TrackingMode::Async {
+            features |= sys::UFFD_FEATURE_WP_ASYNC | sys::UFFD_FEATURE_WP_UNPOPULATED;
+        }
+        if support.poison {
+            features |= sys::UFFD_FEATURE_POISON;
+        }
+        if in_thread {
+            // Missing faults raise SIGBUS in the faulting thread (the `signal` module).
+            features |= sys::UFFD_FEATURE_SIGBUS;
+        }
+        Ok(Features {
+            mode,
+            bits: features,
+            in_thread,
+        })
+    }
+}
+
+/// Bounded local memory: a staging area as large as the region and a trash area after it
+/// (MAP_NORESERVE: only staged pages take memory), registered with a second, quiet
+/// userfaultfd (no events, write-protect mode only: its holes read as zeros). A move is
+/// issued on its destination's fd, so pages move both ways; and dropping staged pages
+/// (madvise) raises no remove event on the region's fd, whose copies would fail with EAGAIN
+/// until the madvise returned (the paging module's docs).
+fn staging_area(len: usize, geometry: Geometry) -> Result<(OwnedMapping, Arc<Uffd>), RegionError> {
+    let quiet = Uffd::open(sys::UFFD_FEATURE_MOVE)
+        .map_err(|e| RegionError::sys("opening the staging area's userfaultfd", e))?;
+    let owned = OwnedMapping::new(len + crate::paging::trash_len(geometry), None)
+        .map_err(|e| RegionError::sys("mapping the staging area", e))?;
+    owned
+        .register(&quiet, sys::UFFDIO_REGISTER_MODE_WP)
+        .map_err(|e| RegionError::sys("registering the staging area", e))?;
+    Ok((owned, Arc::new(quiet)))
+}
+
+/// Connects the pager to the region's cache and pusher (write-backs before a staged copy is
+/// dropped, dirty marks of chunks being staged); starts the reclaim thread if asked.
+fn connect_pager(
+    pager: &Arc<Pager>,
+    server: &Arc<Server>,
+    pusher: &Arc<RegionPusher>,
+    paging: Option<&PagingOptions>,
+    handle: &Handle,
+) -> Result<Option<Reclaimer>, RegionError> {
+    let (wb_pusher, mark_pusher) = (Arc::downgrade(pusher), Arc::downgrade(pusher));
+    pager.connect(
+        Arc::downgrade(&server.cache),
+        Box::new(move |chunks| {
+            let pusher = wb_pusher.clone();
+            Box::pin(async move {
+                match pusher.upgrade() {
+                    Some(p) => p.write_back(&chunks).await,
+                    None => Err(farmap_core::StoreError::new(
+                        farmap_core::ErrorKind::Closed,
+                        "the region is closed",
+                    )),
+                }
+            })
+        }),
+        Box::new(move |idx| {
+            if let Some(p) = mark_pusher.upgrade() {
+                p.mark_dirty(idx);
+            }
+        }),
+    );
+    if !paging.is_some_and(|p| p.proactive) {
+        return Ok(None);
+    }
+    pager
+        .spawn_reclaimer(handle.clone())
+        .map(Some)
+        .map_err(|e| RegionError::sys("starting the reclaim thread", e))
 }

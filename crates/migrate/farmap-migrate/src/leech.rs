@@ -23,8 +23,8 @@ use crate::channel::{connect, Channel, Sender};
 use crate::endpoint::{Destination, EndpointError};
 use crate::event::{Event, Observer, Reporter};
 use crate::machine::{
-    AbortCause, Convergence, Finalization, Leecher, LeecherAction, LeecherInput, LeecherLimits,
-    Manifest, RoundResult,
+    AbortCause, Confirm, Convergence, Finalization, Leecher, LeecherAction, LeecherInput,
+    LeecherLimits, Manifest, RoundResult,
 };
 use crate::msg::{run_pages, Location, Mode, Msg};
 use crate::view::MigrationStore;
@@ -684,44 +684,7 @@ impl<D: Destination> Run<D> {
         queue: &mut VecDeque<LeecherAction>,
     ) -> Result<Option<LeechReport<D>>, LeechError> {
         match action {
-            LeecherAction::Send(m) => {
-                if matches!(m, Msg::Finalize) {
-                    self.finalize_sent = Some(Instant::now());
-                    self.rep.note(match machine.finalization() {
-                        Some(Finalization::Converged) | None => {
-                            "pre-copy converged: finalizing".to_owned()
-                        }
-                        Some(Finalization::MaxRounds) => format!(
-                            "pre-copy did not converge within {} rounds: finalizing anyway; the \
-                             downtime may exceed its budget of {:?}",
-                            machine.rounds(),
-                            self.opts.convergence.max_downtime
-                        ),
-                        Some(Finalization::NotShrinking) => format!(
-                            "pre-copy did not converge (the dirty set stopped shrinking): \
-                             finalizing anyway; the downtime may exceed its budget of {:?}",
-                            self.opts.convergence.max_downtime
-                        ),
-                        Some(Finalization::NoPreCopy) => {
-                            format!("{} mode: finalizing at once", self.opts.mode)
-                        }
-                    });
-                }
-                // The hand-over follows these within milliseconds (after the draft, in
-                // instant mode): its reading must not wait for a halted CPU to wake up.
-                let handover_next = match m {
-                    Msg::Installed => true,
-                    Msg::Finalize => self.opts.mode != Mode::Instant,
-                    _ => false,
-                };
-                if handover_next {
-                    self.keep_awake();
-                }
-                if self.connected && self.tx.send(&m).await.is_err() {
-                    self.connected = false;
-                    queue.extend(machine.step(LeecherInput::Disconnected));
-                }
-            }
+            LeecherAction::Send(m) => self.send(m, machine, queue).await,
             LeecherAction::OpenRegion {
                 size,
                 chunk_size,
@@ -732,82 +695,11 @@ impl<D: Destination> Run<D> {
                 mode,
                 ..
             } => {
-                self.seeder_boot = boot_id;
-                self.tracking_since = Some(Instant::now());
-                let data_addr = self.data_addr(data_port);
-                let Some(open) = self.open.take() else {
-                    return Ok(None);
-                };
                 let geometry = (size, chunk_size, page_size);
-                let d = open_dest(&self.opts, open, data_addr, geometry, mode, shared)
+                self.open_region(geometry, data_port, boot_id, shared, mode)
                     .await
-                    .map_err(LeechError::Region)?;
-                if mode != Mode::Precopy {
-                    self.rep.note(format!(
-                        "{mode}: region of {size} bytes opened here; handing over at once"
-                    ));
-                    self.dest = Some(d);
-                    return Ok(None);
-                }
-                let priority = self.opts.pull.priority;
-                if priority != PullPriority::Normal {
-                    // Nothing of the application runs here yet: every thread of this process
-                    // (and those they start) pulls, and gives way to the source's writers.
-                    self.lowered = true;
-                    let failed = priority.apply_to_process();
-                    if failed > 0 {
-                        tracing::warn!("{failed} threads refused the {priority} priority");
-                    }
-                }
-                self.rep.note(format!(
-                    "pulling {size} bytes while the source runs (pull priority {priority}; \
-                     region opened {:.1} ms after the start)",
-                    self.started.elapsed().as_secs_f64() * 1e3
-                ));
-                let (r, st, w) = (d.region.clone(), d.store.clone(), self.work.clone());
-                let (page, chunk, workers) = (d.page, d.chunk, self.opts.pull_workers);
-                let (rep, pacer) = (self.rep.clone(), self.pacer.clone());
-                tokio::spawn(async move {
-                    let started = Instant::now();
-                    let pulled = bulk_pull(r, st, page, chunk, workers, rep.clone(), pacer).await;
-                    let input = match pulled {
-                        Ok(()) => {
-                            let took = started.elapsed().as_secs_f64();
-                            rep.note(format!(
-                                "pre-copy pull: {size} bytes in {:.1} ms ({:.0} MB/s)",
-                                took * 1e3,
-                                size as f64 / took.max(1e-9) / 1e6
-                            ));
-                            LeecherInput::PullDone
-                        }
-                        Err(e) => {
-                            rep.note(format!("the pre-copy pull failed: {}", error_chain(&e)));
-                            LeecherInput::Disconnected
-                        }
-                    };
-                    let _ = w.send(input);
-                });
-                self.dest = Some(d);
             }
-            LeecherAction::Refresh { runs } => {
-                let Some(d) = self.dest.as_ref() else {
-                    return Ok(None);
-                };
-                self.dirty_pages += run_pages(&runs);
-                let (region, store, w) = (d.region.clone(), d.store.clone(), self.work.clone());
-                let (page, rep, pacer) = (d.page, self.rep.clone(), self.pacer.clone());
-                tokio::spawn(async move {
-                    let round = refresh_round(region, store, &runs, page, &rep, &pacer).await;
-                    let input = match round {
-                        Ok(r) => LeecherInput::RoundDone(r),
-                        Err(e) => {
-                            rep.note(format!("a dirty round failed: {}", error_chain(&e)));
-                            LeecherInput::Disconnected
-                        }
-                    };
-                    let _ = w.send(input);
-                });
-            }
+            LeecherAction::Refresh { runs } => self.refresh(runs),
             LeecherAction::Resume {
                 runs,
                 app_state,
@@ -816,131 +708,285 @@ impl<D: Destination> Run<D> {
                 fetch_all,
             } => {
                 self.resume(runs, app_state, suspended_at_ns, confirm, fetch_all)
-                    .await?
+                    .await?;
+                Ok(None)
             }
-            LeecherAction::InstallManifest(m) => {
-                if let Some(d) = self.dest.as_ref() {
-                    // Before the hand-over, while the source still runs: the downtime
-                    // carries only the confirmation of the chunks written lately.
-                    let t0 = Instant::now();
-                    d.store.install_manifest(&m);
-                    self.rep.note(format!(
-                        "instant: manifest installed in {:.2} ms ({} chunks in the shared \
-                         store, {} at the source)",
-                        t0.elapsed().as_secs_f64() * 1e3,
-                        m.pushed.len(),
-                        m.source_chunks()
+            LeecherAction::InstallManifest(m) => self.install_manifest(m),
+            LeecherAction::Confirm(c) => self.confirm(c),
+            LeecherAction::Reconnect => self.reconnect(machine, queue).await,
+            LeecherAction::Finish => self.finish(machine),
+            LeecherAction::Abort(cause) => self.abort(cause),
+        }
+    }
+
+    /// Sends `m` to the seeder (keeping this side awake when the hand-over follows).
+    async fn send(
+        &mut self,
+        m: Msg,
+        machine: &mut Leecher,
+        queue: &mut VecDeque<LeecherAction>,
+    ) -> Result<Option<LeechReport<D>>, LeechError> {
+        if matches!(m, Msg::Finalize) {
+            self.finalize_sent = Some(Instant::now());
+            self.rep.note(match machine.finalization() {
+                Some(Finalization::Converged) | None => "pre-copy converged: finalizing".to_owned(),
+                Some(Finalization::MaxRounds) => format!(
+                    "pre-copy did not converge within {} rounds: finalizing anyway; the \
+                     downtime may exceed its budget of {:?}",
+                    machine.rounds(),
+                    self.opts.convergence.max_downtime
+                ),
+                Some(Finalization::NotShrinking) => format!(
+                    "pre-copy did not converge (the dirty set stopped shrinking): \
+                     finalizing anyway; the downtime may exceed its budget of {:?}",
+                    self.opts.convergence.max_downtime
+                ),
+                Some(Finalization::NoPreCopy) => {
+                    format!("{} mode: finalizing at once", self.opts.mode)
+                }
+            });
+        }
+        // The hand-over follows these within milliseconds (after the draft, in
+        // instant mode): its reading must not wait for a halted CPU to wake up.
+        let handover_next = match m {
+            Msg::Installed => true,
+            Msg::Finalize => self.opts.mode != Mode::Instant,
+            _ => false,
+        };
+        if handover_next {
+            self.keep_awake();
+        }
+        if self.connected && self.tx.send(&m).await.is_err() {
+            self.connected = false;
+            queue.extend(machine.step(LeecherInput::Disconnected));
+        }
+        Ok(None)
+    }
+
+    /// Opens the destination region; in pre-copy, starts pulling it while the source runs.
+    async fn open_region(
+        &mut self,
+        geometry: (u64, u32, u32),
+        data_port: u16,
+        boot_id: [u8; 16],
+        shared: String,
+        mode: Mode,
+    ) -> Result<Option<LeechReport<D>>, LeechError> {
+        let size = geometry.0;
+        self.seeder_boot = boot_id;
+        self.tracking_since = Some(Instant::now());
+        let data_addr = self.data_addr(data_port);
+        let Some(open) = self.open.take() else {
+            return Ok(None);
+        };
+        let d = open_dest(&self.opts, open, data_addr, geometry, mode, shared)
+            .await
+            .map_err(LeechError::Region)?;
+        if mode != Mode::Precopy {
+            self.rep.note(format!(
+                "{mode}: region of {size} bytes opened here; handing over at once"
+            ));
+            self.dest = Some(d);
+            return Ok(None);
+        }
+        let priority = self.opts.pull.priority;
+        if priority != PullPriority::Normal {
+            // Nothing of the application runs here yet: every thread of this process
+            // (and those they start) pulls, and gives way to the source's writers.
+            self.lowered = true;
+            let failed = priority.apply_to_process();
+            if failed > 0 {
+                tracing::warn!("{failed} threads refused the {priority} priority");
+            }
+        }
+        self.rep.note(format!(
+            "pulling {size} bytes while the source runs (pull priority {priority}; \
+             region opened {:.1} ms after the start)",
+            self.started.elapsed().as_secs_f64() * 1e3
+        ));
+        let (r, st, w) = (d.region.clone(), d.store.clone(), self.work.clone());
+        let (page, chunk, workers) = (d.page, d.chunk, self.opts.pull_workers);
+        let (rep, pacer) = (self.rep.clone(), self.pacer.clone());
+        tokio::spawn(async move {
+            let started = Instant::now();
+            let pulled = bulk_pull(r, st, page, chunk, workers, rep.clone(), pacer).await;
+            let input = match pulled {
+                Ok(()) => {
+                    let took = started.elapsed().as_secs_f64();
+                    rep.note(format!(
+                        "pre-copy pull: {size} bytes in {:.1} ms ({:.0} MB/s)",
+                        took * 1e3,
+                        size as f64 / took.max(1e-9) / 1e6
                     ));
+                    LeecherInput::PullDone
                 }
-                self.manifest = Some(m);
-            }
-            LeecherAction::Confirm(c) => {
-                if let Some(d) = self.dest.as_ref() {
-                    d.store.apply_confirm(&c);
-                    if c.pending.is_empty() {
-                        self.rep.note(format!(
-                            "instant: the source confirmed every chunk ({} more chunks come \
-                             from it)",
-                            run_pages(&c.at_source)
-                        ));
-                    }
+                Err(e) => {
+                    rep.note(format!("the pre-copy pull failed: {}", error_chain(&e)));
+                    LeecherInput::Disconnected
                 }
+            };
+            let _ = w.send(input);
+        });
+        self.dest = Some(d);
+        Ok(None)
+    }
+
+    /// Pulls again the pages written at the source during the last round.
+    fn refresh(&mut self, runs: Vec<Range<u64>>) -> Result<Option<LeechReport<D>>, LeechError> {
+        let Some(d) = self.dest.as_ref() else {
+            return Ok(None);
+        };
+        self.dirty_pages += run_pages(&runs);
+        let (region, store, w) = (d.region.clone(), d.store.clone(), self.work.clone());
+        let (page, rep, pacer) = (d.page, self.rep.clone(), self.pacer.clone());
+        tokio::spawn(async move {
+            let round = refresh_round(region, store, &runs, page, &rep, &pacer).await;
+            let input = match round {
+                Ok(r) => LeecherInput::RoundDone(r),
+                Err(e) => {
+                    rep.note(format!("a dirty round failed: {}", error_chain(&e)));
+                    LeecherInput::Disconnected
+                }
+            };
+            let _ = w.send(input);
+        });
+        Ok(None)
+    }
+
+    /// Instant mode: installs the manifest before the hand-over.
+    fn install_manifest(&mut self, m: Manifest) -> Result<Option<LeechReport<D>>, LeechError> {
+        if let Some(d) = self.dest.as_ref() {
+            // Before the hand-over, while the source still runs: the downtime
+            // carries only the confirmation of the chunks written lately.
+            let t0 = Instant::now();
+            d.store.install_manifest(&m);
+            self.rep.note(format!(
+                "instant: manifest installed in {:.2} ms ({} chunks in the shared \
+                 store, {} at the source)",
+                t0.elapsed().as_secs_f64() * 1e3,
+                m.pushed.len(),
+                m.source_chunks()
+            ));
+        }
+        self.manifest = Some(m);
+        Ok(None)
+    }
+
+    /// Instant mode: applies the source's confirmation of the chunks written lately.
+    fn confirm(&mut self, c: Confirm) -> Result<Option<LeechReport<D>>, LeechError> {
+        if let Some(d) = self.dest.as_ref() {
+            d.store.apply_confirm(&c);
+            if c.pending.is_empty() {
+                self.rep.note(format!(
+                    "instant: the source confirmed every chunk ({} more chunks come \
+                     from it)",
+                    run_pages(&c.at_source)
+                ));
             }
-            LeecherAction::Reconnect => {
-                self.rep.note("control connection lost: reconnecting");
-                // The deadline runs from the first loss: a seeder that accepts and then says
-                // nothing does not restart it.
-                let since = *self.lost_since.get_or_insert_with(Instant::now);
-                let deadline = since + self.opts.reconnect_for;
-                if Instant::now() >= deadline {
-                    let source = self.last_error.take().unwrap_or_else(|| {
-                        io::Error::new(io::ErrorKind::TimedOut, "the seeder did not answer")
-                    });
+        }
+        Ok(None)
+    }
+
+    /// After the hand-over: reconnects to the seeder until the reconnect deadline.
+    async fn reconnect(
+        &mut self,
+        machine: &mut Leecher,
+        queue: &mut VecDeque<LeecherAction>,
+    ) -> Result<Option<LeechReport<D>>, LeechError> {
+        self.rep.note("control connection lost: reconnecting");
+        // The deadline runs from the first loss: a seeder that accepts and then says
+        // nothing does not restart it.
+        let since = *self.lost_since.get_or_insert_with(Instant::now);
+        let deadline = since + self.opts.reconnect_for;
+        if Instant::now() >= deadline {
+            let source = self.last_error.take().unwrap_or_else(|| {
+                io::Error::new(io::ErrorKind::TimedOut, "the seeder did not answer")
+            });
+            return Err(LeechError::LostAfterHandOver(AfterHandOver::Reconnect {
+                waited: self.opts.reconnect_for,
+                source,
+            }));
+        }
+        loop {
+            match connect(
+                &self.opts.from,
+                self.opts.tls.as_ref(),
+                Duration::from_secs(2),
+            )
+            .await
+            {
+                Ok(ch) => {
+                    (self.tx, self.rx) = ch.split();
+                    self.connected = true;
+                    self.answer_by =
+                        Some(tokio::time::Instant::now() + self.opts.handshake_timeout);
+                    queue.extend(machine.step(LeecherInput::Reconnected));
+                    break;
+                }
+                Err(source) if Instant::now() >= deadline => {
                     return Err(LeechError::LostAfterHandOver(AfterHandOver::Reconnect {
                         waited: self.opts.reconnect_for,
                         source,
                     }));
                 }
-                loop {
-                    match connect(
-                        &self.opts.from,
-                        self.opts.tls.as_ref(),
-                        Duration::from_secs(2),
-                    )
-                    .await
-                    {
-                        Ok(ch) => {
-                            (self.tx, self.rx) = ch.split();
-                            self.connected = true;
-                            self.answer_by =
-                                Some(tokio::time::Instant::now() + self.opts.handshake_timeout);
-                            queue.extend(machine.step(LeecherInput::Reconnected));
-                            break;
-                        }
-                        Err(source) if Instant::now() >= deadline => {
-                            return Err(LeechError::LostAfterHandOver(AfterHandOver::Reconnect {
-                                waited: self.opts.reconnect_for,
-                                source,
-                            }));
-                        }
-                        Err(_) => tokio::time::sleep(Duration::from_millis(100)).await,
-                    }
-                }
-            }
-            LeecherAction::Finish => {
-                let Some(d) = self.dest.take() else {
-                    return Ok(None);
-                };
-                d.store.detach();
-                let (pre, post) = d.store.bytes();
-                let tracked = self
-                    .tracking_since
-                    .and_then(|t| self.finalize_sent.map(|f| f - t))
-                    .unwrap_or_default();
-                self.rep.note("complete: the region is local");
-                return Ok(Some(LeechReport {
-                    region: d.region,
-                    downtime: self.downtime,
-                    max_downtime: self.opts.convergence.max_downtime,
-                    finalization: machine.finalization().unwrap_or(Finalization::Converged),
-                    total: self.started.elapsed(),
-                    bytes_precopy: pre,
-                    bytes_postcopy: post,
-                    rounds: machine.rounds(),
-                    dirty_pages: self.dirty_pages,
-                    dirty_rate: if tracked.is_zero() {
-                        0.0
-                    } else {
-                        self.dirty_pages.saturating_mul(d.page) as f64 / tracked.as_secs_f64()
-                    },
-                    final_pages: self.final_pages,
-                    postcopy: self.resumed_at.map(|r| r.elapsed()).unwrap_or_default(),
-                    mode: self.opts.mode,
-                    bytes_before_resume: self.bytes_before_resume,
-                    instant: d.store.instant_counts(),
-                }));
-            }
-            LeecherAction::Abort(cause) => {
-                if self.handed_over {
-                    // The application runs here now: a message the seeder should not have
-                    // sent is reported, never fatal. The machine kept its state; post-copy
-                    // goes on over the data plane, and a seeder that is really gone is
-                    // found out by the reconnect deadline.
-                    let why = farmap_core::error_chain(&cause);
-                    tracing::warn!(
-                        "ignored a bad message from the seeder after the hand-over: {why}"
-                    );
-                    self.rep
-                        .note(format!("ignored a bad message from the seeder: {why}"));
-                    return Ok(None);
-                }
-                return Err(LeechError::Aborted {
-                    cause,
-                    connection: self.last_error.take(),
-                });
+                Err(_) => tokio::time::sleep(Duration::from_millis(100)).await,
             }
         }
         Ok(None)
+    }
+
+    /// The migration is complete: the region is local; the report.
+    fn finish(&mut self, machine: &Leecher) -> Result<Option<LeechReport<D>>, LeechError> {
+        let Some(d) = self.dest.take() else {
+            return Ok(None);
+        };
+        d.store.detach();
+        let (pre, post) = d.store.bytes();
+        let tracked = self
+            .tracking_since
+            .and_then(|t| self.finalize_sent.map(|f| f - t))
+            .unwrap_or_default();
+        self.rep.note("complete: the region is local");
+        Ok(Some(LeechReport {
+            region: d.region,
+            downtime: self.downtime,
+            max_downtime: self.opts.convergence.max_downtime,
+            finalization: machine.finalization().unwrap_or(Finalization::Converged),
+            total: self.started.elapsed(),
+            bytes_precopy: pre,
+            bytes_postcopy: post,
+            rounds: machine.rounds(),
+            dirty_pages: self.dirty_pages,
+            dirty_rate: if tracked.is_zero() {
+                0.0
+            } else {
+                self.dirty_pages.saturating_mul(d.page) as f64 / tracked.as_secs_f64()
+            },
+            final_pages: self.final_pages,
+            postcopy: self.resumed_at.map(|r| r.elapsed()).unwrap_or_default(),
+            mode: self.opts.mode,
+            bytes_before_resume: self.bytes_before_resume,
+            instant: d.store.instant_counts(),
+        }))
+    }
+
+    /// A bad message or a failure: fatal before the hand-over, reported after it.
+    fn abort(&mut self, cause: AbortCause) -> Result<Option<LeechReport<D>>, LeechError> {
+        if self.handed_over {
+            // The application runs here now: a message the seeder should not have
+            // sent is reported, never fatal. The machine kept its state; post-copy
+            // goes on over the data plane, and a seeder that is really gone is
+            // found out by the reconnect deadline.
+            let why = farmap_core::error_chain(&cause);
+            tracing::warn!("ignored a bad message from the seeder after the hand-over: {why}");
+            self.rep
+                .note(format!("ignored a bad message from the seeder: {why}"));
+            return Ok(None);
+        }
+        Err(LeechError::Aborted {
+            cause,
+            connection: self.last_error.take(),
+        })
     }
 
     /// The data plane's address: as given, or the control host with the announced port.
@@ -968,7 +1014,7 @@ impl<D: Destination> Run<D> {
         runs: Vec<Range<u64>>,
         app_state: Bytes,
         suspended_at_ns: u64,
-        confirm: Option<crate::machine::Confirm>,
+        confirm: Option<Confirm>,
         fetch_all: bool,
     ) -> Result<(), LeechError> {
         // The hand-over is here: the companions that kept the CPUs awake for it stop

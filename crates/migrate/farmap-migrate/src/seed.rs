@@ -420,300 +420,372 @@ async fn run(
     mut machine: Seeder,
     mut cancelled: tokio::sync::watch::Receiver<bool>,
 ) -> Result<SeedReport, SeedError> {
-    let rep = Reporter {
-        prefix: "farmap seed",
-        log: opts.log,
-        observer: opts.observer.clone(),
-    };
-    let mut report = SeedReport {
-        dirty_sets: 0,
-        dirty_pages: 0,
-        abandoned: 0,
-        elapsed: Duration::ZERO,
-        mode: crate::msg::Mode::Precopy,
-    };
-    let mut started: Option<Instant> = None;
-    // Cancelling counts only before the hand-over.
-    let cancellable =
-        |m: &Seeder| matches!(m.state(), SeederState::Idle | SeederState::Serving { .. });
-    let mut current: Option<Current> = None;
-    // Set while handed over with no connection: when to give up on the leecher.
-    let mut lost_since: Option<tokio::time::Instant> = None;
-    let mut inputs: VecDeque<SeederInput> = VecDeque::new();
+    let mut run = SeedRun::new(region, suspend, opts);
     loop {
-        let input = match inputs.pop_front() {
+        let input = match run.inputs.pop_front() {
             Some(i) => i,
-            None => {
-                let give_up = lost_since.map(|t| t + opts.reconnect_wait);
-                tokio::select! {
-                    m = recv_current(&mut current), if current.is_some() => match m {
-                        Some(Ok(m)) => SeederInput::Received(m),
-                        Some(Err(e)) => {
-                            rep.note(format!("the control connection failed: {e}"));
-                            current = None;
-                            SeederInput::Disconnected
-                        }
-                        None => {
-                            current = None;
-                            SeederInput::Disconnected
-                        }
-                    },
-                    Some(new) = conns.recv() => {
-                        let reconnect = matches!(
-                            (machine.state(), &new.first),
-                            (SeederState::HandedOver { session, .. }, Msg::Hello { session: s, .. })
-                                if *s == session
-                        );
-                        if current.is_some() && !reconnect {
-                            refuse_busy(new.channel, new.peer);
-                            continue;
-                        }
-                        // A leecher coming back replaces its old connection.
-                        let (tx, rx) = new.channel.split();
-                        current = Some(Current { tx, rx });
-                        lost_since = None;
-                        SeederInput::Received(new.first)
-                    },
-                    _ = sleep_until(give_up), if give_up.is_some() && current.is_none() => {
-                        return Err(SeedError::LostAfterHandOver(opts.reconnect_wait));
-                    }
-                    _ = until_cancelled(&mut cancelled), if cancellable(&machine) => {
-                        if let Some(c) = current.as_mut() {
-                            // The same path as a leecher's Abort: tracking stops, nothing was
-                            // suspended, the source runs on. The leecher is told why.
-                            let reason = "the seeder was cancelled before the hand-over; the \
-                                          source keeps running"
-                                .to_owned();
-                            let _ = tokio::time::timeout(
-                                Duration::from_secs(5),
-                                c.tx.send(&Msg::Abort { reason }),
-                            )
-                            .await;
-                            machine.step(SeederInput::Disconnected);
-                            rep.note("cancelled before the hand-over: the leecher was told, the source runs on");
-                        } else {
-                            rep.note("cancelled before any leecher took the region: the source runs on");
-                        }
-                        return Err(SeedError::Cancelled);
-                    }
-                }
-            }
+            None => match run.wait(&mut conns, &mut machine, &mut cancelled).await? {
+                Some(i) => i,
+                None => continue,
+            },
         };
-        if started.is_none() {
-            started = Some(Instant::now());
-        }
+        run.started.get_or_insert_with(Instant::now);
         for action in machine.step(input) {
-            match action {
-                SeederAction::Send(m) => {
-                    let Some(c) = current.as_mut() else { continue };
-                    // A leecher that stops reading cannot hold the seeder (and its cancel)
-                    // for ever: a send that makes no headway for this long drops it.
-                    let sent = tokio::time::timeout(SEND_TIMEOUT, c.tx.send(&m)).await;
-                    if !matches!(sent, Ok(Ok(()))) {
-                        current = None;
-                        inputs.push_back(SeederInput::Disconnected);
-                    } else if matches!(m, Msg::HandOver { .. }) {
-                        rep.emit(Event::HandedOver);
-                    }
+            if let Some(report) = run.act(action, &machine).await? {
+                return Ok(report);
+            }
+        }
+    }
+}
+
+/// A seeder's state between the steps of its machine: the leecher's connection, the inputs
+/// its actions produced, the report so far.
+struct SeedRun {
+    region: Arc<dyn Source>,
+    suspend: Arc<dyn Suspend>,
+    opts: SeedOptions,
+    rep: Reporter,
+    report: SeedReport,
+    started: Option<Instant>,
+    current: Option<Current>,
+    /// Set while handed over with no connection: when the leecher was lost.
+    lost_since: Option<tokio::time::Instant>,
+    inputs: VecDeque<SeederInput>,
+}
+
+impl SeedRun {
+    fn new(region: Arc<dyn Source>, suspend: Arc<dyn Suspend>, opts: SeedOptions) -> Self {
+        let rep = Reporter {
+            prefix: "farmap seed",
+            log: opts.log,
+            observer: opts.observer.clone(),
+        };
+        Self {
+            region,
+            suspend,
+            opts,
+            rep,
+            report: SeedReport {
+                dirty_sets: 0,
+                dirty_pages: 0,
+                abandoned: 0,
+                elapsed: Duration::ZERO,
+                mode: crate::msg::Mode::Precopy,
+            },
+            started: None,
+            current: None,
+            lost_since: None,
+            inputs: VecDeque::new(),
+        }
+    }
+
+    /// Waits for the machine's next input: a message or the loss of the connection, a new
+    /// connection (`None` after refusing a second leecher), the reconnect deadline after the
+    /// hand-over, or a cancel before it.
+    async fn wait(
+        &mut self,
+        conns: &mut mpsc::Receiver<NewConn>,
+        machine: &mut Seeder,
+        cancelled: &mut tokio::sync::watch::Receiver<bool>,
+    ) -> Result<Option<SeederInput>, SeedError> {
+        // Cancelling counts only before the hand-over.
+        let cancellable = matches!(
+            machine.state(),
+            SeederState::Idle | SeederState::Serving { .. }
+        );
+        let give_up = self.lost_since.map(|t| t + self.opts.reconnect_wait);
+        tokio::select! {
+            m = recv_current(&mut self.current), if self.current.is_some() => Ok(Some(match m {
+                Some(Ok(m)) => SeederInput::Received(m),
+                Some(Err(e)) => {
+                    self.rep.note(format!("the control connection failed: {e}"));
+                    self.current = None;
+                    SeederInput::Disconnected
                 }
-                SeederAction::ResetTracking => {
-                    rep.note("a leecher connected: tracking writes");
-                    let r = region.clone();
-                    tokio::task::spawn_blocking(move || r.take_dirty())
-                        .await
-                        .map_err(|source| SeedError::Task {
-                            what: "dirty scan",
-                            source,
-                        })?
-                        .map_err(SeedError::Dirty)?;
+                None => {
+                    self.current = None;
+                    SeederInput::Disconnected
                 }
-                SeederAction::TakeDirty { round } => {
-                    let r = region.clone();
-                    let d = tokio::task::spawn_blocking(move || r.take_dirty())
-                        .await
-                        .map_err(|source| SeedError::Task {
-                            what: "dirty scan",
-                            source,
-                        })?
-                        .map_err(SeedError::Dirty)?;
-                    report.dirty_sets += 1;
-                    report.dirty_pages += run_pages(&d);
-                    rep.note(format!(
-                        "round {round}: {} pages written since the last round",
-                        run_pages(&d)
-                    ));
-                    inputs.push_back(SeederInput::Dirty { round, runs: d });
+            })),
+            Some(new) = conns.recv() => {
+                let reconnect = matches!(
+                    (machine.state(), &new.first),
+                    (SeederState::HandedOver { session, .. }, Msg::Hello { session: s, .. })
+                        if *s == session
+                );
+                if self.current.is_some() && !reconnect {
+                    refuse_busy(new.channel, new.peer);
+                    return Ok(None);
                 }
-                SeederAction::Draft => {
-                    let r = region.clone();
-                    let budget = opts.push_budget;
-                    if !budget.is_zero() {
-                        rep.note(format!(
-                            "instant: pushing what the shared store lacks (at most {budget:?})"
-                        ));
-                    }
-                    let drafted = tokio::task::spawn_blocking(move || {
-                        if !budget.is_zero() {
-                            // The application runs on meanwhile; whatever is left is
-                            // fetched from here after the hand-over.
-                            if let Err(e) = r.push_shared(budget) {
-                                tracing::warn!(
-                                    "pushing before an instant hand-over failed (those chunks \
-                                     come from the source): {}",
-                                    farmap_core::error_chain(e.as_ref())
-                                );
-                            }
-                        }
-                        // No push starts from here on; the manifest is sent while the
-                        // application still runs, so the downtime does not carry it.
-                        let t0 = Instant::now();
-                        let m = r.draft();
-                        if m.is_err() {
-                            r.unseal();
-                        }
-                        m.map(|m| (m, t0.elapsed())).map_err(FinalError::Seal)
-                    })
-                    .await
-                    .map_err(|source| SeedError::Task {
-                        what: "the instant draft",
-                        source,
-                    })?;
-                    inputs.push_back(match drafted {
-                        Ok((m, took)) => {
-                            rep.note(format!(
-                                "instant: manifest made in {:.2} ms while the application \
-                                 runs: {} chunks in the shared store, {} only here",
-                                took.as_secs_f64() * 1e3,
-                                m.pushed.len(),
-                                m.source_chunks(),
-                            ));
-                            SeederInput::Drafted(m)
-                        }
-                        Err(e) => SeederInput::SuspendFailed(Arc::new(e)),
-                    });
+                // A leecher coming back replaces its old connection.
+                let (tx, rx) = new.channel.split();
+                self.current = Some(Current { tx, rx });
+                self.lost_since = None;
+                Ok(Some(SeederInput::Received(new.first)))
+            },
+            _ = sleep_until(give_up), if give_up.is_some() && self.current.is_none() => {
+                Err(SeedError::LostAfterHandOver(self.opts.reconnect_wait))
+            }
+            _ = until_cancelled(cancelled), if cancellable => Err(self.cancel(machine).await),
+        }
+    }
+
+    /// Cancels before the hand-over: the same path as a leecher's Abort (tracking stops,
+    /// nothing was suspended, the source runs on); the leecher is told why.
+    async fn cancel(&mut self, machine: &mut Seeder) -> SeedError {
+        if let Some(c) = self.current.as_mut() {
+            let reason = "the seeder was cancelled before the hand-over; the source keeps running"
+                .to_owned();
+            let _ = tokio::time::timeout(Duration::from_secs(5), c.tx.send(&Msg::Abort { reason }))
+                .await;
+            machine.step(SeederInput::Disconnected);
+            self.rep
+                .note("cancelled before the hand-over: the leecher was told, the source runs on");
+        } else {
+            self.rep
+                .note("cancelled before any leecher took the region: the source runs on");
+        }
+        SeedError::Cancelled
+    }
+
+    /// Carries out one action of the machine; the report once the region is released.
+    async fn act(
+        &mut self,
+        action: SeederAction,
+        machine: &Seeder,
+    ) -> Result<Option<SeedReport>, SeedError> {
+        match action {
+            SeederAction::Send(m) => self.send(m).await,
+            SeederAction::ResetTracking => {
+                self.rep.note("a leecher connected: tracking writes");
+                self.take_dirty().await?;
+            }
+            SeederAction::TakeDirty { round } => {
+                let d = self.take_dirty().await?;
+                self.report.dirty_sets += 1;
+                self.report.dirty_pages += run_pages(&d);
+                self.rep.note(format!(
+                    "round {round}: {} pages written since the last round",
+                    run_pages(&d)
+                ));
+                self.inputs.push_back(SeederInput::Dirty { round, runs: d });
+            }
+            SeederAction::Draft => self.draft().await?,
+            SeederAction::Suspend { instant } => self.suspend(instant).await?,
+            SeederAction::ConfirmRest => self.confirm_rest().await?,
+            SeederAction::Resume => {
+                if machine.mode() == crate::msg::Mode::Instant {
+                    // Abandoned before the hand-over: the region keeps its store.
+                    self.region.unseal();
                 }
-                SeederAction::Suspend { instant } => {
-                    let (r, s) = (region.clone(), suspend.clone());
-                    let done = run_blocking(move || {
-                        let t0 = Instant::now();
-                        let state = match s.suspend() {
-                            Ok(state) => state,
-                            Err(e) => {
-                                if instant {
-                                    r.unseal();
-                                }
-                                return Err(e.into());
-                            }
-                        };
-                        let at_ns = crate::monotonic_ns();
-                        let t1 = Instant::now();
-                        let d = if instant {
-                            r.seal()
-                                .map(|c| (Vec::new(), Some(c)))
-                                .map_err(FinalError::Seal)
-                        } else {
-                            r.take_dirty().map(|d| (d, None)).map_err(FinalError::Dirty)
-                        };
-                        let took = (t1 - t0, t1.elapsed());
-                        match d {
-                            Ok((d, c)) => Ok((d, c, state, at_ns, took)),
-                            Err(e) => {
-                                if instant {
-                                    r.unseal();
-                                }
-                                s.resume();
-                                Err(e)
-                            }
-                        }
-                    })
-                    .await
-                    .map_err(|source| SeedError::Task {
-                        what: "suspension",
-                        source,
-                    })?;
-                    inputs.push_back(match done {
-                        Ok((d, confirm, app_state, at_ns, (suspending, scan))) => {
-                            report.dirty_sets += 1;
-                            report.dirty_pages += run_pages(&d);
-                            match &confirm {
-                                Some(c) => rep.note(format!(
-                                    "suspended in {:.2} ms (seal {:.2} ms): {} chunks written \
-                                     lately moved to the source, {} chunk runs looked at after \
-                                     the hand-over",
-                                    suspending.as_secs_f64() * 1e3,
-                                    scan.as_secs_f64() * 1e3,
-                                    run_pages(&c.at_source),
-                                    c.pending.len(),
-                                )),
-                                None => rep.note(format!(
-                                    "suspended in {:.2} ms (final scan {:.2} ms); handing over \
-                                     {} pages written since the last round",
-                                    suspending.as_secs_f64() * 1e3,
-                                    scan.as_secs_f64() * 1e3,
-                                    run_pages(&d)
-                                )),
-                            }
-                            SeederInput::Suspended {
-                                runs: d,
-                                confirm,
-                                app_state,
-                                at_ns,
-                            }
-                        }
-                        Err(e) => SeederInput::SuspendFailed(Arc::new(e)),
-                    });
-                }
-                SeederAction::ConfirmRest => {
-                    let r = region.clone();
-                    let t0 = Instant::now();
-                    let c = tokio::task::spawn_blocking(move || r.confirm_rest())
-                        .await
-                        .map_err(|source| SeedError::Task {
-                            what: "the instant confirmation",
-                            source,
-                        })?;
-                    rep.note(format!(
-                        "instant: looked at the other chunks in {:.2} ms after the hand-over: \
-                         {} more written lately",
-                        t0.elapsed().as_secs_f64() * 1e3,
-                        run_pages(&c.at_source),
-                    ));
-                    inputs.push_back(SeederInput::Confirmed(c));
-                }
-                SeederAction::Resume => {
-                    if machine.mode() == crate::msg::Mode::Instant {
-                        // Abandoned before the hand-over: the region keeps its store.
-                        region.unseal();
-                    }
-                    suspend.resume();
-                }
-                SeederAction::StopTracking { reason } => {
-                    report.abandoned += 1;
-                    rep.note(reason);
-                }
-                SeederAction::AwaitReconnect => {
-                    rep.note("the leecher lost its connection after the hand-over: waiting for it");
-                    current = None;
-                    // The deadline runs from the first loss: strangers connecting meanwhile
-                    // (and being refused) do not push it back.
-                    lost_since.get_or_insert_with(tokio::time::Instant::now);
-                }
-                SeederAction::Release => {
-                    suspend.retire();
-                    rep.note("the leecher has everything: region released");
-                    report.elapsed = started.map_or(Duration::ZERO, |s| s.elapsed());
-                    report.mode = machine.mode();
-                    return Ok(report);
-                }
-                SeederAction::Close => {
-                    // The connection is gone for the machine too (a refused leecher's
-                    // session is undone by the machine's own actions).
-                    if current.take().is_some() {
-                        inputs.push_back(SeederInput::Disconnected);
-                    }
+                self.suspend.resume();
+            }
+            SeederAction::StopTracking { reason } => {
+                self.report.abandoned += 1;
+                self.rep.note(reason);
+            }
+            SeederAction::AwaitReconnect => {
+                self.rep
+                    .note("the leecher lost its connection after the hand-over: waiting for it");
+                self.current = None;
+                // The deadline runs from the first loss: strangers connecting meanwhile
+                // (and being refused) do not push it back.
+                self.lost_since
+                    .get_or_insert_with(tokio::time::Instant::now);
+            }
+            SeederAction::Release => {
+                self.suspend.retire();
+                self.rep.note("the leecher has everything: region released");
+                self.report.elapsed = self.started.map_or(Duration::ZERO, |s| s.elapsed());
+                self.report.mode = machine.mode();
+                return Ok(Some(self.report.clone()));
+            }
+            SeederAction::Close => {
+                // The connection is gone for the machine too (a refused leecher's
+                // session is undone by the machine's own actions).
+                if self.current.take().is_some() {
+                    self.inputs.push_back(SeederInput::Disconnected);
                 }
             }
         }
+        Ok(None)
+    }
+
+    /// Sends `m` to the leecher, if one is connected. A leecher that stops reading cannot
+    /// hold the seeder (and its cancel) for ever: a send that makes no headway for
+    /// [`SEND_TIMEOUT`] drops it.
+    async fn send(&mut self, m: Msg) {
+        let Some(c) = self.current.as_mut() else {
+            return;
+        };
+        let sent = tokio::time::timeout(SEND_TIMEOUT, c.tx.send(&m)).await;
+        if !matches!(sent, Ok(Ok(()))) {
+            self.current = None;
+            self.inputs.push_back(SeederInput::Disconnected);
+        } else if matches!(m, Msg::HandOver { .. }) {
+            self.rep.emit(Event::HandedOver);
+        }
+    }
+
+    /// The pages written since the last scan, scanned on a blocking thread.
+    async fn take_dirty(&mut self) -> Result<Vec<std::ops::Range<u64>>, SeedError> {
+        let r = self.region.clone();
+        tokio::task::spawn_blocking(move || r.take_dirty())
+            .await
+            .map_err(|source| SeedError::Task {
+                what: "dirty scan",
+                source,
+            })?
+            .map_err(SeedError::Dirty)
+    }
+
+    /// Instant mode, while the application runs: pushes what the shared store lacks (within
+    /// the push budget), then drafts the manifest (no push starts after it).
+    async fn draft(&mut self) -> Result<(), SeedError> {
+        let r = self.region.clone();
+        let budget = self.opts.push_budget;
+        if !budget.is_zero() {
+            self.rep.note(format!(
+                "instant: pushing what the shared store lacks (at most {budget:?})"
+            ));
+        }
+        let drafted = tokio::task::spawn_blocking(move || {
+            if !budget.is_zero() {
+                // The application runs on meanwhile; whatever is left is
+                // fetched from here after the hand-over.
+                if let Err(e) = r.push_shared(budget) {
+                    tracing::warn!(
+                        "pushing before an instant hand-over failed (those chunks \
+                         come from the source): {}",
+                        farmap_core::error_chain(e.as_ref())
+                    );
+                }
+            }
+            // No push starts from here on; the manifest is sent while the
+            // application still runs, so the downtime does not carry it.
+            let t0 = Instant::now();
+            let m = r.draft();
+            if m.is_err() {
+                r.unseal();
+            }
+            m.map(|m| (m, t0.elapsed())).map_err(FinalError::Seal)
+        })
+        .await
+        .map_err(|source| SeedError::Task {
+            what: "the instant draft",
+            source,
+        })?;
+        let input = match drafted {
+            Ok((m, took)) => {
+                self.rep.note(format!(
+                    "instant: manifest made in {:.2} ms while the application \
+                     runs: {} chunks in the shared store, {} only here",
+                    took.as_secs_f64() * 1e3,
+                    m.pushed.len(),
+                    m.source_chunks(),
+                ));
+                SeederInput::Drafted(m)
+            }
+            Err(e) => SeederInput::SuspendFailed(Arc::new(e)),
+        };
+        self.inputs.push_back(input);
+        Ok(())
+    }
+
+    /// Suspends the application and takes the last dirty set (or, in instant mode, seals
+    /// the region's store); on a failure the application runs on.
+    async fn suspend(&mut self, instant: bool) -> Result<(), SeedError> {
+        let (r, s) = (self.region.clone(), self.suspend.clone());
+        let done = run_blocking(move || {
+            let t0 = Instant::now();
+            let state = match s.suspend() {
+                Ok(state) => state,
+                Err(e) => {
+                    if instant {
+                        r.unseal();
+                    }
+                    return Err(e.into());
+                }
+            };
+            let at_ns = crate::monotonic_ns();
+            let t1 = Instant::now();
+            let d = if instant {
+                r.seal()
+                    .map(|c| (Vec::new(), Some(c)))
+                    .map_err(FinalError::Seal)
+            } else {
+                r.take_dirty().map(|d| (d, None)).map_err(FinalError::Dirty)
+            };
+            let took = (t1 - t0, t1.elapsed());
+            match d {
+                Ok((d, c)) => Ok((d, c, state, at_ns, took)),
+                Err(e) => {
+                    if instant {
+                        r.unseal();
+                    }
+                    s.resume();
+                    Err(e)
+                }
+            }
+        })
+        .await
+        .map_err(|source| SeedError::Task {
+            what: "suspension",
+            source,
+        })?;
+        let input = match done {
+            Ok((d, confirm, app_state, at_ns, (suspending, scan))) => {
+                self.report.dirty_sets += 1;
+                self.report.dirty_pages += run_pages(&d);
+                match &confirm {
+                    Some(c) => self.rep.note(format!(
+                        "suspended in {:.2} ms (seal {:.2} ms): {} chunks written \
+                         lately moved to the source, {} chunk runs looked at after \
+                         the hand-over",
+                        suspending.as_secs_f64() * 1e3,
+                        scan.as_secs_f64() * 1e3,
+                        run_pages(&c.at_source),
+                        c.pending.len(),
+                    )),
+                    None => self.rep.note(format!(
+                        "suspended in {:.2} ms (final scan {:.2} ms); handing over \
+                         {} pages written since the last round",
+                        suspending.as_secs_f64() * 1e3,
+                        scan.as_secs_f64() * 1e3,
+                        run_pages(&d)
+                    )),
+                }
+                SeederInput::Suspended {
+                    runs: d,
+                    confirm,
+                    app_state,
+                    at_ns,
+                }
+            }
+            Err(e) => SeederInput::SuspendFailed(Arc::new(e)),
+        };
+        self.inputs.push_back(input);
+        Ok(())
+    }
+
+    /// Instant mode, after the hand-over: looks at the chunks the seal left for later.
+    async fn confirm_rest(&mut self) -> Result<(), SeedError> {
+        let r = self.region.clone();
+        let t0 = Instant::now();
+        let c = tokio::task::spawn_blocking(move || r.confirm_rest())
+            .await
+            .map_err(|source| SeedError::Task {
+                what: "the instant confirmation",
+                source,
+            })?;
+        self.rep.note(format!(
+            "instant: looked at the other chunks in {:.2} ms after the hand-over: \
+             {} more written lately",
+            t0.elapsed().as_secs_f64() * 1e3,
+            run_pages(&c.at_source),
+        ));
+        self.inputs.push_back(SeederInput::Confirmed(c));
+        Ok(())
     }
 }
 
