@@ -45,6 +45,9 @@ pub(crate) struct Schema<'a> {
     pub server: String,
 }
 
+/// How long a table that exists may take to be served after it was created.
+const SCHEMA_SETTLE: std::time::Duration = std::time::Duration::from_secs(10);
+
 impl Schema<'_> {
     async fn run(&self, what: &str, cql: String) -> StoreResult<()> {
         let mut st = Statement::new(cql);
@@ -173,11 +176,26 @@ impl Schema<'_> {
                 self.server
             )
         };
-        let result = self
-            .session
-            .query_unpaged(st, (t.region.as_str(),))
-            .await
-            .map_err(|e| error::execution(context(), e))?;
+        // The tables exist (`ensure_tables` ran first), but a table another client has
+        // just created can be listed in the schema before the node serves it ("table ...
+        // does not exist"): tests creating regions at once on a fresh node met it. Such
+        // a read is tried again for a moment.
+        let settle = std::time::Instant::now() + SCHEMA_SETTLE;
+        let result = loop {
+            match self
+                .session
+                .query_unpaged(st.clone(), (t.region.as_str(),))
+                .await
+            {
+                Err(e)
+                    if error::execution_kind(&e) == ErrorKind::NotFound
+                        && std::time::Instant::now() < settle =>
+                {
+                    tokio::time::sleep(std::time::Duration::from_millis(100)).await
+                }
+                r => break r.map_err(|e| error::execution(context(), e))?,
+            }
+        };
         let rows = result
             .into_rows_result()
             .map_err(|e| StoreError::new(ErrorKind::Io, context()).with_source(e))?;

@@ -354,18 +354,6 @@ impl Inner {
         StoreError::io(format!("{what} in {}", self.root.display()), err)
     }
 
-    fn read_chunk(&self, idx: ChunkIdx) -> StoreResult<Bytes> {
-        let len = self.geometry.chunk_len(idx);
-        let Some(file) = self.handle(idx)? else {
-            return Ok(zero_chunk(len));
-        };
-        // The file is never changed in place, so reading it needs no lock.
-        let mut buf = vec![0u8; len];
-        file.read_exact_at(&mut buf, 0)
-            .map_err(|e| self.io_error(format_args!("reading {idx}"), e))?;
-        Ok(Bytes::from(buf))
-    }
-
     /// An open handle of chunk `idx`'s file (cached), or `None` if it has no file.
     fn handle(&self, idx: ChunkIdx) -> StoreResult<Option<Arc<File>>> {
         // Held from the look-up to the insertion, so no write can replace the file in between.
@@ -396,34 +384,6 @@ impl Inner {
         let file = Arc::new(file);
         self.handles.insert(idx.0, file.clone());
         Ok(Some(file))
-    }
-
-    fn write_chunk(&self, idx: ChunkIdx, data: &[u8]) -> StoreResult<()> {
-        if is_zero(data) {
-            return self.remove_chunk(idx.0);
-        }
-        let n = TEMP_COUNTER.fetch_add(1, Ordering::Relaxed);
-        let temp = self
-            .temp_dir
-            .join(format!("{:016x}-{}-{n}.tmp", idx.0, std::process::id()));
-        let written = OpenOptions::new()
-            .write(true)
-            .create_new(true)
-            .open(&temp)
-            // Synced before the rename: once the new name is on disk (which the file system
-            // may do before any flush), the data it names is too.
-            .and_then(|mut f| f.write_all(data).and_then(|()| f.sync_data()))
-            .map_err(|e| self.io_error(format_args!("writing {idx} to {}", temp.display()), e))
-            .and_then(|()| self.install(idx, &temp));
-        if written.is_err() {
-            // Best effort: a leftover is removed on the next open anyway.
-            let _ = fs::remove_file(&temp);
-        }
-        written?;
-        self.unflushed[(idx.0 % UNFLUSHED_SHARDS) as usize]
-            .lock()
-            .insert(idx.0);
-        Ok(())
     }
 
     /// Renames the finished temporary file `temp` over chunk `idx`'s file.
@@ -468,6 +428,87 @@ impl Inner {
         if removed {
             self.trimmed_groups.lock().insert(idx >> GROUP_SHIFT);
         }
+        Ok(())
+    }
+
+    /// Syncs the subdirectories `groups` (their renames and removals), then the top directory
+    /// if `root` (a subdirectory was created). Chunk files need no sync here: each was synced
+    /// before it was renamed into place.
+    fn sync(&self, groups: &BTreeSet<u64>, root: bool) -> StoreResult<()> {
+        for &group in groups {
+            sync_dir(&self.group_dir(group))?;
+        }
+        if root {
+            sync_dir(&self.root)?;
+        }
+        Ok(())
+    }
+}
+
+impl fmt::Debug for DirStore {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("DirStore")
+            .field("path", &self.blocking.0.root)
+            .field("geometry", &self.blocking.0.geometry)
+            .field("read_only", &self.blocking.0.read_only)
+            .field("open_files", &self.open_files())
+            .field("max_open_files", &self.blocking.0.handles.capacity())
+            .finish()
+    }
+}
+
+store_on_blocking!(DirStore);
+
+impl BlockingChunks for Inner {
+    fn geometry(&self) -> Geometry {
+        self.geometry
+    }
+
+    fn read_only(&self) -> bool {
+        self.read_only
+    }
+
+    fn location(&self) -> &Path {
+        &self.root
+    }
+
+    fn read_chunk(&self, idx: ChunkIdx) -> StoreResult<Bytes> {
+        let len = self.geometry.chunk_len(idx);
+        let Some(file) = self.handle(idx)? else {
+            return Ok(zero_chunk(len));
+        };
+        // The file is never changed in place, so reading it needs no lock.
+        let mut buf = vec![0u8; len];
+        file.read_exact_at(&mut buf, 0)
+            .map_err(|e| self.io_error(format_args!("reading {idx}"), e))?;
+        Ok(Bytes::from(buf))
+    }
+
+    fn write_chunk(&self, idx: ChunkIdx, data: &[u8]) -> StoreResult<()> {
+        if is_zero(data) {
+            return self.remove_chunk(idx.0);
+        }
+        let n = TEMP_COUNTER.fetch_add(1, Ordering::Relaxed);
+        let temp = self
+            .temp_dir
+            .join(format!("{:016x}-{}-{n}.tmp", idx.0, std::process::id()));
+        let written = OpenOptions::new()
+            .write(true)
+            .create_new(true)
+            .open(&temp)
+            // Synced before the rename: once the new name is on disk (which the file system
+            // may do before any flush), the data it names is too.
+            .and_then(|mut f| f.write_all(data).and_then(|()| f.sync_data()))
+            .map_err(|e| self.io_error(format_args!("writing {idx} to {}", temp.display()), e))
+            .and_then(|()| self.install(idx, &temp));
+        if written.is_err() {
+            // Best effort: a leftover is removed on the next open anyway.
+            let _ = fs::remove_file(&temp);
+        }
+        written?;
+        self.unflushed[(idx.0 % UNFLUSHED_SHARDS) as usize]
+            .lock()
+            .insert(idx.0);
         Ok(())
     }
 
@@ -541,66 +582,5 @@ impl Inner {
             }
         }
         result
-    }
-
-    /// Syncs the subdirectories `groups` (their renames and removals), then the top directory
-    /// if `root` (a subdirectory was created). Chunk files need no sync here: each was synced
-    /// before it was renamed into place.
-    fn sync(&self, groups: &BTreeSet<u64>, root: bool) -> StoreResult<()> {
-        for &group in groups {
-            sync_dir(&self.group_dir(group))?;
-        }
-        if root {
-            sync_dir(&self.root)?;
-        }
-        Ok(())
-    }
-}
-
-impl fmt::Debug for DirStore {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.debug_struct("DirStore")
-            .field("path", &self.blocking.0.root)
-            .field("geometry", &self.blocking.0.geometry)
-            .field("read_only", &self.blocking.0.read_only)
-            .field("open_files", &self.open_files())
-            .field("max_open_files", &self.blocking.0.handles.capacity())
-            .finish()
-    }
-}
-
-store_on_blocking!(DirStore);
-
-impl BlockingChunks for Inner {
-    fn geometry(&self) -> Geometry {
-        self.geometry
-    }
-
-    fn read_only(&self) -> bool {
-        self.read_only
-    }
-
-    fn location(&self) -> &Path {
-        &self.root
-    }
-
-    fn read_chunk(&self, idx: ChunkIdx) -> StoreResult<Bytes> {
-        Inner::read_chunk(self, idx)
-    }
-
-    fn write_chunk(&self, idx: ChunkIdx, data: &[u8]) -> StoreResult<()> {
-        Inner::write_chunk(self, idx, data)
-    }
-
-    fn flush_all(&self) -> StoreResult<()> {
-        Inner::flush_all(self)
-    }
-
-    fn trim_range(&self, range: ChunkRange) -> StoreResult<()> {
-        Inner::trim_range(self, range)
-    }
-
-    fn chunk_status(&self, idx: ChunkIdx) -> StoreResult<ChunkStatus> {
-        Inner::chunk_status(self, idx)
     }
 }

@@ -247,6 +247,57 @@ impl Inner {
         StoreError::io(format!("{what} of {}", self.path.display()), err)
     }
 
+    /// Releases the blocks of `len` bytes at `offset`, or writes zeros there when the file
+    /// system cannot punch holes.
+    fn punch(&self, offset: u64, len: u64) -> io::Result<()> {
+        let flags = FallocateFlags::PUNCH_HOLE | FallocateFlags::KEEP_SIZE;
+        match rustix::fs::fallocate(&self.file, flags, offset, len) {
+            Ok(()) => Ok(()),
+            Err(Errno::OPNOTSUPP | Errno::NOSYS) => {
+                let mut at = offset;
+                while at < offset + len {
+                    let n = (offset + len - at).min(u64::from(MAX_CHUNK_SIZE));
+                    self.file.write_all_at(&zero_chunk(n as usize), at)?;
+                    at += n;
+                }
+                Ok(())
+            }
+            Err(e) => Err(e.into()),
+        }
+    }
+}
+
+impl fmt::Debug for FileStore {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("FileStore")
+            .field("path", &self.blocking.0.path)
+            .field("geometry", &self.blocking.0.geometry)
+            .field("read_only", &self.blocking.0.read_only)
+            .finish()
+    }
+}
+
+store_on_blocking!(FileStore);
+
+impl BlockingChunks for Inner {
+    fn geometry(&self) -> Geometry {
+        self.geometry
+    }
+
+    fn read_only(&self) -> bool {
+        self.read_only
+    }
+
+    fn location(&self) -> &Path {
+        &self.path
+    }
+
+    fn flush_all(&self) -> StoreResult<()> {
+        self.file
+            .sync_data()
+            .map_err(|e| self.io_error("flushing", e))
+    }
+
     fn read_chunk(&self, idx: ChunkIdx) -> StoreResult<Bytes> {
         let mut buf = vec![0u8; self.geometry.chunk_len(idx)];
         let _shared = self.stripes.read(idx.0);
@@ -279,25 +330,6 @@ impl Inner {
         Ok(())
     }
 
-    /// Releases the blocks of `len` bytes at `offset`, or writes zeros there when the file
-    /// system cannot punch holes.
-    fn punch(&self, offset: u64, len: u64) -> io::Result<()> {
-        let flags = FallocateFlags::PUNCH_HOLE | FallocateFlags::KEEP_SIZE;
-        match rustix::fs::fallocate(&self.file, flags, offset, len) {
-            Ok(()) => Ok(()),
-            Err(Errno::OPNOTSUPP | Errno::NOSYS) => {
-                let mut at = offset;
-                while at < offset + len {
-                    let n = (offset + len - at).min(u64::from(MAX_CHUNK_SIZE));
-                    self.file.write_all_at(&zero_chunk(n as usize), at)?;
-                    at += n;
-                }
-                Ok(())
-            }
-            Err(e) => Err(e.into()),
-        }
-    }
-
     fn chunk_status(&self, idx: ChunkIdx) -> StoreResult<ChunkStatus> {
         let range = self.geometry.byte_range(idx);
         match rustix::fs::seek(&self.file, SeekFrom::Data(range.start)) {
@@ -307,53 +339,5 @@ impl Inner {
             Err(Errno::NXIO) => Ok(ChunkStatus::Zero),
             Err(e) => Err(self.io_error(format_args!("finding data in {idx}"), e.into())),
         }
-    }
-}
-
-impl fmt::Debug for FileStore {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.debug_struct("FileStore")
-            .field("path", &self.blocking.0.path)
-            .field("geometry", &self.blocking.0.geometry)
-            .field("read_only", &self.blocking.0.read_only)
-            .finish()
-    }
-}
-
-store_on_blocking!(FileStore);
-
-impl BlockingChunks for Inner {
-    fn geometry(&self) -> Geometry {
-        self.geometry
-    }
-
-    fn read_only(&self) -> bool {
-        self.read_only
-    }
-
-    fn location(&self) -> &Path {
-        &self.path
-    }
-
-    fn read_chunk(&self, idx: ChunkIdx) -> StoreResult<Bytes> {
-        Inner::read_chunk(self, idx)
-    }
-
-    fn write_chunk(&self, idx: ChunkIdx, data: &[u8]) -> StoreResult<()> {
-        Inner::write_chunk(self, idx, data)
-    }
-
-    fn flush_all(&self) -> StoreResult<()> {
-        self.file
-            .sync_data()
-            .map_err(|e| self.io_error("flushing", e))
-    }
-
-    fn trim_range(&self, range: ChunkRange) -> StoreResult<()> {
-        Inner::trim_range(self, range)
-    }
-
-    fn chunk_status(&self, idx: ChunkIdx) -> StoreResult<ChunkStatus> {
-        Inner::chunk_status(self, idx)
     }
 }
