@@ -318,7 +318,8 @@ impl FuseMount {
         let file = self
             .open()
             .map_err(|e| MountError::sys(format!("opening {}", self.path.display()), e))?;
-        MappedRegion::new(file, len, !self.read_only)
+        farmap_memory::SharedMapping::new(file, len, !self.read_only, "a mounted region")
+            .map(|map| MappedRegion::new(map, self))
             .map_err(|e| MountError::sys(format!("mapping {}", self.path.display()), e))
     }
 

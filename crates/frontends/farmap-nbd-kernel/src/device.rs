@@ -344,11 +344,13 @@ impl NbdMount {
             device: self.path.clone(),
             source,
         })?;
-        MappedDevice::new(file, len, !self.read_only).map_err(|source| NbdKernelError::Device {
-            what: "mapping",
-            device: self.path.clone(),
-            source,
-        })
+        farmap_memory::SharedMapping::new(file, len, !self.read_only, "a mapped NBD device")
+            .map(|map| MappedDevice::new(map, self))
+            .map_err(|source| NbdKernelError::Device {
+                what: "mapping",
+                device: self.path.clone(),
+                source,
+            })
     }
 
     /// Writes the device's page cache back and flushes the store (`fsync`). Blocks; must
