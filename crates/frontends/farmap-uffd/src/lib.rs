@@ -149,5 +149,5 @@ pub use options::{
     WriteTracking,
 };
 pub use polling::{idle_companions, KeepAwake};
-pub use region::{probe, Region, Support};
+pub use region::{probe, Diagnostics, Region, Support};
 pub use stats::{DirtyReport, HandlerCpu, HandlerLocation, PagingStats, RegionStats};

@@ -666,13 +666,9 @@ impl Region {
         )
     }
 
-    #[doc(hidden)]
-    pub fn pager_trace(&self, chunk: u64) -> Vec<String> {
-        self.inner
-            .pager
-            .as_ref()
-            .map(|p| p.trace_of(chunk))
-            .unwrap_or_default()
+    /// What tests and debugging look at inside the region (see [`Diagnostics`]).
+    pub fn diagnostics(&self) -> Diagnostics<'_> {
+        Diagnostics { region: self }
     }
 
     /// Whether the region's local memory is bounded.
@@ -726,6 +722,26 @@ impl Drop for Region {
         // first, so that it makes no timer while the runtime shuts down.
         inner.pusher.stop_background();
         drop(self.runtime.take());
+    }
+}
+
+/// What tests and debugging look at inside a region, apart from the surface an application
+/// needs ([`Region::diagnostics`]).
+#[derive(Debug, Clone, Copy)]
+pub struct Diagnostics<'r> {
+    region: &'r Region,
+}
+
+impl Diagnostics<'_> {
+    /// The bounded-memory pager's recent history of `chunk` (what moved it, when), oldest
+    /// first; empty for an unbounded region.
+    pub fn pager_trace(&self, chunk: u64) -> Vec<String> {
+        self.region
+            .inner
+            .pager
+            .as_ref()
+            .map(|p| p.trace_of(chunk))
+            .unwrap_or_default()
     }
 }
 
