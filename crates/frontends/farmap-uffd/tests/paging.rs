@@ -134,7 +134,10 @@ fn no_write_lost_as(
         let chunks: std::collections::BTreeSet<usize> =
             bad.iter().map(|w| w * 8 / CHUNK as usize).collect();
         for c in &chunks {
-            eprintln!("chunk {c}: {:#?}", region.diagnostics().pager_trace(*c as u64));
+            eprintln!(
+                "chunk {c}: {:#?}",
+                region.diagnostics().pager_trace(*c as u64)
+            );
         }
         for w in &bad {
             eprintln!(
