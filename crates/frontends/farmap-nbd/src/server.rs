@@ -1,14 +1,15 @@
 //! The accept loop, the options, and the running server.
 
-use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::atomic::AtomicUsize;
 use std::sync::Arc;
 
 use farmap_core::{Caps, Store, StoreError};
 use farmap_nbd_proto::consts::tflag;
 use farmap_nbd_proto::{BlockSize, ExportInfo, ServerConfig, TlsMode};
-use farmap_net::{accept_connections, AcceptLoop, ListenAddr, Listener, TlsConfigError};
+use farmap_net::{
+    accept_connections, AcceptLoop, ListenAddr, Listener, Running, Starting, TlsConfigError,
+};
 use farmap_pipeline::Unaligned;
-use tokio::sync::watch;
 use tokio_rustls::TlsAcceptor;
 
 use crate::conn::connection;
@@ -56,11 +57,8 @@ pub enum NbdServeError {
 /// it cleanly.
 #[derive(Debug)]
 pub struct NbdServer {
-    addr: ListenAddr,
-    stop: watch::Sender<bool>,
-    task: Option<tokio::task::JoinHandle<()>>,
+    running: Running,
     exports: Vec<Export>,
-    connections: Arc<AtomicUsize>,
 }
 
 /// The transmission flags of an export.
@@ -175,8 +173,9 @@ pub fn serve_nbd(
             max_payload,
         }));
     }
-    let (stop, shutdown) = watch::channel(false);
-    let connections = Arc::new(AtomicUsize::new(0));
+    let starting = Starting::new();
+    let shutdown = starting.shutdown.clone();
+    let connections = starting.connections.clone();
     let largest = ctxs
         .iter()
         .map(|e| e.max_payload)
@@ -201,34 +200,27 @@ pub fn serve_nbd(
         shutdown,
         conn_budget,
     });
-    let task = tokio::spawn(accept_loop(listener, ctx, connections.clone()));
     Ok(NbdServer {
-        addr,
-        stop,
-        task: Some(task),
+        running: starting.spawn(addr, accept_loop(listener, ctx, connections)),
         exports,
-        connections,
     })
 }
 
 impl NbdServer {
     /// The address the server listens on (with the real port when port 0 was asked for).
     pub fn local_addr(&self) -> &ListenAddr {
-        &self.addr
+        self.running.local_addr()
     }
 
     /// Connections being served right now.
     pub fn connections(&self) -> usize {
-        self.connections.load(Ordering::Relaxed)
+        self.running.connections()
     }
 
     /// Stops accepting, lets the requests in flight be answered, closes every connection,
     /// and flushes every export.
     pub async fn shutdown(mut self) -> Result<(), NbdServeError> {
-        let _ = self.stop.send(true);
-        if let Some(task) = self.task.take() {
-            let _ = task.await;
-        }
+        self.running.stop().await;
         for e in &self.exports {
             e.store
                 .flush()
@@ -239,12 +231,6 @@ impl NbdServer {
                 })?;
         }
         Ok(())
-    }
-}
-
-impl Drop for NbdServer {
-    fn drop(&mut self) {
-        let _ = self.stop.send(true);
     }
 }
 

@@ -29,6 +29,7 @@ mod accept;
 mod addr;
 mod conn;
 mod remote;
+mod running;
 mod server;
 mod stream;
 mod tls;
@@ -36,6 +37,7 @@ mod tls;
 pub use accept::{accept_connections, AcceptLoop};
 pub use addr::{AddrError, ListenAddr, Listener, RemoteAddr, RemoteAddrError};
 pub use remote::{reconnect_policy, ClientOptions, RemoteStore};
+pub use running::{Running, Starting};
 pub use server::{
     serve, serve_with_runs, RunReader, ServeError, ServeOptions, Server, DEFAULT_CONN_BUDGET,
     DEFAULT_IDLE_TIMEOUT, DEFAULT_TOTAL_BUDGET,

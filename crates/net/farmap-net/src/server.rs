@@ -27,7 +27,7 @@
 //!   finish and be answered (for up to [`ServeOptions::shutdown_grace`]), closes every
 //!   connection and flushes the store.
 
-use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::atomic::AtomicUsize;
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -49,6 +49,7 @@ use tokio_rustls::TlsAcceptor;
 
 use crate::accept::{accept_connections, AcceptLoop};
 use crate::addr::{ListenAddr, Listener};
+use crate::running::{Running, Starting};
 use crate::stream::{
     describe_foreign_bytes, io_phrase, is_clean_close, make_room, raised, write_frames, BoxStream,
     READ_AHEAD,
@@ -189,11 +190,8 @@ impl Ctx {
 /// cleanly.
 #[derive(Debug)]
 pub struct Server {
-    addr: ListenAddr,
-    stop: watch::Sender<bool>,
-    task: Option<tokio::task::JoinHandle<()>>,
+    running: Running,
     store: Arc<dyn Store>,
-    connections: Arc<AtomicUsize>,
 }
 
 fn check_option(what: &'static str, value: u64, min: u64, max: u64) -> Result<(), ServeError> {
@@ -279,8 +277,9 @@ pub fn serve_with_runs(
         max_in_flight: opts.max_in_flight_per_conn as u32,
         max_batch: opts.max_batch,
     };
-    let (stop, shutdown) = watch::channel(false);
-    let connections = Arc::new(AtomicUsize::new(0));
+    let starting = Starting::new();
+    let shutdown = starting.shutdown.clone();
+    let connections = starting.connections.clone();
     let conn_budget = budget_permits(opts.conn_budget.max(2 * opts.max_frame as usize));
     let total_budget = budget_permits(opts.total_budget.max(conn_budget));
     let ctx = Arc::new(Ctx {
@@ -295,41 +294,28 @@ pub fn serve_with_runs(
         conn_budget,
         refusals: Arc::new(Semaphore::new(REFUSAL_POOL)),
     });
-    let task = tokio::spawn(accept_loop(listener, ctx, connections.clone()));
     Ok(Server {
-        addr,
-        stop,
-        task: Some(task),
+        running: starting.spawn(addr, accept_loop(listener, ctx, connections)),
         store,
-        connections,
     })
 }
 
 impl Server {
     /// The address the server listens on (with the real port when port 0 was asked for).
     pub fn local_addr(&self) -> &ListenAddr {
-        &self.addr
+        self.running.local_addr()
     }
 
     /// Connections being served right now.
     pub fn connections(&self) -> usize {
-        self.connections.load(Ordering::Relaxed)
+        self.running.connections()
     }
 
     /// Stops accepting, answers the requests in flight, closes every connection, and flushes
     /// the store.
     pub async fn shutdown(mut self) -> Result<(), ServeError> {
-        let _ = self.stop.send(true);
-        if let Some(task) = self.task.take() {
-            let _ = task.await;
-        }
+        self.running.stop().await;
         self.store.flush().await.map_err(ServeError::Flush)
-    }
-}
-
-impl Drop for Server {
-    fn drop(&mut self) {
-        let _ = self.stop.send(true);
     }
 }
 
