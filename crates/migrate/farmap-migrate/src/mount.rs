@@ -33,6 +33,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use crate::msg::{Location, ManifestRun};
+use crate::view::ReadOnlyView;
 use crate::{
     Confirm, Destination, EndpointError, Manifest, MigrationStore, Mode, OpenContext, Source,
     Suspend, SuspendError,
@@ -206,32 +207,19 @@ impl Store for PageView {
     }
 
     fn write(&self, idx: ChunkIdx, _data: Bytes) -> BoxFuture<'_, StoreResult<()>> {
-        Box::pin(async move {
-            Err(StoreError::new(
-                ErrorKind::ReadOnly,
-                format!("writing {idx}: a migrating mount is read-only to its leecher"),
-            ))
-        })
+        ReadOnlyView("mount").write(idx)
     }
 
     fn flush(&self) -> BoxFuture<'_, StoreResult<()>> {
-        Box::pin(async { Ok(()) })
+        ReadOnlyView("mount").flush()
     }
 
     fn trim(&self, _range: ChunkRange) -> BoxFuture<'_, StoreResult<()>> {
-        Box::pin(async {
-            Err(StoreError::new(
-                ErrorKind::ReadOnly,
-                "a migrating mount is read-only to its leecher",
-            ))
-        })
+        ReadOnlyView("mount").trim()
     }
 
     fn status(&self, idx: ChunkIdx) -> BoxFuture<'_, StoreResult<ChunkStatus>> {
-        Box::pin(async move {
-            self.geometry.check_idx(idx)?;
-            Ok(ChunkStatus::Unknown)
-        })
+        ReadOnlyView("mount").status(self.geometry, idx)
     }
 }
 

@@ -87,6 +87,48 @@ impl RunReader for LiveView {
     }
 }
 
+/// What a migrating view (a region's [`LiveView`], a mount's page view) answers to anything
+/// but reads: the leecher only reads; status is unknown (every page is sent as it is).
+pub(crate) struct ReadOnlyView(pub &'static str);
+
+impl ReadOnlyView {
+    pub(crate) fn write(self, idx: ChunkIdx) -> BoxFuture<'static, StoreResult<()>> {
+        Box::pin(async move {
+            Err(StoreError::new(
+                ErrorKind::ReadOnly,
+                format!(
+                    "writing {idx}: a migrating {} is read-only to its leecher",
+                    self.0
+                ),
+            ))
+        })
+    }
+
+    pub(crate) fn flush(self) -> BoxFuture<'static, StoreResult<()>> {
+        Box::pin(async { Ok(()) })
+    }
+
+    pub(crate) fn trim(self) -> BoxFuture<'static, StoreResult<()>> {
+        Box::pin(async move {
+            Err(StoreError::new(
+                ErrorKind::ReadOnly,
+                format!("a migrating {} is read-only to its leecher", self.0),
+            ))
+        })
+    }
+
+    pub(crate) fn status(
+        self,
+        geometry: Geometry,
+        idx: ChunkIdx,
+    ) -> BoxFuture<'static, StoreResult<ChunkStatus>> {
+        Box::pin(async move {
+            geometry.check_idx(idx)?;
+            Ok(ChunkStatus::Unknown)
+        })
+    }
+}
+
 impl Store for LiveView {
     fn geometry(&self) -> Geometry {
         self.geometry
@@ -126,32 +168,19 @@ impl Store for LiveView {
     }
 
     fn write(&self, idx: ChunkIdx, _data: Bytes) -> BoxFuture<'_, StoreResult<()>> {
-        Box::pin(async move {
-            Err(StoreError::new(
-                ErrorKind::ReadOnly,
-                format!("writing {idx}: a migrating region is read-only to its leecher"),
-            ))
-        })
+        ReadOnlyView("region").write(idx)
     }
 
     fn flush(&self) -> BoxFuture<'_, StoreResult<()>> {
-        Box::pin(async { Ok(()) })
+        ReadOnlyView("region").flush()
     }
 
     fn trim(&self, _range: ChunkRange) -> BoxFuture<'_, StoreResult<()>> {
-        Box::pin(async {
-            Err(StoreError::new(
-                ErrorKind::ReadOnly,
-                "a migrating region is read-only to its leecher",
-            ))
-        })
+        ReadOnlyView("region").trim()
     }
 
     fn status(&self, idx: ChunkIdx) -> BoxFuture<'_, StoreResult<ChunkStatus>> {
-        Box::pin(async move {
-            self.geometry.check_idx(idx)?;
-            Ok(ChunkStatus::Unknown)
-        })
+        ReadOnlyView("region").status(self.geometry, idx)
     }
 }
 
