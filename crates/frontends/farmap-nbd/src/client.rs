@@ -26,10 +26,11 @@
 //!   one then covers writes completed on all); requests go round-robin to them.
 //! - A connection that dies (closed by the server, a protocol violation, a request not
 //!   answered within the timeout) fails every request in flight on it with an error naming
-//!   the server and the request; the next request opens a new connection, which must show
-//!   the same export (size and flags).
+//!   the server and the request. The store's [`Pool`](farmap_net::pool::Pool) opens it again
+//!   in the background, with backoff; a new connection must show the same export (size and
+//!   flags). While no connection is open and a reconnect has failed, requests fail at once
+//!   with that reconnect's error (a retry stage above decides whether to wait).
 
-use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -40,9 +41,10 @@ use farmap_core::{
 };
 use farmap_nbd_proto::consts::{tflag, DEFAULT_MAX_PAYLOAD, STATE_ZERO};
 use farmap_nbd_proto::{Command, ExportDetails, Extent};
-use farmap_net::{RemoteAddr, TlsClientConfig};
+use farmap_net::pool::{self, Link, Pool, PoolOptions};
+use farmap_net::{reconnect_policy, RemoteAddr, TlsClientConfig};
 use futures::future::try_join_all;
-use tokio::sync::Mutex;
+use tokio::time::Instant;
 
 use crate::client_conn::{open, Answer, Conn, Dial, Request, TlsSetup};
 
@@ -127,17 +129,73 @@ const MAX_ZERO_REQUEST: u64 = 1 << 30;
 
 /// An NBD export as a farmap store (see the [module docs](self)).
 pub struct NbdStore {
-    target: NbdTarget,
     shown: String,
-    tls: Option<TlsSetup>,
-    opts: NbdClientOptions,
     details: ExportDetails,
     geometry: Geometry,
     caps: Caps,
     /// The largest payload of one request (a multiple of the minimum block size).
     piece: u32,
-    slots: Vec<Mutex<Option<Arc<Conn>>>>,
-    next: AtomicUsize,
+    request_timeout: Duration,
+    pool: Arc<Pool<Dialer>>,
+}
+
+/// Opens the store's further connections, each checked to show the same export.
+struct Dialer {
+    target: NbdTarget,
+    shown: String,
+    tls: Option<TlsSetup>,
+    opts: NbdClientOptions,
+    /// What the first connection showed.
+    details: ExportDetails,
+    /// The payload cap of the replies of a new connection.
+    max_payload: u32,
+}
+
+impl pool::Dial for Dialer {
+    type Link = Conn;
+
+    fn dial(&self) -> BoxFuture<'_, StoreResult<Arc<Conn>>> {
+        Box::pin(async move {
+            let dial = NbdStore::dial(
+                &self.target,
+                &self.shown,
+                self.tls.as_ref(),
+                &self.opts,
+                self.max_payload,
+            );
+            let c = open(&dial).await?;
+            let (was, now) = (&self.details, &c.details);
+            if (was.size, was.flags) != (now.size, now.flags) {
+                c.close("the export changed");
+                return Err(StoreError::new(
+                    ErrorKind::Unavailable,
+                    format!(
+                        "{} changed: it was {} bytes with flags {:#06x}, it is now {} bytes with flags {:#06x}",
+                        self.shown, was.size, was.flags, now.size, now.flags
+                    ),
+                ));
+            }
+            Ok(c)
+        })
+    }
+
+    fn shown(&self) -> String {
+        self.shown.clone()
+    }
+}
+
+impl Link for Conn {
+    fn is_open(&self) -> bool {
+        self.is_alive()
+    }
+
+    fn closed(&self) -> BoxFuture<'_, ()> {
+        Box::pin(self.dead())
+    }
+
+    fn close(&self, why: &str) {
+        Conn::close(self, why);
+    }
 }
 
 impl std::fmt::Debug for NbdStore {
@@ -146,7 +204,7 @@ impl std::fmt::Debug for NbdStore {
             .field("server", &self.shown)
             .field("geometry", &self.geometry)
             .field("caps", &self.caps)
-            .field("connections", &self.slots.len())
+            .field("connections", &self.pool.size())
             .finish()
     }
 }
@@ -269,26 +327,34 @@ impl NbdStore {
         // Requests never ask for more than `piece` bytes; replies are capped to that.
         // The first connection was opened before `piece` was known: its cap is the protocol's
         // default payload, itself a bound.
-        let mut slots = vec![Mutex::new(Some(first))];
-        let store = {
-            for _ in 1..n {
-                slots.push(Mutex::new(None));
-            }
-            NbdStore {
-                target,
-                shown,
-                tls,
-                opts,
-                details,
-                geometry,
-                caps,
-                piece,
-                slots,
-                next: AtomicUsize::new(0),
-            }
+        let dialer = Dialer {
+            target,
+            shown: shown.clone(),
+            tls,
+            opts,
+            details: details.clone(),
+            max_payload: piece.max(64 * 1024),
         };
-        let others = (1..n).map(|i| store.reconnect(i));
-        try_join_all(others).await?;
+        let others = try_join_all((1..n).map(|_| pool::Dial::dial(&dialer))).await?;
+        let initial = std::iter::once(first).chain(others).map(Some).collect();
+        let request_timeout = dialer.opts.request_timeout;
+        let pool = Pool::start(
+            dialer,
+            PoolOptions {
+                reconnect: reconnect_policy(),
+                fail_fast: true,
+            },
+            initial,
+        );
+        let store = NbdStore {
+            shown,
+            details,
+            geometry,
+            caps,
+            piece,
+            request_timeout,
+            pool,
+        };
         tracing::debug!(
             "opened {} ({}, {}, {} connection(s), requests up to {} bytes)",
             store.shown,
@@ -321,7 +387,7 @@ impl NbdStore {
 
     /// The target, as given.
     pub fn target(&self) -> &NbdTarget {
-        &self.target
+        &self.pool.dialer().target
     }
 
     /// The transmission flags the server sent ([`tflag`]).
@@ -331,7 +397,7 @@ impl NbdStore {
 
     /// Connections in use (open or to be reopened).
     pub fn connections(&self) -> usize {
-        self.slots.len()
+        self.pool.size()
     }
 
     /// The largest payload of one request this store sends.
@@ -339,63 +405,16 @@ impl NbdStore {
         self.piece
     }
 
-    /// Closes every connection: requests in flight fail with `Closed`; a later request
-    /// opens a new connection.
+    /// Closes every connection: requests in flight and later ones fail with `Closed`.
+    /// Dropping the store does the same.
     pub async fn close(&self) {
-        for s in &self.slots {
-            if let Some(c) = s.lock().await.take() {
-                c.close(&format!("the store of {} was closed", self.shown));
-            }
-        }
-    }
-
-    /// Opens connection `i` anew (checking that the export is still the same).
-    async fn reconnect(&self, i: usize) -> StoreResult<Arc<Conn>> {
-        let mut slot = self.slots[i].lock().await;
-        if let Some(c) = &*slot {
-            if c.is_alive() {
-                return Ok(c.clone());
-            }
-        }
-        let dial = Self::dial(
-            &self.target,
-            &self.shown,
-            self.tls.as_ref(),
-            &self.opts,
-            self.piece.max(64 * 1024),
-        );
-        let c = open(&dial).await?;
-        let (was, now) = (&self.details, &c.details);
-        if (was.size, was.flags) != (now.size, now.flags) {
-            c.close("the export changed");
-            return Err(StoreError::new(
-                ErrorKind::Unavailable,
-                format!(
-                    "{} changed: it was {} bytes with flags {:#06x}, it is now {} bytes with flags {:#06x}",
-                    self.shown, was.size, was.flags, now.size, now.flags
-                ),
-            ));
-        }
-        *slot = Some(c.clone());
-        Ok(c)
-    }
-
-    /// A live connection, round-robin.
-    async fn conn(&self) -> StoreResult<Arc<Conn>> {
-        let i = self.next.fetch_add(1, Ordering::Relaxed) % self.slots.len();
-        {
-            let slot = self.slots[i].lock().await;
-            if let Some(c) = &*slot {
-                if c.is_alive() {
-                    return Ok(c.clone());
-                }
-            }
-        }
-        self.reconnect(i).await
+        self.pool
+            .close(&format!("the store of {} was closed", self.shown));
     }
 
     async fn call(&self, req: Request) -> StoreResult<Answer> {
-        self.conn().await?.call(req).await
+        let conn = self.pool.get(Instant::now() + self.request_timeout).await?;
+        conn.call(req).await
     }
 
     fn request(command: Command, offset: u64, length: u32, payload: Bytes) -> Request {
@@ -570,6 +589,13 @@ fn status_of(extents: &[Extent], len: u64) -> ChunkStatus {
         ChunkStatus::Zero
     } else {
         ChunkStatus::Unknown
+    }
+}
+
+impl Drop for NbdStore {
+    fn drop(&mut self) {
+        self.pool
+            .close(&format!("the store of {} was closed", self.shown));
     }
 }
 

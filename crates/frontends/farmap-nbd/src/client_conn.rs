@@ -252,6 +252,8 @@ struct Shared {
     table: Mutex<Table>,
     permits: Arc<Semaphore>,
     tasks: Mutex<Vec<AbortHandle>>,
+    /// Raised once the connection is dead.
+    dead: tokio::sync::watch::Sender<bool>,
 }
 
 impl Shared {
@@ -278,6 +280,7 @@ impl Shared {
             }
         }
         self.permits.close();
+        self.dead.send_replace(true);
         for t in self
             .tasks
             .lock()
@@ -448,6 +451,12 @@ impl Conn {
     /// Whether the connection can still carry requests.
     pub(crate) fn is_alive(&self) -> bool {
         self.shared.lock().dead.is_none()
+    }
+
+    /// Resolves once the connection is dead (at once if it already is).
+    pub(crate) async fn dead(&self) {
+        let mut rx = self.shared.dead.subscribe();
+        let _ = rx.wait_for(|d| *d).await;
     }
 
     /// Closes the connection at once: requests in flight fail with `Closed`.
@@ -678,6 +687,7 @@ async fn open_inner(dial: &Dial<'_>) -> StoreResult<Arc<Conn>> {
         table: Mutex::new(Table::default()),
         permits: Arc::new(Semaphore::new(max_in_flight)),
         tasks: Mutex::new(Vec::new()),
+        dead: tokio::sync::watch::channel(false).0,
     });
     let (tx, rx) = mpsc::channel(max_in_flight);
     let reader = tokio::spawn(read_replies(rd, shared.clone(), input, dial.max_payload));

@@ -491,3 +491,83 @@ async fn a_unix_socket_server_of_farmap_is_a_store() {
     assert_eq!(store_bytes(&backing, 7 * 4096, 2).await, [7, 7]);
     server.shutdown().await.unwrap();
 }
+
+/// Reads chunk `idx` until it succeeds (the pool reconnects in the background; until it has,
+/// a request fails at once with the latest reconnect error), or panics after 10 s.
+async fn read_once_reconnected(store: &NbdStore, idx: ChunkIdx) -> Bytes {
+    let start = std::time::Instant::now();
+    loop {
+        match store.read(idx).await {
+            Ok(b) => return b,
+            Err(e) if start.elapsed() < Duration::from_secs(10) => {
+                assert!(
+                    e.context().contains("nbd.sock") || e.kind() == ErrorKind::Closed,
+                    "while the server is away: {e}"
+                );
+                tokio::time::sleep(Duration::from_millis(20)).await;
+            }
+            Err(e) => panic!("no reconnect within 10 s: {e}"),
+        }
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_restarted_server_is_reconnected_and_a_changed_export_refused() {
+    let dir = tempfile::tempdir().unwrap();
+    let sock = dir.path().join("nbd.sock");
+    let addr: ListenAddr = format!("unix:{}", sock.display()).parse().unwrap();
+    let backing = memory(1 << 20, 4096);
+    let serve = |store: Arc<dyn Store>| {
+        let addr = addr.clone();
+        async move {
+            let _ = std::fs::remove_file(match &addr {
+                ListenAddr::Unix(p) => p.clone(),
+                other => panic!("{other}"),
+            });
+            let listener = farmap_net::Listener::bind(&addr).await.unwrap();
+            farmap_nbd::serve_nbd(vec![export("", store)], listener, quiet()).unwrap()
+        }
+    };
+    let server = serve(backing.clone()).await;
+    let store = NbdStore::connect(unix_target(&sock), opts(4096))
+        .await
+        .unwrap();
+    let n = store.connections();
+    assert!(n > 1, "farmap's server offers CAN_MULTI_CONN");
+    store
+        .write(ChunkIdx(3), Bytes::from(vec![3u8; 4096]))
+        .await
+        .unwrap();
+    server.shutdown().await.unwrap();
+
+    // The same export again: every connection comes back, the data is there.
+    let server = serve(backing.clone()).await;
+    assert_eq!(
+        read_once_reconnected(&store, ChunkIdx(3)).await[..],
+        [3u8; 4096][..]
+    );
+    let start = std::time::Instant::now();
+    while server.connections() < n {
+        assert!(
+            start.elapsed() < Duration::from_secs(10),
+            "all {n} reconnect"
+        );
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    server.shutdown().await.unwrap();
+
+    // Another export at the same place: never used, and the error says why.
+    let _server = serve(memory(2 << 20, 4096)).await;
+    let start = std::time::Instant::now();
+    let err = loop {
+        let err = store.read(ChunkIdx(3)).await.unwrap_err();
+        if err.context().contains("changed") || start.elapsed() > Duration::from_secs(10) {
+            break err;
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    };
+    assert!(
+        err.context().contains("changed: it was 1048576 bytes"),
+        "{err}"
+    );
+}

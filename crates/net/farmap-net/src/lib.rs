@@ -28,6 +28,7 @@
 mod accept;
 mod addr;
 mod conn;
+pub mod pool;
 mod remote;
 mod running;
 mod server;

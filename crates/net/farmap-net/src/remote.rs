@@ -15,7 +15,6 @@
 //! - After a reconnect the server must serve the same region (geometry and read-only flag);
 //!   a server that now serves another region is not used.
 
-use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -29,13 +28,11 @@ use farmap_wire::{
     MAX_RUN_LIMIT,
 };
 use futures::future::try_join_all;
-use parking_lot::Mutex;
-use tokio::sync::watch;
 use tokio::time::Instant;
 
 use crate::addr::RemoteAddr;
 use crate::conn::{open, Conn, TlsSetup};
-use crate::stream::raised;
+use crate::pool::{Dial, Link, Pool, PoolOptions};
 use crate::tls::TlsClientConfig;
 
 /// The pauses between reconnect attempts: 50 ms doubling up to 2 s, with jitter, for as long
@@ -78,26 +75,83 @@ impl Default for ClientOptions {
     }
 }
 
-struct Slot {
-    conn: Mutex<Option<Arc<Conn>>>,
-    last_error: Mutex<Option<StoreError>>,
+/// Opens the pool's connections, each checked to serve the region the store was opened on.
+struct Dialer {
+    addr: RemoteAddr,
+    tls: Option<TlsSetup>,
+    connect_timeout: Duration,
+    info: ServerInfo,
 }
 
-struct Pool {
+impl Dialer {
+    /// Whether a (re)connected server still serves what this store was opened on.
+    fn check_same(&self, conn: &Conn) -> StoreResult<()> {
+        let (now, was) = (conn.info(), &self.info);
+        if now.region != was.region
+            || now.max_frame < was.max_frame
+            || now.max_batch < was.max_batch
+        {
+            return Err(StoreError::new(
+                ErrorKind::Corrupt,
+                format!(
+                    "the server at {} now serves a different region ({}, caps {}) than when this store was opened ({}, caps {})",
+                    self.addr,
+                    now.region.geometry,
+                    now.region.caps,
+                    was.region.geometry,
+                    was.region.caps
+                ),
+            ));
+        }
+        Ok(())
+    }
+}
+
+impl Dial for Dialer {
+    type Link = Conn;
+
+    fn dial(&self) -> BoxFuture<'_, StoreResult<Arc<Conn>>> {
+        Box::pin(async move {
+            let c = open(&self.addr, self.tls.as_ref(), self.connect_timeout).await?;
+            match self.check_same(&c) {
+                Ok(()) => Ok(c),
+                Err(e) => {
+                    c.fail("it serves another region");
+                    Err(e)
+                }
+            }
+        })
+    }
+
+    fn shown(&self) -> String {
+        self.addr.to_string()
+    }
+}
+
+impl Link for Conn {
+    fn is_open(&self) -> bool {
+        Conn::is_open(self)
+    }
+
+    fn closed(&self) -> BoxFuture<'_, ()> {
+        Box::pin(Conn::closed(self))
+    }
+
+    fn close(&self, why: &str) {
+        self.fail(why);
+    }
+}
+
+struct Client {
     addr: RemoteAddr,
     opts: ClientOptions,
-    tls: Option<TlsSetup>,
     info: ServerInfo,
-    slots: Vec<Slot>,
-    /// Bumped whenever a slot's connection comes or goes.
-    changed: watch::Sender<u64>,
-    next: AtomicUsize,
-    stop: watch::Sender<bool>,
+    links: Arc<Pool<Dialer>>,
 }
 
 /// A region served by a farmap server (`farmap serve`), used as a [`Store`].
 pub struct RemoteStore {
-    pool: Arc<Pool>,
+    pool: Arc<Client>,
 }
 
 impl std::fmt::Debug for RemoteStore {
@@ -133,26 +187,28 @@ impl RemoteStore {
         let tls = opts.tls.as_ref().map(|t| tls_setup(&addr, t)).transpose()?;
         let first = open(&addr, tls.as_ref(), opts.connect_timeout).await?;
         let n = opts.connections.max(1);
-        let pool = Arc::new(Pool {
+        let mut initial = vec![Some(first.clone())];
+        initial.resize(n, None);
+        let dialer = Dialer {
+            addr: addr.clone(),
+            tls,
+            connect_timeout: opts.connect_timeout,
             info: *first.info(),
-            slots: (0..n)
-                .map(|_| Slot {
-                    conn: Mutex::new(None),
-                    last_error: Mutex::new(None),
-                })
-                .collect(),
-            changed: watch::channel(0).0,
-            next: AtomicUsize::new(0),
-            stop: watch::channel(false).0,
+        };
+        let links = Pool::start(
+            dialer,
+            PoolOptions {
+                reconnect: opts.reconnect,
+                fail_fast: false,
+            },
+            initial,
+        );
+        let pool = Arc::new(Client {
+            info: *first.info(),
             addr,
             opts,
-            tls,
+            links,
         });
-        *pool.slots[0].conn.lock() = Some(first.clone());
-        tokio::spawn(supervise(pool.clone(), 0, Some(first)));
-        for i in 1..n {
-            tokio::spawn(supervise(pool.clone(), i, None));
-        }
         Ok(RemoteStore { pool })
     }
 
@@ -168,23 +224,13 @@ impl RemoteStore {
 
     /// Connections of the pool that are open right now.
     pub fn open_connections(&self) -> usize {
-        self.pool
-            .slots
-            .iter()
-            .filter(|s| s.conn.lock().as_ref().is_some_and(|c| c.is_open()))
-            .count()
+        self.pool.links.open_count()
     }
 
     /// Closes every connection; requests in flight fail and later ones fail with `Closed`.
     /// Dropping the store does the same.
     pub fn close(&self) {
-        let _ = self.pool.stop.send(true);
-        for slot in &self.pool.slots {
-            if let Some(c) = slot.conn.lock().take() {
-                c.fail("the client closed the store");
-            }
-        }
-        self.pool.changed.send_modify(|g| *g += 1);
+        self.pool.links.close("the client closed the store");
     }
 
     /// Reads several chunks, in batches as large as the server allows (sent concurrently):
@@ -328,51 +374,7 @@ impl Drop for RemoteStore {
     }
 }
 
-impl Pool {
-    /// An open connection, waiting (until `deadline`) for one when none is.
-    async fn conn(&self, deadline: Instant) -> StoreResult<Arc<Conn>> {
-        let mut changed = self.changed.subscribe();
-        loop {
-            if *self.stop.borrow() {
-                return Err(StoreError::new(
-                    ErrorKind::Closed,
-                    format!("the store for {} was closed", self.addr),
-                ));
-            }
-            let n = self.slots.len();
-            let first = self.next.fetch_add(1, Ordering::Relaxed);
-            for k in 0..n {
-                let slot = &self.slots[(first + k) % n];
-                if let Some(c) = slot.conn.lock().as_ref().filter(|c| c.is_open()) {
-                    return Ok(c.clone());
-                }
-            }
-            if tokio::time::timeout_at(deadline, changed.changed())
-                .await
-                .is_err()
-            {
-                return Err(self.unreachable());
-            }
-        }
-    }
-
-    /// Why no connection could be had in time: the latest connect error, if any.
-    fn unreachable(&self) -> StoreError {
-        let last = self
-            .slots
-            .iter()
-            .find_map(|s| s.last_error.lock().as_ref().map(|e| e.to_owned_lossy()));
-        last.unwrap_or_else(|| {
-            StoreError::new(
-                ErrorKind::Timeout,
-                format!(
-                    "no connection to {} within {:?}",
-                    self.addr, self.opts.request_timeout
-                ),
-            )
-        })
-    }
-
+impl Client {
     /// One request with the request deadline; error replies become errors.
     async fn call(&self, msg: Message) -> StoreResult<Message> {
         let timeout = self.opts.request_timeout;
@@ -385,11 +387,11 @@ impl Pool {
             Message::Read(_) | Message::ReadRun { .. } | Message::Status(_) | Message::Geometry
         )
         .then(|| msg.clone());
-        let conn = self.conn(deadline).await?;
+        let conn = self.links.get(deadline).await?;
         let mut reply = tokio::time::timeout_at(deadline, conn.call(msg)).await;
         if let (Ok(Err(e)), Some(again)) = (&reply, resend) {
             if e.kind() == ErrorKind::Unavailable {
-                let conn = self.conn(deadline).await?;
+                let conn = self.links.get(deadline).await?;
                 reply = tokio::time::timeout_at(deadline, conn.call(again)).await;
             }
         }
@@ -415,82 +417,6 @@ impl Pool {
                 reply.op()
             ),
         )
-    }
-
-    /// Whether a (re)connected server still serves what this store was opened on.
-    fn check_same(&self, conn: &Conn) -> StoreResult<()> {
-        let (now, was) = (conn.info(), &self.info);
-        if now.region != was.region
-            || now.max_frame < was.max_frame
-            || now.max_batch < was.max_batch
-        {
-            return Err(StoreError::new(
-                ErrorKind::Corrupt,
-                format!(
-                    "the server at {} now serves a different region ({}, caps {}) than when this store was opened ({}, caps {})",
-                    self.addr,
-                    now.region.geometry,
-                    now.region.caps,
-                    was.region.geometry,
-                    was.region.caps
-                ),
-            ));
-        }
-        Ok(())
-    }
-}
-
-/// Keeps slot `i` connected until the store is closed.
-async fn supervise(pool: Arc<Pool>, i: usize, mut next: Option<Arc<Conn>>) {
-    let slot = &pool.slots[i];
-    let mut stop = pool.stop.subscribe();
-    let mut failed = 0u32;
-    loop {
-        let conn = match next.take() {
-            Some(c) => c,
-            None => {
-                let attempt = async {
-                    let c = open(&pool.addr, pool.tls.as_ref(), pool.opts.connect_timeout).await?;
-                    match pool.check_same(&c) {
-                        Ok(()) => Ok(c),
-                        Err(e) => {
-                            c.fail("it serves another region");
-                            Err(e)
-                        }
-                    }
-                };
-                let result = tokio::select! {
-                    r = attempt => r,
-                    _ = raised(&mut stop) => break,
-                };
-                match result {
-                    Ok(c) => c,
-                    Err(e) => {
-                        *slot.last_error.lock() = Some(e);
-                        failed = failed.saturating_add(1);
-                        let pause = pool.opts.reconnect.backoff(failed);
-                        tokio::select! {
-                            _ = tokio::time::sleep(pause) => {}
-                            _ = raised(&mut stop) => break,
-                        }
-                        continue;
-                    }
-                }
-            }
-        };
-        failed = 0;
-        *slot.last_error.lock() = None;
-        *slot.conn.lock() = Some(conn.clone());
-        pool.changed.send_modify(|g| *g += 1);
-        tokio::select! {
-            _ = conn.closed() => {}
-            _ = raised(&mut stop) => break,
-        }
-        slot.conn.lock().take();
-        pool.changed.send_modify(|g| *g += 1);
-    }
-    if let Some(c) = slot.conn.lock().take() {
-        c.fail("the client closed the store");
     }
 }
 
