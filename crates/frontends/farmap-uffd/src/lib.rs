@@ -62,7 +62,7 @@
 //! or staged with `UFFDIO_MOVE`), evicts the rest to the store (written chunks are written
 //! back first) and reclaims ahead of faults on its own thread; the limit can change at run
 //! time ([`Region::set_local_max`]). The states, the eviction policy and why it was chosen
-//! are documented in the `paging` module (`src/paging.rs`).
+//! are documented in the `paging` module (`src/paging/mod.rs`).
 //!
 //! # Waiting for faults
 //! By default the readers sleep in `poll(2)` between faults ([`FaultWait::Sleep`]), one per

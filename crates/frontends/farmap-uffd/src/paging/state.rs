@@ -1,0 +1,83 @@
+//! The pager's per-chunk state: [`St`] for each chunk, in one [`State`] for the region,
+//! under the pager's lock (see the module documentation for the states and their moves).
+
+use std::collections::VecDeque;
+/// The state of one chunk.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(super) enum St {
+    /// Never written: the store holds nothing for it (a fresh region), so its first touch
+    /// maps zero pages, with no store read.
+    Zero,
+    Remote,
+    /// Being fetched; `new` when the fetch took a new unit of the limit (from remote or
+    /// zero), `zero` when it is filled with zeros rather than read.
+    Fetching {
+        new: bool,
+        zero: bool,
+    },
+    Active,
+    /// Active, its pages being moved to its staging slot by a deactivation (outside the
+    /// state lock); then staged, or active again if the move could be undone.
+    Moving,
+    Staged,
+}
+
+/// The state of every chunk of the region, under the pager's lock.
+pub(super) struct State {
+    pub(super) chunk: Vec<St>,
+    /// The staging slot holds pages (staged, or being dropped).
+    pub(super) slot_busy: Vec<bool>,
+    /// The epoch when the chunk was last staged.
+    pub(super) staged_epoch: Vec<u64>,
+    /// The epoch at the start of the chunk's last successful write-back: a staged chunk whose
+    /// `staged_epoch` is older is in the store, and its slot can be dropped.
+    pub(super) written_back: Vec<u64>,
+    pub(super) referenced: Vec<bool>,
+    /// Fetched ahead of faults and not yet found used.
+    pub(super) prefetched: Vec<bool>,
+    /// Pushes reading the chunk out of the region now: it is not deactivated meanwhile.
+    pub(super) pins: Vec<u32>,
+    pub(super) active: VecDeque<u64>,
+    /// Drop-behind: chunks that a sequential stream has left behind, oldest first, taken as
+    /// victims before the clock's (entries whose chunk is no longer active are skipped).
+    pub(super) behind: VecDeque<u64>,
+    /// Staged chunks, oldest first, with the id of their staging: an entry is current only
+    /// while its chunk is staged with that id (leaving the staged state removes nothing
+    /// here, so that a move back, in a signal handler too, is O(1)).
+    pub(super) staged: VecDeque<(u64, u64)>,
+    /// The id of each chunk's last staging.
+    pub(super) stage_id: Vec<u64>,
+    /// The last staging id given.
+    pub(super) stage_seq: u64,
+    /// Chunks in the staged state.
+    pub(super) n_staged: u64,
+    /// Chunks counted against the limit.
+    pub(super) resident: u64,
+    /// Bumped when a write-back starts.
+    pub(super) epoch: u64,
+}
+
+impl State {
+    /// Every one of `n` chunks zero (`fresh`) or remote.
+    pub(super) fn new(n: usize, fresh: bool) -> Self {
+        State {
+            chunk: vec![if fresh { St::Zero } else { St::Remote }; n],
+            slot_busy: vec![false; n],
+            staged_epoch: vec![0; n],
+            written_back: vec![0; n],
+            referenced: vec![false; n],
+            prefetched: vec![false; n],
+            pins: vec![0; n],
+            // Reserved so that a move back in a signal handler never allocates (one
+            // entry per chunk, plus stale duplicates of refetched chunks).
+            active: VecDeque::with_capacity(n + n / 8 + 64),
+            behind: VecDeque::new(),
+            staged: VecDeque::new(),
+            stage_id: vec![0; n],
+            stage_seq: 0,
+            n_staged: 0,
+            resident: 0,
+            epoch: 0,
+        }
+    }
+}
