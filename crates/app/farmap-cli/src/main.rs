@@ -177,6 +177,11 @@ fn main() -> ExitCode {
     if matches!(&cli.command, Command::Bench(bench::BenchCommand::Push(_))) {
         farmap_memory::heap::prepare_heap();
     }
+    // A server's memory for its clients is a budget: large buffers go back when freed, so
+    // that its resident memory follows the budget (see `hostile_nbd.rs`).
+    if matches!(&cli.command, Command::Serve(_)) {
+        farmap_memory::heap::return_large_buffers();
+    }
     // The migration commands reuse freed buffers instead of faulting fresh ones in (see
     // `farmap_memory::heap::keep_freed_memory`).
     if cli.command.moves_regions() {

@@ -24,12 +24,6 @@ fn parse_export(s: &str) -> anyhow::Result<(String, StoreSpec)> {
 }
 
 pub async fn run(args: ServeArgs, store: Arc<dyn farmap::Store>) -> anyhow::Result<ExitCode> {
-    if args.max_memory.is_some() {
-        anyhow::bail!(
-            "--max-memory applies to farmap's native protocol; an NBD connection's memory is \
-             bounded by its budget of two maximum payloads (64 MiB)"
-        );
-    }
     let managed = if args.managed {
         let m =
             crate::mount::open_managed(store.clone(), ManagedOptions::default(), args.cache_max)
@@ -76,6 +70,9 @@ pub async fn run(args: ServeArgs, store: Arc<dyn farmap::Store>) -> anyhow::Resu
         idle_timeout: args.idle_timeout,
         handshake_timeout: args.handshake_timeout.unwrap_or(defaults.handshake_timeout),
         log: !args.quiet,
+        total_budget: args.max_memory.map_or(defaults.total_budget, |m| {
+            usize::try_from(m).unwrap_or(usize::MAX)
+        }),
         ..defaults
     };
     let described: Vec<String> = exports

@@ -47,15 +47,7 @@ impl Served {
 
     /// Resident memory of the server, in bytes.
     fn rss(&self) -> u64 {
-        let status = std::fs::read_to_string(format!("/proc/{}/status", self.server.id()))
-            .expect("the server is running");
-        let kb: u64 = status
-            .lines()
-            .find_map(|l| l.strip_prefix("VmRSS:"))
-            .and_then(|v| v.split_whitespace().next())
-            .and_then(|v| v.parse().ok())
-            .expect("VmRSS in /proc/PID/status");
-        kb * 1024
+        farmap_testkit::process::rss_bytes(self.server.id())
     }
 
     fn assert_running(&mut self) {
@@ -217,17 +209,20 @@ fn pipeline_without_reading(mut s: TcpStream, bytes: &[u8], stop: &AtomicBool, s
     }
 }
 
-#[test]
-fn clients_that_pipeline_large_reads_and_never_read_do_not_grow_the_server() {
-    const BUDGET: u64 = 512 * MIB;
+/// `attackers` clients pipeline reads of ~16 MiB and never read the replies, for 8 s, while
+/// a good client reads: the server (started with `args`) stays up, under `budget` bytes
+/// of VmRSS, and serves the good client.
+fn attacked_by_non_readers(attackers: usize, args: &[&str], budget: u64) {
     let dir = tempfile::tempdir().unwrap();
-    let mut server = Served::start(&file_store(dir.path()), &["-q"]);
+    let mut all = vec!["-q"];
+    all.extend_from_slice(args);
+    let mut server = Served::start(&file_store(dir.path()), &all);
     let addr = server.addr;
-    // 4 attackers, each with 2000 reads of ~16 MiB queued: 128 GB of replies asked for.
+    // Each attacker has 2000 reads of ~16 MiB queued: 32 GB of replies asked for.
     let attack = Arc::new(attack_bytes(2000));
     let stop = Arc::new(AtomicBool::new(false));
     let sent = Arc::new(AtomicU64::new(0));
-    let attackers: Vec<_> = (0..4)
+    let threads: Vec<_> = (0..attackers)
         .map(|_| {
             let s = session(addr);
             let (attack, stop, sent) = (attack.clone(), stop.clone(), sent.clone());
@@ -246,25 +241,37 @@ fn clients_that_pipeline_large_reads_and_never_read_do_not_grow_the_server() {
     }
     peak = peak.max(server.rss());
     println!(
-        "farmap serve VmRSS peak {} MiB under 4 non-reading clients (budget {} MiB); {} MiB of requests sent; {good_reads} good reads served",
+        "farmap serve {args:?} VmRSS peak {} MiB under {attackers} non-reading clients (budget {} MiB); {} MiB of requests sent; {good_reads} good reads served",
         peak / MIB,
-        BUDGET / MIB,
+        budget / MIB,
         sent.load(Ordering::Relaxed) / MIB
     );
     server.assert_running();
     assert!(
-        sent.load(Ordering::Relaxed) > 4 * 2 * 2048,
+        sent.load(Ordering::Relaxed) > attackers as u64 * 2 * 2048,
         "the attackers got requests through"
     );
     assert!(
-        peak < BUDGET,
-        "VmRSS {peak} bytes, over the budget of {BUDGET}"
+        peak < budget,
+        "VmRSS {peak} bytes, over the budget of {budget}"
     );
     stop.store(true, Ordering::Relaxed);
-    for a in attackers {
+    for a in threads {
         a.join().unwrap();
     }
     good_client(addr, 5, pattern);
+}
+
+#[test]
+fn clients_that_pipeline_large_reads_and_never_read_do_not_grow_the_server() {
+    attacked_by_non_readers(4, &[], 512 * MIB);
+}
+
+#[test]
+fn clients_that_hold_the_whole_budget_do_not_starve_a_good_client() {
+    // Four connections can hold 4 x 32 MiB: twice the server's total. Each connection's own
+    // reserve is what lets the good client in.
+    attacked_by_non_readers(4, &["--max-memory", "64MiB"], 64 * MIB + 160 * MIB);
 }
 
 /// Sends `bytes` on a fresh connection (after the handshake when `hello`) and returns all

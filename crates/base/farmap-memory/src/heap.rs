@@ -21,6 +21,24 @@ pub fn keep_freed_memory() -> bool {
     heap_settings(false)
 }
 
+/// glibc malloc settings under which a freed large buffer goes back to the kernel at once:
+/// blocks of 1 MiB and more are `mmap`ed, always (glibc's default raises that threshold after
+/// each free, up to 32 MiB, and then keeps freed blocks in each thread's arena). For servers
+/// whose memory for clients is a budget: their resident memory then follows what the budget
+/// holds instead of the peak of every arena. Call it before any other thread exists. Returns
+/// whether glibc took it.
+pub fn return_large_buffers() -> bool {
+    #[cfg(all(target_os = "linux", target_env = "gnu"))]
+    {
+        // SAFETY: as in `heap_settings`.
+        unsafe { libc::mallopt(libc::M_MMAP_THRESHOLD, 1 << 20) == 1 }
+    }
+    #[cfg(not(all(target_os = "linux", target_env = "gnu")))]
+    {
+        false
+    }
+}
+
 #[cfg(all(target_os = "linux", target_env = "gnu"))]
 fn heap_settings(one_arena: bool) -> bool {
     let mut settings = vec![

@@ -20,6 +20,7 @@ use farmap_nbd_proto::consts::{errno, REQUEST_LEN};
 use farmap_nbd_proto::{
     Command, Incoming, RequestDecoder, RequestHeader, ServerHandshake, ServerStep,
 };
+use farmap_net::budget::{Budget, Charge};
 use farmap_net::{is_clean_close, raised, BoxStream};
 use tokio::io::{AsyncReadExt, AsyncWrite, AsyncWriteExt, WriteHalf};
 use tokio::sync::{mpsc, watch, Mutex, OwnedSemaphorePermit, Semaphore, TryAcquireError};
@@ -42,7 +43,7 @@ const LARGE_WRITE: u32 = 64 * 1024;
 const OVERHEAD: usize = 64;
 
 /// A reply (or one part of one) and the budget it holds until it has been written.
-type Outgoing = (Vec<Bytes>, Option<OwnedSemaphorePermit>);
+type Outgoing = (Vec<Bytes>, Option<Charge>);
 type Out = WriteHalf<BoxStream>;
 
 /// Serves one connection to its end.
@@ -153,11 +154,7 @@ fn writer_gone() -> io::Error {
 impl Replies {
     /// Sends the pieces in `parts` (emptied) as one unit; `permit` is released once they
     /// have been written.
-    async fn send(
-        &self,
-        parts: &mut Vec<Bytes>,
-        permit: Option<OwnedSemaphorePermit>,
-    ) -> io::Result<()> {
+    async fn send(&self, parts: &mut Vec<Bytes>, permit: Option<Charge>) -> io::Result<()> {
         if parts.is_empty() {
             return Ok(());
         }
@@ -187,11 +184,11 @@ impl Replies {
 struct Batch {
     parts: Vec<Bytes>,
     bytes: usize,
-    permit: Option<OwnedSemaphorePermit>,
+    permit: Option<Charge>,
 }
 
 impl Batch {
-    fn push(&mut self, reply: Vec<Bytes>, permit: Option<OwnedSemaphorePermit>) {
+    fn push(&mut self, reply: Vec<Bytes>, permit: Option<Charge>) {
         for p in reply {
             self.bytes += p.len();
             self.parts.push(p);
@@ -223,7 +220,7 @@ async fn writer(
     broken: Arc<watch::Sender<bool>>,
 ) -> io::Result<()> {
     let mut batch: Vec<Bytes> = Vec::new();
-    let mut held: Vec<Option<OwnedSemaphorePermit>> = Vec::new();
+    let mut held: Vec<Option<Charge>> = Vec::new();
     while let Some(first) = rx.recv().await {
         let mut guard = out.lock().await;
         let Some(w) = guard.as_mut() else {
@@ -250,7 +247,7 @@ async fn drain(
     rx: &mut mpsc::Receiver<Outgoing>,
     first: Outgoing,
     batch: &mut Vec<Bytes>,
-    held: &mut Vec<Option<OwnedSemaphorePermit>>,
+    held: &mut Vec<Option<Charge>>,
     stall: Duration,
 ) -> io::Result<()> {
     let mut bytes = 0;
@@ -316,6 +313,21 @@ async fn permit(
     Ok(sem.clone().acquire_many_owned(n).await.ok())
 }
 
+/// A charge of `n` bytes to `budget`, sending the reader's batch first when it has to wait
+/// (the charges the batch holds may be what it waits for).
+async fn charge(
+    budget: &Budget,
+    n: usize,
+    batch: &mut Batch,
+    replies: &Replies,
+) -> io::Result<Charge> {
+    if let Some(c) = budget.try_charge(n) {
+        return Ok(c);
+    }
+    batch.send(replies).await?;
+    Ok(budget.charge(n).await)
+}
+
 /// Serves a structured read longer than the maximum payload in pieces of at most that
 /// size, each read, charged to the connection's budget and sent before the next.
 async fn read_in_pieces(
@@ -323,9 +335,8 @@ async fn read_in_pieces(
     h: RequestHeader,
     s: Session,
     replies: Arc<Replies>,
-    budget: Arc<Semaphore>,
-    conn_budget: usize,
-    mut charge: Option<OwnedSemaphorePermit>,
+    budget: Budget,
+    mut charge: Option<Charge>,
 ) {
     if let Err(f) = exp.check_read(&h, s) {
         let _ = replies.send(&mut error_reply(&h, s, &f), charge).await;
@@ -336,10 +347,12 @@ async fn read_in_pieces(
     while at < end {
         let n = (end - at).min(exp.max_payload.into()) as u32;
         let last = at + u64::from(n) == end;
-        let want = (n as usize + OVERHEAD).min(conn_budget) as u32;
-        let Ok(mut permit) = budget.clone().acquire_many_owned(want).await else {
-            return;
+        let piece = RequestHeader {
+            offset: at,
+            length: n,
+            ..h
         };
+        let mut permit = budget.charge(exp.working_set(&piece) + OVERHEAD).await;
         if let Some(c) = charge.take() {
             permit.merge(c);
         }
@@ -376,13 +389,13 @@ async fn transmission(
         stall,
         broken,
     });
-    let budget = Arc::new(Semaphore::new(ctx.conn_budget));
+    let budget = ctx.total.connection(ctx.conn_budget, ctx.reserve);
     let max_in_flight = ctx.opts.max_in_flight_per_conn;
     let in_flight = Arc::new(Semaphore::new(max_in_flight));
     let mut decoder = RequestDecoder::new(exp.max_payload);
     let mut batch = Batch::default();
     // Budget charged for a write payload that is still arriving.
-    let mut payload_charge: Option<OwnedSemaphorePermit> = None;
+    let mut payload_charge: Option<Charge> = None;
     // Whether the payload being awaited has a buffer of its own (read exactly into it).
     let mut own_buffer = false;
     // Whether the next header is read alone (after a large write).
@@ -437,17 +450,19 @@ async fn transmission(
                 break 'conn Ok(());
             }
             let large = exp.read_in_pieces(&header, session);
-            // Charge the request's bytes (its payload, or its largest reply) to the budget.
-            let reply_bytes = match header.command {
-                Command::Read if !large => header.length as usize,
-                // A payload that arrived with its header was never charged on its way in.
+            // Charge what the request may hold (its working set; a write also its payload,
+            // unless that was charged on its way in).
+            let payload_bytes = match header.command {
                 Command::Write if payload_charge.is_none() => payload.len(),
                 _ => 0,
             };
-            let charge = (reply_bytes + OVERHEAD).min(ctx.conn_budget) as u32;
-            let mut permit = match self::permit(&budget, charge, &mut batch, &replies).await {
-                Ok(Some(p)) => p,
-                Ok(None) => break 'conn Ok(()),
+            // A read served in pieces charges each piece as it goes.
+            let work = if large { 0 } else { exp.working_set(&header) };
+            // Never more than the budget can give beside a payload charge already held.
+            let held = payload_charge.as_ref().map_or(0, Charge::bytes);
+            let bytes = (work + payload_bytes + OVERHEAD).min(budget.limit().saturating_sub(held));
+            let mut permit = match self::charge(&budget, bytes, &mut batch, &replies).await {
+                Ok(c) => c,
                 Err(e) => break 'conn ended(e),
             };
             if let Some(p) = payload_charge.take() {
@@ -465,7 +480,6 @@ async fn transmission(
                     session,
                     replies.clone(),
                     budget.clone(),
-                    ctx.conn_budget,
                     Some(permit),
                 );
                 tokio::spawn(async move {
@@ -513,11 +527,7 @@ async fn transmission(
             let len = len as usize;
             // A write payload is on its way: charge it before reading it in.
             if payload_charge.is_none() {
-                let n = len.min(ctx.conn_budget) as u32;
-                match budget.clone().acquire_many_owned(n).await {
-                    Ok(p) => payload_charge = Some(p),
-                    Err(_) => break 'conn Ok(()),
-                }
+                payload_charge = Some(budget.charge(len).await);
             }
             let need = len - buf.len();
             if !own_buffer && buf.capacity() - buf.len() < need {

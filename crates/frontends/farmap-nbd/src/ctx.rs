@@ -18,6 +18,10 @@ pub(crate) struct Ctx {
     pub(crate) tls: Option<TlsAcceptor>,
     pub(crate) shutdown: watch::Receiver<bool>,
     pub(crate) conn_budget: usize,
+    /// The budget every connection's draws from.
+    pub(crate) total: farmap_net::budget::Total,
+    /// What each connection may hold beside the total (see [`farmap_net::budget`]).
+    pub(crate) reserve: usize,
 }
 
 impl Ctx {

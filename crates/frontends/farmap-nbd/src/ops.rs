@@ -201,12 +201,10 @@ impl ExportCtx {
             }
             Command::Cache => {
                 self.check_range(h)?;
-                let mut at = h.offset;
-                let end = h.offset + u64::from(h.length);
-                while at < end {
-                    let n = (end - at).min(u64::from(self.max_payload)) as usize;
-                    self.store.read_bytes(at, n).await?;
-                    at += n as u64;
+                // One chunk at a time, each dropped once read: a 28-byte request asking for
+                // 4 GiB holds one chunk (what it is charged), never the range.
+                for (at, n, _) in self.pieces(h.offset, h.length.into()) {
+                    self.store.read_bytes(at, n as usize).await?;
                 }
                 Ok(ok_reply(h))
             }
@@ -228,6 +226,37 @@ impl ExportCtx {
                 errno::EINVAL,
                 format!("unknown command {}", h.command.code()),
             )),
+        }
+    }
+
+    /// The bytes a request may hold while it runs and until its reply is written, beyond
+    /// its write payload (charged as it arrives): what the connection's and the server's
+    /// budgets are charged for it.
+    ///
+    /// - a read: every chunk it touches, whole (the store returns whole chunks; the parts
+    ///   of the chunks at either end are copied out of them before the reply waits);
+    /// - `CACHE`: one chunk (it reads one at a time);
+    /// - a write: the chunks at either end it covers in part (read, changed, written back);
+    /// - `TRIM`/`WRITE_ZEROES`: the chunks at either end (and, with `NO_HOLE`, the zero
+    ///   writes in flight);
+    /// - `BLOCK_STATUS`: its list of chunk states and extents.
+    pub(crate) fn working_set(&self, h: &RequestHeader) -> usize {
+        let len = u64::from(h.length);
+        let touched = if len == 0 {
+            0
+        } else {
+            // Saturating: the range is checked later, and a peer chooses the offset.
+            (h.offset.saturating_add(len - 1) / self.chunk + 1)
+                .saturating_sub(h.offset / self.chunk)
+        };
+        let chunk = self.chunk as usize;
+        match h.command {
+            Command::Read => touched.saturating_mul(self.chunk) as usize,
+            Command::Cache => chunk.min((touched as usize).saturating_mul(chunk)),
+            Command::WriteZeroes if h.flags & cflag::NO_HOLE != 0 => (2 + PER_REQUEST) * chunk,
+            Command::Write | Command::Trim | Command::WriteZeroes => 2 * chunk,
+            Command::BlockStatus => touched.min(MAX_STATUS_CHUNKS) as usize * 24,
+            Command::Flush | Command::Disc | Command::Other(_) => 0,
         }
     }
 
@@ -291,11 +320,19 @@ impl ExportCtx {
     ) -> Result<Vec<Bytes>, Failure> {
         let holes = s.structured && self.caps.contains(Caps::STATUS);
         let store = &self.store;
+        let chunk = self.chunk;
         let one = |at: u64, len: u64, idx: u64| async move {
             if holes && store.status(farmap_core::ChunkIdx(idx)).await? == ChunkStatus::Zero {
                 return Ok::<_, StoreError>((at, len, None));
             }
             let data = store.read_bytes(at, len as usize).await?;
+            // A slice of a chunk would keep the whole chunk alive until the reply is written
+            // (a 1-byte read pinning 4 MiB): a part of a chunk gets bytes of its own.
+            let data = if len < chunk {
+                Bytes::copy_from_slice(&data)
+            } else {
+                data
+            };
             Ok((at, len, Some(data)))
         };
         // Each piece: `None` for a hole, `Some(bytes)` for data (a slice of the chunk).

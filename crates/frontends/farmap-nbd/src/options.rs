@@ -42,6 +42,9 @@ pub struct NbdServeOptions {
     /// Bytes of requests in flight and replies queued per connection (raised to at least
     /// two maximum payloads).
     pub conn_budget: usize,
+    /// Bytes of requests in flight and replies queued over all connections together
+    /// (raised to at least one connection's budget); a request waits for its share.
+    pub total_budget: usize,
     /// How long [`NbdServer::shutdown`](crate::NbdServer::shutdown) waits for connections to finish.
     pub shutdown_grace: Duration,
     /// Log connections at `info` (else `debug`).
@@ -50,7 +53,7 @@ pub struct NbdServeOptions {
 
 impl Default for NbdServeOptions {
     /// 256 connections, 128 requests in flight each, no TLS, 32 MiB payloads, 10 s
-    /// handshake, 120 s idle, 64 MiB per connection, 10 s grace, logging on.
+    /// handshake, 120 s idle, 64 MiB per connection and 256 MiB in all, 10 s grace, logging on.
     fn default() -> Self {
         Self {
             max_connections: 256,
@@ -60,6 +63,7 @@ impl Default for NbdServeOptions {
             handshake_timeout: Duration::from_secs(10),
             idle_timeout: Duration::from_secs(120),
             conn_budget: 2 * DEFAULT_MAX_PAYLOAD as usize,
+            total_budget: farmap_net::DEFAULT_TOTAL_BUDGET,
             shutdown_grace: Duration::from_secs(10),
             log: true,
         }

@@ -61,6 +61,9 @@ pub struct NbdServer {
     exports: Vec<Export>,
 }
 
+/// The least each connection may hold beside the server's total: a few small requests.
+const RESERVE: usize = 1 << 20;
+
 /// The transmission flags of an export.
 fn flags_for(caps: Caps, read_only: bool) -> u16 {
     let mut f = tflag::HAS_FLAGS
@@ -185,6 +188,11 @@ pub fn serve_nbd(
         .conn_budget
         .max(2 * largest as usize + 4096)
         .min(u32::MAX as usize);
+    let total = farmap_net::budget::Total::new(opts.total_budget.max(conn_budget));
+    // A connection's reserve runs a read of one chunk (of the export with the largest) and
+    // small requests, whoever else holds the total.
+    let largest_chunk = ctxs.iter().map(|e| e.chunk as usize).max().unwrap_or(0);
+    let reserve = RESERVE.max(largest_chunk + 4096);
     let ctx = Arc::new(Ctx {
         exports: ctxs,
         handshake: ServerConfig {
@@ -199,6 +207,8 @@ pub fn serve_nbd(
         tls,
         shutdown,
         conn_budget,
+        total,
+        reserve,
     });
     Ok(NbdServer {
         running: starting.spawn(addr, accept_loop(listener, ctx, connections)),

@@ -27,6 +27,7 @@
 
 mod accept;
 mod addr;
+pub mod budget;
 mod conn;
 pub mod pool;
 mod remote;

@@ -7,8 +7,10 @@
 //!
 //! # Memory
 //! - Every request is charged its bytes plus the bytes of its largest possible reply against
-//!   a per-connection budget ([`ServeOptions::conn_budget`]) and a server-wide one
-//!   ([`ServeOptions::total_budget`]) before it runs; the charge is returned once its reply
+//!   a per-connection budget ([`ServeOptions::conn_budget`]) and then either the
+//!   connection's own reserve (1 MiB, or four chunks if more) or a server-wide budget
+//!   ([`ServeOptions::total_budget`]) before it runs ([`crate::budget`]: clients that hold
+//!   the whole total do not starve the others); the charge is returned once its reply
 //!   has been written to the socket. A client that stops reading its replies therefore stops
 //!   the server from reading its requests (they wait in the socket: back-pressure, not
 //!   memory). A frame larger than the read-ahead is charged to the server-wide budget as
@@ -49,6 +51,7 @@ use tokio_rustls::TlsAcceptor;
 
 use crate::accept::{accept_connections, AcceptLoop};
 use crate::addr::{ListenAddr, Listener};
+use crate::budget::{Charge, Total};
 use crate::running::{Running, Starting};
 use crate::stream::{
     describe_foreign_bytes, io_phrase, is_clean_close, make_room, raised, write_frames, BoxStream,
@@ -166,11 +169,11 @@ struct Ctx {
     tls: Option<TlsAcceptor>,
     shutdown: watch::Receiver<bool>,
     /// Bytes in flight over all connections (see the module docs).
-    total_budget: Arc<Semaphore>,
-    /// Its size in bytes.
-    total_budget_bytes: usize,
+    total: Total,
     /// The per-connection budget, as raised to fit two frames.
     conn_budget: usize,
+    /// What each connection may hold beside the total: a read of a few chunks.
+    reserve: usize,
     /// Tasks answering connections over the limit.
     refusals: Arc<Semaphore>,
 }
@@ -289,9 +292,9 @@ pub fn serve_with_runs(
         opts,
         tls,
         shutdown,
-        total_budget: Arc::new(Semaphore::new(total_budget)),
-        total_budget_bytes: total_budget,
+        total: Total::new(total_budget),
         conn_budget,
+        reserve: RESERVE.max(4 * info.region.geometry.chunk_size() as usize),
         refusals: Arc::new(Semaphore::new(REFUSAL_POOL)),
     });
     Ok(Server {
@@ -485,11 +488,8 @@ enum Ended {
 /// A reply and the budget its request holds until the reply has been written.
 type Outgoing = (Vec<Bytes>, Option<Charge>);
 
-/// Bytes of a request charged against the connection's and the server's budgets.
-struct Charge {
-    _conn: OwnedSemaphorePermit,
-    _total: OwnedSemaphorePermit,
-}
+/// The least each connection may hold beside the server's total (see [`crate::budget`]).
+const RESERVE: usize = 1 << 20;
 
 /// A frame that has started to arrive.
 struct Partial {
@@ -538,7 +538,7 @@ async fn serve_frames(stream: BoxStream, mut buf: BytesMut, ctx: &Arc<Ctx>) -> E
         tokio::spawn(async move { write_frames(&mut wr, &mut rx, Some(idle_timeout)).await });
     let mut writer_done = false;
     let permits = Arc::new(Semaphore::new(in_flight));
-    let budget = Arc::new(Semaphore::new(ctx.conn_budget));
+    let budget = ctx.total.connection(ctx.conn_budget, ctx.reserve);
     let mut decoder = FrameDecoder::new(Limits {
         max_frame: ctx.info.max_frame,
         max_batch: ctx.info.max_batch,
@@ -571,13 +571,11 @@ async fn serve_frames(stream: BoxStream, mut buf: BytesMut, ctx: &Arc<Ctx>) -> E
             // Whole now: its receive charge is returned before the request is charged.
             partial = None;
             let frame_len = before - buf.len();
-            let charge = cost(ctx, &frame.msg, frame_len) as u32;
+            let charge = cost(ctx, &frame.msg, frame_len);
             let acquired = tokio::select! {
                 p = async {
                     let slot = permits.clone().acquire_owned().await.expect("never closed");
-                    let conn = budget.clone().acquire_many_owned(charge).await.expect("never closed");
-                    let total = ctx.total_budget.clone().acquire_many_owned(charge).await.expect("never closed");
-                    (slot, Charge { _conn: conn, _total: total })
+                    (slot, budget.charge(charge).await)
                 } => p,
                 _ = raised(&mut shutdown) => break 'conn Ended::Normally("server shutting down".to_owned()),
                 r = &mut writer => {
@@ -604,9 +602,8 @@ async fn serve_frames(stream: BoxStream, mut buf: BytesMut, ctx: &Arc<Ctx>) -> E
             });
             let need = announced_len(&buf).saturating_sub(READ_AHEAD);
             if need > 0 && p.charge.is_none() {
-                let need = budget_permits(need).min(ctx.total_budget_bytes) as u32;
                 p.charge = Some(tokio::select! {
-                    c = ctx.total_budget.clone().acquire_many_owned(need) => c.expect("never closed"),
+                    c = ctx.total.hold(need) => c,
                     _ = &mut idle => break 'conn Ended::Badly(format!(
                         "no memory for a frame of {} bytes within {idle_timeout:?}",
                         announced_len(&buf)
@@ -647,7 +644,7 @@ async fn serve_frames(stream: BoxStream, mut buf: BytesMut, ctx: &Arc<Ctx>) -> E
                     }
                 }
                 if permits.available_permits() == in_flight
-                    && budget.available_permits() == ctx.conn_budget
+                    && budget.is_idle()
                 {
                     break Ended::Normally(format!("idle for {idle_timeout:?}"));
                 }

@@ -151,20 +151,24 @@ impl<S: Store> Unaligned<S> {
                 "a trim of {len} bytes is too large for one request"
             ))
         })?;
-        let pieces = self.pieces(offset, len);
-        let whole: Vec<ChunkIdx> = pieces.iter().filter(|p| p.whole).map(|p| p.idx).collect();
-        let partial = pieces.iter().filter(|p| !p.whole).map(|p| async move {
-            let zeros = zero_chunk(p.len);
-            self.write_piece(*p, &zeros, || zeros.clone()).await
-        });
+        // Only the chunks at either end can be partial: the bookkeeping stays two pieces
+        // and one range, whatever the length (a whole-region trim lists no chunks).
+        let edges = self.edge_pieces(offset, len);
+        let (first_whole, end_whole) = self.whole_chunks(offset, len as u64);
+        let partial = edges
+            .into_iter()
+            .flatten()
+            .filter(|p| !p.whole)
+            .map(|p| async move {
+                let zeros = zero_chunk(p.len);
+                self.write_piece(p, &zeros, || zeros.clone()).await
+            });
         let trim = async {
-            // Whole chunks of one byte range are contiguous.
-            match (whole.first(), whole.last()) {
-                (Some(first), Some(last)) => {
-                    self.trim_locked(ChunkRange::new(*first, ChunkIdx(last.0 + 1)))
-                        .await
-                }
-                _ => Ok(()),
+            if first_whole < end_whole {
+                self.trim_locked(ChunkRange::new(ChunkIdx(first_whole), ChunkIdx(end_whole)))
+                    .await
+            } else {
+                Ok(())
             }
         };
         futures::try_join!(trim, futures::future::try_join_all(partial))?;
@@ -182,6 +186,40 @@ impl<S: Store> Unaligned<S> {
                 self.geometry.size()
             )))
         }
+    }
+
+    /// The pieces of the first and the last chunk of `offset..offset+len` (one when the
+    /// range lies in one chunk; none when it is empty).
+    fn edge_pieces(&self, offset: u64, len: usize) -> [Option<Piece>; 2] {
+        if len == 0 {
+            return [None, None];
+        }
+        let cs = u64::from(self.geometry.chunk_size());
+        let end = offset + len as u64;
+        let (first, last) = (offset / cs, (end - 1) / cs);
+        let piece_of = |idx: u64| {
+            let start = (idx * cs).max(offset);
+            let stop = ((idx + 1) * cs).min(end);
+            self.pieces(start, (stop - start) as usize).pop()
+        };
+        let head = piece_of(first);
+        let tail = if last > first { piece_of(last) } else { None };
+        [head, tail]
+    }
+
+    /// The chunks `first..end` that `offset..offset+len` covers whole.
+    fn whole_chunks(&self, offset: u64, len: u64) -> (u64, u64) {
+        let g = self.geometry;
+        let cs = u64::from(g.chunk_size());
+        let end = offset + len;
+        let first = offset.div_ceil(cs);
+        // The region's last chunk may be short: it is whole when the range reaches the end.
+        let end_chunk = if end == g.size() {
+            g.chunk_count()
+        } else {
+            end / cs
+        };
+        (first, end_chunk.max(first))
     }
 
     /// The chunk parts of the byte range `offset..offset+len` (which lies within the region).

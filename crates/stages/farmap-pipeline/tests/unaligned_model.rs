@@ -188,3 +188,39 @@ async fn concurrent_partial_writes_to_one_chunk_are_all_kept() {
         );
     }
 }
+
+#[tokio::test]
+async fn trims_of_every_shape_zero_exactly_their_range() {
+    // Edges inside, on and across chunk boundaries, and the short last chunk.
+    let size = 6 * 4096 + 1234;
+    let g = Geometry::new(size as u64, 4096).expect("geometry");
+    let points: Vec<usize> = [
+        0,
+        1,
+        4095,
+        4096,
+        4097,
+        8192,
+        12000,
+        6 * 4096,
+        size - 1,
+        size,
+    ]
+    .into_iter()
+    .collect();
+    for &start in &points {
+        for &end in points.iter().filter(|e| **e >= start) {
+            let u = Unaligned::new(ModelStore::new(g));
+            u.write_at(0, &vec![7u8; size]).await.expect("fill");
+            u.trim_at(start as u64, (end - start) as u64)
+                .await
+                .expect("trim");
+            let mut want = vec![7u8; size];
+            want[start..end].fill(0);
+            assert!(
+                u.inner().snapshot() == want,
+                "trim of {start}..{end} zeroed something else"
+            );
+        }
+    }
+}

@@ -229,3 +229,19 @@ impl Drop for Proc {
         self.kill();
     }
 }
+
+/// Resident memory (`VmRSS`) of process `pid`, in bytes.
+///
+/// # Panics
+/// If the process does not exist (or its status has no `VmRSS`).
+pub fn rss_bytes(pid: u32) -> u64 {
+    let status = std::fs::read_to_string(format!("/proc/{pid}/status"))
+        .unwrap_or_else(|e| panic!("process {pid} is not running: {e}"));
+    let kb: u64 = status
+        .lines()
+        .find_map(|l| l.strip_prefix("VmRSS:"))
+        .and_then(|v| v.split_whitespace().next())
+        .and_then(|v| v.parse().ok())
+        .expect("VmRSS in /proc/PID/status");
+    kb * 1024
+}
