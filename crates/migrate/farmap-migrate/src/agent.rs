@@ -35,7 +35,7 @@ use farmap_uffd::Region;
 use serde::{Deserialize, Serialize};
 use serde_json::{json, Map, Value};
 use tokio::io::{AsyncBufReadExt, AsyncRead, AsyncWriteExt, BufReader};
-use tokio::net::{UnixListener, UnixStream};
+use tokio::net::UnixStream;
 use tokio::sync::mpsc;
 
 use crate::budget::PullBudget;
@@ -340,8 +340,7 @@ pub async fn serve<A: App>(path: impl AsRef<Path>, app: Arc<A>) -> io::Result<Ag
         }
         std::fs::remove_file(&path)?;
     }
-    let listener = UnixListener::bind(&path)?;
-    rustix::fs::chmod(&path, rustix::fs::Mode::from_raw_mode(0o600))?;
+    let listener = farmap_net::bind_private_unix(&path)?;
     let busy = Arc::new(tokio::sync::Mutex::new(()));
     let task = tokio::spawn(async move {
         loop {

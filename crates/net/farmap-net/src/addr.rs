@@ -145,7 +145,7 @@ impl Listener {
                 if is_stale_socket(p).await {
                     let _ = std::fs::remove_file(p);
                 }
-                Ok(Listener::Unix(UnixListener::bind(p)?, p.clone()))
+                Ok(Listener::Unix(bind_private_unix(p)?, p.clone()))
             }
         }
     }
@@ -181,6 +181,42 @@ impl Listener {
     }
 }
 
+/// Binds a Unix socket at `path` that only this user can connect to (mode 0600), with no
+/// moment at which it exists with a wider mode: it is bound and restricted inside a fresh
+/// directory of mode 0700 beside `path`, then renamed into place. A file already at `path`
+/// is replaced (callers check first that it is a stale socket).
+pub fn bind_private_unix(path: &Path) -> io::Result<UnixListener> {
+    use std::os::unix::fs::{DirBuilderExt, PermissionsExt};
+    use std::sync::atomic::{AtomicU64, Ordering};
+    static NEXT: AtomicU64 = AtomicU64::new(0);
+    let parent = match path.parent() {
+        Some(p) if !p.as_os_str().is_empty() => p,
+        _ => Path::new("."),
+    };
+    let name = path.file_name().ok_or_else(|| {
+        io::Error::new(
+            io::ErrorKind::InvalidInput,
+            format!("{} names no socket file", path.display()),
+        )
+    })?;
+    let dir = parent.join(format!(
+        ".{}.{}.{}",
+        name.to_string_lossy(),
+        std::process::id(),
+        NEXT.fetch_add(1, Ordering::Relaxed)
+    ));
+    std::fs::DirBuilder::new().mode(0o700).create(&dir)?;
+    let inside = dir.join("s");
+    let bound = UnixListener::bind(&inside).and_then(|l| {
+        std::fs::set_permissions(&inside, std::fs::Permissions::from_mode(0o600))?;
+        std::fs::rename(&inside, path)?;
+        Ok(l)
+    });
+    let _ = std::fs::remove_file(&inside);
+    let _ = std::fs::remove_dir(&dir);
+    bound
+}
+
 async fn is_stale_socket(p: &Path) -> bool {
     use std::os::unix::fs::FileTypeExt;
     let is_socket = std::fs::symlink_metadata(p).is_ok_and(|m| m.file_type().is_socket());
@@ -190,6 +226,24 @@ async fn is_stale_socket(p: &Path) -> bool {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[tokio::test]
+    async fn unix_sockets_are_private_from_the_start() {
+        use std::os::unix::fs::PermissionsExt;
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("farmap.sock");
+        let l = bind_private_unix(&path).unwrap();
+        let mode = std::fs::metadata(&path).unwrap().permissions().mode();
+        assert_eq!(mode & 0o777, 0o600, "{mode:o}");
+        assert_eq!(
+            std::fs::read_dir(dir.path()).unwrap().count(),
+            1,
+            "the private directory is gone"
+        );
+        let (client, accepted) = tokio::join!(tokio::net::UnixStream::connect(&path), l.accept());
+        client.unwrap();
+        accepted.unwrap();
+    }
 
     #[test]
     fn listen_addresses() {

@@ -37,7 +37,7 @@ mod stream;
 mod tls;
 
 pub use accept::{accept_connections, AcceptLoop};
-pub use addr::{AddrError, ListenAddr, Listener, RemoteAddr, RemoteAddrError};
+pub use addr::{bind_private_unix, AddrError, ListenAddr, Listener, RemoteAddr, RemoteAddrError};
 pub use remote::{reconnect_policy, ClientOptions, RemoteStore};
 pub use running::{Running, Starting};
 pub use server::{

@@ -4,6 +4,8 @@
 use std::path::Path;
 use std::sync::Arc;
 
+use parking_lot::Mutex;
+
 use bytes::Bytes;
 use farmap_core::{
     BoxFuture, Caps, ChunkIdx, ChunkRange, ChunkStatus, ErrorKind, Geometry, StoreError,
@@ -53,9 +55,19 @@ pub(crate) trait BlockingChunks: Send + Sync + 'static {
 
 /// The [`Store`] over a [`BlockingChunks`] state: the file and dir stores are this, with their
 /// own opening and accessors.
-pub(crate) struct OnBlocking<I>(pub Arc<I>);
+///
+/// A failed flush stays failed: once `fdatasync` (or a directory sync) has reported an error,
+/// Linux may have dropped the dirty pages and marked them clean, and a second sync would
+/// report success for data that is gone (the PostgreSQL fsync lesson). Every later flush of
+/// the store fails, naming the first failure, until the store is reopened and the data
+/// written again.
+pub(crate) struct OnBlocking<I>(pub Arc<I>, Mutex<Option<StoreError>>);
 
 impl<I: BlockingChunks> OnBlocking<I> {
+    pub fn new(inner: Arc<I>) -> Self {
+        Self(inner, Mutex::new(None))
+    }
+
     fn check_writable(&self) -> StoreResult<()> {
         if self.0.read_only() {
             Err(StoreError::new(
@@ -109,7 +121,25 @@ impl<I: BlockingChunks> OnBlocking<I> {
             if self.0.read_only() {
                 return Ok(());
             }
-            self.run(|i| i.flush_all()).await
+            if let Some(first) = &*self.1.lock() {
+                return Err(StoreError::new(
+                    first.kind(),
+                    format!(
+                        "an earlier flush of {} failed ({}): writes acknowledged before it may \
+                         be lost, and no later flush can say otherwise; reopen the store and \
+                         write the data again",
+                        self.0.location().display(),
+                        farmap_core::error_chain(first)
+                    ),
+                ));
+            }
+            let result = self.run(|i| i.flush_all()).await;
+            if let Err(e) = &result {
+                if e.kind() != ErrorKind::Cancelled {
+                    self.1.lock().get_or_insert_with(|| e.to_owned_lossy());
+                }
+            }
+            result
         })
     }
 

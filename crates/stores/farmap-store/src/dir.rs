@@ -199,7 +199,7 @@ impl DirStore {
             clear_temp_dir(&temp_dir)?;
         }
         Ok(Self {
-            blocking: OnBlocking(Arc::new(Inner {
+            blocking: OnBlocking::new(Arc::new(Inner {
                 _lock: lock,
                 root: path.to_owned(),
                 temp_dir,

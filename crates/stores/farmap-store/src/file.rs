@@ -5,6 +5,7 @@ use std::fs::{File, OpenOptions};
 use std::io;
 use std::os::unix::fs::FileExt;
 use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicI32, Ordering};
 use std::sync::Arc;
 
 use bytes::Bytes;
@@ -81,6 +82,8 @@ struct Inner {
     geometry: Geometry,
     read_only: bool,
     stripes: Stripes,
+    /// An errno the next sync reports after syncing (a fault hook for tests; 0: none).
+    sync_fault: AtomicI32,
 }
 
 impl FileStore {
@@ -119,12 +122,13 @@ impl FileStore {
             }
         };
         Ok(Self {
-            blocking: OnBlocking(Arc::new(Inner {
+            blocking: OnBlocking::new(Arc::new(Inner {
                 path: path.to_owned(),
                 file,
                 geometry,
                 read_only: opts.read_only,
                 stripes: Stripes::new(),
+                sync_fault: AtomicI32::new(0),
             })),
         })
     }
@@ -132,6 +136,13 @@ impl FileStore {
     /// The path the store was opened with.
     pub fn path(&self) -> &Path {
         &self.blocking.0.path
+    }
+
+    /// A fault hook for tests: the next sync syncs, then fails with `errno` (as `fdatasync`
+    /// does after a write-back error, having marked the pages it dropped clean).
+    #[doc(hidden)]
+    pub fn fail_next_sync(&self, errno: i32) {
+        self.blocking.0.sync_fault.store(errno, Ordering::SeqCst);
     }
 }
 
@@ -293,9 +304,14 @@ impl BlockingChunks for Inner {
     }
 
     fn flush_all(&self) -> StoreResult<()> {
-        self.file
-            .sync_data()
-            .map_err(|e| self.io_error("flushing", e))
+        let synced =
+            self.file
+                .sync_data()
+                .and_then(|()| match self.sync_fault.swap(0, Ordering::SeqCst) {
+                    0 => Ok(()),
+                    errno => Err(std::io::Error::from_raw_os_error(errno)),
+                });
+        synced.map_err(|e| self.io_error("flushing", e))
     }
 
     fn read_chunk(&self, idx: ChunkIdx) -> StoreResult<Bytes> {

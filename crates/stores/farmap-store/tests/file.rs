@@ -325,3 +325,39 @@ fn a_failed_create_leaves_nothing_and_names_the_problem() {
     assert!(FileStore::open(&path, opts(Some(1 << 50), 4 << 20)).is_err());
     assert!(path.exists(), "a file this open did not create stays");
 }
+
+#[tokio::test]
+async fn a_failed_flush_stays_failed_until_the_store_is_reopened() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("region.img");
+    let store = FileStore::open(&path, opts(Some(1 << 20), 4096)).unwrap();
+    store
+        .write(ChunkIdx(1), Bytes::from(vec![1u8; 4096]))
+        .await
+        .unwrap();
+    store.flush().await.unwrap();
+    store
+        .write(ChunkIdx(2), Bytes::from(vec![2u8; 4096]))
+        .await
+        .unwrap();
+    // The sync fails as fdatasync does after a write-back error (EIO).
+    store.fail_next_sync(5);
+    let first = store.flush().await.unwrap_err();
+    assert_eq!(first.kind(), ErrorKind::Io, "{first}");
+    // Linux has marked the pages clean: another fdatasync would succeed. The store says no.
+    for _ in 0..2 {
+        let again = store.flush().await.unwrap_err();
+        assert!(
+            again.context().contains("an earlier flush") && again.context().contains("reopen"),
+            "{again}"
+        );
+    }
+    store
+        .write(ChunkIdx(3), Bytes::from(vec![3u8; 4096]))
+        .await
+        .unwrap();
+    assert!(store.flush().await.is_err(), "new writes do not clear it");
+    drop(store);
+    let reopened = FileStore::open(&path, opts(None, 4096)).unwrap();
+    reopened.flush().await.expect("a reopened store flushes");
+}

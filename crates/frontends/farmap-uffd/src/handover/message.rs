@@ -46,6 +46,8 @@ pub const VERSION: u16 = 1;
 pub const HEADER_LEN: usize = 64;
 /// Length of a reply.
 pub const REPLY_LEN: usize = 16;
+/// The end of the largest user address space (five-level paging).
+const MAX_USER_ADDRESS: u64 = 1 << 57;
 /// Longest store spec accepted.
 pub const MAX_SPEC_LEN: usize = 4096;
 /// Largest presence bitmap accepted (2^27 chunks: 8 PiB of 64 KiB chunks).
@@ -227,6 +229,15 @@ impl Hello {
         if base % u64::from(page_size) != 0 || len % u64::from(page_size) != 0 {
             return Err(bad("alignment of base or length", base));
         }
+        // A region lies in a user address space: below 2^57 (five-level paging) and not
+        // wrapping, so that `base + len` and every address in it fit a `usize`.
+        if base == 0
+            || base
+                .checked_add(len)
+                .is_none_or(|end| end > MAX_USER_ADDRESS)
+        {
+            return Err(bad("region address", base));
+        }
         if spec_len == 0 || spec_len > MAX_SPEC_LEN {
             return Err(bad("spec length", spec_len as u64));
         }
@@ -366,6 +377,10 @@ mod tests {
             field(mutate(16, &1u64.to_le_bytes())),
             "alignment of base or length"
         );
+        // A base near 2^64 (base + len wraps) or past the user address space, or 0.
+        for base in [u64::MAX - 4095, 1 << 57, 0] {
+            assert_eq!(field(mutate(16, &base.to_le_bytes())), "region address");
+        }
         let mut b = good.clone();
         b[HEADER_LEN] = 0xff;
         let hdr = Hello::decode_header(&header_of(&b)).unwrap();
