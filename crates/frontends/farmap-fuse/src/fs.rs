@@ -6,6 +6,7 @@
 
 use std::ffi::{OsStr, OsString};
 use std::io;
+use std::sync::atomic::{AtomicU32, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, SystemTime};
 
@@ -39,8 +40,11 @@ pub(crate) struct Shared {
     pub geometry: Geometry,
     pub name: OsString,
     pub read_only: bool,
-    pub uid: u32,
-    pub gid: u32,
+    /// The file's owner, group and permission bits: what `chown` and `chmod` set, and what
+    /// the kernel enforces (the mount has `default_permissions`).
+    pub uid: AtomicU32,
+    pub gid: AtomicU32,
+    pub mode: AtomicU32,
     pub created: SystemTime,
     /// Largest request asked of the kernel (bytes).
     pub max_request: u32,
@@ -54,10 +58,10 @@ impl Shared {
     fn attr(&self, ino: INodeNo) -> FileAttr {
         let file = ino == FILE_INO;
         let size = if file { self.geometry.size() } else { 0 };
-        let perm = match (file, self.read_only) {
-            (true, false) => 0o644,
-            (true, true) => 0o444,
-            (false, _) => 0o755,
+        let perm = if file {
+            self.mode.load(Ordering::Relaxed) as u16
+        } else {
+            0o755
         };
         FileAttr {
             ino,
@@ -74,8 +78,8 @@ impl Shared {
             },
             perm,
             nlink: if file { 1 } else { 2 },
-            uid: self.uid,
-            gid: self.gid,
+            uid: self.uid.load(Ordering::Relaxed),
+            gid: self.gid.load(Ordering::Relaxed),
             rdev: 0,
             blksize: self.geometry.chunk_size().min(self.max_request),
             flags: 0,
@@ -183,9 +187,9 @@ impl Filesystem for RegionFs {
         &self,
         _req: &Request,
         ino: INodeNo,
-        _mode: Option<u32>,
-        _uid: Option<u32>,
-        _gid: Option<u32>,
+        mode: Option<u32>,
+        uid: Option<u32>,
+        gid: Option<u32>,
         size: Option<u64>,
         _atime: Option<TimeOrNow>,
         _mtime: Option<TimeOrNow>,
@@ -204,6 +208,21 @@ impl Filesystem for RegionFs {
             if ino != FILE_INO || size != self.shared.geometry.size() {
                 return reply.error(Errno::EPERM);
             }
+        }
+        // The kernel has checked who may change what (`default_permissions`): the owner may
+        // chmod, root may chown. The directory keeps its attributes.
+        if ino == FILE_INO {
+            if let Some(mode) = mode {
+                self.shared.mode.store(mode & 0o7777, Ordering::Relaxed);
+            }
+            if let Some(uid) = uid {
+                self.shared.uid.store(uid, Ordering::Relaxed);
+            }
+            if let Some(gid) = gid {
+                self.shared.gid.store(gid, Ordering::Relaxed);
+            }
+        } else if mode.is_some() || uid.is_some() || gid.is_some() {
+            return reply.error(Errno::EPERM);
         }
         reply.attr(&TTL, &self.shared.attr(ino));
     }

@@ -5,6 +5,7 @@ use std::fs::File;
 use std::io;
 use std::os::unix::fs::MetadataExt;
 use std::path::{Path, PathBuf};
+use std::sync::atomic::AtomicU32;
 use std::sync::Arc;
 use std::thread::JoinHandle;
 use std::time::SystemTime;
@@ -169,8 +170,9 @@ impl FuseMount {
             geometry,
             name,
             read_only,
-            uid: rustix::process::geteuid().as_raw(),
-            gid: rustix::process::getegid().as_raw(),
+            uid: AtomicU32::new(rustix::process::geteuid().as_raw()),
+            gid: AtomicU32::new(rustix::process::getegid().as_raw()),
+            mode: AtomicU32::new(if read_only { 0o444 } else { 0o644 }),
             created: SystemTime::now(),
             max_request,
         });
@@ -186,6 +188,9 @@ impl FuseMount {
             MountOption::CUSTOM("subtype=farmap".into()),
             MountOption::CUSTOM(format!("max_read={max_request}")),
             MountOption::NoAtime,
+            // The kernel checks the file's mode, owner and group for every access: with
+            // `allow_other`, another user reads a 0644 file but cannot write it.
+            MountOption::DefaultPermissions,
         ];
         if read_only {
             mount_options.push(MountOption::RO);

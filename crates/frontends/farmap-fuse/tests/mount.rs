@@ -261,3 +261,73 @@ fn pooled_write_buffers_over_a_copying_store_all_come_back() {
     assert_eq!(pool.free(), 4, "{pool:?}");
     m.unmount().unwrap();
 }
+
+/// Runs `sh -c script` as user `nobody`: whether it succeeded.
+fn as_nobody(script: &str) -> bool {
+    std::process::Command::new("setpriv")
+        .args([
+            "--reuid=65534",
+            "--regid=65534",
+            "--clear-groups",
+            "sh",
+            "-c",
+            script,
+        ])
+        .stderr(std::process::Stdio::null())
+        .status()
+        .expect("setpriv runs")
+        .success()
+}
+
+#[test]
+fn allow_other_enforces_the_files_mode_and_chmod_changes_it() {
+    let test = "allow_other_enforces_the_files_mode_and_chmod_changes_it";
+    if !can_mount(test) {
+        return;
+    }
+    if !farmap_testkit::skip::is_root() {
+        farmap_testkit::skip::skip(test, "needs root to act as another user");
+        return;
+    }
+    let dir = tempfile::tempdir().unwrap();
+    // The mount point's parent must let `nobody` through.
+    std::fs::set_permissions(
+        dir.path(),
+        std::os::unix::fs::PermissionsExt::from_mode(0o755),
+    )
+    .unwrap();
+    let s = store(1 << 20, 64 << 10);
+    let opts = MountOptions {
+        allow_other: true,
+        ..MountOptions::default()
+    };
+    let m = FuseMount::mount(s.clone(), dir.path(), opts).unwrap();
+    let path = m.path().display().to_string();
+    // 0644, owned by root: another user reads, but cannot write.
+    assert!(as_nobody(&format!("head -c 10 {path} > /dev/null")));
+    assert!(
+        !as_nobody(&format!("printf x | dd of={path} conv=notrunc 2>/dev/null")),
+        "another user wrote a 0644 file of root's"
+    );
+    assert_eq!(store_bytes(&*s, 0, 1), [0], "nothing reached the store");
+    // chmod is what it says: 0600 shuts the other user out, 0666 lets it write.
+    std::fs::set_permissions(
+        m.path(),
+        std::os::unix::fs::PermissionsExt::from_mode(0o600),
+    )
+    .unwrap();
+    let mode = std::os::unix::fs::PermissionsExt::mode(
+        &std::fs::metadata(m.path()).unwrap().permissions(),
+    );
+    assert_eq!(mode & 0o777, 0o600);
+    assert!(!as_nobody(&format!("head -c 10 {path} > /dev/null")));
+    std::fs::set_permissions(
+        m.path(),
+        std::os::unix::fs::PermissionsExt::from_mode(0o666),
+    )
+    .unwrap();
+    assert!(as_nobody(&format!(
+        "printf x | dd of={path} conv=notrunc 2>/dev/null"
+    )));
+    drop(m);
+}
