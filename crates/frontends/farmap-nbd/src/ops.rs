@@ -188,7 +188,7 @@ impl ExportCtx {
                         "zeroing here is no faster than writing zeros",
                     ));
                 }
-                if no_hole {
+                if no_hole || !self.caps.contains(Caps::TRIM) {
                     self.write_zeros(h.offset, h.length.into()).await?;
                 } else {
                     // A trim makes chunks read as zeros (the Store contract).

@@ -65,18 +65,24 @@ pub struct NbdServer {
 const RESERVE: usize = 1 << 20;
 
 /// The transmission flags of an export.
+///
+/// Only what the store does: `FLUSH`/`FUA` when its flush makes writes durable
+/// ([`Caps::FLUSH`]), `TRIM` when it trims; `WRITE_ZEROES` on any writable export (zeros
+/// are written where the store cannot trim), with `FAST_ZERO` (answered at once with
+/// `ENOTSUP` where zeroing would be no faster than writing).
 fn flags_for(caps: Caps, read_only: bool) -> u16 {
-    let mut f = tflag::HAS_FLAGS
-        | tflag::SEND_FLUSH
-        | tflag::SEND_FUA
-        | tflag::SEND_CACHE
-        | tflag::CAN_MULTI_CONN;
+    let mut f = tflag::HAS_FLAGS | tflag::SEND_CACHE | tflag::CAN_MULTI_CONN;
+    if caps.contains(Caps::FLUSH) {
+        f |= tflag::SEND_FLUSH | tflag::SEND_FUA;
+    }
     if read_only {
         f |= tflag::READ_ONLY;
     } else {
-        f |= tflag::SEND_TRIM | tflag::SEND_WRITE_ZEROES | tflag::SEND_FAST_ZERO;
+        f |= tflag::SEND_WRITE_ZEROES | tflag::SEND_FAST_ZERO;
+        if caps.contains(Caps::TRIM) {
+            f |= tflag::SEND_TRIM;
+        }
     }
-    let _ = caps;
     f
 }
 

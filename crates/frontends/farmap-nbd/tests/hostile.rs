@@ -561,3 +561,58 @@ async fn small_writes_in_one_burst_do_not_pin_the_receive_buffer() {
         );
     }
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_export_announces_only_what_its_store_does() {
+    use farmap_nbd_proto::consts::tflag;
+    let g = farmap_core::Geometry::new(1 << 20, 4096).unwrap();
+    // Writes and status, but no trim and no durable flush (a volatile store).
+    let plain = std::sync::Arc::new(farmap_testkit::ModelStore::with_caps(
+        g,
+        farmap_core::Caps::WRITE | farmap_core::Caps::STATUS,
+    ));
+    let full = std::sync::Arc::new(farmap_testkit::ModelStore::with_caps(
+        g,
+        farmap_core::Caps::WRITE | farmap_core::Caps::TRIM | farmap_core::Caps::FLUSH,
+    ));
+    let server = start(
+        vec![export("", plain.clone()), export("full", full)],
+        quiet(),
+    )
+    .await;
+    let mut c = Raw::connect(tcp(&server), "", true).await;
+    let f = c.details.flags;
+    assert_eq!(
+        f & (tflag::SEND_TRIM | tflag::SEND_FLUSH | tflag::SEND_FUA),
+        0,
+        "{f:#x}"
+    );
+    assert_ne!(
+        f & tflag::SEND_WRITE_ZEROES,
+        0,
+        "zeros can always be written"
+    );
+    // WRITE_ZEROES without NO_HOLE on a store that cannot trim: zeros are written.
+    c.send(req(Command::Write, 1, 8192, 4), b"abcd").await;
+    assert_eq!(error_of(&c.full_reply(|_| None).await), None);
+    c.send(req(Command::WriteZeroes, 2, 4096, 3 * 4096), &[])
+        .await;
+    assert_eq!(error_of(&c.full_reply(|_| None).await), None);
+    assert_eq!(
+        store_bytes(&(plain.clone() as std::sync::Arc<dyn Store>), 8192, 4).await,
+        [0; 4]
+    );
+    // A fast zero would be no faster than writing: refused at once.
+    let mut h = req(Command::WriteZeroes, 3, 0, 4096);
+    h.flags = cflag::FAST_ZERO;
+    c.send(h, &[]).await;
+    assert_eq!(
+        error_of(&c.full_reply(|_| None).await),
+        Some(errno::ENOTSUP)
+    );
+    let c = Raw::connect(tcp(&server), "full", true).await;
+    let f = c.details.flags;
+    let want = tflag::SEND_TRIM | tflag::SEND_FLUSH | tflag::SEND_FUA;
+    assert_eq!(f & want, want, "{f:#x}");
+    server.shutdown().await.unwrap();
+}

@@ -95,7 +95,11 @@ async fn conforms_against_farmaps_own_nbd_server() {
             assert_eq!(store.geometry(), g);
             assert!(store
                 .caps()
-                .contains(Caps::WRITE | Caps::FLUSH | Caps::STATUS));
+                .contains(Caps::WRITE | Caps::TRIM | Caps::STATUS));
+            assert!(
+                !store.caps().contains(Caps::FLUSH),
+                "a memory export's flush makes nothing durable: not announced"
+            );
             assert_eq!(store.connections(), 4, "the server offers CAN_MULTI_CONN");
             Arc::new(store) as Arc<dyn Store>
         }

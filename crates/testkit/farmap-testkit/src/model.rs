@@ -11,14 +11,22 @@ use std::sync::Mutex;
 #[derive(Debug)]
 pub struct ModelStore {
     geometry: Geometry,
+    caps: Caps,
     chunks: Mutex<Vec<Option<Bytes>>>,
 }
 
 impl ModelStore {
     /// An empty (all-zero) model store.
     pub fn new(geometry: Geometry) -> Self {
+        Self::with_caps(geometry, Caps::WRITE | Caps::TRIM | Caps::STATUS)
+    }
+
+    /// An empty model store that claims `caps` (and refuses a trim without
+    /// [`Caps::TRIM`]): for frontends that must announce only what their store can do.
+    pub fn with_caps(geometry: Geometry, caps: Caps) -> Self {
         Self {
             geometry,
+            caps,
             chunks: Mutex::new(vec![None; geometry.chunk_count() as usize]),
         }
     }
@@ -43,7 +51,7 @@ impl Store for ModelStore {
     }
 
     fn caps(&self) -> Caps {
-        Caps::WRITE | Caps::TRIM | Caps::STATUS
+        self.caps
     }
 
     fn read(&self, idx: ChunkIdx) -> BoxFuture<'_, StoreResult<Bytes>> {
@@ -70,6 +78,12 @@ impl Store for ModelStore {
 
     fn trim(&self, range: ChunkRange) -> BoxFuture<'_, StoreResult<()>> {
         Box::pin(async move {
+            if !self.caps.contains(Caps::TRIM) {
+                return Err(farmap_core::StoreError::new(
+                    farmap_core::ErrorKind::Unsupported,
+                    "this model store does not trim",
+                ));
+            }
             self.geometry.check_range(range)?;
             let mut chunks = self.chunks.lock().expect("model lock");
             for idx in range.iter() {
