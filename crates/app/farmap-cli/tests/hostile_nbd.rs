@@ -107,7 +107,7 @@ fn cache_requests_and_tiny_reads_never_read_keep_the_nbd_server_in_its_budget() 
     f.set_len(4096 * MIB).unwrap();
     drop(f);
     let spec = format!("file:{}?chunk=4MiB", path.display());
-    let mut server: Listening = farmap()
+    let server: Listening = farmap()
         .listening(&[
             "serve",
             "--nbd",
