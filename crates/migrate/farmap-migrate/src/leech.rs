@@ -26,7 +26,7 @@ use crate::machine::{
     AbortCause, Confirm, Convergence, Finalization, Leecher, LeecherAction, LeecherInput,
     LeecherLimits, Manifest, RoundResult,
 };
-use crate::msg::{run_pages, Location, Mode, Msg};
+use crate::msg::{run_pages, Location, Mode, Msg, RegionInfo};
 use crate::view::MigrationStore;
 
 /// Called at the hand-over with the region and the application state: starts the
@@ -685,20 +685,7 @@ impl<D: Destination> Run<D> {
     ) -> Result<Option<LeechReport<D>>, LeechError> {
         match action {
             LeecherAction::Send(m) => self.send(m, machine, queue).await,
-            LeecherAction::OpenRegion {
-                size,
-                chunk_size,
-                page_size,
-                data_port,
-                boot_id,
-                shared,
-                mode,
-                ..
-            } => {
-                let geometry = (size, chunk_size, page_size);
-                self.open_region(geometry, data_port, boot_id, shared, mode)
-                    .await
-            }
+            LeecherAction::OpenRegion { region, mode, .. } => self.open_region(region, mode).await,
             LeecherAction::Refresh { runs } => self.refresh(runs),
             LeecherAction::Resume {
                 runs,
@@ -766,20 +753,18 @@ impl<D: Destination> Run<D> {
     /// Opens the destination region; in pre-copy, starts pulling it while the source runs.
     async fn open_region(
         &mut self,
-        geometry: (u64, u32, u32),
-        data_port: u16,
-        boot_id: [u8; 16],
-        shared: String,
+        region: RegionInfo,
         mode: Mode,
     ) -> Result<Option<LeechReport<D>>, LeechError> {
-        let size = geometry.0;
-        self.seeder_boot = boot_id;
+        let size = region.size;
+        self.seeder_boot = region.boot_id;
         self.tracking_since = Some(Instant::now());
-        let data_addr = self.data_addr(data_port);
+        let data_addr = self.data_addr(region.data_port);
         let Some(open) = self.open.take() else {
             return Ok(None);
         };
-        let d = open_dest(&self.opts, open, data_addr, geometry, mode, shared)
+        let geometry = (size, region.chunk_size, region.page_size);
+        let d = open_dest(&self.opts, open, data_addr, geometry, mode, region.shared)
             .await
             .map_err(LeechError::Region)?;
         if mode != Mode::Precopy {

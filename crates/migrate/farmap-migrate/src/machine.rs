@@ -43,23 +43,7 @@ use crate::msg::{
     check_manifest, check_runs, run_pages, ManifestError, ManifestRun, Mode, Msg, RunError,
 };
 
-/// What a seeder knows about its region, sent in `Welcome`.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct RegionInfo {
-    /// Region size in bytes.
-    pub size: u64,
-    /// Chunk size of the region.
-    pub chunk_size: u32,
-    /// Page size (the tracking unit).
-    pub page_size: u32,
-    /// Data plane TCP port (0 for a Unix socket).
-    pub data_port: u16,
-    /// Boot id of the seeder's host.
-    pub boot_id: [u8; 16],
-    /// The spec of the store the region's chunks live in, if both hosts can reach it (empty:
-    /// none, and instant migrations are refused).
-    pub shared: String,
-}
+pub use crate::msg::RegionInfo;
 
 /// Where a [`Seeder`] is.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -255,12 +239,7 @@ impl Seeder {
     fn welcome(&self, session: u64) -> Msg {
         Msg::Welcome {
             session,
-            size: self.info.size,
-            chunk_size: self.info.chunk_size,
-            page_size: self.info.page_size,
-            data_port: self.info.data_port,
-            boot_id: self.info.boot_id,
-            shared: self.info.shared.clone(),
+            region: self.info.clone(),
         }
     }
 
@@ -787,18 +766,8 @@ pub enum LeecherAction {
     OpenRegion {
         /// The seeder's session.
         session: u64,
-        /// Region size.
-        size: u64,
-        /// Chunk size.
-        chunk_size: u32,
-        /// Page size.
-        page_size: u32,
-        /// Data plane port.
-        data_port: u16,
-        /// Seeder boot id.
-        boot_id: [u8; 16],
-        /// The shared store's spec (from the Welcome).
-        shared: String,
+        /// The region, as the Welcome described it.
+        region: RegionInfo,
         /// The mode: only pre-copy pulls before the hand-over.
         mode: Mode,
     },
@@ -950,22 +919,17 @@ impl Leecher {
         use LeecherAction as A;
         use LeecherState as S;
         match (self.state, input) {
-            (
-                S::Connecting,
-                LeecherInput::Received(Msg::Welcome {
-                    session,
+            (S::Connecting, LeecherInput::Received(Msg::Welcome { session, region })) => {
+                let RegionInfo {
                     size,
                     chunk_size,
                     page_size,
-                    data_port,
-                    boot_id,
-                    shared,
-                }),
-            ) => {
+                    ..
+                } = region;
                 if let Err(e) = check_welcome(size, chunk_size, page_size, &self.limits) {
                     return self.invalid(Violation::Welcome(e));
                 }
-                if self.mode == Mode::Instant && shared.is_empty() {
+                if self.mode == Mode::Instant && region.shared.is_empty() {
                     return self.invalid(Violation::Instant(InstantError::NoSharedStore));
                 }
                 self.session = session;
@@ -973,12 +937,7 @@ impl Leecher {
                 self.chunks = size.div_ceil(u64::from(chunk_size));
                 let open = A::OpenRegion {
                     session,
-                    size,
-                    chunk_size,
-                    page_size,
-                    data_port,
-                    boot_id,
-                    shared,
+                    region,
                     mode: self.mode,
                 };
                 if self.mode == Mode::Precopy {

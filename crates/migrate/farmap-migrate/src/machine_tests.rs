@@ -56,7 +56,7 @@ fn a_whole_migration_step_by_step() {
         la[0],
         LeecherAction::OpenRegion {
             session: 5,
-            data_port: 9,
+            region: RegionInfo { data_port: 9, .. },
             ..
         }
     ));
@@ -150,12 +150,11 @@ fn seeder_gone_before_finalize_aborts_the_leecher() {
     let mut l = Leecher::new(Convergence::default(), LeecherLimits::new(4096));
     l.step(LeecherInput::Received(Msg::Welcome {
         session: 3,
-        size: 1 << 20,
-        chunk_size: 65536,
-        page_size: 4096,
-        data_port: 1,
-        boot_id: [0; 16],
-        shared: String::new(),
+        region: RegionInfo {
+            data_port: 1,
+            boot_id: [0; 16],
+            ..info()
+        },
     }));
     let a = l.step(LeecherInput::Disconnected);
     assert_eq!(a, vec![LeecherAction::Abort(AbortCause::SeederGone)]);
@@ -244,12 +243,11 @@ fn rounds_stop_when_the_set_stops_shrinking() {
     let mut l = Leecher::new(Convergence::default(), LeecherLimits::new(4096));
     l.step(LeecherInput::Received(Msg::Welcome {
         session: 1,
-        size: 1 << 20,
-        chunk_size: 65536,
-        page_size: 4096,
-        data_port: 1,
-        boot_id: [0; 16],
-        shared: String::new(),
+        region: RegionInfo {
+            data_port: 1,
+            boot_id: [0; 16],
+            ..info()
+        },
     }));
     l.step(LeecherInput::PullDone);
     assert_eq!(
@@ -269,12 +267,14 @@ fn rounds_stop_when_the_set_stops_shrinking() {
 fn welcome(size: u64, chunk_size: u32, page_size: u32) -> Msg {
     Msg::Welcome {
         session: 1,
-        size,
-        chunk_size,
-        page_size,
-        data_port: 1,
-        boot_id: [0; 16],
-        shared: String::new(),
+        region: RegionInfo {
+            size,
+            chunk_size,
+            page_size,
+            data_port: 1,
+            boot_id: [0; 16],
+            shared: String::new(),
+        },
     }
 }
 
@@ -545,7 +545,8 @@ fn instant_sends_the_manifest_while_running_then_confirms_in_two_steps_and_again
     let la = deliver(&mut l, s.step(SeederInput::Received(hello)));
     assert!(matches!(
         &la[0],
-        LeecherAction::OpenRegion { shared, mode: Mode::Instant, .. } if shared == "farmap://127.0.0.1:7000"
+        LeecherAction::OpenRegion { region, mode: Mode::Instant, .. }
+            if region.shared == "farmap://127.0.0.1:7000"
     ));
     assert_eq!(sent(&la), vec![Msg::Finalize]);
     // The draft comes first, the application still running; then the suspension.

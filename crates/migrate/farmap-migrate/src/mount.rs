@@ -33,7 +33,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use crate::msg::{Location, ManifestRun};
-use crate::view::ReadOnlyView;
+use crate::view::read_only_view;
 use crate::{
     Confirm, Destination, EndpointError, Manifest, MigrationStore, Mode, OpenContext, Source,
     Suspend, SuspendError,
@@ -179,13 +179,7 @@ impl fmt::Debug for PageView {
 }
 
 impl Store for PageView {
-    fn geometry(&self) -> Geometry {
-        self.geometry
-    }
-
-    fn caps(&self) -> Caps {
-        Caps::PARALLEL
-    }
+    read_only_view!("mount");
 
     fn read(&self, idx: ChunkIdx) -> BoxFuture<'_, StoreResult<Bytes>> {
         Box::pin(async move {
@@ -204,22 +198,6 @@ impl Store for PageView {
             }
             Ok(data.slice(at..at + len))
         })
-    }
-
-    fn write(&self, idx: ChunkIdx, _data: Bytes) -> BoxFuture<'_, StoreResult<()>> {
-        ReadOnlyView("mount").write(idx)
-    }
-
-    fn flush(&self) -> BoxFuture<'_, StoreResult<()>> {
-        ReadOnlyView("mount").flush()
-    }
-
-    fn trim(&self, _range: ChunkRange) -> BoxFuture<'_, StoreResult<()>> {
-        ReadOnlyView("mount").trim()
-    }
-
-    fn status(&self, idx: ChunkIdx) -> BoxFuture<'_, StoreResult<ChunkStatus>> {
-        ReadOnlyView("mount").status(self.geometry, idx)
     }
 }
 

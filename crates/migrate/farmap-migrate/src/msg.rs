@@ -131,6 +131,25 @@ pub fn max_payload(kind: u8) -> u32 {
     }
 }
 
+/// What a seeder knows about its region, sent in [`Msg::Welcome`].
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct RegionInfo {
+    /// Region size in bytes.
+    pub size: u64,
+    /// The region's chunk size.
+    pub chunk_size: u32,
+    /// Page size: the unit of dirty tracking and of the data plane's chunks.
+    pub page_size: u32,
+    /// TCP port of the data plane (a read-only farmap server of the live region), on the
+    /// host the leecher reached; 0 if the data plane is a Unix socket.
+    pub data_port: u16,
+    /// The seeder host's boot id: clocks of one boot are comparable.
+    pub boot_id: [u8; 16],
+    /// The spec of the store the region's chunks live in, if both hosts can open it (empty:
+    /// none, and instant migrations are refused).
+    pub shared: String,
+}
+
 /// A control message. `L→S` travels from the leecher to the seeder, `S→L` the other way.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum Msg {
@@ -146,20 +165,8 @@ pub enum Msg {
     Welcome {
         /// The session (to quote when reconnecting).
         session: u64,
-        /// Region size in bytes.
-        size: u64,
-        /// The region's chunk size.
-        chunk_size: u32,
-        /// The unit of dirty tracking and of the data plane's chunks.
-        page_size: u32,
-        /// TCP port of the data plane (a read-only farmap server of the live region), on the
-        /// host the leecher reached; 0 if the data plane is a Unix socket.
-        data_port: u16,
-        /// The seeder host's boot id: clocks of one boot are comparable.
-        boot_id: [u8; 16],
-        /// The store the region's chunks live in, as a spec both hosts can open (empty:
-        /// none; an instant migration needs one).
-        shared: String,
+        /// The region being migrated.
+        region: RegionInfo,
     },
     /// L→S: which pages were written since the last dirty set (round `round`).
     DirtyRequest {
@@ -318,22 +325,14 @@ impl Msg {
                 p.put_u64(*session);
                 p.put_u8(mode.code());
             }
-            Msg::Welcome {
-                session,
-                size,
-                chunk_size,
-                page_size,
-                data_port,
-                boot_id,
-                shared,
-            } => {
+            Msg::Welcome { session, region } => {
                 p.put_u64(*session);
-                p.put_u64(*size);
-                p.put_u32(*chunk_size);
-                p.put_u32(*page_size);
-                p.put_u16(*data_port);
-                p.put_slice(boot_id);
-                put_text(&mut p, shared);
+                p.put_u64(region.size);
+                p.put_u32(region.chunk_size);
+                p.put_u32(region.page_size);
+                p.put_u16(region.data_port);
+                p.put_slice(&region.boot_id);
+                put_text(&mut p, &region.shared);
             }
             Msg::Manifest { runs, pushed } => {
                 p.put_u32(runs.len() as u32);
@@ -401,23 +400,25 @@ impl Msg {
             },
             2 => Msg::Welcome {
                 session: get_u64(p)?,
-                size: get_u64(p)?,
-                chunk_size: get_u32(p)?,
-                page_size: get_u32(p)?,
-                data_port: {
-                    need(p, 2)?;
-                    p.get_u16()
-                },
-                boot_id: {
-                    need(p, 16)?;
-                    let mut b = [0; 16];
-                    p.copy_to_slice(&mut b);
-                    b
-                },
-                shared: if p.is_empty() {
-                    String::new()
-                } else {
-                    get_exact_text(p, "a store spec")?
+                region: RegionInfo {
+                    size: get_u64(p)?,
+                    chunk_size: get_u32(p)?,
+                    page_size: get_u32(p)?,
+                    data_port: {
+                        need(p, 2)?;
+                        p.get_u16()
+                    },
+                    boot_id: {
+                        need(p, 16)?;
+                        let mut b = [0; 16];
+                        p.copy_to_slice(&mut b);
+                        b
+                    },
+                    shared: if p.is_empty() {
+                        String::new()
+                    } else {
+                        get_exact_text(p, "a store spec")?
+                    },
                 },
             },
             3 => Msg::DirtyRequest { round: get_u32(p)? },
@@ -718,12 +719,14 @@ mod tests {
         for shared in ["", "redis://127.0.0.1:6379/0"] {
             roundtrip(Msg::Welcome {
                 session: 1,
-                size: 1 << 30,
-                chunk_size: 65536,
-                page_size: 4096,
-                data_port: 7401,
-                boot_id: [3; 16],
-                shared: shared.into(),
+                region: RegionInfo {
+                    size: 1 << 30,
+                    chunk_size: 65536,
+                    page_size: 4096,
+                    data_port: 7401,
+                    boot_id: [3; 16],
+                    shared: shared.into(),
+                },
             });
         }
         roundtrip(Msg::Confirm {
@@ -854,18 +857,20 @@ mod tests {
         );
         let mut w = Msg::Welcome {
             session: 1,
-            size: 4096,
-            chunk_size: 4096,
-            page_size: 4096,
-            data_port: 1,
-            boot_id: [0; 16],
-            shared: String::new(),
+            region: RegionInfo {
+                size: 4096,
+                chunk_size: 4096,
+                page_size: 4096,
+                data_port: 1,
+                boot_id: [0; 16],
+                shared: String::new(),
+            },
         }
         .encode()
         .to_vec();
         w.truncate(w.len() - 4);
         let m = Msg::decode(2, &w[HEADER_LEN..]).unwrap();
-        assert!(matches!(m, Msg::Welcome { shared, .. } if shared.is_empty()));
+        assert!(matches!(m, Msg::Welcome { region, .. } if region.shared.is_empty()));
         let mut h = 5u64.to_be_bytes().to_vec();
         h.push(9);
         assert!(matches!(Msg::decode(1, &h), Err(DecodeError::Malformed(_))));

@@ -87,56 +87,66 @@ impl RunReader for LiveView {
     }
 }
 
-/// What a migrating view (a region's [`LiveView`], a mount's page view) answers to anything
-/// but reads: the leecher only reads; status is unknown (every page is sent as it is).
-pub(crate) struct ReadOnlyView(pub &'static str);
+/// The [`Store`] methods but `read` of a migrating view (a region's [`LiveView`], a mount's
+/// page view: `$what`), written inside its `impl Store`: the view has a field `geometry`;
+/// the leecher only reads; status is unknown (every page is sent as it is).
+macro_rules! read_only_view {
+    ($what:literal) => {
+        fn geometry(&self) -> farmap_core::Geometry {
+            self.geometry
+        }
 
-impl ReadOnlyView {
-    pub(crate) fn write(self, idx: ChunkIdx) -> BoxFuture<'static, StoreResult<()>> {
-        Box::pin(async move {
-            Err(StoreError::new(
-                ErrorKind::ReadOnly,
-                format!(
-                    "writing {idx}: a migrating {} is read-only to its leecher",
-                    self.0
-                ),
-            ))
-        })
-    }
+        fn caps(&self) -> farmap_core::Caps {
+            farmap_core::Caps::PARALLEL
+        }
 
-    pub(crate) fn flush(self) -> BoxFuture<'static, StoreResult<()>> {
-        Box::pin(async { Ok(()) })
-    }
+        fn write(
+            &self,
+            idx: farmap_core::ChunkIdx,
+            _data: bytes::Bytes,
+        ) -> farmap_core::BoxFuture<'_, farmap_core::StoreResult<()>> {
+            Box::pin(async move {
+                Err(farmap_core::StoreError::new(
+                    farmap_core::ErrorKind::ReadOnly,
+                    format!(
+                        "writing {idx}: a migrating {} is read-only to its leecher",
+                        $what
+                    ),
+                ))
+            })
+        }
 
-    pub(crate) fn trim(self) -> BoxFuture<'static, StoreResult<()>> {
-        Box::pin(async move {
-            Err(StoreError::new(
-                ErrorKind::ReadOnly,
-                format!("a migrating {} is read-only to its leecher", self.0),
-            ))
-        })
-    }
+        fn flush(&self) -> farmap_core::BoxFuture<'_, farmap_core::StoreResult<()>> {
+            Box::pin(async { Ok(()) })
+        }
 
-    pub(crate) fn status(
-        self,
-        geometry: Geometry,
-        idx: ChunkIdx,
-    ) -> BoxFuture<'static, StoreResult<ChunkStatus>> {
-        Box::pin(async move {
-            geometry.check_idx(idx)?;
-            Ok(ChunkStatus::Unknown)
-        })
-    }
+        fn trim(
+            &self,
+            _range: farmap_core::ChunkRange,
+        ) -> farmap_core::BoxFuture<'_, farmap_core::StoreResult<()>> {
+            Box::pin(async move {
+                Err(farmap_core::StoreError::new(
+                    farmap_core::ErrorKind::ReadOnly,
+                    format!("a migrating {} is read-only to its leecher", $what),
+                ))
+            })
+        }
+
+        fn status(
+            &self,
+            idx: farmap_core::ChunkIdx,
+        ) -> farmap_core::BoxFuture<'_, farmap_core::StoreResult<farmap_core::ChunkStatus>> {
+            Box::pin(async move {
+                self.geometry.check_idx(idx)?;
+                Ok(farmap_core::ChunkStatus::Unknown)
+            })
+        }
+    };
 }
+pub(crate) use read_only_view;
 
 impl Store for LiveView {
-    fn geometry(&self) -> Geometry {
-        self.geometry
-    }
-
-    fn caps(&self) -> Caps {
-        Caps::PARALLEL
-    }
+    read_only_view!("region");
 
     fn read(&self, idx: ChunkIdx) -> BoxFuture<'_, StoreResult<Bytes>> {
         Box::pin(async move {
@@ -166,22 +176,6 @@ impl Store for LiveView {
                 })
         })
     }
-
-    fn write(&self, idx: ChunkIdx, _data: Bytes) -> BoxFuture<'_, StoreResult<()>> {
-        ReadOnlyView("region").write(idx)
-    }
-
-    fn flush(&self) -> BoxFuture<'_, StoreResult<()>> {
-        ReadOnlyView("region").flush()
-    }
-
-    fn trim(&self, _range: ChunkRange) -> BoxFuture<'_, StoreResult<()>> {
-        ReadOnlyView("region").trim()
-    }
-
-    fn status(&self, idx: ChunkIdx) -> BoxFuture<'_, StoreResult<ChunkStatus>> {
-        ReadOnlyView("region").status(self.geometry, idx)
-    }
 }
 
 /// One chunk's pages as the leecher's store knows them.
@@ -204,6 +198,15 @@ struct ChunkPages {
 impl ChunkPages {
     fn is_empty(&self) -> bool {
         self.discarded.is_empty() && self.staged.is_empty() && self.whole.is_none()
+    }
+
+    /// Drops the staged `pages` (within the chunk) and the whole chunk read ahead.
+    fn unstage(&mut self, pages: Range<u64>) {
+        let gone: Vec<u64> = self.staged.range(pages).map(|(p, _)| *p).collect();
+        for p in gone {
+            self.staged.remove(&p);
+        }
+        self.whole = None;
     }
 }
 
@@ -573,18 +576,10 @@ impl MigrationStore {
         let per_chunk = self.per_chunk();
         let mut chunks = self.chunks.lock();
         for r in runs {
-            let mut at = r.start;
-            while at < r.end {
-                let chunk = at / per_chunk;
-                let end = chunk.saturating_add(1).saturating_mul(per_chunk).min(r.end);
+            for (chunk, pages) in by_chunk(r.clone(), per_chunk) {
                 let c = chunks.entry(chunk).or_default();
-                c.discarded.push(at..end);
-                let gone: Vec<u64> = c.staged.range(at..end).map(|(p, _)| *p).collect();
-                for p in gone {
-                    c.staged.remove(&p);
-                }
-                c.whole = None;
-                at = end;
+                c.discarded.push(pages.clone());
+                c.unstage(pages);
             }
         }
     }
@@ -778,21 +773,13 @@ impl MigrationStore {
         let per_chunk = self.per_chunk();
         let mut chunks = self.chunks.lock();
         for r in runs {
-            let mut at = r.start;
-            while at < r.end {
-                let chunk = at / per_chunk;
-                let end = chunk.saturating_add(1).saturating_mul(per_chunk).min(r.end);
+            for (chunk, pages) in by_chunk(r.clone(), per_chunk) {
                 if let Some(c) = chunks.get_mut(&chunk) {
-                    let gone: Vec<u64> = c.staged.range(at..end).map(|(p, _)| *p).collect();
-                    for p in gone {
-                        c.staged.remove(&p);
-                    }
-                    c.whole = None;
+                    c.unstage(pages);
                     if c.is_empty() {
                         chunks.remove(&chunk);
                     }
                 }
-                at = end;
             }
         }
     }
@@ -971,24 +958,34 @@ pub struct Segment {
     pub data: Option<Bytes>,
 }
 
+/// `pages` cut where they cross a chunk boundary (`per_chunk` pages to a chunk): each piece
+/// with its chunk, in order.
+fn by_chunk(pages: Range<u64>, per_chunk: u64) -> impl Iterator<Item = (u64, Range<u64>)> {
+    let mut at = pages.start;
+    std::iter::from_fn(move || {
+        (at < pages.end).then(|| {
+            let chunk = at / per_chunk;
+            let end = chunk
+                .saturating_add(1)
+                .saturating_mul(per_chunk)
+                .min(pages.end);
+            let piece = (chunk, at..end);
+            at = end;
+            piece
+        })
+    })
+}
+
 /// `segments` cut where they cross a chunk boundary (slices, no copy).
 fn split_at_chunks(segments: Vec<Segment>, per_chunk: u64, page: usize) -> Vec<Segment> {
     let mut out = Vec::with_capacity(segments.len());
     for s in segments {
-        let mut at = s.pages.start;
-        while at < s.pages.end {
-            let end = (at / per_chunk + 1)
-                .saturating_mul(per_chunk)
-                .min(s.pages.end);
+        for (_, pages) in by_chunk(s.pages.clone(), per_chunk) {
             let data = s.data.as_ref().map(|d| {
-                let from = (at - s.pages.start) as usize * page;
-                d.slice(from..from + (end - at) as usize * page)
+                let from = (pages.start - s.pages.start) as usize * page;
+                d.slice(from..from + (pages.end - pages.start) as usize * page)
             });
-            out.push(Segment {
-                pages: at..end,
-                data,
-            });
-            at = end;
+            out.push(Segment { pages, data });
         }
     }
     out
@@ -1169,5 +1166,38 @@ impl Store for Paced {
 
     fn status(&self, idx: ChunkIdx) -> BoxFuture<'_, StoreResult<ChunkStatus>> {
         self.inner.status(idx)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn runs_are_cut_at_chunk_boundaries() {
+        let pieces: Vec<_> = by_chunk(5..20, 8).collect();
+        assert_eq!(pieces, [(0, 5..8), (1, 8..16), (2, 16..20)]);
+        assert_eq!(by_chunk(8..16, 8).collect::<Vec<_>>(), [(1, 8..16)]);
+        assert_eq!(by_chunk(3..3, 8).count(), 0);
+        let top = u64::MAX - 2..u64::MAX;
+        assert_eq!(by_chunk(top.clone(), 1).count(), 2);
+        assert_eq!(
+            by_chunk(top.clone(), 4).collect::<Vec<_>>(),
+            [(top.start / 4, top)]
+        );
+
+        let data = Bytes::from((0..20u8).collect::<Vec<_>>());
+        let cut = split_at_chunks(
+            vec![Segment {
+                pages: 3..13,
+                data: Some(data.slice(..10)),
+            }],
+            4,
+            1,
+        );
+        let pages: Vec<_> = cut.iter().map(|s| s.pages.clone()).collect();
+        assert_eq!(pages, [3..4, 4..8, 8..12, 12..13]);
+        assert_eq!(cut[1].data.as_deref(), Some(&[1, 2, 3, 4][..]));
+        assert_eq!(cut[3].data.as_deref(), Some(&[9][..]));
     }
 }

@@ -15,7 +15,7 @@ use bytes::Bytes;
 use farmap_core::{Geometry, Store};
 use farmap_migrate::leech::{ConnectError, LeechError, LeechOptions};
 use farmap_migrate::machine::{AbortCause, Violation, WelcomeError};
-use farmap_migrate::msg::{decode_header, Mode, Msg, HEADER_LEN, MAGIC, VERSION};
+use farmap_migrate::msg::{decode_header, Mode, Msg, RegionInfo, HEADER_LEN, MAGIC, VERSION};
 use farmap_migrate::seed::{SeedOptions, Seeding};
 use farmap_migrate::{leech, seed, WriterGate};
 use farmap_net::{
@@ -148,12 +148,14 @@ where
 fn welcome(page_size: u32, data_port: u16) -> Msg {
     Msg::Welcome {
         session: 9,
-        size: SIZE,
-        chunk_size: 65536,
-        page_size,
-        data_port,
-        boot_id: [0; 16],
-        shared: String::new(),
+        region: RegionInfo {
+            size: SIZE,
+            chunk_size: 65536,
+            page_size,
+            data_port,
+            boot_id: [0; 16],
+            shared: String::new(),
+        },
     }
 }
 

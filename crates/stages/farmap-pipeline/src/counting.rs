@@ -100,34 +100,27 @@ impl<S: Store> Counting<S> {
 
     /// The counters now.
     pub fn counts(&self) -> Counts {
-        let c = &self.c;
-        let get = |a: &AtomicU64| a.load(Ordering::Relaxed);
-        Counts {
-            reads: get(&c.reads),
-            writes: get(&c.writes),
-            flushes: get(&c.flushes),
-            trims: get(&c.trims),
-            statuses: get(&c.statuses),
-            bytes_read: get(&c.bytes_read),
-            bytes_written: get(&c.bytes_written),
-            errors: get(&c.errors),
-        }
+        self.snapshot(|a| a.load(Ordering::Relaxed))
     }
 
     /// Sets every counter to zero and returns what they held (no increment is lost between
     /// the two).
     pub fn reset(&self) -> Counts {
+        self.snapshot(|a| a.swap(0, Ordering::Relaxed))
+    }
+
+    /// Every counter, each read with `read`.
+    fn snapshot(&self, read: impl Fn(&AtomicU64) -> u64) -> Counts {
         let c = &self.c;
-        let take = |a: &AtomicU64| a.swap(0, Ordering::Relaxed);
         Counts {
-            reads: take(&c.reads),
-            writes: take(&c.writes),
-            flushes: take(&c.flushes),
-            trims: take(&c.trims),
-            statuses: take(&c.statuses),
-            bytes_read: take(&c.bytes_read),
-            bytes_written: take(&c.bytes_written),
-            errors: take(&c.errors),
+            reads: read(&c.reads),
+            writes: read(&c.writes),
+            flushes: read(&c.flushes),
+            trims: read(&c.trims),
+            statuses: read(&c.statuses),
+            bytes_read: read(&c.bytes_read),
+            bytes_written: read(&c.bytes_written),
+            errors: read(&c.errors),
         }
     }
 

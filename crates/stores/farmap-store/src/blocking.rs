@@ -1,6 +1,7 @@
 //! Running blocking file system calls off the async worker threads, and the [`Store`] that
 //! the file and dir stores share over them ([`OnBlocking`]).
 
+use std::fmt;
 use std::path::Path;
 use std::sync::Arc;
 
@@ -86,6 +87,20 @@ impl<I: BlockingChunks> OnBlocking<I> {
     ) -> StoreResult<T> {
         let inner = self.0.clone();
         blocking(move || op(&inner)).await
+    }
+
+    /// A `Debug` of the store `name` with the fields every such store shows: its path, its
+    /// geometry and whether it is read-only.
+    pub fn debug_struct<'a, 'b>(
+        &self,
+        f: &'a mut fmt::Formatter<'b>,
+        name: &str,
+    ) -> fmt::DebugStruct<'a, 'b> {
+        let mut d = f.debug_struct(name);
+        d.field("path", &self.0.location())
+            .field("geometry", &self.0.geometry())
+            .field("read_only", &self.0.read_only());
+        d
     }
 
     pub fn geometry(&self) -> Geometry {

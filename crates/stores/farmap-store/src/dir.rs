@@ -447,10 +447,8 @@ impl Inner {
 
 impl fmt::Debug for DirStore {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.debug_struct("DirStore")
-            .field("path", &self.blocking.0.root)
-            .field("geometry", &self.blocking.0.geometry)
-            .field("read_only", &self.blocking.0.read_only)
+        self.blocking
+            .debug_struct(f, "DirStore")
             .field("open_files", &self.open_files())
             .field("max_open_files", &self.blocking.0.handles.capacity())
             .finish()

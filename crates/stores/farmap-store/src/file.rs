@@ -280,11 +280,7 @@ impl Inner {
 
 impl fmt::Debug for FileStore {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.debug_struct("FileStore")
-            .field("path", &self.blocking.0.path)
-            .field("geometry", &self.blocking.0.geometry)
-            .field("read_only", &self.blocking.0.read_only)
-            .finish()
+        self.blocking.debug_struct(f, "FileStore").finish()
     }
 }
 

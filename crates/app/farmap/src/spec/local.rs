@@ -24,20 +24,16 @@ impl Scheme for Local {
         &["mem"]
     }
 
-    fn parse(
-        &self,
-        scheme: &str,
-        rest: &str,
-        spec: &str,
-        _: usize,
-    ) -> Result<StoreSpec, SpecError> {
-        let takes = match scheme {
+    fn takes(&self, scheme: &str) -> &'static str {
+        match scheme {
             "file" => "size, chunk, ro",
             "dir" => "size, chunk, ro, max-open",
             _ => "size, chunk",
-        };
-        let mut p = Parts::parse(rest, spec, takes)?;
-        let kind = match scheme {
+        }
+    }
+
+    fn kind(&self, scheme: &str, p: &mut Parts<'_>) -> Result<SpecKind, SpecError> {
+        Ok(match scheme {
             "file" => SpecKind::File { path: p.path()? },
             "dir" => {
                 let mut max_open_files = None;
@@ -61,14 +57,13 @@ impl Scheme for Local {
                 }
                 if p.size.is_none() {
                     return Err(SpecError::MissingSize {
-                        spec: spec.to_owned(),
+                        spec: p.spec.to_owned(),
                         hint: "memory:256MiB".into(),
                     });
                 }
                 SpecKind::Memory
             }
-        };
-        p.finish(kind)
+        })
     }
 
     fn display_parts(&self, spec: &StoreSpec, _: bool) -> (String, Vec<String>) {

@@ -2,18 +2,18 @@
 //! `nbds://host[:port]/export?ca=...` (TLS), `nbd+unix:///export?socket=/path` and
 //! `nbds+unix:///export?socket=/path&ca=...`.
 
-use std::path::{Path, PathBuf};
+use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::Duration;
 
 use farmap_core::{BoxFuture, Store};
 use farmap_nbd::client::{decode_export, encode_export};
 use farmap_nbd::{NbdClientOptions, NbdStore, NbdTarget, NBD_PORT};
-use farmap_net::{RemoteAddr, TlsClientConfig};
+use farmap_net::RemoteAddr;
 
 use super::common::Parts;
 use super::model::{store_error, OpenError, SpecError, SpecKind, StoreSpec};
-use super::remote::{format_timeout, RemoteOptions};
+use super::remote::{display_options, RemoteOptions};
 use super::scheme::Scheme;
 
 /// `nbd://`, `nbds://`, `nbd+unix://`, `nbds+unix://`.
@@ -25,60 +25,54 @@ impl Scheme for Nbd {
         &["nbd", "nbds", "nbd+unix", "nbds+unix"]
     }
 
-    fn parse(
-        &self,
-        scheme: &str,
-        rest: &str,
-        spec: &str,
-        _: usize,
-    ) -> Result<StoreSpec, SpecError> {
-        let takes = match scheme {
+    fn takes(&self, scheme: &str) -> &'static str {
+        match scheme {
             "nbd" => "chunk, ro, connections, timeout",
             "nbds" => "chunk, ro, connections, timeout, ca, cert, key, name, tls-certificates",
             "nbd+unix" => "socket, chunk, ro, connections, timeout",
             _ => "socket, chunk, ro, connections, timeout, ca, cert, key, name, tls-certificates",
-        };
-        let p = Parts::parse(rest, spec, takes)?;
-        let remote = RemoteOptions::from_parts(&p)?;
+        }
+    }
+
+    fn kind(&self, scheme: &str, p: &mut Parts<'_>) -> Result<SpecKind, SpecError> {
+        let remote = RemoteOptions::from_parts(p)?;
         let mut nbd = NbdOptions::default();
         for (key, value) in &p.options {
             if matches!(*key, "socket" | "tls-certificates") {
-                nbd.set(key, value, spec)?;
+                nbd.set(key, value, p.spec)?;
             }
         }
-        let kind = into_kind(scheme, p.body, remote, nbd, spec)?;
-        p.finish(kind)
+        into_kind(scheme, p.body, remote, nbd, p.spec)
     }
 
     fn display_parts(&self, spec: &StoreSpec, _: bool) -> (String, Vec<String>) {
-        let SpecKind::Nbd {
-            target,
-            connections,
-            timeout,
-        } = &spec.kind
-        else {
-            unreachable!("not an nbd:// spec: {spec:?}")
-        };
-        display_parts(target, *connections, *timeout)
+        let (target, connections, timeout) = nbd_fields(spec);
+        display_parts(target, connections, timeout)
     }
 
     fn open<'a>(&'a self, spec: &'a StoreSpec) -> BoxFuture<'a, Result<Arc<dyn Store>, OpenError>> {
         Box::pin(async move {
-            let SpecKind::Nbd {
-                target,
-                connections,
-                timeout,
-            } = &spec.kind
-            else {
-                unreachable!("not an nbd:// spec: {spec:?}")
-            };
-            let opts = client_options(spec.chunk_size, spec.read_only, *connections, *timeout);
+            let (target, connections, timeout) = nbd_fields(spec);
+            let opts = client_options(spec.chunk_size, spec.read_only, connections, timeout);
             let store = NbdStore::connect(target.clone(), opts)
                 .await
                 .map_err(store_error(spec))?;
             Ok(Arc::new(store) as Arc<dyn Store>)
         })
     }
+}
+
+/// The settings of an `nbd://` spec (one this scheme parsed).
+fn nbd_fields(spec: &StoreSpec) -> (&NbdTarget, Option<usize>, Option<Duration>) {
+    let SpecKind::Nbd {
+        target,
+        connections,
+        timeout,
+    } = &spec.kind
+    else {
+        unreachable!("not an nbd:// spec: {spec:?}")
+    };
+    (target, *connections, *timeout)
 }
 
 /// The options only NBD specs take (`socket=`, `tls-certificates=`), gathered while the
@@ -114,7 +108,7 @@ impl NbdOptions {
 fn into_kind(
     scheme: &str,
     body: &str,
-    remote: RemoteOptions,
+    mut remote: RemoteOptions,
     nbd: NbdOptions,
     spec: &str,
 ) -> Result<SpecKind, SpecError> {
@@ -159,6 +153,7 @@ fn into_kind(
         let dir = nbd.tls_dir.as_deref();
         let ca = remote
             .ca
+            .take()
             .or_else(|| dir.map(|d| d.join("ca-cert.pem")))
             .ok_or_else(|| SpecError::MissingOption {
                 option: "ca",
@@ -166,26 +161,13 @@ fn into_kind(
                 why: "the PEM file of the CA that signed the server's certificate (or \
                       tls-certificates=DIR holding ca-cert.pem)",
             })?;
-        let (mut cert, mut key) = (remote.cert, remote.key);
-        if let (None, None, Some(d)) = (&cert, &key, dir) {
+        if let (None, None, Some(d)) = (&remote.cert, &remote.key, dir) {
             if d.join("client-cert.pem").exists() && d.join("client-key.pem").exists() {
-                cert = Some(d.join("client-cert.pem"));
-                key = Some(d.join("client-key.pem"));
+                remote.cert = Some(d.join("client-cert.pem"));
+                remote.key = Some(d.join("client-key.pem"));
             }
         }
-        if cert.is_some() != key.is_some() {
-            return Err(SpecError::MissingOption {
-                option: if cert.is_some() { "key" } else { "cert" },
-                spec: spec.to_owned(),
-                why: "a client certificate needs both cert= and key=",
-            });
-        }
-        Some(TlsClientConfig {
-            ca,
-            cert,
-            key,
-            server_name: remote.name,
-        })
+        Some(remote.tls(ca, spec)?)
     } else {
         None
     };
@@ -241,25 +223,7 @@ fn display_parts(
             format!("nbd{s}+unix:///{export}")
         }
     };
-    if let Some(t) = &target.tls {
-        opts.push(format!("ca={}", t.ca.display()));
-        let show = |p: &Path| p.display().to_string();
-        if let Some(c) = &t.cert {
-            opts.push(format!("cert={}", show(c)));
-        }
-        if let Some(k) = &t.key {
-            opts.push(format!("key={}", show(k)));
-        }
-        if let Some(n) = &t.server_name {
-            opts.push(format!("name={n}"));
-        }
-    }
-    if let Some(n) = connections {
-        opts.push(format!("connections={n}"));
-    }
-    if let Some(t) = timeout {
-        opts.push(format!("timeout={}", format_timeout(t)));
-    }
+    opts.extend(display_options(&target.tls, connections, timeout));
     (head, opts)
 }
 

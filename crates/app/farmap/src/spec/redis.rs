@@ -19,28 +19,24 @@ impl Scheme for Redis {
         &["redis", "rediss", "redis+cluster"]
     }
 
-    fn parse(
-        &self,
-        scheme: &str,
-        rest: &str,
-        spec: &str,
-        _: usize,
-    ) -> Result<StoreSpec, SpecError> {
-        let takes = if scheme == "rediss" {
+    fn takes(&self, scheme: &str) -> &'static str {
+        if scheme == "rediss" {
             "size, chunk, prefix, connections, timeout, flush, replicas, ca"
         } else {
             "size, chunk, prefix, connections, timeout, flush, replicas"
-        };
-        let p = Parts::parse(rest, spec, takes)?;
+        }
+    }
+
+    fn kind(&self, scheme: &str, p: &mut Parts<'_>) -> Result<SpecKind, SpecError> {
         let config = RedisConfig::parse(scheme, p.body, &p.options).map_err(|e| match e {
             RedisSpecError::BadAddress { hint, .. } => SpecError::BadAddress {
-                spec: spec.to_owned(),
+                spec: p.spec.to_owned(),
                 hint,
             },
             RedisSpecError::BadOption { option, reason } => p.bad(option, reason),
             other => p.bad("spec", other.to_string()),
         })?;
-        p.finish(SpecKind::Redis(config))
+        Ok(SpecKind::Redis(config))
     }
 
     fn display_parts(&self, spec: &StoreSpec, secrets: bool) -> (String, Vec<String>) {

@@ -22,54 +22,59 @@ impl Scheme for Remote {
         &["farmap", "farmaps", "farmap+unix"]
     }
 
-    fn parse(
-        &self,
-        scheme: &str,
-        rest: &str,
-        spec: &str,
-        _: usize,
-    ) -> Result<StoreSpec, SpecError> {
-        let takes = if scheme == "farmaps" {
+    fn takes(&self, scheme: &str) -> &'static str {
+        if scheme == "farmaps" {
             "ca, cert, key, name, connections, timeout"
         } else {
             "connections, timeout"
-        };
-        let p = Parts::parse(rest, spec, takes)?;
-        let kind = RemoteOptions::from_parts(&p)?.into_kind(scheme, p.body, spec)?;
-        p.finish(kind)
+        }
+    }
+
+    fn kind(&self, scheme: &str, p: &mut Parts<'_>) -> Result<SpecKind, SpecError> {
+        RemoteOptions::from_parts(p)?.into_kind(scheme, p.body, p.spec)
     }
 
     fn display_parts(&self, spec: &StoreSpec, _: bool) -> (String, Vec<String>) {
-        let SpecKind::Remote {
-            addr,
-            tls,
-            connections,
-            timeout,
-        } = &spec.kind
-        else {
-            unreachable!("not a farmap:// spec: {spec:?}")
+        let (addr, tls, connections, timeout) = remote_fields(spec);
+        let head = match (addr, tls) {
+            (RemoteAddr::Unix(p), _) => format!("farmap+unix:{}", p.display()),
+            (RemoteAddr::Tcp(hp), None) => format!("farmap://{hp}"),
+            (RemoteAddr::Tcp(hp), Some(_)) => format!("farmaps://{hp}"),
         };
-        display_parts(addr, tls, *connections, *timeout)
+        (head, display_options(tls, connections, timeout))
     }
 
     fn open<'a>(&'a self, spec: &'a StoreSpec) -> BoxFuture<'a, Result<Arc<dyn Store>, OpenError>> {
         Box::pin(async move {
-            let SpecKind::Remote {
-                addr,
-                tls,
-                connections,
-                timeout,
-            } = &spec.kind
-            else {
-                unreachable!("not a farmap:// spec: {spec:?}")
-            };
-            let opts = client_options(tls, *connections, *timeout);
+            let (addr, tls, connections, timeout) = remote_fields(spec);
+            let opts = client_options(tls, connections, timeout);
             let store = RemoteStore::connect(addr.clone(), opts)
                 .await
                 .map_err(store_error(spec))?;
             Ok(Arc::new(store) as Arc<dyn Store>)
         })
     }
+}
+
+/// The settings of a `farmap://` spec (one this scheme parsed).
+fn remote_fields(
+    spec: &StoreSpec,
+) -> (
+    &RemoteAddr,
+    &Option<TlsClientConfig>,
+    Option<usize>,
+    Option<Duration>,
+) {
+    let SpecKind::Remote {
+        addr,
+        tls,
+        connections,
+        timeout,
+    } = &spec.kind
+    else {
+        unreachable!("not a farmap:// spec: {spec:?}")
+    };
+    (addr, tls, *connections, *timeout)
 }
 
 /// The options of a remote spec, gathered while its query is read.
@@ -140,9 +145,27 @@ impl RemoteOptions {
         Ok(())
     }
 
+    /// The TLS settings: `ca`, with the client certificate (`cert=` and `key=` come
+    /// together) and the server name of these options.
+    pub(super) fn tls(&mut self, ca: PathBuf, spec: &str) -> Result<TlsClientConfig, SpecError> {
+        if self.cert.is_some() != self.key.is_some() {
+            return Err(SpecError::MissingOption {
+                option: if self.cert.is_some() { "key" } else { "cert" },
+                spec: spec.to_owned(),
+                why: "a client certificate needs both cert= and key=",
+            });
+        }
+        Ok(TlsClientConfig {
+            ca,
+            cert: self.cert.take(),
+            key: self.key.take(),
+            server_name: self.name.take(),
+        })
+    }
+
     /// The store kind for `scheme:body`.
     pub(super) fn into_kind(
-        self,
+        mut self,
         scheme: &str,
         body: &str,
         spec: &str,
@@ -172,24 +195,12 @@ impl RemoteOptions {
             RemoteAddr::Tcp(hp.to_owned())
         };
         let tls = if scheme == "farmaps" {
-            let ca = self.ca.ok_or_else(|| SpecError::MissingOption {
+            let ca = self.ca.take().ok_or_else(|| SpecError::MissingOption {
                 option: "ca",
                 spec: spec.to_owned(),
                 why: "the PEM file of the CA that signed the server's certificate",
             })?;
-            if self.cert.is_some() != self.key.is_some() {
-                return Err(SpecError::MissingOption {
-                    option: if self.cert.is_some() { "key" } else { "cert" },
-                    spec: spec.to_owned(),
-                    why: "a client certificate needs both cert= and key=",
-                });
-            }
-            Some(TlsClientConfig {
-                ca,
-                cert: self.cert,
-                key: self.key,
-                server_name: self.name,
-            })
+            Some(self.tls(ca, spec)?)
         } else {
             None
         };
@@ -224,18 +235,13 @@ pub(super) fn client_options(
     opts
 }
 
-/// The spec's text before its options, and its options.
-pub(super) fn display_parts(
-    addr: &RemoteAddr,
+/// The options of a spec that connects to a server, in canonical order: `ca=`, `cert=`,
+/// `key=`, `name=` (with TLS), `connections=`, `timeout=`.
+pub(super) fn display_options(
     tls: &Option<TlsClientConfig>,
     connections: Option<usize>,
     timeout: Option<Duration>,
-) -> (String, Vec<String>) {
-    let head = match (addr, tls) {
-        (RemoteAddr::Unix(p), _) => format!("farmap+unix:{}", p.display()),
-        (RemoteAddr::Tcp(hp), None) => format!("farmap://{hp}"),
-        (RemoteAddr::Tcp(hp), Some(_)) => format!("farmaps://{hp}"),
-    };
+) -> Vec<String> {
     let mut opts = Vec::new();
     if let Some(t) = tls {
         opts.push(format!("ca={}", t.ca.display()));
@@ -255,7 +261,7 @@ pub(super) fn display_parts(
     if let Some(t) = timeout {
         opts.push(format!("timeout={}", format_timeout(t)));
     }
-    (head, opts)
+    opts
 }
 
 #[cfg(test)]

@@ -18,18 +18,17 @@ impl Scheme for S3 {
         &["s3"]
     }
 
-    fn parse(&self, _: &str, rest: &str, spec: &str, _: usize) -> Result<StoreSpec, SpecError> {
-        let p = Parts::parse(
-            rest,
-            spec,
-            "size, chunk, ro, endpoint, region, profile, connections, timeout, retries",
-        )?;
+    fn takes(&self, _: &str) -> &'static str {
+        "size, chunk, ro, endpoint, region, profile, connections, timeout, retries"
+    }
+
+    fn kind(&self, _: &str, p: &mut Parts<'_>) -> Result<SpecKind, SpecError> {
         let bad = |e: S3SpecError| p.bad(e.option, e.reason);
         let mut location = S3Location::parse(p.body).map_err(bad)?;
         for (key, value) in &p.options {
             location.set(key, value).map_err(bad)?;
         }
-        p.finish(SpecKind::S3 { location })
+        Ok(SpecKind::S3 { location })
     }
 
     fn display_parts(&self, spec: &StoreSpec, _: bool) -> (String, Vec<String>) {

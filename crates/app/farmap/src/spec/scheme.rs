@@ -5,7 +5,8 @@ use std::sync::Arc;
 
 use farmap_core::{BoxFuture, Store};
 
-use super::model::{OpenError, SpecError, StoreSpec};
+use super::common::Parts;
+use super::model::{OpenError, SpecError, SpecKind, StoreSpec};
 
 /// One family of schemes (`redis`, `rediss`, `redis+cluster`): how its specs parse, print
 /// and open. The methods that take a spec are only given specs this scheme parsed.
@@ -19,14 +20,32 @@ pub(super) trait Scheme: Sync {
     }
 
     /// Parses `rest`, the part of `spec` after `scheme:` (`scheme` in lowercase), found
-    /// `depth` stages deep.
+    /// `depth` stages deep. This default reads a simple spec (`BODY?key=value&...`, see
+    /// [`Parts`]): the options [`takes`](Self::takes) lists, the kind [`kind`](Self::kind)
+    /// makes of them, then the check that the region can exist ([`Parts::finish`]).
     fn parse(
         &self,
         scheme: &str,
         rest: &str,
         spec: &str,
-        depth: usize,
-    ) -> Result<StoreSpec, SpecError>;
+        _depth: usize,
+    ) -> Result<StoreSpec, SpecError> {
+        let mut parts = Parts::parse(rest, spec, self.takes(scheme))?;
+        let kind = self.kind(scheme, &mut parts)?;
+        parts.finish(kind)
+    }
+
+    /// The options a simple spec of `scheme` takes (`size, chunk, ro, max-open`), for the
+    /// default [`parse`](Self::parse).
+    fn takes(&self, _scheme: &str) -> &'static str {
+        ""
+    }
+
+    /// The store kind a simple spec of `scheme` names, from its body and the scheme's own
+    /// options; asked only by the default [`parse`](Self::parse).
+    fn kind(&self, scheme: &str, _parts: &mut Parts<'_>) -> Result<SpecKind, SpecError> {
+        unreachable!("{scheme}: this scheme parses its specs itself")
+    }
 
     /// The spec's text before its options, and its own options in canonical order (`size=`
     /// among them where the scheme prints one); `chunk=` and `ro` follow them. Passwords

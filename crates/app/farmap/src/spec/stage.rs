@@ -95,23 +95,22 @@ impl Scheme for Stages {
     }
 
     fn creates(&self, spec: &StoreSpec) -> bool {
-        match &spec.kind {
-            SpecKind::Verified { inner } => inner.creates(),
-            SpecKind::Mirror {
-                primary, mirror, ..
-            } => primary.creates() || mirror.creates(),
-            _ => false,
-        }
+        members(spec).into_iter().any(StoreSpec::creates)
     }
 
     fn is_remote(&self, spec: &StoreSpec) -> bool {
-        match &spec.kind {
-            SpecKind::Verified { inner } => inner.is_remote(),
-            SpecKind::Mirror {
-                primary, mirror, ..
-            } => primary.is_remote() || mirror.is_remote(),
-            _ => false,
-        }
+        members(spec).into_iter().any(StoreSpec::is_remote)
+    }
+}
+
+/// The specs a stage spec stands over, in order (a mirror's primary first).
+fn members(spec: &StoreSpec) -> Vec<&StoreSpec> {
+    match &spec.kind {
+        SpecKind::Verified { inner } => vec![&**inner],
+        SpecKind::Mirror {
+            primary, mirror, ..
+        } => vec![&**primary, &**mirror],
+        _ => vec![],
     }
 }
 
