@@ -125,6 +125,10 @@ pub struct LeechOptions {
     pub reconnect_for: Duration,
     /// How long the seeder has to accept the connection (and TLS) and to answer the hello.
     pub handshake_timeout: Duration,
+    /// How long the seeder has, after `Finalize`, to hand over: a seeder that stays silent
+    /// (or a connection that is half open) is treated as lost then, instead of being waited
+    /// for forever.
+    pub finalize_timeout: Duration,
     /// Largest region accepted, in bytes.
     pub max_size: u64,
     /// Log progress lines (through `tracing`).
@@ -153,6 +157,7 @@ impl LeechOptions {
             connections: 4,
             reconnect_for: Duration::from_secs(30),
             handshake_timeout: Duration::from_secs(10),
+            finalize_timeout: Duration::from_secs(60),
             max_size: 1 << 40,
             log: false,
             observer: None,
@@ -308,6 +313,10 @@ pub enum LeechError {
     /// are lost.
     #[error("lost the seeder after the hand-over")]
     LostAfterHandOver(#[source] AfterHandOver),
+    /// After `Finalize` and before the hand-over, the seeder went silent or away and could
+    /// not be reached again: nothing was resumed here (the source resumes by itself).
+    #[error("lost the seeder after Finalize, before it handed over: nothing was resumed here")]
+    LostAtFinalize(#[source] AfterHandOver),
 }
 
 /// A finished migration, as the destination saw it.
@@ -519,6 +528,7 @@ pub async fn leech_into<D: Destination>(
         open: Some(open),
         started,
         finalize_sent: None,
+        finalize_by: None,
         tracking_since: None,
         resumed_at: None,
         downtime: Duration::ZERO,
@@ -573,6 +583,19 @@ pub async fn leech_into<D: Destination>(
                 ));
                 LeecherInput::Disconnected
             }
+            _ = sleep_until(run.finalize_by), if run.connected && !run.handed_over && run.finalize_by.is_some() => {
+                // Finalized, and the seeder neither hands over nor closes the connection.
+                run.finalize_by = None;
+                run.connected = false;
+                run.last_error = Some(io::Error::new(
+                    io::ErrorKind::TimedOut,
+                    format!(
+                        "the seeder did not hand over within {:?} of Finalize",
+                        run.opts.finalize_timeout
+                    ),
+                ));
+                LeecherInput::Disconnected
+            }
             _ = cancel.changed(), if !run.handed_over && run.finalize_sent.is_none() => {
                 if *cancel.borrow() {
                     let abort = Msg::Abort { reason: "the leecher was cancelled".into() };
@@ -600,6 +623,8 @@ struct Run<D> {
     open: Option<Opener<D>>,
     started: Instant,
     finalize_sent: Option<Instant>,
+    /// When the seeder must have handed over, once `Finalize` is sent.
+    finalize_by: Option<tokio::time::Instant>,
     tracking_since: Option<Instant>,
     resumed_at: Option<Instant>,
     downtime: Duration,
@@ -715,6 +740,7 @@ impl<D: Destination> Run<D> {
     ) -> Result<Option<LeechReport<D>>, LeechError> {
         if matches!(m, Msg::Finalize) {
             self.finalize_sent = Some(Instant::now());
+            self.finalize_by = Some(tokio::time::Instant::now() + self.opts.finalize_timeout);
             self.rep.note(match machine.finalization() {
                 Some(Finalization::Converged) | None => "pre-copy converged: finalizing".to_owned(),
                 Some(Finalization::MaxRounds) => format!(
@@ -872,7 +898,17 @@ impl<D: Destination> Run<D> {
         Ok(None)
     }
 
-    /// After the hand-over: reconnects to the seeder until the reconnect deadline.
+    /// The seeder is lost for good: after the hand-over, or at `Finalize` before it.
+    fn lost(&self, why: AfterHandOver) -> LeechError {
+        if self.handed_over {
+            LeechError::LostAfterHandOver(why)
+        } else {
+            LeechError::LostAtFinalize(why)
+        }
+    }
+
+    /// After the hand-over (or `Finalize`): reconnects to the seeder until the reconnect
+    /// deadline.
     async fn reconnect(
         &mut self,
         machine: &mut Leecher,
@@ -887,7 +923,7 @@ impl<D: Destination> Run<D> {
             let source = self.last_error.take().unwrap_or_else(|| {
                 io::Error::new(io::ErrorKind::TimedOut, "the seeder did not answer")
             });
-            return Err(LeechError::LostAfterHandOver(AfterHandOver::Reconnect {
+            return Err(self.lost(AfterHandOver::Reconnect {
                 waited: self.opts.reconnect_for,
                 source,
             }));
@@ -909,7 +945,7 @@ impl<D: Destination> Run<D> {
                     break;
                 }
                 Err(source) if Instant::now() >= deadline => {
-                    return Err(LeechError::LostAfterHandOver(AfterHandOver::Reconnect {
+                    return Err(self.lost(AfterHandOver::Reconnect {
                         waited: self.opts.reconnect_for,
                         source,
                     }));

@@ -654,3 +654,59 @@ async fn through_hand_over(s: &mut TcpStream, port: u16) {
     write_msg(s, &h).await;
     assert_eq!(read_msg(s).await.unwrap(), Msg::Resumed);
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_seeder_silent_after_finalize_fails_the_leecher_within_its_deadline() {
+    if !uffd("a_seeder_silent_after_finalize_fails_the_leecher_within_its_deadline") {
+        return;
+    }
+    let (server, port) = zero_data_plane().await;
+    let l = TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = RemoteAddr::Tcp(l.local_addr().unwrap().to_string());
+    let fake = tokio::spawn(async move {
+        // The first connection goes as far as Finalize, then says nothing and stays open
+        // (a seeder that hangs, or a half-open connection).
+        let (mut s, _) = l.accept().await.unwrap();
+        assert_eq!(
+            read_msg(&mut s).await.unwrap(),
+            Msg::Hello {
+                session: 0,
+                mode: Mode::Precopy
+            }
+        );
+        write_msg(&mut s, &welcome(PAGE, port)).await;
+        assert_eq!(
+            read_msg(&mut s).await.unwrap(),
+            Msg::DirtyRequest { round: 1 }
+        );
+        let empty = Msg::Dirty {
+            round: 1,
+            runs: vec![],
+        };
+        write_msg(&mut s, &empty).await;
+        assert_eq!(read_msg(&mut s).await.unwrap(), Msg::Finalize);
+        let mut held = vec![s];
+        // Later connections are accepted and never answered.
+        loop {
+            let (s, _) = l.accept().await.unwrap();
+            held.push(s);
+        }
+    });
+    let t0 = Instant::now();
+    let err = run_leech(LeechOptions {
+        finalize_timeout: Duration::from_millis(500),
+        handshake_timeout: Duration::from_millis(300),
+        reconnect_for: Duration::from_secs(1),
+        ..LeechOptions::new(addr)
+    })
+    .await
+    .unwrap_err();
+    let took = t0.elapsed();
+    let text = farmap_core::error_chain(&err);
+    println!("{took:?}: {text}");
+    assert!(matches!(&err, LeechError::LostAtFinalize(_)), "{text}");
+    assert!(text.contains("before it handed over"), "{text}");
+    assert!(took < Duration::from_secs(10), "failed after {took:?}");
+    fake.abort();
+    let _ = server.shutdown().await;
+}
