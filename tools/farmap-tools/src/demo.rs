@@ -354,6 +354,9 @@ struct NodeApp {
     rate: u64,
     /// Whether the region lives in a store of its own that it syncs to when released.
     synced_store: bool,
+    /// The store this node was started with (`--store`): the only shared store it opens for
+    /// an instant migration that does not name one.
+    approved: Vec<String>,
 }
 
 impl agent::App for NodeApp {
@@ -365,6 +368,10 @@ impl agent::App for NodeApp {
 
     fn shared_opener(&self) -> Option<farmap_migrate::SharedOpener> {
         Some(farmap_cli_kit::drive::shared_opener())
+    }
+
+    fn approved_shared(&self) -> Vec<String> {
+        self.approved.clone()
     }
 
     fn region(&self) -> Option<(Arc<dyn farmap_migrate::Source>, Arc<dyn Suspend>)> {
@@ -518,6 +525,7 @@ pub async fn node(args: NodeArgs) -> anyhow::Result<ExitCode> {
             seed: args.seed,
             rate: args.ops_per_sec,
             synced_store: args.init && args.store.is_some(),
+            approved: args.store.iter().map(|s| s.to_secret_string()).collect(),
         }),
     )
     .await

@@ -80,6 +80,11 @@ impl App for MountApp {
         Some(farmap_cli_kit::drive::shared_opener())
     }
 
+    /// The store this mount was started over, when another host can open it.
+    fn approved_shared(&self) -> Vec<String> {
+        self.shared.iter().map(|s| s.spec.clone()).collect()
+    }
+
     fn released(&self, _report: &SeedReport) {
         tracing::info!(
             "the file moved to the destination: this mount now refuses reads (EIO) and writes \

@@ -421,7 +421,9 @@ fn instant_over_redis(test: &str, mount_args: &[&str]) {
     let expected = tmp.path().join("expected");
     let writer = start_writer(&p, &expected);
     std::thread::sleep(Duration::from_millis(600));
-    let report = migrate_with(&p, &["--mode", "instant"]);
+    // The destination mount was started without a store: it opens the shared store only
+    // when told here which (a seeder's announcement alone is not enough).
+    let report = migrate_with(&p, &["--mode", "instant", "--store", &spec]);
     assert_eq!(report["mode"], "instant", "{report}");
     assert_eq!(report["region_bytes"], size, "{report}");
     assert_eq!(report["verify_failures"], 0, "{report}");

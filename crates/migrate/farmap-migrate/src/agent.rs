@@ -85,6 +85,13 @@ pub trait App: Send + Sync + 'static {
     fn shared_opener(&self) -> Option<SharedOpener> {
         None
     }
+    /// The shared-store specs this host has approved (its own configuration, e.g. the store
+    /// it was started with): a spec the seeder announces is opened only if it is one of
+    /// these; otherwise the request must name the store (`farmap leech --store`). A peer
+    /// never chooses what is opened here.
+    fn approved_shared(&self) -> Vec<String> {
+        Vec::new()
+    }
 }
 
 /// TLS of a seeder's listeners, as PEM file paths readable by the application.
@@ -600,10 +607,11 @@ async fn run_leech<R: AsyncRead + Unpin, A: App>(
                     .into(),
             )
         }
-        // The request's spec, when given, replaces the seeder's.
+        // The request's spec, when given, replaces the seeder's; without it, the seeder's
+        // is opened only if this host approved it.
         (_, Some(open)) => Some(match req.store.clone() {
             Some(spec) => SharedOpener(Arc::new(move |_| (open.0)(spec.clone()))),
-            None => open,
+            None => approved_only(open, app.approved_shared()),
         }),
         (_, None) => None,
     };
@@ -657,6 +665,24 @@ async fn run_leech<R: AsyncRead + Unpin, A: App>(
     }
 }
 
+/// `open`, for the specs in `approved` only: any other spec a seeder announces is refused
+/// before anything is opened (it could name a file of this host, or a server anywhere).
+fn approved_only(open: SharedOpener, approved: Vec<String>) -> SharedOpener {
+    SharedOpener(Arc::new(move |spec: String| {
+        if approved.contains(&spec) {
+            return (open.0)(spec);
+        }
+        Box::pin(async move {
+            Err(format!(
+                "the seeder asks this host to open the shared store {spec:?}, which this \
+                 host has not approved: a destination opens only a store it names itself \
+                 (farmap leech --store SPEC, the shared store as this host reaches it)"
+            )
+            .into())
+        })
+    }))
+}
+
 /// A controller's side of an agent connection.
 #[derive(Debug)]
 pub struct Controller {
@@ -705,6 +731,28 @@ impl Controller {
 
 #[cfg(test)]
 mod tests {
+
+    #[tokio::test]
+    async fn a_seeders_spec_is_opened_only_when_this_host_approved_it() {
+        let opened: Arc<parking_lot::Mutex<Vec<String>>> = Arc::default();
+        let seen = opened.clone();
+        let open = SharedOpener(Arc::new(move |spec: String| {
+            seen.lock().push(spec);
+            Box::pin(async {
+                Err::<Arc<dyn farmap_core::Store>, crate::EndpointError>("not in this test".into())
+            })
+        }));
+        let guarded = approved_only(open, vec!["redis://10.0.0.2:6379/0?size=1GiB".into()]);
+        let e = (guarded.0)("file:/etc/cron.d/x?size=4KiB".into())
+            .await
+            .err()
+            .expect("refused");
+        assert!(e.to_string().contains("has not approved"), "{e}");
+        assert!(opened.lock().is_empty(), "nothing was opened");
+        let _ = (guarded.0)("redis://10.0.0.2:6379/0?size=1GiB".into()).await;
+        assert_eq!(opened.lock().len(), 1, "the approved spec is opened");
+    }
+
     use super::*;
 
     #[test]
