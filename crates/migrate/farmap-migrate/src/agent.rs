@@ -745,8 +745,7 @@ mod tests {
         let guarded = approved_only(open, vec!["redis://10.0.0.2:6379/0?size=1GiB".into()]);
         let e = (guarded.0)("file:/etc/cron.d/x?size=4KiB".into())
             .await
-            .err()
-            .expect("refused");
+            .expect_err("refused");
         assert!(e.to_string().contains("has not approved"), "{e}");
         assert!(opened.lock().is_empty(), "nothing was opened");
         let _ = (guarded.0)("redis://10.0.0.2:6379/0?size=1GiB".into()).await;
