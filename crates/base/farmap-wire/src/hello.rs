@@ -74,6 +74,10 @@ pub struct ServerInfo {
     pub max_in_flight: u32,
     /// Most chunks in one read request.
     pub max_batch: u32,
+    /// Random at each start of the server (0: a server that does not say): a client that
+    /// reconnects and sees another instance knows the server restarted, and with it
+    /// perhaps lost what it had not made durable.
+    pub instance: u64,
 }
 
 /// The server's answer when it refuses a client (version mismatch, too many connections...).
@@ -109,12 +113,13 @@ impl ServerHello {
                 dst.put_u16(info.version);
                 dst.put_u8(STATUS_ACCEPTED);
                 dst.put_u8(0);
-                dst.put_u32(ACCEPTED_LEN as u32);
+                dst.put_u32((ACCEPTED_LEN + 8) as u32);
                 dst.put_u32(info.features.bits());
                 put_region(dst, &info.region);
                 dst.put_u32(info.max_frame);
                 dst.put_u32(info.max_in_flight);
                 dst.put_u32(info.max_batch);
+                dst.put_u64(info.instance);
             }
             ServerHello::Refused(r) => {
                 let mut end = r.message.len().min(MAX_MESSAGE);
@@ -232,6 +237,8 @@ pub fn decode_server_hello(buf: &mut BytesMut) -> Result<Option<ServerHello>, Wi
             MAX_IN_FLIGHT_LIMIT.into(),
         )?;
         let max_batch = check_limit("read batch limit", body.u32()?, 1, MAX_BATCH_LIMIT.into())?;
+        // Appended in a later revision: absent from older servers.
+        let instance = if body.len() >= 8 { body.u64()? } else { 0 };
         // Later minor revisions may append fields: the rest of the body is ignored.
         Ok(Some(ServerHello::Accepted(ServerInfo {
             version,
@@ -240,6 +247,7 @@ pub fn decode_server_hello(buf: &mut BytesMut) -> Result<Option<ServerHello>, Wi
             max_frame,
             max_in_flight,
             max_batch,
+            instance,
         })))
     } else {
         let mut body = Body::new(hello, "server hello");
@@ -275,6 +283,21 @@ mod tests {
             max_frame: 1 << 20,
             max_in_flight: 64,
             max_batch: 16,
+            instance: 0x1234_5678_9abc_def0,
+        }
+    }
+
+    #[test]
+    fn a_hello_without_an_instance_reads_as_instance_0() {
+        // A server of the first revision: the body ends after the batch limit.
+        let mut wire = BytesMut::new();
+        ServerHello::Accepted(info()).encode(&mut wire);
+        let body_len = u32::from_be_bytes(wire[12..16].try_into().unwrap());
+        wire[12..16].copy_from_slice(&(body_len - 8).to_be_bytes());
+        wire.truncate(wire.len() - 8);
+        match decode_server_hello(&mut wire).unwrap() {
+            Some(ServerHello::Accepted(i)) => assert_eq!(i.instance, 0),
+            other => panic!("{other:?}"),
         }
     }
 

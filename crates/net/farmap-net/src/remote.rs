@@ -15,6 +15,7 @@
 //! - After a reconnect the server must serve the same region (geometry and read-only flag);
 //!   a server that now serves another region is not used.
 
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -28,6 +29,7 @@ use farmap_wire::{
     MAX_RUN_LIMIT,
 };
 use futures::future::try_join_all;
+use parking_lot::Mutex;
 use tokio::time::Instant;
 
 use crate::addr::RemoteAddr;
@@ -81,6 +83,46 @@ struct Dialer {
     tls: Option<TlsSetup>,
     connect_timeout: Duration,
     info: ServerInfo,
+    restarts: Arc<Restarts>,
+}
+
+/// What a server's restart may have cost this client.
+#[derive(Debug, Default)]
+struct Restarts {
+    /// The server instance last connected to (0: one that does not say).
+    instance: AtomicU64,
+    /// Writes and trims acknowledged, counted.
+    writes: AtomicU64,
+    /// Set when a restart lost acknowledged writes: every later request fails.
+    lost: Mutex<Option<StoreError>>,
+}
+
+impl Restarts {
+    /// Notes the instance of a new connection. A server whose store keeps nothing across a
+    /// restart (no durable flush: `memory:`) that restarted after this client wrote to it
+    /// has lost those writes: the store fails from now on, rather than read zeros for them.
+    /// (A restarted server over a file keeps what it acknowledged: a process that dies leaves
+    /// its writes in the kernel's page cache.)
+    fn connected(&self, addr: &RemoteAddr, info: &ServerInfo) {
+        let was = self.instance.swap(info.instance, Ordering::SeqCst);
+        if was == 0 || info.instance == 0 || was == info.instance {
+            return;
+        }
+        let volatile = !info.region.caps.contains(Caps::FLUSH);
+        if !volatile || self.writes.load(Ordering::SeqCst) == 0 {
+            return;
+        }
+        self.lost.lock().get_or_insert_with(|| {
+            StoreError::new(
+                ErrorKind::Corrupt,
+                format!(
+                    "the server at {addr} restarted, and its store keeps nothing across a \
+                     restart: what this client wrote to it is gone; this store refuses every \
+                     request from now on"
+                ),
+            )
+        });
+    }
 }
 
 impl Dialer {
@@ -114,7 +156,10 @@ impl Dial for Dialer {
         Box::pin(async move {
             let c = open(&self.addr, self.tls.as_ref(), self.connect_timeout).await?;
             match self.check_same(&c) {
-                Ok(()) => Ok(c),
+                Ok(()) => {
+                    self.restarts.connected(&self.addr, c.info());
+                    Ok(c)
+                }
                 Err(e) => {
                     c.fail("it serves another region");
                     Err(e)
@@ -147,6 +192,7 @@ struct Client {
     opts: ClientOptions,
     info: ServerInfo,
     links: Arc<Pool<Dialer>>,
+    restarts: Arc<Restarts>,
 }
 
 /// A region served by a farmap server (`farmap serve`), used as a [`Store`].
@@ -189,11 +235,14 @@ impl RemoteStore {
         let n = opts.connections.max(1);
         let mut initial = vec![Some(first.clone())];
         initial.resize(n, None);
+        let restarts = Arc::new(Restarts::default());
+        restarts.connected(&addr, first.info());
         let dialer = Dialer {
             addr: addr.clone(),
             tls,
             connect_timeout: opts.connect_timeout,
             info: *first.info(),
+            restarts: restarts.clone(),
         };
         let links = Pool::start(
             dialer,
@@ -208,6 +257,7 @@ impl RemoteStore {
             addr,
             opts,
             links,
+            restarts,
         });
         Ok(RemoteStore { pool })
     }
@@ -376,6 +426,23 @@ impl Drop for RemoteStore {
 
 impl Client {
     /// One request with the request deadline; error replies become errors.
+    /// Fails once a server restart may have lost acknowledged writes ([`Restarts`]).
+    fn check_not_lost(&self) -> StoreResult<()> {
+        match &*self.restarts.lost.lock() {
+            Some(e) => Err(e.to_owned_lossy()),
+            None => Ok(()),
+        }
+    }
+
+    /// An open connection: checked after it is had, since a restart is noticed when the
+    /// connection that shows it is made.
+    async fn link(&self, deadline: Instant) -> StoreResult<Arc<Conn>> {
+        self.check_not_lost()?;
+        let conn = self.links.get(deadline).await?;
+        self.check_not_lost()?;
+        Ok(conn)
+    }
+
     async fn call(&self, msg: Message) -> StoreResult<Message> {
         let timeout = self.opts.request_timeout;
         let deadline = Instant::now() + timeout;
@@ -387,11 +454,11 @@ impl Client {
             Message::Read(_) | Message::ReadRun { .. } | Message::Status(_) | Message::Geometry
         )
         .then(|| msg.clone());
-        let conn = self.links.get(deadline).await?;
+        let conn = self.link(deadline).await?;
         let mut reply = tokio::time::timeout_at(deadline, conn.call(msg)).await;
         if let (Ok(Err(e)), Some(again)) = (&reply, resend) {
             if e.kind() == ErrorKind::Unavailable {
-                let conn = self.links.get(deadline).await?;
+                let conn = self.link(deadline).await?;
                 reply = tokio::time::timeout_at(deadline, conn.call(again)).await;
             }
         }
@@ -450,7 +517,9 @@ impl Store for RemoteStore {
             } else {
                 Payload::Data(data)
             };
-            self.done("write", Message::Write { idx, data }).await
+            self.done("write", Message::Write { idx, data }).await?;
+            self.pool.restarts.writes.fetch_add(1, Ordering::SeqCst);
+            Ok(())
         })
     }
 
@@ -461,7 +530,9 @@ impl Store for RemoteStore {
     fn trim(&self, range: ChunkRange) -> BoxFuture<'_, StoreResult<()>> {
         Box::pin(async move {
             self.pool.info.region.geometry.check_range(range)?;
-            self.done("trim", Message::Trim(range)).await
+            self.done("trim", Message::Trim(range)).await?;
+            self.pool.restarts.writes.fetch_add(1, Ordering::SeqCst);
+            Ok(())
         })
     }
 

@@ -279,6 +279,8 @@ pub fn serve_with_runs(
         max_frame: opts.max_frame,
         max_in_flight: opts.max_in_flight_per_conn as u32,
         max_batch: opts.max_batch,
+        // Never 0 (0 means "not said").
+        instance: rand::random::<u64>() | 1,
     };
     let starting = Starting::new();
     let shutdown = starting.shutdown.clone();

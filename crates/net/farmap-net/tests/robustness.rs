@@ -168,6 +168,7 @@ fn accepted() -> ServerHello {
         max_frame: 1 << 20,
         max_in_flight: 8,
         max_batch: 8,
+        instance: 1,
     })
 }
 
@@ -284,7 +285,20 @@ async fn wrong_addresses_are_one_clear_sentence() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_client_reconnects_after_the_server_restarts() {
-    let store: Arc<dyn Store> = Arc::new(MemoryStore::new(geometry()));
+    // A store that keeps what it acknowledged across the restart (a restarted `memory:`
+    // server loses it, which the client reports: see restart.rs).
+    let dir = tempfile::tempdir().unwrap();
+    let store: Arc<dyn Store> = Arc::new(
+        farmap_store::FileStore::open(
+            &dir.path().join("region.img"),
+            farmap_store::FileOptions {
+                size: Some(geometry().size()),
+                chunk_size: 4096,
+                read_only: false,
+            },
+        )
+        .unwrap(),
+    );
     let server = start(store.clone(), "127.0.0.1:0", quiet()).await;
     let addr = server.local_addr().to_string();
     let opts = ClientOptions {
