@@ -410,7 +410,13 @@ async fn transmission(
             () = raised(&mut broken_rx) => {}
         }
     });
+    // Requests that wait on the store run as tasks of this connection: cancelled when the
+    // client goes away (or breaks the protocol), dropped with the connection.
+    let mut tasks = tokio::task::JoinSet::new();
+    // Whether the client closed its side or the connection failed: nobody reads replies.
+    let mut gone = false;
     let result: Result<(), ConnError> = 'conn: loop {
+        while tasks.try_join_next().is_some() {}
         // Start every complete request in the buffer.
         loop {
             let incoming = match decoder.decode(&mut buf) {
@@ -482,7 +488,7 @@ async fn transmission(
                     budget.clone(),
                     Some(permit),
                 );
-                tokio::spawn(async move {
+                tasks.spawn(async move {
                     task.await;
                     drop(slot);
                 });
@@ -505,7 +511,7 @@ async fn transmission(
                 Poll::Pending => {
                     let replies = replies.clone();
                     let peer = peer.to_owned();
-                    tokio::spawn(async move {
+                    tasks.spawn(async move {
                         let mut reply = job.await;
                         if let Err(e) = replies.send(&mut reply, Some(permit)).await {
                             if !is_clean_close(&e) {
@@ -557,10 +563,19 @@ async fn transmission(
         let mut room = (&mut buf).limit(limit);
         tokio::select! {
             r = rd.read_buf(&mut room) => match r {
-                Ok(0) => break 'conn Ok(()),
+                Ok(0) => {
+                    gone = true;
+                    break 'conn Ok(());
+                }
                 Ok(_) => last_input = Instant::now(),
-                Err(e) if is_clean_close(&e) => break 'conn Ok(()),
-                Err(e) => break 'conn Err(e.into()),
+                Err(e) if is_clean_close(&e) => {
+                    gone = true;
+                    break 'conn Ok(());
+                }
+                Err(e) => {
+                    gone = true;
+                    break 'conn Err(e.into());
+                }
             },
             () = &mut idle => {
                 let busy = in_flight.available_permits() < max_in_flight;
@@ -573,8 +588,13 @@ async fn transmission(
             () = &mut stop => break 'conn Ok(()),
         }
     };
-    // Whatever the reader answered is sent; requests in flight finish and are answered;
-    // then the writer closes the write side.
+    // A client that left (or broke the protocol) waits for nothing: its requests still in
+    // flight are cancelled. Otherwise (it disconnected, or the server stops) whatever the
+    // reader answered is sent and requests in flight finish and are answered; then the
+    // writer closes the write side.
+    if gone || result.is_err() {
+        tasks.abort_all();
+    }
     let flushed = batch.send(&replies).await;
     drop(replies);
     let written = match writer.await {

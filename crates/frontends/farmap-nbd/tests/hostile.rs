@@ -616,3 +616,94 @@ async fn an_export_announces_only_what_its_store_does() {
     assert_eq!(f & want, want, "{f:#x}");
     server.shutdown().await.unwrap();
 }
+
+/// A store whose reads never finish; counts the reads dropped (cancelled).
+#[derive(Debug)]
+struct Stuck {
+    g: farmap_core::Geometry,
+    dropped: std::sync::Arc<std::sync::atomic::AtomicUsize>,
+}
+
+struct CountDrop(std::sync::Arc<std::sync::atomic::AtomicUsize>);
+
+impl Drop for CountDrop {
+    fn drop(&mut self) {
+        self.0.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+    }
+}
+
+impl Store for Stuck {
+    fn geometry(&self) -> farmap_core::Geometry {
+        self.g
+    }
+    fn caps(&self) -> farmap_core::Caps {
+        farmap_core::Caps::PARALLEL
+    }
+    fn read(
+        &self,
+        _idx: farmap_core::ChunkIdx,
+    ) -> farmap_core::BoxFuture<'_, farmap_core::StoreResult<Bytes>> {
+        let guard = CountDrop(self.dropped.clone());
+        Box::pin(async move {
+            let _guard = guard;
+            std::future::pending().await
+        })
+    }
+    fn write(
+        &self,
+        _idx: farmap_core::ChunkIdx,
+        _data: Bytes,
+    ) -> farmap_core::BoxFuture<'_, farmap_core::StoreResult<()>> {
+        Box::pin(async { Err(farmap_core::StoreError::invalid("read-only")) })
+    }
+    fn flush(&self) -> farmap_core::BoxFuture<'_, farmap_core::StoreResult<()>> {
+        Box::pin(async { Ok(()) })
+    }
+    fn trim(
+        &self,
+        _range: farmap_core::ChunkRange,
+    ) -> farmap_core::BoxFuture<'_, farmap_core::StoreResult<()>> {
+        Box::pin(async { Err(farmap_core::StoreError::invalid("read-only")) })
+    }
+    fn status(
+        &self,
+        _idx: farmap_core::ChunkIdx,
+    ) -> farmap_core::BoxFuture<'_, farmap_core::StoreResult<farmap_core::ChunkStatus>> {
+        Box::pin(async { Ok(farmap_core::ChunkStatus::Unknown) })
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_requests_of_a_client_that_leaves_are_cancelled() {
+    let dropped = std::sync::Arc::new(std::sync::atomic::AtomicUsize::new(0));
+    let store = std::sync::Arc::new(Stuck {
+        g: farmap_core::Geometry::new(1 << 20, 4096).unwrap(),
+        dropped: dropped.clone(),
+    });
+    let mut e = export("", store);
+    e.read_only = true;
+    let server = start(vec![e], quiet()).await;
+    let mut c = Raw::connect(tcp(&server), "", true).await;
+    for i in 0..3u64 {
+        c.send(req(Command::Read, i, i * 4096, 4096), &[]).await;
+    }
+    tokio::time::sleep(Duration::from_millis(100)).await;
+    assert_eq!(
+        dropped.load(std::sync::atomic::Ordering::SeqCst),
+        0,
+        "the reads wait"
+    );
+    drop(c);
+    let start = std::time::Instant::now();
+    while dropped.load(std::sync::atomic::Ordering::SeqCst) < 3 {
+        assert!(
+            start.elapsed() < Duration::from_secs(5),
+            "the reads of a client that left were not cancelled ({} of 3)",
+            dropped.load(std::sync::atomic::Ordering::SeqCst)
+        );
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    let t = std::time::Instant::now();
+    server.shutdown().await.unwrap();
+    assert!(t.elapsed() < Duration::from_secs(5), "{:?}", t.elapsed());
+}
