@@ -18,6 +18,9 @@ use tokio::sync::RwLock;
 
 /// No tier holds the chunk: it was never written (or was trimmed), and reads as zeros.
 const UNPLACED: u8 = u8::MAX;
+/// A chunk whose only copy was in a tier that did not outlive the process that wrote it
+/// (see [`TierOptions::lost_on_restart`]): read as an error until it is written again.
+const LOST: u8 = u8::MAX - 1;
 
 /// Most tiers (the placement map keeps a tier's index in one byte, 255 meaning none).
 pub const MAX_TIERS: usize = 16;
@@ -52,6 +55,10 @@ pub struct TierOptions {
     pub high_water: u8,
     /// See [`high_water`](Self::high_water).
     pub low_water: u8,
+    /// The tiers whose content does not outlive this process (a `memory:` tier): a chunk the
+    /// placement map read at open puts in one of them is lost, and reads as an error (never
+    /// as zeros) until it is written again.
+    pub lost_on_restart: Vec<usize>,
 }
 
 impl Default for TierOptions {
@@ -62,6 +69,7 @@ impl Default for TierOptions {
             demote_every: Some(Duration::from_secs(1)),
             high_water: 90,
             low_water: 80,
+            lost_on_restart: Vec::new(),
         }
     }
 }
@@ -153,8 +161,13 @@ impl Tiered {
         if let Some(path) = &opts.map {
             if let Some(map) = read_map(path, geometry.chunk_count(), tiers.len())? {
                 for (slot, &t) in placement.iter().zip(map.iter()) {
+                    let t = if opts.lost_on_restart.contains(&usize::from(t)) {
+                        LOST
+                    } else {
+                        t
+                    };
                     slot.store(t, Ordering::Relaxed);
-                    if t != UNPLACED {
+                    if t != UNPLACED && t != LOST {
                         used[usize::from(t)].fetch_add(1, Ordering::Relaxed);
                     }
                 }
@@ -223,7 +236,26 @@ async fn demote_in_background(shared: Weak<Shared>, every: Duration) {
 impl Shared {
     fn tier_of(&self, idx: ChunkIdx) -> Option<usize> {
         let t = self.placement.get(idx.as_usize())?.load(Ordering::Acquire);
-        (t != UNPLACED).then_some(usize::from(t))
+        (t != UNPLACED && t != LOST).then_some(usize::from(t))
+    }
+
+    /// Fails for a chunk whose only copy was lost with a tier that did not outlive the
+    /// process that wrote it.
+    fn check_not_lost(&self, idx: ChunkIdx) -> StoreResult<()> {
+        match self
+            .placement
+            .get(idx.as_usize())
+            .map(|p| p.load(Ordering::Acquire))
+        {
+            Some(LOST) => Err(StoreError::new(
+                ErrorKind::Corrupt,
+                format!(
+                    "{idx} was last written to a tier that does not outlive its process \
+                     (memory:), and that process ended: its data is lost (write it again)"
+                ),
+            )),
+            _ => Ok(()),
+        }
     }
 
     fn stripe(&self, idx: ChunkIdx) -> &RwLock<()> {
@@ -263,6 +295,7 @@ impl Shared {
         self.geometry.check_idx(idx)?;
         let _g = self.stripe(idx).read().await;
         self.touch(idx);
+        self.check_not_lost(idx)?;
         match self.tier_of(idx) {
             Some(t) => self.tiers[t].store.read(idx).await,
             None => Ok(farmap_core::zero_chunk(self.geometry.chunk_len(idx))),
@@ -298,6 +331,9 @@ impl Shared {
                 self.tiers[t].store.trim(ChunkRange::single(idx)).await?;
                 self.set_placement(idx, UNPLACED);
                 self.used[t].fetch_sub(1, Ordering::AcqRel);
+            } else if self.check_not_lost(idx).is_err() {
+                // Trimmed: zeros from now on, which is what was asked.
+                self.set_placement(idx, UNPLACED);
             }
         }
         Ok(())
@@ -440,7 +476,7 @@ fn read_map(path: &Path, chunks: u64, tiers: usize) -> StoreResult<Option<Vec<u8
     }
     if let Some(p) = map
         .iter()
-        .position(|&b| b != UNPLACED && usize::from(b) >= tiers)
+        .position(|&b| b != UNPLACED && b != LOST && usize::from(b) >= tiers)
     {
         return Err(bad(format!("chunk {p} is placed in tier {}", map[p])));
     }
@@ -512,6 +548,9 @@ impl Store for Tiered {
         Box::pin(async move {
             self.shared.geometry.check_idx(idx)?;
             let _g = self.shared.stripe(idx).read().await;
+            if self.shared.check_not_lost(idx).is_err() {
+                return Ok(ChunkStatus::Unknown);
+            }
             match self.shared.tier_of(idx) {
                 Some(t) => self.shared.tiers[t].store.status(idx).await,
                 None => Ok(ChunkStatus::Zero),

@@ -215,7 +215,11 @@ pub fn map_path(t: &TierSpec) -> Option<PathBuf> {
 /// Opens every tier, then the tiered store over them.
 async fn open(spec: &StoreSpec, t: &TierSpec) -> Result<Arc<dyn Store>, OpenError> {
     let mut tiers = Vec::new();
-    for (inner, cap) in &t.tiers {
+    let mut lost_on_restart = Vec::new();
+    for (i, (inner, cap)) in t.tiers.iter().enumerate() {
+        if matches!(inner.kind, SpecKind::Memory) {
+            lost_on_restart.push(i);
+        }
         let store = Box::pin(open_store_async(inner)).await?;
         let g = store.geometry();
         let capacity = match cap {
@@ -231,6 +235,7 @@ async fn open(spec: &StoreSpec, t: &TierSpec) -> Result<Arc<dyn Store>, OpenErro
             Some(d) => Some(d),
             None => TierOptions::default().demote_every,
         },
+        lost_on_restart,
         ..TierOptions::default()
     };
     let store = Tiered::open(tiers, opts).map_err(store_error(spec))?;
