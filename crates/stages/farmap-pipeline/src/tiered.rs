@@ -766,6 +766,7 @@ mod tests {
                 demote_every: None,
                 high_water: 50,
                 low_water: 25,
+                lost_on_restart: Vec::new(),
             };
             Tiered::open(tiers, opts).unwrap()
         };
