@@ -187,28 +187,6 @@ fn attack_bytes(requests: u64) -> Vec<u8> {
     out.to_vec()
 }
 
-/// Writes `bytes` to `s` until done or `stop`; returns the bytes written. Never reads.
-fn pipeline_without_reading(mut s: TcpStream, bytes: &[u8], stop: &AtomicBool, sent: &AtomicU64) {
-    s.set_write_timeout(Some(Duration::from_millis(100)))
-        .unwrap();
-    let mut at = 0;
-    while at < bytes.len() && !stop.load(Ordering::Relaxed) {
-        match s.write(&bytes[at..]) {
-            Ok(0) => break,
-            Ok(n) => {
-                at += n;
-                sent.fetch_add(n as u64, Ordering::Relaxed);
-            }
-            Err(e) if matches!(e.kind(), ErrorKind::WouldBlock | ErrorKind::TimedOut) => {}
-            Err(_) => break,
-        }
-    }
-    // Keep the connection open (and unread) until told to stop.
-    while !stop.load(Ordering::Relaxed) {
-        std::thread::sleep(Duration::from_millis(50));
-    }
-}
-
 /// `attackers` clients pipeline reads of ~16 MiB and never read the replies, for 8 s, while
 /// a good client reads: the server (started with `args`) stays up, under `budget` bytes
 /// of VmRSS, and serves the good client.
@@ -226,7 +204,9 @@ fn attacked_by_non_readers(attackers: usize, args: &[&str], budget: u64) {
         .map(|_| {
             let s = session(addr);
             let (attack, stop, sent) = (attack.clone(), stop.clone(), sent.clone());
-            std::thread::spawn(move || pipeline_without_reading(s, &attack, &stop, &sent))
+            std::thread::spawn(move || {
+                farmap_testkit::process::pipeline_without_reading(s, &attack, &stop, &sent)
+            })
         })
         .collect();
     let start = Instant::now();
@@ -473,7 +453,9 @@ fn many_half_sent_large_frames_do_not_grow_the_server() {
         .map(|_| {
             let s = session(addr);
             let (frame, stop, sent) = (frame.clone(), stop.clone(), sent.clone());
-            std::thread::spawn(move || pipeline_without_reading(s, &frame, &stop, &sent))
+            std::thread::spawn(move || {
+                farmap_testkit::process::pipeline_without_reading(s, &frame, &stop, &sent)
+            })
         })
         .collect();
     let start = Instant::now();

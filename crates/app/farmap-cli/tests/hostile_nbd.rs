@@ -5,7 +5,7 @@
 //! meanwhile (its rate alone and under attack are printed), and SIGTERM stops it within
 //! seconds.
 
-use std::io::{ErrorKind, Read, Write};
+use std::io::{Read, Write};
 use std::net::{SocketAddr, TcpStream};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::Arc;
@@ -46,28 +46,6 @@ fn request(out: &mut Vec<u8>, command: u16, cookie: u64, offset: u64, length: u3
     out.extend_from_slice(&cookie.to_be_bytes());
     out.extend_from_slice(&offset.to_be_bytes());
     out.extend_from_slice(&length.to_be_bytes());
-}
-
-/// Writes `bytes` to `s` until done or `stop`, never reading; then holds the connection
-/// open (unread) until `stop`.
-fn pipeline_without_reading(mut s: TcpStream, bytes: &[u8], stop: &AtomicBool, sent: &AtomicU64) {
-    s.set_write_timeout(Some(Duration::from_millis(100)))
-        .unwrap();
-    let mut at = 0;
-    while at < bytes.len() && !stop.load(Ordering::Relaxed) {
-        match s.write(&bytes[at..]) {
-            Ok(0) => break,
-            Ok(n) => {
-                at += n;
-                sent.fetch_add(n as u64, Ordering::Relaxed);
-            }
-            Err(e) if matches!(e.kind(), ErrorKind::WouldBlock | ErrorKind::TimedOut) => {}
-            Err(_) => break,
-        }
-    }
-    while !stop.load(Ordering::Relaxed) {
-        std::thread::sleep(Duration::from_millis(50));
-    }
 }
 
 fn pattern(offset: u64) -> u8 {
@@ -153,7 +131,9 @@ fn cache_requests_and_tiny_reads_never_read_keep_the_nbd_server_in_its_budget() 
         .zip(sessions)
         .map(|(bytes, s)| {
             let (bytes, stop, sent) = ((*bytes).clone(), stop.clone(), sent.clone());
-            std::thread::spawn(move || pipeline_without_reading(s, &bytes, &stop, &sent))
+            std::thread::spawn(move || {
+                farmap_testkit::process::pipeline_without_reading(s, &bytes, &stop, &sent)
+            })
         })
         .collect();
 

@@ -629,8 +629,8 @@ async fn zero_data_plane() -> (Server, u16) {
     (server, port)
 }
 
-/// A fake seeder's side of a migration with nothing dirty, up to the leecher's `Resumed`.
-async fn through_hand_over(s: &mut TcpStream, port: u16) {
+/// A fake seeder's side of a migration with nothing dirty, up to the leecher's `Finalize`.
+async fn through_finalize(s: &mut TcpStream, port: u16) {
     assert_eq!(
         read_msg(s).await.unwrap(),
         Msg::Hello {
@@ -646,6 +646,11 @@ async fn through_hand_over(s: &mut TcpStream, port: u16) {
     };
     write_msg(s, &empty).await;
     assert_eq!(read_msg(s).await.unwrap(), Msg::Finalize);
+}
+
+/// A fake seeder's side of a migration with nothing dirty, up to the leecher's `Resumed`.
+async fn through_hand_over(s: &mut TcpStream, port: u16) {
+    through_finalize(s, port).await;
     let h = Msg::HandOver {
         runs: vec![],
         app_state: Bytes::new(),
@@ -667,24 +672,7 @@ async fn a_seeder_silent_after_finalize_fails_the_leecher_within_its_deadline() 
         // The first connection goes as far as Finalize, then says nothing and stays open
         // (a seeder that hangs, or a half-open connection).
         let (mut s, _) = l.accept().await.unwrap();
-        assert_eq!(
-            read_msg(&mut s).await.unwrap(),
-            Msg::Hello {
-                session: 0,
-                mode: Mode::Precopy
-            }
-        );
-        write_msg(&mut s, &welcome(PAGE, port)).await;
-        assert_eq!(
-            read_msg(&mut s).await.unwrap(),
-            Msg::DirtyRequest { round: 1 }
-        );
-        let empty = Msg::Dirty {
-            round: 1,
-            runs: vec![],
-        };
-        write_msg(&mut s, &empty).await;
-        assert_eq!(read_msg(&mut s).await.unwrap(), Msg::Finalize);
+        through_finalize(&mut s, port).await;
         let mut held = vec![s];
         // Later connections are accepted and never answered.
         loop {

@@ -245,3 +245,36 @@ pub fn rss_bytes(pid: u32) -> u64 {
         .expect("VmRSS in /proc/PID/status");
     kb * 1024
 }
+
+/// A hostile client's writer: writes `bytes` to `s` until done or `stop`, never reading the
+/// replies, counting what it sent in `sent`; then keeps the connection open (and unread)
+/// until `stop`.
+pub fn pipeline_without_reading(
+    mut s: std::net::TcpStream,
+    bytes: &[u8],
+    stop: &std::sync::atomic::AtomicBool,
+    sent: &std::sync::atomic::AtomicU64,
+) {
+    use std::sync::atomic::Ordering;
+    s.set_write_timeout(Some(Duration::from_millis(100)))
+        .expect("a write timeout");
+    let mut at = 0;
+    while at < bytes.len() && !stop.load(Ordering::Relaxed) {
+        match s.write(&bytes[at..]) {
+            Ok(0) => break,
+            Ok(n) => {
+                at += n;
+                sent.fetch_add(n as u64, Ordering::Relaxed);
+            }
+            Err(e)
+                if matches!(
+                    e.kind(),
+                    std::io::ErrorKind::WouldBlock | std::io::ErrorKind::TimedOut
+                ) => {}
+            Err(_) => break,
+        }
+    }
+    while !stop.load(Ordering::Relaxed) {
+        std::thread::sleep(Duration::from_millis(50));
+    }
+}
