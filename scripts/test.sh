@@ -15,7 +15,7 @@ step() { printf '\n=== %s\n' "$*" >&2; }
 # --- what the tests need from the machine ------------------------------------------------
 # Debian packages the suite uses; installed only when missing (apt-get needs root).
 # util-linux: setpriv, to run farmap as `nobody` (cli.rs: permission_errors_name_the_path).
-# g++: libfuzzer-sys's build script compiles libFuzzer for the fuzz crate's check.
+# g++: libfuzzer-sys's build script compiles libFuzzer for scripts/fuzz.sh.
 # qemu-system-x86 ... e2fsprogs: the kernel NBD/ublk tests' VM (scripts/vm/run.sh);
 # libclang-dev: bindgen for libublk's sys crate.
 # nbdkit libnbd-bin qemu-utils fio fuse3: real NBD peers (farmap-nbd's interop tests, bench nbd).
@@ -60,12 +60,13 @@ cargo check --locked -p farmap-cli --no-default-features --quiet
 step "cargo doc (warnings are errors)"
 RUSTDOCFLAGS="-D warnings" cargo doc --locked --workspace --no-deps --quiet
 
-# The fuzz targets are checked, not run: running libFuzzer needs a nightly toolchain and
-# sanitizer flags (`cargo fuzz run`), which this machine cannot download. Checking on the
-# pinned stable toolchain keeps every target compiling against the decoders it fuzzes;
-# each decoder is also fed random bytes by a proptest in its crate's tests.
-step "cargo check of the fuzz targets (fuzz/)"
-cargo check --locked --manifest-path fuzz/Cargo.toml --bins
+# The fuzz targets run for real: libFuzzer, coverage-guided, built on the pinned stable
+# toolchain with the SanitizerCoverage flags `cargo fuzz` uses (scripts/fuzz.sh says how),
+# 20 s each from the committed corpus, two at a time. A crash fails the suite, after the
+# tests have run; its input is under fuzz/artifacts/<target>/.
+step "fuzz: every target for 20 s (scripts/fuzz.sh)"
+fuzz_status=0
+scripts/fuzz.sh 20 || fuzz_status=1
 
 # --- tests ---------------------------------------------------------------------------------
 step "cargo test"
@@ -97,5 +98,9 @@ fi
 if ((status)); then
   grep -E '^(test .* FAILED|failures:$|    [a-z_:]+$)' "$log" >&2 || true
   echo "some tests failed (see above)" >&2
+fi
+if ((fuzz_status)); then
+  echo "the fuzz run failed (see the fuzz step above)" >&2
+  status=1
 fi
 exit "$status"

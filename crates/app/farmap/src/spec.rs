@@ -482,6 +482,10 @@ mod tests {
             ("verified:(memory:1MiB", "not closed"),
             ("verified:(memory:1MiB)x", "options go after"),
             ("verified:(memory:1MiB)?size=1G", "unknown option \"size\""),
+            // An empty option name panicked (found by the store_spec fuzz target).
+            ("verified:?=", "unknown option \"\""),
+            ("verified:(memory:1MiB)?=x", "unknown option \"\""),
+            ("mirror:(memory:1MiB)(memory:1MiB)?=", "unknown option \"\""),
             ("verified:(nope:1)", "unknown store scheme"),
             (deep.as_str(), "nest at most"),
         ] {

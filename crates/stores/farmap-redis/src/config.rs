@@ -308,7 +308,8 @@ impl RedisConfig {
     fn parts(&self, password: bool) -> (String, Vec<String>) {
         let creds = match (&self.user, &self.password) {
             (None, None) => String::new(),
-            (Some(u), None) => format!("{u}@"),
+            // `user@` alone would read back as a password (`PASSWORD@` is the old form).
+            (Some(u), None) => format!("{u}:@"),
             (u, Some(p)) => format!(
                 "{}:{}@",
                 u.as_deref().unwrap_or(""),
@@ -410,6 +411,19 @@ mod tests {
         );
         let c = parse("redis", "//:pw@h:1", &[]);
         assert_eq!((c.user, c.password.as_deref()), (None, Some("pw")));
+        // A user without a password prints as `user:@`: `user@` would read back as a
+        // password (found by the store_spec fuzz target in `rediss://n:@bd:00001`).
+        for body in ["//n:@h:1", "//n:@h:1/0"] {
+            let c = parse("rediss", body, &[]);
+            assert_eq!(
+                (c.user.as_deref(), c.password.as_deref()),
+                (Some("n"), None)
+            );
+            let (head, _) = c.display_parts_with_password();
+            assert_eq!(head, "rediss://n:@h:1/0");
+            let again = parse("rediss", head.strip_prefix("rediss:").unwrap(), &[]);
+            assert_eq!((again.user, again.password), (c.user, c.password));
+        }
         let c = parse("rediss", "//h:1/0", &[("ca", "ca.pem"), ("flush", "fsync")]);
         assert_eq!(
             c.target,

@@ -192,7 +192,9 @@ fn parse(scheme: &str, rest: &str, spec: &str, depth: usize) -> Result<StoreSpec
     };
     let mut mirror = MirrorOptions::default();
     for (key, value) in q.into_iter().flat_map(query::pairs) {
-        if !takes.split(", ").any(|k| k == key) {
+        // `"".split(", ")` yields `""`: without the first test, an empty option name
+        // (`verified:?=`) passed for one of `verified:`'s (none) and reached `unreachable!`.
+        if takes.is_empty() || !takes.split(", ").any(|k| k == key) {
             return Err(SpecError::UnknownOption {
                 option: key.to_owned(),
                 spec: spec.to_owned(),
