@@ -207,6 +207,7 @@ fn wire_handshake() -> Vec<Seed> {
         max_frame: 4 << 20,
         max_in_flight: 64,
         max_batch: 16,
+        instance: 1,
     });
     let refused = ServerHello::Refused(Refusal {
         version: farmap_wire::VERSION,
