@@ -26,7 +26,7 @@
 //!   one then covers writes completed on all); requests go round-robin to them.
 //! - A connection that dies (closed by the server, a protocol violation, a request not
 //!   answered within the timeout) fails every request in flight on it with an error naming
-//!   the server and the request. The store's [`Pool`](farmap_net::pool::Pool) opens it again
+//!   the server and the request. The store's [`Pool`] opens it again
 //!   in the background, with backoff; a new connection must show the same export (size and
 //!   flags). While no connection is open and a reconnect has failed, requests fail at once
 //!   with that reconnect's error (a retry stage above decides whether to wait).
