@@ -5,13 +5,14 @@
 #   scripts/fuzz.sh [--keep] [SECONDS] [TARGET...]
 #
 # Each TARGET (default: all) runs for SECONDS (default 30) from its committed corpus
-# fuzz/corpus/<target>/, two at a time on a 2-core machine (FUZZ_JOBS=N to change). New
-# inputs go to a scratch directory that is deleted afterwards; with --keep, those that add
-# coverage are merged into fuzz/corpus/<target>/ (commit them if they are worth keeping).
-# One line per target: executions, executions per second, edges covered, the committed seeds
-# and the corpus at the end, crashes with the path of the input. A crash, hang (10 s) or allocation over
-# 2 GiB is saved under fuzz/artifacts/<target>/ with the run's log (fuzz.log), and the script
-# exits 1. Reproduce one with the printed command (the binary runs the saved input once).
+# fuzz/corpus/<target>/, one per core at a time (FUZZ_JOBS=N to change). New inputs go to a
+# scratch directory that is deleted afterwards; with --keep, those that add coverage are
+# merged into fuzz/corpus/<target>/ (commit them if they are worth keeping).
+# It prints one line per target: executions, executions per second, edges covered, the
+# committed seeds and the corpus at the end, crashes with the path of the input. A crash, a
+# hang (10 s) or an allocation over 2 GiB is saved under fuzz/artifacts/<target>/ beside the
+# run's log (fuzz.log), and the script exits 1. Reproduce one with the printed command (the
+# binary runs a saved input once).
 #
 # How: no nightly and no cargo-fuzz. The targets are plain libfuzzer-sys binaries; cargo
 # builds them with the SanitizerCoverage flags that `cargo fuzz` passes (all stable `-C`
@@ -89,6 +90,7 @@ run_one() {
 }
 
 jobs="${FUZZ_JOBS:-$(nproc)}"
+((jobs <= ${#targets[@]})) || jobs=${#targets[@]}
 echo "fuzz.sh: ${#targets[@]} target(s), ${seconds} s each, $jobs at a time" >&2
 running=0
 for t in "${targets[@]}"; do

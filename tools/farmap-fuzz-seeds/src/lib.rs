@@ -415,6 +415,11 @@ fn store_spec() -> Vec<Seed> {
         // Inputs that crashed the target once (`found-*` seeds need not parse).
         ("found-empty-option", "verified:?="),
         ("found-user-without-password", "rediss://n:@bd:00001"),
+        ("found-demote-nanos", "tier:(memory:6058MiB)?demote=999999.99999995s"),
+        (
+            "found-long-fraction",
+            "dir:&?size=000051650375503757.1540930516503165037550375503755540MiB&",
+        ),
     ]
     .into_iter()
     .map(|(name, text)| Seed::new("store_spec", name, text.as_bytes()))

@@ -55,6 +55,9 @@ pub fn parse_size(input: &str) -> Result<u64, SizeError> {
             int.parse().map_err(|_| err("number too large"))?
         };
         // Exact decimal fraction of the unit, refusing anything that is not a whole byte.
+        // Trailing zeros change nothing (`1.50GiB`); past them, a fraction too long for its
+        // product with the unit to fit a u128 is refused (it overflowed before).
+        let frac = frac.trim_end_matches('0');
         let digits = u32::try_from(frac.len()).map_err(|_| err("too many decimals"))?;
         let denom = 10u128
             .checked_pow(digits)
@@ -64,7 +67,9 @@ pub fn parse_size(input: &str) -> Result<u64, SizeError> {
         } else {
             frac.parse().map_err(|_| err("malformed number"))?
         };
-        let frac_bytes = frac_v * u128::from(unit);
+        let frac_bytes = frac_v
+            .checked_mul(u128::from(unit))
+            .ok_or_else(|| err("too many decimals"))?;
         if !frac_bytes.is_multiple_of(denom) {
             return Err(err("not a whole number of bytes"));
         }
@@ -143,9 +148,19 @@ mod tests {
             "0.3B",
             "99999999999999999999",
             "16777216TiB",
+            // 34 decimals times 2^20 overflowed a u128 (found by the store_spec fuzz target).
+            "0.1540930516503165037550375503755540MiB",
+            "1.0000000000000000000000000000000000000000001PiB",
         ] {
             assert!(parse_size(bad).is_err(), "{bad} should be refused");
         }
+        // Trailing zeros are not decimals that count.
+        assert_eq!(
+            parse_size("1.50000000000000000000000000000000000000000GiB").unwrap(),
+            3 << 29
+        );
+        assert_eq!(parse_size("0.000KiB").unwrap(), 0);
+        assert_eq!(parse_size("2.KiB").unwrap(), 2048);
     }
 
     #[test]

@@ -13,7 +13,7 @@ use std::fmt::Write as _;
 use std::path::PathBuf;
 use std::sync::Arc;
 
-use farmap_core::{format_size, query, BoxFuture, Store};
+use farmap_core::{format_duration, format_size, query, BoxFuture, Store};
 use farmap_pipeline::{Tier, TierOptions, Tiered};
 
 use super::model::{store_error, OpenError, SpecError, SpecKind, StoreSpec, TierSpec};
@@ -194,7 +194,7 @@ fn render(t: &TierSpec, secrets: bool) -> (String, Vec<String>) {
         opts.push(format!("map={}", m.display()));
     }
     if let Some(d) = t.demote {
-        opts.push(format!("demote={}ms", d.as_millis()));
+        opts.push(format!("demote={}", format_duration(d)));
     }
     (head, opts)
 }
@@ -273,6 +273,24 @@ mod tests {
         assert_eq!(t.demote, Some(Duration::from_secs(5)));
         assert_eq!(t.map, Some(PathBuf::from("/m")));
         assert_eq!(spec.to_string().parse::<StoreSpec>().unwrap(), spec);
+        // `demote=` prints exactly: in whole milliseconds, `1.00000005s` read back as 1s
+        // (found by the store_spec fuzz target).
+        for (text, shown) in [
+            (
+                "tier:(memory:1MiB)?demote=1.00000005s",
+                "demote=1000000050ns",
+            ),
+            ("tier:(memory:1MiB)?demote=5s", "demote=5s"),
+            ("tier:(memory:1MiB)?demote=0s", "demote=0s"),
+        ] {
+            let spec: StoreSpec = text.parse().unwrap();
+            assert!(spec.to_string().ends_with(shown), "{text} -> {spec}");
+            assert_eq!(
+                spec.to_string().parse::<StoreSpec>().unwrap(),
+                spec,
+                "{text}"
+            );
+        }
         for bad in [
             "tier:",
             "tier:(memory:1MiB",
