@@ -26,6 +26,7 @@ fuzz_target!(|data: &[u8]| {
                     (b.version, b.min_version, b.max_version, b.kind)
                 );
             }
+            (ServerHello::Challenge(a), Some(ServerHello::Challenge(b))) => assert_eq!(*a, b),
             (a, b) => panic!("{a:?} re-decoded as {b:?}"),
         }
     }

@@ -227,6 +227,11 @@ fn wire_handshake() -> Vec<Seed> {
         Seed::new("wire_handshake", "client-hello", client.to_vec()),
         Seed::new("wire_handshake", "server-accepted", server(&accepted)),
         Seed::new("wire_handshake", "server-refused", server(&refused)),
+        Seed::new(
+            "wire_handshake",
+            "server-challenge",
+            server(&ServerHello::Challenge([9; farmap_wire::CHALLENGE_LEN])),
+        ),
     ]
 }
 
@@ -237,6 +242,21 @@ fn migrate_msg() -> Vec<Seed> {
     use farmap_migrate::Mode;
 
     let msgs = [
+        (
+            "auth-hello",
+            Msg::AuthHello {
+                session: 0,
+                nonce: [1; 32],
+            },
+        ),
+        (
+            "auth-challenge",
+            Msg::AuthChallenge {
+                nonce: [2; 32],
+                proof: [3; 32],
+            },
+        ),
+        ("auth-proof", Msg::AuthProof { proof: [4; 32] }),
         (
             "hello",
             Msg::Hello {

@@ -753,6 +753,11 @@ async fn migrate_once(
     let steal_before = host_steal();
     let (ltx, lrx) = tokio::sync::oneshot::channel::<(String, String)>();
     let mut ltx = Some(ltx);
+    // A key for this demo's two agents only.
+    let key: String = farmap_net::auth::random_nonce()
+        .iter()
+        .map(|b| format!("{b:02x}"))
+        .collect();
     let seed_req = Request::Seed(SeedRequest {
         listen: "127.0.0.1:0".into(),
         data_listen: "127.0.0.1:0".into(),
@@ -760,6 +765,7 @@ async fn migrate_once(
         reconnect_ms: 30_000,
         pull: args.pull.budget(),
         push_budget_ms: 2000,
+        key: Some(key.clone()),
     });
     let src_agent = src.agent.clone();
     let seeding = tokio::spawn(async move {
@@ -796,6 +802,7 @@ async fn migrate_once(
         pull: args.pull.budget(),
         mode: args.mode,
         store: None,
+        key: Some(key),
     });
     let ui = Ui {
         prefix: "farmap demo: destination",

@@ -30,7 +30,16 @@ THE AGENT:
 
   Ctrl-C before the hand-over abandons the migration: the leecher is told, write
   tracking stops and the source keeps running untouched. After the hand-over the
-  migration finishes (ownership has moved); a second Ctrl-C only stops watching.";
+  migration finishes (ownership has moved); a second Ctrl-C only stops watching.
+
+THE KEY:
+  Seeder and leecher prove to each other that they hold the same secret (HMAC
+  challenges; the secret never travels), so nobody else who reaches the control port
+  can take the migration or read the region's pages. It lives in a key file:
+  --key-file, else $FARMAP_KEY_FILE, else $XDG_CONFIG_HOME/farmap/key, else
+  ~/.config/farmap/key. The first `farmap seed` creates it (a random 256-bit secret,
+  mode 0600); copy it to the destination host (same user, mode 0600). A key file that
+  other users can read is refused. TLS (--tls-*) encrypts the traffic on top.";
 
 fn parse_mode(s: &str) -> Result<farmap_migrate::Mode, String> {
     s.parse()
@@ -64,6 +73,10 @@ pub struct SeedArgs {
     /// Whatever is left is fetched from the source after the hand-over.
     #[arg(long, default_value = "2s", value_parser = parse_duration)]
     push_budget: Duration,
+    /// The migration key file (default: $FARMAP_KEY_FILE, else
+    /// $XDG_CONFIG_HOME/farmap/key, else ~/.config/farmap/key). Created if missing.
+    #[arg(long, value_name = "PATH")]
+    key_file: Option<PathBuf>,
     /// Print the result as one JSON line.
     #[arg(long)]
     json: bool,
@@ -125,6 +138,11 @@ pub struct LeechArgs {
     reconnect_for: Duration,
     #[command(flatten)]
     pull: PullArgs,
+    /// The migration key file (default: $FARMAP_KEY_FILE, else
+    /// $XDG_CONFIG_HOME/farmap/key, else ~/.config/farmap/key). It must hold the
+    /// seeder's secret.
+    #[arg(long, value_name = "PATH")]
+    key_file: Option<PathBuf>,
     /// Print the result as one JSON line.
     #[arg(long)]
     json: bool,
@@ -154,7 +172,30 @@ fn finish(
     }
 }
 
+/// The migration key's secret from `given` or the default key file; a seeder creates the file
+/// when there is none.
+fn key_secret(given: Option<PathBuf>, create: bool) -> anyhow::Result<String> {
+    use farmap_net::auth::{default_key_file, read_or_create_secret, read_secret};
+    let path = match given {
+        Some(p) => p,
+        None => default_key_file()?,
+    };
+    if !create {
+        return Ok(read_secret(&path)?);
+    }
+    let (secret, created) = read_or_create_secret(&path)?;
+    if created {
+        status!(
+            "farmap seed: created the migration key {}: copy it to the destination host \
+             (same user, mode 600)",
+            path.display()
+        );
+    }
+    Ok(secret)
+}
+
 pub async fn seed(args: SeedArgs) -> anyhow::Result<ExitCode> {
+    let key = key_secret(args.key_file, true)?;
     let request = Request::Seed(SeedRequest {
         listen: args.listen.to_string(),
         data_listen: args.data_listen.to_string(),
@@ -166,6 +207,7 @@ pub async fn seed(args: SeedArgs) -> anyhow::Result<ExitCode> {
         reconnect_ms: args.reconnect_wait.as_millis() as u64,
         pull: args.pull.budget(),
         push_budget_ms: args.push_budget.as_millis() as u64,
+        key: Some(key),
     });
     let ui = Ui {
         prefix: "farmap seed",
@@ -185,6 +227,7 @@ pub async fn leech(args: LeechArgs) -> anyhow::Result<ExitCode> {
     if args.store.is_some() && args.mode != farmap_migrate::Mode::Instant {
         bail!("--store names the shared store of an instant migration: add --mode instant");
     }
+    let key = key_secret(args.key_file, false)?;
     let request = Request::Leech(LeechRequest {
         from: args.from.to_string(),
         data: args.data.map(|d| d.to_string()),
@@ -202,6 +245,7 @@ pub async fn leech(args: LeechArgs) -> anyhow::Result<ExitCode> {
         pull: args.pull.budget(),
         mode: args.mode,
         store: args.store,
+        key: Some(key),
     });
     let ui = Ui {
         prefix: "farmap leech",

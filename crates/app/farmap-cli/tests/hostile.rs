@@ -104,6 +104,7 @@ fn try_session(addr: SocketAddr) -> Result<TcpStream, String> {
         match decode_server_hello(&mut buf).map_err(|e| e.to_string())? {
             Some(ServerHello::Accepted(_)) => return Ok(s),
             Some(ServerHello::Refused(r)) => return Err(format!("refused: {}", r.message)),
+            Some(ServerHello::Challenge(_)) => return Err("the server asks for a key".into()),
             None => {}
         }
         let n = s.read(&mut piece).map_err(|e| e.to_string())?;

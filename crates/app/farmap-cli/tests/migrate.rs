@@ -195,6 +195,57 @@ fn seed_and_leech_move_a_live_region_there_and_back() {
 }
 
 #[test]
+fn only_a_leecher_with_the_seeders_key_file_takes_the_region() {
+    if !usable("only_a_leecher_with_the_seeders_key_file_takes_the_region") {
+        return;
+    }
+    use std::os::unix::fs::PermissionsExt;
+    let dir = tempfile::tempdir().unwrap();
+    let size = 8 * MIB;
+    let mut a = App::start(dir.path(), "a", size, 200, true);
+    let mut b = App::start(dir.path(), "b", size, 200, false);
+    let key = dir.path().join("keys/migration.key");
+    let key_arg = key.to_str().unwrap();
+    let (mut seed, control, data) = seed_cmd_with(&a, &["--key-file", key_arg]);
+    seed.stderr_line("created the migration key");
+    let mode = std::fs::metadata(&key).unwrap().permissions().mode();
+    assert_eq!(mode & 0o777, 0o600, "the key file is private");
+
+    // No key file at the destination: a clear error, nothing sent.
+    let other = dir.path().join("other.key");
+    let other_arg = other.to_str().unwrap();
+    let leech = leech_cmd(&b, &control, &data, &["--key-file", other_arg]);
+    let (ok, _, err) = leech.finish();
+    assert!(!ok);
+    assert!(err.contains("no key file at"), "{err}");
+    // Another secret: refused by both sides' proofs; the source runs on.
+    std::fs::write(&other, "a secret that is not the seeder's\n").unwrap();
+    std::fs::set_permissions(&other, std::fs::Permissions::from_mode(0o600)).unwrap();
+    let leech = leech_cmd(&b, &control, &data, &["--key-file", other_arg]);
+    let (ok, _, err) = leech.finish();
+    assert!(!ok);
+    assert!(err.contains("keys differ"), "{err}");
+    // The right secret in a file other users can read: refused before connecting.
+    std::fs::copy(&key, &other).unwrap();
+    std::fs::set_permissions(&other, std::fs::Permissions::from_mode(0o644)).unwrap();
+    let leech = leech_cmd(&b, &control, &data, &["--key-file", other_arg]);
+    let (ok, _, err) = leech.finish();
+    assert!(!ok);
+    assert!(err.contains("can be read by other users"), "{err}");
+    assert!(seed.running(), "the seeder waits for its leecher");
+    let ops = a.verify().expect("the source is intact");
+
+    std::fs::set_permissions(&other, std::fs::Permissions::from_mode(0o600)).unwrap();
+    let leech = leech_cmd(&b, &control, &data, &["--key-file", other_arg]);
+    let (ok, _, err) = leech.finish();
+    assert!(ok, "leech failed: {err}");
+    let (ok, _, err) = seed.finish();
+    assert!(ok, "seed failed: {err}");
+    assert_eq!(a.verify(), None);
+    assert!(b.verify().unwrap() > ops, "verified at the destination");
+}
+
+#[test]
 fn seeder_dying_before_finalize_aborts_the_leecher_and_the_source_runs_on() {
     if !usable("seeder_dying_before_finalize_aborts_the_leecher_and_the_source_runs_on") {
         return;

@@ -101,12 +101,18 @@ impl Features {
     /// Runs of contiguous chunks are read with one request (`READ_RUN`), answered with a
     /// bitmap of zero chunks and the other chunks' bytes in one piece.
     pub const RUN_READS: Features = Features(1 << 1);
-    /// Every feature this version implements.
+    /// Every feature this version implements that a client asks for by default.
     pub const ALL: Features = Features(Features::ZERO_WRITES.0 | Features::RUN_READS.0);
+    /// The client holds a key and answers a server's challenge
+    /// ([`ServerHello::Challenge`](crate::ServerHello::Challenge)); a server that requires a
+    /// key refuses a client without it, and grants it back once the client proved the key.
+    pub const AUTH: Features = Features(1 << 2);
+    /// Every feature this version knows.
+    const KNOWN: Features = Features(Features::ALL.0 | Features::AUTH.0);
 
     /// The features of raw bits, keeping only those this version knows.
     pub fn from_bits(bits: u32) -> Features {
-        Features(bits & Features::ALL.0)
+        Features(bits & Features::KNOWN.0)
     }
 
     /// The raw bits.
@@ -173,7 +179,11 @@ mod tests {
 
     #[test]
     fn features_keep_known_bits() {
-        assert_eq!(Features::from_bits(u32::MAX), Features::ALL);
+        assert_eq!(
+            Features::from_bits(u32::MAX),
+            Features::ALL | Features::AUTH
+        );
+        assert!(!Features::ALL.contains(Features::AUTH));
         assert!(Features::ALL.contains(Features::ZERO_WRITES));
         assert!(Features::ALL.contains(Features::RUN_READS));
         assert!(!Features::ZERO_WRITES.contains(Features::RUN_READS));

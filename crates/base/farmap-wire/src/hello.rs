@@ -27,6 +27,12 @@ pub const MAX_IN_FLIGHT_LIMIT: u32 = 1 << 16;
 
 const STATUS_ACCEPTED: u8 = 1;
 const STATUS_REFUSED: u8 = 2;
+const STATUS_CHALLENGE: u8 = 3;
+/// Bytes of a challenge's nonce, and of the client's answer (an HMAC-SHA256 proof).
+pub const CHALLENGE_LEN: usize = 32;
+/// What a client proves with its answer to a challenge: the label of the HMAC over the
+/// server's nonce (see `farmap_net::auth`).
+pub const CHALLENGE_LABEL: &str = "farmap native protocol v1: client";
 const ACCEPTED_LEN: usize = 4 + 20 + 12;
 const REFUSED_MIN_LEN: usize = 5;
 
@@ -102,6 +108,10 @@ pub enum ServerHello {
     Accepted(ServerInfo),
     /// The server closes the connection after this.
     Refused(Refusal),
+    /// The server requires a key (the client asked with [`Features::AUTH`]): the client
+    /// answers with the [`CHALLENGE_LEN`] bytes of its proof over this nonce, and the server
+    /// then sends its `Accepted` or `Refused` hello.
+    Challenge([u8; CHALLENGE_LEN]),
 }
 
 impl ServerHello {
@@ -135,6 +145,13 @@ impl ServerHello {
                 dst.put_u16(r.max_version);
                 dst.put_u8(kind_to_code(r.kind));
                 dst.put_slice(message);
+            }
+            ServerHello::Challenge(nonce) => {
+                dst.put_u16(VERSION);
+                dst.put_u8(STATUS_CHALLENGE);
+                dst.put_u8(0);
+                dst.put_u32(CHALLENGE_LEN as u32);
+                dst.put_slice(nonce);
             }
         }
     }
@@ -199,7 +216,7 @@ pub fn decode_server_hello(buf: &mut BytesMut) -> Result<Option<ServerHello>, Wi
     if version == 0 {
         return Err(WireError::ZeroVersion);
     }
-    if status != STATUS_ACCEPTED && status != STATUS_REFUSED {
+    if ![STATUS_ACCEPTED, STATUS_REFUSED, STATUS_CHALLENGE].contains(&status) {
         return Err(WireError::BadHelloStatus(status));
     }
     if body_len > MAX_HELLO_BODY {
@@ -215,6 +232,16 @@ pub fn decode_server_hello(buf: &mut BytesMut) -> Result<Option<ServerHello>, Wi
     }
     let mut hello = buf.split_to(total).freeze();
     hello.advance(SERVER_HELLO_HEADER_LEN);
+    if status == STATUS_CHALLENGE {
+        if hello.len() != CHALLENGE_LEN {
+            return Err(WireError::Truncated {
+                op: "server challenge",
+            });
+        }
+        let mut nonce = [0u8; CHALLENGE_LEN];
+        nonce.copy_from_slice(&hello);
+        return Ok(Some(ServerHello::Challenge(nonce)));
+    }
     if status == STATUS_ACCEPTED {
         let mut body = Body::new(hello, "server hello");
         if body.len() < ACCEPTED_LEN {
@@ -345,7 +372,8 @@ mod tests {
             kind: ErrorKind::Unsupported,
             message: "this server speaks version 1; the client asked for 7".into(),
         });
-        for hello in [ServerHello::Accepted(info()), refused] {
+        let challenge = ServerHello::Challenge([7; CHALLENGE_LEN]);
+        for hello in [ServerHello::Accepted(info()), refused, challenge] {
             let mut wire = BytesMut::new();
             hello.encode(&mut wire);
             let mut part = wire.split_to(wire.len() - 1);
@@ -354,6 +382,18 @@ mod tests {
             assert_eq!(decode_server_hello(&mut part), Ok(Some(hello)));
             assert!(part.is_empty());
         }
+    }
+
+    #[test]
+    fn a_challenge_is_exactly_one_nonce() {
+        let mut wire = BytesMut::new();
+        ServerHello::Challenge([1; CHALLENGE_LEN]).encode(&mut wire);
+        wire[15] = (CHALLENGE_LEN - 1) as u8;
+        wire.truncate(wire.len() - 1);
+        assert!(matches!(
+            decode_server_hello(&mut wire),
+            Err(WireError::Truncated { .. })
+        ));
     }
 
     #[test]

@@ -104,5 +104,6 @@ pub use frame::{
 };
 pub use hello::{
     decode_client_hello, decode_server_hello, ClientHello, Refusal, ServerHello, ServerInfo,
-    CLIENT_HELLO_LEN, MAGIC, MAX_HELLO_BODY, MAX_IN_FLIGHT_LIMIT, SERVER_HELLO_HEADER_LEN, VERSION,
+    CHALLENGE_LABEL, CHALLENGE_LEN, CLIENT_HELLO_LEN, MAGIC, MAX_HELLO_BODY, MAX_IN_FLIGHT_LIMIT,
+    SERVER_HELLO_HEADER_LEN, VERSION,
 };

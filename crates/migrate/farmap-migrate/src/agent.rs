@@ -48,6 +48,7 @@ use crate::machine::Convergence;
 use crate::msg::Mode;
 use crate::seed::{seed, SeedError, SeedOptions, SeedReport};
 use crate::suspend::Suspend;
+use farmap_net::auth::Key;
 
 pub mod paging;
 
@@ -142,6 +143,10 @@ pub struct SeedRequest {
     /// in ms.
     #[serde(default = "default_push_budget_ms")]
     pub push_budget_ms: u64,
+    /// The migration key's secret (see [`crate::auth`]); absent: the key file of this
+    /// process's user (`farmap_net::auth::default_key_file`), created if missing.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub key: Option<String>,
 }
 
 fn default_push_budget_ms() -> u64 {
@@ -180,6 +185,27 @@ pub struct LeechRequest {
     /// announces (another address, or credentials of this host).
     #[serde(default)]
     pub store: Option<String>,
+    /// The migration key's secret; absent: the key file of this process's user, which must
+    /// exist.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub key: Option<String>,
+}
+
+/// The key a request names: its secret, or the default key file (created for a seeder).
+fn request_key(given: Option<&str>, create: bool) -> Result<Key, String> {
+    use farmap_net::auth::{default_key_file, read_or_create_secret, read_secret};
+    let secret = match given {
+        Some(s) => s.to_owned(),
+        None => {
+            let path = default_key_file().map_err(|e| e.to_string())?;
+            if create {
+                read_or_create_secret(&path).map_err(|e| error_chain(&e))?.0
+            } else {
+                read_secret(&path).map_err(|e| error_chain(&e))?
+            }
+        }
+    };
+    Key::from_text(&secret).map_err(|e| e.to_string())
 }
 
 fn default_reconnect_ms() -> u64 {
@@ -400,6 +426,34 @@ async fn read_line<R: AsyncRead + Unpin>(r: &mut BufReader<R>) -> io::Result<Opt
 /// finishes telling its peer) before it is refused as busy.
 const BUSY_WAIT: Duration = Duration::from_secs(5);
 
+/// Replies queued for a controller at most: progress beyond is dropped (a later `Pulled`
+/// supersedes an earlier one), so a controller that stops reading holds little.
+const REPLY_QUEUE: usize = 256;
+/// How long the last reply waits for a controller that does not read.
+const LAST_REPLY_WAIT: Duration = Duration::from_secs(10);
+
+/// The queue of replies to a controller: bounded, progress dropped when full.
+#[derive(Debug, Clone)]
+struct Replies {
+    tx: mpsc::Sender<Reply>,
+    dropped: Arc<std::sync::atomic::AtomicU64>,
+}
+
+impl Replies {
+    /// Queues a progress reply, or drops it if the controller is that far behind.
+    fn progress(&self, r: Reply) {
+        if self.tx.try_send(r).is_err() {
+            self.dropped
+                .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        }
+    }
+
+    /// Queues a reply the controller must get, waiting for room a bounded time.
+    async fn must(&self, r: Reply) {
+        let _ = tokio::time::timeout(LAST_REPLY_WAIT, self.tx.send(r)).await;
+    }
+}
+
 async fn connection<A: App>(
     stream: UnixStream,
     app: Arc<A>,
@@ -407,14 +461,16 @@ async fn connection<A: App>(
 ) -> io::Result<()> {
     let (rd, mut wr) = stream.into_split();
     let mut rd = BufReader::new(rd);
-    let (tx, mut rx) = mpsc::unbounded_channel::<Reply>();
+    let (tx, mut rx) = mpsc::channel::<Reply>(REPLY_QUEUE);
+    let tx = Replies {
+        tx,
+        dropped: Arc::default(),
+    };
     let writer = tokio::spawn(async move {
         while let Some(r) = rx.recv().await {
             let mut line = serde_json::to_vec(&r).expect("replies serialize");
             line.push(b'\n');
             if wr.write_all(&line).await.is_err() {
-                // The controller is gone: keep draining so senders never block.
-                while rx.recv().await.is_some() {}
                 return;
             }
         }
@@ -445,7 +501,7 @@ async fn connection<A: App>(
                 let observer = {
                     let tx = tx.clone();
                     Observer::new(move |e| {
-                        let _ = tx.send(match e {
+                        tx.progress(match e {
                             Event::Note(msg) => Reply::Note { msg: msg.clone() },
                             Event::Pulled { bytes, total } => Reply::Pulled {
                                 bytes: *bytes,
@@ -467,9 +523,17 @@ async fn connection<A: App>(
             }
         }
     };
-    let _ = tx.send(reply);
+    tx.must(reply).await;
     drop(tx);
-    let _ = writer.await;
+    // A controller that stopped reading holds the writer in its write: not for long.
+    let mut writer = writer;
+    if tokio::time::timeout(LAST_REPLY_WAIT, &mut writer)
+        .await
+        .is_err()
+    {
+        writer.abort();
+        tracing::warn!("a migration controller stopped reading its replies: closing it");
+    }
     Ok(())
 }
 
@@ -495,7 +559,7 @@ async fn run_seed<R: AsyncRead + Unpin, A: App>(
     app: &A,
     observer: Observer,
     rd: &mut BufReader<R>,
-    tx: &mpsc::UnboundedSender<Reply>,
+    tx: &Replies,
 ) -> Reply {
     let refuse = |message: String| Reply::Error {
         kind: FailKind::Refused,
@@ -517,6 +581,10 @@ async fn run_seed<R: AsyncRead + Unpin, A: App>(
     let Some((region, suspend)) = app.region() else {
         return refuse("this process holds no region to seed".into());
     };
+    let key = match request_key(req.key.as_deref(), true) {
+        Ok(k) => k,
+        Err(e) => return refuse(e),
+    };
     let opts = SeedOptions {
         listen,
         data_listen,
@@ -532,22 +600,24 @@ async fn run_seed<R: AsyncRead + Unpin, A: App>(
         observer: Some(observer),
         pull: req.pull,
         push_budget: Duration::from_millis(req.push_budget_ms),
+        key,
     };
     let seeding = match seed(region, suspend, opts).await {
         Ok(s) => s,
         Err(e) => return refuse(error_chain(&e)),
     };
-    let _ = tx.send(Reply::Listening {
+    tx.must(Reply::Listening {
         control: seeding.control.to_string(),
         data: seeding.data.to_string(),
-    });
+    })
+    .await;
     let cancel = seeding.canceller();
     let finish = seeding.finish();
     tokio::pin!(finish);
     let result = tokio::select! {
         r = &mut finish => r,
         why = controller_gone(rd) => {
-            let _ = tx.send(Reply::Note { msg: format!("{why}: cancelling unless the hand-over is done") });
+            tx.progress(Reply::Note { msg: format!("{why}: cancelling unless the hand-over is done") });
             cancel();
             finish.await
         }
@@ -599,6 +669,10 @@ async fn run_leech<R: AsyncRead + Unpin, A: App>(
     if req.workers == 0 || req.connections == 0 {
         return refuse("workers and connections must be at least 1".into());
     }
+    let key = match request_key(req.key.as_deref(), false) {
+        Ok(k) => k,
+        Err(e) => return refuse(e),
+    };
     let shared = match (req.mode, app.shared_opener()) {
         (Mode::Instant, None) => {
             return refuse(
@@ -636,6 +710,7 @@ async fn run_leech<R: AsyncRead + Unpin, A: App>(
         observer: Some(observer),
         mode: req.mode,
         shared,
+        key,
         ..LeechOptions::new(from)
     };
     let (cancel_tx, cancel_rx) = tokio::sync::watch::channel(false);
@@ -772,6 +847,7 @@ mod tests {
             },
             mode: Mode::Instant,
             store: Some("redis://10.0.0.2:6379".into()),
+            key: None,
         });
         let s = serde_json::to_string(&r).unwrap();
         assert!(s.contains(r#""mode":"instant""#), "{s}");
@@ -839,6 +915,31 @@ mod tests {
         fn arrived(&self, _: &LeechReport) -> Map<String, Value> {
             Map::new()
         }
+    }
+
+    #[tokio::test]
+    async fn a_controller_that_does_not_read_holds_a_bounded_queue() {
+        let (tx, mut rx) = mpsc::channel(REPLY_QUEUE);
+        let replies = Replies {
+            tx,
+            dropped: Arc::default(),
+        };
+        for i in 0..100_000u64 {
+            replies.progress(Reply::Pulled {
+                bytes: i,
+                total: 100_000,
+            });
+        }
+        let dropped = replies.dropped.load(std::sync::atomic::Ordering::Relaxed);
+        assert_eq!(dropped, 100_000 - REPLY_QUEUE as u64);
+        // The last reply waits for room (a bounded time): here the reader makes some.
+        rx.recv().await.unwrap();
+        replies.must(Reply::HandedOver).await;
+        let mut last = None;
+        while let Ok(r) = rx.try_recv() {
+            last = Some(r);
+        }
+        assert_eq!(last, Some(Reply::HandedOver));
     }
 
     #[tokio::test]

@@ -9,9 +9,11 @@ use std::time::{Duration, Instant};
 
 use std::io;
 
+use crate::auth::{LeecherAuthError, Proven};
 use bytes::Bytes;
 use farmap_core::BoxFuture;
 use farmap_core::{error_chain, ChunkIdx, Geometry, GeometryError, StoreError};
+use farmap_net::auth::Key;
 use farmap_net::{ClientOptions, RemoteAddr, RemoteStore, TlsClientConfig};
 use farmap_pipeline::{PushOptions, RetryPolicy};
 use farmap_uffd::{Region, RegionMode, RegionOptions};
@@ -143,6 +145,10 @@ pub struct LeechOptions {
     pub mode: Mode,
     /// Opens the shared store of an instant migration (required for [`Mode::Instant`]).
     pub shared: Option<SharedOpener>,
+    /// The operator's migration key, which the seeder must prove it holds and this leecher
+    /// proves to it (see [`crate::auth`]); by default [`crate::auth::process_key`], which
+    /// only a seeder in this process holds.
+    pub key: Key,
 }
 
 impl LeechOptions {
@@ -164,6 +170,7 @@ impl LeechOptions {
             pull: PullBudget::default(),
             mode: Mode::Precopy,
             shared: None,
+            key: crate::auth::process_key(),
         }
     }
 }
@@ -211,6 +218,9 @@ pub enum ConnectError {
     /// The seeder's answer is not a migration message.
     #[error("the seeder's answer is not a migration message")]
     Garbage(#[source] io::Error),
+    /// The seeder did not prove it holds the migration key.
+    #[error("authentication failed")]
+    Auth(#[source] LeecherAuthError),
 }
 
 /// Why the destination region could not be opened (nothing was taken from the source).
@@ -405,7 +415,7 @@ struct Dest<D> {
 
 /// Connects the control channel and says hello, within the handshake deadline; returns the
 /// channel and the seeder's first answer (a `Welcome` for the machine to check).
-async fn handshake(opts: &LeechOptions, hello: &Msg) -> Result<(Channel, Msg), LeechError> {
+async fn handshake(opts: &LeechOptions, hello: &Msg) -> Result<(Channel, Msg, Proven), LeechError> {
     let fail = |source| LeechError::Connect {
         addr: opts.from.to_string(),
         source,
@@ -424,10 +434,24 @@ async fn handshake(opts: &LeechOptions, hello: &Msg) -> Result<(Channel, Msg), L
         .await
         .map_err(|e| fail(classify(e)))?;
     let answer = tokio::time::timeout(wait, async {
+        let proven = match crate::auth::leecher(&mut ch, &opts.key, 0).await {
+            Ok(p) => p,
+            Err(LeecherAuthError::Io(e)) => return Err(e),
+            Err(e) => return Ok(Err(e)),
+        };
         ch.send(hello).await?;
-        ch.recv().await
+        ch.recv().await.map(|m| Ok((m, proven)))
     })
     .await;
+    let answer = match answer {
+        Ok(Ok(Err(LeecherAuthError::Refused(reason)))) => {
+            return Err(fail(ConnectError::Refused { reason }))
+        }
+        Ok(Ok(Err(e))) => return Err(fail(ConnectError::Auth(e))),
+        Ok(Ok(Ok((m, proven)))) => Ok(Ok(m.map(|m| (m, proven)))),
+        Ok(Err(e)) => Ok(Err(e)),
+        Err(e) => Err(e),
+    };
     match answer {
         Err(_) => Err(fail(ConnectError::Silent { waited: wait })),
         Ok(Err(e)) if e.kind() == io::ErrorKind::UnexpectedEof || is_reset(&e) => Err(fail(
@@ -442,8 +466,8 @@ async fn handshake(opts: &LeechOptions, hello: &Msg) -> Result<(Channel, Msg), L
         Ok(Ok(None)) => Err(fail(ConnectError::Closed {
             tls: opts.tls.is_some(),
         })),
-        Ok(Ok(Some(Msg::Abort { reason }))) => Err(fail(ConnectError::Refused { reason })),
-        Ok(Ok(Some(m))) => Ok((ch, m)),
+        Ok(Ok(Some((Msg::Abort { reason }, _)))) => Err(fail(ConnectError::Refused { reason })),
+        Ok(Ok(Some((m, proven)))) => Ok((ch, m, proven)),
     }
 }
 
@@ -507,7 +531,7 @@ pub async fn leech_into<D: Destination>(
             mode: opts.mode,
         },
     };
-    let (ch, welcome) = handshake(&opts, &hello).await?;
+    let (ch, welcome, proven) = handshake(&opts, &hello).await?;
     let received = ch.received();
     let opts_pull = opts.pull;
     let (tx, rx) = ch.split();
@@ -546,6 +570,7 @@ pub async fn leech_into<D: Destination>(
         bytes_before_resume: 0,
         manifest: None,
         awake: None,
+        session_key: proven.session_key,
     };
     let mut queue: VecDeque<LeecherAction> = machine.step(LeecherInput::Received(welcome)).into();
     loop {
@@ -651,6 +676,8 @@ struct Run<D> {
     manifest: Option<Manifest>,
     /// Keeps this host's CPUs awake from the request for the hand-over until it arrives.
     awake: Option<farmap_uffd::KeepAwake>,
+    /// The session's key: reconnects prove it, and so does the data plane's client.
+    session_key: Key,
 }
 
 impl<D> Run<D> {
@@ -790,7 +817,9 @@ impl<D: Destination> Run<D> {
             return Ok(None);
         };
         let geometry = (size, region.chunk_size, region.page_size);
-        let d = open_dest(&self.opts, open, data_addr, geometry, mode, region.shared)
+        let data_key = crate::auth::data_key(&self.session_key);
+        let dest = (data_addr, data_key);
+        let d = open_dest(&self.opts, open, dest, geometry, mode, region.shared)
             .await
             .map_err(LeechError::Region)?;
         if mode != Mode::Precopy {
@@ -929,13 +958,28 @@ impl<D: Destination> Run<D> {
             }));
         }
         loop {
-            match connect(
-                &self.opts.from,
-                self.opts.tls.as_ref(),
-                Duration::from_secs(2),
-            )
-            .await
-            {
+            let connected = async {
+                let mut ch = connect(
+                    &self.opts.from,
+                    self.opts.tls.as_ref(),
+                    Duration::from_secs(2),
+                )
+                .await?;
+                let session = machine.session();
+                let auth = crate::auth::leecher(&mut ch, &self.session_key, session);
+                match tokio::time::timeout(self.opts.handshake_timeout, auth).await {
+                    Ok(Ok(_)) => Ok(ch),
+                    Ok(Err(e)) => Err(io::Error::new(
+                        io::ErrorKind::PermissionDenied,
+                        farmap_core::error_chain(&e),
+                    )),
+                    Err(_) => Err(io::Error::new(
+                        io::ErrorKind::TimedOut,
+                        "the seeder did not answer the hello (the authentication) in time",
+                    )),
+                }
+            };
+            match connected.await {
                 Ok(ch) => {
                     (self.tx, self.rx) = ch.split();
                     self.connected = true;
@@ -1560,7 +1604,7 @@ async fn bulk_pull<D: Destination>(
 async fn open_dest<D: Destination>(
     opts: &LeechOptions,
     open: Opener<D>,
-    data: RemoteAddr,
+    (data, key): (RemoteAddr, Key),
     (size, chunk_size, page_size): (u64, u32, u32),
     mode: Mode,
     shared: String,
@@ -1570,6 +1614,7 @@ async fn open_dest<D: Destination>(
         ClientOptions {
             connections: opts.connections,
             tls: opts.tls.clone(),
+            key: Some(key),
             ..ClientOptions::default()
         },
     )

@@ -38,6 +38,7 @@
 #![warn(missing_docs)]
 
 pub mod agent;
+pub mod auth;
 pub mod budget;
 pub mod channel;
 pub mod endpoint;

@@ -41,6 +41,7 @@ use bytes::Bytes;
 
 use crate::msg::{
     check_manifest, check_runs, run_pages, ManifestError, ManifestRun, Mode, Msg, RunError,
+    SessionId,
 };
 
 pub use crate::msg::RegionInfo;
@@ -53,17 +54,17 @@ pub enum SeederState {
     /// A leecher pulls; writes are tracked.
     Serving {
         /// The session.
-        session: u64,
+        session: SessionId,
     },
     /// Finalize asked: the application is being suspended.
     Suspending {
         /// The session.
-        session: u64,
+        session: SessionId,
     },
     /// Ownership moved; reads are still served (post-copy).
     HandedOver {
         /// The session.
-        session: u64,
+        session: SessionId,
         /// Whether the leecher said it resumed.
         resumed: bool,
     },
@@ -152,7 +153,7 @@ pub enum SeederAction {
 pub struct Seeder {
     info: RegionInfo,
     state: SeederState,
-    next_session: u64,
+    next_session: SessionId,
     /// The hand-over sent (the manifest, a confirmation and the hand-over in instant mode),
     /// to send again to a leecher that reconnects before resuming.
     handover: Vec<Msg>,
@@ -216,13 +217,14 @@ impl Manifest {
 }
 
 impl Seeder {
-    /// A seeder of the region described by `info`, idle. `session_seed` makes session ids
-    /// unique across seeder restarts (e.g. the process id and the time).
-    pub fn new(info: RegionInfo, session_seed: u64) -> Self {
+    /// A seeder of the region described by `info`, idle; its first session will be
+    /// `first_session` (the runner gives each new session a random id with
+    /// [`set_next_session`](Self::set_next_session)).
+    pub fn new(info: RegionInfo, first_session: SessionId) -> Self {
         Self {
             info,
             state: SeederState::Idle,
-            next_session: session_seed.max(1),
+            next_session: first_session.max(1),
             handover: Vec::new(),
             last_confirm: None,
             awaiting_install: false,
@@ -231,12 +233,17 @@ impl Seeder {
         }
     }
 
+    /// The id the next new session gets (0 is taken as 1).
+    pub fn set_next_session(&mut self, id: SessionId) {
+        self.next_session = id.max(1);
+    }
+
     /// Where it is.
     pub fn state(&self) -> SeederState {
         self.state
     }
 
-    fn welcome(&self, session: u64) -> Msg {
+    fn welcome(&self, session: SessionId) -> Msg {
         Msg::Welcome {
             session,
             region: self.info.clone(),
@@ -468,21 +475,7 @@ impl Seeder {
 
 /// A message's name, for errors.
 pub fn msg_name(m: &Msg) -> &'static str {
-    match m {
-        Msg::Hello { .. } => "Hello",
-        Msg::Welcome { .. } => "Welcome",
-        Msg::DirtyRequest { .. } => "DirtyRequest",
-        Msg::Dirty { .. } => "Dirty",
-        Msg::Finalize => "Finalize",
-        Msg::HandOver { .. } => "HandOver",
-        Msg::Resumed => "Resumed",
-        Msg::Done => "Done",
-        Msg::Bye => "Bye",
-        Msg::Abort { .. } => "Abort",
-        Msg::Manifest { .. } => "Manifest",
-        Msg::Confirm { .. } => "Confirm",
-        Msg::Installed => "Installed",
-    }
+    m.name()
 }
 
 /// What discarding one page of the final set costs the downtime (one `madvise` and one
@@ -765,7 +758,7 @@ pub enum LeecherAction {
     /// with [`LeecherInput::PullDone`].
     OpenRegion {
         /// The seeder's session.
-        session: u64,
+        session: SessionId,
         /// The region, as the Welcome described it.
         region: RegionInfo,
         /// The mode: only pre-copy pulls before the hand-over.
@@ -811,7 +804,7 @@ pub struct Leecher {
     state: LeecherState,
     policy: Convergence,
     limits: LeecherLimits,
-    session: u64,
+    session: SessionId,
     /// Pages of the region (from the Welcome): page runs must fall in them.
     pages: u64,
     last_pages: Option<u64>,
@@ -828,6 +821,11 @@ pub struct Leecher {
 }
 
 impl Leecher {
+    /// The session the seeder gave (0 before its `Welcome`).
+    pub fn session(&self) -> SessionId {
+        self.session
+    }
+
     /// A leecher that will converge by `policy` and accepts regions within `limits`.
     pub fn new(policy: Convergence, limits: LeecherLimits) -> Self {
         Self {

@@ -19,8 +19,9 @@ use bytes::{Buf, BufMut, Bytes, BytesMut};
 
 /// The first bytes of every frame.
 pub const MAGIC: [u8; 4] = *b"FMIG";
-/// The protocol version this crate speaks (never 0).
-pub const VERSION: u16 = 1;
+/// The protocol version this crate speaks (never 0). Version 2 authenticates both sides
+/// ([`crate::auth`]) and has 128-bit session ids.
+pub const VERSION: u16 = 2;
 /// Bytes of a frame header.
 pub const HEADER_LEN: usize = 11;
 /// Largest payload accepted.
@@ -39,6 +40,9 @@ pub const MAX_LEECHER_PAYLOAD: u32 = 4 + MAX_TEXT;
 pub const MAX_MANIFEST_RUNS: u32 = 1 << 20;
 /// Most chunk records (generation and checksum) in a manifest.
 pub const MAX_MANIFEST_CHUNKS: u32 = (MAX_PAYLOAD - 8 - 17 * MAX_MANIFEST_RUNS) / 16;
+
+/// A migration session's id: 128 random bits (0: none, a new session).
+pub type SessionId = u128;
 
 /// How a region moves.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default, serde::Serialize, serde::Deserialize)]
@@ -118,8 +122,8 @@ pub struct ManifestRun {
 /// define: such a frame is refused by [`Msg::decode`] anyway).
 pub fn max_payload(kind: u8) -> u32 {
     match kind {
-        1 => 9,
-        2 => 8 + 8 + 4 + 4 + 2 + 16 + 4 + MAX_TEXT,
+        1 => 17,
+        2 => 16 + 8 + 4 + 4 + 2 + 16 + 4 + MAX_TEXT,
         3 => 4,
         4 => 4 + 4 + 12 * MAX_RUNS,
         6 => 4 + 12 * MAX_RUNS + 4 + MAX_APP_STATE + 8,
@@ -127,6 +131,9 @@ pub fn max_payload(kind: u8) -> u32 {
         10 => 4 + MAX_TEXT,
         11 => MAX_PAYLOAD,
         12 => 4 + 12 * MAX_RUNS + 4 + 12 * MAX_RUNS,
+        14 => 16 + 32,
+        15 => 64,
+        16 => 32,
         _ => 0,
     }
 }
@@ -153,18 +160,39 @@ pub struct RegionInfo {
 /// A control message. `L→S` travels from the leecher to the seeder, `S→L` the other way.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum Msg {
-    /// L→S: first message; `session` is 0 for a new migration, or the session to continue
-    /// after a lost connection.
+    /// L→S: the first message, before `Hello`: the session the leecher will ask for (0: a
+    /// new one; the rest of the exchange then proves the session's key, not the operator's)
+    /// and its nonce (see [`crate::auth`]).
+    AuthHello {
+        /// Session to continue, 0 for a new one.
+        session: SessionId,
+        /// The leecher's nonce.
+        nonce: [u8; 32],
+    },
+    /// S→L: the seeder's nonce and its proof of the key over both nonces.
+    AuthChallenge {
+        /// The seeder's nonce.
+        nonce: [u8; 32],
+        /// The seeder's proof.
+        proof: [u8; 32],
+    },
+    /// L→S: the leecher's proof of the key over both nonces.
+    AuthProof {
+        /// The leecher's proof.
+        proof: [u8; 32],
+    },
+    /// L→S: the first message after authentication; `session` is 0 for a new migration, or
+    /// the session to continue after a lost connection (the one authenticated).
     Hello {
         /// Session to continue, 0 for a new one.
-        session: u64,
+        session: SessionId,
         /// How to move the region (a peer that sends no mode asks for pre-copy).
         mode: Mode,
     },
     /// S→L: the answer to `Hello`.
     Welcome {
         /// The session (to quote when reconnecting).
-        session: u64,
+        session: SessionId,
         /// The region being migrated.
         region: RegionInfo,
     },
@@ -285,7 +313,7 @@ pub fn decode_header(h: &[u8; HEADER_LEN]) -> Result<Header, DecodeError> {
             cap: MAX_PAYLOAD.into(),
         });
     }
-    if !(1..=13).contains(&kind) {
+    if !(1..=16).contains(&kind) {
         return Err(DecodeError::Kind(kind));
     }
     if len > max_payload(kind) {
@@ -314,6 +342,31 @@ impl Msg {
             Msg::Manifest { .. } => 11,
             Msg::Confirm { .. } => 12,
             Msg::Installed => 13,
+            Msg::AuthHello { .. } => 14,
+            Msg::AuthChallenge { .. } => 15,
+            Msg::AuthProof { .. } => 16,
+        }
+    }
+
+    /// The message's name, for errors.
+    pub fn name(&self) -> &'static str {
+        match self {
+            Msg::Hello { .. } => "Hello",
+            Msg::Welcome { .. } => "Welcome",
+            Msg::DirtyRequest { .. } => "DirtyRequest",
+            Msg::Dirty { .. } => "Dirty",
+            Msg::Finalize => "Finalize",
+            Msg::HandOver { .. } => "HandOver",
+            Msg::Resumed => "Resumed",
+            Msg::Done => "Done",
+            Msg::Bye => "Bye",
+            Msg::Abort { .. } => "Abort",
+            Msg::Manifest { .. } => "Manifest",
+            Msg::Confirm { .. } => "Confirm",
+            Msg::Installed => "Installed",
+            Msg::AuthHello { .. } => "AuthHello",
+            Msg::AuthChallenge { .. } => "AuthChallenge",
+            Msg::AuthProof { .. } => "AuthProof",
         }
     }
 
@@ -321,12 +374,21 @@ impl Msg {
     pub fn encode(&self) -> Bytes {
         let mut p = BytesMut::new();
         match self {
+            Msg::AuthHello { session, nonce } => {
+                p.put_u128(*session);
+                p.put_slice(nonce);
+            }
+            Msg::AuthChallenge { nonce, proof } => {
+                p.put_slice(nonce);
+                p.put_slice(proof);
+            }
+            Msg::AuthProof { proof } => p.put_slice(proof),
             Msg::Hello { session, mode } => {
-                p.put_u64(*session);
+                p.put_u128(*session);
                 p.put_u8(mode.code());
             }
             Msg::Welcome { session, region } => {
-                p.put_u64(*session);
+                p.put_u128(*session);
                 p.put_u64(region.size);
                 p.put_u32(region.chunk_size);
                 p.put_u32(region.page_size);
@@ -386,7 +448,7 @@ impl Msg {
         let p = &mut p;
         let msg = match kind {
             1 => Msg::Hello {
-                session: get_u64(p)?,
+                session: get_u128(p)?,
                 mode: match p.first() {
                     // A peer that predates modes.
                     None => Mode::Precopy,
@@ -399,7 +461,7 @@ impl Msg {
                 },
             },
             2 => Msg::Welcome {
-                session: get_u64(p)?,
+                session: get_u128(p)?,
                 region: RegionInfo {
                     size: get_u64(p)?,
                     chunk_size: get_u32(p)?,
@@ -478,6 +540,17 @@ impl Msg {
                 pending: get_runs(p)?,
             },
             13 => Msg::Installed,
+            14 => Msg::AuthHello {
+                session: get_u128(p)?,
+                nonce: get_array(p)?,
+            },
+            15 => Msg::AuthChallenge {
+                nonce: get_array(p)?,
+                proof: get_array(p)?,
+            },
+            16 => Msg::AuthProof {
+                proof: get_array(p)?,
+            },
             k => return Err(DecodeError::Kind(k)),
         };
         if !p.is_empty() {
@@ -550,6 +623,18 @@ fn get_exact_text(p: &mut &[u8], what: &'static str) -> Result<String, DecodeErr
         .to_owned();
     p.advance(len);
     Ok(text)
+}
+
+fn get_u128(p: &mut &[u8]) -> Result<u128, DecodeError> {
+    need(p, 16)?;
+    Ok(p.get_u128())
+}
+
+fn get_array(p: &mut &[u8]) -> Result<[u8; 32], DecodeError> {
+    need(p, 32)?;
+    let mut a = [0u8; 32];
+    p.copy_to_slice(&mut a);
+    Ok(a)
 }
 
 fn capped(len: u32, cap: u32, what: &'static str) -> Result<usize, DecodeError> {
@@ -716,6 +801,19 @@ mod tests {
         for mode in [Mode::Precopy, Mode::Postcopy, Mode::Instant] {
             roundtrip(Msg::Hello { session: 7, mode });
         }
+        roundtrip(Msg::Hello {
+            session: u128::MAX - 3,
+            mode: Mode::Precopy,
+        });
+        roundtrip(Msg::AuthHello {
+            session: 1 << 100,
+            nonce: [3; 32],
+        });
+        roundtrip(Msg::AuthChallenge {
+            nonce: [4; 32],
+            proof: [5; 32],
+        });
+        roundtrip(Msg::AuthProof { proof: [6; 32] });
         for shared in ["", "redis://127.0.0.1:6379/0"] {
             roundtrip(Msg::Welcome {
                 session: 1,
@@ -834,12 +932,12 @@ mod tests {
         }
         .encode()
         .to_vec();
-        big[7..11].copy_from_slice(&10u32.to_be_bytes());
+        big[7..11].copy_from_slice(&18u32.to_be_bytes());
         assert!(matches!(
             decode_header(big[..HEADER_LEN].try_into().unwrap()),
             Err(DecodeError::TooLong {
-                len: 10,
-                cap: 9,
+                len: 18,
+                cap: 17,
                 ..
             })
         ));
@@ -849,7 +947,7 @@ mod tests {
     fn peers_without_modes_or_shared_stores_are_understood() {
         // The hello and welcome of a build that predates modes.
         assert_eq!(
-            Msg::decode(1, &5u64.to_be_bytes()),
+            Msg::decode(1, &5u128.to_be_bytes()),
             Ok(Msg::Hello {
                 session: 5,
                 mode: Mode::Precopy
@@ -871,7 +969,7 @@ mod tests {
         w.truncate(w.len() - 4);
         let m = Msg::decode(2, &w[HEADER_LEN..]).unwrap();
         assert!(matches!(m, Msg::Welcome { region, .. } if region.shared.is_empty()));
-        let mut h = 5u64.to_be_bytes().to_vec();
+        let mut h = 5u128.to_be_bytes().to_vec();
         h.push(9);
         assert!(matches!(Msg::decode(1, &h), Err(DecodeError::Malformed(_))));
     }

@@ -8,12 +8,14 @@ use std::time::{Duration, Instant};
 
 use std::collections::VecDeque;
 
+use farmap_net::auth::Key;
 use farmap_net::{
     serve_with_runs, ListenAddr, Listener, RunReader, ServeError, ServeOptions, TlsServerConfig,
 };
 use tokio::sync::mpsc;
 use tokio::task::JoinHandle;
 
+use crate::auth::{Proven, SeederKeys};
 use crate::budget::PullBudget;
 use crate::channel::{Accepted, Channel, ControlListener, Sender};
 use crate::endpoint::{EndpointError, Source};
@@ -51,6 +53,9 @@ pub struct SeedOptions {
     /// application still runs, before it suspends (what is still unpushed then is fetched
     /// from the source after the hand-over). Zero pushes nothing more.
     pub push_budget: Duration,
+    /// The operator's migration key: a leecher must prove it holds it (see
+    /// [`crate::auth`]); [`crate::auth::process_key`] for a migration within this process.
+    pub key: Key,
 }
 
 /// Default [`SeedOptions::push_budget`].
@@ -193,6 +198,9 @@ pub async fn seed(
         });
     }
     let (data_listen, tls) = (opts.data_listen.clone(), opts.tls.clone());
+    // The data plane serves the current session's leecher only.
+    let keys = SeederKeys::new(opts.key.clone());
+    let data_key = keys.data.clone();
     let started = pull_rt
         .handle()
         .spawn(async move {
@@ -211,6 +219,7 @@ pub async fn seed(
                 ServeOptions {
                     read_only: true,
                     tls,
+                    auth: Some(data_key),
                     log: false,
                     ..ServeOptions::default()
                 },
@@ -248,7 +257,6 @@ pub async fn seed(
         boot_id: crate::boot_id(),
         shared: region.shared_store().unwrap_or_default(),
     };
-    let seed = u64::from(std::process::id()) << 32 | (crate::monotonic_ns() & 0xffff_ffff);
     let (cancel, cancelled) = tokio::sync::watch::channel(false);
     let task = tokio::spawn(async move {
         let (conn_tx, conn_rx) = mpsc::channel(4);
@@ -257,6 +265,7 @@ pub async fn seed(
             timeout: opts.handshake_timeout,
             max: opts.max_handshakes.max(1),
             out: conn_tx,
+            keys: keys.clone(),
         };
         let accepting = AbortOnDrop(tokio::spawn(acceptor.run()));
         let r = run(
@@ -264,7 +273,8 @@ pub async fn seed(
             suspend,
             opts,
             conn_rx,
-            Seeder::new(info, seed),
+            Seeder::new(info, 0),
+            keys,
             cancelled,
         )
         .await;
@@ -295,6 +305,8 @@ struct NewConn {
     channel: Channel,
     first: Msg,
     peer: String,
+    /// What its authentication proved.
+    proven: Proven,
 }
 
 /// Accepts control connections and runs their handshakes concurrently, each under a
@@ -304,6 +316,7 @@ struct Acceptor {
     timeout: Duration,
     max: usize,
     out: mpsc::Sender<NewConn>,
+    keys: SeederKeys,
 }
 
 impl Acceptor {
@@ -328,21 +341,28 @@ impl Acceptor {
                     self.max
                 );
             }
-            let (out, timeout) = (self.out.clone(), self.timeout);
-            pending.push_back(AbortOnDrop(tokio::spawn(handshake(accepted, timeout, out))));
+            let (out, timeout, keys) = (self.out.clone(), self.timeout, self.keys.clone());
+            let shake = handshake(accepted, timeout, keys, out);
+            pending.push_back(AbortOnDrop(tokio::spawn(shake)));
         }
     }
 }
 
-async fn handshake(accepted: Accepted, timeout: Duration, out: mpsc::Sender<NewConn>) {
+async fn handshake(
+    accepted: Accepted,
+    timeout: Duration,
+    keys: SeederKeys,
+    out: mpsc::Sender<NewConn>,
+) {
     let peer = accepted.peer.clone();
     let shaken = tokio::time::timeout(timeout, async {
         let mut channel = accepted
             .handshake()
             .await
             .map_err(|e| farmap_core::error_chain(&e))?;
+        let proven = crate::auth::seeder(&mut channel, &keys).await?;
         match channel.recv().await {
-            Ok(Some(first)) => Ok((channel, first)),
+            Ok(Some(first)) => Ok((channel, first, proven)),
             Ok(None) => Err("it closed without a message".to_owned()),
             Err(e) => {
                 let _ = channel
@@ -356,12 +376,13 @@ async fn handshake(accepted: Accepted, timeout: Duration, out: mpsc::Sender<NewC
     })
     .await;
     match shaken {
-        Ok(Ok((channel, first))) => {
+        Ok(Ok((channel, first, proven))) => {
             let _ = out
                 .send(NewConn {
                     channel,
                     first,
                     peer,
+                    proven,
                 })
                 .await;
         }
@@ -380,13 +401,18 @@ async fn until_cancelled(rx: &mut tokio::sync::watch::Receiver<bool>) {
 }
 
 /// Refuses a connection while another leecher is served, without holding up the seeder.
-fn refuse_busy(mut ch: Channel, peer: String) {
+fn refuse_busy(ch: Channel, peer: String) {
+    refuse(ch, peer, "the seeder is busy with another leecher");
+}
+
+/// Refuses a connection with `reason`, without holding up the seeder.
+fn refuse(mut ch: Channel, peer: String, reason: &'static str) {
     tokio::spawn(async move {
         let abort = Msg::Abort {
-            reason: "the seeder is busy with another leecher".into(),
+            reason: reason.into(),
         };
         let _ = tokio::time::timeout(Duration::from_secs(5), ch.send(&abort)).await;
-        tracing::info!("refused a control connection from {peer}: busy with another leecher");
+        tracing::info!("refused a control connection from {peer}: {reason}");
     });
 }
 
@@ -418,9 +444,10 @@ async fn run(
     opts: SeedOptions,
     mut conns: mpsc::Receiver<NewConn>,
     mut machine: Seeder,
+    keys: SeederKeys,
     mut cancelled: tokio::sync::watch::Receiver<bool>,
 ) -> Result<SeedReport, SeedError> {
-    let mut run = SeedRun::new(region, suspend, opts);
+    let mut run = SeedRun::new(region, suspend, opts, keys);
     loop {
         let input = match run.inputs.pop_front() {
             Some(i) => i,
@@ -451,10 +478,17 @@ struct SeedRun {
     /// Set while handed over with no connection: when the leecher was lost.
     lost_since: Option<tokio::time::Instant>,
     inputs: VecDeque<SeederInput>,
+    /// The keys of the current session and its data plane.
+    keys: SeederKeys,
 }
 
 impl SeedRun {
-    fn new(region: Arc<dyn Source>, suspend: Arc<dyn Suspend>, opts: SeedOptions) -> Self {
+    fn new(
+        region: Arc<dyn Source>,
+        suspend: Arc<dyn Suspend>,
+        opts: SeedOptions,
+        keys: SeederKeys,
+    ) -> Self {
         let rep = Reporter {
             prefix: "farmap seed",
             log: opts.log,
@@ -476,6 +510,7 @@ impl SeedRun {
             current: None,
             lost_since: None,
             inputs: VecDeque::new(),
+            keys,
         }
     }
 
@@ -508,14 +543,33 @@ impl SeedRun {
                 }
             })),
             Some(new) = conns.recv() => {
+                let asked = match &new.first {
+                    Msg::Hello { session, .. } => Some(*session),
+                    _ => None,
+                };
+                if asked.is_some_and(|s| s != new.proven.session) {
+                    // Proving one session (or a new one) and asking for another: someone
+                    // trying to take over a session whose key it does not hold.
+                    refuse(new.channel, new.peer, "the Hello asks for another session than \
+                        the one authenticated");
+                    return Ok(None);
+                }
                 let reconnect = matches!(
-                    (machine.state(), &new.first),
-                    (SeederState::HandedOver { session, .. }, Msg::Hello { session: s, .. })
-                        if *s == session
+                    (machine.state(), asked),
+                    (SeederState::HandedOver { session, .. }, Some(s)) if s == session
                 );
                 if self.current.is_some() && !reconnect {
                     refuse_busy(new.channel, new.peer);
                     return Ok(None);
+                }
+                if asked == Some(0) && machine.state() == SeederState::Idle {
+                    // A new session: an id nobody can guess, and the key this connection's
+                    // authentication made, for its reconnects and its data plane.
+                    let id = u128::from_be_bytes(
+                        farmap_net::auth::random_nonce()[..16].try_into().expect("16 bytes"),
+                    );
+                    machine.set_next_session(id);
+                    self.keys.begin(id.max(1), &new.proven.session_key);
                 }
                 // A leecher coming back replaces its old connection.
                 let (tx, rx) = new.channel.split();

@@ -6,6 +6,7 @@
 #![allow(clippy::single_range_in_vec_init)] // page runs: one run is a real case
 
 mod common;
+use common::raw::{abort_reason, as_new_leecher, as_seeder, read_msg, write_msg};
 use common::uffd;
 
 use std::sync::Arc;
@@ -15,9 +16,10 @@ use bytes::Bytes;
 use farmap_core::{Geometry, Store};
 use farmap_migrate::leech::{ConnectError, LeechError, LeechOptions};
 use farmap_migrate::machine::{AbortCause, Violation, WelcomeError};
-use farmap_migrate::msg::{decode_header, Mode, Msg, RegionInfo, HEADER_LEN, MAGIC, VERSION};
+use farmap_migrate::msg::{Mode, Msg, RegionInfo, MAGIC, VERSION};
 use farmap_migrate::seed::{SeedOptions, Seeding};
 use farmap_migrate::{leech, seed, WriterGate};
+use farmap_net::auth::KeySlot;
 use farmap_net::{
     ListenAddr, Listener, RemoteAddr, ServeOptions, Server, TlsClientConfig, TlsServerConfig,
 };
@@ -40,26 +42,6 @@ fn rss_mib() -> u64 {
                 .and_then(|l| l.split_whitespace().nth(1)?.parse::<u64>().ok())
         })
         .map_or(0, |kib| kib / 1024)
-}
-
-async fn read_msg(s: &mut TcpStream) -> std::io::Result<Msg> {
-    let mut h = [0u8; HEADER_LEN];
-    s.read_exact(&mut h).await?;
-    let h = decode_header(&h).map_err(std::io::Error::other)?;
-    let mut p = vec![0u8; h.len as usize];
-    s.read_exact(&mut p).await?;
-    Msg::decode(h.kind, &p).map_err(std::io::Error::other)
-}
-
-async fn write_msg(s: &mut TcpStream, m: &Msg) {
-    s.write_all(&m.encode()).await.unwrap();
-}
-
-fn abort_reason(m: std::io::Result<Msg>) -> String {
-    match m {
-        Ok(Msg::Abort { reason }) => reason,
-        other => panic!("expected an Abort, got {other:?}"),
-    }
 }
 
 fn leech_opts(from: RemoteAddr) -> LeechOptions {
@@ -130,8 +112,9 @@ async fn good_migration(seeding: Seeding, source: Arc<Region>, tls: Option<TlsCl
     assert!(want == got, "the migrated region differs from the source");
 }
 
-/// A fake seeder: answers the hello with `welcome`, then plays `script` on the connection.
-async fn fake_seeder<F, Fut>(script: F) -> (RemoteAddr, tokio::task::JoinHandle<()>)
+/// A fake seeder: authenticates the leecher (its data plane's `data` slot then holds the
+/// session's data key), then plays `script` on the connection.
+async fn fake_seeder<F, Fut>(data: KeySlot, script: F) -> (RemoteAddr, tokio::task::JoinHandle<()>)
 where
     F: FnOnce(TcpStream) -> Fut + Send + 'static,
     Fut: std::future::Future<Output = ()> + Send,
@@ -139,7 +122,8 @@ where
     let l = TcpListener::bind("127.0.0.1:0").await.unwrap();
     let addr = RemoteAddr::Tcp(l.local_addr().unwrap().to_string());
     let task = tokio::spawn(async move {
-        let (s, _) = l.accept().await.unwrap();
+        let (mut s, _) = l.accept().await.unwrap();
+        as_seeder(&mut s, &data).await;
         script(s).await;
     });
     (addr, task)
@@ -167,7 +151,7 @@ async fn a_seeder_with_a_bad_page_size_is_refused_before_anything_is_opened() {
         (1 << 30, "differs"),
     ] {
         let (told_tx, told_rx) = tokio::sync::oneshot::channel();
-        let (addr, task) = fake_seeder(move |mut s| async move {
+        let (addr, task) = fake_seeder(KeySlot::default(), move |mut s| async move {
             assert_eq!(
                 read_msg(&mut s).await.unwrap(),
                 Msg::Hello {
@@ -210,8 +194,8 @@ where
     F: FnOnce(TcpStream) -> Fut + Send + 'static,
     Fut: std::future::Future<Output = ()> + Send,
 {
-    let (server, port) = zero_data_plane().await;
-    fake_seeder(move |mut s| async move {
+    let (server, port, slot) = zero_data_plane().await;
+    fake_seeder(slot, move |mut s| async move {
         assert_eq!(
             read_msg(&mut s).await.unwrap(),
             Msg::Hello {
@@ -424,12 +408,20 @@ async fn garbage_huge_lengths_floods_and_idle_connections_leave_the_seeder_servi
     assert!(r.contains("cap"), "{r}");
     let r = poke(at, &header(42, 0)).await;
     assert!(r.contains("unknown migration message kind 42"), "{r}");
-    // Thousands of tiny frames: the first out-of-place one ends the connection.
+    // Without the key, a migration message is not even read as one.
+    let r = poke(at, &Msg::Finalize.encode()).await;
+    assert!(r.contains("expected an authentication hello"), "{r}");
+    // Thousands of tiny frames from a key holder: the first out-of-place one ends the
+    // connection.
     let flood: Vec<u8> = std::iter::repeat_n(Msg::Done.encode().to_vec(), 10_000)
         .flatten()
         .collect();
-    let r = poke(at, &flood).await;
+    let mut s = TcpStream::connect(at).await.unwrap();
+    as_new_leecher(&mut s).await;
+    let _ = s.write_all(&flood).await;
+    let r = abort_reason(read_msg(&mut s).await);
     assert!(r.contains("unexpected Done"), "{r}");
+    drop(s);
     // A leecher that asks for rounds out of order is dropped, and tracking stops.
     let mut frames = Msg::Hello {
         session: 0,
@@ -439,6 +431,7 @@ async fn garbage_huge_lengths_floods_and_idle_connections_leave_the_seeder_servi
     .to_vec();
     frames.extend_from_slice(&Msg::DirtyRequest { round: 5 }.encode());
     let mut s = TcpStream::connect(at).await.unwrap();
+    as_new_leecher(&mut s).await;
     s.write_all(&frames).await.unwrap();
     assert!(matches!(
         read_msg(&mut s).await.unwrap(),
@@ -530,13 +523,13 @@ async fn a_seeder_silent_after_a_reconnect_fails_the_leecher_within_its_deadline
     if !uffd("a_seeder_silent_after_a_reconnect_fails_the_leecher_within_its_deadline") {
         return;
     }
-    let (server, port) = zero_data_plane().await;
+    let (server, port, slot) = zero_data_plane().await;
     let l = TcpListener::bind("127.0.0.1:0").await.unwrap();
     let addr = RemoteAddr::Tcp(l.local_addr().unwrap().to_string());
     let fake = tokio::spawn(async move {
         // The first connection goes through the hand-over, then drops.
         let (mut s, _) = l.accept().await.unwrap();
-        through_hand_over(&mut s, port).await;
+        through_hand_over(&mut s, port, &slot).await;
         drop(s);
         // Later connections are accepted and never answered.
         let mut held = Vec::new();
@@ -573,12 +566,12 @@ async fn a_bad_message_after_the_hand_over_does_not_stop_the_leecher() {
     if !uffd("a_bad_message_after_the_hand_over_does_not_stop_the_leecher") {
         return;
     }
-    let (server, port) = zero_data_plane().await;
+    let (server, port, slot) = zero_data_plane().await;
     let l = TcpListener::bind("127.0.0.1:0").await.unwrap();
     let addr = RemoteAddr::Tcp(l.local_addr().unwrap().to_string());
     let fake = tokio::spawn(async move {
         let (mut s, _) = l.accept().await.unwrap();
-        through_hand_over(&mut s, port).await;
+        through_hand_over(&mut s, port, &slot).await;
         let empty = Msg::Dirty {
             round: 1,
             runs: vec![],
@@ -606,8 +599,9 @@ async fn a_bad_message_after_the_hand_over_does_not_stop_the_leecher() {
     let _ = server.shutdown().await;
 }
 
-/// A read-only data plane of zero pages, as a fake seeder's: the server and its port.
-async fn zero_data_plane() -> (Server, u16) {
+/// A read-only data plane of zero pages, as a fake seeder's: the server, its port, and the
+/// slot of the key it requires.
+async fn zero_data_plane() -> (Server, u16, KeySlot) {
     let data = Listener::bind(&"127.0.0.1:0".parse().unwrap())
         .await
         .unwrap();
@@ -616,21 +610,25 @@ async fn zero_data_plane() -> (Server, u16) {
         ListenAddr::Unix(_) => unreachable!(),
     };
     let pages = Arc::new(MemoryStore::new(Geometry::new(SIZE, PAGE.into()).unwrap()));
+    let slot = KeySlot::default();
     let server = farmap_net::serve(
         pages,
         data,
         ServeOptions {
             read_only: true,
             log: false,
+            auth: Some(slot.clone()),
             ..ServeOptions::default()
         },
     )
     .unwrap();
-    (server, port)
+    (server, port, slot)
 }
 
-/// A fake seeder's side of a migration with nothing dirty, up to the leecher's `Finalize`.
-async fn through_finalize(s: &mut TcpStream, port: u16) {
+/// A fake seeder's side of a migration with nothing dirty, up to the leecher's `Finalize`
+/// (authentication included).
+async fn through_finalize(s: &mut TcpStream, port: u16, slot: &KeySlot) {
+    as_seeder(s, slot).await;
     assert_eq!(
         read_msg(s).await.unwrap(),
         Msg::Hello {
@@ -649,8 +647,8 @@ async fn through_finalize(s: &mut TcpStream, port: u16) {
 }
 
 /// A fake seeder's side of a migration with nothing dirty, up to the leecher's `Resumed`.
-async fn through_hand_over(s: &mut TcpStream, port: u16) {
-    through_finalize(s, port).await;
+async fn through_hand_over(s: &mut TcpStream, port: u16, slot: &KeySlot) {
+    through_finalize(s, port, slot).await;
     let h = Msg::HandOver {
         runs: vec![],
         app_state: Bytes::new(),
@@ -665,14 +663,14 @@ async fn a_seeder_silent_after_finalize_fails_the_leecher_within_its_deadline() 
     if !uffd("a_seeder_silent_after_finalize_fails_the_leecher_within_its_deadline") {
         return;
     }
-    let (server, port) = zero_data_plane().await;
+    let (server, port, slot) = zero_data_plane().await;
     let l = TcpListener::bind("127.0.0.1:0").await.unwrap();
     let addr = RemoteAddr::Tcp(l.local_addr().unwrap().to_string());
     let fake = tokio::spawn(async move {
         // The first connection goes as far as Finalize, then says nothing and stays open
         // (a seeder that hangs, or a half-open connection).
         let (mut s, _) = l.accept().await.unwrap();
-        through_finalize(&mut s, port).await;
+        through_finalize(&mut s, port, &slot).await;
         let mut held = vec![s];
         // Later connections are accepted and never answered.
         loop {

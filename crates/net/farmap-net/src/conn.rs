@@ -16,6 +16,7 @@ use farmap_wire::{
     decode_server_hello, ClientHello, Frame, FrameDecoder, Limits, Message, Refusal, ServerHello,
     ServerInfo, WireError, VERSION,
 };
+use farmap_wire::{Features, CHALLENGE_LABEL};
 use parking_lot::Mutex;
 use rustls::pki_types::ServerName;
 use tokio::io::{AsyncReadExt, AsyncWriteExt, ReadHalf};
@@ -24,6 +25,7 @@ use tokio::sync::{mpsc, oneshot, watch, Semaphore};
 use tokio_rustls::TlsConnector;
 
 use crate::addr::RemoteAddr;
+use crate::auth::Key;
 use crate::stream::{
     io_phrase, is_clean_close, is_http2, is_tls_record, make_room, raised, write_frames, BoxStream,
 };
@@ -182,9 +184,10 @@ impl Conn {
 pub(crate) async fn open(
     addr: &RemoteAddr,
     tls: Option<&TlsSetup>,
+    key: Option<&Key>,
     timeout: Duration,
 ) -> StoreResult<Arc<Conn>> {
-    match tokio::time::timeout(timeout, open_inner(addr, tls)).await {
+    match tokio::time::timeout(timeout, open_inner(addr, tls, key)).await {
         Ok(r) => r,
         Err(_) => Err(StoreError::new(
             ErrorKind::Timeout,
@@ -193,7 +196,11 @@ pub(crate) async fn open(
     }
 }
 
-async fn open_inner(addr: &RemoteAddr, tls: Option<&TlsSetup>) -> StoreResult<Arc<Conn>> {
+async fn open_inner(
+    addr: &RemoteAddr,
+    tls: Option<&TlsSetup>,
+    key: Option<&Key>,
+) -> StoreResult<Arc<Conn>> {
     let connect_err = |e: std::io::Error| {
         StoreError::new(
             ErrorKind::from_io(e.kind()),
@@ -217,7 +224,11 @@ async fn open_inner(addr: &RemoteAddr, tls: Option<&TlsSetup>) -> StoreResult<Ar
     };
     let sent_cert = tls.is_some_and(|t| t.sent_cert);
     let mut out = BytesMut::new();
-    ClientHello::current().encode(&mut out);
+    let mut hello = ClientHello::current();
+    if key.is_some() {
+        hello.features = hello.features | Features::AUTH;
+    }
+    hello.encode(&mut out);
     let io_err = |e: std::io::Error| match tls {
         Some(_) => handshake_error(addr, &e, sent_cert),
         None => StoreError::new(
@@ -233,8 +244,31 @@ async fn open_inner(addr: &RemoteAddr, tls: Option<&TlsSetup>) -> StoreResult<Ar
     let mut buf = BytesMut::with_capacity(4096);
     let info = loop {
         match decode_server_hello(&mut buf) {
-            Ok(Some(ServerHello::Accepted(info))) => break info,
+            Ok(Some(ServerHello::Accepted(info))) => {
+                if key.is_some() && !info.features.contains(Features::AUTH) {
+                    return Err(StoreError::new(
+                        ErrorKind::PermissionDenied,
+                        format!(
+                            "the server at {addr} did not ask for this client's key: it is \
+                             not the server this client was told to trust"
+                        ),
+                    ));
+                }
+                break info;
+            }
             Ok(Some(ServerHello::Refused(r))) => return Err(refused(addr, &r)),
+            Ok(Some(ServerHello::Challenge(nonce))) => {
+                let Some(key) = key else {
+                    return Err(StoreError::new(
+                        ErrorKind::PermissionDenied,
+                        format!("the server at {addr} requires a key, and none was given"),
+                    ));
+                };
+                let proof = key.prove(CHALLENGE_LABEL, &[&nonce]);
+                stream.write_all(&proof).await.map_err(io_err)?;
+                stream.flush().await.map_err(io_err)?;
+                continue;
+            }
             Ok(None) => {}
             Err(WireError::BadMagic { found }) if tls.is_none() && is_tls_record(&found) => {
                 return Err(StoreError::new(

@@ -27,6 +27,7 @@
 
 mod accept;
 mod addr;
+pub mod auth;
 pub mod budget;
 mod conn;
 pub mod pool;

@@ -33,6 +33,7 @@ use parking_lot::Mutex;
 use tokio::time::Instant;
 
 use crate::addr::RemoteAddr;
+use crate::auth::Key;
 use crate::conn::{open, Conn, TlsSetup};
 use crate::pool::{Dial, Link, Pool, PoolOptions};
 use crate::tls::TlsClientConfig;
@@ -62,6 +63,9 @@ pub struct ClientOptions {
     /// Pauses between reconnect attempts (its `attempts` are ignored: a slot reconnects
     /// until the store closes).
     pub reconnect: RetryPolicy,
+    /// A key to prove to a server that requires one (see [`crate::auth`]); a client with a
+    /// key also refuses a server that does not ask for it.
+    pub key: Option<Key>,
 }
 
 impl Default for ClientOptions {
@@ -73,6 +77,7 @@ impl Default for ClientOptions {
             connect_timeout: Duration::from_secs(10),
             tls: None,
             reconnect: reconnect_policy(),
+            key: None,
         }
     }
 }
@@ -81,6 +86,7 @@ impl Default for ClientOptions {
 struct Dialer {
     addr: RemoteAddr,
     tls: Option<TlsSetup>,
+    key: Option<Key>,
     connect_timeout: Duration,
     info: ServerInfo,
     restarts: Arc<Restarts>,
@@ -154,7 +160,8 @@ impl Dial for Dialer {
 
     fn dial(&self) -> BoxFuture<'_, StoreResult<Arc<Conn>>> {
         Box::pin(async move {
-            let c = open(&self.addr, self.tls.as_ref(), self.connect_timeout).await?;
+            let key = self.key.as_ref();
+            let c = open(&self.addr, self.tls.as_ref(), key, self.connect_timeout).await?;
             match self.check_same(&c) {
                 Ok(()) => {
                     self.restarts.connected(&self.addr, c.info());
@@ -231,7 +238,7 @@ impl RemoteStore {
     /// of the pool in the background.
     pub async fn connect(addr: RemoteAddr, opts: ClientOptions) -> StoreResult<RemoteStore> {
         let tls = opts.tls.as_ref().map(|t| tls_setup(&addr, t)).transpose()?;
-        let first = open(&addr, tls.as_ref(), opts.connect_timeout).await?;
+        let first = open(&addr, tls.as_ref(), opts.key.as_ref(), opts.connect_timeout).await?;
         let n = opts.connections.max(1);
         let mut initial = vec![Some(first.clone())];
         initial.resize(n, None);
@@ -240,6 +247,7 @@ impl RemoteStore {
         let dialer = Dialer {
             addr: addr.clone(),
             tls,
+            key: opts.key.clone(),
             connect_timeout: opts.connect_timeout,
             info: *first.info(),
             restarts: restarts.clone(),

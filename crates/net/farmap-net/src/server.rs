@@ -44,6 +44,7 @@ use farmap_wire::{
     ServerInfo, WireError, DEFAULT_MAX_BATCH, DEFAULT_MAX_FRAME, HEADER_LEN, MAX_BATCH_LIMIT,
     MAX_FRAME_LIMIT, MAX_IN_FLIGHT_LIMIT, MAX_MESSAGE, VERSION,
 };
+use farmap_wire::{CHALLENGE_LABEL, CHALLENGE_LEN};
 use futures::future::join_all;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::sync::{mpsc, watch, OwnedSemaphorePermit, Semaphore};
@@ -51,6 +52,7 @@ use tokio_rustls::TlsAcceptor;
 
 use crate::accept::{accept_connections, AcceptLoop};
 use crate::addr::{ListenAddr, Listener};
+use crate::auth::KeySlot;
 use crate::budget::{Charge, Total};
 use crate::running::{Running, Starting};
 use crate::stream::{
@@ -88,6 +90,9 @@ pub struct ServeOptions {
     pub total_budget: usize,
     /// How long [`Server::shutdown`] waits for requests in flight before it cuts connections.
     pub shutdown_grace: Duration,
+    /// Clients must prove they hold this key (a challenge in the handshake; see
+    /// [`crate::auth`]); while the slot is empty every client is refused. `None`: no key.
+    pub auth: Option<KeySlot>,
     /// Log each connection's coming and going at `info` level (at `debug` when false).
     /// Protocol errors and refusals are logged at `warn` level either way.
     pub log: bool,
@@ -120,6 +125,7 @@ impl Default for ServeOptions {
             conn_budget: DEFAULT_CONN_BUDGET,
             total_budget: DEFAULT_TOTAL_BUDGET,
             shutdown_grace: Duration::from_secs(10),
+            auth: None,
             log: true,
         }
     }
@@ -399,6 +405,41 @@ async fn handshake(
     }
 }
 
+/// Challenges a client to prove it holds the key in `slot`: a fresh nonce out, its HMAC
+/// back. `Err` says why not, in words for both logs and the client.
+async fn challenge(
+    stream: &mut BoxStream,
+    buf: &mut BytesMut,
+    asked: Features,
+    slot: &KeySlot,
+) -> Result<(), &'static str> {
+    if !asked.contains(Features::AUTH) {
+        return Err("this server requires a key, and the client has none");
+    }
+    let Some(key) = slot.get() else {
+        return Err("this server takes no client yet");
+    };
+    let nonce = crate::auth::random_nonce();
+    let mut out = BytesMut::new();
+    ServerHello::Challenge(nonce).encode(&mut out);
+    let io = |_| "the connection failed during the challenge";
+    stream.write_all(&out).await.map_err(io)?;
+    stream.flush().await.map_err(io)?;
+    while buf.len() < CHALLENGE_LEN {
+        if stream.read_buf(buf).await.map_err(io)? == 0 {
+            return Err("the client left during the challenge");
+        }
+    }
+    let answer = buf.split_to(CHALLENGE_LEN);
+    let mut proof = [0u8; CHALLENGE_LEN];
+    proof.copy_from_slice(&answer);
+    if key.check(CHALLENGE_LABEL, &[&nonce], &proof) {
+        Ok(())
+    } else {
+        Err("the client's key is not this server's")
+    }
+}
+
 async fn send_refusal(
     stream: &mut BoxStream,
     kind: ErrorKind,
@@ -462,6 +503,22 @@ async fn connection(stream: BoxStream, peer: String, ctx: Arc<Ctx>) {
     }
     let mut info = ctx.info;
     info.features = info.features & hello.features;
+    let mut buf = buf;
+    if let Some(slot) = &ctx.opts.auth {
+        let proven = tokio::time::timeout(
+            timeout,
+            challenge(&mut stream, &mut buf, hello.features, slot),
+        )
+        .await
+        .unwrap_or(Err("no answer to the challenge in time"));
+        if let Err(why) = proven {
+            tracing::warn!("refused {peer}: {why}");
+            let msg = format!("authentication failed: {why}");
+            let _ = send_refusal(&mut stream, ErrorKind::PermissionDenied, msg).await;
+            return;
+        }
+        info.features = info.features | Features::AUTH;
+    }
     let mut out = BytesMut::new();
     ServerHello::Accepted(info).encode(&mut out);
     let sent = tokio::time::timeout(timeout, async {

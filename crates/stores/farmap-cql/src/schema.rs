@@ -98,6 +98,12 @@ impl Schema<'_> {
     /// Makes sure the keyspace and both tables exist, creating them when the spec says
     /// `create=true`; otherwise a missing one is a `NotFound` error saying so.
     pub(crate) async fn ensure_tables(&self) -> StoreResult<()> {
+        // Two sessions creating one table at once can each get a table id of its own, and
+        // requests then fail with "Unknown CF" until the schema settles: the stores of this
+        // process create tables one at a time (the driver waits for schema agreement after
+        // each creation).
+        static CREATING: tokio::sync::Mutex<()> = tokio::sync::Mutex::const_new(());
+        let _one_at_a_time = CREATING.lock().await;
         let t = &self.spec.target;
         let missing = |what: String| {
             StoreError::new(

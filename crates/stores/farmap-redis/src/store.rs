@@ -200,7 +200,20 @@ impl RedisStore {
 
     /// Runs one command on the next connection of the pool, within the timeout.
     async fn run<T: FromRedisValue>(&self, cmd: &Cmd) -> Result<T, RunError> {
-        let i = self.next.fetch_add(1, Ordering::Relaxed);
+        self.run_on(self.next.fetch_add(1, Ordering::Relaxed), cmd)
+            .await
+    }
+
+    /// Connections in the pool.
+    fn connections(&self) -> usize {
+        match &self.pool {
+            Pool::Single(v) => v.len(),
+            Pool::Cluster(v) => v.len(),
+        }
+    }
+
+    /// Runs one command on connection `i` (modulo the pool's size), within the timeout.
+    async fn run_on<T: FromRedisValue>(&self, i: usize, cmd: &Cmd) -> Result<T, RunError> {
         let fut = async {
             match &self.pool {
                 Pool::Single(v) => {
@@ -559,16 +572,12 @@ impl Store for RedisStore {
             let ms = wait.as_millis().max(1) as u64;
             let mut cmd = redis::cmd("WAIT");
             cmd.arg(replicas).arg(ms);
-            // WAIT covers the writes sent on the connection it is sent on: send it on each.
-            let conns = match &self.pool {
-                Pool::Single(v) => v.len(),
-                Pool::Cluster(v) => v.len(),
-            };
-            for _ in 0..conns {
-                let acked: u64 = self
-                    .run(&cmd)
-                    .await
-                    .map_err(|e| self.err("waiting for replicas (WAIT)", e))?;
+            // WAIT covers the writes sent on the connection it is sent on: send it on every
+            // connection of the pool, by index (the round-robin counter is shared with data
+            // traffic, which would skip some), all at once.
+            let waits = (0..self.connections()).map(|i| self.run_on::<u64>(i, &cmd));
+            for acked in futures::future::join_all(waits).await {
+                let acked = acked.map_err(|e| self.err("waiting for replicas (WAIT)", e))?;
                 if acked < u64::from(replicas) {
                     return Err(StoreError::new(
                         ErrorKind::Timeout,

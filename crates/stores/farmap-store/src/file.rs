@@ -71,7 +71,10 @@ impl Default for FileOptions {
 ///   whole file: operations on different chunks run in parallel on Tokio's blocking pool.
 /// - Chunks are guarded by 1024 striped `RwLock<()>` (chunk `i` uses stripe `i % 1024`): reads
 ///   share a stripe, a write or trim holds it alone, so a read never sees half a write.
-/// - Other processes writing the same file get no such guarantee.
+/// - One writer per file: a writable opening takes an exclusive `flock` on the file
+///   (another writable opening, in this process or another, is refused with
+///   [`Unavailable`](ErrorKind::Unavailable)); read-only openings take no lock. Programs that
+///   ignore `flock` and write the file get no guarantee.
 pub struct FileStore {
     blocking: OnBlocking<Inner>,
 }
@@ -110,7 +113,9 @@ impl FileStore {
         let create = !opts.read_only && opts.size.is_some();
         // `created`: this call made the file, so a failure below removes it again.
         let (file, created) = open_file(path, &opts, create)?;
-        let opened = finish_open(path, &file, &opts, wanted, created);
+        // One writer at a time: two could tear a chunk (each write lands page by page).
+        let opened = lock_writer(path, &file, &opts)
+            .and_then(|()| finish_open(path, &file, &opts, wanted, created));
         let geometry = match opened {
             Ok(g) => g,
             Err(e) => {
@@ -143,6 +148,29 @@ impl FileStore {
     #[doc(hidden)]
     pub fn fail_next_sync(&self, errno: i32) {
         self.blocking.0.sync_fault.store(errno, Ordering::SeqCst);
+    }
+}
+
+/// A writable opening takes an exclusive `flock` on the file (released when it is closed);
+/// a read-only one takes none.
+fn lock_writer(path: &Path, file: &File, opts: &FileOptions) -> StoreResult<()> {
+    if opts.read_only {
+        return Ok(());
+    }
+    match rustix::fs::flock(file, rustix::fs::FlockOperation::NonBlockingLockExclusive) {
+        Ok(()) => Ok(()),
+        Err(Errno::WOULDBLOCK) => Err(StoreError::new(
+            ErrorKind::Unavailable,
+            format!(
+                "{} is in use: another writer (another process, or another opening in this one) \
+                 holds its lock; open it read-only (?ro) to read it meanwhile",
+                path.display()
+            ),
+        )),
+        Err(e) => Err(StoreError::io(
+            format!("cannot lock {}", path.display()),
+            e.into(),
+        )),
     }
 }
 

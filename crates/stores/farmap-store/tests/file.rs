@@ -100,7 +100,8 @@ async fn reopening_without_a_size_reads_back_the_data() {
     assert!(farmap_core::is_zero(
         &store.read(ChunkIdx(1)).await.unwrap()
     ));
-    // Giving the same size again is fine too.
+    // Giving the same size again is fine too (once the first writer is gone).
+    drop(store);
     assert!(FileStore::open(&path, opts(Some(10_000), 4096)).is_ok());
 }
 
@@ -360,4 +361,41 @@ async fn a_failed_flush_stays_failed_until_the_store_is_reopened() {
     drop(store);
     let reopened = FileStore::open(&path, opts(None, 4096)).unwrap();
     reopened.flush().await.expect("a reopened store flushes");
+}
+
+/// Two writers of one file could tear a chunk (each write lands page by page): the second
+/// writable opening is refused, a read-only one is not, and the lock goes with the writer.
+#[tokio::test]
+async fn one_writer_per_file() {
+    let dir = TempDir::new().unwrap();
+    let path = dir.path().join("region.img");
+    let writer = FileStore::open(&path, opts(Some(16 * 4096), 4096)).unwrap();
+    writer
+        .write(ChunkIdx(1), Bytes::from(vec![7u8; 4096]))
+        .await
+        .unwrap();
+    let e = FileStore::open(&path, opts(None, 4096)).unwrap_err();
+    assert_eq!(e.kind(), ErrorKind::Unavailable, "{e}");
+    assert!(
+        e.context().contains(&path.display().to_string()) && e.context().contains("in use"),
+        "the refusal names the file: {e}"
+    );
+    let reader = FileStore::open(
+        &path,
+        FileOptions {
+            chunk_size: 4096,
+            ..read_only(None)
+        },
+    )
+    .unwrap();
+    assert_eq!(
+        reader.read(ChunkIdx(1)).await.unwrap(),
+        Bytes::from(vec![7u8; 4096])
+    );
+    drop(writer);
+    let again = FileStore::open(&path, opts(None, 4096)).unwrap();
+    assert_eq!(
+        again.read(ChunkIdx(1)).await.unwrap(),
+        Bytes::from(vec![7u8; 4096])
+    );
 }

@@ -240,6 +240,7 @@ async fn one(size: u64, mode: Mode, args: &MigrateArgs) -> anyhow::Result<Outcom
             observer: None,
             pull: Default::default(),
             push_budget: farmap_migrate::seed::PUSH_BUDGET,
+            key: farmap_migrate::auth::process_key(),
         },
     )
     .await?;

@@ -1,5 +1,7 @@
 //! What the migration tests share.
 
+pub mod raw;
+
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -28,6 +30,7 @@ pub fn seed_options(push_budget: Duration) -> SeedOptions {
         observer: None,
         pull: Default::default(),
         push_budget,
+        key: farmap_migrate::auth::process_key(),
     }
 }
 

@@ -1,4 +1,6 @@
 //! Shared pieces of the Redis tests: the real servers and fresh prefixes.
+// Not every test binary uses every helper.
+#![allow(dead_code)]
 
 use std::sync::Arc;
 
@@ -42,7 +44,6 @@ pub async fn fresh_dyn(spec_base: &str, g: Geometry, extra: &[(&str, &str)]) -> 
 }
 
 /// A plain client to one server, for setting up what the store must cope with.
-#[allow(dead_code)] // tls.rs sets nothing up behind the store's back
 pub async fn raw(addr: &str) -> redis::aio::MultiplexedConnection {
     redis::Client::open(format!("redis://{addr}"))
         .expect("client")
