@@ -34,6 +34,7 @@
 #![warn(missing_docs)]
 
 mod client;
+mod codec;
 mod convert;
 mod limits;
 mod server;
@@ -55,6 +56,11 @@ pub const VERSION: u32 = 1;
 pub mod pb {
     tonic::include_proto!("farmap.v1");
 }
+
+// Unit tests measure what the codec allocates.
+#[cfg(test)]
+#[global_allocator]
+static GLOBAL: farmap_testkit::alloc::CountingAlloc = farmap_testkit::alloc::CountingAlloc;
 
 /// HTTP/2 stream window: a whole 4 MiB chunk and then some.
 pub(crate) const STREAM_WINDOW: u32 = 8 << 20;
