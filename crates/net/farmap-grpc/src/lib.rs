@@ -33,11 +33,14 @@
 #![forbid(unsafe_code)]
 #![warn(missing_docs)]
 
+mod admission;
 mod client;
 mod codec;
 mod convert;
+mod lease;
 mod limits;
 mod server;
+mod sizes;
 
 pub use client::{GrpcClientOptions, GrpcStore};
 pub use convert::ERROR_KIND_METADATA;
