@@ -21,7 +21,8 @@ use crate::pb::store_server::StoreServer;
 use crate::pb::{self, chunk_reply, write_request};
 use crate::sizes::{Sizes, FRAMING};
 use crate::{
-    CONNECTION_WINDOW, DEFAULT_MAX_BATCH, DEFAULT_MAX_MESSAGE, MAX_FRAME, STREAM_WINDOW, VERSION,
+    DEFAULT_MAX_BATCH, DEFAULT_MAX_MESSAGE, MAX_FRAME, SERVER_CONNECTION_WINDOW, STREAM_WINDOW,
+    VERSION,
 };
 
 /// How a gRPC server serves its store.
@@ -43,7 +44,9 @@ use crate::{
 /// - So the server's memory for calls is at most the total and one reserve per connection
 ///   (while a reply is encoded, on one thread, its chunks and its encoded bytes exist at
 ///   once), and beside it, per connection, what HTTP/2 holds outside any call: bytes of
-///   requests not yet admitted, up to its receive window, and hyper's send buffers.
+///   requests not yet admitted, up to its receive window (16 MiB), and hyper's send buffers.
+///   While a connection's window is full of requests that wait for memory, its admitted
+///   requests wait for their bytes with them, until those time out.
 ///
 /// At most [`max_connections`](Self::max_connections) connections are served, each with at
 /// most [`max_in_flight`](Self::max_in_flight) calls, and one that moves no bytes for
@@ -135,7 +138,7 @@ pub async fn serve_grpc_with_shutdown(
     let in_flight = options.max_in_flight.max(1);
     Server::builder()
         .initial_stream_window_size(STREAM_WINDOW)
-        .initial_connection_window_size(CONNECTION_WINDOW)
+        .initial_connection_window_size(SERVER_CONNECTION_WINDOW)
         .max_concurrent_streams(in_flight)
         .concurrency_limit_per_connection(in_flight as usize)
         .max_frame_size(MAX_FRAME)
