@@ -9,6 +9,8 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     // Chunk payloads as `bytes::Bytes`: decoded without a copy, shared with the store.
     config.bytes(["."]);
     tonic_prost_build::configure()
+        // Messages are encoded into a buffer reserved for their length (see src/codec.rs).
+        .codec_path("crate::codec::ReservingCodec")
         .build_client(true)
         .build_server(true)
         .build_transport(false)

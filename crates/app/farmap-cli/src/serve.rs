@@ -86,12 +86,6 @@ async fn run_grpc(
     let ListenAddr::Tcp(addr) = &listen else {
         anyhow::bail!("--grpc listens on TCP only (IP:PORT), not {listen}");
     };
-    if args.max_memory.is_some() {
-        anyhow::bail!(
-            "--max-memory applies to farmap's native protocol only; a gRPC server's memory is \
-             bounded by --max-connections × --max-in-flight × its largest message"
-        );
-    }
     if args.handshake_timeout.is_some() {
         anyhow::bail!(
             "--handshake-timeout applies to farmap's native protocol only; a gRPC connection \
@@ -109,13 +103,17 @@ async fn run_grpc(
         store.geometry(),
         served_caps(store.caps(), args.read_only),
     );
+    let defaults = farmap_grpc::GrpcServerOptions::default();
     let opts = farmap_grpc::GrpcServerOptions {
         read_only: args.read_only,
         max_connections: args.max_connections as usize,
         max_in_flight: args.max_in_flight,
         idle_timeout: args.idle_timeout,
         log: !args.quiet,
-        ..farmap_grpc::GrpcServerOptions::default()
+        total_budget: args.max_memory.map_or(defaults.total_budget, |m| {
+            usize::try_from(m).unwrap_or(usize::MAX)
+        }),
+        ..defaults
     };
     let flush = store.clone();
     farmap_grpc::serve_grpc_with_shutdown(store, listener, opts, async {

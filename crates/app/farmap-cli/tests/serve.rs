@@ -381,19 +381,30 @@ fn grpc_honours_the_connection_limit_and_refuses_native_only_options() {
     let (_, log) = served.stop("TERM");
     assert!(log.contains("already serving 4 connections"), "{log}");
 
+    // --max-memory applies to gRPC too; --handshake-timeout does not.
+    let served = serve(
+        "memory:1MiB",
+        "127.0.0.1:0",
+        &["--grpc", "--max-memory", "64MiB"],
+    );
+    check(
+        &farmap().run(&["info", &format!("farmap+grpc://{}", served.addr())]),
+        "info with --max-memory",
+    );
+    served.stop("TERM");
     let o = farmap().run(&[
         "serve",
         "memory:1MiB",
         "--grpc",
         "--listen",
         "127.0.0.1:0",
-        "--max-memory",
-        "1GiB",
+        "--handshake-timeout",
+        "5s",
     ]);
     assert!(!o.status.success());
     let err = String::from_utf8_lossy(&o.stderr);
     assert!(
-        err.contains("--max-memory applies to farmap's native protocol only"),
+        err.contains("--handshake-timeout applies to farmap's native protocol only"),
         "{err}"
     );
 }

@@ -17,10 +17,8 @@ use tonic::{Response, Status};
 use crate::convert::{caps_from_pb, error_from_status, kind_from_pb, status_from_pb};
 use crate::pb::store_client::StoreClient;
 use crate::pb::{self, chunk_reply, write_request};
+use crate::sizes::FRAMING;
 use crate::{CONNECTION_WINDOW, DEFAULT_MAX_MESSAGE, MAX_FRAME, STREAM_WINDOW, VERSION};
-
-/// Protobuf and gRPC framing around the chunk payloads of one message, at most.
-const FRAMING: usize = 64 << 10;
 
 /// How a [`GrpcStore`] connects.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]

@@ -93,7 +93,13 @@ pub(crate) fn message_of(err: &StoreError) -> String {
 
 /// A failed call: a code for any client, the exact kind in the metadata for farmap's.
 pub(crate) fn status_from_error(err: &StoreError) -> Status {
-    let mut status = Status::new(code_of(err.kind()), message_of(err));
+    status_with_code(code_of(err.kind()), err)
+}
+
+/// A failed call with a code of its own (not the one its kind maps to) and the exact kind in
+/// the metadata.
+pub(crate) fn status_with_code(code: Code, err: &StoreError) -> Status {
+    let mut status = Status::new(code, message_of(err));
     let name = kind_to_pb(err.kind()).as_str_name();
     status
         .metadata_mut()

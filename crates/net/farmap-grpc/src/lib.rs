@@ -27,16 +27,22 @@
 //! # Ok(()) }
 //! ```
 //!
-//! Message size limits are raised to fit the largest chunk (4 MiB) and batches of chunks; the
-//! HTTP/2 flow-control windows are large enough (8 MiB per stream, 64 MiB per connection) for
-//! links with tens of milliseconds of round trip.
+//! Message size limits fit the largest chunk (4 MiB) and batches of chunks; the HTTP/2
+//! flow-control windows are large enough (8 MiB per stream; per connection, 64 MiB for the
+//! client's replies, 16 MiB for the server's requests) for links with tens of milliseconds
+//! of round trip. The server holds every call to a memory budget (see
+//! [`GrpcServerOptions`]).
 #![forbid(unsafe_code)]
 #![warn(missing_docs)]
 
+mod admission;
 mod client;
+mod codec;
 mod convert;
+mod lease;
 mod limits;
 mod server;
+mod sizes;
 
 pub use client::{GrpcClientOptions, GrpcStore};
 pub use convert::ERROR_KIND_METADATA;
@@ -56,12 +62,21 @@ pub mod pb {
     tonic::include_proto!("farmap.v1");
 }
 
+// Unit tests measure what the codec allocates.
+#[cfg(test)]
+#[global_allocator]
+static GLOBAL: farmap_testkit::alloc::CountingAlloc = farmap_testkit::alloc::CountingAlloc;
+
 /// HTTP/2 stream window: a whole 4 MiB chunk and then some.
 pub(crate) const STREAM_WINDOW: u32 = 8 << 20;
 /// The largest HTTP/2 frame either side accepts (the default is 16 KiB: four frames per chunk).
 pub(crate) const MAX_FRAME: u32 = 1 << 20;
-/// HTTP/2 connection window.
+/// HTTP/2 connection window of a client (for replies).
 pub(crate) const CONNECTION_WINDOW: u32 = 64 << 20;
+/// HTTP/2 connection window of the server (for requests): four writes of the largest chunk.
+/// Requests the server has not admitted yet wait in it, outside the memory budget, so it is
+/// smaller than a client's.
+pub(crate) const SERVER_CONNECTION_WINDOW: u32 = 16 << 20;
 /// The default largest message: 16 chunks of 4 MiB plus framing.
 pub(crate) const DEFAULT_MAX_MESSAGE: u32 = (64 << 20) + (64 << 10);
 /// The default most chunks per read.

@@ -1,5 +1,5 @@
-//! What bounds a gRPC server's connections: a cap on how many are served at once, and a
-//! deadline on connections that move no bytes.
+//! What bounds a gRPC server's connections: a cap on how many are served at once, a deadline
+//! on connections that move no bytes, and a memory budget each.
 //!
 //! - [`limited_incoming`] accepts from a listener; a connection beyond the cap is closed at
 //!   once (and logged), never queued or spawned for.
@@ -7,6 +7,9 @@
 //!   write that makes no progress for the idle timeout fails (`TimedOut`), which ends the
 //!   connection: a client that sends nothing for that long with nothing in flight, or that
 //!   stops reading its replies, or that never finishes its handshake, is cut off.
+//! - Each connection has a [`Budget`] drawn from the server's [`Total`], which every one of
+//!   its calls finds in its request's extensions ([`ConnInfo`]) and is charged to (see
+//!   [`crate::admission`]).
 
 use std::future::Future;
 use std::io;
@@ -15,12 +18,39 @@ use std::sync::Arc;
 use std::task::{ready, Context, Poll};
 use std::time::Duration;
 
+use farmap_net::budget::{Budget, Total};
 use futures::Stream;
 use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
 use tokio::net::{TcpListener, TcpStream};
 use tokio::sync::{OwnedSemaphorePermit, Semaphore};
 use tokio::time::{Instant, Sleep};
-use tonic::transport::server::{Connected, TcpConnectInfo};
+use tonic::transport::server::Connected;
+
+/// How much memory each connection may hold, and all of them together.
+#[derive(Debug, Clone)]
+pub(crate) struct Budgets {
+    /// The server's total.
+    pub(crate) total: Total,
+    /// Each connection's budget, drawn from the total.
+    pub(crate) conn: usize,
+    /// Each connection's reserve, outside the total.
+    pub(crate) reserve: usize,
+}
+
+/// What every call of a connection finds in its request's extensions.
+#[derive(Debug, Clone)]
+pub(crate) struct ConnInfo {
+    /// The connection's memory budget.
+    pub(crate) budget: Budget,
+    peer: Arc<str>,
+}
+
+impl ConnInfo {
+    /// The client's address.
+    pub(crate) fn peer(&self) -> &str {
+        &self.peer
+    }
+}
 
 /// An accepted connection that holds one of the server's connection slots.
 #[derive(Debug)]
@@ -29,7 +59,7 @@ pub(crate) struct Limited {
     _slot: OwnedSemaphorePermit,
     idle: Duration,
     deadline: Pin<Box<Sleep>>,
-    peer: String,
+    info: ConnInfo,
     log: bool,
 }
 
@@ -38,7 +68,7 @@ impl Limited {
         io: TcpStream,
         slot: OwnedSemaphorePermit,
         idle: Duration,
-        peer: String,
+        info: ConnInfo,
         log: bool,
     ) -> Self {
         Self {
@@ -46,7 +76,7 @@ impl Limited {
             _slot: slot,
             idle,
             deadline: Box::pin(tokio::time::sleep(idle)),
-            peer,
+            info,
             log,
         }
     }
@@ -62,7 +92,7 @@ impl Limited {
         ready!(self.deadline.as_mut().poll(cx));
         tracing::warn!(
             "closing gRPC connection from {}: no bytes moved for {:?}",
-            self.peer,
+            self.info.peer,
             self.idle
         );
         Poll::Ready(io::Error::new(
@@ -75,9 +105,9 @@ impl Limited {
 impl Drop for Limited {
     fn drop(&mut self) {
         if self.log {
-            tracing::info!("gRPC connection from {} closed", self.peer);
+            tracing::info!("gRPC connection from {} closed", self.info.peer);
         } else {
-            tracing::debug!("gRPC connection from {} closed", self.peer);
+            tracing::debug!("gRPC connection from {} closed", self.info.peer);
         }
     }
 }
@@ -148,24 +178,27 @@ impl AsyncWrite for Limited {
 }
 
 impl Connected for Limited {
-    type ConnectInfo = TcpConnectInfo;
+    type ConnectInfo = ConnInfo;
 
-    fn connect_info(&self) -> TcpConnectInfo {
-        self.io.connect_info()
+    fn connect_info(&self) -> ConnInfo {
+        self.info.clone()
     }
 }
 
 /// Accepts connections from `listener`, at most `max` served at once; each gets `idle` as
-/// its deadline for making progress. Accept errors (out of file descriptors and the like) are
-/// logged and followed by a short pause, never passed on (they would stop the server).
+/// its deadline for making progress and a budget from `budgets`. Accept errors (out of file
+/// descriptors and the like) are logged and followed by a short pause, never passed on (they
+/// would stop the server).
 pub(crate) fn limited_incoming(
     listener: TcpListener,
     max: usize,
     idle: Duration,
     log: bool,
+    budgets: Budgets,
 ) -> impl Stream<Item = io::Result<Limited>> {
     let slots = Arc::new(Semaphore::new(max));
-    futures::stream::unfold((listener, slots), move |(listener, slots)| async move {
+    let state = (listener, slots, budgets);
+    futures::stream::unfold(state, move |(listener, slots, budgets)| async move {
         loop {
             let (io, peer) = match listener.accept().await {
                 Ok(accepted) => accepted,
@@ -189,8 +222,12 @@ pub(crate) fn limited_incoming(
             } else {
                 tracing::debug!("gRPC connection from {peer}");
             }
-            let conn = Limited::new(io, slot, idle, peer, log);
-            return Some((Ok(conn), (listener, slots)));
+            let info = ConnInfo {
+                budget: budgets.total.connection(budgets.conn, budgets.reserve),
+                peer: peer.into(),
+            };
+            let conn = Limited::new(io, slot, idle, info, log);
+            return Some((Ok(conn), (listener, slots, budgets)));
         }
     })
 }

@@ -7,27 +7,50 @@ use std::time::Duration;
 use farmap_core::{
     is_zero, zero_chunk, Caps, ChunkIdx, ChunkRange, Geometry, Store, StoreError, StoreResult,
 };
+use farmap_net::budget::Total;
 use futures::future::join_all;
 use tokio::net::TcpListener;
 use tonic::transport::Server;
 use tonic::{Request, Response, Status};
 
+use crate::admission::Admission;
 use crate::convert::{caps_to_pb, error_to_pb, status_from_error, status_to_pb};
-use crate::limits::limited_incoming;
+use crate::lease::Lease;
+use crate::limits::{limited_incoming, Budgets};
 use crate::pb::store_server::StoreServer;
 use crate::pb::{self, chunk_reply, write_request};
+use crate::sizes::{Sizes, FRAMING};
 use crate::{
-    CONNECTION_WINDOW, DEFAULT_MAX_BATCH, DEFAULT_MAX_MESSAGE, MAX_FRAME, STREAM_WINDOW, VERSION,
+    DEFAULT_MAX_BATCH, DEFAULT_MAX_MESSAGE, MAX_FRAME, SERVER_CONNECTION_WINDOW, STREAM_WINDOW,
+    VERSION,
 };
 
-/// Protobuf and gRPC framing around the chunk payloads of one message, at most.
-const FRAMING: usize = 64 << 10;
 /// How a gRPC server serves its store.
 ///
-/// Memory: each connection holds at most [`max_in_flight`](Self::max_in_flight) requests and
-/// their replies, each at most [`max_message`](Self::max_message) bytes; at most
-/// [`max_connections`](Self::max_connections) connections are served, and one that moves no
-/// bytes for [`idle_timeout`](Self::idle_timeout) (idle, or not reading its replies) is closed.
+/// Memory:
+/// - Every call is charged, before its request is read, what it may hold until the last byte
+///   of its reply is gone: its request at the largest its kind may be (a write: one chunk and
+///   a few bytes; a read: [`max_batch`](Self::max_batch) indices) and, for a read, once its
+///   chunks are known, each chunk it reads. The charge comes from its connection's budget
+///   (two of the largest calls) and then from the connection's own reserve (a call of one
+///   chunk, at least 1 MiB) or from the server's total
+///   ([`total_budget`](Self::total_budget)), as in farmap's native server. A call whose charge
+///   does not come within [`memory_wait`](Self::memory_wait) fails with `RESOURCE_EXHAUSTED`
+///   (kind `Unavailable`: retryable) with its request unread. Clients that hold the whole
+///   total (with writes the store keeps pending, or replies they never read) do not starve the
+///   others: every connection can still run a call of one chunk.
+/// - A request larger than its kind may be is refused on the length its message announces,
+///   before it is buffered or decoded.
+/// - So the server's memory for calls is at most the total and one reserve per connection
+///   (while a reply is encoded, on one thread, its chunks and its encoded bytes exist at
+///   once), and beside it, per connection, what HTTP/2 holds outside any call: bytes of
+///   requests not yet admitted, up to its receive window (16 MiB), and hyper's send buffers.
+///   While a connection's window is full of requests that wait for memory, its admitted
+///   requests wait for their bytes with them, until those time out.
+///
+/// At most [`max_connections`](Self::max_connections) connections are served, each with at
+/// most [`max_in_flight`](Self::max_in_flight) calls, and one that moves no bytes for
+/// [`idle_timeout`](Self::idle_timeout) (idle, or not reading its replies) is closed.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub struct GrpcServerOptions {
     /// Refuse writes and trims (with [`ErrorKind::ReadOnly`](farmap_core::ErrorKind)) and
@@ -35,7 +58,8 @@ pub struct GrpcServerOptions {
     pub read_only: bool,
     /// The most chunks one read request may ask for.
     pub max_batch: u32,
-    /// The largest message either side may send, in bytes; raised to fit at least one chunk.
+    /// The largest message the server sends (a read's reply), in bytes; raised to fit at least
+    /// one chunk. A request is at most a write of one chunk, or a read's indices.
     pub max_message: u32,
     /// Connections served at once; more are closed as soon as they are accepted.
     pub max_connections: usize,
@@ -45,6 +69,12 @@ pub struct GrpcServerOptions {
     pub idle_timeout: Duration,
     /// Log each connection's coming and going at `info` level (at `debug` when false).
     pub log: bool,
+    /// Bytes of requests and replies held at once over all connections (beside each
+    /// connection's reserve); raised to fit the largest call. Default 256 MiB, as for
+    /// farmap's native server.
+    pub total_budget: usize,
+    /// How long a call waits for memory before it fails with `RESOURCE_EXHAUSTED`.
+    pub memory_wait: Duration,
 }
 
 impl Default for GrpcServerOptions {
@@ -57,6 +87,8 @@ impl Default for GrpcServerOptions {
             max_in_flight: 128,
             idle_timeout: Duration::from_secs(120),
             log: true,
+            total_budget: farmap_net::DEFAULT_TOTAL_BUDGET,
+            memory_wait: Duration::from_secs(10),
         }
     }
 }
@@ -86,24 +118,35 @@ pub async fn serve_grpc_with_shutdown(
     signal: impl Future<Output = ()>,
 ) -> Result<(), GrpcServeError> {
     let service = StoreService::new(store, options);
-    let max_message = service.max_message as usize;
+    let sizes = service.sizes;
     let server = StoreServer::new(service)
-        .max_decoding_message_size(max_message)
-        .max_encoding_message_size(max_message);
+        .max_decoding_message_size(sizes.largest_request())
+        .max_encoding_message_size(sizes.max_message());
+    let largest = sizes.largest_charge();
+    let budgets = Budgets {
+        total: Total::new(options.total_budget.max(largest)),
+        conn: largest.saturating_mul(2),
+        reserve: sizes.reserve(),
+    };
     let incoming = limited_incoming(
         listener,
         options.max_connections.max(1),
         options.idle_timeout,
         options.log,
+        budgets,
     );
     let in_flight = options.max_in_flight.max(1);
     Server::builder()
         .initial_stream_window_size(STREAM_WINDOW)
-        .initial_connection_window_size(CONNECTION_WINDOW)
+        .initial_connection_window_size(SERVER_CONNECTION_WINDOW)
         .max_concurrent_streams(in_flight)
         .concurrency_limit_per_connection(in_flight as usize)
         .max_frame_size(MAX_FRAME)
-        .serve_with_incoming_shutdown(server, incoming, signal)
+        .serve_with_incoming_shutdown(
+            Admission::new(server, sizes, options.memory_wait),
+            incoming,
+            signal,
+        )
         .await
         .map_err(GrpcServeError)
 }
@@ -116,8 +159,7 @@ struct StoreService {
     geometry: Geometry,
     caps: Caps,
     read_only: bool,
-    max_batch: u32,
-    max_message: u32,
+    sizes: Sizes,
 }
 
 impl StoreService {
@@ -127,14 +169,12 @@ impl StoreService {
         if options.read_only {
             caps = caps.without(Caps::WRITE | Caps::TRIM);
         }
-        let one_chunk = u32::try_from(geometry.chunk_size() as usize + FRAMING).unwrap_or(u32::MAX);
         Self {
             store,
             geometry,
             caps,
             read_only: options.read_only,
-            max_batch: options.max_batch.max(1),
-            max_message: options.max_message.max(one_chunk),
+            sizes: Sizes::new(geometry, options.max_batch, options.max_message),
         }
     }
 
@@ -180,8 +220,8 @@ impl pb::store_server::Store for StoreService {
             chunk_size: self.geometry.chunk_size(),
             caps: Some(caps_to_pb(self.caps)),
             read_only: self.read_only,
-            max_batch: self.max_batch,
-            max_message: self.max_message,
+            max_batch: u32::try_from(self.sizes.max_batch()).unwrap_or(u32::MAX),
+            max_message: u32::try_from(self.sizes.max_message()).unwrap_or(u32::MAX),
         }))
     }
 
@@ -189,16 +229,23 @@ impl pb::store_server::Store for StoreService {
         &self,
         request: Request<pb::ReadRequest>,
     ) -> Result<Response<pb::ReadReply>, Status> {
+        let lease = request.extensions().get::<Lease>().cloned();
         let chunks = request.into_inner().chunks;
         let payload = chunks.len() * self.geometry.chunk_size() as usize;
-        if chunks.len() > self.max_batch as usize || payload + FRAMING > self.max_message as usize {
+        if chunks.len() > self.sizes.max_batch() || payload + FRAMING > self.sizes.max_message() {
             return reply(Err(StoreError::invalid(format!(
                 "a read of {} chunks exceeds this server's limits ({} chunks, {} bytes)",
                 chunks.len(),
-                self.max_batch,
-                self.max_message
+                self.sizes.max_batch(),
+                self.sizes.max_message()
             ))));
         }
+        // Every call comes through `Admission`, which gives it its lease.
+        let Some(lease) = lease else {
+            return Err(Status::internal("a read without its memory lease"));
+        };
+        let what = || format!("a read of {} chunks", chunks.len());
+        lease.add(self.sizes.reply_charge(&chunks), what).await?;
         let replies = join_all(chunks.into_iter().map(|c| self.read_one(ChunkIdx(c)))).await;
         reply(Ok(pb::ReadReply { chunks: replies }))
     }

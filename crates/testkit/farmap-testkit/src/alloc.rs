@@ -11,9 +11,15 @@
 //! calling thread: the bytes allocated and not yet freed ([`live_bytes`]), and the largest
 //! single allocation made while [`largest_allocation`] runs a closure. Only the thread's own
 //! allocations count, so tests running side by side do not disturb each other.
+//!
+//! For code that allocates on other threads (a server on a runtime's workers), it also keeps
+//! the bytes live in the whole process and their peak ([`process_live_bytes`],
+//! [`reset_process_peak`], [`process_peak_bytes`]); tests that read those must not run side
+//! by side with other tests that allocate much.
 
 use std::alloc::{GlobalAlloc, Layout, System};
 use std::cell::Cell;
+use std::sync::atomic::{AtomicIsize, Ordering};
 
 /// The counting allocator (see the [module docs](self)).
 #[derive(Debug, Clone, Copy, Default)]
@@ -25,10 +31,18 @@ thread_local! {
     static LARGEST: Cell<usize> = const { Cell::new(0) };
 }
 
-/// Records `delta` more bytes live on this thread (negative: freed).
+/// Bytes live in the whole process, and the most there were since the last reset.
+static PROCESS_LIVE: AtomicIsize = AtomicIsize::new(0);
+static PROCESS_PEAK: AtomicIsize = AtomicIsize::new(0);
+
+/// Records `delta` more bytes live on this thread and in the process (negative: freed).
 fn add(delta: isize) {
     // `try_with`: the thread-locals may be gone while a thread shuts down.
     let _ = LIVE.try_with(|l| l.set(l.get() + delta));
+    let now = PROCESS_LIVE.fetch_add(delta, Ordering::Relaxed) + delta;
+    if delta > 0 {
+        PROCESS_PEAK.fetch_max(now, Ordering::Relaxed);
+    }
 }
 
 /// Records an allocation of `size` bytes for [`largest_allocation`], if it is running.
@@ -68,6 +82,25 @@ unsafe impl GlobalAlloc for CountingAlloc {
 /// be the global allocator); compare two readings.
 pub fn live_bytes() -> isize {
     LIVE.with(|l| l.get())
+}
+
+/// The bytes allocated and not freed by every thread of the process (through
+/// [`CountingAlloc`], which must be the global allocator).
+pub fn process_live_bytes() -> usize {
+    PROCESS_LIVE.load(Ordering::Relaxed).max(0) as usize
+}
+
+/// Starts measuring a new peak: sets it to the bytes live now, which it returns.
+pub fn reset_process_peak() -> usize {
+    let now = PROCESS_LIVE.load(Ordering::Relaxed);
+    PROCESS_PEAK.store(now, Ordering::Relaxed);
+    now.max(0) as usize
+}
+
+/// The most bytes live in the process at once since [`reset_process_peak`] (through
+/// [`CountingAlloc`], which must be the global allocator).
+pub fn process_peak_bytes() -> usize {
+    PROCESS_PEAK.load(Ordering::Relaxed).max(0) as usize
 }
 
 /// Runs `f` and returns the largest single allocation (or reallocation's new size) it made on
