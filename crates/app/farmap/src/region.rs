@@ -65,14 +65,18 @@ pub mod handover {
     use super::*;
 
     /// Serves the faults of a region handed over on `sock` until the owner stops it or goes
-    /// away, opening the store from the spec the owner sent. A `memory:` store exists only in
-    /// the process that made it, so it is refused.
+    /// away, opening the store from the spec the owner sent, read-only (the owner keeps
+    /// writing it back). A `memory:` store exists only in the process that made it, so it is
+    /// refused.
     pub fn serve(sock: UnixStream, opts: ServeOptions) -> Result<ServeReport, HandoverError> {
         farmap_uffd::handover::serve(sock, open_for_handler, opts)
     }
 
     fn open_for_handler(spec: &str) -> Result<Arc<dyn farmap_core::Store>, String> {
-        let spec: StoreSpec = spec.parse().map_err(|e| format!("{e}"))?;
+        let mut spec: StoreSpec = spec.parse().map_err(|e| format!("{e}"))?;
+        // The handler only reads (pushes stay with the owner), and the owner holds the
+        // writer's lock of a file: or dir: store.
+        spec.read_only = true;
         if matches!(spec.kind, SpecKind::Memory) {
             return Err("a memory store lives only in the process that made it".into());
         }

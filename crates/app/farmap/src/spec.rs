@@ -705,7 +705,8 @@ mod tests {
         let s = open_store(&spec).unwrap();
         assert_eq!(s.geometry().size(), 1 << 20);
         assert_eq!(s.geometry().chunk_size(), 4096);
-        // Reopening without a size takes the file's length.
+        // Reopening without a size takes the file's length (once the first writer is gone).
+        drop(s);
         let again = open_store(&parse(&format!("file:{}", file.display())).unwrap()).unwrap();
         assert_eq!(again.geometry().size(), 1 << 20);
         // A missing file without size is a clear error naming the path.

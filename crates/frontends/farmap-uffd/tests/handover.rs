@@ -27,12 +27,14 @@ const CHUNK: usize = 64 << 10;
 const SIZE: usize = 8 << 20;
 const LIMIT: Duration = Duration::from_secs(20);
 
+/// The handler's store: read-only, as farmap's handler opens it (the owner writes back, and
+/// holds the file's writer lock).
 fn open_file(spec: &str) -> Result<Arc<dyn Store>, String> {
     let path = spec.strip_prefix("file:").ok_or("not a file spec")?;
     let opts = FileOptions {
         size: None,
         chunk_size: CHUNK as u32,
-        read_only: false,
+        read_only: true,
     };
     let store = FileStore::open(Path::new(path), opts).map_err(|e| e.to_string())?;
     Ok(Arc::new(store))

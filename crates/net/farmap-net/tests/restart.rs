@@ -5,7 +5,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use bytes::Bytes;
-use farmap_core::{ChunkIdx, Geometry, Store, StoreError};
+use farmap_core::{ChunkIdx, ErrorKind, Geometry, Store, StoreError};
 use farmap_net::{ClientOptions, ListenAddr, Listener, RemoteAddr, RemoteStore, ServeOptions};
 use farmap_store::{FileOptions, FileStore, MemoryStore};
 
@@ -93,18 +93,24 @@ async fn a_restarted_file_server_keeps_what_it_acknowledged() {
     let path = dir.path().join("region.img");
     let sock = dir.path().join("s.sock");
     let addr: ListenAddr = format!("unix:{}", sock.display()).parse().unwrap();
+    // The file's writer lock goes with the last connection task of a dropped server: a
+    // restarted one waits for it, as a restarted process would for the old one's exit.
     let file = |size: Option<u64>| -> Arc<dyn Store> {
-        Arc::new(
-            FileStore::open(
-                &path,
-                FileOptions {
-                    size,
-                    chunk_size: 4096,
-                    read_only: false,
-                },
-            )
-            .unwrap(),
-        )
+        let start = Instant::now();
+        loop {
+            let opts = FileOptions {
+                size,
+                chunk_size: 4096,
+                read_only: false,
+            };
+            match FileStore::open(&path, opts) {
+                Ok(f) => return Arc::new(f),
+                Err(e) if e.kind() == ErrorKind::Unavailable && start.elapsed().as_secs() < 5 => {
+                    std::thread::sleep(Duration::from_millis(10));
+                }
+                Err(e) => panic!("{e}"),
+            }
+        }
     };
     let server = serve_at(&addr, file(Some(1 << 20))).await;
     let store = RemoteStore::connect(RemoteAddr::Unix(sock.clone()), client())
