@@ -334,3 +334,78 @@ fn a_chunk_discarded_during_hand_over_is_fetched_again_after() {
     });
     assert_eq!(region.stats().chunks_fetched, fetched + 1, "fetched once");
 }
+
+/// The other user's side of `an_owner_of_another_user_is_refused_before_anything_is_read`:
+/// connects to the handler's socket, sends a few bytes, prints what comes back.
+#[test]
+#[ignore = "run as another user by an_owner_of_another_user_is_refused_before_anything_is_read"]
+fn stranger_owner() {
+    use std::io::{Read, Write};
+    let path = std::env::var("FARMAP_STRANGER_SOCK").expect("started by the test");
+    let mut s = UnixStream::connect(path).unwrap();
+    let _ = s.write_all(b"FMHO not really a hello");
+    let mut reply = Vec::new();
+    let _ = s.read_to_end(&mut reply);
+    println!("REPLY {} bytes", reply.len());
+}
+
+/// A handler opens the store its owner names with its own privileges: an owner of another
+/// user is refused before a byte of its hello is read (and its spec is never opened).
+#[test]
+fn an_owner_of_another_user_is_refused_before_anything_is_read() {
+    use std::os::unix::fs::PermissionsExt;
+    let test = "an_owner_of_another_user_is_refused_before_anything_is_read";
+    if rustix::process::geteuid().as_raw() != 0 {
+        farmap_testkit::skip(test, "not root: cannot run the other user");
+        return;
+    }
+    if Command::new("setpriv").arg("--version").output().is_err() {
+        farmap_testkit::skip(test, "setpriv (util-linux) is not installed");
+        return;
+    }
+    let dir = tempfile::tempdir().unwrap();
+    std::fs::set_permissions(dir.path(), std::fs::Permissions::from_mode(0o755)).unwrap();
+    let path = dir.path().join("handler.sock");
+    let listener = std::os::unix::net::UnixListener::bind(&path).unwrap();
+    std::fs::set_permissions(&path, std::fs::Permissions::from_mode(0o777)).unwrap();
+    let child = Command::new("setpriv")
+        .args(["--reuid=65534", "--regid=65534", "--clear-groups"])
+        .arg(std::env::current_exe().unwrap())
+        .args([
+            "stranger_owner",
+            "--ignored",
+            "--exact",
+            "--nocapture",
+            "-q",
+        ])
+        .env("FARMAP_STRANGER_SOCK", &path)
+        .stdout(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let (sock, _) = listener.accept().unwrap();
+    let opened = std::sync::atomic::AtomicBool::new(false);
+    let e = handover::serve(
+        sock,
+        |_: &str| {
+            opened.store(true, std::sync::atomic::Ordering::SeqCst);
+            Err::<Arc<dyn Store>, _>("must not be opened".to_owned())
+        },
+        ServeOptions::default(),
+    )
+    .unwrap_err();
+    assert!(
+        matches!(
+            e,
+            handover::HandoverError::Stranger {
+                owner: 65534,
+                handler: 0
+            }
+        ),
+        "{e}"
+    );
+    assert!(!opened.load(std::sync::atomic::Ordering::SeqCst));
+    let out = child.wait_with_output().unwrap();
+    let out = String::from_utf8_lossy(&out.stdout);
+    assert!(out.contains("REPLY"), "the owner was answered: {out}");
+    assert!(!out.contains("REPLY 0 bytes"), "with a refusal: {out}");
+}

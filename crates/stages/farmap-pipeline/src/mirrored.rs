@@ -29,6 +29,11 @@
 //!   from the mirror, while new writes go to both under a per-chunk lock (so a copy never
 //!   overwrites a newer write). Reads keep coming from the mirror until no noted chunk is
 //!   left; then the primary is **up** again.
+//! - A primary write or trim that timed out is not abandoned: it keeps running (a
+//!   **straggler**) until the primary answers it, because it may still land (a request in a
+//!   partitioned TCP connection is delivered when the link heals). A resync starts copying
+//!   only once every straggler has ended, so a late write can never overwrite the newer
+//!   version a resync copied.
 //! - The mirror is never resynchronised from the primary (chunks it missed are refused
 //!   instead, see above); both stores must be reachable when the stage is made.
 //!
@@ -141,6 +146,8 @@ pub struct MirrorStatus {
     pub fallbacks: u64,
     /// Chunks copied to a recovered primary.
     pub resynced: u64,
+    /// Primary writes and trims that timed out and are still running (see the module docs).
+    pub stragglers: u64,
 }
 
 #[derive(Debug)]
@@ -183,6 +190,40 @@ struct Shared {
     resynced: AtomicU64,
     /// Whether `state.mirror_missing` may be non-empty (written under the state lock).
     any_missing: AtomicBool,
+    /// Primary changes that timed out and still run.
+    stragglers: Arc<Stragglers>,
+}
+
+/// Counts the primary changes that timed out but still run (see the module docs).
+#[derive(Debug, Default)]
+struct Stragglers {
+    running: Mutex<u64>,
+    ended: Notify,
+}
+
+impl Stragglers {
+    fn count(&self) -> u64 {
+        *self.running.lock()
+    }
+
+    /// Waits until none is left.
+    async fn none_left(&self) {
+        loop {
+            let notified = self.ended.notified();
+            if self.count() == 0 {
+                return;
+            }
+            notified.await;
+        }
+    }
+}
+
+/// Where one primary change stands, shared by its caller and the task that runs it.
+#[derive(Debug, Default)]
+struct Change {
+    /// The caller gave up waiting: the change counts as a straggler until it ends.
+    abandoned: bool,
+    ended: bool,
 }
 
 /// A primary and a mirror store as one; see the [module docs](self).
@@ -225,6 +266,59 @@ impl Shared {
                     what()
                 ),
             )),
+        }
+    }
+
+    /// A write or trim of the primary (`fut`), under the timeout as [`on_primary`]; one that
+    /// times out keeps running on a task of its own, counted as a straggler until it ends
+    /// (a resync waits for it: it may still land).
+    ///
+    /// [`on_primary`]: Self::on_primary
+    async fn change_primary(
+        &self,
+        what: impl FnOnce() -> String,
+        fut: BoxFuture<'static, StoreResult<()>>,
+    ) -> StoreResult<()> {
+        let mut fut = fut;
+        if let Poll::Ready(r) = poll_fn(|cx| Poll::Ready(fut.as_mut().poll(cx))).await {
+            return r;
+        }
+        let change = Arc::new(Mutex::new(Change::default()));
+        let stragglers = self.stragglers.clone();
+        let task = {
+            let change = change.clone();
+            tokio::spawn(async move {
+                let r = fut.await;
+                let mut c = change.lock();
+                c.ended = true;
+                if c.abandoned {
+                    *stragglers.running.lock() -= 1;
+                    stragglers.ended.notify_waiters();
+                }
+                r
+            })
+        };
+        match tokio::time::timeout(self.opts.timeout, task).await {
+            Ok(Ok(r)) => r,
+            Ok(Err(join)) => Err(StoreError::new(
+                ErrorKind::Io,
+                format!("the primary's task for {} failed: {join}", what()),
+            )),
+            Err(_) => {
+                let mut c = change.lock();
+                if !c.ended {
+                    c.abandoned = true;
+                    *self.stragglers.running.lock() += 1;
+                }
+                Err(StoreError::new(
+                    ErrorKind::Timeout,
+                    format!(
+                        "the primary took more than {:?} for {}",
+                        self.opts.timeout,
+                        what()
+                    ),
+                ))
+            }
         }
     }
 
@@ -416,9 +510,11 @@ impl Shared {
     }
 
     async fn write_both(&self, idx: ChunkIdx, data: Bytes) -> StoreResult<()> {
-        let on_primary = self.on_primary(
+        let primary = self.primary.clone();
+        let copy = data.clone();
+        let on_primary = self.change_primary(
             || format!("a write of {idx}"),
-            self.primary.write(idx, data.clone()),
+            Box::pin(async move { primary.write(idx, copy).await }),
         );
         match self.opts.policy {
             MirrorPolicy::Both => {
@@ -485,6 +581,16 @@ impl Shared {
             if alive.is_err() {
                 continue;
             }
+            if me.stragglers.count() > 0 {
+                // A write that timed out may still land: copying before it ends could let it
+                // overwrite the newer version copied. Writes go on to the mirror meanwhile.
+                tracing::info!(
+                    stragglers = me.stragglers.count(),
+                    "mirrored store: the primary answers again; waiting for the writes it \
+                     had not answered before resyncing it"
+                );
+                me.stragglers.none_left().await;
+            }
             {
                 let _all = me.switch.write().await;
                 me.state.lock().primary = PrimaryState::Resyncing;
@@ -518,8 +624,12 @@ impl Shared {
             self.state.lock().to_resync.remove(&idx.0);
             let copied = match self.read_mirror(idx, None).await {
                 Ok(data) => {
-                    self.on_primary(|| format!("resyncing {idx}"), self.primary.write(idx, data))
-                        .await
+                    let primary = self.primary.clone();
+                    self.change_primary(
+                        || format!("resyncing {idx}"),
+                        Box::pin(async move { primary.write(idx, data).await }),
+                    )
+                    .await
                 }
                 Err(e) => Err(e),
             };
@@ -569,6 +679,7 @@ impl Mirrored {
             fallbacks: AtomicU64::new(0),
             resynced: AtomicU64::new(0),
             any_missing: AtomicBool::new(false),
+            stragglers: Arc::default(),
         });
         let mut tasks = vec![tokio::spawn(Shared::resync_loop(
             Arc::downgrade(&shared),
@@ -595,6 +706,7 @@ impl Mirrored {
             failovers: s.failovers.load(Ordering::Relaxed),
             fallbacks: s.fallbacks.load(Ordering::Relaxed),
             resynced: s.resynced.load(Ordering::Relaxed),
+            stragglers: s.stragglers.count(),
         }
     }
 
@@ -673,8 +785,12 @@ impl Store for Mirrored {
             }
             // Resyncing: a copy of a chunk of the range may be running; the chunks are
             // noted again so that it is redone after the trim.
+            let primary = s.primary.clone();
             let (p, m) = tokio::join!(
-                s.on_primary(|| format!("a trim of {range}"), s.primary.trim(range)),
+                s.change_primary(
+                    || format!("a trim of {range}"),
+                    Box::pin(async move { primary.trim(range).await }),
+                ),
                 mirror
             );
             m?;
@@ -788,6 +904,94 @@ mod tests {
             m.flush().await.unwrap();
             assert_eq!(mirror.read(ChunkIdx(1)).await.unwrap(), chunk(1));
         }
+    }
+
+    /// A primary whose writes, while `held`, wait until released (a request stuck in a
+    /// partitioned connection), and then land: like a request already sent, a write goes on
+    /// when its caller stops waiting for it.
+    #[derive(Debug)]
+    struct Held {
+        inner: Arc<ModelStore>,
+        held: std::sync::atomic::AtomicBool,
+        release: tokio::sync::watch::Sender<bool>,
+    }
+
+    impl Store for Held {
+        fn geometry(&self) -> Geometry {
+            self.inner.geometry()
+        }
+        fn caps(&self) -> Caps {
+            self.inner.caps()
+        }
+        fn read(&self, idx: ChunkIdx) -> BoxFuture<'_, StoreResult<Bytes>> {
+            self.inner.read(idx)
+        }
+        fn write(&self, idx: ChunkIdx, data: Bytes) -> BoxFuture<'_, StoreResult<()>> {
+            let held = self.held.load(Ordering::SeqCst);
+            let mut released = self.release.subscribe();
+            let inner = self.inner.clone();
+            let sent = tokio::spawn(async move {
+                if held {
+                    let _ = released.wait_for(|r| *r).await;
+                }
+                inner.write(idx, data).await
+            });
+            Box::pin(async move { sent.await.expect("the write task") })
+        }
+        fn flush(&self) -> BoxFuture<'_, StoreResult<()>> {
+            self.inner.flush()
+        }
+        fn trim(&self, range: ChunkRange) -> BoxFuture<'_, StoreResult<()>> {
+            self.inner.trim(range)
+        }
+        fn status(&self, idx: ChunkIdx) -> BoxFuture<'_, StoreResult<ChunkStatus>> {
+            self.inner.status(idx)
+        }
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_write_that_timed_out_cannot_land_after_the_resync() {
+        let primary = Arc::new(Held {
+            inner: Arc::new(ModelStore::new(g())),
+            held: std::sync::atomic::AtomicBool::new(true),
+            release: tokio::sync::watch::channel(false).0,
+        });
+        let mirror = Arc::new(ModelStore::new(g()));
+        let options = MirrorOptions {
+            timeout: Duration::from_millis(100),
+            ..opts(MirrorPolicy::Both)
+        };
+        let m = Mirrored::new(primary.clone(), mirror.clone(), options).unwrap();
+        let chunk = |v: u8| Bytes::from(vec![v; 4096]);
+        // Version 1 times out on the primary (the mirror has it): the primary is down, and
+        // the write is still on its way.
+        m.write(ChunkIdx(5), chunk(1)).await.unwrap();
+        assert_eq!(m.mirror_status().primary, PrimaryState::Down);
+        assert_eq!(m.mirror_status().stragglers, 1);
+        // Version 2 goes to the mirror only, noted for the resync.
+        m.write(ChunkIdx(5), chunk(2)).await.unwrap();
+        // The primary answers probes again, but version 1 has not landed yet: no resync.
+        primary.held.store(false, Ordering::SeqCst);
+        tokio::time::sleep(Duration::from_millis(300)).await;
+        let st = m.mirror_status();
+        assert_eq!(st.primary, PrimaryState::Down, "{st:?}");
+        assert_eq!(st.resynced, 0, "{st:?}");
+        // Version 1 lands; then the resync copies version 2 over it.
+        primary.release.send_replace(true);
+        for _ in 0..500 {
+            if m.mirror_status().primary == PrimaryState::Up {
+                break;
+            }
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+        let st = m.mirror_status();
+        assert_eq!(st.primary, PrimaryState::Up, "{st:?}");
+        assert_eq!(st.stragglers, 0, "{st:?}");
+        assert_eq!(
+            primary.inner.read(ChunkIdx(5)).await.unwrap(),
+            chunk(2),
+            "the primary holds the newest version, not the late one"
+        );
     }
 
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

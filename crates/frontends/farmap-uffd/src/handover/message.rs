@@ -113,6 +113,9 @@ pub enum Refusal {
     Store,
     /// The handler could not set itself up (threads, pagemap...).
     Setup,
+    /// The owner runs as another user than the handler (which would open the owner's store
+    /// with its own privileges).
+    Stranger,
     /// A status code this side does not know.
     Other(u16),
 }
@@ -124,6 +127,7 @@ impl Refusal {
             Refusal::BadHello => 1,
             Refusal::Store => 2,
             Refusal::Setup => 3,
+            Refusal::Stranger => 4,
             Refusal::Other(c) => c,
         }
     }
@@ -135,6 +139,7 @@ impl Refusal {
             1 => Some(Refusal::BadHello),
             2 => Some(Refusal::Store),
             3 => Some(Refusal::Setup),
+            4 => Some(Refusal::Stranger),
             c => Some(Refusal::Other(c)),
         }
     }
@@ -146,6 +151,7 @@ impl fmt::Display for Refusal {
             Refusal::BadHello => f.write_str("the hello was not understood"),
             Refusal::Store => f.write_str("the store could not be opened as described"),
             Refusal::Setup => f.write_str("the handler could not start"),
+            Refusal::Stranger => f.write_str("the handler serves only its own user's regions"),
             Refusal::Other(c) => write!(f, "status {c}"),
         }
     }

@@ -81,6 +81,18 @@ pub enum HandoverError {
     /// The handler refused the region.
     #[error("the handler refused the region: {0}")]
     Refused(Refusal),
+    /// The owner on the socket runs as another user (handler side): the handler would open
+    /// the store it names with the handler's own privileges.
+    #[error(
+        "the owner runs as user {owner}, this handler as user {handler}: a handler serves only \
+         its own user's regions (and root's)"
+    )]
+    Stranger {
+        /// The owner's user id.
+        owner: u32,
+        /// The handler's.
+        handler: u32,
+    },
     /// The handler did not answer in time.
     #[error("the handler did not reply within {0:?}")]
     Timeout(Duration),
@@ -360,8 +372,15 @@ pub struct ServeReport {
     pub pull: Option<PullProgress>,
 }
 
+/// Whether an owner running as user `owner` may hand a region to a handler running as
+/// `handler`: the same user, or root (whose handler opens the store with less privilege).
+fn owner_may_hand_over(owner: u32, handler: u32) -> bool {
+    owner == handler || owner == 0
+}
+
 /// Serves the faults of a region handed over on `sock` (see [`send`]) until the owner asks
-/// it to stop or closes the socket. `open_store` opens the store named by the spec in the
+/// it to stop or closes the socket. An owner of another user (but root) is refused before
+/// anything is read: the store it names would be opened with this process's privileges. `open_store` opens the store named by the spec in the
 /// hello.
 pub fn serve<E>(
     sock: UnixStream,
@@ -374,6 +393,17 @@ where
     let refuse = |sock: &UnixStream, r: Refusal| {
         let _ = (&*sock).write_all(&message::encode_reply(Some(r)));
     };
+    // Before a byte is read: the spec the owner sends is opened with this process's
+    // privileges, so only its own user (or root) may send one.
+    let owner = rustix::net::sockopt::socket_peercred(&sock)
+        .map_err(|e| io_err("asking who the owner is")(e.into()))?
+        .uid
+        .as_raw();
+    let handler = rustix::process::geteuid().as_raw();
+    if !owner_may_hand_over(owner, handler) {
+        refuse(&sock, Refusal::Stranger);
+        return Err(HandoverError::Stranger { owner, handler });
+    }
     let mut header = [0u8; message::HEADER_LEN];
     let fds = socket::recv_with_fds(&sock, &mut header).map_err(io_err("receiving the hello"))?;
     let (hello, fds) = match read_hello(&sock, &header, &fds) {
