@@ -10,10 +10,10 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use bytes::Bytes;
-use farmap::spec::{open_mirror, SpecKind, StoreSpec};
-use farmap_core::{ChunkIdx, Store};
+use farmap::pipeline::PrimaryState;
+use farmap::spec::{open_mirror, SpecKind};
+use farmap::{ChunkIdx, Store, StoreSpec};
 use farmap_net::{ClientOptions, RemoteAddr, RemoteStore};
-use farmap_pipeline::PrimaryState;
 use farmap_testkit::cli::Listening;
 use farmap_testkit::process::Proc;
 
@@ -98,10 +98,7 @@ impl Netns {
             inside(&["link", "set", "lo", "up"])?;
             Ok::<_, String>(ns)
         })();
-        farmap_testkit::skip::unless(test, made).map(|ns| {
-            ns.wait_reachable();
-            ns
-        })
+        farmap_testkit::skip::unless(test, made).inspect(Netns::wait_reachable)
     }
 
     /// Waits until the peer answers on the link (the veth pair takes a moment to come up).
@@ -248,9 +245,9 @@ async fn a_remote_store_rides_out_a_partition_and_loses_nothing() {
     assert!(model.iter().all(|&v| v >= 2), "writes went on: {model:?}");
     check(&*store, &model, "through the store").await;
     // And in the server's file, read by a store of its own.
-    let direct = farmap_store::FileStore::open(
+    let direct = farmap::store::FileStore::open(
         &file,
-        farmap_store::FileOptions {
+        farmap::store::FileOptions {
             chunk_size: 4096,
             read_only: true,
             ..Default::default()
@@ -322,9 +319,9 @@ async fn a_mirror_serves_through_a_partition_and_resyncs_its_primary() {
     // On the primary itself, once writes in flight during the partition have landed (a
     // late one must not undo the resync): every acknowledged write is there.
     tokio::time::sleep(Duration::from_secs(2)).await;
-    let direct = farmap_store::FileStore::open(
+    let direct = farmap::store::FileStore::open(
         &file,
-        farmap_store::FileOptions {
+        farmap::store::FileOptions {
             chunk_size: 4096,
             read_only: true,
             ..Default::default()
@@ -402,6 +399,10 @@ fn a_migration_across_a_partition_finishes_verified() {
             &listen,
             "--data-listen",
             &listen,
+            // The pull is slow enough (8 MB/s for 32 MiB) that the partition falls inside
+            // it: the seeder's data plane keeps to the rate.
+            "--max-rate",
+            "8MB",
             "--json",
         ],
         WAIT,
@@ -409,7 +410,6 @@ fn a_migration_across_a_partition_finishes_verified() {
     let l = seed.stderr_line("waiting for a leecher: control on ");
     let rest = l.split("control on ").nth(1).unwrap();
     let (control, _) = rest.split_once(", data plane on ").unwrap();
-    // The pull is slow enough (8 MB/s for 32 MiB) that the partition falls inside it.
     let leech = common::farmap().proc(
         "leech",
         &[
@@ -418,8 +418,6 @@ fn a_migration_across_a_partition_finishes_verified() {
             dst.agent.to_str().unwrap(),
             "--from",
             control.trim(),
-            "--max-rate",
-            "8MB",
             "--json",
         ],
         WAIT,
