@@ -380,7 +380,7 @@ fn a_migration_across_a_partition_finishes_verified() {
         return;
     }
     let dir = tempfile::tempdir().unwrap();
-    let size = 32u64 << 20;
+    let size = 64u64 << 20;
     let mut src = App::start(ns.farmap(&[]), dir.path(), "src", size, true);
     let mut dst = App::start(common::farmap().command(), dir.path(), "dst", size, false);
     let listen = format!("{}:0", ns.peer_ip);
@@ -394,10 +394,6 @@ fn a_migration_across_a_partition_finishes_verified() {
             &listen,
             "--data-listen",
             &listen,
-            // The pull is slow enough (8 MB/s for 32 MiB) that the partition falls inside
-            // it: the seeder's data plane keeps to the rate.
-            "--max-rate",
-            "8MB",
             "--json",
         ],
         WAIT,
@@ -417,7 +413,8 @@ fn a_migration_across_a_partition_finishes_verified() {
         ],
         WAIT,
     );
-    std::thread::sleep(Duration::from_millis(1000));
+    // Cut as soon as the leecher is in: the pull of the region is under way.
+    seed.stderr_line("a leecher connected");
     eprintln!("cutting the link for {CUT:?}");
     ns.cut();
     std::thread::sleep(CUT);
