@@ -179,6 +179,41 @@ async fn keep_writing(
     failed
 }
 
+/// A writer task over a store ([`keep_writing`]) and what it acknowledged.
+struct Writing {
+    model: Arc<parking_lot::Mutex<Vec<u64>>>,
+    stop: Arc<std::sync::atomic::AtomicBool>,
+    task: tokio::task::JoinHandle<u64>,
+}
+
+impl Writing {
+    /// Starts writing chunk after chunk of the first `chunks`.
+    fn start(store: Arc<dyn Store>, chunks: u64) -> Writing {
+        let model = Arc::new(parking_lot::Mutex::new(vec![0u64; chunks as usize]));
+        let stop = Arc::new(std::sync::atomic::AtomicBool::new(false));
+        let task = tokio::spawn(keep_writing(store, chunks, model.clone(), stop.clone()));
+        Writing { model, stop, task }
+    }
+
+    /// Stops: the writes that failed, and the version of each chunk last acknowledged.
+    async fn stop(self) -> (u64, Vec<u64>) {
+        self.stop.store(true, std::sync::atomic::Ordering::Relaxed);
+        let failed = self.task.await.unwrap();
+        let model = self.model.lock().clone();
+        (failed, model)
+    }
+}
+
+/// The served file, read directly.
+fn served_file(path: &Path) -> farmap::store::FileStore {
+    let opts = farmap::store::FileOptions {
+        chunk_size: 4096,
+        read_only: true,
+        ..Default::default()
+    };
+    farmap::store::FileStore::open(path, opts).unwrap()
+}
+
 async fn check(store: &dyn Store, model: &[u64], what: &str) {
     for (idx, &version) in model.iter().enumerate() {
         let got = store.read(ChunkIdx(idx as u64)).await.unwrap();
@@ -217,39 +252,20 @@ async fn a_remote_store_rides_out_a_partition_and_loses_nothing() {
         .await
         .unwrap(),
     );
-    let chunks = 256;
-    let model = Arc::new(parking_lot::Mutex::new(vec![0u64; chunks as usize]));
-    let stop = Arc::new(std::sync::atomic::AtomicBool::new(false));
-    let writing = tokio::spawn(keep_writing(
-        store.clone(),
-        chunks,
-        model.clone(),
-        stop.clone(),
-    ));
+    let writing = Writing::start(store.clone(), 256);
     partitioned(&ns, Duration::from_millis(500)).await;
     // Writes go on after the heal.
     tokio::time::sleep(Duration::from_millis(500)).await;
-    stop.store(true, std::sync::atomic::Ordering::Relaxed);
-    let failed = writing.await.unwrap();
+    let (failed, model) = writing.stop().await;
     store.flush().await.expect("the flush after the partition");
     assert_eq!(
         failed, 0,
         "a {CUT:?} partition is shorter than the request timeout: no write fails"
     );
-    let model = model.lock().clone();
     assert!(model.iter().all(|&v| v >= 2), "writes went on: {model:?}");
     check(&*store, &model, "through the store").await;
     // And in the server's file, read by a store of its own.
-    let direct = farmap::store::FileStore::open(
-        &file,
-        farmap::store::FileOptions {
-            chunk_size: 4096,
-            read_only: true,
-            ..Default::default()
-        },
-    )
-    .unwrap();
-    check(&direct, &model, "in the served file").await;
+    check(&served_file(&file), &model, "in the served file").await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -280,15 +296,7 @@ async fn a_mirror_serves_through_a_partition_and_resyncs_its_primary() {
     };
     let mirrored = Arc::new(open_mirror(&spec, primary, mirror, *options).await.unwrap());
     let store: Arc<dyn Store> = mirrored.clone();
-    let chunks = 256;
-    let model = Arc::new(parking_lot::Mutex::new(vec![0u64; chunks as usize]));
-    let stop = Arc::new(std::sync::atomic::AtomicBool::new(false));
-    let writing = tokio::spawn(keep_writing(
-        store.clone(),
-        chunks,
-        model.clone(),
-        stop.clone(),
-    ));
+    let writing = Writing::start(store.clone(), 256);
     partitioned(&ns, Duration::from_millis(500)).await;
     let st = mirrored.mirror_status();
     assert!(st.failovers >= 1, "the partition was noticed: {st:?}");
@@ -303,27 +311,16 @@ async fn a_mirror_serves_through_a_partition_and_resyncs_its_primary() {
         tokio::time::sleep(Duration::from_millis(50)).await;
     }
     tokio::time::sleep(Duration::from_millis(300)).await;
-    stop.store(true, std::sync::atomic::Ordering::Relaxed);
-    let failed = writing.await.unwrap();
+    let (failed, model) = writing.stop().await;
     assert_eq!(failed, 0, "the mirror took every write");
     store.flush().await.unwrap();
     let st = mirrored.mirror_status();
     assert!(st.resynced > 0, "{st:?}");
-    let model = model.lock().clone();
     check(&*store, &model, "through the mirror").await;
     // On the primary itself, once writes in flight during the partition have landed (a
     // late one must not undo the resync): every acknowledged write is there.
     tokio::time::sleep(Duration::from_secs(2)).await;
-    let direct = farmap::store::FileStore::open(
-        &file,
-        farmap::store::FileOptions {
-            chunk_size: 4096,
-            read_only: true,
-            ..Default::default()
-        },
-    )
-    .unwrap();
-    check(&direct, &model, "on the resynchronised primary").await;
+    check(&served_file(&file), &model, "on the resynchronised primary").await;
 }
 
 /// An application with a region (or waiting for one) and its migration agent, as in

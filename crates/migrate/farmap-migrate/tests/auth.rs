@@ -74,15 +74,27 @@ async fn leech_with(from: &Seeding, key: Key) -> Result<farmap_migrate::LeechRep
     leech(opts, Box::new(|_, _| {}), cancelled).await
 }
 
+/// A raw leecher's first dirty round and `Finalize`, up to the seeder's hand-over.
+async fn to_hand_over(s: &mut TcpStream) {
+    write_msg(s, &Msg::DirtyRequest { round: 1 }).await;
+    assert!(matches!(read_msg(s).await.unwrap(), Msg::Dirty { .. }));
+    write_msg(s, &Msg::Finalize).await;
+    assert!(matches!(read_msg(s).await.unwrap(), Msg::HandOver { .. }));
+}
+
+/// A Hello for `session`.
+fn hello(session: u128) -> Msg {
+    Msg::Hello {
+        session,
+        mode: Mode::Precopy,
+    }
+}
+
 /// A raw leecher's new session: its connection, what it proved, the session id.
 async fn new_session(at: std::net::SocketAddr) -> (TcpStream, farmap_migrate::auth::Proven, u128) {
     let mut s = TcpStream::connect(at).await.unwrap();
     let proven = as_new_leecher(&mut s).await;
-    let hello = Msg::Hello {
-        session: 0,
-        mode: Mode::Precopy,
-    };
-    write_msg(&mut s, &hello).await;
+    write_msg(&mut s, &hello(0)).await;
     let id = match read_msg(&mut s).await.unwrap() {
         Msg::Welcome { session, .. } => session,
         other => panic!("expected a Welcome, got {other:?}"),
@@ -100,14 +112,7 @@ async fn nobody_without_the_key_gets_a_message_or_a_page() {
 
     // The first protocol's attack: a Hello, then Finalize, without any key.
     let mut s = TcpStream::connect(at).await.unwrap();
-    write_msg(
-        &mut s,
-        &Msg::Hello {
-            session: 0,
-            mode: Mode::Precopy,
-        },
-    )
-    .await;
+    write_msg(&mut s, &hello(0)).await;
     write_msg(&mut s, &Msg::Finalize).await;
     let r = abort_reason(read_msg(&mut s).await);
     assert!(r.contains("requires the migration key"), "{r}");
@@ -176,13 +181,7 @@ async fn sessions_are_random_and_only_their_leecher_continues_them() {
     pages.read(farmap_core::ChunkIdx(0)).await.unwrap();
 
     // Through the hand-over, as a raw leecher.
-    write_msg(&mut s, &Msg::DirtyRequest { round: 1 }).await;
-    assert!(matches!(read_msg(&mut s).await.unwrap(), Msg::Dirty { .. }));
-    write_msg(&mut s, &Msg::Finalize).await;
-    assert!(matches!(
-        read_msg(&mut s).await.unwrap(),
-        Msg::HandOver { .. }
-    ));
+    to_hand_over(&mut s).await;
     write_msg(&mut s, &Msg::Resumed).await;
 
     // Another holder of the operator's key knows the id (say it was overheard) and tries to
@@ -193,14 +192,7 @@ async fn sessions_are_random_and_only_their_leecher_continues_them() {
     // ... or proving a new session and then asking for this one.
     let mut t = TcpStream::connect(at).await.unwrap();
     as_new_leecher(&mut t).await;
-    write_msg(
-        &mut t,
-        &Msg::Hello {
-            session: id,
-            mode: Mode::Precopy,
-        },
-    )
-    .await;
+    write_msg(&mut t, &hello(id)).await;
     let r = abort_reason(read_msg(&mut t).await);
     assert!(r.contains("another session"), "{r}");
     // An unknown session is refused outright.
@@ -227,25 +219,12 @@ async fn a_leecher_that_reconnects_proves_the_session_key() {
     let (seeding, _region) = start_seeder().await;
     let at = tcp(&seeding.control);
     let (mut s, proven, id) = new_session(at).await;
-    write_msg(&mut s, &Msg::DirtyRequest { round: 1 }).await;
-    assert!(matches!(read_msg(&mut s).await.unwrap(), Msg::Dirty { .. }));
-    write_msg(&mut s, &Msg::Finalize).await;
-    assert!(matches!(
-        read_msg(&mut s).await.unwrap(),
-        Msg::HandOver { .. }
-    ));
+    to_hand_over(&mut s).await;
     // The connection is lost after the hand-over; the leecher comes back with its key.
     drop(s);
     let mut s = TcpStream::connect(at).await.unwrap();
     as_leecher(&mut s, &proven.session_key, id).await.unwrap();
-    write_msg(
-        &mut s,
-        &Msg::Hello {
-            session: id,
-            mode: Mode::Precopy,
-        },
-    )
-    .await;
+    write_msg(&mut s, &hello(id)).await;
     assert!(matches!(
         read_msg(&mut s).await.unwrap(),
         Msg::Welcome { session, .. } if session == id
