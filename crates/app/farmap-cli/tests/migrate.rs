@@ -106,6 +106,50 @@ fn seed_and_leech_move_a_live_region_there_and_back() {
 }
 
 #[test]
+fn a_post_copy_hands_over_at_once_and_the_region_arrives_whole() {
+    if !usable("a_post_copy_hands_over_at_once_and_the_region_arrives_whole") {
+        return;
+    }
+    let dir = tempfile::tempdir().unwrap();
+    let size = 32 * MIB;
+    let rate = size / 4096 / 20; // 5% of the pages per second
+    let mut a = app(dir.path(), "a", size, rate, true);
+    let mut b = app(dir.path(), "b", size, rate, false);
+    let before = a.verify().expect("the source holds the region");
+    let (seed, control, data) = seed_cmd(&a);
+    let leech = leech_cmd(&b, &control, &data, &["--mode", "postcopy"]);
+    let (ok, out, err) = leech.finish();
+    assert!(ok, "leech failed: {err}");
+    let m = json_of(&out);
+    assert_eq!(m["role"], "leech");
+    assert_eq!(m["mode"], "postcopy", "{m}");
+    assert_eq!(m["region_bytes"], size, "{m}");
+    // Nothing moved before the hand-over: every page came afterwards, from the source.
+    assert_eq!(m["rounds"], 0, "{m}");
+    assert_eq!(m["bytes_precopy"], 0, "{m}");
+    assert!(m["bytes_postcopy"].as_u64().unwrap() >= size, "{m}");
+    let before_resume = m["bytes_before_resume"].as_u64().unwrap();
+    assert!(
+        before_resume < size / 4,
+        "{before_resume} bytes moved before resuming: {m}"
+    );
+    let handed_over_at = m["resumed_at_op"].as_u64().unwrap();
+    assert!(handed_over_at >= before, "{handed_over_at} < {before}");
+    let (ok, out, err) = seed.finish();
+    assert!(ok, "seed failed: {err}");
+    assert_eq!(json_of(&out)["role"], "seed");
+
+    assert_eq!(a.verify(), None, "the source no longer holds the region");
+    // The whole region matches its history at the destination, and the writer goes on.
+    std::thread::sleep(Duration::from_millis(200));
+    let ops = b.verify().expect("the destination holds the region");
+    assert!(
+        ops > handed_over_at,
+        "{ops} ops <= {handed_over_at} at the hand-over"
+    );
+}
+
+#[test]
 fn only_a_leecher_with_the_seeders_key_file_takes_the_region() {
     if !usable("only_a_leecher_with_the_seeders_key_file_takes_the_region") {
         return;
