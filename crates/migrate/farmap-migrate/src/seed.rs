@@ -194,7 +194,11 @@ pub async fn seed(
     if pacer.is_limited() {
         plane = Arc::new(crate::view::Paced::new(plane, pacer.clone()));
         runs = runs.map(|r| {
-            Arc::new(crate::view::PacedRuns::new(r, plane.geometry(), pacer)) as Arc<dyn RunReader>
+            Arc::new(crate::view::PacedRuns::new(
+                r,
+                plane.geometry(),
+                pacer.clone(),
+            )) as Arc<dyn RunReader>
         });
     }
     let (data_listen, tls) = (opts.data_listen.clone(), opts.tls.clone());
@@ -268,16 +272,8 @@ pub async fn seed(
             keys: keys.clone(),
         };
         let accepting = AbortOnDrop(tokio::spawn(acceptor.run()));
-        let r = run(
-            region,
-            suspend,
-            opts,
-            conn_rx,
-            Seeder::new(info, 0),
-            keys,
-            cancelled,
-        )
-        .await;
+        let seed_run = SeedRun::new(region, suspend, opts, keys, pacer);
+        let r = run(seed_run, conn_rx, Seeder::new(info, 0), cancelled).await;
         drop(accepting);
         let _ = server.shutdown().await;
         drop(pull_rt);
@@ -439,15 +435,11 @@ struct Current {
 }
 
 async fn run(
-    region: Arc<dyn Source>,
-    suspend: Arc<dyn Suspend>,
-    opts: SeedOptions,
+    mut run: SeedRun,
     mut conns: mpsc::Receiver<NewConn>,
     mut machine: Seeder,
-    keys: SeederKeys,
     mut cancelled: tokio::sync::watch::Receiver<bool>,
 ) -> Result<SeedReport, SeedError> {
-    let mut run = SeedRun::new(region, suspend, opts, keys);
     loop {
         let input = match run.inputs.pop_front() {
             Some(i) => i,
@@ -480,6 +472,8 @@ struct SeedRun {
     inputs: VecDeque<SeederInput>,
     /// The keys of the current session and its data plane.
     keys: SeederKeys,
+    /// The data plane's pull budget: restarted for each leecher, lifted at the suspension.
+    pacer: Arc<crate::budget::Pacer>,
 }
 
 impl SeedRun {
@@ -488,6 +482,7 @@ impl SeedRun {
         suspend: Arc<dyn Suspend>,
         opts: SeedOptions,
         keys: SeederKeys,
+        pacer: Arc<crate::budget::Pacer>,
     ) -> Self {
         let rep = Reporter {
             prefix: "farmap seed",
@@ -511,6 +506,7 @@ impl SeedRun {
             lost_since: None,
             inputs: VecDeque::new(),
             keys,
+            pacer,
         }
     }
 
@@ -612,6 +608,8 @@ impl SeedRun {
             SeederAction::Send(m) => self.send(m).await,
             SeederAction::ResetTracking => {
                 self.rep.note("a leecher connected: tracking writes");
+                // Its pull's budget counts from now: the wait for it was no credit.
+                self.pacer.restart();
                 self.take_dirty().await?;
             }
             SeederAction::TakeDirty { round } => {
@@ -625,7 +623,12 @@ impl SeedRun {
                 self.inputs.push_back(SeederInput::Dirty { round, runs: d });
             }
             SeederAction::Draft => self.draft().await?,
-            SeederAction::Suspend { instant } => self.suspend(instant).await?,
+            SeederAction::Suspend { instant } => {
+                // The application stops: what the leecher reads from here on (the last
+                // changes, the post-copy) is what the destination waits for.
+                self.pacer.lift();
+                self.suspend(instant).await?;
+            }
             SeederAction::ConfirmRest => self.confirm_rest().await?,
             SeederAction::Resume => {
                 if machine.mode() == crate::msg::Mode::Instant {
