@@ -707,15 +707,18 @@ impl SeedRun {
             ));
         }
         let drafted = tokio::task::spawn_blocking(move || {
+            let mut pushed = None;
             if !budget.is_zero() {
                 // The application runs on meanwhile; whatever is left is
                 // fetched from here after the hand-over.
-                if let Err(e) = r.push_shared(budget) {
-                    tracing::warn!(
+                let t0 = Instant::now();
+                match r.push_shared(budget) {
+                    Ok(all) => pushed = Some((all, t0.elapsed())),
+                    Err(e) => tracing::warn!(
                         "pushing before an instant hand-over failed (those chunks \
                          come from the source): {}",
                         farmap_core::error_chain(e.as_ref())
-                    );
+                    ),
                 }
             }
             // No push starts from here on; the manifest is sent while the
@@ -725,7 +728,8 @@ impl SeedRun {
             if m.is_err() {
                 r.unseal();
             }
-            m.map(|m| (m, t0.elapsed())).map_err(FinalError::Seal)
+            m.map(|m| (m, t0.elapsed(), pushed))
+                .map_err(FinalError::Seal)
         })
         .await
         .map_err(|source| SeedError::Task {
@@ -733,7 +737,18 @@ impl SeedRun {
             source,
         })?;
         let input = match drafted {
-            Ok((m, took)) => {
+            Ok((m, took, pushed)) => {
+                if let Some((all, pushing)) = pushed {
+                    self.rep.note(format!(
+                        "instant: pushed for {:.1} ms: {}",
+                        pushing.as_secs_f64() * 1e3,
+                        if all {
+                            "what was written before it is in the shared store"
+                        } else {
+                            "the budget ran out first"
+                        }
+                    ));
+                }
                 self.rep.note(format!(
                     "instant: manifest made in {:.2} ms while the application \
                      runs: {} chunks in the shared store, {} only here",
