@@ -135,6 +135,10 @@ fn the_pull_budget_flags_are_honoured_on_both_sides() {
     );
 }
 
+/// A leecher's arguments over the slow link: one data connection (4 s for 16 MiB), so that
+/// it is still pulling when the test acts.
+const SLOW: &[&str] = &["--connections", "1"];
+
 /// Waits for `leech` to be pulling the region while the source runs.
 fn pulling(leech: &mut Proc) {
     leech.stderr_line("while the source runs");
@@ -152,7 +156,7 @@ fn ctrl_c_before_the_hand_over_exits_130_and_the_source_runs_on() {
     let seed = Seeder::start(&farmap(), &a, &[]);
     let mut seed_proc = seed.proc;
     let (_slow, slow_data) = proxy(&farmap(), &seed.data, 0, Some("4MB/s"));
-    let mut leech = farmap_testkit::demo::leech(&farmap(), &b, &seed.control, &slow_data, &[]);
+    let mut leech = farmap_testkit::demo::leech(&farmap(), &b, &seed.control, &slow_data, SLOW);
     pulling(&mut leech);
     let ops1 = a.verify().expect("the source holds the region");
     leech.signal("INT");
@@ -177,7 +181,7 @@ fn ctrl_c_before_the_hand_over_exits_130_and_the_source_runs_on() {
     let seed = Seeder::start(&farmap(), &b, &[]);
     let seed_proc = seed.proc;
     let (_slow, slow_data) = proxy(&farmap(), &seed.data, 0, Some("4MB/s"));
-    let mut leech = farmap_testkit::demo::leech(&farmap(), &a, &seed.control, &slow_data, &[]);
+    let mut leech = farmap_testkit::demo::leech(&farmap(), &a, &seed.control, &slow_data, SLOW);
     pulling(&mut leech);
     seed_proc.signal("INT");
     let (status, _, err) = seed_proc.finish_status();
@@ -213,7 +217,7 @@ fn a_second_leecher_is_refused_as_busy_and_the_first_completes() {
     let mut c = DemoNode::start(&farmap(), dir.path(), "c", size, 200, false);
     let seed = Seeder::start(&farmap(), &a, &[]);
     let (_slow, slow_data) = proxy(&farmap(), &seed.data, 0, Some("4MB/s"));
-    let mut first = farmap_testkit::demo::leech(&farmap(), &b, &seed.control, &slow_data, &[]);
+    let mut first = farmap_testkit::demo::leech(&farmap(), &b, &seed.control, &slow_data, SLOW);
     pulling(&mut first);
 
     let second = seed.leech(&farmap(), &c, &[]);
