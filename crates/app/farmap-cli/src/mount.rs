@@ -223,27 +223,34 @@ pub(crate) async fn open_served(
     let Some(opts) = managed else {
         return Ok((store, None));
     };
+    let size = store.geometry().size();
     let m = Arc::new(open_managed(store, opts, cache_max)?);
+    if let Some(max) = cache_max {
+        status!("{}", cache_max_note(size, max));
+    }
     Ok((m.clone(), Some(m)))
 }
 
 /// Starts a managed front over `store`, bounded by `cache_max` (resolved against the
-/// region's size) when given.
+/// region's size) when given (the caller says so: see [`cache_max_note`]).
 pub(crate) fn open_managed(
     store: Arc<dyn Store>,
     mut opts: ManagedOptions,
     cache_max: Option<CacheMax>,
 ) -> anyhow::Result<Managed> {
     if let Some(max) = cache_max {
-        let size = store.geometry().size();
-        let bytes = max.bytes_of(size);
-        opts.cache_max = Some(bytes);
-        status!(
-            "farmap: the managed cache holds at most {bytes} bytes of the region's {size} \
-             (--cache-max {max}); no background pull"
-        );
+        opts.cache_max = Some(max.bytes_of(store.geometry().size()));
     }
     Managed::open(store, opts).context("starting the managed store")
+}
+
+/// What a managed front bounded by `max` holds of a region of `size` bytes, for stderr.
+pub(crate) fn cache_max_note(size: u64, max: CacheMax) -> String {
+    format!(
+        "farmap: the managed cache holds at most {} bytes of the region's {size} \
+         (--cache-max {max}); no background pull",
+        max.bytes_of(size)
+    )
 }
 
 /// The managed front's options from the command line's `--workers`, `--pull-order` and

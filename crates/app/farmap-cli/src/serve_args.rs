@@ -37,7 +37,8 @@ pub struct ServeArgs {
     pub(crate) handshake_timeout: Option<Duration>,
     /// Bytes of requests in flight and replies not yet sent, over all connections (native
     /// protocol, gRPC and NBD; each connection also has its own budget: 32 MiB native, two
-    /// of its largest requests gRPC, 64 MiB NBD). Default 256MiB.
+    /// of its largest requests gRPC, 64 MiB NBD; a total under it is raised to it).
+    /// Default 256MiB.
     #[arg(long, value_parser = parse_size_arg)]
     pub(crate) max_memory: Option<u64>,
     /// Serve the gRPC service (`farmap.v1.Store`, for other languages and tools) instead of

@@ -94,6 +94,11 @@ pub async fn run(args: ServeArgs, store: Arc<dyn farmap::Store>) -> anyhow::Resu
         if args.read_only { ", read-only" } else { "" },
         described.join(", "),
     );
+    if let (Some(m), Some(max)) = (&managed, args.cache_max) {
+        // After the banner: tools wait for that line first.
+        let size = farmap::Store::geometry(&**m).size();
+        status!("{}", crate::mount::cache_max_note(size, max));
+    }
     let server = serve_nbd(exports, listener, opts).context("starting the NBD server")?;
     stop_signal().await?;
     status!("farmap serve: shutting down: answering requests in flight, flushing the stores");

@@ -188,28 +188,52 @@ fn attack_bytes(requests: u64) -> Vec<u8> {
     out.to_vec()
 }
 
-/// `attackers` clients pipeline reads of ~16 MiB and never read the replies, for 8 s, while
-/// a good client reads: the server (started with `args`) stays up, under `budget` bytes
-/// of VmRSS, and serves the good client.
-fn attacked_by_non_readers(attackers: usize, args: &[&str], budget: u64) {
+/// How an attacking client treats the replies to the reads it pipelines.
+#[derive(Debug, Clone, Copy)]
+enum Reading {
+    /// It never reads them.
+    Never,
+    /// It reads 64 KiB of them every 50 ms (1.3 MB/s): it holds what it is sent for long.
+    Slowly,
+}
+
+/// `attackers` clients pipeline reads of ~16 MiB and read the replies as `reading` says, for
+/// 8 s, while a good client reads: the server (started with `args`) stays up, under `budget`
+/// bytes of VmRSS, and serves the good client.
+fn attacked_by(attackers: usize, reading: Reading, args: &[&str], budget: u64) {
     let dir = tempfile::tempdir().unwrap();
     let mut all = vec!["-q"];
     all.extend_from_slice(args);
     let mut server = Served::start(&file_store(dir.path()), &all);
     let addr = server.addr;
+    good_client(addr, 20, pattern);
+    let base = server.rss();
     // Each attacker has 2000 reads of ~16 MiB queued: 32 GB of replies asked for.
     let attack = Arc::new(attack_bytes(2000));
     let stop = Arc::new(AtomicBool::new(false));
     let sent = Arc::new(AtomicU64::new(0));
-    let threads: Vec<_> = (0..attackers)
-        .map(|_| {
-            let s = session(addr);
-            let (attack, stop, sent) = (attack.clone(), stop.clone(), sent.clone());
-            std::thread::spawn(move || {
-                farmap_testkit::process::pipeline_without_reading(s, &attack, &stop, &sent)
-            })
-        })
-        .collect();
+    let received = Arc::new(AtomicU64::new(0));
+    let mut threads = Vec::new();
+    for _ in 0..attackers {
+        let s = session(addr);
+        if let Reading::Slowly = reading {
+            let (mut r, stop, received) = (s.try_clone().unwrap(), stop.clone(), received.clone());
+            threads.push(std::thread::spawn(move || {
+                let mut piece = vec![0u8; 64 << 10];
+                while !stop.load(Ordering::Relaxed) {
+                    match r.read(&mut piece) {
+                        Ok(0) | Err(_) => return,
+                        Ok(n) => received.fetch_add(n as u64, Ordering::Relaxed),
+                    };
+                    std::thread::sleep(Duration::from_millis(50));
+                }
+            }));
+        }
+        let (attack, stop, sent) = (attack.clone(), stop.clone(), sent.clone());
+        threads.push(std::thread::spawn(move || {
+            farmap_testkit::process::pipeline_without_reading(s, &attack, &stop, &sent)
+        }));
+    }
     let start = Instant::now();
     let mut peak = 0;
     let mut good_reads = 0;
@@ -222,16 +246,26 @@ fn attacked_by_non_readers(attackers: usize, args: &[&str], budget: u64) {
     }
     peak = peak.max(server.rss());
     println!(
-        "farmap serve {args:?} VmRSS peak {} MiB under {attackers} non-reading clients (budget {} MiB); {} MiB of requests sent; {good_reads} good reads served",
+        "farmap serve {args:?} VmRSS {} MiB before, peak {} MiB under {attackers} clients \
+         reading {reading:?} (budget {} MiB); {} MiB of requests sent, {} MiB of replies \
+         read; {good_reads} good reads served",
+        base / MIB,
         peak / MIB,
         budget / MIB,
-        sent.load(Ordering::Relaxed) / MIB
+        sent.load(Ordering::Relaxed) / MIB,
+        received.load(Ordering::Relaxed) / MIB,
     );
     server.assert_running();
     assert!(
         sent.load(Ordering::Relaxed) > attackers as u64 * 2 * 2048,
         "the attackers got requests through"
     );
+    if let Reading::Slowly = reading {
+        assert!(
+            received.load(Ordering::Relaxed) > attackers as u64 * MIB,
+            "the slow readers were answered"
+        );
+    }
     assert!(
         peak < budget,
         "VmRSS {peak} bytes, over the budget of {budget}"
@@ -245,14 +279,32 @@ fn attacked_by_non_readers(attackers: usize, args: &[&str], budget: u64) {
 
 #[test]
 fn clients_that_pipeline_large_reads_and_never_read_do_not_grow_the_server() {
-    attacked_by_non_readers(4, &[], 512 * MIB);
+    attacked_by(4, Reading::Never, &[], 512 * MIB);
 }
 
 #[test]
 fn clients_that_hold_the_whole_budget_do_not_starve_a_good_client() {
     // Four connections can hold 4 x 32 MiB: twice the server's total. Each connection's own
     // reserve is what lets the good client in.
-    attacked_by_non_readers(4, &["--max-memory", "64MiB"], 64 * MIB + 160 * MIB);
+    attacked_by(
+        4,
+        Reading::Never,
+        &["--max-memory", "64MiB"],
+        64 * MIB + 160 * MIB,
+    );
+}
+
+#[test]
+fn slow_readers_under_a_small_max_memory_neither_grow_the_server_nor_starve_a_good_client() {
+    // A total under one connection's budget (32 MiB) is raised to it; beside it, the
+    // process (about 12 MiB), each connection's reserve (1 MiB) and what the allocator
+    // keeps. With the default total (256 MiB), the same clients grow it to about 150 MiB.
+    attacked_by(
+        4,
+        Reading::Slowly,
+        &["--max-memory", "8MiB"],
+        32 * MIB + 48 * MIB,
+    );
 }
 
 /// Sends `bytes` on a fresh connection (after the handshake when `hello`) and returns all

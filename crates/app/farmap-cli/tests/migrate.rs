@@ -5,79 +5,27 @@
 //! back. After each, the regions are checked against content recomputed from the writer's
 //! seed and history.
 
-use std::path::{Path, PathBuf};
+use std::path::Path;
 use std::process::Command;
 use std::time::Duration;
 
+use farmap_testkit::demo::{self, json_of, DemoNode as App, Seeder};
 use farmap_testkit::process::Proc;
-use serde_json::Value;
 
 mod common;
 use common::farmap;
 
 const MIB: u64 = 1 << 20;
-const WAIT: Duration = Duration::from_secs(90);
 
 /// Whether userfaultfd works here; if not, `test` is recorded as skipped.
 fn usable(test: &str) -> bool {
     farmap_testkit::skip::unless(test, farmap_uffd::probe()).is_some()
 }
 
-/// `farmap ARGS` as a [`Proc`] named `name`: its stdout and stderr lines collected as they
-/// come.
-fn spawn(name: &str, args: &[&str]) -> Proc {
-    farmap().proc(name, args, WAIT)
-}
-
-/// An application with a region (or waiting for one) and its migration agent.
-struct App {
-    proc: Proc,
-    agent: PathBuf,
-}
-
-impl App {
-    fn start(dir: &Path, name: &str, size: u64, ops_per_sec: u64, init: bool) -> App {
-        let agent = dir.join(format!("{name}.agent"));
-        let (size, ops) = (size.to_string(), ops_per_sec.to_string());
-        let mut args = vec![
-            "__demo-node",
-            "--size",
-            &size,
-            "--seed",
-            "7",
-            "--ops-per-sec",
-            &ops,
-            "--agent",
-            agent.to_str().unwrap(),
-        ];
-        if init {
-            args.push("--init");
-        }
-        let mut proc = spawn(name, &args);
-        proc.event("ready");
-        App { proc, agent }
-    }
-
-    fn agent(&self) -> &str {
-        self.agent.to_str().unwrap()
-    }
-
-    /// Stops the writer for a moment and compares the region with the recomputed image:
-    /// `Some(writer ops)` if it matches, `None` if this application holds no region.
-    fn verify(&mut self) -> Option<u64> {
-        self.proc.send("verify");
-        let v = self.proc.event("verified");
-        if v["error"] == "no region here" {
-            return None;
-        }
-        assert_eq!(
-            v["ok"],
-            true,
-            "{}: region differs from its history: {v}",
-            self.proc.name()
-        );
-        Some(v["ops"].as_u64().unwrap())
-    }
+/// An application named `name` with a region of `size` bytes written `ops_per_sec` times a
+/// second (`init`: it holds the region; else it waits for one).
+fn app(dir: &Path, name: &str, size: u64, ops_per_sec: u64, init: bool) -> App {
+    App::start(&farmap(), dir, name, size, ops_per_sec, init)
 }
 
 fn seed_cmd(app: &App) -> (Proc, String, String) {
@@ -85,58 +33,21 @@ fn seed_cmd(app: &App) -> (Proc, String, String) {
 }
 
 fn seed_cmd_with(app: &App, extra: &[&str]) -> (Proc, String, String) {
-    let mut args = vec![
-        "seed",
-        "--app",
-        app.agent(),
-        "--listen",
-        "127.0.0.1:0",
-        "--json",
-    ];
-    args.extend_from_slice(extra);
-    let mut p = spawn("seed", &args);
-    let l = p.stderr_line("waiting for a leecher: control on ");
-    let rest = l.split("control on ").nth(1).unwrap();
-    let (control, data) = rest.split_once(", data plane on ").unwrap();
-    (p, control.trim().to_owned(), data.trim().to_owned())
+    let s = Seeder::start(&farmap(), app, extra);
+    (s.proc, s.control, s.data)
 }
 
 fn leech_cmd(app: &App, from: &str, data: &str, extra: &[&str]) -> Proc {
-    let mut args = vec![
-        "leech",
-        "--app",
-        app.agent(),
-        "--from",
-        from,
-        "--data",
-        data,
-        "--json",
-    ];
-    args.extend_from_slice(extra);
-    spawn("leech", &args)
+    demo::leech(&farmap(), app, from, data, extra)
 }
 
 /// A `farmap proxy` process; `port` 0 picks one.
 fn proxy(to: &str, port: u16, bandwidth: Option<&str>) -> (Proc, String) {
-    let listen = format!("127.0.0.1:{port}");
-    let mut args = vec!["proxy", "--listen", &listen, "--to", to];
-    if let Some(b) = bandwidth {
-        args.extend(["--bandwidth", b]);
-    }
-    let mut p = spawn("proxy", &args);
-    let l = p.stderr_line("listening on ");
-    let addr = l.split("listening on ").nth(1).unwrap();
-    let addr = addr.split(',').next().unwrap().trim().to_owned();
-    (p, addr)
+    demo::proxy(&farmap(), to, port, bandwidth)
 }
 
 fn port_of(addr: &str) -> u16 {
     addr.rsplit(':').next().unwrap().parse().unwrap()
-}
-
-fn json_of(out: &[String]) -> Value {
-    let l = out.last().expect("a JSON result line on stdout");
-    serde_json::from_str(l).unwrap_or_else(|e| panic!("{e}: {l}"))
 }
 
 #[test]
@@ -147,8 +58,8 @@ fn seed_and_leech_move_a_live_region_there_and_back() {
     let dir = tempfile::tempdir().unwrap();
     let size = 64 * MIB;
     let rate = size / 4096 / 20; // 5% of the pages per second
-    let mut a = App::start(dir.path(), "a", size, rate, true);
-    let mut b = App::start(dir.path(), "b", size, rate, false);
+    let mut a = app(dir.path(), "a", size, rate, true);
+    let mut b = app(dir.path(), "b", size, rate, false);
     assert!(a.verify().is_some());
     assert_eq!(b.verify(), None, "the destination holds nothing yet");
 
@@ -195,6 +106,50 @@ fn seed_and_leech_move_a_live_region_there_and_back() {
 }
 
 #[test]
+fn a_post_copy_hands_over_at_once_and_the_region_arrives_whole() {
+    if !usable("a_post_copy_hands_over_at_once_and_the_region_arrives_whole") {
+        return;
+    }
+    let dir = tempfile::tempdir().unwrap();
+    let size = 32 * MIB;
+    let rate = size / 4096 / 20; // 5% of the pages per second
+    let mut a = app(dir.path(), "a", size, rate, true);
+    let mut b = app(dir.path(), "b", size, rate, false);
+    let before = a.verify().expect("the source holds the region");
+    let (seed, control, data) = seed_cmd(&a);
+    let leech = leech_cmd(&b, &control, &data, &["--mode", "postcopy"]);
+    let (ok, out, err) = leech.finish();
+    assert!(ok, "leech failed: {err}");
+    let m = json_of(&out);
+    assert_eq!(m["role"], "leech");
+    assert_eq!(m["mode"], "postcopy", "{m}");
+    assert_eq!(m["region_bytes"], size, "{m}");
+    // Nothing moved before the hand-over: every page came afterwards, from the source.
+    assert_eq!(m["rounds"], 0, "{m}");
+    assert_eq!(m["bytes_precopy"], 0, "{m}");
+    assert!(m["bytes_postcopy"].as_u64().unwrap() >= size, "{m}");
+    let before_resume = m["bytes_before_resume"].as_u64().unwrap();
+    assert!(
+        before_resume < size / 4,
+        "{before_resume} bytes moved before resuming: {m}"
+    );
+    let handed_over_at = m["resumed_at_op"].as_u64().unwrap();
+    assert!(handed_over_at >= before, "{handed_over_at} < {before}");
+    let (ok, out, err) = seed.finish();
+    assert!(ok, "seed failed: {err}");
+    assert_eq!(json_of(&out)["role"], "seed");
+
+    assert_eq!(a.verify(), None, "the source no longer holds the region");
+    // The whole region matches its history at the destination, and the writer goes on.
+    std::thread::sleep(Duration::from_millis(200));
+    let ops = b.verify().expect("the destination holds the region");
+    assert!(
+        ops > handed_over_at,
+        "{ops} ops <= {handed_over_at} at the hand-over"
+    );
+}
+
+#[test]
 fn only_a_leecher_with_the_seeders_key_file_takes_the_region() {
     if !usable("only_a_leecher_with_the_seeders_key_file_takes_the_region") {
         return;
@@ -202,8 +157,8 @@ fn only_a_leecher_with_the_seeders_key_file_takes_the_region() {
     use std::os::unix::fs::PermissionsExt;
     let dir = tempfile::tempdir().unwrap();
     let size = 8 * MIB;
-    let mut a = App::start(dir.path(), "a", size, 200, true);
-    let mut b = App::start(dir.path(), "b", size, 200, false);
+    let mut a = app(dir.path(), "a", size, 200, true);
+    let mut b = app(dir.path(), "b", size, 200, false);
     let key = dir.path().join("keys/migration.key");
     let key_arg = key.to_str().unwrap();
     let (mut seed, control, data) = seed_cmd_with(&a, &["--key-file", key_arg]);
@@ -252,8 +207,8 @@ fn seeder_dying_before_finalize_aborts_the_leecher_and_the_source_runs_on() {
     }
     let dir = tempfile::tempdir().unwrap();
     let size = 16 * MIB;
-    let mut a = App::start(dir.path(), "a", size, 200, true);
-    let mut b = App::start(dir.path(), "b", size, 200, false);
+    let mut a = app(dir.path(), "a", size, 200, true);
+    let mut b = app(dir.path(), "b", size, 200, false);
 
     // 1. The seed command dies (SIGKILL) during the pre-copy: its agent connection closes,
     //    the source's agent abandons the seeding and tells the leecher.
@@ -299,12 +254,12 @@ fn leecher_dying_before_the_hand_over_leaves_the_source_untouched() {
     }
     let dir = tempfile::tempdir().unwrap();
     let size = 16 * MIB;
-    let mut a = App::start(dir.path(), "a", size, 200, true);
+    let mut a = app(dir.path(), "a", size, 200, true);
     let (mut seed, control, data) = seed_cmd(&a);
     let (_slow, slow_data) = proxy(&data, 0, Some("4MB/s"));
 
     // 1. The leech command dies: its agent cancels and tells the seeder.
-    let mut b = App::start(dir.path(), "b", size, 200, false);
+    let mut b = app(dir.path(), "b", size, 200, false);
     let mut leech = leech_cmd(&b, &control, &slow_data, &[]);
     leech.stderr_line("while the source runs");
     leech.kill();
@@ -314,7 +269,7 @@ fn leecher_dying_before_the_hand_over_leaves_the_source_untouched() {
     let ops1 = a.verify().expect("the source is intact");
 
     // 2. The destination application itself dies during the pre-copy.
-    let mut c = App::start(dir.path(), "c", size, 200, false);
+    let mut c = app(dir.path(), "c", size, 200, false);
     let mut leech = leech_cmd(&c, &control, &slow_data, &[]);
     leech.stderr_line("while the source runs");
     c.proc.kill();
@@ -352,8 +307,8 @@ fn a_connection_lost_during_the_post_copy_is_reconnected_and_the_migration_compl
     // (one connection at 4 MB/s): the hand-over leaves about 4 MB to fetch afterwards (about
     // a second), so the link is cut in the middle of it.
     let rate = size / 4096 / 2;
-    let mut a = App::start(dir.path(), "a", size, rate, true);
-    let mut b = App::start(dir.path(), "b", size, rate, false);
+    let mut a = app(dir.path(), "a", size, rate, true);
+    let mut b = app(dir.path(), "b", size, rate, false);
     let (seed, control, data) = seed_cmd(&a);
     let (mut pc, control_p) = proxy(&control, 0, None);
     let (mut pd, data_p) = proxy(&data, 0, Some("4MB/s"));
@@ -475,8 +430,8 @@ fn migration_over_mutual_tls_refuses_a_leecher_without_a_certificate() {
     let pki = farmap_testkit::tls::Pki::new();
     let [ca, server, server_key, client, client_key] = pki.paths();
     let size = 16 * MIB;
-    let mut a = App::start(dir.path(), "a", size, 200, true);
-    let mut b = App::start(dir.path(), "b", size, 200, false);
+    let mut a = app(dir.path(), "a", size, 200, true);
+    let mut b = app(dir.path(), "b", size, 200, false);
     let (seed, control, data) = seed_cmd_with(
         &a,
         &[

@@ -1,170 +1,143 @@
-//! Live migration of a region whose store is a shared network store (a real Redis): the
-//! source application (`farmap __demo-node --store redis://...`) writes while its region is
-//! pushed to Redis in the background every 50 ms, `farmap seed` and `farmap leech` move it to
-//! a second application, and then:
+//! Live migration of a region whose store is a shared network store (a real Redis, MinIO or
+//! Cassandra): the source application (`farmap __demo-node --store SPEC`) writes while its
+//! region is pushed to the store in the background every 50 ms, `farmap seed` and
+//! `farmap leech` move it to a second application, and then:
 //! - the destination's region equals the image recomputed from the writer's seed and op
 //!   count (no write lost to the push rounds that ran during the migration's dirty rounds);
-//! - the source, released after the hand-over, synced its region to Redis, and a fresh
-//!   client reads from Redis exactly the image at the hand-over's op count.
+//! - after a pre-copy, the source, released after the hand-over, synced its region to the
+//!   store, and a fresh client reads from it exactly the image at the hand-over's op count;
+//! - an instant migration takes from the source only what the store lacks, over each store
+//!   (`redis://`, `s3://`, `cql://`), with or without a push budget.
 
 use std::time::Duration;
 
 mod common;
 use common::farmap;
 
-use farmap_testkit::process::Proc;
-use farmap_testkit::{skip, Service};
+use farmap_testkit::cli::Cli;
+use farmap_testkit::demo::{json_of, DemoNode, Seeder};
+use farmap_testkit::{skip, unique_name, Service};
 use serde_json::Value;
 
-const WAIT: Duration = Duration::from_secs(120);
-
-/// `farmap ARGS` as a [`Proc`] named `name`: its stdout (JSON lines) and stderr lines
-/// collected as they come.
-fn spawn(name: &str, args: &[&str]) -> Proc {
-    farmap().proc(name, args, WAIT)
-}
-
-/// Waits for `p`'s exit: its success, the last stdout line as JSON (`Null` if none), and its
-/// stderr.
-fn finish(p: Proc) -> (bool, Value, String) {
-    let (ok, out, err) = p.finish();
-    let last = out
-        .last()
-        .and_then(|l| serde_json::from_str(l).ok())
-        .unwrap_or(Value::Null);
-    (ok, last, err)
-}
-
-/// Asks a demo node to compare its region with the recomputed image: the op count.
-fn verify(node: &mut Proc) -> u64 {
-    node.send("verify");
-    let v = node.event("verified");
-    assert_eq!(
-        v["ok"],
-        true,
-        "{}: region differs from its history: {v}",
-        node.name()
-    );
-    v["ops"].as_u64().unwrap()
-}
-
-/// Two demo nodes over one Redis region (`a` holds it and writes, `b` waits), the service
-/// kept alive, and the tempdir of their agents.
+/// Two demo nodes over one region in a shared store (`a` holds it and writes, `b` waits),
+/// the `farmap` they run with, the service kept alive, and the tempdir of their agents.
 struct Pair {
-    a: Proc,
-    b: Proc,
-    agent_a: String,
-    agent_b: String,
+    a: DemoNode,
+    b: DemoNode,
+    farmap: Cli,
     size: u64,
     _svc: &'static Service,
     _dir: tempfile::TempDir,
 }
 
-fn pair(test: &str) -> Option<Pair> {
+/// A new region of `size` bytes in `service` for `test`: its spec, and `farmap` with what
+/// it needs in its environment to open it.
+fn shared_region(test: &str, service: &str, svc: &Service, size: u64) -> (String, Cli) {
+    let name = unique_name("migrate");
+    match service {
+        "redis" => (
+            format!("{}/0?size={size}&prefix={name}", svc.var("SPEC_BASE")),
+            farmap(),
+        ),
+        "minio" => (
+            format!(
+                "s3://{}/{name}?endpoint={}&size={size}",
+                svc.var("BUCKET"),
+                svc.var("ENDPOINT")
+            ),
+            farmap()
+                .env("AWS_ACCESS_KEY_ID", svc.var("ACCESS_KEY"))
+                .env("AWS_SECRET_ACCESS_KEY", svc.var("SECRET_KEY"))
+                .env_remove("AWS_PROFILE")
+                .env_remove("AWS_ENDPOINT_URL")
+                .env_remove("AWS_ENDPOINT_URL_S3"),
+        ),
+        "cassandra" => (
+            format!(
+                "{}/farmap_test?table=migrate&region={name}&size={size}&create=true",
+                svc.var("SPEC_BASE")
+            ),
+            farmap(),
+        ),
+        other => panic!("{test}: no shared region in service {other}"),
+    }
+}
+
+fn pair(test: &str, service: &'static str) -> Option<Pair> {
     skip::unless(test, farmap_uffd::probe())?;
-    let svc = skip::unless(test, Service::shared("redis"))?;
+    let svc = skip::unless(test, Service::shared(service))?;
     let dir = tempfile::tempdir().unwrap();
     let size: u64 = 16 << 20;
-    let spec = format!(
-        "{}/0?size={size}&prefix=migrate-{}-{test}",
-        svc.var("SPEC_BASE"),
-        std::process::id()
-    );
-    let rate = (size / 4096 / 10).to_string(); // 10% of the pages per second
-    let size_arg = size.to_string();
-    let agent = |name: &str| dir.path().join(name).to_str().unwrap().to_owned();
-    let (agent_a, agent_b) = (agent("a.agent"), agent("b.agent"));
-    let node = |name: &'static str, agent: &str, init: bool| {
-        let mut args = vec![
-            "__demo-node",
-            "--size",
-            &size_arg,
-            "--seed",
-            "11",
-            "--ops-per-sec",
-            &rate,
-            "--agent",
-            agent,
-            "--store",
-            &spec,
-        ];
-        if init {
-            args.push("--init");
-        }
-        let mut p = spawn(name, &args);
-        p.event("ready");
-        p
+    let (spec, farmap) = shared_region(test, service, svc, size);
+    // 10% of the pages per second; 2% over the slower stores, whose last push before the
+    // hand-over takes long enough for such a writer to dirty most of these 256 chunks.
+    let rate = match service {
+        "redis" => size / 4096 / 10,
+        _ => size / 4096 / 50,
     };
-    let a = node("a", &agent_a, true);
-    let b = node("b", &agent_b, false);
+    let node = |name: &str, init: bool| {
+        DemoNode::start_with(
+            &farmap,
+            dir.path(),
+            name,
+            size,
+            rate,
+            init,
+            &["--store", &spec],
+        )
+    };
+    let a = node("a", true);
+    let b = node("b", false);
     Some(Pair {
         a,
         b,
-        agent_a,
-        agent_b,
+        farmap,
         size,
         _svc: svc,
         _dir: dir,
     })
 }
 
-/// `farmap seed` on `a`, `farmap leech` on `b` with `extra` arguments: the leech report.
-fn migrate(p: &Pair, extra: &[&str]) -> Value {
-    let mut seed = spawn(
-        "seed",
-        &[
-            "seed",
-            "--app",
-            &p.agent_a,
-            "--listen",
-            "127.0.0.1:0",
-            "--json",
-        ],
-    );
-    let l = seed.stderr_line("waiting for a leecher: control on ");
-    let rest = l.split("control on ").nth(1).unwrap();
-    let (control, data) = rest.split_once(", data plane on ").unwrap();
-    let mut args = vec![
-        "leech",
-        "--app",
-        &p.agent_b,
-        "--from",
-        control.trim(),
-        "--data",
-        data.trim(),
-        "--max-downtime",
-        "10ms",
-        "--json",
-    ];
-    args.extend_from_slice(extra);
-    let leech = spawn("leech", &args);
-    let (ok, report, err) = finish(leech);
+/// `farmap seed` on `a` with `seed_extra` arguments, `farmap leech` on `b` with
+/// `leech_extra`: the leech report, and the seed's stderr.
+fn migrate(p: &Pair, seed_extra: &[&str], leech_extra: &[&str]) -> (Value, String) {
+    let seed = Seeder::start(&p.farmap, &p.a, seed_extra);
+    let mut args = vec!["--max-downtime", "10ms"];
+    args.extend_from_slice(leech_extra);
+    let leech = seed.leech(&p.farmap, &p.b, &args);
+    let (ok, out, err) = leech.finish();
     assert!(ok, "leech failed: {err}");
-    let (ok, _, err) = finish(seed);
-    assert!(ok, "seed failed: {err}");
-    report
+    let report = json_of(&out);
+    let (ok, out, seed_err) = seed.proc.finish();
+    assert!(ok, "seed failed: {seed_err}");
+    assert_eq!(json_of(&out)["role"], "seed");
+    (report, seed_err)
+}
+
+/// Asks a demo node to compare its region with the recomputed image: the op count.
+fn verify(node: &mut DemoNode) -> u64 {
+    node.verify().expect("the node holds the region")
 }
 
 #[test]
 fn a_region_over_redis_migrates_live_and_redis_holds_the_hand_over_image() {
-    let Some(mut p) = pair("a_region_over_redis_migrates_live_and_redis_holds_the_hand_over_image")
-    else {
+    let test = "a_region_over_redis_migrates_live_and_redis_holds_the_hand_over_image";
+    let Some(mut p) = pair(test, "redis") else {
         return;
     };
     // Let a few push rounds run with the writer going.
     std::thread::sleep(Duration::from_millis(300));
     let before = verify(&mut p.a);
-    let report = migrate(&p, &[]);
+    let (report, _) = migrate(&p, &[], &[]);
     let handed_over_at = report["resumed_at_op"]
         .as_u64()
         .unwrap_or_else(|| panic!("resumed_at_op missing in {report}"));
     assert!(handed_over_at >= before, "{handed_over_at} < {before}");
 
     // The source synced what it held at the hand-over, and holds nothing now.
-    let released = p.a.event("released");
+    let released = p.a.proc.event("released");
     assert_eq!(released["synced"], true, "{released}");
-    p.a.send("verify");
-    assert_eq!(p.a.event("verified")["error"], "no region here");
+    assert_eq!(p.a.verify(), None, "the source holds no region");
 
     // The destination runs on with every write, and the writer goes on there.
     std::thread::sleep(Duration::from_millis(200));
@@ -175,19 +148,20 @@ fn a_region_over_redis_migrates_live_and_redis_holds_the_hand_over_image() {
     );
 
     // Redis, read by a fresh client, holds the image at the hand-over.
-    p.b.send(&format!("check-store {handed_over_at}"));
-    let checked = p.b.event("store-checked");
+    p.b.proc.send(&format!("check-store {handed_over_at}"));
+    let checked = p.b.proc.event("store-checked");
     assert_eq!(checked["ok"], true, "{checked}");
 }
 
-#[test]
-fn an_instant_migration_over_redis_takes_only_what_redis_lacks() {
-    let Some(mut p) = pair("an_instant_migration_over_redis_takes_only_what_redis_lacks") else {
-        return;
-    };
+/// An instant migration over `service` (with `seed_extra` for `farmap seed`): the chunks
+/// come from the store and the source, all verified; most from the store (pushed there in
+/// the background before); the source handed the store over; every write is at the
+/// destination. The seed's stderr.
+fn instant(test: &str, service: &'static str, seed_extra: &[&str]) -> Option<String> {
+    let mut p = pair(test, service)?;
     std::thread::sleep(Duration::from_millis(300));
     let before = verify(&mut p.a);
-    let report = migrate(&p, &["--mode", "instant"]);
+    let (report, seed_err) = migrate(&p, seed_extra, &["--mode", "instant"]);
     assert_eq!(report["mode"], "instant", "{report}");
     let chunks = p.size / (64 << 10);
     let (from_store, from_source) = (
@@ -198,7 +172,7 @@ fn an_instant_migration_over_redis_takes_only_what_redis_lacks() {
     assert_eq!(from_store + from_source, chunks, "{report}");
     assert!(
         from_store > chunks / 2,
-        "most chunks come from Redis: {report}"
+        "most chunks come from {service}: {report}"
     );
     assert_eq!(report["bytes_precopy"], 0, "{report}");
     let before_resume = report["bytes_before_resume"].as_u64().unwrap();
@@ -209,10 +183,53 @@ fn an_instant_migration_over_redis_takes_only_what_redis_lacks() {
     let handed_over_at = report["resumed_at_op"].as_u64().unwrap();
     assert!(handed_over_at >= before, "{handed_over_at} < {before}");
     // The source handed the store over and pushed nothing after.
-    let released = p.a.event("released");
+    let released = p.a.proc.event("released");
     assert_eq!(released["handed_store_over"], true, "{released}");
     // Every write is there, and the writer goes on at the destination.
     std::thread::sleep(Duration::from_millis(200));
     let after = verify(&mut p.b);
     assert!(after > handed_over_at, "{after} <= {handed_over_at}");
+    Some(seed_err)
+}
+
+#[test]
+fn an_instant_migration_over_redis_takes_only_what_redis_lacks() {
+    let test = "an_instant_migration_over_redis_takes_only_what_redis_lacks";
+    if let Some(seed_err) = instant(test, "redis", &[]) {
+        assert!(
+            seed_err.contains("pushing what the shared store lacks (at most 2s)")
+                && seed_err.contains("instant: pushed for "),
+            "the default push budget: {seed_err}"
+        );
+    }
+}
+
+#[test]
+fn an_instant_migration_with_no_push_budget_fetches_the_rest_from_the_source() {
+    let test = "an_instant_migration_with_no_push_budget_fetches_the_rest_from_the_source";
+    if let Some(seed_err) = instant(test, "redis", &["--push-budget", "0s"]) {
+        assert!(
+            !seed_err.contains("pushing what the shared store lacks")
+                && !seed_err.contains("instant: pushed for "),
+            "no push before the hand-over: {seed_err}"
+        );
+    }
+}
+
+#[test]
+fn an_instant_migration_over_s3_takes_only_what_s3_lacks() {
+    instant(
+        "an_instant_migration_over_s3_takes_only_what_s3_lacks",
+        "minio",
+        &[],
+    );
+}
+
+#[test]
+fn an_instant_migration_over_cql_takes_only_what_cassandra_lacks() {
+    instant(
+        "an_instant_migration_over_cql_takes_only_what_cassandra_lacks",
+        "cassandra",
+        &[],
+    );
 }

@@ -249,6 +249,30 @@ fn a_mount_moves_while_a_program_writes_it_and_the_source_refuses_it_afterwards(
         .unwrap();
 }
 
+#[test]
+fn a_mount_moves_in_post_copy_while_a_program_writes_it() {
+    let test = "a_mount_moves_in_post_copy_while_a_program_writes_it";
+    if !can_run(test) {
+        return;
+    }
+    let tmp = tempfile::tempdir().unwrap();
+    let p = pair(tmp.path(), "memory:32MiB", &[]);
+    let expected = tmp.path().join("expected");
+    let writer = start_writer(&p, &expected);
+    std::thread::sleep(Duration::from_millis(300));
+    let report = migrate_with(&p, &["--mode", "postcopy"]);
+    assert_eq!(report["mode"], "postcopy", "{report}");
+    assert_eq!(report["region_bytes"], 32 << 20, "{report}");
+    // Handed over at once: what the file holds (the chunks written; the rest of a memory
+    // store is holes) came from the source afterwards.
+    assert_eq!(report["rounds"], 0, "{report}");
+    assert_eq!(report["bytes_precopy"], 0, "{report}");
+    assert!(report["bytes_postcopy"].as_u64().unwrap() > 0, "{report}");
+    let done: Value = serde_json::from_str(&writer.finish()).unwrap();
+    assert!(done["writes"].as_u64().unwrap() > 0, "{done}");
+    check_moved(&p, &expected, &done);
+}
+
 /// Runs `cmd ARGS`, which must succeed: its stdout, trimmed.
 fn run(cmd: &str, args: &[&str]) -> String {
     stdout_of(Command::new(cmd).args(args)).trim().to_owned()

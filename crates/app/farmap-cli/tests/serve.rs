@@ -444,3 +444,89 @@ fn idle_connections_are_closed_after_the_idle_timeout() {
     let (_, log) = served.stop("TERM");
     assert!(log.contains("idle for"), "{log}");
 }
+
+/// The parameters of the first frame an HTTP/2 server at `addr` sends (its SETTINGS), read on
+/// a raw connection after the client preface.
+fn http2_settings(addr: &str) -> Vec<(u16, u32)> {
+    use std::io::{Read, Write};
+    let mut s = std::net::TcpStream::connect(addr).unwrap();
+    s.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
+    s.write_all(b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n").unwrap();
+    // An empty SETTINGS frame: length 0, type 4, no flags, stream 0.
+    s.write_all(&[0, 0, 0, 4, 0, 0, 0, 0, 0]).unwrap();
+    let mut header = [0u8; 9];
+    s.read_exact(&mut header).unwrap();
+    assert_eq!(
+        header[3], 4,
+        "the server's first frame is SETTINGS: {header:?}"
+    );
+    let len = u32::from_be_bytes([0, header[0], header[1], header[2]]) as usize;
+    let mut payload = vec![0u8; len];
+    s.read_exact(&mut payload).unwrap();
+    payload
+        .chunks_exact(6)
+        .map(|p| {
+            (
+                u16::from_be_bytes([p[0], p[1]]),
+                u32::from_be_bytes([p[2], p[3], p[4], p[5]]),
+            )
+        })
+        .collect()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn grpc_max_in_flight_is_announced_and_more_calls_are_answered_in_turn() {
+    // The gRPC server relays to a native server 100 ms away: each call takes a round trip.
+    let backend = serve("memory:1MiB", "127.0.0.1:0", &["-q"]).drained();
+    let proxy = farmap()
+        .listening(&[
+            "proxy",
+            "--listen",
+            "127.0.0.1:0",
+            "--to",
+            backend.addr(),
+            "--rtt",
+            "100ms",
+        ])
+        .drained();
+    let relay = format!("farmap://{}", proxy.addr());
+    let grpc = serve(
+        &relay,
+        "127.0.0.1:0",
+        &["--grpc", "-q", "--max-in-flight", "2"],
+    )
+    .drained();
+    let addr = grpc.addr().to_owned();
+    // SETTINGS_MAX_CONCURRENT_STREAMS (0x3): what HTTP/2 clients keep to.
+    let settings = tokio::task::spawn_blocking(move || http2_settings(&addr))
+        .await
+        .unwrap();
+    assert!(
+        settings.contains(&(3, 2)),
+        "the limit is announced: {settings:?}"
+    );
+
+    let opts = farmap_grpc::GrpcClientOptions {
+        connections: 1,
+        ..farmap_grpc::GrpcClientOptions::default()
+    };
+    let url = format!("http://{}", grpc.addr());
+    let client = farmap_grpc::GrpcStore::connect_with(&url, opts)
+        .await
+        .expect("connect");
+    // The relay's own connection is made by the first call.
+    client.read(farmap::ChunkIdx(0)).await.unwrap();
+    // 16 calls at once on one connection: all answered, two at a time (8 x 100 ms).
+    let t = Instant::now();
+    let reads = futures::future::join_all((0..16).map(|i| client.read(farmap::ChunkIdx(i)))).await;
+    let took = t.elapsed();
+    for (i, r) in reads.into_iter().enumerate() {
+        let chunk = r.unwrap_or_else(|e| panic!("call {i} was not answered: {e}"));
+        assert_eq!(chunk.len(), 64 << 10);
+    }
+    eprintln!("16 calls with --max-in-flight 2 over a 100 ms relay took {took:?}");
+    assert!(
+        took >= Duration::from_millis(700),
+        "16 calls of 100 ms, 2 at a time, took {took:?}: the limit is not kept"
+    );
+}

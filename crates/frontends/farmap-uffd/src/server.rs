@@ -555,11 +555,13 @@ fn run_inline_or_spawn(mut fut: FaultFuture, rt: &Handle, counters: &Counters) {
 pub(crate) struct OwnedRuntime(Option<tokio::runtime::Runtime>);
 
 impl OwnedRuntime {
-    /// A multi-threaded runtime with timers and `workers` threads named `name`.
+    /// A multi-threaded runtime with timers, I/O and `workers` threads named `name`. A
+    /// store's futures run on it, and some clients open their sockets in the runtime that
+    /// polls them (the S3 store's HTTP pool connects lazily, on the first request).
     pub fn new(workers: usize, name: &str) -> io::Result<Self> {
         tokio::runtime::Builder::new_multi_thread()
             .worker_threads(workers.max(1))
-            .enable_time()
+            .enable_all()
             .thread_name(name)
             .build()
             .map(|rt| Self(Some(rt)))

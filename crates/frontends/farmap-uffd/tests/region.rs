@@ -6,8 +6,11 @@ mod common;
 
 use std::sync::Arc;
 
+use bytes::Bytes;
 use common::*;
-use farmap_core::{ChunkIdx, Geometry, Store};
+use farmap_core::{
+    BoxFuture, Caps, ChunkIdx, ChunkRange, ChunkStatus, Geometry, Store, StoreError, StoreResult,
+};
 use farmap_store::MemoryStore;
 use farmap_testkit::contents::{snapshot, with_pattern};
 use farmap_testkit::wait::eventually;
@@ -56,6 +59,79 @@ fn read_faults_return_store_data() {
         region.take_dirty().unwrap().is_empty(),
         "reading writes nothing"
     );
+}
+
+/// A store that opens a socket in the runtime that polls its read, as the S3 store's HTTP
+/// pool does on its first request.
+#[derive(Debug)]
+struct ConnectsOnRead {
+    inner: PatternStore,
+    to: std::net::SocketAddr,
+}
+
+impl Store for ConnectsOnRead {
+    fn geometry(&self) -> Geometry {
+        self.inner.geometry()
+    }
+
+    fn caps(&self) -> Caps {
+        self.inner.caps()
+    }
+
+    fn read(&self, idx: ChunkIdx) -> BoxFuture<'_, StoreResult<Bytes>> {
+        Box::pin(async move {
+            tokio::net::TcpStream::connect(self.to)
+                .await
+                .map_err(|e| StoreError::io("connecting", e))?;
+            self.inner.read(idx).await
+        })
+    }
+
+    fn write(&self, idx: ChunkIdx, data: Bytes) -> BoxFuture<'_, StoreResult<()>> {
+        self.inner.write(idx, data)
+    }
+
+    fn flush(&self) -> BoxFuture<'_, StoreResult<()>> {
+        self.inner.flush()
+    }
+
+    fn trim(&self, range: ChunkRange) -> BoxFuture<'_, StoreResult<()>> {
+        self.inner.trim(range)
+    }
+
+    fn status(&self, idx: ChunkIdx) -> BoxFuture<'_, StoreResult<ChunkStatus>> {
+        self.inner.status(idx)
+    }
+}
+
+#[test]
+fn a_store_that_opens_sockets_as_it_reads_is_served() {
+    // The region's runtime once had timers only: such a store's read panicked on a worker
+    // thread of the region, and the faulting thread waited for ever.
+    if !uffd_available("a_store_that_opens_sockets_as_it_reads_is_served") {
+        return;
+    }
+    let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let g = Geometry::new(1 << 20, 64 << 10).unwrap();
+    let store: Arc<dyn Store> = Arc::new(ConnectsOnRead {
+        inner: PatternStore::new(g, 3),
+        to: listener.local_addr().unwrap(),
+    });
+    let region = Arc::new(Region::open(store, direct(WriteTracking::Auto)).unwrap());
+    let (tx, rx) = std::sync::mpsc::channel();
+    let reader = {
+        let region = region.clone();
+        std::thread::spawn(move || {
+            let _ = tx.send(region.memory().load_u8(5 * PAGE + 7));
+        })
+    };
+    let got = rx
+        .recv_timeout(std::time::Duration::from_secs(30))
+        .expect("the fault is served");
+    assert_eq!(got.unwrap(), pattern_bytes(3, 5 * PAGE as u64 + 7, 1)[0]);
+    reader.join().unwrap();
+    let region = Arc::try_unwrap(region).expect("the reader is gone");
+    region.close().unwrap();
 }
 
 #[test]

@@ -116,11 +116,22 @@ pub struct PullBudget {
     pub cpu_share: Option<f64>,
 }
 
-/// Longest pause one [`Pacer::pace`] call takes (a budget is kept on average, and a cancel
-/// or a hand-over is never held up for long).
+/// Longest sleep between two looks at the budget, and longest pause for the CPU share.
 const MAX_PAUSE: Duration = Duration::from_millis(100);
 
 /// Keeps a pull within its rate and CPU share by pausing between batches.
+///
+/// - The rate is kept: a batch starts only once the bytes moved before it are paid for
+///   (moved at the rate), so a pull bursts by one batch at most, whatever number of tasks
+///   pace concurrently (the check and the count are one step under the lock).
+/// - The CPU share slows a pull, never stops it: a batch pauses while the process has used
+///   more than its share, at most [`MAX_PAUSE`] (an application that alone uses more than
+///   the share must not starve the pull).
+/// - Both count from the start of the current pull ([`restart`](Self::restart)): time spent
+///   waiting for a leecher is no credit.
+/// - [`lift`](Self::lift) ends the pacing until the next restart, and releases waiting
+///   batches within [`MAX_PAUSE`]: once the source's application is suspended, the reads
+///   are the downtime's and the post-copy's, which the destination waits for.
 #[derive(Debug)]
 pub(crate) struct Pacer {
     rate: Option<f64>,
@@ -134,6 +145,27 @@ struct PacerState {
     start: Instant,
     cpu_at_start: Duration,
     bytes: u64,
+    lifted: bool,
+}
+
+impl PacerState {
+    fn now() -> Self {
+        PacerState {
+            start: Instant::now(),
+            cpu_at_start: process_cpu(),
+            bytes: 0,
+            lifted: false,
+        }
+    }
+}
+
+/// What a pacer answers a batch.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Take {
+    /// Counted: the batch may go after this pause (the CPU share's; zero for none).
+    Go(Duration),
+    /// Not counted: the bytes moved so far are not paid for yet; ask again after this long.
+    Wait(Duration),
 }
 
 /// CPU time of this process so far (`CLOCK_PROCESS_CPUTIME_ID`: every thread, including
@@ -152,11 +184,7 @@ impl Pacer {
                 .cpu_share
                 .filter(|s| s.is_finite() && *s > 0.0 && *s < 1.0)
                 .map(|s| s * cpus),
-            state: Mutex::new(PacerState {
-                start: Instant::now(),
-                cpu_at_start: process_cpu(),
-                bytes: 0,
-            }),
+            state: Mutex::new(PacerState::now()),
         }
     }
 
@@ -165,31 +193,54 @@ impl Pacer {
         self.rate.is_some() || self.cpu.is_some()
     }
 
-    /// How long to pause before moving `bytes` more (and counts them).
-    pub(crate) fn delay(&self, bytes: u64) -> Duration {
-        if !self.is_limited() {
-            return Duration::ZERO;
-        }
-        let mut s = self.state.lock();
-        let elapsed = s.start.elapsed().as_secs_f64();
-        let mut due = 0.0f64;
-        if let Some(rate) = self.rate {
-            // The bytes moved so far take this long at the rate.
-            due = due.max(s.bytes as f64 / rate);
-        }
-        if let Some(cpu) = self.cpu {
-            let used = process_cpu().saturating_sub(s.cpu_at_start).as_secs_f64();
-            due = due.max(used / cpu);
-        }
-        s.bytes += bytes;
-        Duration::from_secs_f64((due - elapsed).max(0.0)).min(MAX_PAUSE)
+    /// A new pull starts: bytes and CPU count from now, and pacing is on again.
+    pub(crate) fn restart(&self) {
+        *self.state.lock() = PacerState::now();
     }
 
-    /// Pauses as long as the budget needs before moving `bytes` more.
+    /// Pacing is off until the next [`restart`](Self::restart).
+    pub(crate) fn lift(&self) {
+        self.state.lock().lifted = true;
+    }
+
+    /// Counts `bytes` if the bytes moved so far are paid for.
+    fn take(&self, bytes: u64) -> Take {
+        if !self.is_limited() {
+            return Take::Go(Duration::ZERO);
+        }
+        let mut s = self.state.lock();
+        if s.lifted {
+            return Take::Go(Duration::ZERO);
+        }
+        let elapsed = s.start.elapsed().as_secs_f64();
+        if let Some(rate) = self.rate {
+            // The bytes moved so far take this long at the rate.
+            let ahead = s.bytes as f64 / rate - elapsed;
+            if ahead > 0.0 {
+                return Take::Wait(Duration::from_secs_f64(ahead).min(MAX_PAUSE));
+            }
+        }
+        s.bytes = s.bytes.saturating_add(bytes);
+        let mut pause = 0.0f64;
+        if let Some(cpu) = self.cpu {
+            let used = process_cpu().saturating_sub(s.cpu_at_start).as_secs_f64();
+            pause = used / cpu - elapsed;
+        }
+        Take::Go(Duration::from_secs_f64(pause.max(0.0)).min(MAX_PAUSE))
+    }
+
+    /// Pauses as long as the budget needs before moving `bytes` more (and counts them).
     pub(crate) async fn pace(&self, bytes: u64) {
-        let d = self.delay(bytes);
-        if !d.is_zero() {
-            tokio::time::sleep(d).await;
+        loop {
+            match self.take(bytes) {
+                Take::Go(pause) => {
+                    if !pause.is_zero() {
+                        tokio::time::sleep(pause).await;
+                    }
+                    return;
+                }
+                Take::Wait(d) => tokio::time::sleep(d).await,
+            }
         }
     }
 }
@@ -241,30 +292,99 @@ mod tests {
     }
 
     #[test]
-    fn a_rate_spreads_bytes_over_time() {
+    fn a_rate_lets_a_batch_go_once_the_bytes_before_it_are_paid_for() {
         let p = Pacer::new(&PullBudget {
             max_rate: Some(1_000_000),
             ..PullBudget::default()
         });
-        assert_eq!(p.delay(50_000), Duration::ZERO, "nothing moved yet");
-        // 50 kB at 1 MB/s take 50 ms: the next batch waits for most of them.
-        let d = p.delay(50_000);
-        assert!(
-            d > Duration::from_millis(30) && d <= Duration::from_millis(50),
-            "{d:?}"
+        assert_eq!(
+            p.take(50_000),
+            Take::Go(Duration::ZERO),
+            "nothing moved yet"
         );
-        // Never more than the longest pause at once.
-        let d = p.delay(10_000_000);
-        assert!(d <= MAX_PAUSE, "{d:?}");
-        assert!(p.delay(0) == MAX_PAUSE, "10 MB at 1 MB/s are 10 s ahead");
+        // 50 kB at 1 MB/s take 50 ms: the next batch waits for most of them, uncounted.
+        for _ in 0..3 {
+            match p.take(50_000) {
+                Take::Wait(d) => assert!(
+                    d > Duration::from_millis(30) && d <= Duration::from_millis(50),
+                    "{d:?}"
+                ),
+                go => panic!("went early: {go:?}"),
+            }
+        }
+        std::thread::sleep(Duration::from_millis(50));
+        assert_eq!(p.take(10_000_000), Take::Go(Duration::ZERO));
+        // 10 MB ahead: told to look again within the longest pause, as often as asked.
+        assert_eq!(p.take(0), Take::Wait(MAX_PAUSE));
+        assert_eq!(p.take(0), Take::Wait(MAX_PAUSE));
+        // Lifted: everything goes; restarted: counted from nothing again.
+        p.lift();
+        assert_eq!(p.take(u64::MAX), Take::Go(Duration::ZERO));
+        p.restart();
+        assert_eq!(p.take(50_000), Take::Go(Duration::ZERO));
+        assert!(matches!(p.take(50_000), Take::Wait(_)));
+    }
+
+    #[test]
+    fn concurrent_batches_keep_the_rate() {
+        // 8 tasks of 100 kB batches at 2 MB/s: 2 MB (20 batches) take at least 950 ms
+        // (the first batch goes at once), however many tasks ask at the same time.
+        let p = std::sync::Arc::new(Pacer::new(&PullBudget {
+            max_rate: Some(2_000_000),
+            ..PullBudget::default()
+        }));
+        let rt = tokio::runtime::Builder::new_current_thread()
+            .enable_time()
+            .build()
+            .unwrap();
+        let took = rt.block_on(async {
+            let t = Instant::now();
+            let next = std::sync::Arc::new(std::sync::atomic::AtomicU32::new(0));
+            let tasks: Vec<_> = (0..8)
+                .map(|_| {
+                    let (p, next) = (p.clone(), next.clone());
+                    tokio::spawn(async move {
+                        while next.fetch_add(1, std::sync::atomic::Ordering::Relaxed) < 20 {
+                            p.pace(100_000).await;
+                        }
+                    })
+                })
+                .collect();
+            for t in tasks {
+                t.await.unwrap();
+            }
+            t.elapsed()
+        });
+        assert!(
+            took >= Duration::from_millis(950),
+            "2 MB at 2 MB/s in {took:?}"
+        );
+        assert!(took < Duration::from_secs(5), "{took:?}");
+    }
+
+    #[test]
+    fn a_cpu_share_pauses_a_batch_at_most_the_longest_pause() {
+        let p = Pacer::new(&PullBudget {
+            cpu_share: Some(0.01),
+            ..PullBudget::default()
+        });
+        // Burn CPU far over the share: each batch still goes, after at most MAX_PAUSE.
+        let t = Instant::now();
+        while t.elapsed() < Duration::from_millis(50) {
+            std::hint::black_box(process_cpu());
+        }
+        match p.take(1) {
+            Take::Go(d) => assert!(d > Duration::ZERO && d <= MAX_PAUSE, "{d:?}"),
+            wait => panic!("a CPU share never holds a batch back: {wait:?}"),
+        }
     }
 
     #[test]
     fn no_budget_never_pauses() {
         let p = Pacer::new(&PullBudget::default());
         assert!(!p.is_limited());
-        assert_eq!(p.delay(u64::MAX / 2), Duration::ZERO);
-        assert_eq!(p.delay(u64::MAX / 2), Duration::ZERO);
+        assert_eq!(p.take(u64::MAX / 2), Take::Go(Duration::ZERO));
+        assert_eq!(p.take(u64::MAX / 2), Take::Go(Duration::ZERO));
     }
 
     #[test]

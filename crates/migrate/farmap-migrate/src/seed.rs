@@ -194,7 +194,11 @@ pub async fn seed(
     if pacer.is_limited() {
         plane = Arc::new(crate::view::Paced::new(plane, pacer.clone()));
         runs = runs.map(|r| {
-            Arc::new(crate::view::PacedRuns::new(r, plane.geometry(), pacer)) as Arc<dyn RunReader>
+            Arc::new(crate::view::PacedRuns::new(
+                r,
+                plane.geometry(),
+                pacer.clone(),
+            )) as Arc<dyn RunReader>
         });
     }
     let (data_listen, tls) = (opts.data_listen.clone(), opts.tls.clone());
@@ -268,16 +272,8 @@ pub async fn seed(
             keys: keys.clone(),
         };
         let accepting = AbortOnDrop(tokio::spawn(acceptor.run()));
-        let r = run(
-            region,
-            suspend,
-            opts,
-            conn_rx,
-            Seeder::new(info, 0),
-            keys,
-            cancelled,
-        )
-        .await;
+        let seed_run = SeedRun::new(region, suspend, opts, keys, pacer);
+        let r = run(seed_run, conn_rx, Seeder::new(info, 0), cancelled).await;
         drop(accepting);
         let _ = server.shutdown().await;
         drop(pull_rt);
@@ -439,15 +435,11 @@ struct Current {
 }
 
 async fn run(
-    region: Arc<dyn Source>,
-    suspend: Arc<dyn Suspend>,
-    opts: SeedOptions,
+    mut run: SeedRun,
     mut conns: mpsc::Receiver<NewConn>,
     mut machine: Seeder,
-    keys: SeederKeys,
     mut cancelled: tokio::sync::watch::Receiver<bool>,
 ) -> Result<SeedReport, SeedError> {
-    let mut run = SeedRun::new(region, suspend, opts, keys);
     loop {
         let input = match run.inputs.pop_front() {
             Some(i) => i,
@@ -480,6 +472,8 @@ struct SeedRun {
     inputs: VecDeque<SeederInput>,
     /// The keys of the current session and its data plane.
     keys: SeederKeys,
+    /// The data plane's pull budget: restarted for each leecher, lifted at the suspension.
+    pacer: Arc<crate::budget::Pacer>,
 }
 
 impl SeedRun {
@@ -488,6 +482,7 @@ impl SeedRun {
         suspend: Arc<dyn Suspend>,
         opts: SeedOptions,
         keys: SeederKeys,
+        pacer: Arc<crate::budget::Pacer>,
     ) -> Self {
         let rep = Reporter {
             prefix: "farmap seed",
@@ -511,6 +506,7 @@ impl SeedRun {
             lost_since: None,
             inputs: VecDeque::new(),
             keys,
+            pacer,
         }
     }
 
@@ -612,6 +608,8 @@ impl SeedRun {
             SeederAction::Send(m) => self.send(m).await,
             SeederAction::ResetTracking => {
                 self.rep.note("a leecher connected: tracking writes");
+                // Its pull's budget counts from now: the wait for it was no credit.
+                self.pacer.restart();
                 self.take_dirty().await?;
             }
             SeederAction::TakeDirty { round } => {
@@ -625,7 +623,12 @@ impl SeedRun {
                 self.inputs.push_back(SeederInput::Dirty { round, runs: d });
             }
             SeederAction::Draft => self.draft().await?,
-            SeederAction::Suspend { instant } => self.suspend(instant).await?,
+            SeederAction::Suspend { instant } => {
+                // The application stops: what the leecher reads from here on (the last
+                // changes, the post-copy) is what the destination waits for.
+                self.pacer.lift();
+                self.suspend(instant).await?;
+            }
             SeederAction::ConfirmRest => self.confirm_rest().await?,
             SeederAction::Resume => {
                 if machine.mode() == crate::msg::Mode::Instant {
@@ -704,15 +707,18 @@ impl SeedRun {
             ));
         }
         let drafted = tokio::task::spawn_blocking(move || {
+            let mut pushed = None;
             if !budget.is_zero() {
                 // The application runs on meanwhile; whatever is left is
                 // fetched from here after the hand-over.
-                if let Err(e) = r.push_shared(budget) {
-                    tracing::warn!(
+                let t0 = Instant::now();
+                match r.push_shared(budget) {
+                    Ok(all) => pushed = Some((all, t0.elapsed())),
+                    Err(e) => tracing::warn!(
                         "pushing before an instant hand-over failed (those chunks \
                          come from the source): {}",
                         farmap_core::error_chain(e.as_ref())
-                    );
+                    ),
                 }
             }
             // No push starts from here on; the manifest is sent while the
@@ -722,7 +728,8 @@ impl SeedRun {
             if m.is_err() {
                 r.unseal();
             }
-            m.map(|m| (m, t0.elapsed())).map_err(FinalError::Seal)
+            m.map(|m| (m, t0.elapsed(), pushed))
+                .map_err(FinalError::Seal)
         })
         .await
         .map_err(|source| SeedError::Task {
@@ -730,7 +737,18 @@ impl SeedRun {
             source,
         })?;
         let input = match drafted {
-            Ok((m, took)) => {
+            Ok((m, took, pushed)) => {
+                if let Some((all, pushing)) = pushed {
+                    self.rep.note(format!(
+                        "instant: pushed for {:.1} ms: {}",
+                        pushing.as_secs_f64() * 1e3,
+                        if all {
+                            "what was written before it is in the shared store"
+                        } else {
+                            "the budget ran out first"
+                        }
+                    ));
+                }
                 self.rep.note(format!(
                     "instant: manifest made in {:.2} ms while the application \
                      runs: {} chunks in the shared store, {} only here",

@@ -14,7 +14,8 @@
 //! - [`service`]: real servers (Redis, MinIO, Cassandra...) started for a test by a script.
 //! - [`vm`]: a qemu VM with a kernel that has nbd and ublk, for kernel frontend tests.
 //! - [`cli`]: the `farmap` binary run by the CLI's tests; [`process`]: child processes whose
-//!   output is read as it comes; [`tools`]: programs installed when missing.
+//!   output is read as it comes; [`tools`]: programs installed when missing; [`demo`]:
+//!   applications with a live region and the `farmap seed` / `farmap leech` that move it.
 //! - [`tls`]: certificates made at run time.
 //! - [`alloc`](mod@alloc): a global allocator that counts, for tests that measure allocations.
 //! - [`printed`]: checks on figures a command printed rounded.
@@ -27,6 +28,7 @@ pub mod alloc;
 pub mod cli;
 pub mod conformance;
 pub mod contents;
+pub mod demo;
 mod model;
 mod pattern;
 pub mod printed;

@@ -1,7 +1,7 @@
 //! Child processes of a test: their output read as it comes, killed when dropped.
 
 use std::io::{BufRead, BufReader, Read, Write};
-use std::process::{Child, ChildStdin, Command, Stdio};
+use std::process::{Child, ChildStdin, Command, ExitStatus, Stdio};
 use std::sync::mpsc::Receiver;
 use std::time::{Duration, Instant};
 
@@ -196,7 +196,16 @@ impl Proc {
     ///
     /// # Panics
     /// If it does not exit within the wait.
-    pub fn finish(mut self) -> (bool, Vec<String>, String) {
+    pub fn finish(self) -> (bool, Vec<String>, String) {
+        let (status, out, err) = self.finish_status();
+        (status.success(), out, err)
+    }
+
+    /// Waits for the exit; returns its exit status, its stdout lines and all its stderr.
+    ///
+    /// # Panics
+    /// If it does not exit within the wait.
+    pub fn finish_status(mut self) -> (ExitStatus, Vec<String>, String) {
         let deadline = Instant::now() + self.wait;
         let status = loop {
             if let Some(s) = self.child.try_wait().expect("wait for the child") {
@@ -209,7 +218,19 @@ impl Proc {
         let out: Vec<String> = std::iter::from_fn(|| self.out.recv_timeout(wait).ok()).collect();
         let rest: Vec<String> = std::iter::from_fn(|| self.err.recv_timeout(wait).ok()).collect();
         self.seen_err.extend(rest);
-        (status.success(), out, self.seen_err.join("\n"))
+        (status, out, self.seen_err.join("\n"))
+    }
+
+    /// Sends it `signal` (by name, through kill(1): `INT` is a Ctrl-C).
+    ///
+    /// # Panics
+    /// If kill(1) fails.
+    pub fn signal(&self, signal: &str) {
+        let sent = Command::new("kill")
+            .args([&format!("-{signal}"), &self.child.id().to_string()])
+            .status()
+            .expect("run kill");
+        assert!(sent.success(), "kill -{signal} {} failed", self.name);
     }
 
     /// Kills it (SIGKILL) and reaps it.
