@@ -433,42 +433,39 @@ async fn handshake(opts: &LeechOptions, hello: &Msg) -> Result<(Channel, Msg, Pr
     let mut ch = connect(&opts.from, opts.tls.as_ref(), wait)
         .await
         .map_err(|e| fail(classify(e)))?;
-    let answer = tokio::time::timeout(wait, async {
-        let proven = match crate::auth::leecher(&mut ch, &opts.key, 0).await {
-            Ok(p) => p,
-            Err(LeecherAuthError::Io(e)) => return Err(e),
-            Err(e) => return Ok(Err(e)),
-        };
-        ch.send(hello).await?;
-        ch.recv().await.map(|m| Ok((m, proven)))
-    })
-    .await;
-    let answer = match answer {
-        Ok(Ok(Err(LeecherAuthError::Refused(reason)))) => {
-            return Err(fail(ConnectError::Refused { reason }))
+    // A connection that ends (or is reset) while shaking hands: a TLS refusal if TLS says
+    // so, else the seeder closed it.
+    let io_failure = |e: io::Error| {
+        let closed = e.kind() == io::ErrorKind::UnexpectedEof || is_reset(&e);
+        if closed && farmap_net::describe_client_tls_failure(&e, sent_cert).is_none() {
+            ConnectError::Closed {
+                tls: opts.tls.is_some(),
+            }
+        } else {
+            classify(e)
         }
-        Ok(Ok(Err(e))) => return Err(fail(ConnectError::Auth(e))),
-        Ok(Ok(Ok((m, proven)))) => Ok(Ok(m.map(|m| (m, proven)))),
-        Ok(Err(e)) => Ok(Err(e)),
-        Err(e) => Err(e),
     };
-    match answer {
-        Err(_) => Err(fail(ConnectError::Silent { waited: wait })),
-        Ok(Err(e)) if e.kind() == io::ErrorKind::UnexpectedEof || is_reset(&e) => Err(fail(
-            match farmap_net::describe_client_tls_failure(&e, sent_cert) {
-                Some(_) => classify(e),
-                None => ConnectError::Closed {
-                    tls: opts.tls.is_some(),
-                },
-            },
-        )),
-        Ok(Err(e)) => Err(fail(classify(e))),
-        Ok(Ok(None)) => Err(fail(ConnectError::Closed {
-            tls: opts.tls.is_some(),
-        })),
-        Ok(Ok(Some((Msg::Abort { reason }, _)))) => Err(fail(ConnectError::Refused { reason })),
-        Ok(Ok(Some((m, proven)))) => Ok((ch, m, proven)),
-    }
+    let answer = tokio::time::timeout(wait, async {
+        let proven = crate::auth::leecher(&mut ch, &opts.key, 0)
+            .await
+            .map_err(|e| match e {
+                LeecherAuthError::Refused(reason) => ConnectError::Refused { reason },
+                LeecherAuthError::Io(e) => io_failure(e),
+                e => ConnectError::Auth(e),
+            })?;
+        ch.send(hello).await.map_err(io_failure)?;
+        match ch.recv().await.map_err(io_failure)? {
+            None => Err(ConnectError::Closed {
+                tls: opts.tls.is_some(),
+            }),
+            Some(Msg::Abort { reason }) => Err(ConnectError::Refused { reason }),
+            Some(m) => Ok((m, proven)),
+        }
+    })
+    .await
+    .map_err(|_| fail(ConnectError::Silent { waited: wait }))?;
+    let (m, proven) = answer.map_err(fail)?;
+    Ok((ch, m, proven))
 }
 
 fn is_reset(e: &io::Error) -> bool {

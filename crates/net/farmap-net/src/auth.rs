@@ -79,6 +79,12 @@ pub enum KeyError {
         /// Bytes of secret found.
         len: usize,
     },
+    /// A secret given as text is too short or too long.
+    #[error("a key is {MIN_SECRET_LEN} to {MAX_KEY_FILE} bytes; this one is {len}")]
+    BadSecret {
+        /// Bytes of secret given.
+        len: usize,
+    },
     /// Neither `FARMAP_KEY_FILE`, `XDG_CONFIG_HOME` nor `HOME` is set.
     #[error(
         "no default key file: set HOME, XDG_CONFIG_HOME or FARMAP_KEY_FILE, or pass --key-file"
@@ -111,25 +117,20 @@ impl Key {
     /// A key for a narrower purpose: `HMAC(self, label || parts)`. Different labels or
     /// parts give unrelated keys; the parent cannot be had back from a derived key.
     pub fn derive(&self, label: &str, parts: &[&[u8]]) -> Key {
-        let tag = self.tag(label, parts);
-        Self::from_secret(&tag)
+        Self::from_secret(&self.prove(label, parts))
     }
 
     /// The proof of holding this key for `label` over `parts` (nonces and context).
     pub fn prove(&self, label: &str, parts: &[&[u8]]) -> Proof {
-        self.tag(label, parts)
+        let mut out = [0u8; PROOF_LEN];
+        out.copy_from_slice(hmac::sign(&self.0, &transcript(label, parts)).as_ref());
+        out
     }
 
     /// Whether `proof` is [`prove`](Self::prove)'s answer for the same label and parts
     /// (compared in constant time).
     pub fn check(&self, label: &str, parts: &[&[u8]], proof: &Proof) -> bool {
         hmac::verify(&self.0, &transcript(label, parts), proof).is_ok()
-    }
-
-    fn tag(&self, label: &str, parts: &[&[u8]]) -> [u8; PROOF_LEN] {
-        let mut out = [0u8; PROOF_LEN];
-        out.copy_from_slice(hmac::sign(&self.0, &transcript(label, parts)).as_ref());
-        out
     }
 
     /// Reads the key in `path` (see [`read_secret`]).
@@ -146,11 +147,8 @@ impl Key {
     /// A key from a secret given as text (white space around it is not part of it).
     pub fn from_text(text: &str) -> Result<Key, KeyError> {
         let secret = text.trim();
-        if secret.len() < MIN_SECRET_LEN || secret.len() as u64 > MAX_KEY_FILE {
-            return Err(KeyError::BadLength {
-                path: PathBuf::from("(given)"),
-                len: secret.len(),
-            });
+        if !secret_len_ok(secret.len()) {
+            return Err(KeyError::BadSecret { len: secret.len() });
         }
         Ok(Key::from_secret(secret.as_bytes()))
     }
@@ -184,7 +182,7 @@ pub fn read_secret(path: &Path) -> Result<String, KeyError> {
     io::Read::read_to_end(&mut io::Read::take(f, MAX_KEY_FILE + 1), &mut buf)
         .map_err(io("cannot read the key file"))?;
     let secret = buf.trim_ascii();
-    if secret.len() < MIN_SECRET_LEN || buf.len() as u64 > MAX_KEY_FILE {
+    if !secret_len_ok(secret.len()) || buf.len() as u64 > MAX_KEY_FILE {
         return Err(KeyError::BadLength {
             path: path.to_owned(),
             len: secret.len(),
@@ -268,6 +266,11 @@ impl KeySlot {
     pub fn set(&self, key: Option<Key>) {
         *self.0.write() = key;
     }
+}
+
+/// Whether a secret of `len` bytes is acceptable.
+fn secret_len_ok(len: usize) -> bool {
+    (MIN_SECRET_LEN..=MAX_KEY_FILE as usize).contains(&len)
 }
 
 /// The bytes a proof is made over: each piece after its length, so that no two different
