@@ -32,6 +32,7 @@ pub async fn run(args: ServeArgs) -> anyhow::Result<ExitCode> {
         read_only: args.read_only,
         max_connections: args.max_connections as usize,
         max_in_flight_per_conn: args.max_in_flight as usize,
+        max_running: args.max_running(std::iter::once(&args.store)),
         tls,
         idle_timeout: args.idle_timeout,
         handshake_timeout: args.handshake_timeout.unwrap_or(defaults.handshake_timeout),
@@ -108,6 +109,7 @@ async fn run_grpc(
         read_only: args.read_only,
         max_connections: args.max_connections as usize,
         max_in_flight: args.max_in_flight,
+        max_running: args.max_running(std::iter::once(&args.store)),
         idle_timeout: args.idle_timeout,
         log: !args.quiet,
         total_budget: args.max_memory.map_or(defaults.total_budget, |m| {

@@ -28,6 +28,12 @@ pub struct ServeArgs {
     /// Requests worked on at once per connection (more wait in the socket).
     #[arg(long, default_value_t = 128, value_parser = clap::value_parser!(u32).range(1..=65536))]
     pub(crate) max_in_flight: u32,
+    /// Requests working on the store at once over all connections, taken from each
+    /// connection in turn, so that clients with long queues do not slow one that asks one
+    /// request at a time. Default: the number of CPUs for a store on this host, 64 when the
+    /// store (or one of an NBD server's exports) is on another host.
+    #[arg(long, value_parser = clap::value_parser!(u32).range(1..=65536))]
+    pub(crate) max_running: Option<u32>,
     /// Close a connection that sends nothing for this long with nothing in flight, or whose
     /// replies have not been read for this long (e.g. 30s, 2m is 120s).
     #[arg(long, default_value = "120s", value_parser = parse_duration)]
@@ -70,6 +76,15 @@ pub struct ServeArgs {
 }
 
 impl ServeArgs {
+    /// `--max-running`, or the default for stores of `specs`.
+    pub(crate) fn max_running<'a>(&self, mut specs: impl Iterator<Item = &'a StoreSpec>) -> usize {
+        match self.max_running {
+            Some(n) => n as usize,
+            None if specs.any(StoreSpec::is_remote) => farmap_net::fair::REMOTE_LIMIT,
+            None => farmap_net::fair::local_limit(),
+        }
+    }
+
     /// `--listen`, or `default`.
     pub(crate) fn listen(&self, default: &str) -> ListenAddr {
         self.listen

@@ -46,8 +46,10 @@ pub async fn run(args: ServeArgs, store: Arc<dyn farmap::Store>) -> anyhow::Resu
         store: served,
         read_only: args.read_only,
     }];
+    let mut specs = vec![args.store.clone()];
     for e in &args.exports {
         let (name, spec) = parse_export(e)?;
+        specs.push(spec.clone());
         let store = open_store_async(&spec)
             .await
             .with_context(|| format!("opening the store of export {name:?}"))?;
@@ -66,6 +68,7 @@ pub async fn run(args: ServeArgs, store: Arc<dyn farmap::Store>) -> anyhow::Resu
     let opts = NbdServeOptions {
         max_connections: args.max_connections as usize,
         max_in_flight_per_conn: args.max_in_flight as usize,
+        max_running: args.max_running(specs.iter()),
         tls: args.tls.config(),
         idle_timeout: args.idle_timeout,
         handshake_timeout: args.handshake_timeout.unwrap_or(defaults.handshake_timeout),

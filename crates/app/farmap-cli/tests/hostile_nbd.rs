@@ -182,8 +182,11 @@ fn cache_requests_and_tiny_reads_never_read_keep_the_nbd_server_in_its_budget() 
         a.join().unwrap();
     }
     println!("stopped in {took:?} ({status})");
+    // Requests that have not reached the store are answered with an error, those at the
+    // store finish, and clients that do not read are not waited for: well under the 10 s
+    // grace (it took the whole grace before).
     assert!(
-        took < Duration::from_secs(20),
+        took < Duration::from_secs(5),
         "SIGTERM took {took:?} to stop the server"
     );
 }

@@ -21,6 +21,8 @@ use farmap_nbd_proto::{
     Command, Incoming, RequestDecoder, RequestHeader, ServerHandshake, ServerStep,
 };
 use farmap_net::budget::{Budget, Charge};
+use farmap_net::counted::{Counted, STOP_STALL};
+use farmap_net::fair::Lane;
 use farmap_net::{is_clean_close, raised, BoxStream};
 use tokio::io::{AsyncReadExt, AsyncWrite, AsyncWriteExt, WriteHalf};
 use tokio::sync::{mpsc, watch, Mutex, OwnedSemaphorePermit, Semaphore, TryAcquireError};
@@ -44,7 +46,7 @@ const OVERHEAD: usize = 64;
 
 /// A reply (or one part of one) and the budget it holds until it has been written.
 type Outgoing = (Vec<Bytes>, Option<Charge>);
-type Out = WriteHalf<BoxStream>;
+type Out = Counted<WriteHalf<BoxStream>>;
 
 /// Serves one connection to its end.
 pub(crate) async fn connection(stream: BoxStream, peer: String, ctx: Arc<Ctx>) {
@@ -294,6 +296,8 @@ enum ConnError {
     Io(#[from] io::Error),
     #[error("sent nothing for {0:?} with no request in flight; closed")]
     Idle(Duration),
+    #[error("closed without its last replies: the client does not read them")]
+    Stalled,
 }
 
 /// A permit of `n` from `sem`, sending the reader's batch first when it has to wait (the
@@ -335,7 +339,7 @@ async fn read_in_pieces(
     h: RequestHeader,
     s: Session,
     replies: Arc<Replies>,
-    budget: Budget,
+    (budget, lane): (Budget, Lane),
     mut charge: Option<Charge>,
 ) {
     if let Err(f) = exp.check_read(&h, s) {
@@ -356,7 +360,8 @@ async fn read_in_pieces(
         if let Some(c) = charge.take() {
             permit.merge(c);
         }
-        let (mut parts, failed) = match exp.read_range(h.cookie, at, n, last, s).await {
+        let read = lane.run(exp.read_range(h.cookie, at, n, last, s));
+        let (mut parts, failed) = match read.await {
             Ok(parts) => (parts, false),
             Err(f) => (error_reply(&h, s, &f), true),
         };
@@ -377,6 +382,7 @@ async fn transmission(
 ) -> Result<(), ConnError> {
     let exp = ctx.exports[export].clone();
     let (mut rd, wr) = tokio::io::split(stream);
+    let (wr, written) = Counted::new(wr);
     let out = Arc::new(Mutex::new(Some(wr)));
     let (tx, rx) = mpsc::channel::<Outgoing>(1024);
     let (broken, mut broken_rx) = watch::channel(false);
@@ -390,6 +396,7 @@ async fn transmission(
         broken,
     });
     let budget = ctx.total.connection(ctx.conn_budget, ctx.reserve);
+    let lane = ctx.fair.lane();
     let max_in_flight = ctx.opts.max_in_flight_per_conn;
     let in_flight = Arc::new(Semaphore::new(max_in_flight));
     let mut decoder = RequestDecoder::new(exp.max_payload);
@@ -485,7 +492,7 @@ async fn transmission(
                     header,
                     session,
                     replies.clone(),
-                    budget.clone(),
+                    (budget.clone(), lane.clone()),
                     Some(permit),
                 );
                 tasks.spawn(async move {
@@ -495,9 +502,10 @@ async fn transmission(
                 continue;
             }
             // Work on it here until it would wait; only then give it a task of its own.
-            let e = exp.clone();
+            let (e, lane) = (exp.clone(), lane.clone());
             let mut job: Pin<Box<dyn Future<Output = Vec<Bytes>> + Send>> =
-                Box::pin(async move { e.handle(header, payload, session).await });
+                // Its store operations take this connection's turns; the reply does not.
+                Box::pin(async move { lane.run(e.handle(header, payload, session)).await });
             match std::future::poll_fn(|cx| Poll::Ready(job.as_mut().poll(cx))).await {
                 Poll::Ready(reply) => {
                     drop(slot);
@@ -595,16 +603,25 @@ async fn transmission(
     if gone || result.is_err() {
         tasks.abort_all();
     }
-    let flushed = batch.send(&replies).await;
-    drop(replies);
-    let written = match writer.await {
-        Ok(r) => r,
-        Err(e) => {
-            tracing::warn!("NBD client {peer}: the reply writer failed: {e}");
-            Ok(())
-        }
+    // A client that does not read its replies is not waited for.
+    let mut writer = writer;
+    let finish = async {
+        let flushed = batch.send(&replies).await;
+        drop(replies);
+        let sent = match (&mut writer).await {
+            Ok(r) => r,
+            Err(e) => {
+                tracing::warn!("NBD client {peer}: the reply writer failed: {e}");
+                Ok(())
+            }
+        };
+        flushed.and(sent)
     };
-    let io = flushed.and(written);
+    let Some(io) = written.unless_stalled(finish, STOP_STALL).await else {
+        writer.abort();
+        tasks.abort_all();
+        return result.and(Err(ConnError::Stalled));
+    };
     match (result, io) {
         (Err(e), _) => Err(e),
         (Ok(()), Err(e)) if !is_clean_close(&e) => Err(e.into()),

@@ -22,6 +22,8 @@ pub(crate) struct Ctx {
     pub(crate) total: farmap_net::budget::Total,
     /// What each connection may hold beside the total (see [`farmap_net::budget`]).
     pub(crate) reserve: usize,
+    /// Turns at the stores, shared out between the connections.
+    pub(crate) fair: farmap_net::fair::Fair,
 }
 
 impl Ctx {

@@ -27,6 +27,11 @@ pub struct NbdServeOptions {
     pub max_connections: usize,
     /// Requests worked on at once per connection.
     pub max_in_flight_per_conn: usize,
+    /// Store operations at once over all connections, taken from each connection in turn
+    /// ([`farmap_net::fair`]): about the CPU count for stores whose work is this host's
+    /// ([`farmap_net::fair::local_limit`]), more for stores whose operations wait on other
+    /// hosts ([`farmap_net::fair::REMOTE_LIMIT`], the default).
+    pub max_running: usize,
     /// TLS by `NBD_OPT_STARTTLS` (required of every client when set); with a client CA,
     /// mutual TLS.
     pub tls: Option<TlsServerConfig>,
@@ -52,12 +57,13 @@ pub struct NbdServeOptions {
 }
 
 impl Default for NbdServeOptions {
-    /// 256 connections, 128 requests in flight each, no TLS, 32 MiB payloads, 10 s
+    /// 256 connections, 128 requests in flight each, 64 store operations at once, no TLS, 32 MiB payloads, 10 s
     /// handshake, 120 s idle, 64 MiB per connection and 256 MiB in all, 10 s grace, logging on.
     fn default() -> Self {
         Self {
             max_connections: 256,
             max_in_flight_per_conn: 128,
+            max_running: farmap_net::fair::REMOTE_LIMIT,
             tls: None,
             max_payload: DEFAULT_MAX_PAYLOAD,
             handshake_timeout: Duration::from_secs(10),

@@ -142,6 +142,12 @@ pub fn serve_nbd(
         1,
         1 << 20,
     )?;
+    check(
+        "the limit of requests working on the stores at once",
+        opts.max_running as u64,
+        1,
+        65536,
+    )?;
     let tls = match &opts.tls {
         Some(t) => Some(TlsAcceptor::from(t.build()?)),
         None => None,
@@ -174,7 +180,10 @@ pub fn serve_nbd(
         });
         ctxs.push(Arc::new(ExportCtx {
             name: e.name.clone(),
-            store: Arc::new(Unaligned::new(e.store.clone())),
+            // Each store operation takes its connection's turn.
+            store: Arc::new(Unaligned::new(
+                Arc::new(farmap_net::fair::InTurn::new(e.store.clone())) as Arc<dyn Store>,
+            )),
             size: g.size(),
             chunk: g.chunk_size().into(),
             read_only,
@@ -199,7 +208,11 @@ pub fn serve_nbd(
     // small requests, whoever else holds the total.
     let largest_chunk = ctxs.iter().map(|e| e.chunk as usize).max().unwrap_or(0);
     let reserve = RESERVE.max(largest_chunk + 4096);
+    let fair = farmap_net::fair::Fair::new(opts.max_running);
+    // At shutdown, requests that have not reached the stores are answered with an error.
+    fair.close_on(shutdown.clone());
     let ctx = Arc::new(Ctx {
+        fair,
         exports: ctxs,
         handshake: ServerConfig {
             exports: infos,

@@ -682,7 +682,12 @@ async fn the_requests_of_a_client_that_leaves_are_cancelled() {
     });
     let mut e = export("", store);
     e.read_only = true;
-    let server = start(vec![e], quiet()).await;
+    // Turns enough for the three reads to reach the store.
+    let opts = farmap_nbd::NbdServeOptions {
+        max_running: 8,
+        ..quiet()
+    };
+    let server = start(vec![e], opts).await;
     let mut c = Raw::connect(tcp(&server), "", true).await;
     for i in 0..3u64 {
         c.send(req(Command::Read, i, i * 4096, 4096), &[]).await;

@@ -83,7 +83,11 @@ where
             let (mut parts, body) = request.into_parts();
             parts.extensions.insert(lease.clone());
             let body = Body::new(CappedRequest::new(body, op, limit));
-            let reply = inner.call(Request::from_parts(parts, body)).await?;
+            // Its store operations take the connection's turns.
+            let reply = conn
+                .lane
+                .run(inner.call(Request::from_parts(parts, body)))
+                .await?;
             Ok(reply.map(|body| Body::new(LeasedReply::new(body, lease))))
         })
     }

@@ -19,6 +19,7 @@ use std::task::{ready, Context, Poll};
 use std::time::Duration;
 
 use farmap_net::budget::{Budget, Total};
+use farmap_net::fair::{Fair, Lane};
 use futures::Stream;
 use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
 use tokio::net::{TcpListener, TcpStream};
@@ -35,6 +36,8 @@ pub(crate) struct Budgets {
     pub(crate) conn: usize,
     /// Each connection's reserve, outside the total.
     pub(crate) reserve: usize,
+    /// Turns at the store, shared out between the connections.
+    pub(crate) fair: Fair,
 }
 
 /// What every call of a connection finds in its request's extensions.
@@ -42,6 +45,8 @@ pub(crate) struct Budgets {
 pub(crate) struct ConnInfo {
     /// The connection's memory budget.
     pub(crate) budget: Budget,
+    /// The connection's turns at the store.
+    pub(crate) lane: Lane,
     peer: Arc<str>,
 }
 
@@ -224,6 +229,7 @@ pub(crate) fn limited_incoming(
             }
             let info = ConnInfo {
                 budget: budgets.total.connection(budgets.conn, budgets.reserve),
+                lane: budgets.fair.lane(),
                 peer: peer.into(),
             };
             let conn = Limited::new(io, slot, idle, info, log);

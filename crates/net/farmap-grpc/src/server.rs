@@ -65,6 +65,11 @@ pub struct GrpcServerOptions {
     pub max_connections: usize,
     /// Requests (HTTP/2 streams) worked on at once per connection.
     pub max_in_flight: u32,
+    /// Store operations at once over all connections, taken from each connection in turn
+    /// ([`farmap_net::fair`]): about the CPU count for a store whose work is this host's
+    /// ([`farmap_net::fair::local_limit`]), more for one whose operations wait on other hosts
+    /// ([`farmap_net::fair::REMOTE_LIMIT`], the default).
+    pub max_running: usize,
     /// A connection that moves no bytes for this long is closed.
     pub idle_timeout: Duration,
     /// Log each connection's coming and going at `info` level (at `debug` when false).
@@ -85,6 +90,7 @@ impl Default for GrpcServerOptions {
             max_message: DEFAULT_MAX_MESSAGE,
             max_connections: 256,
             max_in_flight: 128,
+            max_running: farmap_net::fair::REMOTE_LIMIT,
             idle_timeout: Duration::from_secs(120),
             log: true,
             total_budget: farmap_net::DEFAULT_TOTAL_BUDGET,
@@ -127,6 +133,13 @@ pub async fn serve_grpc_with_shutdown(
         total: Total::new(options.total_budget.max(largest)),
         conn: largest.saturating_mul(2),
         reserve: sizes.reserve(),
+        fair: farmap_net::fair::Fair::new(options.max_running),
+    };
+    // At shutdown, calls that have not reached the store are answered with an error.
+    let fair = budgets.fair.clone();
+    let signal = async move {
+        signal.await;
+        fair.close();
     };
     let incoming = limited_incoming(
         listener,
@@ -170,7 +183,8 @@ impl StoreService {
             caps = caps.without(Caps::WRITE | Caps::TRIM);
         }
         Self {
-            store,
+            // Each store operation takes its connection's turn.
+            store: Arc::new(farmap_net::fair::InTurn::new(store)),
             geometry,
             caps,
             read_only: options.read_only,

@@ -30,6 +30,8 @@ mod addr;
 pub mod auth;
 pub mod budget;
 mod conn;
+pub mod counted;
+pub mod fair;
 pub mod pool;
 mod remote;
 mod running;

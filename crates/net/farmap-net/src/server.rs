@@ -4,6 +4,10 @@
 //! - One task accepts; one task per connection reads and decodes frames; every request runs
 //!   in a task of its own, at most [`ServeOptions::max_in_flight_per_conn`] at once per
 //!   connection; one writer task per connection sends replies in the order they complete.
+//! - A request works on the store only in its connection's turn ([`crate::fair`]): at most
+//!   [`ServeOptions::max_running`] at once over the server, a freed turn going to the
+//!   connection with the fewest out, so clients that keep many requests queued do not slow
+//!   one that asks one at a time.
 //!
 //! # Memory
 //! - Every request is charged its bytes plus the bytes of its largest possible reply against
@@ -54,6 +58,8 @@ use crate::accept::{accept_connections, AcceptLoop};
 use crate::addr::{ListenAddr, Listener};
 use crate::auth::KeySlot;
 use crate::budget::{Charge, Total};
+use crate::counted::{Counted, STOP_STALL};
+use crate::fair::{self, Fair};
 use crate::running::{Running, Starting};
 use crate::stream::{
     describe_foreign_bytes, io_phrase, is_clean_close, make_room, raised, write_frames, BoxStream,
@@ -70,6 +76,11 @@ pub struct ServeOptions {
     pub max_connections: usize,
     /// Requests worked on at once per connection.
     pub max_in_flight_per_conn: usize,
+    /// Store operations at once over all connections, taken from each connection in turn
+    /// ([`crate::fair`]): about the CPU count for a store whose work is this host's
+    /// ([`fair::local_limit`]: memory, local files; what `farmap serve` picks for them), more
+    /// for one whose operations wait on other hosts ([`fair::REMOTE_LIMIT`], the default).
+    pub max_running: usize,
     /// TLS (and mutual TLS when a client CA is given).
     pub tls: Option<TlsServerConfig>,
     /// Largest frame accepted and sent, header included.
@@ -109,7 +120,8 @@ pub const DEFAULT_TOTAL_BUDGET: usize = 256 << 20;
 const REFUSAL_POOL: usize = 16;
 
 impl Default for ServeOptions {
-    /// Writable, 256 connections, 128 requests in flight each, no TLS, default frame and
+    /// Writable, 256 connections, 128 requests in flight each, 64 store operations at once,
+    /// no TLS, default frame and
     /// batch limits, 10 s handshake, 120 s idle timeout, 32 MiB per connection and 256 MiB in
     /// all in flight, 10 s shutdown grace, logging on.
     fn default() -> Self {
@@ -117,6 +129,7 @@ impl Default for ServeOptions {
             read_only: false,
             max_connections: 256,
             max_in_flight_per_conn: 128,
+            max_running: fair::REMOTE_LIMIT,
             tls: None,
             max_frame: DEFAULT_MAX_FRAME,
             max_batch: DEFAULT_MAX_BATCH,
@@ -182,6 +195,8 @@ struct Ctx {
     reserve: usize,
     /// Tasks answering connections over the limit.
     refusals: Arc<Semaphore>,
+    /// Turns at the store, shared out between the connections.
+    fair: Fair,
 }
 
 impl Ctx {
@@ -265,6 +280,12 @@ pub fn serve_with_runs(
         1,
         1 << 20,
     )?;
+    check_option(
+        "the limit of requests working on the store at once",
+        opts.max_running as u64,
+        1,
+        65536,
+    )?;
     let tls = match &opts.tls {
         Some(t) => Some(TlsAcceptor::from(t.build()?)),
         None => None,
@@ -293,8 +314,12 @@ pub fn serve_with_runs(
     let connections = starting.connections.clone();
     let conn_budget = budget_permits(opts.conn_budget.max(2 * opts.max_frame as usize));
     let total_budget = budget_permits(opts.total_budget.max(conn_budget));
+    let fair = Fair::new(opts.max_running);
+    // At shutdown, requests that have not reached the store are answered with an error.
+    fair.close_on(starting.shutdown.clone());
     let ctx = Arc::new(Ctx {
-        store: store.clone(),
+        // Each store operation takes its connection's turn.
+        store: Arc::new(fair::InTurn::new(store.clone())),
         runs,
         info,
         opts,
@@ -304,6 +329,7 @@ pub fn serve_with_runs(
         conn_budget,
         reserve: RESERVE.max(4 * info.region.geometry.chunk_size() as usize),
         refusals: Arc::new(Semaphore::new(REFUSAL_POOL)),
+        fair,
     });
     Ok(Server {
         running: starting.spawn(addr, accept_loop(listener, ctx, connections)),
@@ -544,6 +570,14 @@ enum Ended {
     Badly(String),
 }
 
+impl Ended {
+    fn reason(&self) -> &str {
+        match self {
+            Ended::Normally(r) | Ended::Badly(r) => r,
+        }
+    }
+}
+
 /// A reply and the budget its request holds until the reply has been written.
 type Outgoing = (Vec<Bytes>, Option<Charge>);
 
@@ -589,7 +623,8 @@ fn cost(ctx: &Ctx, msg: &Message, frame_len: usize) -> usize {
 /// Reads and answers requests until the peer leaves, a frame is bad, the peer is idle or stops
 /// reading, or shutdown; returns why the connection ended.
 async fn serve_frames(stream: BoxStream, mut buf: BytesMut, ctx: &Arc<Ctx>) -> Ended {
-    let (mut rd, mut wr) = tokio::io::split(stream);
+    let (mut rd, wr) = tokio::io::split(stream);
+    let (mut wr, written) = Counted::new(wr);
     let in_flight = ctx.info.max_in_flight as usize;
     let idle_timeout = ctx.opts.idle_timeout;
     let (tx, mut rx) = mpsc::channel::<Outgoing>(in_flight + 1);
@@ -598,6 +633,9 @@ async fn serve_frames(stream: BoxStream, mut buf: BytesMut, ctx: &Arc<Ctx>) -> E
     let mut writer_done = false;
     let permits = Arc::new(Semaphore::new(in_flight));
     let budget = ctx.total.connection(ctx.conn_budget, ctx.reserve);
+    let lane = ctx.fair.lane();
+    // The requests being answered: cancelled when the connection ends badly.
+    let mut tasks = tokio::task::JoinSet::new();
     let mut decoder = FrameDecoder::new(Limits {
         max_frame: ctx.info.max_frame,
         max_batch: ctx.info.max_batch,
@@ -643,9 +681,11 @@ async fn serve_frames(stream: BoxStream, mut buf: BytesMut, ctx: &Arc<Ctx>) -> E
                 }
             };
             let (slot, charge) = acquired;
-            let (tx, ctx) = (tx.clone(), ctx.clone());
-            tokio::spawn(async move {
-                let reply = Frame::new(frame.id, execute(&ctx, frame.msg).await);
+            let (tx, ctx, lane) = (tx.clone(), ctx.clone(), lane.clone());
+            while tasks.try_join_next().is_some() {}
+            tasks.spawn(async move {
+                // Its store operations take this connection's turns; the reply does not.
+                let reply = Frame::new(frame.id, lane.run(execute(&ctx, frame.msg)).await);
                 let mut parts = Vec::with_capacity(4);
                 reply.encode_parts(&mut parts);
                 drop(slot);
@@ -716,10 +756,26 @@ async fn serve_frames(stream: BoxStream, mut buf: BytesMut, ctx: &Arc<Ctx>) -> E
             }
         }
     };
-    // Requests in flight hold their own senders: the writer ends after their replies.
+    // Requests in flight hold their own senders: the writer ends after their replies, unless
+    // the connection ended badly (nobody reads them) or its client stopped reading them.
     drop(tx);
+    if matches!(ended, Ended::Badly(_)) {
+        tasks.abort_all();
+    }
     if !writer_done {
-        let _ = writer.await;
+        let finish = async {
+            let _ = (&mut writer).await;
+            // The writer failed: nobody will read what the requests answer.
+            tasks.abort_all();
+        };
+        if written.unless_stalled(finish, STOP_STALL).await.is_none() {
+            writer.abort();
+            tasks.abort_all();
+            return Ended::Badly(format!(
+                "{}; the client does not read its replies",
+                ended.reason()
+            ));
+        }
     }
     ended
 }
@@ -862,7 +918,11 @@ async fn read_run(ctx: &Ctx, start: ChunkIdx, count: u32) -> StoreResult<Message
     let mut pieces = Vec::new();
     match &ctx.runs {
         Some(runs) => {
+            let turn = fair::current_turn()
+                .await
+                .map_err(|c| StoreError::new(ErrorKind::Unavailable, c.to_string()))?;
             let data = runs.read_run(start, count).await?;
+            drop(turn);
             if data.len() != len {
                 return Err(StoreError::new(
                     ErrorKind::Corrupt,
