@@ -746,6 +746,84 @@ mod tests {
     }
 
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn background_demotion_moves_cold_chunks_and_what_it_moved_outlives_a_crash() {
+        let tmp = tempfile::tempdir().unwrap();
+        let g = Geometry::new(16 * 4096, 4096).unwrap();
+        let map = tmp.path().join("region.tiers");
+        let disk = tmp.path().join("disk");
+        let open = || {
+            let tiers = vec![
+                Tier {
+                    store: memory(g),
+                    capacity: 10,
+                },
+                Tier {
+                    store: Arc::new(DirStore::open(
+                        &disk,
+                        DirOptions {
+                            size: Some(g.size()),
+                            chunk_size: Some(g.chunk_size()),
+                            ..DirOptions::default()
+                        },
+                    )?) as Arc<dyn Store>,
+                    capacity: 16,
+                },
+            ];
+            let opts = TierOptions {
+                map: Some(map.clone()),
+                demote_every: Some(Duration::from_millis(20)),
+                high_water: 50,
+                low_water: 30,
+                lost_on_restart: vec![0],
+            };
+            Tiered::open(tiers, opts)
+        };
+        let t = open().unwrap();
+        for i in 0..10 {
+            t.write(ChunkIdx(i), chunk(g, i, i as u8 + 1))
+                .await
+                .unwrap();
+        }
+        // Nobody calls `demote`: the background task brings the memory tier to its low water.
+        let start = std::time::Instant::now();
+        while t.used()[0] > 3 {
+            assert!(
+                start.elapsed() < Duration::from_secs(10),
+                "no background demotion: {:?}",
+                t.used()
+            );
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+        assert_eq!(t.used(), vec![3, 7]);
+        let moved: Vec<u64> = (0..10)
+            .filter(|&i| t.tier_of(ChunkIdx(i)) == Some(1))
+            .collect();
+        assert_eq!(moved.len(), 7);
+        // A crash: no flush, the memory tier is gone with the process. (The background task
+        // lets go of the dir tier, and its lock, at its next tick.)
+        drop(t);
+        let t = loop {
+            match open() {
+                Ok(t) => break t,
+                Err(e) if start.elapsed() < Duration::from_secs(20) => {
+                    assert_eq!(e.kind(), farmap_core::ErrorKind::Unavailable, "{e}");
+                    tokio::time::sleep(Duration::from_millis(20)).await;
+                }
+                Err(e) => panic!("{e}"),
+            }
+        };
+        for i in 0..10 {
+            let read = t.read(ChunkIdx(i)).await;
+            if moved.contains(&i) {
+                assert_eq!(read.unwrap(), chunk(g, i, i as u8 + 1), "demoted chunk {i}");
+            } else {
+                let e = read.expect_err("a chunk left in memory is lost");
+                assert!(e.to_string().contains("lost"), "chunk {i}: {e}");
+            }
+        }
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn a_reopened_store_has_its_data_and_placement() {
         let tmp = tempfile::tempdir().unwrap();
         let g = Geometry::new(32 * 4096, 4096).unwrap();
