@@ -530,3 +530,38 @@ async fn grpc_max_in_flight_is_announced_and_more_calls_are_answered_in_turn() {
         "16 calls of 100 ms, 2 at a time, took {took:?}: the limit is not kept"
     );
 }
+
+/// `verified:(file:)` served, written by a client, and killed before any flush: the next
+/// process reads the chunks written since the last flush as lost writes (an error that
+/// says so), and the ones flushed before as they were.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_verified_file_killed_before_a_flush_reads_its_last_writes_as_lost() {
+    let dir = tempfile::tempdir().unwrap();
+    let img = dir.path().join("v.img");
+    let spec = format!("verified:(file:{}?size=1MiB&chunk=4KiB)", img.display());
+    let listen = "127.0.0.1:0";
+    let served = serve(&spec, listen, &["--quiet"]);
+    let remote = RemoteStore::connect(
+        RemoteAddr::Tcp(served.addr().to_owned()),
+        ClientOptions::default(),
+    )
+    .await
+    .expect("connect");
+    let (a, b) = (
+        bytes::Bytes::from(vec![7u8; 4096]),
+        bytes::Bytes::from(vec![9u8; 4096]),
+    );
+    remote.write(farmap::ChunkIdx(3), a.clone()).await.unwrap();
+    remote.flush().await.unwrap();
+    remote.write(farmap::ChunkIdx(4), b.clone()).await.unwrap();
+    // Acknowledged, not flushed: then SIGKILL.
+    drop(remote);
+    let (_, _) = served.stop("KILL");
+
+    let out = dir.path().join("out.img");
+    let o = farmap().run(&["cp", "-q", &spec, &format!("file:{}", out.display())]);
+    assert!(!o.status.success(), "a lost write is an error, never data");
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert!(err.contains("lost") && err.contains("chunk 4"), "{err}");
+    assert!(!err.contains("chunk 3"), "{err}");
+}

@@ -41,11 +41,17 @@
 //!
 //! # Durability of the table
 //!
-//! Changed metadata chunks are written on [`flush`](Store::flush) (before the inner flush), so
-//! a flush makes data and checksums durable together. A crash between a write and the next
-//! flush may leave a chunk whose stored record is older than its data: it then reads as
-//! `Corrupt` after reopening (detected, never served wrong) until it is written again; the
-//! trait promised nothing for unflushed writes. A metadata chunk that fails its own check at
+//! Changed metadata chunks are written on [`flush`](Store::flush): the inner store is flushed
+//! first (the data is durable), then the metadata chunks are written and flushed. Over a store
+//! that keeps what it flushes (a file, a directory), the first write or trim of a metadata
+//! chunk's chunks after a flush first saves that metadata chunk marked *unclean* (magic
+//! `FMVERIFU`, one extra write and flush per metadata chunk per flush interval), and the next
+//! flush saves it clean again (when none of its chunks is being written). A crash between a
+//! write and the next flush may leave a chunk whose stored record is older than its data:
+//! after reopening, such a chunk of an unclean metadata chunk reads as a **lost write** (an
+//! error saying so, kind `Corrupt`: never served) until it is written again; the trait
+//! promised nothing for unflushed writes. A mismatch under a clean metadata chunk is
+//! corruption (something changed what was flushed). A metadata chunk that fails its own check at
 //! opening (torn, flipped) makes the chunks it describes unverifiable: they read as `Corrupt`
 //! until written again. A stale metadata chunk *together with* equally stale data (both of its
 //! writes lost) cannot be told from the truth after a restart: nothing newer is known then.
@@ -63,7 +69,7 @@
 //!   the chunk was being written meanwhile, reads again (up to 4 times) before refusing.
 //! - `flush` serializes metadata writes (one async mutex); the data path never takes it.
 
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 
 use bytes::{BufMut, Bytes, BytesMut};
 use farmap_core::{
@@ -74,6 +80,9 @@ use parking_lot::Mutex;
 use xxhash_rust::xxh3::{xxh3_64, xxh3_64_with_seed};
 
 const MAGIC: &[u8; 8] = b"FMVERIF1";
+/// The magic of a metadata chunk whose chunks may have been written since it was saved (see
+/// "Durability of the table").
+const MAGIC_UNCLEAN: &[u8; 8] = b"FMVERIFU";
 const HEADER: usize = 32;
 const RECORD: usize = 16;
 const HAS_DATA: u64 = 1 << 63;
@@ -111,6 +120,9 @@ struct Record {
     in_flight: Vec<(u64, Expect, u64)>,
     /// Bumped when a write starts and when it ends.
     changes: u64,
+    /// Loaded from a metadata chunk saved before writes that a crash cut short: a mismatch
+    /// is a lost write, not corruption. Cleared by the next write.
+    unclean: bool,
 }
 
 impl Record {
@@ -128,6 +140,7 @@ impl Record {
             more: Vec::new(),
             in_flight: Vec::new(),
             changes: 0,
+            unclean: false,
         }
     }
 
@@ -145,6 +158,7 @@ impl Record {
     }
 
     fn start(&mut self, gen: u64, expect: Expect) {
+        self.unclean = false;
         self.changes += 1;
         self.in_flight.push((gen, expect, self.changes));
     }
@@ -288,6 +302,12 @@ pub struct Verified<S> {
     next_gen: AtomicU64,
     /// Metadata chunks changed since the last flush.
     dirty_meta: Mutex<Vec<bool>>,
+    /// Per metadata chunk: saved with the unclean magic (its chunks may be written).
+    unclean: Vec<AtomicBool>,
+    /// Per metadata chunk: writes and trims of its chunks running now.
+    writing: Vec<AtomicUsize>,
+    /// The inner store keeps what it flushes: the unclean marks are worth their writes.
+    durable: bool,
     meta_lock: tokio::sync::Mutex<()>,
     refused: AtomicU64,
     reread: AtomicU64,
@@ -311,12 +331,20 @@ impl<S: Store> Verified<S> {
                 Mutex::new(vec![Record::fresh(); n])
             })
             .collect::<Vec<_>>();
+        let durable = inner.caps().contains(Caps::FLUSH | Caps::WRITE);
         let mut v = Self {
             inner,
             layout,
             stripes,
             next_gen: AtomicU64::new(1),
             dirty_meta: Mutex::new(vec![false; layout.meta_chunks as usize]),
+            unclean: (0..layout.meta_chunks)
+                .map(|_| AtomicBool::new(false))
+                .collect(),
+            writing: (0..layout.meta_chunks)
+                .map(|_| AtomicUsize::new(0))
+                .collect(),
+            durable,
             meta_lock: tokio::sync::Mutex::new(()),
             refused: AtomicU64::new(0),
             reread: AtomicU64::new(0),
@@ -360,6 +388,42 @@ impl<S: Store> Verified<S> {
         f(&mut stripe[(idx.0 % per) as usize])
     }
 
+    fn meta_of(&self, idx: ChunkIdx) -> u64 {
+        idx.0 / self.layout.per_meta
+    }
+
+    /// Before a write or trim of the chunks of metadata chunk `m`: makes sure `m` is saved
+    /// marked unclean (written and flushed once after each flush), so that a crash before the
+    /// next flush leaves a mark saying its mismatches are lost writes. Counts the write as
+    /// running until the guard is dropped (a flush marks `m` clean only with none running).
+    async fn mark_unclean(&self, m: u64) -> StoreResult<Writing<'_>> {
+        let i = m as usize;
+        self.writing[i].fetch_add(1, Ordering::SeqCst);
+        let guard = Writing(&self.writing[i]);
+        if !self.durable || self.unclean[i].load(Ordering::SeqCst) {
+            return Ok(guard);
+        }
+        let _serial = self.meta_lock.lock().await;
+        if self.unclean[i].load(Ordering::SeqCst) {
+            return Ok(guard);
+        }
+        let at = ChunkIdx(self.layout.meta_start + m);
+        let marked = async {
+            self.inner.write(at, self.meta_chunk(m, true)).await?;
+            self.inner.flush().await
+        };
+        marked.await.map_err(|e| {
+            StoreError::new(
+                e.kind(),
+                format!("marking checksum chunk {m} of a verified region as being written"),
+            )
+            .with_source(e)
+        })?;
+        self.meta_writes.fetch_add(1, Ordering::Relaxed);
+        self.unclean[i].store(true, Ordering::SeqCst);
+        Ok(guard)
+    }
+
     fn mark_meta(&self, idx: ChunkIdx) {
         self.dirty_meta.lock()[(idx.0 / self.layout.per_meta) as usize] = true;
     }
@@ -384,8 +448,9 @@ impl<S: Store> Verified<S> {
                 .layout
                 .per_meta
                 .min(self.layout.geometry.chunk_count() - first);
+            let unclean = &raw[..8] == MAGIC_UNCLEAN;
             let ok = raw.len() == c
-                && &raw[..8] == MAGIC
+                && (&raw[..8] == MAGIC || unclean)
                 && meta_hash(&raw) == u64::from_le_bytes(raw[24..32].try_into().expect("8"));
             if !ok {
                 tracing::warn!(
@@ -419,7 +484,18 @@ impl<S: Store> Verified<S> {
                 } else {
                     Expect::Zeros
                 };
-                self.with_record(ChunkIdx(first + i), |r| *r = Record::loaded(gen, expect));
+                self.with_record(ChunkIdx(first + i), |r| {
+                    *r = Record::loaded(gen, expect);
+                    r.unclean = unclean;
+                });
+            }
+            if unclean {
+                tracing::info!(
+                    meta = m,
+                    "a verified region was not flushed after its last writes (a crash or a kill): chunks                      that do not match their checksums read as lost until written again"
+                );
+                // Saved clean again by the next flush.
+                self.unclean[m as usize].store(true, Ordering::SeqCst);
             }
         }
         self.next_gen = AtomicU64::new(max_gen + 1);
@@ -445,11 +521,11 @@ impl<S: Store> Verified<S> {
         }
     }
 
-    /// Serializes metadata chunk `m` from the table.
-    fn meta_chunk(&self, m: u64) -> Bytes {
+    /// Serializes metadata chunk `m` from the table, marked unclean or not.
+    fn meta_chunk(&self, m: u64, unclean: bool) -> Bytes {
         let c = self.layout.geometry.chunk_size() as usize;
         let mut b = BytesMut::with_capacity(c);
-        b.put_slice(MAGIC);
+        b.put_slice(if unclean { MAGIC_UNCLEAN } else { MAGIC });
         b.put_u64_le(self.layout.geometry.chunk_count());
         b.put_u64_le(m);
         b.put_u64_le(0);
@@ -544,7 +620,18 @@ impl<S: Store> Verified<S> {
             self.reread.fetch_add(1, Ordering::Relaxed);
         }
         self.refused.fetch_add(1, Ordering::Relaxed);
-        let Version { gen, expect, .. } = self.with_record(idx, |r| r.cur);
+        let (Version { gen, expect, .. }, unclean) = self.with_record(idx, |r| (r.cur, r.unclean));
+        if unclean {
+            return Err(StoreError::new(
+                ErrorKind::Corrupt,
+                format!(
+                    "{idx}: a write since the region's last flush was lost when its writer \
+                     stopped without flushing (killed, or its machine crashed): what the store \
+                     holds cannot be verified (the write's checksum was never saved); refused \
+                     until written again"
+                ),
+            ));
+        }
         let why = match expect {
             Expect::Zeros => format!("it should read as zeros (generation {gen})"),
             Expect::Sum(s) => format!("generation {gen} has checksum {s:016x}"),
@@ -565,6 +652,7 @@ impl<S: Store> Verified<S> {
         }
         self.layout.geometry.check_write(idx, data.len())?;
         let expect = Expect::Sum(xxh3_64(&data));
+        let _writing = self.mark_unclean(self.meta_of(idx)).await?;
         let gen = self.next_gen.fetch_add(1, Ordering::Relaxed);
         self.with_record(idx, |r| r.start(gen, expect));
         let full = self.layout.geometry.chunk_size() as usize;
@@ -589,14 +677,17 @@ impl<S: Store> Verified<S> {
         }
     }
 
-    async fn flush_meta(&self) -> StoreResult<()> {
+    /// Writes the metadata chunks changed since the last flush (and, with a durable inner
+    /// store, those marked unclean), each marked clean when none of its chunks is being
+    /// written; whether it wrote any.
+    async fn flush_meta(&self) -> StoreResult<bool> {
         let _serial = self.meta_lock.lock().await;
         let dirty: Vec<u64> = {
             let mut d = self.dirty_meta.lock();
             let list = d
                 .iter()
                 .enumerate()
-                .filter(|(_, x)| **x)
+                .filter(|(i, x)| **x || self.unclean[*i].load(Ordering::SeqCst))
                 .map(|(i, _)| i as u64)
                 .collect();
             d.iter_mut().for_each(|x| *x = false);
@@ -604,7 +695,15 @@ impl<S: Store> Verified<S> {
         };
         for (n, m) in dirty.iter().enumerate() {
             self.settle_ambiguous(*m).await;
-            let chunk = self.meta_chunk(*m);
+            // A write that starts from here on marks it again (after this flush, which holds
+            // the lock); one already running keeps it unclean.
+            let i = *m as usize;
+            self.unclean[i].store(false, Ordering::SeqCst);
+            let unclean = self.writing[i].load(Ordering::SeqCst) > 0;
+            if unclean {
+                self.unclean[i].store(true, Ordering::SeqCst);
+            }
+            let chunk = self.meta_chunk(*m, unclean);
             if let Err(e) = self
                 .inner
                 .write(ChunkIdx(self.layout.meta_start + m), chunk)
@@ -615,6 +714,7 @@ impl<S: Store> Verified<S> {
                 for m in &dirty[n..] {
                     d[*m as usize] = true;
                 }
+                self.unclean[i].store(self.durable, Ordering::SeqCst);
                 return Err(StoreError::new(
                     e.kind(),
                     format!("writing checksum chunk {m} of a verified region"),
@@ -623,7 +723,16 @@ impl<S: Store> Verified<S> {
             }
             self.meta_writes.fetch_add(1, Ordering::Relaxed);
         }
-        Ok(())
+        Ok(!dirty.is_empty())
+    }
+}
+
+/// A write or trim running over the chunks of one metadata chunk.
+struct Writing<'a>(&'a AtomicUsize);
+
+impl Drop for Writing<'_> {
+    fn drop(&mut self) {
+        self.0.fetch_sub(1, Ordering::SeqCst);
     }
 }
 
@@ -661,8 +770,17 @@ impl<S: Store> Store for Verified<S> {
 
     fn flush(&self) -> BoxFuture<'_, StoreResult<()>> {
         Box::pin(async move {
-            self.flush_meta().await?;
-            self.inner.flush().await
+            if !self.durable {
+                self.flush_meta().await?;
+                return self.inner.flush().await;
+            }
+            // The data first, then the checksums that describe it, marked clean: a crash
+            // in between leaves them marked unclean, and mismatches read as lost writes.
+            self.inner.flush().await?;
+            if self.flush_meta().await? {
+                self.inner.flush().await?;
+            }
+            Ok(())
         })
     }
 
@@ -680,6 +798,10 @@ impl<S: Store> Store for Verified<S> {
             }
             // Zeros become the expected content first (as a write in flight), then the inner
             // store is trimmed; a store that cannot trim gets zeros written.
+            let mut writing = Vec::new();
+            for m in self.meta_of(range.start)..=self.meta_of(ChunkIdx(range.end.0 - 1)) {
+                writing.push(self.mark_unclean(m).await?);
+            }
             let gens: Vec<u64> = range
                 .iter()
                 .map(|idx| {
@@ -933,5 +1055,50 @@ mod tests {
             v.read(ChunkIdx(3)).await.unwrap_err().kind(),
             ErrorKind::Corrupt
         );
+    }
+
+    #[tokio::test]
+    async fn a_write_cut_short_by_a_crash_reads_as_lost_and_a_change_after_a_flush_as_corrupt() {
+        // A store that keeps what it flushes (a file).
+        let inner = Arc::new(ModelStore::with_caps(
+            Geometry::new(64 * 4096, 4096).unwrap(),
+            Caps::WRITE | Caps::FLUSH | Caps::TRIM,
+        ));
+        let v = Verified::open(inner.clone(), None).await.unwrap();
+        let (a, b) = (Bytes::from(vec![7u8; 4096]), Bytes::from(vec![9u8; 4096]));
+        v.write(ChunkIdx(3), a.clone()).await.unwrap();
+        v.flush().await.unwrap();
+        let flushes = v.stats().meta_writes;
+        // Written after the flush, then the writer dies without flushing: the data landed,
+        // its checksum record did not.
+        v.write(ChunkIdx(4), b.clone()).await.unwrap();
+        v.write(ChunkIdx(5), b.clone()).await.unwrap();
+        assert_eq!(
+            v.stats().meta_writes,
+            flushes + 1,
+            "one unclean mark for the first write after the flush, none for the next"
+        );
+        drop(v);
+        let v = Verified::open(inner.clone(), None).await.unwrap();
+        assert_eq!(v.read(ChunkIdx(3)).await.unwrap(), a, "flushed before");
+        let e = v.read(ChunkIdx(4)).await.unwrap_err();
+        assert_eq!(e.kind(), ErrorKind::Corrupt, "{e}");
+        assert!(e.to_string().contains("lost"), "{e}");
+        // Written again and flushed: the region is clean, and a change behind its back is
+        // corruption, not a lost write.
+        v.write(ChunkIdx(4), b.clone()).await.unwrap();
+        v.write(ChunkIdx(5), b.clone()).await.unwrap();
+        v.flush().await.unwrap();
+        drop(v);
+        inner
+            .write(ChunkIdx(5), Bytes::from(vec![1u8; 4096]))
+            .await
+            .unwrap();
+        let v = Verified::open(inner.clone(), None).await.unwrap();
+        assert_eq!(v.read(ChunkIdx(4)).await.unwrap(), b);
+        let e = v.read(ChunkIdx(5)).await.unwrap_err();
+        assert_eq!(e.kind(), ErrorKind::Corrupt, "{e}");
+        assert!(!e.to_string().contains("lost"), "{e}");
+        assert!(e.to_string().contains("does not match"), "{e}");
     }
 }
