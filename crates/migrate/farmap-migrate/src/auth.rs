@@ -18,6 +18,7 @@
 //! leecher's place.
 
 use std::io;
+use std::sync::atomic::{AtomicU8, Ordering};
 use std::sync::Arc;
 
 use farmap_net::auth::{random_nonce, Key, KeySlot, Nonce, Proof};
@@ -214,8 +215,30 @@ async fn refuse(ch: &mut Channel, why: String) -> Result<Proven, String> {
 /// Runs the seeder's side of the exchange on a fresh connection. `Err` is why the peer was
 /// refused (it was told, with an `Abort`).
 pub async fn seeder(ch: &mut Channel, keys: &SeederKeys) -> Result<Proven, String> {
+    seeder_noting(ch, keys, &AtomicU8::new(0)).await
+}
+
+/// How far a control connection's handshake has come (see [`seeder_noting`]).
+pub(crate) mod stage {
+    /// Connected; nothing received yet.
+    pub const CONNECTED: u8 = 0;
+    /// Its authentication hello came: it waits for its proof.
+    pub const HELLO: u8 = 1;
+    /// It proved it holds the key.
+    pub const PROVEN: u8 = 2;
+}
+
+/// [`seeder`], noting in `progress` how far it came ([`stage`]).
+pub(crate) async fn seeder_noting(
+    ch: &mut Channel,
+    keys: &SeederKeys,
+    progress: &AtomicU8,
+) -> Result<Proven, String> {
     let (session, nonce_l) = match ch.recv().await {
-        Ok(Some(Msg::AuthHello { session, nonce })) => (session, nonce),
+        Ok(Some(Msg::AuthHello { session, nonce })) => {
+            progress.store(stage::HELLO, Ordering::Relaxed);
+            (session, nonce)
+        }
         Ok(Some(Msg::Hello { .. })) => {
             let why = "this seeder requires the migration key: the leecher is older than this \
                        protocol, or does not authenticate"
@@ -255,7 +278,10 @@ pub async fn seeder(ch: &mut Channel, keys: &SeederKeys) -> Result<Proven, Strin
         Err(e) => return refuse(ch, format!("not a migration message: {e}")).await,
     };
     match exchange.finish(&proof) {
-        Some(proven) => Ok(proven),
+        Some(proven) => {
+            progress.store(stage::PROVEN, Ordering::Relaxed);
+            Ok(proven)
+        }
         None => {
             let why = if session == 0 {
                 "authentication failed: the leecher's migration key is not this seeder's (copy \

@@ -3,6 +3,7 @@
 //! plane) and drives a [`Seeder`] over control connections until a leecher has taken the
 //! region over and completed.
 
+use std::sync::atomic::{AtomicU8, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -306,7 +307,7 @@ struct NewConn {
 }
 
 /// Accepts control connections and runs their handshakes concurrently, each under a
-/// deadline; at most `max` at once (a new one closes the oldest still waiting).
+/// deadline; at most `max` at once. A new one beyond closes one of them (see [`evictee`]).
 struct Acceptor {
     listener: ControlListener,
     timeout: Duration,
@@ -315,9 +316,53 @@ struct Acceptor {
     keys: SeederKeys,
 }
 
+/// A control connection in its handshake.
+struct Pending {
+    task: AbortOnDrop,
+    /// The peer's host (its address without the port).
+    host: String,
+    /// How far it came ([`crate::auth::stage`]).
+    progress: Arc<AtomicU8>,
+    /// When it was accepted.
+    since: Instant,
+}
+
+/// A connection that has sent nothing for this long is silent (a leecher's hello follows its
+/// connection at once).
+const SILENT: Duration = Duration::from_millis(250);
+
+/// Which handshake to close for a new connection when `pending` is full: one that has not
+/// proved the key (a leecher proves it one round trip after its hello; a peer without the
+/// key never does), from the host with the most handshakes waiting (a flood from one host
+/// closes its own), then a silent one, then the oldest. `None` when every one has proved
+/// the key.
+fn evictee(pending: &VecDeque<Pending>) -> Option<usize> {
+    use crate::auth::stage::{CONNECTED, HELLO, PROVEN};
+    let count = |host: &str| pending.iter().filter(|p| p.host == host).count();
+    let stage = |p: &Pending| match p.progress.load(Ordering::Relaxed) {
+        // Just accepted: its hello is on its way.
+        CONNECTED if p.since.elapsed() < SILENT => HELLO,
+        s => s,
+    };
+    pending
+        .iter()
+        .enumerate()
+        .filter(|(_, p)| p.progress.load(Ordering::Relaxed) < PROVEN)
+        .min_by_key(|(at, p)| (std::cmp::Reverse(count(&p.host)), stage(p), *at))
+        .map(|(at, _)| at)
+}
+
+/// The host part of a peer's address (`1.2.3.4:5` → `1.2.3.4`, `[::1]:5` → `[::1]`).
+fn host_of(peer: &str) -> &str {
+    match peer.rsplit_once(':') {
+        Some((host, port)) if port.bytes().all(|b| b.is_ascii_digit()) => host,
+        _ => peer,
+    }
+}
+
 impl Acceptor {
     async fn run(self) {
-        let mut pending: VecDeque<AbortOnDrop> = VecDeque::new();
+        let mut pending: VecDeque<Pending> = VecDeque::new();
         loop {
             let accepted = match self.listener.accept_raw().await {
                 Ok(a) => a,
@@ -328,18 +373,37 @@ impl Acceptor {
                     continue;
                 }
             };
-            pending.retain(|h| !h.0.is_finished());
+            pending.retain(|p| !p.task.0.is_finished());
             if pending.len() >= self.max {
-                // The oldest has waited longest: most likely a silent peer.
-                pending.pop_front();
-                tracing::warn!(
-                    "{} control connections in their handshake: closing the oldest",
-                    self.max
-                );
+                match evictee(&pending) {
+                    Some(at) => {
+                        let p = pending.remove(at).expect("in range");
+                        tracing::warn!(
+                            "{} control connections in their handshake: closing one from {}",
+                            self.max,
+                            p.host
+                        );
+                    }
+                    None => {
+                        tracing::warn!(
+                            "{} control connections proved the key and wait: refusing {}",
+                            self.max,
+                            accepted.peer
+                        );
+                        continue;
+                    }
+                }
             }
+            let host = host_of(&accepted.peer).to_owned();
+            let progress = Arc::new(AtomicU8::new(crate::auth::stage::CONNECTED));
             let (out, timeout, keys) = (self.out.clone(), self.timeout, self.keys.clone());
-            let shake = handshake(accepted, timeout, keys, out);
-            pending.push_back(AbortOnDrop(tokio::spawn(shake)));
+            let shake = handshake(accepted, timeout, keys, out, progress.clone());
+            pending.push_back(Pending {
+                task: AbortOnDrop(tokio::spawn(shake)),
+                host,
+                progress,
+                since: Instant::now(),
+            });
         }
     }
 }
@@ -349,6 +413,7 @@ async fn handshake(
     timeout: Duration,
     keys: SeederKeys,
     out: mpsc::Sender<NewConn>,
+    progress: Arc<AtomicU8>,
 ) {
     let peer = accepted.peer.clone();
     let shaken = tokio::time::timeout(timeout, async {
@@ -356,7 +421,7 @@ async fn handshake(
             .handshake()
             .await
             .map_err(|e| farmap_core::error_chain(&e))?;
-        let proven = crate::auth::seeder(&mut channel, &keys).await?;
+        let proven = crate::auth::seeder_noting(&mut channel, &keys, &progress).await?;
         match channel.recv().await {
             Ok(Some(first)) => Ok((channel, first, proven)),
             Ok(None) => Err("it closed without a message".to_owned()),
@@ -871,5 +936,51 @@ async fn run_blocking<T: Send + 'static>(
     match tokio::runtime::Handle::current().runtime_flavor() {
         tokio::runtime::RuntimeFlavor::MultiThread => Ok(tokio::task::block_in_place(f)),
         _ => tokio::task::spawn_blocking(f).await,
+    }
+}
+
+#[cfg(test)]
+mod acceptor_tests {
+    use super::*;
+
+    fn pending(host: &str, progress: u8, age: Duration) -> Pending {
+        Pending {
+            task: AbortOnDrop(tokio::spawn(std::future::pending::<()>())),
+            host: host.to_owned(),
+            progress: Arc::new(AtomicU8::new(progress)),
+            since: Instant::now() - age,
+        }
+    }
+
+    #[tokio::test]
+    async fn the_handshake_closed_is_of_the_busiest_host_then_silent_then_the_oldest() {
+        use crate::auth::stage::{CONNECTED, HELLO, PROVEN};
+        let (fresh, old) = (Duration::ZERO, Duration::from_secs(1));
+        let mut p: VecDeque<Pending> = VecDeque::new();
+        p.push_back(pending("10.0.0.1", CONNECTED, fresh)); // the leecher, just accepted
+        p.push_back(pending("10.0.0.9", HELLO, old));
+        p.push_back(pending("10.0.0.9", HELLO, old));
+        p.push_back(pending("10.0.0.9", CONNECTED, old));
+        assert_eq!(evictee(&p), Some(3), "the flooding host's silent one first");
+        p.remove(3);
+        assert_eq!(evictee(&p), Some(1), "then its oldest");
+        p.remove(1);
+        p.push_back(pending("10.0.0.7", CONNECTED, old));
+        assert_eq!(evictee(&p), Some(2), "one each: the silent one");
+        p.remove(2);
+        assert_eq!(evictee(&p), Some(0), "one each, none silent: the oldest");
+        p.remove(0);
+        p.push_back(pending("10.0.0.9", PROVEN, old));
+        p.push_back(pending("10.0.0.9", PROVEN, old));
+        assert_eq!(evictee(&p), Some(0), "all that is left unproven");
+        p.remove(0);
+        assert_eq!(
+            evictee(&p),
+            None,
+            "a key holder is never closed for a newcomer"
+        );
+        assert_eq!(host_of("10.0.0.1:7100"), "10.0.0.1");
+        assert_eq!(host_of("[::1]:7100"), "[::1]");
+        assert_eq!(host_of("unix:/run/farmap.sock"), "unix:/run/farmap.sock");
     }
 }

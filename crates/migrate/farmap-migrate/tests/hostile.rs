@@ -696,3 +696,67 @@ async fn a_seeder_silent_after_finalize_fails_the_leecher_within_its_deadline() 
     fake.abort();
     let _ = server.shutdown().await;
 }
+
+/// A flood of peers from another host that each send an authentication hello and then hold
+/// the connection (they cannot prove the key) does not evict a real leecher's handshake:
+/// peers that have not proved the key are closed least advanced first, then from the host
+/// with the most waiting, then oldest, so the flood closes its own. (Before, the oldest
+/// handshake was closed, and with four slots the leecher's was whenever four peers came
+/// during its round trip.)
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_flood_of_handshakes_does_not_evict_a_real_leecher() {
+    if !uffd("a_flood_of_handshakes_does_not_evict_a_real_leecher") {
+        return;
+    }
+    let (region, gate) = source().await;
+    let seeding = seed(
+        region.clone(),
+        gate,
+        SeedOptions {
+            handshake_timeout: Duration::from_secs(5),
+            max_handshakes: 4,
+            ..common::seed_options(farmap_migrate::seed::PUSH_BUDGET)
+        },
+    )
+    .await
+    .unwrap();
+    let at = tcp_of(&seeding);
+    let stop = Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let flood = tokio::spawn({
+        let stop = stop.clone();
+        async move {
+            let stranger =
+                farmap_net::auth::Key::from_text("not the seeder's migration key").expect("a key");
+            let mut held = std::collections::VecDeque::new();
+            let mut sent = 0u64;
+            while !stop.load(std::sync::atomic::Ordering::Relaxed) {
+                // From another host than the leecher's (127.0.0.2).
+                let socket = tokio::net::TcpSocket::new_v4().unwrap();
+                socket.bind("127.0.0.2:0".parse().unwrap()).unwrap();
+                let Ok(mut s) = socket.connect(at).await else {
+                    continue;
+                };
+                let (_, hello) = farmap_migrate::auth::LeecherExchange::start(&stranger, 0);
+                if s.write_all(&hello.encode()).await.is_ok() {
+                    sent += 1;
+                }
+                held.push_back(s);
+                if held.len() > 64 {
+                    held.pop_front();
+                }
+                tokio::task::yield_now().await;
+            }
+            sent
+        }
+    });
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    let t0 = Instant::now();
+    good_migration(seeding, region, None).await;
+    stop.store(true, std::sync::atomic::Ordering::Relaxed);
+    let sent = flood.await.unwrap();
+    println!(
+        "migrated in {:?} while {sent} peers sent a hello and held on (4 handshake slots)",
+        t0.elapsed()
+    );
+    assert!(sent > 100, "the flood ran ({sent} hellos)");
+}
