@@ -39,6 +39,7 @@ pub mod delayed;
 pub mod dirty;
 pub mod faulty;
 pub mod gated;
+mod mirror_journal;
 pub mod mirrored;
 pub mod puller;
 pub mod pusher;

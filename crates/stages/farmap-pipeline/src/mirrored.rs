@@ -61,6 +61,8 @@ use farmap_core::{
 use parking_lot::Mutex;
 use tokio::sync::{Notify, RwLock};
 
+use crate::mirror_journal::{self as journal, Journal};
+
 /// When a write is acknowledged (see the [module docs](self)).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub enum MirrorPolicy {
@@ -157,6 +159,39 @@ struct State {
     to_resync: BTreeSet<u64>,
     /// Chunks whose last write the mirror failed.
     mirror_missing: BTreeSet<u64>,
+    /// With a journal: entries noted and not yet appended to it, and the sequence number of
+    /// the last one noted.
+    unjournaled: Vec<(u8, u64)>,
+    noted_seq: u64,
+    /// With a journal: entries dropped from the sets since it was last rewritten.
+    journal_stale: bool,
+    journaled: bool,
+}
+
+impl State {
+    fn note(&mut self, tag: u8, idx: u64) {
+        let new = match tag {
+            journal::PRIMARY => self.to_resync.insert(idx),
+            _ => self.mirror_missing.insert(idx),
+        };
+        if new && self.journaled {
+            self.unjournaled.push((tag, idx));
+            self.noted_seq += 1;
+        }
+    }
+
+    fn note_resync(&mut self, chunks: impl IntoIterator<Item = u64>) {
+        for idx in chunks {
+            self.note(journal::PRIMARY, idx);
+        }
+    }
+
+    fn owed(&self) -> journal::Owed {
+        journal::Owed {
+            to_resync: self.to_resync.clone(),
+            mirror_missing: self.mirror_missing.clone(),
+        }
+    }
 }
 
 #[derive(Debug, Default)]
@@ -192,6 +227,10 @@ struct Shared {
     any_missing: AtomicBool,
     /// Primary changes that timed out and still run.
     stragglers: Arc<Stragglers>,
+    /// Where what is owed is kept across processes, if anywhere.
+    journal: Option<Arc<Mutex<Journal>>>,
+    /// Serializes journal writes; holds the sequence number of the last entry appended.
+    journal_io: tokio::sync::Mutex<u64>,
 }
 
 /// Counts the primary changes that timed out but still run (see the module docs).
@@ -322,6 +361,77 @@ impl Shared {
         }
     }
 
+    /// Appends what was noted to the journal (if there is one), with what other writes noted
+    /// meanwhile, and returns once every entry noted before the call is on disk.
+    async fn persist(&self) -> StoreResult<()> {
+        let Some(journal) = &self.journal else {
+            return Ok(());
+        };
+        let want = self.state.lock().noted_seq;
+        let mut appended = self.journal_io.lock().await;
+        if *appended >= want {
+            return Ok(());
+        }
+        let (entries, upto) = {
+            let mut st = self.state.lock();
+            (std::mem::take(&mut st.unjournaled), st.noted_seq)
+        };
+        if !entries.is_empty() {
+            let journal = journal.clone();
+            let appending = entries.clone();
+            let r = tokio::task::spawn_blocking(move || journal.lock().append(&appending))
+                .await
+                .unwrap_or_else(|e| std::panic::resume_unwind(e.into_panic()));
+            if let Err(e) = r {
+                // Tried again by the next write or flush; this one fails.
+                let mut st = self.state.lock();
+                let later = std::mem::replace(&mut st.unjournaled, entries);
+                st.unjournaled.extend(later);
+                return Err(e);
+            }
+        }
+        *appended = upto;
+        Ok(())
+    }
+
+    /// Rewrites the journal with what is owed now (dropping what no longer is).
+    async fn rewrite_journal(&self) -> StoreResult<()> {
+        let Some(journal) = &self.journal else {
+            return Ok(());
+        };
+        let mut appended = self.journal_io.lock().await;
+        let (owed, upto) = {
+            let mut st = self.state.lock();
+            st.unjournaled.clear();
+            st.journal_stale = false;
+            (st.owed(), st.noted_seq)
+        };
+        let journal = journal.clone();
+        let r = tokio::task::spawn_blocking(move || journal.lock().rewrite(&owed))
+            .await
+            .unwrap_or_else(|e| std::panic::resume_unwind(e.into_panic()));
+        match r {
+            Ok(()) => {
+                *appended = upto;
+                Ok(())
+            }
+            Err(e) => {
+                // The old file still holds everything it held; what was noted since is
+                // appended by the next write.
+                let mut st = self.state.lock();
+                st.journal_stale = true;
+                let owed = st.owed();
+                st.unjournaled = owed
+                    .to_resync
+                    .iter()
+                    .map(|i| (journal::PRIMARY, *i))
+                    .chain(owed.mirror_missing.iter().map(|i| (journal::MIRROR, *i)))
+                    .collect();
+                Err(e)
+            }
+        }
+    }
+
     fn primary_state(&self) -> PrimaryState {
         self.state.lock().primary
     }
@@ -329,7 +439,7 @@ impl Shared {
     /// Marks the primary down after `err`, noting `chunks` for its resync.
     fn mark_down(&self, err: &StoreError, chunks: impl IntoIterator<Item = u64>) {
         let mut st = self.state.lock();
-        st.to_resync.extend(chunks);
+        st.note_resync(chunks);
         if st.primary != PrimaryState::Down {
             st.primary = PrimaryState::Down;
             self.failovers.fetch_add(1, Ordering::Relaxed);
@@ -348,13 +458,15 @@ impl Shared {
         }
         let mut st = self.state.lock();
         if ok {
-            st.mirror_missing.remove(&idx);
+            if st.mirror_missing.remove(&idx) {
+                st.journal_stale = true;
+            }
             if st.mirror_missing.is_empty() {
                 self.any_missing.store(false, Ordering::Release);
             }
         } else {
             self.any_missing.store(true, Ordering::Release);
-            st.mirror_missing.insert(idx);
+            st.note(journal::MIRROR, idx);
         }
     }
 
@@ -497,7 +609,7 @@ impl Shared {
         match self.primary_state() {
             PrimaryState::Down => {
                 self.write_mirror(idx, data, true).await?;
-                self.state.lock().to_resync.insert(idx.0);
+                self.state.lock().note_resync([idx.0]);
                 self.fallbacks.fetch_add(1, Ordering::Relaxed);
                 Ok(())
             }
@@ -610,18 +722,31 @@ impl Shared {
                 st.to_resync.iter().next().copied()
             };
             let Some(idx) = next else {
-                let _all = self.switch.write().await;
-                let mut st = self.state.lock();
-                if st.to_resync.is_empty() && st.primary == PrimaryState::Resyncing {
-                    st.primary = PrimaryState::Up;
+                let up = {
+                    let _all = self.switch.write().await;
+                    let mut st = self.state.lock();
+                    let done = st.to_resync.is_empty() && st.primary == PrimaryState::Resyncing;
+                    if done {
+                        st.primary = PrimaryState::Up;
+                    }
+                    done
+                };
+                if up {
                     tracing::info!("mirrored store: the primary is resynchronised and up");
+                    if let Err(e) = self.rewrite_journal().await {
+                        tracing::warn!(error = %e, "mirrored store: the journal keeps chunks already resynced (they are sent again next time)");
+                    }
                     return;
                 }
                 continue;
             };
             let idx = ChunkIdx(idx);
             let _chunk = self.stripe(idx).lock().await;
-            self.state.lock().to_resync.remove(&idx.0);
+            {
+                let mut st = self.state.lock();
+                st.to_resync.remove(&idx.0);
+                st.journal_stale = true;
+            }
             let copied = match self.read_mirror(idx, None).await {
                 Ok(data) => {
                     let primary = self.primary.clone();
@@ -654,6 +779,19 @@ impl Mirrored {
         mirror: Arc<dyn Store>,
         opts: MirrorOptions,
     ) -> StoreResult<Self> {
+        Self::with_journal(primary, mirror, opts, None)
+    }
+
+    /// [`new`](Self::new), keeping what is owed (chunks the primary must be resynced, chunks
+    /// the mirror missed) in the journal file at `journal`, so that it outlives this
+    /// process: a journal that owes the primary chunks starts it down (resynced once it
+    /// answers). Blocking: reads the journal.
+    pub fn with_journal(
+        primary: Arc<dyn Store>,
+        mirror: Arc<dyn Store>,
+        opts: MirrorOptions,
+        journal: Option<&std::path::Path>,
+    ) -> StoreResult<Self> {
         if primary.geometry() != mirror.geometry() {
             return Err(StoreError::invalid(format!(
                 "a mirror must have the primary's geometry: {} and {}",
@@ -661,15 +799,54 @@ impl Mirrored {
                 mirror.geometry()
             )));
         }
+        let (journal, owed) = match journal {
+            Some(path) => {
+                let (j, owed) = Journal::open(path)?;
+                (Some(Arc::new(Mutex::new(j))), owed)
+            }
+            None => (None, journal::Owed::default()),
+        };
+        let chunks = primary.geometry().chunk_count();
+        if let Some(bad) = owed
+            .to_resync
+            .iter()
+            .chain(&owed.mirror_missing)
+            .find(|i| **i >= chunks)
+        {
+            return Err(StoreError::new(
+                ErrorKind::InvalidInput,
+                format!(
+                    "the mirror journal names chunk {bad}, past this region's {chunks}: it \
+                     belongs to another region"
+                ),
+            ));
+        }
+        let primary_state = if owed.to_resync.is_empty() {
+            PrimaryState::Up
+        } else {
+            tracing::warn!(
+                chunks = owed.to_resync.len(),
+                "mirrored store: the primary missed writes made while it was down (the journal \
+                 says so); serving from the mirror until it is resynced"
+            );
+            PrimaryState::Down
+        };
+        let any_missing = !owed.mirror_missing.is_empty();
         let shared = Arc::new(Shared {
             primary,
             mirror,
             opts,
             state: Mutex::new(State {
-                primary: PrimaryState::Up,
-                to_resync: BTreeSet::new(),
-                mirror_missing: BTreeSet::new(),
+                primary: primary_state,
+                to_resync: owed.to_resync,
+                mirror_missing: owed.mirror_missing,
+                unjournaled: Vec::new(),
+                noted_seq: 0,
+                journal_stale: false,
+                journaled: journal.is_some(),
             }),
+            journal,
+            journal_io: tokio::sync::Mutex::new(0),
             switch: RwLock::new(()),
             stripes: (0..STRIPES).map(|_| tokio::sync::Mutex::new(())).collect(),
             backlog: Mutex::new(Backlog::default()),
@@ -678,7 +855,7 @@ impl Mirrored {
             failovers: AtomicU64::new(0),
             fallbacks: AtomicU64::new(0),
             resynced: AtomicU64::new(0),
-            any_missing: AtomicBool::new(false),
+            any_missing: AtomicBool::new(any_missing),
             stragglers: Arc::default(),
         });
         let mut tasks = vec![tokio::spawn(Shared::resync_loop(
@@ -749,13 +926,21 @@ impl Store for Mirrored {
     }
 
     fn write(&self, idx: ChunkIdx, data: Bytes) -> BoxFuture<'_, StoreResult<()>> {
-        Box::pin(self.shared.write(idx, data))
+        Box::pin(async move {
+            self.shared.write(idx, data).await?;
+            // What the write left owed is on disk before it is acknowledged.
+            self.shared.persist().await
+        })
     }
 
     fn flush(&self) -> BoxFuture<'_, StoreResult<()>> {
         Box::pin(async move {
             let s = &self.shared;
             s.drain_backlog().await;
+            s.persist().await?;
+            if s.state.lock().journal_stale {
+                s.rewrite_journal().await?;
+            }
             let mirror = s.mirror.flush();
             if s.primary_state() == PrimaryState::Up {
                 let (p, m) =
@@ -780,8 +965,8 @@ impl Store for Mirrored {
             let mirror = s.mirror.trim(range);
             if state == PrimaryState::Down {
                 mirror.await?;
-                s.state.lock().to_resync.extend(range.iter().map(|i| i.0));
-                return Ok(());
+                s.state.lock().note_resync(range.iter().map(|i| i.0));
+                return s.persist().await;
             }
             // Resyncing: a copy of a chunk of the range may be running; the chunks are
             // noted again so that it is redone after the trim.
@@ -803,9 +988,9 @@ impl Store for Mirrored {
                 }
                 s.mark_down(&e, range.iter().map(|i| i.0));
             } else if state == PrimaryState::Resyncing {
-                s.state.lock().to_resync.extend(range.iter().map(|i| i.0));
+                s.state.lock().note_resync(range.iter().map(|i| i.0));
             }
-            Ok(())
+            s.persist().await
         })
     }
 
@@ -865,6 +1050,78 @@ mod tests {
             })
             .await;
         }
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn what_the_primary_missed_outlives_the_process_in_the_journal() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("state/mirror.journal");
+        let primary = Arc::new(Faulty::new(ModelStore::new(g()), FaultPlan::never()));
+        let mirror = Arc::new(ModelStore::new(g()));
+        let chunk = |v: u8| Bytes::from(vec![v; 4096]);
+        let open = || {
+            Mirrored::with_journal(
+                primary.clone(),
+                mirror.clone(),
+                MirrorOptions {
+                    probe: Duration::from_secs(3600),
+                    ..opts(MirrorPolicy::Both)
+                },
+                Some(&path),
+            )
+            .unwrap()
+        };
+        let m = open();
+        m.write(ChunkIdx(2), chunk(2)).await.unwrap();
+        assert!(!path.exists(), "nothing owed, no journal");
+        primary.set_plan(FaultPlan {
+            ops: OpSet::ALL,
+            trigger: FaultTrigger::Always,
+            kind: ErrorKind::Unavailable,
+        });
+        m.write(ChunkIdx(2), chunk(22)).await.unwrap();
+        m.write(ChunkIdx(3), chunk(3)).await.unwrap();
+        assert_eq!(m.mirror_status().to_resync, 2);
+        // The process ends before the primary is back; the primary comes back, stale.
+        drop(m);
+        primary.set_plan(FaultPlan::never());
+        assert_eq!(primary.read(ChunkIdx(2)).await.unwrap(), chunk(2), "stale");
+        // The next process does not read the stale primary: it starts it down and owes it
+        // the two chunks.
+        let m = open();
+        let st = m.mirror_status();
+        assert_eq!(
+            (st.primary, st.to_resync),
+            (PrimaryState::Down, 2),
+            "{st:?}"
+        );
+        assert_eq!(m.read(ChunkIdx(2)).await.unwrap(), chunk(22));
+        drop(m);
+        // With probes, it is resynced, and the journal goes.
+        let m = Mirrored::with_journal(
+            primary.clone(),
+            mirror.clone(),
+            opts(MirrorPolicy::Both),
+            Some(&path),
+        )
+        .unwrap();
+        for _ in 0..500 {
+            if m.mirror_status().primary == PrimaryState::Up {
+                break;
+            }
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+        assert_eq!(m.mirror_status().primary, PrimaryState::Up);
+        assert_eq!(primary.read(ChunkIdx(2)).await.unwrap(), chunk(22));
+        assert_eq!(primary.read(ChunkIdx(3)).await.unwrap(), chunk(3));
+        // (Rewritten just after the switch to up.)
+        for _ in 0..500 {
+            if !path.exists() {
+                break;
+            }
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+        assert!(!path.exists(), "nothing owed: the journal is removed");
     }
 
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
