@@ -159,3 +159,86 @@ async fn killing_the_primary_serve_loses_nothing_with_both() {
 async fn killing_the_primary_serve_loses_nothing_with_primary_first() {
     run("primary-first").await;
 }
+
+/// `mirror:(farmap://A)(farmap://B)` through separate `farmap` processes, A's server killed
+/// between them: a new process opens the mirror anyway (saying the primary is missing) and
+/// reads from B; a copy into it goes to B and is noted in the mirror's journal; with A back
+/// (stale), the next process reads B's version, not A's, and a long-running one resyncs A
+/// and removes the journal.
+#[test]
+fn a_mirror_opens_with_its_primary_down_and_what_it_owes_outlives_the_process() {
+    let dir = tempfile::tempdir().unwrap();
+    let state = dir.path().join("state");
+    let farmap = || farmap().env("XDG_STATE_HOME", &state);
+    let file = |name: &str| {
+        format!(
+            "file:{}?size=8MiB&chunk=64KiB",
+            dir.path().join(name).display()
+        )
+    };
+    let raw = |name: &str| dir.path().join(name);
+    let port = std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port();
+    let a_addr = format!("127.0.0.1:{port}");
+    let a = serve(&file("a.img"), &a_addr);
+    let b = serve(&file("b.img"), "127.0.0.1:0");
+    let spec = format!(
+        "mirror:(farmap://{a_addr}?timeout=1s)(farmap://{}?timeout=5s)?timeout=500ms&probe=50ms",
+        b.addr()
+    );
+    let first = farmap_testkit::pattern_bytes(1, 0, 8 << 20);
+    std::fs::write(raw("one.img"), &first).unwrap();
+    farmap().ok(&["cp", "-q", &file("one.img"), &spec]);
+
+    // A's server dies; a new process still opens the mirror, and says which side is missing.
+    drop(a);
+    let o = farmap().run(&["cp", "-q", &spec, &file("out1.img")]);
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert!(o.status.success(), "{err}");
+    assert!(
+        err.contains("primary") && err.contains("cannot be reached"),
+        "{err}"
+    );
+    assert!(
+        std::fs::read(raw("out1.img")).unwrap() == first,
+        "read from the mirror"
+    );
+
+    // Writes with A down go to B and are noted in the journal.
+    let second = farmap_testkit::pattern_bytes(2, 0, 8 << 20);
+    std::fs::write(raw("two.img"), &second).unwrap();
+    farmap().ok(&["cp", "-q", &file("two.img"), &spec]);
+    let journals = || std::fs::read_dir(state.join("farmap/mirror")).map_or(0, |d| d.count());
+    assert_eq!(journals(), 1, "the journal outlives the process");
+
+    // A is back, stale: the next process reads B's version.
+    let _a = serve(&file("a.img"), &a_addr);
+    farmap().ok(&["cp", "-q", &spec, &file("out2.img")]);
+    assert!(
+        std::fs::read(raw("out2.img")).unwrap() == second,
+        "not A's stale chunks"
+    );
+
+    // A long-running process resyncs A, and the journal goes.
+    let served = farmap()
+        .listening(&["serve", &spec, "--listen", "127.0.0.1:0"])
+        .drained();
+    let deadline = Instant::now() + Duration::from_secs(60);
+    while journals() > 0 {
+        // Reads and writes through it keep it busy; the resync runs in the background.
+        assert!(
+            Instant::now() < deadline,
+            "the journal was not emptied by a resync"
+        );
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    drop(served);
+    farmap().ok(&["cp", "-q", &format!("farmap://{a_addr}"), &file("out3.img")]);
+    assert!(
+        std::fs::read(raw("out3.img")).unwrap() == second,
+        "A was resynced"
+    );
+}

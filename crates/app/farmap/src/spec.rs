@@ -32,6 +32,7 @@ use std::fmt;
 use std::path::Path;
 use std::str::FromStr;
 
+mod absent;
 mod blocking;
 mod common;
 #[cfg(feature = "cql")]
@@ -55,7 +56,7 @@ mod tier;
 
 pub use blocking::open_store_blocking;
 pub use model::{OpenError, SpecError, SpecKind, StoreSpec, TierSpec};
-pub use open::{open_mirror, open_store, open_store_async};
+pub use open::{mirror_journal_path, open_mirror, open_store, open_store_async};
 pub use tier::map_path as tier_map_path;
 
 impl StoreSpec {

@@ -35,7 +35,12 @@
 //!   only once every straggler has ended, so a late write can never overwrite the newer
 //!   version a resync copied.
 //! - The mirror is never resynchronised from the primary (chunks it missed are refused
-//!   instead, see above); both stores must be reachable when the stage is made.
+//!   instead, see above).
+//! - With a journal ([`Mirrored::with_journal`]), what is owed (chunks to resync into the
+//!   primary, chunks the mirror missed) is appended to a file and synced before the write
+//!   that made an entry is acknowledged, and the file is rewritten at a flush (and after a
+//!   resync) once entries no longer hold: a stage made over the same stores after this
+//!   process ended starts with the primary down if it is owed chunks.
 //!
 //! # Concurrency contract
 //! - Writes hold a shared async lock for their duration; switching the primary to resyncing

@@ -28,11 +28,14 @@ pub struct Cli {
 }
 
 impl Cli {
-    /// The program at `bin`, run with the test's environment.
+    /// The program at `bin`, run with the test's environment, except its state directory
+    /// (`XDG_STATE_HOME`, where a `mirror:` keeps its journal): one of this test process's
+    /// own, shared by its runs, so that tests leave nothing in the user's.
     pub fn new(bin: impl Into<PathBuf>) -> Cli {
+        let state = std::env::temp_dir().join(format!("farmap-test-state-{}", std::process::id()));
         Cli {
             bin: bin.into(),
-            env: Vec::new(),
+            env: vec![("XDG_STATE_HOME".into(), Some(state.into_os_string()))],
         }
     }
 
@@ -162,7 +165,8 @@ impl Listening {
     /// Starts `cmd` and reads its banner.
     ///
     /// # Panics
-    /// If it cannot be started, or its first line names no address (it is killed first).
+    /// If it cannot be started, or no line before its output ends names an address (it is
+    /// killed first). Lines before the one that does (warnings) are skipped.
     pub fn start(cmd: &mut Command) -> Listening {
         let mut child = cmd
             .stdout(Stdio::null())
@@ -170,8 +174,19 @@ impl Listening {
             .spawn()
             .unwrap_or_else(|e| panic!("cannot start a server: {e}"));
         let mut stderr = BufReader::new(child.stderr.take().expect("piped"));
+        // Warnings logged while the store is opened may come first.
         let mut banner = String::new();
-        let _ = stderr.read_line(&mut banner);
+        let mut before = String::new();
+        for _ in 0..64 {
+            banner.clear();
+            if stderr.read_line(&mut banner).unwrap_or(0) == 0 || banner.contains("listening on ") {
+                break;
+            }
+            before.push_str(&banner);
+        }
+        if !banner.contains("listening on ") {
+            banner.insert_str(0, &before);
+        }
         let addr = banner
             .split("listening on ")
             .nth(1)
