@@ -61,6 +61,10 @@
 //! those replicas is the server's promise: with `commitlog_sync: periodic` (the default, every
 //! 10 s) an acknowledged write may be lost if every replica that took it loses power within
 //! the period; `commitlog_sync: batch` or `group` makes the acknowledgement wait for the disk.
+//! So the store claims [`Caps::FLUSH`](farmap_core::Caps::FLUSH) (a flush makes writes
+//! durable) only when the node it asks at opening reports `batch` or `group` in
+//! `system_views.settings` (Cassandra 4.0 and later); otherwise it does not (an NBD export of
+//! it offers no FLUSH/FUA), and says why in an `info` log line.
 //! Replication (`replication=3` with quorum) is what keeps data through the loss of one node.
 //!
 //! # Performance
@@ -95,4 +99,4 @@ pub use config::{
     CqlConsistency, CqlSpec, CqlSpecError, CqlTarget, DEFAULT_PORT, DEFAULT_REGION, DEFAULT_TABLE,
     MAX_CQL_CHUNK, OPTIONS, PASSWORD_ENV,
 };
-pub use store::CqlStore;
+pub use store::{commitlog_sync_is_durable, CqlStore};

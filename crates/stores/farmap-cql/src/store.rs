@@ -46,6 +46,35 @@ pub struct CqlStore {
     /// `region R of ks.t on cql://nodes/ks`, for messages.
     name: Arc<str>,
     st: Statements,
+    /// The node asked syncs its commit log before it acknowledges a write (see
+    /// [`commitlog_sync`]): only then does this store claim [`Caps::FLUSH`].
+    durable: bool,
+}
+
+/// What `commitlog_sync` says of a write a node acknowledged: durable (on disk) only with
+/// `batch` or `group`; `periodic` (the default) syncs every period, so the last period's
+/// acknowledged writes may be lost with the machine.
+pub fn commitlog_sync_is_durable(setting: &str) -> bool {
+    matches!(
+        setting.trim().to_ascii_lowercase().as_str(),
+        "batch" | "group"
+    )
+}
+
+/// The `commitlog_sync` setting of the node `session` asks (Cassandra 4.0 and later have it
+/// in `system_views.settings`); `None` when it cannot tell (another server, no such table).
+async fn commitlog_sync(session: &Session) -> Option<String> {
+    let rows = session
+        .query_unpaged(
+            "SELECT value FROM system_views.settings WHERE name = 'commitlog_sync'",
+            (),
+        )
+        .await
+        .ok()?
+        .into_rows_result()
+        .ok()?;
+    let (value,) = rows.maybe_first_row::<(Option<String>,)>().ok()??;
+    value
 }
 
 #[derive(Debug)]
@@ -144,6 +173,17 @@ impl CqlStore {
             ))
             .await?,
         };
+        let sync = commitlog_sync(&session).await;
+        let durable = sync.as_deref().is_some_and(commitlog_sync_is_durable);
+        if !durable {
+            tracing::info!(
+                %name,
+                commitlog_sync = sync.as_deref().unwrap_or("unknown"),
+                "the server's commit log is not synced before it acknowledges a write: this \
+                 store does not claim that a flush makes writes durable (no FLUSH capability; \
+                 NBD clients are not offered FLUSH/FUA)"
+            );
+        }
         tracing::debug!(%name, size = geometry.size(), chunk = geometry.chunk_size(), part_chunks, "opened");
         Ok(CqlStore {
             session,
@@ -153,6 +193,7 @@ impl CqlStore {
             region: t.region.clone(),
             name,
             st,
+            durable,
         })
     }
 
@@ -306,7 +347,10 @@ impl Store for CqlStore {
     }
 
     fn caps(&self) -> Caps {
-        let caps = Caps::FLUSH | Caps::STATUS | Caps::PARALLEL;
+        let mut caps = Caps::STATUS | Caps::PARALLEL;
+        if self.durable {
+            caps = caps | Caps::FLUSH;
+        }
         if self.read_only {
             caps
         } else {
@@ -323,7 +367,8 @@ impl Store for CqlStore {
     }
 
     /// Nothing to do: a write returns once the replicas of its consistency level have it in
-    /// their commit logs (see the crate's notes on durability).
+    /// their commit logs (see the crate's notes on durability; the store claims
+    /// [`Caps::FLUSH`] only when those logs are synced before the acknowledgement).
     fn flush(&self) -> BoxFuture<'_, StoreResult<()>> {
         Box::pin(async { Ok(()) })
     }
@@ -334,5 +379,24 @@ impl Store for CqlStore {
 
     fn status(&self, idx: ChunkIdx) -> BoxFuture<'_, StoreResult<ChunkStatus>> {
         Box::pin(self.do_status(idx))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn only_a_commit_log_synced_before_the_acknowledgement_is_durable() {
+        for (setting, durable) in [
+            ("batch", true),
+            ("group", true),
+            (" Batch ", true),
+            ("periodic", false),
+            ("", false),
+            ("fsync", false),
+        ] {
+            assert_eq!(commitlog_sync_is_durable(setting), durable, "{setting:?}");
+        }
     }
 }

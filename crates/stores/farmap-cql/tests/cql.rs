@@ -273,6 +273,13 @@ async fn the_region_row_keeps_the_geometry() {
         assert_eq!(e.kind(), ErrorKind::InvalidInput, "{extra}: {e}");
         assert!(e.to_string().contains(want), "{extra}: {e}");
     }
+    // The test server syncs its commit log periodically (the default): a flush cannot make
+    // writes durable, and the store does not claim it can.
+    assert!(
+        !again.caps().contains(farmap_core::Caps::FLUSH),
+        "commitlog_sync: periodic, yet FLUSH is claimed"
+    );
+    assert!(again.caps().contains(farmap_core::Caps::WRITE));
     // Read-only: reads work, writes and trims are refused.
     let ro = open(&format!("{base}&ro")).await.expect("open ro");
     assert!(!ro.caps().contains(farmap_core::Caps::WRITE));
