@@ -722,28 +722,18 @@ impl<D: Destination> Run<D> {
             _ = sleep_until(self.answer_by), if self.connected && self.answer_by.is_some() => {
                 // Reconnected, and the seeder does not answer the hello.
                 self.answer_by = None;
-                self.connected = false;
-                self.last_error = Some(io::Error::new(
-                    io::ErrorKind::TimedOut,
-                    format!(
-                        "the seeder did not answer the hello within {:?} after reconnecting",
-                        self.opts.handshake_timeout
-                    ),
-                ));
-                LeecherInput::Disconnected
+                self.seeder_silent(format!(
+                    "the seeder did not answer the hello within {:?} after reconnecting",
+                    self.opts.handshake_timeout
+                ))
             }
             _ = sleep_until(self.finalize_by), if self.connected && !self.handed_over && self.finalize_by.is_some() => {
                 // Finalized, and the seeder neither hands over nor closes the connection.
                 self.finalize_by = None;
-                self.connected = false;
-                self.last_error = Some(io::Error::new(
-                    io::ErrorKind::TimedOut,
-                    format!(
-                        "the seeder did not hand over within {:?} of Finalize",
-                        self.opts.finalize_timeout
-                    ),
-                ));
-                LeecherInput::Disconnected
+                self.seeder_silent(format!(
+                    "the seeder did not hand over within {:?} of Finalize",
+                    self.opts.finalize_timeout
+                ))
             }
             _ = cancel.changed(), if !self.handed_over && self.finalize_sent.is_none() => {
                 if *cancel.borrow() {
@@ -755,6 +745,14 @@ impl<D: Destination> Run<D> {
             }
         };
         Ok(Some(input))
+    }
+
+    /// The seeder stayed silent past a deadline: the connection counts as lost, and `why`
+    /// as its error.
+    fn seeder_silent(&mut self, why: String) -> LeecherInput {
+        self.connected = false;
+        self.last_error = Some(io::Error::new(io::ErrorKind::TimedOut, why));
+        LeecherInput::Disconnected
     }
 
     /// Carries out one action; `Some` when the migration is complete.
