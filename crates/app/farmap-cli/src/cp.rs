@@ -61,79 +61,32 @@ async fn known_zero(store: &dyn Store, offset: u64, len: u64) -> anyhow::Result<
 }
 
 pub async fn run(mut args: CpArgs) -> anyhow::Result<ExitCode> {
-    let src = open_store_async(&args.src)
-        .await
-        .context("opening the source")?;
+    let (src, dst) = open_both(&mut args).await?;
     let size = src.geometry().size();
-    args.dst.default_size_for_new(size);
-    let dst = open_store_async(&args.dst)
-        .await
-        .context("opening the destination")?;
-    let dst_size = dst.geometry().size();
-    if dst_size != size {
-        bail!(
-            "sizes differ: {} is {} ({size} bytes) but {} is {} ({dst_size} bytes); cp copies whole regions",
-            args.src,
-            format_size(size),
-            args.dst,
-            format_size(dst_size)
-        );
-    }
-    if !dst.caps().contains(Caps::WRITE) {
-        bail!("{} is read-only", args.dst);
-    }
     // Copy in blocks of the larger chunk size: both are powers of two, so every block covers
     // whole chunks of both stores (but for a short last block).
     let block = u64::from(src.geometry().chunk_size().max(dst.geometry().chunk_size()));
     let blocks = size.div_ceil(block);
-    let src_u = Unaligned::new(src.clone());
-    let dst_u = Unaligned::new(dst.clone());
-
+    let copy = BlockCopy {
+        src_u: Unaligned::new(src.clone()),
+        dst_u: Unaligned::new(dst.clone()),
+        src,
+        dst: dst.clone(),
+        copied: AtomicU64::new(0),
+        zeros_written: AtomicU64::new(0),
+        skipped: AtomicU64::new(0),
+    };
     let bar = output::byte_bar(size, "copying", args.quiet || args.json);
-    let stop = Arc::new(AtomicBool::new(false));
-    {
-        let stop = stop.clone();
-        tokio::spawn(async move {
-            if tokio::signal::ctrl_c().await.is_ok() {
-                eprintln!("farmap: interrupted; finishing the copies in flight and flushing");
-                stop.store(true, Ordering::SeqCst);
-            }
-        });
-    }
-    let copied = AtomicU64::new(0);
-    let zeros_written = AtomicU64::new(0);
-    let skipped = AtomicU64::new(0);
+    let stop = stop_on_ctrl_c();
     let started = Instant::now();
     let result = stream::iter(0..blocks)
         .take_while(|_| std::future::ready(!stop.load(Ordering::SeqCst)))
         .map(|b| {
-            let (src_u, dst_u, bar) = (&src_u, &dst_u, &bar);
-            let (copied, zeros_written, skipped) = (&copied, &zeros_written, &skipped);
-            let (src, dst) = (&src, &dst);
+            let (copy, bar) = (&copy, &bar);
             async move {
                 let offset = b * block;
                 let len = block.min(size - offset);
-                let data = if known_zero(src.as_ref(), offset, len).await? {
-                    zero_chunk(len as usize)
-                } else {
-                    src_u
-                        .read_bytes(offset, len as usize)
-                        .await
-                        .with_context(|| format!("reading {len} bytes at offset {offset}"))?
-                };
-                if is_zero(&data) {
-                    if known_zero(dst.as_ref(), offset, len).await? {
-                        skipped.fetch_add(len, Ordering::Relaxed);
-                        bar.inc(len);
-                        return Ok(());
-                    }
-                    zeros_written.fetch_add(len, Ordering::Relaxed);
-                }
-                dst_u
-                    .write_bytes(offset, data)
-                    .await
-                    .with_context(|| format!("writing {len} bytes at offset {offset}"))?;
-                copied.fetch_add(len, Ordering::Relaxed);
+                copy.block(offset, len).await?;
                 bar.inc(len);
                 anyhow::Ok(())
             }
@@ -147,8 +100,8 @@ pub async fn run(mut args: CpArgs) -> anyhow::Result<ExitCode> {
     bar.finish_and_clear();
     result?;
     flushed?;
-    let copied = copied.into_inner();
-    let skipped = skipped.into_inner();
+    let copied = copy.copied.into_inner();
+    let skipped = copy.skipped.into_inner();
     let complete = copied + skipped == size;
     let report = CpReport {
         src: args.src.to_string(),
@@ -156,7 +109,7 @@ pub async fn run(mut args: CpArgs) -> anyhow::Result<ExitCode> {
         size_bytes: size,
         block_bytes: block,
         copied_bytes: copied,
-        zero_bytes_written: zeros_written.into_inner(),
+        zero_bytes_written: copy.zeros_written.into_inner(),
         skipped_zero_bytes: skipped,
         elapsed_ms: output::round1(elapsed.as_secs_f64() * 1e3),
         mb_per_s: output::mb_per_s(copied + skipped, elapsed),
@@ -185,4 +138,84 @@ pub async fn run(mut args: CpArgs) -> anyhow::Result<ExitCode> {
     } else {
         ExitCode::from(130)
     })
+}
+
+/// Opens the source, then the destination (created with the source's size if new); both
+/// must be as large, and the destination writable.
+async fn open_both(args: &mut CpArgs) -> anyhow::Result<(Arc<dyn Store>, Arc<dyn Store>)> {
+    let src = open_store_async(&args.src)
+        .await
+        .context("opening the source")?;
+    let size = src.geometry().size();
+    args.dst.default_size_for_new(size);
+    let dst = open_store_async(&args.dst)
+        .await
+        .context("opening the destination")?;
+    let dst_size = dst.geometry().size();
+    if dst_size != size {
+        bail!(
+            "sizes differ: {} is {} ({size} bytes) but {} is {} ({dst_size} bytes); cp copies whole regions",
+            args.src,
+            format_size(size),
+            args.dst,
+            format_size(dst_size)
+        );
+    }
+    if !dst.caps().contains(Caps::WRITE) {
+        bail!("{} is read-only", args.dst);
+    }
+    Ok((src, dst))
+}
+
+/// A flag that Ctrl-C raises: the copy stops starting blocks, finishes those in flight and
+/// flushes.
+fn stop_on_ctrl_c() -> Arc<AtomicBool> {
+    let stop = Arc::new(AtomicBool::new(false));
+    let raised = stop.clone();
+    tokio::spawn(async move {
+        if tokio::signal::ctrl_c().await.is_ok() {
+            eprintln!("farmap: interrupted; finishing the copies in flight and flushing");
+            raised.store(true, Ordering::SeqCst);
+        }
+    });
+    stop
+}
+
+/// The copy's stores and what it has done so far.
+struct BlockCopy {
+    src: Arc<dyn Store>,
+    dst: Arc<dyn Store>,
+    src_u: Unaligned<Arc<dyn Store>>,
+    dst_u: Unaligned<Arc<dyn Store>>,
+    copied: AtomicU64,
+    zeros_written: AtomicU64,
+    skipped: AtomicU64,
+}
+
+impl BlockCopy {
+    /// Copies `len` bytes at `offset` (zeros the destination already reads are skipped) and
+    /// counts them.
+    async fn block(&self, offset: u64, len: u64) -> anyhow::Result<()> {
+        let data = if known_zero(self.src.as_ref(), offset, len).await? {
+            zero_chunk(len as usize)
+        } else {
+            self.src_u
+                .read_bytes(offset, len as usize)
+                .await
+                .with_context(|| format!("reading {len} bytes at offset {offset}"))?
+        };
+        if is_zero(&data) {
+            if known_zero(self.dst.as_ref(), offset, len).await? {
+                self.skipped.fetch_add(len, Ordering::Relaxed);
+                return Ok(());
+            }
+            self.zeros_written.fetch_add(len, Ordering::Relaxed);
+        }
+        self.dst_u
+            .write_bytes(offset, data)
+            .await
+            .with_context(|| format!("writing {len} bytes at offset {offset}"))?;
+        self.copied.fetch_add(len, Ordering::Relaxed);
+        Ok(())
+    }
 }

@@ -155,29 +155,52 @@ pub async fn run(args: MountArgs) -> anyhow::Result<ExitCode> {
         .with_context(|| format!("mounting {spec} at {}", dir.display()))?;
     println!("{}", mount.path().display());
     if let Some(socket) = args.agent.clone() {
-        // A store another host can open moves instantly: only where each chunk is travels.
-        let secret = spec.to_secret_string();
-        let shared = (!secret.trim_start().starts_with("memory:")).then(|| MountShared {
-            spec: secret,
-            seal: managed
-                .clone()
-                .map(|m| m as Arc<dyn farmap::pipeline::Seal>),
-        });
-        let result = crate::mount_agent::run(agent_mount(&args, socket, Some(mount), shared)).await;
-        if let Some(m) = managed.filter(|m| {
-            // An instant migration handed the store over with the file: pushing here now
-            // could overwrite the destination's writes.
-            !m.is_sealed()
-        }) {
-            // The agent's last references may linger: push what is left either way.
-            report_evictions(&m);
-            match Arc::try_unwrap(m) {
-                Ok(m) => m.shutdown().await.context("pushing the last writes")?,
-                Err(m) => m.flush().await.context("pushing the last writes")?,
-            }
-        }
-        return result;
+        return serve_with_agent(&args, socket, mount, &spec, managed).await;
     }
+    serve_until_stopped(mount, &spec, &dir, managed).await
+}
+
+/// Serves the mounted file with a migration agent on `socket` until a migration moves it
+/// away or the agent stops; then pushes what is left, unless the store went with the file.
+async fn serve_with_agent(
+    args: &MountArgs,
+    socket: PathBuf,
+    mount: FuseMount,
+    spec: &StoreSpec,
+    managed: Option<Arc<Managed>>,
+) -> anyhow::Result<ExitCode> {
+    // A store another host can open moves instantly: only where each chunk is travels.
+    let secret = spec.to_secret_string();
+    let shared = (!secret.trim_start().starts_with("memory:")).then(|| MountShared {
+        spec: secret,
+        seal: managed
+            .clone()
+            .map(|m| m as Arc<dyn farmap::pipeline::Seal>),
+    });
+    let result = crate::mount_agent::run(agent_mount(args, socket, Some(mount), shared)).await;
+    if let Some(m) = managed.filter(|m| {
+        // An instant migration handed the store over with the file: pushing here now
+        // could overwrite the destination's writes.
+        !m.is_sealed()
+    }) {
+        // The agent's last references may linger: push what is left either way.
+        report_evictions(&m);
+        match Arc::try_unwrap(m) {
+            Ok(m) => m.shutdown().await.context("pushing the last writes")?,
+            Err(m) => m.flush().await.context("pushing the last writes")?,
+        }
+    }
+    result
+}
+
+/// Serves the mounted file until SIGINT/SIGTERM or an unmount from outside; then unmounts
+/// and flushes.
+async fn serve_until_stopped(
+    mount: FuseMount,
+    spec: &StoreSpec,
+    dir: &Path,
+    managed: Option<Arc<Managed>>,
+) -> anyhow::Result<ExitCode> {
     status!(
         "farmap mount: {} is {spec} ({}, {}{}); stop with Ctrl-C, SIGTERM or `farmap umount {}`",
         mount.path().display(),

@@ -508,6 +508,87 @@ impl Setup {
 }
 
 async fn on(args: SwapOnArgs, prepared: Option<Prepared>) -> anyhow::Result<ExitCode> {
+    check_prepared(prepared)?;
+    let spec: StoreSpec = args.store.parse()?;
+    // Listen for SIGTERM/SIGINT from the start: one that comes before the device is printed
+    // (or just after) must turn the swap off, not kill the server with its device attached.
+    use tokio::signal::unix::{signal, SignalKind};
+    let mut term = signal(SignalKind::terminate()).context("listening for SIGTERM")?;
+    let mut int = signal(SignalKind::interrupt()).context("listening for SIGINT")?;
+    for entry in entries() {
+        // A directory named after this process is from an earlier one of the same PID.
+        if entry.pid == std::process::id() || !entry.is_served() {
+            clean_dead(&entry)
+                .await
+                .context("cleaning up after a dead `farmap swap on`")?;
+        }
+    }
+    check_memlock()?;
+
+    let (served, managed) = open_dense(&args, &spec).await?;
+    let pid = std::process::id();
+    let dir = Path::new(SWAP_ROOT).join(pid.to_string());
+    std::fs::create_dir_all(&dir).with_context(|| format!("creating {}", dir.display()))?;
+    let mut setup = Setup {
+        dir: dir.clone(),
+        mount: None,
+        device: None,
+    };
+    let started = start(&args, &spec, served, &mut setup).await;
+    let (device, direct_io) = match started {
+        Ok(v) => v,
+        Err(e) => {
+            setup.undo().await;
+            let _ = finish_managed(managed, Ok(())).await;
+            return Err(e);
+        }
+    };
+    let Some(mount) = setup.mount.take() else {
+        bail!("internal: no mount after the setup");
+    };
+    print_device(&args, &spec, &dir, &mount, &device, direct_io);
+    note(format_args!(
+        "farmap swap on: {device} is swap on {spec} ({}, {}, direct I/O {}); stop with Ctrl-C, \
+         SIGTERM or `farmap swap off {device}`",
+        mount.geometry(),
+        if managed.is_some() {
+            "managed"
+        } else {
+            "direct"
+        },
+        if direct_io { "on" } else { "off" },
+    ));
+
+    // Serve until told to stop and the swap could be turned off.
+    let own = Entry {
+        pid,
+        dir: dir.clone(),
+        devices: vec![device.clone()],
+        recorded: None,
+    };
+    serve_until_off(&own, &mut term, &mut int, &mount).await;
+    note(format_args!(
+        "farmap swap on: {device} is off and detached; flushing and unmounting"
+    ));
+    let pool = mount.write_pool().cloned();
+    let unmounted = tokio::task::spawn_blocking(move || mount.unmount()).await?;
+    if let Some(pool) = pool.filter(|p| p.misses() > 0) {
+        note(format_args!(
+            "farmap swap on: {} write payloads found none of the {} pre-allocated buffers free \
+             and were copied into the heap",
+            pool.misses(),
+            pool.count()
+        ));
+    }
+    finish_managed(managed, unmounted.context("unmounting")).await?;
+    let _ = own.remove();
+    note("farmap swap on: unmounted; the store is flushed");
+    Ok(ExitCode::SUCCESS)
+}
+
+/// Refuses to run without root or without [`prepare`]; warns of what [`prepare`] could not
+/// set up.
+fn check_prepared(prepared: Option<Prepared>) -> anyhow::Result<()> {
     if !rustix::process::geteuid().is_root() {
         bail!(
             "farmap swap on needs root (FUSE mount, losetup, swapon, mlockall, \
@@ -532,102 +613,74 @@ async fn on(args: SwapOnArgs, prepared: Option<Prepared>) -> anyhow::Result<Exit
              new pages"
         );
     }
-    let spec: StoreSpec = args.store.parse()?;
-    // Listen for SIGTERM/SIGINT from the start: one that comes before the device is printed
-    // (or just after) must turn the swap off, not kill the server with its device attached.
-    use tokio::signal::unix::{signal, SignalKind};
-    let mut term = signal(SignalKind::terminate()).context("listening for SIGTERM")?;
-    let mut int = signal(SignalKind::interrupt()).context("listening for SIGINT")?;
-    for entry in entries() {
-        // A directory named after this process is from an earlier one of the same PID.
-        if entry.pid == std::process::id() || !entry.is_served() {
-            clean_dead(&entry)
-                .await
-                .context("cleaning up after a dead `farmap swap on`")?;
-        }
-    }
-    check_memlock()?;
+    Ok(())
+}
 
-    // Stores whose writes copy into memory that exists from the start: a memory store is
-    // dense (the swapped pages are in memory anyway), and so is a managed store's local copy.
+/// Opens the store to swap on. Stores whose writes copy into memory that exists from the
+/// start: a memory store is dense (the swapped pages are in memory anyway), and so is a
+/// managed store's local copy.
+async fn open_dense(
+    args: &SwapOnArgs,
+    spec: &StoreSpec,
+) -> anyhow::Result<(Arc<dyn Store>, Option<Arc<farmap::Managed>>)> {
     let managed_opts = args.managed.then(|| ManagedOptions {
         dense_local: true,
         ..managed_options(args.workers, args.pull_order, args.push_interval)
     });
-    let (served, managed) = if matches!(spec.kind, SpecKind::Memory) && managed_opts.is_none() {
+    if matches!(spec.kind, SpecKind::Memory) && managed_opts.is_none() {
         let g = Geometry::new(
             spec.size.context("a memory spec has a size")?,
             u64::from(spec.chunk_size_or_default()),
         )
         .with_context(|| format!("the geometry of {spec}"))?;
         let dense: Arc<dyn Store> = Arc::new(DenseMemoryStore::new(g));
-        (dense, None)
-    } else {
-        open_served(&spec, managed_opts, None).await?
-    };
-    let pid = std::process::id();
-    let dir = Path::new(SWAP_ROOT).join(pid.to_string());
-    std::fs::create_dir_all(&dir).with_context(|| format!("creating {}", dir.display()))?;
-    let mut setup = Setup {
-        dir: dir.clone(),
-        mount: None,
-        device: None,
-    };
-    let started = start(&args, &spec, served, &mut setup).await;
-    let (device, direct_io) = match started {
-        Ok(v) => v,
-        Err(e) => {
-            setup.undo().await;
-            let _ = finish_managed(managed, Ok(())).await;
-            return Err(e);
-        }
-    };
-    let Some(mount) = setup.mount.take() else {
-        bail!("internal: no mount after the setup");
-    };
-    let file = mount.path().to_path_buf();
+        return Ok((dense, None));
+    }
+    open_served(spec, managed_opts, None).await
+}
+
+/// Prints the device on stdout (with --json: one object describing the swap).
+fn print_device(
+    args: &SwapOnArgs,
+    spec: &StoreSpec,
+    dir: &Path,
+    mount: &FuseMount,
+    device: &str,
+    direct_io: bool,
+) {
     let line = if args.json {
         serde_json::json!({
             "device": device,
             "mountpoint": dir,
-            "file": file,
-            "pid": pid,
+            "file": mount.path().to_path_buf(),
+            "pid": std::process::id(),
             "direct_io": direct_io,
             "priority": swaps().iter().find(|s| s.device == device).map(|s| s.priority),
             "store": spec.to_string(),
         })
         .to_string()
     } else {
-        device.clone()
+        device.to_owned()
     };
     let _ = writeln!(std::io::stdout(), "{line}");
     let _ = std::io::stdout().flush();
-    note(format_args!(
-        "farmap swap on: {device} is swap on {spec} ({}, {}, direct I/O {}); stop with Ctrl-C, \
-         SIGTERM or `farmap swap off {device}`",
-        mount.geometry(),
-        if managed.is_some() {
-            "managed"
-        } else {
-            "direct"
-        },
-        if direct_io { "on" } else { "off" },
-    ));
+}
 
-    // Serve until told to stop and the swap could be turned off.
-    let own = Entry {
-        pid,
-        dir: dir.clone(),
-        devices: vec![device.clone()],
-        recorded: None,
-    };
+/// Serves until SIGTERM or SIGINT turns the swap off (a failure to turn it off is said and
+/// serving goes on), or until the file is unmounted from outside.
+async fn serve_until_off(
+    own: &Entry,
+    term: &mut tokio::signal::unix::Signal,
+    int: &mut tokio::signal::unix::Signal,
+    mount: &FuseMount,
+) {
     loop {
         let ended = tokio::select! {
             _ = term.recv() => false,
             _ = int.recv() => false,
             _ = mount.ended() => true,
         };
-        match release_devices(&own).await {
+        match release_devices(own).await {
             Ok(()) => break,
             Err(e) if ended => {
                 note(format_args!(
@@ -642,23 +695,6 @@ async fn on(args: SwapOnArgs, prepared: Option<Prepared>) -> anyhow::Result<Exit
             )),
         }
     }
-    note(format_args!(
-        "farmap swap on: {device} is off and detached; flushing and unmounting"
-    ));
-    let pool = mount.write_pool().cloned();
-    let unmounted = tokio::task::spawn_blocking(move || mount.unmount()).await?;
-    if let Some(pool) = pool.filter(|p| p.misses() > 0) {
-        note(format_args!(
-            "farmap swap on: {} write payloads found none of the {} pre-allocated buffers free \
-             and were copied into the heap",
-            pool.misses(),
-            pool.count()
-        ));
-    }
-    finish_managed(managed, unmounted.context("unmounting")).await?;
-    let _ = own.remove();
-    note("farmap swap on: unmounted; the store is flushed");
-    Ok(ExitCode::SUCCESS)
 }
 
 /// Mounts, locks the memory, attaches the loop device, mkswap, swapon. Returns the device

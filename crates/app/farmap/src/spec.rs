@@ -147,6 +147,16 @@ mod tests {
     use std::path::PathBuf;
     use std::time::Duration;
 
+    /// The error parsing `spec` gives, which must contain `want`.
+    fn refused(spec: &str, want: &str) -> String {
+        let err = parse(spec).expect_err(spec).to_string();
+        assert!(
+            err.contains(want),
+            "{spec}: {err:?} should contain {want:?}"
+        );
+        err
+    }
+
     fn parse(s: &str) -> Result<StoreSpec, SpecError> {
         s.parse()
     }
@@ -270,11 +280,7 @@ mod tests {
             ("redis+cluster://a:1,b/", "names no server"),
             ("redis://h:1?bogus=1", "unknown option \"bogus\""),
         ] {
-            let err = parse(spec).expect_err(spec).to_string();
-            assert!(
-                err.contains(want),
-                "{spec}: {err:?} should contain {want:?}"
-            );
+            refused(spec, want);
         }
     }
 
@@ -306,11 +312,7 @@ mod tests {
             ("s3://bucket/x?max-open=3", "unknown option \"max-open\""),
             ("s3://bucket/x?size=0", "cannot be empty"),
         ] {
-            let err = parse(spec).expect_err(spec).to_string();
-            assert!(
-                err.contains(want),
-                "{spec}: {err:?} should contain {want:?}"
-            );
+            let err = refused(spec, want);
             assert!(!err.contains('\n'), "one-line errors: {err:?}");
         }
     }
@@ -406,11 +408,7 @@ mod tests {
             ("nbd://h/x?timeout=5", "bad value for timeout"),
             ("nbd://h/x?chunk=3KiB", "not a power of two"),
         ] {
-            let err = parse(spec).expect_err(spec).to_string();
-            assert!(
-                err.contains(want),
-                "{spec}: {err:?} should contain {want:?}"
-            );
+            let err = refused(spec, want);
             assert!(!err.contains('\n'), "one-line errors: {err:?}");
         }
     }
@@ -470,11 +468,7 @@ mod tests {
                 "unknown option \"ro\"",
             ),
         ] {
-            let err = parse(spec).expect_err(spec).to_string();
-            assert!(
-                err.contains(want),
-                "{spec}: {err:?} should contain {want:?}"
-            );
+            refused(spec, want);
         }
         let deep = format!("{}memory:1MiB{}", "verified:(".repeat(9), ")".repeat(9));
         for (spec, want) in [
@@ -490,11 +484,7 @@ mod tests {
             ("verified:(nope:1)", "unknown store scheme"),
             (deep.as_str(), "nest at most"),
         ] {
-            let err = parse(spec).expect_err(spec).to_string();
-            assert!(
-                err.contains(want),
-                "{spec}: {err:?} should contain {want:?}"
-            );
+            refused(spec, want);
         }
     }
 
@@ -601,11 +591,7 @@ mod tests {
             ("file:x?size=0", "cannot be empty"),
         ];
         for (spec, want) in cases {
-            let err = parse(spec).expect_err(spec).to_string();
-            assert!(
-                err.contains(want),
-                "{spec}: {err:?} should contain {want:?}"
-            );
+            let err = refused(spec, want);
             assert!(!err.contains('\n'), "one-line errors: {err:?}");
         }
     }
@@ -663,11 +649,7 @@ mod tests {
             ("farmap://h:7400?connections=0", "bad value for connections"),
             ("farmap+unix:", "names no path"),
         ] {
-            let err = parse(spec).expect_err(spec).to_string();
-            assert!(
-                err.contains(want),
-                "{spec}: {err:?} should contain {want:?}"
-            );
+            let err = refused(spec, want);
             assert!(!err.contains('\n'), "one-line errors: {err:?}");
         }
     }

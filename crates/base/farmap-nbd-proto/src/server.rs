@@ -310,18 +310,7 @@ impl ServerHandshake {
                 self.phase = Phase::Finished;
                 return Ok(Some(ServerStep::Aborted));
             }
-            opt::STARTTLS => {
-                if self.config.tls == TlsMode::Off {
-                    refuse(out, option, rep::ERR_POLICY, "this server does not use TLS");
-                } else if self.tls_active {
-                    refuse(out, option, rep::ERR_INVALID, "TLS is already started");
-                } else if !data.is_empty() {
-                    refuse(out, option, rep::ERR_INVALID, "STARTTLS takes no data");
-                } else {
-                    reply(out, option, rep::ACK, &[]);
-                    return Ok(Some(ServerStep::StartTls));
-                }
-            }
+            opt::STARTTLS => return Ok(self.start_tls(data, out)),
             opt::EXPORT_NAME if tls_needed => {
                 self.phase = Phase::Finished;
                 return Err(HandshakeError::TlsRequired);
@@ -332,75 +321,9 @@ impl ServerHandshake {
                 rep::ERR_TLS_REQD,
                 "this server requires TLS: start it with NBD_OPT_STARTTLS first",
             ),
-            opt::EXPORT_NAME => {
-                let name = String::from_utf8_lossy(data).into_owned();
-                let Some(idx) = self.find(&name) else {
-                    self.phase = Phase::Finished;
-                    return Err(HandshakeError::UnknownExport { name });
-                };
-                let flags = self.flags(idx);
-                out.put_u64(self.config.exports[idx].size);
-                out.put_u16(flags);
-                if !self.no_zeroes {
-                    out.put_bytes(0, 124);
-                }
-                return Ok(Some(self.finish(idx, &name, flags)));
-            }
-            opt::LIST => {
-                if !data.is_empty() {
-                    refuse(out, option, rep::ERR_INVALID, "LIST takes no data");
-                } else {
-                    for e in &self.config.exports {
-                        let mut d = BytesMut::with_capacity(4 + e.name.len());
-                        d.put_u32(e.name.len() as u32);
-                        d.put_slice(e.name.as_bytes());
-                        d.put_slice(e.description.as_bytes());
-                        reply(out, option, rep::SERVER, &d);
-                    }
-                    reply(out, option, rep::ACK, &[]);
-                }
-            }
-            opt::INFO | opt::GO => {
-                let Some(req) = parse_info(data) else {
-                    refuse(out, option, rep::ERR_INVALID, "malformed INFO/GO request");
-                    return Ok(None);
-                };
-                let Some(idx) = self.find(req.name) else {
-                    let msg = format!("there is no export named {:?}", req.name);
-                    refuse(out, option, rep::ERR_UNKNOWN, &msg);
-                    return Ok(None);
-                };
-                let flags = self.flags(idx);
-                let e = &self.config.exports[idx];
-                let mut d = BytesMut::with_capacity(14);
-                d.put_u16(info::EXPORT);
-                d.put_u64(e.size);
-                d.put_u16(flags);
-                reply(out, option, rep::INFO, &d);
-                if req.requests.contains(&info::NAME) {
-                    let mut d = BytesMut::with_capacity(2 + e.name.len());
-                    d.put_u16(info::NAME);
-                    d.put_slice(e.name.as_bytes());
-                    reply(out, option, rep::INFO, &d);
-                }
-                if req.requests.contains(&info::DESCRIPTION) && !e.description.is_empty() {
-                    let mut d = BytesMut::with_capacity(2 + e.description.len());
-                    d.put_u16(info::DESCRIPTION);
-                    d.put_slice(e.description.as_bytes());
-                    reply(out, option, rep::INFO, &d);
-                }
-                let mut d = BytesMut::with_capacity(14);
-                d.put_u16(info::BLOCK_SIZE);
-                d.put_u32(e.block.min);
-                d.put_u32(e.block.preferred);
-                d.put_u32(e.block.max);
-                reply(out, option, rep::INFO, &d);
-                reply(out, option, rep::ACK, &[]);
-                if option == opt::GO {
-                    let name = req.name.to_owned();
-                    return Ok(Some(self.finish(idx, &name, flags)));
-                }
-            }
+            opt::EXPORT_NAME => return self.export_name(data, out).map(Some),
+            opt::LIST => self.list(data, out),
+            opt::INFO | opt::GO => return Ok(self.info_or_go(option, data, out)),
             opt::STRUCTURED_REPLY => {
                 if !data.is_empty() {
                     refuse(
@@ -414,50 +337,7 @@ impl ServerHandshake {
                     reply(out, option, rep::ACK, &[]);
                 }
             }
-            opt::LIST_META_CONTEXT | opt::SET_META_CONTEXT => {
-                let set = option == opt::SET_META_CONTEXT;
-                if set {
-                    // A SET replaces the selection even when it fails.
-                    self.meta = None;
-                }
-                if set && !self.structured {
-                    let msg = "SET_META_CONTEXT needs structured replies first";
-                    refuse(out, option, rep::ERR_INVALID, msg);
-                    return Ok(None);
-                }
-                let Some((name, queries)) = parse_meta(data) else {
-                    refuse(
-                        out,
-                        option,
-                        rep::ERR_INVALID,
-                        "malformed metadata context request",
-                    );
-                    return Ok(None);
-                };
-                if self.find(name).is_none() {
-                    let msg = format!("there is no export named {name:?}");
-                    refuse(out, option, rep::ERR_UNKNOWN, &msg);
-                    return Ok(None);
-                }
-                let selected = if set {
-                    queries.contains(&BASE_ALLOCATION)
-                } else {
-                    queries.is_empty()
-                        || queries
-                            .iter()
-                            .any(|q| *q == "base:" || *q == BASE_ALLOCATION)
-                };
-                if selected {
-                    let mut d = BytesMut::with_capacity(4 + BASE_ALLOCATION.len());
-                    d.put_u32(if set { ALLOCATION_ID } else { 0 });
-                    d.put_slice(BASE_ALLOCATION.as_bytes());
-                    reply(out, option, rep::META_CONTEXT, &d);
-                }
-                if set {
-                    self.meta = Some((name.to_owned(), selected));
-                }
-                reply(out, option, rep::ACK, &[]);
-            }
+            opt::LIST_META_CONTEXT | opt::SET_META_CONTEXT => self.meta_context(option, data, out),
             _ => refuse(
                 out,
                 option,
@@ -466,6 +346,152 @@ impl ServerHandshake {
             ),
         }
         Ok(None)
+    }
+
+    /// `NBD_OPT_STARTTLS`: `Some` when the connection turns to TLS now.
+    fn start_tls(&self, data: &[u8], out: &mut BytesMut) -> Option<ServerStep> {
+        let option = opt::STARTTLS;
+        if self.config.tls == TlsMode::Off {
+            refuse(out, option, rep::ERR_POLICY, "this server does not use TLS");
+        } else if self.tls_active {
+            refuse(out, option, rep::ERR_INVALID, "TLS is already started");
+        } else if !data.is_empty() {
+            refuse(out, option, rep::ERR_INVALID, "STARTTLS takes no data");
+        } else {
+            reply(out, option, rep::ACK, &[]);
+            return Some(ServerStep::StartTls);
+        }
+        None
+    }
+
+    /// `NBD_OPT_EXPORT_NAME`: the old way into transmission (no error reply: an unknown
+    /// export ends the handshake).
+    fn export_name(
+        &mut self,
+        data: &[u8],
+        out: &mut BytesMut,
+    ) -> Result<ServerStep, HandshakeError> {
+        let name = String::from_utf8_lossy(data).into_owned();
+        let Some(idx) = self.find(&name) else {
+            self.phase = Phase::Finished;
+            return Err(HandshakeError::UnknownExport { name });
+        };
+        let flags = self.flags(idx);
+        out.put_u64(self.config.exports[idx].size);
+        out.put_u16(flags);
+        if !self.no_zeroes {
+            out.put_bytes(0, 124);
+        }
+        Ok(self.finish(idx, &name, flags))
+    }
+
+    /// `NBD_OPT_LIST`: one reply per export.
+    fn list(&self, data: &[u8], out: &mut BytesMut) {
+        let option = opt::LIST;
+        if !data.is_empty() {
+            refuse(out, option, rep::ERR_INVALID, "LIST takes no data");
+            return;
+        }
+        for e in &self.config.exports {
+            let mut d = BytesMut::with_capacity(4 + e.name.len());
+            d.put_u32(e.name.len() as u32);
+            d.put_slice(e.name.as_bytes());
+            d.put_slice(e.description.as_bytes());
+            reply(out, option, rep::SERVER, &d);
+        }
+        reply(out, option, rep::ACK, &[]);
+    }
+
+    /// `NBD_OPT_INFO` and `NBD_OPT_GO`: the export's information; `Some` when `GO` enters
+    /// transmission.
+    fn info_or_go(&mut self, option: u32, data: &[u8], out: &mut BytesMut) -> Option<ServerStep> {
+        let Some(req) = parse_info(data) else {
+            refuse(out, option, rep::ERR_INVALID, "malformed INFO/GO request");
+            return None;
+        };
+        let Some(idx) = self.find(req.name) else {
+            let msg = format!("there is no export named {:?}", req.name);
+            refuse(out, option, rep::ERR_UNKNOWN, &msg);
+            return None;
+        };
+        let flags = self.flags(idx);
+        let e = &self.config.exports[idx];
+        let mut d = BytesMut::with_capacity(14);
+        d.put_u16(info::EXPORT);
+        d.put_u64(e.size);
+        d.put_u16(flags);
+        reply(out, option, rep::INFO, &d);
+        if req.requests.contains(&info::NAME) {
+            let mut d = BytesMut::with_capacity(2 + e.name.len());
+            d.put_u16(info::NAME);
+            d.put_slice(e.name.as_bytes());
+            reply(out, option, rep::INFO, &d);
+        }
+        if req.requests.contains(&info::DESCRIPTION) && !e.description.is_empty() {
+            let mut d = BytesMut::with_capacity(2 + e.description.len());
+            d.put_u16(info::DESCRIPTION);
+            d.put_slice(e.description.as_bytes());
+            reply(out, option, rep::INFO, &d);
+        }
+        let mut d = BytesMut::with_capacity(14);
+        d.put_u16(info::BLOCK_SIZE);
+        d.put_u32(e.block.min);
+        d.put_u32(e.block.preferred);
+        d.put_u32(e.block.max);
+        reply(out, option, rep::INFO, &d);
+        reply(out, option, rep::ACK, &[]);
+        if option == opt::GO {
+            let name = req.name.to_owned();
+            return Some(self.finish(idx, &name, flags));
+        }
+        None
+    }
+
+    /// `NBD_OPT_LIST_META_CONTEXT` and `NBD_OPT_SET_META_CONTEXT`: only `base:allocation`
+    /// exists.
+    fn meta_context(&mut self, option: u32, data: &[u8], out: &mut BytesMut) {
+        let set = option == opt::SET_META_CONTEXT;
+        if set {
+            // A SET replaces the selection even when it fails.
+            self.meta = None;
+        }
+        if set && !self.structured {
+            let msg = "SET_META_CONTEXT needs structured replies first";
+            refuse(out, option, rep::ERR_INVALID, msg);
+            return;
+        }
+        let Some((name, queries)) = parse_meta(data) else {
+            refuse(
+                out,
+                option,
+                rep::ERR_INVALID,
+                "malformed metadata context request",
+            );
+            return;
+        };
+        if self.find(name).is_none() {
+            let msg = format!("there is no export named {name:?}");
+            refuse(out, option, rep::ERR_UNKNOWN, &msg);
+            return;
+        }
+        let selected = if set {
+            queries.contains(&BASE_ALLOCATION)
+        } else {
+            queries.is_empty()
+                || queries
+                    .iter()
+                    .any(|q| *q == "base:" || *q == BASE_ALLOCATION)
+        };
+        if selected {
+            let mut d = BytesMut::with_capacity(4 + BASE_ALLOCATION.len());
+            d.put_u32(if set { ALLOCATION_ID } else { 0 });
+            d.put_slice(BASE_ALLOCATION.as_bytes());
+            reply(out, option, rep::META_CONTEXT, &d);
+        }
+        if set {
+            self.meta = Some((name.to_owned(), selected));
+        }
+        reply(out, option, rep::ACK, &[]);
     }
 
     fn find(&self, name: &str) -> Option<usize> {

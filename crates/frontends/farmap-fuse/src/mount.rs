@@ -119,6 +119,66 @@ fn check_mount_point(dir: &Path) -> Result<(), MountError> {
     Ok(())
 }
 
+/// The FUSE session's options: requests of up to `max_request` bytes, the kernel checking
+/// permissions, other users let in with `allow_other`.
+fn session_config(max_request: u32, read_only: bool, allow_other: bool) -> Config {
+    let mut mount_options = vec![
+        MountOption::FSName(format!("farmap:{}", std::process::id())),
+        MountOption::CUSTOM("subtype=farmap".into()),
+        MountOption::CUSTOM(format!("max_read={max_request}")),
+        MountOption::NoAtime,
+        // The kernel checks the file's mode, owner and group for every access: with
+        // `allow_other`, another user reads a 0644 file but cannot write it.
+        MountOption::DefaultPermissions,
+    ];
+    if read_only {
+        mount_options.push(MountOption::RO);
+    }
+    let mut config = Config::default();
+    config.mount_options = mount_options;
+    config.acl = if allow_other {
+        SessionACL::All
+    } else {
+        SessionACL::Owner
+    };
+    config.n_threads = Some(1);
+    config
+}
+
+/// Why mounting at `dir` failed (`EBUSY`: something is mounted there).
+fn mount_error(dir: &Path, e: io::Error) -> MountError {
+    if e.raw_os_error() == Some(libc::EBUSY) {
+        MountError::Busy {
+            dir: dir.to_path_buf(),
+            what: "something".into(),
+        }
+    } else {
+        MountError::sys(
+            format!("cannot mount a FUSE file system at {}", dir.display()),
+            e,
+        )
+    }
+}
+
+/// Runs the FUSE session on a thread of its own; `ended` turns true when it ends.
+fn spawn_session(
+    session: Session<RegionFs>,
+    dir: PathBuf,
+    ended: watch::Sender<bool>,
+) -> Result<JoinHandle<io::Result<()>>, MountError> {
+    std::thread::Builder::new()
+        .name("farmap-fuse-session".into())
+        .spawn(move || {
+            let result = session.run();
+            if let Err(e) = &result {
+                tracing::warn!(dir = %dir.display(), "the FUSE session ended: {e}");
+            }
+            let _ = ended.send(true);
+            result
+        })
+        .map_err(|e| MountError::sys("starting the FUSE session thread", e))
+}
+
 fn check_name(name: &str) -> Result<OsString, MountError> {
     if name.is_empty() || name.contains('/') || name == "." || name == ".." || name.contains('\0') {
         return Err(MountError::BadName {
@@ -183,39 +243,8 @@ impl FuseMount {
             handle: runtime.handle().clone(),
             on_init: Some(Box::new(move |w, r| *seen.lock() = (w, r))),
         };
-        let mut mount_options = vec![
-            MountOption::FSName(format!("farmap:{}", std::process::id())),
-            MountOption::CUSTOM("subtype=farmap".into()),
-            MountOption::CUSTOM(format!("max_read={max_request}")),
-            MountOption::NoAtime,
-            // The kernel checks the file's mode, owner and group for every access: with
-            // `allow_other`, another user reads a 0644 file but cannot write it.
-            MountOption::DefaultPermissions,
-        ];
-        if read_only {
-            mount_options.push(MountOption::RO);
-        }
-        let mut config = Config::default();
-        config.mount_options = mount_options;
-        config.acl = if opts.allow_other {
-            SessionACL::All
-        } else {
-            SessionACL::Owner
-        };
-        config.n_threads = Some(1);
-        let session = Session::new(fs, &dir, &config).map_err(|e| {
-            if e.raw_os_error() == Some(libc::EBUSY) {
-                MountError::Busy {
-                    dir: dir.clone(),
-                    what: "something".into(),
-                }
-            } else {
-                MountError::sys(
-                    format!("cannot mount a FUSE file system at {}", dir.display()),
-                    e,
-                )
-            }
-        })?;
+        let config = session_config(max_request, read_only, opts.allow_other);
+        let session = Session::new(fs, &dir, &config).map_err(|e| mount_error(&dir, e))?;
         let notifier = session.notifier();
         control.set_invalidate(Box::new(move || {
             if let Err(e) = notifier.inval_inode(crate::fs::FILE_INO, 0, 0) {
@@ -223,18 +252,7 @@ impl FuseMount {
             }
         }));
         let (ended_tx, ended) = watch::channel(false);
-        let thread_dir = dir.clone();
-        let session = std::thread::Builder::new()
-            .name("farmap-fuse-session".into())
-            .spawn(move || {
-                let result = session.run();
-                if let Err(e) = &result {
-                    tracing::warn!(dir = %thread_dir.display(), "the FUSE session ended: {e}");
-                }
-                let _ = ended_tx.send(true);
-                result
-            })
-            .map_err(|e| MountError::sys("starting the FUSE session thread", e))?;
+        let session = spawn_session(session, dir.clone(), ended_tx)?;
         let mut mount = FuseMount {
             path: dir.join(&opts.name),
             dir,

@@ -133,89 +133,13 @@ impl NbdMount {
         opts: &NbdMountOptions,
     ) -> Result<NbdMount, NbdKernelError> {
         let n = opts.connections;
-        if !(1..=MAX_CONNECTIONS).contains(&n) {
-            return Err(NbdKernelError::BadOption {
-                what: "the number of NBD connections",
-                value: n as u64,
-                min: 1,
-                max: MAX_CONNECTIONS as u64,
-            });
-        }
-        let timeout_s = opts.io_timeout.as_secs() + u64::from(opts.io_timeout.subsec_nanos() > 0);
-        if !(1..=24 * 3600).contains(&timeout_s) {
-            return Err(NbdKernelError::BadOption {
-                what: "the I/O timeout in seconds",
-                value: timeout_s,
-                min: 1,
-                max: 24 * 3600,
-            });
-        }
+        let timeout_s = check_options(opts)?;
         // First the driver: without it there is nothing to serve.
         let (sock, family) = blocking("resolving the nbd family", nbd_family).await?;
         let geometry = store.geometry();
-
-        // The server, on a Unix socket in a private directory that goes away once the
-        // sockets are connected (nobody else can reach the server).
-        let dir = tempfile::Builder::new()
-            .prefix("farmap-nbd-")
-            .tempdir()
-            .map_err(|e| conn_err(0, n, "creating a private directory for its socket", e))?;
-        let sock_path = dir.path().join("nbd.sock");
-        let listener = Listener::bind(&ListenAddr::Unix(sock_path.clone()))
-            .await
-            .map_err(|e| conn_err(0, n, "binding its Unix socket", e))?;
-        let server_opts = NbdServeOptions {
-            max_connections: n,
-            // The kernel keeps its sockets open and quiet for as long as the device lives.
-            idle_timeout: Duration::from_secs(365 * 24 * 3600),
-            log: false,
-            ..NbdServeOptions::default()
-        };
-        let export = Export {
-            name: String::new(),
-            description: "farmap kernel NBD device".into(),
-            store,
-            read_only: opts.read_only,
-        };
-        let server =
-            serve_nbd(vec![export], listener, server_opts).map_err(NbdKernelError::Serve)?;
-
-        let mut fds: Vec<OwnedFd> = Vec::with_capacity(n);
-        let mut details: Option<ExportDetails> = None;
-        for i in 1..=n {
-            let mut s = UnixStream::connect(&sock_path)
-                .await
-                .map_err(|e| conn_err(i, n, "connecting", e))?;
-            let d = handshake(&mut s)
-                .await
-                .map_err(|(what, e)| conn_err_opt(i, n, what, e))?;
-            if let Some(first) = &details {
-                if (first.size, first.flags) != (d.size, d.flags) {
-                    return Err(conn_err_opt(
-                        i,
-                        n,
-                        "the server described the export differently than to connection 1",
-                        None,
-                    ));
-                }
-            }
-            details.get_or_insert(d);
-            let s = s
-                .into_std()
-                .and_then(|s| s.set_nonblocking(false).map(|()| s))
-                .map_err(|e| conn_err(i, n, "handing the socket over", e))?;
-            fds.push(OwnedFd::from(s));
-        }
+        let (server, dir, sock_path) = serve_privately(store, opts).await?;
+        let (fds, details) = connect_sockets(&sock_path, n).await?;
         drop(dir);
-        let details = details.expect("at least one connection");
-        if n > 1 && details.flags & tflag::CAN_MULTI_CONN == 0 {
-            return Err(conn_err_opt(
-                1,
-                n,
-                "the server does not allow several connections (no CAN_MULTI_CONN)",
-                None,
-            ));
-        }
         let size = details.size;
         let block_size = block_size_for(size, details.block.map(|b| b.preferred));
         let connect = genl::Connect {
@@ -542,6 +466,107 @@ fn boxed(
     e: impl std::error::Error + Send + Sync + 'static,
 ) -> Box<dyn std::error::Error + Send + Sync> {
     Box::new(e)
+}
+
+/// Checks the number of connections; returns the I/O timeout in whole seconds (rounded up).
+fn check_options(opts: &NbdMountOptions) -> Result<u64, NbdKernelError> {
+    let n = opts.connections;
+    if !(1..=MAX_CONNECTIONS).contains(&n) {
+        return Err(NbdKernelError::BadOption {
+            what: "the number of NBD connections",
+            value: n as u64,
+            min: 1,
+            max: MAX_CONNECTIONS as u64,
+        });
+    }
+    let timeout_s = opts.io_timeout.as_secs() + u64::from(opts.io_timeout.subsec_nanos() > 0);
+    if !(1..=24 * 3600).contains(&timeout_s) {
+        return Err(NbdKernelError::BadOption {
+            what: "the I/O timeout in seconds",
+            value: timeout_s,
+            min: 1,
+            max: 24 * 3600,
+        });
+    }
+    Ok(timeout_s)
+}
+
+/// Serves `store` on a Unix socket in a private directory that goes away once the sockets
+/// are connected (nobody else can reach the server); returns the server, the directory and
+/// the socket's path.
+async fn serve_privately(
+    store: Arc<dyn Store>,
+    opts: &NbdMountOptions,
+) -> Result<(NbdServer, tempfile::TempDir, PathBuf), NbdKernelError> {
+    let n = opts.connections;
+    let dir = tempfile::Builder::new()
+        .prefix("farmap-nbd-")
+        .tempdir()
+        .map_err(|e| conn_err(0, n, "creating a private directory for its socket", e))?;
+    let sock_path = dir.path().join("nbd.sock");
+    let listener = Listener::bind(&ListenAddr::Unix(sock_path.clone()))
+        .await
+        .map_err(|e| conn_err(0, n, "binding its Unix socket", e))?;
+    let server_opts = NbdServeOptions {
+        max_connections: n,
+        // The kernel keeps its sockets open and quiet for as long as the device lives.
+        idle_timeout: Duration::from_secs(365 * 24 * 3600),
+        log: false,
+        ..NbdServeOptions::default()
+    };
+    let export = Export {
+        name: String::new(),
+        description: "farmap kernel NBD device".into(),
+        store,
+        read_only: opts.read_only,
+    };
+    let server = serve_nbd(vec![export], listener, server_opts).map_err(NbdKernelError::Serve)?;
+    Ok((server, dir, sock_path))
+}
+
+/// Connects `n` sockets to the server at `sock_path` and does their handshakes; every
+/// connection must see the same export, and several need `CAN_MULTI_CONN`. Returns the
+/// blocking sockets for the kernel and the export's details.
+async fn connect_sockets(
+    sock_path: &Path,
+    n: usize,
+) -> Result<(Vec<OwnedFd>, ExportDetails), NbdKernelError> {
+    let mut fds: Vec<OwnedFd> = Vec::with_capacity(n);
+    let mut details: Option<ExportDetails> = None;
+    for i in 1..=n {
+        let mut s = UnixStream::connect(sock_path)
+            .await
+            .map_err(|e| conn_err(i, n, "connecting", e))?;
+        let d = handshake(&mut s)
+            .await
+            .map_err(|(what, e)| conn_err_opt(i, n, what, e))?;
+        if let Some(first) = &details {
+            if (first.size, first.flags) != (d.size, d.flags) {
+                return Err(conn_err_opt(
+                    i,
+                    n,
+                    "the server described the export differently than to connection 1",
+                    None,
+                ));
+            }
+        }
+        details.get_or_insert(d);
+        let s = s
+            .into_std()
+            .and_then(|s| s.set_nonblocking(false).map(|()| s))
+            .map_err(|e| conn_err(i, n, "handing the socket over", e))?;
+        fds.push(OwnedFd::from(s));
+    }
+    let details = details.expect("at least one connection");
+    if n > 1 && details.flags & tflag::CAN_MULTI_CONN == 0 {
+        return Err(conn_err_opt(
+            1,
+            n,
+            "the server does not allow several connections (no CAN_MULTI_CONN)",
+            None,
+        ));
+    }
+    Ok((fds, details))
 }
 
 fn conn_err(conn: usize, total: usize, what: &str, e: std::io::Error) -> NbdKernelError {

@@ -9,12 +9,12 @@ use std::time::Duration;
 
 use bytes::Bytes;
 use farmap_core::{ChunkIdx, Geometry, Store};
-use farmap_pipeline::{PullOptions, PullOrder, PullReport, Puller, Pusher};
+use farmap_pipeline::{PullOptions, PullOrder, PullReport, Puller, PushOptions, Pusher};
 use parking_lot::Mutex;
 use tokio::runtime::Handle;
 
 use crate::error::{RegionError, Unsupported};
-use crate::mapping::OwnedMapping;
+use crate::mapping::{Mapping, OwnedMapping};
 use crate::memory::{Events, PushReads, RegionMemory};
 use crate::options::LocalLimit;
 use crate::options::{
@@ -228,93 +228,54 @@ impl Region {
         let page = sys::page_size();
         let len = region_len(geometry, page)?;
         let support = probe()?;
-        let Features {
-            mode,
-            bits: features,
-            in_thread,
-        } = Features::choose(&opts, &support)?;
+        let features = Features::choose(&opts, &support)?;
+        let mode = features.mode;
         let paging = opts.paging.clone();
-        let owned = OwnedMapping::new(len, opts.address)
-            .map_err(|e| RegionError::sys("mapping the region's memory", e))?;
+        let (owned, uffd) = map_registered(len, opts.address, features.bits)?;
         let mapping = owned.shared();
-        let uffd = Arc::new(
-            Uffd::open(features).map_err(|e| RegionError::sys("opening a userfaultfd", e))?,
-        );
-        let mode_bits = sys::UFFDIO_REGISTER_MODE_MISSING | sys::UFFDIO_REGISTER_MODE_WP;
-        let ioctls = mapping
-            .register(&uffd, mode_bits)
-            .map_err(|e| RegionError::sys("registering the region with userfaultfd", e))?;
-        if ioctls & sys::UFFDIO_BIT_WRITEPROTECT == 0 {
-            return Err(RegionError::unsupported(Unsupported::WriteProtect));
-        }
         let range = UffdRange::new(uffd.clone(), mapping.addr(), len);
-        let staging = match &paging {
-            Some(_) => Some(staging_area(len, geometry)?),
-            None => None,
-        };
+        let staging = paging
+            .as_ref()
+            .map(|_| staging_area(len, geometry))
+            .transpose()?;
         let runtime = OwnedRuntime::new(opts.worker_threads, "farmap-uffd-rt")
             .map_err(|e| RegionError::sys("starting the region's runtime", e))?;
         let handle = runtime.handle().clone();
         let counters = Arc::new(Counters::default());
         let events = Arc::new(Events::default());
-        let pages = (len / page) as u64;
-        let written = (mode == TrackingMode::SyncFaults).then(|| Arc::new(PageBits::new(pages)));
+        let written = (mode == TrackingMode::SyncFaults)
+            .then(|| Arc::new(PageBits::new((len / page) as u64)));
         let pager = match (&paging, &staging) {
-            (Some(p), Some((staging, quiet))) => {
-                let limit = p
-                    .local_max
-                    .chunks(geometry.size(), u64::from(geometry.chunk_size()));
-                Some(Arc::new(
-                    Pager::new(
-                        range.clone(),
-                        UffdRange::new(quiet.clone(), staging.addr(), len),
-                        staging.shared(),
-                        events.clone(),
-                        geometry,
-                        limit,
-                        p.min_free,
-                        p.fresh,
-                        p.prefetch,
-                        counters.clone(),
-                    )
-                    .map_err(|e| RegionError::sys("opening pagemap", e))?,
-                ))
-            }
+            (Some(p), Some(staging)) => Some(new_pager(
+                p, staging, &range, len, geometry, &events, &counters,
+            )?),
             _ => None,
         };
-        let memory = Arc::new(RegionMemory::new(
-            range.clone(),
+        let memory = region_memory(
+            &range,
             geometry,
-            true,
-            Some(mapping.clone()),
-            events.clone(),
-            counters.clone(),
-            pager.clone().map(|p| p as Arc<dyn PushReads>),
-        ));
-        let cache = Arc::new(
-            farmap_pipeline::Cached::new(memory.clone(), store.clone())
-                .expect("the region's memory has the store's geometry"),
+            &mapping,
+            &events,
+            &counters,
+            pager.as_ref(),
         );
-        let signal = match (&pager, in_thread) {
-            (Some(pager), true) => Some(Arc::new(
-                SignalPath::new(
-                    &range,
-                    geometry.chunk_shift(),
-                    pager.clone(),
-                    counters.clone(),
-                    match opts.fault_wait {
-                        FaultWait::Poll(window) => window,
-                        FaultWait::Sleep => Duration::ZERO,
-                    },
-                )
-                .map_err(|e| RegionError::sys("making the in-thread fault pipe", e))?,
-            )),
+        let signal = match (&pager, features.in_thread) {
+            (Some(p), true) => Some(new_signal_path(
+                &range,
+                geometry,
+                p,
+                &counters,
+                opts.fault_wait,
+            )?),
             _ => None,
         };
         let server = Arc::new(Server::new(ServerParts {
             range: range.clone(),
             geometry,
-            cache,
+            cache: Arc::new(
+                farmap_pipeline::Cached::new(memory.clone(), store.clone())
+                    .expect("the region's memory has the store's geometry"),
+            ),
             pagemap: Pagemap::open_self().map_err(|e| RegionError::sys("opening pagemap", e))?,
             readahead: u64::from(opts.readahead_chunks),
             fetch_retry: opts.fetch_retry,
@@ -334,12 +295,7 @@ impl Region {
             counters,
             mapping.clone(),
         )?);
-        let pusher = {
-            let _enter = handle.enter();
-            Pusher::with_source(memory.clone(), store, opts.push, tracker.clone())
-                .map_err(RegionError::Push)?
-        };
-        let pusher = Arc::new(pusher);
+        let pusher = start_pusher(&memory, store, opts.push, &tracker, &handle)?;
         let reclaimer = match &pager {
             Some(pager) => connect_pager(pager, &server, &pusher, paging.as_ref(), &handle)?,
             None => None,
@@ -351,17 +307,7 @@ impl Region {
             .map(Registration::new)
             .transpose()
             .map_err(|e| RegionError::sys("installing the SIGBUS handler", e))?;
-        let pull = match opts.mode {
-            // The background pull would fill a bounded region past its limit.
-            RegionMode::Managed(_) if pager.is_some() => None,
-            RegionMode::Managed(pull) => Some(pull),
-            RegionMode::Direct => None,
-        };
-        if let Some(pull) = &pull {
-            let _enter = handle.enter();
-            let puller = Puller::start(server.cache.clone(), pull.clone());
-            *server.puller.write() = Some(Arc::new(puller));
-        }
+        let pull = start_pull(opts.mode, pager.is_some(), &server, &handle);
         Ok(Region {
             inner: Arc::new(Inner {
                 geometry,
@@ -835,6 +781,139 @@ impl Features {
             in_thread,
         })
     }
+}
+
+/// The region's memory, mapped (at `address` if given) and registered with a new
+/// userfaultfd for missing and write-protect faults; refused if this kernel cannot
+/// write-protect it.
+fn map_registered(
+    len: usize,
+    address: Option<usize>,
+    features: u64,
+) -> Result<(OwnedMapping, Arc<Uffd>), RegionError> {
+    let owned = OwnedMapping::new(len, address)
+        .map_err(|e| RegionError::sys("mapping the region's memory", e))?;
+    let uffd =
+        Arc::new(Uffd::open(features).map_err(|e| RegionError::sys("opening a userfaultfd", e))?);
+    let mode_bits = sys::UFFDIO_REGISTER_MODE_MISSING | sys::UFFDIO_REGISTER_MODE_WP;
+    let ioctls = owned
+        .shared()
+        .register(&uffd, mode_bits)
+        .map_err(|e| RegionError::sys("registering the region with userfaultfd", e))?;
+    if ioctls & sys::UFFDIO_BIT_WRITEPROTECT == 0 {
+        return Err(RegionError::unsupported(Unsupported::WriteProtect));
+    }
+    Ok((owned, uffd))
+}
+
+/// The region's memory as the pipeline's stages see it: chunks copied in and out of the
+/// mapping (and, with bounded local memory, of the pager's staging area).
+fn region_memory(
+    range: &UffdRange,
+    geometry: Geometry,
+    mapping: &Arc<Mapping>,
+    events: &Arc<Events>,
+    counters: &Arc<Counters>,
+    pager: Option<&Arc<Pager>>,
+) -> Arc<RegionMemory> {
+    Arc::new(RegionMemory::new(
+        range.clone(),
+        geometry,
+        true,
+        Some(mapping.clone()),
+        events.clone(),
+        counters.clone(),
+        pager.cloned().map(|p| p as Arc<dyn PushReads>),
+    ))
+}
+
+/// The pager of bounded local memory (`p`), moving pages between the region (`range`) and
+/// its staging area.
+fn new_pager(
+    p: &PagingOptions,
+    (staging, quiet): &(OwnedMapping, Arc<Uffd>),
+    range: &UffdRange,
+    len: usize,
+    geometry: Geometry,
+    events: &Arc<Events>,
+    counters: &Arc<Counters>,
+) -> Result<Arc<Pager>, RegionError> {
+    let limit = p
+        .local_max
+        .chunks(geometry.size(), u64::from(geometry.chunk_size()));
+    let pager = Pager::new(
+        range.clone(),
+        UffdRange::new(quiet.clone(), staging.addr(), len),
+        staging.shared(),
+        events.clone(),
+        geometry,
+        limit,
+        p.min_free,
+        p.fresh,
+        p.prefetch,
+        counters.clone(),
+    )
+    .map_err(|e| RegionError::sys("opening pagemap", e))?;
+    Ok(Arc::new(pager))
+}
+
+/// In-thread fault resolution's pipe to the pager (polling for `fault_wait`'s window).
+fn new_signal_path(
+    range: &UffdRange,
+    geometry: Geometry,
+    pager: &Arc<Pager>,
+    counters: &Arc<Counters>,
+    fault_wait: FaultWait,
+) -> Result<Arc<SignalPath>, RegionError> {
+    let poll = match fault_wait {
+        FaultWait::Poll(window) => window,
+        FaultWait::Sleep => Duration::ZERO,
+    };
+    SignalPath::new(
+        range,
+        geometry.chunk_shift(),
+        pager.clone(),
+        counters.clone(),
+        poll,
+    )
+    .map(Arc::new)
+    .map_err(|e| RegionError::sys("making the in-thread fault pipe", e))
+}
+
+/// Starts the pusher of the region's written chunks (on the region's runtime), tracked by
+/// `tracker`.
+fn start_pusher(
+    memory: &Arc<RegionMemory>,
+    store: Arc<dyn Store>,
+    opts: PushOptions,
+    tracker: &Arc<Tracker>,
+    handle: &Handle,
+) -> Result<Arc<RegionPusher>, RegionError> {
+    let _enter = handle.enter();
+    Pusher::with_source(memory.clone(), store, opts, tracker.clone())
+        .map(Arc::new)
+        .map_err(RegionError::Push)
+}
+
+/// Starts a managed region's background pull; returns its options (none for a direct
+/// region, nor a `bounded` one: the pull would fill it past its limit).
+fn start_pull(
+    mode: RegionMode,
+    bounded: bool,
+    server: &Server,
+    handle: &Handle,
+) -> Option<PullOptions> {
+    let pull = match mode {
+        RegionMode::Managed(_) if bounded => None,
+        RegionMode::Managed(pull) => Some(pull),
+        RegionMode::Direct => None,
+    };
+    if let Some(pull) = &pull {
+        let _enter = handle.enter();
+        let puller = Puller::start(server.cache.clone(), pull.clone());
+        *server.puller.write() = Some(Arc::new(puller));
+    }
+    pull
 }
 
 /// Bounded local memory: a staging area as large as the region and a trash area after it

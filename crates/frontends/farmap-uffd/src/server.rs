@@ -719,10 +719,10 @@ fn read_loop(
     let signal = server.signal.as_deref();
     // Wake-ups in a row that found nothing to read.
     let mut empty_wakes = 0u32;
-    // When this reader last looked where a faulting thread runs, and when a look last found
-    // one on this reader's CPU.
-    let mut checked = Instant::now();
-    let mut home_seen: Option<Instant> = None;
+    let mut home = HomeWatch {
+        checked: Instant::now(),
+        home_seen: None,
+    };
     loop {
         if signal.is_some() {
             // Faults posted by SIGBUS handlers (in-thread mode).
@@ -749,41 +749,16 @@ fn read_loop(
                 continue;
             }
         }
-        let uffd = server.range.uffd();
-        // Without in-thread mode the third entry polls the stop signal twice.
-        let posted = signal.map_or(stop.fd(), SignalPath::posted);
-        let mut fds = [
-            PollFd::new(&**uffd, PollFlags::IN),
-            PollFd::from_borrowed_fd(stop.fd(), PollFlags::IN),
-            PollFd::from_borrowed_fd(posted, PollFlags::IN),
-        ];
-        match poll(&mut fds, None) {
-            Ok(_) => {}
-            Err(rustix::io::Errno::INTR) => continue,
-            Err(e) => {
-                server
-                    .counters
-                    .error(format!("poll on the userfaultfd: {}", io::Error::from(e)));
-                return;
-            }
-        }
-        if !fds[1].revents().is_empty() {
-            return;
-        }
-        if fds[0]
-            .revents()
-            .intersects(PollFlags::ERR | PollFlags::NVAL)
-        {
-            server
-                .counters
-                .error("the userfaultfd reported an error".to_string());
-            return;
-        }
+        let posted = match wait_readable(server, stop, signal) {
+            Woken::Readable { posted } => posted,
+            Woken::Interrupted => continue,
+            Woken::Stop => return,
+        };
         match server.read_and_handle(&mut msgs, rt, ReadFrom::Uffd, Found::AfterSleep) {
             Ok(0) => {
                 // Another reader took what woke this one (a posted fault is no sign either
                 // way: the next turn reads it).
-                if fds[2].revents().is_empty() {
+                if !posted {
                     empty_wakes += 1;
                 }
             }
@@ -795,25 +770,8 @@ fn read_loop(
                     }
                 }
                 if let Some(seat) = &seat {
-                    if checked.elapsed() >= CPU_CHECK_EVERY {
-                        checked = Instant::now();
-                        let cpu = msgs[..n]
-                            .iter()
-                            .find(|m| m.event == sys::UFFD_EVENT_PAGEFAULT && m.arg2 != 0)
-                            .and_then(|m| task_cpu(m.arg2 as u32));
-                        // Faults from other CPUs only, lately: this CPU's reader is not needed
-                        // (with faults on several, each reader stays for its own).
-                        let away = match cpu {
-                            Some(cpu) if cpu == seat.home() => {
-                                home_seen = Some(checked);
-                                false
-                            }
-                            Some(_) => home_seen.is_none_or(|t| t.elapsed() >= HOME_WINDOW),
-                            None => false,
-                        };
-                        if away && seat.rest(server, stop).is_err() {
-                            return;
-                        }
+                    if home.away(seat, &msgs[..n]) && seat.rest(server, stop).is_err() {
+                        return;
                     }
                 }
             }
@@ -823,6 +781,85 @@ fn read_loop(
                     .error(format!("reading the userfaultfd: {e}"));
                 return;
             }
+        }
+    }
+}
+
+/// What `poll(2)` on a reader's fds said.
+enum Woken {
+    /// The userfaultfd may have messages; `posted`: a SIGBUS handler posted a fault too.
+    Readable { posted: bool },
+    /// Interrupted by a signal: poll again.
+    Interrupted,
+    /// Stopped, or the userfaultfd failed (counted as an error).
+    Stop,
+}
+
+/// Blocks until the userfaultfd, the stop signal or (in-thread mode) the posted faults'
+/// pipe is readable.
+fn wait_readable(server: &Server, stop: &StopSignal, signal: Option<&SignalPath>) -> Woken {
+    let uffd = server.range.uffd();
+    // Without in-thread mode the third entry polls the stop signal twice.
+    let posted = signal.map_or(stop.fd(), SignalPath::posted);
+    let mut fds = [
+        PollFd::new(&**uffd, PollFlags::IN),
+        PollFd::from_borrowed_fd(stop.fd(), PollFlags::IN),
+        PollFd::from_borrowed_fd(posted, PollFlags::IN),
+    ];
+    match poll(&mut fds, None) {
+        Ok(_) => {}
+        Err(rustix::io::Errno::INTR) => return Woken::Interrupted,
+        Err(e) => {
+            server
+                .counters
+                .error(format!("poll on the userfaultfd: {}", io::Error::from(e)));
+            return Woken::Stop;
+        }
+    }
+    if !fds[1].revents().is_empty() {
+        return Woken::Stop;
+    }
+    if fds[0]
+        .revents()
+        .intersects(PollFlags::ERR | PollFlags::NVAL)
+    {
+        server
+            .counters
+            .error("the userfaultfd reported an error".to_string());
+        return Woken::Stop;
+    }
+    Woken::Readable {
+        posted: !fds[2].revents().is_empty(),
+    }
+}
+
+/// Where a seated reader's faulting threads run: when it last looked, and when a look last
+/// found one on its CPU.
+struct HomeWatch {
+    checked: Instant,
+    home_seen: Option<Instant>,
+}
+
+impl HomeWatch {
+    /// Whether the faults just read (`msgs`) come from other CPUs only, lately: this CPU's
+    /// reader is not needed (with faults on several, each reader stays for its own). Looks
+    /// at most every [`CPU_CHECK_EVERY`].
+    fn away(&mut self, seat: &Seat<'_>, msgs: &[UffdMsg]) -> bool {
+        if self.checked.elapsed() < CPU_CHECK_EVERY {
+            return false;
+        }
+        self.checked = Instant::now();
+        let cpu = msgs
+            .iter()
+            .find(|m| m.event == sys::UFFD_EVENT_PAGEFAULT && m.arg2 != 0)
+            .and_then(|m| task_cpu(m.arg2 as u32));
+        match cpu {
+            Some(cpu) if cpu == seat.home() => {
+                self.home_seen = Some(self.checked);
+                false
+            }
+            Some(_) => self.home_seen.is_none_or(|t| t.elapsed() >= HOME_WINDOW),
+            None => false,
         }
     }
 }

@@ -6,15 +6,12 @@ mod common;
 
 use std::sync::Arc;
 
-use bytes::Bytes;
 use common::*;
-use farmap_core::{
-    BoxFuture, Caps, ChunkIdx, ChunkRange, ChunkStatus, Geometry, Store, StoreError, StoreResult,
-};
+use farmap_core::{ChunkIdx, Geometry, Store, StoreError};
 use farmap_store::MemoryStore;
 use farmap_testkit::contents::{snapshot, with_pattern};
 use farmap_testkit::wait::eventually;
-use farmap_testkit::{block_on, pattern_bytes, PatternStore};
+use farmap_testkit::{block_on, pattern_bytes, Hooked, Op, PatternStore};
 use farmap_uffd::{Region, RegionOptions, SliceError, TrackingMode, WriteTracking};
 
 const PAGE: usize = 4096;
@@ -61,47 +58,19 @@ fn read_faults_return_store_data() {
     );
 }
 
-/// A store that opens a socket in the runtime that polls its read, as the S3 store's HTTP
-/// pool does on its first request.
-#[derive(Debug)]
-struct ConnectsOnRead {
-    inner: PatternStore,
-    to: std::net::SocketAddr,
-}
-
-impl Store for ConnectsOnRead {
-    fn geometry(&self) -> Geometry {
-        self.inner.geometry()
-    }
-
-    fn caps(&self) -> Caps {
-        self.inner.caps()
-    }
-
-    fn read(&self, idx: ChunkIdx) -> BoxFuture<'_, StoreResult<Bytes>> {
+/// A store that opens a socket to `to` in the runtime that polls its read, as the S3
+/// store's HTTP pool does on its first request.
+fn connects_on_read(inner: PatternStore, to: std::net::SocketAddr) -> Hooked<PatternStore> {
+    Hooked::new(inner, move |op, _| {
         Box::pin(async move {
-            tokio::net::TcpStream::connect(self.to)
-                .await
-                .map_err(|e| StoreError::io("connecting", e))?;
-            self.inner.read(idx).await
+            if op == Op::Read {
+                tokio::net::TcpStream::connect(to)
+                    .await
+                    .map_err(|e| StoreError::io("connecting", e))?;
+            }
+            Ok(())
         })
-    }
-
-    fn write(&self, idx: ChunkIdx, data: Bytes) -> BoxFuture<'_, StoreResult<()>> {
-        self.inner.write(idx, data)
-    }
-
-    fn flush(&self) -> BoxFuture<'_, StoreResult<()>> {
-        self.inner.flush()
-    }
-
-    fn trim(&self, range: ChunkRange) -> BoxFuture<'_, StoreResult<()>> {
-        self.inner.trim(range)
-    }
-
-    fn status(&self, idx: ChunkIdx) -> BoxFuture<'_, StoreResult<ChunkStatus>> {
-        self.inner.status(idx)
-    }
+    })
 }
 
 #[test]
@@ -113,10 +82,10 @@ fn a_store_that_opens_sockets_as_it_reads_is_served() {
     }
     let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
     let g = Geometry::new(1 << 20, 64 << 10).unwrap();
-    let store: Arc<dyn Store> = Arc::new(ConnectsOnRead {
-        inner: PatternStore::new(g, 3),
-        to: listener.local_addr().unwrap(),
-    });
+    let store: Arc<dyn Store> = Arc::new(connects_on_read(
+        PatternStore::new(g, 3),
+        listener.local_addr().unwrap(),
+    ));
     let region = Arc::new(Region::open(store, direct(WriteTracking::Auto)).unwrap());
     let (tx, rx) = std::sync::mpsc::channel();
     let reader = {

@@ -413,6 +413,20 @@ struct Dest<D> {
     chunk: u64,
 }
 
+impl<D: Destination> Dest<D> {
+    /// Discards the pages the source changed since they were copied (they fault in again).
+    async fn discard(&self, runs: &[Range<u64>]) -> Result<(), LeechError> {
+        self.store.note_discarded(runs);
+        // madvise waits for the fault handler to read each remove event: a blocking
+        // thread's work, not an async worker's.
+        let (region, discard) = (self.region.clone(), runs.to_vec());
+        tokio::task::spawn_blocking(move || region.discard_pages(&discard))
+            .await
+            .unwrap_or_else(|e| Err(e.into()))
+            .map_err(|e| LeechError::LostAfterHandOver(AfterHandOver::Discard(e)))
+    }
+}
+
 /// Connects the control channel and says hello, within the handshake deadline; returns the
 /// channel and the seeder's first answer (a `Welcome` for the machine to check).
 async fn handshake(opts: &LeechOptions, hello: &Msg) -> Result<(Channel, Msg, Proven), LeechError> {
@@ -512,15 +526,7 @@ pub async fn leech_into<D: Destination>(
     mut cancel: tokio::sync::watch::Receiver<bool>,
 ) -> Result<LeechReport<D>, LeechError> {
     let started = Instant::now();
-    let page_size = u32::try_from(rustix::param::page_size()).unwrap_or(u32::MAX);
-    let mut machine = Leecher::new(
-        opts.convergence,
-        LeecherLimits {
-            max_size: opts.max_size,
-            ..LeecherLimits::new(page_size)
-        },
-    )
-    .with_mode(opts.mode);
+    let mut machine = new_machine(&opts);
     let hello = match machine.start().pop() {
         Some(LeecherAction::Send(m)) => m,
         _ => Msg::Hello {
@@ -576,59 +582,24 @@ pub async fn leech_into<D: Destination>(
                 return Ok(done);
             }
         }
-        let input = tokio::select! {
-            m = run.rx.recv(), if run.connected => match m {
-                Some(Ok(m)) => {
-                    run.answer_by = None;
-                    run.lost_since = None;
-                    LeecherInput::Received(m)
-                }
-                other => {
-                    if let Some(Err(e)) = other {
-                        run.last_error = Some(e);
-                    }
-                    run.connected = false;
-                    LeecherInput::Disconnected
-                }
-            },
-            Some(w) = work_rx.recv() => w,
-            _ = sleep_until(run.answer_by), if run.connected && run.answer_by.is_some() => {
-                // Reconnected, and the seeder does not answer the hello.
-                run.answer_by = None;
-                run.connected = false;
-                run.last_error = Some(io::Error::new(
-                    io::ErrorKind::TimedOut,
-                    format!(
-                        "the seeder did not answer the hello within {:?} after reconnecting",
-                        run.opts.handshake_timeout
-                    ),
-                ));
-                LeecherInput::Disconnected
-            }
-            _ = sleep_until(run.finalize_by), if run.connected && !run.handed_over && run.finalize_by.is_some() => {
-                // Finalized, and the seeder neither hands over nor closes the connection.
-                run.finalize_by = None;
-                run.connected = false;
-                run.last_error = Some(io::Error::new(
-                    io::ErrorKind::TimedOut,
-                    format!(
-                        "the seeder did not hand over within {:?} of Finalize",
-                        run.opts.finalize_timeout
-                    ),
-                ));
-                LeecherInput::Disconnected
-            }
-            _ = cancel.changed(), if !run.handed_over && run.finalize_sent.is_none() => {
-                if *cancel.borrow() {
-                    let abort = Msg::Abort { reason: "the leecher was cancelled".into() };
-                    let _ = tokio::time::timeout(Duration::from_secs(5), run.tx.send(&abort)).await;
-                    return Err(LeechError::Cancelled);
-                }
-                continue;
-            }
+        let Some(input) = run.next_input(&mut work_rx, &mut cancel).await? else {
+            continue;
         };
         queue.extend(machine.step(input));
     }
+}
+
+/// The machine for `opts`, accepting regions of this host's page size.
+fn new_machine(opts: &LeechOptions) -> Leecher {
+    let page_size = u32::try_from(rustix::param::page_size()).unwrap_or(u32::MAX);
+    Leecher::new(
+        opts.convergence,
+        LeecherLimits {
+            max_size: opts.max_size,
+            ..LeecherLimits::new(page_size)
+        },
+    )
+    .with_mode(opts.mode)
 }
 
 /// The leecher's side of one migration, between the machine's actions.
@@ -725,6 +696,65 @@ async fn sleep_until(at: Option<tokio::time::Instant>) {
 }
 
 impl<D: Destination> Run<D> {
+    /// Waits for what happens next: a message, the connection's end or a silent seeder's
+    /// deadline, a task's report, or the cancellation (`None`: nothing for the machine).
+    async fn next_input(
+        &mut self,
+        work_rx: &mut mpsc::UnboundedReceiver<LeecherInput>,
+        cancel: &mut tokio::sync::watch::Receiver<bool>,
+    ) -> Result<Option<LeecherInput>, LeechError> {
+        let input = tokio::select! {
+            m = self.rx.recv(), if self.connected => match m {
+                Some(Ok(m)) => {
+                    self.answer_by = None;
+                    self.lost_since = None;
+                    LeecherInput::Received(m)
+                }
+                other => {
+                    if let Some(Err(e)) = other {
+                        self.last_error = Some(e);
+                    }
+                    self.connected = false;
+                    LeecherInput::Disconnected
+                }
+            },
+            Some(w) = work_rx.recv() => w,
+            _ = sleep_until(self.answer_by), if self.connected && self.answer_by.is_some() => {
+                // Reconnected, and the seeder does not answer the hello.
+                self.answer_by = None;
+                self.seeder_silent(format!(
+                    "the seeder did not answer the hello within {:?} after reconnecting",
+                    self.opts.handshake_timeout
+                ))
+            }
+            _ = sleep_until(self.finalize_by), if self.connected && !self.handed_over && self.finalize_by.is_some() => {
+                // Finalized, and the seeder neither hands over nor closes the connection.
+                self.finalize_by = None;
+                self.seeder_silent(format!(
+                    "the seeder did not hand over within {:?} of Finalize",
+                    self.opts.finalize_timeout
+                ))
+            }
+            _ = cancel.changed(), if !self.handed_over && self.finalize_sent.is_none() => {
+                if *cancel.borrow() {
+                    let abort = Msg::Abort { reason: "the leecher was cancelled".into() };
+                    let _ = tokio::time::timeout(Duration::from_secs(5), self.tx.send(&abort)).await;
+                    return Err(LeechError::Cancelled);
+                }
+                return Ok(None);
+            }
+        };
+        Ok(Some(input))
+    }
+
+    /// The seeder stayed silent past a deadline: the connection counts as lost, and `why`
+    /// as its error.
+    fn seeder_silent(&mut self, why: String) -> LeecherInput {
+        self.connected = false;
+        self.last_error = Some(io::Error::new(io::ErrorKind::TimedOut, why));
+        LeecherInput::Disconnected
+    }
+
     /// Carries out one action; `Some` when the migration is complete.
     async fn act(
         &mut self,
@@ -1102,20 +1132,24 @@ impl<D: Destination> Run<D> {
         let t_discard = Instant::now();
         // Only pre-copy has pages here that the source changed since.
         if confirm.is_none() && !fetch_all {
-            d.store.note_discarded(&runs);
-            // madvise waits for the fault handler to read each remove event: a blocking
-            // thread's work, not an async worker's.
-            let (region, discard) = (d.region.clone(), runs.clone());
-            tokio::task::spawn_blocking(move || region.discard_pages(&discard))
-                .await
-                .unwrap_or_else(|e| Err(e.into()))
-                .map_err(|e| LeechError::LostAfterHandOver(AfterHandOver::Discard(e)))?;
+            d.discard(&runs).await?;
         }
         if let Some(resume) = self.resume.take() {
             resume(d.region.clone(), app_state);
         }
         self.bytes_before_resume =
             d.store.bytes().0 + self.received.load(std::sync::atomic::Ordering::Relaxed);
+        self.note_handed_over(suspended_at_ns);
+        self.final_pages = run_pages(&runs);
+        self.dirty_pages += self.final_pages;
+        self.report_resumed(manifest.as_ref(), confirm.as_ref(), fetch_all, t_discard);
+        self.start_post_copy(manifest, confirm, runs, fetch_all);
+        Ok(())
+    }
+
+    /// The application runs here: the downtime is measured (from the suspension if both
+    /// hosts share a clock, else from `Finalize`).
+    fn note_handed_over(&mut self, suspended_at_ns: u64) {
         let now = Instant::now();
         let same_boot = self.seeder_boot == crate::boot_id() && self.seeder_boot != [0; 16];
         self.downtime = if same_boot {
@@ -1133,15 +1167,24 @@ impl<D: Destination> Run<D> {
         }
         self.handed_over = true;
         self.rep.emit(Event::HandedOver);
-        self.final_pages = run_pages(&runs);
-        self.dirty_pages += self.final_pages;
+    }
+
+    /// Says how the application resumed and where the rest comes from; warns of a downtime
+    /// over its budget.
+    fn report_resumed(
+        &self,
+        manifest: Option<&Manifest>,
+        confirm: Option<&Confirm>,
+        fetch_all: bool,
+        t_discard: Instant,
+    ) {
         let budget = self.opts.convergence.max_downtime;
-        match (&manifest, fetch_all) {
+        match (manifest, fetch_all) {
             (Some(m), _) => self.rep.note(format!(
                 "resumed here after {:.1} ms; {} chunks come from the source, the rest from the \
                  shared store",
                 self.downtime.as_secs_f64() * 1e3,
-                m.source_chunks() + confirm.as_ref().map_or(0, |c| run_pages(&c.at_source)),
+                m.source_chunks() + confirm.map_or(0, |c| run_pages(&c.at_source)),
             )),
             (None, true) => self.rep.note(format!(
                 "resumed here after {:.1} ms; every chunk comes from the source (faults first)",
@@ -1162,6 +1205,21 @@ impl<D: Destination> Run<D> {
                 budget.as_secs_f64() * 1e3
             ));
         }
+    }
+
+    /// Starts the task that makes every chunk local (instant mode: in the manifest's order;
+    /// post-copy: all of them; pre-copy: the pages `runs` discarded); it answers
+    /// [`LeecherInput::AllLocal`].
+    fn start_post_copy(
+        &mut self,
+        manifest: Option<Manifest>,
+        confirm: Option<Confirm>,
+        runs: Vec<Range<u64>>,
+        fetch_all: bool,
+    ) {
+        let Some(d) = self.dest.as_ref() else {
+            return;
+        };
         let (region, store, w) = (d.region.clone(), d.store.clone(), self.work.clone());
         let (page, chunk, workers, rep) =
             (d.page, d.chunk, self.opts.pull_workers, self.rep.clone());
@@ -1189,7 +1247,6 @@ impl<D: Destination> Run<D> {
             let _ = w.send(LeecherInput::AllLocal);
         });
         self.postcopy = Some(task.abort_handle());
-        Ok(())
     }
 }
 

@@ -290,23 +290,10 @@ impl Seeder {
 
     /// Feeds one input; returns the actions to carry out, in order.
     pub fn step(&mut self, input: SeederInput) -> Vec<SeederAction> {
-        use SeederAction as A;
         use SeederState as S;
         match (self.state, input) {
             (S::Idle, SeederInput::Received(Msg::Hello { session: 0, mode })) => {
-                if mode == Mode::Instant && self.info.shared.is_empty() {
-                    return Self::refuse(
-                        "an instant migration needs the region's chunks in a store both hosts \
-                         reach, and this region has none (move it with --mode precopy or \
-                         postcopy)",
-                    );
-                }
-                self.mode = mode;
-                let session = self.next_session;
-                self.next_session = self.next_session.wrapping_add(1).max(1);
-                self.last_round = 0;
-                self.state = S::Serving { session };
-                vec![A::ResetTracking, A::Send(self.welcome(session))]
+                self.open_session(mode)
             }
             (S::Idle, SeederInput::Received(Msg::Hello { .. })) => Self::refuse(
                 "the seeder has no such session (it was abandoned before the hand-over)",
@@ -314,56 +301,29 @@ impl Seeder {
             (
                 S::HandedOver { session, resumed },
                 SeederInput::Received(Msg::Hello { session: s, .. }),
-            ) if s == session => {
-                let mut out = vec![A::Send(self.welcome(session))];
-                if !resumed {
-                    out.extend(self.handover.iter().cloned().map(A::Send));
-                }
-                out.extend(self.last_confirm.iter().cloned().map(A::Send));
-                out
-            }
+            ) if s == session => self.welcome_back(session, resumed),
             (
                 S::Serving { .. } | S::Suspending { .. } | S::HandedOver { .. },
                 SeederInput::Received(Msg::Hello { .. }),
             ) => Self::refuse("the seeder is busy with another leecher"),
             (S::Serving { .. }, SeederInput::Received(Msg::DirtyRequest { round })) => {
-                if Some(round) != self.last_round.checked_add(1) {
-                    return self.reject_leecher(format!(
-                        "dirty round {round} asked for after round {}: rounds go one by one",
-                        self.last_round
-                    ));
-                }
-                self.last_round = round;
-                vec![A::TakeDirty { round }]
+                self.dirty_request(round)
             }
             (S::Serving { .. }, SeederInput::Dirty { round, runs }) => {
-                vec![A::Send(Msg::Dirty { round, runs })]
+                vec![SeederAction::Send(Msg::Dirty { round, runs })]
             }
             (S::Serving { session }, SeederInput::Received(Msg::Finalize)) => {
-                self.state = S::Suspending { session };
-                self.handover.clear();
-                self.last_confirm = None;
-                self.awaiting_install = false;
-                if self.mode == Mode::Instant {
-                    vec![A::Draft]
-                } else {
-                    vec![A::Suspend { instant: false }]
-                }
+                self.finalize(session)
             }
             (S::Suspending { .. }, SeederInput::Drafted(manifest))
                 if self.mode == Mode::Instant && self.handover.is_empty() =>
             {
-                let msg = manifest.to_msg();
-                self.handover.push(msg.clone());
-                // The suspension waits for the leecher's `Installed`: installing a manifest
-                // takes time that grows with the region, and the application runs meanwhile.
-                self.awaiting_install = true;
-                vec![A::Send(msg)]
+                self.send_manifest(&manifest)
             }
             (S::Suspending { .. }, SeederInput::Received(Msg::Installed))
                 if std::mem::take(&mut self.awaiting_install) =>
             {
-                vec![A::Suspend { instant: true }]
+                vec![SeederAction::Suspend { instant: true }]
             }
             // A manifest sent again to a leecher that reconnected: installed again, no news.
             (S::HandedOver { .. }, SeederInput::Received(Msg::Installed)) => vec![],
@@ -375,94 +335,30 @@ impl Seeder {
                     app_state,
                     at_ns,
                 },
-            ) => {
-                self.state = S::HandedOver {
-                    session,
-                    resumed: false,
-                };
-                let first = self.handover.len();
-                self.handover.extend(confirm.as_ref().map(Confirm::to_msg));
-                self.handover.push(Msg::HandOver {
-                    runs,
-                    app_state,
-                    suspended_at_ns: at_ns,
-                });
-                self.handover[first..]
-                    .iter()
-                    .cloned()
-                    .map(A::Send)
-                    .collect()
-            }
+            ) => self.hand_over(session, runs, confirm, app_state, at_ns),
             (S::HandedOver { .. }, SeederInput::Confirmed(confirm)) => {
                 let msg = confirm.to_msg();
                 self.last_confirm = Some(msg.clone());
-                vec![A::Send(msg)]
+                vec![SeederAction::Send(msg)]
             }
             (S::Suspending { .. }, SeederInput::SuspendFailed(reason)) => {
-                self.state = S::Idle;
-                let reason = format!(
-                    "the source could not be suspended: {}",
-                    farmap_core::error_chain(&*reason)
-                );
-                vec![
-                    A::Send(Msg::Abort {
-                        reason: reason.clone(),
-                    }),
-                    A::StopTracking { reason },
-                    A::Close,
-                ]
+                self.suspend_failed(&*reason)
             }
             (S::HandedOver { session, resumed }, SeederInput::Received(Msg::Resumed)) => {
-                self.state = S::HandedOver {
-                    session,
-                    resumed: true,
-                };
-                // Instant mode: the rest is looked at once the destination runs, so that
-                // the look does not compete with its resumption.
-                if self.mode == Mode::Instant && !resumed {
-                    vec![A::ConfirmRest]
-                } else {
-                    vec![]
-                }
+                self.resumed(session, resumed)
             }
             (S::HandedOver { .. }, SeederInput::Received(Msg::Done)) => {
                 self.state = S::Released;
-                vec![A::Send(Msg::Bye), A::Release, A::Close]
-            }
-            (
-                S::Serving { .. },
-                SeederInput::Disconnected | SeederInput::Received(Msg::Abort { .. }),
-            ) => {
-                self.state = S::Idle;
                 vec![
-                    A::StopTracking {
-                        reason: "the leecher went away before the hand-over; the source runs on"
-                            .into(),
-                    },
-                    A::Close,
+                    SeederAction::Send(Msg::Bye),
+                    SeederAction::Release,
+                    SeederAction::Close,
                 ]
             }
             (
-                S::Suspending { .. },
+                S::Serving { .. } | S::Suspending { .. } | S::HandedOver { .. },
                 SeederInput::Disconnected | SeederInput::Received(Msg::Abort { .. }),
-            ) => {
-                self.state = S::Idle;
-                vec![
-                    A::Resume,
-                    A::StopTracking {
-                        reason: "the leecher went away during the finalization, before the \
-                                 hand-over; the source resumes"
-                            .into(),
-                    },
-                    A::Close,
-                ]
-            }
-            (
-                S::HandedOver { .. },
-                SeederInput::Disconnected | SeederInput::Received(Msg::Abort { .. }),
-            ) => {
-                vec![A::AwaitReconnect]
-            }
+            ) => self.leecher_left(),
             (S::Idle | S::Released, SeederInput::Disconnected) => vec![],
             (_, SeederInput::Received(other)) => self.reject_leecher(format!(
                 "unexpected {} from the leecher in this state",
@@ -470,6 +366,156 @@ impl Seeder {
             )),
             (_, _) => vec![],
         }
+    }
+
+    /// A new leecher's `Hello`: a new session, tracking from now on.
+    fn open_session(&mut self, mode: Mode) -> Vec<SeederAction> {
+        if mode == Mode::Instant && self.info.shared.is_empty() {
+            return Self::refuse(
+                "an instant migration needs the region's chunks in a store both hosts \
+                 reach, and this region has none (move it with --mode precopy or \
+                 postcopy)",
+            );
+        }
+        self.mode = mode;
+        let session = self.next_session;
+        self.next_session = self.next_session.wrapping_add(1).max(1);
+        self.last_round = 0;
+        self.state = SeederState::Serving { session };
+        vec![
+            SeederAction::ResetTracking,
+            SeederAction::Send(self.welcome(session)),
+        ]
+    }
+
+    /// The leecher of a handed-over session came back: what it may have missed, again.
+    fn welcome_back(&self, session: SessionId, resumed: bool) -> Vec<SeederAction> {
+        let mut out = vec![SeederAction::Send(self.welcome(session))];
+        if !resumed {
+            out.extend(self.handover.iter().cloned().map(SeederAction::Send));
+        }
+        out.extend(self.last_confirm.iter().cloned().map(SeederAction::Send));
+        out
+    }
+
+    /// A dirty round asked for: only the next one.
+    fn dirty_request(&mut self, round: u32) -> Vec<SeederAction> {
+        if Some(round) != self.last_round.checked_add(1) {
+            return self.reject_leecher(format!(
+                "dirty round {round} asked for after round {}: rounds go one by one",
+                self.last_round
+            ));
+        }
+        self.last_round = round;
+        vec![SeederAction::TakeDirty { round }]
+    }
+
+    /// The leecher finalizes: suspend (instant mode: draft the manifest first).
+    fn finalize(&mut self, session: SessionId) -> Vec<SeederAction> {
+        self.state = SeederState::Suspending { session };
+        self.handover.clear();
+        self.last_confirm = None;
+        self.awaiting_install = false;
+        if self.mode == Mode::Instant {
+            vec![SeederAction::Draft]
+        } else {
+            vec![SeederAction::Suspend { instant: false }]
+        }
+    }
+
+    /// Instant mode: the drafted manifest goes out, and the suspension waits for it.
+    fn send_manifest(&mut self, manifest: &Manifest) -> Vec<SeederAction> {
+        let msg = manifest.to_msg();
+        self.handover.push(msg.clone());
+        // The suspension waits for the leecher's `Installed`: installing a manifest
+        // takes time that grows with the region, and the application runs meanwhile.
+        self.awaiting_install = true;
+        vec![SeederAction::Send(msg)]
+    }
+
+    /// The source is suspended: the hand-over goes out (and is kept for a reconnect).
+    fn hand_over(
+        &mut self,
+        session: SessionId,
+        runs: Vec<Range<u64>>,
+        confirm: Option<Confirm>,
+        app_state: Bytes,
+        at_ns: u64,
+    ) -> Vec<SeederAction> {
+        self.state = SeederState::HandedOver {
+            session,
+            resumed: false,
+        };
+        let first = self.handover.len();
+        self.handover.extend(confirm.as_ref().map(Confirm::to_msg));
+        self.handover.push(Msg::HandOver {
+            runs,
+            app_state,
+            suspended_at_ns: at_ns,
+        });
+        self.handover[first..]
+            .iter()
+            .cloned()
+            .map(SeederAction::Send)
+            .collect()
+    }
+
+    /// The source could not be suspended: the migration ends, the source runs on.
+    fn suspend_failed(
+        &mut self,
+        reason: &(dyn std::error::Error + Send + Sync + 'static),
+    ) -> Vec<SeederAction> {
+        self.state = SeederState::Idle;
+        let reason = format!(
+            "the source could not be suspended: {}",
+            farmap_core::error_chain(reason)
+        );
+        vec![
+            SeederAction::Send(Msg::Abort {
+                reason: reason.clone(),
+            }),
+            SeederAction::StopTracking { reason },
+            SeederAction::Close,
+        ]
+    }
+
+    /// The destination runs.
+    fn resumed(&mut self, session: SessionId, resumed: bool) -> Vec<SeederAction> {
+        self.state = SeederState::HandedOver {
+            session,
+            resumed: true,
+        };
+        // Instant mode: the rest is looked at once the destination runs, so that
+        // the look does not compete with its resumption.
+        if self.mode == Mode::Instant && !resumed {
+            vec![SeederAction::ConfirmRest]
+        } else {
+            vec![]
+        }
+    }
+
+    /// The leecher went away or gave up: before the hand-over the source runs on (resumed
+    /// if it was being suspended); after it, the leecher may come back.
+    fn leecher_left(&mut self) -> Vec<SeederAction> {
+        use SeederAction as A;
+        let mut out = Vec::new();
+        let reason = match self.state {
+            SeederState::Serving { .. } => {
+                "the leecher went away before the hand-over; the source runs on"
+            }
+            SeederState::Suspending { .. } => {
+                out.push(A::Resume);
+                "the leecher went away during the finalization, before the hand-over; the \
+                 source resumes"
+            }
+            _ => return vec![A::AwaitReconnect],
+        };
+        self.state = SeederState::Idle;
+        out.push(A::StopTracking {
+            reason: reason.into(),
+        });
+        out.push(A::Close);
+        out
     }
 }
 
@@ -918,71 +964,17 @@ impl Leecher {
         use LeecherState as S;
         match (self.state, input) {
             (S::Connecting, LeecherInput::Received(Msg::Welcome { session, region })) => {
-                let RegionInfo {
-                    size,
-                    chunk_size,
-                    page_size,
-                    ..
-                } = region;
-                if let Err(e) = check_welcome(size, chunk_size, page_size, &self.limits) {
-                    return self.invalid(Violation::Welcome(e));
-                }
-                if self.mode == Mode::Instant && region.shared.is_empty() {
-                    return self.invalid(Violation::Instant(InstantError::NoSharedStore));
-                }
-                self.session = session;
-                self.pages = size / u64::from(page_size);
-                self.chunks = size.div_ceil(u64::from(chunk_size));
-                let open = A::OpenRegion {
-                    session,
-                    region,
-                    mode: self.mode,
-                };
-                if self.mode == Mode::Precopy {
-                    self.state = S::PreCopy { round: 0 };
-                    vec![open]
-                } else {
-                    // Nothing to pull first: hand over at once.
-                    self.finalization = Some(Finalization::NoPreCopy);
-                    self.state = S::Finalizing;
-                    vec![open, A::Send(Msg::Finalize)]
-                }
+                self.welcomed(session, region)
             }
             (S::Finalizing, LeecherInput::Received(Msg::Manifest { runs, pushed }))
                 if self.mode == Mode::Instant =>
             {
-                if let Err(e) = check_manifest(&runs, &pushed, self.chunks) {
-                    return self.invalid(Violation::Instant(InstantError::Manifest(e)));
-                }
-                self.manifest_seen = true;
-                self.hot = None;
-                // The runner installs it before it sends the acknowledgement (actions run
-                // in order).
-                vec![
-                    A::InstallManifest(Manifest { runs, pushed }),
-                    A::Send(Msg::Installed),
-                ]
+                self.install_manifest(runs, pushed)
             }
             (
                 S::Finalizing | S::PostCopy | S::Completing,
                 LeecherInput::Received(Msg::Confirm { at_source, pending }),
-            ) if self.mode == Mode::Instant => {
-                for runs in [&at_source, &pending] {
-                    if let Err(e) = check_runs(runs, self.chunks) {
-                        return self.invalid(Violation::Instant(InstantError::ConfirmRuns(e)));
-                    }
-                }
-                if !self.manifest_seen {
-                    return self.invalid(Violation::Instant(InstantError::NoManifest));
-                }
-                let c = Confirm { at_source, pending };
-                if self.state == S::Finalizing {
-                    self.hot = Some(c);
-                    vec![]
-                } else {
-                    vec![A::Confirm(c)]
-                }
-            }
+            ) if self.mode == Mode::Instant => self.confirm(at_source, pending),
             // A manifest sent again after a reconnect: already acted on.
             (S::PostCopy | S::Completing, LeecherInput::Received(Msg::Manifest { .. }))
                 if self.mode == Mode::Instant =>
@@ -1005,17 +997,7 @@ impl Leecher {
                 vec![A::Refresh { runs }]
             }
             (S::PreCopy { round }, LeecherInput::RoundDone(result)) if round > 0 => {
-                self.rounds = round;
-                let done = self.converged(&result);
-                self.last_pages = Some(result.pages);
-                if done.is_some() {
-                    self.finalization = done;
-                    self.state = S::Finalizing;
-                    vec![A::Send(Msg::Finalize)]
-                } else {
-                    self.state = S::PreCopy { round: round + 1 };
-                    vec![A::Send(Msg::DirtyRequest { round: round + 1 })]
-                }
+                self.round_done(round, &result)
             }
             (
                 S::Finalizing,
@@ -1024,35 +1006,7 @@ impl Leecher {
                     app_state,
                     suspended_at_ns,
                 }),
-            ) => {
-                if let Err(source) = check_runs(&runs, self.pages) {
-                    return self.invalid(Violation::Runs {
-                        msg: "HandOver",
-                        source,
-                    });
-                }
-                let confirm = match self.mode {
-                    Mode::Instant if !self.manifest_seen => {
-                        return self.invalid(Violation::Instant(InstantError::NoManifest))
-                    }
-                    Mode::Instant => match self.hot.take() {
-                        Some(c) => Some(c),
-                        None => return self.invalid(Violation::Instant(InstantError::NoConfirm)),
-                    },
-                    _ => None,
-                };
-                self.state = S::PostCopy;
-                vec![
-                    A::Resume {
-                        runs,
-                        app_state,
-                        suspended_at_ns,
-                        confirm,
-                        fetch_all: self.mode == Mode::Postcopy,
-                    },
-                    A::Send(Msg::Resumed),
-                ]
-            }
+            ) => self.handed_over(runs, app_state, suspended_at_ns),
             (S::PostCopy, LeecherInput::AllLocal) => {
                 self.state = S::Completing;
                 vec![A::Send(Msg::Done)]
@@ -1076,13 +1030,10 @@ impl Leecher {
                 vec![A::Send(Msg::Done)]
             }
             // A hand-over sent again after a reconnect: already resumed.
-            (S::PostCopy | S::Completing, LeecherInput::Received(Msg::HandOver { .. })) => {
-                if self.state == S::PostCopy {
-                    vec![A::Send(Msg::Resumed)]
-                } else {
-                    vec![]
-                }
+            (S::PostCopy, LeecherInput::Received(Msg::HandOver { .. })) => {
+                vec![A::Send(Msg::Resumed)]
             }
+            (S::Completing, LeecherInput::Received(Msg::HandOver { .. })) => vec![],
             (S::Connecting | S::PreCopy { .. }, LeecherInput::Disconnected) => {
                 self.state = S::Aborted;
                 vec![A::Abort(AbortCause::SeederGone)]
@@ -1098,24 +1049,154 @@ impl Leecher {
                 vec![A::Abort(AbortCause::SeederFailedAfterHandOver { reason })]
             }
             (S::Finished | S::Aborted, _) => vec![],
-            (state, LeecherInput::Received(m)) => {
-                let cause = AbortCause::Unexpected {
-                    msg: msg_name(&m),
-                    state,
-                };
-                if matches!(state, S::PostCopy | S::Completing) {
-                    vec![A::Abort(cause)]
-                } else {
-                    self.state = S::Aborted;
-                    vec![
-                        A::Send(Msg::Abort {
-                            reason: cause.to_string(),
-                        }),
-                        A::Abort(cause),
-                    ]
-                }
-            }
+            (state, LeecherInput::Received(m)) => self.unexpected(state, &m),
             (_, _) => vec![],
+        }
+    }
+
+    /// The seeder's `Welcome`: checked, then the region opens (pre-copy: and pulls).
+    fn welcomed(&mut self, session: SessionId, region: RegionInfo) -> Vec<LeecherAction> {
+        let RegionInfo {
+            size,
+            chunk_size,
+            page_size,
+            ..
+        } = region;
+        if let Err(e) = check_welcome(size, chunk_size, page_size, &self.limits) {
+            return self.invalid(Violation::Welcome(e));
+        }
+        if self.mode == Mode::Instant && region.shared.is_empty() {
+            return self.invalid(Violation::Instant(InstantError::NoSharedStore));
+        }
+        self.session = session;
+        self.pages = size / u64::from(page_size);
+        self.chunks = size.div_ceil(u64::from(chunk_size));
+        let open = LeecherAction::OpenRegion {
+            session,
+            region,
+            mode: self.mode,
+        };
+        if self.mode == Mode::Precopy {
+            self.state = LeecherState::PreCopy { round: 0 };
+            vec![open]
+        } else {
+            // Nothing to pull first: hand over at once.
+            self.finalization = Some(Finalization::NoPreCopy);
+            self.state = LeecherState::Finalizing;
+            vec![open, LeecherAction::Send(Msg::Finalize)]
+        }
+    }
+
+    /// Instant mode: the manifest, checked, is installed and acknowledged.
+    fn install_manifest(
+        &mut self,
+        runs: Vec<ManifestRun>,
+        pushed: Vec<(u64, u64)>,
+    ) -> Vec<LeecherAction> {
+        if let Err(e) = check_manifest(&runs, &pushed, self.chunks) {
+            return self.invalid(Violation::Instant(InstantError::Manifest(e)));
+        }
+        self.manifest_seen = true;
+        self.hot = None;
+        // The runner installs it before it sends the acknowledgement (actions run
+        // in order).
+        vec![
+            LeecherAction::InstallManifest(Manifest { runs, pushed }),
+            LeecherAction::Send(Msg::Installed),
+        ]
+    }
+
+    /// Instant mode: a confirmation, checked; kept for the hand-over if it comes before it.
+    fn confirm(
+        &mut self,
+        at_source: Vec<Range<u64>>,
+        pending: Vec<Range<u64>>,
+    ) -> Vec<LeecherAction> {
+        for runs in [&at_source, &pending] {
+            if let Err(e) = check_runs(runs, self.chunks) {
+                return self.invalid(Violation::Instant(InstantError::ConfirmRuns(e)));
+            }
+        }
+        if !self.manifest_seen {
+            return self.invalid(Violation::Instant(InstantError::NoManifest));
+        }
+        let c = Confirm { at_source, pending };
+        if self.state == LeecherState::Finalizing {
+            self.hot = Some(c);
+            vec![]
+        } else {
+            vec![LeecherAction::Confirm(c)]
+        }
+    }
+
+    /// A dirty round is done: finalize if it converged, else ask for the next.
+    fn round_done(&mut self, round: u32, result: &RoundResult) -> Vec<LeecherAction> {
+        self.rounds = round;
+        let done = self.converged(result);
+        self.last_pages = Some(result.pages);
+        if done.is_some() {
+            self.finalization = done;
+            self.state = LeecherState::Finalizing;
+            vec![LeecherAction::Send(Msg::Finalize)]
+        } else {
+            self.state = LeecherState::PreCopy { round: round + 1 };
+            vec![LeecherAction::Send(Msg::DirtyRequest { round: round + 1 })]
+        }
+    }
+
+    /// The hand-over, checked: the application resumes here.
+    fn handed_over(
+        &mut self,
+        runs: Vec<Range<u64>>,
+        app_state: Bytes,
+        suspended_at_ns: u64,
+    ) -> Vec<LeecherAction> {
+        if let Err(source) = check_runs(&runs, self.pages) {
+            return self.invalid(Violation::Runs {
+                msg: "HandOver",
+                source,
+            });
+        }
+        let confirm = match self.mode {
+            Mode::Instant if !self.manifest_seen => {
+                return self.invalid(Violation::Instant(InstantError::NoManifest))
+            }
+            Mode::Instant => match self.hot.take() {
+                Some(c) => Some(c),
+                None => return self.invalid(Violation::Instant(InstantError::NoConfirm)),
+            },
+            _ => None,
+        };
+        self.state = LeecherState::PostCopy;
+        vec![
+            LeecherAction::Resume {
+                runs,
+                app_state,
+                suspended_at_ns,
+                confirm,
+                fetch_all: self.mode == Mode::Postcopy,
+            },
+            LeecherAction::Send(Msg::Resumed),
+        ]
+    }
+
+    /// A message with no place in `state`: after the hand-over, said and survived; before
+    /// it, the migration is abandoned.
+    fn unexpected(&mut self, state: LeecherState, m: &Msg) -> Vec<LeecherAction> {
+        let cause = AbortCause::Unexpected {
+            msg: msg_name(m),
+            state,
+        };
+        if matches!(state, LeecherState::PostCopy | LeecherState::Completing) {
+            vec![LeecherAction::Abort(cause)]
+        } else {
+            self.state = LeecherState::Aborted;
+            vec![
+                LeecherAction::Send(Msg::Abort {
+                    reason: cause.to_string(),
+                }),
+                LeecherAction::Abort(cause),
+            ]
         }
     }
 }

@@ -9,9 +9,11 @@ use std::time::{Duration, Instant};
 
 use std::collections::VecDeque;
 
-use farmap_net::auth::Key;
+use farmap_core::Store;
+use farmap_net::auth::{Key, KeySlot};
 use farmap_net::{
-    serve_with_runs, ListenAddr, Listener, RunReader, ServeError, ServeOptions, TlsServerConfig,
+    serve_with_runs, ListenAddr, Listener, RunReader, ServeError, ServeOptions, Server,
+    TlsServerConfig,
 };
 use tokio::sync::mpsc;
 use tokio::task::JoinHandle;
@@ -189,9 +191,55 @@ pub async fn seed(
             addr: opts.data_listen.to_string(),
             source,
         })?;
+    let pacer = Arc::new(crate::budget::Pacer::new(&opts.pull));
+    let (plane, runs) = paced_plane(&region, &pacer);
+    // The data plane serves the current session's leecher only.
+    let keys = SeederKeys::new(opts.key.clone());
+    let (data, server) = start_data_plane(&pull_rt, plane, runs, &opts, keys.data.clone()).await?;
+    let control_listener = ControlListener::bind(&opts.listen, opts.tls.as_ref())
+        .await
+        .map_err(|source| SeedError::Listen {
+            addr: opts.listen.to_string(),
+            source,
+        })?;
+    let control = control_listener
+        .local_addr()
+        .map_err(SeedError::LocalAddr)?;
+    let info = region_info(&*region, &data);
+    let (cancel, cancelled) = tokio::sync::watch::channel(false);
+    let task = tokio::spawn(async move {
+        let (conn_tx, conn_rx) = mpsc::channel(4);
+        let acceptor = Acceptor {
+            listener: control_listener,
+            timeout: opts.handshake_timeout,
+            max: opts.max_handshakes.max(1),
+            out: conn_tx,
+            keys: keys.clone(),
+        };
+        let accepting = AbortOnDrop(tokio::spawn(acceptor.run()));
+        let seed_run = SeedRun::new(region, suspend, opts, keys, pacer);
+        let r = run(seed_run, conn_rx, Seeder::new(info, 0), cancelled).await;
+        drop(accepting);
+        let _ = server.shutdown().await;
+        drop(pull_rt);
+        r
+    });
+    Ok(Seeding {
+        control,
+        data,
+        cancel,
+        task,
+    })
+}
+
+/// The region's data plane and run reader, kept to the pull's rate and CPU share if it
+/// has any.
+fn paced_plane(
+    region: &Arc<dyn Source>,
+    pacer: &Arc<crate::budget::Pacer>,
+) -> (Arc<dyn Store>, Option<Arc<dyn RunReader>>) {
     let mut plane = region.clone().data_plane();
     let mut runs: Option<Arc<dyn RunReader>> = region.clone().run_reader();
-    let pacer = Arc::new(crate::budget::Pacer::new(&opts.pull));
     if pacer.is_limited() {
         plane = Arc::new(crate::view::Paced::new(plane, pacer.clone()));
         runs = runs.map(|r| {
@@ -202,10 +250,19 @@ pub async fn seed(
             )) as Arc<dyn RunReader>
         });
     }
+    (plane, runs)
+}
+
+/// Binds and serves the data plane (read-only, for holders of `data_key`) on the pull's
+/// threads; returns where it listens and the server.
+async fn start_data_plane(
+    pull_rt: &crate::budget::PullRuntime,
+    plane: Arc<dyn Store>,
+    runs: Option<Arc<dyn RunReader>>,
+    opts: &SeedOptions,
+    data_key: KeySlot,
+) -> Result<(ListenAddr, Server), SeedError> {
     let (data_listen, tls) = (opts.data_listen.clone(), opts.tls.clone());
-    // The data plane serves the current session's leecher only.
-    let keys = SeederKeys::new(opts.key.clone());
-    let data_key = keys.data.clone();
     let started = pull_rt
         .handle()
         .spawn(async move {
@@ -233,59 +290,28 @@ pub async fn seed(
             Ok::<_, SeedError>((data, server))
         })
         .await;
-    let (data, server) = match started {
-        Ok(r) => r?,
-        Err(source) => {
-            return Err(SeedError::Task {
-                what: "data plane",
-                source,
-            });
-        }
-    };
-    let control_listener = ControlListener::bind(&opts.listen, opts.tls.as_ref())
-        .await
-        .map_err(|source| SeedError::Listen {
-            addr: opts.listen.to_string(),
+    match started {
+        Ok(r) => r,
+        Err(source) => Err(SeedError::Task {
+            what: "data plane",
             source,
-        })?;
-    let control = control_listener
-        .local_addr()
-        .map_err(SeedError::LocalAddr)?;
-    let info = RegionInfo {
+        }),
+    }
+}
+
+/// What the `Welcome` says of the region, its data plane listening at `data`.
+fn region_info(region: &dyn Source, data: &ListenAddr) -> RegionInfo {
+    RegionInfo {
         size: region.geometry().size(),
         chunk_size: region.geometry().chunk_size(),
         page_size: region.page_size(),
-        data_port: match &data {
+        data_port: match data {
             ListenAddr::Tcp(a) => a.port(),
             ListenAddr::Unix(_) => 0,
         },
         boot_id: crate::boot_id(),
         shared: region.shared_store().unwrap_or_default(),
-    };
-    let (cancel, cancelled) = tokio::sync::watch::channel(false);
-    let task = tokio::spawn(async move {
-        let (conn_tx, conn_rx) = mpsc::channel(4);
-        let acceptor = Acceptor {
-            listener: control_listener,
-            timeout: opts.handshake_timeout,
-            max: opts.max_handshakes.max(1),
-            out: conn_tx,
-            keys: keys.clone(),
-        };
-        let accepting = AbortOnDrop(tokio::spawn(acceptor.run()));
-        let seed_run = SeedRun::new(region, suspend, opts, keys, pacer);
-        let r = run(seed_run, conn_rx, Seeder::new(info, 0), cancelled).await;
-        drop(accepting);
-        let _ = server.shutdown().await;
-        drop(pull_rt);
-        r
-    });
-    Ok(Seeding {
-        control,
-        data,
-        cancel,
-        task,
-    })
+    }
 }
 
 /// Aborts a task when dropped.

@@ -201,27 +201,7 @@ async fn open_inner(
     tls: Option<&TlsSetup>,
     key: Option<&Key>,
 ) -> StoreResult<Arc<Conn>> {
-    let connect_err = |e: std::io::Error| {
-        StoreError::new(
-            ErrorKind::from_io(e.kind()),
-            format!("cannot connect to {addr}: {}", io_phrase(&e)),
-        )
-    };
-    let stream: BoxStream = match addr {
-        RemoteAddr::Tcp(hp) => {
-            let s = TcpStream::connect(hp.as_str()).await.map_err(connect_err)?;
-            s.set_nodelay(true).map_err(connect_err)?;
-            Box::new(s)
-        }
-        RemoteAddr::Unix(p) => Box::new(UnixStream::connect(p).await.map_err(connect_err)?),
-    };
-    let mut stream: BoxStream = match tls {
-        Some(t) => match t.connector.connect(t.name.clone(), stream).await {
-            Ok(s) => Box::new(s),
-            Err(e) => return Err(handshake_error(addr, &e, t.sent_cert)),
-        },
-        None => stream,
-    };
+    let mut stream = connect_stream(addr, tls).await?;
     let sent_cert = tls.is_some_and(|t| t.sent_cert);
     let mut out = BytesMut::new();
     let mut hello = ClientHello::current();
@@ -270,26 +250,7 @@ async fn open_inner(
                 continue;
             }
             Ok(None) => {}
-            Err(WireError::BadMagic { found }) if tls.is_none() && is_tls_record(&found) => {
-                return Err(StoreError::new(
-                    ErrorKind::Unsupported,
-                    format!("the server at {addr} expects TLS: connect with farmaps:// (and ca=)"),
-                ))
-            }
-            Err(WireError::BadMagic { found }) if is_http2(&found) => {
-                return Err(StoreError::new(
-                    ErrorKind::Unsupported,
-                    format!(
-                        "the server at {addr} speaks HTTP/2 (a gRPC server?), not farmap's native protocol: connect with farmap+grpc://"
-                    ),
-                ))
-            }
-            Err(e) => {
-                return Err(StoreError::new(
-                    ErrorKind::Unsupported,
-                    format!("{addr} does not answer as a farmap server: {e}"),
-                ))
-            }
+            Err(e) => return Err(not_farmap(addr, tls.is_some(), e)),
         }
         match stream.read_buf(&mut buf).await {
             Ok(0) => {
@@ -319,6 +280,53 @@ async fn open_inner(
         ));
     }
     Ok(start(addr.to_string().into(), info, stream, buf))
+}
+
+/// Connects to `addr` (TCP without Nagle's delay, or a Unix socket), then starts TLS if
+/// `tls` asks for it.
+async fn connect_stream(addr: &RemoteAddr, tls: Option<&TlsSetup>) -> StoreResult<BoxStream> {
+    let connect_err = |e: std::io::Error| {
+        StoreError::new(
+            ErrorKind::from_io(e.kind()),
+            format!("cannot connect to {addr}: {}", io_phrase(&e)),
+        )
+    };
+    let stream: BoxStream = match addr {
+        RemoteAddr::Tcp(hp) => {
+            let s = TcpStream::connect(hp.as_str()).await.map_err(connect_err)?;
+            s.set_nodelay(true).map_err(connect_err)?;
+            Box::new(s)
+        }
+        RemoteAddr::Unix(p) => Box::new(UnixStream::connect(p).await.map_err(connect_err)?),
+    };
+    match tls {
+        Some(t) => match t.connector.connect(t.name.clone(), stream).await {
+            Ok(s) => Ok(Box::new(s)),
+            Err(e) => Err(handshake_error(addr, &e, t.sent_cert)),
+        },
+        None => Ok(stream),
+    }
+}
+
+/// What the server's first bytes say when they are not a farmap hello: a TLS server (when
+/// this client did not start TLS), an HTTP/2 one, or something else.
+fn not_farmap(addr: &RemoteAddr, tls: bool, e: WireError) -> StoreError {
+    match e {
+        WireError::BadMagic { found } if !tls && is_tls_record(&found) => StoreError::new(
+            ErrorKind::Unsupported,
+            format!("the server at {addr} expects TLS: connect with farmaps:// (and ca=)"),
+        ),
+        WireError::BadMagic { found } if is_http2(&found) => StoreError::new(
+            ErrorKind::Unsupported,
+            format!(
+                "the server at {addr} speaks HTTP/2 (a gRPC server?), not farmap's native protocol: connect with farmap+grpc://"
+            ),
+        ),
+        e => StoreError::new(
+            ErrorKind::Unsupported,
+            format!("{addr} does not answer as a farmap server: {e}"),
+        ),
+    }
 }
 
 fn handshake_error(addr: &RemoteAddr, e: &std::io::Error, sent_cert: bool) -> StoreError {

@@ -906,89 +906,11 @@ impl<L: fmt::Debug, R: fmt::Debug> fmt::Debug for Cached<L, R> {
     }
 }
 
-/// A store wrapper for unit tests: runs a hook before each operation (to count, record,
-/// delay, block or fail it).
-#[cfg(test)]
-pub(crate) mod test_support {
-    use super::*;
-    use std::sync::Arc;
-
-    /// Which operation a hook sees.
-    #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-    pub(crate) enum Op {
-        Read,
-        Write,
-        Flush,
-    }
-
-    pub(crate) type Hook =
-        Arc<dyn Fn(Op, ChunkIdx) -> BoxFuture<'static, StoreResult<()>> + Send + Sync>;
-
-    pub(crate) struct Hooked<S> {
-        pub(crate) inner: S,
-        hook: Hook,
-    }
-
-    impl<S> Hooked<S> {
-        pub(crate) fn new(
-            inner: S,
-            hook: impl Fn(Op, ChunkIdx) -> BoxFuture<'static, StoreResult<()>> + Send + Sync + 'static,
-        ) -> Self {
-            Self {
-                inner,
-                hook: Arc::new(hook),
-            }
-        }
-    }
-
-    impl<S: fmt::Debug> fmt::Debug for Hooked<S> {
-        fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-            f.debug_struct("Hooked")
-                .field("inner", &self.inner)
-                .finish()
-        }
-    }
-
-    impl<S: Store> Store for Hooked<S> {
-        fn geometry(&self) -> Geometry {
-            self.inner.geometry()
-        }
-        fn caps(&self) -> Caps {
-            self.inner.caps()
-        }
-        fn read(&self, idx: ChunkIdx) -> BoxFuture<'_, StoreResult<Bytes>> {
-            Box::pin(async move {
-                (self.hook)(Op::Read, idx).await?;
-                self.inner.read(idx).await
-            })
-        }
-        fn write(&self, idx: ChunkIdx, data: Bytes) -> BoxFuture<'_, StoreResult<()>> {
-            Box::pin(async move {
-                (self.hook)(Op::Write, idx).await?;
-                self.inner.write(idx, data).await
-            })
-        }
-        fn flush(&self) -> BoxFuture<'_, StoreResult<()>> {
-            Box::pin(async move {
-                (self.hook)(Op::Flush, ChunkIdx(0)).await?;
-                self.inner.flush().await
-            })
-        }
-        fn trim(&self, range: ChunkRange) -> BoxFuture<'_, StoreResult<()>> {
-            self.inner.trim(range)
-        }
-        fn status(&self, idx: ChunkIdx) -> BoxFuture<'_, StoreResult<ChunkStatus>> {
-            self.inner.status(idx)
-        }
-    }
-}
-
 #[cfg(test)]
 mod tests {
-    use super::test_support::{Hooked, Op};
     use super::*;
     use farmap_core::{is_zero, ErrorKind};
-    use farmap_testkit::{ModelStore, PatternStore};
+    use farmap_testkit::{Hooked, ModelStore, Op, PatternStore};
     use std::sync::atomic::AtomicUsize;
     use std::sync::Arc;
     use std::time::Duration;

@@ -452,10 +452,10 @@ impl fmt::Debug for Puller {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::cached::test_support::{Hooked, Op};
     use crate::cached::Cached;
     use farmap_core::{Geometry, Store};
     use farmap_testkit::{pattern_bytes, ModelStore, PatternStore};
+    use farmap_testkit::{Hooked, Op};
     use std::collections::HashMap;
 
     type Target = Cached<ModelStore, Hooked<PatternStore>>;

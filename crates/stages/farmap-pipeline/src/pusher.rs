@@ -1020,9 +1020,9 @@ impl<S: fmt::Debug, R: fmt::Debug> fmt::Debug for Pusher<S, R> {
 #[allow(clippy::single_range_in_vec_init)] // chunk runs: one run is a real case
 mod tests {
     use super::*;
-    use crate::cached::test_support::{Hooked, Op};
     use farmap_core::ErrorKind;
     use farmap_testkit::ModelStore;
+    use farmap_testkit::{Hooked, Op};
     use std::sync::atomic::AtomicUsize;
     use tokio::sync::Semaphore;
 

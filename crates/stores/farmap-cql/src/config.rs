@@ -263,6 +263,94 @@ fn parse_node(node: &str) -> Result<String, CqlSpecError> {
     Ok(format!("{host}:{port}"))
 }
 
+impl CqlSpec {
+    /// Applies one `key=value` of the spec's query.
+    fn set_option(&mut self, key: &str, value: &str) -> Result<(), CqlSpecError> {
+        let t = &mut self.target;
+        let bad = |reason: String| CqlSpecError::new(format!("bad value for {key}: {reason}"));
+        match key {
+            "table" => {
+                let v = value.to_ascii_lowercase();
+                if !is_identifier(&v, MAX_TABLE_LEN) {
+                    return Err(bad(format!(
+                        "{value:?} is not a name of 1 to {MAX_TABLE_LEN} letters, digits \
+                         and _ starting with a letter"
+                    )));
+                }
+                t.table = v;
+            }
+            "region" => {
+                let ok = !value.is_empty()
+                    && value.len() <= MAX_REGION_LEN
+                    && value
+                        .chars()
+                        .all(|c| c.is_ascii_alphanumeric() || "-_.".contains(c));
+                if !ok {
+                    return Err(bad(format!(
+                        "{value:?} is not a name of 1 to {MAX_REGION_LEN} letters, digits, \
+                         -, _ and ."
+                    )));
+                }
+                t.region = value.to_owned();
+            }
+            "size" => {
+                let n = parse_size(value).map_err(|e| bad(e.to_string()))?;
+                if n == 0 {
+                    return Err(bad("a region cannot be empty".into()));
+                }
+                if self.size.is_some_and(|s| s != n) {
+                    return Err(bad("two different sizes".into()));
+                }
+                self.size = Some(n);
+            }
+            "chunk" => {
+                let n = parse_size(value).map_err(|e| bad(e.to_string()))?;
+                let ok = n.is_power_of_two()
+                    && (u64::from(farmap_core::MIN_CHUNK_SIZE)..=u64::from(MAX_CQL_CHUNK))
+                        .contains(&n);
+                if !ok {
+                    return Err(bad(format!(
+                        "{value:?} is not a power of two from 4KiB to 1MiB (a CQL row holds \
+                         one chunk, and cells larger than 1 MiB hurt the server)"
+                    )));
+                }
+                self.chunk_size = Some(n as u32);
+            }
+            "consistency" => t.consistency = value.parse().map_err(bad)?,
+            "create" => t.create = parse_bool("create", value)?,
+            "ro" => self.read_only = parse_bool("ro", value)?,
+            "replication" => {
+                t.replication = parse_count(value, 1..=100u32).map_err(bad)?;
+            }
+            "connections" => {
+                t.connections = Some(parse_count(value, 1..=64usize).map_err(bad)?);
+            }
+            "timeout" => {
+                t.timeout = Some(parse_timeout(value).map_err(bad)?);
+            }
+            _ => {
+                return Err(CqlSpecError::new(format!(
+                    "unknown option {key:?} (a cql spec takes: {OPTIONS})"
+                )))
+            }
+        }
+        Ok(())
+    }
+}
+
+/// `user[:password]` before the `@` (both percent-decoded; the user name not empty).
+fn parse_userinfo(u: &str) -> Result<(Option<String>, Option<String>), CqlSpecError> {
+    let (name, pass) = match u.split_once(':') {
+        Some((n, p)) => (n, Some(percent_decode(p, "password")?)),
+        None => (u, None),
+    };
+    let name = percent_decode(name, "user name")?;
+    if name.is_empty() {
+        return Err(CqlSpecError::new("an empty user name before @"));
+    }
+    Ok((Some(name), pass))
+}
+
 impl FromStr for CqlSpec {
     type Err = CqlSpecError;
 
@@ -289,17 +377,7 @@ impl FromStr for CqlSpec {
         };
         let (user, password) = match userinfo {
             None => (None, None),
-            Some(u) => {
-                let (name, pass) = match u.split_once(':') {
-                    Some((n, p)) => (n, Some(percent_decode(p, "password")?)),
-                    None => (u, None),
-                };
-                let name = percent_decode(name, "user name")?;
-                if name.is_empty() {
-                    return Err(CqlSpecError::new("an empty user name before @"));
-                }
-                (Some(name), pass)
-            }
+            Some(u) => parse_userinfo(u)?,
         };
         if hosts.is_empty() {
             return Err(CqlSpecError::new(format!("no node ({hint})")));
@@ -333,75 +411,8 @@ impl FromStr for CqlSpec {
             chunk_size: None,
             read_only: false,
         };
-        let t = &mut out.target;
         for (key, value) in farmap_core::query::pairs(query) {
-            let bad = |reason: String| CqlSpecError::new(format!("bad value for {key}: {reason}"));
-            match key {
-                "table" => {
-                    let v = value.to_ascii_lowercase();
-                    if !is_identifier(&v, MAX_TABLE_LEN) {
-                        return Err(bad(format!(
-                            "{value:?} is not a name of 1 to {MAX_TABLE_LEN} letters, digits \
-                             and _ starting with a letter"
-                        )));
-                    }
-                    t.table = v;
-                }
-                "region" => {
-                    let ok = !value.is_empty()
-                        && value.len() <= MAX_REGION_LEN
-                        && value
-                            .chars()
-                            .all(|c| c.is_ascii_alphanumeric() || "-_.".contains(c));
-                    if !ok {
-                        return Err(bad(format!(
-                            "{value:?} is not a name of 1 to {MAX_REGION_LEN} letters, digits, \
-                             -, _ and ."
-                        )));
-                    }
-                    t.region = value.to_owned();
-                }
-                "size" => {
-                    let n = parse_size(value).map_err(|e| bad(e.to_string()))?;
-                    if n == 0 {
-                        return Err(bad("a region cannot be empty".into()));
-                    }
-                    if out.size.is_some_and(|s| s != n) {
-                        return Err(bad("two different sizes".into()));
-                    }
-                    out.size = Some(n);
-                }
-                "chunk" => {
-                    let n = parse_size(value).map_err(|e| bad(e.to_string()))?;
-                    let ok = n.is_power_of_two()
-                        && (u64::from(farmap_core::MIN_CHUNK_SIZE)..=u64::from(MAX_CQL_CHUNK))
-                            .contains(&n);
-                    if !ok {
-                        return Err(bad(format!(
-                            "{value:?} is not a power of two from 4KiB to 1MiB (a CQL row holds \
-                             one chunk, and cells larger than 1 MiB hurt the server)"
-                        )));
-                    }
-                    out.chunk_size = Some(n as u32);
-                }
-                "consistency" => t.consistency = value.parse().map_err(bad)?,
-                "create" => t.create = parse_bool("create", value)?,
-                "ro" => out.read_only = parse_bool("ro", value)?,
-                "replication" => {
-                    t.replication = parse_count(value, 1..=100u32).map_err(bad)?;
-                }
-                "connections" => {
-                    t.connections = Some(parse_count(value, 1..=64usize).map_err(bad)?);
-                }
-                "timeout" => {
-                    t.timeout = Some(parse_timeout(value).map_err(bad)?);
-                }
-                _ => {
-                    return Err(CqlSpecError::new(format!(
-                        "unknown option {key:?} (a cql spec takes: {OPTIONS})"
-                    )))
-                }
-            }
+            out.set_option(key, value)?;
         }
         if let Some(size) = out.size {
             let chunk = u64::from(out.chunk_size.unwrap_or(farmap_core::DEFAULT_CHUNK_SIZE));

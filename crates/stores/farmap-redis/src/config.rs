@@ -144,6 +144,17 @@ fn check_host_port(hp: &str) -> bool {
     }
 }
 
+/// `[user]:password` or `password` before the `@` (empty parts are absent).
+fn parse_credentials(c: &str) -> (Option<String>, Option<String>) {
+    let (u, p) = match c.split_once(':') {
+        Some((u, p)) => (u, Some(p)),
+        None => ("", Some(c)),
+    };
+    let user = (!u.is_empty()).then(|| u.to_owned());
+    let password = p.filter(|p| !p.is_empty()).map(str::to_owned);
+    (user, password)
+}
+
 impl RedisConfig {
     /// Parses `scheme:body` (`body` is what follows the scheme's colon, before `?`) and the
     /// options other than `size` and `chunk` (already checked against [`OPTIONS`] or
@@ -162,18 +173,7 @@ impl RedisConfig {
             Some((c, r)) => (Some(c), r),
             None => (None, rest),
         };
-        let (user, password) = match creds {
-            None => (None, None),
-            Some(c) => {
-                let (u, p) = match c.split_once(':') {
-                    Some((u, p)) => (u, Some(p)),
-                    None => ("", Some(c)),
-                };
-                let user = (!u.is_empty()).then(|| u.to_owned());
-                let password = p.filter(|p| !p.is_empty()).map(str::to_owned);
-                (user, password)
-            }
-        };
+        let (user, password) = creds.map_or((None, None), parse_credentials);
         let (hosts, path) = match rest.split_once('/') {
             Some((h, p)) => (h, p),
             None => (rest, ""),
@@ -216,6 +216,12 @@ impl RedisConfig {
             timeout: None,
             flush: FlushPolicy::None,
         };
+        config.set_options(options)?;
+        Ok(config)
+    }
+
+    /// Applies the options other than `size` and `chunk`.
+    fn set_options(&mut self, options: &[(&str, &str)]) -> Result<(), RedisSpecError> {
         let mut flush = None;
         let mut replicas = None;
         for &(key, value) in options {
@@ -229,18 +235,18 @@ impl RedisConfig {
                             .any(|c| c.is_whitespace() || c.is_control() || c == '{' || c == '}')
                     {
                         return Err(bad(
-                            "prefix",
-                            format!("{value:?} must be non-empty, without spaces or braces (a hash tag would put every chunk in one cluster slot)"),
-                        ));
+                        "prefix",
+                        format!("{value:?} must be non-empty, without spaces or braces (a hash tag would put every chunk in one cluster slot)"),
+                    ));
                     }
-                    config.prefix = value.to_owned();
+                    self.prefix = value.to_owned();
                 }
                 "connections" => {
                     let n = parse_count(value, 1..=256usize).map_err(|w| bad("connections", w))?;
-                    config.connections = Some(n);
+                    self.connections = Some(n);
                 }
                 "timeout" => {
-                    config.timeout = Some(parse_timeout(value).map_err(|w| bad("timeout", w))?);
+                    self.timeout = Some(parse_timeout(value).map_err(|w| bad("timeout", w))?);
                 }
                 "flush" => {
                     flush = Some(match value {
@@ -263,7 +269,7 @@ impl RedisConfig {
                     if value.is_empty() {
                         return Err(bad("ca", "a path is needed".into()));
                     }
-                    match &mut config.target {
+                    match &mut self.target {
                         Target::Single { tls: Some(ca), .. } => *ca = Some(PathBuf::from(value)),
                         _ => return Err(bad("ca", "only rediss:// (TLS) takes a CA".into())),
                     }
@@ -276,7 +282,7 @@ impl RedisConfig {
                 }
             }
         }
-        config.flush = match (flush, replicas) {
+        self.flush = match (flush, replicas) {
             (Some(1), r) => FlushPolicy::Wait {
                 replicas: r.unwrap_or(1),
             },
@@ -289,7 +295,7 @@ impl RedisConfig {
             (Some(2), None) => FlushPolicy::Fsync,
             _ => FlushPolicy::None,
         };
-        Ok(config)
+        Ok(())
     }
 
     /// The spec's text before `?` (the password shown as `***`) and its options, for

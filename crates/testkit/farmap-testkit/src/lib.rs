@@ -7,6 +7,8 @@
 //!   [`pattern_bytes`] as the oracle to compare against; [`versioned_chunk`] and
 //!   [`chunk_content`](conformance::chunk_content) for chunks written in versions.
 //! - [`contents`]: a whole store's bytes, read or written.
+//! - [`Hooked`]: a store wrapper that runs a hook before each read, write and flush (to
+//!   count, record, delay, block or fail it).
 //! - [`wait`]: bounded waits ([`block_on`], a closure within a time limit, a condition that
 //!   must come true).
 //! - [`mod@skip`]: how a test that cannot run here says so (counted by `scripts/test.sh`), and
@@ -29,6 +31,7 @@ pub mod cli;
 pub mod conformance;
 pub mod contents;
 pub mod demo;
+mod hooked;
 mod model;
 mod pattern;
 pub mod printed;
@@ -42,6 +45,7 @@ pub mod vm;
 pub mod wait;
 
 pub use conformance::{run_conformance, run_conformance_with, run_read_only_conformance};
+pub use hooked::{Hook, Hooked, Op};
 pub use model::ModelStore;
 pub use pattern::{pattern_byte, pattern_bytes, pattern_with_zeros, versioned_chunk, PatternStore};
 pub use service::{unique_name, Service, ServiceError};

@@ -65,3 +65,30 @@ pub fn set_chunk(spec: &mut farmap::StoreSpec, chunk: Option<u64>) -> anyhow::Re
     }
     Ok(())
 }
+
+/// The memcpy reference for `g`'s chunk size (over up to 256 MiB), measured on a blocking
+/// thread.
+pub async fn memcpy_reference(g: farmap::Geometry) -> anyhow::Result<f64> {
+    use anyhow::Context;
+    let chunk = g.chunk_size() as usize;
+    tokio::task::spawn_blocking(move || {
+        let n = (g.size().min(256 << 20) as usize).max(chunk);
+        measure_memcpy(&vec![0x5au8; n], chunk)
+    })
+    .await
+    .context("measuring memcpy")
+}
+
+/// `store` with `latency` added to every call (an emulated round trip), no bandwidth limit.
+pub fn delayed(
+    store: std::sync::Arc<dyn farmap::Store>,
+    latency: std::time::Duration,
+) -> farmap::pipeline::Delayed<std::sync::Arc<dyn farmap::Store>> {
+    farmap::pipeline::Delayed::new(
+        store,
+        farmap::pipeline::DelayOptions {
+            latency,
+            bandwidth: None,
+        },
+    )
+}

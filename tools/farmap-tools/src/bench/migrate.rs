@@ -143,46 +143,8 @@ struct Outcome {
 }
 
 async fn one(size: u64, mode: Mode, args: &MigrateArgs) -> anyhow::Result<Outcome> {
-    let g = Geometry::new(size, CHUNK)?;
-    // The shared store: the whole region, served on loopback.
-    let mem = Arc::new(MemoryStore::new(g));
-    for c in 0..g.chunk_count() {
-        mem.write(ChunkIdx(c), base_chunk(c)).await?;
-    }
-    let listener = Listener::bind(&"127.0.0.1:0".parse::<ListenAddr>()?).await?;
-    let at = listener.local_addr()?;
-    let _server = farmap_net::serve(
-        mem.clone(),
-        listener,
-        ServeOptions {
-            log: false,
-            ..ServeOptions::default()
-        },
-    )?;
-    let addr = RemoteAddr::from(&at);
-    let spec = format!("farmap://{at}");
-    let connect = |addr: RemoteAddr| async move {
-        Ok::<_, farmap::StoreError>(Arc::new(
-            RemoteStore::connect(addr, ClientOptions::default()).await?,
-        ) as Arc<dyn Store>)
-    };
-    let store = connect(addr.clone()).await?;
-    let sspec = spec.clone();
-    let source = tokio::task::spawn_blocking(move || {
-        Region::open(
-            store,
-            RegionOptions {
-                push: PushOptions {
-                    interval: Some(Duration::from_millis(200)),
-                    ..PushOptions::default()
-                },
-                store_spec: Some(sspec),
-                ..RegionOptions::direct()
-            },
-        )
-    })
-    .await??;
-    let source = Arc::new(source);
+    let (_server, addr) = serve_base_image(size).await?;
+    let source = source_region(&addr).await?;
     let words = args.working_set.min(size) / 8;
     let work = Arc::new(Work::default());
     let gate = {
@@ -195,55 +157,16 @@ async fn one(size: u64, mode: Mode, args: &MigrateArgs) -> anyhow::Result<Outcom
         let (r, g2, w) = (source.clone(), gate.clone(), work.clone());
         std::thread::spawn(move || writer(r, g2, w, words))
     };
-    // The sampler: (ns since start, ops) every SAMPLE.
-    let t0 = Instant::now();
-    let samples = Arc::new(parking_lot::Mutex::new(Vec::<(u64, u64)>::new()));
-    let sampler = {
-        let (s, w) = (samples.clone(), work.clone());
-        std::thread::spawn(move || {
-            while !w.stop.load(Ordering::Relaxed) {
-                s.lock().push((
-                    t0.elapsed().as_nanos() as u64,
-                    w.ops.load(Ordering::Acquire),
-                ));
-                std::thread::sleep(SAMPLE);
-            }
-        })
-    };
+    let sampler = Sampler::start(work.clone());
+    let t0 = sampler.t0;
     tokio::time::sleep(args.warmup).await;
-    let (half_ns, warm_ops, end_ns, end_ops) = {
-        let s = samples.lock();
-        let end = *s.last().context("no sample")?;
-        let half = s
-            .iter()
-            .find(|(t, _)| *t >= end.0 / 2)
-            .copied()
-            .unwrap_or(end);
-        (half.0, half.1, end.0, end.1)
-    };
-    let pre_rate = (end_ops - warm_ops) as f64 / ((end_ns - half_ns).max(1) as f64 / 1e9);
+    let pre_rate = sampler.pre_rate()?;
 
     // The migration.
     work.watch_gaps.store(true, Ordering::Release);
     work.last_op_ns.store(0, Ordering::Release);
-    let seeding = farmap_migrate::seed::seed(
-        source.clone(),
-        gate.clone(),
-        SeedOptions {
-            listen: "127.0.0.1:0".parse()?,
-            data_listen: "127.0.0.1:0".parse()?,
-            tls: None,
-            reconnect_wait: Duration::from_secs(30),
-            handshake_timeout: farmap_migrate::seed::HANDSHAKE_TIMEOUT,
-            max_handshakes: farmap_migrate::seed::MAX_HANDSHAKES,
-            log: args.log,
-            observer: None,
-            pull: Default::default(),
-            push_budget: farmap_migrate::seed::PUSH_BUDGET,
-            key: farmap_migrate::auth::process_key(),
-        },
-    )
-    .await?;
+    let seeding =
+        farmap_migrate::seed::seed(source.clone(), gate.clone(), seed_options(args)?).await?;
     let dest_slot: Arc<parking_lot::Mutex<Option<std::thread::JoinHandle<()>>>> =
         Default::default();
     let resumed_ns = Arc::new(AtomicU64::new(0));
@@ -288,30 +211,12 @@ async fn one(size: u64, mode: Mode, args: &MigrateArgs) -> anyhow::Result<Outcom
     // the destination at 80% of the rate before.
     let resumed = resumed_ns.load(Ordering::Acquire);
     let suspended = resumed.saturating_sub(report.downtime.as_nanos() as u64);
-    let deadline = Instant::now() + args.settle;
-    let ttr80_ms = loop {
-        let found = {
-            let s = samples.lock();
-            let from = s.partition_point(|(t, _)| *t < suspended);
-            s[from..]
-                .windows(WINDOW + 1)
-                .find(|w| {
-                    let (a, b) = (w[0], w[WINDOW]);
-                    let rate = (b.1 - a.1) as f64 / ((b.0 - a.0).max(1) as f64 / 1e9);
-                    rate >= 0.8 * pre_rate
-                })
-                .map(|w| (w[WINDOW].0 - suspended) as f64 / 1e6)
-        };
-        if found.is_some() || Instant::now() >= deadline {
-            break found;
-        }
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    };
+    let ttr80_ms = sampler.ttr80(suspended, pre_rate, args.settle).await;
     work.stop.store(true, Ordering::Release);
     if let Some(t) = dest_slot.lock().take() {
         let _ = t.join();
     }
-    let _ = sampler.join();
+    let _ = sampler.thread.join();
     let effective_downtime_ms = work.max_gap_ns.load(Ordering::Acquire) as f64 / 1e6;
     // The destination against the image recomputed from the ops.
     let ops = work.ops.load(Ordering::Acquire);
@@ -324,6 +229,131 @@ async fn one(size: u64, mode: Mode, args: &MigrateArgs) -> anyhow::Result<Outcom
         effective_downtime_ms,
         verified,
     })
+}
+
+/// Serves a memory store holding the base image of a `size`-byte region on loopback (the
+/// store both hosts reach); returns the server (it serves while kept) and its address.
+async fn serve_base_image(size: u64) -> anyhow::Result<(farmap_net::Server, RemoteAddr)> {
+    let g = Geometry::new(size, CHUNK)?;
+    let mem = Arc::new(MemoryStore::new(g));
+    for c in 0..g.chunk_count() {
+        mem.write(ChunkIdx(c), base_chunk(c)).await?;
+    }
+    let listener = Listener::bind(&"127.0.0.1:0".parse::<ListenAddr>()?).await?;
+    let at = listener.local_addr()?;
+    let server = farmap_net::serve(
+        mem.clone(),
+        listener,
+        ServeOptions {
+            log: false,
+            ..ServeOptions::default()
+        },
+    )?;
+    Ok((server, RemoteAddr::from(&at)))
+}
+
+/// The source: a direct region over the served store, pushing every 200 ms.
+async fn source_region(addr: &RemoteAddr) -> anyhow::Result<Arc<Region>> {
+    let spec = format!("farmap://{addr}");
+    let store: Arc<dyn Store> =
+        Arc::new(RemoteStore::connect(addr.clone(), ClientOptions::default()).await?);
+    let source = tokio::task::spawn_blocking(move || {
+        Region::open(
+            store,
+            RegionOptions {
+                push: PushOptions {
+                    interval: Some(Duration::from_millis(200)),
+                    ..PushOptions::default()
+                },
+                store_spec: Some(spec),
+                ..RegionOptions::direct()
+            },
+        )
+    })
+    .await??;
+    Ok(Arc::new(source))
+}
+
+/// The seeder's options: loopback, the process's migration key.
+fn seed_options(args: &MigrateArgs) -> anyhow::Result<SeedOptions> {
+    Ok(SeedOptions {
+        listen: "127.0.0.1:0".parse()?,
+        data_listen: "127.0.0.1:0".parse()?,
+        tls: None,
+        reconnect_wait: Duration::from_secs(30),
+        handshake_timeout: farmap_migrate::seed::HANDSHAKE_TIMEOUT,
+        max_handshakes: farmap_migrate::seed::MAX_HANDSHAKES,
+        log: args.log,
+        observer: None,
+        pull: Default::default(),
+        push_budget: farmap_migrate::seed::PUSH_BUDGET,
+        key: farmap_migrate::auth::process_key(),
+    })
+}
+
+/// A thread that samples (ns since `t0`, ops) every [`SAMPLE`] until the work stops.
+struct Sampler {
+    t0: Instant,
+    samples: Arc<parking_lot::Mutex<Vec<(u64, u64)>>>,
+    thread: std::thread::JoinHandle<()>,
+}
+
+impl Sampler {
+    fn start(work: Arc<Work>) -> Sampler {
+        let t0 = Instant::now();
+        let samples = Arc::new(parking_lot::Mutex::new(Vec::<(u64, u64)>::new()));
+        let s = samples.clone();
+        let thread = std::thread::spawn(move || {
+            while !work.stop.load(Ordering::Relaxed) {
+                s.lock().push((
+                    t0.elapsed().as_nanos() as u64,
+                    work.ops.load(Ordering::Acquire),
+                ));
+                std::thread::sleep(SAMPLE);
+            }
+        });
+        Sampler {
+            t0,
+            samples,
+            thread,
+        }
+    }
+
+    /// Ops per second over the second half of the samples so far (the warm-up's).
+    fn pre_rate(&self) -> anyhow::Result<f64> {
+        let s = self.samples.lock();
+        let end = *s.last().context("no sample")?;
+        let half = s
+            .iter()
+            .find(|(t, _)| *t >= end.0 / 2)
+            .copied()
+            .unwrap_or(end);
+        Ok((end.1 - half.1) as f64 / ((end.0 - half.0).max(1) as f64 / 1e9))
+    }
+
+    /// TTR80: from `suspended` to the end of the first window at the destination at 80% of
+    /// `pre_rate`, waiting at most `settle` for it.
+    async fn ttr80(&self, suspended: u64, pre_rate: f64, settle: Duration) -> Option<f64> {
+        let deadline = Instant::now() + settle;
+        loop {
+            let found = {
+                let s = self.samples.lock();
+                let from = s.partition_point(|(t, _)| *t < suspended);
+                s[from..]
+                    .windows(WINDOW + 1)
+                    .find(|w| {
+                        let (a, b) = (w[0], w[WINDOW]);
+                        let rate = (b.1 - a.1) as f64 / ((b.0 - a.0).max(1) as f64 / 1e9);
+                        rate >= 0.8 * pre_rate
+                    })
+                    .map(|w| (w[WINDOW].0 - suspended) as f64 / 1e6)
+            };
+            if found.is_some() || Instant::now() >= deadline {
+                return found;
+            }
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+    }
 }
 
 /// Whether `region` holds the base image with ops `0..ops` applied.

@@ -9,12 +9,12 @@ use std::time::Duration;
 
 use anyhow::Context;
 use clap::Args;
-use farmap::pipeline::{DelayOptions, Delayed, MirrorOptions, MirrorPolicy, Mirrored};
+use farmap::pipeline::{MirrorOptions, MirrorPolicy, Mirrored};
 use farmap::store::MemoryStore;
 use farmap::{open_store_async, Geometry, Store, StoreSpec};
 use serde::Serialize;
 
-use super::common::parse_duration;
+use super::common::{delayed, parse_duration};
 
 #[derive(Debug, Clone, Args)]
 pub struct MirrorArgs {
@@ -56,9 +56,26 @@ impl MirrorArgs {
             .map(|d| crate::output::round1(d.as_secs_f64() * 1e6))
     }
 
+    /// The store one case writes through: `primary` itself, or (a mirrored case) `primary`
+    /// in a [`Mirrored`] stage, also returned (see [`mirrored`](Self::mirrored)).
+    pub async fn case_store(
+        &self,
+        case: Option<MirrorPolicy>,
+        primary: Arc<dyn Store>,
+        primary_latency: Duration,
+    ) -> anyhow::Result<(Arc<dyn Store>, Option<Arc<Mirrored>>)> {
+        Ok(match case {
+            None => (primary, None),
+            Some(policy) => {
+                let m = self.mirrored(policy, primary, primary_latency).await?;
+                (m.clone() as Arc<dyn Store>, Some(m))
+            }
+        })
+    }
+
     /// Puts `primary` (already as slow as it should be; `primary_latency` is its added
     /// latency) in a [`Mirrored`] stage with `policy` whose mirror is the mirror store behind
-    /// a [`Delayed`] of `primary_latency` + the mirror delay.
+    /// a [`Delayed`](farmap::pipeline::Delayed) of `primary_latency` + the mirror delay.
     pub async fn mirrored(
         &self,
         policy: MirrorPolicy,
@@ -68,13 +85,7 @@ impl MirrorArgs {
         let g = primary.geometry();
         let mirror = self.open_mirror(g).await?;
         let latency = primary_latency + self.mirror_delay.unwrap_or_default();
-        let mirror: Arc<dyn Store> = Arc::new(Delayed::new(
-            mirror,
-            DelayOptions {
-                latency,
-                bandwidth: None,
-            },
-        ));
+        let mirror: Arc<dyn Store> = Arc::new(delayed(mirror, latency));
         let m = Mirrored::new(
             primary,
             mirror,

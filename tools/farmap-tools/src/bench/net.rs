@@ -371,6 +371,101 @@ async fn read_source(source: &dyn Store, idx: ChunkIdx) -> anyhow::Result<Bytes>
     Ok(source.read(idx).await?)
 }
 
+/// The source region and where each kind of server serves it.
+struct Servers {
+    store: Arc<dyn Store>,
+    raw_addr: SocketAddr,
+    native_addr: SocketAddr,
+    grpc_addr: SocketAddr,
+}
+
+impl Servers {
+    /// Runs `case` once at `rtt`: the bytes moved, the timed part, the time to the first
+    /// chunk (µs) and whether the data checked out.
+    async fn case(
+        &self,
+        args: &NetArgs,
+        case: &str,
+        rtt: Duration,
+    ) -> anyhow::Result<(u64, Timed, f64, bool)> {
+        match case {
+            "tcp-raw" | "tcp-region" | "tcp-proxied" => {
+                let p = if case == "tcp-proxied" {
+                    Link::through_proxy(self.raw_addr, rtt).await?
+                } else {
+                    Link::to(self.raw_addr, rtt).await?
+                };
+                let region = (case == "tcp-region").then_some(self.store.as_ref());
+                let (first, timed, ok) = run_tcp_raw(p.local_addr(), args.size, region).await?;
+                p.shutdown().await;
+                Ok((args.size, timed, first, ok))
+            }
+            "direct-native" | "managed-native" => self.native(args, case, rtt).await,
+            _ => self.grpc(args, rtt).await,
+        }
+    }
+
+    /// A case through the native protocol: one connection read chunk by chunk
+    /// (`direct-native`), or a managed pull over `--connections`.
+    async fn native(
+        &self,
+        args: &NetArgs,
+        case: &str,
+        rtt: Duration,
+    ) -> anyhow::Result<(u64, Timed, f64, bool)> {
+        let p = Link::to(self.native_addr, rtt).await?;
+        let connections = if case == "direct-native" {
+            1
+        } else {
+            args.connections
+        };
+        let opts = ClientOptions {
+            connections,
+            ..ClientOptions::default()
+        };
+        let remote: Arc<dyn Store> = Arc::new(
+            RemoteStore::connect(RemoteAddr::Tcp(p.local_addr().to_string()), opts).await?,
+        );
+        let first = first_chunk(remote.as_ref(), connections).await?;
+        let r = if case == "direct-native" {
+            let (bytes, elapsed) = run_direct(remote.as_ref(), args.direct_time).await?;
+            (bytes, elapsed, first, true)
+        } else {
+            let (elapsed, ok) = run_managed(remote.clone(), args.workers, |i| {
+                read_source(self.store.as_ref(), i)
+            })
+            .await?;
+            (args.size, elapsed, first, ok)
+        };
+        drop(remote);
+        p.shutdown().await;
+        Ok(r)
+    }
+
+    /// A managed pull through gRPC over `--connections`.
+    async fn grpc(&self, args: &NetArgs, rtt: Duration) -> anyhow::Result<(u64, Timed, f64, bool)> {
+        let p = Link::to(self.grpc_addr, rtt).await?;
+        let remote: Arc<dyn Store> = Arc::new(
+            GrpcStore::connect_with(
+                &format!("http://{}", p.local_addr()),
+                GrpcClientOptions {
+                    connections: args.connections,
+                    ..GrpcClientOptions::default()
+                },
+            )
+            .await?,
+        );
+        let first = first_chunk(remote.as_ref(), args.connections).await?;
+        let (elapsed, ok) = run_managed(remote.clone(), args.workers, |i| {
+            read_source(self.store.as_ref(), i)
+        })
+        .await?;
+        drop(remote);
+        p.shutdown().await;
+        Ok((args.size, elapsed, first, ok))
+    }
+}
+
 pub async fn run(args: NetArgs) -> anyhow::Result<ExitCode> {
     for c in &args.case {
         if !CASES.contains(&c.as_str()) {
@@ -414,6 +509,12 @@ pub async fn run(args: NetArgs) -> anyhow::Result<ExitCode> {
         },
     ));
     let raw_addr = raw_source(args.size, store.clone()).await?;
+    let servers = Servers {
+        store: store.clone(),
+        raw_addr,
+        native_addr,
+        grpc_addr,
+    };
 
     let mut failed = false;
     for &rtt in &args.rtt {
@@ -421,71 +522,7 @@ pub async fn run(args: NetArgs) -> anyhow::Result<ExitCode> {
             if !args.json {
                 eprintln!("running {case} at rtt {} ms", rtt.as_secs_f64() * 1e3);
             }
-            let (bytes, timed, first_us, verified) = match case.as_str() {
-                "tcp-raw" | "tcp-region" | "tcp-proxied" => {
-                    let p = if case == "tcp-proxied" {
-                        Link::through_proxy(raw_addr, rtt).await?
-                    } else {
-                        Link::to(raw_addr, rtt).await?
-                    };
-                    let region = (case == "tcp-region").then_some(store.as_ref());
-                    let (first, timed, ok) = run_tcp_raw(p.local_addr(), args.size, region).await?;
-                    p.shutdown().await;
-                    (args.size, timed, first, ok)
-                }
-                "direct-native" | "managed-native" => {
-                    let p = Link::to(native_addr, rtt).await?;
-                    let connections = if case == "direct-native" {
-                        1
-                    } else {
-                        args.connections
-                    };
-                    let opts = ClientOptions {
-                        connections,
-                        ..ClientOptions::default()
-                    };
-                    let remote: Arc<dyn Store> = Arc::new(
-                        RemoteStore::connect(RemoteAddr::Tcp(p.local_addr().to_string()), opts)
-                            .await?,
-                    );
-                    let first = first_chunk(remote.as_ref(), connections).await?;
-                    let r = if case == "direct-native" {
-                        let (bytes, elapsed) =
-                            run_direct(remote.as_ref(), args.direct_time).await?;
-                        (bytes, elapsed, first, true)
-                    } else {
-                        let (elapsed, ok) = run_managed(remote.clone(), args.workers, |i| {
-                            read_source(store.as_ref(), i)
-                        })
-                        .await?;
-                        (args.size, elapsed, first, ok)
-                    };
-                    drop(remote);
-                    p.shutdown().await;
-                    r
-                }
-                _ => {
-                    let p = Link::to(grpc_addr, rtt).await?;
-                    let remote: Arc<dyn Store> = Arc::new(
-                        GrpcStore::connect_with(
-                            &format!("http://{}", p.local_addr()),
-                            GrpcClientOptions {
-                                connections: args.connections,
-                                ..GrpcClientOptions::default()
-                            },
-                        )
-                        .await?,
-                    );
-                    let first = first_chunk(remote.as_ref(), args.connections).await?;
-                    let (elapsed, ok) = run_managed(remote.clone(), args.workers, |i| {
-                        read_source(store.as_ref(), i)
-                    })
-                    .await?;
-                    drop(remote);
-                    p.shutdown().await;
-                    (args.size, elapsed, first, ok)
-                }
-            };
+            let (bytes, timed, first_us, verified) = servers.case(&args, case, rtt).await?;
             let elapsed = timed.elapsed;
             failed |= !verified;
             let result = NetResult {

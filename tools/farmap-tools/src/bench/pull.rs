@@ -22,13 +22,13 @@ use std::time::{Duration, Instant};
 use anyhow::{bail, Context};
 use bytes::Bytes;
 use clap::Args;
-use farmap::pipeline::{Cached, DelayOptions, Delayed, PullOptions, PullOrder, Puller};
+use farmap::pipeline::{Cached, MirrorPolicy, PullOptions, PullOrder, Puller};
 use farmap::store::DenseMemoryStore;
 use farmap::{format_size, open_store_async, Store, StoreSpec};
 use rand::{RngCore, SeedableRng};
 use serde::Serialize;
 
-use super::common::{measure_memcpy, parse_duration, parse_size_arg, set_chunk};
+use super::common::{delayed, memcpy_reference, parse_duration, parse_size_arg, set_chunk};
 use super::mirror::{self, MirrorArgs, MirrorTally};
 use crate::output;
 
@@ -116,145 +116,160 @@ pub async fn run(mut args: PullArgs) -> anyhow::Result<ExitCode> {
             args.store
         );
     }
-    let quiet = args.json;
     let source = open_store_async(&args.store)
         .await
         .context("opening the benchmark store")?;
     let g = source.geometry();
-    let chunk = g.chunk_size();
-    fill_random(source.as_ref(), quiet).await?;
-    let memcpy = tokio::task::spawn_blocking(move || {
-        let n = (g.size().min(256 << 20) as usize).max(chunk as usize);
-        measure_memcpy(&vec![0x5au8; n], chunk as usize)
-    })
-    .await
-    .context("measuring memcpy")?;
+    fill_random(source.as_ref(), args.json).await?;
+    let memcpy = memcpy_reference(g).await?;
     let rtt_s = args.rtt.as_secs_f64();
     let ideal = if rtt_s > 0.0 {
-        (f64::from(args.workers) * f64::from(chunk) / rtt_s / 1e6).min(memcpy)
+        (f64::from(args.workers) * f64::from(g.chunk_size()) / rtt_s / 1e6).min(memcpy)
     } else {
         memcpy
     };
-
+    let bench = PullBench {
+        args: &args,
+        source,
+        memcpy,
+        ideal,
+    };
     let mut tally = MirrorTally::default();
     for run in 1..=args.runs {
         // The local stores of a finished case stay alive until the run ends, so that the
         // next case does not reuse the memory they would free.
         let mut keep = Vec::new();
         for case in args.mirror.cases() {
-            // Setup, untimed: dense local memory, every page touched.
-            let dense: Arc<dyn Store> = Arc::new(DenseMemoryStore::new(g));
-            let (local, mirrored) = match case {
-                None => (dense, None),
-                Some(policy) => {
-                    let m = args.mirror.mirrored(policy, dense, Duration::ZERO).await?;
-                    (m.clone() as Arc<dyn Store>, Some(m))
-                }
-            };
-            let remote = Delayed::new(
-                source.clone(),
-                DelayOptions {
-                    latency: args.rtt,
-                    bandwidth: None,
-                },
-            );
-            let cached = Arc::new(Cached::new(local.clone(), remote)?);
-            let bar = output::byte_bar(g.size(), "pulling", quiet);
-            let opts = PullOptions {
-                workers: args.workers as usize,
-                order: PullOrder::Sequential,
-                ..PullOptions::default()
-            };
-
-            let faults = mirror::minor_faults();
-            let started = Instant::now();
-            let puller = Puller::start(cached.clone(), opts);
-            if bar.is_hidden() {
-                puller.wait().await;
-            } else {
-                let wait = puller.wait();
-                tokio::pin!(wait);
-                loop {
-                    tokio::select! {
-                        _ = &mut wait => break,
-                        _ = tokio::time::sleep(Duration::from_millis(100)) => {
-                            bar.set_position(puller.progress().done_chunks * u64::from(chunk));
-                        }
-                    }
-                }
-            }
-            let elapsed = started.elapsed();
-            let faults = mirror::minor_faults().saturating_sub(faults);
-            bar.finish_and_clear();
-
-            // Verify, untimed: every chunk of local memory (and of the mirror) equals the
-            // source.
-            let mut verified = cached.is_complete();
-            for idx in g.all().iter() {
-                if !verified {
-                    break;
-                }
-                let want = source.read(idx).await?;
-                verified = want == cached.read(idx).await?;
-                if let Some(m) = &mirrored {
-                    verified = verified && want == m.mirror().read(idx).await?;
-                }
-            }
-            let progress = puller.progress();
-            let mb = output::mb_per_s(g.size(), elapsed);
-            let mirror_cost = tally.record(case, mb);
-            let result = PullResult {
-                bench: "pull",
-                case: if case.is_some() {
-                    "cached-puller-mirrored"
-                } else {
-                    "cached-puller"
-                },
-                mirror: mirror::mirror_name(case),
-                store: args.store.to_string(),
-                size_bytes: g.size(),
-                chunk_bytes: chunk,
-                rtt_ms: rtt_s * 1e3,
-                mirror_delay_us: args.mirror.delay_us(),
-                workers: args.workers,
-                run,
-                elapsed_ms: output::round1(elapsed.as_secs_f64() * 1e3),
-                mb_per_s: mb,
-                memcpy_mb_per_s: output::round1(memcpy),
-                page_faults: faults,
-                ideal_mb_per_s: output::round1(ideal),
-                ratio_to_ideal: (mb / ideal * 1000.0).round() / 1000.0,
-                mirror_cost,
-                chunks: g.chunk_count(),
-                failed_chunks: progress.failed_chunks,
-                verified,
-            };
-            if args.json {
-                output::json_line(&result)?;
-            } else {
-                println!(
-                    "pull {} in {} chunks, rtt {} ms, {} workers, mirror {}: {:.1} MB/s in {:.1} ms = {:.2} × ideal {:.1} MB/s (memcpy {:.1} MB/s){}{}",
-                    format_size(g.size()),
-                    format_size(u64::from(chunk)),
-                    result.rtt_ms,
-                    args.workers,
-                    result.mirror,
-                    result.mb_per_s,
-                    result.elapsed_ms,
-                    result.ratio_to_ideal,
-                    result.ideal_mb_per_s,
-                    result.memcpy_mb_per_s,
-                    mirror::cost_suffix(result.mirror_cost),
-                    if verified { ", verified" } else { ", VERIFICATION FAILED" }
-                );
-            }
-            if !verified {
-                bail!("the pulled data differs from the source (or chunks failed to pull)");
-            }
-            keep.push(local);
+            keep.push(bench.case(run, case, &mut tally).await?);
         }
         drop(keep);
     }
     tally.finish("pull", &args.mirror, args.runs, args.json)?;
     Ok(ExitCode::SUCCESS)
+}
+
+/// One benchmark's source and references.
+struct PullBench<'a> {
+    args: &'a PullArgs,
+    source: Arc<dyn Store>,
+    memcpy: f64,
+    ideal: f64,
+}
+
+impl PullBench<'_> {
+    /// Pulls the whole source once into fresh local memory (through a mirror in a mirrored
+    /// `case`), verifies it and prints the result line; returns the local store.
+    async fn case(
+        &self,
+        run: u32,
+        case: Option<MirrorPolicy>,
+        tally: &mut MirrorTally,
+    ) -> anyhow::Result<Arc<dyn Store>> {
+        let (args, source) = (self.args, &self.source);
+        let g = source.geometry();
+        let chunk = g.chunk_size();
+        // Setup, untimed: dense local memory, every page touched.
+        let dense: Arc<dyn Store> = Arc::new(DenseMemoryStore::new(g));
+        let (local, mirrored) = args.mirror.case_store(case, dense, Duration::ZERO).await?;
+        let cached = Arc::new(Cached::new(
+            local.clone(),
+            delayed(source.clone(), args.rtt),
+        )?);
+        let bar = output::byte_bar(g.size(), "pulling", args.json);
+        let opts = PullOptions {
+            workers: args.workers as usize,
+            order: PullOrder::Sequential,
+            ..PullOptions::default()
+        };
+
+        let faults = mirror::minor_faults();
+        let started = Instant::now();
+        let puller = Puller::start(cached.clone(), opts);
+        if bar.is_hidden() {
+            puller.wait().await;
+        } else {
+            let wait = puller.wait();
+            tokio::pin!(wait);
+            loop {
+                tokio::select! {
+                    _ = &mut wait => break,
+                    _ = tokio::time::sleep(Duration::from_millis(100)) => {
+                        bar.set_position(puller.progress().done_chunks * u64::from(chunk));
+                    }
+                }
+            }
+        }
+        let elapsed = started.elapsed();
+        let faults = mirror::minor_faults().saturating_sub(faults);
+        bar.finish_and_clear();
+
+        // Verify, untimed: every chunk of local memory (and of the mirror) equals the
+        // source.
+        let mut verified = cached.is_complete();
+        for idx in g.all().iter() {
+            if !verified {
+                break;
+            }
+            let want = source.read(idx).await?;
+            verified = want == cached.read(idx).await?;
+            if let Some(m) = &mirrored {
+                verified = verified && want == m.mirror().read(idx).await?;
+            }
+        }
+        let mb = output::mb_per_s(g.size(), elapsed);
+        let result = PullResult {
+            bench: "pull",
+            case: if case.is_some() {
+                "cached-puller-mirrored"
+            } else {
+                "cached-puller"
+            },
+            mirror: mirror::mirror_name(case),
+            store: args.store.to_string(),
+            size_bytes: g.size(),
+            chunk_bytes: chunk,
+            rtt_ms: args.rtt.as_secs_f64() * 1e3,
+            mirror_delay_us: args.mirror.delay_us(),
+            workers: args.workers,
+            run,
+            elapsed_ms: output::round1(elapsed.as_secs_f64() * 1e3),
+            mb_per_s: mb,
+            memcpy_mb_per_s: output::round1(self.memcpy),
+            page_faults: faults,
+            ideal_mb_per_s: output::round1(self.ideal),
+            ratio_to_ideal: (mb / self.ideal * 1000.0).round() / 1000.0,
+            mirror_cost: tally.record(case, mb),
+            chunks: g.chunk_count(),
+            failed_chunks: puller.progress().failed_chunks,
+            verified,
+        };
+        self.print(&result)?;
+        if !verified {
+            bail!("the pulled data differs from the source (or chunks failed to pull)");
+        }
+        Ok(local)
+    }
+
+    /// Prints one result line (JSON with --json).
+    fn print(&self, result: &PullResult) -> anyhow::Result<()> {
+        if self.args.json {
+            return output::json_line(result);
+        }
+        println!(
+            "pull {} in {} chunks, rtt {} ms, {} workers, mirror {}: {:.1} MB/s in {:.1} ms = {:.2} × ideal {:.1} MB/s (memcpy {:.1} MB/s){}{}",
+            format_size(result.size_bytes),
+            format_size(u64::from(result.chunk_bytes)),
+            result.rtt_ms,
+            result.workers,
+            result.mirror,
+            result.mb_per_s,
+            result.elapsed_ms,
+            result.ratio_to_ideal,
+            result.ideal_mb_per_s,
+            result.memcpy_mb_per_s,
+            mirror::cost_suffix(result.mirror_cost),
+            if result.verified { ", verified" } else { ", VERIFICATION FAILED" }
+        );
+        Ok(())
+    }
 }

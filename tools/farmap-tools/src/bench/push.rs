@@ -29,7 +29,7 @@ use std::time::{Duration, Instant};
 use anyhow::{bail, Context};
 use bytes::Bytes;
 use clap::Args;
-use farmap::pipeline::{DelayOptions, Delayed, PushOptions, Pusher};
+use farmap::pipeline::{MirrorPolicy, PushOptions, Pusher};
 use farmap::store::DenseMemoryStore;
 use farmap::{format_size, open_store_async, ChunkIdx, Store, StoreSpec};
 use farmap_migrate::budget::process_cpu;
@@ -37,7 +37,7 @@ use futures::StreamExt;
 use rand::{RngCore, SeedableRng};
 use serde::Serialize;
 
-use super::common::{measure_memcpy, parse_duration, parse_size_arg, set_chunk};
+use super::common::{delayed, memcpy_reference, parse_duration, parse_size_arg, set_chunk};
 use super::mirror::{self, MirrorArgs, MirrorTally};
 use crate::output;
 
@@ -108,7 +108,6 @@ pub async fn run(mut args: PushArgs) -> anyhow::Result<ExitCode> {
         .await
         .context("opening the benchmark store")?
         .geometry();
-    let chunk = g.chunk_size();
     // The data, made once: the same for every case.
     let mut rng = rand::rngs::SmallRng::seed_from_u64(0x9b5_4f1);
     let data: Arc<Vec<Bytes>> = Arc::new(
@@ -121,12 +120,8 @@ pub async fn run(mut args: PushArgs) -> anyhow::Result<ExitCode> {
             })
             .collect(),
     );
-    let memcpy = tokio::task::spawn_blocking(move || {
-        let n = (g.size().min(256 << 20) as usize).max(chunk as usize);
-        measure_memcpy(&vec![0x5au8; n], chunk as usize)
-    })
-    .await
-    .context("measuring memcpy")?;
+    let memcpy = memcpy_reference(g).await?;
+    let bench = PushBench { args: &args, data };
 
     // Each case allocates a dense store and (the pusher's reads, kept by the stores) the
     // region's size again. With the heap settings made at start (no trimming), the memory
@@ -140,110 +135,132 @@ pub async fn run(mut args: PushArgs) -> anyhow::Result<ExitCode> {
             args.mirror.cases()
         };
         for case in cases {
-            // Setup, untimed: a fresh store, a dense local store written whole.
-            let store = open_store_async(&args.store)
-                .await
-                .context("opening the benchmark store")?;
-            let primary: Arc<dyn Store> = Arc::new(Delayed::new(
-                store.clone(),
-                DelayOptions {
-                    latency: args.rtt,
-                    bandwidth: None,
-                },
-            ));
-            let (remote, mirrored) = match case {
-                None => (primary, None),
-                Some(policy) => {
-                    let m = args.mirror.mirrored(policy, primary, args.rtt).await?;
-                    (m.clone() as Arc<dyn Store>, Some(m))
-                }
-            };
-            let local: Arc<dyn Store> = Arc::new(DenseMemoryStore::new(g));
-            let pusher = Pusher::new(
-                local,
-                remote.clone(),
-                PushOptions {
-                    workers: args.workers as usize,
-                    interval: None,
-                    ..PushOptions::default()
-                },
-            )?;
-            for idx in g.all().iter() {
-                pusher
-                    .write(idx, data[idx.as_usize()].clone())
-                    .await
-                    .with_context(|| format!("writing {idx} locally"))?;
-            }
-
-            let faults = mirror::minor_faults();
-            let cpu = process_cpu();
-            let started = Instant::now();
-            pusher.flush().await.context("pushing")?;
-            let elapsed = started.elapsed();
-            let cpu = process_cpu().saturating_sub(cpu);
-            let faults = mirror::minor_faults().saturating_sub(faults);
-
-            // Verify, untimed: the store and the mirror hold every chunk.
-            let mut verified = pusher.stats().pushed_chunks == g.chunk_count()
-                && holds(store.as_ref(), &data).await?;
-            if let Some(m) = &mirrored {
-                verified = verified && holds(m.mirror().as_ref(), &data).await?;
-            }
-            let mb = output::mb_per_s(g.size(), elapsed);
+            let measured = bench.case(case).await?;
             if run == 0 {
-                if !verified {
+                if !measured.verified {
                     bail!(
                         "the pushed data differs from what was written (or chunks failed to push)"
                     );
                 }
                 continue;
             }
-            let mirror_cost = tally.record(case, mb);
+            let mb = output::mb_per_s(g.size(), measured.elapsed);
             let result = PushResult {
                 bench: "push",
                 case: "pusher",
                 mirror: mirror::mirror_name(case),
                 store: args.store.to_string(),
                 size_bytes: g.size(),
-                chunk_bytes: chunk,
+                chunk_bytes: g.chunk_size(),
                 rtt_ms: args.rtt.as_secs_f64() * 1e3,
                 mirror_delay_us: args.mirror.delay_us(),
                 workers: args.workers,
                 run,
-                elapsed_ms: output::round1(elapsed.as_secs_f64() * 1e3),
+                elapsed_ms: output::round1(measured.elapsed.as_secs_f64() * 1e3),
                 mb_per_s: mb,
-                mirror_cost,
+                mirror_cost: tally.record(case, mb),
                 memcpy_mb_per_s: output::round1(memcpy),
-                page_faults: faults,
-                cpu_ms: output::round1(cpu.as_secs_f64() * 1e3),
+                page_faults: measured.faults,
+                cpu_ms: output::round1(measured.cpu.as_secs_f64() * 1e3),
                 chunks: g.chunk_count(),
-                verified,
+                verified: measured.verified,
             };
-            if args.json {
-                output::json_line(&result)?;
-            } else {
-                println!(
-                    "push {} in {} chunks, rtt {} ms, {} in flight, mirror {}: {:.1} MB/s in {:.1} ms{} (CPU {:.1} ms; memcpy {:.1} MB/s){}",
-                    format_size(g.size()),
-                    format_size(u64::from(chunk)),
-                    result.rtt_ms,
-                    args.workers,
-                    result.mirror,
-                    result.mb_per_s,
-                    result.elapsed_ms,
-                    mirror::cost_suffix(result.mirror_cost),
-                    result.cpu_ms,
-                    result.memcpy_mb_per_s,
-                    if verified { ", verified" } else { ", VERIFICATION FAILED" }
-                );
-            }
-            if !verified {
+            print(&args, &result)?;
+            if !result.verified {
                 bail!("the pushed data differs from what was written (or chunks failed to push)");
             }
         }
     }
     tally.finish("push", &args.mirror, args.runs, args.json)?;
     Ok(ExitCode::SUCCESS)
+}
+
+/// One benchmark's arguments and data.
+struct PushBench<'a> {
+    args: &'a PushArgs,
+    data: Arc<Vec<Bytes>>,
+}
+
+/// What one case measured.
+struct Measured {
+    elapsed: Duration,
+    cpu: Duration,
+    faults: u64,
+    verified: bool,
+}
+
+impl PushBench<'_> {
+    /// Writes the data whole into fresh local memory, times the push to a freshly opened
+    /// store (through a mirror in a mirrored `case`) and verifies what arrived.
+    async fn case(&self, case: Option<MirrorPolicy>) -> anyhow::Result<Measured> {
+        let (args, data) = (self.args, &self.data);
+        // Setup, untimed: a fresh store, a dense local store written whole.
+        let store = open_store_async(&args.store)
+            .await
+            .context("opening the benchmark store")?;
+        let g = store.geometry();
+        let primary: Arc<dyn Store> = Arc::new(delayed(store.clone(), args.rtt));
+        let (remote, mirrored) = args.mirror.case_store(case, primary, args.rtt).await?;
+        let local: Arc<dyn Store> = Arc::new(DenseMemoryStore::new(g));
+        let pusher = Pusher::new(
+            local,
+            remote.clone(),
+            PushOptions {
+                workers: args.workers as usize,
+                interval: None,
+                ..PushOptions::default()
+            },
+        )?;
+        for idx in g.all().iter() {
+            pusher
+                .write(idx, data[idx.as_usize()].clone())
+                .await
+                .with_context(|| format!("writing {idx} locally"))?;
+        }
+
+        let faults = mirror::minor_faults();
+        let cpu = process_cpu();
+        let started = Instant::now();
+        pusher.flush().await.context("pushing")?;
+        let elapsed = started.elapsed();
+        let cpu = process_cpu().saturating_sub(cpu);
+        let faults = mirror::minor_faults().saturating_sub(faults);
+
+        // Verify, untimed: the store and the mirror hold every chunk.
+        let mut verified =
+            pusher.stats().pushed_chunks == g.chunk_count() && holds(store.as_ref(), data).await?;
+        if let Some(m) = &mirrored {
+            verified = verified && holds(m.mirror().as_ref(), data).await?;
+        }
+        Ok(Measured {
+            elapsed,
+            cpu,
+            faults,
+            verified,
+        })
+    }
+}
+
+/// Prints one result line (JSON with --json).
+fn print(args: &PushArgs, result: &PushResult) -> anyhow::Result<()> {
+    if args.json {
+        return output::json_line(result);
+    }
+    println!(
+        "push {} in {} chunks, rtt {} ms, {} in flight, mirror {}: {:.1} MB/s in {:.1} ms{} (CPU {:.1} ms; memcpy {:.1} MB/s){}",
+        format_size(result.size_bytes),
+        format_size(u64::from(result.chunk_bytes)),
+        result.rtt_ms,
+        result.workers,
+        result.mirror,
+        result.mb_per_s,
+        result.elapsed_ms,
+        mirror::cost_suffix(result.mirror_cost),
+        result.cpu_ms,
+        result.memcpy_mb_per_s,
+        if result.verified { ", verified" } else { ", VERIFICATION FAILED" }
+    );
+    Ok(())
 }
 
 /// Whether `store` holds `data` (chunk `i` is `data[i]`); reads 64 chunks at a time.
