@@ -172,6 +172,16 @@ fn cache_requests_and_tiny_reads_never_read_keep_the_nbd_server_in_its_budget() 
         attacked < Duration::from_secs(15),
         "50 good reads took {attacked:?} under attack ({alone:?} alone)"
     );
+    // The store's work is shared out between connections (`--max-running`, a turn per
+    // chunk operation, the connection with the fewest out first): the good client waits for
+    // one turn, not behind the attackers' queues. Before, it ran about 20 times slower
+    // under this attack; now about 3 times (2 cores, quiet), the rest being the attackers'
+    // chunk reads sharing the CPUs and memory with its own. The guard is loose for noisy
+    // hosts.
+    assert!(
+        attacked < alone * 8,
+        "50 good reads took {attacked:?} under attack, {alone:?} alone"
+    );
 
     // Told to stop with the attackers still connected and unread: it stops within seconds.
     let t = Instant::now();

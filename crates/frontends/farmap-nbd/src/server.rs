@@ -86,32 +86,47 @@ fn flags_for(caps: Caps, read_only: bool) -> u16 {
     f
 }
 
-/// Serves `exports` on `listener` until [`NbdServer::shutdown`]. Must be called from within
-/// a Tokio runtime.
-///
-/// Every connection to an export shares one byte-range stage over its store, so a flush on
-/// any connection covers the writes completed on all of them (`NBD_FLAG_CAN_MULTI_CONN`).
-pub fn serve_nbd(
-    exports: Vec<Export>,
-    listener: Listener,
-    opts: NbdServeOptions,
-) -> Result<NbdServer, NbdServeError> {
-    if exports.is_empty() {
-        return Err(NbdServeError::Exports("there is no export to serve".into()));
-    }
-    for (i, e) in exports.iter().enumerate() {
-        if exports[..i].iter().any(|o| o.name == e.name) {
-            return Err(NbdServeError::Exports(format!(
-                "export {:?} is named twice",
-                e.name
-            )));
-        }
-        if e.name.len() > farmap_nbd_proto::consts::MAX_STRING {
-            return Err(NbdServeError::Exports(
-                "export names are limited to 4096 bytes".into(),
-            ));
-        }
-    }
+/// What the handshake announces of export `e`, and what its connections serve it with.
+fn export_ctx(e: &Export, max_payload: u32) -> (ExportInfo, Arc<ExportCtx>) {
+    let g = e.store.geometry();
+    let caps = e.store.caps();
+    let read_only = e.read_only || !caps.contains(Caps::WRITE);
+    let flags = flags_for(caps, read_only);
+    // What is announced is what is served: writes and simple-reply reads up to `max` bytes
+    // (longer ones fail with EINVAL), structured reads of any length (sent in chunks of at
+    // most `max` bytes of data). A chunk (a power of two) is the preferred size, and never
+    // over the maximum.
+    let preferred = g.chunk_size().max(512);
+    let max_payload = max_payload.max(preferred);
+    let block = BlockSize {
+        min: 1,
+        preferred,
+        max: max_payload,
+    };
+    let info = ExportInfo {
+        name: e.name.clone(),
+        description: e.description.clone(),
+        size: g.size(),
+        flags,
+        block,
+    };
+    let ctx = Arc::new(ExportCtx {
+        name: e.name.clone(),
+        // Each store operation takes its connection's turn.
+        store: Arc::new(Unaligned::new(
+            Arc::new(farmap_net::fair::InTurn::new(e.store.clone())) as Arc<dyn Store>,
+        )),
+        size: g.size(),
+        chunk: g.chunk_size().into(),
+        read_only,
+        caps,
+        max_payload,
+    });
+    (info, ctx)
+}
+
+/// Refuses options out of range.
+fn check_options(opts: &NbdServeOptions) -> Result<(), NbdServeError> {
     let check = |what, value: u64, min: u64, max: u64| {
         if (min..=max).contains(&value) {
             Ok(())
@@ -148,49 +163,45 @@ pub fn serve_nbd(
         1,
         65536,
     )?;
+    Ok(())
+}
+
+/// Serves `exports` on `listener` until [`NbdServer::shutdown`]. Must be called from within
+/// a Tokio runtime.
+///
+/// Every connection to an export shares one byte-range stage over its store, so a flush on
+/// any connection covers the writes completed on all of them (`NBD_FLAG_CAN_MULTI_CONN`).
+pub fn serve_nbd(
+    exports: Vec<Export>,
+    listener: Listener,
+    opts: NbdServeOptions,
+) -> Result<NbdServer, NbdServeError> {
+    if exports.is_empty() {
+        return Err(NbdServeError::Exports("there is no export to serve".into()));
+    }
+    for (i, e) in exports.iter().enumerate() {
+        if exports[..i].iter().any(|o| o.name == e.name) {
+            return Err(NbdServeError::Exports(format!(
+                "export {:?} is named twice",
+                e.name
+            )));
+        }
+        if e.name.len() > farmap_nbd_proto::consts::MAX_STRING {
+            return Err(NbdServeError::Exports(
+                "export names are limited to 4096 bytes".into(),
+            ));
+        }
+    }
+    check_options(&opts)?;
     let tls = match &opts.tls {
         Some(t) => Some(TlsAcceptor::from(t.build()?)),
         None => None,
     };
     let addr = listener.local_addr().map_err(NbdServeError::LocalAddr)?;
-    let mut infos = Vec::new();
-    let mut ctxs = Vec::new();
-    for e in &exports {
-        let g = e.store.geometry();
-        let caps = e.store.caps();
-        let read_only = e.read_only || !caps.contains(Caps::WRITE);
-        let flags = flags_for(caps, read_only);
-        // What is announced is what is served: writes and simple-reply reads up to `max`
-        // bytes (longer ones fail with EINVAL), structured reads of any length (sent in
-        // chunks of at most `max` bytes of data). A chunk (a power of two) is the
-        // preferred size, and never over the maximum.
-        let preferred = g.chunk_size().max(512);
-        let max_payload = opts.max_payload.max(preferred);
-        let block = BlockSize {
-            min: 1,
-            preferred,
-            max: max_payload,
-        };
-        infos.push(ExportInfo {
-            name: e.name.clone(),
-            description: e.description.clone(),
-            size: g.size(),
-            flags,
-            block,
-        });
-        ctxs.push(Arc::new(ExportCtx {
-            name: e.name.clone(),
-            // Each store operation takes its connection's turn.
-            store: Arc::new(Unaligned::new(
-                Arc::new(farmap_net::fair::InTurn::new(e.store.clone())) as Arc<dyn Store>,
-            )),
-            size: g.size(),
-            chunk: g.chunk_size().into(),
-            read_only,
-            caps,
-            max_payload,
-        }));
-    }
+    let (infos, ctxs): (Vec<_>, Vec<_>) = exports
+        .iter()
+        .map(|e| export_ctx(e, opts.max_payload))
+        .unzip();
     let starting = Starting::new();
     let shutdown = starting.shutdown.clone();
     let connections = starting.connections.clone();

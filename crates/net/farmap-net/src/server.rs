@@ -58,8 +58,8 @@ use crate::accept::{accept_connections, AcceptLoop};
 use crate::addr::{ListenAddr, Listener};
 use crate::auth::KeySlot;
 use crate::budget::{Charge, Total};
-use crate::counted::{Counted, STOP_STALL};
-use crate::fair::{self, Fair};
+use crate::counted::{Counted, Written, STOP_STALL};
+use crate::fair::{self, Fair, Lane};
 use crate::running::{Running, Starting};
 use crate::stream::{
     describe_foreign_bytes, io_phrase, is_clean_close, make_room, raised, write_frames, BoxStream,
@@ -681,16 +681,14 @@ async fn serve_frames(stream: BoxStream, mut buf: BytesMut, ctx: &Arc<Ctx>) -> E
                 }
             };
             let (slot, charge) = acquired;
-            let (tx, ctx, lane) = (tx.clone(), ctx.clone(), lane.clone());
             while tasks.try_join_next().is_some() {}
-            tasks.spawn(async move {
-                // Its store operations take this connection's turns; the reply does not.
-                let reply = Frame::new(frame.id, lane.run(execute(&ctx, frame.msg)).await);
-                let mut parts = Vec::with_capacity(4);
-                reply.encode_parts(&mut parts);
-                drop(slot);
-                let _ = tx.send((parts, Some(charge))).await;
-            });
+            tasks.spawn(answer(
+                frame,
+                ctx.clone(),
+                lane.clone(),
+                (slot, charge),
+                tx.clone(),
+            ));
         }
         if buf.is_empty() {
             partial = None;
@@ -756,28 +754,69 @@ async fn serve_frames(stream: BoxStream, mut buf: BytesMut, ctx: &Arc<Ctx>) -> E
             }
         }
     };
-    // Requests in flight hold their own senders: the writer ends after their replies, unless
-    // the connection ended badly (nobody reads them) or its client stopped reading them.
     drop(tx);
-    if matches!(ended, Ended::Badly(_)) {
-        tasks.abort_all();
+    if writer_done {
+        return ended;
     }
-    if !writer_done {
+    let ending = Ending {
+        writer,
+        tasks,
+        written,
+    };
+    ending.finish(ended).await
+}
+
+/// A connection's last steps: its requests' replies sent, or not.
+struct Ending {
+    writer: tokio::task::JoinHandle<std::io::Result<()>>,
+    tasks: tokio::task::JoinSet<()>,
+    written: Written,
+}
+
+impl Ending {
+    /// Requests in flight hold their own senders: the writer ends after their replies, unless
+    /// the connection ended badly (nobody reads them) or its client stopped reading them.
+    async fn finish(mut self, ended: Ended) -> Ended {
+        if matches!(ended, Ended::Badly(_)) {
+            self.tasks.abort_all();
+        }
+        let (writer, tasks) = (&mut self.writer, &mut self.tasks);
         let finish = async {
-            let _ = (&mut writer).await;
+            let _ = writer.await;
             // The writer failed: nobody will read what the requests answer.
             tasks.abort_all();
         };
-        if written.unless_stalled(finish, STOP_STALL).await.is_none() {
-            writer.abort();
-            tasks.abort_all();
+        if self
+            .written
+            .unless_stalled(finish, STOP_STALL)
+            .await
+            .is_none()
+        {
+            self.writer.abort();
+            self.tasks.abort_all();
             return Ended::Badly(format!(
                 "{}; the client does not read its replies",
                 ended.reason()
             ));
         }
+        ended
     }
-    ended
+}
+
+/// Works on one request and queues its reply (with the charge it keeps until written).
+async fn answer(
+    frame: Frame,
+    ctx: Arc<Ctx>,
+    lane: Lane,
+    (slot, charge): (OwnedSemaphorePermit, Charge),
+    tx: mpsc::Sender<Outgoing>,
+) {
+    // Its store operations take this connection's turns; the reply does not.
+    let reply = Frame::new(frame.id, lane.run(execute(&ctx, frame.msg)).await);
+    let mut parts = Vec::with_capacity(4);
+    reply.encode_parts(&mut parts);
+    drop(slot);
+    let _ = tx.send((parts, Some(charge))).await;
 }
 
 fn not_a_request(f: &Frame) -> String {

@@ -1031,6 +1031,15 @@ mod tests {
         Geometry::new(64 * 4096, 4096).unwrap()
     }
 
+    /// Every operation fails as if the store's server were down.
+    fn down() -> FaultPlan {
+        FaultPlan {
+            ops: OpSet::ALL,
+            trigger: FaultTrigger::Always,
+            kind: ErrorKind::Unavailable,
+        }
+    }
+
     fn opts(policy: MirrorPolicy) -> MirrorOptions {
         MirrorOptions {
             policy,
@@ -1079,11 +1088,7 @@ mod tests {
         let m = open();
         m.write(ChunkIdx(2), chunk(2)).await.unwrap();
         assert!(!path.exists(), "nothing owed, no journal");
-        primary.set_plan(FaultPlan {
-            ops: OpSet::ALL,
-            trigger: FaultTrigger::Always,
-            kind: ErrorKind::Unavailable,
-        });
+        primary.set_plan(down());
         m.write(ChunkIdx(2), chunk(22)).await.unwrap();
         m.write(ChunkIdx(3), chunk(3)).await.unwrap();
         assert_eq!(m.mirror_status().to_resync, 2);
@@ -1138,11 +1143,7 @@ mod tests {
             let chunk = |v: u8| Bytes::from(vec![v; 4096]);
             m.write(ChunkIdx(1), chunk(1)).await.unwrap();
             m.write(ChunkIdx(2), chunk(2)).await.unwrap();
-            primary.set_plan(FaultPlan {
-                ops: OpSet::ALL,
-                trigger: FaultTrigger::Always,
-                kind: ErrorKind::Unavailable,
-            });
+            primary.set_plan(down());
             // No error reaches the caller.
             m.write(ChunkIdx(2), chunk(22)).await.unwrap();
             m.write(ChunkIdx(3), chunk(3)).await.unwrap();

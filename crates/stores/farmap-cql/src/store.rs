@@ -61,6 +61,23 @@ pub fn commitlog_sync_is_durable(setting: &str) -> bool {
     )
 }
 
+/// Whether the node `session` asks syncs its commit log before it acknowledges a write (said
+/// in a log line when not).
+async fn durable(session: &Session, name: &str) -> bool {
+    let sync = commitlog_sync(session).await;
+    let durable = sync.as_deref().is_some_and(commitlog_sync_is_durable);
+    if !durable {
+        tracing::info!(
+            %name,
+            commitlog_sync = sync.as_deref().unwrap_or("unknown"),
+            "the server's commit log is not synced before it acknowledges a write: this store \
+             does not claim that a flush makes writes durable (no FLUSH capability; NBD \
+             clients are not offered FLUSH/FUA)"
+        );
+    }
+    durable
+}
+
 /// The `commitlog_sync` setting of the node `session` asks (Cassandra 4.0 and later have it
 /// in `system_views.settings`); `None` when it cannot tell (another server, no such table).
 async fn commitlog_sync(session: &Session) -> Option<String> {
@@ -173,17 +190,7 @@ impl CqlStore {
             ))
             .await?,
         };
-        let sync = commitlog_sync(&session).await;
-        let durable = sync.as_deref().is_some_and(commitlog_sync_is_durable);
-        if !durable {
-            tracing::info!(
-                %name,
-                commitlog_sync = sync.as_deref().unwrap_or("unknown"),
-                "the server's commit log is not synced before it acknowledges a write: this \
-                 store does not claim that a flush makes writes durable (no FLUSH capability; \
-                 NBD clients are not offered FLUSH/FUA)"
-            );
-        }
+        let durable = durable(&session, &name).await;
         tracing::debug!(%name, size = geometry.size(), chunk = geometry.chunk_size(), part_chunks, "opened");
         Ok(CqlStore {
             session,

@@ -15,12 +15,15 @@ use farmap_core::{
 };
 use std::sync::Mutex;
 
-use super::model::StoreSpec;
-use super::open::open_store_async;
+/// Opens the store again: the store, or why not.
+pub(super) type Opener =
+    Arc<dyn Fn() -> BoxFuture<'static, Result<Arc<dyn Store>, String>> + Send + Sync>;
 
 /// A store opened again and again until it can be (see the module docs).
 pub(super) struct Reopening {
-    spec: StoreSpec,
+    /// The store's spec, for messages.
+    spec: String,
+    open: Opener,
     geometry: Geometry,
     caps: Caps,
     every: Duration,
@@ -38,7 +41,7 @@ struct Side {
 impl std::fmt::Debug for Reopening {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("Reopening")
-            .field("spec", &self.spec.to_string())
+            .field("spec", &self.spec)
             .field(
                 "open",
                 &self
@@ -53,10 +56,12 @@ impl std::fmt::Debug for Reopening {
 }
 
 impl Reopening {
-    /// `spec`, which failed to open with `why`; it is expected to have `geometry` and
-    /// `caps` (the other side's), and is tried again at most every `every`.
+    /// The store `spec` that `open` opens, which failed to open with `why`; it is expected
+    /// to have `geometry` and `caps` (the other side's), and is tried again at most every
+    /// `every`.
     pub(super) fn new(
-        spec: StoreSpec,
+        spec: String,
+        open: Opener,
         geometry: Geometry,
         caps: Caps,
         why: String,
@@ -64,6 +69,7 @@ impl Reopening {
     ) -> Reopening {
         Reopening {
             spec,
+            open,
             geometry,
             caps,
             every,
@@ -87,8 +93,9 @@ impl Reopening {
             side.trying = true;
             side.last_try = Instant::now();
             let (spec, state, geometry) = (self.spec.clone(), self.state.clone(), self.geometry);
+            let opening = (self.open)();
             tokio::spawn(async move {
-                let opened = open_store_async(&spec).await;
+                let opened = opening.await;
                 let mut side = state.lock().unwrap_or_else(|e| e.into_inner());
                 side.trying = false;
                 match opened {
@@ -102,7 +109,7 @@ impl Reopening {
                             s.geometry()
                         );
                     }
-                    Err(e) => side.why = farmap_core::error_chain(&e),
+                    Err(why) => side.why = why,
                 }
             });
         }

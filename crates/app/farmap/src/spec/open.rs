@@ -5,7 +5,7 @@ use std::sync::Arc;
 
 use farmap_core::Store;
 
-use super::absent::Reopening;
+use super::absent::{Opener, Reopening};
 use super::model::{store_error, OpenError, StoreSpec};
 
 /// Opens (or creates) the store a spec names: any spec, local or remote (a remote store
@@ -34,8 +34,18 @@ pub async fn open_mirror(
     let m = Box::pin(open_store_async(mirror)).await;
     let every = options.probe.max(std::time::Duration::from_secs(1));
     let absent = |side: &StoreSpec, other: &Arc<dyn Store>, e: &OpenError| -> Arc<dyn Store> {
+        let spec = side.clone();
+        let open: Opener = Arc::new(move || {
+            let spec = spec.clone();
+            Box::pin(async move {
+                Box::pin(open_store_async(&spec))
+                    .await
+                    .map_err(|e| farmap_core::error_chain(&e))
+            })
+        });
         Arc::new(Reopening::new(
-            side.clone(),
+            side.to_string(),
+            open,
             other.geometry(),
             other.caps(),
             farmap_core::error_chain(e),
