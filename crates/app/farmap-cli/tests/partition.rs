@@ -1,8 +1,10 @@
 //! Partitions, not kills: servers and a migration source run in a network namespace joined
 //! to the test's by a veth pair, and the link is cut (`ip link set down`) for seconds in the
 //! middle of the work, then healed. The processes stay alive on both sides. Nothing
-//! acknowledged is lost: a remote store's writes, a mirror's (its primary resynchronised
-//! after the partition) and a live migration's region (which finishes, verified).
+//! acknowledged is lost: a remote store's writes (also when the cut outlasts the request
+//! timeout: writes fail, and none lands after a later one), a mirror's (its primary
+//! resynchronised after the partition) and a live migration's region (which finishes,
+//! verified, whether the cut comes during the pre-copy or the post-copy).
 
 use std::path::{Path, PathBuf};
 use std::process::Command;
@@ -269,6 +271,47 @@ async fn a_remote_store_rides_out_a_partition_and_loses_nothing() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_cut_longer_than_the_request_timeout_fails_writes_and_lets_none_land_late() {
+    let Some(ns) = Netns::new(
+        "a_cut_longer_than_the_request_timeout_fails_writes_and_lets_none_land_late",
+        4,
+    ) else {
+        return;
+    };
+    let dir = tempfile::tempdir().unwrap();
+    let file = dir.path().join("served.img");
+    let server = ns.serve(&format!("file:{}?size=1MiB&chunk=4KiB", file.display()));
+    let timeout = Duration::from_secs(1);
+    let store: Arc<dyn Store> = Arc::new(
+        RemoteStore::connect(
+            RemoteAddr::Tcp(server.addr().to_owned()),
+            ClientOptions {
+                request_timeout: timeout,
+                ..ClientOptions::default()
+            },
+        )
+        .await
+        .unwrap(),
+    );
+    let writing = Writing::start(store.clone(), 64);
+    partitioned(&ns, Duration::from_millis(500)).await;
+    // Writes go on after the heal, long enough for anything held in the cut to arrive.
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    let (failed, model) = writing.stop().await;
+    assert!(
+        failed > 0,
+        "a {CUT:?} cut is longer than the {timeout:?} request timeout: writes fail"
+    );
+    assert!(model.iter().all(|&v| v >= 2), "writes went on: {model:?}");
+    store.flush().await.expect("the flush after the partition");
+    // A write that failed in the cut must not land after a later one was acknowledged:
+    // every chunk holds the version last acknowledged.
+    tokio::time::sleep(Duration::from_secs(1)).await;
+    check(&*store, &model, "through the store").await;
+    check(&served_file(&file), &model, "in the served file").await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_mirror_serves_through_a_partition_and_resyncs_its_primary() {
     let Some(ns) = Netns::new(
         "a_mirror_serves_through_a_partition_and_resyncs_its_primary",
@@ -423,6 +466,80 @@ fn a_migration_across_a_partition_finishes_verified() {
     eprintln!("healed");
     let (ok, out, err) = leech.finish();
     assert!(ok, "leech failed across the partition: {err}");
+    let report: serde_json::Value = serde_json::from_str(out.last().unwrap()).unwrap();
+    assert_eq!(report["region_bytes"], size);
+    let (ok, _, err) = seed.finish();
+    assert!(ok, "seed failed: {err}");
+    assert_eq!(src.verify(), None, "the source handed the region over");
+    assert!(dst.verify().is_some(), "verified at the destination");
+}
+
+/// The link is cut during the post-copy (the region handed over, its chunks still coming
+/// from the source, paced so that the pull lasts past the cut): the destination waits, and
+/// after the heal the migration finishes, verified.
+#[test]
+fn a_partition_during_the_post_copy_is_ridden_out() {
+    let Some(ns) = Netns::new("a_partition_during_the_post_copy_is_ridden_out", 5) else {
+        return;
+    };
+    if farmap_testkit::skip::unless(
+        "a_partition_during_the_post_copy_is_ridden_out",
+        farmap_uffd::probe(),
+    )
+    .is_none()
+    {
+        return;
+    }
+    let dir = tempfile::tempdir().unwrap();
+    let size = 64u64 << 20;
+    let mut src = App::start(ns.farmap(&[]), dir.path(), "src", size, true);
+    let mut dst = App::start(common::farmap().command(), dir.path(), "dst", size, false);
+    let listen = format!("{}:0", ns.peer_ip);
+    let mut seed = common::farmap().proc(
+        "seed",
+        &[
+            "seed",
+            "--app",
+            src.agent.to_str().unwrap(),
+            "--listen",
+            &listen,
+            "--data-listen",
+            &listen,
+            "--json",
+        ],
+        WAIT,
+    );
+    let l = seed.stderr_line("waiting for a leecher: control on ");
+    let rest = l.split("control on ").nth(1).unwrap();
+    let (control, _) = rest.split_once(", data plane on ").unwrap();
+    let mut leech = common::farmap().proc(
+        "leech",
+        &[
+            "leech",
+            "--app",
+            dst.agent.to_str().unwrap(),
+            "--from",
+            control.trim(),
+            "--mode",
+            "postcopy",
+            // 64 MiB at 8 MB/s: the pull lasts about 8 s, past the cut.
+            "--max-rate",
+            "8MB",
+            "--json",
+        ],
+        WAIT,
+    );
+    leech.stderr_line("resumed here");
+    eprintln!("cutting the link for {CUT:?} in the post-copy");
+    ns.cut();
+    std::thread::sleep(CUT);
+    ns.heal();
+    eprintln!("healed");
+    let (ok, out, err) = leech.finish();
+    assert!(
+        ok,
+        "leech failed across a partition in the post-copy: {err}"
+    );
     let report: serde_json::Value = serde_json::from_str(out.last().unwrap()).unwrap();
     assert_eq!(report["region_bytes"], size);
     let (ok, _, err) = seed.finish();
