@@ -23,7 +23,7 @@ use farmap_nbd_proto::{
 use farmap_net::budget::{Budget, Charge};
 use farmap_net::counted::{Counted, STOP_STALL};
 use farmap_net::fair::Lane;
-use farmap_net::{is_clean_close, raised, BoxStream};
+use farmap_net::{is_clean_close, raised, Activity, BoxStream};
 use tokio::io::{AsyncReadExt, AsyncWrite, AsyncWriteExt, WriteHalf};
 use tokio::sync::{mpsc, watch, Mutex, OwnedSemaphorePermit, Semaphore, TryAcquireError};
 use tokio::time::Instant;
@@ -49,7 +49,12 @@ type Outgoing = (Vec<Bytes>, Option<Charge>);
 type Out = Counted<WriteHalf<BoxStream>>;
 
 /// Serves one connection to its end.
-pub(crate) async fn connection(stream: BoxStream, peer: String, ctx: Arc<Ctx>) {
+pub(crate) async fn connection(
+    stream: BoxStream,
+    peer: String,
+    ctx: Arc<Ctx>,
+    activity: Arc<Activity>,
+) {
     let shake = tokio::time::timeout(ctx.opts.handshake_timeout, handshake(stream, &peer, &ctx));
     let (stream, buf, export, session) = match shake.await {
         Ok(Ok(Some(done))) => done,
@@ -70,7 +75,7 @@ pub(crate) async fn connection(stream: BoxStream, peer: String, ctx: Arc<Ctx>) {
     ctx.note(format_args!(
         "NBD client {peer} connected to export {name:?}"
     ));
-    match transmission(stream, buf, export, session, &ctx, &peer).await {
+    match transmission(stream, buf, export, session, &ctx, (&peer, &activity)).await {
         Ok(()) => ctx.note(format_args!("NBD client {peer} disconnected")),
         Err(e) => tracing::warn!("NBD client {peer}: {e}"),
     }
@@ -378,7 +383,7 @@ async fn transmission(
     export: usize,
     session: Session,
     ctx: &Arc<Ctx>,
-    peer: &str,
+    (peer, activity): (&str, &Activity),
 ) -> Result<(), ConnError> {
     let exp = ctx.exports[export].clone();
     let (mut rd, wr) = tokio::io::split(stream);
@@ -399,6 +404,7 @@ async fn transmission(
     let lane = ctx.fair.lane();
     let max_in_flight = ctx.opts.max_in_flight_per_conn;
     let in_flight = Arc::new(Semaphore::new(max_in_flight));
+    activity.watch_slots(in_flight.clone(), max_in_flight);
     let mut decoder = RequestDecoder::new(exp.max_payload);
     let mut batch = Batch::default();
     // Budget charged for a write payload that is still arriving.
@@ -458,6 +464,7 @@ async fn transmission(
                 Incoming::Request { header, payload } => (header, payload),
             };
             own_buffer = false;
+            activity.touch();
             header_alone = header.command == Command::Write && header.length >= LARGE_WRITE;
             if header.command == Command::Disc {
                 break 'conn Ok(());

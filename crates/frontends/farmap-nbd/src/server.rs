@@ -286,7 +286,7 @@ async fn accept_loop(listener: Listener, ctx: Arc<Ctx>, connections: Arc<AtomicU
     accept_connections(
         listener,
         cfg,
-        |stream, peer| connection(stream, peer, serving.clone()),
+        |stream, peer, activity| connection(stream, peer, serving.clone(), activity),
         |stream, peer, n| {
             tracing::warn!(
                 "refused NBD client {peer}: {n} connections are being served already (the limit)"

@@ -1,13 +1,18 @@
 //! The accept loop farmap's servers share: a cap on connections, a clean stop, a grace
 //! period for the connections being served.
+//!
+//! At the cap, a new connection takes the place of the one that has been idle longest (no
+//! request in flight, none received for [`IDLE_TO_EVICT`] at least): clients that hold
+//! connections open with a request every few minutes cannot keep others out. Only when every
+//! connection is busy is a newcomer refused.
 
 use std::future::Future;
-use std::sync::atomic::{AtomicUsize, Ordering};
-use std::sync::Arc;
-use std::time::Duration;
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
+use std::sync::{Arc, OnceLock};
+use std::time::{Duration, Instant};
 
-use tokio::sync::watch;
-use tokio::task::JoinSet;
+use tokio::sync::{watch, Semaphore};
+use tokio::task::{AbortHandle, JoinSet};
 
 use crate::addr::Listener;
 use crate::stream::{raised, BoxStream};
@@ -28,9 +33,74 @@ pub struct AcceptLoop {
     pub server: &'static str,
 }
 
-/// Accepts connections on `listener` and runs `serve(stream, peer)` as a task for each,
-/// until [`AcceptLoop::shutdown`] is raised; a connection past the cap is handed to
-/// `refuse(stream, peer, serving)` instead. Then it removes the listener's socket file,
+/// A connection that has had no request in flight and received none for this long may be
+/// closed to make room for a new one at the cap.
+pub const IDLE_TO_EVICT: Duration = Duration::from_secs(1);
+
+/// What a connection tells the accept loop: when it last received a request, and whether
+/// requests are in flight (through its semaphore of request slots).
+#[derive(Debug)]
+pub struct Activity {
+    origin: Instant,
+    /// Milliseconds after `origin` of the last request (or of the accept).
+    last: AtomicU64,
+    slots: OnceLock<(Arc<Semaphore>, usize)>,
+}
+
+impl Activity {
+    fn new(origin: Instant) -> Activity {
+        let a = Activity {
+            origin,
+            last: AtomicU64::new(0),
+            slots: OnceLock::new(),
+        };
+        a.touch();
+        a
+    }
+
+    /// A request came.
+    pub fn touch(&self) {
+        let now = self.origin.elapsed().as_millis() as u64;
+        self.last.store(now, Ordering::Relaxed);
+    }
+
+    /// The connection's request slots: `max` permits, one held per request in flight.
+    pub fn watch_slots(&self, slots: Arc<Semaphore>, max: usize) {
+        let _ = self.slots.set((slots, max));
+    }
+
+    fn busy(&self) -> bool {
+        self.slots
+            .get()
+            .is_some_and(|(s, max)| s.available_permits() < *max)
+    }
+
+    /// How long since the last request, when none is in flight.
+    fn idle_for(&self) -> Option<Duration> {
+        if self.busy() {
+            return None;
+        }
+        let now = self.origin.elapsed().as_millis() as u64;
+        Some(Duration::from_millis(
+            now.saturating_sub(self.last.load(Ordering::Relaxed)),
+        ))
+    }
+}
+
+/// The connection idle longest (at least [`IDLE_TO_EVICT`]), if any.
+fn evictee(live: &[(AbortHandle, Arc<Activity>, String)]) -> Option<usize> {
+    live.iter()
+        .enumerate()
+        .filter_map(|(i, (h, a, _))| Some((i, a.idle_for()?)).filter(|_| !h.is_finished()))
+        .filter(|(_, idle)| *idle >= IDLE_TO_EVICT)
+        .max_by_key(|(_, idle)| *idle)
+        .map(|(i, _)| i)
+}
+
+/// Accepts connections on `listener` and runs `serve(stream, peer, activity)` as a task for
+/// each, until [`AcceptLoop::shutdown`] is raised; at the cap, the connection idle longest
+/// is closed for a new one (see the module docs), and when none is idle the new one is
+/// handed to `refuse(stream, peer, serving)` instead. Then it removes the listener's socket file,
 /// lets the connections finish within the grace period, and aborts the rest.
 pub async fn accept_connections<S, F, R>(
     listener: Listener,
@@ -38,7 +108,7 @@ pub async fn accept_connections<S, F, R>(
     mut serve: S,
     mut refuse: R,
 ) where
-    S: FnMut(BoxStream, String) -> F,
+    S: FnMut(BoxStream, String, Arc<Activity>) -> F,
     F: Future<Output = ()> + Send + 'static,
     R: FnMut(BoxStream, String, usize),
 {
@@ -50,6 +120,9 @@ pub async fn accept_connections<S, F, R>(
         server,
     } = cfg;
     let mut conns = JoinSet::new();
+    let origin = Instant::now();
+    // Every connection's task, activity and peer (finished ones pruned at the cap).
+    let mut live: Vec<(AbortHandle, Arc<Activity>, String)> = Vec::new();
     loop {
         tokio::select! {
             _ = raised(&mut shutdown) => break,
@@ -59,10 +132,35 @@ pub async fn accept_connections<S, F, R>(
             accepted = listener.accept() => match accepted {
                 Ok((stream, peer)) => {
                     if conns.len() >= max_connections {
-                        refuse(stream, peer, conns.len());
-                        continue;
+                        live.retain(|(h, _, _)| !h.is_finished());
+                        match evictee(&live) {
+                            Some(i) => {
+                                let (h, a, old) = live.swap_remove(i);
+                                tracing::warn!(
+                                    "{server}: {} connections (the limit): closing {old}'s, idle for {:?}, for {peer}",
+                                    conns.len(),
+                                    a.idle_for().unwrap_or_default()
+                                );
+                                h.abort();
+                                // Its slot is free once the task has ended.
+                                while conns.len() >= max_connections {
+                                    if conns.join_next().await.is_none() {
+                                        break;
+                                    }
+                                }
+                            }
+                            None => {
+                                refuse(stream, peer, conns.len());
+                                continue;
+                            }
+                        }
                     }
-                    conns.spawn(serve(stream, peer));
+                    let activity = Arc::new(Activity::new(origin));
+                    let handle = conns.spawn(serve(stream, peer.clone(), activity.clone()));
+                    live.push((handle, activity, peer));
+                    if live.len() > 2 * max_connections {
+                        live.retain(|(h, _, _)| !h.is_finished());
+                    }
                     connections.store(conns.len(), Ordering::Relaxed);
                 }
                 Err(e) => {

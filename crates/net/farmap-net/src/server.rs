@@ -54,7 +54,7 @@ use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::sync::{mpsc, watch, OwnedSemaphorePermit, Semaphore};
 use tokio_rustls::TlsAcceptor;
 
-use crate::accept::{accept_connections, AcceptLoop};
+use crate::accept::{accept_connections, AcceptLoop, Activity};
 use crate::addr::{ListenAddr, Listener};
 use crate::auth::KeySlot;
 use crate::budget::{Charge, Total};
@@ -368,7 +368,7 @@ async fn accept_loop(listener: Listener, ctx: Arc<Ctx>, connections: Arc<AtomicU
     accept_connections(
         listener,
         cfg,
-        |stream, peer| connection(stream, peer, serving.clone()),
+        |stream, peer, activity| connection(stream, peer, serving.clone(), activity),
         |stream, peer, n| refuse_full(stream, peer, &ctx, n),
     )
     .await;
@@ -509,7 +509,7 @@ fn refuse_full(stream: BoxStream, peer: String, ctx: &Arc<Ctx>, serving: usize) 
     });
 }
 
-async fn connection(stream: BoxStream, peer: String, ctx: Arc<Ctx>) {
+async fn connection(stream: BoxStream, peer: String, ctx: Arc<Ctx>, activity: Arc<Activity>) {
     let timeout = ctx.opts.handshake_timeout;
     let Ok(accepted) = tokio::time::timeout(timeout, handshake(stream, &peer, &ctx)).await else {
         tracing::warn!("closed {peer}: no handshake within {timeout:?}");
@@ -556,7 +556,7 @@ async fn connection(stream: BoxStream, peer: String, ctx: Arc<Ctx>) {
         return;
     }
     ctx.note(format_args!("{peer} connected"));
-    match serve_frames(stream, buf, &ctx).await {
+    match serve_frames(stream, buf, &ctx, &activity).await {
         Ended::Normally(reason) => ctx.note(format_args!("{peer} closed: {reason}")),
         Ended::Badly(reason) => tracing::warn!("{peer} closed: {reason}"),
     }
@@ -622,7 +622,12 @@ fn cost(ctx: &Ctx, msg: &Message, frame_len: usize) -> usize {
 
 /// Reads and answers requests until the peer leaves, a frame is bad, the peer is idle or stops
 /// reading, or shutdown; returns why the connection ended.
-async fn serve_frames(stream: BoxStream, mut buf: BytesMut, ctx: &Arc<Ctx>) -> Ended {
+async fn serve_frames(
+    stream: BoxStream,
+    mut buf: BytesMut,
+    ctx: &Arc<Ctx>,
+    activity: &Activity,
+) -> Ended {
     let (mut rd, wr) = tokio::io::split(stream);
     let (mut wr, written) = Counted::new(wr);
     let in_flight = ctx.info.max_in_flight as usize;
@@ -632,6 +637,7 @@ async fn serve_frames(stream: BoxStream, mut buf: BytesMut, ctx: &Arc<Ctx>) -> E
         tokio::spawn(async move { write_frames(&mut wr, &mut rx, Some(idle_timeout)).await });
     let mut writer_done = false;
     let permits = Arc::new(Semaphore::new(in_flight));
+    activity.watch_slots(permits.clone(), in_flight);
     let budget = ctx.total.connection(ctx.conn_budget, ctx.reserve);
     let lane = ctx.fair.lane();
     // The requests being answered: cancelled when the connection ends badly.
@@ -667,6 +673,7 @@ async fn serve_frames(stream: BoxStream, mut buf: BytesMut, ctx: &Arc<Ctx>) -> E
             };
             // Whole now: its receive charge is returned before the request is charged.
             partial = None;
+            activity.touch();
             let frame_len = before - buf.len();
             let charge = cost(ctx, &frame.msg, frame_len);
             let acquired = tokio::select! {

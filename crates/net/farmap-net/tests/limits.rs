@@ -231,3 +231,38 @@ async fn crowds_over_the_connection_limit_are_refused_without_piling_up() {
     good.read(ChunkIdx(1)).await.unwrap();
     server.shutdown().await.unwrap();
 }
+
+/// Clients that hold every connection slot with an idle connection (a request every few
+/// minutes keeps one open) do not keep a new client out: at the limit, the connection idle
+/// longest is closed for it. Only when every connection is busy is a newcomer refused.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn at_the_limit_a_new_client_takes_the_place_of_the_connection_idle_longest() {
+    let g = Geometry::new(1 << 20, 4096).unwrap();
+    let server = start(
+        Arc::new(MemoryStore::new(g)),
+        "127.0.0.1:0",
+        ServeOptions {
+            max_connections: 4,
+            ..quiet()
+        },
+    )
+    .await;
+    let mut held = Vec::new();
+    for _ in 0..4 {
+        held.push(raw_session(tcp(&server)).await);
+    }
+    // Just opened: not idle long enough to be closed; the newcomer is refused.
+    let err = RemoteStore::connect(addr_of(&server), client())
+        .await
+        .unwrap_err();
+    assert!(err.to_string().contains("limit of 4 connections"), "{err}");
+    tokio::time::sleep(farmap_net::IDLE_TO_EVICT + Duration::from_millis(300)).await;
+    let good = RemoteStore::connect(addr_of(&server), client())
+        .await
+        .expect("a new client takes an idle connection's place");
+    good.read(ChunkIdx(1)).await.unwrap();
+    // The oldest of the held connections was the one closed.
+    let first = &mut held[0];
+    closed_within(first, Duration::from_secs(5)).await;
+    server.shutdown().await.unwrap();
+}
