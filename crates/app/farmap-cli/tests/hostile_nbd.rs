@@ -165,21 +165,19 @@ fn cache_requests_and_tiny_reads_never_read_keep_the_nbd_server_in_its_budget() 
         OVERHEAD / MIB
     );
 
-    // Memory is what the budget bounds; the attackers' requests are still real work (each
-    // 1-byte read reads a 4 MiB chunk), which the good client shares the CPUs with. Before
-    // the budget counted what requests hold, the good client was not answered at all.
+    // Before the budget counted what requests hold, the good client was not answered at all.
     assert!(
         attacked < Duration::from_secs(15),
         "50 good reads took {attacked:?} under attack ({alone:?} alone)"
     );
-    // The store's work is shared out between connections (`--max-running`, a turn per
-    // chunk operation, the connection with the fewest out first): the good client waits for
-    // one turn, not behind the attackers' queues. Before, it ran about 20 times slower
-    // under this attack; now about 3 times (2 cores, quiet), the rest being the attackers'
-    // chunk reads sharing the CPUs and memory with its own. The guard is loose for noisy
-    // hosts.
+    // At least half its unloaded rate (issue bar). The store's work is shared out between
+    // connections (`--max-running`, a turn per chunk operation, the connection with the
+    // fewest out first), a read of part of a chunk reads only that part from the file, and
+    // CACHE on a file is a read-ahead hint: the attackers' requests no longer cost a 4 MiB
+    // chunk read each. Before, the good client ran about 20 times slower under this attack.
+    // (20 ms of slack: the rounds take milliseconds, and hosts are noisy.)
     assert!(
-        attacked < alone * 8,
+        attacked < alone * 2 + Duration::from_millis(20),
         "50 good reads took {attacked:?} under attack, {alone:?} alone"
     );
 

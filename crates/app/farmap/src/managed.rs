@@ -312,6 +312,11 @@ impl Store for Managed {
     fn status(&self, idx: ChunkIdx) -> BoxFuture<'_, StoreResult<ChunkStatus>> {
         self.pusher.status(idx)
     }
+
+    /// Pulls the chunk into the local cache (NBD `CACHE` on a managed export).
+    fn prefetch(&self, idx: ChunkIdx) -> BoxFuture<'_, StoreResult<()>> {
+        Box::pin(async move { self.read(idx).await.map(drop) })
+    }
 }
 
 impl fmt::Debug for Managed {

@@ -42,5 +42,5 @@ pub use geometry::{
 pub use retry::RetryPolicy;
 pub use share::SizeOrPercent;
 pub use size::{format_size, parse_size, MbPerSec, SizeError};
-pub use store::{BoxFuture, ChunkStatus, Store};
+pub use store::{part_range, BoxFuture, ChunkStatus, Store};
 pub use zeros::{is_zero, zero_chunk};

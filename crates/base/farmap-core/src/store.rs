@@ -7,7 +7,7 @@ use std::sync::Arc;
 
 use bytes::Bytes;
 
-use crate::{Caps, ChunkIdx, ChunkRange, Geometry, StoreError, StoreResult};
+use crate::{Caps, ChunkIdx, ChunkRange, ErrorKind, Geometry, StoreError, StoreResult};
 
 /// A boxed, `Send` future: what every [`Store`] method returns, so that `Arc<dyn Store>` works.
 pub type BoxFuture<'a, T> = Pin<Box<dyn Future<Output = T> + Send + 'a>>;
@@ -40,8 +40,12 @@ pub enum ChunkStatus {
 /// - `trim` makes the chunks of a range read as zeros (releasing space where
 ///   [`Caps::TRIM`] says so).
 ///
-/// There are no default method bodies: a stage must decide, for every operation, what it does
-/// (a silent pass-through is how a new operation bypasses a cache or a tracker unnoticed).
+/// The operations have no default bodies: a stage must decide, for every operation, what it
+/// does (a silent pass-through is how a new operation bypasses a cache or a tracker
+/// unnoticed). The two hints do, written with `read` so that no stage is bypassed:
+/// [`read_part`](Store::read_part) (the default reads the chunk and slices it; a file reads
+/// only the part) and [`prefetch`](Store::prefetch) (the default does nothing; a cache
+/// fetches the chunk).
 pub trait Store: Send + Sync + fmt::Debug + 'static {
     /// The size and chunk size of the region. Constant for the store's lifetime.
     fn geometry(&self) -> Geometry;
@@ -63,6 +67,45 @@ pub trait Store: Send + Sync + fmt::Debug + 'static {
 
     /// What the store knows about chunk `idx` without reading it.
     fn status(&self, idx: ChunkIdx) -> BoxFuture<'_, StoreResult<ChunkStatus>>;
+
+    /// Reads `len` bytes at `offset` of chunk `idx` (within the chunk's length, else
+    /// `OutOfRange`). The default reads the chunk whole and slices it.
+    fn read_part(
+        &self,
+        idx: ChunkIdx,
+        offset: usize,
+        len: usize,
+    ) -> BoxFuture<'_, StoreResult<Bytes>> {
+        Box::pin(async move {
+            let chunk = self.read(idx).await?;
+            let range = part_range(idx, chunk.len(), offset, len)?;
+            Ok(chunk.slice(range))
+        })
+    }
+
+    /// A hint that chunk `idx` will be read soon (NBD's `CACHE`). The default does nothing;
+    /// a store with a slower layer under a faster one fetches the chunk, a file asks the
+    /// kernel to read it ahead.
+    fn prefetch(&self, idx: ChunkIdx) -> BoxFuture<'_, StoreResult<()>> {
+        let _ = idx;
+        Box::pin(async { Ok(()) })
+    }
+}
+
+/// `offset..offset + len` checked against a chunk of `chunk_len` bytes.
+pub fn part_range(
+    idx: ChunkIdx,
+    chunk_len: usize,
+    offset: usize,
+    len: usize,
+) -> StoreResult<std::ops::Range<usize>> {
+    match offset.checked_add(len) {
+        Some(end) if end <= chunk_len => Ok(offset..end),
+        _ => Err(StoreError::new(
+            ErrorKind::OutOfRange,
+            format!("{len} bytes at {offset} reach past {idx}'s {chunk_len} bytes"),
+        )),
+    }
 }
 
 macro_rules! forward_store {
@@ -88,6 +131,17 @@ macro_rules! forward_store {
             }
             fn status(&self, idx: ChunkIdx) -> BoxFuture<'_, StoreResult<ChunkStatus>> {
                 (**self).status(idx)
+            }
+            fn read_part(
+                &self,
+                idx: ChunkIdx,
+                offset: usize,
+                len: usize,
+            ) -> BoxFuture<'_, StoreResult<Bytes>> {
+                (**self).read_part(idx, offset, len)
+            }
+            fn prefetch(&self, idx: ChunkIdx) -> BoxFuture<'_, StoreResult<()>> {
+                (**self).prefetch(idx)
             }
         }
     };

@@ -201,11 +201,11 @@ impl ExportCtx {
             }
             Command::Cache => {
                 self.check_range(h)?;
-                // One chunk at a time, each dropped once read: a 28-byte request asking for
-                // 4 GiB holds one chunk (what it is charged), never the range.
-                for (at, n, _) in self.pieces(h.offset, h.length.into()) {
-                    self.store.read_bytes(at, n as usize).await?;
-                }
+                // A hint, passed on chunk by chunk: a managed (cached) export fetches each
+                // chunk (one at a time, each dropped: a 28-byte request asking for 4 GiB
+                // holds one chunk, what it is charged), a file asks the kernel to read
+                // ahead, other stores do nothing.
+                self.store.prefetch_bytes(h.offset, h.length.into()).await?;
                 Ok(ok_reply(h))
             }
             Command::BlockStatus => {

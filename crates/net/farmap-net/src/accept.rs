@@ -93,7 +93,8 @@ fn evictee(live: &[(AbortHandle, Arc<Activity>, String)]) -> Option<usize> {
         .enumerate()
         .filter_map(|(i, (h, a, _))| Some((i, a.idle_for()?)).filter(|_| !h.is_finished()))
         .filter(|(_, idle)| *idle >= IDLE_TO_EVICT)
-        .max_by_key(|(_, idle)| *idle)
+        // The longest idle; the oldest connection among equals.
+        .max_by_key(|(i, idle)| (*idle, std::cmp::Reverse(*i)))
         .map(|(i, _)| i)
 }
 
@@ -135,7 +136,7 @@ pub async fn accept_connections<S, F, R>(
                         live.retain(|(h, _, _)| !h.is_finished());
                         match evictee(&live) {
                             Some(i) => {
-                                let (h, a, old) = live.swap_remove(i);
+                                let (h, a, old) = live.remove(i);
                                 tracing::warn!(
                                     "{server}: {} connections (the limit): closing {old}'s, idle for {:?}, for {peer}",
                                     conns.len(),

@@ -332,6 +332,25 @@ impl Store for InTurn {
             self.0.status(idx).await
         })
     }
+
+    fn read_part(
+        &self,
+        idx: ChunkIdx,
+        offset: usize,
+        len: usize,
+    ) -> BoxFuture<'_, StoreResult<Bytes>> {
+        Box::pin(async move {
+            let _turn = Self::turn().await?;
+            self.0.read_part(idx, offset, len).await
+        })
+    }
+
+    fn prefetch(&self, idx: ChunkIdx) -> BoxFuture<'_, StoreResult<()>> {
+        Box::pin(async move {
+            let _turn = Self::turn().await?;
+            self.0.prefetch(idx).await
+        })
+    }
 }
 
 /// A turn being waited for; gives it back if it came but the wait was abandoned.

@@ -869,6 +869,11 @@ impl<L: Store, R: Store> Store for Cached<L, R> {
             self.remote.status(idx)
         }
     }
+
+    /// Fetches the chunk into the local store.
+    fn prefetch(&self, idx: ChunkIdx) -> BoxFuture<'_, StoreResult<()>> {
+        Box::pin(async move { self.read(idx).await.map(drop) })
+    }
 }
 
 impl<L: Store, R: Store> PushHold for Cached<L, R> {

@@ -112,20 +112,52 @@ impl<S: Store> Unaligned<S> {
             .await
     }
 
-    /// Reads `len` bytes at `offset`. A range within one chunk is returned as a slice of the
-    /// chunk the inner store returned, without copying.
+    /// Reads `len` bytes at `offset`. A whole chunk is returned as the inner store returned
+    /// it, without copying; part of one chunk is read alone ([`Store::read_part`]: a file
+    /// reads only those bytes).
     pub async fn read_bytes(&self, offset: u64, len: usize) -> StoreResult<Bytes> {
         self.check("read", offset, len as u64)?;
         let pieces = self.pieces(offset, len);
         match pieces.as_slice() {
             [] => Ok(Bytes::new()),
-            [p] => Ok(self.read_chunk(p.idx).await?.slice(p.in_chunk())),
+            [p] if p.whole => self.read_chunk(p.idx).await,
+            [p] => {
+                let r = p.in_chunk();
+                let part = self.inner.read_part(p.idx, r.start, r.len()).await?;
+                if part.len() != r.len() {
+                    return Err(StoreError::new(
+                        ErrorKind::Corrupt,
+                        format!(
+                            "the inner store returned {} bytes of {}, not {}",
+                            part.len(),
+                            p.idx,
+                            r.len()
+                        ),
+                    ));
+                }
+                Ok(part)
+            }
             _ => {
                 let mut buf = vec![0; len];
                 self.read_at(offset, &mut buf).await?;
                 Ok(Bytes::from(buf))
             }
         }
+    }
+
+    /// Hints that the chunks of `len` bytes at `offset` will be read ([`Store::prefetch`]).
+    pub async fn prefetch_bytes(&self, offset: u64, len: u64) -> StoreResult<()> {
+        self.check("prefetch", offset, len)?;
+        if len == 0 {
+            return Ok(());
+        }
+        let g = self.geometry;
+        let first = g.chunk_of(offset).0;
+        let last = g.chunk_of(offset + len - 1).0;
+        for idx in first..=last {
+            self.inner.prefetch(ChunkIdx(idx)).await?;
+        }
+        Ok(())
     }
 
     /// Writes `data` at `offset`.

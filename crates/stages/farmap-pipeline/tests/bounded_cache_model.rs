@@ -102,7 +102,8 @@ async fn run(max_chunks: u64, seed: u64, remote_can_trim: bool) {
         let (cached, done) = (cached.clone(), done.clone());
         async move {
             let mut samples = 0u64;
-            while !done.load(Ordering::Acquire) {
+            // At least one sample, however soon the writers finish.
+            while samples == 0 || !done.load(Ordering::Acquire) {
                 let present = cached.present_count();
                 assert!(
                     present <= max_chunks,
@@ -161,7 +162,8 @@ async fn run(max_chunks: u64, seed: u64, remote_can_trim: bool) {
             tokio::spawn(async move {
                 let mut rng = rand::rngs::StdRng::seed_from_u64(seed ^ (r + 100));
                 let mut reads = 0u64;
-                while !done.load(Ordering::Acquire) {
+                // At least one read, however soon the writers finish.
+                while reads == 0 || !done.load(Ordering::Acquire) {
                     let idx = rng.gen_range(0..CHUNKS);
                     let h = &history[idx as usize];
                     let lo = h.acked.load(Ordering::Acquire);

@@ -52,6 +52,15 @@ pub(crate) trait BlockingChunks: Send + Sync + 'static {
     fn trim_range(&self, range: ChunkRange) -> StoreResult<()>;
     /// What chunk `idx` holds (checked).
     fn chunk_status(&self, idx: ChunkIdx) -> StoreResult<ChunkStatus>;
+    /// Reads `range` of chunk `idx` (checked); by default the chunk, sliced.
+    fn read_part_chunk(&self, idx: ChunkIdx, range: std::ops::Range<usize>) -> StoreResult<Bytes> {
+        Ok(self.read_chunk(idx)?.slice(range))
+    }
+    /// Asks for chunk `idx` to be read ahead (checked); by default nothing.
+    fn prefetch_chunk(&self, idx: ChunkIdx) -> StoreResult<()> {
+        let _ = idx;
+        Ok(())
+    }
 }
 
 /// The [`Store`] over a [`BlockingChunks`] state: the file and dir stores are this, with their
@@ -120,6 +129,27 @@ impl<I: BlockingChunks> OnBlocking<I> {
         Box::pin(async move {
             self.0.geometry().check_idx(idx)?;
             self.run(move |i| i.read_chunk(idx)).await
+        })
+    }
+
+    pub fn read_part(
+        &self,
+        idx: ChunkIdx,
+        offset: usize,
+        len: usize,
+    ) -> BoxFuture<'_, StoreResult<Bytes>> {
+        Box::pin(async move {
+            let g = self.0.geometry();
+            g.check_idx(idx)?;
+            let range = farmap_core::part_range(idx, g.chunk_len(idx), offset, len)?;
+            self.run(move |i| i.read_part_chunk(idx, range)).await
+        })
+    }
+
+    pub fn prefetch(&self, idx: ChunkIdx) -> BoxFuture<'_, StoreResult<()>> {
+        Box::pin(async move {
+            self.0.geometry().check_idx(idx)?;
+            self.run(move |i| i.prefetch_chunk(idx)).await
         })
     }
 
@@ -216,6 +246,20 @@ macro_rules! store_on_blocking {
             ) -> farmap_core::BoxFuture<'_, farmap_core::StoreResult<farmap_core::ChunkStatus>>
             {
                 self.blocking.status(idx)
+            }
+            fn read_part(
+                &self,
+                idx: farmap_core::ChunkIdx,
+                offset: usize,
+                len: usize,
+            ) -> farmap_core::BoxFuture<'_, farmap_core::StoreResult<bytes::Bytes>> {
+                self.blocking.read_part(idx, offset, len)
+            }
+            fn prefetch(
+                &self,
+                idx: farmap_core::ChunkIdx,
+            ) -> farmap_core::BoxFuture<'_, farmap_core::StoreResult<()>> {
+                self.blocking.prefetch(idx)
             }
         }
     };

@@ -347,6 +347,23 @@ impl BlockingChunks for Inner {
         Ok(Bytes::from(buf))
     }
 
+    fn read_part_chunk(&self, idx: ChunkIdx, range: std::ops::Range<usize>) -> StoreResult<Bytes> {
+        let mut buf = vec![0u8; range.len()];
+        let _shared = self.stripes.read(idx.0);
+        self.file
+            .read_exact_at(&mut buf, self.geometry.offset_of(idx) + range.start as u64)
+            .map_err(|e| self.io_error(format_args!("reading part of {idx}"), e))?;
+        Ok(Bytes::from(buf))
+    }
+
+    fn prefetch_chunk(&self, idx: ChunkIdx) -> StoreResult<()> {
+        let at = self.geometry.offset_of(idx);
+        let len = std::num::NonZeroU64::new(self.geometry.chunk_len(idx) as u64);
+        // Only a hint: the kernel reads it ahead into the page cache, or does not.
+        let _ = rustix::fs::fadvise(&self.file, at, len, rustix::fs::Advice::WillNeed);
+        Ok(())
+    }
+
     fn write_chunk(&self, idx: ChunkIdx, data: &[u8]) -> StoreResult<()> {
         let _exclusive = self.stripes.write(idx.0);
         self.file

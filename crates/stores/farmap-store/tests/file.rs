@@ -399,3 +399,22 @@ async fn one_writer_per_file() {
         Bytes::from(vec![7u8; 4096])
     );
 }
+
+#[tokio::test]
+async fn part_of_a_chunk_is_read_alone_and_checked() {
+    let dir = TempDir::new().unwrap();
+    let store = FileStore::open(&dir.path().join("r.img"), opts(Some(1 << 20), 65536)).unwrap();
+    let g = store.geometry();
+    let data = chunk_content(g, ChunkIdx(3), 5);
+    store.write(ChunkIdx(3), data.clone()).await.unwrap();
+    let part = store.read_part(ChunkIdx(3), 1000, 10).await.unwrap();
+    assert_eq!(part, data.slice(1000..1010));
+    assert_eq!(part.len(), 10, "only the part, not the chunk");
+    let e = store.read_part(ChunkIdx(3), 65530, 10).await.unwrap_err();
+    assert_eq!(e.kind(), ErrorKind::OutOfRange, "{e}");
+    let e = store.read_part(ChunkIdx(16), 0, 1).await.unwrap_err();
+    assert_eq!(e.kind(), ErrorKind::OutOfRange, "{e}");
+    // A hint: nothing changes.
+    store.prefetch(ChunkIdx(3)).await.unwrap();
+    assert_eq!(store.read(ChunkIdx(3)).await.unwrap(), data);
+}
