@@ -406,17 +406,15 @@ impl App {
     }
 }
 
-#[test]
-fn a_migration_across_a_partition_finishes_verified() {
-    let Some(ns) = Netns::new("a_migration_across_a_partition_finishes_verified", 3) else {
+/// A live migration of a 64 MiB region from an app in the namespace to one here (the leecher
+/// run with `leech_args` added), the link cut for [`CUT`] at `cut_at`: a source still in
+/// charge runs on during the cut, and the migration finishes after the heal, verified at the
+/// destination.
+fn migrate_across_a_cut(test: &str, net: u8, leech_args: &[&str], cut_at: Cut) {
+    let Some(ns) = Netns::new(test, net) else {
         return;
     };
-    if farmap_testkit::skip::unless(
-        "a_migration_across_a_partition_finishes_verified",
-        farmap_uffd::probe(),
-    )
-    .is_none()
-    {
+    if farmap_testkit::skip::unless(test, farmap_uffd::probe()).is_none() {
         return;
     }
     let dir = tempfile::tempdir().unwrap();
@@ -441,31 +439,37 @@ fn a_migration_across_a_partition_finishes_verified() {
     let l = seed.stderr_line("waiting for a leecher: control on ");
     let rest = l.split("control on ").nth(1).unwrap();
     let (control, _) = rest.split_once(", data plane on ").unwrap();
-    let leech = common::farmap().proc(
+    let mut args = vec![
         "leech",
-        &[
-            "leech",
-            "--app",
-            dst.agent.to_str().unwrap(),
-            "--from",
-            control.trim(),
-            "--json",
-        ],
-        WAIT,
-    );
-    // Cut as soon as the leecher is in: the pull of the region is under way.
-    seed.stderr_line("a leecher connected");
-    eprintln!("cutting the link for {CUT:?}");
+        "--app",
+        dst.agent.to_str().unwrap(),
+        "--from",
+        control.trim(),
+        "--json",
+    ];
+    args.extend_from_slice(leech_args);
+    let mut leech = common::farmap().proc("leech", &args, WAIT);
+    match cut_at {
+        Cut::PreCopy => {
+            seed.stderr_line("a leecher connected");
+        }
+        Cut::PostCopy => {
+            leech.stderr_line("resumed here");
+        }
+    }
+    eprintln!("cutting the link for {CUT:?} ({cut_at:?})");
     ns.cut();
     std::thread::sleep(CUT);
-    assert!(
-        src.verify().is_some(),
-        "the source runs on during the partition"
-    );
+    if cut_at == Cut::PreCopy {
+        assert!(
+            src.verify().is_some(),
+            "the source runs on during the partition"
+        );
+    }
     ns.heal();
     eprintln!("healed");
     let (ok, out, err) = leech.finish();
-    assert!(ok, "leech failed across the partition: {err}");
+    assert!(ok, "leech failed across the partition ({cut_at:?}): {err}");
     let report: serde_json::Value = serde_json::from_str(out.last().unwrap()).unwrap();
     assert_eq!(report["region_bytes"], size);
     let (ok, _, err) = seed.finish();
@@ -474,76 +478,34 @@ fn a_migration_across_a_partition_finishes_verified() {
     assert!(dst.verify().is_some(), "verified at the destination");
 }
 
-/// The link is cut during the post-copy (the region handed over, its chunks still coming
-/// from the source, paced so that the pull lasts past the cut): the destination waits, and
-/// after the heal the migration finishes, verified.
+/// When a migration's link is cut.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Cut {
+    /// As soon as the leecher is in: the pull of the region is under way, the source runs.
+    PreCopy,
+    /// Once the region is handed over and the destination runs, its chunks still coming.
+    PostCopy,
+}
+
+#[test]
+fn a_migration_across_a_partition_finishes_verified() {
+    migrate_across_a_cut(
+        "a_migration_across_a_partition_finishes_verified",
+        3,
+        &[],
+        Cut::PreCopy,
+    );
+}
+
+/// The link is cut during the post-copy (paced so that the pull lasts past the cut): the
+/// destination waits, and after the heal the migration finishes, verified.
 #[test]
 fn a_partition_during_the_post_copy_is_ridden_out() {
-    let Some(ns) = Netns::new("a_partition_during_the_post_copy_is_ridden_out", 5) else {
-        return;
-    };
-    if farmap_testkit::skip::unless(
+    migrate_across_a_cut(
         "a_partition_during_the_post_copy_is_ridden_out",
-        farmap_uffd::probe(),
-    )
-    .is_none()
-    {
-        return;
-    }
-    let dir = tempfile::tempdir().unwrap();
-    let size = 64u64 << 20;
-    let mut src = App::start(ns.farmap(&[]), dir.path(), "src", size, true);
-    let mut dst = App::start(common::farmap().command(), dir.path(), "dst", size, false);
-    let listen = format!("{}:0", ns.peer_ip);
-    let mut seed = common::farmap().proc(
-        "seed",
-        &[
-            "seed",
-            "--app",
-            src.agent.to_str().unwrap(),
-            "--listen",
-            &listen,
-            "--data-listen",
-            &listen,
-            "--json",
-        ],
-        WAIT,
+        5,
+        // 64 MiB at 8 MB/s: the pull lasts about 8 s, past the cut.
+        &["--mode", "postcopy", "--max-rate", "8MB"],
+        Cut::PostCopy,
     );
-    let l = seed.stderr_line("waiting for a leecher: control on ");
-    let rest = l.split("control on ").nth(1).unwrap();
-    let (control, _) = rest.split_once(", data plane on ").unwrap();
-    let mut leech = common::farmap().proc(
-        "leech",
-        &[
-            "leech",
-            "--app",
-            dst.agent.to_str().unwrap(),
-            "--from",
-            control.trim(),
-            "--mode",
-            "postcopy",
-            // 64 MiB at 8 MB/s: the pull lasts about 8 s, past the cut.
-            "--max-rate",
-            "8MB",
-            "--json",
-        ],
-        WAIT,
-    );
-    leech.stderr_line("resumed here");
-    eprintln!("cutting the link for {CUT:?} in the post-copy");
-    ns.cut();
-    std::thread::sleep(CUT);
-    ns.heal();
-    eprintln!("healed");
-    let (ok, out, err) = leech.finish();
-    assert!(
-        ok,
-        "leech failed across a partition in the post-copy: {err}"
-    );
-    let report: serde_json::Value = serde_json::from_str(out.last().unwrap()).unwrap();
-    assert_eq!(report["region_bytes"], size);
-    let (ok, _, err) = seed.finish();
-    assert!(ok, "seed failed: {err}");
-    assert_eq!(src.verify(), None, "the source handed the region over");
-    assert!(dst.verify().is_some(), "verified at the destination");
 }

@@ -185,28 +185,12 @@ async fn a_client_that_never_finishes_the_handshake_is_closed_at_the_deadline() 
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn crowds_over_the_connection_limit_are_refused_without_piling_up() {
-    let g = Geometry::new(1 << 20, 4096).unwrap();
-    let server = start(
-        Arc::new(MemoryStore::new(g)),
-        "127.0.0.1:0",
-        ServeOptions {
-            max_connections: 4,
-            handshake_timeout: Duration::from_millis(500),
-            ..quiet()
-        },
-    )
+    let (server, held) = four_held(ServeOptions {
+        max_connections: 4,
+        handshake_timeout: Duration::from_millis(500),
+        ..quiet()
+    })
     .await;
-    let mut held = Vec::new();
-    for _ in 0..4 {
-        held.push(raw_session(tcp(&server)).await);
-    }
-    let err = RemoteStore::connect(addr_of(&server), client())
-        .await
-        .unwrap_err();
-    assert!(
-        err.to_string().contains("limit of 4 connections"),
-        "a client over the limit is told why: {err}"
-    );
     // A crowd that never speaks: each is closed, answered or not.
     let mut crowd = Vec::new();
     for _ in 0..200 {
@@ -232,30 +216,35 @@ async fn crowds_over_the_connection_limit_are_refused_without_piling_up() {
     server.shutdown().await.unwrap();
 }
 
+/// A server of at most four connections, all four taken by fresh sessions; a fifth client is
+/// refused (they are too fresh to be closed for it), and told why.
+async fn four_held(opts: ServeOptions) -> (Server, Vec<TcpStream>) {
+    let g = Geometry::new(1 << 20, 4096).unwrap();
+    let server = start(Arc::new(MemoryStore::new(g)), "127.0.0.1:0", opts).await;
+    let mut held = Vec::new();
+    for _ in 0..4 {
+        held.push(raw_session(tcp(&server)).await);
+    }
+    let err = RemoteStore::connect(addr_of(&server), client())
+        .await
+        .unwrap_err();
+    assert!(
+        err.to_string().contains("limit of 4 connections"),
+        "a client over the limit is told why: {err}"
+    );
+    (server, held)
+}
+
 /// Clients that hold every connection slot with an idle connection (a request every few
 /// minutes keeps one open) do not keep a new client out: at the limit, the connection idle
 /// longest is closed for it. Only when every connection is busy is a newcomer refused.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn at_the_limit_a_new_client_takes_the_place_of_the_connection_idle_longest() {
-    let g = Geometry::new(1 << 20, 4096).unwrap();
-    let server = start(
-        Arc::new(MemoryStore::new(g)),
-        "127.0.0.1:0",
-        ServeOptions {
-            max_connections: 4,
-            ..quiet()
-        },
-    )
+    let (server, mut held) = four_held(ServeOptions {
+        max_connections: 4,
+        ..quiet()
+    })
     .await;
-    let mut held = Vec::new();
-    for _ in 0..4 {
-        held.push(raw_session(tcp(&server)).await);
-    }
-    // Just opened: not idle long enough to be closed; the newcomer is refused.
-    let err = RemoteStore::connect(addr_of(&server), client())
-        .await
-        .unwrap_err();
-    assert!(err.to_string().contains("limit of 4 connections"), "{err}");
     tokio::time::sleep(farmap_net::IDLE_TO_EVICT + Duration::from_millis(300)).await;
     let good = RemoteStore::connect(addr_of(&server), client())
         .await
