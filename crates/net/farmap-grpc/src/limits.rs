@@ -57,6 +57,53 @@ impl ConnInfo {
     }
 }
 
+/// What the accept loop knows of a connection being served: at the connection limit, the
+/// one idle longest (no call holding memory, no byte from the client for
+/// [`farmap_net::IDLE_TO_EVICT`]) is closed for a new one.
+#[derive(Debug)]
+pub(crate) struct Live {
+    budget: Budget,
+    /// When bytes last came from the client.
+    last_read: std::sync::Mutex<std::time::Instant>,
+    /// Closed for a newcomer: its next read fails.
+    evicted: std::sync::atomic::AtomicBool,
+    /// The task waiting to read, woken to find it evicted.
+    reader: std::sync::Mutex<Option<std::task::Waker>>,
+}
+
+impl Live {
+    /// How long it has been idle, when no call holds memory.
+    fn idle_for(&self) -> Option<Duration> {
+        if !self.budget.is_idle() {
+            return None;
+        }
+        Some(
+            self.last_read
+                .lock()
+                .unwrap_or_else(|e| e.into_inner())
+                .elapsed(),
+        )
+    }
+
+    fn evict(&self) {
+        self.evicted
+            .store(true, std::sync::atomic::Ordering::Release);
+        if let Some(w) = self.reader.lock().unwrap_or_else(|e| e.into_inner()).take() {
+            w.wake();
+        }
+    }
+}
+
+/// The live connection idle longest (at least [`farmap_net::IDLE_TO_EVICT`]), if any.
+fn evictee(live: &[std::sync::Weak<Live>]) -> Option<Arc<Live>> {
+    live.iter()
+        .filter_map(std::sync::Weak::upgrade)
+        .filter_map(|l| Some((l.idle_for()?, l)))
+        .filter(|(idle, _)| *idle >= farmap_net::IDLE_TO_EVICT)
+        .max_by_key(|(idle, _)| *idle)
+        .map(|(_, l)| l)
+}
+
 /// An accepted connection that holds one of the server's connection slots.
 #[derive(Debug)]
 pub(crate) struct Limited {
@@ -66,6 +113,7 @@ pub(crate) struct Limited {
     deadline: Pin<Box<Sleep>>,
     info: ConnInfo,
     log: bool,
+    live: Arc<Live>,
 }
 
 impl Limited {
@@ -76,6 +124,12 @@ impl Limited {
         info: ConnInfo,
         log: bool,
     ) -> Self {
+        let live = Arc::new(Live {
+            budget: info.budget.clone(),
+            last_read: std::sync::Mutex::new(std::time::Instant::now()),
+            evicted: std::sync::atomic::AtomicBool::new(false),
+            reader: std::sync::Mutex::new(None),
+        });
         Self {
             io,
             _slot: slot,
@@ -83,6 +137,7 @@ impl Limited {
             deadline: Box::pin(tokio::time::sleep(idle)),
             info,
             log,
+            live,
         }
     }
 
@@ -124,12 +179,27 @@ impl AsyncRead for Limited {
         buf: &mut ReadBuf<'_>,
     ) -> Poll<io::Result<()>> {
         let this = &mut *self;
+        if this.live.evicted.load(std::sync::atomic::Ordering::Acquire) {
+            return Poll::Ready(Err(io::Error::new(
+                io::ErrorKind::ConnectionAborted,
+                "closed for a new connection: idle at the connection limit",
+            )));
+        }
         match Pin::new(&mut this.io).poll_read(cx, buf) {
             Poll::Ready(r) => {
                 this.progressed();
+                *this
+                    .live
+                    .last_read
+                    .lock()
+                    .unwrap_or_else(|e| e.into_inner()) = std::time::Instant::now();
                 Poll::Ready(r)
             }
-            Poll::Pending => this.stalled(cx).map(Err),
+            Poll::Pending => {
+                *this.live.reader.lock().unwrap_or_else(|e| e.into_inner()) =
+                    Some(cx.waker().clone());
+                this.stalled(cx).map(Err)
+            }
         }
     }
 }
@@ -202,38 +272,67 @@ pub(crate) fn limited_incoming(
     budgets: Budgets,
 ) -> impl Stream<Item = io::Result<Limited>> {
     let slots = Arc::new(Semaphore::new(max));
-    let state = (listener, slots, budgets);
-    futures::stream::unfold(state, move |(listener, slots, budgets)| async move {
-        loop {
-            let (io, peer) = match listener.accept().await {
-                Ok(accepted) => accepted,
-                Err(e) => {
-                    tracing::warn!("accepting a gRPC connection failed: {e}");
-                    tokio::time::sleep(Duration::from_millis(100)).await;
-                    continue;
+    let live: Vec<std::sync::Weak<Live>> = Vec::new();
+    let state = (listener, slots, budgets, live);
+    futures::stream::unfold(
+        state,
+        move |(listener, slots, budgets, mut live)| async move {
+            loop {
+                let (io, peer) = match listener.accept().await {
+                    Ok(accepted) => accepted,
+                    Err(e) => {
+                        tracing::warn!("accepting a gRPC connection failed: {e}");
+                        tokio::time::sleep(Duration::from_millis(100)).await;
+                        continue;
+                    }
+                };
+                let slot = match slots.clone().try_acquire_owned() {
+                    Ok(slot) => slot,
+                    Err(_) => {
+                        live.retain(|l| l.strong_count() > 0);
+                        let freed = match evictee(&live) {
+                            Some(old) => {
+                                tracing::warn!(
+                                "{max} gRPC connections (the limit): closing the one idle longest for {peer}"
+                            );
+                                old.evict();
+                                drop(old);
+                                let wait = slots.clone().acquire_owned();
+                                tokio::time::timeout(Duration::from_secs(2), wait)
+                                    .await
+                                    .ok()
+                                    .and_then(Result::ok)
+                            }
+                            None => None,
+                        };
+                        match freed {
+                            Some(slot) => slot,
+                            None => {
+                                tracing::warn!(
+                                "refusing gRPC connection from {peer}: already serving {max} connections, none idle"
+                            );
+                                drop(io);
+                                continue;
+                            }
+                        }
+                    }
+                };
+                let _ = io.set_nodelay(true);
+                let peer = peer.to_string();
+                if log {
+                    tracing::info!("gRPC connection from {peer}");
+                } else {
+                    tracing::debug!("gRPC connection from {peer}");
                 }
-            };
-            let Ok(slot) = slots.clone().try_acquire_owned() else {
-                tracing::warn!(
-                    "refusing gRPC connection from {peer}: already serving {max} connections"
-                );
-                drop(io);
-                continue;
-            };
-            let _ = io.set_nodelay(true);
-            let peer = peer.to_string();
-            if log {
-                tracing::info!("gRPC connection from {peer}");
-            } else {
-                tracing::debug!("gRPC connection from {peer}");
+                let info = ConnInfo {
+                    budget: budgets.total.connection(budgets.conn, budgets.reserve),
+                    lane: budgets.fair.lane(),
+                    peer: peer.into(),
+                };
+                let conn = Limited::new(io, slot, idle, info, log);
+                live.push(Arc::downgrade(&conn.live));
+                return Some((Ok(conn), (listener, slots, budgets, live)));
             }
-            let info = ConnInfo {
-                budget: budgets.total.connection(budgets.conn, budgets.reserve),
-                lane: budgets.fair.lane(),
-                peer: peer.into(),
-            };
-            let conn = Limited::new(io, slot, idle, info, log);
-            return Some((Ok(conn), (listener, slots, budgets)));
-        }
-    })
+        },
+    )
 }

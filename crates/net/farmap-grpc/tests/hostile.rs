@@ -364,3 +364,49 @@ fn replies_a_client_never_reads_stay_within_the_budget() {
         panic!("the budget never came back: {last:?}");
     });
 }
+
+/// Connections held open and idle (a call every few minutes keeps one open) do not keep a
+/// new client out at `max_connections`: the one idle longest is closed for it.
+#[test]
+fn at_the_connection_limit_a_new_client_takes_an_idle_connections_place() {
+    let _serial = serial();
+    runtime().block_on(async {
+        let g = Geometry::new(64 << 20, 1 << 20).expect("geometry");
+        let options = GrpcServerOptions {
+            max_connections: 4,
+            ..small_server()
+        };
+        let url = serve(Arc::new(MemoryStore::new(g)), options).await;
+        let addr = url.trim_start_matches("http://").to_owned();
+        // Four connections that say nothing hold every slot.
+        let mut held = Vec::new();
+        for _ in 0..4 {
+            held.push(
+                tokio::net::TcpStream::connect(&addr)
+                    .await
+                    .expect("connect"),
+            );
+        }
+        tokio::time::sleep(farmap_net::IDLE_TO_EVICT + Duration::from_millis(300)).await;
+        // A client with a pool of four connections takes their places, and is served.
+        tokio::time::timeout(Duration::from_secs(20), good_client_is_served(&url, g))
+            .await
+            .expect("the good client was served");
+        let mut closed = 0;
+        for s in &mut held {
+            let mut buf = [0u8; 1024];
+            let read = tokio::time::timeout(Duration::from_secs(5), async {
+                loop {
+                    match tokio::io::AsyncReadExt::read(s, &mut buf).await {
+                        Ok(0) | Err(_) => return,
+                        Ok(_) => {}
+                    }
+                }
+            });
+            if read.await.is_ok() {
+                closed += 1;
+            }
+        }
+        assert_eq!(closed, 4, "every idle connection gave its place");
+    });
+}
