@@ -565,3 +565,50 @@ async fn a_verified_file_killed_before_a_flush_reads_its_last_writes_as_lost() {
     assert!(err.contains("lost") && err.contains("chunk 4"), "{err}");
     assert!(!err.contains("chunk 3"), "{err}");
 }
+
+/// A gRPC client that stops reading in the middle of a copy (SIGSTOP) does not hold the
+/// server's stop: the graceful stop waits for it at most the 10 s grace (it waited for the
+/// 120 s idle timeout before).
+#[test]
+fn a_grpc_server_stops_within_its_grace_when_a_client_stops_reading() {
+    let dir = tempfile::tempdir().unwrap();
+    let src = dir.path().join("src.img");
+    random_file(&src, 256 << 20, 9);
+    let served = serve("memory:256MiB", "127.0.0.1:0", &["--grpc", "--quiet"]);
+    let url = format!("farmap+grpc://{}", served.addr());
+    check(
+        &farmap().run(&["cp", "-q", &format!("file:{}", src.display()), &url]),
+        "cp into the gRPC server",
+    );
+    let out = dir.path().join("out.img");
+    let mut reader = farmap()
+        .command()
+        .args([
+            "cp",
+            "-q",
+            &url,
+            &format!("file:{}?size=256MiB", out.display()),
+        ])
+        .stderr(std::process::Stdio::null())
+        .spawn()
+        .unwrap();
+    std::thread::sleep(Duration::from_millis(300));
+    let signal = |sig: &str, pid: u32| {
+        let ok = std::process::Command::new("kill")
+            .args([&format!("-{sig}"), &pid.to_string()])
+            .status()
+            .unwrap()
+            .success();
+        assert!(ok, "kill -{sig}");
+    };
+    signal("STOP", reader.id());
+    std::thread::sleep(Duration::from_secs(1));
+    let t = Instant::now();
+    let (status, _) = served.stop("TERM");
+    let took = t.elapsed();
+    signal("CONT", reader.id());
+    let _ = reader.kill();
+    let _ = reader.wait();
+    assert!(status.success(), "{status}");
+    assert!(took < Duration::from_secs(15), "the stop took {took:?}");
+}

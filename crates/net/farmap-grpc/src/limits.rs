@@ -38,6 +38,23 @@ pub(crate) struct Budgets {
     pub(crate) reserve: usize,
     /// Turns at the store, shared out between the connections.
     pub(crate) fair: Fair,
+    /// Raised when the server is told to stop: a connection whose bytes do not move for
+    /// [`farmap_net::counted::STOP_STALL`] is then closed, not waited for.
+    pub(crate) stopping: Arc<std::sync::atomic::AtomicBool>,
+    /// The connections being served.
+    pub(crate) live: Arc<std::sync::Mutex<Vec<std::sync::Weak<Live>>>>,
+}
+
+impl Budgets {
+    /// The server is stopping: every connection looks again at whether its bytes move.
+    pub(crate) fn stop(&self) {
+        self.stopping
+            .store(true, std::sync::atomic::Ordering::Release);
+        let live = self.live.lock().unwrap_or_else(|e| e.into_inner());
+        for l in live.iter().filter_map(std::sync::Weak::upgrade) {
+            l.wake();
+        }
+    }
 }
 
 /// What every call of a connection finds in its request's extensions.
@@ -69,6 +86,8 @@ pub(crate) struct Live {
     evicted: std::sync::atomic::AtomicBool,
     /// The task waiting to read, woken to find it evicted.
     reader: std::sync::Mutex<Option<std::task::Waker>>,
+    /// The task waiting to write, woken when the server stops.
+    writer: std::sync::Mutex<Option<std::task::Waker>>,
 }
 
 impl Live {
@@ -88,8 +107,14 @@ impl Live {
     fn evict(&self) {
         self.evicted
             .store(true, std::sync::atomic::Ordering::Release);
-        if let Some(w) = self.reader.lock().unwrap_or_else(|e| e.into_inner()).take() {
-            w.wake();
+        self.wake();
+    }
+
+    fn wake(&self) {
+        for waker in [&self.reader, &self.writer] {
+            if let Some(w) = waker.lock().unwrap_or_else(|e| e.into_inner()).take() {
+                w.wake();
+            }
         }
     }
 }
@@ -114,6 +139,9 @@ pub(crate) struct Limited {
     info: ConnInfo,
     log: bool,
     live: Arc<Live>,
+    stopping: Arc<std::sync::atomic::AtomicBool>,
+    /// The deadline was shortened for the stop.
+    stop_armed: bool,
 }
 
 impl Limited {
@@ -123,12 +151,14 @@ impl Limited {
         idle: Duration,
         info: ConnInfo,
         log: bool,
+        stopping: Arc<std::sync::atomic::AtomicBool>,
     ) -> Self {
         let live = Arc::new(Live {
             budget: info.budget.clone(),
             last_read: std::sync::Mutex::new(std::time::Instant::now()),
             evicted: std::sync::atomic::AtomicBool::new(false),
             reader: std::sync::Mutex::new(None),
+            writer: std::sync::Mutex::new(None),
         });
         Self {
             io,
@@ -138,6 +168,8 @@ impl Limited {
             info,
             log,
             live,
+            stopping,
+            stop_armed: false,
         }
     }
 
@@ -147,8 +179,24 @@ impl Limited {
         self.deadline.as_mut().reset(next);
     }
 
-    /// After a step that made no progress: fails once the deadline has passed.
+    /// A write that made no progress: noted for a wake at the stop, then [`stalled`].
+    ///
+    /// [`stalled`]: Self::stalled
+    fn write_stalled<T>(&mut self, cx: &mut Context<'_>) -> Poll<io::Result<T>> {
+        *self.live.writer.lock().unwrap_or_else(|e| e.into_inner()) = Some(cx.waker().clone());
+        self.stalled(cx).map(Err)
+    }
+
+    /// After a step that made no progress: fails once the deadline has passed (the idle
+    /// timeout, or [`farmap_net::counted::STOP_STALL`] once the server is stopping).
     fn stalled(&mut self, cx: &mut Context<'_>) -> Poll<io::Error> {
+        if !self.stop_armed && self.stopping.load(std::sync::atomic::Ordering::Acquire) {
+            self.stop_armed = true;
+            let soon = Instant::now() + farmap_net::counted::STOP_STALL;
+            if soon < self.deadline.deadline() {
+                self.deadline.as_mut().reset(soon);
+            }
+        }
         ready!(self.deadline.as_mut().poll(cx));
         tracing::warn!(
             "closing gRPC connection from {}: no bytes moved for {:?}",
@@ -216,7 +264,7 @@ impl AsyncWrite for Limited {
                 this.progressed();
                 Poll::Ready(r)
             }
-            Poll::Pending => this.stalled(cx).map(Err),
+            Poll::Pending => this.write_stalled(cx),
         }
     }
 
@@ -231,7 +279,7 @@ impl AsyncWrite for Limited {
                 this.progressed();
                 Poll::Ready(r)
             }
-            Poll::Pending => this.stalled(cx).map(Err),
+            Poll::Pending => this.write_stalled(cx),
         }
     }
 
@@ -243,7 +291,7 @@ impl AsyncWrite for Limited {
         let this = &mut *self;
         match Pin::new(&mut this.io).poll_flush(cx) {
             Poll::Ready(r) => Poll::Ready(r),
-            Poll::Pending => this.stalled(cx).map(Err),
+            Poll::Pending => this.write_stalled(cx),
         }
     }
 
@@ -272,67 +320,74 @@ pub(crate) fn limited_incoming(
     budgets: Budgets,
 ) -> impl Stream<Item = io::Result<Limited>> {
     let slots = Arc::new(Semaphore::new(max));
-    let live: Vec<std::sync::Weak<Live>> = Vec::new();
+    let live = budgets.live.clone();
     let state = (listener, slots, budgets, live);
-    futures::stream::unfold(
-        state,
-        move |(listener, slots, budgets, mut live)| async move {
-            loop {
-                let (io, peer) = match listener.accept().await {
-                    Ok(accepted) => accepted,
-                    Err(e) => {
-                        tracing::warn!("accepting a gRPC connection failed: {e}");
-                        tokio::time::sleep(Duration::from_millis(100)).await;
-                        continue;
-                    }
-                };
-                let slot = match slots.clone().try_acquire_owned() {
-                    Ok(slot) => slot,
-                    Err(_) => {
+    futures::stream::unfold(state, move |(listener, slots, budgets, live)| async move {
+        loop {
+            let (io, peer) = match listener.accept().await {
+                Ok(accepted) => accepted,
+                Err(e) => {
+                    tracing::warn!("accepting a gRPC connection failed: {e}");
+                    tokio::time::sleep(Duration::from_millis(100)).await;
+                    continue;
+                }
+            };
+            let slot = match slots.clone().try_acquire_owned() {
+                Ok(slot) => slot,
+                Err(_) => {
+                    let old = {
+                        let mut live = live.lock().unwrap_or_else(|e| e.into_inner());
                         live.retain(|l| l.strong_count() > 0);
-                        let freed = match evictee(&live) {
-                            Some(old) => {
-                                tracing::warn!(
+                        evictee(&live)
+                    };
+                    let freed = match old {
+                        Some(old) => {
+                            tracing::warn!(
                                 "{max} gRPC connections (the limit): closing the one idle longest for {peer}"
                             );
-                                old.evict();
-                                drop(old);
-                                let wait = slots.clone().acquire_owned();
-                                tokio::time::timeout(Duration::from_secs(2), wait)
-                                    .await
-                                    .ok()
-                                    .and_then(Result::ok)
-                            }
-                            None => None,
-                        };
-                        match freed {
-                            Some(slot) => slot,
-                            None => {
-                                tracing::warn!(
+                            old.evict();
+                            drop(old);
+                            let wait = slots.clone().acquire_owned();
+                            tokio::time::timeout(Duration::from_secs(2), wait)
+                                .await
+                                .ok()
+                                .and_then(Result::ok)
+                        }
+                        None => None,
+                    };
+                    match freed {
+                        Some(slot) => slot,
+                        None => {
+                            tracing::warn!(
                                 "refusing gRPC connection from {peer}: already serving {max} connections, none idle"
                             );
-                                drop(io);
-                                continue;
-                            }
+                            drop(io);
+                            continue;
                         }
                     }
-                };
-                let _ = io.set_nodelay(true);
-                let peer = peer.to_string();
-                if log {
-                    tracing::info!("gRPC connection from {peer}");
-                } else {
-                    tracing::debug!("gRPC connection from {peer}");
                 }
-                let info = ConnInfo {
-                    budget: budgets.total.connection(budgets.conn, budgets.reserve),
-                    lane: budgets.fair.lane(),
-                    peer: peer.into(),
-                };
-                let conn = Limited::new(io, slot, idle, info, log);
-                live.push(Arc::downgrade(&conn.live));
-                return Some((Ok(conn), (listener, slots, budgets, live)));
+            };
+            let _ = io.set_nodelay(true);
+            let peer = peer.to_string();
+            if log {
+                tracing::info!("gRPC connection from {peer}");
+            } else {
+                tracing::debug!("gRPC connection from {peer}");
             }
-        },
-    )
+            let info = ConnInfo {
+                budget: budgets.total.connection(budgets.conn, budgets.reserve),
+                lane: budgets.fair.lane(),
+                peer: peer.into(),
+            };
+            let conn = Limited::new(io, slot, idle, info, log, budgets.stopping.clone());
+            {
+                let mut all = live.lock().unwrap_or_else(|e| e.into_inner());
+                if all.len() >= 2 * max {
+                    all.retain(|l| l.strong_count() > 0);
+                }
+                all.push(Arc::downgrade(&conn.live));
+            }
+            return Some((Ok(conn), (listener, slots, budgets, live)));
+        }
+    })
 }

@@ -80,6 +80,8 @@ pub struct GrpcServerOptions {
     pub total_budget: usize,
     /// How long a call waits for memory before it fails with `RESOURCE_EXHAUSTED`.
     pub memory_wait: Duration,
+    /// How long the stop waits for calls in flight before the connections left are dropped.
+    pub shutdown_grace: Duration,
 }
 
 impl Default for GrpcServerOptions {
@@ -95,6 +97,7 @@ impl Default for GrpcServerOptions {
             log: true,
             total_budget: farmap_net::DEFAULT_TOTAL_BUDGET,
             memory_wait: Duration::from_secs(10),
+            shutdown_grace: Duration::from_secs(10),
         }
     }
 }
@@ -134,12 +137,18 @@ pub async fn serve_grpc_with_shutdown(
         conn: largest.saturating_mul(2),
         reserve: sizes.reserve(),
         fair: farmap_net::fair::Fair::new(options.max_running),
+        stopping: Arc::default(),
+        live: Arc::default(),
     };
-    // At shutdown, calls that have not reached the store are answered with an error.
-    let fair = budgets.fair.clone();
+    // At shutdown, calls that have not reached the store are answered with an error, and
+    // connections whose bytes do not move for a second are closed, not waited for.
+    let stopping = budgets.clone();
+    let (stopped_tx, mut stopped) = tokio::sync::watch::channel(false);
     let signal = async move {
         signal.await;
-        fair.close();
+        stopping.stop();
+        stopping.fair.close();
+        let _ = stopped_tx.send(true);
     };
     let incoming = limited_incoming(
         listener,
@@ -149,7 +158,7 @@ pub async fn serve_grpc_with_shutdown(
         budgets,
     );
     let in_flight = options.max_in_flight.max(1);
-    Server::builder()
+    let serving = Server::builder()
         .initial_stream_window_size(STREAM_WINDOW)
         .initial_connection_window_size(SERVER_CONNECTION_WINDOW)
         .max_concurrent_streams(in_flight)
@@ -159,9 +168,20 @@ pub async fn serve_grpc_with_shutdown(
             Admission::new(server, sizes, options.memory_wait),
             incoming,
             signal,
-        )
-        .await
-        .map_err(GrpcServeError)
+        );
+    // A client that stops reading can hold its call (and so the graceful stop) on HTTP/2
+    // flow control for as long as it likes: after the grace, what is left is dropped.
+    let grace = options.shutdown_grace;
+    tokio::select! {
+        served = serving => served.map_err(GrpcServeError),
+        () = async {
+            farmap_net::raised(&mut stopped).await;
+            tokio::time::sleep(grace).await;
+        } => {
+            tracing::warn!("gRPC connections still open {grace:?} after the stop: closing them");
+            Ok(())
+        }
+    }
 }
 
 /// The service implementation: every call goes straight to the store; nothing is held
