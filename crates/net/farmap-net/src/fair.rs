@@ -94,6 +94,13 @@ pub struct Lane {
 #[error("the server is shutting down: this request was not started")]
 pub struct Closed;
 
+impl From<Closed> for StoreError {
+    /// Retryable: the request never reached the store.
+    fn from(c: Closed) -> StoreError {
+        StoreError::new(ErrorKind::Unavailable, c.to_string())
+    }
+}
+
 /// The right to work on the store for one request; given back when dropped.
 #[derive(Debug)]
 #[must_use = "a turn is given back as soon as it is dropped"]
@@ -269,12 +276,6 @@ impl InTurn {
     pub fn new(store: Arc<dyn Store>) -> InTurn {
         InTurn(store)
     }
-
-    async fn turn() -> StoreResult<Option<Turn>> {
-        current_turn()
-            .await
-            .map_err(|Closed| StoreError::new(ErrorKind::Unavailable, Closed.to_string()))
-    }
 }
 
 /// A turn of the lane this task works for, if it works for one (see [`Lane::run`]): for work
@@ -303,14 +304,14 @@ impl Store for InTurn {
 
     fn read(&self, idx: ChunkIdx) -> BoxFuture<'_, StoreResult<Bytes>> {
         Box::pin(async move {
-            let _turn = Self::turn().await?;
+            let _turn = current_turn().await?;
             self.0.read(idx).await
         })
     }
 
     fn write(&self, idx: ChunkIdx, data: Bytes) -> BoxFuture<'_, StoreResult<()>> {
         Box::pin(async move {
-            let _turn = Self::turn().await?;
+            let _turn = current_turn().await?;
             self.0.write(idx, data).await
         })
     }
@@ -321,14 +322,14 @@ impl Store for InTurn {
 
     fn trim(&self, range: ChunkRange) -> BoxFuture<'_, StoreResult<()>> {
         Box::pin(async move {
-            let _turn = Self::turn().await?;
+            let _turn = current_turn().await?;
             self.0.trim(range).await
         })
     }
 
     fn status(&self, idx: ChunkIdx) -> BoxFuture<'_, StoreResult<ChunkStatus>> {
         Box::pin(async move {
-            let _turn = Self::turn().await?;
+            let _turn = current_turn().await?;
             self.0.status(idx).await
         })
     }
@@ -340,14 +341,14 @@ impl Store for InTurn {
         len: usize,
     ) -> BoxFuture<'_, StoreResult<Bytes>> {
         Box::pin(async move {
-            let _turn = Self::turn().await?;
+            let _turn = current_turn().await?;
             self.0.read_part(idx, offset, len).await
         })
     }
 
     fn prefetch(&self, idx: ChunkIdx) -> BoxFuture<'_, StoreResult<()>> {
         Box::pin(async move {
-            let _turn = Self::turn().await?;
+            let _turn = current_turn().await?;
             self.0.prefetch(idx).await
         })
     }

@@ -964,9 +964,7 @@ async fn read_run(ctx: &Ctx, start: ChunkIdx, count: u32) -> StoreResult<Message
     let mut pieces = Vec::new();
     match &ctx.runs {
         Some(runs) => {
-            let turn = fair::current_turn()
-                .await
-                .map_err(|c| StoreError::new(ErrorKind::Unavailable, c.to_string()))?;
+            let turn = fair::current_turn().await?;
             let data = runs.read_run(start, count).await?;
             drop(turn);
             if data.len() != len {
