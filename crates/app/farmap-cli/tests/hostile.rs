@@ -284,10 +284,11 @@ fn attacked_by(attackers: usize, reading: Reading, args: &[&str], budget: u64) {
         peak < budget,
         "VmRSS {peak} bytes, over the budget of {budget}"
     );
-    // Served at about its unloaded rate (attackers that do not read hold memory, not the
-    // store's turns); loose for noisy hosts, and for the first round's connection setup.
+    // At least half its unloaded rate (the bar; attackers that do not read hold
+    // memory, not the store's turns). 20 ms of slack: a round takes milliseconds, and hosts
+    // are noisy.
     assert!(
-        attacked < alone * 3 + Duration::from_millis(20),
+        attacked < alone * 2 + Duration::from_millis(20),
         "20 good reads took {attacked:?} under attack, {alone:?} alone"
     );
     good_client(addr, 5, pattern);

@@ -567,8 +567,8 @@ async fn a_verified_file_killed_before_a_flush_reads_its_last_writes_as_lost() {
 }
 
 /// A gRPC client that stops reading in the middle of a copy (SIGSTOP) does not hold the
-/// server's stop: the graceful stop waits for it at most the 10 s grace (it waited for the
-/// 120 s idle timeout before).
+/// server's stop: its connection is closed once no reply has moved for a second after the
+/// stop (it waited for the 120 s idle timeout before, then the 10 s grace).
 #[test]
 fn a_grpc_server_stops_within_its_grace_when_a_client_stops_reading() {
     let dir = tempfile::tempdir().unwrap();
@@ -610,5 +610,6 @@ fn a_grpc_server_stops_within_its_grace_when_a_client_stops_reading() {
     let _ = reader.kill();
     let _ = reader.wait();
     assert!(status.success(), "{status}");
-    assert!(took < Duration::from_secs(15), "the stop took {took:?}");
+    eprintln!("the stop took {took:?} with a stopped reader");
+    assert!(took < Duration::from_secs(5), "the stop took {took:?}");
 }

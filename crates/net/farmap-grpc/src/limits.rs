@@ -173,9 +173,15 @@ impl Limited {
         }
     }
 
-    /// Moves the deadline on after progress.
+    /// Moves the deadline on after progress (by the idle timeout, or by
+    /// [`farmap_net::counted::STOP_STALL`] once the server is stopping).
     fn progressed(&mut self) {
-        let next = Instant::now() + self.idle;
+        let after = if self.stop_armed {
+            farmap_net::counted::STOP_STALL
+        } else {
+            self.idle
+        };
+        let next = Instant::now() + after;
         self.deadline.as_mut().reset(next);
     }
 
@@ -198,15 +204,16 @@ impl Limited {
             }
         }
         ready!(self.deadline.as_mut().poll(cx));
-        tracing::warn!(
-            "closing gRPC connection from {}: no bytes moved for {:?}",
-            self.info.peer,
-            self.idle
-        );
-        Poll::Ready(io::Error::new(
-            io::ErrorKind::TimedOut,
-            format!("no bytes moved for {:?}", self.idle),
-        ))
+        let why = if self.stop_armed {
+            format!(
+                "the server is stopping and no reply moved for {:?}",
+                farmap_net::counted::STOP_STALL
+            )
+        } else {
+            format!("no bytes moved for {:?}", self.idle)
+        };
+        tracing::warn!("closing gRPC connection from {}: {why}", self.info.peer);
+        Poll::Ready(io::Error::new(io::ErrorKind::TimedOut, why))
     }
 }
 
@@ -235,7 +242,12 @@ impl AsyncRead for Limited {
         }
         match Pin::new(&mut this.io).poll_read(cx, buf) {
             Poll::Ready(r) => {
-                this.progressed();
+                // Once the server is stopping, only replies that move count: a client that
+                // keeps sending (new calls, resets) but takes none of its replies is not
+                // waited for.
+                if !this.stopping.load(std::sync::atomic::Ordering::Acquire) {
+                    this.progressed();
+                }
                 *this
                     .live
                     .last_read
