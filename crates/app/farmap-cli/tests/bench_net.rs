@@ -25,7 +25,13 @@ fn bench_net_prints_every_case_per_rtt() {
         "--direct-time",
         "100ms",
     ]);
-    let cases = ["tcp-raw", "direct-native", "managed-native", "managed-grpc"];
+    let cases = [
+        "tcp-raw",
+        "tcp-region",
+        "direct-native",
+        "managed-native",
+        "managed-grpc",
+    ];
     assert_eq!(rows.len(), 2 * cases.len(), "{rows:?}");
     for (i, row) in rows.iter().enumerate() {
         assert_eq!(row["bench"], "net");
@@ -40,6 +46,22 @@ fn bench_net_prints_every_case_per_rtt() {
         let first_us = row["first_chunk_us"].as_f64().unwrap();
         assert!(first_us >= rtt * 1000.0, "{row}");
         assert!(row["cpu_ms"].as_f64().unwrap() > 0.0, "{row}");
+        // Every case after tcp-region is read against it (the bar's reference); the two
+        // rates are printed rounded, hence the relative tolerance.
+        let ratio = &row["ratio_to_tcp_region"];
+        if i % cases.len() > 1 {
+            let region = rows[i - i % cases.len() + 1]["mb_per_s"].as_f64().unwrap();
+            let want = row["mb_per_s"].as_f64().unwrap() / region;
+            let got = ratio
+                .as_f64()
+                .unwrap_or_else(|| panic!("no ratio in {row}"));
+            assert!(
+                (got - want).abs() <= 0.01 * want + 0.001,
+                "{got} vs {want}: {row}"
+            );
+        } else {
+            assert!(ratio.is_null(), "{row}");
+        }
     }
 }
 

@@ -163,15 +163,17 @@ fn bench_paging_prints_one_sane_line_per_system_and_pattern() {
         assert!(ps[0] > 0.0 && ps.windows(2).all(|w| w[0] <= w[1]), "{row}");
         match row["system"].as_str().unwrap() {
             "farmap" => {
-                assert_eq!(row["prefetch"], "off", "{row}");
+                // The defaults: sequential prefetch, page-sized chunks.
+                assert_eq!(row["prefetch"], "seq:32", "{row}");
+                assert_eq!(row["chunk_bytes"], 4096, "{row}");
                 assert!(num(row, "faults") > 0.0, "{row}");
                 // The limit is applied: chunks were evicted in the timed phase.
                 assert!(
                     num(row, "evictions_reactive") + num(row, "evictions_proactive") > 0.0,
                     "no eviction at 30%: the limit was not applied: {row}"
                 );
-                // 30% of 32 MiB, in whole 64 KiB chunks.
-                assert_eq!(row["limit_bytes"], 153 * 65536, "{row}");
+                // 30% of 32 MiB, in whole 4 KiB chunks.
+                assert_eq!(row["limit_bytes"], 2457 * 4096, "{row}");
             }
             "kernel-swap" => {
                 assert!(

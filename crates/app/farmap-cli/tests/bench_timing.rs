@@ -105,7 +105,7 @@ fn bench_timer_prints_one_row_per_case() {
 }
 
 #[test]
-fn bench_proxy_prints_a_row_per_rtt_and_a_bulk_row() {
+fn bench_proxy_prints_a_row_per_rtt_a_bulk_row_and_a_relay_row() {
     let rows = bench(&[
         "proxy",
         "--rtt",
@@ -116,12 +116,14 @@ fn bench_proxy_prints_a_row_per_rtt_and_a_bulk_row() {
         "256KiB",
         "--bandwidth",
         "1Gbit",
+        "--relay-bytes",
+        "1000KiB",
     ]);
     let cases: Vec<&str> = rows
         .iter()
         .map(|r| r["case"].as_str().unwrap_or("?"))
         .collect();
-    assert_eq!(cases, ["round-trip", "round-trip", "bulk"]);
+    assert_eq!(cases, ["round-trip", "round-trip", "bulk", "relay"]);
     let rt_keys = [
         "bench",
         "case",
@@ -152,6 +154,21 @@ fn bench_proxy_prints_a_row_per_rtt_and_a_bulk_row() {
     has_keys(&rows[2], &bulk_keys, &bulk_keys[2..7]);
     assert_eq!(rows[2]["bytes"], 256 << 10);
     assert_eq!(rows[2]["verified"], true, "{}", rows[2]);
+    let relay_keys = [
+        "bench",
+        "case",
+        "bytes",
+        "mb_per_s",
+        "cpu_ns_per_byte",
+        "relay_mb_per_s",
+        "relay_cpu_ns_per_byte",
+        "cpu_ratio",
+        "verified",
+    ];
+    has_keys(&rows[3], &relay_keys, &relay_keys[2..8]);
+    // A short last block (1000 KiB is 15.6 blocks of 64 KiB), every byte checked.
+    assert_eq!(rows[3]["bytes"], 1000 << 10);
+    assert_eq!(rows[3]["verified"], true, "{}", rows[3]);
     for row in &rows {
         assert_eq!(row["bench"], "proxy");
     }

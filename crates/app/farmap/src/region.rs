@@ -43,13 +43,30 @@ pub enum OpenRegionError {
 
 /// Opens the store `spec` names and maps a region over it (see [`Region::open`]). The spec is
 /// remembered, so that the region's fault handling can be handed to another process.
+///
+/// A bounded region ([`RegionOptions::paging`]) over a `memory:` or `file:` spec without
+/// `chunk=` gets chunks of [`farmap_uffd::PAGING_CHUNK_SIZE`] (the page size): those stores'
+/// layout does not depend on the chunk size, and a fault then moves what kernel swap would.
+/// [`Region::stats`] says which chunk size the region has.
 pub fn open_region(spec: &StoreSpec, mut opts: RegionOptions) -> Result<Region, OpenRegionError> {
+    let spec = &paging_spec(spec, &opts);
     let store = open_store_blocking(spec)?;
     if opts.store_spec.is_none() {
         // With its password: the process the region is handed to logs in with it.
         opts.store_spec = Some(spec.to_secret_string());
     }
     Ok(Region::open(store, opts)?)
+}
+
+/// `spec`, with the paging chunk size when the region is bounded and the chunk size is the
+/// store's free choice (see [`open_region`]).
+fn paging_spec(spec: &StoreSpec, opts: &RegionOptions) -> StoreSpec {
+    let mut spec = spec.clone();
+    let layout_free = matches!(spec.kind, SpecKind::Memory | SpecKind::File { .. });
+    if opts.paging.is_some() && spec.chunk_size.is_none() && layout_free {
+        spec.chunk_size = Some(farmap_uffd::PAGING_CHUNK_SIZE);
+    }
+    spec
 }
 
 /// Handing a region's fault handling to another process (see [`farmap_uffd::handover`] for

@@ -146,7 +146,7 @@ pub use error::{RegionError, Unsupported};
 pub use farmap_memory::{RegionSlice, SliceError};
 pub use options::{
     FaultWait, LocalLimit, PagingOptions, Prefetch, RegionMode, RegionOptions, TrackingMode,
-    WriteTracking,
+    WriteTracking, DEFAULT_PREFETCH_CHUNKS, PAGING_CHUNK_SIZE,
 };
 pub use polling::{idle_companions, KeepAwake};
 pub use region::{probe, Diagnostics, Region, Support};

@@ -55,6 +55,16 @@ impl TrackingMode {
 /// the grammar of every such bound).
 pub type LocalLimit = farmap_core::SizeOrPercent;
 
+/// The chunk size farmap picks for a bounded region whose store layout is its own choice
+/// (a `memory:` or `file:` spec without `chunk=`): the kernel's page size, so that a fault
+/// moves what kernel swap would move. Chosen by `farmap bench paging`: with 64 KiB chunks
+/// its zipf case misses the bars against kernel swap, with 4 KiB chunks it meets them
+/// (`docs/benchmarks.md`).
+pub const PAGING_CHUNK_SIZE: u32 = 4096;
+
+/// The prefetch window a bounded region gets by default, in chunks.
+pub const DEFAULT_PREFETCH_CHUNKS: u32 = 32;
+
 /// Bounded local memory for a region (see [`paging`](crate#bounded-local-memory)).
 #[derive(Debug, Clone, PartialEq)]
 pub struct PagingOptions {
@@ -81,11 +91,13 @@ pub struct PagingOptions {
     pub in_thread: bool,
 }
 
-/// Prefetch of a bounded region (see the paging module's documentation).
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+/// Prefetch of a bounded region (see the paging module's documentation). The default is a
+/// sequential window of [`DEFAULT_PREFETCH_CHUNKS`]: it opens only on faults at
+/// consecutive chunks, so other patterns pay next to nothing for it (`farmap bench paging
+/// --pattern seq` and `uniform`, `docs/benchmarks.md`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Prefetch {
     /// Only what faults asks for is fetched.
-    #[default]
     Off,
     /// Each faulting thread (told apart by `UFFD_FEATURE_THREAD_ID`) has a window that
     /// doubles on every fault at the chunk after its previous fault's window, up to
@@ -95,6 +107,14 @@ pub enum Prefetch {
         /// The largest window, in chunks (at least 1).
         max_chunks: u32,
     },
+}
+
+impl Default for Prefetch {
+    fn default() -> Self {
+        Prefetch::Sequential {
+            max_chunks: DEFAULT_PREFETCH_CHUNKS,
+        }
+    }
 }
 
 impl Prefetch {
@@ -110,11 +130,11 @@ impl Prefetch {
 impl std::str::FromStr for Prefetch {
     type Err = String;
 
-    /// `off`, `seq` (a window of at most 32 chunks) or `seq:MAX`.
+    /// `off`, `seq` (a window of at most [`DEFAULT_PREFETCH_CHUNKS`]) or `seq:MAX`.
     fn from_str(s: &str) -> Result<Self, String> {
         match s.split_once(':') {
             None if s == "off" => Ok(Prefetch::Off),
-            None if s == "seq" => Ok(Prefetch::Sequential { max_chunks: 32 }),
+            None if s == "seq" => Ok(Prefetch::default()),
             Some(("seq", max)) => match max.parse::<u32>() {
                 Ok(m) if (1..=4096).contains(&m) => Ok(Prefetch::Sequential { max_chunks: m }),
                 _ => Err(format!(
@@ -127,14 +147,14 @@ impl std::str::FromStr for Prefetch {
 }
 
 impl PagingOptions {
-    /// A limit, the default `min_free`, proactive reclaim on.
+    /// A limit, the default `min_free`, proactive reclaim on, the default prefetch.
     pub fn new(local_max: LocalLimit) -> Self {
         Self {
             local_max,
             min_free: None,
             proactive: true,
             fresh: false,
-            prefetch: Prefetch::Off,
+            prefetch: Prefetch::default(),
             in_thread: false,
         }
     }

@@ -21,6 +21,10 @@
 //! `cpu_ms` is the CPU time the whole process (servers, proxy, clients) spent during the
 //! timed part: what a case costs the hosts, steadier than its rate on a shared machine.
 //!
+//! `ratio_to_tcp_region` (when `tcp-region` ran before the case at the same RTT) is the
+//! case's rate over `tcp-region`'s: the reference for moving a region, since both land
+//! every byte in fresh memory (`tcp-raw` stays in the caches).
+//!
 //! `first_chunk_us` is the time from the first request on an established connection to its
 //! reply (for `tcp-raw`: from a one-byte request to the first byte of the stream).
 
@@ -58,8 +62,15 @@ const CASES: [&str; 6] = [
     "managed-native",
     "managed-grpc",
 ];
-/// The cases run when none are named (`tcp-region` and `tcp-proxied` on request).
-const DEFAULT_CASES: [&str; 4] = ["tcp-raw", "direct-native", "managed-native", "managed-grpc"];
+/// The cases run when none are named (`tcp-proxied` on request). `tcp-region` comes before
+/// the farmap cases: it is their reference (`ratio_to_tcp_region`).
+const DEFAULT_CASES: [&str; 5] = [
+    "tcp-raw",
+    "tcp-region",
+    "direct-native",
+    "managed-native",
+    "managed-grpc",
+];
 
 #[derive(Debug, Args)]
 pub struct NetArgs {
@@ -106,6 +117,9 @@ struct NetResult {
     verified: bool,
     /// Whether the case ran through the delay proxy (not at an RTT of 0).
     proxied: bool,
+    /// The rate over `tcp-region`'s at the same RTT, when that ran before.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    ratio_to_tcp_region: Option<f64>,
 }
 
 /// How long a timed part of a case took, and the CPU time the whole process spent meanwhile.
@@ -503,7 +517,10 @@ pub async fn run(args: NetArgs) -> anyhow::Result<ExitCode> {
     let grpc_task = tokio::spawn(serve_grpc_with_shutdown(
         store.clone(),
         grpc_listener,
-        GrpcServerOptions::default(),
+        GrpcServerOptions {
+            log: false,
+            ..GrpcServerOptions::default()
+        },
         async move {
             let _ = grpc_stopped.await;
         },
@@ -518,6 +535,7 @@ pub async fn run(args: NetArgs) -> anyhow::Result<ExitCode> {
 
     let mut failed = false;
     for &rtt in &args.rtt {
+        let mut tcp_region = None;
         for case in &args.case {
             if !args.json {
                 eprintln!("running {case} at rtt {} ms", rtt.as_secs_f64() * 1e3);
@@ -525,6 +543,10 @@ pub async fn run(args: NetArgs) -> anyhow::Result<ExitCode> {
             let (bytes, timed, first_us, verified) = servers.case(&args, case, rtt).await?;
             let elapsed = timed.elapsed;
             failed |= !verified;
+            let mb_per_s = output::mb_per_s(bytes, elapsed);
+            if case == "tcp-region" {
+                tcp_region = Some(mb_per_s);
+            }
             let result = NetResult {
                 bench: "net",
                 case: case.clone(),
@@ -536,12 +558,15 @@ pub async fn run(args: NetArgs) -> anyhow::Result<ExitCode> {
                 } else {
                     1
                 },
-                mb_per_s: output::mb_per_s(bytes, elapsed),
+                mb_per_s,
                 first_chunk_us: output::round1(first_us),
                 elapsed_ms: output::round1(elapsed.as_secs_f64() * 1e3),
                 cpu_ms: output::round1(timed.cpu_ns as f64 / 1e6),
                 verified,
                 proxied: !rtt.is_zero() || case == "tcp-proxied",
+                ratio_to_tcp_region: tcp_region
+                    .filter(|_| case != "tcp-region")
+                    .map(|r| (mb_per_s / r.max(1e-9) * 1000.0).round() / 1000.0),
             };
             if args.json {
                 output::json_line(&result)?;

@@ -116,8 +116,9 @@ pub struct PagingArgs {
     /// kernel baseline's memory limit (plus the process's own overhead).
     #[arg(long, value_delimiter = ',', default_value = "30%", value_parser = parse_percent)]
     local: Vec<f64>,
-    /// farmap's prefetch: `off`, or `seq[:MAX]` (a sequential window doubling up to MAX chunks).
-    #[arg(long, default_value = "off", value_parser = parse_prefetch)]
+    /// farmap's prefetch: `off`, or `seq[:MAX]` (a sequential window doubling up to MAX
+    /// chunks). Default: a bounded region's default, `seq` (a window of at most 32 chunks).
+    #[arg(long, default_value = "seq", value_parser = parse_prefetch)]
     prefetch: Prefetch,
     /// Application threads (each touches its own block of pages).
     #[arg(long, default_value_t = 1, value_parser = clap::value_parser!(u32).range(1..=256))]
@@ -128,8 +129,10 @@ pub struct PagingArgs {
     /// Round-trip time to the remote store (through the delay proxy; none at 0).
     #[arg(long, default_value = "0ms", value_parser = parse_duration)]
     rtt: Duration,
-    /// The farmap region's chunk size (the kernel swaps 4 KiB pages).
-    #[arg(long, default_value = "64KiB", value_parser = parse_size_arg)]
+    /// The farmap region's chunk size. Default: what farmap picks for a bounded region over
+    /// a memory or file store, the page size (the kernel swaps 4 KiB pages).
+    #[arg(long, default_value_t = u64::from(farmap_uffd::PAGING_CHUNK_SIZE),
+          value_parser = parse_size_arg)]
     chunk: u64,
     /// Let farmap's fault reader poll for this long (e.g. 50us) after each batch before it
     /// sleeps, with idle-priority companions keeping the CPUs awake (the fault path for VMs;
