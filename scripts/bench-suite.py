@@ -140,7 +140,8 @@ def _proxy_cpu(out):
 
 def _pull(out):
     r = out["pull"]
-    return one(r, "mb_per_s", case="pull"), one(r, "ideal_mb_per_s", case="pull")
+    return (one(r, "mb_per_s", case="cached-puller"),
+            one(r, "ideal_mb_per_s", case="cached-puller"))
 
 
 def _push_mirror(out):
@@ -330,10 +331,11 @@ def read_history(path):
     return entries
 
 
-def moved(result, history):
-    """How far the ratio moved against the last recorded ratio of the case (None: no
-    earlier record, or no ratio)."""
-    last = [h for h in history if h.get("case") == result["case"] and h.get("ratio")]
+def moved(result, history, quick=False):
+    """How far the ratio moved against the last recorded ratio of the case in the same mode
+    (full or --quick: their sizes differ); None: no earlier record, or no ratio."""
+    last = [h for h in history if h.get("case") == result["case"] and h.get("ratio")
+            and bool(h.get("quick")) == quick]
     if not last or not result.get("ratio"):
         return None
     before = last[-1]["ratio"]
@@ -352,7 +354,7 @@ def fmt(v):
     return f"{v:.3g}"
 
 
-def table(results, history):
+def table(results, history, quick=False):
     header = ["case", "farmap", "reference", "ratio", "bar", "met", "moved", "steal ms"]
     lines = [header]
     flagged = []
@@ -361,7 +363,7 @@ def table(results, history):
             lines.append([r["case"], "skipped: " + r["skipped"] if "skipped" in r
                           else "failed", "", "", "", "", "", ""])
             continue
-        m = moved(r, history)
+        m = moved(r, history, quick)
         mark = "" if m is None else f"{m:+.0%}" + (" !" if abs(m) > MOVED else "")
         if m is not None and abs(m) > MOVED:
             flagged.append((r["case"], m))
@@ -495,7 +497,7 @@ def main():
     started = time.monotonic()
     results = measure(cases, farmap, runs, a.quick, log)
     history = read_history(a.history)
-    text, flagged = table(results, history)
+    text, flagged = table(results, history, a.quick)
     print(text)
     took = time.monotonic() - started
     log(f"suite took {took / 60:.1f} min ({runs} run(s) per case{', quick' if a.quick else ''})")

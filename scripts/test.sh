@@ -53,6 +53,9 @@ if ! python3 scripts/check-layers.py --check >/dev/null; then
   exit 1
 fi
 
+step "benchmark suite: its own arithmetic and docs rewrite (scripts/bench-suite.py --self-test)"
+python3 scripts/bench-suite.py --self-test
+
 step "cargo check without default features (the library face alone, the binary without its tools)"
 cargo check --locked -p farmap --no-default-features --quiet
 cargo check --locked -p farmap-cli --no-default-features --quiet
