@@ -45,9 +45,10 @@ pub struct MountArgs {
     /// The file's name in DIR.
     #[arg(long, default_value = farmap_fuse::DEFAULT_FILE_NAME)]
     name: String,
-    /// Background pull workers (managed mode).
-    #[arg(long, default_value_t = 64, value_parser = clap::value_parser!(u32).range(1..=4096))]
-    workers: u32,
+    /// Background pull workers, i.e. fetches in flight (managed mode). Default: enough for
+    /// 16 MiB in flight (256 of 64 KiB chunks, from 8 to 1024).
+    #[arg(long, value_parser = clap::value_parser!(u32).range(1..=4096))]
+    workers: Option<u32>,
     /// Background pull order (managed mode).
     #[arg(long, value_enum, default_value = "sequential")]
     pull_order: PullOrderArg,
@@ -279,14 +280,15 @@ pub(crate) fn cache_max_note(size: u64, max: CacheMax) -> String {
 /// The managed front's options from the command line's `--workers`, `--pull-order` and
 /// `--push-interval` (a zero interval: pushed only at flush).
 pub(crate) fn managed_options(
-    workers: u32,
+    workers: Option<u32>,
     pull_order: PullOrderArg,
     push_interval: Duration,
 ) -> ManagedOptions {
     let pull = match pull_order {
         PullOrderArg::None => None,
         order => Some(PullOptions {
-            workers: workers as usize,
+            // 0: the pull's own choice from the chunk size.
+            workers: workers.map_or(0, |w| w as usize),
             order: match order {
                 PullOrderArg::Reverse => PullOrder::Priority(Arc::new(|idx| idx.0 as i64)),
                 _ => PullOrder::Sequential,

@@ -143,9 +143,10 @@ pub struct SwapOnArgs {
     /// interval (for remote stores).
     #[arg(long)]
     managed: bool,
-    /// Background pull workers (managed mode).
-    #[arg(long, default_value_t = 64, value_parser = clap::value_parser!(u32).range(1..=4096))]
-    workers: u32,
+    /// Background pull workers, i.e. fetches in flight (managed mode). Default: enough for
+    /// 16 MiB in flight (256 of 64 KiB chunks, from 8 to 1024).
+    #[arg(long, value_parser = clap::value_parser!(u32).range(1..=4096))]
+    workers: Option<u32>,
     /// Background pull order (managed mode).
     #[arg(long, value_enum, default_value = "sequential")]
     pull_order: PullOrderArg,

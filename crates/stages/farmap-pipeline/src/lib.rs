@@ -57,7 +57,9 @@ pub use dirty::DirtySet;
 pub use faulty::{DataFaultCounts, DataFaults, FaultPlan, FaultTrigger, Faulty, OpSet};
 pub use gated::{GateState, Gated};
 pub use mirrored::{MirrorOptions, MirrorPolicy, MirrorStatus, Mirrored, PrimaryState};
-pub use puller::{PullFailure, PullOptions, PullOrder, PullProgress, PullReport, Puller};
+pub use puller::{
+    PullFailure, PullOptions, PullOrder, PullProgress, PullReport, Puller, PULL_BYTES_IN_FLIGHT,
+};
 pub use pusher::{
     DirtySource, PushDraft, PushHold, PushLedger, PushOptions, PushStats, Pusher, Seal, SealDelta,
     DRAFT_PATIENCE,

@@ -83,11 +83,12 @@ pub struct NetArgs {
     /// Chunk size.
     #[arg(long, default_value = "64KiB", value_parser = parse_size_arg)]
     chunk: u64,
-    /// Pull workers (requests in flight) of the managed cases.
-    #[arg(long, default_value_t = 1024)]
-    workers: usize,
-    /// Connections of the native client's pool (and gRPC channels).
-    #[arg(long, default_value_t = 8)]
+    /// Pull workers (requests in flight) of the managed cases. Default: a pull's own choice
+    /// (enough for 16 MiB in flight: 256 of 64 KiB chunks).
+    #[arg(long, value_parser = clap::value_parser!(u64).range(1..=65536))]
+    workers: Option<u64>,
+    /// Connections of the native client's pool (and gRPC channels). Default: the clients'.
+    #[arg(long, default_value_t = ClientOptions::default().connections)]
     connections: usize,
     /// How long the one-request-at-a-time case runs at most per RTT.
     #[arg(long, default_value = "2s", value_parser = parse_duration)]
@@ -98,6 +99,13 @@ pub struct NetArgs {
     /// One JSON object per case and RTT on stdout.
     #[arg(long)]
     json: bool,
+}
+
+impl NetArgs {
+    /// `--workers`, if given.
+    fn pull_workers(&self) -> Option<usize> {
+        self.workers.map(|w| w as usize)
+    }
 }
 
 #[derive(Debug, Serialize)]
@@ -345,12 +353,13 @@ async fn run_direct(store: &dyn Store, budget: Duration) -> anyhow::Result<(u64,
     Ok((bytes, clock.stop()))
 }
 
-/// Pulls the whole region with `Cached` + `Puller` (`workers` in flight, in order); returns
+/// Pulls the whole region with `Cached` + `Puller` (`workers` in flight, or the pull's own
+/// choice, in order); returns
 /// the time (wall and CPU) and whether every local chunk equals `expected(idx)` (checked after the clock
 /// stopped). `farmap bench stores` measures its managed case with it too.
 pub(super) async fn run_managed<F, Fut>(
     remote: Arc<dyn Store>,
-    workers: usize,
+    workers: Option<usize>,
     expected: F,
 ) -> anyhow::Result<(Timed, bool)>
 where
@@ -363,7 +372,7 @@ where
     let puller = Puller::start(
         cached.clone(),
         PullOptions {
-            workers,
+            workers: workers.unwrap_or(0),
             order: PullOrder::Sequential,
             ..PullOptions::default()
         },
@@ -445,7 +454,7 @@ impl Servers {
             let (bytes, elapsed) = run_direct(remote.as_ref(), args.direct_time).await?;
             (bytes, elapsed, first, true)
         } else {
-            let (elapsed, ok) = run_managed(remote.clone(), args.workers, |i| {
+            let (elapsed, ok) = run_managed(remote.clone(), args.pull_workers(), |i| {
                 read_source(self.store.as_ref(), i)
             })
             .await?;
@@ -470,7 +479,7 @@ impl Servers {
             .await?,
         );
         let first = first_chunk(remote.as_ref(), args.connections).await?;
-        let (elapsed, ok) = run_managed(remote.clone(), args.workers, |i| {
+        let (elapsed, ok) = run_managed(remote.clone(), args.pull_workers(), |i| {
             read_source(self.store.as_ref(), i)
         })
         .await?;
@@ -504,7 +513,6 @@ pub async fn run(args: NetArgs) -> anyhow::Result<ExitCode> {
         Listener::bind(&ListenAddr::Tcp("127.0.0.1:0".parse()?)).await?,
         ServeOptions {
             log: false,
-            max_in_flight_per_conn: args.workers.max(1),
             ..ServeOptions::default()
         },
     )?;
@@ -554,7 +562,11 @@ pub async fn run(args: NetArgs) -> anyhow::Result<ExitCode> {
                 size_bytes: bytes,
                 chunk_bytes: args.chunk,
                 workers: if case.starts_with("managed") {
-                    args.workers
+                    PullOptions {
+                        workers: args.pull_workers().unwrap_or(0),
+                        ..PullOptions::default()
+                    }
+                    .workers_for(args.chunk as u32)
                 } else {
                     1
                 },
