@@ -10,6 +10,7 @@
 
 use std::future::Future;
 use std::io;
+use std::ops::ControlFlow;
 use std::pin::{pin, Pin};
 use std::sync::Arc;
 use std::task::Poll;
@@ -21,7 +22,7 @@ use farmap_nbd_proto::{
     Command, Incoming, RequestDecoder, RequestHeader, ServerHandshake, ServerStep,
 };
 use farmap_net::budget::{Budget, Charge};
-use farmap_net::counted::{Counted, STOP_STALL};
+use farmap_net::counted::{Counted, Written, STOP_STALL};
 use farmap_net::fair::Lane;
 use farmap_net::{is_clean_close, raised, Activity, BoxStream};
 use tokio::io::{AsyncReadExt, AsyncWrite, AsyncWriteExt, WriteHalf};
@@ -377,6 +378,11 @@ async fn read_in_pieces(
     }
 }
 
+/// How a step of the transmission phase left the connection: go on, or end it with this.
+type Flow = ControlFlow<Result<(), ConnError>>;
+
+/// The transmission phase: requests are read and started until the client leaves, breaks
+/// the protocol, goes idle, or the server stops; then what is owed is answered.
 async fn transmission(
     stream: BoxStream,
     mut buf: BytesMut,
@@ -385,34 +391,10 @@ async fn transmission(
     ctx: &Arc<Ctx>,
     (peer, activity): (&str, &Activity),
 ) -> Result<(), ConnError> {
-    let exp = ctx.exports[export].clone();
     let (mut rd, wr) = tokio::io::split(stream);
     let (wr, written) = Counted::new(wr);
-    let out = Arc::new(Mutex::new(Some(wr)));
-    let (tx, rx) = mpsc::channel::<Outgoing>(1024);
     let (broken, mut broken_rx) = watch::channel(false);
-    let broken = Arc::new(broken);
-    let stall = ctx.opts.idle_timeout;
-    let writer = tokio::spawn(writer(out.clone(), rx, stall, broken.clone()));
-    let replies = Arc::new(Replies {
-        out,
-        tx,
-        stall,
-        broken,
-    });
-    let budget = ctx.total.connection(ctx.conn_budget, ctx.reserve);
-    let lane = ctx.fair.lane();
-    let max_in_flight = ctx.opts.max_in_flight_per_conn;
-    let in_flight = Arc::new(Semaphore::new(max_in_flight));
-    activity.watch_slots(in_flight.clone(), max_in_flight);
-    let mut decoder = RequestDecoder::new(exp.max_payload);
-    let mut batch = Batch::default();
-    // Budget charged for a write payload that is still arriving.
-    let mut payload_charge: Option<Charge> = None;
-    // Whether the payload being awaited has a buffer of its own (read exactly into it).
-    let mut own_buffer = false;
-    // Whether the next header is read alone (after a large write).
-    let mut header_alone = false;
+    let (mut t, writer) = Transmission::new(ctx, export, session, wr, broken, (peer, activity));
     let idle_limit = ctx.opts.idle_timeout;
     let mut last_input = Instant::now();
     let mut idle = pin!(tokio::time::sleep(idle_limit));
@@ -423,148 +405,282 @@ async fn transmission(
             () = raised(&mut broken_rx) => {}
         }
     });
-    // Requests that wait on the store run as tasks of this connection: cancelled when the
-    // client goes away (or breaks the protocol), dropped with the connection.
-    let mut tasks = tokio::task::JoinSet::new();
     // Whether the client closed its side or the connection failed: nobody reads replies.
     let mut gone = false;
-    let result: Result<(), ConnError> = 'conn: loop {
-        while tasks.try_join_next().is_some() {}
-        // Start every complete request in the buffer.
-        loop {
-            let incoming = match decoder.decode(&mut buf) {
-                Ok(Some(i)) => i,
-                Ok(None) => break,
-                Err(e) => break 'conn Err(e.into()),
-            };
-            let (header, payload) = match incoming {
-                Incoming::Oversized(h) => {
-                    header_alone = false;
-                    let f = Failure {
-                        errno: errno::EINVAL,
-                        message: format!(
-                            "a write of {} bytes is over the maximum of {}",
-                            h.length, exp.max_payload
-                        ),
-                    };
-                    batch.push(error_reply(&h, session, &f), None);
-                    continue;
-                }
-                // A small payload that shares the read-ahead buffer with other requests gets
-                // an allocation of its own: a store that keeps it (a memory store keeps it for
-                // good) would otherwise keep the whole 256 KiB buffer alive for every 4 KiB
-                // write. A large one (which pins at most 4 times its size) is not copied.
-                Incoming::Request { header, payload }
-                    if !own_buffer
-                        && !payload.is_empty()
-                        && payload.len() < LARGE_WRITE as usize =>
-                {
-                    (header, Bytes::copy_from_slice(&payload))
-                }
-                Incoming::Request { header, payload } => (header, payload),
-            };
-            own_buffer = false;
-            activity.touch();
-            header_alone = header.command == Command::Write && header.length >= LARGE_WRITE;
-            if header.command == Command::Disc {
-                break 'conn Ok(());
-            }
-            let large = exp.read_in_pieces(&header, session);
-            // Charge what the request may hold (its working set; a write also its payload,
-            // unless that was charged on its way in).
-            let payload_bytes = match header.command {
-                Command::Write if payload_charge.is_none() => payload.len(),
-                _ => 0,
-            };
-            // A read served in pieces charges each piece as it goes.
-            let work = if large { 0 } else { exp.working_set(&header) };
-            // Never more than the budget can give beside a payload charge already held.
-            let held = payload_charge.as_ref().map_or(0, Charge::bytes);
-            let bytes = (work + payload_bytes + OVERHEAD).min(budget.limit().saturating_sub(held));
-            let mut permit = match self::charge(&budget, bytes, &mut batch, &replies).await {
-                Ok(c) => c,
-                Err(e) => break 'conn ended(e),
-            };
-            if let Some(p) = payload_charge.take() {
-                permit.merge(p);
-            }
-            let slot = match self::permit(&in_flight, 1, &mut batch, &replies).await {
-                Ok(Some(s)) => s,
-                Ok(None) => break 'conn Ok(()),
-                Err(e) => break 'conn ended(e),
-            };
-            if large {
-                let task = read_in_pieces(
-                    exp.clone(),
-                    header,
-                    session,
-                    replies.clone(),
-                    (budget.clone(), lane.clone()),
-                    Some(permit),
-                );
-                tasks.spawn(async move {
-                    task.await;
-                    drop(slot);
-                });
-                continue;
-            }
-            // Work on it here until it would wait; only then give it a task of its own.
-            let (e, lane) = (exp.clone(), lane.clone());
-            let mut job: Pin<Box<dyn Future<Output = Vec<Bytes>> + Send>> =
-                // Its store operations take this connection's turns; the reply does not.
-                Box::pin(async move { lane.run(e.handle(header, payload, session)).await });
-            match std::future::poll_fn(|cx| Poll::Ready(job.as_mut().poll(cx))).await {
-                Poll::Ready(reply) => {
-                    drop(slot);
-                    batch.push(reply, Some(permit));
-                    if batch.is_full() {
-                        if let Err(e) = batch.send(&replies).await {
-                            break 'conn ended(e);
-                        }
-                    }
-                }
-                Poll::Pending => {
-                    let replies = replies.clone();
-                    let peer = peer.to_owned();
-                    tasks.spawn(async move {
-                        let mut reply = job.await;
-                        if let Err(e) = replies.send(&mut reply, Some(permit)).await {
-                            if !is_clean_close(&e) {
-                                tracing::debug!("NBD client {peer}: a reply was not sent: {e}");
-                            }
-                        }
-                        drop(slot);
-                    });
-                }
-            }
+    let result: Result<(), ConnError> = loop {
+        while t.tasks.try_join_next().is_some() {}
+        if let ControlFlow::Break(end) = t.start_buffered(&mut buf).await {
+            break end;
         }
         // Everything in the buffer has been started: send what was answered here.
-        if let Err(e) = batch.send(&replies).await {
-            break 'conn ended(e);
+        if let Err(e) = t.batch.send(&t.replies).await {
+            break ended(e);
         }
-        // How much to read: the rest of a payload that has a buffer of its own, a header
-        // alone, or as much as the buffer holds.
-        let limit = if let Some(len) = decoder.awaiting_payload() {
+        let limit = t.read_limit(&mut buf).await;
+        let mut room = (&mut buf).limit(limit);
+        tokio::select! {
+            r = rd.read_buf(&mut room) => match r {
+                Ok(0) => {
+                    gone = true;
+                    break Ok(());
+                }
+                Ok(_) => last_input = Instant::now(),
+                Err(e) if is_clean_close(&e) => {
+                    gone = true;
+                    break Ok(());
+                }
+                Err(e) => {
+                    gone = true;
+                    break Err(e.into());
+                }
+            },
+            () = &mut idle => {
+                let busy = t.busy();
+                if !busy && last_input.elapsed() >= idle_limit {
+                    break Err(ConnError::Idle(idle_limit));
+                }
+                let from = if busy { Instant::now() } else { last_input };
+                idle.as_mut().reset(from + idle_limit);
+            }
+            () = &mut stop => break Ok(()),
+        }
+    };
+    t.finish(result, gone, writer, written).await
+}
+
+/// One connection's transmission phase: the export and session it serves, the replies it
+/// owes, the memory and turns its requests hold, and how its input is being read.
+struct Transmission<'a> {
+    exp: Arc<ExportCtx>,
+    session: Session,
+    replies: Arc<Replies>,
+    budget: Budget,
+    /// The connection's turns at the store.
+    lane: Lane,
+    in_flight: Arc<Semaphore>,
+    max_in_flight: usize,
+    decoder: RequestDecoder,
+    /// Replies answered by the reader, sent together.
+    batch: Batch,
+    /// Budget charged for a write payload that is still arriving.
+    payload_charge: Option<Charge>,
+    /// Whether the payload being awaited has a buffer of its own (read exactly into it).
+    own_buffer: bool,
+    /// Whether the next header is read alone (after a large write).
+    header_alone: bool,
+    /// Requests that wait on the store run as tasks of this connection: cancelled when the
+    /// client goes away (or breaks the protocol), dropped with the connection.
+    tasks: tokio::task::JoinSet<()>,
+    peer: &'a str,
+    activity: &'a Activity,
+}
+
+impl<'a> Transmission<'a> {
+    /// The state of a connection to `export`, and the task that writes its replies.
+    fn new(
+        ctx: &Arc<Ctx>,
+        export: usize,
+        session: Session,
+        wr: Out,
+        broken: watch::Sender<bool>,
+        (peer, activity): (&'a str, &'a Activity),
+    ) -> (Self, tokio::task::JoinHandle<io::Result<()>>) {
+        let exp = ctx.exports[export].clone();
+        let out = Arc::new(Mutex::new(Some(wr)));
+        let (tx, rx) = mpsc::channel::<Outgoing>(1024);
+        let broken = Arc::new(broken);
+        let stall = ctx.opts.idle_timeout;
+        let writer = tokio::spawn(writer(out.clone(), rx, stall, broken.clone()));
+        let replies = Arc::new(Replies {
+            out,
+            tx,
+            stall,
+            broken,
+        });
+        let max_in_flight = ctx.opts.max_in_flight_per_conn;
+        let in_flight = Arc::new(Semaphore::new(max_in_flight));
+        activity.watch_slots(in_flight.clone(), max_in_flight);
+        let t = Transmission {
+            decoder: RequestDecoder::new(exp.max_payload),
+            exp,
+            session,
+            replies,
+            budget: ctx.total.connection(ctx.conn_budget, ctx.reserve),
+            lane: ctx.fair.lane(),
+            in_flight,
+            max_in_flight,
+            batch: Batch::default(),
+            payload_charge: None,
+            own_buffer: false,
+            header_alone: false,
+            tasks: tokio::task::JoinSet::new(),
+            peer,
+            activity,
+        };
+        (t, writer)
+    }
+
+    /// Whether requests are in flight.
+    fn busy(&self) -> bool {
+        self.in_flight.available_permits() < self.max_in_flight
+    }
+
+    /// Starts every complete request in `buf`.
+    async fn start_buffered(&mut self, buf: &mut BytesMut) -> Flow {
+        loop {
+            let incoming = match self.decoder.decode(buf) {
+                Ok(Some(i)) => i,
+                Ok(None) => return ControlFlow::Continue(()),
+                Err(e) => return ControlFlow::Break(Err(e.into())),
+            };
+            let Some((header, payload)) = self.admit(incoming) else {
+                continue;
+            };
+            self.own_buffer = false;
+            self.activity.touch();
+            self.header_alone = header.command == Command::Write && header.length >= LARGE_WRITE;
+            if header.command == Command::Disc {
+                return ControlFlow::Break(Ok(()));
+            }
+            self.start(header, payload).await?;
+        }
+    }
+
+    /// A decoded request ready to start, or `None` when it was answered with an error (a
+    /// write over the maximum payload).
+    fn admit(&mut self, incoming: Incoming) -> Option<(RequestHeader, Bytes)> {
+        match incoming {
+            Incoming::Oversized(h) => {
+                self.header_alone = false;
+                let f = Failure {
+                    errno: errno::EINVAL,
+                    message: format!(
+                        "a write of {} bytes is over the maximum of {}",
+                        h.length, self.exp.max_payload
+                    ),
+                };
+                self.batch.push(error_reply(&h, self.session, &f), None);
+                None
+            }
+            // A small payload that shares the read-ahead buffer with other requests gets an
+            // allocation of its own: a store that keeps it (a memory store keeps it for good)
+            // would otherwise keep the whole 256 KiB buffer alive for every 4 KiB write. A
+            // large one (which pins at most 4 times its size) is not copied.
+            Incoming::Request { header, payload }
+                if !self.own_buffer
+                    && !payload.is_empty()
+                    && payload.len() < LARGE_WRITE as usize =>
+            {
+                Some((header, Bytes::copy_from_slice(&payload)))
+            }
+            Incoming::Request { header, payload } => Some((header, payload)),
+        }
+    }
+
+    /// Charges one request what it may hold, takes a slot for it, and starts it: answered
+    /// here when the store does not wait, else as a task of the connection.
+    async fn start(&mut self, header: RequestHeader, payload: Bytes) -> Flow {
+        let large = self.exp.read_in_pieces(&header, self.session);
+        // Charge what the request may hold (its working set; a write also its payload,
+        // unless that was charged on its way in).
+        let payload_bytes = match header.command {
+            Command::Write if self.payload_charge.is_none() => payload.len(),
+            _ => 0,
+        };
+        // A read served in pieces charges each piece as it goes.
+        let work = if large {
+            0
+        } else {
+            self.exp.working_set(&header)
+        };
+        // Never more than the budget can give beside a payload charge already held.
+        let held = self.payload_charge.as_ref().map_or(0, Charge::bytes);
+        let limit = self.budget.limit().saturating_sub(held);
+        let bytes = (work + payload_bytes + OVERHEAD).min(limit);
+        let mut permit =
+            match self::charge(&self.budget, bytes, &mut self.batch, &self.replies).await {
+                Ok(c) => c,
+                Err(e) => return ControlFlow::Break(ended(e)),
+            };
+        if let Some(p) = self.payload_charge.take() {
+            permit.merge(p);
+        }
+        let slot = match self::permit(&self.in_flight, 1, &mut self.batch, &self.replies).await {
+            Ok(Some(s)) => s,
+            Ok(None) => return ControlFlow::Break(Ok(())),
+            Err(e) => return ControlFlow::Break(ended(e)),
+        };
+        if large {
+            let task = read_in_pieces(
+                self.exp.clone(),
+                header,
+                self.session,
+                self.replies.clone(),
+                (self.budget.clone(), self.lane.clone()),
+                Some(permit),
+            );
+            self.tasks.spawn(async move {
+                task.await;
+                drop(slot);
+            });
+            return ControlFlow::Continue(());
+        }
+        // Work on it here until it would wait; only then give it a task of its own.
+        let (e, lane, session) = (self.exp.clone(), self.lane.clone(), self.session);
+        let mut job: Pin<Box<dyn Future<Output = Vec<Bytes>> + Send>> =
+            // Its store operations take this connection's turns; the reply does not.
+            Box::pin(async move { lane.run(e.handle(header, payload, session)).await });
+        match std::future::poll_fn(|cx| Poll::Ready(job.as_mut().poll(cx))).await {
+            Poll::Ready(reply) => {
+                drop(slot);
+                self.batch.push(reply, Some(permit));
+                if self.batch.is_full() {
+                    if let Err(e) = self.batch.send(&self.replies).await {
+                        return ControlFlow::Break(ended(e));
+                    }
+                }
+            }
+            Poll::Pending => {
+                let replies = self.replies.clone();
+                let peer = self.peer.to_owned();
+                self.tasks.spawn(async move {
+                    let mut reply = job.await;
+                    if let Err(e) = replies.send(&mut reply, Some(permit)).await {
+                        if !is_clean_close(&e) {
+                            tracing::debug!("NBD client {peer}: a reply was not sent: {e}");
+                        }
+                    }
+                    drop(slot);
+                });
+            }
+        }
+        ControlFlow::Continue(())
+    }
+
+    /// How much to read next: the rest of a payload that has a buffer of its own (charged
+    /// before it is read in), a header alone, or as much as the buffer holds.
+    async fn read_limit(&mut self, buf: &mut BytesMut) -> usize {
+        if let Some(len) = self.decoder.awaiting_payload() {
             let len = len as usize;
             // A write payload is on its way: charge it before reading it in.
-            if payload_charge.is_none() {
-                payload_charge = Some(budget.charge(len).await);
+            if self.payload_charge.is_none() {
+                self.payload_charge = Some(self.budget.charge(len).await);
             }
             let need = len - buf.len();
-            if !own_buffer && buf.capacity() - buf.len() < need {
+            if !self.own_buffer && buf.capacity() - buf.len() < need {
                 // Only the start of the payload is here (nothing behind it): move it to a
                 // buffer of exactly the payload's size and read the rest into that.
                 let mut own = BytesMut::with_capacity(len);
-                own.extend_from_slice(&buf);
-                buf = own;
-                own_buffer = true;
+                own.extend_from_slice(buf);
+                *buf = own;
+                self.own_buffer = true;
             }
-            if own_buffer {
+            if self.own_buffer {
                 need
             } else {
                 usize::MAX
             }
-        } else if header_alone {
+        } else if self.header_alone {
             if buf.capacity() - buf.len() < REQUEST_LEN {
                 buf.reserve(REQUEST_LEN);
             }
@@ -574,65 +690,49 @@ async fn transmission(
                 buf.reserve(READ_AHEAD);
             }
             usize::MAX
-        };
-        let mut room = (&mut buf).limit(limit);
-        tokio::select! {
-            r = rd.read_buf(&mut room) => match r {
-                Ok(0) => {
-                    gone = true;
-                    break 'conn Ok(());
-                }
-                Ok(_) => last_input = Instant::now(),
-                Err(e) if is_clean_close(&e) => {
-                    gone = true;
-                    break 'conn Ok(());
-                }
-                Err(e) => {
-                    gone = true;
-                    break 'conn Err(e.into());
-                }
-            },
-            () = &mut idle => {
-                let busy = in_flight.available_permits() < max_in_flight;
-                if !busy && last_input.elapsed() >= idle_limit {
-                    break 'conn Err(ConnError::Idle(idle_limit));
-                }
-                let from = if busy { Instant::now() } else { last_input };
-                idle.as_mut().reset(from + idle_limit);
-            }
-            () = &mut stop => break 'conn Ok(()),
         }
-    };
-    // A client that left (or broke the protocol) waits for nothing: its requests still in
-    // flight are cancelled. Otherwise (it disconnected, or the server stops) whatever the
-    // reader answered is sent and requests in flight finish and are answered; then the
-    // writer closes the write side.
-    if gone || result.is_err() {
-        tasks.abort_all();
     }
-    // A client that does not read its replies is not waited for.
-    let mut writer = writer;
-    let finish = async {
-        let flushed = batch.send(&replies).await;
-        drop(replies);
-        let sent = match (&mut writer).await {
-            Ok(r) => r,
-            Err(e) => {
-                tracing::warn!("NBD client {peer}: the reply writer failed: {e}");
-                Ok(())
-            }
+
+    /// The end of the connection, after the reading ended with `result`.
+    ///
+    /// A client that left (or broke the protocol: `gone`, or an error) waits for nothing:
+    /// its requests still in flight are cancelled. Otherwise (it disconnected, or the server
+    /// stops) whatever the reader answered is sent and requests in flight finish and are
+    /// answered; then the writer closes the write side. A client that does not read its
+    /// replies is not waited for.
+    async fn finish(
+        mut self,
+        result: Result<(), ConnError>,
+        gone: bool,
+        mut writer: tokio::task::JoinHandle<io::Result<()>>,
+        written: Written,
+    ) -> Result<(), ConnError> {
+        if gone || result.is_err() {
+            self.tasks.abort_all();
+        }
+        let peer = self.peer;
+        let finish = async {
+            let flushed = self.batch.send(&self.replies).await;
+            drop(self.replies);
+            let sent = match (&mut writer).await {
+                Ok(r) => r,
+                Err(e) => {
+                    tracing::warn!("NBD client {peer}: the reply writer failed: {e}");
+                    Ok(())
+                }
+            };
+            flushed.and(sent)
         };
-        flushed.and(sent)
-    };
-    let Some(io) = written.unless_stalled(finish, STOP_STALL).await else {
-        writer.abort();
-        tasks.abort_all();
-        return result.and(Err(ConnError::Stalled));
-    };
-    match (result, io) {
-        (Err(e), _) => Err(e),
-        (Ok(()), Err(e)) if !is_clean_close(&e) => Err(e.into()),
-        (Ok(()), _) => Ok(()),
+        let Some(io) = written.unless_stalled(finish, STOP_STALL).await else {
+            writer.abort();
+            self.tasks.abort_all();
+            return result.and(Err(ConnError::Stalled));
+        };
+        match (result, io) {
+            (Err(e), _) => Err(e),
+            (Ok(()), Err(e)) if !is_clean_close(&e) => Err(e.into()),
+            (Ok(()), _) => Ok(()),
+        }
     }
 }
 
