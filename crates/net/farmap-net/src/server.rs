@@ -33,6 +33,7 @@
 //!   finish and be answered (for up to [`ServeOptions::shutdown_grace`]), closes every
 //!   connection and flushes the store.
 
+use std::pin::Pin;
 use std::sync::atomic::AtomicUsize;
 use std::sync::Arc;
 use std::time::Duration;
@@ -633,134 +634,49 @@ async fn serve_frames(
     let in_flight = ctx.info.max_in_flight as usize;
     let idle_timeout = ctx.opts.idle_timeout;
     let (tx, mut rx) = mpsc::channel::<Outgoing>(in_flight + 1);
-    let mut writer =
+    let writer =
         tokio::spawn(async move { write_frames(&mut wr, &mut rx, Some(idle_timeout)).await });
-    let mut writer_done = false;
     let permits = Arc::new(Semaphore::new(in_flight));
     activity.watch_slots(permits.clone(), in_flight);
-    let budget = ctx.total.connection(ctx.conn_budget, ctx.reserve);
-    let lane = ctx.fair.lane();
-    // The requests being answered: cancelled when the connection ends badly.
-    let mut tasks = tokio::task::JoinSet::new();
-    let mut decoder = FrameDecoder::new(Limits {
-        max_frame: ctx.info.max_frame,
-        max_batch: ctx.info.max_batch,
-    });
-    let mut shutdown = ctx.shutdown.clone();
-    let idle = tokio::time::sleep(idle_timeout);
-    tokio::pin!(idle);
-    let stopped_reading = |r: Result<std::io::Result<()>, tokio::task::JoinError>| match r {
-        Ok(Err(e)) if e.kind() == std::io::ErrorKind::TimedOut => Ended::Badly(format!(
-            "the client has not read its replies for {idle_timeout:?}"
-        )),
-        Ok(Err(e)) if is_clean_close(&e) => {
-            Ended::Normally("the client closed the connection".to_owned())
-        }
-        Ok(Err(e)) => Ended::Badly(format!("sending failed: {}", io_phrase(&e))),
-        _ => Ended::Badly("the connection's writer stopped".to_owned()),
+    let mut c = Frames {
+        ctx,
+        activity,
+        budget: ctx.total.connection(ctx.conn_budget, ctx.reserve),
+        lane: ctx.fair.lane(),
+        permits,
+        in_flight,
+        tasks: tokio::task::JoinSet::new(),
+        decoder: FrameDecoder::new(Limits {
+            max_frame: ctx.info.max_frame,
+            max_batch: ctx.info.max_batch,
+        }),
+        shutdown: ctx.shutdown.clone(),
+        idle: Box::pin(tokio::time::sleep(idle_timeout)),
+        idle_timeout,
+        writer,
+        writer_done: false,
+        tx,
+        partial: None,
     };
-    // The frame still arriving: when its first bytes came, and its charge to the server's
-    // budget once it is larger than the read-ahead.
-    let mut partial: Option<Partial> = None;
-    let ended = 'conn: loop {
-        loop {
-            let before = buf.len();
-            let frame = match decoder.decode(&mut buf) {
-                Ok(Some(f)) if f.msg.is_request() => f,
-                Ok(Some(f)) => break 'conn close_with(&tx, not_a_request(&f)).await,
-                Ok(None) => break,
-                Err(e) => break 'conn close_with(&tx, e.to_string()).await,
-            };
-            // Whole now: its receive charge is returned before the request is charged.
-            partial = None;
-            activity.touch();
-            let frame_len = before - buf.len();
-            let charge = cost(ctx, &frame.msg, frame_len);
-            let acquired = tokio::select! {
-                p = async {
-                    let slot = permits.clone().acquire_owned().await.expect("never closed");
-                    (slot, budget.charge(charge).await)
-                } => p,
-                _ = raised(&mut shutdown) => break 'conn Ended::Normally("server shutting down".to_owned()),
-                r = &mut writer => {
-                    writer_done = true;
-                    break 'conn stopped_reading(r);
-                }
-            };
-            let (slot, charge) = acquired;
-            while tasks.try_join_next().is_some() {}
-            tasks.spawn(answer(
-                frame,
-                ctx.clone(),
-                lane.clone(),
-                (slot, charge),
-                tx.clone(),
-            ));
+    let ended = loop {
+        if let Some(end) = c.start_buffered(&mut buf).await {
+            break end;
         }
-        if buf.is_empty() {
-            partial = None;
-        } else {
-            let p = partial.get_or_insert_with(|| Partial {
-                since: tokio::time::Instant::now(),
-                charge: None,
-            });
-            let need = announced_len(&buf).saturating_sub(READ_AHEAD);
-            if need > 0 && p.charge.is_none() {
-                p.charge = Some(tokio::select! {
-                    c = ctx.total.hold(need) => c,
-                    _ = &mut idle => break 'conn Ended::Badly(format!(
-                        "no memory for a frame of {} bytes within {idle_timeout:?}",
-                        announced_len(&buf)
-                    )),
-                    _ = raised(&mut shutdown) => break 'conn Ended::Normally("server shutting down".to_owned()),
-                    r = &mut writer => {
-                        writer_done = true;
-                        break 'conn stopped_reading(r);
-                    }
-                });
-            }
+        if let Some(end) = c.hold_partial(&buf).await {
+            break end;
         }
         make_room(&mut buf);
-        tokio::select! {
-            r = rd.read_buf(&mut buf) => match r {
-                Ok(0) => break Ended::Normally("the client closed the connection".to_owned()),
-                Ok(_) => {
-                    // A trickle does not keep a frame alive: it has the idle timeout from its
-                    // first bytes.
-                    let mut deadline = tokio::time::Instant::now() + idle_timeout;
-                    if let Some(p) = &partial {
-                        deadline = deadline.min(p.since + idle_timeout);
-                    }
-                    idle.as_mut().reset(deadline);
-                }
-                Err(e) if is_clean_close(&e) => {
-                    break Ended::Normally("the client closed the connection".to_owned())
-                }
-                Err(e) => break Ended::Badly(format!("read failed: {}", io_phrase(&e))),
-            },
-            _ = &mut idle => {
-                if let Some(p) = &partial {
-                    if p.since + idle_timeout <= tokio::time::Instant::now() {
-                        break Ended::Badly(format!(
-                            "a frame of {} bytes did not arrive whole within {idle_timeout:?}",
-                            announced_len(&buf)
-                        ));
-                    }
-                }
-                if permits.available_permits() == in_flight
-                    && budget.is_idle()
-                {
-                    break Ended::Normally(format!("idle for {idle_timeout:?}"));
-                }
-                idle.as_mut().reset(tokio::time::Instant::now() + idle_timeout);
-            }
-            _ = raised(&mut shutdown) => break Ended::Normally("server shutting down".to_owned()),
-            r = &mut writer => {
-                writer_done = true;
-                break stopped_reading(r);
-            }
+        if let Some(end) = c.read_more(&mut rd, &mut buf).await {
+            break end;
         }
     };
+    let Frames {
+        writer,
+        writer_done,
+        tasks,
+        tx,
+        ..
+    } = c;
     drop(tx);
     if writer_done {
         return ended;
@@ -771,6 +687,171 @@ async fn serve_frames(
         written,
     };
     ending.finish(ended).await
+}
+
+/// One connection's reading side: the requests it started, what they hold, and how its
+/// input is coming.
+struct Frames<'a> {
+    ctx: &'a Arc<Ctx>,
+    activity: &'a Activity,
+    budget: crate::budget::Budget,
+    /// The connection's turns at the store.
+    lane: Lane,
+    /// Slots of the requests in flight.
+    permits: Arc<Semaphore>,
+    in_flight: usize,
+    /// The requests being answered: cancelled when the connection ends badly.
+    tasks: tokio::task::JoinSet<()>,
+    decoder: FrameDecoder,
+    shutdown: watch::Receiver<bool>,
+    idle: Pin<Box<tokio::time::Sleep>>,
+    idle_timeout: Duration,
+    writer: tokio::task::JoinHandle<std::io::Result<()>>,
+    /// The writer has ended (and been awaited).
+    writer_done: bool,
+    tx: mpsc::Sender<Outgoing>,
+    /// The frame still arriving: when its first bytes came, and its charge to the server's
+    /// budget once it is larger than the read-ahead.
+    partial: Option<Partial>,
+}
+
+impl Frames<'_> {
+    /// Why the connection ends when its writer stopped with `r`.
+    fn stopped_reading(&mut self, r: Result<std::io::Result<()>, tokio::task::JoinError>) -> Ended {
+        self.writer_done = true;
+        match r {
+            Ok(Err(e)) if e.kind() == std::io::ErrorKind::TimedOut => Ended::Badly(format!(
+                "the client has not read its replies for {:?}",
+                self.idle_timeout
+            )),
+            Ok(Err(e)) if is_clean_close(&e) => {
+                Ended::Normally("the client closed the connection".to_owned())
+            }
+            Ok(Err(e)) => Ended::Badly(format!("sending failed: {}", io_phrase(&e))),
+            _ => Ended::Badly("the connection's writer stopped".to_owned()),
+        }
+    }
+
+    /// Starts every whole request in `buf`, each once it has a slot and its charge.
+    async fn start_buffered(&mut self, buf: &mut BytesMut) -> Option<Ended> {
+        loop {
+            let before = buf.len();
+            let frame = match self.decoder.decode(buf) {
+                Ok(Some(f)) if f.msg.is_request() => f,
+                Ok(Some(f)) => return Some(close_with(&self.tx, not_a_request(&f)).await),
+                Ok(None) => return None,
+                Err(e) => return Some(close_with(&self.tx, e.to_string()).await),
+            };
+            // Whole now: its receive charge is returned before the request is charged.
+            self.partial = None;
+            self.activity.touch();
+            let frame_len = before - buf.len();
+            let charge = cost(self.ctx, &frame.msg, frame_len);
+            let (permits, budget) = (self.permits.clone(), &self.budget);
+            let acquired = tokio::select! {
+                p = async {
+                    let slot = permits.acquire_owned().await.expect("never closed");
+                    (slot, budget.charge(charge).await)
+                } => p,
+                _ = raised(&mut self.shutdown) => {
+                    return Some(Ended::Normally("server shutting down".to_owned()));
+                }
+                r = &mut self.writer => return Some(self.stopped_reading(r)),
+            };
+            while self.tasks.try_join_next().is_some() {}
+            self.tasks.spawn(answer(
+                frame,
+                self.ctx.clone(),
+                self.lane.clone(),
+                acquired,
+                self.tx.clone(),
+            ));
+        }
+    }
+
+    /// Notes a frame that has begun to arrive in `buf`, and charges the server's budget for
+    /// what of it does not fit the read-ahead, before it is read in.
+    async fn hold_partial(&mut self, buf: &[u8]) -> Option<Ended> {
+        if buf.is_empty() {
+            self.partial = None;
+            return None;
+        }
+        let p = self.partial.get_or_insert_with(|| Partial {
+            since: tokio::time::Instant::now(),
+            charge: None,
+        });
+        let need = announced_len(buf).saturating_sub(READ_AHEAD);
+        if need == 0 || p.charge.is_some() {
+            return None;
+        }
+        let held = tokio::select! {
+            c = self.ctx.total.hold(need) => c,
+            _ = &mut self.idle => {
+                return Some(Ended::Badly(format!(
+                    "no memory for a frame of {} bytes within {:?}",
+                    announced_len(buf),
+                    self.idle_timeout
+                )));
+            }
+            _ = raised(&mut self.shutdown) => {
+                return Some(Ended::Normally("server shutting down".to_owned()));
+            }
+            r = &mut self.writer => return Some(self.stopped_reading(r)),
+        };
+        if let Some(p) = &mut self.partial {
+            p.charge = Some(held);
+        }
+        None
+    }
+
+    /// Reads more of the client's input into `buf`, or finds why the connection ends: the
+    /// client left, a frame trickles in too slowly, the connection is idle, the server
+    /// stops, or the client stopped reading its replies.
+    async fn read_more(
+        &mut self,
+        rd: &mut tokio::io::ReadHalf<BoxStream>,
+        buf: &mut BytesMut,
+    ) -> Option<Ended> {
+        let idle_timeout = self.idle_timeout;
+        tokio::select! {
+            r = rd.read_buf(buf) => match r {
+                Ok(0) => Some(Ended::Normally("the client closed the connection".to_owned())),
+                Ok(_) => {
+                    // A trickle does not keep a frame alive: it has the idle timeout from its
+                    // first bytes.
+                    let mut deadline = tokio::time::Instant::now() + idle_timeout;
+                    if let Some(p) = &self.partial {
+                        deadline = deadline.min(p.since + idle_timeout);
+                    }
+                    self.idle.as_mut().reset(deadline);
+                    None
+                }
+                Err(e) if is_clean_close(&e) => {
+                    Some(Ended::Normally("the client closed the connection".to_owned()))
+                }
+                Err(e) => Some(Ended::Badly(format!("read failed: {}", io_phrase(&e)))),
+            },
+            _ = &mut self.idle => {
+                if let Some(p) = &self.partial {
+                    if p.since + idle_timeout <= tokio::time::Instant::now() {
+                        return Some(Ended::Badly(format!(
+                            "a frame of {} bytes did not arrive whole within {idle_timeout:?}",
+                            announced_len(buf)
+                        )));
+                    }
+                }
+                if self.permits.available_permits() == self.in_flight && self.budget.is_idle() {
+                    return Some(Ended::Normally(format!("idle for {idle_timeout:?}")));
+                }
+                self.idle.as_mut().reset(tokio::time::Instant::now() + idle_timeout);
+                None
+            }
+            _ = raised(&mut self.shutdown) => {
+                Some(Ended::Normally("server shutting down".to_owned()))
+            }
+            r = &mut self.writer => Some(self.stopped_reading(r)),
+        }
+    }
 }
 
 /// A connection's last steps: its requests' replies sent, or not.
