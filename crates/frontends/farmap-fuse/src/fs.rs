@@ -95,6 +95,9 @@ fn errno(e: &StoreError) -> Errno {
 /// Called once the kernel has answered INIT, with the largest write and read-ahead.
 pub(crate) type OnInit = Box<dyn FnOnce(u32, u32) + Send + Sync>;
 
+/// Reads up to this long are started in the session thread ([`RegionFs::run_here_or_spawn`]).
+const INLINE_READ: usize = 64 << 10;
+
 /// The single-file file system.
 pub(crate) struct RegionFs {
     pub shared: Arc<Shared>,
@@ -115,6 +118,20 @@ impl RegionFs {
     /// Runs `fut` on the mount's runtime.
     fn spawn(&self, fut: impl std::future::Future<Output = ()> + Send + 'static) {
         self.handle.spawn(fut);
+    }
+
+    /// Runs `fut` here, in the session thread (inside the mount's runtime), until it would
+    /// wait; only then on the runtime. A small read the store answers without waiting (a
+    /// memory store, a cached chunk) is then answered with no hand-off to another thread:
+    /// the faulting thread waits for one wake-up instead of two.
+    fn run_here_or_spawn(&self, fut: impl std::future::Future<Output = ()> + Send + 'static) {
+        let _runtime = self.handle.enter();
+        let mut fut = Box::pin(fut);
+        let mut cx = std::task::Context::from_waker(std::task::Waker::noop());
+        if fut.as_mut().poll(&mut cx).is_pending() {
+            // Polled again there at once, with a waker that counts.
+            self.handle.spawn(fut);
+        }
     }
 
     /// Flushes the store and replies.
@@ -258,7 +275,7 @@ impl Filesystem for RegionFs {
             return reply.data(&[]);
         }
         let shared = self.shared.clone();
-        self.spawn(async move {
+        let read = async move {
             if let Err(e) = shared.control.readable().await {
                 return reply.error(e);
             }
@@ -269,7 +286,13 @@ impl Filesystem for RegionFs {
                     reply.error(errno(&e))
                 }
             }
-        });
+        };
+        // Large reads (read-ahead) keep running side by side on the runtime's threads.
+        if len <= INLINE_READ {
+            self.run_here_or_spawn(read);
+        } else {
+            self.spawn(read);
+        }
     }
 
     fn write(
