@@ -1,6 +1,6 @@
 //! [`Hooked`]: a store wrapper for tests that runs a hook before each read, write and flush
-//! (to count, record, delay, block or fail it), and optionally sees the data written, changes
-//! the data read, or reports other caps.
+//! (to count, record, delay, block or fail it), and optionally sees the data written or changes
+//! the data read.
 
 use std::fmt;
 use std::sync::Arc;
@@ -33,15 +33,13 @@ pub type WriteHook =
 pub type ReadMap = Arc<dyn Fn(ChunkIdx, Bytes) -> Bytes + Send + Sync>;
 
 /// `inner` with a [`Hook`] run before each read, write and flush (trim and status go
-/// straight through), and what [`Hooked::before_writes`], [`Hooked::map_reads`] and
-/// [`Hooked::with_caps`] add.
+/// straight through), and what [`Hooked::before_writes`] and [`Hooked::map_reads`] add.
 pub struct Hooked<S> {
     /// The store behind the hook.
     pub inner: S,
     hook: Option<Hook>,
     before_write: Option<WriteHook>,
     map_read: Option<ReadMap>,
-    caps: Option<Caps>,
 }
 
 impl<S> Hooked<S> {
@@ -63,7 +61,6 @@ impl<S> Hooked<S> {
             hook: None,
             before_write: None,
             map_read: None,
-            caps: None,
         }
     }
 
@@ -83,12 +80,6 @@ impl<S> Hooked<S> {
         map: impl Fn(ChunkIdx, Bytes) -> Bytes + Send + Sync + 'static,
     ) -> Self {
         self.map_read = Some(Arc::new(map));
-        self
-    }
-
-    /// Reports `caps` in place of the inner store's (the operations still reach it).
-    pub fn with_caps(mut self, caps: Caps) -> Self {
-        self.caps = Some(caps);
         self
     }
 
@@ -113,7 +104,7 @@ impl<S: Store> Store for Hooked<S> {
         self.inner.geometry()
     }
     fn caps(&self) -> Caps {
-        self.caps.unwrap_or_else(|| self.inner.caps())
+        self.inner.caps()
     }
     fn read(&self, idx: ChunkIdx) -> BoxFuture<'_, StoreResult<Bytes>> {
         Box::pin(async move {
@@ -170,8 +161,7 @@ mod tests {
                 } else {
                     data
                 }
-            })
-            .with_caps(Caps::NONE);
+            });
         block_on(async {
             store
                 .write(ChunkIdx(1), Bytes::from(vec![5; 4096]))
@@ -185,6 +175,5 @@ mod tests {
             assert_eq!(store.read(ChunkIdx(2)).await.unwrap()[0], 6);
         });
         assert_eq!(*seen.lock().unwrap(), [(ChunkIdx(1), 5), (ChunkIdx(2), 6)]);
-        assert_eq!(store.caps(), Caps::NONE);
     }
 }

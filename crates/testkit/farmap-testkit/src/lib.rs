@@ -8,8 +8,8 @@
 //!   [`chunk_content`](conformance::chunk_content) for chunks written in versions.
 //! - [`contents`]: a whole store's bytes, read or written.
 //! - [`Hooked`]: a store wrapper that runs a hook before each read, write and flush (to
-//!   count, record, delay, block or fail it), and can see the data written, change the data
-//!   read or report other caps.
+//!   count, record, delay, block or fail it), and can see the data written or change the
+//!   data read.
 //! - [`wait`]: bounded waits ([`block_on`], a closure within a time limit, a condition that
 //!   must come true).
 //! - [`mod@skip`]: how a test that cannot run here says so (counted by `scripts/test.sh`), and
