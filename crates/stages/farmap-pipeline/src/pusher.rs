@@ -621,14 +621,7 @@ impl<S: Store, R: Store> Pusher<S, R> {
         source: Option<Arc<dyn DirtySource>>,
         hold: Option<Arc<dyn PushHold>>,
     ) -> StoreResult<Self> {
-        let geometry = inner.geometry();
-        if remote.geometry() != geometry {
-            return Err(StoreError::invalid(format!(
-                "the local store ({geometry}) and the remote store ({}) of a pusher must have \
-                 the same geometry",
-                remote.geometry()
-            )));
-        }
+        let geometry = crate::same_geometry(&inner, &remote, "a pusher")?;
         let shared = Arc::new(Shared {
             tracked: Tracked::new(inner),
             source,
