@@ -18,6 +18,7 @@ use farmap_grpc::pb::{self, write_request};
 use farmap_grpc::{serve_grpc, GrpcServerOptions, GrpcStore};
 use farmap_store::MemoryStore;
 use farmap_testkit::alloc::{process_peak_bytes, reset_process_peak, CountingAlloc};
+use farmap_testkit::wait::runtime;
 use farmap_testkit::{Hooked, Op};
 use tokio::net::TcpListener;
 use tokio::sync::watch;
@@ -34,14 +35,6 @@ const MIB: usize = 1 << 20;
 fn serial() -> MutexGuard<'static, ()> {
     static SERIAL: Mutex<()> = Mutex::new(());
     SERIAL.lock().unwrap_or_else(PoisonError::into_inner)
-}
-
-fn runtime() -> tokio::runtime::Runtime {
-    tokio::runtime::Builder::new_multi_thread()
-        .worker_threads(2)
-        .enable_all()
-        .build()
-        .expect("runtime")
 }
 
 /// Serves `store` on a fresh loopback port; returns its URL.
