@@ -88,15 +88,12 @@ impl FromStr for Bandwidth {
             input: input.to_owned(),
             reason,
         };
-        let s = input.trim();
-        let split = s
-            .find(|c: char| !(c.is_ascii_digit() || c == '.'))
-            .unwrap_or(s.len());
-        let (num, unit) = s.split_at(split);
+        // The number and the unit as every number with a unit splits (farmap-core); the
+        // number is read as f64, as link rates need no exact bytes.
+        let (num, unit) = farmap_core::split_quantity(input);
         let value: f64 = num
             .parse()
             .map_err(|_| err("expected a number followed by a unit, e.g. 1Gbit or 500MB/s"))?;
-        let unit = unit.trim();
         // Bytes or bits: `B/s` and `Bps` (capital B) count bytes; `bit`, `bps`, `b/s` bits.
         let lower = unit.to_ascii_lowercase();
         let (prefix, bits) = if let Some(p) = unit

@@ -1,6 +1,7 @@
 //! The proxy's tests: link arithmetic, timing, throughput, integrity, EOF and errors.
 
 use super::*;
+use farmap_testkit::wait::runtime;
 use std::io::{Read, Write};
 use std::net::{Shutdown, TcpListener as StdListener, TcpStream as StdStream};
 use std::sync::Mutex;
@@ -12,14 +13,6 @@ static TIMING: Mutex<()> = Mutex::new(());
 
 fn timing_lock() -> std::sync::MutexGuard<'static, ()> {
     TIMING.lock().unwrap_or_else(|e| e.into_inner())
-}
-
-fn runtime() -> tokio::runtime::Runtime {
-    tokio::runtime::Builder::new_multi_thread()
-        .worker_threads(2)
-        .enable_all()
-        .build()
-        .expect("runtime")
 }
 
 fn start(rt: &tokio::runtime::Runtime, to: SocketAddr, options: ProxyOptions) -> ProxyHandle {

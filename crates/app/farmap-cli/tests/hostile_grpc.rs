@@ -4,20 +4,18 @@
 //! resident memory (`VmRSS`) stays within `--max-memory` plus a fixed overhead, a good
 //! client keeps at least half its unloaded rate, and SIGTERM stops the server within seconds.
 
-use std::io::Write;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use farmap::{ChunkIdx, Store};
 use farmap_grpc::pb;
-use farmap_testkit::cli::Listening;
 use tonic::codegen::http::uri::PathAndQuery;
 use tonic::transport::Endpoint;
 use tonic::Request;
 
 mod common;
-use common::farmap;
+use common::hostile::{assert_peak_within, big_file, serve_with_budget};
 
 const MIB: u64 = 1 << 20;
 const CHUNK: u64 = MIB;
@@ -113,26 +111,11 @@ async fn clients_that_never_read_keep_the_grpc_server_in_its_budget_and_the_good
     const OVERHEAD: u64 = 96 * MIB;
     const ATTACKERS: usize = 4;
     let dir = tempfile::tempdir().unwrap();
-    let path = dir.path().join("big.img");
-    let mut f = std::fs::File::create(&path).unwrap();
-    for idx in 0..64u64 {
-        f.write_all(&vec![pattern(idx); CHUNK as usize]).unwrap();
-    }
-    f.set_len(1024 * MIB).unwrap();
-    drop(f);
+    let path = big_file(dir.path(), 1024 * MIB, 64 * CHUNK, CHUNK as usize, |at| {
+        pattern(at / CHUNK)
+    });
     let spec = format!("file:{}?chunk=1MiB", path.display());
-    let server: Listening = farmap()
-        .listening(&[
-            "serve",
-            "--grpc",
-            "-q",
-            &spec,
-            "--listen",
-            "127.0.0.1:0",
-            "--max-memory",
-            "64MiB",
-        ])
-        .drained();
+    let server = serve_with_budget("--grpc", &spec, MAX_MEMORY);
     let url = format!("http://{}", server.addr());
     let base = farmap_testkit::process::rss_bytes(server.id());
     // The good client's rate alone: the median of five rounds of 20 reads.
@@ -175,13 +158,7 @@ async fn clients_that_never_read_keep_the_grpc_server_in_its_budget_and_the_good
         answered * 2 * CHUNK >= MAX_MEMORY / 2,
         "the attackers held memory: {answered} calls answered"
     );
-    assert!(
-        peak < MAX_MEMORY + OVERHEAD,
-        "VmRSS peaked at {} MiB, over --max-memory {} MiB + {} MiB",
-        peak / MIB,
-        MAX_MEMORY / MIB,
-        OVERHEAD / MIB
-    );
+    assert_peak_within(peak, MAX_MEMORY, OVERHEAD);
     // At least half its unloaded rate (the bar): a connection's own reserve serves
     // its single-chunk calls whatever the others hold, and the store's work is shared out
     // between connections. (20 ms of slack: a round takes milliseconds, and hosts are noisy.)

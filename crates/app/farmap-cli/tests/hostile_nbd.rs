@@ -11,10 +11,8 @@ use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use farmap_testkit::cli::Listening;
-
 mod common;
-use common::farmap;
+use common::hostile::{assert_peak_within, big_file, serve_with_budget};
 
 const MIB: u64 = 1 << 20;
 const CHUNK: u64 = 4 * MIB;
@@ -77,26 +75,9 @@ fn cache_requests_and_tiny_reads_never_read_keep_the_nbd_server_in_its_budget() 
     const MAX_MEMORY: u64 = 64 * MIB;
     const OVERHEAD: u64 = 96 * MIB;
     let dir = tempfile::tempdir().unwrap();
-    let path = dir.path().join("big.img");
-    let mut f = std::fs::File::create(&path).unwrap();
-    for page in 0..(16 * MIB / 4096) {
-        f.write_all(&[pattern(page * 4096); 4096]).unwrap();
-    }
-    f.set_len(4096 * MIB).unwrap();
-    drop(f);
+    let path = big_file(dir.path(), 4096 * MIB, 16 * MIB, 4096, pattern);
     let spec = format!("file:{}?chunk=4MiB", path.display());
-    let server: Listening = farmap()
-        .listening(&[
-            "serve",
-            "--nbd",
-            "-q",
-            &spec,
-            "--listen",
-            "127.0.0.1:0",
-            "--max-memory",
-            "64MiB",
-        ])
-        .drained();
+    let server = serve_with_budget("--nbd", &spec, MAX_MEMORY);
     let addr: SocketAddr = server.addr().parse().unwrap();
     let base = farmap_testkit::process::rss_bytes(server.id());
     // The good client's rate alone (median of three rounds of 50 reads).
@@ -157,13 +138,7 @@ fn cache_requests_and_tiny_reads_never_read_keep_the_nbd_server_in_its_budget() 
         sent.load(Ordering::Relaxed) > 2 * cache.len() as u64,
         "the attackers got requests through"
     );
-    assert!(
-        peak < MAX_MEMORY + OVERHEAD,
-        "VmRSS peaked at {} MiB, over --max-memory {} MiB + {} MiB",
-        peak / MIB,
-        MAX_MEMORY / MIB,
-        OVERHEAD / MIB
-    );
+    assert_peak_within(peak, MAX_MEMORY, OVERHEAD);
 
     // Before the budget counted what requests hold, the good client was not answered at all.
     assert!(

@@ -192,6 +192,29 @@ fn start_writer(p: &Pair, expected: &Path) -> Proc {
     writer
 }
 
+/// A [`pair`] over `spec` in `tmp` whose source file the writer has been writing for
+/// `ms` milliseconds; returns the pair, the file the writer saves what it wrote to, and the
+/// writer.
+fn pair_being_written(
+    tmp: &Path,
+    spec: &str,
+    mount_args: &[&str],
+    ms: u64,
+) -> (Pair, PathBuf, Proc) {
+    let p = pair(tmp, spec, mount_args);
+    let expected = tmp.join("expected");
+    let writer = start_writer(&p, &expected);
+    std::thread::sleep(Duration::from_millis(ms));
+    (p, expected, writer)
+}
+
+/// The report of a writer that was told its file moved; it wrote something.
+fn writer_done(writer: Proc) -> Value {
+    let done: Value = serde_json::from_str(&writer.finish()).unwrap();
+    assert!(done["writes"].as_u64().unwrap() > 0, "{done}");
+    done
+}
+
 /// Everything the writer wrote before it was stopped (`done`: its report) is at the
 /// destination (the page it was in the middle of may be torn: it is excused), and the
 /// source refuses writes (EROFS) and reads that reach it (EIO).
@@ -224,18 +247,14 @@ fn a_mount_moves_while_a_program_writes_it_and_the_source_refuses_it_afterwards(
         return;
     }
     let tmp = tempfile::tempdir().unwrap();
-    let p = pair(tmp.path(), "memory:32MiB", &[]);
-    let expected = tmp.path().join("expected");
-    let writer = start_writer(&p, &expected);
-    std::thread::sleep(Duration::from_millis(300));
+    let (p, expected, writer) = pair_being_written(tmp.path(), "memory:32MiB", &[], 300);
     let report = migrate(&p);
     assert_eq!(report["role"], "leech");
     assert_eq!(report["region_bytes"], 32 << 20);
     assert!(report["downtime_ms"].as_f64().is_some(), "{report}");
     assert!(report["app_freeze_ms"].as_f64().is_some(), "{report}");
     let pid = writer.pid();
-    let done: Value = serde_json::from_str(&writer.finish()).unwrap();
-    assert!(done["writes"].as_u64().unwrap() > 0, "{done}");
+    let done = writer_done(writer);
     // The writer was found through /proc (it maps the file) and stopped, then told.
     assert!(
         !Path::new(&format!("/proc/{pid}")).exists(),
@@ -256,10 +275,7 @@ fn a_mount_moves_in_post_copy_while_a_program_writes_it() {
         return;
     }
     let tmp = tempfile::tempdir().unwrap();
-    let p = pair(tmp.path(), "memory:32MiB", &[]);
-    let expected = tmp.path().join("expected");
-    let writer = start_writer(&p, &expected);
-    std::thread::sleep(Duration::from_millis(300));
+    let (p, expected, writer) = pair_being_written(tmp.path(), "memory:32MiB", &[], 300);
     let report = migrate_with(&p, &["--mode", "postcopy"]);
     assert_eq!(report["mode"], "postcopy", "{report}");
     assert_eq!(report["region_bytes"], 32 << 20, "{report}");
@@ -268,8 +284,7 @@ fn a_mount_moves_in_post_copy_while_a_program_writes_it() {
     assert_eq!(report["rounds"], 0, "{report}");
     assert_eq!(report["bytes_precopy"], 0, "{report}");
     assert!(report["bytes_postcopy"].as_u64().unwrap() > 0, "{report}");
-    let done: Value = serde_json::from_str(&writer.finish()).unwrap();
-    assert!(done["writes"].as_u64().unwrap() > 0, "{done}");
+    let done = writer_done(writer);
     check_moved(&p, &expected, &done);
 }
 
@@ -441,10 +456,7 @@ fn instant_over_redis(test: &str, mount_args: &[&str]) {
         mount_args.len()
     );
     let tmp = tempfile::tempdir().unwrap();
-    let p = pair(tmp.path(), &spec, mount_args);
-    let expected = tmp.path().join("expected");
-    let writer = start_writer(&p, &expected);
-    std::thread::sleep(Duration::from_millis(600));
+    let (p, expected, writer) = pair_being_written(tmp.path(), &spec, mount_args, 600);
     // The destination mount was started without a store: it opens the shared store only
     // when told here which (a seeder's announcement alone is not enough).
     let report = migrate_with(&p, &["--mode", "instant", "--store", &spec]);
@@ -463,8 +475,7 @@ fn instant_over_redis(test: &str, mount_args: &[&str]) {
         before <= 32 * chunks + 65536,
         "{before} bytes before resuming: {report}"
     );
-    let done: Value = serde_json::from_str(&writer.finish()).unwrap();
-    assert!(done["writes"].as_u64().unwrap() > 0, "{done}");
+    let done = writer_done(writer);
     check_moved(&p, &expected, &done);
     // The destination writes through to Redis, and the source's last chunks were pushed
     // there before it was released: a fresh reader of Redis sees the destination's file.

@@ -100,13 +100,24 @@ fn spec(scheme: &str, path: &Path) -> String {
     format!("{scheme}:{}", path.display())
 }
 
+fn need_nbdkit(test: &str) -> bool {
+    need(test, "nbdkit", "nbdkit")
+}
+
+/// Copies the file `src` into the store `uri`, then the store into the file `back`.
+fn copy_in_and_back(src: &Path, uri: &str, back: &Path) {
+    farmap_ok(&["cp", "-q", &spec("file", src), uri]);
+    farmap_ok(&["cp", "-q", uri, &spec("file", back)]);
+}
+
+/// Asserts that the file at `path` holds `data` (`what` says which file it is).
+fn assert_holds(path: &Path, data: &[u8], what: &str) {
+    assert!(std::fs::read(path).unwrap() == data, "{what}");
+}
+
 #[test]
 fn cp_in_and_out_of_nbdkit_over_tcp_is_identical() {
-    if !need(
-        "cp_in_and_out_of_nbdkit_over_tcp_is_identical",
-        "nbdkit",
-        "nbdkit",
-    ) {
+    if !need_nbdkit("cp_in_and_out_of_nbdkit_over_tcp_is_identical") {
         return;
     }
     let dir = tempfile::tempdir().unwrap();
@@ -115,12 +126,8 @@ fn cp_in_and_out_of_nbdkit_over_tcp_is_identical() {
     let back = dir.path().join("back.img");
     let (_kit, port) = nbdkit_tcp(&["memory", "8M"]);
     let uri = format!("nbd://127.0.0.1:{port}/");
-    farmap_ok(&["cp", "-q", &spec("file", &src), &uri]);
-    farmap_ok(&["cp", "-q", &uri, &spec("file", &back)]);
-    assert!(
-        std::fs::read(&back).unwrap() == data,
-        "the copy back is identical"
-    );
+    copy_in_and_back(&src, &uri, &back);
+    assert_holds(&back, &data, "the copy back is identical");
     // `farmap info` sees the export's size and the store's capabilities.
     let info = farmap_ok(&["info", &uri]);
     assert!(info.contains("8MiB") || info.contains("8388608"), "{info}");
@@ -150,25 +157,14 @@ fn cp_in_and_out_of_qemu_nbd_over_a_unix_socket_is_identical() {
     );
     wait_for(&sock);
     let uri = format!("nbd+unix:///?socket={}", sock.display());
-    farmap_ok(&["cp", "-q", &spec("file", &src), &uri]);
-    farmap_ok(&["cp", "-q", &uri, &spec("file", &back)]);
-    assert!(
-        std::fs::read(&back).unwrap() == data,
-        "the copy back is identical"
-    );
-    assert!(
-        std::fs::read(&disk).unwrap() == data,
-        "qemu-nbd's file holds what was copied in"
-    );
+    copy_in_and_back(&src, &uri, &back);
+    assert_holds(&back, &data, "the copy back is identical");
+    assert_holds(&disk, &data, "qemu-nbd's file holds what was copied in");
 }
 
 #[test]
 fn serve_of_an_nbd_store_carries_reads_and_writes_to_nbdkit() {
-    if !need(
-        "serve_of_an_nbd_store_carries_reads_and_writes_to_nbdkit",
-        "nbdkit",
-        "nbdkit",
-    ) {
+    if !need_nbdkit("serve_of_an_nbd_store_carries_reads_and_writes_to_nbdkit") {
         return;
     }
     let dir = tempfile::tempdir().unwrap();
@@ -187,25 +183,15 @@ fn serve_of_an_nbd_store_carries_reads_and_writes_to_nbdkit() {
     // What farmap's server wrote went to nbdkit: read it straight from there.
     let direct = dir.path().join("direct.img");
     farmap_ok(&["cp", "-q", &nbd, &spec("file", &direct)]);
-    assert!(
-        std::fs::read(&direct).unwrap() == data,
-        "nbdkit holds the data"
-    );
+    assert_holds(&direct, &data, "nbdkit holds the data");
     let back = dir.path().join("back.img");
     farmap_ok(&["cp", "-q", &remote, &spec("file", &back)]);
-    assert!(
-        std::fs::read(&back).unwrap() == data,
-        "read back through the server"
-    );
+    assert_holds(&back, &data, "read back through the server");
 }
 
 #[test]
 fn a_server_killed_mid_copy_fails_the_copy_instead_of_hanging() {
-    if !need(
-        "a_server_killed_mid_copy_fails_the_copy_instead_of_hanging",
-        "nbdkit",
-        "nbdkit",
-    ) {
+    if !need_nbdkit("a_server_killed_mid_copy_fails_the_copy_instead_of_hanging") {
         return;
     }
     let dir = tempfile::tempdir().unwrap();

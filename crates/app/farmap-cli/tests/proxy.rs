@@ -19,6 +19,13 @@ struct Running {
 }
 
 impl Running {
+    /// A proxy on a loopback port to `upstream`, with `extra` options.
+    fn to(upstream: &str, extra: &[&str]) -> Self {
+        let mut args = vec!["--listen", "127.0.0.1:0", "--to", upstream];
+        args.extend_from_slice(extra);
+        Self::start(&args)
+    }
+
     fn start(args: &[&str]) -> Self {
         let mut all = vec!["proxy"];
         all.extend_from_slice(args);
@@ -102,14 +109,7 @@ fn bad_arguments_give_one_line_errors() {
 #[test]
 fn forwards_with_the_round_trip_time_and_stops_on_ctrl_c() {
     let upstream = echo_server().to_string();
-    let proxy = Running::start(&[
-        "--listen",
-        "127.0.0.1:0",
-        "--to",
-        &upstream,
-        "--rtt",
-        "10ms",
-    ]);
+    let proxy = Running::to(&upstream, &["--rtt", "10ms"]);
     let mut c = connect(proxy.addr);
     let mut times = Vec::new();
     for i in 0..20u64 {
@@ -139,14 +139,7 @@ fn forwards_with_the_round_trip_time_and_stops_on_ctrl_c() {
 #[test]
 fn limits_bandwidth_and_reports_unreachable_upstreams() {
     let upstream = echo_server().to_string();
-    let proxy = Running::start(&[
-        "--listen",
-        "127.0.0.1:0",
-        "--to",
-        &upstream,
-        "--bandwidth",
-        "100Mbit",
-    ]);
+    let proxy = Running::to(&upstream, &["--bandwidth", "100Mbit"]);
     // 2.5 MB each way at 12.5 MB/s: at least 0.2 s (both ways run at once).
     let c = connect(proxy.addr);
     let mut out = c.try_clone().expect("clone");
@@ -174,7 +167,7 @@ fn limits_bandwidth_and_reports_unreachable_upstreams() {
     let gone = TcpListener::bind("127.0.0.1:0").expect("bind");
     let to = gone.local_addr().expect("addr").to_string();
     drop(gone);
-    let proxy = Running::start(&["--listen", "127.0.0.1:0", "--to", &to]);
+    let proxy = Running::to(&to, &[]);
     let mut c = connect(proxy.addr);
     let mut buf = [0u8; 1];
     assert!(!matches!(c.read(&mut buf), Ok(n) if n > 0));

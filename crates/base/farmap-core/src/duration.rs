@@ -37,12 +37,7 @@ pub fn parse_duration(input: &str) -> Result<Duration, DurationError> {
         input: input.to_owned(),
         reason,
     };
-    let s = input.trim();
-    let split = s
-        .find(|c: char| !(c.is_ascii_digit() || c == '.'))
-        .unwrap_or(s.len());
-    let (num, unit) = s.split_at(split);
-    let unit = unit.trim();
+    let (num, unit) = crate::split_quantity(input);
     if num.is_empty() {
         return Err(err(format!(
             "expected a number followed by a unit ({DURATION_UNITS}), e.g. 500ms or 30s"

@@ -12,6 +12,7 @@
 //! - [`ChunkStatus`]: what a store knows about a chunk without reading it (zero or data).
 //! - [`size`]: parsing and printing of sizes (binary suffixes in, MB = 10^6 bytes out).
 //! - [`duration`]: parsing and printing of durations (a unit is always required).
+//! - [`split_quantity`]: the number and the unit of any number with a unit, as both read them.
 //! - [`SizeOrPercent`]: "SIZE or N%", for bounds given in bytes or as a share of a region.
 //! - [`RetryPolicy`]: attempts, exponential backoff and jitter, for every retry and reconnect.
 //! - [`query`] and [`option`]: the grammar of a store spec's `?key=value&...` and its values.
@@ -25,6 +26,7 @@ pub mod duration;
 mod error;
 mod geometry;
 pub mod option;
+mod quantity;
 pub mod query;
 mod retry;
 mod share;
@@ -39,6 +41,7 @@ pub use geometry::{
     ChunkIdx, ChunkRange, Geometry, GeometryError, DEFAULT_CHUNK_SIZE, MAX_CHUNKS, MAX_CHUNK_SIZE,
     MIN_CHUNK_SIZE,
 };
+pub use quantity::split_quantity;
 pub use retry::RetryPolicy;
 pub use share::SizeOrPercent;
 pub use size::{format_size, parse_size, MbPerSec, SizeError};

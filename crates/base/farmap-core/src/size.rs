@@ -25,17 +25,13 @@ pub fn parse_size(input: &str) -> Result<u64, SizeError> {
         input: input.to_owned(),
         reason,
     };
-    let s = input.trim();
-    let split = s
-        .find(|c: char| !(c.is_ascii_digit() || c == '.'))
-        .unwrap_or(s.len());
-    let (num, suffix) = s.split_at(split);
+    let (num, suffix) = crate::split_quantity(input);
     if num.is_empty() {
         return Err(err(
             "expected a number, optionally followed by KiB, MiB, GiB, TiB or PiB",
         ));
     }
-    let shift = match suffix.trim().to_ascii_lowercase().as_str() {
+    let shift = match suffix.to_ascii_lowercase().as_str() {
         "" | "b" => 0,
         "k" | "kb" | "kib" => 10,
         "m" | "mb" | "mib" => 20,

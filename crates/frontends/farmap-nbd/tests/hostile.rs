@@ -14,8 +14,8 @@ use farmap_nbd_proto::{
     Chunk, ClientConfig, ClientHandshake, ClientStep, Command, ExportDetails, Reply, ReplyDecoder,
     RequestHeader,
 };
-use farmap_testkit::pattern_with_zeros;
 use farmap_testkit::tls::Pki;
+use farmap_testkit::{pattern_with_zeros, Hooked};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::TcpStream;
 
@@ -473,63 +473,23 @@ async fn pipelined_large_writes_and_reads_keep_every_byte() {
     server.shutdown().await.unwrap();
 }
 
-/// A store that remembers where the payloads it was given live in memory.
-#[derive(Debug)]
-struct Recording {
-    inner: std::sync::Arc<dyn Store>,
-    seen: std::sync::Mutex<Vec<(usize, usize)>>,
-}
-
-impl Store for Recording {
-    fn geometry(&self) -> farmap_core::Geometry {
-        self.inner.geometry()
-    }
-    fn caps(&self) -> farmap_core::Caps {
-        self.inner.caps()
-    }
-    fn read(
-        &self,
-        idx: farmap_core::ChunkIdx,
-    ) -> farmap_core::BoxFuture<'_, farmap_core::StoreResult<Bytes>> {
-        self.inner.read(idx)
-    }
-    fn write(
-        &self,
-        idx: farmap_core::ChunkIdx,
-        data: Bytes,
-    ) -> farmap_core::BoxFuture<'_, farmap_core::StoreResult<()>> {
-        self.seen
-            .lock()
-            .unwrap()
-            .push((data.as_ptr() as usize, data.len()));
-        self.inner.write(idx, data)
-    }
-    fn flush(&self) -> farmap_core::BoxFuture<'_, farmap_core::StoreResult<()>> {
-        self.inner.flush()
-    }
-    fn trim(
-        &self,
-        range: farmap_core::ChunkRange,
-    ) -> farmap_core::BoxFuture<'_, farmap_core::StoreResult<()>> {
-        self.inner.trim(range)
-    }
-    fn status(
-        &self,
-        idx: farmap_core::ChunkIdx,
-    ) -> farmap_core::BoxFuture<'_, farmap_core::StoreResult<farmap_core::ChunkStatus>> {
-        self.inner.status(idx)
-    }
-}
-
 /// Small writes arrive many to one read of the socket; the payload a store keeps must not be
 /// a slice of that shared receive buffer (a memory store keeps it for good: each 4 KiB chunk
 /// would pin the whole buffer).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn small_writes_in_one_burst_do_not_pin_the_receive_buffer() {
-    let rec = std::sync::Arc::new(Recording {
-        inner: memory(1 << 20, 4096),
-        seen: Default::default(),
-    });
+    // Where the payloads the store was given live in memory.
+    let seen = std::sync::Arc::new(std::sync::Mutex::new(Vec::new()));
+    let recorded = seen.clone();
+    let rec = std::sync::Arc::new(Hooked::through(memory(1 << 20, 4096)).before_writes(
+        move |_, data| {
+            recorded
+                .lock()
+                .unwrap()
+                .push((data.as_ptr() as usize, data.len()));
+            Box::pin(async { Ok(()) })
+        },
+    ));
     let server = start(vec![export("", rec.clone())], quiet()).await;
     let mut c = Raw::connect(tcp(&server), "", true).await;
     // 32 writes of 4 KiB in one socket write: they land in one receive buffer.
@@ -542,7 +502,7 @@ async fn small_writes_in_one_burst_do_not_pin_the_receive_buffer() {
     for _ in 0..32 {
         assert_eq!(error_of(&c.full_reply(|_| None).await), None);
     }
-    let mut seen = rec.seen.lock().unwrap().clone();
+    let mut seen = seen.lock().unwrap().clone();
     assert_eq!(seen.len(), 32);
     seen.sort_unstable();
     // Slices of one buffer would sit a request header (28 bytes) apart.

@@ -19,6 +19,53 @@ use crate::sys::{self, PageRegion};
 /// Entries per `PAGEMAP_SCAN` call when the caller's scratch vector has no capacity yet.
 const VEC_LEN: usize = 1024;
 
+/// What one walk asks `PAGEMAP_SCAN` for: its flags and category masks (a page is reported
+/// when, after the `inverted` categories are flipped, it has every category of
+/// `category_mask` and one of `anyof`, if any; `return_mask` is what it reports of it).
+#[derive(Debug, Clone, Copy)]
+struct Query {
+    flags: u64,
+    category_mask: u64,
+    anyof: u64,
+    inverted: u64,
+    return_mask: u64,
+}
+
+impl Query {
+    /// Written pages, with whether they hold data; no flag (nothing is write-protected).
+    const WRITTEN: Query = Query {
+        flags: 0,
+        category_mask: sys::PAGE_IS_WRITTEN,
+        anyof: 0,
+        inverted: 0,
+        return_mask: sys::PAGE_IS_WRITTEN | sys::PAGE_IS_PRESENT | sys::PAGE_IS_SWAPPED,
+    };
+    /// Pages that hold data: present or swapped.
+    const HOLDS_DATA: Query = Query {
+        flags: 0,
+        category_mask: 0,
+        anyof: sys::PAGE_IS_PRESENT | sys::PAGE_IS_SWAPPED,
+        inverted: 0,
+        return_mask: sys::PAGE_IS_PRESENT | sys::PAGE_IS_SWAPPED,
+    };
+    /// Pages present in memory.
+    const IN_MEMORY: Query = Query {
+        flags: 0,
+        category_mask: sys::PAGE_IS_PRESENT,
+        anyof: 0,
+        inverted: 0,
+        return_mask: sys::PAGE_IS_PRESENT,
+    };
+    /// Pages present in memory that are not the shared zero page.
+    const NOT_ZERO_PAGE: Query = Query {
+        flags: 0,
+        category_mask: sys::PAGE_IS_PRESENT | sys::PAGE_IS_PFNZERO,
+        anyof: 0,
+        inverted: sys::PAGE_IS_PFNZERO,
+        return_mask: sys::PAGE_IS_PRESENT,
+    };
+}
+
 /// An open `/proc/<pid>/pagemap`: the page tables of the process it was opened for (the file
 /// keeps that address space; it can be sent to another process, which then scans ours).
 #[derive(Debug)]
@@ -58,14 +105,12 @@ impl Pagemap {
         &self.fd
     }
 
-    /// One scan call; returns the regions found and where the walk ended.
+    /// One scan call for `query`; returns the regions found and where the walk ended.
     fn scan(
         &self,
         start: usize,
         end: usize,
-        flags: u64,
-        masks: (u64, u64, u64),
-        inverted: u64,
+        query: Query,
         vec: &mut Vec<PageRegion>,
     ) -> io::Result<usize> {
         let len = if vec.capacity() == 0 {
@@ -75,20 +120,19 @@ impl Pagemap {
         };
         vec.clear();
         vec.resize(len, PageRegion::default());
-        let (category_mask, anyof, return_mask) = masks;
         let mut arg = sys::PmScanArg {
             size: 0,
-            flags,
+            flags: query.flags,
             start: start as u64,
             end: end as u64,
             walk_end: 0,
             vec: 0,
             vec_len: 0,
             max_pages: 0,
-            category_inverted: inverted,
-            category_mask,
-            category_anyof_mask: anyof,
-            return_mask,
+            category_inverted: query.inverted,
+            category_mask: query.category_mask,
+            category_anyof_mask: query.anyof,
+            return_mask: query.return_mask,
         };
         let n = sys::pagemap_scan(self.fd.as_fd(), &mut arg, vec)
             .map_err(io::Error::from_raw_os_error)?;
@@ -96,34 +140,19 @@ impl Pagemap {
         Ok(arg.walk_end as usize)
     }
 
-    /// Walks `start..end`, calling `f` for each run found, until the walk reaches `end`.
+    /// Walks `start..end` for `query`, calling `f` for each run found, until the walk
+    /// reaches `end`.
     fn walk(
         &self,
         start: usize,
         end: usize,
-        flags: u64,
-        masks: (u64, u64, u64),
-        vec: &mut Vec<PageRegion>,
-        f: impl FnMut(PageRun),
-    ) -> io::Result<()> {
-        self.walk_inverted(start, end, flags, masks, 0, vec, f)
-    }
-
-    /// [`walk`](Self::walk) with `category_inverted`.
-    #[allow(clippy::too_many_arguments)]
-    fn walk_inverted(
-        &self,
-        start: usize,
-        end: usize,
-        flags: u64,
-        masks: (u64, u64, u64),
-        inverted: u64,
+        query: Query,
         vec: &mut Vec<PageRegion>,
         mut f: impl FnMut(PageRun),
     ) -> io::Result<()> {
         let mut cur = start;
         while cur < end {
-            let walk_end = self.scan(cur, end, flags, masks, inverted, vec)?;
+            let walk_end = self.scan(cur, end, query, vec)?;
             for r in vec.iter() {
                 f(PageRun {
                     start: r.start as usize,
@@ -152,13 +181,11 @@ impl Pagemap {
         vec: &mut Vec<PageRegion>,
         f: impl FnMut(PageRun),
     ) -> io::Result<()> {
-        let flags = sys::PM_SCAN_WP_MATCHING | sys::PM_SCAN_CHECK_WPASYNC;
-        let masks = (
-            sys::PAGE_IS_WRITTEN,
-            0,
-            sys::PAGE_IS_WRITTEN | sys::PAGE_IS_PRESENT | sys::PAGE_IS_SWAPPED,
-        );
-        self.walk(start, end, flags, masks, vec, f)
+        let query = Query {
+            flags: sys::PM_SCAN_WP_MATCHING | sys::PM_SCAN_CHECK_WPASYNC,
+            ..Query::WRITTEN
+        };
+        self.walk(start, end, query, vec, f)
     }
 
     /// Reports the written pages of `start..end` (written since they were last
@@ -171,12 +198,7 @@ impl Pagemap {
         vec: &mut Vec<PageRegion>,
         f: impl FnMut(PageRun),
     ) -> io::Result<()> {
-        let masks = (
-            sys::PAGE_IS_WRITTEN,
-            0,
-            sys::PAGE_IS_WRITTEN | sys::PAGE_IS_PRESENT | sys::PAGE_IS_SWAPPED,
-        );
-        self.walk(start, end, 0, masks, vec, f)
+        self.walk(start, end, Query::WRITTEN, vec, f)
     }
 
     /// Reports the runs of `start..end` that hold data (present or swapped pages); changes
@@ -188,8 +210,7 @@ impl Pagemap {
         vec: &mut Vec<PageRegion>,
         f: impl FnMut(PageRun),
     ) -> io::Result<()> {
-        let data = sys::PAGE_IS_PRESENT | sys::PAGE_IS_SWAPPED;
-        self.walk(start, end, 0, (0, data, data), vec, f)
+        self.walk(start, end, Query::HOLDS_DATA, vec, f)
     }
 
     /// Reports the runs of `start..end` whose pages are present in memory (not swapped, not
@@ -201,8 +222,7 @@ impl Pagemap {
         vec: &mut Vec<PageRegion>,
         f: impl FnMut(PageRun),
     ) -> io::Result<()> {
-        let p = sys::PAGE_IS_PRESENT;
-        self.walk(start, end, 0, (p, 0, p), vec, f)
+        self.walk(start, end, Query::IN_MEMORY, vec, f)
     }
 
     /// Whether a page of `start..end` is present in memory and not the shared zero page
@@ -210,24 +230,27 @@ impl Pagemap {
     pub fn any_not_zero_page(&self, start: usize, end: usize) -> io::Result<bool> {
         let mut vec = Vec::with_capacity(16);
         let mut found = false;
-        let (p, z) = (sys::PAGE_IS_PRESENT, sys::PAGE_IS_PFNZERO);
-        self.walk_inverted(start, end, 0, (p | z, 0, p), z, &mut vec, |_| found = true)?;
+        self.walk(start, end, Query::NOT_ZERO_PAGE, &mut vec, |_| found = true)?;
         Ok(found)
+    }
+
+    /// Whether the runs `query` finds cover every page of `start..end`.
+    fn covers(&self, start: usize, end: usize, query: Query) -> io::Result<bool> {
+        let mut vec = Vec::with_capacity(16);
+        let mut covered = 0;
+        self.walk(start, end, query, &mut vec, |run| {
+            covered += run.end - run.start
+        })?;
+        Ok(covered == end - start)
     }
 
     /// Whether every page of `start..end` is present in memory.
     pub fn all_in_memory(&self, start: usize, end: usize) -> io::Result<bool> {
-        let mut vec = Vec::with_capacity(16);
-        let mut covered = 0;
-        self.in_memory(start, end, &mut vec, |run| covered += run.end - run.start)?;
-        Ok(covered == end - start)
+        self.covers(start, end, Query::IN_MEMORY)
     }
 
     /// Whether every page of `start..end` holds data.
     pub fn all_present(&self, start: usize, end: usize) -> io::Result<bool> {
-        let mut vec = Vec::with_capacity(16);
-        let mut covered = 0;
-        self.present(start, end, &mut vec, |run| covered += run.end - run.start)?;
-        Ok(covered == end - start)
+        self.covers(start, end, Query::HOLDS_DATA)
     }
 }

@@ -19,6 +19,25 @@ const PAGE: usize = 4096;
 /// is woken).
 const SETTLE: std::time::Duration = std::time::Duration::from_secs(1);
 
+/// The write-tracking modes this kernel has, or none when userfaultfd is unavailable
+/// (`test` is then reported skipped).
+fn tracking_modes_if_uffd(test: &str) -> Vec<WriteTracking> {
+    if !uffd_available(test) {
+        return Vec::new();
+    }
+    tracking_modes()
+}
+
+/// A region of 1 MiB in 64 KiB chunks over a pattern store (seed 3).
+fn pattern_region() -> Region {
+    let g = Geometry::new(1 << 20, 64 << 10).unwrap();
+    Region::open(
+        Arc::new(PatternStore::new(g, 3)),
+        direct(WriteTracking::Auto),
+    )
+    .unwrap()
+}
+
 #[test]
 fn read_faults_return_store_data() {
     if !uffd_available("read_faults_return_store_data") {
@@ -105,10 +124,7 @@ fn a_store_that_opens_sockets_as_it_reads_is_served() {
 
 #[test]
 fn writes_are_tracked_per_page_in_both_modes() {
-    if !uffd_available("writes_are_tracked_per_page_in_both_modes") {
-        return;
-    }
-    for tracking in tracking_modes() {
+    for tracking in tracking_modes_if_uffd("writes_are_tracked_per_page_in_both_modes") {
         let g = Geometry::new(4 << 20, 64 << 10).unwrap();
         let store = Arc::new(MemoryStore::new(g));
         let region = Region::open(store.clone(), direct(tracking)).unwrap();
@@ -167,10 +183,7 @@ fn writes_are_tracked_per_page_in_both_modes() {
 /// it reports to the pusher (the store still gets them).
 #[test]
 fn take_written_and_the_pusher_both_see_every_write() {
-    if !uffd_available("take_written_and_the_pusher_both_see_every_write") {
-        return;
-    }
-    for tracking in tracking_modes() {
+    for tracking in tracking_modes_if_uffd("take_written_and_the_pusher_both_see_every_write") {
         let g = Geometry::new(4 << 20, 64 << 10).unwrap();
         let store = Arc::new(MemoryStore::new(g));
         let region = Region::open(store.clone(), direct(tracking)).unwrap();
@@ -212,10 +225,7 @@ fn take_written_and_the_pusher_both_see_every_write() {
 
 #[test]
 fn sync_pushes_every_written_chunk_and_close_syncs() {
-    if !uffd_available("sync_pushes_every_written_chunk_and_close_syncs") {
-        return;
-    }
-    for tracking in tracking_modes() {
+    for tracking in tracking_modes_if_uffd("sync_pushes_every_written_chunk_and_close_syncs") {
         let g = Geometry::new(2 << 20, 16 << 10).unwrap();
         let store = with_pattern(MemoryStore::new(g), 5);
         let region = Region::open(store.clone(), direct(tracking)).unwrap();
@@ -249,10 +259,7 @@ fn sync_pushes_every_written_chunk_and_close_syncs() {
 
 #[test]
 fn discarded_chunks_are_fetched_again() {
-    if !uffd_available("discarded_chunks_are_fetched_again") {
-        return;
-    }
-    for tracking in tracking_modes() {
+    for tracking in tracking_modes_if_uffd("discarded_chunks_are_fetched_again") {
         let chunk = 64 << 10;
         let g = Geometry::new(1 << 20, chunk as u64).unwrap();
         let store = with_pattern(MemoryStore::new(g), 21);
@@ -356,12 +363,7 @@ fn a_forked_child_does_not_inherit_the_region() {
     if !uffd_available("a_forked_child_does_not_inherit_the_region") {
         return;
     }
-    let g = Geometry::new(1 << 20, 64 << 10).unwrap();
-    let region = Region::open(
-        Arc::new(PatternStore::new(g, 3)),
-        direct(WriteTracking::Auto),
-    )
-    .unwrap();
+    let region = pattern_region();
     assert_eq!(
         region.memory().load_u8(0).unwrap(),
         pattern_bytes(3, 0, 1)[0]
@@ -459,12 +461,7 @@ fn out_of_range_accesses_through_the_region_are_errors() {
     if !uffd_available("out_of_range_accesses_through_the_region_are_errors") {
         return;
     }
-    let g = Geometry::new(1 << 20, 64 << 10).unwrap();
-    let region = Region::open(
-        Arc::new(PatternStore::new(g, 3)),
-        direct(WriteTracking::Auto),
-    )
-    .unwrap();
+    let region = pattern_region();
     let len = region.len();
     let mut buf = [0u8; 16];
     for offset in [len - 15, len, usize::MAX - 4] {
@@ -540,10 +537,9 @@ fn holds_says_which_ranges_read_without_a_fetch() {
 #[test]
 #[allow(clippy::single_range_in_vec_init)] // chunk runs: one run is a real case
 fn a_seal_in_two_steps_looks_at_the_hot_chunks_first_and_misses_no_write() {
-    if !uffd_available("a_seal_in_two_steps_looks_at_the_hot_chunks_first_and_misses_no_write") {
-        return;
-    }
-    for tracking in tracking_modes() {
+    for tracking in tracking_modes_if_uffd(
+        "a_seal_in_two_steps_looks_at_the_hot_chunks_first_and_misses_no_write",
+    ) {
         let g = Geometry::new(4 << 20, 64 << 10).unwrap();
         let store = with_pattern(MemoryStore::new(g), 9);
         let region = Region::open(store.clone(), direct(tracking)).unwrap();

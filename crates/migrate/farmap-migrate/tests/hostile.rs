@@ -57,6 +57,31 @@ async fn run_leech(opts: LeechOptions) -> Result<farmap_migrate::LeechReport, Le
     leech(opts, Box::new(|_, _| {}), cancelled).await
 }
 
+/// Runs a leecher that must fail; returns its error, the error's whole chain as text and
+/// how long it took to fail.
+async fn failing_leech(opts: LeechOptions) -> (LeechError, String, Duration) {
+    let t0 = Instant::now();
+    let err = run_leech(opts).await.unwrap_err();
+    let took = t0.elapsed();
+    let text = farmap_core::error_chain(&err);
+    (err, text, took)
+}
+
+/// A listener on a fresh loopback port, and its address for a leecher.
+async fn loopback() -> (TcpListener, RemoteAddr) {
+    let l = TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = RemoteAddr::Tcp(l.local_addr().unwrap().to_string());
+    (l, addr)
+}
+
+/// Keeps `held` open, and accepts every later connection on `l` and never answers it.
+async fn hold_every_connection(l: TcpListener, mut held: Vec<TcpStream>) {
+    loop {
+        let (s, _) = l.accept().await.unwrap();
+        held.push(s);
+    }
+}
+
 /// A source region of `SIZE` bytes holding a pattern, with a writer gate.
 async fn source() -> (Arc<Region>, Arc<WriterGate>) {
     let g = Geometry::new(SIZE, 65536).unwrap();
@@ -119,8 +144,7 @@ where
     F: FnOnce(TcpStream) -> Fut + Send + 'static,
     Fut: std::future::Future<Output = ()> + Send,
 {
-    let l = TcpListener::bind("127.0.0.1:0").await.unwrap();
-    let addr = RemoteAddr::Tcp(l.local_addr().unwrap().to_string());
+    let (l, addr) = loopback().await;
     let task = tokio::spawn(async move {
         let (mut s, _) = l.accept().await.unwrap();
         as_seeder(&mut s, &data).await;
@@ -335,21 +359,17 @@ async fn a_hand_over_past_the_region_is_refused_and_nothing_resumes() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_silent_seeder_fails_the_leecher_within_its_deadline() {
-    let l = TcpListener::bind("127.0.0.1:0").await.unwrap();
-    let addr = RemoteAddr::Tcp(l.local_addr().unwrap().to_string());
+    let (l, addr) = loopback().await;
     let hold = tokio::spawn(async move {
         let (s, _) = l.accept().await.unwrap();
         tokio::time::sleep(Duration::from_secs(10)).await;
         drop(s);
     });
-    let t0 = Instant::now();
-    let err = run_leech(LeechOptions {
+    let (err, text, took) = failing_leech(LeechOptions {
         handshake_timeout: Duration::from_millis(500),
         ..LeechOptions::new(addr)
     })
-    .await
-    .unwrap_err();
-    let took = t0.elapsed();
+    .await;
     assert!(
         matches!(
             &err,
@@ -360,7 +380,7 @@ async fn a_silent_seeder_fails_the_leecher_within_its_deadline() {
         ),
         "{err:?}"
     );
-    assert!(farmap_core::error_chain(&err).contains("did not answer the hello"));
+    assert!(text.contains("did not answer the hello"));
     assert!(took < Duration::from_secs(5), "failed after {took:?}");
     hold.abort();
 }
@@ -523,31 +543,21 @@ async fn a_seeder_silent_after_a_reconnect_fails_the_leecher_within_its_deadline
     if !uffd("a_seeder_silent_after_a_reconnect_fails_the_leecher_within_its_deadline") {
         return;
     }
-    let (server, port, slot) = zero_data_plane().await;
-    let l = TcpListener::bind("127.0.0.1:0").await.unwrap();
-    let addr = RemoteAddr::Tcp(l.local_addr().unwrap().to_string());
-    let fake = tokio::spawn(async move {
+    let (server, addr, fake) = fake_over_zero_data(|l, port, slot| async move {
         // The first connection goes through the hand-over, then drops.
         let (mut s, _) = l.accept().await.unwrap();
         through_hand_over(&mut s, port, &slot).await;
         drop(s);
         // Later connections are accepted and never answered.
-        let mut held = Vec::new();
-        loop {
-            let (s, _) = l.accept().await.unwrap();
-            held.push(s);
-        }
-    });
-    let t0 = Instant::now();
-    let err = run_leech(LeechOptions {
+        hold_every_connection(l, Vec::new()).await;
+    })
+    .await;
+    let (err, text, took) = failing_leech(LeechOptions {
         handshake_timeout: Duration::from_millis(300),
         reconnect_for: Duration::from_secs(1),
         ..LeechOptions::new(addr)
     })
-    .await
-    .unwrap_err();
-    let took = t0.elapsed();
-    let text = farmap_core::error_chain(&err);
+    .await;
     assert!(
         matches!(
             &err,
@@ -566,10 +576,7 @@ async fn a_bad_message_after_the_hand_over_does_not_stop_the_leecher() {
     if !uffd("a_bad_message_after_the_hand_over_does_not_stop_the_leecher") {
         return;
     }
-    let (server, port, slot) = zero_data_plane().await;
-    let l = TcpListener::bind("127.0.0.1:0").await.unwrap();
-    let addr = RemoteAddr::Tcp(l.local_addr().unwrap().to_string());
-    let fake = tokio::spawn(async move {
+    let (server, addr, fake) = fake_over_zero_data(|l, port, slot| async move {
         let (mut s, _) = l.accept().await.unwrap();
         through_hand_over(&mut s, port, &slot).await;
         let empty = Msg::Dirty {
@@ -589,7 +596,8 @@ async fn a_bad_message_after_the_hand_over_does_not_stop_the_leecher() {
         }
         write_msg(&mut s, &Msg::Bye).await;
         let _ = read_msg(&mut s).await;
-    });
+    })
+    .await;
     let report = tokio::time::timeout(Duration::from_secs(30), run_leech(leech_opts(addr)))
         .await
         .expect("the leecher finishes")
@@ -597,6 +605,19 @@ async fn a_bad_message_after_the_hand_over_does_not_stop_the_leecher() {
     assert!(report.region.is_complete());
     fake.await.unwrap();
     let _ = server.shutdown().await;
+}
+
+/// A fake seeder over a [`zero_data_plane`], on a fresh loopback port: `fake` runs with its
+/// listener and the data plane's port and key slot. Returns the data plane, the fake's
+/// address and its task.
+async fn fake_over_zero_data<F, Fut>(fake: F) -> (Server, RemoteAddr, tokio::task::JoinHandle<()>)
+where
+    F: FnOnce(TcpListener, u16, KeySlot) -> Fut,
+    Fut: std::future::Future<Output = ()> + Send + 'static,
+{
+    let (server, port, slot) = zero_data_plane().await;
+    let (l, addr) = loopback().await;
+    (server, addr, tokio::spawn(fake(l, port, slot)))
 }
 
 /// A read-only data plane of zero pages, as a fake seeder's: the server, its port, and the
@@ -663,32 +684,22 @@ async fn a_seeder_silent_after_finalize_fails_the_leecher_within_its_deadline() 
     if !uffd("a_seeder_silent_after_finalize_fails_the_leecher_within_its_deadline") {
         return;
     }
-    let (server, port, slot) = zero_data_plane().await;
-    let l = TcpListener::bind("127.0.0.1:0").await.unwrap();
-    let addr = RemoteAddr::Tcp(l.local_addr().unwrap().to_string());
-    let fake = tokio::spawn(async move {
+    let (server, addr, fake) = fake_over_zero_data(|l, port, slot| async move {
         // The first connection goes as far as Finalize, then says nothing and stays open
         // (a seeder that hangs, or a half-open connection).
         let (mut s, _) = l.accept().await.unwrap();
         through_finalize(&mut s, port, &slot).await;
-        let mut held = vec![s];
         // Later connections are accepted and never answered.
-        loop {
-            let (s, _) = l.accept().await.unwrap();
-            held.push(s);
-        }
-    });
-    let t0 = Instant::now();
-    let err = run_leech(LeechOptions {
+        hold_every_connection(l, vec![s]).await;
+    })
+    .await;
+    let (err, text, took) = failing_leech(LeechOptions {
         finalize_timeout: Duration::from_millis(500),
         handshake_timeout: Duration::from_millis(300),
         reconnect_for: Duration::from_secs(1),
         ..LeechOptions::new(addr)
     })
-    .await
-    .unwrap_err();
-    let took = t0.elapsed();
-    let text = farmap_core::error_chain(&err);
+    .await;
     println!("{took:?}: {text}");
     assert!(matches!(&err, LeechError::LostAtFinalize(_)), "{text}");
     assert!(text.contains("before it handed over"), "{text}");

@@ -11,13 +11,12 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use bytes::{Bytes, BytesMut};
-use farmap_core::{
-    BoxFuture, Caps, ChunkIdx, ChunkRange, ChunkStatus, Geometry, Store, StoreResult,
-};
+use farmap_core::{ChunkIdx, Geometry, Store};
 use farmap_migrate::leech::{LeechOptions, SharedOpener};
 use farmap_migrate::{leech, seed, LeechReport, Mode, WriterGate};
 use farmap_net::{ClientOptions, ListenAddr, Listener, RemoteAddr, RemoteStore, ServeOptions};
 use farmap_store::MemoryStore;
+use farmap_testkit::Hooked;
 use farmap_uffd::Region;
 
 const CHUNK: u64 = 64 << 10;
@@ -129,48 +128,21 @@ async fn post_copy_hands_over_at_once_and_every_chunk_arrives() {
     assert_same(&want, &image(&report.region));
 }
 
-/// The destination's view of the shared store, with faults: chunks in `corrupt` come back
-/// with a flipped bit, chunks in `stale` as the version before the source's last push.
-#[derive(Debug)]
-struct BadReads {
-    inner: Arc<dyn Store>,
-    corrupt: HashSet<u64>,
-    stale: HashSet<u64>,
-}
-
-impl Store for BadReads {
-    fn geometry(&self) -> Geometry {
-        self.inner.geometry()
-    }
-    fn caps(&self) -> Caps {
-        self.inner.caps()
-    }
-    fn read(&self, idx: ChunkIdx) -> BoxFuture<'_, StoreResult<Bytes>> {
-        Box::pin(async move {
-            let data = self.inner.read(idx).await?;
-            if self.stale.contains(&idx.0) {
-                return Ok(Bytes::from(chunk_of(idx.0, 0)));
-            }
-            if self.corrupt.contains(&idx.0) {
-                let mut b = BytesMut::from(&data[..]);
-                b[100] ^= 0x10;
-                return Ok(b.freeze());
-            }
-            Ok(data)
-        })
-    }
-    fn write(&self, idx: ChunkIdx, data: Bytes) -> BoxFuture<'_, StoreResult<()>> {
-        self.inner.write(idx, data)
-    }
-    fn flush(&self) -> BoxFuture<'_, StoreResult<()>> {
-        self.inner.flush()
-    }
-    fn trim(&self, range: ChunkRange) -> BoxFuture<'_, StoreResult<()>> {
-        self.inner.trim(range)
-    }
-    fn status(&self, idx: ChunkIdx) -> BoxFuture<'_, StoreResult<ChunkStatus>> {
-        self.inner.status(idx)
-    }
+/// The destination's view of the shared store `inner`, with faults: chunks in `corrupt`
+/// come back with a flipped bit, chunks in `stale` as the version before the source's last
+/// push.
+fn bad_reads(inner: Arc<dyn Store>, corrupt: HashSet<u64>, stale: HashSet<u64>) -> impl Store {
+    Hooked::through(inner).map_reads(move |idx, data| {
+        if stale.contains(&idx.0) {
+            return Bytes::from(chunk_of(idx.0, 0));
+        }
+        if corrupt.contains(&idx.0) {
+            let mut b = BytesMut::from(&data[..]);
+            b[100] ^= 0x10;
+            return b.freeze();
+        }
+        data
+    })
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -201,11 +173,8 @@ async fn instant_takes_only_what_the_store_lacks_and_catches_a_bad_store() {
             opened.lock().push(spec);
             let addr = addr.clone();
             Box::pin(async move {
-                let store: Arc<dyn Store> = Arc::new(BadReads {
-                    inner: connect(addr).await,
-                    corrupt: [7, 33].into(),
-                    stale: [20].into(),
-                });
+                let store: Arc<dyn Store> =
+                    Arc::new(bad_reads(connect(addr).await, [7, 33].into(), [20].into()));
                 Ok(store)
             })
         }))

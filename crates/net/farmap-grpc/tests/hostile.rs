@@ -12,14 +12,14 @@ use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
 use std::time::Duration;
 
 use bytes::Bytes;
-use farmap_core::{
-    BoxFuture, Caps, ChunkIdx, ChunkRange, ChunkStatus, Geometry, Store, StoreResult,
-};
+use farmap_core::{ChunkIdx, Geometry, Store};
 use farmap_grpc::pb::store_client::StoreClient;
 use farmap_grpc::pb::{self, write_request};
 use farmap_grpc::{serve_grpc, GrpcServerOptions, GrpcStore};
 use farmap_store::MemoryStore;
 use farmap_testkit::alloc::{process_peak_bytes, reset_process_peak, CountingAlloc};
+use farmap_testkit::wait::runtime;
+use farmap_testkit::{Hooked, Op};
 use tokio::net::TcpListener;
 use tokio::sync::watch;
 use tonic::codegen::http::uri::PathAndQuery;
@@ -35,14 +35,6 @@ const MIB: usize = 1 << 20;
 fn serial() -> MutexGuard<'static, ()> {
     static SERIAL: Mutex<()> = Mutex::new(());
     SERIAL.lock().unwrap_or_else(PoisonError::into_inner)
-}
-
-fn runtime() -> tokio::runtime::Runtime {
-    tokio::runtime::Builder::new_multi_thread()
-        .worker_threads(2)
-        .enable_all()
-        .build()
-        .expect("runtime")
 }
 
 /// Serves `store` on a fresh loopback port; returns its URL.
@@ -133,53 +125,36 @@ fn a_huge_packed_read_is_refused_before_it_is_expanded() {
     });
 }
 
-/// A memory store whose writes to chunks below `held` wait until the gate opens.
-#[derive(Debug)]
-struct HeldWrites {
+/// How many writes a [`held_writes`] store holds now, and the most it held at once.
+#[derive(Debug, Default)]
+struct Pending {
+    now: AtomicUsize,
+    most: AtomicUsize,
+}
+
+/// A memory store whose writes to chunks below `held` wait until `gate` opens, counted in
+/// the [`Pending`] returned with it.
+fn held_writes(
     inner: MemoryStore,
     held: u64,
     gate: watch::Receiver<bool>,
-    pending: AtomicUsize,
-    most_pending: AtomicUsize,
-}
-
-impl Store for HeldWrites {
-    fn geometry(&self) -> Geometry {
-        self.inner.geometry()
-    }
-
-    fn caps(&self) -> Caps {
-        self.inner.caps()
-    }
-
-    fn read(&self, idx: ChunkIdx) -> BoxFuture<'_, StoreResult<Bytes>> {
-        self.inner.read(idx)
-    }
-
-    fn write(&self, idx: ChunkIdx, data: Bytes) -> BoxFuture<'_, StoreResult<()>> {
+) -> (Hooked<MemoryStore>, Arc<Pending>) {
+    let pending = Arc::new(Pending::default());
+    let counts = pending.clone();
+    let store = Hooked::new(inner, move |op, idx| {
+        if op != Op::Write || idx.0 >= held {
+            return Box::pin(async { Ok(()) });
+        }
+        let (pending, mut gate) = (counts.clone(), gate.clone());
         Box::pin(async move {
-            if idx.0 < self.held {
-                let now = self.pending.fetch_add(1, Ordering::SeqCst) + 1;
-                self.most_pending.fetch_max(now, Ordering::SeqCst);
-                let mut gate = self.gate.clone();
-                let _ = gate.wait_for(|open| *open).await;
-                self.pending.fetch_sub(1, Ordering::SeqCst);
-            }
-            self.inner.write(idx, data).await
+            let now = pending.now.fetch_add(1, Ordering::SeqCst) + 1;
+            pending.most.fetch_max(now, Ordering::SeqCst);
+            let _ = gate.wait_for(|open| *open).await;
+            pending.now.fetch_sub(1, Ordering::SeqCst);
+            Ok(())
         })
-    }
-
-    fn flush(&self) -> BoxFuture<'_, StoreResult<()>> {
-        self.inner.flush()
-    }
-
-    fn trim(&self, range: ChunkRange) -> BoxFuture<'_, StoreResult<()>> {
-        self.inner.trim(range)
-    }
-
-    fn status(&self, idx: ChunkIdx) -> BoxFuture<'_, StoreResult<ChunkStatus>> {
-        self.inner.status(idx)
-    }
+    });
+    (store, pending)
 }
 
 /// A good client's single-chunk requests, each of which fits a connection's own reserve.
@@ -199,15 +174,9 @@ fn writes_the_store_keeps_pending_stay_within_the_budget() {
     runtime().block_on(async {
         let g = Geometry::new(64 << 20, 1 << 20).expect("geometry");
         let (open, gate) = watch::channel(false);
-        let store = Arc::new(HeldWrites {
-            inner: MemoryStore::new(g),
-            held: 32,
-            gate,
-            pending: AtomicUsize::new(0),
-            most_pending: AtomicUsize::new(0),
-        });
+        let (store, pending) = held_writes(MemoryStore::new(g), 32, gate);
         let options = small_server();
-        let url = serve(store.clone(), options).await;
+        let url = serve(Arc::new(store), options).await;
         // Three connections, 32 writes of a whole chunk each, all held by the store.
         const CONNS: usize = 3;
         const WRITES: usize = 32;
@@ -229,14 +198,14 @@ fn writes_the_store_keeps_pending_stay_within_the_budget() {
         let settled = tokio::time::timeout(Duration::from_secs(10), async {
             loop {
                 let refused = calls.iter().filter(|c| c.is_finished()).count();
-                if refused + store.pending.load(Ordering::SeqCst) == total {
+                if refused + pending.now.load(Ordering::SeqCst) == total {
                     return;
                 }
                 tokio::time::sleep(Duration::from_millis(20)).await;
             }
         })
         .await;
-        let most = store.most_pending.load(Ordering::SeqCst);
+        let most = pending.most.load(Ordering::SeqCst);
         // The total, and one chunk's write per connection from its own reserve (2 MiB is
         // generous for a reserve).
         let bound = options.total_budget + (CONNS + 1) * 2 * MIB;

@@ -187,14 +187,7 @@ impl<L: Store, R: Store> Cached<L, R> {
     }
 
     fn build(local: L, remote: R, max_chunks: Option<u64>) -> StoreResult<Self> {
-        let geometry = local.geometry();
-        if remote.geometry() != geometry {
-            return Err(StoreError::invalid(format!(
-                "the local store ({geometry}) and the remote store ({}) of a cache must have \
-                 the same geometry",
-                remote.geometry()
-            )));
-        }
+        let geometry = crate::same_geometry(&local, &remote, "a cache")?;
         let chunks = geometry.chunk_count() as usize;
         let stripes = chunks.next_power_of_two().min(MAX_STRIPES);
         Ok(Self {
@@ -1040,16 +1033,21 @@ mod tests {
         assert!(c.local().read(idx).await.unwrap() == new);
     }
 
-    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-    async fn writes_to_absent_chunks_do_not_fetch() {
+    /// A cache over a pattern remote, and the count of operations that reached the remote.
+    fn counting_remote() -> (Arc<AtomicUsize>, Cached<ModelStore, Hooked<PatternStore>>) {
         let g = geometry();
-        let reads = Arc::new(AtomicUsize::new(0));
-        let counter = reads.clone();
+        let calls = Arc::new(AtomicUsize::new(0));
+        let counter = calls.clone();
         let remote = Hooked::new(PatternStore::new(g, 7), move |_, _| {
             counter.fetch_add(1, Ordering::SeqCst);
             Box::pin(async { Ok(()) })
         });
-        let c = Cached::new(ModelStore::new(g), remote).unwrap();
+        (calls, Cached::new(ModelStore::new(g), remote).unwrap())
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn writes_to_absent_chunks_do_not_fetch() {
+        let (reads, c) = counting_remote();
         c.write(ChunkIdx(1), Bytes::from(vec![9; 4096]))
             .await
             .unwrap();
@@ -1112,14 +1110,7 @@ mod tests {
 
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn an_evicted_chunk_is_fetched_again() {
-        let g = geometry();
-        let reads = Arc::new(AtomicUsize::new(0));
-        let counter = reads.clone();
-        let remote = Hooked::new(PatternStore::new(g, 7), move |_, _| {
-            counter.fetch_add(1, Ordering::SeqCst);
-            Box::pin(async { Ok(()) })
-        });
-        let c = Cached::new(ModelStore::new(g), remote).unwrap();
+        let (reads, c) = counting_remote();
         assert!(!c.evict(ChunkIdx(4)), "an absent chunk is not evicted");
         assert!(!c.evict(ChunkIdx(99)), "nor one outside the region");
         c.fetch(ChunkIdx(4)).await.unwrap();

@@ -69,3 +69,21 @@ pub use tiered::{Tier, TierOptions, Tiered};
 pub use tracked::Tracked;
 pub use unaligned::Unaligned;
 pub use verified::{Verified, VerifiedLayout, VerifyStats};
+
+/// The geometry of `local`, which `remote` must share: a stage between the two (`what`, "a
+/// cache") is refused otherwise.
+fn same_geometry(
+    local: &impl farmap_core::Store,
+    remote: &impl farmap_core::Store,
+    what: &str,
+) -> farmap_core::StoreResult<farmap_core::Geometry> {
+    let geometry = local.geometry();
+    if remote.geometry() != geometry {
+        return Err(farmap_core::StoreError::invalid(format!(
+            "the local store ({geometry}) and the remote store ({}) of {what} must have the \
+             same geometry",
+            remote.geometry()
+        )));
+    }
+    Ok(geometry)
+}

@@ -621,14 +621,7 @@ impl<S: Store, R: Store> Pusher<S, R> {
         source: Option<Arc<dyn DirtySource>>,
         hold: Option<Arc<dyn PushHold>>,
     ) -> StoreResult<Self> {
-        let geometry = inner.geometry();
-        if remote.geometry() != geometry {
-            return Err(StoreError::invalid(format!(
-                "the local store ({geometry}) and the remote store ({}) of a pusher must have \
-                 the same geometry",
-                remote.geometry()
-            )));
-        }
+        let geometry = crate::same_geometry(&inner, &remote, "a pusher")?;
         let shared = Arc::new(Shared {
             tracked: Tracked::new(inner),
             source,
@@ -1089,6 +1082,32 @@ mod tests {
         }
     }
 
+    /// A manual pusher between two model stores, with a new `D` as its dirty source;
+    /// returns the source, the remote and the pusher.
+    fn with_source<D: DirtySource + Default>(
+    ) -> (Arc<D>, Arc<ModelStore>, Pusher<ModelStore, Arc<ModelStore>>) {
+        let g = geometry();
+        let source = Arc::new(D::default());
+        let remote = Arc::new(ModelStore::new(g));
+        let pusher =
+            Pusher::with_source(ModelStore::new(g), remote.clone(), manual(), source.clone())
+                .unwrap();
+        (source, remote, pusher)
+    }
+
+    /// A pusher between two model stores that pushes every `interval`; returns the remote
+    /// and the pusher.
+    fn pushing_every(interval: Duration) -> (Arc<ModelStore>, Pusher<ModelStore, Arc<ModelStore>>) {
+        let g = geometry();
+        let remote = Arc::new(ModelStore::new(g));
+        let opts = PushOptions {
+            interval: Some(interval),
+            ..manual()
+        };
+        let p = Pusher::new(ModelStore::new(g), remote.clone(), opts).unwrap();
+        (remote, p)
+    }
+
     /// Writes chunk `i`, drafts, and starts a flush, still waiting 50 ms later.
     async fn flush_in_draft(
         p: &Arc<Pusher<ModelStore, Arc<ModelStore>>>,
@@ -1135,12 +1154,7 @@ mod tests {
 
     #[tokio::test]
     async fn a_draft_then_two_seals_place_every_chunk_written_since() {
-        let g = geometry();
-        let source = Arc::new(Ranged::default());
-        let remote = Arc::new(ModelStore::new(g));
-        let pusher =
-            Pusher::with_source(ModelStore::new(g), remote.clone(), manual(), source.clone())
-                .unwrap();
+        let (source, _, pusher) = with_source::<Ranged>();
         for i in [1, 2, 30] {
             pusher
                 .inner()
@@ -1179,15 +1193,7 @@ mod tests {
 
     #[tokio::test]
     async fn a_failed_look_at_the_rest_places_it_all_at_the_source() {
-        let g = geometry();
-        let source = Arc::new(Ranged::default());
-        let pusher = Pusher::with_source(
-            ModelStore::new(g),
-            ModelStore::new(g),
-            manual(),
-            source.clone(),
-        )
-        .unwrap();
+        let (source, _, pusher) = with_source::<Ranged>();
         source.written.lock().push(ChunkIdx(5));
         pusher.flush().await.unwrap();
         let draft = pusher.draft(Duration::from_secs(10)).await.unwrap();
@@ -1222,12 +1228,7 @@ mod tests {
 
     #[tokio::test]
     async fn flush_pushes_what_a_dirty_source_reports() {
-        let g = geometry();
-        let source = Arc::new(Behind::default());
-        let remote = Arc::new(ModelStore::new(g));
-        let pusher =
-            Pusher::with_source(ModelStore::new(g), remote.clone(), manual(), source.clone())
-                .unwrap();
+        let (source, remote, pusher) = with_source::<Behind>();
         // Written to the inner store directly: only the source knows.
         pusher.inner().write(ChunkIdx(3), chunk(7)).await.unwrap();
         source.written.lock().push(ChunkIdx(3));
@@ -1252,12 +1253,7 @@ mod tests {
 
     #[tokio::test]
     async fn seal_hands_over_the_ledger_and_stops_every_push() {
-        let g = geometry();
-        let source = Arc::new(Behind::default());
-        let remote = Arc::new(ModelStore::new(g));
-        let pusher =
-            Pusher::with_source(ModelStore::new(g), remote.clone(), manual(), source.clone())
-                .unwrap();
+        let (source, remote, pusher) = with_source::<Behind>();
         pusher.write(ChunkIdx(1), chunk(1)).await.unwrap();
         pusher.write(ChunkIdx(2), chunk(2)).await.unwrap();
         pusher.flush().await.unwrap();
@@ -1281,7 +1277,7 @@ mod tests {
         );
         assert!(g2 > g1, "a later push has a later generation");
         assert_eq!(ledger.pushed[5], None);
-        assert_eq!(ledger.pushed.len() as u64, g.chunk_count());
+        assert_eq!(ledger.pushed.len() as u64, geometry().chunk_count());
         // Nothing is pushed any more, whatever asks.
         let e = pusher.flush().await.unwrap_err();
         assert_eq!(e.kind(), ErrorKind::Closed, "{e}");
@@ -1442,13 +1438,7 @@ mod tests {
 
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn the_background_task_pushes_on_its_interval() {
-        let g = geometry();
-        let remote = Arc::new(ModelStore::new(g));
-        let opts = PushOptions {
-            interval: Some(Duration::from_millis(5)),
-            ..manual()
-        };
-        let p = Pusher::new(ModelStore::new(g), remote.clone(), opts).unwrap();
+        let (remote, p) = pushing_every(Duration::from_millis(5));
         p.write(ChunkIdx(3), chunk(3)).await.unwrap();
         for _ in 0..200 {
             if remote.read(ChunkIdx(3)).await.unwrap() == chunk(3) {
@@ -1474,7 +1464,8 @@ mod tests {
         writes: Arc<AtomicUsize>,
     }
 
-    fn gated_remote(g: Geometry) -> GatedRemote {
+    fn gated_remote() -> GatedRemote {
+        let g = geometry();
         let gate = Arc::new(Semaphore::new(0));
         let entered = Arc::new(Notify::new());
         let failing = Arc::new(Mutex::new(None));
@@ -1513,18 +1504,17 @@ mod tests {
 
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn flush_waits_for_a_push_in_flight() {
-        let g = geometry();
         let GatedRemote {
             store: remote,
             gate,
             entered,
             ..
-        } = gated_remote(g);
+        } = gated_remote();
         let opts = PushOptions {
             interval: Some(Duration::from_millis(1)),
             ..manual()
         };
-        let p = Arc::new(Pusher::new(ModelStore::new(g), remote.clone(), opts).unwrap());
+        let p = Arc::new(Pusher::new(ModelStore::new(geometry()), remote.clone(), opts).unwrap());
         p.write(ChunkIdx(0), chunk(7)).await.unwrap();
         entered.notified().await;
         // The background round holds chunk 0: its bit is clear but the remote lacks it.
@@ -1547,16 +1537,10 @@ mod tests {
 
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn a_failed_push_fails_the_flush_and_stays_dirty() {
-        let g = geometry();
-        let GatedRemote {
-            store: remote,
-            gate,
-            failing,
-            writes,
-            ..
-        } = gated_remote(g);
-        gate.add_permits(1000);
-        let p = Pusher::new(ModelStore::new(g), remote.clone(), manual()).unwrap();
+        let r = gated_remote();
+        r.gate.add_permits(1000);
+        let (remote, failing, writes) = (r.store, r.failing, r.writes);
+        let p = Pusher::new(ModelStore::new(geometry()), remote.clone(), manual()).unwrap();
         p.write(ChunkIdx(4), chunk(4)).await.unwrap();
         p.write(ChunkIdx(5), chunk(5)).await.unwrap();
         *failing.lock() = Some(ErrorKind::Timeout);
@@ -1586,38 +1570,26 @@ mod tests {
 
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn a_dropped_flush_leaves_its_chunks_dirty() {
-        let g = geometry();
-        let GatedRemote {
-            store: remote,
-            gate,
-            entered,
-            ..
-        } = gated_remote(g);
-        let p = Pusher::new(ModelStore::new(g), remote.clone(), manual()).unwrap();
+        let r = gated_remote();
+        let p = Pusher::new(ModelStore::new(geometry()), r.store.clone(), manual()).unwrap();
         p.write(ChunkIdx(0), chunk(1)).await.unwrap();
         p.write(ChunkIdx(2), chunk(2)).await.unwrap();
         {
             let flush = p.flush();
             tokio::select! {
                 _ = flush => panic!("the flush cannot finish while chunk 0 is blocked"),
-                _ = entered.notified() => {}
+                _ = r.entered.notified() => {}
             }
         }
         assert_eq!(p.dirty_count(), 2, "both chunks are dirty again");
-        gate.add_permits(1000);
+        r.gate.add_permits(1000);
         p.flush().await.unwrap();
-        assert!(remote.inner.snapshot() == p.inner().snapshot());
+        assert!(r.store.inner.snapshot() == p.inner().snapshot());
     }
 
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn shutdown_flushes() {
-        let g = geometry();
-        let remote = Arc::new(ModelStore::new(g));
-        let opts = PushOptions {
-            interval: Some(Duration::from_secs(3600)),
-            ..manual()
-        };
-        let p = Pusher::new(ModelStore::new(g), remote.clone(), opts).unwrap();
+        let (remote, p) = pushing_every(Duration::from_secs(3600));
         p.write(ChunkIdx(31), chunk(31)).await.unwrap();
         p.shutdown().await.unwrap();
         assert!(remote.read(ChunkIdx(31)).await.unwrap() == chunk(31));

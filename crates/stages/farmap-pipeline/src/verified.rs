@@ -847,7 +847,7 @@ impl<S: Store> Store for Verified<S> {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use farmap_testkit::ModelStore;
+    use farmap_testkit::{Hooked, ModelStore};
     use std::sync::Arc;
 
     #[test]
@@ -916,42 +916,9 @@ mod tests {
         assert_eq!(r.cur.gen, 8);
     }
 
-    /// Holds back writes whose first byte is `held` until released.
-    #[derive(Debug)]
-    struct Holding {
-        inner: ModelStore,
-        held: u8,
-        gate: tokio::sync::Semaphore,
-    }
-
-    impl Store for Holding {
-        fn geometry(&self) -> Geometry {
-            self.inner.geometry()
-        }
-        fn caps(&self) -> Caps {
-            self.inner.caps()
-        }
-        fn read(&self, idx: ChunkIdx) -> BoxFuture<'_, StoreResult<Bytes>> {
-            self.inner.read(idx)
-        }
-        fn write(&self, idx: ChunkIdx, data: Bytes) -> BoxFuture<'_, StoreResult<()>> {
-            Box::pin(async move {
-                if data[0] == self.held {
-                    self.gate.acquire().await.expect("open").forget();
-                }
-                self.inner.write(idx, data).await
-            })
-        }
-        fn flush(&self) -> BoxFuture<'_, StoreResult<()>> {
-            self.inner.flush()
-        }
-        fn trim(&self, range: ChunkRange) -> BoxFuture<'_, StoreResult<()>> {
-            self.inner.trim(range)
-        }
-        fn status(&self, idx: ChunkIdx) -> BoxFuture<'_, StoreResult<ChunkStatus>> {
-            self.inner.status(idx)
-        }
-    }
+    /// The store behind [`older_lands_last`]'s region: it holds back writes of ones until
+    /// released.
+    type Holding = Hooked<ModelStore>;
 
     /// A verified region over a [`Holding`] store in which an older write of chunk `idx`
     /// (ones) lands after a newer one (twos) that overlapped it; returns the store, the
@@ -959,11 +926,20 @@ mod tests {
     async fn older_lands_last(
         idx: ChunkIdx,
     ) -> (Arc<Holding>, Arc<Verified<Arc<Holding>>>, Bytes, Bytes) {
-        let inner = Arc::new(Holding {
-            inner: ModelStore::new(Geometry::new(64 * 4096, 4096).unwrap()),
-            held: 1,
-            gate: tokio::sync::Semaphore::new(0),
-        });
+        let gate = Arc::new(tokio::sync::Semaphore::new(0));
+        let held = gate.clone();
+        let inner = Arc::new(
+            Hooked::through(ModelStore::new(Geometry::new(64 * 4096, 4096).unwrap()))
+                .before_writes(move |_, data| {
+                    let held = (data[0] == 1).then(|| held.clone());
+                    Box::pin(async move {
+                        if let Some(gate) = held {
+                            gate.acquire().await.expect("open").forget();
+                        }
+                        Ok(())
+                    })
+                }),
+        );
         let v = Arc::new(Verified::open(inner.clone(), None).await.unwrap());
         let (old, new) = (Bytes::from(vec![1u8; 4096]), Bytes::from(vec![2u8; 4096]));
         let first = tokio::spawn({
@@ -975,7 +951,7 @@ mod tests {
             tokio::task::yield_now().await;
         }
         v.write(idx, new.clone()).await.unwrap();
-        inner.gate.add_permits(1);
+        gate.add_permits(1);
         first.await.unwrap().unwrap();
         (inner, v, old, new)
     }
@@ -1017,6 +993,25 @@ mod tests {
         .await;
     }
 
+    /// Fills chunk `changed.0` with bytes `changed.1` behind the back of the (dropped)
+    /// region over `inner`, then reopens the region: chunk `kept.0` still reads `kept.1`, and
+    /// a read of the changed chunk fails as corrupt. Returns the region and that error.
+    async fn reopen_after_change(
+        inner: &Arc<ModelStore>,
+        changed: (ChunkIdx, u8),
+        kept: (ChunkIdx, &Bytes),
+    ) -> (Verified<Arc<ModelStore>>, StoreError) {
+        inner
+            .write(changed.0, Bytes::from(vec![changed.1; 4096]))
+            .await
+            .unwrap();
+        let v = Verified::open(inner.clone(), None).await.unwrap();
+        assert_eq!(&v.read(kept.0).await.unwrap(), kept.1);
+        let e = v.read(changed.0).await.unwrap_err();
+        assert_eq!(e.kind(), ErrorKind::Corrupt, "{e}");
+        (v, e)
+    }
+
     #[tokio::test]
     async fn checksums_survive_a_reopen_and_catch_what_changed_meanwhile() {
         let inner = Arc::new(ModelStore::new(Geometry::new(64 * 4096, 4096).unwrap()));
@@ -1027,14 +1022,7 @@ mod tests {
         v.flush().await.unwrap();
         drop(v);
         // Behind the region's back: one chunk changes.
-        inner
-            .write(ChunkIdx(4), Bytes::from(vec![8u8; 4096]))
-            .await
-            .unwrap();
-        let v = Verified::open(inner.clone(), None).await.unwrap();
-        assert_eq!(v.read(ChunkIdx(3)).await.unwrap(), a);
-        let e = v.read(ChunkIdx(4)).await.unwrap_err();
-        assert_eq!(e.kind(), ErrorKind::Corrupt, "{e}");
+        let (v, e) = reopen_after_change(&inner, (ChunkIdx(4), 8), (ChunkIdx(3), &a)).await;
         assert!(
             e.to_string().contains("chunk 4") || e.to_string().contains('4'),
             "{e}"
@@ -1090,14 +1078,7 @@ mod tests {
         v.write(ChunkIdx(5), b.clone()).await.unwrap();
         v.flush().await.unwrap();
         drop(v);
-        inner
-            .write(ChunkIdx(5), Bytes::from(vec![1u8; 4096]))
-            .await
-            .unwrap();
-        let v = Verified::open(inner.clone(), None).await.unwrap();
-        assert_eq!(v.read(ChunkIdx(4)).await.unwrap(), b);
-        let e = v.read(ChunkIdx(5)).await.unwrap_err();
-        assert_eq!(e.kind(), ErrorKind::Corrupt, "{e}");
+        let (_, e) = reopen_after_change(&inner, (ChunkIdx(5), 1), (ChunkIdx(4), &b)).await;
         assert!(!e.to_string().contains("lost"), "{e}");
         assert!(e.to_string().contains("does not match"), "{e}");
     }

@@ -18,6 +18,7 @@ use farmap_cql::{CqlSpec, CqlStore, PASSWORD_ENV};
 use farmap_pipeline::Unaligned;
 use farmap_testkit::conformance::chunk_content;
 use farmap_testkit::strategies::{byte_ops, ByteOp};
+use farmap_testkit::wait::runtime;
 use farmap_testkit::{run_conformance_with, skip, unique_name, ModelStore, Service};
 use proptest::prelude::*;
 
@@ -58,14 +59,6 @@ async fn fresh(svc: &Service, tag: &str, g: Geometry) -> CqlStore {
         .unwrap_or_else(|e| panic!("{spec}: {}", farmap_core::error_chain(&e)));
     assert_eq!(store.geometry(), g);
     store
-}
-
-fn runtime() -> tokio::runtime::Runtime {
-    tokio::runtime::Builder::new_multi_thread()
-        .worker_threads(2)
-        .enable_all()
-        .build()
-        .expect("runtime")
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

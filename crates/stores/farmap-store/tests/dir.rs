@@ -5,7 +5,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 
 use bytes::Bytes;
-use farmap_core::{is_zero, Caps, ChunkIdx, ChunkRange, ChunkStatus, ErrorKind, Store};
+use farmap_core::{is_zero, Caps, ChunkIdx, ChunkRange, ChunkStatus, ErrorKind, Geometry, Store};
 use farmap_store::{DirOptions, DirStore};
 use farmap_testkit::conformance::chunk_content;
 use tempfile::TempDir;
@@ -14,6 +14,14 @@ fn create(size: u64, chunk_size: u32) -> DirOptions {
     DirOptions {
         size: Some(size),
         chunk_size: Some(chunk_size),
+        ..DirOptions::default()
+    }
+}
+
+/// Options to open an existing store read-only.
+fn read_only() -> DirOptions {
+    DirOptions {
+        read_only: true,
         ..DirOptions::default()
     }
 }
@@ -33,39 +41,39 @@ fn files_under(dir: &Path) -> Vec<PathBuf> {
     out
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn dir_store_conforms() {
+/// Runs the conformance suite on directory stores created with `opts`, each in a directory
+/// of its own.
+async fn conforms(opts: impl Fn(Geometry) -> DirOptions) {
     let dir = TempDir::new().unwrap();
     let counter = AtomicU64::new(0);
     farmap_testkit::run_conformance(|g| {
         let path = dir
             .path()
             .join(format!("store-{}", counter.fetch_add(1, Ordering::Relaxed)));
-        async move {
-            let store = DirStore::open(&path, create(g.size(), g.chunk_size())).unwrap();
-            Arc::new(store) as Arc<dyn Store>
-        }
+        let opts = opts(g);
+        async move { Arc::new(DirStore::open(&path, opts).unwrap()) as Arc<dyn Store> }
     })
     .await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn dir_store_conforms() {
+    conforms(|g| create(g.size(), g.chunk_size())).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn dir_store_with_a_tiny_handle_cache_conforms() {
-    let dir = TempDir::new().unwrap();
-    let counter = AtomicU64::new(0);
-    farmap_testkit::run_conformance(|g| {
-        let path = dir
-            .path()
-            .join(format!("store-{}", counter.fetch_add(1, Ordering::Relaxed)));
-        async move {
-            let opts = DirOptions {
-                max_open_files: 1,
-                ..create(g.size(), g.chunk_size())
-            };
-            Arc::new(DirStore::open(&path, opts).unwrap()) as Arc<dyn Store>
-        }
+    conforms(|g| DirOptions {
+        max_open_files: 1,
+        ..create(g.size(), g.chunk_size())
     })
     .await;
+}
+
+/// Checks that chunk `idx` of `store` holds version `version` of its content.
+async fn holds_version(store: &DirStore, idx: ChunkIdx, version: u32) {
+    let want = chunk_content(store.geometry(), idx, version);
+    assert_eq!(store.read(idx).await.unwrap(), want, "{idx}");
 }
 
 #[tokio::test]
@@ -183,24 +191,14 @@ async fn leftover_temp_files_are_removed_on_open() {
     let leftover = path.join("tmp").join("0000000000000002-1234-0.tmp");
     std::fs::write(&leftover, vec![9u8; 100]).unwrap();
 
-    let ro = DirStore::open(
-        &path,
-        DirOptions {
-            read_only: true,
-            ..DirOptions::default()
-        },
-    )
-    .unwrap();
+    let ro = DirStore::open(&path, read_only()).unwrap();
     assert!(leftover.exists(), "a read-only open changes nothing");
     drop(ro);
 
     let store = DirStore::open(&path, DirOptions::default()).unwrap();
     assert!(!leftover.exists(), "the temp file must be removed");
     assert_eq!(std::fs::read_dir(path.join("tmp")).unwrap().count(), 0);
-    assert_eq!(
-        store.read(ChunkIdx(1)).await.unwrap(),
-        chunk_content(g, ChunkIdx(1), 1)
-    );
+    holds_version(&store, ChunkIdx(1), 1).await;
     assert!(is_zero(&store.read(ChunkIdx(2)).await.unwrap()));
 }
 
@@ -230,14 +228,10 @@ async fn open_files_stay_within_the_bound() {
 
     let none = DirOptions {
         max_open_files: 0,
-        read_only: true,
-        ..DirOptions::default()
+        ..read_only()
     };
     let uncached = DirStore::open(&dir.path().join("region"), none).unwrap();
-    assert_eq!(
-        uncached.read(ChunkIdx(5)).await.unwrap(),
-        chunk_content(g, ChunkIdx(5), 1)
-    );
+    holds_version(&uncached, ChunkIdx(5), 1).await;
     assert_eq!(uncached.open_files(), 0);
 }
 
@@ -290,10 +284,7 @@ async fn flush_syncs_what_was_written() {
     drop(store);
 
     let store = DirStore::open(&path, DirOptions::default()).unwrap();
-    assert_eq!(
-        store.read(ChunkIdx(2)).await.unwrap(),
-        chunk_content(g, ChunkIdx(2), 2)
-    );
+    holds_version(&store, ChunkIdx(2), 2).await;
     assert!(is_zero(&store.read(ChunkIdx(3)).await.unwrap()));
 }
 
@@ -344,10 +335,7 @@ async fn read_only_stores_refuse_changes() {
     }
     drop(store);
 
-    let opts = DirOptions {
-        read_only: true,
-        ..DirOptions::default()
-    };
+    let opts = read_only();
     let ro = Arc::new(DirStore::open(&path, opts.clone()).unwrap());
     assert!(!ro.caps().contains(Caps::WRITE) && !ro.caps().contains(Caps::TRIM));
     let err = ro.trim(ChunkRange::single(ChunkIdx(0))).await.unwrap_err();
@@ -405,14 +393,7 @@ async fn one_writer_per_directory_in_a_process() {
     // A temporary file of the running writer (as if a write were in progress).
     let pending = path.join("tmp").join("pending.tmp");
     std::fs::write(&pending, b"in flight").unwrap();
-    let reader = DirStore::open(
-        &path,
-        DirOptions {
-            read_only: true,
-            ..DirOptions::default()
-        },
-    )
-    .unwrap();
+    let reader = DirStore::open(&path, read_only()).unwrap();
     assert_eq!(
         reader.read(ChunkIdx(1)).await.unwrap(),
         Bytes::from(vec![7u8; 4096])
@@ -462,14 +443,7 @@ async fn one_writer_per_directory_across_processes() {
     let e = DirStore::open(&path, DirOptions::default()).unwrap_err();
     assert_eq!(e.kind(), ErrorKind::Unavailable, "{e}");
     assert!(e.context().contains(&path.display().to_string()), "{e}");
-    let reader = DirStore::open(
-        &path,
-        DirOptions {
-            read_only: true,
-            ..DirOptions::default()
-        },
-    )
-    .unwrap();
+    let reader = DirStore::open(&path, read_only()).unwrap();
     assert_eq!(reader.read(ChunkIdx(0)).await.unwrap().len(), 4096);
     assert!(pending.exists(), "the reader left the writer's tmp/ alone");
 

@@ -8,7 +8,8 @@
 //!   [`chunk_content`](conformance::chunk_content) for chunks written in versions.
 //! - [`contents`]: a whole store's bytes, read or written.
 //! - [`Hooked`]: a store wrapper that runs a hook before each read, write and flush (to
-//!   count, record, delay, block or fail it).
+//!   count, record, delay, block or fail it), and can see the data written or change the
+//!   data read.
 //! - [`wait`]: bounded waits ([`block_on`], a closure within a time limit, a condition that
 //!   must come true).
 //! - [`mod@skip`]: how a test that cannot run here says so (counted by `scripts/test.sh`), and
@@ -45,7 +46,7 @@ pub mod vm;
 pub mod wait;
 
 pub use conformance::{run_conformance, run_conformance_with, run_read_only_conformance};
-pub use hooked::{Hook, Hooked, Op};
+pub use hooked::{Hook, Hooked, Op, ReadMap, WriteHook};
 pub use model::ModelStore;
 pub use pattern::{pattern_byte, pattern_bytes, pattern_with_zeros, versioned_chunk, PatternStore};
 pub use service::{unique_name, Service, ServiceError};

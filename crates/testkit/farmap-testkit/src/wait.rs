@@ -13,6 +13,16 @@ pub fn block_on<T>(f: impl Future<Output = T>) -> T {
         .block_on(f)
 }
 
+/// A multi-thread runtime of two workers (time and I/O enabled): for synchronous tests that
+/// run a server and its clients at once.
+pub fn runtime() -> tokio::runtime::Runtime {
+    tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()
+        .expect("runtime")
+}
+
 /// Runs `f` on a thread and waits at most `limit` for it: its result.
 ///
 /// # Panics

@@ -121,6 +121,71 @@ pub fn minor_faults() -> u64 {
     super::common::self_faults().map_or(0, |f| f.minor)
 }
 
+/// The leading fields of a `push` or `pull` result line: what ran, over what, and how fast.
+#[derive(Debug, Clone, Serialize)]
+pub struct RunHead {
+    pub bench: &'static str,
+    pub case: &'static str,
+    pub mirror: &'static str,
+    pub store: String,
+    pub size_bytes: u64,
+    pub chunk_bytes: u32,
+    pub rtt_ms: f64,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub mirror_delay_us: Option<f64>,
+    pub workers: u32,
+    pub run: u32,
+    pub elapsed_ms: f64,
+    pub mb_per_s: f64,
+}
+
+impl RunHead {
+    /// What every line of `bench` over `store` (of geometry `g`, `rtt` away, with
+    /// `workers`) repeats; [`measured`](Self::measured) adds each line's own fields.
+    pub fn new(
+        bench: &'static str,
+        store: &StoreSpec,
+        g: Geometry,
+        rtt: Duration,
+        workers: u32,
+        mirror: &MirrorArgs,
+    ) -> Self {
+        Self {
+            bench,
+            case: "",
+            mirror: mirror_name(None),
+            store: store.to_string(),
+            size_bytes: g.size(),
+            chunk_bytes: g.chunk_size(),
+            rtt_ms: rtt.as_secs_f64() * 1e3,
+            mirror_delay_us: mirror.delay_us(),
+            workers,
+            run: 0,
+            elapsed_ms: 0.0,
+            mb_per_s: 0.0,
+        }
+    }
+
+    /// The head of run `run` of `case` (mirrored with `policy`, if any), which moved the
+    /// whole region in `elapsed`.
+    pub fn measured(
+        &self,
+        case: &'static str,
+        policy: Option<MirrorPolicy>,
+        run: u32,
+        elapsed: Duration,
+    ) -> Self {
+        Self {
+            case,
+            mirror: mirror_name(policy),
+            run,
+            elapsed_ms: crate::output::round1(elapsed.as_secs_f64() * 1e3),
+            mb_per_s: crate::output::mb_per_s(self.size_bytes, elapsed),
+            ..self.clone()
+        }
+    }
+}
+
 /// The cases of a benchmark's runs: the mirror's cost for each mirrored case against the
 /// unmirrored case measured just before it (each run measures unmirrored first), and the
 /// medians of all runs at the end.

@@ -29,7 +29,7 @@ use rand::{RngCore, SeedableRng};
 use serde::Serialize;
 
 use super::common::{delayed, memcpy_reference, parse_duration, parse_size_arg, set_chunk};
-use super::mirror::{self, MirrorArgs, MirrorTally};
+use super::mirror::{self, MirrorArgs, MirrorTally, RunHead};
 use crate::output;
 
 #[derive(Debug, Args)]
@@ -61,19 +61,8 @@ pub struct PullArgs {
 
 #[derive(Debug, Serialize)]
 struct PullResult {
-    bench: &'static str,
-    case: &'static str,
-    mirror: &'static str,
-    store: String,
-    size_bytes: u64,
-    chunk_bytes: u32,
-    rtt_ms: f64,
-    #[serde(skip_serializing_if = "Option::is_none")]
-    mirror_delay_us: Option<f64>,
-    workers: u32,
-    run: u32,
-    elapsed_ms: f64,
-    mb_per_s: f64,
+    #[serde(flatten)]
+    head: RunHead,
     memcpy_mb_per_s: f64,
     /// Minor page faults of the process during the timed phase.
     page_faults: u64,
@@ -130,6 +119,7 @@ pub async fn run(mut args: PullArgs) -> anyhow::Result<ExitCode> {
     };
     let bench = PullBench {
         args: &args,
+        head: RunHead::new("pull", &args.store, g, args.rtt, args.workers, &args.mirror),
         source,
         memcpy,
         ideal,
@@ -151,6 +141,8 @@ pub async fn run(mut args: PullArgs) -> anyhow::Result<ExitCode> {
 /// One benchmark's source and references.
 struct PullBench<'a> {
     args: &'a PullArgs,
+    /// What every result line repeats.
+    head: RunHead,
     source: Arc<dyn Store>,
     memcpy: f64,
     ideal: f64,
@@ -216,24 +208,15 @@ impl PullBench<'_> {
                 verified = verified && want == m.mirror().read(idx).await?;
             }
         }
-        let mb = output::mb_per_s(g.size(), elapsed);
+        let name = if case.is_some() {
+            "cached-puller-mirrored"
+        } else {
+            "cached-puller"
+        };
+        let head = self.head.measured(name, case, run, elapsed);
+        let mb = head.mb_per_s;
         let result = PullResult {
-            bench: "pull",
-            case: if case.is_some() {
-                "cached-puller-mirrored"
-            } else {
-                "cached-puller"
-            },
-            mirror: mirror::mirror_name(case),
-            store: args.store.to_string(),
-            size_bytes: g.size(),
-            chunk_bytes: chunk,
-            rtt_ms: args.rtt.as_secs_f64() * 1e3,
-            mirror_delay_us: args.mirror.delay_us(),
-            workers: args.workers,
-            run,
-            elapsed_ms: output::round1(elapsed.as_secs_f64() * 1e3),
-            mb_per_s: mb,
+            head,
             memcpy_mb_per_s: output::round1(self.memcpy),
             page_faults: faults,
             ideal_mb_per_s: output::round1(self.ideal),
@@ -257,13 +240,13 @@ impl PullBench<'_> {
         }
         println!(
             "pull {} in {} chunks, rtt {} ms, {} workers, mirror {}: {:.1} MB/s in {:.1} ms = {:.2} × ideal {:.1} MB/s (memcpy {:.1} MB/s){}{}",
-            format_size(result.size_bytes),
-            format_size(u64::from(result.chunk_bytes)),
-            result.rtt_ms,
-            result.workers,
-            result.mirror,
-            result.mb_per_s,
-            result.elapsed_ms,
+            format_size(result.head.size_bytes),
+            format_size(u64::from(result.head.chunk_bytes)),
+            result.head.rtt_ms,
+            result.head.workers,
+            result.head.mirror,
+            result.head.mb_per_s,
+            result.head.elapsed_ms,
             result.ratio_to_ideal,
             result.ideal_mb_per_s,
             result.memcpy_mb_per_s,

@@ -38,7 +38,7 @@ use rand::{RngCore, SeedableRng};
 use serde::Serialize;
 
 use super::common::{delayed, memcpy_reference, parse_duration, parse_size_arg, set_chunk};
-use super::mirror::{self, MirrorArgs, MirrorTally};
+use super::mirror::{self, MirrorArgs, MirrorTally, RunHead};
 use crate::output;
 
 #[derive(Debug, Args)]
@@ -70,19 +70,8 @@ pub struct PushArgs {
 
 #[derive(Debug, Serialize)]
 struct PushResult {
-    bench: &'static str,
-    case: &'static str,
-    mirror: &'static str,
-    store: String,
-    size_bytes: u64,
-    chunk_bytes: u32,
-    rtt_ms: f64,
-    #[serde(skip_serializing_if = "Option::is_none")]
-    mirror_delay_us: Option<f64>,
-    workers: u32,
-    run: u32,
-    elapsed_ms: f64,
-    mb_per_s: f64,
+    #[serde(flatten)]
+    head: RunHead,
     /// 1 − this ÷ the unmirrored case of the same run (mirrored lines only).
     #[serde(skip_serializing_if = "Option::is_none")]
     mirror_cost: Option<f64>,
@@ -127,6 +116,7 @@ pub async fn run(mut args: PushArgs) -> anyhow::Result<ExitCode> {
     // region's size again. With the heap settings made at start (no trimming), the memory
     // faulted in by a first, unreported run of the unmirrored case is reused by every case,
     // instead of being faulted in anew by some cases and not others.
+    let head = RunHead::new("push", &args.store, g, args.rtt, args.workers, &args.mirror);
     let mut tally = MirrorTally::default();
     for run in 0..=args.runs {
         let cases = if run == 0 {
@@ -144,21 +134,10 @@ pub async fn run(mut args: PushArgs) -> anyhow::Result<ExitCode> {
                 }
                 continue;
             }
-            let mb = output::mb_per_s(g.size(), measured.elapsed);
+            let head = head.measured("pusher", case, run, measured.elapsed);
             let result = PushResult {
-                bench: "push",
-                case: "pusher",
-                mirror: mirror::mirror_name(case),
-                store: args.store.to_string(),
-                size_bytes: g.size(),
-                chunk_bytes: g.chunk_size(),
-                rtt_ms: args.rtt.as_secs_f64() * 1e3,
-                mirror_delay_us: args.mirror.delay_us(),
-                workers: args.workers,
-                run,
-                elapsed_ms: output::round1(measured.elapsed.as_secs_f64() * 1e3),
-                mb_per_s: mb,
-                mirror_cost: tally.record(case, mb),
+                mirror_cost: tally.record(case, head.mb_per_s),
+                head,
                 memcpy_mb_per_s: output::round1(memcpy),
                 page_faults: measured.faults,
                 cpu_ms: output::round1(measured.cpu.as_secs_f64() * 1e3),
@@ -248,13 +227,13 @@ fn print(args: &PushArgs, result: &PushResult) -> anyhow::Result<()> {
     }
     println!(
         "push {} in {} chunks, rtt {} ms, {} in flight, mirror {}: {:.1} MB/s in {:.1} ms{} (CPU {:.1} ms; memcpy {:.1} MB/s){}",
-        format_size(result.size_bytes),
-        format_size(u64::from(result.chunk_bytes)),
-        result.rtt_ms,
-        result.workers,
-        result.mirror,
-        result.mb_per_s,
-        result.elapsed_ms,
+        format_size(result.head.size_bytes),
+        format_size(u64::from(result.head.chunk_bytes)),
+        result.head.rtt_ms,
+        result.head.workers,
+        result.head.mirror,
+        result.head.mb_per_s,
+        result.head.elapsed_ms,
         mirror::cost_suffix(result.mirror_cost),
         result.cpu_ms,
         result.memcpy_mb_per_s,

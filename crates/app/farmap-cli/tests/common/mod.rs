@@ -3,6 +3,8 @@
 
 use farmap_testkit::cli::Cli;
 
+pub mod hostile;
+
 /// The `farmap` binary built for these tests.
 pub fn farmap() -> Cli {
     Cli::new(env!("CARGO_BIN_EXE_farmap"))
