@@ -4,6 +4,7 @@
 
 use std::io::Write;
 use std::path::{Path, PathBuf};
+use std::time::Duration;
 
 use farmap_testkit::cli::Listening;
 
@@ -55,4 +56,11 @@ pub fn assert_peak_within(peak: u64, max_memory: u64, overhead: u64) {
         max_memory / MIB,
         overhead / MIB
     );
+}
+
+/// The bar for a good client under attack: at least half its unloaded rate, i.e.
+/// `attacked` (the median time of its rounds under attack) under twice `alone` (the same
+/// rounds' median with no attack), with 20 ms of slack (a round takes milliseconds).
+pub fn keeps_half_rate(alone: Duration, attacked: Duration) -> bool {
+    attacked < alone * 2 + Duration::from_millis(20)
 }
