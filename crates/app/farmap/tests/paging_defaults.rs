@@ -2,21 +2,18 @@
 //! store's layout is farmap's choice, and sequential prefetch.
 
 use farmap::{open_region, RegionOptions, StoreSpec};
-use farmap_testkit::skip;
 use farmap_uffd::{LocalLimit, PagingOptions, Prefetch};
 
 /// Whether bounded regions work here (userfaultfd with UFFDIO_MOVE and WP_ASYNC).
 fn paging_available(test: &str) -> bool {
-    let Some(support) = skip::unless(test, farmap_uffd::probe()) else {
+    let Some(support) = farmap_testkit::skip::unless(test, farmap_uffd::probe()) else {
         return false;
     };
-    if support.features & farmap_uffd::sys::UFFD_FEATURE_MOVE == 0
-        || support.tracking != farmap_uffd::TrackingMode::Async
-    {
-        farmap_testkit::skip(test, "the kernel lacks UFFDIO_MOVE or WP_ASYNC");
-        return false;
+    let why = support.paging_unsupported();
+    if let Some(why) = &why {
+        farmap_testkit::skip(test, why);
     }
-    true
+    why.is_none()
 }
 
 fn bounded() -> RegionOptions {

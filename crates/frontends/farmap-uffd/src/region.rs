@@ -43,6 +43,17 @@ pub struct Support {
     pub poison: bool,
 }
 
+impl Support {
+    /// Why a bounded region ([`RegionOptions::paging`]) cannot be had here, if it cannot:
+    /// it needs `UFFDIO_MOVE` and asynchronous write protection.
+    pub fn paging_unsupported(&self) -> Option<Unsupported> {
+        if self.features & sys::UFFD_FEATURE_MOVE == 0 {
+            return Some(Unsupported::Move);
+        }
+        (self.tracking != TrackingMode::Async).then_some(Unsupported::PagingNeedsAsync)
+    }
+}
+
 /// Checks that userfaultfd works here (the syscall, or `/dev/userfaultfd`) and what it
 /// supports.
 pub fn probe() -> Result<Support, RegionError> {
@@ -742,8 +753,8 @@ impl Features {
         };
         let paging = opts.paging.clone();
         if paging.is_some() {
-            if support.features & sys::UFFD_FEATURE_MOVE == 0 {
-                return Err(RegionError::unsupported(Unsupported::Move));
+            if let Some(why) = support.paging_unsupported() {
+                return Err(RegionError::unsupported(why));
             }
             if mode != TrackingMode::Async {
                 return Err(RegionError::unsupported(Unsupported::PagingNeedsAsync));
