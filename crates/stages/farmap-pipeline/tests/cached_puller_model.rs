@@ -303,7 +303,11 @@ async fn cancel_stops_promptly() {
 async fn dropping_the_puller_cancels_it() {
     let g = Geometry::new(512 * CHUNK, CHUNK).unwrap();
     let c = slow_cache(g, Duration::from_millis(2));
-    drop(Puller::start(c.clone(), PullOptions::default()));
+    let opts = PullOptions {
+        workers: 64,
+        ..PullOptions::default()
+    };
+    drop(Puller::start(c.clone(), opts));
     tokio::time::sleep(Duration::from_millis(30)).await;
     let seen = c.remote().counts().reads;
     assert!(seen <= 64, "at most one fetch per worker: {seen}");
