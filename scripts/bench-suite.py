@@ -114,6 +114,30 @@ def _paging(key):
     return figure
 
 
+def _tail(out):
+    r = out["paging-zipf"]
+
+    def spread(system):
+        return (one(r, "p99_9_us", system=system, pattern="zipf")
+                / one(r, "p50_us", system=system, pattern="zipf"))
+    return spread("farmap"), spread("kernel-swap")
+
+
+def _prefetch_runtime(out):
+    return (one(out["paging-seq"], "runtime_ms", system="farmap", pattern="seq"),
+            one(out["paging-seq-off"], "runtime_ms", system="farmap", pattern="seq"))
+
+
+def _waste(out):
+    """Prefetched chunks never touched, as a share of every chunk fetched (faults and
+    prefetches): the extra traffic prefetch costs a pattern it cannot help."""
+    r = out["paging-uniform"]
+    prefetched = one(r, "prefetched", system="farmap", pattern="uniform")
+    wasted = one(r, "prefetch_wasted", system="farmap", pattern="uniform")
+    faults = one(r, "faults", system="farmap", pattern="uniform")
+    return wasted / max(faults + prefetched, 1.0), faults + prefetched
+
+
 def _prefetch(out):
     return (one(out["paging-seq"], "faults", system="farmap", pattern="seq"),
             one(out["paging-seq-off"], "faults", system="farmap", pattern="seq"))
@@ -183,6 +207,7 @@ def have_nbd_tools():
 
 ZIPF = ["paging", "--pattern", "zipf", "--local", "30%"]
 SEQ = ["paging", "--pattern", "seq", "--local", "30%", "--system", "farmap"]
+UNIFORM = ["paging", "--pattern", "uniform", "--local", "30%", "--system", "farmap"]
 
 CASES = [
     Case("uffd fault-4k p50", "µs",
@@ -200,6 +225,18 @@ CASES = [
     Case("paging zipf 30% runtime", "ms", {"paging-zipf": ZIPF}, _paging("runtime_ms"),
          "kernel swap runtime", bar=("<=", 1.0), needs=(have_root_cgroup_v1,),
          quick={"paging-zipf": ZIPF + ["--accesses", "50000"]}),
+    Case("paging zipf 30% p99.9 ÷ p50", "×", {"paging-zipf": ZIPF}, _tail,
+         "kernel swap's p99.9 ÷ p50", bar=("<=", 10.0), on="farmap",
+         needs=(have_root_cgroup_v1,),
+         quick={"paging-zipf": ZIPF + ["--accesses", "50000"]}),
+    Case("paging seq runtime, default prefetch", "ms",
+         {"paging-seq": SEQ, "paging-seq-off": SEQ + ["--prefetch", "off"]},
+         _prefetch_runtime, "runtime with --prefetch off", bar=("<=", 0.5),
+         quick={"paging-seq": SEQ + ["--accesses", "50000"],
+                "paging-seq-off": SEQ + ["--prefetch", "off", "--accesses", "50000"]}),
+    Case("paging uniform prefetch waste", "of fetches",
+         {"paging-uniform": UNIFORM}, _waste, "chunks fetched", bar=("<=", 0.05),
+         on="farmap", quick={"paging-uniform": UNIFORM + ["--accesses", "50000"]}),
     Case("paging seq faults, default prefetch", "faults",
          {"paging-seq": SEQ, "paging-seq-off": SEQ + ["--prefetch", "off"]},
          _prefetch, "faults with --prefetch off", bar=("<=", 0.25),
@@ -431,6 +468,12 @@ def self_test():
     assert moved({"case": "y", "ratio": 1.2}, hist) is None
     text, flagged = table([dict(s, ratio=1.2, case="x")], hist)
     assert flagged and flagged[0][0] == "x" and "+20% !" in text, text
+    zipf = [{"system": "farmap", "pattern": "zipf", "p50_us": 20.0, "p99_9_us": 150.0},
+            {"system": "kernel-swap", "pattern": "zipf", "p50_us": 40.0, "p99_9_us": 800.0}]
+    assert _tail({"paging-zipf": zipf}) == (7.5, 20.0)
+    uniform = [{"system": "farmap", "pattern": "uniform", "prefetched": 10,
+                "prefetch_wasted": 5, "faults": 90}]
+    assert _waste({"paging-uniform": uniform}) == (0.05, 100.0)
     rows = [{"case": "fault-4k", "p50_us": 10.0, "baseline_p50_us": 50.0}]
     assert _fault_4k({"uffd-fault": rows}) == (10.0, 50.0)
     try:
