@@ -140,6 +140,22 @@ pub struct RunHead {
 }
 
 impl RunHead {
+    /// The start of a human result line: `BENCH SIZE in CHUNK chunks, rtt R ms, N WORKERS,
+    /// mirror M: X MB/s in T ms`, with `workers` naming what the count counts.
+    pub fn summary(&self, workers: &str) -> String {
+        format!(
+            "{} {} in {} chunks, rtt {} ms, {} {workers}, mirror {}: {:.1} MB/s in {:.1} ms",
+            self.bench,
+            farmap::format_size(self.size_bytes),
+            farmap::format_size(u64::from(self.chunk_bytes)),
+            self.rtt_ms,
+            self.workers,
+            self.mirror,
+            self.mb_per_s,
+            self.elapsed_ms,
+        )
+    }
+
     /// What every line of `bench` over `store` (of geometry `g`, `rtt` away, with
     /// `workers`) repeats; [`measured`](Self::measured) adds each line's own fields.
     pub fn new(

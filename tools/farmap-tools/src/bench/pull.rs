@@ -24,7 +24,7 @@ use bytes::Bytes;
 use clap::Args;
 use farmap::pipeline::{Cached, MirrorPolicy, PullOptions, PullOrder, Puller};
 use farmap::store::DenseMemoryStore;
-use farmap::{format_size, open_store_async, Store, StoreSpec};
+use farmap::{open_store_async, Store, StoreSpec};
 use rand::{RngCore, SeedableRng};
 use serde::Serialize;
 
@@ -239,19 +239,17 @@ impl PullBench<'_> {
             return output::json_line(result);
         }
         println!(
-            "pull {} in {} chunks, rtt {} ms, {} workers, mirror {}: {:.1} MB/s in {:.1} ms = {:.2} × ideal {:.1} MB/s (memcpy {:.1} MB/s){}{}",
-            format_size(result.head.size_bytes),
-            format_size(u64::from(result.head.chunk_bytes)),
-            result.head.rtt_ms,
-            result.head.workers,
-            result.head.mirror,
-            result.head.mb_per_s,
-            result.head.elapsed_ms,
+            "{} = {:.2} × ideal {:.1} MB/s (memcpy {:.1} MB/s){}{}",
+            result.head.summary("workers"),
             result.ratio_to_ideal,
             result.ideal_mb_per_s,
             result.memcpy_mb_per_s,
             mirror::cost_suffix(result.mirror_cost),
-            if result.verified { ", verified" } else { ", VERIFICATION FAILED" }
+            if result.verified {
+                ", verified"
+            } else {
+                ", VERIFICATION FAILED"
+            }
         );
         Ok(())
     }

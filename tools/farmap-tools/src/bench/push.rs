@@ -31,7 +31,7 @@ use bytes::Bytes;
 use clap::Args;
 use farmap::pipeline::{MirrorPolicy, PushOptions, Pusher};
 use farmap::store::DenseMemoryStore;
-use farmap::{format_size, open_store_async, ChunkIdx, Store, StoreSpec};
+use farmap::{open_store_async, ChunkIdx, Store, StoreSpec};
 use farmap_migrate::budget::process_cpu;
 use futures::StreamExt;
 use rand::{RngCore, SeedableRng};
@@ -226,18 +226,16 @@ fn print(args: &PushArgs, result: &PushResult) -> anyhow::Result<()> {
         return output::json_line(result);
     }
     println!(
-        "push {} in {} chunks, rtt {} ms, {} in flight, mirror {}: {:.1} MB/s in {:.1} ms{} (CPU {:.1} ms; memcpy {:.1} MB/s){}",
-        format_size(result.head.size_bytes),
-        format_size(u64::from(result.head.chunk_bytes)),
-        result.head.rtt_ms,
-        result.head.workers,
-        result.head.mirror,
-        result.head.mb_per_s,
-        result.head.elapsed_ms,
+        "{}{} (CPU {:.1} ms; memcpy {:.1} MB/s){}",
+        result.head.summary("in flight"),
         mirror::cost_suffix(result.mirror_cost),
         result.cpu_ms,
         result.memcpy_mb_per_s,
-        if result.verified { ", verified" } else { ", VERIFICATION FAILED" }
+        if result.verified {
+            ", verified"
+        } else {
+            ", VERIFICATION FAILED"
+        }
     );
     Ok(())
 }
