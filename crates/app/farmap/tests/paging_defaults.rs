@@ -6,14 +6,7 @@ use farmap_uffd::{LocalLimit, PagingOptions, Prefetch};
 
 /// Whether bounded regions work here (userfaultfd with UFFDIO_MOVE and WP_ASYNC).
 fn paging_available(test: &str) -> bool {
-    let Some(support) = farmap_testkit::skip::unless(test, farmap_uffd::probe()) else {
-        return false;
-    };
-    let why = support.paging_unsupported();
-    if let Some(why) = &why {
-        farmap_testkit::skip(test, why);
-    }
-    why.is_none()
+    farmap_testkit::skip::unless(test, farmap_uffd::probe_paging()).is_some()
 }
 
 fn bounded() -> RegionOptions {

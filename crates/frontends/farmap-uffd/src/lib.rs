@@ -149,5 +149,5 @@ pub use options::{
     WriteTracking, DEFAULT_PREFETCH_CHUNKS, PAGING_CHUNK_SIZE,
 };
 pub use polling::{idle_companions, KeepAwake};
-pub use region::{probe, Diagnostics, Region, Support};
+pub use region::{probe, probe_paging, Diagnostics, Region, Support};
 pub use stats::{DirtyReport, HandlerCpu, HandlerLocation, PagingStats, RegionStats};

@@ -54,6 +54,16 @@ impl Support {
     }
 }
 
+/// [`probe`], failing when bounded regions cannot be had here
+/// ([`Support::paging_unsupported`]).
+pub fn probe_paging() -> Result<Support, RegionError> {
+    let support = probe()?;
+    match support.paging_unsupported() {
+        Some(why) => Err(RegionError::unsupported(why)),
+        None => Ok(support),
+    }
+}
+
 /// Checks that userfaultfd works here (the syscall, or `/dev/userfaultfd`) and what it
 /// supports.
 pub fn probe() -> Result<Support, RegionError> {
