@@ -1663,15 +1663,18 @@ async fn open_dest<D: Destination>(
     mode: Mode,
     shared: String,
 ) -> Result<Dest<D>, OpenError> {
-    let remote = RemoteStore::connect(
-        data.clone(),
-        ClientOptions {
-            connections: opts.connections,
-            tls: opts.tls.clone(),
-            key: Some(key),
-            ..ClientOptions::default()
-        },
-    )
+    // The seeder just answered on the control connection, so a data plane that cannot be
+    // reached (refused, reset mid-handshake, silent) is an outage of the link: it is ridden
+    // out under the same rule as the control connection's. A refusal of the key is not.
+    let client = ClientOptions {
+        connections: opts.connections,
+        tls: opts.tls.clone(),
+        key: Some(key),
+        ..ClientOptions::default()
+    };
+    let remote = farmap_pipeline::retry(RetryPolicy::for_at_least(opts.reconnect_for), || {
+        RemoteStore::connect(data.clone(), client.clone())
+    })
     .await
     .map_err(|source| OpenError::DataPlane {
         addr: data.to_string(),
