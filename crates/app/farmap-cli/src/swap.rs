@@ -143,8 +143,9 @@ pub struct SwapOnArgs {
     /// interval (for remote stores).
     #[arg(long)]
     managed: bool,
-    /// Background pull workers, i.e. fetches in flight (managed mode). Default: enough for
-    /// 16 MiB in flight (256 of 64 KiB chunks, from 8 to 1024).
+    /// Background pull workers, i.e. fetches in flight (managed mode). Default: farmap's
+    /// choice: from a farmap server, runs of 1 MiB in one request each, as many in flight as
+    /// keep the link busy (up to 16 MiB); from other stores, 16 MiB of single chunks.
     #[arg(long, value_parser = clap::value_parser!(u32).range(1..=4096))]
     workers: Option<u32>,
     /// Background pull order (managed mode).

@@ -42,10 +42,11 @@ pub enum ChunkStatus {
 ///
 /// The operations have no default bodies: a stage must decide, for every operation, what it
 /// does (a silent pass-through is how a new operation bypasses a cache or a tracker
-/// unnoticed). The two hints do, written with `read` so that no stage is bypassed:
+/// unnoticed). The hints do, written with `read` so that no stage is bypassed:
 /// [`read_part`](Store::read_part) (the default reads the chunk and slices it; a file reads
-/// only the part) and [`prefetch`](Store::prefetch) (the default does nothing; a cache
-/// fetches the chunk).
+/// only the part), [`prefetch`](Store::prefetch) (the default does nothing; a cache
+/// fetches the chunk) and [`read_chunks`](Store::read_chunks) (the default reads chunk by
+/// chunk; a farmap server's client reads a run in one request).
 pub trait Store: Send + Sync + fmt::Debug + 'static {
     /// The size and chunk size of the region. Constant for the store's lifetime.
     fn geometry(&self) -> Geometry;
@@ -89,6 +90,26 @@ pub trait Store: Send + Sync + fmt::Debug + 'static {
     fn prefetch(&self, idx: ChunkIdx) -> BoxFuture<'_, StoreResult<()>> {
         let _ = idx;
         Box::pin(async { Ok(()) })
+    }
+
+    /// Most chunks [`read_chunks`](Store::read_chunks) reads in one request: 1 (the
+    /// default) when every chunk is a request of its own, so that a caller gains nothing by
+    /// asking for runs.
+    fn chunks_per_read(&self) -> u32 {
+        1
+    }
+
+    /// Reads the chunks of `range` whole, in order. The default reads them one by one with
+    /// [`read`](Store::read); a store that reads a run in one request (a farmap server)
+    /// does so, up to [`chunks_per_read`](Store::chunks_per_read) chunks a request.
+    fn read_chunks(&self, range: ChunkRange) -> BoxFuture<'_, StoreResult<Vec<Bytes>>> {
+        Box::pin(async move {
+            let mut out = Vec::with_capacity(usize::try_from(range.len()).unwrap_or(0));
+            for idx in range.iter() {
+                out.push(self.read(idx).await?);
+            }
+            Ok(out)
+        })
     }
 }
 
@@ -142,6 +163,12 @@ macro_rules! forward_store {
             }
             fn prefetch(&self, idx: ChunkIdx) -> BoxFuture<'_, StoreResult<()>> {
                 (**self).prefetch(idx)
+            }
+            fn chunks_per_read(&self) -> u32 {
+                (**self).chunks_per_read()
+            }
+            fn read_chunks(&self, range: ChunkRange) -> BoxFuture<'_, StoreResult<Vec<Bytes>>> {
+                (**self).read_chunks(range)
             }
         }
     };

@@ -552,4 +552,46 @@ impl Store for RemoteStore {
             }
         })
     }
+
+    fn chunks_per_read(&self) -> u32 {
+        self.max_run()
+    }
+
+    /// Runs of up to [`max_run`](Self::max_run) chunks, one request each (sent
+    /// concurrently); a zero chunk costs no bytes on the wire.
+    fn read_chunks(&self, range: ChunkRange) -> BoxFuture<'_, StoreResult<Vec<Bytes>>> {
+        Box::pin(async move {
+            let g = self.pool.info.region.geometry;
+            g.check_range(range)?;
+            let max = u64::from(self.max_run());
+            let runs = (range.start.0..range.end.0)
+                .step_by(usize::try_from(max).unwrap_or(usize::MAX))
+                .map(|at| (ChunkIdx(at), (range.end.0 - at).min(max) as u32));
+            let parts =
+                try_join_all(runs.map(|(start, count)| self.run_chunks(start, count))).await?;
+            Ok(parts.into_iter().flatten().collect())
+        })
+    }
+}
+
+impl RemoteStore {
+    /// The chunks of one [`read_run`](Self::read_run), each whole (slices of the reply's
+    /// buffer; zero chunks shared zeros).
+    async fn run_chunks(&self, start: ChunkIdx, count: u32) -> StoreResult<Vec<Bytes>> {
+        let g = self.pool.info.region.geometry;
+        let run = self.read_run(start, count).await?;
+        let data = run.data();
+        let mut at = 0;
+        Ok((0..count as usize)
+            .map(|i| {
+                let len = g.chunk_len(ChunkIdx(start.0 + i as u64));
+                if run.is_zero(i) {
+                    zero_chunk(len)
+                } else {
+                    at += len;
+                    data.slice(at - len..at)
+                }
+            })
+            .collect())
+    }
 }

@@ -127,3 +127,35 @@ async fn run_reads_send_zero_chunks_as_bits_and_match_the_region() {
         server.shutdown().await.unwrap();
     }
 }
+
+/// `Store::read_chunks` of a remote store: runs in one request each, every chunk whole (zero
+/// ones as zeros), the same bytes as chunk-by-chunk reads; a range past the end is refused.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn read_chunks_reads_a_range_in_runs_and_matches_single_reads() {
+    use farmap_core::ChunkRange;
+    let (server, reader) = server(true).await;
+    let remote = RemoteStore::connect(addr_of(&server), client())
+        .await
+        .unwrap();
+    assert_eq!(Store::chunks_per_read(&remote), remote.max_run());
+    for (start, end) in [(0u64, 64u64), (19, 31), (63, 64)] {
+        let range = ChunkRange::new(ChunkIdx(start), ChunkIdx(end));
+        let got = Store::read_chunks(&remote, range).await.unwrap();
+        assert_eq!(got.len() as u64, end - start);
+        for (k, data) in got.iter().enumerate() {
+            let i = start + k as u64;
+            assert_eq!(&data[..], &content(i)[..], "chunk {i}");
+            assert_eq!(data[..], remote.read(ChunkIdx(i)).await.unwrap()[..]);
+        }
+    }
+    assert_eq!(
+        reader.runs.load(std::sync::atomic::Ordering::Relaxed),
+        3,
+        "one request a range"
+    );
+    let past = ChunkRange::new(ChunkIdx(60), ChunkIdx(65));
+    let e = Store::read_chunks(&remote, past).await.unwrap_err();
+    assert_eq!(e.kind(), ErrorKind::OutOfRange, "{e}");
+    remote.close();
+    server.shutdown().await.unwrap();
+}

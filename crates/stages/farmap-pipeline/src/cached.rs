@@ -10,7 +10,8 @@ use std::time::Duration;
 
 use bytes::Bytes;
 use farmap_core::{
-    BoxFuture, Caps, ChunkIdx, ChunkRange, ChunkStatus, Geometry, Store, StoreError, StoreResult,
+    BoxFuture, Caps, ChunkIdx, ChunkRange, ChunkStatus, ErrorKind, Geometry, Store, StoreError,
+    StoreResult,
 };
 use parking_lot::Mutex;
 use tokio::sync::Notify;
@@ -30,6 +31,20 @@ pub trait Fill: Send + Sync + 'static {
     /// Makes chunk `idx` present, fetching it if nobody else is; returns once it is present
     /// (or the fetch failed).
     fn fetch(&self, idx: ChunkIdx) -> BoxFuture<'_, StoreResult<()>>;
+
+    /// Most chunks [`fetch_run`](Fill::fetch_run) fetches in one request (1: no gain in
+    /// asking for runs).
+    fn chunks_per_fetch(&self) -> u32 {
+        1
+    }
+
+    /// Makes chunk `first` present and, in the same request, as many of the chunks after it
+    /// (up to `max` in all) as are absent and nobody fetches: how many chunks from `first`
+    /// on it made present (at least 1). The default fetches `first` alone.
+    fn fetch_run(&self, first: ChunkIdx, max: u64) -> BoxFuture<'_, StoreResult<u64>> {
+        let _ = max;
+        Box::pin(async move { self.fetch(first).await.map(|()| 1) })
+    }
 }
 
 // Per-chunk state word. The low two bits are the state: Busy means one task owns the chunk
@@ -284,6 +299,72 @@ impl<L: Store, R: Store> Cached<L, R> {
             return Ok(());
         }
         self.ensure(idx).await.map(|_| ())
+    }
+
+    /// Makes chunk `first` present and, in one read of the remote, the absent chunks right
+    /// after it that nobody holds (up to `max` chunks in all): how many it made present.
+    /// A bounded cache fetches `first` alone (each chunk needs its slot).
+    pub async fn fetch_run(&self, first: ChunkIdx, max: u64) -> StoreResult<u64> {
+        self.geometry.check_idx(first)?;
+        let end = first
+            .0
+            .saturating_add(max.max(1))
+            .min(self.geometry.chunk_count());
+        if self.bound.is_some() || end - first.0 == 1 {
+            return self.fetch(first).await.map(|()| 1);
+        }
+        let mut claims = Vec::new();
+        for at in first.0..end {
+            let st = &self.state[at as usize];
+            if st
+                .compare_exchange(ABSENT, BUSY, Ordering::AcqRel, Ordering::Acquire)
+                .is_err()
+            {
+                break;
+            }
+            claims.push(Claim {
+                cached: self,
+                idx: ChunkIdx(at),
+                armed: true,
+                slot: false,
+            });
+        }
+        if claims.is_empty() {
+            // Present, or another task holds it: wait for that as a single fetch does.
+            return self.fetch(first).await.map(|()| 1);
+        }
+        let range = ChunkRange::new(first, ChunkIdx(first.0 + claims.len() as u64));
+        // On an error (or if this future is dropped), the claims left return their chunks
+        // to Absent.
+        let data = self.remote.read_chunks(range).await.map_err(|e| {
+            StoreError::new(
+                e.kind(),
+                format!(
+                    "fetching chunks {}..{} from the remote store",
+                    range.start.0, range.end.0
+                ),
+            )
+            .with_source(e)
+        })?;
+        if data.len() != claims.len() {
+            return Err(StoreError::new(
+                ErrorKind::Corrupt,
+                format!(
+                    "the remote store answered a read of {} chunks with {}",
+                    claims.len(),
+                    data.len()
+                ),
+            ));
+        }
+        let n = claims.len() as u64;
+        for (claim, data) in claims.into_iter().zip(data) {
+            let idx = claim.idx;
+            self.local.write(idx, data).await.map_err(|e| {
+                StoreError::new(e.kind(), format!("storing fetched {idx} locally")).with_source(e)
+            })?;
+            claim.release(PRESENT);
+        }
+        Ok(n)
     }
 
     fn stripe(&self, idx: ChunkIdx) -> &Notify {
@@ -891,6 +972,18 @@ impl<L: Store, R: Store> Fill for Cached<L, R> {
     fn fetch(&self, idx: ChunkIdx) -> BoxFuture<'_, StoreResult<()>> {
         Box::pin(Cached::fetch(self, idx))
     }
+
+    fn chunks_per_fetch(&self) -> u32 {
+        if self.bound.is_some() {
+            1
+        } else {
+            self.remote.chunks_per_read()
+        }
+    }
+
+    fn fetch_run(&self, first: ChunkIdx, max: u64) -> BoxFuture<'_, StoreResult<u64>> {
+        Box::pin(Cached::fetch_run(self, first, max))
+    }
 }
 
 impl<L: fmt::Debug, R: fmt::Debug> fmt::Debug for Cached<L, R> {
@@ -905,9 +998,9 @@ impl<L: fmt::Debug, R: fmt::Debug> fmt::Debug for Cached<L, R> {
 }
 
 #[cfg(test)]
-mod tests {
+pub(crate) mod tests {
     use super::*;
-    use farmap_core::{is_zero, ErrorKind};
+    use farmap_core::is_zero;
     use farmap_testkit::{Hooked, ModelStore, Op, PatternStore};
     use std::sync::atomic::AtomicUsize;
     use std::sync::Arc;
@@ -1150,5 +1243,117 @@ mod tests {
         release.add_permits(1);
         assert!(waiter.await.unwrap()[..] == pattern(idx)[..]);
         assert!(c.is_present(idx));
+    }
+
+    /// A store that reads runs of up to `per_read` chunks in one request: the runs it was
+    /// asked for are recorded (chunk by chunk reads as runs of 1).
+    #[derive(Debug)]
+    pub(crate) struct RunReads<S> {
+        pub(crate) inner: S,
+        pub(crate) per_read: u32,
+        pub(crate) runs: parking_lot::Mutex<Vec<ChunkRange>>,
+    }
+
+    impl<S: Store> RunReads<S> {
+        pub(crate) fn new(inner: S, per_read: u32) -> Self {
+            Self {
+                inner,
+                per_read,
+                runs: parking_lot::Mutex::new(Vec::new()),
+            }
+        }
+    }
+
+    impl<S: Store> Store for RunReads<S> {
+        fn geometry(&self) -> Geometry {
+            self.inner.geometry()
+        }
+        fn caps(&self) -> Caps {
+            self.inner.caps()
+        }
+        fn read(&self, idx: ChunkIdx) -> BoxFuture<'_, StoreResult<Bytes>> {
+            self.runs.lock().push(ChunkRange::single(idx));
+            self.inner.read(idx)
+        }
+        fn write(&self, idx: ChunkIdx, data: Bytes) -> BoxFuture<'_, StoreResult<()>> {
+            self.inner.write(idx, data)
+        }
+        fn flush(&self) -> BoxFuture<'_, StoreResult<()>> {
+            self.inner.flush()
+        }
+        fn trim(&self, range: ChunkRange) -> BoxFuture<'_, StoreResult<()>> {
+            self.inner.trim(range)
+        }
+        fn status(&self, idx: ChunkIdx) -> BoxFuture<'_, StoreResult<ChunkStatus>> {
+            self.inner.status(idx)
+        }
+        fn chunks_per_read(&self) -> u32 {
+            self.per_read
+        }
+        fn read_chunks(&self, range: ChunkRange) -> BoxFuture<'_, StoreResult<Vec<Bytes>>> {
+            assert!(
+                range.len() <= u64::from(self.per_read),
+                "{range:?} is too long"
+            );
+            self.runs.lock().push(range);
+            Box::pin(async move {
+                let mut out = Vec::new();
+                for idx in range.iter() {
+                    out.push(self.inner.read(idx).await?);
+                }
+                Ok(out)
+            })
+        }
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_run_fetch_reads_the_absent_chunks_after_the_first_in_one_request() {
+        let g = geometry();
+        let c = Cached::new(
+            ModelStore::new(g),
+            RunReads::new(PatternStore::new(g, 7), 8),
+        )
+        .unwrap();
+        assert_eq!(Fill::chunks_per_fetch(&c), 8);
+        c.fetch(ChunkIdx(5)).await.unwrap();
+        // 2, 3, 4 in one request; 5 is present and ends the run.
+        assert_eq!(c.fetch_run(ChunkIdx(2), 8).await.unwrap(), 3);
+        // A run is cut at `max` and at the region's end.
+        assert_eq!(c.fetch_run(ChunkIdx(6), 4).await.unwrap(), 4);
+        assert_eq!(c.fetch_run(ChunkIdx(30), 8).await.unwrap(), 2);
+        // A present first chunk: nothing to fetch, one chunk accounted for.
+        assert_eq!(c.fetch_run(ChunkIdx(2), 8).await.unwrap(), 1);
+        let runs = c.remote().runs.lock().clone();
+        let want = [(5, 6), (2, 5), (6, 10), (30, 32)]
+            .map(|(a, b)| ChunkRange::new(ChunkIdx(a), ChunkIdx(b)));
+        assert_eq!(runs, want, "the remote reads");
+        for idx in [2, 3, 4, 5, 6, 7, 8, 9, 30, 31].map(ChunkIdx) {
+            assert!(c.is_present(idx), "{idx}");
+            assert!(c.local().read(idx).await.unwrap()[..] == pattern(idx)[..]);
+        }
+        assert!(!c.is_present(ChunkIdx(10)) && !c.is_present(ChunkIdx(1)));
+        assert_eq!(c.present_count(), 10);
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_failed_run_fetch_leaves_its_chunks_absent() {
+        let g = geometry();
+        let failing = Hooked::new(PatternStore::new(g, 7), |_, idx| {
+            Box::pin(async move {
+                if idx == ChunkIdx(3) {
+                    Err(StoreError::new(ErrorKind::Io, "injected"))
+                } else {
+                    Ok(())
+                }
+            })
+        });
+        let c = Cached::new(ModelStore::new(g), RunReads::new(failing, 8)).unwrap();
+        let err = c.fetch_run(ChunkIdx(0), 8).await.unwrap_err();
+        assert_eq!(err.kind(), ErrorKind::Io, "{err}");
+        assert_eq!(c.present_count(), 0, "nothing of the failed run is present");
+        // The chunks are absent, not held: a later fetch of each works (or fails alone).
+        assert_eq!(c.fetch_run(ChunkIdx(0), 3).await.unwrap(), 3);
+        assert!(c.fetch(ChunkIdx(3)).await.is_err());
+        assert_eq!(c.fetch_run(ChunkIdx(4), 8).await.unwrap(), 8);
     }
 }

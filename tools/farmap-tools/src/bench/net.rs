@@ -84,7 +84,8 @@ pub struct NetArgs {
     #[arg(long, default_value = "64KiB", value_parser = parse_size_arg)]
     chunk: u64,
     /// Pull workers (requests in flight) of the managed cases. Default: a pull's own choice
-    /// (enough for 16 MiB in flight: 256 of 64 KiB chunks).
+    /// (native: runs of 1 MiB, as many in flight as keep the link busy, up to 16 MiB;
+    /// gRPC: 16 MiB of single chunks, 256 of 64 KiB).
     #[arg(long, value_parser = clap::value_parser!(u64).range(1..=65536))]
     workers: Option<u64>,
     /// Connections of the native client's pool (and gRPC channels). Default: the clients'.
@@ -115,7 +116,12 @@ struct NetResult {
     rtt_ms: f64,
     size_bytes: u64,
     chunk_bytes: u64,
+    /// Fetches in flight of a managed case: what the pull settled on (its window of runs,
+    /// or `--workers`).
     workers: usize,
+    /// Chunks one fetch of a managed case asked for (runs read in one request).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    run_chunks: Option<u64>,
     mb_per_s: f64,
     first_chunk_us: f64,
     elapsed_ms: f64,
@@ -354,14 +360,14 @@ async fn run_direct(store: &dyn Store, budget: Duration) -> anyhow::Result<(u64,
 }
 
 /// Pulls the whole region with `Cached` + `Puller` (`workers` in flight, or the pull's own
-/// choice, in order); returns
-/// the time (wall and CPU) and whether every local chunk equals `expected(idx)` (checked after the clock
-/// stopped). `farmap bench stores` measures its managed case with it too.
+/// choice, in order); returns the time (wall and CPU), whether every local chunk equals
+/// `expected(idx)` (checked after the clock stopped) and what the pull settled on.
+/// `farmap bench stores` measures its managed case with it too.
 pub(super) async fn run_managed<F, Fut>(
     remote: Arc<dyn Store>,
     workers: Option<usize>,
     expected: F,
-) -> anyhow::Result<(Timed, bool)>
+) -> anyhow::Result<(Timed, bool, PullShape)>
 where
     F: Fn(ChunkIdx) -> Fut,
     Fut: std::future::Future<Output = anyhow::Result<Bytes>>,
@@ -386,8 +392,15 @@ where
         }
         verified = cached.local().read(idx).await? == expected(idx).await?;
     }
-    Ok((timed, verified))
+    Ok((timed, verified, (report.run_chunks, report.in_flight)))
 }
+
+/// What a pull settled on: chunks a fetch asked for, fetches in flight at the end.
+pub(super) type PullShape = (u64, usize);
+
+/// One run of a case: the bytes moved, the timed part, the time to the first chunk (µs),
+/// whether the data checked out, and what a managed case's pull settled on.
+type CaseRun = (u64, Timed, f64, bool, Option<PullShape>);
 
 /// What `source` holds at `idx`, for [`run_managed`]'s check.
 async fn read_source(source: &dyn Store, idx: ChunkIdx) -> anyhow::Result<Bytes> {
@@ -405,12 +418,7 @@ struct Servers {
 impl Servers {
     /// Runs `case` once at `rtt`: the bytes moved, the timed part, the time to the first
     /// chunk (µs) and whether the data checked out.
-    async fn case(
-        &self,
-        args: &NetArgs,
-        case: &str,
-        rtt: Duration,
-    ) -> anyhow::Result<(u64, Timed, f64, bool)> {
+    async fn case(&self, args: &NetArgs, case: &str, rtt: Duration) -> anyhow::Result<CaseRun> {
         match case {
             "tcp-raw" | "tcp-region" | "tcp-proxied" => {
                 let p = if case == "tcp-proxied" {
@@ -421,7 +429,7 @@ impl Servers {
                 let region = (case == "tcp-region").then_some(self.store.as_ref());
                 let (first, timed, ok) = run_tcp_raw(p.local_addr(), args.size, region).await?;
                 p.shutdown().await;
-                Ok((args.size, timed, first, ok))
+                Ok((args.size, timed, first, ok, None))
             }
             "direct-native" | "managed-native" => self.native(args, case, rtt).await,
             _ => self.grpc(args, rtt).await,
@@ -430,12 +438,7 @@ impl Servers {
 
     /// A case through the native protocol: one connection read chunk by chunk
     /// (`direct-native`), or a managed pull over `--connections`.
-    async fn native(
-        &self,
-        args: &NetArgs,
-        case: &str,
-        rtt: Duration,
-    ) -> anyhow::Result<(u64, Timed, f64, bool)> {
+    async fn native(&self, args: &NetArgs, case: &str, rtt: Duration) -> anyhow::Result<CaseRun> {
         let p = Link::to(self.native_addr, rtt).await?;
         let connections = if case == "direct-native" {
             1
@@ -452,13 +455,13 @@ impl Servers {
         let first = first_chunk(remote.as_ref(), connections).await?;
         let r = if case == "direct-native" {
             let (bytes, elapsed) = run_direct(remote.as_ref(), args.direct_time).await?;
-            (bytes, elapsed, first, true)
+            (bytes, elapsed, first, true, None)
         } else {
-            let (elapsed, ok) = run_managed(remote.clone(), args.pull_workers(), |i| {
+            let (elapsed, ok, pull) = run_managed(remote.clone(), args.pull_workers(), |i| {
                 read_source(self.store.as_ref(), i)
             })
             .await?;
-            (args.size, elapsed, first, ok)
+            (args.size, elapsed, first, ok, Some(pull))
         };
         drop(remote);
         p.shutdown().await;
@@ -466,7 +469,7 @@ impl Servers {
     }
 
     /// A managed pull through gRPC over `--connections`.
-    async fn grpc(&self, args: &NetArgs, rtt: Duration) -> anyhow::Result<(u64, Timed, f64, bool)> {
+    async fn grpc(&self, args: &NetArgs, rtt: Duration) -> anyhow::Result<CaseRun> {
         let p = Link::to(self.grpc_addr, rtt).await?;
         let remote: Arc<dyn Store> = Arc::new(
             GrpcStore::connect_with(
@@ -479,13 +482,13 @@ impl Servers {
             .await?,
         );
         let first = first_chunk(remote.as_ref(), args.connections).await?;
-        let (elapsed, ok) = run_managed(remote.clone(), args.pull_workers(), |i| {
+        let (elapsed, ok, pull) = run_managed(remote.clone(), args.pull_workers(), |i| {
             read_source(self.store.as_ref(), i)
         })
         .await?;
         drop(remote);
         p.shutdown().await;
-        Ok((args.size, elapsed, first, ok))
+        Ok((args.size, elapsed, first, ok, Some(pull)))
     }
 }
 
@@ -548,7 +551,7 @@ pub async fn run(args: NetArgs) -> anyhow::Result<ExitCode> {
             if !args.json {
                 eprintln!("running {case} at rtt {} ms", rtt.as_secs_f64() * 1e3);
             }
-            let (bytes, timed, first_us, verified) = servers.case(&args, case, rtt).await?;
+            let (bytes, timed, first_us, verified, pull) = servers.case(&args, case, rtt).await?;
             let elapsed = timed.elapsed;
             failed |= !verified;
             let mb_per_s = output::mb_per_s(bytes, elapsed);
@@ -561,15 +564,8 @@ pub async fn run(args: NetArgs) -> anyhow::Result<ExitCode> {
                 rtt_ms: rtt.as_secs_f64() * 1e3,
                 size_bytes: bytes,
                 chunk_bytes: args.chunk,
-                workers: if case.starts_with("managed") {
-                    PullOptions {
-                        workers: args.pull_workers().unwrap_or(0),
-                        ..PullOptions::default()
-                    }
-                    .workers_for(args.chunk as u32)
-                } else {
-                    1
-                },
+                workers: pull.map_or(1, |p| p.1),
+                run_chunks: pull.map(|p| p.0),
                 mb_per_s,
                 first_chunk_us: output::round1(first_us),
                 elapsed_ms: output::round1(elapsed.as_secs_f64() * 1e3),

@@ -183,7 +183,7 @@ async fn direct_read(
 
 async fn managed_read(remote: Arc<dyn Store>, workers: usize) -> anyhow::Result<(Duration, bool)> {
     let g = remote.geometry();
-    let (timed, verified) = super::net::run_managed(remote, Some(workers), |idx| {
+    let (timed, verified, _) = super::net::run_managed(remote, Some(workers), |idx| {
         std::future::ready(Ok(content(g, idx)))
     })
     .await?;
