@@ -100,9 +100,9 @@ impl PullOptions {
 }
 
 /// How many runs a pull that reads runs keeps in flight when the user did not say: the
-/// fewest that keep the link busy, found as TCP Vegas finds its window. Few runs in flight
-/// keep the bytes in the CPU's caches on a fast link (at 0 ms, 4 MiB in flight moved twice
-/// what 16 MiB did); a long round trip needs many. Once a window's worth of runs has
+/// fewest that keep the link busy, found as TCP Vegas finds its window. On a fast link few
+/// runs in flight do best (at 0 ms, 4 MiB in flight moved twice what 16 MiB did, probably by
+/// staying in the CPU's caches); a long round trip needs many. Once a window's worth of runs has
 /// completed, the runs queued beyond what the fastest fetch seen needs are estimated
 /// (`limit × (1 − fastest ÷ mean)`): below [`Window::GROW`] the limit doubles (at first)
 /// or grows by one, above [`Window::SHRINK`] it shrinks by one.
