@@ -174,6 +174,13 @@ fn bench_paging_prints_one_sane_line_per_system_and_pattern() {
                 );
                 // 30% of 32 MiB, in whole 4 KiB chunks.
                 assert_eq!(row["limit_bytes"], 2457 * 4096, "{row}");
+                // Faults that found the region full go over the limit (within `min_free`)
+                // while a reclaim makes room: never more overcommits than such faults.
+                let (full, over) = (num(row, "full_faults"), num(row, "overcommits"));
+                assert!(
+                    over <= full,
+                    "{over} overcommits, {full} full faults: {row}"
+                );
             }
             "kernel-swap" => {
                 assert!(

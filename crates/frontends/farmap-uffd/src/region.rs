@@ -586,6 +586,7 @@ impl Region {
                     staged_refaults: Counters::get(&pc.staged_refaults),
                     staged_refaults_in_thread: Counters::get(&pc.staged_refaults_in_thread),
                     overcommits: Counters::get(&pc.overcommits),
+                    full_faults: Counters::get(&pc.full_faults),
                     recovered: Counters::get(&pc.recovered),
                     partial_moves: Counters::get(&pc.partial_moves),
                     pushes_from_store: Counters::get(&pc.pushes_from_store),

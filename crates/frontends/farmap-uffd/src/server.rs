@@ -390,12 +390,13 @@ impl Server {
                     // once makes the reader spawn this fault onto the runtime.
                     if !yielded {
                         yielded = true;
+                        Counters::add(&pager.counters.full_faults, 1);
                         tokio::task::yield_now().await;
                         continue;
                     }
                     // Nothing could be reclaimed (everything resident is in flight): go
                     // over the limit by at most `min_free` rather than wait for ever.
-                    overcommit = !pager.make_room().await;
+                    overcommit = !pager.make_room(overcommit).await;
                 }
                 Admit::Zero => {
                     if let Err(e) = self.zero_fill(pager, idx).await {

@@ -137,8 +137,13 @@ pub struct PagingStats {
     pub staged_refaults: u64,
     /// Of those, the ones the faulting thread served itself (in-thread mode).
     pub staged_refaults_in_thread: u64,
-    /// Chunks admitted over the limit (within `min_free`) because nothing could be reclaimed.
+    /// Chunks admitted over the limit (within `min_free`): a reclaim pass was making room,
+    /// or nothing could be reclaimed.
     pub overcommits: u64,
+    /// Faults that found the region at its limit (they go over it while a reclaim pass
+    /// makes room, or reclaim a chunk themselves): how often the proactive reclaim fell
+    /// behind.
+    pub full_faults: u64,
     /// Active chunks whose pages were found in their staging slot and moved back: a bug
     /// that the fault path repairs and reports (see the paging module's documentation);
     /// always 0 unless something is wrong.

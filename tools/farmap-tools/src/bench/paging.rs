@@ -190,6 +190,12 @@ struct Row {
     faults: u64,
     evictions_reactive: u64,
     evictions_proactive: u64,
+    /// farmap: faults that found the region at its limit (the reclaim fell behind).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    full_faults: Option<u64>,
+    /// farmap: chunks admitted over the limit (within `min_free`) while a reclaim made room.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    overcommits: Option<u64>,
     prefetch_hits: u64,
     prefetch_wasted: u64,
     /// farmap: chunks fetched ahead of faults.
@@ -409,6 +415,8 @@ impl Bench {
             faults: 0,
             evictions_reactive: 0,
             evictions_proactive: 0,
+            full_faults: None,
+            overcommits: None,
             prefetch_hits: 0,
             prefetch_wasted: 0,
             prefetched: None,
@@ -449,6 +457,8 @@ impl Bench {
         row.faults = run.after.faults - run.before.faults;
         row.evictions_reactive = a.evictions_reactive - b.evictions_reactive;
         row.evictions_proactive = a.evictions_proactive - b.evictions_proactive;
+        row.full_faults = Some(a.full_faults - b.full_faults);
+        row.overcommits = Some(a.overcommits - b.overcommits);
         row.staged_refaults = Some(a.staged_refaults - b.staged_refaults);
         row.prefetch_hits = a.prefetch_hits - b.prefetch_hits;
         row.prefetch_wasted = a.prefetch_wasted - b.prefetch_wasted;

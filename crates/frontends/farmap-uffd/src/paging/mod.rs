@@ -207,6 +207,7 @@ pub(crate) struct PagingCounters {
     pub writebacks: AtomicU64,
     pub recovered: AtomicU64,
     pub overcommits: AtomicU64,
+    pub full_faults: AtomicU64,
     pub partial_moves: AtomicU64,
     pub pushes_from_store: AtomicU64,
     pub zero_fills: AtomicU64,

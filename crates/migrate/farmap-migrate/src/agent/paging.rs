@@ -107,6 +107,13 @@ pub struct PagingReport {
     pub deactivations: u64,
     /// Faults served by moving a staged chunk back (no I/O).
     pub staged_refaults: u64,
+    /// Faults that found the region at its limit: how often the proactive reclaim fell
+    /// behind.
+    #[serde(default)]
+    pub full_faults: u64,
+    /// Chunks admitted over the limit (within `min_free_bytes`) while a reclaim made room.
+    #[serde(default)]
+    pub overcommits: u64,
 }
 
 impl PagingReport {
@@ -138,6 +145,8 @@ impl PagingReport {
             evictions_proactive: p.evictions_proactive,
             deactivations: p.deactivations,
             staged_refaults: p.staged_refaults,
+            full_faults: p.full_faults,
+            overcommits: p.overcommits,
         })
     }
 }
@@ -282,6 +291,8 @@ mod tests {
             evictions_proactive: 2,
             deactivations: 3,
             staged_refaults: 4,
+            full_faults: 5,
+            overcommits: 6,
         };
         let s = serde_json::to_string(&Reply::Paging(report.clone())).unwrap();
         assert!(
