@@ -96,8 +96,8 @@ pub struct ManagedOptions {
 }
 
 impl Default for ManagedOptions {
-    /// The pipeline's default pull (64 workers, sequential) and push (16 workers, every
-    /// second), 4 chunks of read-ahead.
+    /// The pipeline's default pull (farmap's choice of fetches in flight, sequential) and
+    /// push (16 workers, every second), 4 chunks of read-ahead.
     fn default() -> Self {
         Self {
             pull: Some(PullOptions::default()),

@@ -406,6 +406,13 @@ impl Shared {
         }
     }
 
+    /// Fetches in flight: the workers, or the window the pull settled on.
+    fn in_flight(&self) -> usize {
+        self.window
+            .as_ref()
+            .map_or(self.workers, |w| w.limit.load(Ordering::Acquire))
+    }
+
     fn record_failure(&self, chunk: ChunkIdx, error: StoreError) {
         self.failed.fetch_add(1, Ordering::Relaxed);
         let mut failures = self.failures.lock();
@@ -449,6 +456,18 @@ impl Drop for WorkerExit<'_> {
                 .stopped_early
                 .store(shared.is_cancelled() && !all, Ordering::Release);
             shared.finished.store(true, Ordering::Release);
+            let p = shared.progress();
+            // What the pull chose, said once (the window is farmap's pick, not the user's).
+            tracing::info!(
+                chunks = p.done_chunks,
+                fetched = p.fetched_chunks,
+                failed = p.failed_chunks,
+                mb = p.fetched_bytes as f64 / 1e6,
+                secs = shared.started.elapsed().as_secs_f64(),
+                run_chunks = shared.run,
+                in_flight = shared.in_flight(),
+                "background pull finished"
+            );
             shared.finished_event.notify_waiters();
         }
     }
@@ -610,10 +629,7 @@ impl Puller {
             .unwrap_or_else(Instant::now);
         PullReport {
             run_chunks: shared.run,
-            in_flight: shared
-                .window
-                .as_ref()
-                .map_or(shared.workers, |w| w.limit.load(Ordering::Acquire)),
+            in_flight: shared.in_flight(),
             progress: shared.progress(),
             elapsed: end.duration_since(shared.started),
             cancelled: shared.stopped_early.load(Ordering::Acquire),

@@ -79,6 +79,10 @@ pub struct FuseArgs {
     /// Repeat every case this many times (one line per frontend and run).
     #[arg(long, default_value_t = 1, value_parser = clap::value_parser!(u32).range(1..=100))]
     runs: u32,
+    /// Largest FUSE request (`max_read`, `max_write`, read-ahead) of the mount; default: the
+    /// mount's (`farmap mount`'s) own, 1 MiB.
+    #[arg(long, value_parser = parse_size_arg)]
+    max_request: Option<u64>,
     /// One JSON object per line on stdout.
     #[arg(long)]
     json: bool,
@@ -98,6 +102,9 @@ struct Row {
     samples: usize,
     /// The bytes read equal the store's (seq-read: the whole region; rand: the pages).
     verified: bool,
+    /// The FUSE mount's largest request (fuse rows).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    max_request_bytes: Option<u32>,
 }
 
 fn round3(v: f64) -> f64 {
@@ -127,6 +134,7 @@ fn pages_match(mem: RegionSlice<'_>, data: &[u8], pages: &[usize]) -> bool {
 struct Bench {
     data: Bytes,
     samples: usize,
+    mount: MountOptions,
 }
 
 /// What one frontend's run measured: per-read times, bytes, and the check.
@@ -152,6 +160,7 @@ impl Bench {
             p99_us: round3(lat.p99_us),
             samples: lat.samples,
             verified: m.verified,
+            max_request_bytes: (frontend == "fuse").then_some(self.mount.max_request),
         }
     }
 
@@ -219,7 +228,7 @@ impl Bench {
 
     fn fuse(&self, case: Case, store: Arc<dyn Store>, pages: &[usize]) -> anyhow::Result<Measured> {
         let dir = tempfile::tempdir().context("creating a mount point")?;
-        let mount = FuseMount::mount(store, dir.path(), MountOptions::default())
+        let mount = FuseMount::mount(store, dir.path(), self.mount.clone())
             .context("mounting the region (FUSE needs root here)")?;
         let measured = {
             let map = mount.map().context("mapping the mounted file")?;
@@ -247,9 +256,17 @@ pub async fn run(args: FuseArgs) -> anyhow::Result<ExitCode> {
         bail!("--size must be a positive multiple of 1MiB");
     }
     let data = random_bytes(size);
+    let mut mount = MountOptions::default();
+    if let Some(max) = args.max_request {
+        mount.max_request = u32::try_from(max)
+            .ok()
+            .filter(|m| (4096..=64 << 20).contains(m) && m.is_power_of_two())
+            .context("--max-request must be a power of two from 4KiB to 64MiB")?;
+    }
     let bench = Bench {
         data: data.clone(),
         samples: (args.samples as usize).min(size / PAGE_SIZE),
+        mount,
     };
     let pages = random_pages(size / PAGE_SIZE, bench.samples, PAGES_SEED);
     for run in 1..=args.runs {
