@@ -258,6 +258,11 @@ impl Pager {
             .is_ok()
     }
 
+    /// Whether a reclaim pass runs now (room is on its way).
+    pub(crate) fn reclaiming(&self) -> bool {
+        self.reclaim_lock.try_lock().is_err()
+    }
+
     /// Starts the proactive reclaim thread.
     pub(crate) fn spawn_reclaimer(self: &Arc<Self>, rt: Handle) -> std::io::Result<Reclaimer> {
         let pager = self.clone();

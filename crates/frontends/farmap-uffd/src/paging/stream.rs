@@ -38,6 +38,9 @@ pub(super) struct Plan {
     pub(super) extend: bool,
     /// The chunks to queue for drop-behind.
     pub(super) behind: Range<u64>,
+    /// The fault ended a sequential stream (the thread jumped elsewhere): what it left
+    /// behind and has not been dropped yet is not behind anything any more.
+    pub(super) ended: bool,
 }
 
 impl Stream {
@@ -64,8 +67,10 @@ impl Stream {
                 window: s.window.min(count - next),
                 extend: true,
                 behind: 0..0,
+                ended: false,
             })
         } else {
+            let ended = !sequential && s.window > 0;
             let confirm = if sequential {
                 idx - s.pending..idx
             } else {
@@ -93,6 +98,7 @@ impl Stream {
                 window: s.window.min(count - 1 - idx),
                 extend: false,
                 behind,
+                ended,
             })
         }
     }
@@ -142,14 +148,20 @@ mod tests {
         let p = fault(&mut s, 18).unwrap();
         assert_eq!((p.start, p.window, p.extend), (19, 4, false));
         assert_eq!((p.confirm, p.behind), (14..18, 10..14));
-        // Any other fault closes the window.
+        assert!(!p.ended);
+        // Any other fault closes the window, and ends the stream.
         let p = fault(&mut s, 50).unwrap();
         assert_eq!((p.start, p.window, p.behind), (51, 0, 0..0));
+        assert!(p.ended, "a jump ends an open stream");
         // A window never goes past the region's end.
         let p = fault(&mut s, 51).unwrap();
         assert_eq!(p.window, 1);
         let mut s = Stream::default();
         fault(&mut s, 98);
         assert_eq!(fault(&mut s, 99).unwrap().window, 0);
+        // A jump from a stream that never opened a window ends nothing.
+        let mut s = Stream::default();
+        fault(&mut s, 5);
+        assert!(!fault(&mut s, 70).unwrap().ended);
     }
 }
