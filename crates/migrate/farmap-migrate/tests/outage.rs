@@ -76,9 +76,7 @@ async fn a_data_plane_reset_during_its_handshake_is_retried() {
     let (_cancel, cancelled) = tokio::sync::watch::channel(false);
     let opts = LeechOptions {
         data: Some(relay.parse().unwrap()),
-        handshake_timeout: Duration::from_secs(5),
-        reconnect_for: Duration::from_secs(5),
-        ..LeechOptions::new(RemoteAddr::from(&seeding.control))
+        ..common::test_leech_options(&seeding.control)
     };
     let report = leech(opts, Box::new(|_, _| {}), cancelled)
         .await

@@ -88,13 +88,10 @@ impl Pager {
             // over the limit) while a reclaim pass makes room: a sequential stream whose
             // faults went over the limit would otherwise stop prefetching and fault chunk
             // by chunk (`bench paging --pattern seq`: twice the faults).
-            let room = limit
-                + if self.reclaiming() {
-                    self.min_free()
-                } else {
-                    0
-                };
-            if st.resident >= room {
+            // (The pass is looked for only at the limit.)
+            if st.resident >= limit
+                && (st.resident >= limit + self.min_free() || !self.reclaiming())
+            {
                 self.kick();
                 break;
             }

@@ -70,6 +70,17 @@ pub async fn source_region(
     )
 }
 
+/// Leech options for the seeder whose control address is `control`: 5 s to shake hands and
+/// to reconnect, the rest the defaults.
+#[allow(dead_code)] // not every test file leeches with them
+pub fn test_leech_options(control: &farmap_net::ListenAddr) -> LeechOptions {
+    LeechOptions {
+        handshake_timeout: Duration::from_secs(5),
+        reconnect_for: Duration::from_secs(5),
+        ..LeechOptions::new(RemoteAddr::from(control))
+    }
+}
+
 /// Seeds `region` (with [`seed_options`]`(push_budget)`) and moves it to a leecher in this
 /// process, with the test's leech options (5 s to shake hands and to reconnect) as changed by
 /// `leech_options`: the leech report, once both sides are done.
@@ -82,11 +93,7 @@ pub async fn migrate(
 ) -> LeechReport {
     let seeding = seed(region, gate, seed_options(push_budget)).await.unwrap();
     let (_cancel, cancelled) = tokio::sync::watch::channel(false);
-    let opts = leech_options(LeechOptions {
-        handshake_timeout: Duration::from_secs(5),
-        reconnect_for: Duration::from_secs(5),
-        ..LeechOptions::new(RemoteAddr::from(&seeding.control))
-    });
+    let opts = leech_options(test_leech_options(&seeding.control));
     let report = leech(opts, Box::new(|_, _| {}), cancelled)
         .await
         .expect("the migration completes");
