@@ -43,6 +43,7 @@ mod local;
 mod model;
 #[cfg(feature = "nbd")]
 mod nbd;
+mod nest;
 mod open;
 #[cfg(feature = "redis")]
 mod redis;

@@ -19,12 +19,11 @@ use farmap_core::{query, BoxFuture, Store};
 use farmap_pipeline::{MirrorOptions, MirrorPolicy};
 
 use super::model::{store_error, OpenError, SpecError, SpecKind, StoreSpec};
+use super::nest;
 use super::open::{open_mirror, open_store_async};
-use super::registry;
 use super::scheme::Scheme;
 
-/// How deeply stage specs may nest.
-pub const MAX_DEPTH: usize = 8;
+pub use super::nest::MAX_DEPTH;
 
 /// `verified:`, `mirror:`.
 #[derive(Debug)]
@@ -136,55 +135,15 @@ fn mirror_options(o: &MirrorOptions) -> Vec<String> {
     v
 }
 
-/// Splits `(A)(B)?q` into `["A", "B"]` and `Some("q")`.
-fn groups<'a>(rest: &'a str, spec: &str) -> Result<(Vec<&'a str>, Option<&'a str>), SpecError> {
+/// Parses the part after `scheme:` of a stage spec.
+fn parse(scheme: &str, rest: &str, spec: &str, depth: usize) -> Result<StoreSpec, SpecError> {
     let bad = |reason: String| SpecError::BadOption {
         option: "spec",
         spec: spec.to_owned(),
         reason,
     };
-    let mut out = Vec::new();
-    let mut s = rest;
-    while let Some(body) = s.strip_prefix('(') {
-        let mut depth = 1usize;
-        let mut end = None;
-        for (i, ch) in body.char_indices() {
-            match ch {
-                '(' => depth += 1,
-                ')' => {
-                    depth -= 1;
-                    if depth == 0 {
-                        end = Some(i);
-                        break;
-                    }
-                }
-                _ => {}
-            }
-        }
-        let end = end.ok_or_else(|| bad("a '(' is not closed".into()))?;
-        out.push(&body[..end]);
-        s = &body[end + 1..];
-    }
-    let query = match s {
-        "" => None,
-        q => Some(
-            q.strip_prefix('?')
-                .ok_or_else(|| bad(format!("{q:?} after the stores: options go after '?'")))?,
-        ),
-    };
-    Ok((out, query))
-}
-
-/// Parses the part after `scheme:` of a stage spec.
-fn parse(scheme: &str, rest: &str, spec: &str, depth: usize) -> Result<StoreSpec, SpecError> {
-    if depth >= MAX_DEPTH {
-        return Err(SpecError::BadOption {
-            option: "spec",
-            spec: spec.to_owned(),
-            reason: format!("stages nest at most {MAX_DEPTH} deep"),
-        });
-    }
-    let (inner, q) = groups(rest, spec)?;
+    nest::check_depth(depth).map_err(bad)?;
+    let (inner, q) = nest::groups(rest).map_err(bad)?;
     let takes = match scheme {
         "verified" => "",
         "mirror" => "policy, timeout, backlog, probe",
@@ -249,7 +208,12 @@ fn parse(scheme: &str, rest: &str, spec: &str, depth: usize) -> Result<StoreSpec
     }
     let inner: Vec<StoreSpec> = inner
         .iter()
-        .map(|s| registry::parse(s, depth + 1))
+        .map(|s| {
+            nest::parse_inner(s, depth).map_err(|e| match e {
+                nest::InnerError::Spec(e) => e,
+                nest::InnerError::Reason(r) => bad(r),
+            })
+        })
         .collect::<Result<_, _>>()?;
     let mut inner = inner.into_iter();
     let first = Box::new(inner.next().expect("one"));

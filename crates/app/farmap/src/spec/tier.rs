@@ -17,6 +17,7 @@ use farmap_core::{format_duration, format_size, query, BoxFuture, Store};
 use farmap_pipeline::{Tier, TierOptions, Tiered};
 
 use super::model::{store_error, OpenError, SpecError, SpecKind, StoreSpec, TierSpec};
+use super::nest;
 use super::open::open_store_async;
 use super::scheme::Scheme;
 
@@ -29,8 +30,8 @@ impl Scheme for Tiers {
         &["tier"]
     }
 
-    fn parse(&self, _: &str, rest: &str, spec: &str, _: usize) -> Result<StoreSpec, SpecError> {
-        parse(spec, rest)
+    fn parse(&self, _: &str, rest: &str, spec: &str, depth: usize) -> Result<StoreSpec, SpecError> {
+        parse(spec, rest, depth)
     }
 
     fn display_parts(&self, spec: &StoreSpec, secrets: bool) -> (String, Vec<String>) {
@@ -65,26 +66,14 @@ fn bad(spec: &str, reason: impl Into<String>) -> SpecError {
     }
 }
 
-/// Parses the part of `spec` after `tier:`.
-fn parse(spec: &str, rest: &str) -> Result<StoreSpec, SpecError> {
-    let mut tiers = Vec::new();
-    let mut s = rest;
-    while let Some(after) = s.strip_prefix('(') {
-        let mut depth = 1usize;
-        let end = after
-            .char_indices()
-            .find_map(|(i, c)| {
-                match c {
-                    '(' => depth += 1,
-                    ')' => depth -= 1,
-                    _ => {}
-                }
-                (depth == 0).then_some(i)
-            })
-            .ok_or_else(|| bad(spec, "a tier's '(' has no matching ')'"))?;
-        tiers.push(parse_tier(spec, &after[..end])?);
-        s = &after[end + 1..];
-    }
+/// Parses the part of `spec` after `tier:`, found `depth` deep.
+fn parse(spec: &str, rest: &str, depth: usize) -> Result<StoreSpec, SpecError> {
+    nest::check_depth(depth).map_err(|r| bad(spec, r))?;
+    let (groups, q) = nest::groups(rest).map_err(|r| bad(spec, r))?;
+    let tiers = groups
+        .into_iter()
+        .map(|inner| parse_tier(spec, inner, depth))
+        .collect::<Result<Vec<_>, _>>()?;
     if tiers.is_empty() {
         return Err(bad(
             spec,
@@ -93,10 +82,7 @@ fn parse(spec: &str, rest: &str) -> Result<StoreSpec, SpecError> {
     }
     let mut map = None;
     let mut demote = None;
-    if !s.is_empty() {
-        let q = s
-            .strip_prefix('?')
-            .ok_or_else(|| bad(spec, format!("unexpected {s:?} after the last tier")))?;
+    if let Some(q) = q {
         for (key, v) in query::pairs(q) {
             match (key, v) {
                 ("map", v) if !v.is_empty() => map = Some(PathBuf::from(v)),
@@ -146,7 +132,11 @@ fn query_start(spec: &str) -> Option<usize> {
 }
 
 /// One inner spec: its own spec with `cap=SIZE` taken out of its query.
-fn parse_tier(spec: &str, inner: &str) -> Result<(StoreSpec, Option<u64>), SpecError> {
+fn parse_tier(
+    spec: &str,
+    inner: &str,
+    depth: usize,
+) -> Result<(StoreSpec, Option<u64>), SpecError> {
     let (body, query) = match query_start(inner) {
         Some(i) => (&inner[..i], Some(&inner[i + 1..])),
         None => (inner, None),
@@ -168,7 +158,10 @@ fn parse_tier(spec: &str, inner: &str) -> Result<(StoreSpec, Option<u64>), SpecE
     } else {
         format!("{body}?{}", kept.join("&"))
     };
-    let parsed: StoreSpec = rebuilt.parse()?;
+    let parsed = nest::parse_inner(&rebuilt, depth).map_err(|e| match e {
+        nest::InnerError::Spec(e) => e,
+        nest::InnerError::Reason(r) => bad(spec, r),
+    })?;
     Ok((parsed, cap))
 }
 
