@@ -7,7 +7,8 @@ use farmap_core::{Caps, Store, StoreError};
 use farmap_nbd_proto::consts::tflag;
 use farmap_nbd_proto::{BlockSize, ExportInfo, ServerConfig, TlsMode};
 use farmap_net::{
-    accept_connections, AcceptLoop, ListenAddr, Listener, Running, Starting, TlsConfigError,
+    accept_connections, check_max_connections, AcceptLoop, ListenAddr, Listener, Running, Starting,
+    TlsConfigError,
 };
 use farmap_pipeline::Unaligned;
 use tokio_rustls::TlsAcceptor;
@@ -130,12 +131,7 @@ fn check_options(opts: &NbdServeOptions) -> Result<(), NbdServeError> {
         1,
         65536,
     )?;
-    check_range(
-        "the connection limit",
-        opts.max_connections as u64,
-        1,
-        1 << 20,
-    )?;
+    check_max_connections(opts.max_connections)?;
     check_range(
         "the limit of requests working on the stores at once",
         opts.max_running as u64,

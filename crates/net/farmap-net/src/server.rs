@@ -55,7 +55,7 @@ use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::sync::{mpsc, watch, OwnedSemaphorePermit, Semaphore};
 use tokio_rustls::TlsAcceptor;
 
-use crate::accept::{accept_connections, AcceptLoop, Activity};
+use crate::accept::{accept_connections, check_max_connections, AcceptLoop, Activity};
 use crate::addr::{ListenAddr, Listener};
 use crate::auth::KeySlot;
 use crate::budget::{Charge, Total};
@@ -253,12 +253,7 @@ pub fn serve_with_runs(
         1,
         MAX_IN_FLIGHT_LIMIT.into(),
     )?;
-    check_range(
-        "the connection limit",
-        opts.max_connections as u64,
-        1,
-        1 << 20,
-    )?;
+    check_max_connections(opts.max_connections)?;
     check_range(
         "the limit of requests working on the store at once",
         opts.max_running as u64,
