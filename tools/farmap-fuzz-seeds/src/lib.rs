@@ -450,19 +450,8 @@ fn store_spec() -> Vec<Seed> {
 /// ack, a connect reply, an error, the end of a dump.
 fn genl_reply() -> Vec<Seed> {
     use farmap_nbd_kernel::genl::consts::*;
-    use farmap_nbd_kernel::genl::MessageBuilder;
+    use farmap_nbd_kernel::genl::{ack, MessageBuilder};
 
-    let ack = |seq: u32, code: i32| {
-        let mut v = Vec::new();
-        v.extend_from_slice(&36u32.to_ne_bytes());
-        v.extend_from_slice(&NLMSG_ERROR.to_ne_bytes());
-        v.extend_from_slice(&0u16.to_ne_bytes());
-        v.extend_from_slice(&seq.to_ne_bytes());
-        v.extend_from_slice(&0u32.to_ne_bytes());
-        v.extend_from_slice(&code.to_ne_bytes());
-        v.extend_from_slice(&[0; 16]); // the request's header, echoed
-        v
-    };
     let mut family = MessageBuilder::new(GENL_ID_CTRL, 0, 4, CTRL_CMD_NEWFAMILY, 2);
     family
         .string(CTRL_ATTR_FAMILY_NAME, NBD_FAMILY)

@@ -29,6 +29,20 @@ pub enum PullOrderArg {
     None,
 }
 
+/// A managed front's background pull (`--workers`, `--pull-order`): the same flags for
+/// `farmap mount` and `farmap swap on`.
+#[derive(Debug, Clone, Copy, Args)]
+pub struct PullArgs {
+    /// Background pull workers, i.e. fetches in flight (managed mode). Default: farmap's
+    /// choice: from a farmap server, runs of 1 MiB in one request each, as many in flight as
+    /// keep the link busy (up to 16 MiB); from other stores, 16 MiB of single chunks.
+    #[arg(long, value_parser = clap::value_parser!(u32).range(1..=4096))]
+    pub workers: Option<u32>,
+    /// Background pull order (managed mode).
+    #[arg(long, value_enum, default_value = "sequential")]
+    pub pull_order: PullOrderArg,
+}
+
 #[derive(Debug, Args)]
 pub struct MountArgs {
     /// The mount point (an existing empty directory), then the store; with --nbd or --ublk,
@@ -45,14 +59,8 @@ pub struct MountArgs {
     /// The file's name in DIR.
     #[arg(long, default_value = farmap_fuse::DEFAULT_FILE_NAME)]
     name: String,
-    /// Background pull workers, i.e. fetches in flight (managed mode). Default: farmap's
-    /// choice: from a farmap server, runs of 1 MiB in one request each, as many in flight as
-    /// keep the link busy (up to 16 MiB); from other stores, 16 MiB of single chunks.
-    #[arg(long, value_parser = clap::value_parser!(u32).range(1..=4096))]
-    workers: Option<u32>,
-    /// Background pull order (managed mode).
-    #[arg(long, value_enum, default_value = "sequential")]
-    pull_order: PullOrderArg,
+    #[command(flatten)]
+    pull: PullArgs,
     /// How often written chunks are pushed to the store (managed mode); fsync, unmount and
     /// SIGTERM push everything.
     #[arg(long, default_value = "1s", value_parser = parse_duration)]
@@ -133,7 +141,7 @@ pub async fn run(args: MountArgs) -> anyhow::Result<ExitCode> {
     }
     let managed_opts = args
         .managed
-        .then(|| managed_options(args.workers, args.pull_order, args.push_interval));
+        .then(|| managed_options(args.pull, args.push_interval));
     let (served, managed) = open_served(&spec, managed_opts, args.cache_max).await?;
     if args.nbd {
         // The device is flushed and disconnected first (the server flushes the store stack
@@ -281,8 +289,10 @@ pub(crate) fn cache_max_note(size: u64, max: CacheMax) -> String {
 /// The managed front's options from the command line's `--workers`, `--pull-order` and
 /// `--push-interval` (a zero interval: pushed only at flush).
 pub(crate) fn managed_options(
-    workers: Option<u32>,
-    pull_order: PullOrderArg,
+    PullArgs {
+        workers,
+        pull_order,
+    }: PullArgs,
     push_interval: Duration,
 ) -> ManagedOptions {
     let pull = match pull_order {

@@ -82,7 +82,7 @@ use farmap::{Geometry, ManagedOptions, SpecKind, Store, StoreSpec};
 use farmap_fuse::{FuseMount, MountOptions};
 use farmap_memory::heap::prepare_heap;
 
-use crate::mount::{finish_managed, is_gone, managed_options, open_served, PullOrderArg};
+use crate::mount::{finish_managed, is_gone, managed_options, open_served, PullArgs};
 use farmap_cli_kit::args::parse_duration;
 
 /// Where each `swap on` mounts its store: `SWAP_ROOT/PID/`.
@@ -143,14 +143,8 @@ pub struct SwapOnArgs {
     /// interval (for remote stores).
     #[arg(long)]
     managed: bool,
-    /// Background pull workers, i.e. fetches in flight (managed mode). Default: farmap's
-    /// choice: from a farmap server, runs of 1 MiB in one request each, as many in flight as
-    /// keep the link busy (up to 16 MiB); from other stores, 16 MiB of single chunks.
-    #[arg(long, value_parser = clap::value_parser!(u32).range(1..=4096))]
-    workers: Option<u32>,
-    /// Background pull order (managed mode).
-    #[arg(long, value_enum, default_value = "sequential")]
-    pull_order: PullOrderArg,
+    #[command(flatten)]
+    pull: PullArgs,
     /// How often written chunks are pushed to the store (managed mode).
     #[arg(long, default_value = "1s", value_parser = parse_duration)]
     push_interval: Duration,
@@ -627,7 +621,7 @@ async fn open_dense(
 ) -> anyhow::Result<(Arc<dyn Store>, Option<Arc<farmap::Managed>>)> {
     let managed_opts = args.managed.then(|| ManagedOptions {
         dense_local: true,
-        ..managed_options(args.workers, args.pull_order, args.push_interval)
+        ..managed_options(args.pull, args.push_interval)
     });
     if matches!(spec.kind, SpecKind::Memory) && managed_opts.is_none() {
         let g = Geometry::new(

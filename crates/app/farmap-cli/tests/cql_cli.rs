@@ -21,15 +21,12 @@ fn cp_into_a_region_and_back_gives_identical_bytes() {
     let output = dir.path().join("out.img");
     // 64 MiB: varied bytes, with a zero stretch that cp may skip.
     let mut data = vec![0u8; 64 << 20];
-    let mut x = 0x9e37_79b9_7f4a_7c15u64;
+    let mut x = farmap_testkit::XorShift(0x9e37_79b9_7f4a_7c15);
     for (i, b) in data.iter_mut().enumerate() {
         if (20 << 20..24 << 20).contains(&i) {
             continue;
         }
-        x ^= x << 13;
-        x ^= x >> 7;
-        x ^= x << 17;
-        *b = x as u8;
+        *b = x.next().unwrap() as u8;
     }
     std::fs::write(&input, &data).expect("write input");
     let region = unique_name("cp");

@@ -25,7 +25,7 @@ fn usable(test: &str) -> bool {
 /// An application named `name` with a region of `size` bytes written `ops_per_sec` times a
 /// second (`init`: it holds the region; else it waits for one).
 fn app(dir: &Path, name: &str, size: u64, ops_per_sec: u64, init: bool) -> App {
-    App::start(&farmap(), dir, name, size, ops_per_sec, init)
+    App::start(&farmap(), dir, name, size, ops_per_sec, init, &[])
 }
 
 fn seed_cmd(app: &App) -> (Proc, String, String) {

@@ -23,8 +23,8 @@ fn usable(test: &str) -> bool {
 /// a destination one, with their tempdir.
 fn apps(size: u64) -> (DemoNode, DemoNode, tempfile::TempDir) {
     let dir = tempfile::tempdir().unwrap();
-    let a = DemoNode::start(&farmap(), dir.path(), "a", size, 200, true);
-    let b = DemoNode::start(&farmap(), dir.path(), "b", size, 200, false);
+    let a = DemoNode::start(&farmap(), dir.path(), "a", size, 200, true, &[]);
+    let b = DemoNode::start(&farmap(), dir.path(), "b", size, 200, false, &[]);
     (a, b, dir)
 }
 
@@ -214,7 +214,7 @@ fn a_second_leecher_is_refused_as_busy_and_the_first_completes() {
     }
     let size = 16 * MIB;
     let (mut a, mut b, dir) = apps(size);
-    let mut c = DemoNode::start(&farmap(), dir.path(), "c", size, 200, false);
+    let mut c = DemoNode::start(&farmap(), dir.path(), "c", size, 200, false, &[]);
     let seed = Seeder::start(&farmap(), &a, &[]);
     let (_slow, slow_data) = proxy(&farmap(), &seed.data, 0, Some("4MB/s"));
     let mut first = farmap_testkit::demo::leech(&farmap(), &b, &seed.control, &slow_data, SLOW);

@@ -76,7 +76,7 @@ fn pair(test: &str, service: &'static str) -> Option<Pair> {
         _ => size / 4096 / 50,
     };
     let node = |name: &str, init: bool| {
-        DemoNode::start_with(
+        DemoNode::start(
             &farmap,
             dir.path(),
             name,

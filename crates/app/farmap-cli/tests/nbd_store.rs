@@ -2,12 +2,14 @@
 //! qemu-nbd, `farmap serve` of an `nbd+unix://` store, and a server killed mid-copy.
 //! nbdkit and qemu-nbd are installed when missing.
 
+use std::ffi::OsStr;
 use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
 use farmap_testkit::pattern_with_zeros;
 use farmap_testkit::process::KillOnDrop;
+use farmap_testkit::wait::eventually;
 
 mod common;
 use common::farmap;
@@ -20,69 +22,62 @@ fn need(test: &str, bin: &str, pkg: &str) -> bool {
 /// Waits until a Unix socket at `path` accepts connections (its file appears at `bind`,
 /// before `listen`).
 fn wait_for(path: &Path) {
-    let t0 = Instant::now();
-    while std::os::unix::net::UnixStream::connect(path).is_err() {
-        assert!(
-            t0.elapsed() < Duration::from_secs(10),
-            "{} did not appear",
-            path.display()
-        );
-        std::thread::sleep(Duration::from_millis(20));
-    }
+    eventually(
+        &format!("{} did not appear", path.display()),
+        Duration::from_secs(10),
+        || std::os::unix::net::UnixStream::connect(path).is_ok(),
+    );
 }
 
-/// `nbdkit` in the foreground on a Unix socket `sock`, with `args` (filters, plugin...);
-/// returns once it listens. The socket file appears at `bind`, before `listen`, so the
-/// pidfile nbdkit writes once it listens is what is waited for.
-fn nbdkit(sock: &Path, args: &[&str]) -> KillOnDrop {
-    let pidfile = sock.with_extension("pid");
+/// `nbdkit` in the foreground, listening where `listen` says, with `args` (filters,
+/// plugin...); returns once `listening` holds.
+fn start_nbdkit(listen: &[&OsStr], args: &[&str], listening: impl FnMut() -> bool) -> KillOnDrop {
     let child = Command::new("nbdkit")
-        .args(["-f", "--exit-with-parent", "-U"])
-        .arg(sock)
-        .arg("-P")
-        .arg(&pidfile)
+        .args(["-f", "--exit-with-parent"])
+        .args(listen)
         .args(args)
         .stdout(Stdio::null())
         .stderr(Stdio::null())
         .spawn()
         .expect("start nbdkit");
     let c = KillOnDrop(child);
-    let t0 = Instant::now();
-    while !std::fs::read_to_string(&pidfile).is_ok_and(|p| p.ends_with('\n')) {
-        assert!(
-            t0.elapsed() < Duration::from_secs(10),
-            "nbdkit did not listen on {}",
-            sock.display()
-        );
-        std::thread::sleep(Duration::from_millis(20));
-    }
+    eventually("nbdkit did not listen", Duration::from_secs(10), listening);
     c
 }
 
-/// `nbdkit` in the foreground on a free TCP port of 127.0.0.1; the child and the port.
+/// `nbdkit` on a Unix socket `sock`, with `args`; returns once it listens. The socket file
+/// appears at `bind`, before `listen`, so the pidfile nbdkit writes once it listens is what
+/// is waited for.
+fn nbdkit(sock: &Path, args: &[&str]) -> KillOnDrop {
+    let pidfile = sock.with_extension("pid");
+    let listen = [
+        "-U".as_ref(),
+        sock.as_os_str(),
+        "-P".as_ref(),
+        pidfile.as_os_str(),
+    ];
+    start_nbdkit(&listen, args, || {
+        std::fs::read_to_string(&pidfile).is_ok_and(|p| p.ends_with('\n'))
+    })
+}
+
+/// `nbdkit` on a free TCP port of 127.0.0.1; the child and the port.
 fn nbdkit_tcp(args: &[&str]) -> (KillOnDrop, u16) {
     let port = std::net::TcpListener::bind("127.0.0.1:0")
         .unwrap()
         .local_addr()
         .unwrap()
         .port();
-    let child = Command::new("nbdkit")
-        .args(["-f", "--exit-with-parent", "-i", "127.0.0.1", "-p"])
-        .arg(port.to_string())
-        .args(args)
-        .stdout(Stdio::null())
-        .stderr(Stdio::null())
-        .spawn()
-        .expect("start nbdkit");
-    let c = KillOnDrop(child);
-    let t0 = Instant::now();
-    while std::net::TcpStream::connect(("127.0.0.1", port)).is_err() {
-        assert!(
-            t0.elapsed() < Duration::from_secs(10),
-            "nbdkit did not listen"
-        );
-        std::thread::sleep(Duration::from_millis(20));
-    }
+    let port_arg = port.to_string();
+    let listen = [
+        "-i".as_ref(),
+        "127.0.0.1".as_ref(),
+        "-p".as_ref(),
+        port_arg.as_ref(),
+    ];
+    let c = start_nbdkit(&listen, args, || {
+        std::net::TcpStream::connect(("127.0.0.1", port)).is_ok()
+    });
     (c, port)
 }
 

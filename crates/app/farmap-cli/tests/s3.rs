@@ -27,15 +27,12 @@ fn cp_to_s3_and_back_gives_identical_bytes() {
     let output = dir.path().join("out.img");
     // 64 MiB: random-looking data with zero stretches (skipped chunks) in between.
     let mut data = vec![0u8; 64 << 20];
-    let mut x = 0x9e37_79b9_7f4a_7c15u64;
+    let mut x = farmap_testkit::XorShift(0x9e37_79b9_7f4a_7c15);
     for (i, block) in data.chunks_mut(1 << 20).enumerate() {
         if i % 5 == 3 {
             continue;
         }
-        for b in block.iter_mut() {
-            x ^= x << 13;
-            x ^= x >> 7;
-            x ^= x << 17;
+        for (b, x) in block.iter_mut().zip(&mut x) {
             *b = x as u8;
         }
     }

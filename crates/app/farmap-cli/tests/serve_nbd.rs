@@ -1,6 +1,7 @@
 //! `farmap serve --nbd`, run for real: named exports over a Unix socket and TCP, seen by
 //! libnbd's tools (installed when missing).
 
+use std::path::{Path, PathBuf};
 use std::process::Command;
 
 use farmap_testkit::cli::Listening;
@@ -24,14 +25,20 @@ fn serve(args: &[&str]) -> Listening {
     farmap().listening(&all).drained()
 }
 
+/// Unix socket `name` in `dir`, and the `--listen` value that serves on it.
+fn unix_listen(dir: &Path, name: &str) -> (PathBuf, String) {
+    let sock = dir.join(name);
+    let listen = format!("unix:{}", sock.display());
+    (sock, listen)
+}
+
 #[test]
 fn serve_nbd_exports_named_stores_over_a_unix_socket_and_tcp() {
     if !need_libnbd("serve_nbd_exports_named_stores_over_a_unix_socket_and_tcp") {
         return;
     }
     let dir = tempfile::tempdir().unwrap();
-    let sock = dir.path().join("nbd.sock");
-    let listen = format!("unix:{}", sock.display());
+    let (sock, listen) = unix_listen(dir.path(), "nbd.sock");
     let served = serve(&[
         "memory:4MiB",
         "--export",
@@ -118,8 +125,7 @@ fn serve_nbd_managed_is_a_caching_front_of_a_remote_region() {
         .listening(&["serve", "-q", &far_spec, "--listen", "127.0.0.1:0"])
         .drained();
 
-    let sock = dir.path().join("front.sock");
-    let listen = format!("unix:{}", sock.display());
+    let (sock, listen) = unix_listen(dir.path(), "front.sock");
     let remote = format!("farmap://{}", far.addr());
     let front = serve(&["--managed", &remote, "--listen", &listen]);
     assert!(front.banner().contains("managed"), "{}", front.banner());
@@ -158,15 +164,10 @@ fn serve_nbd_managed_is_a_caching_front_of_a_remote_region() {
 }
 
 /// Writes `len` pseudo-random bytes (from `seed`) to `path`; returns them.
-fn random_file(path: &std::path::Path, len: usize, seed: u64) -> Vec<u8> {
-    let mut x = seed | 1;
-    let data: Vec<u8> = (0..len)
-        .map(|_| {
-            x ^= x << 13;
-            x ^= x >> 7;
-            x ^= x << 17;
-            x as u8
-        })
+fn random_file(path: &Path, len: usize, seed: u64) -> Vec<u8> {
+    let data: Vec<u8> = farmap_testkit::XorShift(seed | 1)
+        .take(len)
+        .map(|x| x as u8)
         .collect();
     std::fs::write(path, &data).unwrap();
     data
@@ -270,8 +271,7 @@ fn serve_nbd_managed_with_a_cache_max_stays_bounded_and_round_trips() {
     let far = farmap()
         .listening(&["serve", "-q", "memory:128MiB", "--listen", "127.0.0.1:0"])
         .drained();
-    let sock = dir.path().join("front.sock");
-    let listen = format!("unix:{}", sock.display());
+    let (sock, listen) = unix_listen(dir.path(), "front.sock");
     let remote = format!("farmap://{}", far.addr());
     let mut front = farmap().listening(&[
         "serve",

@@ -1,5 +1,6 @@
 //! Values of store-spec options that every scheme shares (`connections=`, `timeout=`,
-//! `retries=`...): one parser each, so every store says the same thing about a bad value.
+//! `retries=`...): one parser each, so every store says the same thing about a bad value;
+//! and [`OutOfRange`], the one error for a library option out of its range.
 
 use std::fmt::Display;
 use std::ops::RangeInclusive;
@@ -40,6 +41,34 @@ pub fn parse_timeout(value: &str) -> Result<Duration, String> {
     Ok(d)
 }
 
+/// A setting of a library's options (a server's, a device's) outside what it allows.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("{what} must be from {min} to {max}, not {value}")]
+pub struct OutOfRange {
+    /// The option.
+    pub what: &'static str,
+    /// Its value.
+    pub value: u64,
+    /// Smallest allowed.
+    pub min: u64,
+    /// Largest allowed.
+    pub max: u64,
+}
+
+/// Checks that option `what` is within `min..=max`.
+pub fn check_range(what: &'static str, value: u64, min: u64, max: u64) -> Result<(), OutOfRange> {
+    if (min..=max).contains(&value) {
+        Ok(())
+    } else {
+        Err(OutOfRange {
+            what,
+            value,
+            min,
+            max,
+        })
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -56,5 +85,10 @@ mod tests {
         assert!(parse_timeout("0s").is_err());
         assert!(parse_timeout("25h").is_err());
         assert!(parse_timeout("5").is_err(), "a unit is required");
+        assert_eq!(check_range("n", 3, 1, 3), Ok(()));
+        assert_eq!(
+            check_range("n", 4, 1, 3).unwrap_err().to_string(),
+            "n must be from 1 to 3, not 4"
+        );
     }
 }

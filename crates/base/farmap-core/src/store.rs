@@ -23,6 +23,18 @@ pub enum ChunkStatus {
     Unknown,
 }
 
+impl ChunkStatus {
+    /// [`Data`](Self::Data) when the store holds something for the chunk, else
+    /// [`Zero`](Self::Zero): the status of a store that keeps only written chunks.
+    pub fn data_if(holds_data: bool) -> ChunkStatus {
+        if holds_data {
+            ChunkStatus::Data
+        } else {
+            ChunkStatus::Zero
+        }
+    }
+}
+
 /// A chunk-addressed region store: the leaf (memory, file, directory, Redis, S3, a remote
 /// farmap host...) or a stage wrapping another store.
 ///

@@ -5,13 +5,14 @@
 //! requests are served concurrently and the session thread goes straight back to reading.
 
 use std::ffi::{OsStr, OsString};
+use std::future::Future;
 use std::io;
 use std::sync::atomic::{AtomicU32, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, SystemTime};
 
 use bytes::Bytes;
-use farmap_core::{Geometry, Store, StoreError};
+use farmap_core::{Geometry, Store, StoreError, StoreResult};
 use farmap_pipeline::Unaligned;
 use fuser::{
     Errno, FileAttr, FileHandle, FileType, Filesystem, FopenFlags, Generation, INodeNo,
@@ -84,6 +85,25 @@ impl Shared {
             blksize: self.geometry.chunk_size().min(self.max_request),
             flags: 0,
         }
+    }
+
+    /// Runs `change`, which changes bytes `offset..offset + len` of the store, under a write
+    /// pass, and marks those bytes written once it has succeeded, before the pass is
+    /// dropped: a take that sees the mark sees the data. A closed gate is its errno; the
+    /// store's answer is returned as it is.
+    async fn change(
+        &self,
+        offset: u64,
+        len: u64,
+        change: impl Future<Output = StoreResult<()>>,
+    ) -> Result<StoreResult<()>, Errno> {
+        let pass = self.control.writable().await?;
+        let result = change.await;
+        if result.is_ok() {
+            self.control.mark(offset, len);
+        }
+        drop(pass);
+        Ok(result)
     }
 }
 
@@ -326,21 +346,14 @@ impl Filesystem for RegionFs {
         };
         let shared = self.shared.clone();
         self.spawn(async move {
-            let pass = match shared.control.writable().await {
-                Ok(p) => p,
-                Err(e) => return reply.error(e),
-            };
-            match shared.store.write_bytes(offset, data).await {
-                Ok(()) => {
-                    // After the write: a take that sees the mark sees the data.
-                    shared.control.mark(offset, len as u64);
-                    drop(pass);
-                    reply.written(len as u32)
-                }
-                Err(e) => {
+            let write = shared.store.write_bytes(offset, data);
+            match shared.change(offset, len as u64, write).await {
+                Ok(Ok(())) => reply.written(len as u32),
+                Ok(Err(e)) => {
                     tracing::warn!(offset, len, error = %e.to_owned_lossy(), "write failed");
                     reply.error(errno(&e))
                 }
+                Err(e) => reply.error(e),
             }
         });
     }
@@ -466,17 +479,11 @@ impl Filesystem for RegionFs {
                 }
                 let shared = self.shared.clone();
                 self.spawn(async move {
-                    let pass = match shared.control.writable().await {
-                        Ok(p) => p,
-                        Err(e) => return reply.error(e),
-                    };
-                    match shared.store.trim_at(offset, stop - offset).await {
-                        Ok(()) => {
-                            shared.control.mark(offset, stop - offset);
-                            drop(pass);
-                            reply.ok()
-                        }
-                        Err(e) => reply.error(errno(&e)),
+                    let trim = shared.store.trim_at(offset, stop - offset);
+                    match shared.change(offset, stop - offset, trim).await {
+                        Ok(Ok(())) => reply.ok(),
+                        Ok(Err(e)) => reply.error(errno(&e)),
+                        Err(e) => reply.error(e),
                     }
                 });
             }

@@ -8,6 +8,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use bytes::BytesMut;
+use farmap_core::option::check_range;
 use farmap_core::{Geometry, Store};
 use farmap_nbd::{serve_nbd, Export, NbdServeOptions, NbdServer};
 use farmap_nbd_proto::consts::tflag;
@@ -470,24 +471,14 @@ fn boxed(
 
 /// Checks the number of connections; returns the I/O timeout in whole seconds (rounded up).
 fn check_options(opts: &NbdMountOptions) -> Result<u64, NbdKernelError> {
-    let n = opts.connections;
-    if !(1..=MAX_CONNECTIONS).contains(&n) {
-        return Err(NbdKernelError::BadOption {
-            what: "the number of NBD connections",
-            value: n as u64,
-            min: 1,
-            max: MAX_CONNECTIONS as u64,
-        });
-    }
+    check_range(
+        "the number of NBD connections",
+        opts.connections as u64,
+        1,
+        MAX_CONNECTIONS as u64,
+    )?;
     let timeout_s = opts.io_timeout.as_secs() + u64::from(opts.io_timeout.subsec_nanos() > 0);
-    if !(1..=24 * 3600).contains(&timeout_s) {
-        return Err(NbdKernelError::BadOption {
-            what: "the I/O timeout in seconds",
-            value: timeout_s,
-            min: 1,
-            max: 24 * 3600,
-        });
-    }
+    check_range("the I/O timeout in seconds", timeout_s, 1, 24 * 3600)?;
     Ok(timeout_s)
 }
 

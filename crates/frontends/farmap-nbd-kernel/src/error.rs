@@ -4,6 +4,7 @@ use std::io;
 use std::path::PathBuf;
 use std::time::Duration;
 
+use farmap_core::option::OutOfRange;
 use farmap_nbd::NbdServeError;
 use rustix::io::Errno;
 
@@ -34,17 +35,8 @@ pub enum NbdKernelError {
         errno: Errno,
     },
     /// An option is out of range.
-    #[error("{what} must be from {min} to {max}, not {value}")]
-    BadOption {
-        /// The option.
-        what: &'static str,
-        /// Its value.
-        value: u64,
-        /// Smallest allowed.
-        min: u64,
-        /// Largest allowed.
-        max: u64,
-    },
+    #[error(transparent)]
+    BadOption(#[from] OutOfRange),
     /// The in-process NBD server could not start.
     #[error("the in-process NBD server could not start")]
     Serve(#[source] NbdServeError),

@@ -168,6 +168,21 @@ impl MessageBuilder {
     }
 }
 
+/// What the kernel answers request `seq` with when it is done with it: an `NLMSG_ERROR`
+/// message with `code` (0 for an ack, else a negative errno), echoing an empty request
+/// header. For tests and fuzz seeds.
+pub fn ack(seq: u32, code: i32) -> Vec<u8> {
+    let mut v = Vec::new();
+    v.extend_from_slice(&36u32.to_ne_bytes());
+    v.extend_from_slice(&NLMSG_ERROR.to_ne_bytes());
+    v.extend_from_slice(&0u16.to_ne_bytes());
+    v.extend_from_slice(&seq.to_ne_bytes());
+    v.extend_from_slice(&0u32.to_ne_bytes());
+    v.extend_from_slice(&code.to_ne_bytes());
+    v.extend_from_slice(&[0; 16]); // the request's header, echoed
+    v
+}
+
 /// `CTRL_CMD_GETFAMILY` for `name`.
 pub fn get_family(seq: u32, name: &str) -> Vec<u8> {
     let mut m = MessageBuilder::new(
@@ -587,18 +602,6 @@ mod tests {
         let mut d = m.finish();
         d.extend_from_slice(&ack(seq, 0));
         d
-    }
-
-    fn ack(seq: u32, code: i32) -> Vec<u8> {
-        let mut v = Vec::new();
-        v.extend_from_slice(&36u32.to_ne_bytes());
-        v.extend_from_slice(&NLMSG_ERROR.to_ne_bytes());
-        v.extend_from_slice(&0u16.to_ne_bytes());
-        v.extend_from_slice(&seq.to_ne_bytes());
-        v.extend_from_slice(&0u32.to_ne_bytes());
-        v.extend_from_slice(&code.to_ne_bytes());
-        v.extend_from_slice(&[0; 16]); // the request's header, echoed
-        v
     }
 
     #[test]

@@ -1,13 +1,14 @@
 //! The accept loop, the options, and the running server.
 
-use std::sync::atomic::AtomicUsize;
 use std::sync::Arc;
 
+use farmap_core::option::{check_range, OutOfRange};
 use farmap_core::{Caps, Store, StoreError};
 use farmap_nbd_proto::consts::tflag;
 use farmap_nbd_proto::{BlockSize, ExportInfo, ServerConfig, TlsMode};
 use farmap_net::{
-    accept_connections, AcceptLoop, ListenAddr, Listener, Running, Starting, TlsConfigError,
+    accept_connections, check_max_connections, AcceptLoop, ListenAddr, Listener, Running, Starting,
+    TlsConfigError,
 };
 use farmap_pipeline::Unaligned;
 use tokio_rustls::TlsAcceptor;
@@ -28,17 +29,8 @@ pub enum NbdServeError {
     #[error("{0}")]
     Exports(String),
     /// An option out of range.
-    #[error("{what} must be from {min} to {max}, not {value}")]
-    BadOption {
-        /// The option.
-        what: &'static str,
-        /// Its value.
-        value: u64,
-        /// Smallest allowed.
-        min: u64,
-        /// Largest allowed.
-        max: u64,
-    },
+    #[error(transparent)]
+    BadOption(#[from] OutOfRange),
     /// The listener's address could not be read.
     #[error("cannot tell which address the NBD server listens on")]
     LocalAddr(#[source] std::io::Error),
@@ -127,37 +119,20 @@ fn export_ctx(e: &Export, max_payload: u32) -> (ExportInfo, Arc<ExportCtx>) {
 
 /// Refuses options out of range.
 fn check_options(opts: &NbdServeOptions) -> Result<(), NbdServeError> {
-    let check = |what, value: u64, min: u64, max: u64| {
-        if (min..=max).contains(&value) {
-            Ok(())
-        } else {
-            Err(NbdServeError::BadOption {
-                what,
-                value,
-                min,
-                max,
-            })
-        }
-    };
-    check(
+    check_range(
         "the maximum payload",
         opts.max_payload.into(),
         64 * 1024,
         256 << 20,
     )?;
-    check(
+    check_range(
         "the limit of requests in flight per connection",
         opts.max_in_flight_per_conn as u64,
         1,
         65536,
     )?;
-    check(
-        "the connection limit",
-        opts.max_connections as u64,
-        1,
-        1 << 20,
-    )?;
-    check(
+    check_max_connections(opts.max_connections)?;
+    check_range(
         "the limit of requests working on the stores at once",
         opts.max_running as u64,
         1,
@@ -204,7 +179,7 @@ pub fn serve_nbd(
         .unzip();
     let starting = Starting::new();
     let shutdown = starting.shutdown.clone();
-    let connections = starting.connections.clone();
+    let accept = starting.accept_loop(opts.max_connections, opts.shutdown_grace, "NBD server");
     let largest = ctxs
         .iter()
         .map(|e| e.max_payload)
@@ -241,7 +216,7 @@ pub fn serve_nbd(
         reserve,
     });
     Ok(NbdServer {
-        running: starting.spawn(addr, accept_loop(listener, ctx, connections)),
+        running: starting.spawn(addr, accept_loop(listener, ctx, accept)),
         exports,
     })
 }
@@ -274,14 +249,7 @@ impl NbdServer {
     }
 }
 
-async fn accept_loop(listener: Listener, ctx: Arc<Ctx>, connections: Arc<AtomicUsize>) {
-    let cfg = AcceptLoop {
-        shutdown: ctx.shutdown.clone(),
-        max_connections: ctx.opts.max_connections,
-        grace: ctx.opts.shutdown_grace,
-        connections,
-        server: "NBD server",
-    };
+async fn accept_loop(listener: Listener, ctx: Arc<Ctx>, cfg: AcceptLoop) {
     let serving = ctx.clone();
     accept_connections(
         listener,

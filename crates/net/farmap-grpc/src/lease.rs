@@ -112,11 +112,49 @@ pub(crate) fn busy(what: &str, bytes: usize, wait: Duration) -> Status {
     )
 }
 
+/// What a [`Wrapped`] body does to each frame of the body it wraps: the frame to yield, or
+/// the error that ends the body.
+pub(crate) trait OnFrame: Send + Unpin + 'static {
+    fn on_frame(&mut self, frame: Frame<Bytes>) -> Result<Frame<Bytes>, Status>;
+}
+
+/// A body whose frames pass through an [`OnFrame`] on their way out; errors and the end
+/// pass as they are.
+#[derive(Debug)]
+pub(crate) struct Wrapped<F> {
+    inner: Body,
+    on: F,
+}
+
+impl<F: OnFrame> http_body::Body for Wrapped<F> {
+    type Data = Bytes;
+    type Error = Status;
+
+    fn poll_frame(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+    ) -> Poll<Option<Result<Frame<Bytes>, Status>>> {
+        let this = &mut *self;
+        let frame = ready!(Pin::new(&mut this.inner).poll_frame(cx));
+        Poll::Ready(frame.map(|f| f.and_then(|f| this.on.on_frame(f))))
+    }
+
+    fn is_end_stream(&self) -> bool {
+        self.inner.is_end_stream()
+    }
+
+    fn size_hint(&self) -> SizeHint {
+        self.inner.size_hint()
+    }
+}
+
 /// A request body whose one message may have at most `limit` bytes (see the
 /// [module docs](self)).
+pub(crate) type CappedRequest = Wrapped<Cap>;
+
+/// The bound of a [`CappedRequest`].
 #[derive(Debug)]
-pub(crate) struct CappedRequest {
-    inner: Body,
+pub(crate) struct Cap {
     op: Op,
     limit: usize,
     /// Bytes seen so far, and the first [`PREFIX`] of them.
@@ -126,15 +164,17 @@ pub(crate) struct CappedRequest {
 
 impl CappedRequest {
     pub(crate) fn new(inner: Body, op: Op, limit: usize) -> CappedRequest {
-        CappedRequest {
-            inner,
+        let on = Cap {
             op,
             limit,
             seen: 0,
             prefix: [0; PREFIX],
-        }
+        };
+        Wrapped { inner, on }
     }
+}
 
+impl Cap {
     /// Takes in `data`; the message's length as far as known (announced or seen).
     fn take_in(&mut self, data: &[u8]) -> usize {
         if self.seen < PREFIX {
@@ -160,47 +200,24 @@ impl CappedRequest {
     }
 }
 
-impl http_body::Body for CappedRequest {
-    type Data = Bytes;
-    type Error = Status;
-
-    fn poll_frame(
-        mut self: Pin<&mut Self>,
-        cx: &mut Context<'_>,
-    ) -> Poll<Option<Result<Frame<Bytes>, Status>>> {
-        let this = &mut *self;
-        let frame = match ready!(Pin::new(&mut this.inner).poll_frame(cx)) {
-            Some(Ok(frame)) => frame,
-            other => return Poll::Ready(other),
-        };
+impl OnFrame for Cap {
+    fn on_frame(&mut self, frame: Frame<Bytes>) -> Result<Frame<Bytes>, Status> {
         if let Some(data) = frame.data_ref() {
-            let len = this.take_in(data);
-            if len > this.limit {
-                return Poll::Ready(Some(Err(this.refusal(len))));
+            let len = self.take_in(data);
+            if len > self.limit {
+                return Err(self.refusal(len));
             }
         }
-        Poll::Ready(Some(Ok(frame)))
-    }
-
-    fn is_end_stream(&self) -> bool {
-        self.inner.is_end_stream()
-    }
-
-    fn size_hint(&self) -> SizeHint {
-        self.inner.size_hint()
+        Ok(frame)
     }
 }
 
 /// A reply body whose data keeps the call's lease (see the [module docs](self)).
-#[derive(Debug)]
-pub(crate) struct LeasedReply {
-    inner: Body,
-    lease: Lease,
-}
+pub(crate) type LeasedReply = Wrapped<Lease>;
 
 impl LeasedReply {
     pub(crate) fn new(inner: Body, lease: Lease) -> LeasedReply {
-        LeasedReply { inner, lease }
+        Wrapped { inner, on: lease }
     }
 }
 
@@ -216,34 +233,14 @@ impl AsRef<[u8]> for Leased {
     }
 }
 
-impl http_body::Body for LeasedReply {
-    type Data = Bytes;
-    type Error = Status;
-
-    fn poll_frame(
-        mut self: Pin<&mut Self>,
-        cx: &mut Context<'_>,
-    ) -> Poll<Option<Result<Frame<Bytes>, Status>>> {
-        let this = &mut *self;
-        let frame = ready!(Pin::new(&mut this.inner).poll_frame(cx));
-        Poll::Ready(frame.map(|f| {
-            f.map(|f| {
-                f.map_data(|data| {
-                    Bytes::from_owner(Leased {
-                        data,
-                        _lease: this.lease.clone(),
-                    })
-                })
+impl OnFrame for Lease {
+    fn on_frame(&mut self, frame: Frame<Bytes>) -> Result<Frame<Bytes>, Status> {
+        Ok(frame.map_data(|data| {
+            Bytes::from_owner(Leased {
+                data,
+                _lease: self.clone(),
             })
         }))
-    }
-
-    fn is_end_stream(&self) -> bool {
-        self.inner.is_end_stream()
-    }
-
-    fn size_hint(&self) -> SizeHint {
-        self.inner.size_hint()
     }
 }
 

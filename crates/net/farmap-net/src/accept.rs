@@ -11,6 +11,7 @@ use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, OnceLock};
 use std::time::{Duration, Instant};
 
+use farmap_core::option::{check_range, OutOfRange};
 use tokio::sync::{watch, Semaphore};
 use tokio::task::{AbortHandle, JoinSet};
 
@@ -31,6 +32,12 @@ pub struct AcceptLoop {
     pub connections: Arc<AtomicUsize>,
     /// The server, as the logs name it (`"NBD server"`).
     pub server: &'static str,
+}
+
+/// Checks a server's connection limit ([`AcceptLoop::max_connections`]): from 1 to 2^20 for
+/// every farmap server.
+pub fn check_max_connections(max_connections: usize) -> Result<(), OutOfRange> {
+    check_range("the connection limit", max_connections as u64, 1, 1 << 20)
 }
 
 /// A connection that has had no request in flight and received none for this long may be

@@ -4,10 +4,12 @@
 use std::future::Future;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
+use std::time::Duration;
 
 use tokio::sync::watch;
 use tokio::task::JoinHandle;
 
+use crate::accept::AcceptLoop;
 use crate::addr::ListenAddr;
 
 /// A server's accept loop while it runs. Dropping it raises the stop signal (the loop and
@@ -39,6 +41,23 @@ impl Starting {
             stop,
             shutdown,
             connections: Arc::new(AtomicUsize::new(0)),
+        }
+    }
+
+    /// How the accept loop of a server named `server` (in the logs) runs: it stops on this
+    /// stop signal and keeps this count of connections.
+    pub fn accept_loop(
+        &self,
+        max_connections: usize,
+        grace: Duration,
+        server: &'static str,
+    ) -> AcceptLoop {
+        AcceptLoop {
+            shutdown: self.shutdown.clone(),
+            max_connections,
+            grace,
+            connections: self.connections.clone(),
+            server,
         }
     }
 

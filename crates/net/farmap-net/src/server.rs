@@ -34,11 +34,11 @@
 //!   connection and flushes the store.
 
 use std::pin::Pin;
-use std::sync::atomic::AtomicUsize;
 use std::sync::Arc;
 use std::time::Duration;
 
 use bytes::{Bytes, BytesMut};
+use farmap_core::option::{check_range, OutOfRange};
 use farmap_core::{
     is_zero, zero_chunk, BoxFuture, Caps, ChunkIdx, ErrorKind, Geometry, Store, StoreError,
     StoreResult,
@@ -55,7 +55,7 @@ use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::sync::{mpsc, watch, OwnedSemaphorePermit, Semaphore};
 use tokio_rustls::TlsAcceptor;
 
-use crate::accept::{accept_connections, AcceptLoop, Activity};
+use crate::accept::{accept_connections, check_max_connections, AcceptLoop, Activity};
 use crate::addr::{ListenAddr, Listener};
 use crate::auth::KeySlot;
 use crate::budget::{Charge, Total};
@@ -153,17 +153,8 @@ pub enum ServeError {
     #[error("the server's TLS configuration is unusable")]
     Tls(#[from] TlsConfigError),
     /// An option outside what the protocol allows.
-    #[error("{what} must be from {min} to {max}, not {value}")]
-    BadOption {
-        /// The option.
-        what: &'static str,
-        /// Its value.
-        value: u64,
-        /// Smallest allowed.
-        min: u64,
-        /// Largest allowed.
-        max: u64,
-    },
+    #[error(transparent)]
+    BadOption(#[from] OutOfRange),
     /// The listener's address could not be read.
     #[error("cannot tell which address the server listens on")]
     LocalAddr(#[source] std::io::Error),
@@ -219,19 +210,6 @@ pub struct Server {
     store: Arc<dyn Store>,
 }
 
-fn check_option(what: &'static str, value: u64, min: u64, max: u64) -> Result<(), ServeError> {
-    if (min..=max).contains(&value) {
-        Ok(())
-    } else {
-        Err(ServeError::BadOption {
-            what,
-            value,
-            min,
-            max,
-        })
-    }
-}
-
 /// A budget in bytes as semaphore permits (a semaphore counts at most `u32::MAX` at once).
 fn budget_permits(bytes: usize) -> usize {
     bytes.min(u32::MAX as usize)
@@ -257,31 +235,26 @@ pub fn serve_with_runs(
 ) -> Result<Server, ServeError> {
     let g = store.geometry();
     let min_frame = read_reply_overhead(1) as u64 + u64::from(g.chunk_size());
-    check_option(
+    check_range(
         "the frame limit",
         opts.max_frame.into(),
         min_frame,
         MAX_FRAME_LIMIT.into(),
     )?;
-    check_option(
+    check_range(
         "the read batch limit",
         opts.max_batch.into(),
         1,
         MAX_BATCH_LIMIT.into(),
     )?;
-    check_option(
+    check_range(
         "the limit of requests in flight per connection",
         opts.max_in_flight_per_conn as u64,
         1,
         MAX_IN_FLIGHT_LIMIT.into(),
     )?;
-    check_option(
-        "the connection limit",
-        opts.max_connections as u64,
-        1,
-        1 << 20,
-    )?;
-    check_option(
+    check_max_connections(opts.max_connections)?;
+    check_range(
         "the limit of requests working on the store at once",
         opts.max_running as u64,
         1,
@@ -312,7 +285,7 @@ pub fn serve_with_runs(
     };
     let starting = Starting::new();
     let shutdown = starting.shutdown.clone();
-    let connections = starting.connections.clone();
+    let accept = starting.accept_loop(opts.max_connections, opts.shutdown_grace, "farmap server");
     let conn_budget = budget_permits(opts.conn_budget.max(2 * opts.max_frame as usize));
     let total_budget = budget_permits(opts.total_budget.max(conn_budget));
     let fair = Fair::new(opts.max_running);
@@ -333,7 +306,7 @@ pub fn serve_with_runs(
         fair,
     });
     Ok(Server {
-        running: starting.spawn(addr, accept_loop(listener, ctx, connections)),
+        running: starting.spawn(addr, accept_loop(listener, ctx, accept)),
         store,
     })
 }
@@ -357,14 +330,7 @@ impl Server {
     }
 }
 
-async fn accept_loop(listener: Listener, ctx: Arc<Ctx>, connections: Arc<AtomicUsize>) {
-    let cfg = AcceptLoop {
-        shutdown: ctx.shutdown.clone(),
-        max_connections: ctx.opts.max_connections,
-        grace: ctx.opts.shutdown_grace,
-        connections,
-        server: "farmap server",
-    };
+async fn accept_loop(listener: Listener, ctx: Arc<Ctx>, cfg: AcceptLoop) {
     let serving = ctx.clone();
     accept_connections(
         listener,

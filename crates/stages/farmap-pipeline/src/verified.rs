@@ -270,6 +270,13 @@ impl VerifiedLayout {
         })
     }
 
+    /// How many data chunks metadata chunk `m` holds the records of, from chunk
+    /// `m * per_meta` on (`per_meta`, but fewer in the last one).
+    pub fn records_in(&self, m: u64) -> u64 {
+        self.per_meta
+            .min(self.geometry.chunk_count() - m * self.per_meta)
+    }
+
     /// The geometry an inner store needs so that the verified region has geometry `g`.
     pub fn inner_geometry_for(g: Geometry) -> Geometry {
         let c = u64::from(g.chunk_size());
@@ -444,10 +451,7 @@ impl<S: Store> Verified<S> {
                 continue;
             }
             let first = m * self.layout.per_meta;
-            let count = self
-                .layout
-                .per_meta
-                .min(self.layout.geometry.chunk_count() - first);
+            let count = self.layout.records_in(m);
             let unclean = &raw[..8] == MAGIC_UNCLEAN;
             let ok = raw.len() == c
                 && (&raw[..8] == MAGIC || unclean)
@@ -507,10 +511,7 @@ impl<S: Store> Verified<S> {
     /// being written keeps its newest version in the record.
     async fn settle_ambiguous(&self, m: u64) {
         let first = m * self.layout.per_meta;
-        let count = self
-            .layout
-            .per_meta
-            .min(self.layout.geometry.chunk_count() - first);
+        let count = self.layout.records_in(m);
         for i in 0..count {
             let idx = ChunkIdx(first + i);
             if self.with_record(idx, |r| !r.more.is_empty() && r.in_flight.is_empty()) {
@@ -530,10 +531,7 @@ impl<S: Store> Verified<S> {
         b.put_u64_le(m);
         b.put_u64_le(0);
         let first = m * self.layout.per_meta;
-        let count = self
-            .layout
-            .per_meta
-            .min(self.layout.geometry.chunk_count() - first);
+        let count = self.layout.records_in(m);
         for i in 0..count {
             let Version { gen, expect, .. } = self.with_record(ChunkIdx(first + i), |r| r.cur);
             let (word, sum) = match expect {

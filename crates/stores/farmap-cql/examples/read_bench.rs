@@ -45,14 +45,10 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
         .map(|idx| {
             let store = store.clone();
             async move {
-                let mut x = idx.0.wrapping_mul(0x9e37_79b9_7f4a_7c15) | 1;
-                let data: Vec<u8> = (0..g.chunk_len(idx))
-                    .map(|_| {
-                        x ^= x << 13;
-                        x ^= x >> 7;
-                        x ^= x << 17;
-                        x as u8
-                    })
+                let seed = idx.0.wrapping_mul(0x9e37_79b9_7f4a_7c15) | 1;
+                let data: Vec<u8> = farmap_testkit::XorShift(seed)
+                    .take(g.chunk_len(idx))
+                    .map(|x| x as u8)
                     .collect();
                 store.write(idx, Bytes::from(data)).await
             }

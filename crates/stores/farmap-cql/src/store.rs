@@ -296,11 +296,7 @@ impl CqlStore {
         let rows = result
             .into_rows_result()
             .map_err(|e| StoreError::new(ErrorKind::Io, context()).with_source(e))?;
-        Ok(if rows.rows_num() > 0 {
-            ChunkStatus::Data
-        } else {
-            ChunkStatus::Zero
-        })
+        Ok(ChunkStatus::data_if(rows.rows_num() > 0))
     }
 
     /// One delete per partition the range touches: the whole partition when the range covers

@@ -612,11 +612,7 @@ impl Store for RedisStore {
                 .run(redis::cmd("EXISTS").arg(&key))
                 .await
                 .map_err(|e| self.err(format_args!("asking for {idx} (key {key})"), e))?;
-            Ok(if n > 0 {
-                ChunkStatus::Data
-            } else {
-                ChunkStatus::Zero
-            })
+            Ok(ChunkStatus::data_if(n > 0))
         })
     }
 }

@@ -82,13 +82,10 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
     );
     // Setup: random data, many writes at once.
     let source = Arc::new(DenseMemoryStore::new(g));
-    let mut x = 0x2545_f491_4f6c_dd1du64;
+    let mut x = farmap_testkit::XorShift(0x2545_f491_4f6c_dd1d);
     for idx in g.all().iter() {
         let mut buf = vec![0u8; g.chunk_len(idx)];
-        for b in buf.iter_mut() {
-            x ^= x << 13;
-            x ^= x >> 7;
-            x ^= x << 17;
+        for (b, x) in buf.iter_mut().zip(&mut x) {
             *b = (x >> 24) as u8;
         }
         source.write(idx, Bytes::from(buf)).await?;

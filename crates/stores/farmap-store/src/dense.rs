@@ -149,11 +149,9 @@ impl Store for DenseMemoryStore {
     fn status(&self, idx: ChunkIdx) -> BoxFuture<'_, StoreResult<ChunkStatus>> {
         Box::pin(async move {
             self.geometry.check_idx(idx)?;
-            Ok(if self.chunks[idx.as_usize()].read().written {
-                ChunkStatus::Data
-            } else {
-                ChunkStatus::Zero
-            })
+            Ok(ChunkStatus::data_if(
+                self.chunks[idx.as_usize()].read().written,
+            ))
         })
     }
 }

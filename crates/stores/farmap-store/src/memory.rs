@@ -142,11 +142,7 @@ impl Store for MemoryStore {
         Box::pin(async move {
             self.geometry.check_idx(idx)?;
             let (shard, key) = self.locate(idx);
-            Ok(if shard.read().contains_key(&key) {
-                ChunkStatus::Data
-            } else {
-                ChunkStatus::Zero
-            })
+            Ok(ChunkStatus::data_if(shard.read().contains_key(&key)))
         })
     }
 }

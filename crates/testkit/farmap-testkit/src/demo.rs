@@ -3,8 +3,8 @@
 //! migration agent), and the `farmap seed` and `farmap leech` commands that drive them.
 //!
 //! ```text
-//! let mut a = DemoNode::start(&farmap, dir, "a", 16 << 20, 200, true);
-//! let mut b = DemoNode::start(&farmap, dir, "b", 16 << 20, 200, false);
+//! let mut a = DemoNode::start(&farmap, dir, "a", 16 << 20, 200, true, &[]);
+//! let mut b = DemoNode::start(&farmap, dir, "b", 16 << 20, 200, false, &[]);
 //! let seed = Seeder::start(&farmap, &a, &[]);
 //! let (ok, out, err) = seed.leech(&farmap, &b, &["--mode", "postcopy"]).finish();
 //! assert_eq!(a.verify(), None);           // the source no longer holds the region
@@ -33,20 +33,9 @@ pub struct DemoNode {
 impl DemoNode {
     /// Starts `farmap __demo-node` named `name`, its agent's socket in `dir`: a region of
     /// `size` bytes written `ops_per_sec` times a second once it holds one; `init`: it
-    /// creates the region (a source), else it waits for one (a destination).
+    /// creates the region (a source), else it waits for one (a destination); `extra`: more
+    /// arguments (`--store SPEC`: the region lives in that store).
     pub fn start(
-        cli: &Cli,
-        dir: &Path,
-        name: &str,
-        size: u64,
-        ops_per_sec: u64,
-        init: bool,
-    ) -> DemoNode {
-        DemoNode::start_with(cli, dir, name, size, ops_per_sec, init, &[])
-    }
-
-    /// The same, with `extra` arguments (`--store SPEC`: the region lives in that store).
-    pub fn start_with(
         cli: &Cli,
         dir: &Path,
         name: &str,

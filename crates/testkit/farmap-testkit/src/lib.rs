@@ -48,7 +48,9 @@ pub mod wait;
 pub use conformance::{run_conformance, run_conformance_with, run_read_only_conformance};
 pub use hooked::{Hook, Hooked, Op, ReadMap, WriteHook};
 pub use model::ModelStore;
-pub use pattern::{pattern_byte, pattern_bytes, pattern_with_zeros, versioned_chunk, PatternStore};
+pub use pattern::{
+    pattern_byte, pattern_bytes, pattern_with_zeros, versioned_chunk, PatternStore, XorShift,
+};
 pub use service::{unique_name, Service, ServiceError};
 pub use skip::{is_ci, skip};
 pub use wait::block_on;

@@ -50,6 +50,24 @@ pub fn pattern_with_zeros(seed: u64, len: usize) -> Vec<u8> {
     v
 }
 
+/// Xorshift64 (shifts 13, 7, 17): an endless stream of pseudo-random words from a seed, for
+/// test data that must look random and be the same on every run. A zero seed gives only
+/// zeros.
+#[derive(Debug, Clone)]
+pub struct XorShift(pub u64);
+
+impl Iterator for XorShift {
+    type Item = u64;
+
+    fn next(&mut self) -> Option<u64> {
+        let x = &mut self.0;
+        *x ^= *x << 13;
+        *x ^= *x >> 7;
+        *x ^= *x << 17;
+        Some(*x)
+    }
+}
+
 /// `len` bytes of chunk `idx` as written at `version`: every byte depends on both through a
 /// 64-bit tag (so that a stale or torn chunk shows), and none is zero.
 pub fn versioned_chunk(idx: u64, version: u64, len: usize) -> Bytes {

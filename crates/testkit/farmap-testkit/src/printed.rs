@@ -38,11 +38,7 @@ mod tests {
 
     #[test]
     fn every_rounding_of_true_values_agrees() {
-        let mut x: u64 = 0x9e37_79b9_7f4a_7c15;
-        for _ in 0..10_000 {
-            x ^= x << 13;
-            x ^= x >> 7;
-            x ^= x << 17;
+        for x in crate::XorShift(0x9e37_79b9_7f4a_7c15).take(10_000) {
             let num = (x % 1_000_000) as f64 / 97.0 + 0.06;
             let den = ((x >> 20) % 1_000_000) as f64 / 89.0 + 0.06;
             let ratio = round_to(num / den, 0.001);

@@ -109,6 +109,25 @@ fn spawn(cmd: &str, args: &[String]) -> anyhow::Result<Child> {
         .with_context(|| format!("cannot run {cmd} (Debian: apt-get install nbdkit qemu-utils)"))
 }
 
+/// The external server `name`, started as `child` on `port` (serving `file`, if any), once it
+/// accepts connections.
+fn external(
+    name: &str,
+    port: u16,
+    child: Child,
+    file: Option<tempfile::NamedTempFile>,
+) -> anyhow::Result<Running> {
+    let r = Running {
+        name: name.into(),
+        uri: format!("nbd://127.0.0.1:{port}/"),
+        child: Some(child),
+        farmap: None,
+        _file: file,
+    };
+    wait_port(port, name)?;
+    Ok(r)
+}
+
 async fn start(name: &str, size: u64) -> anyhow::Result<Running> {
     match name {
         "farmap" => {
@@ -150,15 +169,7 @@ async fn start(name: &str, size: u64) -> anyhow::Result<Running> {
                     size.to_string(),
                 ],
             )?;
-            let r = Running {
-                name: name.into(),
-                uri: format!("nbd://127.0.0.1:{port}/"),
-                child: Some(child),
-                farmap: None,
-                _file: None,
-            };
-            wait_port(port, "nbdkit")?;
-            Ok(r)
+            external(name, port, child, None)
         }
         "qemu-nbd" => {
             let port = free_port()?;
@@ -182,15 +193,7 @@ async fn start(name: &str, size: u64) -> anyhow::Result<Running> {
                     file.path().display().to_string(),
                 ],
             )?;
-            let r = Running {
-                name: name.into(),
-                uri: format!("nbd://127.0.0.1:{port}/"),
-                child: Some(child),
-                farmap: None,
-                _file: Some(file),
-            };
-            wait_port(port, "qemu-nbd")?;
-            Ok(r)
+            external(name, port, child, Some(file))
         }
         other => bail!("unknown server {other:?}: farmap, nbdkit or qemu-nbd"),
     }

@@ -23,32 +23,41 @@ def block(seed, idx):
     return bytes(rnd.getrandbits(8) for _ in range(64)) * (BLOCK // 64)
 
 
-def write(path, expected, seed):
-    size = os.path.getsize(path)
-    blocks = size // BLOCK
-    image = bytearray(size)
-    fd = os.open(path, os.O_RDWR)
-    m = mmap.mmap(fd, size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+def run_threads(worker, n=4):
+    """Runs worker(t) for t in 0..n on n threads; raises the first exception one raised."""
     errors = []
 
-    def worker(t):
+    def run(t):
         try:
-            rnd = random.Random(seed + t)
-            mine = [b for b in range(blocks) if b % 4 == t]
-            for b in rnd.sample(mine, min(len(mine), 200)):
-                data = block(seed, b)
-                m[b * BLOCK:(b + 1) * BLOCK] = data
-                image[b * BLOCK:(b + 1) * BLOCK] = data
+            worker(t)
         except Exception as e:  # noqa: BLE001
             errors.append(e)
 
-    threads = [threading.Thread(target=worker, args=(t,)) for t in range(4)]
+    threads = [threading.Thread(target=run, args=(t,)) for t in range(n)]
     for th in threads:
         th.start()
     for th in threads:
         th.join()
     if errors:
         raise errors[0]
+
+
+def write(path, expected, seed):
+    size = os.path.getsize(path)
+    blocks = size // BLOCK
+    image = bytearray(size)
+    fd = os.open(path, os.O_RDWR)
+    m = mmap.mmap(fd, size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+
+    def worker(t):
+        rnd = random.Random(seed + t)
+        mine = [b for b in range(blocks) if b % 4 == t]
+        for b in rnd.sample(mine, min(len(mine), 200)):
+            data = block(seed, b)
+            m[b * BLOCK:(b + 1) * BLOCK] = data
+            image[b * BLOCK:(b + 1) * BLOCK] = data
+
+    run_threads(worker)
     m.flush()  # msync
     m.close()
     os.close(fd)
@@ -64,27 +73,17 @@ def read(path, expected):
     assert size == len(image), (size, len(image))
     fd = os.open(path, os.O_RDONLY)
     m = mmap.mmap(fd, size, mmap.MAP_SHARED, mmap.PROT_READ)
-    errors = []
 
     def worker(t):
-        try:
-            rnd = random.Random(t)
-            for _ in range(300):
-                off = rnd.randrange(size)
-                n = min(rnd.randrange(1, 200_000), size - off)
-                got = m[off:off + n] if t % 2 == 0 else os.pread(fd, n, off)
-                if got != image[off:off + n]:
-                    raise AssertionError(f"thread {t}: {n} bytes at {off} differ")
-        except Exception as e:  # noqa: BLE001
-            errors.append(e)
+        rnd = random.Random(t)
+        for _ in range(300):
+            off = rnd.randrange(size)
+            n = min(rnd.randrange(1, 200_000), size - off)
+            got = m[off:off + n] if t % 2 == 0 else os.pread(fd, n, off)
+            if got != image[off:off + n]:
+                raise AssertionError(f"thread {t}: {n} bytes at {off} differ")
 
-    threads = [threading.Thread(target=worker, args=(t,)) for t in range(4)]
-    for th in threads:
-        th.start()
-    for th in threads:
-        th.join()
-    if errors:
-        raise errors[0]
+    run_threads(worker)
     if m[:] != image:
         raise AssertionError("the whole file differs from the expected image")
     print("ok", flush=True)
