@@ -68,7 +68,8 @@ ALLOWED_CYCLES = {
         # prints and opens them through spec::stage and spec::tier, which parse, print and
         # open their members through the registry and spec::open (spec::nest parses a
         # member for both).
-        frozenset({"spec::nest", "spec::open", "spec::registry", "spec::stage", "spec::tier"}),
+        frozenset({"spec::nest", "spec::open", "spec::registry", "spec::stage", "spec::tier",
+                   "spec::versioned"}),
     },
 }
 

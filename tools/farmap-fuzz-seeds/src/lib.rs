@@ -53,6 +53,7 @@ pub fn seeds() -> Vec<Seed> {
     all.extend(nbd::server_seeds());
     all.extend(nbd::client_seeds());
     all.extend(genl_reply());
+    all.extend(version_manifest());
     all
 }
 
@@ -373,6 +374,47 @@ fn handover_hello() -> Vec<Seed> {
     ]
 }
 
+/// Version manifests (a whole one, a delta) and stored chunks (compressed, raw), each behind
+/// the two length bytes the target reads first.
+fn version_manifest() -> Vec<Seed> {
+    use farmap_versions::{chunk, Hash, Manifest};
+
+    let m = Manifest {
+        seq: 3,
+        epoch: 1,
+        base: 2,
+        size: 1 << 20,
+        chunk_size: 65536,
+        whole: false,
+        time_ms: 1_764_000_000_000,
+        entries: vec![(0, Hash::of(b"a")), (7, Hash::ZERO), (15, Hash::of(b"b"))],
+    };
+    let whole = Manifest {
+        seq: 2,
+        base: 2,
+        whole: true,
+        ..m.clone()
+    };
+    let stored = |data: &[u8]| {
+        let mut out = ((data.len() - 1) as u16).to_le_bytes().to_vec();
+        out.extend_from_slice(&chunk::encode(data));
+        out
+    };
+    let noise: Vec<u8> = (0..4096u32)
+        .map(|i| (i.wrapping_mul(2_654_435_761) >> 13) as u8)
+        .collect();
+    vec![
+        Seed::new("version_manifest", "delta", m.encode()),
+        Seed::new("version_manifest", "whole", whole.encode()),
+        Seed::new(
+            "version_manifest",
+            "chunk-zstd",
+            stored(&b"farmap ".repeat(512)),
+        ),
+        Seed::new("version_manifest", "chunk-raw", stored(&noise)),
+    ]
+}
+
 /// The metadata file of real dir stores, and one written by hand with spaces and CRLF.
 fn dir_meta() -> Vec<Seed> {
     use farmap_store::{DirOptions, DirStore};
@@ -423,6 +465,7 @@ fn store_spec() -> Vec<Seed> {
         ),
         ("nbd", "nbd://h/disk%20one?chunk=1MiB&ro&connections=2&timeout=5s"),
         ("nbds-unix", "nbds+unix:///e?socket=/s&ca=a&cert=c&key=k&name=n"),
+        ("versioned", "versioned:(dir:./o)/vm-1@before.x?size=1GiB&chunk=1MiB&ro"),
         (
             "tier",
             "tier:(memory:64MiB?cap=16MiB)(dir:/tmp/x?size=64MiB&cap=64MiB)?demote=5s",

@@ -28,6 +28,7 @@ mod serve_nbd;
 mod stop;
 mod swap;
 mod verify;
+mod versions;
 
 use farmap_cli_kit::output;
 #[cfg(feature = "tools")]
@@ -54,6 +55,8 @@ STORE SPECS:
                               fail over to the mirror; a recovered primary is resynced
   verified:(SPEC)             checksums for every chunk of SPEC (kept at its end);
                               bad chunks are refused (`farmap verify` scrubs)
+  versioned:(dir:PATH)/REGION[@VERSION]?size=SIZE   versions of a region, chunks stored
+                              once by content; `farmap snapshot`, `farmap versions`
 Every store with an example and its options: `farmap help stores`.
 Options after '?', joined by '&': size=SIZE, chunk=SIZE (power of two, 4KiB..4MiB,
 default 64KiB), ro (read-only file/dir), max-open=N (dir), connections=N and
@@ -90,6 +93,11 @@ enum Command {
     /// and list the bad ones; exits with 2 when there are some.
     #[command(after_help = SPEC_HELP)]
     Verify(verify::VerifyArgs),
+    /// Name the latest version of a versioned region (`versioned:(dir:PATH)/REGION`), so
+    /// that it opens later as REGION@NAME. Metadata only: what is saved stays where it is.
+    Snapshot(versions::SnapshotArgs),
+    /// List the versions of a versioned region, oldest first, with their snapshot names.
+    Versions(versions::VersionsArgs),
     /// Measure a data path against a reference measured in the same run.
     #[cfg(feature = "tools")]
     #[command(subcommand)]
@@ -202,6 +210,8 @@ fn main() -> ExitCode {
             Command::Info(args) => info::run(args).await,
             Command::Cp(args) => cp::run(args).await,
             Command::Verify(args) => verify::run(args).await,
+            Command::Snapshot(args) => versions::snapshot(args).await,
+            Command::Versions(args) => versions::versions(args).await,
             #[cfg(feature = "tools")]
             Command::Bench(cmd) => bench::run(cmd).await,
             #[cfg(feature = "tools")]

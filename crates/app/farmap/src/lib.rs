@@ -50,3 +50,8 @@ pub mod store {
 pub mod pipeline {
     pub use farmap_pipeline::*;
 }
+
+/// Regions kept as versions of content-addressed chunks (`versioned:` specs).
+pub mod versions {
+    pub use farmap_versions::*;
+}

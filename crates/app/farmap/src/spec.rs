@@ -20,6 +20,7 @@
 //! | `nbd` | `nbd://`, `nbds://`, `nbd+unix://`, `nbds+unix://` (feature `nbd`) |
 //! | `tier` | `tier:(SPEC?cap=SIZE)(SPEC)...` |
 //! | [`stage`] | `verified:(SPEC)`, `mirror:(PRIMARY)(MIRROR)` |
+//! | `versioned` | `versioned:(dir:PATH)/REGION[@VERSION]` ([`farmap_versions`]) |
 //!
 //! Options go after `?`, separated by `&` ([`farmap_core::query`]); `size=`, `chunk=` (a
 //! power of two from 4KiB to 4MiB, default 64KiB) and `ro` mean the same in every scheme that
@@ -54,11 +55,13 @@ mod s3;
 mod scheme;
 pub mod stage;
 mod tier;
+mod versioned;
 
 pub use blocking::open_store_blocking;
 pub use model::{OpenError, SpecError, SpecKind, StoreSpec, TierSpec};
 pub use open::{mirror_journal_path, open_mirror, open_store, open_store_async};
 pub use tier::map_path as tier_map_path;
+pub use versioned::open_objects;
 
 impl StoreSpec {
     /// The path of a file or dir store (also under a stage: a mirror's primary).
@@ -92,7 +95,9 @@ impl StoreSpec {
     /// Whether opening this spec needs an async runtime ([`open_store_async`]): remote
     /// stores and stages (which read their metadata when opened).
     pub fn needs_async(&self) -> bool {
-        self.is_remote() || self.is_stage() || matches!(self.kind, SpecKind::Tier(_))
+        self.is_remote()
+            || self.is_stage()
+            || matches!(self.kind, SpecKind::Tier(_) | SpecKind::Versioned { .. })
     }
 
     /// Opens the spec read-only where that means something (file and dir stores, also under
@@ -102,6 +107,7 @@ impl StoreSpec {
             SpecKind::Verified { inner } => inner.set_read_only_where_possible(),
             // A mirror's stores take writes from resync; left as they are.
             SpecKind::Mirror { .. } => {}
+            SpecKind::Versioned { .. } => self.read_only = true,
             _ => {
                 if self.path().is_some() {
                     self.read_only = true;
@@ -207,6 +213,9 @@ mod tests {
             "nbd://h/disk%20one?chunk=1MiB&ro&connections=2&timeout=5s",
             "nbd://[::1]:7/",
             "nbds+unix:///e?socket=/s&ca=a&cert=c&key=k&name=n",
+            "versioned:(dir:./objects)/vm-1?size=1GiB&chunk=1MiB",
+            "versioned:(dir:/o)/r@12?ro",
+            "versioned:(dir:/o)/r@before.upgrade",
         ] {
             let spec = parse(text).unwrap_or_else(|e| panic!("{text}: {e}"));
             let shown = spec.to_string();
@@ -580,6 +589,16 @@ mod tests {
         let cases = [
             ("nope:1G", "unknown store scheme \"nope\""),
             ("./disk.img", "has no scheme"),
+            ("versioned:dir:./o/r", "write versioned:(dir:PATH)/REGION"),
+            ("versioned:(dir:./o)r", "after a '/'"),
+            ("versioned:(memory:1GiB)/r", "live in dir:PATH"),
+            ("versioned:(dir:./o?size=1GiB)/r", "give size="),
+            ("versioned:(dir:./o)/a/b", "region \"a/b\""),
+            ("versioned:(dir:./o)/r@.x", "snapshot \".x\""),
+            (
+                "versioned:(dir:./o)/r?max-open=3",
+                "unknown option \"max-open\"",
+            ),
             ("memory:", "needs a size"),
             ("memory:12XB", "unknown suffix"),
             ("memory:1GiB?size=2GiB", "conflicting sizes"),

@@ -38,11 +38,14 @@ pub enum ErrorKind {
     NoSpace,
     /// The operation was cancelled before it finished.
     Cancelled,
+    /// Another writer advanced the region since this one last did (a versioned region has one
+    /// writer at a time): this opening may no longer write.
+    Fenced,
 }
 
 impl ErrorKind {
     /// Every kind, for tables and tests that must cover them all (wire codes, gRPC statuses).
-    pub const ALL: [ErrorKind; 13] = [
+    pub const ALL: [ErrorKind; 14] = [
         ErrorKind::Io,
         ErrorKind::NotFound,
         ErrorKind::OutOfRange,
@@ -56,6 +59,7 @@ impl ErrorKind {
         ErrorKind::PermissionDenied,
         ErrorKind::NoSpace,
         ErrorKind::Cancelled,
+        ErrorKind::Fenced,
     ];
 
     /// The errno a kernel-facing frontend (NBD, FUSE, ublk, userfaultfd) replies with.
@@ -73,6 +77,7 @@ impl ErrorKind {
             ErrorKind::PermissionDenied => 13,                     // EACCES
             ErrorKind::NoSpace => 28,                              // ENOSPC
             ErrorKind::Cancelled => 125,                           // ECANCELED
+            ErrorKind::Fenced => 116,                              // ESTALE
         }
     }
 
@@ -97,6 +102,7 @@ impl ErrorKind {
             ErrorKind::PermissionDenied => "permission denied",
             ErrorKind::NoSpace => "no space left",
             ErrorKind::Cancelled => "cancelled",
+            ErrorKind::Fenced => "fenced",
         }
     }
 
@@ -264,6 +270,7 @@ mod tests {
                 ErrorKind::PermissionDenied => 10,
                 ErrorKind::NoSpace => 11,
                 ErrorKind::Cancelled => 12,
+                ErrorKind::Fenced => 13,
             }
         }
         for (i, k) in ErrorKind::ALL.iter().enumerate() {

@@ -9,6 +9,8 @@
 //! - [`Caps`]: what a store can do, reported separately from its data operations.
 //! - [`StoreError`] and [`ErrorKind`]: one error type for every store, mapped to an errno for
 //!   kernel-facing frontends and classified as retryable or not.
+//! - [`Objects`]: named objects written once (a directory, an S3 prefix), for layouts that
+//!   keep versions of a region.
 //! - [`ChunkStatus`]: what a store knows about a chunk without reading it (zero or data).
 //! - [`size`]: parsing and printing of sizes (binary suffixes in, MB = 10^6 bytes out).
 //! - [`duration`]: parsing and printing of durations (a unit is always required).
@@ -25,6 +27,7 @@ mod caps;
 pub mod duration;
 mod error;
 mod geometry;
+mod objects;
 pub mod option;
 mod quantity;
 pub mod query;
@@ -41,6 +44,7 @@ pub use geometry::{
     ChunkIdx, ChunkRange, Geometry, GeometryError, DEFAULT_CHUNK_SIZE, MAX_CHUNKS, MAX_CHUNK_SIZE,
     MIN_CHUNK_SIZE,
 };
+pub use objects::{check_key, Objects};
 pub use quantity::split_quantity;
 pub use retry::RetryPolicy;
 pub use share::SizeOrPercent;

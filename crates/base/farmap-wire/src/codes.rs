@@ -12,7 +12,7 @@ use farmap_core::{Caps, ChunkStatus, ErrorKind};
 use crate::WireError;
 
 /// Error kinds and their wire codes (0 is never sent).
-const KIND_CODES: [(ErrorKind, u8); 13] = [
+const KIND_CODES: [(ErrorKind, u8); 14] = [
     (ErrorKind::Io, 1),
     (ErrorKind::NotFound, 2),
     (ErrorKind::OutOfRange, 3),
@@ -26,6 +26,7 @@ const KIND_CODES: [(ErrorKind, u8); 13] = [
     (ErrorKind::PermissionDenied, 11),
     (ErrorKind::NoSpace, 12),
     (ErrorKind::Cancelled, 13),
+    (ErrorKind::Fenced, 14),
 ];
 
 /// The wire code of an error kind (a kind added to `farmap-core` later travels as `Io`).

@@ -14,7 +14,7 @@ use crate::pb;
 pub const ERROR_KIND_METADATA: &str = "farmap-error-kind";
 
 /// Error kinds and their protobuf values (the numbers of the native protocol).
-const KINDS: [(ErrorKind, pb::ErrorKind); 13] = [
+const KINDS: [(ErrorKind, pb::ErrorKind); 14] = [
     (ErrorKind::Io, pb::ErrorKind::Io),
     (ErrorKind::NotFound, pb::ErrorKind::NotFound),
     (ErrorKind::OutOfRange, pb::ErrorKind::OutOfRange),
@@ -28,6 +28,7 @@ const KINDS: [(ErrorKind, pb::ErrorKind); 13] = [
     (ErrorKind::PermissionDenied, pb::ErrorKind::PermissionDenied),
     (ErrorKind::NoSpace, pb::ErrorKind::NoSpace),
     (ErrorKind::Cancelled, pb::ErrorKind::Cancelled),
+    (ErrorKind::Fenced, pb::ErrorKind::Fenced),
 ];
 
 /// The protobuf value of a kind (a kind added to `farmap-core` later travels as `IO`).
@@ -61,6 +62,7 @@ fn code_of(kind: ErrorKind) -> Code {
         ErrorKind::PermissionDenied => Code::PermissionDenied,
         ErrorKind::NoSpace => Code::ResourceExhausted,
         ErrorKind::Cancelled => Code::Cancelled,
+        ErrorKind::Fenced => Code::Aborted,
         _ => Code::Internal,
     }
 }
@@ -195,7 +197,7 @@ pub(crate) fn status_from_pb(value: i32) -> Option<ChunkStatus> {
 mod tests {
     use super::*;
 
-    const ALL: [ErrorKind; 13] = ErrorKind::ALL;
+    const ALL: [ErrorKind; 14] = ErrorKind::ALL;
 
     #[test]
     fn every_kind_survives_a_status() {

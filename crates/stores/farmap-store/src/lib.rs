@@ -7,6 +7,9 @@
 //! | [`FileStore`] | one sparse file (or an existing one), positional I/O | a `pread` | write, flush, trim, status, parallel |
 //! | [`DirStore`] | one file per written chunk in a directory tree | an `open` (cached) and a `pread` | write, flush, trim, status, parallel |
 //!
+//! [`DirObjects`] and [`MemoryObjects`] hold named objects written once
+//! ([`farmap_core::Objects`]), for the versioned layout.
+//!
 //! Every store implements [`farmap_core::Store`]: whole chunks in and out, chunks never
 //! written read as zeros, and a write replaces a chunk whole (a concurrent read sees the old
 //! or the new content, never a mix). Each store's documentation states its concurrency
@@ -23,9 +26,11 @@ mod dense;
 mod dir;
 mod file;
 mod memory;
+mod objects;
 mod stripes;
 
 pub use dense::DenseMemoryStore;
 pub use dir::{fuzz_dir_meta, DirOptions, DirStore};
 pub use file::{FileOptions, FileStore};
 pub use memory::MemoryStore;
+pub use objects::{DirObjects, MemoryObjects};

@@ -237,6 +237,16 @@ pub enum SpecKind {
         /// The store holding the data and the checksums.
         inner: Box<StoreSpec>,
     },
+    /// A region kept as versions of content-addressed chunks in an object store
+    /// (`versioned:(dir:PATH)/REGION[@VERSION]`).
+    Versioned {
+        /// Where the objects live.
+        objects: Box<StoreSpec>,
+        /// The region's name there.
+        region: String,
+        /// Which version.
+        at: farmap_versions::At,
+    },
     /// A primary and a mirror store (`mirror:(PRIMARY)(MIRROR)?policy=..`).
     Mirror {
         /// Serves reads while it is up.

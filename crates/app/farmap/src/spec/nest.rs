@@ -13,10 +13,10 @@ pub const MAX_DEPTH: usize = 8;
 pub(super) fn groups(rest: &str) -> Result<(Vec<&str>, Option<&str>), String> {
     let mut out = Vec::new();
     let mut s = rest;
-    while let Some(body) = s.strip_prefix('(') {
-        let end = closing(body).ok_or("a '(' is not closed")?;
-        out.push(&body[..end]);
-        s = &body[end + 1..];
+    while s.starts_with('(') {
+        let (inner, rest) = group(s).ok_or("a '(' is not closed")?;
+        out.push(inner);
+        s = rest;
     }
     let query = match s {
         "" => None,
@@ -26,6 +26,13 @@ pub(super) fn groups(rest: &str) -> Result<(Vec<&str>, Option<&str>), String> {
         ),
     };
     Ok((out, query))
+}
+
+/// Splits `(A)rest` into `A` and `rest`; `None` when `s` does not start with a closed group.
+pub(super) fn group(s: &str) -> Option<(&str, &str)> {
+    let body = s.strip_prefix('(')?;
+    let end = closing(body)?;
+    Some((&body[..end], &body[end + 1..]))
 }
 
 /// Where the `)` that closes an already open `(` is in `body`.

@@ -20,6 +20,7 @@ static SCHEMES: &[&dyn Scheme] = &[
     &super::nbd::Nbd,
     &super::tier::Tiers,
     &super::stage::Stages,
+    &super::versioned::Versions,
 ];
 
 /// The scheme module that parses `name` (lowercase).
@@ -57,6 +58,7 @@ impl SpecKind {
             SpecKind::Nbd { .. } => &super::nbd::Nbd,
             SpecKind::Tier(_) => &super::tier::Tiers,
             SpecKind::Verified { .. } | SpecKind::Mirror { .. } => &super::stage::Stages,
+            SpecKind::Versioned { .. } => &super::versioned::Versions,
         }
     }
 }

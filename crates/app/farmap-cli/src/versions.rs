@@ -1,0 +1,140 @@
+//! `farmap snapshot SPEC NAME` and `farmap versions SPEC`: a versioned region's history.
+//!
+//! `snapshot --json` prints one line: `spec`, `region`, `name`, `version`.
+//! `versions --json` prints one line per version, oldest first: `version`, `epoch`,
+//! `time_ms` (when it was written, milliseconds since the Unix epoch), `whole` (its
+//! manifest lists every chunk, else the changes since the version before), `chunks` (chunks
+//! its manifest lists), `size` (bytes), `names` (snapshot names that stand for it).
+
+use std::process::ExitCode;
+
+use anyhow::{bail, Context};
+use clap::Args;
+use farmap::spec::{open_objects, SpecKind};
+use farmap::versions::{history, At, Versioned, VersionedOptions};
+use farmap::StoreSpec;
+use serde::Serialize;
+
+use crate::output;
+
+#[derive(Debug, Args)]
+pub struct SnapshotArgs {
+    /// The region: `versioned:(dir:PATH)/REGION`.
+    spec: StoreSpec,
+    /// The name the latest version gets (1 to 128 of A-Z a-z 0-9 . _ -).
+    name: String,
+    /// Print one JSON object instead of text.
+    #[arg(long)]
+    json: bool,
+}
+
+#[derive(Debug, Args)]
+pub struct VersionsArgs {
+    /// The region: `versioned:(dir:PATH)/REGION`.
+    spec: StoreSpec,
+    /// One JSON object per version instead of a table.
+    #[arg(long)]
+    json: bool,
+}
+
+/// The object store and region name of a `versioned:` spec.
+fn parts(spec: &StoreSpec) -> anyhow::Result<(&StoreSpec, &str, &At)> {
+    match &spec.kind {
+        SpecKind::Versioned {
+            objects,
+            region,
+            at,
+        } => Ok((objects, region, at)),
+        _ => bail!("{spec} is not a versioned region: write versioned:(dir:PATH)/REGION"),
+    }
+}
+
+#[derive(Debug, Serialize)]
+struct Snapshot<'a> {
+    spec: String,
+    region: &'a str,
+    name: &'a str,
+    version: u64,
+}
+
+pub async fn snapshot(args: SnapshotArgs) -> anyhow::Result<ExitCode> {
+    let (objects, region, at) = parts(&args.spec)?;
+    if *at != At::Latest {
+        bail!(
+            "a snapshot names the latest version: leave @VERSION out of {}",
+            args.spec
+        );
+    }
+    let store = open_objects(objects)?;
+    // Read-only: the snapshot names what is saved, and takes nothing from a running writer.
+    let v = Versioned::open(
+        store,
+        VersionedOptions {
+            region: region.to_owned(),
+            at: At::Latest,
+            read_only: true,
+            create: None,
+        },
+    )
+    .await
+    .with_context(|| format!("opening {}", args.spec))?;
+    let version = v.snapshot(&args.name).await?;
+    let report = Snapshot {
+        spec: args.spec.to_string(),
+        region,
+        name: &args.name,
+        version,
+    };
+    if args.json {
+        output::json_line(&report)?;
+    } else {
+        println!("{region}: version {version} is now {:?}", args.name);
+    }
+    Ok(ExitCode::SUCCESS)
+}
+
+#[derive(Debug, Serialize)]
+struct Version {
+    version: u64,
+    epoch: u64,
+    time_ms: u64,
+    whole: bool,
+    chunks: u64,
+    size: u64,
+    names: Vec<String>,
+}
+
+pub async fn versions(args: VersionsArgs) -> anyhow::Result<ExitCode> {
+    let (objects, region, _) = parts(&args.spec)?;
+    let store = open_objects(objects)?;
+    let list = history(&*store, region)
+        .await
+        .with_context(|| format!("reading the versions of {}", args.spec))?;
+    if list.is_empty() {
+        bail!("{region} has no versions in {objects}");
+    }
+    for v in list {
+        let row = Version {
+            version: v.seq,
+            epoch: v.epoch,
+            time_ms: v.time_ms,
+            whole: v.whole,
+            chunks: v.chunks,
+            size: v.size,
+            names: v.names,
+        };
+        if args.json {
+            output::json_line(&row)?;
+        } else {
+            println!(
+                "{:>8}  epoch {:<3} {:>8} chunks{}  {}",
+                row.version,
+                row.epoch,
+                row.chunks,
+                if row.whole { " (whole)" } else { "" },
+                row.names.join(", ")
+            );
+        }
+    }
+    Ok(ExitCode::SUCCESS)
+}

@@ -1,0 +1,159 @@
+//! `versioned:` regions through the CLI: copies make versions, snapshots name them, old
+//! versions read back as they were, equal chunks are stored once, and a mount on top saves
+//! a version when it is unmounted.
+
+use std::io::{BufRead, BufReader, Seek, SeekFrom, Write};
+use std::path::Path;
+use std::process::Stdio;
+use std::time::Duration;
+
+use farmap_testkit::pattern_bytes;
+use farmap_testkit::process::terminate;
+use farmap_testkit::skip;
+
+mod common;
+use common::farmap;
+
+const MIB: usize = 1 << 20;
+
+fn random(seed: u64, len: usize) -> Vec<u8> {
+    pattern_bytes(seed, 0, len)
+}
+
+/// Files under `p`, recursively.
+fn files(p: &Path) -> usize {
+    std::fs::read_dir(p)
+        .map(|d| {
+            d.map(|e| {
+                let e = e.unwrap();
+                if e.file_type().unwrap().is_dir() {
+                    files(&e.path())
+                } else {
+                    1
+                }
+            })
+            .sum()
+        })
+        .unwrap_or(0)
+}
+
+#[test]
+fn copies_make_versions_and_snapshots_name_them() {
+    let dir = tempfile::tempdir().unwrap();
+    let objects = dir.path().join("objects");
+    let spec = format!("versioned:(dir:{})/r", objects.display());
+    let one = random(1, 4 * MIB);
+    let mut two = one.clone();
+    two[MIB..MIB + 4096].fill(0xee);
+    let (a, b) = (dir.path().join("a.img"), dir.path().join("b.img"));
+    std::fs::write(&a, &one).unwrap();
+    std::fs::write(&b, &two).unwrap();
+    let file = |p: &Path| format!("file:{}", p.display());
+
+    farmap().ok(&["cp", &file(&a), &spec]);
+    let chunks_after_one = files(&objects.join("chunks"));
+    assert_eq!(chunks_after_one, 64, "4 MiB of 64 KiB chunks");
+    let snap = farmap().json(&["snapshot", &spec, "first", "--json"]);
+    assert_eq!(snap["version"], 1, "{snap}");
+    assert_eq!(snap["name"], "first");
+    farmap().ok(&["cp", &file(&b), &spec]);
+    assert_eq!(
+        files(&objects.join("chunks")),
+        chunks_after_one + 1,
+        "the second copy stores only the chunk that changed"
+    );
+
+    let rows = farmap().json_lines(&["versions", &spec, "--json"]);
+    let versions: Vec<u64> = rows
+        .iter()
+        .map(|r| r["version"].as_u64().unwrap())
+        .collect();
+    assert_eq!(versions, [0, 1, 2], "{rows:?}");
+    assert_eq!(rows[1]["names"][0], "first");
+    assert_eq!(
+        rows[2]["chunks"], 1,
+        "version 2 lists the one chunk that changed"
+    );
+    assert_eq!(rows[2]["size"], 4 * MIB as u64);
+
+    let out = dir.path().join("out.img");
+    farmap().ok(&["cp", &format!("{spec}@first"), &file(&out)]);
+    assert!(
+        std::fs::read(&out).unwrap() == one,
+        "@first reads as the first copy"
+    );
+    std::fs::remove_file(&out).unwrap();
+    farmap().ok(&["cp", &spec, &file(&out)]);
+    assert!(
+        std::fs::read(&out).unwrap() == two,
+        "the latest reads as the second"
+    );
+
+    let err = farmap().fails(&["snapshot", &spec, "first"]);
+    assert!(err.contains("already has a snapshot"), "{err}");
+    let err = farmap().fails(&["cp", &file(&a), &format!("{spec}@1")]);
+    assert!(
+        err.contains("read-only") || err.contains("not the latest"),
+        "{err}"
+    );
+    let err = farmap().fails(&["versions", &file(&a)]);
+    assert!(err.contains("not a versioned region"), "{err}");
+}
+
+#[test]
+fn a_mount_on_a_versioned_region_saves_a_version_when_unmounted() {
+    let test = "a_mount_on_a_versioned_region_saves_a_version_when_unmounted";
+    if !skip::fuse_mountable(test) {
+        return;
+    }
+    let dir = tempfile::tempdir().unwrap();
+    let spec = format!(
+        "versioned:(dir:{})/m?size=8MiB",
+        dir.path().join("objects").display()
+    );
+    let mnt = dir.path().join("mnt");
+    std::fs::create_dir(&mnt).unwrap();
+    let mut child = farmap()
+        .command()
+        .args(["mount", mnt.to_str().unwrap(), &spec])
+        .stdout(Stdio::piped())
+        .stderr(Stdio::inherit())
+        .spawn()
+        .unwrap();
+    let mut line = String::new();
+    BufReader::new(child.stdout.take().unwrap())
+        .read_line(&mut line)
+        .unwrap();
+    assert!(!line.is_empty(), "farmap mount printed no path");
+    let data = random(7, MIB);
+    {
+        let mut f = std::fs::OpenOptions::new()
+            .write(true)
+            .open(line.trim())
+            .unwrap();
+        f.seek(SeekFrom::Start(3 * MIB as u64)).unwrap();
+        f.write_all(&data).unwrap();
+        f.sync_all().unwrap();
+    }
+    let out = farmap().run(&["umount", mnt.to_str().unwrap()]);
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let status = child.wait().unwrap();
+    assert!(status.success(), "farmap mount exited with {status}");
+    terminate(&mut child, Duration::from_secs(10));
+
+    let plain = spec.split('?').next().unwrap();
+    let rows = farmap().json_lines(&["versions", plain, "--json"]);
+    assert!(rows.len() >= 2, "the sync saved a version: {rows:?}");
+    let img = dir.path().join("out.img");
+    farmap().ok(&["cp", plain, &format!("file:{}", img.display())]);
+    let back = std::fs::read(&img).unwrap();
+    assert!(
+        back[3 * MIB..4 * MIB] == data[..],
+        "what was written through the mount"
+    );
+    assert!(back[..3 * MIB].iter().all(|b| *b == 0));
+}

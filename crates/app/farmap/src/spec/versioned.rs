@@ -1,0 +1,170 @@
+//! `versioned:(OBJECTS)/REGION[@VERSION]?size=SIZE&chunk=SIZE&ro`: a region kept as versions
+//! of content-addressed chunks ([`farmap_versions::Versioned`]) in an object store.
+//!
+//! `OBJECTS` is where the objects live: `dir:PATH` (a directory; shared by every region kept
+//! there, so equal chunks are stored once). `REGION` names the region; `@N` opens version
+//! `N`, `@NAME` the version a snapshot was named, read-only (a region opens writable only at
+//! its latest version). `size=` (and `chunk=`) create the region when it has no version yet.
+
+use std::sync::Arc;
+
+use farmap_core::{BoxFuture, Geometry, Objects, Store};
+use farmap_store::DirObjects;
+use farmap_versions::{check_name, At, Versioned, VersionedOptions};
+
+use super::common::{size_option, Parts};
+use super::model::{store_error, OpenError, SpecError, SpecKind, StoreSpec};
+use super::nest;
+use super::scheme::Scheme;
+
+/// `versioned:`.
+#[derive(Debug)]
+pub(super) struct Versions;
+
+impl Scheme for Versions {
+    fn names(&self) -> &'static [&'static str] {
+        &["versioned"]
+    }
+
+    fn parse(&self, _: &str, rest: &str, spec: &str, depth: usize) -> Result<StoreSpec, SpecError> {
+        parse(rest, spec, depth)
+    }
+
+    fn display_parts(&self, spec: &StoreSpec, secrets: bool) -> (String, Vec<String>) {
+        let SpecKind::Versioned {
+            objects,
+            region,
+            at,
+        } = &spec.kind
+        else {
+            unreachable!("not a versioned: spec: {spec:?}")
+        };
+        let at = match at {
+            At::Latest => String::new(),
+            At::Seq(n) => format!("@{n}"),
+            At::Tag(t) => format!("@{t}"),
+        };
+        (
+            format!("versioned:({})/{region}{at}", objects.render(secrets)),
+            size_option(spec.size).into_iter().collect(),
+        )
+    }
+
+    fn open<'a>(&'a self, spec: &'a StoreSpec) -> BoxFuture<'a, Result<Arc<dyn Store>, OpenError>> {
+        Box::pin(async move {
+            let SpecKind::Versioned {
+                objects,
+                region,
+                at,
+            } = &spec.kind
+            else {
+                unreachable!("not a versioned: spec: {spec:?}")
+            };
+            let objects = open_objects(objects).map_err(store_error(spec))?;
+            let create = match spec.size {
+                Some(size) => Some(
+                    Geometry::new(size, u64::from(spec.chunk_size_or_default())).map_err(
+                        |source| OpenError::Geometry {
+                            spec: spec.to_string(),
+                            source,
+                        },
+                    )?,
+                ),
+                None => None,
+            };
+            let v = Versioned::open(
+                objects,
+                VersionedOptions {
+                    region: region.clone(),
+                    at: at.clone(),
+                    // A version other than the latest only reads.
+                    read_only: spec.read_only || *at != At::Latest,
+                    create,
+                },
+            )
+            .await
+            .map_err(store_error(spec))?;
+            Ok(Arc::new(v) as Arc<dyn Store>)
+        })
+    }
+
+    fn creates(&self, spec: &StoreSpec) -> bool {
+        match &spec.kind {
+            SpecKind::Versioned {
+                objects, region, ..
+            } => objects
+                .path()
+                .is_none_or(|p| !p.join("regions").join(region).join("versions").exists()),
+            _ => false,
+        }
+    }
+
+    fn is_remote(&self, spec: &StoreSpec) -> bool {
+        matches!(&spec.kind, SpecKind::Versioned { objects, .. } if objects.is_remote())
+    }
+}
+
+/// The object store an inner spec names.
+pub fn open_objects(spec: &StoreSpec) -> Result<Arc<dyn Objects>, farmap_core::StoreError> {
+    match &spec.kind {
+        SpecKind::Dir { path, .. } => Ok(Arc::new(DirObjects::open(path.clone())?)),
+        _ => Err(farmap_core::StoreError::new(
+            farmap_core::ErrorKind::Unsupported,
+            format!("versioned: keeps its objects in dir:PATH; {spec} cannot hold them yet"),
+        )),
+    }
+}
+
+/// Parses the part of `spec` after `versioned:`.
+fn parse(rest: &str, spec: &str, depth: usize) -> Result<StoreSpec, SpecError> {
+    let bad = |reason: String| SpecError::BadOption {
+        option: "spec",
+        spec: spec.to_owned(),
+        reason,
+    };
+    let form = "write versioned:(dir:PATH)/REGION[@VERSION]?size=SIZE";
+    nest::check_depth(depth).map_err(bad)?;
+    let (inner, after) = nest::group(rest).ok_or_else(|| bad(form.into()))?;
+    let objects = nest::parse_inner(inner, depth).map_err(|e| match e {
+        nest::InnerError::Spec(e) => e,
+        nest::InnerError::Reason(r) => bad(r),
+    })?;
+    if !matches!(objects.kind, SpecKind::Dir { .. }) {
+        return Err(bad(format!(
+            "the objects of a versioned region live in dir:PATH, not {objects}"
+        )));
+    }
+    if objects.size.is_some() || objects.chunk_size.is_some() || objects.read_only {
+        return Err(bad(
+            "give size=, chunk= and ro to versioned:, not to its object store".into(),
+        ));
+    }
+    let after = after.strip_prefix('/').ok_or_else(|| {
+        bad(format!(
+            "the region's name follows the ')' after a '/': {form}"
+        ))
+    })?;
+    let parts = Parts::parse(after, spec, "size, chunk, ro")?;
+    let (region, at) = match parts.body.split_once('@') {
+        Some((r, "latest")) => (r, At::Latest),
+        Some((r, v)) if !v.is_empty() && v.bytes().all(|b| b.is_ascii_digit()) => (
+            r,
+            At::Seq(
+                v.parse()
+                    .map_err(|_| bad(format!("version {v} is too large")))?,
+            ),
+        ),
+        Some((r, v)) => {
+            check_name("snapshot", v).map_err(bad)?;
+            (r, At::Tag(v.to_owned()))
+        }
+        None => (parts.body, At::Latest),
+    };
+    check_name("region", region).map_err(bad)?;
+    let region = region.to_owned();
+    parts.finish(SpecKind::Versioned {
+        objects: Box::new(objects),
+        region,
+        at,
+    })
+}

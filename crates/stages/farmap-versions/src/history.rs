@@ -1,0 +1,165 @@
+//! Reading a region's history: a version's chunk map, snapshot names, the list of versions.
+
+use std::collections::HashMap;
+
+use farmap_core::{ErrorKind, Objects, StoreError, StoreResult};
+
+use crate::manifest::Manifest;
+use crate::{check_name, tags_dir, version_key, versions_dir, At, Hash, MAX_CHAIN};
+
+/// Reads version `seq` of `region`, checking that it is the manifest it claims to be.
+async fn manifest(objects: &dyn Objects, region: &str, seq: u64) -> StoreResult<Manifest> {
+    let key = version_key(region, seq);
+    let bytes = objects.get(&key).await?.ok_or_else(|| {
+        StoreError::new(
+            ErrorKind::NotFound,
+            format!(
+                "region {region:?} has no version {seq} in {}",
+                objects.location()
+            ),
+        )
+    })?;
+    let m = Manifest::decode(&bytes)
+        .map_err(|e| StoreError::new(e.kind(), format!("{key} in {}: {e}", objects.location())))?;
+    if m.seq != seq {
+        return Err(StoreError::new(
+            ErrorKind::Corrupt,
+            format!(
+                "{key} in {} says it is version {}",
+                objects.location(),
+                m.seq
+            ),
+        ));
+    }
+    Ok(m)
+}
+
+/// Version `seq` of `region` and its chunk map (every chunk holding data, with its content):
+/// the whole manifest its chain starts from, then each delta up to `seq`.
+pub(crate) async fn load(
+    objects: &dyn Objects,
+    region: &str,
+    seq: u64,
+) -> StoreResult<(Manifest, HashMap<u64, Hash>)> {
+    let top = manifest(objects, region, seq).await?;
+    // A chain longer than a writer makes is refused: it would be read whole at every open.
+    if seq - top.base > MAX_CHAIN {
+        return Err(StoreError::new(
+            ErrorKind::Corrupt,
+            format!("region {region:?}: version {seq} starts from version {}, more than {MAX_CHAIN} back", top.base),
+        ));
+    }
+    let mut map = HashMap::new();
+    for s in top.base..=seq {
+        let m = if s == seq {
+            top.clone()
+        } else {
+            manifest(objects, region, s).await?
+        };
+        if (m.size, m.chunk_size) != (top.size, top.chunk_size) || (s == top.base) != m.whole {
+            return Err(StoreError::new(
+                ErrorKind::Corrupt,
+                format!("region {region:?}: version {s} does not fit the chain of version {seq}"),
+            ));
+        }
+        for (idx, hash) in m.entries {
+            if hash == Hash::ZERO {
+                map.remove(&idx);
+            } else {
+                map.insert(idx, hash);
+            }
+        }
+    }
+    Ok((top, map))
+}
+
+/// The version number `at` stands for in `region`.
+pub async fn resolve(objects: &dyn Objects, region: &str, at: &At) -> StoreResult<u64> {
+    match at {
+        At::Latest => latest(objects, region).await?.ok_or_else(|| {
+            StoreError::new(
+                ErrorKind::NotFound,
+                format!(
+                    "region {region:?} has no versions in {}",
+                    objects.location()
+                ),
+            )
+        }),
+        At::Seq(n) => Ok(*n),
+        At::Tag(name) => {
+            check_name("snapshot", name).map_err(StoreError::invalid)?;
+            let key = format!("{}/{name}", tags_dir(region));
+            let text = objects.get(&key).await?.ok_or_else(|| {
+                StoreError::new(
+                    ErrorKind::NotFound,
+                    format!("region {region:?} has no snapshot named {name:?}"),
+                )
+            })?;
+            std::str::from_utf8(&text)
+                .ok()
+                .and_then(|t| t.trim().parse().ok())
+                .ok_or_else(|| {
+                    StoreError::new(
+                        ErrorKind::Corrupt,
+                        format!("{key} does not hold a version number"),
+                    )
+                })
+        }
+    }
+}
+
+/// One version, as `farmap versions` lists it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct VersionInfo {
+    /// Its number.
+    pub seq: u64,
+    /// Its writer's epoch.
+    pub epoch: u64,
+    /// When it was written, milliseconds since the Unix epoch.
+    pub time_ms: u64,
+    /// Whether its manifest lists every chunk.
+    pub whole: bool,
+    /// Chunks its manifest lists.
+    pub chunks: u64,
+    /// The region's size.
+    pub size: u64,
+    /// Snapshot names that stand for it.
+    pub names: Vec<String>,
+}
+
+/// Every version of `region`, oldest first.
+pub async fn history(objects: &dyn Objects, region: &str) -> StoreResult<Vec<VersionInfo>> {
+    check_name("region", region).map_err(StoreError::invalid)?;
+    let mut names: HashMap<u64, Vec<String>> = HashMap::new();
+    for tag in objects.list(&tags_dir(region)).await? {
+        let seq = resolve(objects, region, &At::Tag(tag.clone())).await?;
+        names.entry(seq).or_default().push(tag);
+    }
+    let mut seqs: Vec<u64> = objects
+        .list(&versions_dir(region))
+        .await?
+        .iter()
+        .filter_map(|n| n.parse().ok())
+        .collect();
+    seqs.sort_unstable();
+    let mut out = Vec::with_capacity(seqs.len());
+    for seq in seqs {
+        let m = manifest(objects, region, seq).await?;
+        out.push(VersionInfo {
+            seq,
+            epoch: m.epoch,
+            time_ms: m.time_ms,
+            whole: m.whole,
+            chunks: m.entries.len() as u64,
+            size: m.size,
+            names: names.remove(&seq).unwrap_or_default(),
+        });
+    }
+    Ok(out)
+}
+
+/// The latest version of `region`, `None` when it has none.
+pub(crate) async fn latest(objects: &dyn Objects, region: &str) -> StoreResult<Option<u64>> {
+    let names = objects.list(&versions_dir(region)).await?;
+    Ok(names.iter().filter_map(|n| n.parse::<u64>().ok()).max())
+}

@@ -1,0 +1,211 @@
+//! A version's manifest: which chunk holds which content, as a change to its parent or whole.
+//!
+//! ```text
+//!   magic "FMVERS01" | seq u64 | epoch u64 | base u64 | size u64 | chunk_size u32 | flags u32
+//!   | time_ms u64 | count u64 | count × (index u64 | hash [32]) | sha256 of all before [32]
+//! ```
+//!
+//! Integers are little-endian. `flags` bit 0: the manifest is whole (every chunk that holds
+//! data is listed; `base == seq`); otherwise it lists the chunks that changed since version
+//! `seq - 1`, and `base` is the whole manifest the chain starts from. A hash of all zeros is a
+//! chunk that reads as zeros.
+
+use farmap_core::{ErrorKind, Geometry, StoreError, StoreResult, MAX_CHUNK_SIZE, MIN_CHUNK_SIZE};
+
+use crate::Hash;
+
+const MAGIC: &[u8; 8] = b"FMVERS01";
+/// Bytes before the entries.
+const HEADER: usize = 8 + 8 * 4 + 4 * 2 + 8 + 8;
+/// Bytes of one entry.
+const ENTRY: usize = 8 + 32;
+/// Bytes of the trailer.
+const TRAILER: usize = 32;
+/// The whole-manifest flag.
+const WHOLE: u32 = 1;
+
+/// One version of a region.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Manifest {
+    /// Its number: versions of a region are numbered from 0 without gaps.
+    pub seq: u64,
+    /// The writer's epoch (raised by a writer that takes the region over).
+    pub epoch: u64,
+    /// The whole manifest its chain starts from (itself when whole).
+    pub base: u64,
+    /// The region's size in bytes.
+    pub size: u64,
+    /// The region's chunk size.
+    pub chunk_size: u32,
+    /// Whether it lists every chunk holding data (else the changes since `seq - 1`).
+    pub whole: bool,
+    /// When it was written, milliseconds since the Unix epoch.
+    pub time_ms: u64,
+    /// `(chunk, content)`, ascending by chunk, each once.
+    pub entries: Vec<(u64, Hash)>,
+}
+
+impl Manifest {
+    /// The region's shape.
+    pub fn geometry(&self) -> StoreResult<Geometry> {
+        Geometry::new(self.size, u64::from(self.chunk_size)).map_err(|e| corrupt(format!("{e}")))
+    }
+
+    /// Its bytes.
+    pub fn encode(&self) -> Vec<u8> {
+        let mut out = Vec::with_capacity(HEADER + self.entries.len() * ENTRY + TRAILER);
+        out.extend_from_slice(MAGIC);
+        for v in [self.seq, self.epoch, self.base, self.size] {
+            out.extend_from_slice(&v.to_le_bytes());
+        }
+        out.extend_from_slice(&self.chunk_size.to_le_bytes());
+        out.extend_from_slice(&(if self.whole { WHOLE } else { 0 }).to_le_bytes());
+        out.extend_from_slice(&self.time_ms.to_le_bytes());
+        out.extend_from_slice(&(self.entries.len() as u64).to_le_bytes());
+        for (idx, hash) in &self.entries {
+            out.extend_from_slice(&idx.to_le_bytes());
+            out.extend_from_slice(&hash.0);
+        }
+        let sum = Hash::of(&out);
+        out.extend_from_slice(&sum.0);
+        out
+    }
+
+    /// Reads a manifest, checking everything: its sum, its shape, its entries (in the
+    /// region, ascending). Nothing is allocated beyond what `bytes` holds.
+    pub fn decode(bytes: &[u8]) -> StoreResult<Manifest> {
+        if bytes.len() < HEADER + TRAILER {
+            return Err(corrupt(format!("{} bytes is too short", bytes.len())));
+        }
+        let (body, sum) = bytes.split_at(bytes.len() - TRAILER);
+        if Hash::of(body).0 != sum {
+            return Err(corrupt("its checksum does not match".into()));
+        }
+        if &body[..8] != MAGIC {
+            return Err(corrupt("it does not start with FMVERS01".into()));
+        }
+        let u64_at = |at: usize| u64::from_le_bytes(body[at..at + 8].try_into().expect("8"));
+        let u32_at = |at: usize| u32::from_le_bytes(body[at..at + 4].try_into().expect("4"));
+        let (seq, epoch, base, size) = (u64_at(8), u64_at(16), u64_at(24), u64_at(32));
+        let chunk_size = u32_at(40);
+        let flags = u32_at(44);
+        let time_ms = u64_at(48);
+        let count = u64_at(56);
+        if flags & !WHOLE != 0 {
+            return Err(corrupt(format!("unknown flags {flags:#x}")));
+        }
+        let whole = flags & WHOLE != 0;
+        if !(MIN_CHUNK_SIZE..=MAX_CHUNK_SIZE).contains(&chunk_size) || !chunk_size.is_power_of_two()
+        {
+            return Err(corrupt(format!("chunk size {chunk_size}")));
+        }
+        let geometry =
+            Geometry::new(size, u64::from(chunk_size)).map_err(|e| corrupt(format!("{e}")))?;
+        if base > seq || (whole && base != seq) {
+            return Err(corrupt(format!("version {seq} names base {base}")));
+        }
+        let rest = &body[HEADER..];
+        if count.checked_mul(ENTRY as u64) != Some(rest.len() as u64) {
+            return Err(corrupt(format!("{count} entries in {} bytes", rest.len())));
+        }
+        let mut entries = Vec::with_capacity(rest.len() / ENTRY);
+        for e in rest.chunks_exact(ENTRY) {
+            let idx = u64::from_le_bytes(e[..8].try_into().expect("8"));
+            if idx >= geometry.chunk_count() {
+                return Err(corrupt(format!("chunk {idx} is outside the region")));
+            }
+            if entries.last().is_some_and(|(last, _)| *last >= idx) {
+                return Err(corrupt(format!("chunk {idx} is out of order")));
+            }
+            entries.push((idx, Hash(e[8..].try_into().expect("32"))));
+        }
+        Ok(Manifest {
+            seq,
+            epoch,
+            base,
+            size,
+            chunk_size,
+            whole,
+            time_ms,
+            entries,
+        })
+    }
+}
+
+fn corrupt(why: String) -> StoreError {
+    StoreError::new(
+        ErrorKind::Corrupt,
+        format!("a version manifest is damaged: {why}"),
+    )
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn sample() -> Manifest {
+        Manifest {
+            seq: 7,
+            epoch: 2,
+            base: 4,
+            size: 1 << 20,
+            chunk_size: 65536,
+            whole: false,
+            time_ms: 1_700_000_000_000,
+            entries: vec![(0, Hash::of(b"a")), (3, Hash::ZERO), (15, Hash::of(b"b"))],
+        }
+    }
+
+    #[test]
+    fn round_trip() {
+        let m = sample();
+        assert_eq!(Manifest::decode(&m.encode()).unwrap(), m);
+        let whole = Manifest {
+            whole: true,
+            base: 7,
+            entries: vec![],
+            ..m
+        };
+        assert_eq!(Manifest::decode(&whole.encode()).unwrap(), whole);
+    }
+
+    #[test]
+    fn damage_is_refused() {
+        let bytes = sample().encode();
+        for cut in [0, 10, HEADER, bytes.len() - 1] {
+            assert!(Manifest::decode(&bytes[..cut]).is_err(), "cut at {cut}");
+        }
+        for flip in [0, 9, 41, HEADER + 3, bytes.len() - 1] {
+            let mut b = bytes.clone();
+            b[flip] ^= 1;
+            let e = Manifest::decode(&b).unwrap_err();
+            assert_eq!(e.kind(), ErrorKind::Corrupt, "{e}");
+        }
+    }
+
+    /// Well-summed manifests that lie about their shape are refused all the same.
+    #[test]
+    fn lies_are_refused() {
+        let resum = |mut m: Vec<u8>| {
+            let n = m.len() - TRAILER;
+            m.truncate(n);
+            let s = Hash::of(&m);
+            m.extend_from_slice(&s.0);
+            m
+        };
+        let mut outside = sample();
+        outside.entries.push((16, Hash::ZERO));
+        assert!(Manifest::decode(&outside.encode()).is_err());
+        let mut unordered = sample();
+        unordered.entries.swap(0, 1);
+        assert!(Manifest::decode(&unordered.encode()).is_err());
+        let mut count = sample().encode();
+        count[56..64].copy_from_slice(&u64::MAX.to_le_bytes());
+        assert!(Manifest::decode(&resum(count)).is_err());
+        let bad_base = Manifest {
+            base: 9,
+            ..sample()
+        };
+        assert!(Manifest::decode(&bad_base.encode()).is_err());
+    }
+}

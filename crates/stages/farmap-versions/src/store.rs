@@ -1,0 +1,393 @@
+//! [`Versioned`]: a region kept as versions over [`Objects`], served as a [`Store`].
+
+use std::collections::{BTreeMap, HashMap, HashSet};
+use std::fmt;
+use std::sync::Arc;
+
+use bytes::Bytes;
+use farmap_core::{
+    is_zero, zero_chunk, BoxFuture, Caps, ChunkIdx, ChunkRange, ChunkStatus, ErrorKind, Geometry,
+    Objects, Store, StoreError, StoreResult,
+};
+use parking_lot::Mutex;
+
+use crate::history::{latest, load, resolve};
+use crate::manifest::Manifest;
+use crate::{check_name, chunk, now_ms, tags_dir, version_key, At, Hash, MAX_CHAIN};
+
+/// How to open a [`Versioned`] region.
+#[derive(Debug, Clone)]
+pub struct VersionedOptions {
+    /// The region's name in the object store.
+    pub region: String,
+    /// Which version.
+    pub at: At,
+    /// Refuse writes.
+    pub read_only: bool,
+    /// Create the region with this shape when it has no version yet.
+    pub create: Option<Geometry>,
+}
+
+/// What the writer knows of the region's history.
+#[derive(Debug)]
+struct Head {
+    /// The version this opening last read or wrote.
+    seq: u64,
+    epoch: u64,
+    /// The whole manifest its chain starts from, and how many deltas follow it.
+    base: u64,
+    chain: u64,
+}
+
+#[derive(Debug)]
+struct State {
+    /// Every chunk that holds data, with its content.
+    map: HashMap<u64, Hash>,
+    /// Chunks changed since the last version written (zeros as [`Hash::ZERO`]).
+    dirty: BTreeMap<u64, Hash>,
+    head: Head,
+    /// Set once another writer advanced the region: every later write and flush fails.
+    fenced: Option<String>,
+}
+
+/// A region kept as versions over [`Objects`]: reads come from the version it opened (and
+/// this opening's writes), writes go to new content-addressed chunks at once, and a flush
+/// with something to save writes the next version (see the crate documentation).
+pub struct Versioned {
+    objects: Arc<dyn Objects>,
+    region: String,
+    geometry: Geometry,
+    read_only: bool,
+    state: Mutex<State>,
+    /// Chunks known to be stored (written or read by this opening).
+    stored: Mutex<HashSet<Hash>>,
+    /// One flush at a time.
+    flushing: tokio::sync::Mutex<()>,
+}
+
+impl fmt::Debug for Versioned {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let st = self.state.lock();
+        f.debug_struct("Versioned")
+            .field("objects", &self.objects.location())
+            .field("region", &self.region)
+            .field("version", &st.head.seq)
+            .field("dirty", &st.dirty.len())
+            .finish()
+    }
+}
+
+impl Versioned {
+    /// Opens `opts.region` in `objects`, creating it (version 0, empty) when it has no
+    /// version and `opts.create` gives its shape.
+    pub async fn open(objects: Arc<dyn Objects>, opts: VersionedOptions) -> StoreResult<Self> {
+        check_name("region", &opts.region).map_err(StoreError::invalid)?;
+        let region = opts.region.clone();
+        let mut latest = latest(&*objects, &region).await?;
+        if latest.is_none() {
+            let Some(g) = opts.create.filter(|_| !opts.read_only) else {
+                return Err(StoreError::new(
+                    ErrorKind::NotFound,
+                    format!(
+                        "region {region:?} has no versions in {}: give its size to create it",
+                        objects.location()
+                    ),
+                ));
+            };
+            let first = Manifest {
+                seq: 0,
+                epoch: 1,
+                base: 0,
+                size: g.size(),
+                chunk_size: g.chunk_size(),
+                whole: true,
+                time_ms: now_ms(),
+                entries: Vec::new(),
+            };
+            // Losing this race to another creator is fine: its version 0 is read below.
+            objects
+                .create(&version_key(&region, 0), Bytes::from(first.encode()))
+                .await?;
+            latest = Some(0);
+        }
+        let latest = latest.expect("set above");
+        let seq = match &opts.at {
+            At::Latest => latest,
+            at => resolve(&*objects, &region, at).await?,
+        };
+        let writable = !opts.read_only;
+        if writable && seq != latest {
+            return Err(StoreError::new(
+                ErrorKind::ReadOnly,
+                format!(
+                    "region {region:?}: version {seq} is not the latest ({latest}); open it read-only"
+                ),
+            ));
+        }
+        let (manifest, map) = load(&*objects, &region, seq).await?;
+        let geometry = manifest.geometry()?;
+        if let Some(g) = opts.create {
+            if (g.size(), g.chunk_size()) != (geometry.size(), geometry.chunk_size()) {
+                return Err(StoreError::invalid(format!(
+                    "region {region:?} is {} bytes in chunks of {}, not {} in chunks of {}",
+                    geometry.size(),
+                    geometry.chunk_size(),
+                    g.size(),
+                    g.chunk_size()
+                )));
+            }
+        }
+        let chain = seq - manifest.base;
+        Ok(Self {
+            objects,
+            region,
+            geometry,
+            read_only: opts.read_only,
+            state: Mutex::new(State {
+                map,
+                dirty: BTreeMap::new(),
+                head: Head {
+                    seq,
+                    epoch: manifest.epoch,
+                    base: manifest.base,
+                    chain,
+                },
+                fenced: None,
+            }),
+            stored: Mutex::new(HashSet::new()),
+            flushing: tokio::sync::Mutex::new(()),
+        })
+    }
+
+    /// The region's name.
+    pub fn region(&self) -> &str {
+        &self.region
+    }
+
+    /// The version this opening last read or wrote.
+    pub fn version(&self) -> u64 {
+        self.state.lock().head.seq
+    }
+
+    /// Chunks written since the last version.
+    pub fn dirty_chunks(&self) -> usize {
+        self.state.lock().dirty.len()
+    }
+
+    /// Takes the region over: saves what this opening has written, then writes the next
+    /// version with the next epoch, so that any other writer is fenced at its next flush.
+    pub async fn claim(&self) -> StoreResult<u64> {
+        self.flush().await?;
+        let _one = self.flushing.lock().await;
+        self.save(true).await
+    }
+
+    /// Saves what is written as a version and names it `name`; returns its number.
+    pub async fn snapshot(&self, name: &str) -> StoreResult<u64> {
+        check_name("snapshot", name).map_err(StoreError::invalid)?;
+        self.flush().await?;
+        let seq = self.version();
+        let key = format!("{}/{name}", tags_dir(&self.region));
+        if !self
+            .objects
+            .create(&key, Bytes::from(format!("{seq}\n")))
+            .await?
+        {
+            return Err(StoreError::invalid(format!(
+                "region {:?} already has a snapshot named {name:?}",
+                self.region
+            )));
+        }
+        Ok(seq)
+    }
+
+    fn check_writable(&self) -> StoreResult<()> {
+        if self.read_only {
+            return Err(StoreError::new(
+                ErrorKind::ReadOnly,
+                format!("region {:?} is open read-only", self.region),
+            ));
+        }
+        if let Some(why) = &self.state.lock().fenced {
+            return Err(StoreError::new(ErrorKind::Fenced, why.clone()));
+        }
+        Ok(())
+    }
+
+    /// Writes the next version: the dirty chunks (or every chunk, when the chain is long),
+    /// with the next epoch when `claim`. Called under `flushing`.
+    async fn save(&self, claim: bool) -> StoreResult<u64> {
+        let (manifest, written) = {
+            let st = self.state.lock();
+            if let Some(why) = &st.fenced {
+                return Err(StoreError::new(ErrorKind::Fenced, why.clone()));
+            }
+            if st.dirty.is_empty() && !claim {
+                return Ok(st.head.seq);
+            }
+            let seq = st.head.seq + 1;
+            let whole = st.head.chain + 1 >= MAX_CHAIN;
+            let entries: Vec<(u64, Hash)> = if whole {
+                let mut all: Vec<_> = st.map.iter().map(|(i, h)| (*i, *h)).collect();
+                all.sort_unstable();
+                all
+            } else {
+                st.dirty.iter().map(|(i, h)| (*i, *h)).collect()
+            };
+            let manifest = Manifest {
+                seq,
+                epoch: st.head.epoch + u64::from(claim),
+                base: if whole { seq } else { st.head.base },
+                size: self.geometry.size(),
+                chunk_size: self.geometry.chunk_size(),
+                whole,
+                time_ms: now_ms(),
+                entries,
+            };
+            let written: Vec<(u64, Hash)> = st.dirty.iter().map(|(i, h)| (*i, *h)).collect();
+            (manifest, written)
+        };
+        let seq = manifest.seq;
+        let key = version_key(&self.region, seq);
+        let bytes = Bytes::from(manifest.encode());
+        let created = match self.objects.create(&key, bytes.clone()).await {
+            Ok(c) => c,
+            // The create may have landed before the error: what is there decides.
+            Err(e) => match self.objects.get(&key).await {
+                Ok(Some(there)) if there == bytes => true,
+                Ok(None) => return Err(e),
+                Ok(Some(_)) => false,
+                Err(_) => return Err(e),
+            },
+        };
+        let mut st = self.state.lock();
+        if !created {
+            let why = format!(
+                "region {:?}: another writer wrote version {seq} (this opening wrote up to {}); \
+                 what was written here since is not saved",
+                self.region, st.head.seq
+            );
+            st.fenced = Some(why.clone());
+            return Err(StoreError::new(ErrorKind::Fenced, why));
+        }
+        st.head.seq = seq;
+        st.head.epoch = manifest.epoch;
+        if manifest.whole {
+            st.head.base = seq;
+            st.head.chain = 0;
+        } else {
+            st.head.chain += 1;
+        }
+        for (idx, hash) in written {
+            if st.dirty.get(&idx) == Some(&hash) {
+                st.dirty.remove(&idx);
+            }
+        }
+        Ok(seq)
+    }
+
+    /// Chunk `idx` now holds `hash`; a chunk written again with the content it holds is not
+    /// a change (the next version does not list it).
+    fn set(&self, idx: u64, hash: Hash) {
+        let mut st = self.state.lock();
+        let before = if hash == Hash::ZERO {
+            st.map.remove(&idx)
+        } else {
+            st.map.insert(idx, hash)
+        };
+        if before.unwrap_or(Hash::ZERO) != hash || st.dirty.contains_key(&idx) {
+            st.dirty.insert(idx, hash);
+        }
+    }
+}
+
+impl Store for Versioned {
+    fn geometry(&self) -> Geometry {
+        self.geometry
+    }
+
+    fn caps(&self) -> Caps {
+        let base = Caps::STATUS | Caps::PARALLEL;
+        if self.read_only {
+            base
+        } else {
+            base | Caps::WRITE | Caps::FLUSH | Caps::TRIM
+        }
+    }
+
+    fn read(&self, idx: ChunkIdx) -> BoxFuture<'_, StoreResult<Bytes>> {
+        Box::pin(async move {
+            self.geometry.check_idx(idx)?;
+            let len = self.geometry.chunk_len(idx);
+            let Some(hash) = self.state.lock().map.get(&idx.0).copied() else {
+                return Ok(zero_chunk(len));
+            };
+            let stored = self.objects.get(&chunk::key(&hash)).await?.ok_or_else(|| {
+                StoreError::new(
+                    ErrorKind::Corrupt,
+                    format!(
+                        "region {:?}: chunk {} ({}) is missing from {}",
+                        self.region,
+                        idx.0,
+                        hash.hex(),
+                        self.objects.location()
+                    ),
+                )
+            })?;
+            let data = chunk::decode(&stored, len, &hash)?;
+            self.stored.lock().insert(hash);
+            Ok(data)
+        })
+    }
+
+    fn write(&self, idx: ChunkIdx, data: Bytes) -> BoxFuture<'_, StoreResult<()>> {
+        Box::pin(async move {
+            self.geometry.check_write(idx, data.len())?;
+            self.check_writable()?;
+            if is_zero(&data) {
+                self.set(idx.0, Hash::ZERO);
+                return Ok(());
+            }
+            let hash = Hash::of(&data);
+            if !self.stored.lock().contains(&hash) {
+                // Created or already there (the same bytes, written before): both are stored.
+                self.objects
+                    .create(&chunk::key(&hash), Bytes::from(chunk::encode(&data)))
+                    .await?;
+                self.stored.lock().insert(hash);
+            }
+            self.set(idx.0, hash);
+            Ok(())
+        })
+    }
+
+    fn flush(&self) -> BoxFuture<'_, StoreResult<()>> {
+        Box::pin(async move {
+            if self.read_only {
+                return Ok(());
+            }
+            let _one = self.flushing.lock().await;
+            self.save(false).await.map(|_| ())
+        })
+    }
+
+    fn trim(&self, range: ChunkRange) -> BoxFuture<'_, StoreResult<()>> {
+        Box::pin(async move {
+            self.geometry.check_range(range)?;
+            self.check_writable()?;
+            for idx in range.iter() {
+                self.set(idx.0, Hash::ZERO);
+            }
+            Ok(())
+        })
+    }
+
+    fn status(&self, idx: ChunkIdx) -> BoxFuture<'_, StoreResult<ChunkStatus>> {
+        Box::pin(async move {
+            self.geometry.check_idx(idx)?;
+            Ok(ChunkStatus::data_if(
+                self.state.lock().map.contains_key(&idx.0),
+            ))
+        })
+    }
+}

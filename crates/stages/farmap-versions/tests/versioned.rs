@@ -1,0 +1,283 @@
+//! The versioned layout over a real directory: versions, snapshots, sharing, fencing, damage.
+
+use std::path::Path;
+use std::sync::Arc;
+
+use bytes::Bytes;
+use farmap_core::{ChunkIdx, ChunkRange, ErrorKind, Geometry, Objects, Store};
+use farmap_store::DirObjects;
+use farmap_versions::{history, At, Versioned, VersionedOptions, MAX_CHAIN};
+
+const CHUNK: u32 = 4096;
+
+fn objects(dir: &Path) -> Arc<dyn Objects> {
+    Arc::new(DirObjects::open(dir).unwrap())
+}
+
+fn opts(region: &str, at: At, read_only: bool) -> VersionedOptions {
+    VersionedOptions {
+        region: region.into(),
+        at,
+        read_only,
+        create: Some(Geometry::new(64 * u64::from(CHUNK), u64::from(CHUNK)).unwrap()),
+    }
+}
+
+async fn open(o: &Arc<dyn Objects>, region: &str) -> Versioned {
+    Versioned::open(o.clone(), opts(region, At::Latest, false))
+        .await
+        .unwrap()
+}
+
+fn chunk(byte: u8) -> Bytes {
+    Bytes::from(vec![byte; CHUNK as usize])
+}
+
+/// Chunk files under the object directory.
+fn stored_chunks(dir: &Path) -> usize {
+    let root = dir.join("chunks");
+    let Ok(fanout) = std::fs::read_dir(root) else {
+        return 0;
+    };
+    fanout
+        .map(|d| std::fs::read_dir(d.unwrap().path()).unwrap().count())
+        .sum()
+}
+
+#[tokio::test]
+async fn versions_keep_what_each_flush_saved() {
+    let dir = tempfile::tempdir().unwrap();
+    let o = objects(dir.path());
+    let v = open(&o, "r").await;
+    assert_eq!(v.version(), 0);
+    v.write(ChunkIdx(1), chunk(1)).await.unwrap();
+    v.flush().await.unwrap();
+    assert_eq!(v.version(), 1);
+    v.write(ChunkIdx(1), chunk(2)).await.unwrap();
+    v.write(ChunkIdx(5), chunk(5)).await.unwrap();
+    assert_eq!(v.snapshot("two").await.unwrap(), 2);
+    v.flush().await.unwrap();
+    assert_eq!(v.version(), 2, "nothing new: no version");
+    drop(v);
+
+    let latest = open(&o, "r").await;
+    assert_eq!(latest.read(ChunkIdx(1)).await.unwrap(), chunk(2));
+    assert_eq!(latest.read(ChunkIdx(5)).await.unwrap(), chunk(5));
+    assert_eq!(latest.read(ChunkIdx(0)).await.unwrap(), chunk(0));
+    let first = Versioned::open(o.clone(), opts("r", At::Seq(1), true))
+        .await
+        .unwrap();
+    assert_eq!(first.read(ChunkIdx(1)).await.unwrap(), chunk(1));
+    assert_eq!(first.read(ChunkIdx(5)).await.unwrap(), chunk(0));
+    let e = first.write(ChunkIdx(0), chunk(9)).await.unwrap_err();
+    assert_eq!(e.kind(), ErrorKind::ReadOnly);
+    let named = Versioned::open(o.clone(), opts("r", At::Tag("two".into()), true))
+        .await
+        .unwrap();
+    assert_eq!(named.read(ChunkIdx(5)).await.unwrap(), chunk(5));
+
+    let e = Versioned::open(o.clone(), opts("r", At::Seq(1), false))
+        .await
+        .unwrap_err();
+    assert_eq!(e.kind(), ErrorKind::ReadOnly, "{e}");
+    let e = Versioned::open(o.clone(), opts("r", At::Tag("nope".into()), true))
+        .await
+        .unwrap_err();
+    assert_eq!(e.kind(), ErrorKind::NotFound, "{e}");
+    let e = latest.snapshot("two").await.unwrap_err();
+    assert!(e.to_string().contains("already has a snapshot"), "{e}");
+
+    let h = history(&*o, "r").await.unwrap();
+    let seqs: Vec<u64> = h.iter().map(|v| v.seq).collect();
+    assert_eq!(seqs, [0, 1, 2]);
+    assert_eq!(h[2].names, ["two"]);
+    assert_eq!(h[2].chunks, 2, "a delta lists what changed");
+}
+
+#[tokio::test]
+async fn equal_chunks_are_stored_once_and_zeros_not_at_all() {
+    let dir = tempfile::tempdir().unwrap();
+    let o = objects(dir.path());
+    let a = open(&o, "a").await;
+    let b = open(&o, "b").await;
+    for i in 0..8 {
+        a.write(ChunkIdx(i), chunk(7)).await.unwrap();
+        b.write(ChunkIdx(i), chunk(7)).await.unwrap();
+    }
+    a.write(ChunkIdx(9), chunk(0)).await.unwrap();
+    a.flush().await.unwrap();
+    b.flush().await.unwrap();
+    assert_eq!(stored_chunks(dir.path()), 1);
+    let bytes: u64 = walk(&dir.path().join("chunks"));
+    assert!(
+        bytes < u64::from(CHUNK) / 8,
+        "a repetitive chunk is compressed: {bytes} bytes"
+    );
+    b.trim(ChunkRange::new(ChunkIdx(0), ChunkIdx(4)))
+        .await
+        .unwrap();
+    b.flush().await.unwrap();
+    drop(b);
+    let b = open(&o, "b").await;
+    assert_eq!(b.read(ChunkIdx(3)).await.unwrap(), chunk(0));
+    assert_eq!(b.read(ChunkIdx(4)).await.unwrap(), chunk(7));
+}
+
+fn walk(p: &Path) -> u64 {
+    std::fs::read_dir(p)
+        .unwrap()
+        .map(|e| {
+            let e = e.unwrap();
+            if e.file_type().unwrap().is_dir() {
+                walk(&e.path())
+            } else {
+                e.metadata().unwrap().len()
+            }
+        })
+        .sum()
+}
+
+/// Two writers of one region: the second to flush is fenced, and stays fenced; a writer
+/// that claims the region fences the one before it.
+#[tokio::test]
+async fn a_second_writer_is_fenced_at_its_flush() {
+    let dir = tempfile::tempdir().unwrap();
+    let o = objects(dir.path());
+    let one = open(&o, "r").await;
+    let two = open(&o, "r").await;
+    one.write(ChunkIdx(0), chunk(1)).await.unwrap();
+    two.write(ChunkIdx(0), chunk(2)).await.unwrap();
+    one.flush().await.unwrap();
+    let e = two.flush().await.unwrap_err();
+    assert_eq!(e.kind(), ErrorKind::Fenced, "{e}");
+    assert!(e.to_string().contains("another writer"), "{e}");
+    assert_eq!(
+        two.flush().await.unwrap_err().kind(),
+        ErrorKind::Fenced,
+        "stays failed"
+    );
+    assert_eq!(
+        two.write(ChunkIdx(1), chunk(3)).await.unwrap_err().kind(),
+        ErrorKind::Fenced
+    );
+
+    let three = open(&o, "r").await;
+    assert_eq!(three.read(ChunkIdx(0)).await.unwrap(), chunk(1));
+    assert_eq!(three.claim().await.unwrap(), 2);
+    one.write(ChunkIdx(2), chunk(4)).await.unwrap();
+    assert_eq!(one.flush().await.unwrap_err().kind(), ErrorKind::Fenced);
+    three.write(ChunkIdx(2), chunk(5)).await.unwrap();
+    three.flush().await.unwrap();
+    let h = history(&*o, "r").await.unwrap();
+    assert_eq!(h.last().unwrap().epoch, 2);
+}
+
+/// After many flushes the chain is cut by a whole manifest, and every version still reads
+/// back as it was saved.
+#[tokio::test]
+async fn long_histories_read_back() {
+    let dir = tempfile::tempdir().unwrap();
+    let o = objects(dir.path());
+    let v = open(&o, "r").await;
+    let n = 2 * MAX_CHAIN + 5;
+    for i in 1..=n {
+        v.write(ChunkIdx(i % 64), chunk(i as u8)).await.unwrap();
+        v.flush().await.unwrap();
+    }
+    drop(v);
+    let h = history(&*o, "r").await.unwrap();
+    assert_eq!(h.len() as u64, n + 1);
+    assert!(
+        h.iter().filter(|v| v.whole).count() >= 3,
+        "whole every {MAX_CHAIN}"
+    );
+    for seq in [1, MAX_CHAIN, MAX_CHAIN + 1, n] {
+        let old = Versioned::open(o.clone(), opts("r", At::Seq(seq), true))
+            .await
+            .unwrap();
+        for i in 1..=seq {
+            if i + 64 > seq {
+                assert_eq!(old.read(ChunkIdx(i % 64)).await.unwrap(), chunk(i as u8));
+            }
+        }
+    }
+}
+
+/// A chunk changed behind farmap's back is refused, not served.
+#[tokio::test]
+async fn damaged_chunks_are_refused() {
+    let dir = tempfile::tempdir().unwrap();
+    let o = objects(dir.path());
+    let v = open(&o, "r").await;
+    let data: Vec<u8> = (0..CHUNK).map(|i| (i * 7 % 251) as u8).collect();
+    v.write(ChunkIdx(3), Bytes::from(data)).await.unwrap();
+    v.flush().await.unwrap();
+    drop(v);
+    let fanout = std::fs::read_dir(dir.path().join("chunks"))
+        .unwrap()
+        .next()
+        .unwrap()
+        .unwrap()
+        .path();
+    let file = std::fs::read_dir(fanout)
+        .unwrap()
+        .next()
+        .unwrap()
+        .unwrap()
+        .path();
+    let mut bytes = std::fs::read(&file).unwrap();
+    let last = bytes.len() - 1;
+    bytes[last] ^= 0x40;
+    std::fs::remove_file(&file).unwrap();
+    std::fs::write(&file, bytes).unwrap();
+    let v = open(&o, "r").await;
+    let e = v.read(ChunkIdx(3)).await.unwrap_err();
+    assert_eq!(e.kind(), ErrorKind::Corrupt, "{e}");
+}
+
+/// The store contract every store keeps, over a directory of objects.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn keeps_the_store_contract() {
+    let dir = tempfile::tempdir().unwrap();
+    let o = objects(dir.path());
+    let n = std::sync::atomic::AtomicU64::new(0);
+    farmap_testkit::run_conformance(|g| {
+        let o = o.clone();
+        let region = format!("c{}", n.fetch_add(1, std::sync::atomic::Ordering::Relaxed));
+        async move {
+            let v = Versioned::open(
+                o,
+                VersionedOptions {
+                    region,
+                    at: At::Latest,
+                    read_only: false,
+                    create: Some(g),
+                },
+            )
+            .await
+            .unwrap();
+            Arc::new(v) as Arc<dyn Store>
+        }
+    })
+    .await;
+}
+
+#[tokio::test]
+async fn a_region_without_versions_needs_a_size() {
+    let dir = tempfile::tempdir().unwrap();
+    let o = objects(dir.path());
+    let e = Versioned::open(
+        o.clone(),
+        VersionedOptions {
+            create: None,
+            ..opts("none", At::Latest, false)
+        },
+    )
+    .await
+    .unwrap_err();
+    assert_eq!(e.kind(), ErrorKind::NotFound, "{e}");
+    let e = Versioned::open(o, opts("bad/name", At::Latest, false))
+        .await
+        .unwrap_err();
+    assert_eq!(e.kind(), ErrorKind::InvalidInput, "{e}");
+}

@@ -1,0 +1,22 @@
+//! The versioned layout's decoders on arbitrary bytes: a version manifest (what another
+//! writer, or a damaged object store, left) and a stored chunk. Neither may panic or allocate
+//! more than its input (and the chunk's length) calls for; a manifest that decodes encodes
+//! back to the same bytes, and a chunk that decodes matches its hash.
+#![no_main]
+
+use farmap_versions::{chunk, Hash, Manifest};
+use libfuzzer_sys::fuzz_target;
+
+fuzz_target!(|data: &[u8]| {
+    if let Ok(m) = Manifest::decode(data) {
+        assert_eq!(m.encode(), data, "{m:?} encodes differently");
+    }
+    // A stored chunk of at most 64 KiB, its length from the first two bytes.
+    if let Some((len, stored)) = data.split_first_chunk::<2>() {
+        let len = usize::from(u16::from_le_bytes(*len)) + 1;
+        let hash = Hash::of(stored);
+        if let Ok(back) = chunk::decode(stored, len, &hash) {
+            assert_eq!(back.len(), len);
+        }
+    }
+});
