@@ -186,6 +186,12 @@ def _nbd(out):
             one(r, "seq_read_mb_per_s", server="nbdkit", case="seq-read"))
 
 
+def _snapshot(out):
+    r = out["versions"]
+    return (one(r, "bytes_written", case="snapshot"),
+            one(r, "dirty_stored_bytes", case="snapshot"))
+
+
 def have_root_cgroup_v1():
     if os.geteuid() != 0:
         return "needs root"
@@ -265,6 +271,10 @@ CASES = [
          _instant, "pre-copy downtime", bar=("<=", 10.0), on="farmap",
          quick={"migrate": ["migrate", "--modes", "instant,precopy", "--sizes", "256MiB",
                             "--settle", "3s"]}),
+    Case("versions snapshot, 1% of 4 GiB rewritten", "bytes",
+         {"versions": ["versions", "--size", "4GiB"]}, _snapshot,
+         "the rewritten chunks as stored", bar=("<=", 1.2),
+         quick={"versions": ["versions", "--size", "256MiB"]}),
     Case("nbd seq-read (nbdcopy)", "MB/s",
          {"nbd": ["nbd", "--servers", "farmap,nbdkit"]}, _nbd, "nbdkit memory",
          needs=(have_nbd_tools,), better="higher"),

@@ -98,6 +98,9 @@ enum Command {
     Snapshot(versions::SnapshotArgs),
     /// List the versions of a versioned region, oldest first, with their snapshot names.
     Versions(versions::VersionsArgs),
+    /// Make new versioned regions that start as a version of another: every chunk is
+    /// shared until written (only a manifest is written per fork).
+    Fork(versions::ForkArgs),
     /// Measure a data path against a reference measured in the same run.
     #[cfg(feature = "tools")]
     #[command(subcommand)]
@@ -212,6 +215,7 @@ fn main() -> ExitCode {
             Command::Verify(args) => verify::run(args).await,
             Command::Snapshot(args) => versions::snapshot(args).await,
             Command::Versions(args) => versions::versions(args).await,
+            Command::Fork(args) => versions::fork(args).await,
             #[cfg(feature = "tools")]
             Command::Bench(cmd) => bench::run(cmd).await,
             #[cfg(feature = "tools")]

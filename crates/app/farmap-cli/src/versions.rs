@@ -1,17 +1,20 @@
-//! `farmap snapshot SPEC NAME` and `farmap versions SPEC`: a versioned region's history.
+//! `farmap snapshot SPEC NAME`, `farmap versions SPEC` and `farmap fork SPEC NEW...`: a
+//! versioned region's history.
 //!
 //! `snapshot --json` prints one line: `spec`, `region`, `name`, `version`.
 //! `versions --json` prints one line per version, oldest first: `version`, `epoch`,
 //! `time_ms` (when it was written, milliseconds since the Unix epoch), `whole` (its
 //! manifest lists every chunk, else the changes since the version before), `chunks` (chunks
 //! its manifest lists), `size` (bytes), `names` (snapshot names that stand for it).
+//! `fork --json` prints one line per new region: `region`, `from`, `version` (the version it
+//! starts from), `ms` (time to make all of them).
 
 use std::process::ExitCode;
 
 use anyhow::{bail, Context};
 use clap::Args;
 use farmap::spec::{open_objects, SpecKind};
-use farmap::versions::{history, At, Versioned, VersionedOptions};
+use farmap::versions::{fork as fork_region, history, At, Versioned, VersionedOptions};
 use farmap::StoreSpec;
 use serde::Serialize;
 
@@ -33,6 +36,19 @@ pub struct VersionsArgs {
     /// The region: `versioned:(dir:PATH)/REGION`.
     spec: StoreSpec,
     /// One JSON object per version instead of a table.
+    #[arg(long)]
+    json: bool,
+}
+
+#[derive(Debug, Args)]
+pub struct ForkArgs {
+    /// The region and version to fork: `versioned:(dir:PATH)/REGION[@VERSION]` (the latest
+    /// when no version is given).
+    spec: StoreSpec,
+    /// The new regions (1 to 128 of A-Z a-z 0-9 . _ - each), kept beside REGION.
+    #[arg(required = true)]
+    new: Vec<String>,
+    /// One JSON object per new region instead of text.
     #[arg(long)]
     json: bool,
 }
@@ -134,6 +150,37 @@ pub async fn versions(args: VersionsArgs) -> anyhow::Result<ExitCode> {
                 if row.whole { " (whole)" } else { "" },
                 row.names.join(", ")
             );
+        }
+    }
+    Ok(ExitCode::SUCCESS)
+}
+
+#[derive(Debug, Serialize)]
+struct Forked<'a> {
+    region: &'a str,
+    from: &'a str,
+    version: u64,
+    ms: f64,
+}
+
+pub async fn fork(args: ForkArgs) -> anyhow::Result<ExitCode> {
+    let (objects, region, at) = parts(&args.spec)?;
+    let store = open_objects(objects)?;
+    let start = std::time::Instant::now();
+    let version = fork_region(&*store, region, at, &args.new)
+        .await
+        .with_context(|| format!("forking {}", args.spec))?;
+    let ms = output::round1(start.elapsed().as_secs_f64() * 1e3);
+    for new in &args.new {
+        if args.json {
+            output::json_line(&Forked {
+                region: new,
+                from: region,
+                version,
+                ms,
+            })?;
+        } else {
+            println!("{new}: a fork of {region} at version {version}");
         }
     }
     Ok(ExitCode::SUCCESS)

@@ -89,6 +89,17 @@ fn copies_make_versions_and_snapshots_name_them() {
         "the latest reads as the second"
     );
 
+    let forks = farmap().json_lines(&["fork", &format!("{spec}@first"), "f1", "f2", "--json"]);
+    assert_eq!(forks.len(), 2, "{forks:?}");
+    assert_eq!(forks[0]["version"], 1);
+    let fork = format!("versioned:(dir:{})/f2", objects.display());
+    std::fs::remove_file(&out).unwrap();
+    farmap().ok(&["cp", &fork, &file(&out)]);
+    assert!(
+        std::fs::read(&out).unwrap() == one,
+        "a fork of @first reads as the first copy"
+    );
+
     let err = farmap().fails(&["snapshot", &spec, "first"]);
     assert!(err.contains("already has a snapshot"), "{err}");
     let err = farmap().fails(&["cp", &file(&a), &format!("{spec}@1")]);

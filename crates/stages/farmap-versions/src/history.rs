@@ -163,3 +163,47 @@ pub(crate) async fn latest(objects: &dyn Objects, region: &str) -> StoreResult<O
     let names = objects.list(&versions_dir(region)).await?;
     Ok(names.iter().filter_map(|n| n.parse::<u64>().ok()).max())
 }
+
+/// Makes each of `into` a new region whose version 0 is version `at` of `region`: every
+/// chunk is shared (nothing is copied but the manifest), and each fork is written
+/// independently from then on. Refuses a name that already has versions, before making any.
+pub async fn fork(
+    objects: &dyn Objects,
+    region: &str,
+    at: &At,
+    into: &[String],
+) -> StoreResult<u64> {
+    check_name("region", region).map_err(StoreError::invalid)?;
+    for name in into {
+        check_name("region", name).map_err(StoreError::invalid)?;
+        if latest(objects, name).await?.is_some() {
+            return Err(StoreError::invalid(format!(
+                "region {name:?} already exists in {}",
+                objects.location()
+            )));
+        }
+    }
+    let seq = resolve(objects, region, at).await?;
+    let (top, map) = load(objects, region, seq).await?;
+    let mut entries: Vec<(u64, Hash)> = map.into_iter().collect();
+    entries.sort_unstable();
+    let first = Manifest {
+        seq: 0,
+        epoch: 1,
+        base: 0,
+        size: top.size,
+        chunk_size: top.chunk_size,
+        whole: true,
+        time_ms: crate::now_ms(),
+        entries,
+    };
+    let bytes = bytes::Bytes::from(first.encode());
+    for name in into {
+        if !objects.create(&version_key(name, 0), bytes.clone()).await? {
+            return Err(StoreError::invalid(format!(
+                "region {name:?} was created by someone else meanwhile"
+            )));
+        }
+    }
+    Ok(seq)
+}

@@ -32,7 +32,7 @@ mod store;
 
 use std::fmt;
 
-pub use history::{history, resolve, VersionInfo};
+pub use history::{fork, history, resolve, VersionInfo};
 pub use manifest::Manifest;
 pub use store::{Versioned, VersionedOptions};
 

@@ -281,3 +281,43 @@ async fn a_region_without_versions_needs_a_size() {
         .unwrap_err();
     assert_eq!(e.kind(), ErrorKind::InvalidInput, "{e}");
 }
+
+/// Forks share every chunk of the version they start from, and go their own ways.
+#[tokio::test]
+async fn forks_share_chunks_and_diverge() {
+    let dir = tempfile::tempdir().unwrap();
+    let o = objects(dir.path());
+    let base = open(&o, "base").await;
+    for i in 0..16 {
+        base.write(ChunkIdx(i), chunk(i as u8 + 1)).await.unwrap();
+    }
+    base.snapshot("golden").await.unwrap();
+    base.write(ChunkIdx(0), chunk(99)).await.unwrap();
+    base.flush().await.unwrap();
+    let before = stored_chunks(dir.path());
+    let names = ["f1".to_string(), "f2".to_string()];
+    let from = farmap_versions::fork(&*o, "base", &At::Tag("golden".into()), &names)
+        .await
+        .unwrap();
+    assert_eq!(from, 1);
+    assert_eq!(stored_chunks(dir.path()), before, "a fork copies no chunk");
+    let f1 = open(&o, "f1").await;
+    let f2 = open(&o, "f2").await;
+    assert_eq!(
+        f1.read(ChunkIdx(0)).await.unwrap(),
+        chunk(1),
+        "the named version"
+    );
+    f1.write(ChunkIdx(3), chunk(42)).await.unwrap();
+    f1.flush().await.unwrap();
+    assert_eq!(f2.read(ChunkIdx(3)).await.unwrap(), chunk(4));
+    assert_eq!(
+        open(&o, "f1").await.read(ChunkIdx(3)).await.unwrap(),
+        chunk(42)
+    );
+    assert_eq!(base.read(ChunkIdx(3)).await.unwrap(), chunk(4));
+    let e = farmap_versions::fork(&*o, "base", &At::Latest, &["f1".to_string()])
+        .await
+        .unwrap_err();
+    assert!(e.to_string().contains("already exists"), "{e}");
+}

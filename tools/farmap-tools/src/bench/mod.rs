@@ -20,6 +20,7 @@ mod push;
 mod stores;
 mod timer;
 mod uffd;
+mod versions;
 #[allow(unsafe_code)] // the raw reference: userfaultfd ioctls on its own mappings
 mod uffd_raw;
 
@@ -74,6 +75,9 @@ pub enum BenchCommand {
     /// runs at 80% of its rate before), effective downtime (its largest pause), what came
     /// from the store and from the source; the destination is checked byte for byte.
     Migrate(migrate::MigrateArgs),
+    /// The versioned layout over a directory of objects: a whole write, an incremental
+    /// snapshot (1% rewritten), opening the snapshot (first access, all read), and forks.
+    Versions(versions::VersionsArgs),
 }
 
 pub use paging_app::{run_child as paging_app, AppArgs as PagingAppArgs};
@@ -91,5 +95,6 @@ pub async fn run(cmd: BenchCommand) -> anyhow::Result<ExitCode> {
         BenchCommand::Fuse(args) => fuse::run(args).await,
         BenchCommand::Paging(args) => paging::run(args).await,
         BenchCommand::Migrate(args) => migrate::run(args).await,
+        BenchCommand::Versions(args) => versions::run(args).await,
     }
 }

@@ -1,0 +1,48 @@
+//! `farmap bench versions --json`, run for real and small: one checked row per case, with
+//! the sizes that must hold whatever the machine's speed (a snapshot writes about what it
+//! rewrote, forks copy no chunk). No speed is asserted.
+
+mod common;
+use common::farmap;
+use farmap_testkit::cli::number;
+
+#[test]
+fn bench_versions_prints_a_checked_row_per_case() {
+    let dir = tempfile::tempdir().unwrap();
+    let objects = dir.path().join("objects");
+    let rows = farmap().json_lines(&[
+        "bench",
+        "versions",
+        "--size",
+        "8MiB",
+        "--clones",
+        "3",
+        "--dir",
+        objects.to_str().unwrap(),
+        "--json",
+    ]);
+    let cases: Vec<&str> = rows.iter().map(|r| r["case"].as_str().unwrap()).collect();
+    assert_eq!(cases, ["create", "snapshot", "restore", "fork"], "{rows:?}");
+    for row in &rows {
+        assert_eq!(row["bench"], "versions", "{row}");
+        assert_eq!(row["region_bytes"], 8u64 << 20, "{row}");
+        assert_eq!(row["verified"], true, "{row}");
+        assert!(number(row, "ms") >= 0.0, "{row}");
+    }
+    let create = &rows[0];
+    assert!(number(create, "compression_ratio") > 1.0, "text chunks compress: {create}");
+    let snap = &rows[1];
+    let (dirty, stored, written) = (
+        number(snap, "dirty_bytes"),
+        number(snap, "dirty_stored_bytes"),
+        number(snap, "bytes_written"),
+    );
+    assert_eq!(dirty, 2.0 * 65536.0, "1% of 128 chunks, rounded up: {snap}");
+    assert!(stored > 0.0 && written >= stored, "{snap}");
+    assert!(written <= 1.2 * stored + 4096.0, "a snapshot writes what changed: {snap}");
+    let restore = &rows[2];
+    assert!(number(restore, "time_to_first_access_ms") <= number(restore, "time_to_warm_ms"));
+    let fork = &rows[3];
+    assert_eq!(fork["clones"], 3);
+    assert!(number(fork, "dedup_ratio") > 2.0, "forks share their base: {fork}");
+}
