@@ -558,7 +558,7 @@ mod tests {
                     .into_owned()
             })
             .collect();
-        assert_eq!(targets.len(), 9, "{targets:?}");
+        assert_eq!(targets.len(), 10, "{targets:?}");
         let all = seeds();
         for t in &targets {
             let n = all.iter().filter(|s| s.target == t).count();
