@@ -30,7 +30,10 @@ fn bench_versions_prints_a_checked_row_per_case() {
         assert!(number(row, "ms") >= 0.0, "{row}");
     }
     let create = &rows[0];
-    assert!(number(create, "compression_ratio") > 1.0, "text chunks compress: {create}");
+    assert!(
+        number(create, "compression_ratio") > 1.0,
+        "text chunks compress: {create}"
+    );
     let snap = &rows[1];
     let (dirty, stored, written) = (
         number(snap, "dirty_bytes"),
@@ -39,10 +42,16 @@ fn bench_versions_prints_a_checked_row_per_case() {
     );
     assert_eq!(dirty, 2.0 * 65536.0, "1% of 128 chunks, rounded up: {snap}");
     assert!(stored > 0.0 && written >= stored, "{snap}");
-    assert!(written <= 1.2 * stored + 4096.0, "a snapshot writes what changed: {snap}");
+    assert!(
+        written <= 1.2 * stored + 4096.0,
+        "a snapshot writes what changed: {snap}"
+    );
     let restore = &rows[2];
     assert!(number(restore, "time_to_first_access_ms") <= number(restore, "time_to_warm_ms"));
     let fork = &rows[3];
     assert_eq!(fork["clones"], 3);
-    assert!(number(fork, "dedup_ratio") > 2.0, "forks share their base: {fork}");
+    assert!(
+        number(fork, "dedup_ratio") > 2.0,
+        "forks share their base: {fork}"
+    );
 }

@@ -20,9 +20,9 @@ mod push;
 mod stores;
 mod timer;
 mod uffd;
-mod versions;
 #[allow(unsafe_code)] // the raw reference: userfaultfd ioctls on its own mappings
 mod uffd_raw;
+mod versions;
 
 #[derive(Debug, Subcommand)]
 pub enum BenchCommand {

@@ -129,7 +129,10 @@ fn du(p: &Path) -> u64 {
     })
 }
 
-async fn write_all(v: &Versioned, chunks: impl Iterator<Item = (u64, Bytes)>) -> anyhow::Result<()> {
+async fn write_all(
+    v: &Versioned,
+    chunks: impl Iterator<Item = (u64, Bytes)>,
+) -> anyhow::Result<()> {
     let mut writes = futures::stream::iter(chunks)
         .map(|(i, data)| async move { v.write(ChunkIdx(i), data).await })
         .buffer_unordered(IN_FLIGHT);
@@ -207,9 +210,9 @@ pub async fn run(args: VersionsArgs) -> anyhow::Result<ExitCode> {
         ms: ms(start),
         mb_per_s: Some(output::mb_per_s(g.size(), took)),
         bytes_written: Some(written),
-        compression_ratio: Some(output::round1(
-            data as f64 / du(&root.join("chunks")).max(1) as f64 * 100.0,
-        ) / 100.0),
+        compression_ratio: Some(
+            output::round1(data as f64 / du(&root.join("chunks")).max(1) as f64 * 100.0) / 100.0,
+        ),
         verified: true,
         ..base_row(&base)
     })?;
@@ -239,7 +242,11 @@ pub async fn run(args: VersionsArgs) -> anyhow::Result<ExitCode> {
 
     // restore
     let start = Instant::now();
-    let r = Versioned::open(objects.clone(), open_opts("base", At::Tag("bench".into()), None)).await?;
+    let r = Versioned::open(
+        objects.clone(),
+        open_opts("base", At::Tag("bench".into()), None),
+    )
+    .await?;
     let first = r.read(ChunkIdx(0)).await?;
     let first_ms = ms(start);
     let ok = read_all(&r, |i| content(g, i, gen(i))).await? && first == content(g, 0, gen(0));

@@ -31,14 +31,7 @@ impl Scheme for Versions {
     }
 
     fn display_parts(&self, spec: &StoreSpec, secrets: bool) -> (String, Vec<String>) {
-        let SpecKind::Versioned {
-            objects,
-            region,
-            at,
-        } = &spec.kind
-        else {
-            unreachable!("not a versioned: spec: {spec:?}")
-        };
+        let (objects, region, at) = parts(spec);
         let at = match at {
             At::Latest => String::new(),
             At::Seq(n) => format!("@{n}"),
@@ -52,14 +45,7 @@ impl Scheme for Versions {
 
     fn open<'a>(&'a self, spec: &'a StoreSpec) -> BoxFuture<'a, Result<Arc<dyn Store>, OpenError>> {
         Box::pin(async move {
-            let SpecKind::Versioned {
-                objects,
-                region,
-                at,
-            } = &spec.kind
-            else {
-                unreachable!("not a versioned: spec: {spec:?}")
-            };
+            let (objects, region, at) = parts(spec);
             let objects = open_objects(objects).map_err(store_error(spec))?;
             let create = match spec.size {
                 Some(size) => Some(
@@ -75,7 +61,7 @@ impl Scheme for Versions {
             let v = Versioned::open(
                 objects,
                 VersionedOptions {
-                    region: region.clone(),
+                    region: region.to_owned(),
                     at: at.clone(),
                     // A version other than the latest only reads.
                     read_only: spec.read_only || *at != At::Latest,
@@ -101,6 +87,18 @@ impl Scheme for Versions {
 
     fn is_remote(&self, spec: &StoreSpec) -> bool {
         matches!(&spec.kind, SpecKind::Versioned { objects, .. } if objects.is_remote())
+    }
+}
+
+/// The object store, region and version of a spec this module parsed.
+fn parts(spec: &StoreSpec) -> (&StoreSpec, &str, &At) {
+    match &spec.kind {
+        SpecKind::Versioned {
+            objects,
+            region,
+            at,
+        } => (objects, region, at),
+        other => unreachable!("not a versioned: spec: {other:?}"),
     }
 }
 
