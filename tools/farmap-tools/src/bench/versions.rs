@@ -219,7 +219,7 @@ pub async fn run(args: VersionsArgs) -> anyhow::Result<ExitCode> {
 
     // snapshot: 1% of the chunks rewritten
     let dirty: Vec<u64> = (0..n).step_by(100).collect();
-    let gen = |i: u64| u64::from(i % 100 == 0);
+    let gen = |i: u64| u64::from(i.is_multiple_of(100));
     let before = du(&root);
     let chunks_before = du(&root.join("chunks"));
     let start = Instant::now();
