@@ -1,6 +1,6 @@
 //! `farmap __guest`: the data checks the kernel tests run inside their VM (no Python there).
 //!
-//! Each writes or checks the deterministic pattern of `farmap_testkit::pattern_bytes(SEED,
+//! Each writes or checks the deterministic pattern of `farmap::pattern::pattern_bytes(SEED,
 //! OFFSET, LEN)` at byte OFFSET of a block device or file, so that the host can check the
 //! same bytes in the store afterwards:
 //! - `pattern-write` writes with `pwrite` and `fsync`s; `pattern-check` drops the range from
@@ -105,7 +105,7 @@ fn pattern_write(file: &File, a: &GuestArgs) -> anyhow::Result<()> {
     let mut done = 0;
     while done < a.len {
         let n = STEP.min(a.len - done);
-        let data = farmap_testkit::pattern_bytes(a.seed, a.offset + done, n as usize);
+        let data = farmap::pattern::pattern_bytes(a.seed, a.offset + done, n as usize);
         file.write_all_at(&data, a.offset + done)
             .with_context(|| format!("writing {n} bytes at {}", a.offset + done))?;
         done += n;
@@ -148,7 +148,7 @@ fn nbd_lib(a: &GuestArgs) -> anyhow::Result<()> {
         // The slice mount: write through the mapping, sync, read back through it.
         {
             let map = mount.map()?;
-            let want = farmap_testkit::pattern_bytes(a_seed, off, len);
+            let want = farmap::pattern::pattern_bytes(a_seed, off, len);
             map.memory()
                 .write_from(at, &want)
                 .context("writing through the mapping")?;
@@ -167,7 +167,7 @@ fn nbd_lib(a: &GuestArgs) -> anyhow::Result<()> {
         compare(&got, a_seed, off).context("read back through open()")?;
         // ... and write the next pattern right after it, leaving it in the page cache.
         let off2 = off + len as u64;
-        file.write_all_at(&farmap_testkit::pattern_bytes(a_seed + 1, off2, len), off2)?;
+        file.write_all_at(&farmap::pattern::pattern_bytes(a_seed + 1, off2, len), off2)?;
         drop(file);
         // The path mount: any program can open it.
         let by_path = File::open(mount.path())?;
@@ -205,7 +205,7 @@ fn pattern_check(file: &File, a: &GuestArgs) -> anyhow::Result<()> {
 }
 
 fn compare(got: &[u8], seed: u64, at: u64) -> anyhow::Result<()> {
-    let want = farmap_testkit::pattern_bytes(seed, at, got.len());
+    let want = farmap::pattern::pattern_bytes(seed, at, got.len());
     if let Some(i) = got.iter().zip(&want).position(|(g, w)| g != w) {
         bail!(
             "byte {} differs from the pattern: {:#04x}, expected {:#04x}",
@@ -239,7 +239,7 @@ fn with_mapping(file: &File, a: &GuestArgs, write: bool) -> anyhow::Result<()> {
         let n = (STEP as usize).min(a.len as usize - done);
         let at = a.offset + done as u64;
         if write {
-            let data = farmap_testkit::pattern_bytes(a.seed, at, n);
+            let data = farmap::pattern::pattern_bytes(a.seed, at, n);
             memory.write_from(skip + done, &data)?;
         } else {
             memory.read_into(skip + done, &mut buf[..n])?;

@@ -23,6 +23,7 @@ pub mod managed;
 pub mod region;
 pub mod spec;
 
+pub use farmap_core::pattern;
 pub use farmap_core::{
     error_chain, format_duration, format_size, is_zero, parse_duration, parse_size, zero_chunk,
     BoxFuture, Caps, ChunkIdx, ChunkRange, ChunkStatus, ErrorKind, Geometry, MbPerSec,

@@ -17,6 +17,7 @@
 //! - [`split_quantity`]: the number and the unit of any number with a unit, as both read them.
 //! - [`SizeOrPercent`]: "SIZE or N%", for bounds given in bytes or as a share of a region.
 //! - [`RetryPolicy`]: attempts, exponential backoff and jitter, for every retry and reconnect.
+//! - [`pattern`]: the deterministic bytes writers and checkers in different processes agree on.
 //! - [`query`] and [`option`]: the grammar of a store spec's `?key=value&...` and its values.
 //!
 //! This crate has no runtime dependency and no `unsafe`.
@@ -29,6 +30,7 @@ mod error;
 mod geometry;
 mod objects;
 pub mod option;
+pub mod pattern;
 mod quantity;
 pub mod query;
 mod retry;

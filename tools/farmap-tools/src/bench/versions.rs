@@ -105,7 +105,7 @@ fn content(g: Geometry, idx: u64, gen: u64) -> Bytes {
             v.truncate(len);
             Bytes::from(v)
         }
-        _ => Bytes::from(farmap_testkit::pattern_bytes(
+        _ => Bytes::from(farmap::pattern::pattern_bytes(
             idx.wrapping_mul(0x9e37_79b9) ^ gen,
             0,
             len,
@@ -165,6 +165,142 @@ fn open_opts(region: &str, at: At, g: Option<Geometry>) -> VersionedOptions {
     }
 }
 
+/// What every case works on.
+struct Bench {
+    g: Geometry,
+    root: std::path::PathBuf,
+    objects: Arc<dyn Objects>,
+    json: bool,
+}
+
+/// Generation of chunk `i` after the snapshot case (every 100th rewritten once).
+fn after_snapshot(i: u64) -> u64 {
+    u64::from(i.is_multiple_of(100))
+}
+
+/// `x` to three decimals.
+fn ratio(x: f64) -> f64 {
+    (x * 1000.0).round() / 1000.0
+}
+
+impl Bench {
+    fn row(&self, case: &'static str) -> Row {
+        Row {
+            bench: "versions",
+            case,
+            region_bytes: self.g.size(),
+            ..Row::default()
+        }
+    }
+
+    fn emit(&self, row: Row) -> anyhow::Result<()> {
+        if self.json {
+            output::json_line(&row)
+        } else {
+            println!("{row:?}");
+            Ok(())
+        }
+    }
+
+    /// Bytes of the chunks that hold data after generation `gens(i)` of each.
+    fn nonzero(&self, gens: impl Fn(u64) -> u64) -> u64 {
+        (0..self.g.chunk_count())
+            .filter(|i| !(i % 4 == 0 && gens(*i) == 0))
+            .map(|i| self.g.chunk_len(ChunkIdx(i)) as u64)
+            .sum()
+    }
+
+    async fn create(&self) -> anyhow::Result<Versioned> {
+        let (g, n) = (self.g, self.g.chunk_count());
+        let v =
+            Versioned::open(self.objects.clone(), open_opts("base", At::Latest, Some(g))).await?;
+        let start = Instant::now();
+        write_all(&v, (0..n).map(|i| (i, content(g, i, 0)))).await?;
+        v.flush().await?;
+        let took = start.elapsed();
+        let chunks = du(&self.root.join("chunks")).max(1);
+        self.emit(Row {
+            ms: ms(start),
+            mb_per_s: Some(output::mb_per_s(g.size(), took)),
+            bytes_written: Some(du(&self.root)),
+            compression_ratio: Some(ratio(self.nonzero(|_| 0) as f64 / chunks as f64)),
+            verified: true,
+            ..self.row("create")
+        })?;
+        Ok(v)
+    }
+
+    async fn snapshot(&self, v: &Versioned) -> anyhow::Result<()> {
+        let g = self.g;
+        let dirty: Vec<u64> = (0..g.chunk_count()).step_by(100).collect();
+        let before = du(&self.root);
+        let chunks_before = du(&self.root.join("chunks"));
+        let start = Instant::now();
+        write_all(v, dirty.iter().map(|&i| (i, content(g, i, 1)))).await?;
+        let write_ms = ms(start);
+        let start = Instant::now();
+        v.snapshot("bench").await?;
+        self.emit(Row {
+            ms: ms(start),
+            write_ms: Some(write_ms),
+            dirty_bytes: Some(dirty.iter().map(|&i| g.chunk_len(ChunkIdx(i)) as u64).sum()),
+            dirty_stored_bytes: Some(du(&self.root.join("chunks")) - chunks_before),
+            bytes_written: Some(du(&self.root) - before),
+            verified: true,
+            ..self.row("snapshot")
+        })
+    }
+
+    async fn restore(&self) -> anyhow::Result<()> {
+        let g = self.g;
+        let start = Instant::now();
+        let at = At::Tag("bench".into());
+        let r = Versioned::open(self.objects.clone(), open_opts("base", at, None)).await?;
+        let first = r.read(ChunkIdx(0)).await?;
+        let first_ms = ms(start);
+        let ok = read_all(&r, |i| content(g, i, after_snapshot(i))).await?
+            && first == content(g, 0, after_snapshot(0));
+        self.emit(Row {
+            ms: ms(start),
+            time_to_first_access_ms: Some(first_ms),
+            time_to_warm_ms: Some(ms(start)),
+            verified: ok,
+            ..self.row("restore")
+        })
+    }
+
+    async fn fork(&self, clones: u32) -> anyhow::Result<()> {
+        let (g, n) = (self.g, self.g.chunk_count());
+        let names: Vec<String> = (0..clones).map(|c| format!("fork-{c}")).collect();
+        let start = Instant::now();
+        fork(&*self.objects, "base", &At::Tag("bench".into()), &names).await?;
+        let fork_ms = ms(start);
+        let mut ok = true;
+        for (c, name) in names.iter().enumerate() {
+            let f =
+                Versioned::open(self.objects.clone(), open_opts(name, At::Latest, None)).await?;
+            let gen = 2 + c as u64;
+            let mine: Vec<u64> = (c as u64 + 1..n).step_by(100).collect();
+            write_all(&f, mine.iter().map(|&i| (i, content(g, i, gen)))).await?;
+            f.flush().await?;
+            if let Some(&i) = mine.first() {
+                ok &= f.read(ChunkIdx(i)).await? == content(g, i, gen);
+            }
+        }
+        let store = du(&self.root).max(1);
+        let logical = self.nonzero(after_snapshot) * (1 + u64::from(clones));
+        self.emit(Row {
+            ms: fork_ms,
+            clones: Some(clones),
+            ms_per_fork: Some(ratio(fork_ms / f64::from(clones))),
+            store_bytes: Some(store),
+            dedup_ratio: Some(ratio(logical as f64 / store as f64)),
+            verified: ok,
+            ..self.row("fork")
+        })
+    }
+}
+
 pub async fn run(args: VersionsArgs) -> anyhow::Result<ExitCode> {
     let g = Geometry::new(args.size, args.chunk).context("--size and --chunk")?;
     let temp;
@@ -175,123 +311,16 @@ pub async fn run(args: VersionsArgs) -> anyhow::Result<ExitCode> {
             temp.path().join("objects")
         }
     };
-    let objects: Arc<dyn Objects> = Arc::new(DirObjects::open(&root)?);
-    let n = g.chunk_count();
-    let nonzero = |gens: &dyn Fn(u64) -> u64| -> u64 {
-        (0..n)
-            .filter(|i| !(i % 4 == 0 && gens(*i) == 0))
-            .map(|i| g.chunk_len(ChunkIdx(i)) as u64)
-            .sum()
+    let bench = Bench {
+        g,
+        objects: Arc::new(DirObjects::open(&root)?),
+        root,
+        json: args.json,
     };
-    let emit = |row: Row| -> anyhow::Result<()> {
-        if args.json {
-            output::json_line(&row)
-        } else {
-            println!("{row:?}");
-            Ok(())
-        }
-    };
-    let base = Row {
-        bench: "versions",
-        region_bytes: g.size(),
-        ..Row::default()
-    };
-
-    // create
-    let v = Versioned::open(objects.clone(), open_opts("base", At::Latest, Some(g))).await?;
-    let start = Instant::now();
-    write_all(&v, (0..n).map(|i| (i, content(g, i, 0)))).await?;
-    v.flush().await?;
-    let took = start.elapsed();
-    let written = du(&root);
-    let data = nonzero(&|_| 0);
-    emit(Row {
-        case: "create",
-        ms: ms(start),
-        mb_per_s: Some(output::mb_per_s(g.size(), took)),
-        bytes_written: Some(written),
-        compression_ratio: Some(
-            output::round1(data as f64 / du(&root.join("chunks")).max(1) as f64 * 100.0) / 100.0,
-        ),
-        verified: true,
-        ..base_row(&base)
-    })?;
-
-    // snapshot: 1% of the chunks rewritten
-    let dirty: Vec<u64> = (0..n).step_by(100).collect();
-    let gen = |i: u64| u64::from(i.is_multiple_of(100));
-    let before = du(&root);
-    let chunks_before = du(&root.join("chunks"));
-    let start = Instant::now();
-    write_all(&v, dirty.iter().map(|&i| (i, content(g, i, 1)))).await?;
-    let write_ms = ms(start);
-    let start = Instant::now();
-    v.snapshot("bench").await?;
-    let snap_ms = ms(start);
-    emit(Row {
-        case: "snapshot",
-        ms: snap_ms,
-        write_ms: Some(write_ms),
-        dirty_bytes: Some(dirty.iter().map(|&i| g.chunk_len(ChunkIdx(i)) as u64).sum()),
-        dirty_stored_bytes: Some(du(&root.join("chunks")) - chunks_before),
-        bytes_written: Some(du(&root) - before),
-        verified: true,
-        ..base_row(&base)
-    })?;
+    let v = bench.create().await?;
+    bench.snapshot(&v).await?;
     drop(v);
-
-    // restore
-    let start = Instant::now();
-    let r = Versioned::open(
-        objects.clone(),
-        open_opts("base", At::Tag("bench".into()), None),
-    )
-    .await?;
-    let first = r.read(ChunkIdx(0)).await?;
-    let first_ms = ms(start);
-    let ok = read_all(&r, |i| content(g, i, gen(i))).await? && first == content(g, 0, gen(0));
-    emit(Row {
-        case: "restore",
-        ms: ms(start),
-        time_to_first_access_ms: Some(first_ms),
-        time_to_warm_ms: Some(ms(start)),
-        verified: ok,
-        ..base_row(&base)
-    })?;
-    drop(r);
-
-    // fork
-    let names: Vec<String> = (0..args.clones).map(|c| format!("fork-{c}")).collect();
-    let start = Instant::now();
-    fork(&*objects, "base", &At::Tag("bench".into()), &names).await?;
-    let fork_ms = ms(start);
-    let mut ok = true;
-    for (c, name) in names.iter().enumerate() {
-        let f = Versioned::open(objects.clone(), open_opts(name, At::Latest, None)).await?;
-        let mine: Vec<u64> = (c as u64 + 1..n).step_by(100).collect();
-        write_all(&f, mine.iter().map(|&i| (i, content(g, i, 2 + c as u64)))).await?;
-        f.flush().await?;
-        ok &= f.read(ChunkIdx(mine[0])).await? == content(g, mine[0], 2 + c as u64);
-    }
-    let store = du(&root);
-    let logical = nonzero(&gen) * (1 + u64::from(args.clones));
-    emit(Row {
-        case: "fork",
-        ms: fork_ms,
-        clones: Some(args.clones),
-        ms_per_fork: Some(output::round1(fork_ms / f64::from(args.clones) * 100.0) / 100.0),
-        store_bytes: Some(store),
-        dedup_ratio: Some(output::round1(logical as f64 / store.max(1) as f64 * 100.0) / 100.0),
-        verified: ok,
-        ..base_row(&base)
-    })?;
+    bench.restore().await?;
+    bench.fork(args.clones).await?;
     Ok(ExitCode::SUCCESS)
-}
-
-fn base_row(b: &Row) -> Row {
-    Row {
-        bench: b.bench,
-        region_bytes: b.region_bytes,
-        ..Row::default()
-    }
 }
