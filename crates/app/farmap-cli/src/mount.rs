@@ -70,6 +70,12 @@ pub struct MountArgs {
     /// first) and fetched again when read; there is no background pull then.
     #[arg(long, value_name = "SIZE|N%", value_parser = parse_cache_max, requires = "managed")]
     cache_max: Option<CacheMax>,
+    /// Save a checkpoint every DURATION: what programs wrote (the page cache too) is written
+    /// to the store and flushed, as an fsync of the file would. On a `versioned:` store each
+    /// checkpoint with something new is a version (`farmap versions` lists them).
+    #[arg(long, value_name = "DURATION", value_parser = parse_duration,
+          conflicts_with_all = ["nbd", "ublk", "agent"])]
+    checkpoint_every: Option<Duration>,
     /// Refuse writes.
     #[arg(long)]
     read_only: bool,
@@ -167,7 +173,7 @@ pub async fn run(args: MountArgs) -> anyhow::Result<ExitCode> {
     if let Some(socket) = args.agent.clone() {
         return serve_with_agent(&args, socket, mount, &spec, managed).await;
     }
-    serve_until_stopped(mount, &spec, &dir, managed).await
+    serve_until_stopped(mount, &spec, &dir, managed, args.checkpoint_every).await
 }
 
 /// Serves the mounted file with a migration agent on `socket` until a migration moves it
@@ -210,6 +216,7 @@ async fn serve_until_stopped(
     spec: &StoreSpec,
     dir: &Path,
     managed: Option<Arc<Managed>>,
+    checkpoint_every: Option<Duration>,
 ) -> anyhow::Result<ExitCode> {
     status!(
         "farmap mount: {} is {spec} ({}, {}{}); stop with Ctrl-C, SIGTERM or `farmap umount {}`",
@@ -227,10 +234,23 @@ async fn serve_until_stopped(
         },
         dir.display(),
     );
+    let checkpoints = match checkpoint_every {
+        Some(every) => Some(checkpoint(
+            mount.open().context("opening the file for checkpoints")?,
+            every,
+        )),
+        None => None,
+    };
     let by_signal = tokio::select! {
         r = stop_signal() => { r?; true }
         _ = mount.ended() => false,
     };
+    if let Some(task) = checkpoints {
+        // Its handle on the file must be closed before the unmount (an open file keeps a
+        // detached mount served).
+        task.abort();
+        let _ = task.await;
+    }
     if by_signal {
         status!("farmap mount: flushing and unmounting {}", dir.display());
     } else {
@@ -240,6 +260,28 @@ async fn serve_until_stopped(
     finish_managed(managed, unmounted.context("unmounting")).await?;
     status!("farmap mount: unmounted; the store is flushed");
     Ok(ExitCode::SUCCESS)
+}
+
+/// Saves a checkpoint of the mounted `file` every `every` (an fsync: the page cache to the
+/// store, then the store's flush) until aborted.
+fn checkpoint(file: std::fs::File, every: Duration) -> tokio::task::JoinHandle<()> {
+    let file = Arc::new(file);
+    tokio::spawn(async move {
+        let mut tick = tokio::time::interval_at(tokio::time::Instant::now() + every, every);
+        tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+        loop {
+            tick.tick().await;
+            let f = file.clone();
+            let start = std::time::Instant::now();
+            match tokio::task::spawn_blocking(move || f.sync_all()).await {
+                Ok(Ok(())) => {
+                    tracing::info!(ms = start.elapsed().as_millis() as u64, "checkpoint saved")
+                }
+                Ok(Err(e)) => tracing::warn!("checkpoint failed: {e}"),
+                Err(_) => return,
+            }
+        }
+    })
 }
 
 /// Opens the store `spec` names, behind a managed front (Cached + Puller + Pusher) when

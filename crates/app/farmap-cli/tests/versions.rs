@@ -111,9 +111,11 @@ fn copies_make_versions_and_snapshots_name_them() {
     assert!(err.contains("not a versioned region"), "{err}");
 }
 
+/// A mount with `--checkpoint-every` saves what programs wrote as versions while it runs
+/// (no fsync needed), and a last one when it is unmounted.
 #[test]
-fn a_mount_on_a_versioned_region_saves_a_version_when_unmounted() {
-    let test = "a_mount_on_a_versioned_region_saves_a_version_when_unmounted";
+fn a_mount_on_a_versioned_region_saves_versions_as_it_runs() {
+    let test = "a_mount_on_a_versioned_region_saves_versions_as_it_runs";
     if !skip::fuse_mountable(test) {
         return;
     }
@@ -126,7 +128,13 @@ fn a_mount_on_a_versioned_region_saves_a_version_when_unmounted() {
     std::fs::create_dir(&mnt).unwrap();
     let mut child = farmap()
         .command()
-        .args(["mount", mnt.to_str().unwrap(), &spec])
+        .args([
+            "mount",
+            mnt.to_str().unwrap(),
+            &spec,
+            "--checkpoint-every",
+            "200ms",
+        ])
         .stdout(Stdio::piped())
         .stderr(Stdio::inherit())
         .spawn()
@@ -137,6 +145,7 @@ fn a_mount_on_a_versioned_region_saves_a_version_when_unmounted() {
         .unwrap();
     assert!(!line.is_empty(), "farmap mount printed no path");
     let data = random(7, MIB);
+    let plain = spec.split('?').next().unwrap().to_owned();
     {
         let mut f = std::fs::OpenOptions::new()
             .write(true)
@@ -144,7 +153,25 @@ fn a_mount_on_a_versioned_region_saves_a_version_when_unmounted() {
             .unwrap();
         f.seek(SeekFrom::Start(3 * MIB as u64)).unwrap();
         f.write_all(&data).unwrap();
-        f.sync_all().unwrap();
+        // No fsync: a checkpoint saves it.
+        let mut last = 0;
+        farmap_testkit::wait::eventually("a checkpoint", Duration::from_secs(20), || {
+            let rows = farmap().json_lines(&["versions", &plain, "--json"]);
+            last = rows.last().unwrap()["version"].as_u64().unwrap();
+            last >= 1
+        });
+        let img = dir.path().join("checkpoint.img");
+        farmap().ok(&[
+            "cp",
+            &format!("{plain}@{last}"),
+            &format!("file:{}", img.display()),
+        ]);
+        let back = std::fs::read(&img).unwrap();
+        assert!(
+            back[3 * MIB..4 * MIB] == data[..],
+            "the checkpoint holds what was written"
+        );
+        f.write_all(&data[..4096]).unwrap();
     }
     let out = farmap().run(&["umount", mnt.to_str().unwrap()]);
     assert!(
