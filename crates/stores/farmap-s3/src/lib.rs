@@ -65,10 +65,12 @@ mod errors;
 mod http;
 mod location;
 pub mod meta;
+mod objects;
 mod store;
 
 pub use config::DEFAULT_REGION;
 pub use location::{S3Location, S3SpecError, MAX_CONNECTIONS, MAX_RETRIES, OPTIONS};
+pub use objects::{S3Objects, MAX_OBJECT_LEN};
 pub use store::{
     S3Options, S3Store, DEFAULT_CONNECTIONS, DEFAULT_RETRIES, DEFAULT_TIMEOUT, RETRY_TOTAL,
 };

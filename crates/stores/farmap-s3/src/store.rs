@@ -131,6 +131,47 @@ fn build_client(
     })
 }
 
+/// A client for `loc`, with what describes it in errors.
+pub(crate) struct Connection {
+    pub resolved: Resolved,
+    pub client: AmazonS3,
+    pub describe: Describe,
+    pub retries: u32,
+    pub connections: usize,
+    pub timeout: Duration,
+}
+
+/// Resolves `loc`'s endpoint, region and credentials (through `env`) and builds its client.
+pub(crate) fn connect(
+    loc: &S3Location,
+    env: &(dyn Fn(&str) -> Option<String> + Sync),
+) -> StoreResult<Connection> {
+    let resolved = config::resolve(loc, env)?;
+    let connections = loc.connections.unwrap_or(DEFAULT_CONNECTIONS);
+    let retries = loc.retries.unwrap_or(DEFAULT_RETRIES);
+    let timeout = loc.timeout.unwrap_or(DEFAULT_TIMEOUT);
+    let describe = Describe {
+        location: loc.to_string(),
+        bucket: loc.bucket.clone(),
+        endpoint: match &resolved.endpoint {
+            Some(e) => e.clone(),
+            None => format!("AWS S3 ({})", resolved.region),
+        },
+        key_id: resolved.credentials.key_id.clone(),
+        key_from: resolved.credentials_from.clone(),
+        retries,
+    };
+    let client = build_client(loc, &resolved, retries, connections, timeout)?;
+    Ok(Connection {
+        resolved,
+        client,
+        describe,
+        retries,
+        connections,
+        timeout,
+    })
+}
+
 impl S3Store {
     /// Opens the region at `opts.location`, taking endpoint, region and credentials from the
     /// spec, the process environment and the AWS profile files (see [`crate::config`]).
@@ -149,22 +190,14 @@ impl S3Store {
         env: &(dyn Fn(&str) -> Option<String> + Sync),
     ) -> StoreResult<S3Store> {
         let loc = &opts.location;
-        let resolved = config::resolve(loc, env)?;
-        let connections = loc.connections.unwrap_or(DEFAULT_CONNECTIONS);
-        let retries = loc.retries.unwrap_or(DEFAULT_RETRIES);
-        let timeout = loc.timeout.unwrap_or(DEFAULT_TIMEOUT);
-        let describe = Describe {
-            location: loc.to_string(),
-            bucket: loc.bucket.clone(),
-            endpoint: match &resolved.endpoint {
-                Some(e) => e.clone(),
-                None => format!("AWS S3 ({})", resolved.region),
-            },
-            key_id: resolved.credentials.key_id.clone(),
-            key_from: resolved.credentials_from.clone(),
+        let Connection {
+            resolved,
+            client,
+            describe,
             retries,
-        };
-        let client = build_client(loc, &resolved, retries, connections, timeout)?;
+            connections,
+            timeout,
+        } = connect(loc, env)?;
         let key_base = if loc.prefix.is_empty() {
             String::new()
         } else {

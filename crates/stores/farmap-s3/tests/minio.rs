@@ -1,5 +1,6 @@
 //! The S3 store against a real MinIO server (started by scripts/services/minio.sh): the
-//! conformance suite, a model test, the region description, and the errors.
+//! conformance suite, a model test, the region description, the errors, and the objects of
+//! the versioned layout (a conditional PUT has one winner; a second writer is fenced).
 
 mod common;
 
@@ -7,11 +8,13 @@ use std::sync::Arc;
 
 use bytes::Bytes;
 use common::{env_of, fresh_prefix, location, minio, open_with};
+use farmap_core::Objects;
 use farmap_core::{
     error_chain, ChunkIdx, ChunkRange, ChunkStatus, ErrorKind, Geometry, Store, StoreError,
 };
-use farmap_s3::S3Store;
+use farmap_s3::{S3Objects, S3Store};
 use farmap_testkit::{ModelStore, Service};
+use farmap_versions::{history, At, Versioned, VersionedOptions};
 use object_store::aws::AmazonS3Builder;
 use object_store::path::Path;
 use object_store::{ObjectStoreExt, PutPayload};
@@ -409,4 +412,92 @@ async fn an_unreachable_endpoint_is_reported_quickly() {
         "{}",
         chain(&e)
     );
+}
+
+// The objects of the versioned layout (S3Objects) and a versioned region over them.
+
+fn objects(svc: &farmap_testkit::Service, name: &str) -> Arc<S3Objects> {
+    let env = env_of(svc);
+    let loc = location(svc, svc.var("ENDPOINT"), &fresh_prefix(name));
+    Arc::new(S3Objects::open_with_env(&loc, &|k| env.get(k).cloned()).unwrap())
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn s3_objects_keep_the_contract() {
+    let Some(svc) = minio("s3_objects_keep_the_contract") else {
+        return;
+    };
+    let o = objects(svc, "objects");
+    assert_eq!(o.get("a/b").await.unwrap(), None);
+    assert!(o.create("a/b", Bytes::from_static(b"one")).await.unwrap());
+    assert!(!o.create("a/b", Bytes::from_static(b"two")).await.unwrap());
+    assert_eq!(o.get("a/b").await.unwrap().unwrap(), &b"one"[..]);
+    assert!(o.create("a/c/d", Bytes::new()).await.unwrap());
+    assert!(o.create("a/a", Bytes::new()).await.unwrap());
+    assert_eq!(o.list("a").await.unwrap(), ["a", "b", "c"]);
+    assert!(o.list("z").await.unwrap().is_empty());
+    o.delete("a/b").await.unwrap();
+    o.delete("a/b").await.unwrap();
+    assert_eq!(o.get("a/b").await.unwrap(), None);
+    assert!(o.get("../x").await.is_err());
+    // Racing creators: exactly one wins, and its bytes stay.
+    let tasks: Vec<_> = (0..8u8)
+        .map(|i| {
+            let o = o.clone();
+            tokio::spawn(async move { (i, o.create("race", Bytes::from(vec![i; 1000])).await) })
+        })
+        .collect();
+    let mut winners = Vec::new();
+    for t in tasks {
+        let (i, r) = t.await.unwrap();
+        if r.unwrap() {
+            winners.push(i);
+        }
+    }
+    assert_eq!(winners.len(), 1, "{winners:?}");
+    assert_eq!(
+        o.get("race").await.unwrap().unwrap(),
+        vec![winners[0]; 1000]
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn versioned_regions_over_s3_keep_versions_and_one_writer() {
+    let Some(svc) = minio("versioned_regions_over_s3_keep_versions_and_one_writer") else {
+        return;
+    };
+    let o: Arc<dyn Objects> = objects(svc, "versioned");
+    let g = Geometry::new(1 << 20, 65536).unwrap();
+    let opts = |at: At, read_only: bool| VersionedOptions {
+        region: "r".into(),
+        at,
+        read_only,
+        create: Some(g),
+    };
+    let chunk = |b: u8| Bytes::from(vec![b; 65536]);
+    let one = Versioned::open(o.clone(), opts(At::Latest, false))
+        .await
+        .unwrap();
+    let two = Versioned::open(o.clone(), opts(At::Latest, false))
+        .await
+        .unwrap();
+    one.write(ChunkIdx(1), chunk(1)).await.unwrap();
+    assert_eq!(one.snapshot("first").await.unwrap(), 1);
+    two.write(ChunkIdx(1), chunk(2)).await.unwrap();
+    let e = two.flush().await.unwrap_err();
+    assert_eq!(e.kind(), ErrorKind::Fenced, "{e}");
+    one.write(ChunkIdx(2), chunk(3)).await.unwrap();
+    one.flush().await.unwrap();
+    let first = Versioned::open(o.clone(), opts(At::Tag("first".into()), true))
+        .await
+        .unwrap();
+    assert_eq!(first.read(ChunkIdx(1)).await.unwrap(), chunk(1));
+    assert_eq!(first.read(ChunkIdx(2)).await.unwrap(), chunk(0));
+    let latest = Versioned::open(o.clone(), opts(At::Latest, true))
+        .await
+        .unwrap();
+    assert_eq!(latest.read(ChunkIdx(2)).await.unwrap(), chunk(3));
+    let h = history(&*o, "r").await.unwrap();
+    assert_eq!(h.iter().map(|v| v.seq).collect::<Vec<_>>(), [0, 1, 2]);
+    assert_eq!(h[1].names, ["first"]);
 }

@@ -1,8 +1,9 @@
 //! `versioned:(OBJECTS)/REGION[@VERSION]?size=SIZE&chunk=SIZE&ro`: a region kept as versions
 //! of content-addressed chunks ([`farmap_versions::Versioned`]) in an object store.
 //!
-//! `OBJECTS` is where the objects live: `dir:PATH` (a directory; shared by every region kept
-//! there, so equal chunks are stored once). `REGION` names the region; `@N` opens version
+//! `OBJECTS` is where the objects live: `dir:PATH` (a directory) or `s3://BUCKET/PREFIX`
+//! (with its options: `endpoint=`...), shared by every region kept there, so equal chunks
+//! are stored once. `REGION` names the region; `@N` opens version
 //! `N`, `@NAME` the version a snapshot was named, read-only (a region opens writable only at
 //! its latest version). `size=` (and `chunk=`) create the region when it has no version yet.
 
@@ -106,10 +107,22 @@ fn parts(spec: &StoreSpec) -> (&StoreSpec, &str, &At) {
 pub fn open_objects(spec: &StoreSpec) -> Result<Arc<dyn Objects>, farmap_core::StoreError> {
     match &spec.kind {
         SpecKind::Dir { path, .. } => Ok(Arc::new(DirObjects::open(path.clone())?)),
+        #[cfg(feature = "s3")]
+        SpecKind::S3 { location } => Ok(Arc::new(farmap_s3::S3Objects::open(location)?)),
         _ => Err(farmap_core::StoreError::new(
             farmap_core::ErrorKind::Unsupported,
-            format!("versioned: keeps its objects in dir:PATH; {spec} cannot hold them yet"),
+            format!("versioned: keeps its objects in dir:PATH or s3://; {spec} cannot hold them"),
         )),
+    }
+}
+
+/// Whether a store of this kind can keep a versioned region's objects.
+fn holds_objects(kind: &SpecKind) -> bool {
+    match kind {
+        SpecKind::Dir { .. } => true,
+        #[cfg(feature = "s3")]
+        SpecKind::S3 { .. } => true,
+        _ => false,
     }
 }
 
@@ -120,16 +133,18 @@ fn parse(rest: &str, spec: &str, depth: usize) -> Result<StoreSpec, SpecError> {
         spec: spec.to_owned(),
         reason,
     };
-    let form = "write versioned:(dir:PATH)/REGION[@VERSION]?size=SIZE";
+    let form =
+        "write versioned:(dir:PATH)/REGION[@VERSION]?size=SIZE (or (s3://BUCKET/PREFIX?...))";
     nest::check_depth(depth).map_err(bad)?;
     let (inner, after) = nest::group(rest).ok_or_else(|| bad(form.into()))?;
     let objects = nest::parse_inner(inner, depth).map_err(|e| match e {
         nest::InnerError::Spec(e) => e,
         nest::InnerError::Reason(r) => bad(r),
     })?;
-    if !matches!(objects.kind, SpecKind::Dir { .. }) {
+    if !holds_objects(&objects.kind) {
         return Err(bad(format!(
-            "the objects of a versioned region live in dir:PATH, not {objects}"
+            "the objects of a versioned region live in dir:PATH or s3://BUCKET/PREFIX, not \
+             {objects}"
         )));
     }
     if objects.size.is_some() || objects.chunk_size.is_some() || objects.read_only {
