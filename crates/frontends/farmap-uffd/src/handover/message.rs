@@ -308,6 +308,39 @@ pub fn decode_reply(b: &[u8; REPLY_LEN]) -> Result<Option<Refusal>, MessageError
     Ok(Refusal::from_code(u16_at(b, 10)))
 }
 
+
+/// Reads `data` as the handler reads a hello (the fixed header, then the spec and the
+/// presence bitmap at the header's length) and as the owner reads a reply: neither may
+/// panic, and a hello that decodes must encode to bytes that decode to the same hello.
+/// Panics (a bug) when that fails. For the fuzz target and its stable-toolchain test; not
+/// part of the stable API.
+#[doc(hidden)]
+pub fn fuzz_hello(data: &[u8]) {
+    if let Some(r) = data.get(..REPLY_LEN) {
+        let _ = decode_reply(r.try_into().expect("reply length"));
+    }
+    let Some(h) = data.get(..HEADER_LEN) else {
+        return;
+    };
+    let Ok(header) = Hello::decode_header(h.try_into().expect("header length")) else {
+        return;
+    };
+    let Some(rest) = data
+        .get(header.header_len..)
+        .and_then(|r| r.get(..header.spec_len + header.bitmap_len))
+    else {
+        return;
+    };
+    let Ok(hello) = Hello::from_parts(&header, rest) else {
+        return;
+    };
+    let bytes = hello.encode();
+    let again = Hello::decode_header(bytes[..HEADER_LEN].try_into().expect("header length"))
+        .expect("an encoded hello's header decodes");
+    let back = Hello::from_parts(&again, &bytes[again.header_len..]).expect("it decodes");
+    assert_eq!(back, hello, "the hello survives a round trip");
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
