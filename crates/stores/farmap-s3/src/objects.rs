@@ -10,7 +10,7 @@ use object_store::{GetOptions, ObjectStore, ObjectStoreExt, PutMode, PutOptions,
 use tokio::sync::Semaphore;
 
 use crate::errors::{Describe, Failure};
-use crate::store::{connect, Connection};
+use crate::store::connect;
 use crate::S3Location;
 
 /// The largest object read: a version manifest of 6.7 million chunks (a 400 GiB region in
@@ -50,22 +50,17 @@ impl S3Objects {
         location: &S3Location,
         env: &(dyn Fn(&str) -> Option<String> + Sync),
     ) -> StoreResult<Self> {
-        let Connection {
-            client,
-            describe,
-            connections,
-            ..
-        } = connect(location, env)?;
+        let conn = connect(location, env)?;
         let base = if location.prefix.is_empty() {
             String::new()
         } else {
             format!("{}/", location.prefix)
         };
         Ok(Self {
-            client,
+            client: conn.client,
             base,
-            limit: Semaphore::new(connections),
-            describe,
+            limit: Semaphore::new(conn.connections),
+            describe: conn.describe,
         })
     }
 

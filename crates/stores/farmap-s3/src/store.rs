@@ -190,14 +190,7 @@ impl S3Store {
         env: &(dyn Fn(&str) -> Option<String> + Sync),
     ) -> StoreResult<S3Store> {
         let loc = &opts.location;
-        let Connection {
-            resolved,
-            client,
-            describe,
-            retries,
-            connections,
-            timeout,
-        } = connect(loc, env)?;
+        let conn = connect(loc, env)?;
         let key_base = if loc.prefix.is_empty() {
             String::new()
         } else {
@@ -207,13 +200,14 @@ impl S3Store {
             // Replaced below by the stored or created geometry.
             geometry: Geometry::new(4096, 4096).expect("a valid placeholder"),
             read_only: opts.read_only,
-            client,
+            client: conn.client,
             key_base,
-            limit: Semaphore::new(connections),
-            describe,
+            limit: Semaphore::new(conn.connections),
+            describe: conn.describe,
         };
         // The first request with few retries: a wrong endpoint fails fast.
-        let probe = build_client(loc, &resolved, retries.min(OPEN_RETRIES), 1, timeout)?;
+        let retries = conn.retries.min(OPEN_RETRIES);
+        let probe = build_client(loc, &conn.resolved, retries, 1, conn.timeout)?;
         store.geometry = store.open_meta(&probe, &opts).await?;
         tracing::debug!(store = ?store, "opened an S3 region");
         Ok(store)

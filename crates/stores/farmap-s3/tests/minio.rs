@@ -427,38 +427,7 @@ async fn s3_objects_keep_the_contract() {
     let Some(svc) = minio("s3_objects_keep_the_contract") else {
         return;
     };
-    let o = objects(svc, "objects");
-    assert_eq!(o.get("a/b").await.unwrap(), None);
-    assert!(o.create("a/b", Bytes::from_static(b"one")).await.unwrap());
-    assert!(!o.create("a/b", Bytes::from_static(b"two")).await.unwrap());
-    assert_eq!(o.get("a/b").await.unwrap().unwrap(), &b"one"[..]);
-    assert!(o.create("a/c/d", Bytes::new()).await.unwrap());
-    assert!(o.create("a/a", Bytes::new()).await.unwrap());
-    assert_eq!(o.list("a").await.unwrap(), ["a", "b", "c"]);
-    assert!(o.list("z").await.unwrap().is_empty());
-    o.delete("a/b").await.unwrap();
-    o.delete("a/b").await.unwrap();
-    assert_eq!(o.get("a/b").await.unwrap(), None);
-    assert!(o.get("../x").await.is_err());
-    // Racing creators: exactly one wins, and its bytes stay.
-    let tasks: Vec<_> = (0..8u8)
-        .map(|i| {
-            let o = o.clone();
-            tokio::spawn(async move { (i, o.create("race", Bytes::from(vec![i; 1000])).await) })
-        })
-        .collect();
-    let mut winners = Vec::new();
-    for t in tasks {
-        let (i, r) = t.await.unwrap();
-        if r.unwrap() {
-            winners.push(i);
-        }
-    }
-    assert_eq!(winners.len(), 1, "{winners:?}");
-    assert_eq!(
-        o.get("race").await.unwrap().unwrap(),
-        vec![winners[0]; 1000]
-    );
+    farmap_testkit::check_objects_contract(objects(svc, "objects")).await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

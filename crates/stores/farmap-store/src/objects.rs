@@ -236,56 +236,21 @@ impl Objects for MemoryObjects {
 mod tests {
     use super::*;
 
-    async fn contract(o: &dyn Objects) {
-        assert_eq!(o.get("a/b").await.unwrap(), None);
-        assert!(o.create("a/b", Bytes::from_static(b"one")).await.unwrap());
-        assert!(!o.create("a/b", Bytes::from_static(b"two")).await.unwrap());
-        assert_eq!(o.get("a/b").await.unwrap().unwrap(), &b"one"[..]);
-        assert!(o.create("a/c/d", Bytes::new()).await.unwrap());
-        assert!(o.create("a/a", Bytes::new()).await.unwrap());
-        assert_eq!(o.list("a").await.unwrap(), ["a", "b", "c"]);
-        assert_eq!(o.list("z").await.unwrap(), Vec::<String>::new());
-        o.delete("a/b").await.unwrap();
-        o.delete("a/b").await.unwrap();
-        assert_eq!(o.get("a/b").await.unwrap(), None);
-        assert!(o.get("../x").await.is_err());
-        assert!(o.create("a/.tmp", Bytes::new()).await.is_err());
-    }
-
-    #[tokio::test]
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn dir_objects_keep_the_contract() {
         let dir = tempfile::tempdir().unwrap();
-        contract(&DirObjects::open(dir.path().join("o")).unwrap()).await;
+        let o = DirObjects::open(dir.path().join("o")).unwrap();
+        farmap_testkit::check_objects_contract(Arc::new(o)).await;
+        assert_eq!(
+            fs::read_dir(dir.path().join("o").join(TEMP_DIR))
+                .unwrap()
+                .count(),
+            0
+        );
     }
 
-    #[tokio::test]
-    async fn memory_objects_keep_the_contract() {
-        contract(&MemoryObjects::new()).await;
-    }
-
-    /// Of many creators of one key at once, exactly one wins, and its bytes are what stays.
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-    async fn one_creator_wins() {
-        let dir = tempfile::tempdir().unwrap();
-        let o = DirObjects::open(dir.path()).unwrap();
-        let tasks: Vec<_> = (0..16u8)
-            .map(|i| {
-                let o = o.clone();
-                tokio::spawn(async move {
-                    let won = o.create("k", Bytes::from(vec![i; 4096])).await.unwrap();
-                    (i, won)
-                })
-            })
-            .collect();
-        let mut winners = Vec::new();
-        for t in tasks {
-            let (i, won) = t.await.unwrap();
-            if won {
-                winners.push(i);
-            }
-        }
-        assert_eq!(winners.len(), 1, "{winners:?}");
-        assert_eq!(o.get("k").await.unwrap().unwrap(), vec![winners[0]; 4096]);
-        assert_eq!(fs::read_dir(dir.path().join(TEMP_DIR)).unwrap().count(), 0);
+    async fn memory_objects_keep_the_contract() {
+        farmap_testkit::check_objects_contract(Arc::new(MemoryObjects::new())).await;
     }
 }

@@ -34,6 +34,7 @@ pub mod contents;
 pub mod demo;
 mod hooked;
 mod model;
+mod objects;
 mod pattern;
 pub mod printed;
 pub mod process;
@@ -48,6 +49,7 @@ pub mod wait;
 pub use conformance::{run_conformance, run_conformance_with, run_read_only_conformance};
 pub use hooked::{Hook, Hooked, Op, ReadMap, WriteHook};
 pub use model::ModelStore;
+pub use objects::check_objects_contract;
 pub use pattern::{
     pattern_byte, pattern_bytes, pattern_with_zeros, versioned_chunk, PatternStore, XorShift,
 };

@@ -308,7 +308,6 @@ pub fn decode_reply(b: &[u8; REPLY_LEN]) -> Result<Option<Refusal>, MessageError
     Ok(Refusal::from_code(u16_at(b, 10)))
 }
 
-
 /// Reads `data` as the handler reads a hello (the fixed header, then the spec and the
 /// presence bitmap at the header's length) and as the owner reads a reply: neither may
 /// panic, and a hello that decodes must encode to bytes that decode to the same hello.
