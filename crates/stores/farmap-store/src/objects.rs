@@ -33,12 +33,19 @@ impl DirObjects {
     /// Objects under `root`, created (with its parents) when missing.
     pub fn open(root: impl Into<PathBuf>) -> StoreResult<Self> {
         let root = root.into();
-        fs::create_dir_all(root.join(TEMP_DIR)).map_err(|e| {
+        let err = |e| {
             StoreError::io(
                 format!("cannot create the object directory {}", root.display()),
                 e,
             )
-        })?;
+        };
+        if !root.exists() {
+            fs::create_dir_all(&root).map_err(err)?;
+            if let Some(parent) = root.parent().filter(|p| !p.as_os_str().is_empty()) {
+                sync_dir(parent).map_err(err)?;
+            }
+        }
+        fs::create_dir_all(root.join(TEMP_DIR)).map_err(err)?;
         Ok(Self {
             root: Arc::new(root),
         })
@@ -67,9 +74,33 @@ fn sync_dir(dir: &Path) -> io::Result<()> {
     File::open(dir)?.sync_all()
 }
 
+/// Creates `dir` and its missing parents under `root`, each made durable in its parent (a
+/// crash must not take away a folder that holds an acknowledged object).
+fn create_dirs(root: &Path, dir: &Path) -> io::Result<()> {
+    let mut missing = Vec::new();
+    let mut d = dir;
+    while d != root && !d.exists() {
+        missing.push(d);
+        match d.parent() {
+            Some(p) => d = p,
+            None => break,
+        }
+    }
+    if missing.is_empty() {
+        return Ok(());
+    }
+    fs::create_dir_all(dir)?;
+    for created in missing {
+        if let Some(parent) = created.parent() {
+            sync_dir(parent)?;
+        }
+    }
+    Ok(())
+}
+
 fn create_file(root: &Path, path: &Path, data: &[u8]) -> io::Result<bool> {
     let parent = path.parent().unwrap_or(root);
-    fs::create_dir_all(parent)?;
+    create_dirs(root, parent)?;
     let temp = root.join(TEMP_DIR).join(temp_name());
     let written = (|| {
         let mut f = File::create_new(&temp)?;
