@@ -59,7 +59,7 @@ pub struct Versioned {
     geometry: Geometry,
     read_only: bool,
     state: Mutex<State>,
-    /// Chunks known to be stored (written or read by this opening).
+    /// Chunks this opening stored (a write of the same content again skips the store).
     stored: Mutex<HashSet<Hash>>,
     /// One flush at a time.
     flushing: tokio::sync::Mutex<()>,
@@ -334,9 +334,7 @@ impl Store for Versioned {
                     ),
                 )
             })?;
-            let data = chunk::decode(&stored, len, &hash)?;
-            self.stored.lock().insert(hash);
-            Ok(data)
+            chunk::decode(&stored, len, &hash)
         })
     }
 
