@@ -48,6 +48,21 @@ struct State {
     head: Head,
     /// Set once another writer advanced the region: every later write and flush fails.
     fenced: Option<String>,
+    /// A version whose create failed without saying whether it landed.
+    pending: Option<Pending>,
+}
+
+/// A version ready to be written, with what writing it settles.
+#[derive(Debug, Clone)]
+struct Pending {
+    seq: u64,
+    epoch: u64,
+    whole: bool,
+    /// It takes the region over (the next epoch).
+    claim: bool,
+    bytes: Bytes,
+    /// The dirty chunks it saves.
+    written: Vec<(u64, Hash)>,
 }
 
 /// A region kept as versions over [`Objects`]: reads come from the version it opened (and
@@ -153,6 +168,7 @@ impl Versioned {
                     chain,
                 },
                 fenced: None,
+                pending: None,
             }),
             stored: Mutex::new(HashSet::new()),
             flushing: tokio::sync::Mutex::new(()),
@@ -214,76 +230,108 @@ impl Versioned {
         Ok(())
     }
 
-    /// Writes the next version: the dirty chunks (or every chunk, when the chain is long),
-    /// with the next epoch when `claim`. Called under `flushing`.
-    async fn save(&self, claim: bool) -> StoreResult<u64> {
-        let (manifest, written) = {
-            let st = self.state.lock();
-            if let Some(why) = &st.fenced {
-                return Err(StoreError::new(ErrorKind::Fenced, why.clone()));
-            }
-            if st.dirty.is_empty() && !claim {
-                return Ok(st.head.seq);
-            }
-            let seq = st.head.seq + 1;
-            let whole = st.head.chain + 1 >= MAX_CHAIN;
-            let entries: Vec<(u64, Hash)> = if whole {
-                let mut all: Vec<_> = st.map.iter().map(|(i, h)| (*i, *h)).collect();
-                all.sort_unstable();
-                all
-            } else {
-                st.dirty.iter().map(|(i, h)| (*i, *h)).collect()
-            };
-            let manifest = Manifest {
-                seq,
-                epoch: st.head.epoch + u64::from(claim),
-                base: if whole { seq } else { st.head.base },
-                size: self.geometry.size(),
-                chunk_size: self.geometry.chunk_size(),
-                whole,
-                time_ms: now_ms(),
-                entries,
-            };
-            let written: Vec<(u64, Hash)> = st.dirty.iter().map(|(i, h)| (*i, *h)).collect();
-            (manifest, written)
-        };
-        let seq = manifest.seq;
-        let key = version_key(&self.region, seq);
-        let bytes = Bytes::from(manifest.encode());
-        let created = match self.objects.create(&key, bytes.clone()).await {
-            Ok(c) => c,
-            // The create may have landed before the error: what is there decides.
-            Err(e) => match self.objects.get(&key).await {
-                Ok(Some(there)) if there == bytes => true,
-                Ok(None) => return Err(e),
-                Ok(Some(_)) => false,
-                Err(_) => return Err(e),
-            },
-        };
-        let mut st = self.state.lock();
-        if !created {
-            let why = format!(
-                "region {:?}: another writer wrote version {seq} (this opening wrote up to {}); \
-                 what was written here since is not saved",
-                self.region, st.head.seq
-            );
-            st.fenced = Some(why.clone());
-            return Err(StoreError::new(ErrorKind::Fenced, why));
-        }
-        st.head.seq = seq;
-        st.head.epoch = manifest.epoch;
-        if manifest.whole {
-            st.head.base = seq;
-            st.head.chain = 0;
+    /// The next version to write: the dirty chunks (or every chunk, when the chain is long),
+    /// with the next epoch when `claim`.
+    fn next_version(&self, st: &State, claim: bool) -> Pending {
+        let seq = st.head.seq + 1;
+        let whole = st.head.chain + 1 >= MAX_CHAIN;
+        let entries: Vec<(u64, Hash)> = if whole {
+            let mut all: Vec<_> = st.map.iter().map(|(i, h)| (*i, *h)).collect();
+            all.sort_unstable();
+            all
         } else {
-            st.head.chain += 1;
+            st.dirty.iter().map(|(i, h)| (*i, *h)).collect()
+        };
+        let manifest = Manifest {
+            seq,
+            epoch: st.head.epoch + u64::from(claim),
+            base: if whole { seq } else { st.head.base },
+            size: self.geometry.size(),
+            chunk_size: self.geometry.chunk_size(),
+            whole,
+            time_ms: now_ms(),
+            entries,
+        };
+        Pending {
+            seq,
+            epoch: manifest.epoch,
+            whole,
+            claim,
+            bytes: Bytes::from(manifest.encode()),
+            written: st.dirty.iter().map(|(i, h)| (*i, *h)).collect(),
         }
-        for (idx, hash) in written {
-            if st.dirty.get(&idx) == Some(&hash) {
-                st.dirty.remove(&idx);
+    }
+
+    /// Writes the next version (see [`next_version`](Self::next_version)). A version whose
+    /// create failed without saying whether it landed is tried again first, with the same
+    /// bytes, so that the retry cannot mistake it for another writer's. Called under
+    /// `flushing`.
+    async fn save(&self, claim: bool) -> StoreResult<u64> {
+        let mut claimed = !claim;
+        loop {
+            let (p, retried) = {
+                let mut st = self.state.lock();
+                if let Some(why) = &st.fenced {
+                    return Err(StoreError::new(ErrorKind::Fenced, why.clone()));
+                }
+                match st.pending.clone() {
+                    Some(p) => (p, true),
+                    None => {
+                        if st.dirty.is_empty() && claimed {
+                            return Ok(st.head.seq);
+                        }
+                        let p = self.next_version(&st, !claimed);
+                        st.pending = Some(p.clone());
+                        (p, false)
+                    }
+                }
+            };
+            let key = version_key(&self.region, p.seq);
+            let created = match self.objects.create(&key, p.bytes.clone()).await {
+                Ok(true) => true,
+                // Taken: by another writer, or by this one's earlier try that reported an
+                // error. What is there decides.
+                Ok(false) => match self.objects.get(&key).await {
+                    Ok(there) => there.is_some_and(|b| b == p.bytes),
+                    Err(e) => return Err(e),
+                },
+                // The create may have landed before the error: what is there decides.
+                Err(e) => match self.objects.get(&key).await {
+                    Ok(Some(there)) if there == p.bytes => true,
+                    Ok(Some(_)) => false,
+                    Ok(None) | Err(_) => return Err(e),
+                },
+            };
+            let mut st = self.state.lock();
+            st.pending = None;
+            if !created {
+                let why = format!(
+                    "region {:?}: another writer wrote version {} (this opening wrote up to {}); \
+                     what was written here since is not saved",
+                    self.region, p.seq, st.head.seq
+                );
+                st.fenced = Some(why.clone());
+                return Err(StoreError::new(ErrorKind::Fenced, why));
+            }
+            st.head.seq = p.seq;
+            st.head.epoch = p.epoch;
+            if p.whole {
+                st.head.base = p.seq;
+                st.head.chain = 0;
+            } else {
+                st.head.chain += 1;
+            }
+            for (idx, hash) in &p.written {
+                if st.dirty.get(idx) == Some(hash) {
+                    st.dirty.remove(idx);
+                }
+            }
+            claimed |= p.claim;
+            // A retried version may predate writes this flush must save: one more round.
+            if claimed && (!retried || st.dirty.is_empty()) {
+                return Ok(p.seq);
             }
         }
-        Ok(seq)
     }
 
     /// Chunk `idx` now holds `hash`; a chunk written again with the content it holds is not

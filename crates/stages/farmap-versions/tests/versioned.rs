@@ -321,3 +321,91 @@ async fn forks_share_chunks_and_diverge() {
         .unwrap_err();
     assert!(e.to_string().contains("already exists"), "{e}");
 }
+
+/// Objects whose next version create lands but reports an error, and whose next read of
+/// it fails too: the writer cannot tell whether its version landed.
+#[derive(Debug)]
+struct Unsure {
+    inner: DirObjects,
+    armed: std::sync::atomic::AtomicU32,
+}
+
+impl Objects for Unsure {
+    fn get<'a>(
+        &'a self,
+        key: &'a str,
+    ) -> farmap_core::BoxFuture<'a, farmap_core::StoreResult<Option<Bytes>>> {
+        Box::pin(async move {
+            if key.contains("/versions/")
+                && self.armed.load(std::sync::atomic::Ordering::SeqCst) == 1
+            {
+                self.armed.store(0, std::sync::atomic::Ordering::SeqCst);
+                return Err(farmap_core::StoreError::new(
+                    ErrorKind::Unavailable,
+                    "get: cut off",
+                ));
+            }
+            self.inner.get(key).await
+        })
+    }
+    fn create<'a>(
+        &'a self,
+        key: &'a str,
+        data: Bytes,
+    ) -> farmap_core::BoxFuture<'a, farmap_core::StoreResult<bool>> {
+        Box::pin(async move {
+            let landed = self.inner.create(key, data).await?;
+            if key.contains("/versions/")
+                && self.armed.load(std::sync::atomic::Ordering::SeqCst) == 2
+            {
+                self.armed.store(1, std::sync::atomic::Ordering::SeqCst);
+                return Err(farmap_core::StoreError::new(
+                    ErrorKind::Timeout,
+                    "create: no answer",
+                ));
+            }
+            Ok(landed)
+        })
+    }
+    fn list<'a>(
+        &'a self,
+        dir: &'a str,
+    ) -> farmap_core::BoxFuture<'a, farmap_core::StoreResult<Vec<String>>> {
+        self.inner.list(dir)
+    }
+    fn delete<'a>(
+        &'a self,
+        key: &'a str,
+    ) -> farmap_core::BoxFuture<'a, farmap_core::StoreResult<()>> {
+        self.inner.delete(key)
+    }
+    fn location(&self) -> String {
+        self.inner.location()
+    }
+}
+
+/// A version that landed although its create reported an error is not taken for another
+/// writer's: the next flush tries the same bytes, finds them there, and goes on.
+#[tokio::test]
+async fn a_version_whose_create_was_unsure_is_not_taken_for_another_writers() {
+    let dir = tempfile::tempdir().unwrap();
+    let unsure = Arc::new(Unsure {
+        inner: DirObjects::open(dir.path()).unwrap(),
+        armed: std::sync::atomic::AtomicU32::new(0),
+    });
+    let o: Arc<dyn Objects> = unsure.clone();
+    let v = open(&o, "r").await;
+    v.write(ChunkIdx(0), chunk(1)).await.unwrap();
+    unsure.armed.store(2, std::sync::atomic::Ordering::SeqCst);
+    let e = v.flush().await.unwrap_err();
+    assert_eq!(e.kind(), ErrorKind::Timeout, "{e}");
+    v.write(ChunkIdx(1), chunk(2)).await.unwrap();
+    v.flush().await.unwrap();
+    assert_eq!(v.version(), 2);
+    drop(v);
+    let h = history(&*o, "r").await.unwrap();
+    assert_eq!(h.iter().map(|v| v.chunks).collect::<Vec<_>>(), [0, 1, 1]);
+    let back = open(&o, "r").await;
+    assert_eq!(back.read(ChunkIdx(0)).await.unwrap(), chunk(1));
+    assert_eq!(back.read(ChunkIdx(1)).await.unwrap(), chunk(2));
+}
