@@ -102,6 +102,10 @@ enum Command {
     /// Make new versioned regions that start as a version of another: every chunk is
     /// shared until written (only a manifest is written per fork).
     Fork(versions::ForkArgs),
+    /// Remove the chunks no version of any region lists, from an object store that keeps
+    /// versioned regions; safe while writers, forks and snapshots run. Two runs at least the
+    /// grace apart: the first moves garbage to the trash, a later one deletes it.
+    Gc(versions::GcArgs),
     /// Measure a data path against a reference measured in the same run.
     #[cfg(feature = "tools")]
     #[command(subcommand)]
@@ -217,6 +221,7 @@ fn main() -> ExitCode {
             Command::Snapshot(args) => versions::snapshot(args).await,
             Command::Versions(args) => versions::versions(args).await,
             Command::Fork(args) => versions::fork(args).await,
+            Command::Gc(args) => versions::gc(args).await,
             #[cfg(feature = "tools")]
             Command::Bench(cmd) => bench::run(cmd).await,
             #[cfg(feature = "tools")]

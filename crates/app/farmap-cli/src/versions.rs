@@ -8,14 +8,24 @@
 //! its manifest lists), `size` (bytes), `names` (snapshot names that stand for it).
 //! `fork --json` prints one line per new region: `region`, `from`, `version` (the version it
 //! starts from), `ms` (time to make all of them).
+//! `gc --json` prints one line: `objects`, `dry_run`, `grace_ms`, `regions`, `versions`,
+//! `referenced` (distinct chunks some version lists), `chunks` (chunks found), `trashed` and
+//! `trashed_bytes` (moved to the trash by this run), `restored` (put back: a version written
+//! since lists them), `deleted` and `deleted_bytes` (removed for good), `waiting` (in the
+//! trash, younger than the grace), `ms`.
 
 use std::process::ExitCode;
+use std::time::Duration;
 
 use anyhow::{bail, Context};
 use clap::Args;
 use farmap::spec::{open_objects, SpecKind};
-use farmap::versions::{fork as fork_region, history, At, Versioned, VersionedOptions};
+use farmap::versions::{
+    fork as fork_region, gc as collect, history, At, GcOptions, GcReport, Versioned,
+    VersionedOptions,
+};
 use farmap::StoreSpec;
+use farmap_cli_kit::args::parse_duration;
 use serde::Serialize;
 
 use crate::output;
@@ -49,6 +59,24 @@ pub struct ForkArgs {
     #[arg(required = true)]
     new: Vec<String>,
     /// One JSON object per new region instead of text.
+    #[arg(long)]
+    json: bool,
+}
+
+#[derive(Debug, Args)]
+pub struct GcArgs {
+    /// Where the objects are: `dir:PATH`, `s3://BUCKET/PREFIX?...`, or any region kept there
+    /// (`versioned:(dir:PATH)/REGION`: the whole object store is collected, not only it).
+    spec: StoreSpec,
+    /// The grace to keep when the object store has none yet (it is set once, by its first
+    /// writer or collection; default 1h). A chunk moved to the trash is deleted at a run at
+    /// least this much later. Hosts' clocks must agree to well within it.
+    #[arg(long, value_name = "DURATION", value_parser = parse_duration)]
+    grace: Option<Duration>,
+    /// Count what would be moved and deleted; change nothing.
+    #[arg(long)]
+    dry_run: bool,
+    /// Print one JSON object instead of text.
     #[arg(long)]
     json: bool,
 }
@@ -90,6 +118,7 @@ pub async fn snapshot(args: SnapshotArgs) -> anyhow::Result<ExitCode> {
             at: At::Latest,
             read_only: true,
             create: None,
+            grace: None,
         },
     )
     .await
@@ -182,6 +211,84 @@ pub async fn fork(args: ForkArgs) -> anyhow::Result<ExitCode> {
         } else {
             println!("{new}: a fork of {region} at version {version}");
         }
+    }
+    Ok(ExitCode::SUCCESS)
+}
+
+#[derive(Debug, Serialize)]
+struct Collected {
+    objects: String,
+    dry_run: bool,
+    grace_ms: u64,
+    regions: u64,
+    versions: u64,
+    referenced: u64,
+    chunks: u64,
+    trashed: u64,
+    trashed_bytes: u64,
+    restored: u64,
+    deleted: u64,
+    deleted_bytes: u64,
+    waiting: u64,
+    ms: f64,
+}
+
+pub async fn gc(args: GcArgs) -> anyhow::Result<ExitCode> {
+    let objects = match &args.spec.kind {
+        SpecKind::Versioned { objects, .. } => {
+            tracing::info!("collecting every region kept in {objects}");
+            objects
+        }
+        _ => &args.spec,
+    };
+    let store = open_objects(objects)?;
+    let start = std::time::Instant::now();
+    let opts = GcOptions {
+        grace: args.grace,
+        dry_run: args.dry_run,
+    };
+    let r: GcReport = collect(&*store, &opts)
+        .await
+        .with_context(|| format!("collecting the garbage of {objects}"))?;
+    let row = Collected {
+        objects: objects.to_string(),
+        dry_run: args.dry_run,
+        grace_ms: r.grace_ms,
+        regions: r.regions,
+        versions: r.versions,
+        referenced: r.referenced,
+        chunks: r.chunks,
+        trashed: r.trashed,
+        trashed_bytes: r.trashed_bytes,
+        restored: r.restored,
+        deleted: r.deleted,
+        deleted_bytes: r.deleted_bytes,
+        waiting: r.waiting,
+        ms: output::round1(start.elapsed().as_secs_f64() * 1e3),
+    };
+    if args.json {
+        output::json_line(&row)?;
+    } else {
+        let would = if args.dry_run {
+            " (dry run: nothing changed)"
+        } else {
+            ""
+        };
+        println!(
+            "{}: {} chunks, {} listed by {} versions of {} regions{would}",
+            row.objects, row.chunks, row.referenced, row.versions, row.regions
+        );
+        println!(
+            "  to the trash: {} ({} bytes); deleted for good: {} ({} bytes); put back: {}; \
+             waiting for the grace ({} ms): {}",
+            row.trashed,
+            row.trashed_bytes,
+            row.deleted,
+            row.deleted_bytes,
+            row.restored,
+            row.grace_ms,
+            row.waiting
+        );
     }
     Ok(ExitCode::SUCCESS)
 }

@@ -22,7 +22,11 @@ fn bench_versions_prints_a_checked_row_per_case() {
         "--json",
     ]);
     let cases: Vec<&str> = rows.iter().map(|r| r["case"].as_str().unwrap()).collect();
-    assert_eq!(cases, ["create", "snapshot", "restore", "fork"], "{rows:?}");
+    assert_eq!(
+        cases,
+        ["create", "snapshot", "restore", "fork", "gc"],
+        "{rows:?}"
+    );
     for row in &rows {
         assert_eq!(row["bench"], "versions", "{row}");
         assert_eq!(row["region_bytes"], 8u64 << 20, "{row}");
@@ -53,5 +57,13 @@ fn bench_versions_prints_a_checked_row_per_case() {
     assert!(
         number(fork, "dedup_ratio") > 2.0,
         "forks share their base: {fork}"
+    );
+    let gc = &rows[4];
+    // 1% of 128 chunks from chunk 50: one chunk (text-like), stored, then freed.
+    assert_eq!(gc["dirty_bytes"], 65536, "{gc}");
+    assert!(number(gc, "bytes_freed") > 0.0, "{gc}");
+    assert_eq!(
+        gc["store_bytes"], fork["store_bytes"],
+        "the store is back to what versions list"
     );
 }

@@ -195,3 +195,58 @@ fn a_mount_on_a_versioned_region_saves_versions_as_it_runs() {
     );
     assert!(back[..3 * MIB].iter().all(|b| *b == 0));
 }
+
+#[test]
+fn gc_moves_garbage_to_the_trash_then_deletes_it_and_keeps_every_version() {
+    let dir = tempfile::tempdir().unwrap();
+    let objects = dir.path().join("objects");
+    let store = format!("dir:{}", objects.display());
+    // The first collection sets the store's grace, before any writer does.
+    let set = farmap().json(&["gc", &store, "--grace", "1s", "--json"]);
+    assert_eq!(set["grace_ms"], 1000, "{set}");
+    assert_eq!(set["chunks"], 0);
+    let spec = format!("versioned:({store})/r");
+    let data = random(5, 2 * MIB);
+    let a = dir.path().join("a.img");
+    std::fs::write(&a, &data).unwrap();
+    farmap().ok(&["cp", &format!("file:{}", a.display()), &spec]);
+    // What a writer that died before its flush leaves: a chunk no version lists.
+    let orphan = objects
+        .join("chunks/ab")
+        .join(format!("ab{}", "0".repeat(62)));
+    std::fs::create_dir_all(orphan.parent().unwrap()).unwrap();
+    std::fs::write(&orphan, b"\x00garbage").unwrap();
+
+    let dry = farmap().json(&["gc", &store, "--dry-run", "--json"]);
+    assert_eq!(
+        (dry["trashed"].as_u64(), dry["dry_run"].as_bool()),
+        (Some(1), Some(true))
+    );
+    assert_eq!(dry["chunks"], 33, "{dry}");
+    assert_eq!(dry["referenced"], 32);
+    assert!(orphan.exists(), "a dry run changes nothing");
+
+    let first = farmap().json(&["gc", &spec, "--json"]);
+    assert_eq!(
+        (first["trashed"].as_u64(), first["deleted"].as_u64()),
+        (Some(1), Some(0))
+    );
+    assert!(!orphan.exists());
+    assert_eq!(files(&objects.join("trash")), 1);
+    let e = farmap().fails(&["gc", &store, "--grace", "5s"]);
+    assert!(e.contains("cannot change"), "{e}");
+    std::thread::sleep(Duration::from_millis(1100));
+    let second = farmap().json(&["gc", &store, "--json"]);
+    assert_eq!(
+        (second["deleted"].as_u64(), second["deleted_bytes"].as_u64()),
+        (Some(1), Some(8))
+    );
+    assert_eq!(files(&objects.join("trash")), 0);
+
+    let out = dir.path().join("out.img");
+    farmap().ok(&["cp", &spec, &format!("file:{}", out.display())]);
+    assert!(
+        std::fs::read(&out).unwrap() == data,
+        "the region reads as written"
+    );
+}

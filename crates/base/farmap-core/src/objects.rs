@@ -21,6 +21,11 @@ pub trait Objects: Send + Sync + fmt::Debug + 'static {
     /// The object named `key`, `None` when there is none.
     fn get<'a>(&'a self, key: &'a str) -> BoxFuture<'a, StoreResult<Option<Bytes>>>;
 
+    /// Whether `key` exists (without reading it, where the store can).
+    fn exists<'a>(&'a self, key: &'a str) -> BoxFuture<'a, StoreResult<bool>> {
+        Box::pin(async move { Ok(self.get(key).await?.is_some()) })
+    }
+
     /// Creates `key` holding `data` unless it exists: `true` when this call created it.
     fn create<'a>(&'a self, key: &'a str, data: Bytes) -> BoxFuture<'a, StoreResult<bool>>;
 

@@ -26,12 +26,14 @@
 #![warn(missing_docs)]
 
 pub mod chunk;
+pub mod gc;
 mod history;
 mod manifest;
 mod store;
 
 use std::fmt;
 
+pub use gc::{gc, GcOptions, GcReport};
 pub use history::{fork, history, resolve, VersionInfo};
 pub use manifest::Manifest;
 pub use store::{Versioned, VersionedOptions};

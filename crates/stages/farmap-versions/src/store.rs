@@ -3,6 +3,7 @@
 use std::collections::{BTreeMap, HashMap, HashSet};
 use std::fmt;
 use std::sync::Arc;
+use std::time::{Duration, Instant};
 
 use bytes::Bytes;
 use farmap_core::{
@@ -11,6 +12,7 @@ use farmap_core::{
 };
 use parking_lot::Mutex;
 
+use crate::gc::{self, from_trash};
 use crate::history::{latest, load, resolve};
 use crate::manifest::Manifest;
 use crate::{check_name, chunk, now_ms, tags_dir, version_key, At, Hash, MAX_CHAIN};
@@ -26,6 +28,23 @@ pub struct VersionedOptions {
     pub read_only: bool,
     /// Create the region with this shape when it has no version yet.
     pub create: Option<Geometry>,
+    /// The garbage collector's grace to keep when the object store has none yet (see
+    /// [`gc::grace`](crate::gc::grace)); a writer keeps its unsaved chunks safe from a
+    /// collector by it.
+    pub grace: Option<Duration>,
+}
+
+impl VersionedOptions {
+    /// The latest version of `region`, writable, not created.
+    pub fn new(region: impl Into<String>) -> Self {
+        Self {
+            region: region.into(),
+            at: At::Latest,
+            read_only: false,
+            create: None,
+            grace: None,
+        }
+    }
 }
 
 /// What the writer knows of the region's history.
@@ -73,11 +92,26 @@ pub struct Versioned {
     region: String,
     geometry: Geometry,
     read_only: bool,
-    state: Mutex<State>,
-    /// Chunks this opening stored (a write of the same content again skips the store).
-    stored: Mutex<HashSet<Hash>>,
+    state: Arc<Mutex<State>>,
+    /// When this opening last saw each chunk it wrote in `chunks/` (see [`Self::seen`]).
+    seen: Seen,
+    /// The object store's garbage-collection grace.
+    grace: Duration,
+    /// Sees the unsaved chunks again every eighth of the grace (see [`gc`]).
+    refresher: Option<tokio::task::JoinHandle<()>>,
     /// One flush at a time.
     flushing: tokio::sync::Mutex<()>,
+}
+
+/// When each chunk was last seen stored, by the clock of this process.
+type Seen = Arc<Mutex<HashMap<Hash, Instant>>>;
+
+impl Drop for Versioned {
+    fn drop(&mut self) {
+        if let Some(r) = &self.refresher {
+            r.abort();
+        }
+    }
 }
 
 impl fmt::Debug for Versioned {
@@ -153,24 +187,43 @@ impl Versioned {
             }
         }
         let chain = seq - manifest.base;
+        let grace = if opts.read_only {
+            gc::DEFAULT_GRACE
+        } else {
+            gc::grace(&*objects, opts.grace).await?
+        };
+        let state = Arc::new(Mutex::new(State {
+            map,
+            dirty: BTreeMap::new(),
+            head: Head {
+                seq,
+                epoch: manifest.epoch,
+                base: manifest.base,
+                chain,
+            },
+            fenced: None,
+            pending: None,
+        }));
+        let seen = Seen::default();
+        let refresher = match tokio::runtime::Handle::try_current() {
+            Ok(rt) if !opts.read_only => Some(rt.spawn(refresh(
+                objects.clone(),
+                region.clone(),
+                state.clone(),
+                seen.clone(),
+                grace,
+            ))),
+            _ => None,
+        };
         Ok(Self {
             objects,
             region,
             geometry,
             read_only: opts.read_only,
-            state: Mutex::new(State {
-                map,
-                dirty: BTreeMap::new(),
-                head: Head {
-                    seq,
-                    epoch: manifest.epoch,
-                    base: manifest.base,
-                    chain,
-                },
-                fenced: None,
-                pending: None,
-            }),
-            stored: Mutex::new(HashSet::new()),
+            state,
+            seen,
+            grace,
+            refresher,
             flushing: tokio::sync::Mutex::new(()),
         })
     }
@@ -286,6 +339,8 @@ impl Versioned {
                     }
                 }
             };
+            self.see_again(p.written.iter().map(|(_, h)| *h), self.grace / 4)
+                .await?;
             let key = version_key(&self.region, p.seq);
             let created = match self.objects.create(&key, p.bytes.clone()).await {
                 Ok(true) => true,
@@ -334,6 +389,17 @@ impl Versioned {
         }
     }
 
+    /// Sees each of `hashes` in `chunks/` again (putting it back from the trash if a
+    /// collector moved it) unless this opening saw it there less than `within` ago. A version
+    /// lists a chunk only within half the grace of seeing it (see [`gc`]).
+    async fn see_again(
+        &self,
+        hashes: impl Iterator<Item = Hash>,
+        within: Duration,
+    ) -> StoreResult<()> {
+        see_again(&*self.objects, &self.region, &self.seen, hashes, within).await
+    }
+
     /// Chunk `idx` now holds `hash`; a chunk written again with the content it holds is not
     /// a change (the next version does not list it).
     fn set(&self, idx: u64, hash: Hash) {
@@ -370,7 +436,13 @@ impl Store for Versioned {
             let Some(hash) = self.state.lock().map.get(&idx.0).copied() else {
                 return Ok(zero_chunk(len));
             };
-            let stored = self.objects.get(&chunk::key(&hash)).await?.ok_or_else(|| {
+            let stored = match self.objects.get(&chunk::key(&hash)).await? {
+                Some(b) => Some(b),
+                // A collector moved it (a version written since lists it; the collector's
+                // next run puts it back).
+                None => from_trash(&*self.objects, &hash).await?,
+            };
+            let stored = stored.ok_or_else(|| {
                 StoreError::new(
                     ErrorKind::Corrupt,
                     format!(
@@ -395,12 +467,18 @@ impl Store for Versioned {
                 return Ok(());
             }
             let hash = Hash::of(&data);
-            if !self.stored.lock().contains(&hash) {
+            let fresh = self
+                .seen
+                .lock()
+                .get(&hash)
+                .is_some_and(|t| t.elapsed() < self.grace / 4);
+            if !fresh {
                 // Created or already there (the same bytes, written before): both are stored.
+                let now = Instant::now();
                 self.objects
                     .create(&chunk::key(&hash), Bytes::from(chunk::encode(&data)))
                     .await?;
-                self.stored.lock().insert(hash);
+                self.seen.lock().insert(hash, now);
             }
             self.set(idx.0, hash);
             Ok(())
@@ -435,5 +513,53 @@ impl Store for Versioned {
                 self.state.lock().map.contains_key(&idx.0),
             ))
         })
+    }
+}
+
+/// Sees each of `hashes` (but zeros) in `chunks/` again unless seen less than `within` ago,
+/// putting it back from the trash when a collector moved it.
+async fn see_again(
+    objects: &dyn Objects,
+    region: &str,
+    seen: &Seen,
+    hashes: impl Iterator<Item = Hash>,
+    within: Duration,
+) -> StoreResult<()> {
+    let stale: Vec<Hash> = {
+        let seen = seen.lock();
+        hashes
+            .filter(|h| *h != Hash::ZERO)
+            .filter(|h| seen.get(h).is_none_or(|t| t.elapsed() >= within))
+            .collect()
+    };
+    for hash in stale {
+        let now = Instant::now();
+        gc::ensure(objects, &hash, region).await?;
+        seen.lock().insert(hash, now);
+    }
+    Ok(())
+}
+
+/// A writer's side of garbage collection (see [`gc`]): every eighth of the grace, sees the
+/// chunks written but not yet saved in a version again, and forgets the others.
+async fn refresh(
+    objects: Arc<dyn Objects>,
+    region: String,
+    state: Arc<Mutex<State>>,
+    seen: Seen,
+    grace: Duration,
+) {
+    let period = grace / 8;
+    loop {
+        tokio::time::sleep(period).await;
+        let unsaved: HashSet<Hash> = state.lock().dirty.values().copied().collect();
+        seen.lock()
+            .retain(|h, t| unsaved.contains(h) || t.elapsed() < grace / 4);
+        if let Err(e) = see_again(&*objects, &region, &seen, unsaved.into_iter(), period).await {
+            tracing::warn!(
+                region,
+                "cannot keep the unsaved chunks from the collector: {e}"
+            );
+        }
     }
 }

@@ -20,6 +20,7 @@ fn opts(region: &str, at: At, read_only: bool) -> VersionedOptions {
         at,
         read_only,
         create: Some(Geometry::new(64 * u64::from(CHUNK), u64::from(CHUNK)).unwrap()),
+        grace: None,
     }
 }
 
@@ -252,6 +253,7 @@ async fn keeps_the_store_contract() {
                     at: At::Latest,
                     read_only: false,
                     create: Some(g),
+                    grace: None,
                 },
             )
             .await
@@ -270,6 +272,7 @@ async fn a_region_without_versions_needs_a_size() {
         o.clone(),
         VersionedOptions {
             create: None,
+            grace: None,
             ..opts("none", At::Latest, false)
         },
     )

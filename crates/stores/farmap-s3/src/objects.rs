@@ -105,6 +105,18 @@ impl Objects for S3Objects {
         })
     }
 
+    fn exists<'a>(&'a self, key: &'a str) -> BoxFuture<'a, StoreResult<bool>> {
+        Box::pin(async move {
+            let path = self.path(key)?;
+            let _p = self.permit().await?;
+            match self.client.head(&path).await {
+                Ok(_) => Ok(true),
+                Err(e) if Failure::of(&e).is_missing_object() => Ok(false),
+                Err(e) => Err(self.describe.error(&format!("looking up object {path}"), e)),
+            }
+        })
+    }
+
     fn create<'a>(&'a self, key: &'a str, data: Bytes) -> BoxFuture<'a, StoreResult<bool>> {
         Box::pin(async move {
             let path = self.path(key)?;

@@ -5,6 +5,7 @@
 mod common;
 
 use std::sync::Arc;
+use std::time::Duration;
 
 use bytes::Bytes;
 use common::{env_of, fresh_prefix, location, minio, open_with};
@@ -442,6 +443,7 @@ async fn versioned_regions_over_s3_keep_versions_and_one_writer() {
         at,
         read_only,
         create: Some(g),
+        grace: Some(Duration::from_millis(300)),
     };
     let chunk = |b: u8| Bytes::from(vec![b; 65536]);
     let one = Versioned::open(o.clone(), opts(At::Latest, false))
@@ -469,4 +471,15 @@ async fn versioned_regions_over_s3_keep_versions_and_one_writer() {
     let h = history(&*o, "r").await.unwrap();
     assert_eq!(h.iter().map(|v| v.seq).collect::<Vec<_>>(), [0, 1, 2]);
     assert_eq!(h[1].names, ["first"]);
+
+    // What the fenced writer stored no version lists: the collector takes it in two runs.
+    drop(two);
+    let gc_opts = farmap_versions::GcOptions::default();
+    let run = || farmap_versions::gc(&*o, &gc_opts);
+    let r = run().await.unwrap();
+    assert_eq!((r.grace_ms, r.chunks, r.trashed), (300, 3, 1), "{r:?}");
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    let r = run().await.unwrap();
+    assert_eq!((r.deleted, r.restored, r.chunks), (1, 0, 2), "{r:?}");
+    assert_eq!(latest.read(ChunkIdx(1)).await.unwrap(), chunk(1));
 }

@@ -132,6 +132,18 @@ impl Objects for DirObjects {
         })
     }
 
+    fn exists<'a>(&'a self, key: &'a str) -> BoxFuture<'a, StoreResult<bool>> {
+        Box::pin(async move {
+            let path = self.path(key)?;
+            blocking(move || match fs::symlink_metadata(&path) {
+                Ok(m) => Ok(m.is_file()),
+                Err(e) if e.kind() == io::ErrorKind::NotFound => Ok(false),
+                Err(e) => Err(StoreError::io(format!("cannot stat {}", path.display()), e)),
+            })
+            .await
+        })
+    }
+
     fn create<'a>(&'a self, key: &'a str, data: Bytes) -> BoxFuture<'a, StoreResult<bool>> {
         Box::pin(async move {
             let path = self.path(key)?;

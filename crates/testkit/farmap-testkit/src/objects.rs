@@ -1,5 +1,5 @@
 //! The contract every [`Objects`] keeps, checked the same way for each (a directory, memory,
-//! S3): get, create once, list a folder, delete, refuse bad keys, and one winner among
+//! S3): get, exists, create once, list a folder, delete, refuse bad keys, and one winner among
 //! racing creators.
 
 use std::sync::Arc;
@@ -13,6 +13,8 @@ pub async fn check_objects_contract(o: Arc<dyn Objects>) {
     assert!(o.create("a/b", Bytes::from_static(b"one")).await.unwrap());
     assert!(!o.create("a/b", Bytes::from_static(b"two")).await.unwrap());
     assert_eq!(o.get("a/b").await.unwrap().unwrap(), &b"one"[..]);
+    assert!(o.exists("a/b").await.unwrap());
+    assert!(!o.exists("a/x").await.unwrap());
     assert!(o.create("a/c/d", Bytes::new()).await.unwrap());
     assert!(o.create("a/a", Bytes::new()).await.unwrap());
     assert_eq!(o.list("a").await.unwrap(), ["a", "b", "c"]);
@@ -20,6 +22,7 @@ pub async fn check_objects_contract(o: Arc<dyn Objects>) {
     o.delete("a/b").await.unwrap();
     o.delete("a/b").await.unwrap();
     assert_eq!(o.get("a/b").await.unwrap(), None);
+    assert!(!o.exists("a/b").await.unwrap());
     assert!(o.get("../x").await.is_err());
     assert!(o.create("a/.tmp", Bytes::new()).await.is_err());
     // Racing creators of one key: exactly one wins, and its bytes are what stays.

@@ -16,17 +16,22 @@
 //! - `fork`: `--clones` forks of the snapshot, then each rewrites 1% of its chunks. `ms`
 //!   (all forks), `ms_per_fork`, `clones`, `store_bytes` (the directory, all regions),
 //!   `dedup_ratio` (the non-zero bytes all regions hold over `store_bytes`).
+//! - `gc`: a writer rewrites 1% of the base and stops without a flush (garbage), then
+//!   `farmap gc` runs twice, the grace apart (1 s in the bench's own directory). `ms` is the
+//!   first run (every manifest read, every chunk listed, the garbage moved to the trash),
+//!   `second_ms` the run that deletes it; `dirty_bytes` the garbage as written,
+//!   `bytes_freed` what the directory shrank by, `store_bytes` what it holds after.
 
 use std::path::Path;
 use std::process::ExitCode;
 use std::sync::Arc;
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
 use anyhow::Context;
 use bytes::Bytes;
 use clap::Args;
 use farmap::store::DirObjects;
-use farmap::versions::{fork, At, Objects, Versioned, VersionedOptions};
+use farmap::versions::{fork, gc, At, GcOptions, Objects, Versioned, VersionedOptions};
 use farmap::{ChunkIdx, Geometry, Store};
 use futures::StreamExt;
 use serde::Serialize;
@@ -87,6 +92,10 @@ struct Row {
     store_bytes: Option<u64>,
     #[serde(skip_serializing_if = "Option::is_none")]
     dedup_ratio: Option<f64>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    second_ms: Option<f64>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    bytes_freed: Option<u64>,
     verified: bool,
 }
 
@@ -162,6 +171,7 @@ fn open_opts(region: &str, at: At, g: Option<Geometry>) -> VersionedOptions {
         read_only: at != At::Latest,
         at,
         create: g,
+        grace: None,
     }
 }
 
@@ -171,6 +181,8 @@ struct Bench {
     root: std::path::PathBuf,
     objects: Arc<dyn Objects>,
     json: bool,
+    /// The object directory's garbage-collection grace.
+    grace: Duration,
 }
 
 /// Generation of chunk `i` after the snapshot case (every 100th rewritten once).
@@ -301,6 +313,46 @@ impl Bench {
     }
 }
 
+impl Bench {
+    async fn gc(&self) -> anyhow::Result<()> {
+        let (g, n) = (self.g, self.g.chunk_count());
+        let w = Versioned::open(self.objects.clone(), open_opts("base", At::Latest, None)).await?;
+        let garbage: Vec<u64> = (50..n).step_by(100).collect();
+        write_all(&w, garbage.iter().map(|&i| (i, content(g, i, 1000)))).await?;
+        // Stopped before its flush: what it stored no version lists.
+        drop(w);
+        let stored: u64 = garbage.iter().filter(|i| *i % 4 != 0).count() as u64;
+        let before = du(&self.root);
+        let start = Instant::now();
+        let first = gc(&*self.objects, &GcOptions::default()).await?;
+        let first_ms = ms(start);
+        tokio::time::sleep(self.grace).await;
+        let start = Instant::now();
+        let second = gc(&*self.objects, &GcOptions::default()).await?;
+        let second_ms = ms(start);
+        let after = du(&self.root);
+        let r = Versioned::open(self.objects.clone(), open_opts("base", At::Latest, None)).await?;
+        let mut ok = first.trashed == stored && second.deleted == stored;
+        for &i in garbage.iter().take(64) {
+            ok &= r.read(ChunkIdx(i)).await? == content(g, i, after_snapshot(i));
+        }
+        self.emit(Row {
+            ms: first_ms,
+            second_ms: Some(second_ms),
+            dirty_bytes: Some(
+                garbage
+                    .iter()
+                    .map(|&i| g.chunk_len(ChunkIdx(i)) as u64)
+                    .sum(),
+            ),
+            bytes_freed: Some(before.saturating_sub(after)),
+            store_bytes: Some(after),
+            verified: ok,
+            ..self.row("gc")
+        })
+    }
+}
+
 pub async fn run(args: VersionsArgs) -> anyhow::Result<ExitCode> {
     let g = Geometry::new(args.size, args.chunk).context("--size and --chunk")?;
     let temp;
@@ -311,16 +363,24 @@ pub async fn run(args: VersionsArgs) -> anyhow::Result<ExitCode> {
             temp.path().join("objects")
         }
     };
+    let objects: Arc<dyn Objects> = Arc::new(DirObjects::open(&root)?);
+    // A short grace, so that the gc case deletes within a second.
+    let grace = Duration::from_secs(1);
+    farmap::versions::gc::grace(&*objects, Some(grace))
+        .await
+        .with_context(|| format!("{}: give a new --dir", root.display()))?;
     let bench = Bench {
         g,
-        objects: Arc::new(DirObjects::open(&root)?),
+        objects,
         root,
         json: args.json,
+        grace,
     };
     let v = bench.create().await?;
     bench.snapshot(&v).await?;
     drop(v);
     bench.restore().await?;
     bench.fork(args.clones).await?;
+    bench.gc().await?;
     Ok(ExitCode::SUCCESS)
 }

@@ -67,6 +67,7 @@ impl Scheme for Versions {
                     // A version other than the latest only reads.
                     read_only: spec.read_only || *at != At::Latest,
                     create,
+                    grace: None,
                 },
             )
             .await
