@@ -26,14 +26,30 @@ struct Pair {
     b: DemoNode,
     farmap: Cli,
     size: u64,
-    _svc: &'static Service,
+    /// The versioned region's spec (`versioned` pairs only).
+    spec: String,
+    _svc: Option<&'static Service>,
     _dir: tempfile::TempDir,
 }
 
 /// A new region of `size` bytes in `service` for `test`: its spec, and `farmap` with what
 /// it needs in its environment to open it.
-fn shared_region(test: &str, service: &str, svc: &Service, size: u64) -> (String, Cli) {
+fn shared_region(
+    test: &str,
+    service: &str,
+    svc: Option<&Service>,
+    size: u64,
+    dir: &std::path::Path,
+) -> (String, Cli) {
     let name = unique_name("migrate");
+    if service == "versioned" {
+        let objects = dir.join("objects");
+        return (
+            format!("versioned:(dir:{})/r?size={size}", objects.display()),
+            farmap(),
+        );
+    }
+    let svc = svc.unwrap_or_else(|| panic!("{test}: {service} needs its service"));
     match service {
         "redis" => (
             format!("{}/0?size={size}&prefix={name}", svc.var("SPEC_BASE")),
@@ -65,14 +81,17 @@ fn shared_region(test: &str, service: &str, svc: &Service, size: u64) -> (String
 
 fn pair(test: &str, service: &'static str) -> Option<Pair> {
     skip::unless(test, farmap_uffd::probe())?;
-    let svc = skip::unless(test, Service::shared(service))?;
+    let svc = match service {
+        "versioned" => None,
+        _ => Some(skip::unless(test, Service::shared(service))?),
+    };
     let dir = tempfile::tempdir().unwrap();
     let size: u64 = 16 << 20;
-    let (spec, farmap) = shared_region(test, service, svc, size);
+    let (spec, farmap) = shared_region(test, service, svc, size, dir.path());
     // 10% of the pages per second; 2% over the slower stores, whose last push before the
     // hand-over takes long enough for such a writer to dirty most of these 256 chunks.
     let rate = match service {
-        "redis" => size / 4096 / 10,
+        "redis" | "versioned" => size / 4096 / 10,
         _ => size / 4096 / 50,
     };
     let node = |name: &str, init: bool| {
@@ -93,6 +112,7 @@ fn pair(test: &str, service: &'static str) -> Option<Pair> {
         b,
         farmap,
         size,
+        spec,
         _svc: svc,
         _dir: dir,
     })
@@ -157,7 +177,7 @@ fn a_region_over_redis_migrates_live_and_redis_holds_the_hand_over_image() {
 /// come from the store and the source, all verified; most from the store (pushed there in
 /// the background before); the source handed the store over; every write is at the
 /// destination. The seed's stderr.
-fn instant(test: &str, service: &'static str, seed_extra: &[&str]) -> Option<String> {
+fn instant(test: &str, service: &'static str, seed_extra: &[&str]) -> Option<(String, Pair)> {
     let mut p = pair(test, service)?;
     std::thread::sleep(Duration::from_millis(300));
     let before = verify(&mut p.a);
@@ -189,13 +209,13 @@ fn instant(test: &str, service: &'static str, seed_extra: &[&str]) -> Option<Str
     std::thread::sleep(Duration::from_millis(200));
     let after = verify(&mut p.b);
     assert!(after > handed_over_at, "{after} <= {handed_over_at}");
-    Some(seed_err)
+    Some((seed_err, p))
 }
 
 #[test]
 fn an_instant_migration_over_redis_takes_only_what_redis_lacks() {
     let test = "an_instant_migration_over_redis_takes_only_what_redis_lacks";
-    if let Some(seed_err) = instant(test, "redis", &[]) {
+    if let Some((seed_err, _)) = instant(test, "redis", &[]) {
         assert!(
             seed_err.contains("pushing what the shared store lacks (at most 2s)")
                 && seed_err.contains("instant: pushed for "),
@@ -207,7 +227,7 @@ fn an_instant_migration_over_redis_takes_only_what_redis_lacks() {
 #[test]
 fn an_instant_migration_with_no_push_budget_fetches_the_rest_from_the_source() {
     let test = "an_instant_migration_with_no_push_budget_fetches_the_rest_from_the_source";
-    if let Some(seed_err) = instant(test, "redis", &["--push-budget", "0s"]) {
+    if let Some((seed_err, _)) = instant(test, "redis", &["--push-budget", "0s"]) {
         assert!(
             !seed_err.contains("pushing what the shared store lacks")
                 && !seed_err.contains("instant: pushed for "),
@@ -232,4 +252,22 @@ fn an_instant_migration_over_cql_takes_only_what_cassandra_lacks() {
         "cassandra",
         &[],
     );
+}
+
+#[test]
+fn an_instant_migration_of_a_versioned_region_hands_its_writer_over() {
+    let test = "an_instant_migration_of_a_versioned_region_hands_its_writer_over";
+    let Some((_, p)) = instant(test, "versioned", &[]) else {
+        return;
+    };
+    // The source saved its last pushes as a version before the hand-over (the destination
+    // read them there: most chunks came from the store), and the destination then took the
+    // region over with the next epoch: the old host's next flush is fenced.
+    let spec = p.spec.split('?').next().unwrap().to_owned();
+    let rows = p.farmap.json_lines(&["versions", &spec, "--json"]);
+    let epochs: Vec<u64> = rows.iter().map(|r| r["epoch"].as_u64().unwrap()).collect();
+    assert_eq!(epochs.first(), Some(&1), "{rows:?}");
+    assert!(epochs.windows(2).all(|w| w[0] <= w[1]), "{epochs:?}");
+    assert!(epochs.contains(&2), "the destination's epoch: {rows:?}");
+    assert!(epochs.iter().filter(|e| **e == 1).count() >= 2, "{rows:?}");
 }

@@ -123,6 +123,24 @@ pub trait Store: Send + Sync + fmt::Debug + 'static {
             Ok(out)
         })
     }
+
+    /// For a store that one writer at a time may change and that another opening may have
+    /// changed since this one opened (a versioned region): reads what was saved since, so
+    /// that reads return it. Fails with [`ErrorKind::Fenced`] when this opening has unsaved
+    /// writes and another writer saved meanwhile. Live migration calls it on the new host
+    /// before the hand-over. Other stores see every change already: nothing to do.
+    fn catch_up(&self) -> BoxFuture<'_, StoreResult<()>> {
+        Box::pin(async { Ok(()) })
+    }
+
+    /// [`catch_up`](Self::catch_up), then makes this opening the one writer: a store that
+    /// fences writers saves a version under the next epoch, so that any other opening's
+    /// next flush fails with [`ErrorKind::Fenced`] (never a silent overwrite). Live
+    /// migration calls it on the new host once it owns the region. Other stores: nothing to
+    /// do.
+    fn take_over(&self) -> BoxFuture<'_, StoreResult<()>> {
+        Box::pin(async { Ok(()) })
+    }
 }
 
 /// `offset..offset + len` checked against a chunk of `chunk_len` bytes.
@@ -181,6 +199,12 @@ macro_rules! forward_store {
             }
             fn read_chunks(&self, range: ChunkRange) -> BoxFuture<'_, StoreResult<Vec<Bytes>>> {
                 (**self).read_chunks(range)
+            }
+            fn catch_up(&self) -> BoxFuture<'_, StoreResult<()>> {
+                (**self).catch_up()
+            }
+            fn take_over(&self) -> BoxFuture<'_, StoreResult<()>> {
+                (**self).take_over()
             }
         }
     };

@@ -409,7 +409,7 @@ impl<D: Destination> Run<D> {
                     .await?;
                 Ok(None)
             }
-            LeecherAction::InstallManifest(m) => self.install_manifest(m),
+            LeecherAction::InstallManifest(m) => self.install_manifest(m).await,
             LeecherAction::Confirm(c) => self.confirm(c),
             LeecherAction::Reconnect => self.reconnect(machine, queue).await,
             LeecherAction::Finish => self.finish(machine),
@@ -553,11 +553,20 @@ impl<D: Destination> Run<D> {
     }
 
     /// Instant mode: installs the manifest before the hand-over.
-    fn install_manifest(&mut self, m: Manifest) -> Result<Option<LeechReport<D>>, LeechError> {
+    async fn install_manifest(
+        &mut self,
+        m: Manifest,
+    ) -> Result<Option<LeechReport<D>>, LeechError> {
         if let Some(d) = self.dest.as_ref() {
             // Before the hand-over, while the source still runs: the downtime
             // carries only the confirmation of the chunks written lately.
             let t0 = Instant::now();
+            // A store that keeps versions reads the one the source saved with its last
+            // pushes (made before it sent the manifest), so that those read as pushed.
+            d.store
+                .catch_up_shared()
+                .await
+                .map_err(|e| LeechError::Region(OpenError::Shared(e.into())))?;
             d.store.install_manifest(&m);
             self.rep.note(format!(
                 "instant: manifest installed in {:.2} ms ({} chunks in the shared \
@@ -775,6 +784,23 @@ impl<D: Destination> Run<D> {
         self.final_pages = run_pages(&runs);
         self.dirty_pages += self.final_pages;
         self.report_resumed(manifest.as_ref(), confirm.as_ref(), fetch_all, t_discard);
+        if manifest.is_some() {
+            // The region is here: this host becomes the shared store's one writer (a
+            // versioned region's next epoch), so that the old host is fenced at its next
+            // flush. Outside the downtime: the application already runs.
+            let store = self.dest.as_ref().map(|d| d.store.clone());
+            tokio::spawn(async move {
+                let Some(store) = store else { return };
+                match store.take_over_shared().await {
+                    Ok(()) => tracing::debug!("took the shared store over"),
+                    Err(e) => tracing::warn!(
+                        "taking the shared store over failed (this host's next flush to it \
+                         says why): {}",
+                        farmap_core::error_chain(&e)
+                    ),
+                }
+            });
+        }
         self.start_post_copy(manifest, confirm, runs, fetch_all);
         Ok(())
     }

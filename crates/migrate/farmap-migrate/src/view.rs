@@ -335,6 +335,24 @@ impl MigrationStore {
         Ok(s)
     }
 
+    /// Instant mode: the shared store catches up with what the source saved last (see
+    /// [`Store::catch_up`]); before the hand-over.
+    pub async fn catch_up_shared(&self) -> StoreResult<()> {
+        match &self.instant {
+            Some(side) => side.shared.catch_up().await,
+            None => Ok(()),
+        }
+    }
+
+    /// Instant mode: makes this host the shared store's one writer (see
+    /// [`Store::take_over`]); once the region is here.
+    pub async fn take_over_shared(&self) -> StoreResult<()> {
+        match &self.instant {
+            Some(side) => side.shared.take_over().await,
+            None => Ok(()),
+        }
+    }
+
     /// Installs a checked manifest (instant mode; ignored otherwise). Every chunk it places
     /// in the store is pending until a [confirmation](Self::apply_confirm) says where it is.
     pub fn install_manifest(&self, m: &crate::machine::Manifest) {

@@ -751,6 +751,17 @@ impl<S: Store, R: Store> Pusher<S, R> {
         if let Some(source) = &s.source {
             source.collect(s.tracked.dirty())?;
         }
+        // No push runs or starts from here on: a flush now saves every push, so that a store
+        // that keeps what it saves as versions lists them all in one (the version the new
+        // host reads). A failed flush costs only speed: the new host checks each chunk
+        // against the ledger and takes a stale one from the source.
+        if let Err(e) = retry(s.policy, || s.remote.flush()).await {
+            tracing::warn!(
+                "flushing the remote store before the hand-over failed (the new host takes \
+                 what it cannot read there from here): {}",
+                farmap_core::error_chain(&e)
+            );
+        }
         let mut dirty = s.tracked.take_dirty();
         for &idx in &dirty {
             s.tracked.dirty().mark(idx);

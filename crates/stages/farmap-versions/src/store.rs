@@ -251,6 +251,40 @@ impl Versioned {
         self.save(true).await
     }
 
+    /// Reads the versions saved since this opening's (by another writer, or the old host of
+    /// a migration), unless this opening has unsaved writes: then another writer's version
+    /// fences it. Returns the version it reads now.
+    pub async fn catch_up(&self) -> StoreResult<u64> {
+        let _one = self.flushing.lock().await;
+        let latest = latest(&*self.objects, &self.region).await?.unwrap_or(0);
+        {
+            let st = self.state.lock();
+            if latest <= st.head.seq {
+                return Ok(st.head.seq);
+            }
+            if !st.dirty.is_empty() || st.pending.is_some() {
+                return Err(StoreError::new(
+                    ErrorKind::Fenced,
+                    format!(
+                        "region {:?}: another writer saved version {latest} while this opening \
+                         had unsaved writes on version {}",
+                        self.region, st.head.seq
+                    ),
+                ));
+            }
+        }
+        let (manifest, map) = load(&*self.objects, &self.region, latest).await?;
+        let mut st = self.state.lock();
+        st.map = map;
+        st.head = Head {
+            seq: latest,
+            epoch: manifest.epoch,
+            base: manifest.base,
+            chain: latest - manifest.base,
+        };
+        Ok(latest)
+    }
+
     /// Saves what is written as a version and names it `name`; returns its number.
     pub async fn snapshot(&self, name: &str) -> StoreResult<u64> {
         check_name("snapshot", name).map_err(StoreError::invalid)?;
@@ -512,6 +546,26 @@ impl Store for Versioned {
             Ok(ChunkStatus::data_if(
                 self.state.lock().map.contains_key(&idx.0),
             ))
+        })
+    }
+
+    fn catch_up(&self) -> BoxFuture<'_, StoreResult<()>> {
+        Box::pin(async move { Versioned::catch_up(self).await.map(|_| ()) })
+    }
+
+    fn take_over(&self) -> BoxFuture<'_, StoreResult<()>> {
+        Box::pin(async move {
+            if self.read_only {
+                return Err(StoreError::new(
+                    ErrorKind::ReadOnly,
+                    format!(
+                        "region {:?} is open read-only: it cannot take over",
+                        self.region
+                    ),
+                ));
+            }
+            Versioned::catch_up(self).await?;
+            self.claim().await.map(|_| ())
         })
     }
 }

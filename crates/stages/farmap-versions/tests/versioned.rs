@@ -412,3 +412,39 @@ async fn a_version_whose_create_was_unsure_is_not_taken_for_another_writers() {
     assert_eq!(back.read(ChunkIdx(0)).await.unwrap(), chunk(1));
     assert_eq!(back.read(ChunkIdx(1)).await.unwrap(), chunk(2));
 }
+
+#[tokio::test]
+async fn a_new_host_catches_up_then_takes_over_and_the_old_one_is_fenced() {
+    let dir = tempfile::tempdir().unwrap();
+    let o = objects(dir.path());
+    let old = open(&o, "r").await;
+    // The new host opens before the old one saves its last writes (as a migration's
+    // destination does).
+    let new = open(&o, "r").await;
+    old.write(ChunkIdx(1), chunk(1)).await.unwrap();
+    old.flush().await.unwrap();
+    assert_eq!(
+        new.read(ChunkIdx(1)).await.unwrap(),
+        chunk(0),
+        "not caught up yet"
+    );
+    new.catch_up().await.unwrap();
+    assert_eq!(new.version(), 1);
+    assert_eq!(new.read(ChunkIdx(1)).await.unwrap(), chunk(1));
+    Store::take_over(&new).await.unwrap();
+    assert_eq!(new.version(), 2);
+    let h = history(&*o, "r").await.unwrap();
+    assert_eq!(
+        h.iter().map(|v| v.epoch).collect::<Vec<_>>(),
+        [1, 1, 2],
+        "the take-over is the next epoch"
+    );
+    old.write(ChunkIdx(2), chunk(2)).await.unwrap();
+    let e = old.flush().await.unwrap_err();
+    assert_eq!(e.kind(), ErrorKind::Fenced, "{e}");
+    // An opening with unsaved writes cannot catch up over another writer's version.
+    let e = old.catch_up().await.unwrap_err();
+    assert_eq!(e.kind(), ErrorKind::Fenced, "{e}");
+    new.write(ChunkIdx(3), chunk(3)).await.unwrap();
+    new.flush().await.unwrap();
+}

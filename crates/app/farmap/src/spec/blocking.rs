@@ -79,4 +79,27 @@ impl Store for RuntimeKept {
     fn status(&self, idx: ChunkIdx) -> BoxFuture<'_, StoreResult<ChunkStatus>> {
         self.store.status(idx)
     }
+    fn read_part(
+        &self,
+        idx: ChunkIdx,
+        offset: usize,
+        len: usize,
+    ) -> BoxFuture<'_, StoreResult<Bytes>> {
+        self.store.read_part(idx, offset, len)
+    }
+    fn prefetch(&self, idx: ChunkIdx) -> BoxFuture<'_, StoreResult<()>> {
+        self.store.prefetch(idx)
+    }
+    fn chunks_per_read(&self) -> u32 {
+        self.store.chunks_per_read()
+    }
+    fn read_chunks(&self, range: ChunkRange) -> BoxFuture<'_, StoreResult<Vec<Bytes>>> {
+        self.store.read_chunks(range)
+    }
+    fn catch_up(&self) -> BoxFuture<'_, StoreResult<()>> {
+        self.store.catch_up()
+    }
+    fn take_over(&self) -> BoxFuture<'_, StoreResult<()>> {
+        self.store.take_over()
+    }
 }
