@@ -119,6 +119,7 @@ pub async fn snapshot(args: SnapshotArgs) -> anyhow::Result<ExitCode> {
             read_only: true,
             create: None,
             grace: None,
+            read_ahead: true,
         },
     )
     .await

@@ -24,7 +24,7 @@ fn bench_versions_prints_a_checked_row_per_case() {
     let cases: Vec<&str> = rows.iter().map(|r| r["case"].as_str().unwrap()).collect();
     assert_eq!(
         cases,
-        ["create", "snapshot", "restore", "fork", "gc"],
+        ["create", "snapshot", "restore", "warm", "fork", "gc"],
         "{rows:?}"
     );
     for row in &rows {
@@ -52,13 +52,20 @@ fn bench_versions_prints_a_checked_row_per_case() {
     );
     let restore = &rows[2];
     assert!(number(restore, "time_to_first_access_ms") <= number(restore, "time_to_warm_ms"));
-    let fork = &rows[3];
+    let warm = &rows[3];
+    assert!(number(warm, "cold_warm_ms") > 0.0, "{warm}");
+    assert_eq!(
+        warm["working_set_bytes"],
+        32 * 65536,
+        "a quarter of 128 chunks: {warm}"
+    );
+    let fork = &rows[4];
     assert_eq!(fork["clones"], 3);
     assert!(
         number(fork, "dedup_ratio") > 2.0,
         "forks share their base: {fork}"
     );
-    let gc = &rows[4];
+    let gc = &rows[5];
     // 1% of 128 chunks from chunk 50: one chunk (text-like), stored, then freed.
     assert_eq!(gc["dirty_bytes"], 65536, "{gc}");
     assert!(number(gc, "bytes_freed") > 0.0, "{gc}");

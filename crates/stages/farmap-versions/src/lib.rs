@@ -30,13 +30,14 @@ pub mod gc;
 mod history;
 mod manifest;
 mod store;
+pub mod touched;
 
 use std::fmt;
 
 pub use gc::{gc, GcOptions, GcReport};
 pub use history::{fork, history, resolve, VersionInfo};
 pub use manifest::Manifest;
-pub use store::{Versioned, VersionedOptions};
+pub use store::{Versioned, VersionedOptions, READ_AHEAD_BYTES};
 
 pub use farmap_core::Objects;
 

@@ -2,6 +2,7 @@
 
 use std::collections::{BTreeMap, HashMap, HashSet};
 use std::fmt;
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -15,6 +16,7 @@ use parking_lot::Mutex;
 use crate::gc::{self, from_trash};
 use crate::history::{latest, load, resolve};
 use crate::manifest::Manifest;
+use crate::touched;
 use crate::{check_name, chunk, now_ms, tags_dir, version_key, At, Hash, MAX_CHAIN};
 
 /// How to open a [`Versioned`] region.
@@ -32,6 +34,9 @@ pub struct VersionedOptions {
     /// [`gc::grace`](crate::gc::grace)); a writer keeps its unsaved chunks safe from a
     /// collector by it.
     pub grace: Option<Duration>,
+    /// Read ahead, in the background, the chunks a run on this version (or the latest before
+    /// it) read first, in that order (see [`touched`](crate::touched)).
+    pub read_ahead: bool,
 }
 
 impl VersionedOptions {
@@ -43,8 +48,35 @@ impl VersionedOptions {
             read_only: false,
             create: None,
             grace: None,
+            read_ahead: true,
         }
     }
+}
+
+/// Bytes of chunks read ahead and not read yet that an opening holds at most.
+pub const READ_AHEAD_BYTES: usize = 256 << 20;
+
+/// Chunks read ahead at once.
+const READ_AHEAD_IN_FLIGHT: usize = 16;
+
+/// The order in which this opening first read each chunk that holds data.
+#[derive(Debug, Default)]
+struct Order {
+    seen: HashSet<u64>,
+    list: Vec<u64>,
+    /// How much of `list` the last save kept.
+    saved: usize,
+}
+
+/// Chunks read ahead, until the first read of each takes it.
+#[derive(Debug, Default)]
+struct Ahead {
+    warm: Mutex<HashMap<u64, (Hash, Bytes)>>,
+    bytes: AtomicUsize,
+    /// Reads served from what was read ahead.
+    hits: AtomicUsize,
+    /// Chunks read already (by the application): not read ahead any more.
+    read: Mutex<HashSet<u64>>,
 }
 
 /// What the writer knows of the region's history.
@@ -99,6 +131,11 @@ pub struct Versioned {
     grace: Duration,
     /// Sees the unsaved chunks again every eighth of the grace (see [`gc`]).
     refresher: Option<tokio::task::JoinHandle<()>>,
+    /// The order of first reads (writable openings only).
+    order: Option<Mutex<Order>>,
+    ahead: Arc<Ahead>,
+    /// Reads a recorded working set ahead.
+    reader: Option<tokio::task::JoinHandle<()>>,
     /// One flush at a time.
     flushing: tokio::sync::Mutex<()>,
 }
@@ -108,8 +145,8 @@ type Seen = Arc<Mutex<HashMap<Hash, Instant>>>;
 
 impl Drop for Versioned {
     fn drop(&mut self) {
-        if let Some(r) = &self.refresher {
-            r.abort();
+        for task in [&self.refresher, &self.reader].into_iter().flatten() {
+            task.abort();
         }
     }
 }
@@ -205,8 +242,9 @@ impl Versioned {
             pending: None,
         }));
         let seen = Seen::default();
-        let refresher = match tokio::runtime::Handle::try_current() {
-            Ok(rt) if !opts.read_only => Some(rt.spawn(refresh(
+        let rt = tokio::runtime::Handle::try_current().ok();
+        let refresher = match &rt {
+            Some(rt) if !opts.read_only => Some(rt.spawn(refresh(
                 objects.clone(),
                 region.clone(),
                 state.clone(),
@@ -215,6 +253,21 @@ impl Versioned {
             ))),
             _ => None,
         };
+        let ahead = Arc::new(Ahead::default());
+        let mut reader = None;
+        if let (Some(rt), true) = (&rt, opts.read_ahead) {
+            let chunks = geometry.chunk_count();
+            if let Some(order) = touched::find(&*objects, &region, seq, chunks).await {
+                tracing::debug!(region, chunks = order.len(), "reading a working set ahead");
+                reader = Some(rt.spawn(read_ahead(
+                    objects.clone(),
+                    geometry,
+                    state.clone(),
+                    ahead.clone(),
+                    order,
+                )));
+            }
+        }
         Ok(Self {
             objects,
             region,
@@ -224,6 +277,9 @@ impl Versioned {
             seen,
             grace,
             refresher,
+            order: (!opts.read_only).then(|| Mutex::new(Order::default())),
+            ahead,
+            reader,
             flushing: tokio::sync::Mutex::new(()),
         })
     }
@@ -236,6 +292,11 @@ impl Versioned {
     /// The version this opening last read or wrote.
     pub fn version(&self) -> u64 {
         self.state.lock().head.seq
+    }
+
+    /// Reads served from the working set read ahead (see [`touched`](crate::touched)).
+    pub fn read_ahead_hits(&self) -> usize {
+        self.ahead.hits.load(Ordering::Relaxed)
     }
 
     /// Chunks written since the last version.
@@ -434,6 +495,27 @@ impl Versioned {
         see_again(&*self.objects, &self.region, &self.seen, hashes, within).await
     }
 
+    /// Saves the order of first reads with the version this opening is on, when it grew
+    /// since the last save. A failure only costs the next opening its read-ahead: logged.
+    async fn save_order(&self) {
+        let Some(order) = &self.order else { return };
+        let list = {
+            let o = order.lock();
+            if o.list.len() <= o.saved {
+                return;
+            }
+            o.list.clone()
+        };
+        let seq = self.version();
+        match touched::save(&*self.objects, &self.region, seq, &list).await {
+            Ok(()) => order.lock().saved = list.len(),
+            Err(e) => tracing::warn!(
+                region = self.region,
+                "cannot save the working set (the next opening reads nothing ahead): {e}"
+            ),
+        }
+    }
+
     /// Chunk `idx` now holds `hash`; a chunk written again with the content it holds is not
     /// a change (the next version does not list it).
     fn set(&self, idx: u64, hash: Hash) {
@@ -470,6 +552,22 @@ impl Store for Versioned {
             let Some(hash) = self.state.lock().map.get(&idx.0).copied() else {
                 return Ok(zero_chunk(len));
             };
+            if let Some(order) = &self.order {
+                let mut o = order.lock();
+                if o.seen.insert(idx.0) {
+                    o.list.push(idx.0);
+                }
+            }
+            if self.reader.is_some() {
+                self.ahead.read.lock().insert(idx.0);
+                if let Some((h, data)) = self.ahead.warm.lock().remove(&idx.0) {
+                    self.ahead.bytes.fetch_sub(data.len(), Ordering::Relaxed);
+                    if h == hash {
+                        self.ahead.hits.fetch_add(1, Ordering::Relaxed);
+                        return Ok(data);
+                    }
+                }
+            }
             let stored = match self.objects.get(&chunk::key(&hash)).await? {
                 Some(b) => Some(b),
                 // A collector moved it (a version written since lists it; the collector's
@@ -525,7 +623,9 @@ impl Store for Versioned {
                 return Ok(());
             }
             let _one = self.flushing.lock().await;
-            self.save(false).await.map(|_| ())
+            self.save(false).await?;
+            self.save_order().await;
+            Ok(())
         })
     }
 
@@ -616,4 +716,49 @@ async fn refresh(
             );
         }
     }
+}
+
+/// Reads `order` ahead: each chunk that holds data and was not read yet, [`READ_AHEAD_IN_FLIGHT`]
+/// at a time, holding at most [`READ_AHEAD_BYTES`] not read yet.
+async fn read_ahead(
+    objects: Arc<dyn Objects>,
+    geometry: Geometry,
+    state: Arc<Mutex<State>>,
+    ahead: Arc<Ahead>,
+    order: Vec<u64>,
+) {
+    let mut tasks = tokio::task::JoinSet::new();
+    for idx in order {
+        while tasks.len() >= READ_AHEAD_IN_FLIGHT
+            || ahead.bytes.load(Ordering::Relaxed) >= READ_AHEAD_BYTES
+        {
+            if tasks.join_next().await.is_none() {
+                // Full, with nothing in flight: wait for reads to take some.
+                tokio::time::sleep(Duration::from_millis(1)).await;
+            }
+        }
+        if ahead.read.lock().contains(&idx) {
+            continue;
+        }
+        let Some(hash) = state.lock().map.get(&idx).copied() else {
+            continue;
+        };
+        let (objects, ahead) = (objects.clone(), ahead.clone());
+        let len = geometry.chunk_len(ChunkIdx(idx));
+        tasks.spawn(async move {
+            let stored = match objects.get(&chunk::key(&hash)).await {
+                Ok(Some(b)) => Some(b),
+                _ => from_trash(&*objects, &hash).await.ok().flatten(),
+            };
+            // What cannot be read ahead is read (and its error reported) when asked for.
+            let Some(data) = stored.and_then(|s| chunk::decode(&s, len, &hash).ok()) else {
+                return;
+            };
+            if !ahead.read.lock().contains(&idx) {
+                ahead.bytes.fetch_add(data.len(), Ordering::Relaxed);
+                ahead.warm.lock().insert(idx, (hash, data));
+            }
+        });
+    }
+    while tasks.join_next().await.is_some() {}
 }

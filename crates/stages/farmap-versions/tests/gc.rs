@@ -30,6 +30,7 @@ fn opts(region: &str, at: At, read_only: bool) -> VersionedOptions {
         read_only,
         create: Some(Geometry::new(CHUNKS * u64::from(CHUNK), u64::from(CHUNK)).unwrap()),
         grace: None,
+        read_ahead: true,
     }
 }
 

@@ -21,6 +21,7 @@ fn opts(region: &str, at: At, read_only: bool) -> VersionedOptions {
         read_only,
         create: Some(Geometry::new(64 * u64::from(CHUNK), u64::from(CHUNK)).unwrap()),
         grace: None,
+        read_ahead: true,
     }
 }
 
@@ -254,6 +255,7 @@ async fn keeps_the_store_contract() {
                     read_only: false,
                     create: Some(g),
                     grace: None,
+                    read_ahead: true,
                 },
             )
             .await
@@ -273,6 +275,7 @@ async fn a_region_without_versions_needs_a_size() {
         VersionedOptions {
             create: None,
             grace: None,
+            read_ahead: true,
             ..opts("none", At::Latest, false)
         },
     )
@@ -447,4 +450,67 @@ async fn a_new_host_catches_up_then_takes_over_and_the_old_one_is_fenced() {
     assert_eq!(e.kind(), ErrorKind::Fenced, "{e}");
     new.write(ChunkIdx(3), chunk(3)).await.unwrap();
     new.flush().await.unwrap();
+}
+
+#[tokio::test]
+async fn a_run_s_first_reads_are_read_ahead_in_order_at_the_next_opening() {
+    let dir = tempfile::tempdir().unwrap();
+    let o = objects(dir.path());
+    let v = open(&o, "r").await;
+    for i in 0..8 {
+        v.write(ChunkIdx(i), chunk(i as u8 + 1)).await.unwrap();
+    }
+    v.flush().await.unwrap();
+    drop(v);
+    // A run reads 5, 2, 7 (2 twice), and writes nothing: its flush saves the order only.
+    let run = open(&o, "r").await;
+    for i in [5, 2, 2, 7] {
+        run.read(ChunkIdx(i)).await.unwrap();
+    }
+    run.flush().await.unwrap();
+    assert_eq!(run.version(), 1, "reading makes no version");
+    drop(run);
+    let sets = o.list("regions/r/touched").await.unwrap();
+    assert_eq!(sets, [format!("{:020}.3", 1)]);
+    let got = o
+        .get(&format!("regions/r/touched/{}", sets[0]))
+        .await
+        .unwrap()
+        .unwrap();
+    assert_eq!(
+        farmap_versions::touched::decode(&got, 64).unwrap(),
+        [5, 2, 7]
+    );
+
+    // The next opening (here read-only, at that version) reads them ahead.
+    let again = Versioned::open(o.clone(), opts("r", At::Seq(1), true))
+        .await
+        .unwrap();
+    tokio::time::sleep(std::time::Duration::from_millis(200)).await;
+    for i in [5, 2, 7, 1] {
+        assert_eq!(again.read(ChunkIdx(i)).await.unwrap(), chunk(i as u8 + 1));
+    }
+    assert_eq!(again.read_ahead_hits(), 3, "5, 2 and 7 were read ahead");
+    // A chunk written after it was read ahead reads as written.
+    let writer = open(&o, "r").await;
+    tokio::time::sleep(std::time::Duration::from_millis(200)).await;
+    writer.write(ChunkIdx(5), chunk(50)).await.unwrap();
+    assert_eq!(writer.read(ChunkIdx(5)).await.unwrap(), chunk(50));
+    assert_eq!(writer.read(ChunkIdx(2)).await.unwrap(), chunk(3));
+    assert_eq!(
+        writer.read_ahead_hits(),
+        1,
+        "2 came from the read-ahead, 5 did not"
+    );
+    let no = Versioned::open(
+        o.clone(),
+        VersionedOptions {
+            read_ahead: false,
+            ..opts("r", At::Seq(1), true)
+        },
+    )
+    .await
+    .unwrap();
+    no.read(ChunkIdx(5)).await.unwrap();
+    assert_eq!(no.read_ahead_hits(), 0);
 }

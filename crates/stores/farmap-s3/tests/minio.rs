@@ -444,6 +444,7 @@ async fn versioned_regions_over_s3_keep_versions_and_one_writer() {
         read_only,
         create: Some(g),
         grace: Some(Duration::from_millis(300)),
+        read_ahead: true,
     };
     let chunk = |b: u8| Bytes::from(vec![b; 65536]);
     let one = Versioned::open(o.clone(), opts(At::Latest, false))

@@ -13,6 +13,11 @@
 //!   chunks take, `bytes_written` what the directory grew by in all (chunks and manifest).
 //! - `restore`: open the snapshot read-only in a new opening: `time_to_first_access_ms`
 //!   (open and the first chunk read), `time_to_warm_ms` (every chunk read, 16 at a time).
+//! - `warm`: a run on the latest version reads a quarter of the chunks (scattered) one at a
+//!   time, as faults would, and saves that order; then a new opening reads them again in
+//!   that order, once without reading ahead (`cold_warm_ms`) and once reading the recorded
+//!   working set ahead (`time_to_warm_ms`, from the open call; `time_to_first_access_ms`).
+//!   `warm_ratio` is the second over the first; `working_set_bytes`.
 //! - `fork`: `--clones` forks of the snapshot, then each rewrites 1% of its chunks. `ms`
 //!   (all forks), `ms_per_fork`, `clones`, `store_bytes` (the directory, all regions),
 //!   `dedup_ratio` (the non-zero bytes all regions hold over `store_bytes`).
@@ -93,6 +98,12 @@ struct Row {
     #[serde(skip_serializing_if = "Option::is_none")]
     dedup_ratio: Option<f64>,
     #[serde(skip_serializing_if = "Option::is_none")]
+    cold_warm_ms: Option<f64>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    warm_ratio: Option<f64>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    working_set_bytes: Option<u64>,
+    #[serde(skip_serializing_if = "Option::is_none")]
     second_ms: Option<f64>,
     #[serde(skip_serializing_if = "Option::is_none")]
     bytes_freed: Option<u64>,
@@ -172,6 +183,8 @@ fn open_opts(region: &str, at: At, g: Option<Geometry>) -> VersionedOptions {
         at,
         create: g,
         grace: None,
+        // Only the warm case reads a working set ahead.
+        read_ahead: false,
     }
 }
 
@@ -314,6 +327,71 @@ impl Bench {
 }
 
 impl Bench {
+    /// A quarter of the chunks that hold data, scattered (a stride through the region).
+    fn working_set(&self) -> Vec<u64> {
+        let n = self.g.chunk_count();
+        let stride = (n / 3) | 1;
+        let mut out = Vec::new();
+        let mut seen = std::collections::HashSet::new();
+        let mut i = 0;
+        for _ in 0..n {
+            i = (i + stride) % n;
+            if i % 4 != 0 && seen.insert(i) {
+                out.push(i);
+                if out.len() as u64 >= n / 4 {
+                    break;
+                }
+            }
+        }
+        out
+    }
+
+    async fn warm(&self) -> anyhow::Result<()> {
+        let g = self.g;
+        let ws = self.working_set();
+        let expect = |i: u64| content(g, i, after_snapshot(i));
+        // The run that records it.
+        let run =
+            Versioned::open(self.objects.clone(), open_opts("base", At::Latest, None)).await?;
+        for &i in &ws {
+            run.read(ChunkIdx(i)).await?;
+        }
+        run.flush().await?;
+        drop(run);
+        let latest = farmap::versions::resolve(&*self.objects, "base", &At::Latest).await?;
+        let mut ok = true;
+        let mut timed = Vec::new();
+        for read_ahead in [false, true] {
+            let start = Instant::now();
+            let v = Versioned::open(
+                self.objects.clone(),
+                VersionedOptions {
+                    read_ahead,
+                    ..open_opts("base", At::Seq(latest), None)
+                },
+            )
+            .await?;
+            let mut first = None;
+            for &i in &ws {
+                ok &= v.read(ChunkIdx(i)).await? == expect(i);
+                first.get_or_insert_with(|| ms(start));
+            }
+            timed.push((first.unwrap_or(0.0), ms(start), v.read_ahead_hits()));
+        }
+        let (cold, warm) = (timed[0], timed[1]);
+        ok &= cold.2 == 0 && warm.2 > 0;
+        self.emit(Row {
+            ms: warm.1,
+            time_to_first_access_ms: Some(warm.0),
+            time_to_warm_ms: Some(warm.1),
+            cold_warm_ms: Some(cold.1),
+            warm_ratio: Some(ratio(warm.1 / cold.1.max(1e-3))),
+            working_set_bytes: Some(ws.iter().map(|&i| g.chunk_len(ChunkIdx(i)) as u64).sum()),
+            verified: ok,
+            ..self.row("warm")
+        })
+    }
+
     async fn gc(&self) -> anyhow::Result<()> {
         let (g, n) = (self.g, self.g.chunk_count());
         let w = Versioned::open(self.objects.clone(), open_opts("base", At::Latest, None)).await?;
@@ -380,6 +458,7 @@ pub async fn run(args: VersionsArgs) -> anyhow::Result<ExitCode> {
     bench.snapshot(&v).await?;
     drop(v);
     bench.restore().await?;
+    bench.warm().await?;
     bench.fork(args.clones).await?;
     bench.gc().await?;
     Ok(ExitCode::SUCCESS)

@@ -68,6 +68,7 @@ impl Scheme for Versions {
                     read_only: spec.read_only || *at != At::Latest,
                     create,
                     grace: None,
+                    read_ahead: true,
                 },
             )
             .await
