@@ -377,7 +377,7 @@ fn handover_hello() -> Vec<Seed> {
 /// Version manifests (a whole one, a delta) and stored chunks (compressed, raw), each behind
 /// the two length bytes the target reads first.
 fn version_manifest() -> Vec<Seed> {
-    use farmap_versions::{chunk, Hash, Manifest};
+    use farmap_versions::{chunk, touched, Hash, Manifest, Parent};
 
     let m = Manifest {
         seq: 3,
@@ -388,6 +388,17 @@ fn version_manifest() -> Vec<Seed> {
         whole: false,
         time_ms: 1_764_000_000_000,
         entries: vec![(0, Hash::of(b"a")), (7, Hash::ZERO), (15, Hash::of(b"b"))],
+        from: None,
+    };
+    let fork = Manifest {
+        seq: 0,
+        base: 0,
+        from: Some(Parent {
+            region: "base".into(),
+            seq: 5,
+            depth: 1,
+        }),
+        ..m.clone()
     };
     let whole = Manifest {
         seq: 2,
@@ -406,6 +417,8 @@ fn version_manifest() -> Vec<Seed> {
     vec![
         Seed::new("version_manifest", "delta", m.encode()),
         Seed::new("version_manifest", "whole", whole.encode()),
+        Seed::new("version_manifest", "fork", fork.encode()),
+        Seed::new("version_manifest", "touched", touched::encode(&[5, 2, 7])),
         Seed::new(
             "version_manifest",
             "chunk-zstd",

@@ -4,7 +4,7 @@ use std::collections::HashMap;
 
 use farmap_core::{ErrorKind, Objects, StoreError, StoreResult};
 
-use crate::manifest::Manifest;
+use crate::manifest::{Manifest, Parent, MAX_DEPTH};
 use crate::{check_name, tags_dir, version_key, versions_dir, At, Hash, MAX_CHAIN};
 
 /// Reads version `seq` of `region`, checking that it is the manifest it claims to be.
@@ -35,42 +35,91 @@ async fn manifest(objects: &dyn Objects, region: &str, seq: u64) -> StoreResult<
 }
 
 /// Version `seq` of `region` and its chunk map (every chunk holding data, with its content):
-/// the whole manifest its chain starts from, then each delta up to `seq`.
+/// the whole manifest its chain starts from (or, for a fork, the map of the version it
+/// started from), then each delta up to `seq`.
 pub(crate) async fn load(
     objects: &dyn Objects,
     region: &str,
     seq: u64,
 ) -> StoreResult<(Manifest, HashMap<u64, Hash>)> {
-    let top = manifest(objects, region, seq).await?;
-    // A chain longer than a writer makes is refused: it would be read whole at every open.
-    if seq - top.base > MAX_CHAIN {
-        return Err(StoreError::new(
+    load_within(objects, region, seq, MAX_DEPTH).await
+}
+
+/// [`load`], following at most `forks` parents.
+fn load_within<'a>(
+    objects: &'a dyn Objects,
+    region: &'a str,
+    seq: u64,
+    forks: u32,
+) -> farmap_core::BoxFuture<'a, StoreResult<(Manifest, HashMap<u64, Hash>)>> {
+    Box::pin(async move {
+        let top = manifest(objects, region, seq).await?;
+        // A chain longer than a writer makes is refused: it would be read whole at every open.
+        if seq - top.base > MAX_CHAIN {
+            return Err(StoreError::new(
             ErrorKind::Corrupt,
             format!("region {region:?}: version {seq} starts from version {}, more than {MAX_CHAIN} back", top.base),
         ));
-    }
-    let mut map = HashMap::new();
-    for s in top.base..=seq {
-        let m = if s == seq {
-            top.clone()
-        } else {
-            manifest(objects, region, s).await?
-        };
-        if (m.size, m.chunk_size) != (top.size, top.chunk_size) || (s == top.base) != m.whole {
-            return Err(StoreError::new(
-                ErrorKind::Corrupt,
-                format!("region {region:?}: version {s} does not fit the chain of version {seq}"),
-            ));
         }
-        for (idx, hash) in m.entries {
-            if hash == Hash::ZERO {
-                map.remove(&idx);
+        let mut map = HashMap::new();
+        for s in top.base..=seq {
+            let m = if s == seq {
+                top.clone()
             } else {
-                map.insert(idx, hash);
+                manifest(objects, region, s).await?
+            };
+            let starts = m.whole || m.from.is_some();
+            if (m.size, m.chunk_size) != (top.size, top.chunk_size) || (s == top.base) != starts {
+                return Err(StoreError::new(
+                    ErrorKind::Corrupt,
+                    format!(
+                        "region {region:?}: version {s} does not fit the chain of version {seq}"
+                    ),
+                ));
+            }
+            if let Some(p) = &m.from {
+                if forks == 0 || p.region == region {
+                    return Err(StoreError::new(
+                        ErrorKind::Corrupt,
+                        format!(
+                            "region {region:?}: its forks go more than {MAX_DEPTH} deep, or round"
+                        ),
+                    ));
+                }
+                let (parent, pmap) = load_within(objects, &p.region, p.seq, forks - 1).await?;
+                if (parent.size, parent.chunk_size) != (m.size, m.chunk_size) {
+                    return Err(StoreError::new(
+                        ErrorKind::Corrupt,
+                        format!(
+                            "region {region:?} is a fork of {}@{}, which has another shape",
+                            p.region, p.seq
+                        ),
+                    ));
+                }
+                map = pmap;
+            }
+            for (idx, hash) in m.entries {
+                if hash == Hash::ZERO {
+                    map.remove(&idx);
+                } else {
+                    map.insert(idx, hash);
+                }
             }
         }
-    }
-    Ok((top, map))
+        Ok((top, map))
+    })
+}
+
+/// How many forks deep version `seq` of `region` is (0: it starts from nothing), from the
+/// manifest its chain starts from.
+async fn depth(objects: &dyn Objects, region: &str, seq: u64) -> StoreResult<u32> {
+    let top = manifest(objects, region, seq).await?;
+    let base = if top.base == seq {
+        top
+    } else {
+        manifest(objects, region, top.base).await?
+    };
+    Ok(base.from.map_or(0, |p| p.depth))
 }
 
 /// The version number `at` stands for in `region`.
@@ -165,8 +214,10 @@ pub(crate) async fn latest(objects: &dyn Objects, region: &str) -> StoreResult<O
 }
 
 /// Makes each of `into` a new region whose version 0 is version `at` of `region`: every
-/// chunk is shared (nothing is copied but the manifest), and each fork is written
-/// independently from then on. Refuses a name that already has versions, before making any.
+/// chunk is shared, and each fork is written independently from then on. A fork's version 0
+/// names the version it starts from (a small manifest, whatever the region's size), unless
+/// that one is already [`MAX_DEPTH`] forks deep: then it lists every chunk. Refuses a name
+/// that already has versions, before making any.
 pub async fn fork(
     objects: &dyn Objects,
     region: &str,
@@ -184,18 +235,39 @@ pub async fn fork(
         }
     }
     let seq = resolve(objects, region, at).await?;
-    let (top, map) = load(objects, region, seq).await?;
-    let mut entries: Vec<(u64, Hash)> = map.into_iter().collect();
-    entries.sort_unstable();
-    let first = Manifest {
-        seq: 0,
-        epoch: 1,
-        base: 0,
-        size: top.size,
-        chunk_size: top.chunk_size,
-        whole: true,
-        time_ms: crate::now_ms(),
-        entries,
+    let deep = depth(objects, region, seq).await?;
+    let first = if deep < MAX_DEPTH {
+        let top = manifest(objects, region, seq).await?;
+        Manifest {
+            seq: 0,
+            epoch: 1,
+            base: 0,
+            size: top.size,
+            chunk_size: top.chunk_size,
+            whole: false,
+            time_ms: crate::now_ms(),
+            entries: Vec::new(),
+            from: Some(Parent {
+                region: region.to_owned(),
+                seq,
+                depth: deep + 1,
+            }),
+        }
+    } else {
+        let (top, map) = load(objects, region, seq).await?;
+        let mut entries: Vec<(u64, Hash)> = map.into_iter().collect();
+        entries.sort_unstable();
+        Manifest {
+            seq: 0,
+            epoch: 1,
+            base: 0,
+            size: top.size,
+            chunk_size: top.chunk_size,
+            whole: true,
+            time_ms: crate::now_ms(),
+            entries,
+            from: None,
+        }
     };
     let bytes = bytes::Bytes::from(first.encode());
     for name in into {

@@ -36,7 +36,7 @@ use std::fmt;
 
 pub use gc::{gc, GcOptions, GcReport};
 pub use history::{fork, history, resolve, VersionInfo};
-pub use manifest::Manifest;
+pub use manifest::{Manifest, Parent, MAX_DEPTH};
 pub use store::{Versioned, VersionedOptions, READ_AHEAD_BYTES};
 
 pub use farmap_core::Objects;

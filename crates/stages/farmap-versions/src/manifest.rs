@@ -2,13 +2,17 @@
 //!
 //! ```text
 //!   magic "FMVERS01" | seq u64 | epoch u64 | base u64 | size u64 | chunk_size u32 | flags u32
-//!   | time_ms u64 | count u64 | count × (index u64 | hash [32]) | sha256 of all before [32]
+//!   | time_ms u64 | count u64 | [from] | count × (index u64 | hash [32])
+//!   | sha256 of all before [32]
+//!   from = seq u64 | depth u32 | name_len u32 | name [name_len]      (flags bit 1 only)
 //! ```
 //!
 //! Integers are little-endian. `flags` bit 0: the manifest is whole (every chunk that holds
 //! data is listed; `base == seq`); otherwise it lists the chunks that changed since version
-//! `seq - 1`, and `base` is the whole manifest the chain starts from. A hash of all zeros is a
-//! chunk that reads as zeros.
+//! `seq - 1`, and `base` is the whole manifest the chain starts from. Bit 1 (only on version
+//! 0 of a fork, which is not whole): the chain starts from version `seq` of region `name`
+//! instead of from nothing, `depth` forks deep. A hash of all zeros is a chunk that reads as
+//! zeros.
 
 use farmap_core::{ErrorKind, Geometry, StoreError, StoreResult, MAX_CHUNK_SIZE, MIN_CHUNK_SIZE};
 
@@ -23,6 +27,22 @@ const ENTRY: usize = 8 + 32;
 const TRAILER: usize = 32;
 /// The whole-manifest flag.
 const WHOLE: u32 = 1;
+/// The flag of a fork's first version (a [`Parent`] follows the header).
+const FROM: u32 = 2;
+/// Forks of forks a chain may go through: a deeper fork is written whole.
+pub const MAX_DEPTH: u32 = 8;
+
+/// The version a fork starts from.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Parent {
+    /// Its region.
+    pub region: String,
+    /// Its version.
+    pub seq: u64,
+    /// Forks between it and a region that started from nothing, plus one (at most
+    /// [`MAX_DEPTH`]).
+    pub depth: u32,
+}
 
 /// One version of a region.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -43,6 +63,8 @@ pub struct Manifest {
     pub time_ms: u64,
     /// `(chunk, content)`, ascending by chunk, each once.
     pub entries: Vec<(u64, Hash)>,
+    /// A fork's version 0: the version its chain starts from.
+    pub from: Option<Parent>,
 }
 
 impl Manifest {
@@ -59,9 +81,16 @@ impl Manifest {
             out.extend_from_slice(&v.to_le_bytes());
         }
         out.extend_from_slice(&self.chunk_size.to_le_bytes());
-        out.extend_from_slice(&(if self.whole { WHOLE } else { 0 }).to_le_bytes());
+        let flags = if self.whole { WHOLE } else { 0 } | if self.from.is_some() { FROM } else { 0 };
+        out.extend_from_slice(&flags.to_le_bytes());
         out.extend_from_slice(&self.time_ms.to_le_bytes());
         out.extend_from_slice(&(self.entries.len() as u64).to_le_bytes());
+        if let Some(p) = &self.from {
+            out.extend_from_slice(&p.seq.to_le_bytes());
+            out.extend_from_slice(&p.depth.to_le_bytes());
+            out.extend_from_slice(&(p.region.len() as u32).to_le_bytes());
+            out.extend_from_slice(p.region.as_bytes());
+        }
         for (idx, hash) in &self.entries {
             out.extend_from_slice(&idx.to_le_bytes());
             out.extend_from_slice(&hash.0);
@@ -91,7 +120,7 @@ impl Manifest {
         let flags = u32_at(44);
         let time_ms = u64_at(48);
         let count = u64_at(56);
-        if flags & !WHOLE != 0 {
+        if flags & !(WHOLE | FROM) != 0 {
             return Err(corrupt(format!("unknown flags {flags:#x}")));
         }
         let whole = flags & WHOLE != 0;
@@ -104,7 +133,35 @@ impl Manifest {
         if base > seq || (whole && base != seq) {
             return Err(corrupt(format!("version {seq} names base {base}")));
         }
-        let rest = &body[HEADER..];
+        let mut rest = &body[HEADER..];
+        let mut from = None;
+        if flags & FROM != 0 {
+            if whole || seq != 0 {
+                return Err(corrupt(format!("version {seq} names a parent")));
+            }
+            let (fixed, after) = rest
+                .split_at_checked(16)
+                .ok_or_else(|| corrupt("its parent is cut short".into()))?;
+            let pseq = u64::from_le_bytes(fixed[..8].try_into().expect("8"));
+            let depth = u32::from_le_bytes(fixed[8..12].try_into().expect("4"));
+            let len = u32::from_le_bytes(fixed[12..].try_into().expect("4")) as usize;
+            let (name, after) = after
+                .split_at_checked(len)
+                .ok_or_else(|| corrupt("its parent is cut short".into()))?;
+            let name = std::str::from_utf8(name)
+                .ok()
+                .filter(|n| crate::check_name("region", n).is_ok())
+                .ok_or_else(|| corrupt("its parent's name is not a region name".into()))?;
+            if !(1..=MAX_DEPTH).contains(&depth) {
+                return Err(corrupt(format!("its parent is {depth} forks deep")));
+            }
+            from = Some(Parent {
+                region: name.to_owned(),
+                seq: pseq,
+                depth,
+            });
+            rest = after;
+        }
         if count.checked_mul(ENTRY as u64) != Some(rest.len() as u64) {
             return Err(corrupt(format!("{count} entries in {} bytes", rest.len())));
         }
@@ -128,6 +185,7 @@ impl Manifest {
             whole,
             time_ms,
             entries,
+            from,
         })
     }
 }
@@ -153,6 +211,7 @@ mod tests {
             whole: false,
             time_ms: 1_700_000_000_000,
             entries: vec![(0, Hash::of(b"a")), (3, Hash::ZERO), (15, Hash::of(b"b"))],
+            from: None,
         }
     }
 
@@ -166,7 +225,33 @@ mod tests {
             entries: vec![],
             ..m
         };
-        assert_eq!(Manifest::decode(&whole.encode()).unwrap(), whole);
+        assert_eq!(Manifest::decode(&whole.encode()).unwrap(), whole.clone());
+        let fork = Manifest {
+            seq: 0,
+            base: 0,
+            whole: false,
+            from: Some(Parent {
+                region: "base".into(),
+                seq: 12,
+                depth: 2,
+            }),
+            ..whole
+        };
+        assert_eq!(Manifest::decode(&fork.encode()).unwrap(), fork);
+        let not_first = Manifest {
+            seq: 1,
+            ..fork.clone()
+        };
+        assert!(Manifest::decode(&not_first.encode()).is_err());
+        let too_deep = Manifest {
+            from: Some(Parent {
+                region: "base".into(),
+                seq: 1,
+                depth: MAX_DEPTH + 1,
+            }),
+            ..fork
+        };
+        assert!(Manifest::decode(&too_deep.encode()).is_err());
     }
 
     #[test]

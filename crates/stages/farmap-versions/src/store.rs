@@ -189,6 +189,7 @@ impl Versioned {
                 whole: true,
                 time_ms: now_ms(),
                 entries: Vec::new(),
+                from: None,
             };
             // Losing this race to another creator is fine: its version 0 is read below.
             objects
@@ -399,6 +400,7 @@ impl Versioned {
             whole,
             time_ms: now_ms(),
             entries,
+            from: None,
         };
         Pending {
             seq,

@@ -514,3 +514,35 @@ async fn a_run_s_first_reads_are_read_ahead_in_order_at_the_next_opening() {
     no.read(ChunkIdx(5)).await.unwrap();
     assert_eq!(no.read_ahead_hits(), 0);
 }
+
+#[tokio::test]
+async fn a_fork_names_its_parent_and_a_fork_too_deep_lists_every_chunk() {
+    let dir = tempfile::tempdir().unwrap();
+    let o = objects(dir.path());
+    let v = open(&o, "f0").await;
+    v.write(ChunkIdx(1), chunk(1)).await.unwrap();
+    v.flush().await.unwrap();
+    drop(v);
+    // A chain of forks, each writing one chunk of its own.
+    for d in 1..=farmap_versions::MAX_DEPTH + 1 {
+        let (parent, name) = (format!("f{}", d - 1), format!("f{d}"));
+        farmap_versions::fork(&*o, &parent, &At::Latest, std::slice::from_ref(&name))
+            .await
+            .unwrap();
+        let h = history(&*o, &name).await.unwrap();
+        let deep_enough = d <= farmap_versions::MAX_DEPTH;
+        assert_eq!(h[0].whole, !deep_enough, "fork {d}: {h:?}");
+        assert_eq!(h[0].chunks, if deep_enough { 0 } else { d as u64 });
+        let f = open(&o, &name).await;
+        f.write(ChunkIdx(d as u64 + 1), chunk(d as u8 + 1)).await.unwrap();
+        f.flush().await.unwrap();
+    }
+    let last = format!("f{}", farmap_versions::MAX_DEPTH + 1);
+    let f = open(&o, &last).await;
+    for i in 1..=farmap_versions::MAX_DEPTH as u64 + 2 {
+        assert_eq!(f.read(ChunkIdx(i)).await.unwrap(), chunk(i as u8), "chunk {i}");
+    }
+    // A fork's later writes do not reach its parent.
+    let parent = open(&o, "f1").await;
+    assert_eq!(parent.read(ChunkIdx(3)).await.unwrap(), chunk(0));
+}
