@@ -192,6 +192,11 @@ def _snapshot(out):
             one(r, "dirty_stored_bytes", case="snapshot"))
 
 
+def _warm(out):
+    r = out["versions"]
+    return (one(r, "time_to_warm_ms", case="warm"), one(r, "cold_warm_ms", case="warm"))
+
+
 def have_root_cgroup_v1():
     if os.geteuid() != 0:
         return "needs root"
@@ -274,6 +279,10 @@ CASES = [
     Case("versions snapshot, 1% of 4 GiB rewritten", "bytes",
          {"versions": ["versions", "--size", "4GiB"]}, _snapshot,
          "the rewritten chunks as stored", bar=("<=", 1.2),
+         quick={"versions": ["versions", "--size", "256MiB"]}),
+    Case("versions warm, recorded working set of 4 GiB", "ms",
+         {"versions": ["versions", "--size", "4GiB"]}, _warm,
+         "the same reads, nothing read ahead", bar=("<=", 0.5),
          quick={"versions": ["versions", "--size", "256MiB"]}),
     Case("nbd seq-read (nbdcopy)", "MB/s",
          {"nbd": ["nbd", "--servers", "farmap,nbdkit"]}, _nbd, "nbdkit memory",

@@ -109,7 +109,7 @@ pub async fn snapshot(args: SnapshotArgs) -> anyhow::Result<ExitCode> {
             args.spec
         );
     }
-    let store = open_objects(objects)?;
+    let store = open_objects(objects).await?;
     // Read-only: the snapshot names what is saved, and takes nothing from a running writer.
     let v = Versioned::open(
         store,
@@ -152,7 +152,7 @@ struct Version {
 
 pub async fn versions(args: VersionsArgs) -> anyhow::Result<ExitCode> {
     let (objects, region, _) = parts(&args.spec)?;
-    let store = open_objects(objects)?;
+    let store = open_objects(objects).await?;
     let list = history(&*store, region)
         .await
         .with_context(|| format!("reading the versions of {}", args.spec))?;
@@ -195,7 +195,7 @@ struct Forked<'a> {
 
 pub async fn fork(args: ForkArgs) -> anyhow::Result<ExitCode> {
     let (objects, region, at) = parts(&args.spec)?;
-    let store = open_objects(objects)?;
+    let store = open_objects(objects).await?;
     let start = std::time::Instant::now();
     let version = fork_region(&*store, region, at, &args.new)
         .await
@@ -242,7 +242,7 @@ pub async fn gc(args: GcArgs) -> anyhow::Result<ExitCode> {
         }
         _ => &args.spec,
     };
-    let store = open_objects(objects)?;
+    let store = open_objects(objects).await?;
     let start = std::time::Instant::now();
     let opts = GcOptions {
         grace: args.grace,

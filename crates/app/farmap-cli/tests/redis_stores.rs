@@ -1,5 +1,6 @@
-//! `farmap cp` and `farmap info` with Redis and Redis Cluster stores, against real servers
-//! (scripts/services/redis.sh and redis-cluster.sh).
+//! `farmap cp` and `farmap info` with Redis and Redis Cluster stores, and versioned regions
+//! whose objects live in Redis, against real servers (scripts/services/redis.sh and
+//! redis-cluster.sh).
 
 use farmap_testkit::{pattern_bytes, Service};
 
@@ -75,6 +76,48 @@ fn cp_round_trip_through_a_redis_cluster() {
     round_trip("redis-cluster", |svc, opts| {
         format!("{}?{opts}", svc.var("SPEC_BASE"))
     });
+}
+
+/// A versioned region whose objects live in Redis: a copy makes a version, a snapshot names
+/// it, `versions --json` lists them, and copies back give the bytes of each version.
+#[test]
+fn versioned_regions_live_in_redis_too() {
+    let svc = match Service::shared("redis") {
+        Ok(s) => s,
+        Err(e) => return farmap_testkit::skip("versioned_regions_live_in_redis_too", e),
+    };
+    let dir = tempfile::tempdir().unwrap();
+    let input = dir.path().join("in.img");
+    let first = farmap_testkit::pattern_with_zeros(5, 4 << 20);
+    std::fs::write(&input, &first).unwrap();
+    let spec = format!(
+        "versioned:(redis://127.0.0.1:{}/0?prefix=cli-versioned-{})/r",
+        svc.var("PORT"),
+        std::process::id()
+    );
+    let file = |p: &std::path::Path| format!("file:{}", p.display());
+    farmap().ok(&["cp", "-q", &file(&input), &format!("{spec}?size=4MiB")]);
+    let snap = farmap().json(&["snapshot", &spec, "one", "--json"]);
+    assert_eq!(snap["version"], 1, "{snap}");
+    // A second copy of other bytes makes the next version.
+    let second = farmap_testkit::pattern_with_zeros(6, 4 << 20);
+    std::fs::write(&input, &second).unwrap();
+    farmap().ok(&["cp", "-q", &file(&input), &spec]);
+    let rows = farmap().json_lines(&["versions", &spec, "--json"]);
+    let seqs: Vec<u64> = rows
+        .iter()
+        .map(|r| r["version"].as_u64().unwrap())
+        .collect();
+    assert_eq!(seqs, [0, 1, 2], "{rows:?}");
+    assert_eq!(rows[1]["names"], serde_json::json!(["one"]), "{rows:?}");
+    for (at, want) in [("@one", &first), ("@1", &first), ("", &second)] {
+        let out = dir.path().join(format!("out{at}.img"));
+        farmap().ok(&["cp", "-q", &format!("{spec}{at}"), &file(&out)]);
+        assert!(
+            std::fs::read(&out).unwrap() == *want,
+            "the copy back of {spec}{at} differs"
+        );
+    }
 }
 
 #[test]

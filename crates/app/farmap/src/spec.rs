@@ -20,7 +20,7 @@
 //! | `nbd` | `nbd://`, `nbds://`, `nbd+unix://`, `nbds+unix://` (feature `nbd`) |
 //! | `tier` | `tier:(SPEC?cap=SIZE)(SPEC)...` |
 //! | [`stage`] | `verified:(SPEC)`, `mirror:(PRIMARY)(MIRROR)` |
-//! | `versioned` | `versioned:(dir:PATH)/REGION[@VERSION]` ([`farmap_versions`]) |
+//! | `versioned` | `versioned:(dir:PATH)/REGION[@VERSION]`, objects also in `s3://` or `redis://` ([`farmap_versions`]) |
 //!
 //! Options go after `?`, separated by `&` ([`farmap_core::query`]); `size=`, `chunk=` (a
 //! power of two from 4KiB to 4MiB, default 64KiB) and `ro` mean the same in every scheme that
@@ -216,6 +216,8 @@ mod tests {
             "versioned:(dir:./objects)/vm-1?size=1GiB&chunk=1MiB",
             "versioned:(dir:/o)/r@12?ro",
             "versioned:(dir:/o)/r@before.upgrade",
+            "versioned:(redis://h:1/2?prefix=objs&flush=wait)/r@3",
+            "versioned:(redis+cluster://a:1,b:2/?timeout=5s)/r?size=1GiB",
         ] {
             let spec = parse(text).unwrap_or_else(|e| panic!("{text}: {e}"));
             let shown = spec.to_string();

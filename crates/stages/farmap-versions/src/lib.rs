@@ -1,6 +1,6 @@
 //! farmap's versioned layout: a region kept as versions over any [`Objects`] (a directory,
-//! later S3, Redis), with content-addressed chunks shared by every version and every region,
-//! and one writer at a time.
+//! an S3 prefix, Redis), with content-addressed chunks shared by every version and every
+//! region, and one writer at a time.
 //!
 //! ```text
 //!   chunks/HH/HASH                       a chunk's bytes, compressed (HASH: SHA-256 of them)

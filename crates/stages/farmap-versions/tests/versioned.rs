@@ -534,13 +534,19 @@ async fn a_fork_names_its_parent_and_a_fork_too_deep_lists_every_chunk() {
         assert_eq!(h[0].whole, !deep_enough, "fork {d}: {h:?}");
         assert_eq!(h[0].chunks, if deep_enough { 0 } else { d as u64 });
         let f = open(&o, &name).await;
-        f.write(ChunkIdx(d as u64 + 1), chunk(d as u8 + 1)).await.unwrap();
+        f.write(ChunkIdx(d as u64 + 1), chunk(d as u8 + 1))
+            .await
+            .unwrap();
         f.flush().await.unwrap();
     }
     let last = format!("f{}", farmap_versions::MAX_DEPTH + 1);
     let f = open(&o, &last).await;
     for i in 1..=farmap_versions::MAX_DEPTH as u64 + 2 {
-        assert_eq!(f.read(ChunkIdx(i)).await.unwrap(), chunk(i as u8), "chunk {i}");
+        assert_eq!(
+            f.read(ChunkIdx(i)).await.unwrap(),
+            chunk(i as u8),
+            "chunk {i}"
+        );
     }
     // A fork's later writes do not reach its parent.
     let parent = open(&o, "f1").await;

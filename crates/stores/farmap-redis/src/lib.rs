@@ -21,15 +21,24 @@
 //! what each promises) with `replicas=N` for `wait`, and for `rediss://` `ca=`.
 //!
 //! A value of the wrong length is refused as corrupt, naming its key, and never served.
+//!
+//! [`RedisObjects`] keeps the objects of farmap's versioned layout
+//! (`versioned:(redis://HOST:PORT/DB?prefix=P)/REGION`) on the same servers, specs and
+//! connections: object `FOLDER/NAME` is the key `<prefix>:obj:{FOLDER}/NAME`, and each folder
+//! has a sorted-set index `<prefix>:dir:{FOLDER}` kept by the same Lua script that creates
+//! the object (`SET NX`), the folder as hash tag so that both share a cluster slot.
 #![forbid(unsafe_code)]
 #![warn(missing_docs)]
 
 mod config;
+mod conn;
 mod meta;
+mod objects;
 mod store;
 
 pub use config::{
     FlushPolicy, RedisConfig, RedisSpecError, Target, DEFAULT_CONNECTIONS, DEFAULT_PREFIX,
     DEFAULT_TIMEOUT, OPTIONS, TLS_OPTIONS,
 };
+pub use objects::{RedisObjects, MAX_OBJECT_LEN};
 pub use store::RedisStore;

@@ -1,5 +1,6 @@
 //! The Redis store against a real 3-node Redis Cluster (scripts/services/redis-cluster.sh):
-//! conformance, chunks spread over every node, and a lost node reported, not waited on.
+//! conformance, chunks spread over every node, a lost node reported, not waited on, and
+//! the objects of the versioned layout (each folder in its own slot, its index with it).
 
 mod common;
 
@@ -7,8 +8,9 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use bytes::Bytes;
+use common::objects::{check_nested_folders, check_versioned, fresh_objects};
 use common::{config, fresh_store, raw, service};
-use farmap_core::{ChunkIdx, ErrorKind, Geometry, Store};
+use farmap_core::{ChunkIdx, ErrorKind, Geometry, Objects, Store};
 use farmap_redis::RedisStore;
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -120,4 +122,49 @@ async fn a_lost_node_is_an_error_naming_the_unavailability_not_a_hang() {
     assert!(failed > 0, "the chunks on the killed node cannot be read");
     assert!(ok > 0, "the chunks on the other nodes still are");
     eprintln!("{ok} read, {failed} failed, in {:?}", started.elapsed());
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn cluster_objects_keep_the_contract_and_list_folders_across_slots() {
+    let Some(svc) = service(
+        "redis-cluster",
+        "cluster_objects_keep_the_contract_and_list_folders_across_slots",
+    ) else {
+        return;
+    };
+    let base = svc.var("SPEC_BASE");
+    farmap_testkit::check_objects_contract(Arc::new(fresh_objects(base, "objects", &[]).await))
+        .await;
+    let o = fresh_objects(base, "nested", &[]).await;
+    check_nested_folders(&o).await;
+    // The folders' indexes are spread over the nodes, each beside its objects.
+    let mut c = raw(svc.var("NODES").split(',').next().unwrap()).await;
+    let mut slots = std::collections::BTreeSet::new();
+    for folder in ["chunks/ab", "chunks/cd", "regions/r/versions", "big"] {
+        let slot = |key: String| {
+            let mut cmd = redis::cmd("CLUSTER");
+            cmd.arg("KEYSLOT").arg(key);
+            cmd
+        };
+        let of_index: u16 = slot(o.index_key(folder)).query_async(&mut c).await.unwrap();
+        let of_object: u16 = slot(o.object_key(&format!("{folder}/x")))
+            .query_async(&mut c)
+            .await
+            .unwrap();
+        assert_eq!(of_index, of_object, "{folder}");
+        slots.insert(of_index);
+    }
+    assert_eq!(slots.len(), 4, "one slot per folder: {slots:?}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn versioned_regions_over_a_cluster_keep_versions_and_one_writer() {
+    let Some(svc) = service(
+        "redis-cluster",
+        "versioned_regions_over_a_cluster_keep_versions_and_one_writer",
+    ) else {
+        return;
+    };
+    let o: Arc<dyn Objects> = Arc::new(fresh_objects(svc.var("SPEC_BASE"), "versioned", &[]).await);
+    check_versioned(o).await;
 }

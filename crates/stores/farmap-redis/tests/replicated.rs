@@ -1,6 +1,7 @@
 //! `flush=wait` against a real primary with a real replica
 //! (scripts/services/redis-replicated.sh): a flush that succeeds has every write on the
-//! replica, and it waits on every connection of the pool, however busy the pool is.
+//! replica, and it waits on every connection of the pool, however busy the pool is; an
+//! object's create waits the same way.
 
 mod common;
 
@@ -10,7 +11,7 @@ use std::sync::Arc;
 
 use bytes::Bytes;
 use common::{fresh_store, raw, service};
-use farmap_core::{ChunkIdx, Geometry, Store};
+use farmap_core::{ChunkIdx, Geometry, Objects, Store};
 use tokio::io::{AsyncBufReadExt, AsyncWriteExt, BufReader};
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -171,4 +172,63 @@ async fn a_flush_waits_on_every_connection_that_wrote_even_under_load() {
         "flushes (number, connections waited on) that left connections that wrote without a \
          WAIT: {short:?}"
     );
+}
+
+/// With `flush=wait`, an object's create returns only once the replica has the object and
+/// its folder's index (the versioned layout's durability point).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_created_object_is_on_the_replica_when_create_returns() {
+    let Some(svc) = service(
+        "redis-replicated",
+        "a_created_object_is_on_the_replica_when_create_returns",
+    ) else {
+        return;
+    };
+    let opts = [("flush", "wait"), ("replicas", "1"), ("connections", "4")];
+    let o = common::objects::fresh_objects(svc.var("SPEC_BASE"), "replicated", &opts).await;
+    let mut replica = raw(&format!("127.0.0.1:{}", svc.var("REPLICA_PORT"))).await;
+    let mut seen = monitor(&format!("127.0.0.1:{}", svc.var("PORT"))).await;
+    for i in 0..32u8 {
+        let key = format!("chunks/{i:02x}/object-{i}");
+        let data = Bytes::from(vec![i + 1; 4096]);
+        assert!(o.create(&key, data).await.unwrap());
+        let got: Vec<u8> = redis::cmd("GET")
+            .arg(o.object_key(&key))
+            .query_async(&mut replica)
+            .await
+            .unwrap();
+        assert_eq!(got, vec![i + 1; 4096], "{key} on the replica");
+        let index: Vec<String> = redis::cmd("ZRANGE")
+            .arg(o.index_key(&format!("chunks/{i:02x}")))
+            .arg(0)
+            .arg(-1)
+            .query_async(&mut replica)
+            .await
+            .unwrap();
+        assert_eq!(
+            index,
+            [format!("object-{i}")],
+            "the index of {key} on the replica"
+        );
+    }
+    // Each create's script was followed by a WAIT on the connection that ran it.
+    let mut pending: HashMap<String, u32> = HashMap::new();
+    let mut waited = 0;
+    let deadline = tokio::time::Instant::now() + std::time::Duration::from_secs(10);
+    while waited < 32 {
+        let Ok(Some((client, name, _))) = tokio::time::timeout_at(deadline, seen.recv()).await
+        else {
+            panic!("the monitor saw {waited} of 32 creates followed by a WAIT");
+        };
+        match name.as_str() {
+            "EVALSHA" | "EVAL" => *pending.entry(client).or_default() += 1,
+            "WAIT" => {
+                if let Some(n) = pending.get_mut(&client).filter(|n| **n > 0) {
+                    *n -= 1;
+                    waited += 1;
+                }
+            }
+            _ => {}
+        }
+    }
 }

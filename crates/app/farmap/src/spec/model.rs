@@ -238,7 +238,7 @@ pub enum SpecKind {
         inner: Box<StoreSpec>,
     },
     /// A region kept as versions of content-addressed chunks in an object store
-    /// (`versioned:(dir:PATH)/REGION[@VERSION]`).
+    /// (`versioned:(dir:PATH)/REGION[@VERSION]`; also `(s3://...)`, `(redis://...)`).
     Versioned {
         /// Where the objects live.
         objects: Box<StoreSpec>,

@@ -1,9 +1,10 @@
 //! `versioned:(OBJECTS)/REGION[@VERSION]?size=SIZE&chunk=SIZE&ro`: a region kept as versions
 //! of content-addressed chunks ([`farmap_versions::Versioned`]) in an object store.
 //!
-//! `OBJECTS` is where the objects live: `dir:PATH` (a directory) or `s3://BUCKET/PREFIX`
-//! (with its options: `endpoint=`...), shared by every region kept there, so equal chunks
-//! are stored once. `REGION` names the region; `@N` opens version
+//! `OBJECTS` is where the objects live: `dir:PATH` (a directory), `s3://BUCKET/PREFIX`
+//! (with its options: `endpoint=`...) or `redis://HOST:PORT/DB?prefix=P` (also `rediss://`
+//! and `redis+cluster://`, with their options), shared by every region kept there, so equal
+//! chunks are stored once. `REGION` names the region; `@N` opens version
 //! `N`, `@NAME` the version a snapshot was named, read-only (a region opens writable only at
 //! its latest version). `size=` (and `chunk=`) create the region when it has no version yet.
 
@@ -47,7 +48,7 @@ impl Scheme for Versions {
     fn open<'a>(&'a self, spec: &'a StoreSpec) -> BoxFuture<'a, Result<Arc<dyn Store>, OpenError>> {
         Box::pin(async move {
             let (objects, region, at) = parts(spec);
-            let objects = open_objects(objects).map_err(store_error(spec))?;
+            let objects = open_objects(objects).await.map_err(store_error(spec))?;
             let create = match spec.size {
                 Some(size) => Some(
                     Geometry::new(size, u64::from(spec.chunk_size_or_default())).map_err(
@@ -105,15 +106,19 @@ fn parts(spec: &StoreSpec) -> (&StoreSpec, &str, &At) {
     }
 }
 
-/// The object store an inner spec names.
-pub fn open_objects(spec: &StoreSpec) -> Result<Arc<dyn Objects>, farmap_core::StoreError> {
+/// The object store an inner spec names (a Redis one is connected to at once).
+pub async fn open_objects(spec: &StoreSpec) -> Result<Arc<dyn Objects>, farmap_core::StoreError> {
     match &spec.kind {
         SpecKind::Dir { path, .. } => Ok(Arc::new(DirObjects::open(path.clone())?)),
         #[cfg(feature = "s3")]
         SpecKind::S3 { location } => Ok(Arc::new(farmap_s3::S3Objects::open(location)?)),
+        #[cfg(feature = "redis")]
+        SpecKind::Redis(config) => Ok(Arc::new(farmap_redis::RedisObjects::open(config).await?)),
         _ => Err(farmap_core::StoreError::new(
             farmap_core::ErrorKind::Unsupported,
-            format!("versioned: keeps its objects in dir:PATH or s3://; {spec} cannot hold them"),
+            format!(
+                "versioned: keeps its objects in dir:PATH, s3:// or redis://; {spec} cannot hold them"
+            ),
         )),
     }
 }
@@ -124,6 +129,8 @@ fn holds_objects(kind: &SpecKind) -> bool {
         SpecKind::Dir { .. } => true,
         #[cfg(feature = "s3")]
         SpecKind::S3 { .. } => true,
+        #[cfg(feature = "redis")]
+        SpecKind::Redis(_) => true,
         _ => false,
     }
 }
@@ -136,7 +143,8 @@ fn parse(rest: &str, spec: &str, depth: usize) -> Result<StoreSpec, SpecError> {
         reason,
     };
     let form =
-        "write versioned:(dir:PATH)/REGION[@VERSION]?size=SIZE (or (s3://BUCKET/PREFIX?...))";
+        "write versioned:(dir:PATH)/REGION[@VERSION]?size=SIZE (or (s3://BUCKET/PREFIX?...) \
+                or (redis://HOST:PORT/DB?prefix=P))";
     nest::check_depth(depth).map_err(bad)?;
     let (inner, after) = nest::group(rest).ok_or_else(|| bad(form.into()))?;
     let objects = nest::parse_inner(inner, depth).map_err(|e| match e {
@@ -145,8 +153,8 @@ fn parse(rest: &str, spec: &str, depth: usize) -> Result<StoreSpec, SpecError> {
     })?;
     if !holds_objects(&objects.kind) {
         return Err(bad(format!(
-            "the objects of a versioned region live in dir:PATH or s3://BUCKET/PREFIX, not \
-             {objects}"
+            "the objects of a versioned region live in dir:PATH, s3://BUCKET/PREFIX or \
+             redis://HOST:PORT/DB?prefix=P, not {objects}"
         )));
     }
     if objects.size.is_some() || objects.chunk_size.is_some() || objects.read_only {

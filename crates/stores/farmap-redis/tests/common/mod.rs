@@ -2,6 +2,8 @@
 // Not every test binary uses every helper.
 #![allow(dead_code)]
 
+pub mod objects;
+
 use std::sync::Arc;
 
 use farmap_core::{Geometry, Store};
