@@ -199,6 +199,7 @@ pub async fn leech_into<D: Destination>(
         lost_since: None,
         answer_by: None,
         postcopy: None,
+        postcopy_done: None,
         lowered: false,
         pacer: Arc::new(Pacer::new(&opts_pull)),
         received,
@@ -265,6 +266,8 @@ struct Run<D> {
     answer_by: Option<tokio::time::Instant>,
     /// The post-copy task: it ends with the migration, however the migration ends.
     postcopy: Option<tokio::task::AbortHandle>,
+    /// Ends when the post-copy does.
+    postcopy_done: Option<tokio::sync::oneshot::Receiver<()>>,
     /// Whether this process's threads run at the pull's priority (until the hand-over).
     lowered: bool,
     /// Keeps the pre-copy within its rate and CPU share.
@@ -617,6 +620,9 @@ impl<D: Destination> Run<D> {
         let since = *self.lost_since.get_or_insert_with(Instant::now);
         let deadline = since + self.opts.reconnect_for;
         if Instant::now() >= deadline {
+            if let Some(report) = self.fall_back(machine).await {
+                return Ok(Some(report));
+            }
             let source = self.last_error.take().unwrap_or_else(|| {
                 io::Error::new(io::ErrorKind::TimedOut, "the seeder did not answer")
             });
@@ -657,6 +663,9 @@ impl<D: Destination> Run<D> {
                     break;
                 }
                 Err(source) if Instant::now() >= deadline => {
+                    if let Some(report) = self.fall_back(machine).await {
+                        return Ok(Some(report));
+                    }
                     return Err(self.lost(AfterHandOver::Reconnect {
                         waited: self.opts.reconnect_for,
                         source,
@@ -666,6 +675,32 @@ impl<D: Destination> Run<D> {
             }
         }
         Ok(None)
+    }
+
+    /// An instant migration whose seeder is lost for good after the hand-over: finishes from
+    /// the shared store (the chunks only the source held and not received yet roll back to
+    /// its last version, and the report lists them). `None` otherwise (nothing to fall back
+    /// on: the migration fails).
+    async fn fall_back(&mut self, machine: &Leecher) -> Option<LeechReport<D>> {
+        if !self.handed_over || self.opts.mode != Mode::Instant {
+            return None;
+        }
+        let d = self.dest.as_ref()?;
+        let rolled = d.store.fall_back_to_shared();
+        self.rep.note(format!(
+            "the seeder is gone: finishing from the shared store; {} chunks only it held \
+             roll back to the store's last version{}",
+            rolled.len(),
+            if rolled.is_empty() {
+                String::new()
+            } else {
+                format!(" ({})", crate::leech::copy::chunk_list(&rolled))
+            }
+        ));
+        if let Some(done) = self.postcopy_done.take() {
+            let _ = done.await;
+        }
+        self.finish(machine).ok().flatten()
     }
 
     /// The migration is complete: the region is local; the report.
@@ -700,6 +735,7 @@ impl<D: Destination> Run<D> {
             mode: self.opts.mode,
             bytes_before_resume: self.bytes_before_resume,
             instant: d.store.instant_counts(),
+            rolled_back: d.store.rolled_back(),
         }))
     }
 
@@ -882,6 +918,8 @@ impl<D: Destination> Run<D> {
         let (page, chunk, workers, rep) =
             (d.page, d.chunk, self.opts.pull_workers, self.rep.clone());
         let all_pages = region.geometry().size() / page;
+        let (done, done_rx) = tokio::sync::oneshot::channel();
+        self.postcopy_done = Some(done_rx);
         let task = tokio::spawn(async move {
             match manifest {
                 Some(m) => {
@@ -903,6 +941,7 @@ impl<D: Destination> Run<D> {
                 None => post_copy(region, store, runs, page, chunk, workers, rep).await,
             }
             let _ = w.send(LeecherInput::AllLocal);
+            let _ = done.send(());
         });
         self.postcopy = Some(task.abort_handle());
     }

@@ -166,6 +166,12 @@ impl Seeding {
         }
     }
 
+    /// Stops seeding at once, releasing and resuming nothing, its connections dropped: what
+    /// a crash of the source host does (for tests of what a destination does then).
+    pub fn kill(&self) {
+        self.task.abort();
+    }
+
     /// Waits until the region was handed over and released (or seeding failed).
     pub async fn finish(self) -> Result<SeedReport, SeedError> {
         self.task.await.unwrap_or_else(|source| {

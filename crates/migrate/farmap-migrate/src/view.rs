@@ -252,6 +252,10 @@ struct InstantSide {
     from_store: AtomicU64,
     from_source: AtomicU64,
     verify_failures: AtomicU64,
+    /// Source chunks read from the seeder (their newest content is here).
+    received: Mutex<Vec<bool>>,
+    /// Source chunks that, the seeder lost, were read from the shared store instead.
+    rolled_back: Mutex<Vec<u64>>,
 }
 
 /// Where a chunk of an instant migration is (for a chunk in the store: the XXH3-64 its
@@ -276,6 +280,10 @@ pub struct InstantCounts {
     pub chunks_from_source: u64,
     /// Chunks the shared store returned that did not match the manifest's checksum.
     pub verify_failures: u64,
+    /// Chunks that only the source held and that, the source lost after the hand-over,
+    /// read as the shared store's last version holds them (see
+    /// [`MigrationStore::fall_back_to_shared`]).
+    pub chunks_rolled_back: u64,
 }
 
 impl fmt::Debug for MigrationStore {
@@ -328,6 +336,8 @@ impl MigrationStore {
             pending: AtomicU64::new(0),
             confirmed: tokio::sync::Notify::new(),
             failed: Mutex::new(Vec::new()),
+            received: Mutex::new(Vec::new()),
+            rolled_back: Mutex::new(Vec::new()),
             from_store: AtomicU64::new(0),
             from_source: AtomicU64::new(0),
             verify_failures: AtomicU64::new(0),
@@ -376,6 +386,7 @@ impl MigrationStore {
             }
         }
         *side.taken.lock() = vec![false; table.len()];
+        *side.received.lock() = vec![false; table.len()];
         *side.manifest.write() = table;
         side.pending.store(pending, Ordering::Release);
         side.confirmed.notify_waiters();
@@ -502,6 +513,45 @@ impl MigrationStore {
         let _ = self.stage(&[run]).await;
     }
 
+    /// Instant mode, the seeder lost for good after the hand-over: every chunk only the
+    /// source held and not received from it yet is read from the shared store from now on,
+    /// as its last version holds it (a pending chunk counts as the source's), and the seeder
+    /// is let go. Returns those chunks, ascending (they roll back to what the store holds);
+    /// empty in other modes.
+    pub fn fall_back_to_shared(&self) -> Vec<u64> {
+        let Some(side) = &self.instant else {
+            return Vec::new();
+        };
+        let rolled: Vec<u64> = {
+            let mut table = side.manifest.write();
+            let received = side.received.lock();
+            let mut rolled = Vec::new();
+            for (i, p) in table.iter_mut().enumerate() {
+                if matches!(p, Place::Pending(_)) {
+                    *p = Place::Source;
+                }
+                if matches!(p, Place::Source) && !received.get(i).copied().unwrap_or(false) {
+                    rolled.push(i as u64);
+                }
+            }
+            rolled
+        };
+        side.pending.store(0, Ordering::Release);
+        *side.rolled_back.lock() = rolled.clone();
+        // Reads of source chunks go to the shared store once the seeder is let go.
+        self.detach();
+        side.confirmed.notify_waiters();
+        rolled
+    }
+
+    /// The chunks [`fall_back_to_shared`](Self::fall_back_to_shared) rolled back, ascending.
+    pub fn rolled_back(&self) -> Vec<u64> {
+        self.instant
+            .as_ref()
+            .map(|s| s.rolled_back.lock().clone())
+            .unwrap_or_default()
+    }
+
     /// What an instant destination read from where (zeros in other modes).
     pub fn instant_counts(&self) -> InstantCounts {
         self.instant
@@ -510,6 +560,7 @@ impl MigrationStore {
                 chunks_from_store: s.from_store.load(Ordering::Relaxed),
                 chunks_from_source: s.from_source.load(Ordering::Relaxed),
                 verify_failures: s.verify_failures.load(Ordering::Relaxed),
+                chunks_rolled_back: s.rolled_back.lock().len() as u64,
             })
             .unwrap_or_default()
     }
@@ -564,6 +615,9 @@ impl MigrationStore {
         }
         let data = self.fetch(idx).await?;
         side.from_source.fetch_add(1, Ordering::Relaxed);
+        if let Some(r) = side.received.lock().get_mut(idx.0 as usize) {
+            *r = true;
+        }
         if failed {
             side.failed.lock().push(idx);
         }

@@ -301,3 +301,61 @@ async fn instant_catches_the_writes_made_after_the_manifest_was_sent() {
         );
     }
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn instant_finishes_from_the_store_when_the_source_dies_after_the_hand_over() {
+    if !uffd("instant_finishes_from_the_store_when_the_source_dies_after_the_hand_over") {
+        return;
+    }
+    let (spec, addr, _behind, _server) = shared_store().await;
+    // Every chunk pushed (version 0), then 3, 9 and 40 written again and not pushed: only the
+    // source holds their newest content.
+    let (region, gate) = source(connect(addr.clone()).await, Some(spec), &[3, 9, 40]).await;
+    let at_handover = image(&region);
+    let shared = {
+        let addr = addr.clone();
+        SharedOpener(Arc::new(move |_spec: String| {
+            let addr = addr.clone();
+            Box::pin(async move { Ok(connect(addr).await) })
+        }))
+    };
+    let seeding = Arc::new(
+        seed(region.clone(), gate, common::seed_options(Duration::ZERO))
+            .await
+            .unwrap(),
+    );
+    let (_cancel, cancelled) = tokio::sync::watch::channel(false);
+    let opts = LeechOptions {
+        mode: Mode::Instant,
+        shared: Some(shared),
+        reconnect_for: Duration::from_secs(1),
+        ..common::test_leech_options(&seeding.control)
+    };
+    // The source host dies as the application resumes here: before the post-copy.
+    let killer = seeding.clone();
+    let report = leech(opts, Box::new(move |_, _| killer.kill()), cancelled)
+        .await
+        .expect("the destination finishes without its source");
+    let rolled: HashSet<u64> = report.rolled_back.iter().copied().collect();
+    assert!(
+        !rolled.is_empty() && rolled.is_subset(&[3, 9, 40].into()),
+        "only chunks the source alone held roll back: {:?}",
+        report.rolled_back
+    );
+    assert_eq!(report.instant.chunks_rolled_back, rolled.len() as u64);
+    let got = image(&report.region);
+    for c in 0..CHUNKS {
+        let r = (c * CHUNK) as usize..((c + 1) * CHUNK) as usize;
+        if rolled.contains(&c) {
+            assert!(
+                got[r] == chunk_of(c, 0)[..],
+                "chunk {c} rolled back to the store's version"
+            );
+        } else {
+            assert!(
+                got[r.clone()] == at_handover[r],
+                "chunk {c} as at the hand-over"
+            );
+        }
+    }
+}

@@ -445,3 +445,29 @@ fn clip(runs: &[Range<u64>], lo: u64, hi: u64) -> Vec<Range<u64>> {
         .map(|r| r.start.max(lo)..r.end.min(hi))
         .collect()
 }
+
+/// `chunks` (ascending) as runs, for messages: `3, 7-9, 12` (at most 20 runs, then `...`).
+pub(crate) fn chunk_list(chunks: &[u64]) -> String {
+    let mut runs: Vec<std::ops::Range<u64>> = Vec::new();
+    for &c in chunks {
+        match runs.last_mut() {
+            Some(r) if r.end == c => r.end += 1,
+            _ => runs.push(c..c + 1),
+        }
+    }
+    let mut out: Vec<String> = runs
+        .iter()
+        .take(20)
+        .map(|r| {
+            if r.end - r.start == 1 {
+                r.start.to_string()
+            } else {
+                format!("{}-{}", r.start, r.end - 1)
+            }
+        })
+        .collect();
+    if runs.len() > 20 {
+        out.push("...".into());
+    }
+    out.join(", ")
+}

@@ -351,6 +351,9 @@ pub struct LeechReport<D = Region> {
     pub bytes_before_resume: u64,
     /// Instant mode: what was read from where, and what failed its check.
     pub instant: crate::view::InstantCounts,
+    /// Instant mode, the source lost after the hand-over: the chunks (ascending) that only
+    /// it held and that read as the shared store's last version holds them.
+    pub rolled_back: Vec<u64>,
 }
 
 impl<D> LeechReport<D> {
