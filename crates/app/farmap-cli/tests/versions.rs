@@ -250,3 +250,76 @@ fn gc_moves_garbage_to_the_trash_then_deletes_it_and_keeps_every_version() {
         "the region reads as written"
     );
 }
+
+/// A running `farmap mount` of `spec` at `mnt`: the child and the path of its file.
+fn mount(spec: &str, mnt: &Path) -> (std::process::Child, String) {
+    std::fs::create_dir_all(mnt).unwrap();
+    let mut child = farmap()
+        .command()
+        .args(["mount", mnt.to_str().unwrap(), spec])
+        .stdout(Stdio::piped())
+        .stderr(Stdio::inherit())
+        .spawn()
+        .unwrap();
+    let mut line = String::new();
+    BufReader::new(child.stdout.take().unwrap())
+        .read_line(&mut line)
+        .unwrap();
+    assert!(!line.is_empty(), "farmap mount printed no path");
+    (child, line.trim().to_owned())
+}
+
+fn unmount(mut child: std::process::Child, mnt: &Path) {
+    let _ = farmap().run(&["umount", mnt.to_str().unwrap()]);
+    terminate(&mut child, Duration::from_secs(10));
+}
+
+/// Two processes write one versioned region at once (as two hosts would, each through its
+/// own mount): the one that saves second is refused at that flush, every time, and what the
+/// first saved stays.
+#[test]
+fn a_second_writer_in_another_process_is_refused_at_its_first_flush_every_time() {
+    let test = "a_second_writer_in_another_process_is_refused_at_its_first_flush_every_time";
+    if !skip::fuse_mountable(test) {
+        return;
+    }
+    let dir = tempfile::tempdir().unwrap();
+    let objects = dir.path().join("objects");
+    const TRIES: usize = 5;
+    for t in 0..TRIES {
+        let spec = format!("versioned:(dir:{})/r{t}?size=1MiB", objects.display());
+        let (one, two) = (
+            dir.path().join(format!("a{t}")),
+            dir.path().join(format!("b{t}")),
+        );
+        let (a, file_a) = mount(&spec, &one);
+        let (b, file_b) = mount(&spec, &two);
+        let write = |path: &str, byte: u8| {
+            let mut f = std::fs::OpenOptions::new().write(true).open(path).unwrap();
+            // Which of the two saves first is up to the try: both orders are checked.
+            f.write_all(&[byte; 4096]).unwrap();
+            f.sync_all()
+        };
+        let (first, second) = if t % 2 == 0 {
+            ((&file_a, 0xaa), (&file_b, 0xbb))
+        } else {
+            ((&file_b, 0xbb), (&file_a, 0xaa))
+        };
+        write(first.0, first.1).expect("the first writer saves");
+        let e = write(second.0, second.1).expect_err("the second writer is refused");
+        assert_eq!(e.raw_os_error(), Some(ESTALE), "try {t}: {e}");
+        unmount(a, &one);
+        unmount(b, &two);
+        let plain = spec.split('?').next().unwrap();
+        let img = dir.path().join(format!("out{t}.img"));
+        farmap().ok(&["cp", plain, &format!("file:{}", img.display())]);
+        let back = std::fs::read(&img).unwrap();
+        assert!(
+            back[..4096].iter().all(|b| *b == first.1),
+            "try {t}: what the first writer saved stays"
+        );
+    }
+}
+
+/// ESTALE on Linux: what a fenced flush fails with.
+const ESTALE: i32 = 116;
