@@ -5,7 +5,8 @@
 //! `versions --json` prints one line per version, oldest first: `version`, `epoch`,
 //! `time_ms` (when it was written, milliseconds since the Unix epoch), `whole` (its
 //! manifest lists every chunk, else the changes since the version before), `chunks` (chunks
-//! its manifest lists), `size` (bytes), `names` (snapshot names that stand for it).
+//! its manifest lists), `size` (bytes), `names` (snapshot names that stand for it), and for
+//! a fork's first version `from` (`REGION@VERSION`, the version it starts from).
 //! `fork --json` prints one line per new region: `region`, `from`, `version` (the version it
 //! starts from), `ms` (time to make all of them).
 //! `gc --json` prints one line: `objects`, `dry_run`, `grace_ms`, `regions`, `versions`,
@@ -148,6 +149,8 @@ struct Version {
     chunks: u64,
     size: u64,
     names: Vec<String>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    from: Option<String>,
 }
 
 pub async fn versions(args: VersionsArgs) -> anyhow::Result<ExitCode> {
@@ -168,16 +171,21 @@ pub async fn versions(args: VersionsArgs) -> anyhow::Result<ExitCode> {
             chunks: v.chunks,
             size: v.size,
             names: v.names,
+            from: v.from,
         };
         if args.json {
             output::json_line(&row)?;
         } else {
             println!(
-                "{:>8}  epoch {:<3} {:>8} chunks{}  {}",
+                "{:>8}  epoch {:<3} {:>8} chunks{}{}  {}",
                 row.version,
                 row.epoch,
                 row.chunks,
                 if row.whole { " (whole)" } else { "" },
+                row.from
+                    .as_ref()
+                    .map(|f| format!(" (a fork of {f})"))
+                    .unwrap_or_default(),
                 row.names.join(", ")
             );
         }

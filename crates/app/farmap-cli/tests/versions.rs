@@ -99,6 +99,12 @@ fn copies_make_versions_and_snapshots_name_them() {
         std::fs::read(&out).unwrap() == one,
         "a fork of @first reads as the first copy"
     );
+    let rows = farmap().json_lines(&["versions", &fork, "--json"]);
+    assert_eq!(
+        rows[0]["from"], "r@1",
+        "a fork names where it starts: {rows:?}"
+    );
+    assert_eq!(rows[0]["chunks"], 0, "and lists no chunk: {rows:?}");
 
     let err = farmap().fails(&["snapshot", &spec, "first"]);
     assert!(err.contains("already has a snapshot"), "{err}");

@@ -174,6 +174,8 @@ pub struct VersionInfo {
     pub size: u64,
     /// Snapshot names that stand for it.
     pub names: Vec<String>,
+    /// A fork's version 0: the version it starts from, `REGION@SEQ`.
+    pub from: Option<String>,
 }
 
 /// Every version of `region`, oldest first.
@@ -202,6 +204,7 @@ pub async fn history(objects: &dyn Objects, region: &str) -> StoreResult<Vec<Ver
             chunks: m.entries.len() as u64,
             size: m.size,
             names: names.remove(&seq).unwrap_or_default(),
+            from: m.from.map(|p| format!("{}@{}", p.region, p.seq)),
         });
     }
     Ok(out)
