@@ -29,6 +29,11 @@ pub struct PushOptions {
     pub workers: usize,
     /// How often the background task pushes what is dirty; `None` pushes only on `flush`.
     pub interval: Option<Duration>,
+    /// How often a checkpoint runs: everything dirty is pushed and the remote flushed (for
+    /// a store that keeps versions, a version each time something changed), as a `flush`
+    /// does; `None`: only at a `flush`. A checkpoint that fails is logged and counted in
+    /// the stats; the next one tries again.
+    pub checkpoint_every: Option<Duration>,
     /// Retries of reads, writes and flushes that fail with a retryable error.
     pub retry: RetryPolicy,
 }
@@ -39,6 +44,7 @@ impl Default for PushOptions {
         Self {
             workers: 16,
             interval: Some(Duration::from_secs(1)),
+            checkpoint_every: None,
             retry: RetryPolicy::default(),
         }
     }
@@ -553,25 +559,45 @@ fn sealed_error() -> StoreError {
 async fn run_background<S: Store, R: Store>(
     shared: Weak<Shared<S, R>>,
     stop: Arc<Stop>,
-    interval: Duration,
+    interval: Option<Duration>,
+    checkpoint_every: Option<Duration>,
 ) {
+    let after = |d: Option<Duration>| d.map(|d| tokio::time::Instant::now() + d);
+    let (mut round_at, mut checkpoint_at) = (after(interval), after(checkpoint_every));
     loop {
         // Checked before a timer is made: once stopped, the runtime may be shutting down,
         // and making a timer then panics.
         if stop.stopped.load(Ordering::Acquire) {
             return;
         }
+        let Some(wake) = round_at.into_iter().chain(checkpoint_at).min() else {
+            return;
+        };
         tokio::select! {
             // The stop first: woken by it while the runtime shuts down, the task must not
             // poll its timer (that panics then).
             biased;
             _ = stop.wait() => return,
-            _ = tokio::time::sleep(interval) => {}
+            _ = tokio::time::sleep_until(wake) => {}
         }
         let Some(shared) = shared.upgrade() else {
             return;
         };
-        shared.background_round().await;
+        let now = tokio::time::Instant::now();
+        if checkpoint_at.is_some_and(|at| at <= now) {
+            // A checkpoint pushes everything too: the next round counts from it.
+            if let Err(e) = shared.flush().await {
+                tracing::warn!(
+                    "a checkpoint failed (the next one tries again): {}",
+                    farmap_core::error_chain(&e)
+                );
+            }
+            checkpoint_at = after(checkpoint_every);
+            round_at = after(interval);
+        } else {
+            shared.background_round().await;
+            round_at = after(interval);
+        }
         drop(shared);
         // The round's dirty scan may have run under `block_in_place`, which hands this
         // worker's core to another thread: this thread then finishes the task's poll on its
@@ -644,11 +670,12 @@ impl<S: Store, R: Store> Pusher<S, R> {
             resolved: Notify::new(),
         });
         let stop = Arc::new(Stop::default());
-        let background = opts.interval.map(|interval| {
+        let background = (opts.interval.is_some() || opts.checkpoint_every.is_some()).then(|| {
             tokio::spawn(run_background(
                 Arc::downgrade(&shared),
                 stop.clone(),
-                interval,
+                opts.interval,
+                opts.checkpoint_every,
             ))
         });
         Ok(Self {
@@ -1040,6 +1067,7 @@ mod tests {
 
     fn manual() -> PushOptions {
         PushOptions {
+            checkpoint_every: None,
             workers: 4,
             interval: None,
             retry: RetryPolicy::immediate(3),
@@ -1462,6 +1490,43 @@ mod tests {
         drop(p);
         // Dropped: the task stops and pushes nothing more (the store is not written again).
         tokio::time::sleep(Duration::from_millis(20)).await;
+        assert_eq!(Arc::strong_count(&remote), 1, "the background task let go");
+    }
+
+    #[tokio::test]
+    async fn checkpoints_push_and_flush_on_their_own() {
+        let g = geometry();
+        let flushes = Arc::new(AtomicUsize::new(0));
+        let counted = flushes.clone();
+        let remote = Arc::new(Hooked::new(ModelStore::new(g), move |op, _| {
+            if op == Op::Flush {
+                counted.fetch_add(1, Ordering::Relaxed);
+            }
+            Box::pin(async { Ok(()) })
+        }));
+        let opts = PushOptions {
+            checkpoint_every: Some(Duration::from_millis(20)),
+            ..manual()
+        };
+        let p = Pusher::new(ModelStore::new(g), remote.clone(), opts).unwrap();
+        p.write(ChunkIdx(3), chunk(3)).await.unwrap();
+        for _ in 0..500 {
+            if flushes.load(Ordering::Relaxed) > 0
+                && remote.read(ChunkIdx(3)).await.unwrap() == chunk(3)
+            {
+                break;
+            }
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+        assert!(flushes.load(Ordering::Relaxed) > 0, "no checkpoint in 5 s");
+        assert!(remote.read(ChunkIdx(3)).await.unwrap() == chunk(3));
+        assert_eq!(p.dirty_count(), 0);
+        // Each checkpoint flushes, written or not: they go on.
+        let before = flushes.load(Ordering::Relaxed);
+        tokio::time::sleep(Duration::from_millis(100)).await;
+        assert!(flushes.load(Ordering::Relaxed) > before);
+        drop(p);
+        tokio::time::sleep(Duration::from_millis(50)).await;
         assert_eq!(Arc::strong_count(&remote), 1, "the background task let go");
     }
 

@@ -73,6 +73,7 @@ async fn run(max_chunks: u64, seed: u64, remote_can_trim: bool) {
     let cached =
         Arc::new(Cached::bounded(MemoryStore::new(g), remote.clone(), max_chunks).unwrap());
     let opts = PushOptions {
+        checkpoint_every: None,
         workers: 4,
         interval: Some(Duration::from_millis(1)),
         retry: RetryPolicy::none(),

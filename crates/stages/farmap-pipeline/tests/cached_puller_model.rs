@@ -106,6 +106,7 @@ async fn run(case: Case) {
     let cached = Arc::new(Cached::new(local, remote.clone()).unwrap());
     let pusher = case.with_pusher.then(|| {
         let opts = PushOptions {
+            checkpoint_every: None,
             workers: 4,
             interval: Some(Duration::from_millis(2)),
             retry: RetryPolicy::none(),

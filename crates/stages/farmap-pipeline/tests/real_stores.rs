@@ -57,6 +57,7 @@ async fn every_stage_over(kind: Backing) {
     .await;
     conforms(kind, |local, remote| {
         let opts = PushOptions {
+            checkpoint_every: None,
             workers: 4,
             interval: Some(Duration::from_millis(1)),
             retry: RetryPolicy::none(),

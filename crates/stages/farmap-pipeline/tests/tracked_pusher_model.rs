@@ -74,6 +74,7 @@ async fn run_flush_model(
     let g = geometry();
     let remote = Arc::new(Faulty::new(ModelStore::new(g), FaultPlan::never()));
     let opts = PushOptions {
+        checkpoint_every: None,
         workers,
         interval,
         retry: RetryPolicy::immediate(attempts),
@@ -275,6 +276,7 @@ async fn concurrent_writers_and_flushes() {
     };
     let remote = Arc::new(Faulty::new(slow, flaky));
     let opts = PushOptions {
+        checkpoint_every: None,
         workers: 8,
         interval: Some(Duration::from_millis(1)),
         retry: RetryPolicy::immediate(3),
