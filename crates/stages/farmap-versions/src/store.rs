@@ -169,35 +169,7 @@ impl Versioned {
     pub async fn open(objects: Arc<dyn Objects>, opts: VersionedOptions) -> StoreResult<Self> {
         check_name("region", &opts.region).map_err(StoreError::invalid)?;
         let region = opts.region.clone();
-        let mut latest = latest(&*objects, &region).await?;
-        if latest.is_none() {
-            let Some(g) = opts.create.filter(|_| !opts.read_only) else {
-                return Err(StoreError::new(
-                    ErrorKind::NotFound,
-                    format!(
-                        "region {region:?} has no versions in {}: give its size to create it",
-                        objects.location()
-                    ),
-                ));
-            };
-            let first = Manifest {
-                seq: 0,
-                epoch: 1,
-                base: 0,
-                size: g.size(),
-                chunk_size: g.chunk_size(),
-                whole: true,
-                time_ms: now_ms(),
-                entries: Vec::new(),
-                from: None,
-            };
-            // Losing this race to another creator is fine: its version 0 is read below.
-            objects
-                .create(&version_key(&region, 0), Bytes::from(first.encode()))
-                .await?;
-            latest = Some(0);
-        }
-        let latest = latest.expect("set above");
+        let latest = latest_or_create(&*objects, &opts).await?;
         let seq = match &opts.at {
             At::Latest => latest,
             at => resolve(&*objects, &region, at).await?,
@@ -255,20 +227,12 @@ impl Versioned {
             _ => None,
         };
         let ahead = Arc::new(Ahead::default());
-        let mut reader = None;
-        if let (Some(rt), true) = (&rt, opts.read_ahead) {
-            let chunks = geometry.chunk_count();
-            if let Some(order) = touched::find(&*objects, &region, seq, chunks).await {
-                tracing::debug!(region, chunks = order.len(), "reading a working set ahead");
-                reader = Some(rt.spawn(read_ahead(
-                    objects.clone(),
-                    geometry,
-                    state.clone(),
-                    ahead.clone(),
-                    order,
-                )));
+        let reader = match (&rt, opts.read_ahead) {
+            (Some(rt), true) => {
+                start_read_ahead(rt, &objects, &region, seq, geometry, &state, &ahead).await
             }
-        }
+            _ => None,
+        };
         Ok(Self {
             objects,
             region,
@@ -670,6 +634,62 @@ impl Store for Versioned {
             self.claim().await.map(|_| ())
         })
     }
+}
+
+/// The latest version of `opts.region`, made (version 0, empty) when it has none and
+/// `opts.create` gives its shape.
+async fn latest_or_create(objects: &dyn Objects, opts: &VersionedOptions) -> StoreResult<u64> {
+    let region = &opts.region;
+    if let Some(latest) = latest(objects, region).await? {
+        return Ok(latest);
+    }
+    let Some(g) = opts.create.filter(|_| !opts.read_only) else {
+        return Err(StoreError::new(
+            ErrorKind::NotFound,
+            format!(
+                "region {region:?} has no versions in {}: give its size to create it",
+                objects.location()
+            ),
+        ));
+    };
+    let first = Manifest {
+        seq: 0,
+        epoch: 1,
+        base: 0,
+        size: g.size(),
+        chunk_size: g.chunk_size(),
+        whole: true,
+        time_ms: now_ms(),
+        entries: Vec::new(),
+        from: None,
+    };
+    // Losing this race to another creator is fine: its version 0 is what opens.
+    objects
+        .create(&version_key(region, 0), Bytes::from(first.encode()))
+        .await?;
+    Ok(0)
+}
+
+/// Starts reading ahead the working set recorded for version `seq` (see
+/// [`touched`](crate::touched)), if there is one.
+async fn start_read_ahead(
+    rt: &tokio::runtime::Handle,
+    objects: &Arc<dyn Objects>,
+    region: &str,
+    seq: u64,
+    geometry: Geometry,
+    state: &Arc<Mutex<State>>,
+    ahead: &Arc<Ahead>,
+) -> Option<tokio::task::JoinHandle<()>> {
+    let order = touched::find(&**objects, region, seq, geometry.chunk_count()).await?;
+    tracing::debug!(region, chunks = order.len(), "reading a working set ahead");
+    Some(rt.spawn(read_ahead(
+        objects.clone(),
+        geometry,
+        state.clone(),
+        ahead.clone(),
+        order,
+    )))
 }
 
 /// Sees each of `hashes` (but zeros) in `chunks/` again unless seen less than `within` ago,
