@@ -112,7 +112,7 @@ const TOP: &str = "/";
 /// Keys are checked with [`check_key`]. An object is at most [`MAX_OBJECT_LEN`] bytes: a
 /// larger `create` is refused before anything is sent, and a row holding more (written
 /// behind farmap's back) is refused as corrupt. The server's own cell limit bounds what
-/// one read can bring. A folder is listed in pages of [`LIST_PAGE`] names, names that are
+/// one read can bring. A folder is listed in pages of 1000 names, names that are
 /// not valid keys skipped.
 pub struct CqlObjects {
     session: Session,
