@@ -56,9 +56,10 @@ STORE SPECS:
   verified:(SPEC)             checksums for every chunk of SPEC (kept at its end);
                               bad chunks are refused (`farmap verify` scrubs)
   versioned:(dir:PATH)/REGION[@VERSION]?size=SIZE   versions of a region, chunks stored
-                              once by content (or (s3://BUCKET/PREFIX?endpoint=URL) or
-                              (redis://HOST:PORT/DB?prefix=P)); `farmap snapshot`,
-                              `farmap versions`, `farmap fork`
+                              once by content (or (s3://BUCKET/PREFIX?endpoint=URL),
+                              (redis://HOST:PORT/DB?prefix=P) or
+                              (cql://HOST:PORT/KEYSPACE?table=T&create=true));
+                              `farmap snapshot`, `farmap versions`, `farmap fork`
 Every store with an example and its options: `farmap help stores`.
 Options after '?', joined by '&': size=SIZE, chunk=SIZE (power of two, 4KiB..4MiB,
 default 64KiB), ro (read-only file/dir), max-open=N (dir), connections=N and

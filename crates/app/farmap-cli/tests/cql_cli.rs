@@ -1,6 +1,7 @@
 //! The `farmap` binary and library with a CQL store, against a real Apache Cassandra 5.0 node
 //! (`scripts/services/cassandra.sh`): `farmap cp` of a 64 MiB file into a region and back,
-//! `farmap info` without `size=`, and a password that never shows in an error. The store's
+//! `farmap info` without `size=`, a versioned region whose objects live in CQL, and a
+//! password that never shows in an error. The store's
 //! own tests are farmap-cql's (`crates/stores/farmap-cql/tests/cql.rs`).
 
 use farmap_testkit::{skip, unique_name, Service};
@@ -43,6 +44,48 @@ fn cp_into_a_region_and_back_gives_identical_bytes() {
     farmap().ok(&["cp", "-q", &base, &format!("file:{}", output.display())]);
     let back = std::fs::read(&output).expect("read output");
     assert!(back == data, "the region read back differs from the file");
+}
+
+/// A versioned region whose objects live in a CQL table: a copy makes a version, a snapshot
+/// names it, `versions --json` lists them, and copies back give the bytes of each version.
+#[test]
+fn versioned_regions_live_in_cql_too() {
+    let test = "versioned_regions_live_in_cql_too";
+    let Some(svc) = skip::unless(test, Service::shared("cassandra")) else {
+        return;
+    };
+    let dir = tempfile::tempdir().unwrap();
+    let input = dir.path().join("in.img");
+    let first = farmap_testkit::pattern_with_zeros(5, 4 << 20);
+    std::fs::write(&input, &first).unwrap();
+    let table = unique_name("v").replace('-', "_");
+    let spec = format!(
+        "versioned:({}/{KEYSPACE}?table={table}&create=true)/r",
+        svc.var("SPEC_BASE")
+    );
+    let file = |p: &std::path::Path| format!("file:{}", p.display());
+    farmap().ok(&["cp", "-q", &file(&input), &format!("{spec}?size=4MiB")]);
+    let snap = farmap().json(&["snapshot", &spec, "one", "--json"]);
+    assert_eq!(snap["version"], 1, "{snap}");
+    // A second copy of other bytes makes the next version.
+    let second = farmap_testkit::pattern_with_zeros(6, 4 << 20);
+    std::fs::write(&input, &second).unwrap();
+    farmap().ok(&["cp", "-q", &file(&input), &spec]);
+    let rows = farmap().json_lines(&["versions", &spec, "--json"]);
+    let seqs: Vec<u64> = rows
+        .iter()
+        .map(|r| r["version"].as_u64().unwrap())
+        .collect();
+    assert_eq!(seqs, [0, 1, 2], "{rows:?}");
+    assert_eq!(rows[1]["names"], serde_json::json!(["one"]), "{rows:?}");
+    for (at, want) in [("@one", &first), ("@1", &first), ("", &second)] {
+        let out = dir.path().join(format!("out{at}.img"));
+        farmap().ok(&["cp", "-q", &format!("{spec}{at}"), &file(&out)]);
+        assert!(
+            std::fs::read(&out).unwrap() == *want,
+            "the copy back of {spec}{at} differs"
+        );
+    }
 }
 
 /// Opened through the library's specs (as the binary opens them), a region whose node

@@ -218,6 +218,7 @@ mod tests {
             "versioned:(dir:/o)/r@before.upgrade",
             "versioned:(redis://h:1/2?prefix=objs&flush=wait)/r@3",
             "versioned:(redis+cluster://a:1,b:2/?timeout=5s)/r?size=1GiB",
+            "versioned:(cql://u@h:1,h2/ks?table=t&create=true&consistency=quorum)/r@3",
         ] {
             let spec = parse(text).unwrap_or_else(|e| panic!("{text}: {e}"));
             let shown = spec.to_string();
@@ -595,6 +596,8 @@ mod tests {
             ("versioned:(dir:./o)r", "after a '/'"),
             ("versioned:(memory:1GiB)/r", "live in dir:PATH"),
             ("versioned:(dir:./o?size=1GiB)/r", "give size="),
+            ("versioned:(cql://h/ks?region=x)/r", "rather than region="),
+            ("versioned:(cql://h/ks?size=1GiB)/r", "give size="),
             ("versioned:(dir:./o)/a/b", "region \"a/b\""),
             ("versioned:(dir:./o)/r@.x", "snapshot \".x\""),
             (

@@ -34,8 +34,8 @@ pub const DEFAULT_REGION: &str = "default";
 /// the password need not appear on a command line.
 pub const PASSWORD_ENV: &str = "FARMAP_CQL_PASSWORD";
 
-/// Longest table name: the region table is named `<table>_regions`, and CQL names have at most
-/// 48 characters.
+/// Longest table name: the region table is named `<table>_regions` (and the objects table
+/// `<table>_objects`), and CQL names have at most 48 characters.
 const MAX_TABLE_LEN: usize = 40;
 /// Longest keyspace name (CQL's limit).
 const MAX_KEYSPACE_LEN: usize = 48;
@@ -492,6 +492,11 @@ impl CqlTarget {
     /// `keyspace.table_regions`, where each region's geometry is kept.
     pub fn regions_table_name(&self) -> String {
         format!("{}.{}_regions", self.keyspace, self.table)
+    }
+
+    /// `keyspace.table_objects`, where [`CqlObjects`](crate::CqlObjects) keeps its objects.
+    pub fn objects_table_name(&self) -> String {
+        format!("{}.{}_objects", self.keyspace, self.table)
     }
 }
 

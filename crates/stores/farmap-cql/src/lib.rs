@@ -92,11 +92,14 @@
 
 mod config;
 mod error;
+mod objects;
 mod schema;
+mod session;
 mod store;
 
 pub use config::{
     CqlConsistency, CqlSpec, CqlSpecError, CqlTarget, DEFAULT_PORT, DEFAULT_REGION, DEFAULT_TABLE,
     MAX_CQL_CHUNK, OPTIONS, PASSWORD_ENV,
 };
+pub use objects::{CqlObjects, MAX_OBJECT_LEN};
 pub use store::{commitlog_sync_is_durable, CqlStore};

@@ -1,4 +1,4 @@
-//! The keyspace, the two tables, and each region's row in the region table.
+//! The keyspace, the tables, and each region's row in the region table.
 //!
 //! ```text
 //! CREATE TABLE ks.t (                      -- one row per chunk that holds data
@@ -6,6 +6,9 @@
 //!     PRIMARY KEY ((region, part), chunk))  -- part = chunk / part_chunks
 //! CREATE TABLE ks.t_regions (               -- one row per region: its geometry
 //!     region text PRIMARY KEY, size bigint, chunk_size int, part_chunks int, format int)
+//! CREATE TABLE ks.t_objects (               -- CqlObjects: one row per object or folder
+//!     folder text, name text, data blob, len bigint, dir boolean,
+//!     PRIMARY KEY (folder, name))
 //! ```
 
 use farmap_core::{ErrorKind, Geometry, StoreError, StoreResult};
@@ -95,9 +98,56 @@ impl Schema<'_> {
         Ok(rows.into_rows_result().is_ok_and(|r| r.rows_num() > 0))
     }
 
-    /// Makes sure the keyspace and both tables exist, creating them when the spec says
-    /// `create=true`; otherwise a missing one is a `NotFound` error saying so.
+    /// Makes sure the keyspace and the chunk and region tables exist, creating them when
+    /// the spec says `create=true`; otherwise a missing one is a `NotFound` error saying so.
     pub(crate) async fn ensure_tables(&self) -> StoreResult<()> {
+        let t = &self.spec.target;
+        self.ensure(&[
+            (
+                t.table.clone(),
+                format!(
+                    "CREATE TABLE IF NOT EXISTS {} (region text, part bigint, chunk bigint, \
+                     data blob, PRIMARY KEY ((region, part), chunk)) \
+                     WITH comment = 'farmap chunks: one row per chunk, see {}' \
+                     AND compression = {{'enabled': 'false'}}",
+                    t.table_name(),
+                    t.regions_table_name()
+                ),
+            ),
+            (
+                format!("{}_regions", t.table),
+                format!(
+                    "CREATE TABLE IF NOT EXISTS {} (region text PRIMARY KEY, size bigint, \
+                     chunk_size int, part_chunks int, format int) \
+                     WITH comment = 'farmap regions: the geometry of each region in {}'",
+                    t.regions_table_name(),
+                    t.table_name()
+                ),
+            ),
+        ])
+        .await
+    }
+
+    /// Makes sure the keyspace and the objects table (`T_objects`, see
+    /// [`CqlObjects`](crate::CqlObjects)) exist, as [`ensure_tables`](Self::ensure_tables)
+    /// does for a region's tables.
+    pub(crate) async fn ensure_objects_table(&self) -> StoreResult<()> {
+        let t = &self.spec.target;
+        self.ensure(&[(
+            format!("{}_objects", t.table),
+            format!(
+                "CREATE TABLE IF NOT EXISTS {} (folder text, name text, data blob, len bigint, \
+                 dir boolean, PRIMARY KEY (folder, name)) \
+                 WITH comment = 'farmap objects: versioned regions, one row per object or folder'",
+                t.objects_table_name()
+            ),
+        )])
+        .await
+    }
+
+    /// Makes sure the keyspace and `tables` (`(name, CREATE TABLE ...)`) exist, creating them
+    /// when the spec says `create=true`; otherwise a missing one is a `NotFound` error.
+    async fn ensure(&self, tables: &[(String, String)]) -> StoreResult<()> {
         // Two sessions creating one table at once can each get a table id of its own, and
         // requests then fail with "Unknown CF" until the schema settles: the stores of this
         // process create tables one at a time (the driver waits for schema agreement after
@@ -129,30 +179,7 @@ impl Schema<'_> {
             )
             .await?;
         }
-        let regions = format!("{}_regions", t.table);
-        for (table, ddl) in [
-            (
-                t.table.as_str(),
-                format!(
-                    "CREATE TABLE IF NOT EXISTS {} (region text, part bigint, chunk bigint, \
-                     data blob, PRIMARY KEY ((region, part), chunk)) \
-                     WITH comment = 'farmap chunks: one row per chunk, see {}' \
-                     AND compression = {{'enabled': 'false'}}",
-                    t.table_name(),
-                    t.regions_table_name()
-                ),
-            ),
-            (
-                regions.as_str(),
-                format!(
-                    "CREATE TABLE IF NOT EXISTS {} (region text PRIMARY KEY, size bigint, \
-                     chunk_size int, part_chunks int, format int) \
-                     WITH comment = 'farmap regions: the geometry of each region in {}'",
-                    t.regions_table_name(),
-                    t.table_name()
-                ),
-            ),
-        ] {
+        for (table, ddl) in tables {
             if self.table_exists(table).await? {
                 continue;
             }
@@ -160,8 +187,11 @@ impl Schema<'_> {
                 return Err(missing(format!("table {}.{table}", t.keyspace)));
             }
             tracing::info!(table = %format!("{}.{table}", t.keyspace), "creating table");
-            self.run(&format!("creating table {}.{table}", t.keyspace), ddl)
-                .await?;
+            self.run(
+                &format!("creating table {}.{table}", t.keyspace),
+                ddl.clone(),
+            )
+            .await?;
         }
         Ok(())
     }

@@ -1,6 +1,5 @@
 //! [`CqlStore`]: a region's chunks as rows of a CQL table.
 
-use std::num::NonZeroUsize;
 use std::sync::Arc;
 
 use bytes::Bytes;
@@ -9,19 +8,12 @@ use farmap_core::{
     StoreError, StoreResult,
 };
 use futures::stream::{self, StreamExt, TryStreamExt};
-use scylla::client::execution_profile::ExecutionProfile;
 use scylla::client::session::Session;
-use scylla::client::session_builder::SessionBuilder;
-use scylla::client::PoolSize;
-use scylla::policies::timestamp_generator::MonotonicTimestampGenerator;
 use scylla::statement::prepared::PreparedStatement;
 
-use crate::config::{CqlSpec, PASSWORD_ENV};
-use crate::error;
+use crate::config::CqlSpec;
 use crate::schema::{RegionRow, Schema};
-
-/// How long connecting to one node may take.
-const CONNECT_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(5);
+use crate::{error, session};
 
 /// Partition deletes in flight at once during a trim.
 const TRIM_IN_FLIGHT: usize = 32;
@@ -110,48 +102,7 @@ impl CqlStore {
     pub async fn open(spec: &CqlSpec) -> StoreResult<CqlStore> {
         let t = &spec.target;
         let server = t.redacted();
-        let mut builder = SessionBuilder::new()
-            .known_nodes(&t.nodes)
-            .connection_timeout(CONNECT_TIMEOUT)
-            .timestamp_generator(Arc::new(MonotonicTimestampGenerator::new()))
-            .default_execution_profile_handle(
-                ExecutionProfile::builder()
-                    .consistency(t.consistency.to_driver())
-                    .request_timeout(t.timeout.or(Some(std::time::Duration::from_secs(30))))
-                    .build()
-                    .into_handle(),
-            );
-        if let Some(n) = t.connections.and_then(NonZeroUsize::new) {
-            builder = builder.pool_size(PoolSize::PerShard(n));
-        }
-        if let Some(user) = &t.user {
-            let password = match &t.password {
-                Some(p) => p.clone(),
-                None => std::env::var(PASSWORD_ENV).map_err(|_| {
-                    StoreError::new(
-                        ErrorKind::PermissionDenied,
-                        format!(
-                            "{server} names user {user} but no password: write user:password@ \
-                             or set {PASSWORD_ENV}"
-                        ),
-                    )
-                })?,
-            };
-            builder = builder.user(user.clone(), password);
-        }
-        let session = builder.build().await.map_err(|e| {
-            let kind = error::session_kind(&e);
-            let what = match kind {
-                ErrorKind::PermissionDenied => "the server refused the credentials",
-                ErrorKind::NotFound => "no node name resolves",
-                _ => "no node answers",
-            };
-            StoreError::new(
-                kind,
-                format!("cannot connect to {} ({what})", t.nodes.join(", ")),
-            )
-            .with_source(e)
-        })?;
+        let session = session::connect(t).await?;
         let schema = Schema {
             session: &session,
             spec,

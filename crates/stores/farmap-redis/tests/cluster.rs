@@ -8,10 +8,11 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use bytes::Bytes;
-use common::objects::{check_nested_folders, check_versioned, fresh_objects};
+use common::objects::fresh_objects;
 use common::{config, fresh_store, raw, service};
 use farmap_core::{ChunkIdx, ErrorKind, Geometry, Objects, Store};
 use farmap_redis::RedisStore;
+use farmap_testkit::versioned::{check_nested_folders, check_versioned};
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn cluster_conforms() {

@@ -8,10 +8,11 @@ mod common;
 use std::sync::Arc;
 
 use bytes::Bytes;
-use common::objects::{check_nested_folders, check_versioned, fresh_objects};
+use common::objects::fresh_objects;
 use common::{config, fresh_prefix, raw, service};
 use farmap_core::{ErrorKind, Objects};
 use farmap_redis::{RedisObjects, MAX_OBJECT_LEN};
+use farmap_testkit::versioned::{check_nested_folders, check_versioned};
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn redis_objects_keep_the_contract() {

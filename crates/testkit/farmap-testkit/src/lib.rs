@@ -43,6 +43,8 @@ pub mod skip;
 pub mod strategies;
 pub mod tls;
 pub mod tools;
+#[cfg(feature = "versions")]
+pub mod versioned;
 pub mod vm;
 pub mod wait;
 

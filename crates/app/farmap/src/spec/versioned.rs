@@ -2,9 +2,10 @@
 //! of content-addressed chunks ([`farmap_versions::Versioned`]) in an object store.
 //!
 //! `OBJECTS` is where the objects live: `dir:PATH` (a directory), `s3://BUCKET/PREFIX`
-//! (with its options: `endpoint=`...) or `redis://HOST:PORT/DB?prefix=P` (also `rediss://`
-//! and `redis+cluster://`, with their options), shared by every region kept there, so equal
-//! chunks are stored once. `REGION` names the region; `@N` opens version
+//! (with its options: `endpoint=`...), `redis://HOST:PORT/DB?prefix=P` (also `rediss://`
+//! and `redis+cluster://`, with their options) or `cql://HOST:PORT/KEYSPACE?table=T` (the
+//! table `T_objects`, created with `create=true`), shared by every region kept there, so
+//! equal chunks are stored once. `REGION` names the region; `@N` opens version
 //! `N`, `@NAME` the version a snapshot was named, read-only (a region opens writable only at
 //! its latest version). `size=` (and `chunk=`) create the region when it has no version yet.
 
@@ -106,7 +107,7 @@ fn parts(spec: &StoreSpec) -> (&StoreSpec, &str, &At) {
     }
 }
 
-/// The object store an inner spec names (a Redis one is connected to at once).
+/// The object store an inner spec names (a Redis or CQL one is connected to at once).
 pub async fn open_objects(spec: &StoreSpec) -> Result<Arc<dyn Objects>, farmap_core::StoreError> {
     match &spec.kind {
         SpecKind::Dir { path, .. } => Ok(Arc::new(DirObjects::open(path.clone())?)),
@@ -114,10 +115,13 @@ pub async fn open_objects(spec: &StoreSpec) -> Result<Arc<dyn Objects>, farmap_c
         SpecKind::S3 { location } => Ok(Arc::new(farmap_s3::S3Objects::open(location)?)),
         #[cfg(feature = "redis")]
         SpecKind::Redis(config) => Ok(Arc::new(farmap_redis::RedisObjects::open(config).await?)),
+        #[cfg(feature = "cql")]
+        SpecKind::Cql(target) => Ok(Arc::new(farmap_cql::CqlObjects::open(target).await?)),
         _ => Err(farmap_core::StoreError::new(
             farmap_core::ErrorKind::Unsupported,
             format!(
-                "versioned: keeps its objects in dir:PATH, s3:// or redis://; {spec} cannot hold them"
+                "versioned: keeps its objects in dir:PATH, s3://, redis:// or cql://; {spec} \
+                 cannot hold them"
             ),
         )),
     }
@@ -131,6 +135,8 @@ fn holds_objects(kind: &SpecKind) -> bool {
         SpecKind::S3 { .. } => true,
         #[cfg(feature = "redis")]
         SpecKind::Redis(_) => true,
+        #[cfg(feature = "cql")]
+        SpecKind::Cql(_) => true,
         _ => false,
     }
 }
@@ -143,8 +149,8 @@ fn parse(rest: &str, spec: &str, depth: usize) -> Result<StoreSpec, SpecError> {
         reason,
     };
     let form =
-        "write versioned:(dir:PATH)/REGION[@VERSION]?size=SIZE (or (s3://BUCKET/PREFIX?...) \
-                or (redis://HOST:PORT/DB?prefix=P))";
+        "write versioned:(dir:PATH)/REGION[@VERSION]?size=SIZE (or (s3://BUCKET/PREFIX?...), \
+                (redis://HOST:PORT/DB?prefix=P) or (cql://HOST:PORT/KEYSPACE?table=T))";
     nest::check_depth(depth).map_err(bad)?;
     let (inner, after) = nest::group(rest).ok_or_else(|| bad(form.into()))?;
     let objects = nest::parse_inner(inner, depth).map_err(|e| match e {
@@ -153,9 +159,19 @@ fn parse(rest: &str, spec: &str, depth: usize) -> Result<StoreSpec, SpecError> {
     })?;
     if !holds_objects(&objects.kind) {
         return Err(bad(format!(
-            "the objects of a versioned region live in dir:PATH, s3://BUCKET/PREFIX or \
-             redis://HOST:PORT/DB?prefix=P, not {objects}"
+            "the objects of a versioned region live in dir:PATH, s3://BUCKET/PREFIX, \
+             redis://HOST:PORT/DB?prefix=P or cql://HOST:PORT/KEYSPACE?table=T, not {objects}"
         )));
+    }
+    #[cfg(feature = "cql")]
+    if let SpecKind::Cql(t) = &objects.kind {
+        if t.region != farmap_cql::DEFAULT_REGION {
+            return Err(bad(format!(
+                "the region of a versioned spec follows its ')': write \
+                 versioned:(cql://...)/{} rather than region= in the cql:// spec",
+                t.region
+            )));
+        }
     }
     if objects.size.is_some() || objects.chunk_size.is_some() || objects.read_only {
         return Err(bad(
