@@ -314,24 +314,15 @@ pub fn leech_metrics<D: Destination>(r: &LeechReport<D>) -> Map<String, Value> {
         "chunks_from_source": r.instant.chunks_from_source,
         "verify_failures": r.instant.verify_failures,
         "chunks_rolled_back": r.instant.chunks_rolled_back,
-        "rolled_back": runs_of(&r.rolled_back),
+        "rolled_back": crate::view::ascending_runs(&r.rolled_back)
+            .iter()
+            .map(|r| [r.start, r.end])
+            .collect::<Vec<_>>(),
         // Measured by the application's workload (its `arrived`), when it has one.
         "ttr80_ms": Value::Null,
         "effective_downtime_ms": Value::Null,
     });
     into_map(v)
-}
-
-/// Ascending chunks as `[start, end)` runs.
-fn runs_of(chunks: &[u64]) -> Vec<[u64; 2]> {
-    let mut runs: Vec<[u64; 2]> = Vec::new();
-    for &c in chunks {
-        match runs.last_mut() {
-            Some(r) if r[1] == c => r[1] += 1,
-            _ => runs.push([c, c + 1]),
-        }
-    }
-    runs
 }
 
 fn seed_metrics(r: &SeedReport) -> Map<String, Value> {

@@ -925,7 +925,7 @@ impl MigrationStore {
             None => {
                 // Runs of the pages wanted, read as run reads: the chunk is one slice of
                 // a run when it came whole and none of its pages is zero.
-                let runs = page_runs(&pages);
+                let runs = ascending_runs(&pages);
                 match self.read_runs_from(&remote, &runs).await {
                     Ok(segments) => {
                         let segments = split_at_chunks(segments, per_chunk, self.page as usize);
@@ -984,10 +984,10 @@ impl MigrationStore {
     }
 }
 
-/// Ascending pages as runs.
-fn page_runs(pages: &[u64]) -> Vec<Range<u64>> {
+/// Ascending indices (pages, chunks) as runs.
+pub(crate) fn ascending_runs(indices: &[u64]) -> Vec<Range<u64>> {
     let mut runs: Vec<Range<u64>> = Vec::new();
-    for p in pages {
+    for p in indices {
         match runs.last_mut() {
             Some(r) if r.end == *p => r.end += 1,
             _ => runs.push(*p..*p + 1),

@@ -448,13 +448,7 @@ fn clip(runs: &[Range<u64>], lo: u64, hi: u64) -> Vec<Range<u64>> {
 
 /// `chunks` (ascending) as runs, for messages: `3, 7-9, 12` (at most 20 runs, then `...`).
 pub(crate) fn chunk_list(chunks: &[u64]) -> String {
-    let mut runs: Vec<std::ops::Range<u64>> = Vec::new();
-    for &c in chunks {
-        match runs.last_mut() {
-            Some(r) if r.end == c => r.end += 1,
-            _ => runs.push(c..c + 1),
-        }
-    }
+    let runs = crate::view::ascending_runs(chunks);
     let mut out: Vec<String> = runs
         .iter()
         .take(20)
