@@ -110,16 +110,17 @@ fn load_within<'a>(
     })
 }
 
-/// How many forks deep version `seq` of `region` is (0: it starts from nothing), from the
-/// manifest its chain starts from.
-async fn depth(objects: &dyn Objects, region: &str, seq: u64) -> StoreResult<u32> {
+/// Version `seq` of `region`'s manifest, and how many forks deep it is (0: it starts from
+/// nothing), from the manifest its chain starts from.
+async fn with_depth(objects: &dyn Objects, region: &str, seq: u64) -> StoreResult<(Manifest, u32)> {
     let top = manifest(objects, region, seq).await?;
-    let base = if top.base == seq {
-        top
+    let depth = if top.base == seq {
+        top.from.as_ref().map_or(0, |p| p.depth)
     } else {
-        manifest(objects, region, top.base).await?
+        let base = manifest(objects, region, top.base).await?;
+        base.from.map_or(0, |p| p.depth)
     };
-    Ok(base.from.map_or(0, |p| p.depth))
+    Ok((top, depth))
 }
 
 /// The version number `at` stands for in `region`.
@@ -238,39 +239,19 @@ pub async fn fork(
         }
     }
     let seq = resolve(objects, region, at).await?;
-    let deep = depth(objects, region, seq).await?;
+    let (top, deep) = with_depth(objects, region, seq).await?;
     let first = if deep < MAX_DEPTH {
-        let top = manifest(objects, region, seq).await?;
-        Manifest {
-            seq: 0,
-            epoch: 1,
-            base: 0,
-            size: top.size,
-            chunk_size: top.chunk_size,
-            whole: false,
-            time_ms: crate::now_ms(),
-            entries: Vec::new(),
-            from: Some(Parent {
-                region: region.to_owned(),
-                seq,
-                depth: deep + 1,
-            }),
-        }
+        let parent = Parent {
+            region: region.to_owned(),
+            seq,
+            depth: deep + 1,
+        };
+        Manifest::fork_of(top.size, top.chunk_size, parent)
     } else {
-        let (top, map) = load(objects, region, seq).await?;
+        let (_, map) = load(objects, region, seq).await?;
         let mut entries: Vec<(u64, Hash)> = map.into_iter().collect();
         entries.sort_unstable();
-        Manifest {
-            seq: 0,
-            epoch: 1,
-            base: 0,
-            size: top.size,
-            chunk_size: top.chunk_size,
-            whole: true,
-            time_ms: crate::now_ms(),
-            entries,
-            from: None,
-        }
+        Manifest::first(top.size, top.chunk_size, entries)
     };
     let bytes = bytes::Bytes::from(first.encode());
     for name in into {

@@ -68,6 +68,30 @@ pub struct Manifest {
 }
 
 impl Manifest {
+    /// A region's version 0, written now: whole, listing `entries`.
+    pub fn first(size: u64, chunk_size: u32, entries: Vec<(u64, Hash)>) -> Manifest {
+        Manifest {
+            seq: 0,
+            epoch: 1,
+            base: 0,
+            size,
+            chunk_size,
+            whole: true,
+            time_ms: crate::now_ms(),
+            entries,
+            from: None,
+        }
+    }
+
+    /// A fork's version 0, written now: it lists nothing and starts from `parent`.
+    pub fn fork_of(size: u64, chunk_size: u32, parent: Parent) -> Manifest {
+        Manifest {
+            whole: false,
+            from: Some(parent),
+            ..Manifest::first(size, chunk_size, Vec::new())
+        }
+    }
+
     /// The region's shape.
     pub fn geometry(&self) -> StoreResult<Geometry> {
         Geometry::new(self.size, u64::from(self.chunk_size)).map_err(|e| corrupt(format!("{e}")))

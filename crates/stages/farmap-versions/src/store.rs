@@ -652,17 +652,7 @@ async fn latest_or_create(objects: &dyn Objects, opts: &VersionedOptions) -> Sto
             ),
         ));
     };
-    let first = Manifest {
-        seq: 0,
-        epoch: 1,
-        base: 0,
-        size: g.size(),
-        chunk_size: g.chunk_size(),
-        whole: true,
-        time_ms: now_ms(),
-        entries: Vec::new(),
-        from: None,
-    };
+    let first = Manifest::first(g.size(), g.chunk_size(), Vec::new());
     // Losing this race to another creator is fine: its version 0 is what opens.
     objects
         .create(&version_key(region, 0), Bytes::from(first.encode()))

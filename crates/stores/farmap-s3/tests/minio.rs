@@ -5,17 +5,14 @@
 mod common;
 
 use std::sync::Arc;
-use std::time::Duration;
 
 use bytes::Bytes;
 use common::{env_of, fresh_prefix, location, minio, open_with};
-use farmap_core::Objects;
 use farmap_core::{
     error_chain, ChunkIdx, ChunkRange, ChunkStatus, ErrorKind, Geometry, Store, StoreError,
 };
 use farmap_s3::{S3Objects, S3Store};
 use farmap_testkit::{ModelStore, Service};
-use farmap_versions::{history, At, Versioned, VersionedOptions};
 use object_store::aws::AmazonS3Builder;
 use object_store::path::Path;
 use object_store::{ObjectStoreExt, PutPayload};
@@ -436,51 +433,5 @@ async fn versioned_regions_over_s3_keep_versions_and_one_writer() {
     let Some(svc) = minio("versioned_regions_over_s3_keep_versions_and_one_writer") else {
         return;
     };
-    let o: Arc<dyn Objects> = objects(svc, "versioned");
-    let g = Geometry::new(1 << 20, 65536).unwrap();
-    let opts = |at: At, read_only: bool| VersionedOptions {
-        region: "r".into(),
-        at,
-        read_only,
-        create: Some(g),
-        grace: Some(Duration::from_millis(300)),
-        read_ahead: true,
-    };
-    let chunk = |b: u8| Bytes::from(vec![b; 65536]);
-    let one = Versioned::open(o.clone(), opts(At::Latest, false))
-        .await
-        .unwrap();
-    let two = Versioned::open(o.clone(), opts(At::Latest, false))
-        .await
-        .unwrap();
-    one.write(ChunkIdx(1), chunk(1)).await.unwrap();
-    assert_eq!(one.snapshot("first").await.unwrap(), 1);
-    two.write(ChunkIdx(1), chunk(2)).await.unwrap();
-    let e = two.flush().await.unwrap_err();
-    assert_eq!(e.kind(), ErrorKind::Fenced, "{e}");
-    one.write(ChunkIdx(2), chunk(3)).await.unwrap();
-    one.flush().await.unwrap();
-    let first = Versioned::open(o.clone(), opts(At::Tag("first".into()), true))
-        .await
-        .unwrap();
-    assert_eq!(first.read(ChunkIdx(1)).await.unwrap(), chunk(1));
-    assert_eq!(first.read(ChunkIdx(2)).await.unwrap(), chunk(0));
-    let latest = Versioned::open(o.clone(), opts(At::Latest, true))
-        .await
-        .unwrap();
-    assert_eq!(latest.read(ChunkIdx(2)).await.unwrap(), chunk(3));
-    let h = history(&*o, "r").await.unwrap();
-    assert_eq!(h.iter().map(|v| v.seq).collect::<Vec<_>>(), [0, 1, 2]);
-    assert_eq!(h[1].names, ["first"]);
-
-    // What the fenced writer stored no version lists: the collector takes it in two runs.
-    drop(two);
-    let gc_opts = farmap_versions::GcOptions::default();
-    let run = || farmap_versions::gc(&*o, &gc_opts);
-    let r = run().await.unwrap();
-    assert_eq!((r.grace_ms, r.chunks, r.trashed), (300, 3, 1), "{r:?}");
-    tokio::time::sleep(Duration::from_millis(300)).await;
-    let r = run().await.unwrap();
-    assert_eq!((r.deleted, r.restored, r.chunks), (1, 0, 2), "{r:?}");
-    assert_eq!(latest.read(ChunkIdx(1)).await.unwrap(), chunk(1));
+    farmap_testkit::versioned::check_versioned(objects(svc, "versioned")).await;
 }
