@@ -74,7 +74,7 @@ pub struct GcArgs {
     /// least this much later. Hosts' clocks must agree to well within it.
     #[arg(long, value_name = "DURATION", value_parser = parse_duration)]
     grace: Option<Duration>,
-    /// Count what would be moved and deleted; change nothing.
+    /// Count what would be moved and deleted; change nothing (not even the grace).
     #[arg(long)]
     dry_run: bool,
     /// Print one JSON object instead of text.
@@ -250,6 +250,20 @@ pub async fn gc(args: GcArgs) -> anyhow::Result<ExitCode> {
         }
         _ => &args.spec,
     };
+    if let Some(g) = args.grace {
+        farmap::versions::gc::check_grace(g)?;
+    }
+    // A directory that is not there holds nothing to collect: only setting up a new object
+    // store (a grace, not a dry run) makes it.
+    if let SpecKind::Dir { path, .. } = &objects.kind {
+        if !path.exists() && (args.grace.is_none() || args.dry_run) {
+            bail!(
+                "{} does not exist: there is nothing to collect (give --grace to set up a new \
+                 object store there)",
+                path.display()
+            );
+        }
+    }
     let store = open_objects(objects).await?;
     let start = std::time::Instant::now();
     let opts = GcOptions {

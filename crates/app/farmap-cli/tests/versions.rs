@@ -207,6 +207,12 @@ fn gc_moves_garbage_to_the_trash_then_deletes_it_and_keeps_every_version() {
     let dir = tempfile::tempdir().unwrap();
     let objects = dir.path().join("objects");
     let store = format!("dir:{}", objects.display());
+    // A store that is not there is refused, and a dry run sets nothing up.
+    let e = farmap().fails(&["gc", &store, "--dry-run", "--grace", "1s"]);
+    assert!(e.contains("does not exist"), "{e}");
+    let e = farmap().fails(&["gc", &store, "--grace", "1ms"]);
+    assert!(e.contains("out of range"), "{e}");
+    assert!(!objects.exists(), "a refused gc made nothing");
     // The first collection sets the store's grace, before any writer does.
     let set = farmap().json(&["gc", &store, "--grace", "1s", "--json"]);
     assert_eq!(set["grace_ms"], 1000, "{set}");

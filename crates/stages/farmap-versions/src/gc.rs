@@ -50,15 +50,33 @@ const CHUNKS: &str = "chunks";
 /// when it has none. Asking for another grace than the one kept is refused: writers already
 /// count on it.
 pub async fn grace(objects: &dyn Objects, wanted: Option<Duration>) -> StoreResult<Duration> {
+    grace_as(objects, wanted, true).await
+}
+
+/// Refuses a grace out of range.
+pub fn check_grace(grace: Duration) -> StoreResult<()> {
+    if (MIN_GRACE..=MAX_GRACE).contains(&grace) {
+        Ok(())
+    } else {
+        Err(StoreError::invalid(format!(
+            "a grace of {grace:?} is out of range: give {MIN_GRACE:?} to {MAX_GRACE:?}"
+        )))
+    }
+}
+
+/// [`grace`], keeping `wanted` (or the default) only when `keep`; else it is only what the
+/// grace would be.
+async fn grace_as(
+    objects: &dyn Objects,
+    wanted: Option<Duration>,
+    keep: bool,
+) -> StoreResult<Duration> {
     if let Some(w) = wanted {
-        if !(MIN_GRACE..=MAX_GRACE).contains(&w) {
-            return Err(StoreError::invalid(format!(
-                "a grace of {w:?} is out of range: give {MIN_GRACE:?} to {MAX_GRACE:?}"
-            )));
-        }
+        check_grace(w)?;
     }
     let kept = match objects.get(GRACE_KEY).await? {
         Some(kept) => kept,
+        None if !keep => return Ok(wanted.unwrap_or(DEFAULT_GRACE)),
         None => {
             let ms = wanted.unwrap_or(DEFAULT_GRACE).as_millis() as u64;
             let mine = Bytes::from(format!("{ms}\n"));
@@ -257,7 +275,8 @@ fn parse_hex(hex: &str) -> Option<Hash> {
 /// what an earlier run moved to the trash at least the grace ago, then moves to the trash
 /// every chunk no version lists.
 pub async fn gc(objects: &dyn Objects, opts: &GcOptions) -> StoreResult<GcReport> {
-    let grace = grace(objects, opts.grace).await?;
+    // A dry run keeps no grace either.
+    let grace = grace_as(objects, opts.grace, !opts.dry_run).await?;
     let grace_ms = grace.as_millis() as u64;
     let mut report = GcReport {
         grace_ms,

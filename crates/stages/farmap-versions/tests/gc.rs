@@ -88,6 +88,16 @@ async fn garbage_goes_in_two_runs_and_a_dry_run_changes_nothing() {
     .await
     .unwrap();
     assert_eq!((dry.chunks, dry.referenced, dry.trashed), (3, 2, 1));
+    let fresh = MemoryObjects::new();
+    let dry_fresh = GcOptions {
+        dry_run: true,
+        ..GcOptions::default()
+    };
+    gc::gc(&fresh, &dry_fresh).await.unwrap();
+    assert!(
+        fresh.get("gc/grace").await.unwrap().is_none(),
+        "a dry run keeps no grace"
+    );
     assert_eq!(keys(&o, "chunks").await.len(), 3, "a dry run moves nothing");
     assert!(keys(&o, "trash").await.is_empty());
 
