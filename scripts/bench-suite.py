@@ -197,6 +197,11 @@ def _warm(out):
     return (one(r, "time_to_warm_ms", case="warm"), one(r, "cold_warm_ms", case="warm"))
 
 
+def _clones(out):
+    r = out["versions-1g"]
+    return (one(r, "host_memory_bytes", case="clones"), one(r, "one_clone_bytes", case="clones"))
+
+
 def have_root_cgroup_v1():
     if os.geteuid() != 0:
         return "needs root"
@@ -284,6 +289,10 @@ CASES = [
          {"versions": ["versions", "--size", "4GiB"]}, _warm,
          "the same reads, nothing read ahead", bar=("<=", 0.5),
          quick={"versions": ["versions", "--size", "256MiB"]}),
+    Case("versions clones: 8 of 1 GiB reading 256 MiB each", "bytes",
+         {"versions-1g": ["versions", "--size", "1GiB"]}, _clones,
+         "one clone's memory", bar=("<=", 1.3),
+         quick={"versions-1g": ["versions", "--size", "256MiB"]}),
     Case("nbd seq-read (nbdcopy)", "MB/s",
          {"nbd": ["nbd", "--servers", "farmap,nbdkit"]}, _nbd, "nbdkit memory",
          needs=(have_nbd_tools,), better="higher"),
@@ -495,6 +504,8 @@ def self_test():
     assert _waste({"paging-uniform": uniform}) == (0.05, 100.0)
     rows = [{"case": "fault-4k", "p50_us": 10.0, "baseline_p50_us": 50.0}]
     assert _fault_4k({"uffd-fault": rows}) == (10.0, 50.0)
+    clones = [{"case": "clones", "host_memory_bytes": 300, "one_clone_bytes": 256}]
+    assert _clones({"versions-1g": clones}) == (300.0, 256.0)
     try:
         one(rows, "p50_us", case="nope")
         raise AssertionError("a missing row must fail")

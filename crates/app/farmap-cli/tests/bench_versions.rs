@@ -22,11 +22,16 @@ fn bench_versions_prints_a_checked_row_per_case() {
         "--json",
     ]);
     let cases: Vec<&str> = rows.iter().map(|r| r["case"].as_str().unwrap()).collect();
-    assert_eq!(
-        cases,
-        ["create", "snapshot", "restore", "warm", "fork", "gc"],
-        "{rows:?}"
-    );
+    // The clones case maps regions: userfaultfd (CI machines have it).
+    let uffd = farmap_uffd::probe().is_ok();
+    let expect: &[&str] = if uffd {
+        &[
+            "create", "snapshot", "restore", "warm", "fork", "gc", "clones",
+        ]
+    } else {
+        &["create", "snapshot", "restore", "warm", "fork", "gc"]
+    };
+    assert_eq!(cases, expect, "{rows:?}");
     for row in &rows {
         assert_eq!(row["bench"], "versions", "{row}");
         assert_eq!(row["region_bytes"], 8u64 << 20, "{row}");
@@ -65,6 +70,23 @@ fn bench_versions_prints_a_checked_row_per_case() {
         number(fork, "dedup_ratio") > 2.0,
         "forks share their base: {fork}"
     );
+    if uffd {
+        let clones = &rows[6];
+        assert_eq!(clones["clones"], 3, "{clones}");
+        let one = number(clones, "one_clone_bytes");
+        assert!(
+            one >= 32.0 * 65536.0,
+            "one clone holds its working set: {clones}"
+        );
+        assert!(
+            number(clones, "host_memory_bytes") <= 1.3 * one,
+            "three clones sharing clean pages cost about one: {clones}"
+        );
+        assert!(
+            number(clones, "unshared_host_memory_bytes") >= 2.9 * one,
+            "without sharing, three: {clones}"
+        );
+    }
     let gc = &rows[5];
     // 1% of 128 chunks from chunk 50: one chunk (text-like), stored, then freed.
     assert_eq!(gc["dirty_bytes"], 65536, "{gc}");

@@ -25,8 +25,8 @@ use thiserror::Error;
 use crate::spec::{open_store_blocking, OpenError, SpecKind, StoreSpec};
 
 pub use farmap_uffd::{
-    probe, DirtyReport, HandlerLocation, Region, RegionError, RegionMode, RegionOptions,
-    RegionSlice, RegionStats, SliceError, Support, TrackingMode, WriteTracking,
+    probe, DirtyReport, HandlerLocation, MemoryUse, Region, RegionError, RegionMode, RegionOptions,
+    RegionSlice, RegionStats, SharedStats, SliceError, Support, TrackingMode, WriteTracking,
 };
 
 /// Why [`open_region`] failed.

@@ -51,5 +51,5 @@ pub use quantity::split_quantity;
 pub use retry::RetryPolicy;
 pub use share::SizeOrPercent;
 pub use size::{format_size, parse_size, MbPerSec, SizeError};
-pub use store::{part_range, BoxFuture, ChunkStatus, Store};
+pub use store::{part_range, BoxFuture, ChunkStatus, MemoryBase, Store};
 pub use zeros::{is_zero, zero_chunk};

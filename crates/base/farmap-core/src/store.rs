@@ -141,6 +141,34 @@ pub trait Store: Send + Sync + fmt::Debug + 'static {
     fn take_over(&self) -> BoxFuture<'_, StoreResult<()>> {
         Box::pin(async { Ok(()) })
     }
+
+    /// For a store whose content starts from one that other openings on this host may map
+    /// too (a version of a region, or a fork of one): what this opening shares with them, so
+    /// that their userfaultfd regions keep one copy of each clean page in memory (see
+    /// `farmap_uffd`'s shared bases). `None` (the default): nothing is shared.
+    fn memory_base(&self) -> BoxFuture<'_, StoreResult<Option<Arc<dyn MemoryBase>>>> {
+        Box::pin(async { Ok(None) })
+    }
+}
+
+/// The content an opening of a store started from, as other openings on the same host see it
+/// too: regions opened over the same base keep one copy of each of its clean chunks in
+/// memory (a shared page cache), and copy on write.
+///
+/// A chunk goes into the shared copy only once [`check`](Self::check) confirmed it is the
+/// base's, and a region maps the shared copy of a chunk only while
+/// [`is_base`](Self::is_base) says this opening still reads the base's content there.
+pub trait MemoryBase: Send + Sync + fmt::Debug {
+    /// Names the base: equal for openings whose base content is the same, and different
+    /// otherwise (a cryptographic hash of the base's layout and chunk contents).
+    fn key(&self) -> [u8; 32];
+
+    /// Whether chunk `idx` of this opening reads as the base's content now: false once
+    /// written (or changed by another writer and caught up with), and for chunks of zeros.
+    fn is_base(&self, idx: ChunkIdx) -> bool;
+
+    /// Whether `data` is the base's content of chunk `idx` (a hash check).
+    fn check(&self, idx: ChunkIdx, data: &[u8]) -> bool;
 }
 
 /// `offset..offset + len` checked against a chunk of `chunk_len` bytes.
@@ -205,6 +233,9 @@ macro_rules! forward_store {
             }
             fn take_over(&self) -> BoxFuture<'_, StoreResult<()>> {
                 (**self).take_over()
+            }
+            fn memory_base(&self) -> BoxFuture<'_, StoreResult<Option<Arc<dyn MemoryBase>>>> {
+                (**self).memory_base()
             }
         }
     };

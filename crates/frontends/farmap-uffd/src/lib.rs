@@ -95,15 +95,26 @@
 //! [`handover::serve`]; if that process stops or dies, the owner takes faults back and wakes
 //! every blocked thread. See [`handover`] for the message layout.
 //!
+//! # Clean pages shared between regions
+//! Regions over stores with one base (forks of one version of a `versioned:` region, or
+//! openings of one version: [`farmap_core::MemoryBase`]) keep one copy of each clean chunk in
+//! memory: the region is a private mapping of the base's file on tmpfs, registered for minor
+//! faults too; a chunk of the base is written into the file once (checked against the base's
+//! hash) and mapped with `UFFDIO_CONTINUE`, a write makes a private copy of its page, and
+//! anything else is copied in privately as usual. On by default
+//! ([`RegionOptions::share_clean_pages`]); [`Region::memory_use`] and
+//! [`RegionStats::shared`] say what it saves. See the `shared` module (`src/shared.rs`).
+//!
 //! # Where the `unsafe` code is
-//! Four files, every other module is `#[forbid(unsafe_code)]`:
+//! Five files, every other module is `#[forbid(unsafe_code)]`:
 //! - `sys.rs`: the raw kernel interface (its private `ioctl`, and `pagemap_scan`, its safe
 //!   `PAGEMAP_SCAN` form);
 //! - `uffd.rs`: opening a userfaultfd and its ioctls ([`uffd::Uffd::register`] is the one
 //!   `unsafe fn` whose contract makes the others safe);
 //! - `mapping.rs`: mapping, registering, discarding and unmapping the region's memory, and
 //!   making [`RegionSlice`]s of it;
-//! - `signal.rs`: the `SIGBUS` handler of in-thread fault resolution (`sigaction`, `futex`).
+//! - `signal.rs`: the `SIGBUS` handler of in-thread fault resolution (`sigaction`, `futex`);
+//! - `shared.rs`: the shared mapping of a shared base's bitmap (atomics other processes see).
 //!
 //! Region memory is reached through `farmap-memory`'s [`RegionSlice`] (volatile,
 //! bounds-checked accesses), the layer that FUSE and NBD mounts share; scheduling classes
@@ -133,6 +144,7 @@ mod polling;
 mod region;
 #[forbid(unsafe_code)]
 mod server;
+mod shared;
 mod signal;
 #[forbid(unsafe_code)]
 mod stats;
@@ -150,4 +162,7 @@ pub use options::{
 };
 pub use polling::{idle_companions, KeepAwake};
 pub use region::{probe, probe_paging, Diagnostics, Region, Support};
-pub use stats::{DirtyReport, HandlerCpu, HandlerLocation, PagingStats, RegionStats};
+pub use shared::default_shared_dir;
+pub use stats::{
+    DirtyReport, HandlerCpu, HandlerLocation, MemoryUse, PagingStats, RegionStats, SharedStats,
+};

@@ -1,4 +1,5 @@
-//! The region's memory: an anonymous private mapping, not inherited by child processes.
+//! The region's memory: a private mapping (anonymous, or of a shared base's file, whose
+//! written pages are then private copies), not inherited by child processes.
 //!
 //! One of the few files with `unsafe` code (see the crate documentation): mapping,
 //! registering, discarding and unmapping the memory, and turning it into
@@ -6,6 +7,7 @@
 
 use std::io;
 use std::ops::Deref;
+use std::os::fd::BorrowedFd;
 use std::ptr::NonNull;
 use std::sync::Arc;
 
@@ -15,7 +17,8 @@ use rustix::mm::{self, Advice, MapFlags, ProtFlags};
 use crate::uffd::Uffd;
 use farmap_memory::RegionSlice;
 
-/// An anonymous, private, `MAP_NORESERVE` mapping marked `MADV_DONTFORK`, unmapped on drop.
+/// A private, `MAP_NORESERVE` mapping (anonymous, or of a file: its pages are the file's
+/// until written, then private copies) marked `MADV_DONTFORK`, unmapped on drop.
 ///
 /// Its memory is never reached through Rust references: only through [`RegionSlice`]s
 /// (volatile accesses), system calls and the kernel's userfaultfd copies. Threads that share
@@ -40,16 +43,22 @@ unsafe impl Sync for Mapping {}
 impl Mapping {
     /// Maps `len` bytes (a multiple of the page size), at `at` if given (then exactly there,
     /// or fails with `EEXIST` if something is mapped in the way).
-    fn new(len: usize, at: Option<usize>) -> io::Result<Mapping> {
+    fn new(len: usize, at: Option<usize>, file: Option<BorrowedFd<'_>>) -> io::Result<Mapping> {
         let mut flags = MapFlags::PRIVATE | MapFlags::NORESERVE;
         if at.is_some() {
             flags |= MapFlags::FIXED_NOREPLACE;
         }
         let hint = at.unwrap_or(0) as *mut std::ffi::c_void;
-        // SAFETY: an anonymous mapping; with MAP_FIXED_NOREPLACE the kernel refuses rather
-        // than replace an existing mapping, so no memory of anyone else is touched.
-        let p =
-            unsafe { mm::mmap_anonymous(hint, len, ProtFlags::READ | ProtFlags::WRITE, flags) }?;
+        let prot = ProtFlags::READ | ProtFlags::WRITE;
+        // SAFETY: a private mapping (anonymous, or of a file: writes never reach the file);
+        // with MAP_FIXED_NOREPLACE the kernel refuses rather than replace an existing
+        // mapping, so no memory of anyone else is touched.
+        let p = unsafe {
+            match file {
+                Some(fd) => mm::mmap(hint, len, prot, flags, fd, 0),
+                None => mm::mmap_anonymous(hint, len, prot, flags),
+            }
+        }?;
         let ptr = NonNull::new(p.cast::<u8>()).ok_or_else(|| io::Error::other("mmap gave null"))?;
         // From here on, dropping `mapping` unmaps the memory.
         let mapping = Mapping {
@@ -150,7 +159,7 @@ impl Mapping {
         if !*alive {
             return Err(io::Error::from_raw_os_error(libc::ENOENT));
         }
-        // SAFETY: a page-aligned anonymous private mapping of this process, owned by this
+        // SAFETY: a page-aligned private mapping of this process, owned by this
         // value and mapped while `alive` is held. Its memory is only reached through volatile
         // slices and system calls, which accept what registration brings: missing pages
         // blocking until a handler fills them, writes waiting out write protection, poisoned
@@ -186,7 +195,18 @@ pub(crate) struct OwnedMapping(Arc<Mapping>);
 impl OwnedMapping {
     /// Maps `len` bytes (a multiple of the page size), at `at` if given. See [`Mapping`].
     pub fn new(len: usize, at: Option<usize>) -> io::Result<OwnedMapping> {
-        Mapping::new(len, at).map(|m| OwnedMapping(Arc::new(m)))
+        Mapping::new(len, at, None).map(|m| OwnedMapping(Arc::new(m)))
+    }
+
+    /// Maps the first `len` bytes of `file` privately (a multiple of the page size), at `at`
+    /// if given: pages read are the file's (its page cache, shared with whoever maps it),
+    /// pages written are private copies. See [`Mapping`].
+    pub fn of_file(
+        len: usize,
+        at: Option<usize>,
+        file: BorrowedFd<'_>,
+    ) -> io::Result<OwnedMapping> {
+        Mapping::new(len, at, Some(file)).map(|m| OwnedMapping(Arc::new(m)))
     }
 
     /// The mapping, for other threads (which reach it through [`Mapping::with_slice`]).

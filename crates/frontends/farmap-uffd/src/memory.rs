@@ -17,6 +17,7 @@ use farmap_pipeline::Cached;
 use tokio::sync::Notify;
 
 use crate::mapping::Mapping;
+use crate::shared::SharedBase;
 use crate::stats::Counters;
 use crate::uffd::{InstallError, UffdRange};
 
@@ -107,6 +108,8 @@ pub(crate) struct RegionMemory {
     counters: Arc<Counters>,
     /// Bounded local memory: staged chunks are read out of their staging slot.
     pager: Option<Arc<dyn PushReads>>,
+    /// Clean pages shared with other regions: chunks of the base are mapped from its file.
+    shared: Option<Arc<SharedBase>>,
 }
 
 impl RegionMemory {
@@ -127,7 +130,14 @@ impl RegionMemory {
             events,
             counters,
             pager,
+            shared: None,
         }
+    }
+
+    /// Maps the chunks of `shared`'s base from its file (see the `shared` module).
+    pub fn with_shared(mut self, shared: Option<Arc<SharedBase>>) -> Self {
+        self.shared = shared;
+        self
     }
 
     /// Copies chunk `idx` out of the mapping on the calling thread (which must not be one the
@@ -150,10 +160,25 @@ impl RegionMemory {
     async fn install(&self, idx: ChunkIdx, data: Bytes) -> StoreResult<()> {
         self.geometry.check_write(idx, data.len())?;
         let offset = self.geometry.offset_of(idx) as usize;
+        // A chunk of the base goes through the shared file (filled once, checked), and is
+        // mapped from it; anything else is a private copy.
+        let from_base = self
+            .shared
+            .as_ref()
+            .is_some_and(|s| s.is_base(idx) && s.fill(idx, &data));
+        if from_base {
+            Counters::add(&self.counters.base_mapped, 1);
+        }
         let mut from = 0;
         loop {
             let seen = self.events.current();
-            match self.range.install(offset, &data, from, self.write_protect) {
+            let done = if from_base {
+                self.range
+                    .map_cached(offset, data.len(), from, self.write_protect)
+            } else {
+                self.range.install(offset, &data, from, self.write_protect)
+            };
+            match done {
                 Ok(done) => {
                     if let Some(p) = &self.pager {
                         p.trace_install(idx, done.copied_pages, done.present_pages);
@@ -174,10 +199,15 @@ impl RegionMemory {
                     ))
                 }
                 Err(InstallError::Os(e)) => {
+                    let how = if from_base {
+                        "UFFDIO_CONTINUE"
+                    } else {
+                        "UFFDIO_COPY"
+                    };
                     return Err(StoreError::io(
-                        format!("installing {idx} with UFFDIO_COPY"),
+                        format!("installing {idx} with {how}"),
                         std::io::Error::from_raw_os_error(e),
-                    ))
+                    ));
                 }
             }
         }

@@ -208,6 +208,15 @@ pub struct RegionOptions {
     pub paging: Option<PagingOptions>,
     /// How the fault reader waits for faults (sleeping by default).
     pub fault_wait: FaultWait,
+    /// Keep one copy in memory of each clean chunk that this region shares with other regions
+    /// of this host over the same base (forks of one version, openings of one version: a
+    /// store that says so, see [`farmap_core::MemoryBase`]); written pages become private
+    /// copies. On by default; off, or without such a store, bounded memory or minor faults on
+    /// shmem, every page is the region's own.
+    pub share_clean_pages: bool,
+    /// Where shared bases go: a private directory on tmpfs (made if missing; refused, and
+    /// nothing shared, unless ours, mode 0700 and on tmpfs); `None`: `/dev/shm/farmap-UID`.
+    pub shared_dir: Option<std::path::PathBuf>,
 }
 
 impl Default for RegionOptions {
@@ -225,6 +234,8 @@ impl Default for RegionOptions {
             store_spec: None,
             paging: None,
             fault_wait: FaultWait::Sleep,
+            share_clean_pages: true,
+            shared_dir: None,
         }
     }
 }

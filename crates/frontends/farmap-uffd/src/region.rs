@@ -23,8 +23,11 @@ use crate::options::{
 use crate::pagemap::Pagemap;
 use crate::paging::{Pager, Reclaimer};
 use crate::server::{OwnedRuntime, Reader, Server, ServerParts};
+use crate::shared::{BaseFirst, SharedBase};
 use crate::signal::{Registration, SignalPath};
-use crate::stats::{Counters, DirtyReport, HandlerLocation, PagingStats, RegionStats};
+use crate::stats::{
+    Counters, DirtyReport, HandlerLocation, MemoryUse, PagingStats, RegionStats, SharedStats,
+};
 use crate::sys;
 use crate::tracking::{PageBits, Tracker};
 use crate::uffd::{Uffd, UffdRange};
@@ -134,6 +137,8 @@ pub(crate) struct Inner {
     /// Bounded local memory: the pager and its reclaim thread.
     pub pager: Option<Arc<Pager>>,
     pub reclaimer: Mutex<Option<Reclaimer>>,
+    /// Clean pages shared with other regions over the same base.
+    pub shared: Option<Arc<SharedBase>>,
 }
 
 impl Inner {
@@ -249,20 +254,24 @@ impl Region {
         let page = sys::page_size();
         let len = region_len(geometry, page)?;
         let support = probe()?;
-        let features = Features::choose(&opts, &support)?;
+        let mut features = Features::choose(&opts, &support)?;
         let mode = features.mode;
         let paging = opts.paging.clone();
-        let (owned, uffd) = map_registered(len, opts.address, features.bits)?;
+        let runtime = OwnedRuntime::new(opts.worker_threads, "farmap-uffd-rt")
+            .map_err(|e| RegionError::sys("starting the region's runtime", e))?;
+        let handle = runtime.handle().clone();
+        let counters = Arc::new(Counters::default());
+        let shared = open_shared(&store, &opts, &support, &counters, &handle);
+        if shared.is_some() {
+            features.bits |= sys::UFFD_FEATURE_MINOR_SHMEM;
+        }
+        let (owned, uffd) = map_registered(len, opts.address, features.bits, shared.as_deref())?;
         let mapping = owned.shared();
         let range = UffdRange::new(uffd.clone(), mapping.addr(), len);
         let staging = paging
             .as_ref()
             .map(|_| staging_area(len, geometry))
             .transpose()?;
-        let runtime = OwnedRuntime::new(opts.worker_threads, "farmap-uffd-rt")
-            .map_err(|e| RegionError::sys("starting the region's runtime", e))?;
-        let handle = runtime.handle().clone();
-        let counters = Arc::new(Counters::default());
         let events = Arc::new(Events::default());
         let written = (mode == TrackingMode::SyncFaults)
             .then(|| Arc::new(PageBits::new((len / page) as u64)));
@@ -279,6 +288,7 @@ impl Region {
             &events,
             &counters,
             pager.as_ref(),
+            shared.clone(),
         );
         let signal = match (&pager, features.in_thread) {
             (Some(p), true) => Some(new_signal_path(
@@ -294,7 +304,7 @@ impl Region {
             range: range.clone(),
             geometry,
             cache: Arc::new(
-                farmap_pipeline::Cached::new(memory.clone(), store.clone())
+                farmap_pipeline::Cached::new(memory.clone(), fetch_from(&store, &shared))
                     .expect("the region's memory has the store's geometry"),
             ),
             pagemap: Pagemap::open_self().map_err(|e| RegionError::sys("opening pagemap", e))?,
@@ -344,6 +354,7 @@ impl Region {
                 closed: AtomicBool::new(false),
                 pager,
                 reclaimer: Mutex::new(reclaimer),
+                shared,
             }),
             mapping: owned,
             staging: staging.map(|(owned, _)| owned),
@@ -597,8 +608,26 @@ impl Region {
                     dropped_behind: Counters::get(&pc.dropped_behind),
                 }
             }),
+            shared: self.inner.shared.as_ref().map(|s| SharedStats {
+                path: s.path().to_owned(),
+                mapped_chunks: Counters::get(&c.base_mapped),
+                filled_chunks: Counters::get(&c.base_filled),
+            }),
             last_error,
         }
+    }
+
+    /// What the region's memory costs now, from the kernel's accounting of its mapping:
+    /// pages mapped, and of those the region's own (not a shared base's).
+    pub fn memory_use(&self) -> Result<MemoryUse, RegionError> {
+        MemoryUse::of_mapping(self.as_ptr() as usize)
+            .map_err(|e| RegionError::sys("reading /proc/self/smaps", e))
+    }
+
+    /// The file of the base whose clean pages this region shares with other regions, if it
+    /// does (see [`RegionOptions::share_clean_pages`]).
+    pub fn shared_base(&self) -> Option<&std::path::Path> {
+        self.inner.shared.as_ref().map(|s| s.path())
     }
 
     /// Changes the bound on local memory at run time (bounded regions only: `false`
@@ -812,12 +841,20 @@ fn map_registered(
     len: usize,
     address: Option<usize>,
     features: u64,
+    shared: Option<&SharedBase>,
 ) -> Result<(OwnedMapping, Arc<Uffd>), RegionError> {
-    let owned = OwnedMapping::new(len, address)
-        .map_err(|e| RegionError::sys("mapping the region's memory", e))?;
+    let owned = match shared {
+        // Minor faults too: a page the shared file holds is mapped from it.
+        Some(s) => OwnedMapping::of_file(len, address, s.fd()),
+        None => OwnedMapping::new(len, address),
+    }
+    .map_err(|e| RegionError::sys("mapping the region's memory", e))?;
     let uffd =
         Arc::new(Uffd::open(features).map_err(|e| RegionError::sys("opening a userfaultfd", e))?);
-    let mode_bits = sys::UFFDIO_REGISTER_MODE_MISSING | sys::UFFDIO_REGISTER_MODE_WP;
+    let mut mode_bits = sys::UFFDIO_REGISTER_MODE_MISSING | sys::UFFDIO_REGISTER_MODE_WP;
+    if shared.is_some() {
+        mode_bits |= sys::UFFDIO_REGISTER_MODE_MINOR;
+    }
     let ioctls = owned
         .shared()
         .register(&uffd, mode_bits)
@@ -837,16 +874,74 @@ fn region_memory(
     events: &Arc<Events>,
     counters: &Arc<Counters>,
     pager: Option<&Arc<Pager>>,
+    shared: Option<Arc<SharedBase>>,
 ) -> Arc<RegionMemory> {
-    Arc::new(RegionMemory::new(
-        range.clone(),
-        geometry,
-        true,
-        Some(mapping.clone()),
-        events.clone(),
-        counters.clone(),
-        pager.cloned().map(|p| p as Arc<dyn PushReads>),
-    ))
+    Arc::new(
+        RegionMemory::new(
+            range.clone(),
+            geometry,
+            true,
+            Some(mapping.clone()),
+            events.clone(),
+            counters.clone(),
+            pager.cloned().map(|p| p as Arc<dyn PushReads>),
+        )
+        .with_shared(shared),
+    )
+}
+
+/// The shared base of a region over `store`, when the store has one, `opts` ask for it
+/// (the default) and the region can have it (no bounded memory; minor faults on shmem). Not
+/// sharing is never an error: the region then keeps private copies, as any other.
+fn open_shared(
+    store: &Arc<dyn Store>,
+    opts: &RegionOptions,
+    support: &Support,
+    counters: &Arc<Counters>,
+    handle: &Handle,
+) -> Option<Arc<SharedBase>> {
+    if !opts.share_clean_pages
+        || opts.paging.is_some()
+        || support.features & sys::UFFD_FEATURE_MINOR_SHMEM == 0
+    {
+        return None;
+    }
+    let (tx, rx) = std::sync::mpsc::sync_channel(1);
+    let s = store.clone();
+    handle.spawn(async move {
+        let _ = tx.send(s.memory_base().await);
+    });
+    let base = match rx.recv() {
+        Ok(Ok(Some(base))) => base,
+        Ok(Ok(None)) | Err(_) => return None,
+        Ok(Err(e)) => {
+            tracing::warn!("not sharing clean pages: the store cannot say what its base is: {e}");
+            return None;
+        }
+    };
+    let dir = opts
+        .shared_dir
+        .clone()
+        .unwrap_or_else(crate::shared::default_shared_dir);
+    match SharedBase::open(&dir, base, store.geometry(), counters.clone()) {
+        Ok(s) => Some(Arc::new(s)),
+        Err(e) => {
+            tracing::warn!("not sharing clean pages through {}: {e}", dir.display());
+            None
+        }
+    }
+}
+
+/// What the region's cache fetches from: the store, or, with a shared base, the base's
+/// file first.
+fn fetch_from(store: &Arc<dyn Store>, shared: &Option<Arc<SharedBase>>) -> Arc<dyn Store> {
+    match shared {
+        Some(s) => Arc::new(BaseFirst {
+            store: store.clone(),
+            shared: s.clone(),
+        }),
+        None => store.clone(),
+    }
 }
 
 /// The pager of bounded local memory (`p`), moving pages between the region (`range`) and

@@ -87,8 +87,73 @@ pub struct RegionStats {
     pub pull: Option<PullProgress>,
     /// Bounded local memory (regions with a limit).
     pub paging: Option<PagingStats>,
+    /// Clean pages shared with other regions over the same base (see
+    /// [`RegionOptions::share_clean_pages`](crate::RegionOptions::share_clean_pages)).
+    pub shared: Option<SharedStats>,
     /// The most recent error of a fault's fetch, a push or a scan.
     pub last_error: Option<String>,
+}
+
+/// What a region's memory costs now (see [`Region::memory_use`](crate::Region::memory_use)).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct MemoryUse {
+    /// Bytes of the region mapped in this process (`Rss` of its mapping).
+    pub resident_bytes: u64,
+    /// Of those, the region's own pages (`Anonymous`: copied in, or written); the rest are
+    /// a shared base's pages, which every region over that base maps (counted once, in the
+    /// base's file).
+    pub private_bytes: u64,
+}
+
+impl MemoryUse {
+    /// The mapping that starts at `addr`, from `/proc/self/smaps`.
+    pub(crate) fn of_mapping(addr: usize) -> std::io::Result<MemoryUse> {
+        let smaps = std::fs::read_to_string("/proc/self/smaps")?;
+        let head = format!("{addr:x}-");
+        let mut lines = smaps.lines().skip_while(|l| !l.starts_with(&head));
+        if lines.next().is_none() {
+            return Err(std::io::Error::other(format!(
+                "no mapping at {addr:#x} in /proc/self/smaps"
+            )));
+        }
+        let kb = |l: &str| -> u64 {
+            l.split_whitespace()
+                .nth(1)
+                .and_then(|v| v.parse().ok())
+                .unwrap_or(0)
+                * 1024
+        };
+        let mut out = MemoryUse::default();
+        // The mapping's fields, up to the next mapping's header (which has no colon-ended
+        // first word).
+        for l in lines.take_while(|l| {
+            l.split_whitespace()
+                .next()
+                .is_some_and(|w| w.ends_with(':'))
+        }) {
+            if l.starts_with("Rss:") {
+                out.resident_bytes = kb(l);
+            } else if l.starts_with("Anonymous:") {
+                out.private_bytes = kb(l);
+            }
+        }
+        Ok(out)
+    }
+}
+
+/// The counters of a region that shares its clean pages with other regions over the same
+/// base.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct SharedStats {
+    /// The base's file (its name is the base's key).
+    pub path: std::path::PathBuf,
+    /// Chunks mapped from the shared file (not copies of their own).
+    pub mapped_chunks: u64,
+    /// Of those, chunks this region put into the file (fetched, checked against the base);
+    /// the others were there already (another region fetched them).
+    pub filled_chunks: u64,
 }
 
 /// CPU time spent by a region's fault path in this process, from the kernel's accounting
@@ -211,6 +276,8 @@ pub(crate) struct Counters {
     pub poisoned_pages: AtomicU64,
     pub dirty_pages: AtomicU64,
     pub dirty_chunks: AtomicU64,
+    pub base_mapped: AtomicU64,
+    pub base_filled: AtomicU64,
     pub last_error: Mutex<Option<String>>,
 }
 

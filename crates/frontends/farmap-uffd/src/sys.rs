@@ -49,6 +49,8 @@ pub const UFFD_FEATURE_POISON: u64 = 1 << 14;
 pub const UFFD_FEATURE_WP_ASYNC: u64 = 1 << 15;
 /// `UFFD_FEATURE_MOVE`.
 pub const UFFD_FEATURE_MOVE: u64 = 1 << 16;
+/// `UFFD_FEATURE_MINOR_SHMEM`: minor faults on shmem (a page in the page cache, not mapped).
+pub const UFFD_FEATURE_MINOR_SHMEM: u64 = 1 << 10;
 
 /// `UFFD_EVENT_PAGEFAULT`.
 pub const UFFD_EVENT_PAGEFAULT: u8 = 0x12;
@@ -72,6 +74,12 @@ pub const UFFD_PAGEFAULT_FLAG_MINOR: u64 = 1 << 2;
 pub const UFFDIO_REGISTER_MODE_MISSING: u64 = 1 << 0;
 /// `UFFDIO_REGISTER_MODE_WP`.
 pub const UFFDIO_REGISTER_MODE_WP: u64 = 1 << 1;
+/// `UFFDIO_REGISTER_MODE_MINOR`.
+pub const UFFDIO_REGISTER_MODE_MINOR: u64 = 1 << 2;
+/// `UFFDIO_CONTINUE_MODE_DONTWAKE`.
+pub const UFFDIO_CONTINUE_MODE_DONTWAKE: u64 = 1 << 0;
+/// `UFFDIO_CONTINUE_MODE_WP`: map the pages write-protected.
+pub const UFFDIO_CONTINUE_MODE_WP: u64 = 1 << 1;
 
 /// `UFFDIO_COPY_MODE_DONTWAKE`.
 pub const UFFDIO_COPY_MODE_DONTWAKE: u64 = 1 << 0;
@@ -139,6 +147,18 @@ pub struct UffdioCopy {
     pub copy: i64,
 }
 
+/// `struct uffdio_continue`.
+#[repr(C)]
+#[derive(Debug, Clone, Copy, Default)]
+pub struct UffdioContinue {
+    /// The range to map from the page cache.
+    pub range: UffdioRange,
+    /// `UFFDIO_CONTINUE_MODE_*`.
+    pub mode: u64,
+    /// Out: bytes mapped, or a negated errno.
+    pub mapped: i64,
+}
+
 /// `struct uffdio_writeprotect`.
 #[repr(C)]
 #[derive(Debug, Clone, Copy, Default)]
@@ -202,6 +222,8 @@ pub const UFFDIO_POISON: u64 = ioc(IOC_READ | IOC_WRITE, 0xAA, 0x08, 32);
 /// `UFFDIO_MOVE` (Linux 6.8+, `UFFD_FEATURE_MOVE`).
 pub const UFFDIO_MOVE: u64 = ioc(IOC_READ | IOC_WRITE, 0xAA, 0x05, 40);
 
+/// `UFFDIO_CONTINUE`.
+pub const UFFDIO_CONTINUE: u64 = ioc(IOC_READ | IOC_WRITE, 0xAA, 0x07, 32);
 /// `UFFDIO_ZEROPAGE`: map the shared zero page at missing pages.
 pub const UFFDIO_ZEROPAGE: u64 = ioc(IOC_READ | IOC_WRITE, 0xAA, 0x04, 32);
 /// `UFFDIO_ZEROPAGE_MODE_DONTWAKE`.
@@ -311,6 +333,7 @@ const _: () = {
     assert!(size_of::<UffdioCopy>() == 40);
     assert!(size_of::<UffdioWriteprotect>() == 24);
     assert!(size_of::<UffdioPoison>() == 32);
+    assert!(size_of::<UffdioContinue>() == 32);
     assert!(size_of::<UffdioMove>() == 40);
     assert!(UFFDIO_MOVE == 0xC028_AA05);
     assert!(size_of::<UffdMsg>() == 32);

@@ -198,6 +198,28 @@ pub enum CopyError {
     Os(i32),
 }
 
+impl CopyError {
+    /// The kernel's answer to a copy or continue of `len` bytes (`r`), `done` being the
+    /// bytes it reports done (or a negated errno).
+    fn answer(r: Result<i32, i32>, done: i64, len: usize) -> Result<usize, CopyError> {
+        match r {
+            Ok(_) => Ok(len),
+            Err(libc::EAGAIN) if done > 0 => {
+                let n = done as usize;
+                if n >= len {
+                    Ok(n)
+                } else {
+                    Err(CopyError::Partial(n))
+                }
+            }
+            Err(libc::EAGAIN) => Err(CopyError::EventPending),
+            Err(libc::EEXIST) => Err(CopyError::Exists),
+            Err(libc::ENOENT | libc::ESRCH) => Err(CopyError::Gone),
+            Err(e) => Err(CopyError::Os(e)),
+        }
+    }
+}
+
 /// Why [`UffdRange::install`] stopped before the end.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum InstallError {
@@ -321,21 +343,7 @@ impl UffdRange {
         if mode & sys::UFFDIO_COPY_MODE_DONTWAKE == 0 {
             self.uffd.woke();
         }
-        match r {
-            Ok(_) => Ok(src.len()),
-            Err(libc::EAGAIN) if c.copy > 0 => {
-                let n = c.copy as usize;
-                if n >= src.len() {
-                    Ok(n)
-                } else {
-                    Err(CopyError::Partial(n))
-                }
-            }
-            Err(libc::EAGAIN) => Err(CopyError::EventPending),
-            Err(libc::EEXIST) => Err(CopyError::Exists),
-            Err(libc::ENOENT | libc::ESRCH) => Err(CopyError::Gone),
-            Err(e) => Err(CopyError::Os(e)),
-        }
+        CopyError::answer(r, c.copy, src.len())
     }
 
     /// Installs `data` at `offset` page by page where pages are missing, starting `from`
@@ -362,10 +370,25 @@ impl UffdRange {
         } else {
             0
         };
+        self.fill_missing(offset, data.len(), from, |at| {
+            self.copy(offset + at, &data[at..], mode)
+        })
+    }
+
+    /// Fills the missing pages of `offset..offset+len` from `from` bytes in, with `step(at)`
+    /// (one ioctl from `at` bytes in to the end), skipping pages found present: the loop of
+    /// [`install`](Self::install) and [`map_cached`](Self::map_cached).
+    fn fill_missing(
+        &self,
+        offset: usize,
+        len: usize,
+        from: usize,
+        step: impl Fn(usize) -> Result<usize, CopyError>,
+    ) -> Result<Installed, InstallError> {
         let mut done = from;
         let mut report = Installed::default();
-        while done < data.len() {
-            match self.copy(offset + done, &data[done..], mode) {
+        while done < len {
+            match step(done) {
                 Ok(n) | Err(CopyError::Partial(n)) => {
                     report.copied_pages += n / self.page;
                     done += n;
@@ -382,9 +405,60 @@ impl UffdRange {
         if report.present_pages > 0 {
             // A page someone else installed was woken by their copy; waking again is cheap
             // insurance against a waiter that raced with it.
-            let _ = self.wake(offset, data.len());
+            let _ = self.wake(offset, len);
         }
         Ok(report)
+    }
+
+    /// One `UFFDIO_CONTINUE` of `offset..offset+len`: maps the pages the backing file's page
+    /// cache holds there (`mode`: `UFFDIO_CONTINUE_MODE_*`); returns the bytes mapped (all of
+    /// them) or why it stopped ([`CopyError::Exists`]: the first page is mapped already;
+    /// [`CopyError::Os`] with `EFAULT`: the page cache lacks it).
+    ///
+    /// # Panics
+    /// If the range is unaligned or outside the registered one.
+    pub fn continue_pages(&self, offset: usize, len: usize, mode: u64) -> Result<usize, CopyError> {
+        let range = self.check(offset, len);
+        let mut c = sys::UffdioContinue {
+            range,
+            mode,
+            mapped: 0,
+        };
+        // SAFETY: `c` is a live UffdioContinue. The kernel maps, into pages of memory
+        // registered with this fd for minor faults and not mapped yet, what the page cache of
+        // the mapped file holds there; it never replaces a mapped page.
+        let r = unsafe { sys::ioctl(self.uffd.as_raw_fd(), sys::UFFDIO_CONTINUE, &mut c) };
+        if mode & sys::UFFDIO_CONTINUE_MODE_DONTWAKE == 0 {
+            self.uffd.woke();
+        }
+        CopyError::answer(r, c.mapped, len)
+    }
+
+    /// [`install`](Self::install) from the page cache of the mapped file: maps
+    /// `offset..offset+len` page by page where pages are missing, starting `from` bytes in,
+    /// with `UFFDIO_CONTINUE` (the file must hold every page of the range).
+    ///
+    /// # Panics
+    /// If the range is unaligned or outside the registered one, or `from` is past it.
+    pub fn map_cached(
+        &self,
+        offset: usize,
+        len: usize,
+        from: usize,
+        write_protect: bool,
+    ) -> Result<Installed, InstallError> {
+        assert!(
+            from <= len && from.is_multiple_of(self.page),
+            "bad resume offset"
+        );
+        let mode = if write_protect {
+            sys::UFFDIO_CONTINUE_MODE_WP
+        } else {
+            0
+        };
+        self.fill_missing(offset, len, from, |at| {
+            self.continue_pages(offset + at, len - at, mode)
+        })
     }
 
     /// Wakes the threads blocked on faults in `offset..offset+len`.

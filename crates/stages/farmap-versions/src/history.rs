@@ -8,7 +8,11 @@ use crate::manifest::{Manifest, Parent, MAX_DEPTH};
 use crate::{check_name, tags_dir, version_key, versions_dir, At, Hash, MAX_CHAIN};
 
 /// Reads version `seq` of `region`, checking that it is the manifest it claims to be.
-async fn manifest(objects: &dyn Objects, region: &str, seq: u64) -> StoreResult<Manifest> {
+pub(crate) async fn manifest(
+    objects: &dyn Objects,
+    region: &str,
+    seq: u64,
+) -> StoreResult<Manifest> {
     let key = version_key(region, seq);
     let bytes = objects.get(&key).await?.ok_or_else(|| {
         StoreError::new(

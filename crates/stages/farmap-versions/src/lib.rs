@@ -25,6 +25,7 @@
 #![forbid(unsafe_code)]
 #![warn(missing_docs)]
 
+mod base;
 pub mod chunk;
 pub mod gc;
 mod history;

@@ -9,10 +9,11 @@ use std::time::{Duration, Instant};
 use bytes::Bytes;
 use farmap_core::{
     is_zero, zero_chunk, BoxFuture, Caps, ChunkIdx, ChunkRange, ChunkStatus, ErrorKind, Geometry,
-    Objects, Store, StoreError, StoreResult,
+    MemoryBase, Objects, Store, StoreError, StoreResult,
 };
 use parking_lot::Mutex;
 
+use crate::base::{Base, Lookup};
 use crate::gc::{self, from_trash};
 use crate::history::{latest, load, resolve};
 use crate::manifest::Manifest;
@@ -617,6 +618,16 @@ impl Store for Versioned {
 
     fn catch_up(&self) -> BoxFuture<'_, StoreResult<()>> {
         Box::pin(async move { Versioned::catch_up(self).await.map(|_| ()) })
+    }
+
+    fn memory_base(&self) -> BoxFuture<'_, StoreResult<Option<Arc<dyn MemoryBase>>>> {
+        Box::pin(async move {
+            let state = self.state.clone();
+            let now: Lookup = Arc::new(move |idx| state.lock().map.get(&idx).copied());
+            let opened = || self.state.lock().map.clone();
+            let base = Base::of(&*self.objects, &self.region, self.geometry, opened, now).await?;
+            Ok(Some(Arc::new(base) as Arc<dyn MemoryBase>))
+        })
     }
 
     fn take_over(&self) -> BoxFuture<'_, StoreResult<()>> {

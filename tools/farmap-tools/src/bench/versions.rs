@@ -26,6 +26,15 @@
 //!   first run (every manifest read, every chunk listed, the garbage moved to the trash),
 //!   `second_ms` the run that deletes it; `dirty_bytes` the garbage as written,
 //!   `bytes_freed` what the directory shrank by, `store_bytes` what it holds after.
+//! - `clones`: `--clones` new forks of the snapshot, each mapped as a userfaultfd region in
+//!   this process (direct mode: no background pull) and reading the working set of `warm`
+//!   (a quarter of the chunks); once sharing clean pages (the default) and once with
+//!   `share_clean_pages` off, in the same run. `host_memory_bytes`: the clones' own pages
+//!   (their mappings' `Anonymous`) plus what the shared base's file holds; `one_clone_bytes`:
+//!   the same for one clone without sharing; `memory_ratio` the first over the second (the
+//!   bar: ≤ 1.3); `unshared_host_memory_bytes` all clones without sharing; `ms` and
+//!   `time_to_warm_ms` the clones' opens and reads, one after the other, sharing;
+//!   `unshared_ms` without.
 
 use std::path::Path;
 use std::process::ExitCode;
@@ -107,6 +116,16 @@ struct Row {
     second_ms: Option<f64>,
     #[serde(skip_serializing_if = "Option::is_none")]
     bytes_freed: Option<u64>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    host_memory_bytes: Option<u64>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    one_clone_bytes: Option<u64>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    memory_ratio: Option<f64>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    unshared_host_memory_bytes: Option<u64>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    unshared_ms: Option<f64>,
     verified: bool,
 }
 
@@ -326,7 +345,107 @@ impl Bench {
     }
 }
 
+/// What the clones of the `clones` case cost: opening and reading (ms), the host memory they
+/// take, the memory of the first clone alone, whether they read what they should.
+struct ClonesRun {
+    ms: f64,
+    host_bytes: u64,
+    first_bytes: u64,
+    ok: bool,
+}
+
+/// Opens `names` in `root` as regions, one after the other, each reading `ws` (checked
+/// against `expect`); measures before closing them.
+fn clones_run(
+    root: &Path,
+    names: &[String],
+    ws: &[u64],
+    g: Geometry,
+    share: bool,
+    expect: impl Fn(u64) -> Bytes,
+) -> anyhow::Result<ClonesRun> {
+    let start = Instant::now();
+    let mut regions = Vec::new();
+    let mut ok = true;
+    let mut buf = vec![0u8; g.chunk_size() as usize];
+    for name in names {
+        let spec: farmap::StoreSpec = format!("versioned:(dir:{})/{name}", root.display())
+            .parse()
+            .context("the clone's spec")?;
+        let opts = farmap::RegionOptions {
+            share_clean_pages: share,
+            ..farmap::RegionOptions::direct()
+        };
+        let r = farmap::open_region(&spec, opts).with_context(|| format!("opening {name}"))?;
+        ok &= r.shared_base().is_some() == share;
+        for &i in ws {
+            let idx = ChunkIdx(i);
+            let len = g.chunk_len(idx);
+            r.memory()
+                .read_into(g.offset_of(idx) as usize, &mut buf[..len])
+                .context("reading a clone")?;
+            ok &= buf[..len] == expect(i)[..];
+        }
+        regions.push(r);
+    }
+    let ms = ms(start);
+    let mut own = Vec::new();
+    for r in &regions {
+        own.push(r.memory_use()?.private_bytes);
+    }
+    let file = regions
+        .first()
+        .and_then(|r| r.shared_base())
+        .map(|p| std::fs::metadata(p).map(|m| std::os::unix::fs::MetadataExt::blocks(&m) * 512))
+        .transpose()?
+        .unwrap_or(0);
+    for r in regions {
+        r.close()?;
+    }
+    Ok(ClonesRun {
+        ms,
+        host_bytes: own.iter().sum::<u64>() + file,
+        first_bytes: own.first().copied().unwrap_or(0) + file,
+        ok,
+    })
+}
+
 impl Bench {
+    /// `clones` forks mapped as regions reading the working set, sharing clean pages and not
+    /// (see the module doc).
+    async fn clones(&self, clones: u32) -> anyhow::Result<()> {
+        let names: Vec<String> = (0..clones).map(|c| format!("clone-{c}")).collect();
+        fork(&*self.objects, "base", &At::Tag("bench".into()), &names).await?;
+        let (g, root, ws) = (self.g, self.root.clone(), self.working_set());
+        let expect = move |i: u64| content(g, i, after_snapshot(i));
+        let (shared, own) = tokio::task::spawn_blocking(move || -> anyhow::Result<_> {
+            Ok((
+                clones_run(&root, &names, &ws, g, true, expect)?,
+                clones_run(&root, &names, &ws, g, false, expect)?,
+            ))
+        })
+        .await??;
+        let one = own.first_bytes.max(1);
+        self.emit(Row {
+            ms: shared.ms,
+            time_to_warm_ms: Some(shared.ms),
+            unshared_ms: Some(own.ms),
+            clones: Some(clones),
+            host_memory_bytes: Some(shared.host_bytes),
+            one_clone_bytes: Some(one),
+            memory_ratio: Some(ratio(shared.host_bytes as f64 / one as f64)),
+            unshared_host_memory_bytes: Some(own.host_bytes),
+            working_set_bytes: Some(
+                self.working_set()
+                    .iter()
+                    .map(|&i| g.chunk_len(ChunkIdx(i)) as u64)
+                    .sum(),
+            ),
+            verified: shared.ok && own.ok,
+            ..self.row("clones")
+        })
+    }
+
     /// A quarter of the chunks that hold data, scattered (a stride through the region).
     fn working_set(&self) -> Vec<u64> {
         let n = self.g.chunk_count();
@@ -461,5 +580,9 @@ pub async fn run(args: VersionsArgs) -> anyhow::Result<ExitCode> {
     bench.warm().await?;
     bench.fork(args.clones).await?;
     bench.gc().await?;
+    match farmap::region::probe() {
+        Ok(_) => bench.clones(args.clones).await?,
+        Err(e) => eprintln!("skipped: the clones case maps regions: {e}"),
+    }
     Ok(ExitCode::SUCCESS)
 }

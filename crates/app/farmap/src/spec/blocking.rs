@@ -4,7 +4,7 @@ use std::sync::Arc;
 
 use bytes::Bytes;
 use farmap_core::{
-    BoxFuture, Caps, ChunkIdx, ChunkRange, ChunkStatus, Geometry, Store, StoreResult,
+    BoxFuture, Caps, ChunkIdx, ChunkRange, ChunkStatus, Geometry, MemoryBase, Store, StoreResult,
 };
 
 use super::model::{OpenError, StoreSpec};
@@ -101,5 +101,8 @@ impl Store for RuntimeKept {
     }
     fn take_over(&self) -> BoxFuture<'_, StoreResult<()>> {
         self.store.take_over()
+    }
+    fn memory_base(&self) -> BoxFuture<'_, StoreResult<Option<Arc<dyn MemoryBase>>>> {
+        self.store.memory_base()
     }
 }

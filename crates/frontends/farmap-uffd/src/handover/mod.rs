@@ -63,6 +63,10 @@ pub enum HandoverError {
     /// the region's own process.
     #[error("a region with bounded local memory cannot hand its faults over")]
     Paged,
+    /// The region shares its clean pages with other regions (a shared base's file, minor
+    /// faults): only its own process serves them.
+    #[error("a region that shares its clean pages (a shared base) cannot hand its faults over; open it with share_clean_pages off")]
+    Shared,
     /// Another process already serves the region.
     #[error("the region is already handed over")]
     AlreadyRemote,
@@ -202,6 +206,9 @@ pub fn send(region: &Region, sock: UnixStream, opts: SendOptions) -> Result<(), 
     }
     if region.is_paged() {
         return Err(HandoverError::Paged);
+    }
+    if region.shared_base().is_some() {
+        return Err(HandoverError::Shared);
     }
     let spec = inner.spec.clone().ok_or(HandoverError::NoSpec)?;
     let mut remote = inner.remote.lock();
