@@ -197,6 +197,11 @@ def _warm(out):
     return (one(r, "time_to_warm_ms", case="warm"), one(r, "cold_warm_ms", case="warm"))
 
 
+def _dedup(out):
+    r = out["versions-1g"]
+    return (one(r, "store_bytes", case="fork"), one(r, "unique_bytes", case="fork"))
+
+
 def _clones(out):
     r = out["versions-1g"]
     return (one(r, "host_memory_bytes", case="clones"), one(r, "one_clone_bytes", case="clones"))
@@ -289,6 +294,10 @@ CASES = [
          {"versions": ["versions", "--size", "4GiB"]}, _warm,
          "the same reads, nothing read ahead", bar=("<=", 0.5),
          quick={"versions": ["versions", "--size", "256MiB"]}),
+    Case("versions dedup: 8 forks of 1 GiB writing 1% each", "bytes",
+         {"versions-1g": ["versions", "--size", "1GiB"]}, _dedup,
+         "base + 8 x 1% as stored", bar=("<=", 1.2),
+         quick={"versions-1g": ["versions", "--size", "256MiB"]}),
     Case("versions clones: 8 of 1 GiB reading 256 MiB each", "bytes",
          {"versions-1g": ["versions", "--size", "1GiB"]}, _clones,
          "one clone's memory", bar=("<=", 1.3),
@@ -506,6 +515,8 @@ def self_test():
     assert _fault_4k({"uffd-fault": rows}) == (10.0, 50.0)
     clones = [{"case": "clones", "host_memory_bytes": 300, "one_clone_bytes": 256}]
     assert _clones({"versions-1g": clones}) == (300.0, 256.0)
+    forks = [{"case": "fork", "store_bytes": 110, "unique_bytes": 100}]
+    assert _dedup({"versions-1g": forks}) == (110.0, 100.0)
     try:
         one(rows, "p50_us", case="nope")
         raise AssertionError("a missing row must fail")

@@ -70,6 +70,10 @@ fn bench_versions_prints_a_checked_row_per_case() {
         number(fork, "dedup_ratio") > 2.0,
         "forks share their base: {fork}"
     );
+    assert!(
+        number(fork, "store_ratio") <= 1.2,
+        "forks store only what they rewrote: {fork}"
+    );
     if uffd {
         let clones = &rows[6];
         assert_eq!(clones["clones"], 3, "{clones}");

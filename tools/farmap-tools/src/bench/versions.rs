@@ -20,7 +20,9 @@
 //!   `warm_ratio` is the second over the first; `working_set_bytes`.
 //! - `fork`: `--clones` forks of the snapshot, then each rewrites 1% of its chunks. `ms`
 //!   (all forks), `ms_per_fork`, `clones`, `store_bytes` (the directory, all regions),
-//!   `dedup_ratio` (the non-zero bytes all regions hold over `store_bytes`).
+//!   `dedup_ratio` (the non-zero bytes all regions hold over `store_bytes`), `unique_bytes`
+//!   (the directory before the forks plus the forks' rewritten chunks as stored: what a
+//!   perfect dedup keeps) and `store_ratio` (`store_bytes` over it; the bar: ≤ 1.2).
 //! - `gc`: a writer rewrites 1% of the base and stops without a flush (garbage), then
 //!   `farmap gc` runs twice, the grace apart (1 s in the bench's own directory). `ms` is the
 //!   first run (every manifest read, every chunk listed, the garbage moved to the trash),
@@ -106,6 +108,10 @@ struct Row {
     store_bytes: Option<u64>,
     #[serde(skip_serializing_if = "Option::is_none")]
     dedup_ratio: Option<f64>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    unique_bytes: Option<u64>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    store_ratio: Option<f64>,
     #[serde(skip_serializing_if = "Option::is_none")]
     cold_warm_ms: Option<f64>,
     #[serde(skip_serializing_if = "Option::is_none")]
@@ -316,15 +322,23 @@ impl Bench {
     async fn fork(&self, clones: u32) -> anyhow::Result<()> {
         let (g, n) = (self.g, self.g.chunk_count());
         let names: Vec<String> = (0..clones).map(|c| format!("fork-{c}")).collect();
+        let before = du(&self.root);
         let start = Instant::now();
         fork(&*self.objects, "base", &At::Tag("bench".into()), &names).await?;
         let fork_ms = ms(start);
         let mut ok = true;
+        let mut rewritten = 0u64;
         for (c, name) in names.iter().enumerate() {
             let f =
                 Versioned::open(self.objects.clone(), open_opts(name, At::Latest, None)).await?;
             let gen = 2 + c as u64;
             let mine: Vec<u64> = (c as u64 + 1..n).step_by(100).collect();
+            rewritten += mine
+                .iter()
+                .map(|&i| content(g, i, gen))
+                .filter(|d| !farmap::is_zero(d))
+                .map(|d| farmap::versions::chunk::encode(&d).len() as u64)
+                .sum::<u64>();
             write_all(&f, mine.iter().map(|&i| (i, content(g, i, gen)))).await?;
             f.flush().await?;
             if let Some(&i) = mine.first() {
@@ -339,6 +353,8 @@ impl Bench {
             ms_per_fork: Some(ratio(fork_ms / f64::from(clones))),
             store_bytes: Some(store),
             dedup_ratio: Some(ratio(logical as f64 / store as f64)),
+            unique_bytes: Some(before + rewritten),
+            store_ratio: Some(ratio(store as f64 / (before + rewritten).max(1) as f64)),
             verified: ok,
             ..self.row("fork")
         })
