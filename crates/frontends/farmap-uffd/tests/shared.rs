@@ -284,3 +284,50 @@ fn files_left_by_dead_processes_are_swept() {
     assert!(!stale.exists(), "the stale file was removed");
     assert!(keep.shared_base().unwrap().exists(), "the held one was not");
 }
+
+/// A region that shares its base cannot hand its faults to another process (that process
+/// could not map the base's file), and says so; a bounded region does not share.
+#[test]
+fn sharing_regions_keep_their_faults_and_bounded_ones_do_not_share() {
+    if !uffd_available("sharing_regions_keep_their_faults_and_bounded_ones_do_not_share") {
+        return;
+    }
+    let dir = shm_dir();
+    let shared = dir.path().join("shared");
+    let (store, base) = clone_of(4, [6; 32], &[]);
+    let r = Region::open(
+        store,
+        RegionOptions {
+            store_spec: Some("memory:2MiB".into()),
+            ..opts(WriteTracking::Auto, &shared)
+        },
+    )
+    .unwrap();
+    assert!(r.shared_base().is_some());
+    let (ours, _theirs) = std::os::unix::net::UnixStream::pair().unwrap();
+    let err = farmap_uffd::handover::send(&r, ours, Default::default()).unwrap_err();
+    assert!(
+        matches!(err, farmap_uffd::handover::HandoverError::Shared),
+        "{err}"
+    );
+    assert_eq!(read_all(&r), base, "the region still serves its faults");
+    if farmap_uffd::probe_paging().is_ok() {
+        let (store, base) = clone_of(4, [6; 32], &[]);
+        let bounded = Region::open(
+            store,
+            RegionOptions {
+                paging: Some(farmap_uffd::PagingOptions::new(
+                    farmap_uffd::LocalLimit::Percent(50.0),
+                )),
+                ..opts(WriteTracking::Auto, &shared)
+            },
+        )
+        .unwrap();
+        assert_eq!(
+            bounded.shared_base(),
+            None,
+            "a bounded region has its own pages"
+        );
+        assert_eq!(read_all(&bounded), base);
+    }
+}
