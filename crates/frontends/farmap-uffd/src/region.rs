@@ -237,12 +237,7 @@ impl Inner {
 
     /// Runs `fut` on the region's runtime and waits for it on this thread.
     fn block_on<T: Send + 'static>(&self, fut: impl Future<Output = T> + Send + 'static) -> T {
-        let (tx, rx) = std::sync::mpsc::sync_channel(1);
-        self.handle.spawn(async move {
-            let _ = tx.send(fut.await);
-        });
-        rx.recv()
-            .expect("the region's runtime runs until the region is dropped")
+        run_on(&self.handle, fut).expect("the region's runtime runs until the region is dropped")
     }
 }
 
@@ -890,6 +885,19 @@ fn region_memory(
     )
 }
 
+/// Runs `fut` on the runtime of `handle` and waits for it on this thread (which must not be
+/// one of that runtime's); `None` if the runtime dropped it.
+fn run_on<T: Send + 'static>(
+    handle: &Handle,
+    fut: impl Future<Output = T> + Send + 'static,
+) -> Option<T> {
+    let (tx, rx) = std::sync::mpsc::sync_channel(1);
+    handle.spawn(async move {
+        let _ = tx.send(fut.await);
+    });
+    rx.recv().ok()
+}
+
 /// The shared base of a region over `store`, when the store has one, `opts` ask for it
 /// (the default) and the region can have it (no bounded memory; minor faults on shmem). Not
 /// sharing is never an error: the region then keeps private copies, as any other.
@@ -906,15 +914,11 @@ fn open_shared(
     {
         return None;
     }
-    let (tx, rx) = std::sync::mpsc::sync_channel(1);
     let s = store.clone();
-    handle.spawn(async move {
-        let _ = tx.send(s.memory_base().await);
-    });
-    let base = match rx.recv() {
-        Ok(Ok(Some(base))) => base,
-        Ok(Ok(None)) | Err(_) => return None,
-        Ok(Err(e)) => {
+    let base = match run_on(handle, async move { s.memory_base().await }) {
+        Some(Ok(Some(base))) => base,
+        Some(Ok(None)) | None => return None,
+        Some(Err(e)) => {
             tracing::warn!("not sharing clean pages: the store cannot say what its base is: {e}");
             return None;
         }

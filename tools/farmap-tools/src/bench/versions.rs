@@ -433,6 +433,7 @@ impl Bench {
         let names: Vec<String> = (0..clones).map(|c| format!("clone-{c}")).collect();
         fork(&*self.objects, "base", &At::Tag("bench".into()), &names).await?;
         let (g, root, ws) = (self.g, self.root.clone(), self.working_set());
+        let ws_bytes = ws.iter().map(|&i| g.chunk_len(ChunkIdx(i)) as u64).sum();
         let expect = move |i: u64| content(g, i, after_snapshot(i));
         let (shared, own) = tokio::task::spawn_blocking(move || -> anyhow::Result<_> {
             Ok((
@@ -451,12 +452,7 @@ impl Bench {
             one_clone_bytes: Some(one),
             memory_ratio: Some(ratio(shared.host_bytes as f64 / one as f64)),
             unshared_host_memory_bytes: Some(own.host_bytes),
-            working_set_bytes: Some(
-                self.working_set()
-                    .iter()
-                    .map(|&i| g.chunk_len(ChunkIdx(i)) as u64)
-                    .sum(),
-            ),
+            working_set_bytes: Some(ws_bytes),
             verified: shared.ok && own.ok,
             ..self.row("clones")
         })
