@@ -377,6 +377,7 @@ fn handover_hello() -> Vec<Seed> {
 /// Version manifests (a whole one, a delta) and stored chunks (compressed, raw), each behind
 /// the two length bytes the target reads first.
 fn version_manifest() -> Vec<Seed> {
+    use farmap_versions::page::{Page, PageRef};
     use farmap_versions::{chunk, touched, Hash, Manifest, Parent};
 
     let m = Manifest {
@@ -388,7 +389,22 @@ fn version_manifest() -> Vec<Seed> {
         whole: false,
         time_ms: 1_764_000_000_000,
         entries: vec![(0, Hash::of(b"a")), (7, Hash::ZERO), (15, Hash::of(b"b"))],
+        pages: Vec::new(),
+        page_chunks: 0,
         from: None,
+    };
+    let page = Page::new(vec![(0, Hash::of(b"a")), (63, Hash::of(b"b"))]);
+    let paged = Manifest {
+        seq: 4,
+        base: 4,
+        whole: true,
+        entries: Vec::new(),
+        pages: vec![PageRef {
+            hash: Hash::of(&page.encode()),
+            chunks: 2,
+        }],
+        page_chunks: 64,
+        ..m.clone()
     };
     let fork = Manifest {
         seq: 0,
@@ -418,6 +434,8 @@ fn version_manifest() -> Vec<Seed> {
         Seed::new("version_manifest", "delta", m.encode()),
         Seed::new("version_manifest", "whole", whole.encode()),
         Seed::new("version_manifest", "fork", fork.encode()),
+        Seed::new("version_manifest", "paged", paged.encode()),
+        Seed::new("version_manifest", "page", page.encode()),
         Seed::new("version_manifest", "touched", touched::encode(&[5, 2, 7])),
         Seed::new(
             "version_manifest",

@@ -9,7 +9,7 @@
 //! refused, not allocated) and checks the content against the hash it is stored under.
 
 use bytes::Bytes;
-use farmap_core::{ErrorKind, StoreError, StoreResult};
+use farmap_core::{ErrorKind, Objects, StoreError, StoreResult};
 
 use crate::Hash;
 
@@ -19,6 +19,9 @@ const ZSTD: u8 = 1;
 /// The zstd level chunks are written with: the fastest of the standard levels, since a
 /// flush compresses every chunk written since the last.
 pub const LEVEL: i32 = 1;
+
+/// Where a collector moves chunks before it deletes them (see [`gc`](crate::gc)).
+pub(crate) const TRASH: &str = "trash";
 
 /// The key of the chunk whose content hashes to `hash`.
 pub fn key(hash: &Hash) -> String {
@@ -44,6 +47,23 @@ pub fn encode(data: &[u8]) -> Vec<u8> {
 
 /// The chunk of length `len` stored as `stored` under `hash`, checked.
 pub fn decode(stored: &[u8], len: usize, hash: &Hash) -> StoreResult<Bytes> {
+    let data = decode_within(stored, len, hash)?;
+    if data.len() != len {
+        return Err(StoreError::new(
+            ErrorKind::Corrupt,
+            format!(
+                "the stored chunk {} holds {} bytes, not {len}",
+                hash.hex(),
+                data.len()
+            ),
+        ));
+    }
+    Ok(data)
+}
+
+/// The object of at most `max` bytes stored as `stored` under `hash` (a chunk, or a page of
+/// a chunk map), checked. Nothing beyond `max` is allocated.
+pub fn decode_within(stored: &[u8], max: usize, hash: &Hash) -> StoreResult<Bytes> {
     let bad = |why: String| {
         StoreError::new(
             ErrorKind::Corrupt,
@@ -51,19 +71,42 @@ pub fn decode(stored: &[u8], len: usize, hash: &Hash) -> StoreResult<Bytes> {
         )
     };
     let data = match stored.split_first() {
-        Some((&RAW, rest)) => rest.to_vec(),
-        Some((&ZSTD, rest)) => zstd::bulk::decompress(rest, len)
-            .map_err(|e| bad(format!("does not decompress: {e}")))?,
+        Some((&RAW, rest)) if rest.len() <= max => rest.to_vec(),
+        Some((&RAW, rest)) => {
+            return Err(bad(format!("holds {} bytes, more than {max}", rest.len())))
+        }
+        Some((&ZSTD, rest)) => zstd::bulk::decompress(rest, max)
+            .map_err(|e| bad(format!("does not decompress within {max} bytes: {e}")))?,
         Some((tag, _)) => return Err(bad(format!("has an unknown form {tag}"))),
         None => return Err(bad("is empty".into())),
     };
-    if data.len() != len {
-        return Err(bad(format!("holds {} bytes, not {len}", data.len())));
-    }
     if Hash::of(&data) != *hash {
         return Err(bad("does not match its hash".into()));
     }
     Ok(Bytes::from(data))
+}
+
+/// The trash entry of `hash` stamped `stamp`.
+pub(crate) fn trash_key(hash: &Hash, stamp: u64) -> String {
+    let hex = hash.hex();
+    format!("{TRASH}/{}/{hex}.{stamp}", &hex[..2])
+}
+
+/// The stored bytes of chunk `hash` from the trash, `None` when it holds none.
+pub(crate) async fn from_trash(objects: &dyn Objects, hash: &Hash) -> StoreResult<Option<Bytes>> {
+    let hex = hash.hex();
+    let dir = format!("{TRASH}/{}", &hex[..2]);
+    for name in objects.list(&dir).await? {
+        if name
+            .strip_prefix(hex.as_str())
+            .is_some_and(|s| s.starts_with('.'))
+        {
+            if let Some(b) = objects.get(&format!("{dir}/{name}")).await? {
+                return Ok(Some(b));
+            }
+        }
+    }
+    Ok(None)
 }
 
 #[cfg(test)]

@@ -30,8 +30,10 @@ use bytes::Bytes;
 use farmap_core::{ErrorKind, Objects, StoreError, StoreResult};
 use tracing::{debug, info};
 
+use crate::chunk::{self, from_trash, trash_key, TRASH};
 use crate::manifest::Manifest;
-use crate::{chunk, now_ms, versions_dir, Hash};
+use crate::page::PageCache;
+use crate::{now_ms, versions_dir, Hash};
 
 /// The grace an object store gets when its first writer or collector asks for none.
 pub const DEFAULT_GRACE: Duration = Duration::from_secs(3600);
@@ -43,7 +45,6 @@ pub const MIN_GRACE: Duration = Duration::from_millis(10);
 pub const MAX_GRACE: Duration = Duration::from_secs(30 * 24 * 3600);
 
 const GRACE_KEY: &str = "gc/grace";
-const TRASH: &str = "trash";
 const CHUNKS: &str = "chunks";
 
 /// The grace of `objects`: the one it keeps, or `wanted` (else [`DEFAULT_GRACE`]) kept now
@@ -120,29 +121,6 @@ async fn grace_as(
     }
 }
 
-/// The trash entry of `hash` stamped `stamp`.
-fn trash_key(hash: &Hash, stamp: u64) -> String {
-    let hex = hash.hex();
-    format!("{TRASH}/{}/{hex}.{stamp}", &hex[..2])
-}
-
-/// The stored bytes of chunk `hash` from the trash, `None` when it holds none.
-pub(crate) async fn from_trash(objects: &dyn Objects, hash: &Hash) -> StoreResult<Option<Bytes>> {
-    let hex = hash.hex();
-    let dir = format!("{TRASH}/{}", &hex[..2]);
-    for name in objects.list(&dir).await? {
-        if name
-            .strip_prefix(hex.as_str())
-            .is_some_and(|s| s.starts_with('.'))
-        {
-            if let Some(b) = objects.get(&format!("{dir}/{name}")).await? {
-                return Ok(Some(b));
-            }
-        }
-    }
-    Ok(None)
-}
-
 /// Makes sure chunk `hash` is in `chunks/`, putting it back from the trash when a collector
 /// moved it. `region` is for the message when it is gone.
 pub(crate) async fn ensure(objects: &dyn Objects, hash: &Hash, region: &str) -> StoreResult<()> {
@@ -204,23 +182,19 @@ pub struct GcReport {
     pub waiting: u64,
 }
 
-/// Every chunk any version of any region lists, with the count of regions and versions.
+/// Every chunk any version of any region lists (and every page of a chunk map, which is
+/// stored as a chunk), with the count of regions and versions.
 async fn referenced(objects: &dyn Objects) -> StoreResult<(HashSet<Hash>, u64, u64)> {
     let mut set = HashSet::new();
+    let mut pages = HashSet::new();
     let regions = objects.list("regions").await?;
     let mut versions = 0;
     for region in &regions {
         for name in objects.list(&versions_dir(region)).await? {
             let key = format!("{}/{name}", versions_dir(region));
-            // A manifest that cannot be read stops the collection before anything is
-            // removed: what it lists is unknown.
-            let bytes = objects.get(&key).await?.ok_or_else(|| {
-                StoreError::new(
-                    ErrorKind::Corrupt,
-                    format!("{key} vanished while collecting: versions are never deleted"),
-                )
-            })?;
-            let m = Manifest::decode(&bytes).map_err(|e| {
+            // A manifest (or page) that cannot be read stops the collection before anything
+            // is removed: what it lists is unknown.
+            let stop = |e: StoreError| {
                 StoreError::new(
                     e.kind(),
                     format!(
@@ -228,13 +202,32 @@ async fn referenced(objects: &dyn Objects) -> StoreResult<(HashSet<Hash>, u64, u
                         objects.location()
                     ),
                 )
+            };
+            let bytes = objects.get(&key).await?.ok_or_else(|| {
+                StoreError::new(
+                    ErrorKind::Corrupt,
+                    format!("{key} vanished while collecting: versions are never deleted"),
+                )
             })?;
+            let m = Manifest::decode(&bytes).map_err(stop)?;
             set.extend(
                 m.entries
                     .into_iter()
                     .map(|(_, h)| h)
                     .filter(|h| *h != Hash::ZERO),
             );
+            for page in m.pages.iter().filter(|p| p.hash != Hash::ZERO) {
+                // Pages are shared by versions: each is read once.
+                if !pages.insert(page.hash) {
+                    continue;
+                }
+                set.insert(page.hash);
+                let p = PageCache::default()
+                    .load(objects, page.hash, m.page_chunks)
+                    .await
+                    .map_err(stop)?;
+                set.extend(p.entries().iter().map(|(_, h)| *h));
+            }
             versions += 1;
         }
     }

@@ -5,7 +5,8 @@ use std::collections::HashMap;
 use farmap_core::{ErrorKind, Objects, StoreError, StoreResult};
 
 use crate::manifest::{Manifest, Parent, MAX_DEPTH};
-use crate::{check_name, tags_dir, version_key, versions_dir, At, Hash, MAX_CHAIN};
+use crate::page::{Map, PageCache};
+use crate::{check_name, tags_dir, version_key, versions_dir, At, MAX_CHAIN};
 
 /// Reads version `seq` of `region`, checking that it is the manifest it claims to be.
 pub(crate) async fn manifest(
@@ -38,14 +39,14 @@ pub(crate) async fn manifest(
     Ok(m)
 }
 
-/// Version `seq` of `region` and its chunk map (every chunk holding data, with its content):
-/// the whole manifest its chain starts from (or, for a fork, the map of the version it
-/// started from), then each delta up to `seq`.
+/// Version `seq` of `region` and its chunk map: the pages of the whole manifest its chain
+/// starts from (or, for a fork, the map of the version it started from), then each delta up
+/// to `seq` over them. No page is read.
 pub(crate) async fn load(
     objects: &dyn Objects,
     region: &str,
     seq: u64,
-) -> StoreResult<(Manifest, HashMap<u64, Hash>)> {
+) -> StoreResult<(Manifest, Map)> {
     load_within(objects, region, seq, MAX_DEPTH).await
 }
 
@@ -55,7 +56,7 @@ fn load_within<'a>(
     region: &'a str,
     seq: u64,
     forks: u32,
-) -> farmap_core::BoxFuture<'a, StoreResult<(Manifest, HashMap<u64, Hash>)>> {
+) -> farmap_core::BoxFuture<'a, StoreResult<(Manifest, Map)>> {
     Box::pin(async move {
         let top = manifest(objects, region, seq).await?;
         // A chain longer than a writer makes is refused: it would be read whole at every open.
@@ -65,7 +66,8 @@ fn load_within<'a>(
             format!("region {region:?}: version {seq} starts from version {}, more than {MAX_CHAIN} back", top.base),
         ));
         }
-        let mut map = HashMap::new();
+        let geometry = top.geometry()?;
+        let mut map = Map::empty(geometry);
         for s in top.base..=seq {
             let m = if s == seq {
                 top.clone()
@@ -102,12 +104,12 @@ fn load_within<'a>(
                 }
                 map = pmap;
             }
-            for (idx, hash) in m.entries {
-                if hash == Hash::ZERO {
-                    map.remove(&idx);
-                } else {
-                    map.insert(idx, hash);
-                }
+            if !m.pages.is_empty() {
+                map = Map::paged(m.page_chunks, m.pages);
+            } else if m.whole {
+                map = Map::of_entries(geometry, m.entries);
+            } else {
+                map.apply(m.entries);
             }
         }
         Ok((top, map))
@@ -206,7 +208,7 @@ pub async fn history(objects: &dyn Objects, region: &str) -> StoreResult<Vec<Ver
             epoch: m.epoch,
             time_ms: m.time_ms,
             whole: m.whole,
-            chunks: m.entries.len() as u64,
+            chunks: m.chunks(),
             size: m.size,
             names: names.remove(&seq).unwrap_or_default(),
             from: m.from.map(|p| format!("{}@{}", p.region, p.seq)),
@@ -253,9 +255,11 @@ pub async fn fork(
         Manifest::fork_of(top.size, top.chunk_size, parent)
     } else {
         let (_, map) = load(objects, region, seq).await?;
-        let mut entries: Vec<(u64, Hash)> = map.into_iter().collect();
-        entries.sort_unstable();
-        Manifest::first(top.size, top.chunk_size, entries)
+        let (pages, store) = map.fold(objects, &PageCache::default()).await?;
+        for (hash, bytes) in store {
+            objects.create(&crate::chunk::key(&hash), bytes).await?;
+        }
+        Manifest::first(top.size, top.chunk_size, map.page_chunks(), pages)
     };
     let bytes = bytes::Bytes::from(first.encode());
     for name in into {

@@ -3,7 +3,8 @@
 //! region, and one writer at a time.
 //!
 //! ```text
-//!   chunks/HH/HASH                       a chunk's bytes, compressed (HASH: SHA-256 of them)
+//!   chunks/HH/HASH                       a chunk's bytes, compressed (HASH: SHA-256 of them),
+//!                                        or a page of a whole version's chunk map
 //!   regions/NAME/versions/SEQ            a version's manifest (SEQ: 20 decimal digits)
 //!   regions/NAME/tags/TAG                the SEQ a snapshot's name stands for
 //! ```
@@ -13,8 +14,13 @@
 //!   at all. Chunks are zstd-compressed when that saves space ([`chunk`]); every read checks
 //!   the hash, so nothing unverified is served.
 //! - **A version is a manifest** ([`Manifest`]): the chunks that changed since the version
-//!   before it, or, every [`MAX_CHAIN`] versions, every chunk that holds data. Versions are
-//!   numbered from 0 without gaps; a flush that has something to save writes the next one.
+//!   before it, or, every [`MAX_CHAIN`] versions (and when more than [`MAX_DELTA`] chunks
+//!   changed), every chunk that holds data, listed in
+//!   [`page`]s of 4096 chunks that are stored like chunks and shared by every version that
+//!   holds them. Opening a version reads its manifest (and the deltas since the whole one),
+//!   never the pages: those are read when a chunk in them is first looked up, so an open
+//!   costs the same whatever the region's size. Versions are numbered from 0 without gaps;
+//!   a flush that has something to save writes the next one.
 //! - **One writer, fenced**: writing version `N + 1` is the object store's one atomic step,
 //!   a create that fails when the name exists. A writer that did not write version `N` (a
 //!   second writer, or the old host after a migration) finds `N + 1` taken at its next flush
@@ -30,6 +36,7 @@ pub mod chunk;
 pub mod gc;
 mod history;
 mod manifest;
+pub mod page;
 mod store;
 pub mod touched;
 
@@ -45,6 +52,11 @@ pub use farmap_core::Objects;
 /// Deltas after a whole manifest before the next version is written whole again: opening a
 /// region reads at most this many manifests after the whole one.
 pub const MAX_CHAIN: u64 = 32;
+
+/// Chunks a delta lists at most: a version that changes more is written whole (in pages), so
+/// that no manifest is big (a delta is at most 160 KiB; a whole manifest 36 bytes a page, at
+/// most 2.3 MiB for the largest region farmap allows; every object fits a CQL object).
+pub const MAX_DELTA: usize = page::PAGE_CHUNKS as usize;
 
 /// Which version to open.
 #[derive(Debug, Clone, PartialEq, Eq)]

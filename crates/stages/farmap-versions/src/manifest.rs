@@ -2,7 +2,9 @@
 //!
 //! ```text
 //!   magic "FMVERS01" | seq u64 | epoch u64 | base u64 | size u64 | chunk_size u32 | flags u32
-//!   | time_ms u64 | count u64 | [from] | count × (index u64 | hash [32])
+//!   | time_ms u64 | count u64 | [from] | [page_chunks u32]
+//!   | count × (index u64 | hash [32])        (flags bit 2 clear)
+//!   | count × (hash [32] | chunks u32)       (flags bit 2 set: pages)
 //!   | sha256 of all before [32]
 //!   from = seq u64 | depth u32 | name_len u32 | name [name_len]      (flags bit 1 only)
 //! ```
@@ -12,10 +14,14 @@
 //! `seq - 1`, and `base` is the whole manifest the chain starts from. Bit 1 (only on version
 //! 0 of a fork, which is not whole): the chain starts from version `seq` of region `name`
 //! instead of from nothing, `depth` forks deep. A hash of all zeros is a chunk that reads as
-//! zeros.
+//! zeros. Bit 2 (whole manifests only; every whole manifest this crate writes): the chunks
+//! are listed in pages of `page_chunks` chunks each ([`page`](crate::page)), and the
+//! manifest lists the pages, one per run of `page_chunks` chunks of the region, each with its
+//! hash and the chunks it lists (an empty page has the zero hash).
 
 use farmap_core::{ErrorKind, Geometry, StoreError, StoreResult, MAX_CHUNK_SIZE, MIN_CHUNK_SIZE};
 
+use crate::page::{page_count, valid_page_chunks, PageRef, PAGE_CHUNKS};
 use crate::Hash;
 
 const MAGIC: &[u8; 8] = b"FMVERS01";
@@ -29,6 +35,10 @@ const TRAILER: usize = 32;
 const WHOLE: u32 = 1;
 /// The flag of a fork's first version (a [`Parent`] follows the header).
 const FROM: u32 = 2;
+/// The flag of a manifest of pages.
+const PAGED: u32 = 4;
+/// Bytes of one page reference.
+const PAGE_ENTRY: usize = 32 + 4;
 /// Forks of forks a chain may go through: a deeper fork is written whole.
 pub const MAX_DEPTH: u32 = 8;
 
@@ -61,15 +71,20 @@ pub struct Manifest {
     pub whole: bool,
     /// When it was written, milliseconds since the Unix epoch.
     pub time_ms: u64,
-    /// `(chunk, content)`, ascending by chunk, each once.
+    /// `(chunk, content)`, ascending by chunk, each once (none in a manifest of pages).
     pub entries: Vec<(u64, Hash)>,
+    /// A whole manifest's pages (see [`page`](crate::page)): one per run of
+    /// `page_chunks` chunks; empty when the manifest lists its chunks itself.
+    pub pages: Vec<PageRef>,
+    /// Chunks per page (0 when `pages` is empty).
+    pub page_chunks: u32,
     /// A fork's version 0: the version its chain starts from.
     pub from: Option<Parent>,
 }
 
 impl Manifest {
-    /// A region's version 0, written now: whole, listing `entries`.
-    pub fn first(size: u64, chunk_size: u32, entries: Vec<(u64, Hash)>) -> Manifest {
+    /// A region's version 0, written now: whole, its chunks in `pages` of `page_chunks`.
+    pub fn first(size: u64, chunk_size: u32, page_chunks: u32, pages: Vec<PageRef>) -> Manifest {
         Manifest {
             seq: 0,
             epoch: 1,
@@ -78,9 +93,22 @@ impl Manifest {
             chunk_size,
             whole: true,
             time_ms: crate::now_ms(),
-            entries,
+            entries: Vec::new(),
+            pages,
+            page_chunks,
             from: None,
         }
+    }
+
+    /// A new region's version 0 for a region of `geometry`: whole, holding nothing.
+    pub fn empty(geometry: Geometry) -> Manifest {
+        let n = page_count(geometry, PAGE_CHUNKS) as usize;
+        Manifest::first(
+            geometry.size(),
+            geometry.chunk_size(),
+            PAGE_CHUNKS,
+            vec![PageRef::EMPTY; n],
+        )
     }
 
     /// A fork's version 0, written now: it lists nothing and starts from `parent`.
@@ -88,13 +116,24 @@ impl Manifest {
         Manifest {
             whole: false,
             from: Some(parent),
-            ..Manifest::first(size, chunk_size, Vec::new())
+            pages: Vec::new(),
+            page_chunks: 0,
+            ..Manifest::first(size, chunk_size, 0, Vec::new())
+        }
+    }
+
+    /// Chunks it lists: in its entries, or in its pages.
+    pub fn chunks(&self) -> u64 {
+        if self.pages.is_empty() {
+            self.entries.len() as u64
+        } else {
+            self.pages.iter().map(|p| u64::from(p.chunks)).sum()
         }
     }
 
     /// The region's shape.
     pub fn geometry(&self) -> StoreResult<Geometry> {
-        Geometry::new(self.size, u64::from(self.chunk_size)).map_err(|e| corrupt(format!("{e}")))
+        Geometry::new_bounded(self.size, u64::from(self.chunk_size)).map_err(|e| corrupt(format!("{e}")))
     }
 
     /// Its bytes.
@@ -105,19 +144,35 @@ impl Manifest {
             out.extend_from_slice(&v.to_le_bytes());
         }
         out.extend_from_slice(&self.chunk_size.to_le_bytes());
-        let flags = if self.whole { WHOLE } else { 0 } | if self.from.is_some() { FROM } else { 0 };
+        let paged = !self.pages.is_empty();
+        let flags = if self.whole { WHOLE } else { 0 }
+            | if self.from.is_some() { FROM } else { 0 }
+            | if paged { PAGED } else { 0 };
         out.extend_from_slice(&flags.to_le_bytes());
         out.extend_from_slice(&self.time_ms.to_le_bytes());
-        out.extend_from_slice(&(self.entries.len() as u64).to_le_bytes());
+        let count = if paged {
+            self.pages.len()
+        } else {
+            self.entries.len()
+        };
+        out.extend_from_slice(&(count as u64).to_le_bytes());
         if let Some(p) = &self.from {
             out.extend_from_slice(&p.seq.to_le_bytes());
             out.extend_from_slice(&p.depth.to_le_bytes());
             out.extend_from_slice(&(p.region.len() as u32).to_le_bytes());
             out.extend_from_slice(p.region.as_bytes());
         }
-        for (idx, hash) in &self.entries {
-            out.extend_from_slice(&idx.to_le_bytes());
-            out.extend_from_slice(&hash.0);
+        if paged {
+            out.extend_from_slice(&self.page_chunks.to_le_bytes());
+            for p in &self.pages {
+                out.extend_from_slice(&p.hash.0);
+                out.extend_from_slice(&p.chunks.to_le_bytes());
+            }
+        } else {
+            for (idx, hash) in &self.entries {
+                out.extend_from_slice(&idx.to_le_bytes());
+                out.extend_from_slice(&hash.0);
+            }
         }
         let sum = Hash::of(&out);
         out.extend_from_slice(&sum.0);
@@ -144,7 +199,7 @@ impl Manifest {
         let flags = u32_at(44);
         let time_ms = u64_at(48);
         let count = u64_at(56);
-        if flags & !(WHOLE | FROM) != 0 {
+        if flags & !(WHOLE | FROM | PAGED) != 0 {
             return Err(corrupt(format!("unknown flags {flags:#x}")));
         }
         let whole = flags & WHOLE != 0;
@@ -153,7 +208,7 @@ impl Manifest {
             return Err(corrupt(format!("chunk size {chunk_size}")));
         }
         let geometry =
-            Geometry::new(size, u64::from(chunk_size)).map_err(|e| corrupt(format!("{e}")))?;
+            Geometry::new_bounded(size, u64::from(chunk_size)).map_err(|e| corrupt(format!("{e}")))?;
         if base > seq || (whole && base != seq) {
             return Err(corrupt(format!("version {seq} names base {base}")));
         }
@@ -163,43 +218,21 @@ impl Manifest {
             if whole || seq != 0 {
                 return Err(corrupt(format!("version {seq} names a parent")));
             }
-            let (fixed, after) = rest
-                .split_at_checked(16)
-                .ok_or_else(|| corrupt("its parent is cut short".into()))?;
-            let pseq = u64::from_le_bytes(fixed[..8].try_into().expect("8"));
-            let depth = u32::from_le_bytes(fixed[8..12].try_into().expect("4"));
-            let len = u32::from_le_bytes(fixed[12..].try_into().expect("4")) as usize;
-            let (name, after) = after
-                .split_at_checked(len)
-                .ok_or_else(|| corrupt("its parent is cut short".into()))?;
-            let name = std::str::from_utf8(name)
-                .ok()
-                .filter(|n| crate::check_name("region", n).is_ok())
-                .ok_or_else(|| corrupt("its parent's name is not a region name".into()))?;
-            if !(1..=MAX_DEPTH).contains(&depth) {
-                return Err(corrupt(format!("its parent is {depth} forks deep")));
-            }
-            from = Some(Parent {
-                region: name.to_owned(),
-                seq: pseq,
-                depth,
-            });
+            let (parent, after) = decode_parent(rest)?;
+            from = Some(parent);
             rest = after;
         }
-        if count.checked_mul(ENTRY as u64) != Some(rest.len() as u64) {
-            return Err(corrupt(format!("{count} entries in {} bytes", rest.len())));
-        }
-        let mut entries = Vec::with_capacity(rest.len() / ENTRY);
-        for e in rest.chunks_exact(ENTRY) {
-            let idx = u64::from_le_bytes(e[..8].try_into().expect("8"));
-            if idx >= geometry.chunk_count() {
-                return Err(corrupt(format!("chunk {idx} is outside the region")));
+        let (entries, pages, page_chunks) = if flags & PAGED != 0 {
+            if !whole {
+                return Err(corrupt(format!(
+                    "version {seq} lists pages but is not whole"
+                )));
             }
-            if entries.last().is_some_and(|(last, _)| *last >= idx) {
-                return Err(corrupt(format!("chunk {idx} is out of order")));
-            }
-            entries.push((idx, Hash(e[8..].try_into().expect("32"))));
-        }
+            let (pages, page_chunks) = decode_pages(rest, count, geometry)?;
+            (Vec::new(), pages, page_chunks)
+        } else {
+            (decode_entries(rest, count, geometry)?, Vec::new(), 0)
+        };
         Ok(Manifest {
             seq,
             epoch,
@@ -209,9 +242,87 @@ impl Manifest {
             whole,
             time_ms,
             entries,
+            pages,
+            page_chunks,
             from,
         })
     }
+}
+
+/// A fork's parent, and what follows it.
+fn decode_parent(rest: &[u8]) -> StoreResult<(Parent, &[u8])> {
+    let (fixed, after) = rest
+        .split_at_checked(16)
+        .ok_or_else(|| corrupt("its parent is cut short".into()))?;
+    let seq = u64::from_le_bytes(fixed[..8].try_into().expect("8"));
+    let depth = u32::from_le_bytes(fixed[8..12].try_into().expect("4"));
+    let len = u32::from_le_bytes(fixed[12..].try_into().expect("4")) as usize;
+    let (name, after) = after
+        .split_at_checked(len)
+        .ok_or_else(|| corrupt("its parent is cut short".into()))?;
+    let name = std::str::from_utf8(name)
+        .ok()
+        .filter(|n| crate::check_name("region", n).is_ok())
+        .ok_or_else(|| corrupt("its parent's name is not a region name".into()))?;
+    if !(1..=MAX_DEPTH).contains(&depth) {
+        return Err(corrupt(format!("its parent is {depth} forks deep")));
+    }
+    let parent = Parent {
+        region: name.to_owned(),
+        seq,
+        depth,
+    };
+    Ok((parent, after))
+}
+
+/// `count` entries, each a chunk of the region, ascending.
+fn decode_entries(rest: &[u8], count: u64, geometry: Geometry) -> StoreResult<Vec<(u64, Hash)>> {
+    if count.checked_mul(ENTRY as u64) != Some(rest.len() as u64) {
+        return Err(corrupt(format!("{count} entries in {} bytes", rest.len())));
+    }
+    let mut entries = Vec::with_capacity(rest.len() / ENTRY);
+    for e in rest.chunks_exact(ENTRY) {
+        let idx = u64::from_le_bytes(e[..8].try_into().expect("8"));
+        if idx >= geometry.chunk_count() {
+            return Err(corrupt(format!("chunk {idx} is outside the region")));
+        }
+        if entries.last().is_some_and(|(last, _)| *last >= idx) {
+            return Err(corrupt(format!("chunk {idx} is out of order")));
+        }
+        entries.push((idx, Hash(e[8..].try_into().expect("32"))));
+    }
+    Ok(entries)
+}
+
+/// The chunks per page, then `count` pages: one per run of that many chunks of the region,
+/// each listing no more chunks than its run holds, the empty ones (only) with the zero hash.
+fn decode_pages(rest: &[u8], count: u64, geometry: Geometry) -> StoreResult<(Vec<PageRef>, u32)> {
+    let (pc, rest) = rest
+        .split_first_chunk::<4>()
+        .ok_or_else(|| corrupt("its pages are cut short".into()))?;
+    let page_chunks = u32::from_le_bytes(*pc);
+    if !valid_page_chunks(page_chunks) {
+        return Err(corrupt(format!("pages of {page_chunks} chunks")));
+    }
+    let want = page_count(geometry, page_chunks);
+    if count != want || count.checked_mul(PAGE_ENTRY as u64) != Some(rest.len() as u64) {
+        return Err(corrupt(format!(
+            "{count} pages in {} bytes, for a region of {want}",
+            rest.len()
+        )));
+    }
+    let mut pages = Vec::with_capacity(rest.len() / PAGE_ENTRY);
+    for (n, e) in rest.chunks_exact(PAGE_ENTRY).enumerate() {
+        let hash = Hash(e[..32].try_into().expect("32"));
+        let chunks = u32::from_le_bytes(e[32..].try_into().expect("4"));
+        let room = (geometry.chunk_count() - n as u64 * u64::from(page_chunks))
+            .min(u64::from(page_chunks));
+        if (hash == Hash::ZERO) != (chunks == 0) || u64::from(chunks) > room {
+            return Err(corrupt(format!("page {n} says it lists {chunks} chunks")));
+        }
+        pages.push(PageRef { hash, chunks });
+    }
+    Ok((pages, page_chunks))
 }
 
 fn corrupt(why: String) -> StoreError {
@@ -235,7 +346,67 @@ mod tests {
             whole: false,
             time_ms: 1_700_000_000_000,
             entries: vec![(0, Hash::of(b"a")), (3, Hash::ZERO), (15, Hash::of(b"b"))],
+            pages: Vec::new(),
+            page_chunks: 0,
             from: None,
+        }
+    }
+
+    fn paged() -> Manifest {
+        Manifest {
+            seq: 4,
+            base: 4,
+            whole: true,
+            entries: Vec::new(),
+            // 16 chunks in pages of 64: one page.
+            pages: vec![PageRef {
+                hash: Hash::of(b"page"),
+                chunks: 3,
+            }],
+            page_chunks: 64,
+            ..sample()
+        }
+    }
+
+    #[test]
+    fn pages_round_trip_and_lies_are_refused() {
+        let m = paged();
+        assert_eq!(Manifest::decode(&m.encode()).unwrap(), m);
+        assert_eq!(m.chunks(), 3);
+        let empty = Manifest::empty(Geometry::new(1 << 30, 65536).unwrap());
+        assert_eq!(Manifest::decode(&empty.encode()).unwrap(), empty);
+        assert_eq!(empty.pages.len(), 4);
+        let lies = [
+            Manifest {
+                whole: false,
+                base: 3,
+                ..paged()
+            },
+            Manifest {
+                page_chunks: 48,
+                ..paged()
+            },
+            Manifest {
+                pages: vec![PageRef::EMPTY; 2],
+                ..paged()
+            },
+            Manifest {
+                pages: vec![PageRef {
+                    hash: Hash::of(b"page"),
+                    chunks: 17,
+                }],
+                ..paged()
+            },
+            Manifest {
+                pages: vec![PageRef {
+                    hash: Hash::ZERO,
+                    chunks: 1,
+                }],
+                ..paged()
+            },
+        ];
+        for m in lies {
+            assert!(Manifest::decode(&m.encode()).is_err(), "{m:?}");
         }
     }
 
@@ -311,6 +482,14 @@ mod tests {
         let mut count = sample().encode();
         count[56..64].copy_from_slice(&u64::MAX.to_le_bytes());
         assert!(Manifest::decode(&resum(count)).is_err());
+        // A region past the chunks farmap allows (its map alone would be too big to hold).
+        let huge = Manifest {
+            size: 1 << 62,
+            chunk_size: 4096,
+            entries: Vec::new(),
+            ..sample()
+        };
+        assert!(Manifest::decode(&huge.encode()).is_err());
         let bad_base = Manifest {
             base: 9,
             ..sample()

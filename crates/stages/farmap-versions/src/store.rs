@@ -14,11 +14,13 @@ use farmap_core::{
 use parking_lot::Mutex;
 
 use crate::base::{Base, Lookup};
-use crate::gc::{self, from_trash};
+use crate::chunk::from_trash;
+use crate::gc;
 use crate::history::{latest, load, resolve};
 use crate::manifest::Manifest;
+use crate::page::{self, Map, PageCache, PageRef};
 use crate::touched;
-use crate::{check_name, chunk, now_ms, tags_dir, version_key, At, Hash, MAX_CHAIN};
+use crate::{check_name, chunk, now_ms, tags_dir, version_key, At, Hash, MAX_CHAIN, MAX_DELTA};
 
 /// How to open a [`Versioned`] region.
 #[derive(Debug, Clone)]
@@ -93,8 +95,8 @@ struct Head {
 
 #[derive(Debug)]
 struct State {
-    /// Every chunk that holds data, with its content.
-    map: HashMap<u64, Hash>,
+    /// What each chunk holds (its pages read into the opening's [`PageCache`]).
+    map: Map,
     /// Chunks changed since the last version written (zeros as [`Hash::ZERO`]).
     dirty: BTreeMap<u64, Hash>,
     head: Head,
@@ -115,6 +117,18 @@ struct Pending {
     bytes: Bytes,
     /// The dirty chunks it saves.
     written: Vec<(u64, Hash)>,
+    /// A whole version: the map it makes, and the pages it wrote for it.
+    folded: Option<Folded>,
+}
+
+/// A whole version's pages, made from the map as it was then.
+#[derive(Debug, Clone)]
+struct Folded {
+    pages: Arc<[PageRef]>,
+    /// The overlay the pages were made from.
+    overlay: Arc<HashMap<u64, Hash>>,
+    /// The pages stored for it.
+    stored: Vec<Hash>,
 }
 
 /// A region kept as versions over [`Objects`]: reads come from the version it opened (and
@@ -126,6 +140,8 @@ pub struct Versioned {
     geometry: Geometry,
     read_only: bool,
     state: Arc<Mutex<State>>,
+    /// The pages of chunk maps read so far.
+    pages: Arc<PageCache>,
     /// When this opening last saw each chunk it wrote in `chunks/` (see [`Self::seen`]).
     seen: Seen,
     /// The object store's garbage-collection grace.
@@ -216,6 +232,7 @@ impl Versioned {
             pending: None,
         }));
         let seen = Seen::default();
+        let pages = Arc::new(PageCache::default());
         let rt = tokio::runtime::Handle::try_current().ok();
         let refresher = match &rt {
             Some(rt) if !opts.read_only => Some(rt.spawn(refresh(
@@ -230,7 +247,14 @@ impl Versioned {
         let ahead = Arc::new(Ahead::default());
         let reader = match (&rt, opts.read_ahead) {
             (Some(rt), true) => {
-                start_read_ahead(rt, &objects, &region, seq, geometry, &state, &ahead).await
+                let to = Reader {
+                    objects: objects.clone(),
+                    geometry,
+                    state: state.clone(),
+                    pages: pages.clone(),
+                    ahead: ahead.clone(),
+                };
+                start_read_ahead(rt, to, &region, seq).await
             }
             _ => None,
         };
@@ -240,6 +264,7 @@ impl Versioned {
             geometry,
             read_only: opts.read_only,
             state,
+            pages,
             seen,
             grace,
             refresher,
@@ -302,6 +327,7 @@ impl Versioned {
         }
         let (manifest, map) = load(&*self.objects, &self.region, latest).await?;
         let mut st = self.state.lock();
+        self.pages.retain(&map);
         st.map = map;
         st.head = Head {
             seq: latest,
@@ -344,37 +370,65 @@ impl Versioned {
         Ok(())
     }
 
-    /// The next version to write: the dirty chunks (or every chunk, when the chain is long),
-    /// with the next epoch when `claim`.
-    fn next_version(&self, st: &State, claim: bool) -> Pending {
-        let seq = st.head.seq + 1;
-        let whole = st.head.chain + 1 >= MAX_CHAIN;
-        let entries: Vec<(u64, Hash)> = if whole {
-            let mut all: Vec<_> = st.map.iter().map(|(i, h)| (*i, *h)).collect();
-            all.sort_unstable();
-            all
-        } else {
-            st.dirty.iter().map(|(i, h)| (*i, *h)).collect()
+    /// The next version to write: the dirty chunks (or, when the chain is long, every chunk,
+    /// in pages: those that changed are stored first), with the next epoch when `claim`.
+    async fn prepare(&self, claim: bool) -> StoreResult<Pending> {
+        let (seq, epoch, base, whole, written, map) = {
+            let st = self.state.lock();
+            let whole = st.head.chain + 1 >= MAX_CHAIN || st.dirty.len() > MAX_DELTA;
+            let written: Vec<(u64, Hash)> = st.dirty.iter().map(|(i, h)| (*i, *h)).collect();
+            (
+                st.head.seq + 1,
+                st.head.epoch + u64::from(claim),
+                st.head.base,
+                whole,
+                written,
+                whole.then(|| st.map.clone()),
+            )
         };
-        let manifest = Manifest {
+        let mut manifest = Manifest {
             seq,
-            epoch: st.head.epoch + u64::from(claim),
-            base: if whole { seq } else { st.head.base },
+            epoch,
+            base: if whole { seq } else { base },
             size: self.geometry.size(),
             chunk_size: self.geometry.chunk_size(),
             whole,
             time_ms: now_ms(),
-            entries,
+            entries: Vec::new(),
+            pages: Vec::new(),
+            page_chunks: 0,
             from: None,
         };
-        Pending {
+        let mut folded = None;
+        match map {
+            Some(map) => {
+                let (pages, store) = map.fold(&*self.objects, &self.pages).await?;
+                let mut stored = Vec::with_capacity(store.len());
+                for (hash, bytes) in store {
+                    let now = Instant::now();
+                    self.objects.create(&chunk::key(&hash), bytes).await?;
+                    self.seen.lock().insert(hash, now);
+                    stored.push(hash);
+                }
+                manifest.page_chunks = map.page_chunks();
+                manifest.pages = pages.clone();
+                folded = Some(Folded {
+                    pages: pages.into(),
+                    overlay: Arc::new(map.overlay().clone()),
+                    stored,
+                });
+            }
+            None => manifest.entries = written.clone(),
+        }
+        Ok(Pending {
             seq,
-            epoch: manifest.epoch,
+            epoch,
             whole,
             claim,
             bytes: Bytes::from(manifest.encode()),
-            written: st.dirty.iter().map(|(i, h)| (*i, *h)).collect(),
-        }
+            written,
+            folded,
+        })
     }
 
     /// Writes the next version (see [`next_version`](Self::next_version)). A version whose
@@ -384,25 +438,31 @@ impl Versioned {
     async fn save(&self, claim: bool) -> StoreResult<u64> {
         let mut claimed = !claim;
         loop {
-            let (p, retried) = {
-                let mut st = self.state.lock();
+            let pending = {
+                let st = self.state.lock();
                 if let Some(why) = &st.fenced {
                     return Err(StoreError::new(ErrorKind::Fenced, why.clone()));
                 }
-                match st.pending.clone() {
-                    Some(p) => (p, true),
-                    None => {
-                        if st.dirty.is_empty() && claimed {
-                            return Ok(st.head.seq);
-                        }
-                        let p = self.next_version(&st, !claimed);
-                        st.pending = Some(p.clone());
-                        (p, false)
-                    }
+                if st.pending.is_none() && st.dirty.is_empty() && claimed {
+                    return Ok(st.head.seq);
+                }
+                st.pending.clone()
+            };
+            let (p, retried) = match pending {
+                Some(p) => (p, true),
+                None => {
+                    // Only a flush (holding `flushing`) prepares a version: none came since.
+                    let p = self.prepare(!claimed).await?;
+                    self.state.lock().pending = Some(p.clone());
+                    (p, false)
                 }
             };
-            self.see_again(p.written.iter().map(|(_, h)| *h), self.grace / 4)
-                .await?;
+            let pages = p.folded.iter().flat_map(|f| f.stored.iter().copied());
+            self.see_again(
+                p.written.iter().map(|(_, h)| *h).chain(pages),
+                self.grace / 4,
+            )
+            .await?;
             let key = version_key(&self.region, p.seq);
             let created = match self.objects.create(&key, p.bytes.clone()).await {
                 Ok(true) => true,
@@ -432,6 +492,10 @@ impl Versioned {
             }
             st.head.seq = p.seq;
             st.head.epoch = p.epoch;
+            if let Some(f) = &p.folded {
+                st.map.folded(f.pages.clone(), &f.overlay);
+                self.pages.retain(&st.map);
+            }
             if p.whole {
                 st.head.base = p.seq;
                 st.head.chain = 0;
@@ -485,16 +549,26 @@ impl Versioned {
 
     /// Chunk `idx` now holds `hash`; a chunk written again with the content it holds is not
     /// a change (the next version does not list it).
+    /// Call [`lookup`](Self::lookup) first, so that what it held is known; when it is not
+    /// (its page was dropped meanwhile), the write counts as a change.
     fn set(&self, idx: u64, hash: Hash) {
         let mut st = self.state.lock();
-        let before = if hash == Hash::ZERO {
-            st.map.remove(&idx)
-        } else {
-            st.map.insert(idx, hash)
-        };
-        if before.unwrap_or(Hash::ZERO) != hash || st.dirty.contains_key(&idx) {
+        let before = st.map.get(idx, &self.pages);
+        st.map.set(idx, hash);
+        if before.map(|b| b.unwrap_or(Hash::ZERO)) != Ok(hash) || st.dirty.contains_key(&idx) {
             st.dirty.insert(idx, hash);
         }
+    }
+
+    /// What chunk `idx` holds now (`None`: zeros), reading its page when needed.
+    async fn lookup(&self, idx: u64) -> StoreResult<Option<Hash>> {
+        let state = &self.state;
+        page::lookup(
+            || state.lock().map.get(idx, &self.pages),
+            &*self.objects,
+            &self.pages,
+        )
+        .await
     }
 }
 
@@ -516,12 +590,12 @@ impl Store for Versioned {
         Box::pin(async move {
             self.geometry.check_idx(idx)?;
             let len = self.geometry.chunk_len(idx);
-            let Some(hash) = self.state.lock().map.get(&idx.0).copied() else {
+            let Some(hash) = self.lookup(idx.0).await? else {
                 return Ok(zero_chunk(len));
             };
             if let Some(order) = &self.order {
                 let mut o = order.lock();
-                if o.seen.insert(idx.0) {
+                if o.list.len() < touched::MAX_CHUNKS && o.seen.insert(idx.0) {
                     o.list.push(idx.0);
                 }
             }
@@ -561,6 +635,7 @@ impl Store for Versioned {
         Box::pin(async move {
             self.geometry.check_write(idx, data.len())?;
             self.check_writable()?;
+            self.lookup(idx.0).await?;
             if is_zero(&data) {
                 self.set(idx.0, Hash::ZERO);
                 return Ok(());
@@ -601,6 +676,7 @@ impl Store for Versioned {
             self.geometry.check_range(range)?;
             self.check_writable()?;
             for idx in range.iter() {
+                self.lookup(idx.0).await?;
                 self.set(idx.0, Hash::ZERO);
             }
             Ok(())
@@ -610,9 +686,7 @@ impl Store for Versioned {
     fn status(&self, idx: ChunkIdx) -> BoxFuture<'_, StoreResult<ChunkStatus>> {
         Box::pin(async move {
             self.geometry.check_idx(idx)?;
-            Ok(ChunkStatus::data_if(
-                self.state.lock().map.contains_key(&idx.0),
-            ))
+            Ok(ChunkStatus::data_if(self.lookup(idx.0).await?.is_some()))
         })
     }
 
@@ -622,10 +696,18 @@ impl Store for Versioned {
 
     fn memory_base(&self) -> BoxFuture<'_, StoreResult<Option<Arc<dyn MemoryBase>>>> {
         Box::pin(async move {
-            let state = self.state.clone();
-            let now: Lookup = Arc::new(move |idx| state.lock().map.get(&idx).copied());
+            let (state, pages) = (self.state.clone(), self.pages.clone());
+            let now: Lookup = Arc::new(move |idx| state.lock().map.get(idx, &pages).ok());
             let opened = || self.state.lock().map.clone();
-            let base = Base::of(&*self.objects, &self.region, self.geometry, opened, now).await?;
+            let base = Base::of(
+                &*self.objects,
+                &self.region,
+                self.geometry,
+                opened,
+                now,
+                self.pages.clone(),
+            )
+            .await?;
             Ok(Some(Arc::new(base) as Arc<dyn MemoryBase>))
         })
     }
@@ -663,7 +745,7 @@ async fn latest_or_create(objects: &dyn Objects, opts: &VersionedOptions) -> Sto
             ),
         ));
     };
-    let first = Manifest::first(g.size(), g.chunk_size(), Vec::new());
+    let first = Manifest::empty(g);
     // Losing this race to another creator is fine: its version 0 is what opens.
     objects
         .create(&version_key(region, 0), Bytes::from(first.encode()))
@@ -671,26 +753,26 @@ async fn latest_or_create(objects: &dyn Objects, opts: &VersionedOptions) -> Sto
     Ok(0)
 }
 
+/// What reading ahead needs of an opening.
+struct Reader {
+    objects: Arc<dyn Objects>,
+    geometry: Geometry,
+    state: Arc<Mutex<State>>,
+    pages: Arc<PageCache>,
+    ahead: Arc<Ahead>,
+}
+
 /// Starts reading ahead the working set recorded for version `seq` (see
 /// [`touched`](crate::touched)), if there is one.
 async fn start_read_ahead(
     rt: &tokio::runtime::Handle,
-    objects: &Arc<dyn Objects>,
+    to: Reader,
     region: &str,
     seq: u64,
-    geometry: Geometry,
-    state: &Arc<Mutex<State>>,
-    ahead: &Arc<Ahead>,
 ) -> Option<tokio::task::JoinHandle<()>> {
-    let order = touched::find(&**objects, region, seq, geometry.chunk_count()).await?;
+    let order = touched::find(&*to.objects, region, seq, to.geometry.chunk_count()).await?;
     tracing::debug!(region, chunks = order.len(), "reading a working set ahead");
-    Some(rt.spawn(read_ahead(
-        objects.clone(),
-        geometry,
-        state.clone(),
-        ahead.clone(),
-        order,
-    )))
+    Some(rt.spawn(read_ahead(to, order)))
 }
 
 /// Sees each of `hashes` (but zeros) in `chunks/` again unless seen less than `within` ago,
@@ -743,13 +825,14 @@ async fn refresh(
 
 /// Reads `order` ahead: each chunk that holds data and was not read yet, [`READ_AHEAD_IN_FLIGHT`]
 /// at a time, holding at most [`READ_AHEAD_BYTES`] not read yet.
-async fn read_ahead(
-    objects: Arc<dyn Objects>,
-    geometry: Geometry,
-    state: Arc<Mutex<State>>,
-    ahead: Arc<Ahead>,
-    order: Vec<u64>,
-) {
+async fn read_ahead(to: Reader, order: Vec<u64>) {
+    let Reader {
+        objects,
+        geometry,
+        state,
+        pages,
+        ahead,
+    } = to;
     let mut tasks = tokio::task::JoinSet::new();
     for idx in order {
         while tasks.len() >= READ_AHEAD_IN_FLIGHT
@@ -763,7 +846,9 @@ async fn read_ahead(
         if ahead.read.lock().contains(&idx) {
             continue;
         }
-        let Some(hash) = state.lock().map.get(&idx).copied() else {
+        let found = page::lookup(|| state.lock().map.get(idx, &pages), &*objects, &pages);
+        // A page that cannot be read is reported when its chunk is asked for.
+        let Ok(Some(hash)) = found.await else {
             continue;
         };
         let (objects, ahead) = (objects.clone(), ahead.clone());

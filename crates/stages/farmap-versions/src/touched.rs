@@ -18,6 +18,10 @@ use farmap_core::{ErrorKind, Objects, StoreError, StoreResult};
 
 const MAGIC: &[u8; 8] = b"FMTOUCH1";
 
+/// Chunks a working set records at most (the first ones read): its object stays under
+/// 8 MB, and 1,000,000 chunks is 64 GB of a region in 64 KiB chunks to read ahead.
+pub const MAX_CHUNKS: usize = 1_000_000;
+
 /// The folder of a region's working sets.
 pub(crate) fn touched_dir(region: &str) -> String {
     format!("regions/{region}/touched")
