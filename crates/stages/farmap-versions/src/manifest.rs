@@ -133,7 +133,8 @@ impl Manifest {
 
     /// The region's shape.
     pub fn geometry(&self) -> StoreResult<Geometry> {
-        Geometry::new_bounded(self.size, u64::from(self.chunk_size)).map_err(|e| corrupt(format!("{e}")))
+        Geometry::new_bounded(self.size, u64::from(self.chunk_size))
+            .map_err(|e| corrupt(format!("{e}")))
     }
 
     /// Its bytes.
@@ -207,8 +208,8 @@ impl Manifest {
         {
             return Err(corrupt(format!("chunk size {chunk_size}")));
         }
-        let geometry =
-            Geometry::new_bounded(size, u64::from(chunk_size)).map_err(|e| corrupt(format!("{e}")))?;
+        let geometry = Geometry::new_bounded(size, u64::from(chunk_size))
+            .map_err(|e| corrupt(format!("{e}")))?;
         if base > seq || (whole && base != seq) {
             return Err(corrupt(format!("version {seq} names base {base}")));
         }
