@@ -10,7 +10,9 @@ export CARGO_TERM_COLOR=never
 # would double the size of target/ (CI machines have had little disk to spare).
 export CARGO_INCREMENTAL="${CARGO_INCREMENTAL:-0}"
 
-step() { printf '\n=== %s\n' "$*" >&2; }
+# Each step says when it starts (minutes:seconds since the suite started), so that a CI log
+# shows where its time goes.
+step() { printf '\n=== [%d:%02d] %s\n' $((SECONDS / 60)) $((SECONDS % 60)) "$*" >&2; }
 
 # --- what the tests need from the machine ------------------------------------------------
 # Debian packages the suite uses; installed only when missing (apt-get needs root).
@@ -89,6 +91,26 @@ if ((skipped)); then
   step "skipped tests"
   cat "$FARMAP_SKIP_LOG" >&2
 fi
+step "done"
+# The test binaries that took longest (their own time, services' start-up included).
+python3 - "$log" <<'PY' >&2 || true
+import re, sys
+cur, times = None, []
+for line in open(sys.argv[1], errors="replace"):
+    m = re.match(r"\s+Running (.+?) \((\S+)\)", line)
+    if m:
+        binary = re.sub(r"-[0-9a-f]{16}$", "", m.group(2).rsplit("/", 1)[-1])
+        cur = f"{m.group(1)} [{binary}]"
+        continue
+    m = re.search(r"test result: .* finished in ([\d.]+)s", line)
+    if m and cur:
+        times.append((float(m.group(1)), cur))
+        cur = None
+times.sort(reverse=True)
+print(f"slowest test binaries (all: {sum(t for t, _ in times):.0f} s):")
+for t, name in times[:8]:
+    print(f"  {t:7.1f} s  {name}")
+PY
 # One closing line for CI: totals over every test binary. "skipped" counts the tests that
 # recorded a skip (they return early and libtest counts them as passed); "ignored" counts the
 # `#[ignore]` entry points that tests start as child processes (`--ignored --exact <name>`,

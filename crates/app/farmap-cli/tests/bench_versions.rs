@@ -1,26 +1,43 @@
 //! `farmap bench versions --json`, run for real and small: one checked row per case, with
 //! the sizes that must hold whatever the machine's speed (a snapshot writes about what it
-//! rewrote, forks copy no chunk). No speed is asserted.
+//! rewrote, forks copy no chunk), over a directory and over a real Redis. No speed is
+//! asserted.
 
 mod common;
 use common::farmap;
 use farmap_testkit::cli::number;
+use farmap_testkit::{unique_name, Service};
 
 #[test]
 fn bench_versions_prints_a_checked_row_per_case() {
     let dir = tempfile::tempdir().unwrap();
     let objects = dir.path().join("objects");
-    let rows = farmap().json_lines(&[
-        "bench",
-        "versions",
-        "--size",
-        "8MiB",
-        "--clones",
-        "3",
-        "--dir",
-        objects.to_str().unwrap(),
-        "--json",
-    ]);
+    check(&["--dir", objects.to_str().unwrap()], "dir");
+}
+
+/// The same cases over a real Redis (`--objects`): the bytes are counted by listing and
+/// reading the objects, and the same sizes hold.
+#[test]
+fn bench_versions_runs_over_another_object_store() {
+    let svc = match Service::shared("redis") {
+        Ok(s) => s,
+        Err(e) => return farmap_testkit::skip("bench_versions_runs_over_another_object_store", e),
+    };
+    let spec = format!(
+        "redis://127.0.0.1:{}/0?prefix={}",
+        svc.var("PORT"),
+        unique_name("bench-versions")
+    );
+    check(&["--objects", &spec], "redis");
+}
+
+/// Runs the bench small with `extra` and checks its rows; `objects` is the store's kind.
+fn check(extra: &[&str], objects: &str) {
+    let mut args = vec![
+        "bench", "versions", "--size", "8MiB", "--clones", "3", "--json",
+    ];
+    args.extend_from_slice(extra);
+    let rows = farmap().json_lines(&args);
     let cases: Vec<&str> = rows.iter().map(|r| r["case"].as_str().unwrap()).collect();
     // The clones case maps regions: userfaultfd (CI machines have it).
     let uffd = farmap_uffd::probe().is_ok();
@@ -34,6 +51,7 @@ fn bench_versions_prints_a_checked_row_per_case() {
     assert_eq!(cases, expect, "{rows:?}");
     for row in &rows {
         assert_eq!(row["bench"], "versions", "{row}");
+        assert_eq!(row["objects"], objects, "{row}");
         assert_eq!(row["region_bytes"], 8u64 << 20, "{row}");
         assert_eq!(row["verified"], true, "{row}");
         assert!(number(row, "ms") >= 0.0, "{row}");

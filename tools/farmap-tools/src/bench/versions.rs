@@ -1,5 +1,7 @@
 //! `farmap bench versions`: the versioned layout (`versioned:(dir:PATH)/REGION`) over a
-//! directory of objects: what a snapshot costs, how soon a version opens, what forks cost.
+//! directory of objects, or over another object store with `--objects SPEC` (`s3://`,
+//! `redis://`, `cql://`): what a snapshot costs, how soon a version opens, what forks cost.
+//! Every row names the object store's kind (`objects`: `dir`, `s3`, ...).
 //!
 //! The region's chunks are a fixed mix: a quarter zeros, a quarter text-like (compressible,
 //! each unique), half incompressible and unique. Cases, one JSON line each with `--json`
@@ -77,8 +79,14 @@ pub struct VersionsArgs {
     clones: u32,
     /// Where the objects go (a new directory in the system's temporary directory if not
     /// given; removed at the end).
-    #[arg(long)]
+    #[arg(long, conflicts_with = "objects")]
     dir: Option<std::path::PathBuf>,
+    /// Keep the objects in this object store instead of a directory: `s3://BUCKET/PREFIX?...`,
+    /// `redis://...`, `cql://...` (a new, empty prefix: the bench sets its garbage
+    /// collection grace, and leaves its objects there). Bytes are counted by listing and
+    /// reading the objects.
+    #[arg(long, value_name = "SPEC")]
+    objects: Option<String>,
     /// One JSON object per case on stdout.
     #[arg(long)]
     json: bool,
@@ -88,6 +96,7 @@ pub struct VersionsArgs {
 struct Row {
     bench: &'static str,
     case: &'static str,
+    objects: String,
     region_bytes: u64,
     ms: f64,
     #[serde(skip_serializing_if = "Option::is_none")]
@@ -224,8 +233,13 @@ fn open_opts(region: &str, at: At, g: Option<Geometry>) -> VersionedOptions {
 /// What every case works on.
 struct Bench {
     g: Geometry,
-    root: std::path::PathBuf,
+    /// The object directory (`None`: another object store).
+    root: Option<std::path::PathBuf>,
+    /// The objects' spec, as `versioned:(SPEC)/REGION` takes it.
+    spec: String,
     objects: Arc<dyn Objects>,
+    /// The size of each object counted so far (every object of the layout is immutable).
+    sizes: std::sync::Mutex<std::collections::HashMap<String, u64>>,
     json: bool,
     /// The object directory's garbage-collection grace.
     grace: Duration,
@@ -241,11 +255,75 @@ fn ratio(x: f64) -> f64 {
     (x * 1000.0).round() / 1000.0
 }
 
+/// What [`Bench::stored`] counts.
+#[derive(Clone, Copy, PartialEq)]
+enum Stored {
+    /// Chunks (and pages of chunk maps).
+    Chunks,
+    /// Everything.
+    All,
+}
+
 impl Bench {
+    /// Bytes the objects take: the directory's files, or the objects listed and read.
+    async fn stored(&self, what: Stored) -> anyhow::Result<u64> {
+        if let Some(root) = &self.root {
+            return Ok(match what {
+                Stored::Chunks => du(&root.join("chunks")),
+                Stored::All => du(root),
+            });
+        }
+        let o = &*self.objects;
+        let mut keys = Vec::new();
+        let tops: &[&str] = match what {
+            Stored::Chunks => &["chunks"],
+            Stored::All => &["chunks", "trash"],
+        };
+        for top in tops {
+            for d in o.list(top).await? {
+                for n in o.list(&format!("{top}/{d}")).await? {
+                    keys.push(format!("{top}/{d}/{n}"));
+                }
+            }
+        }
+        if what == Stored::All {
+            for r in o.list("regions").await? {
+                for sub in ["versions", "tags", "touched"] {
+                    let dir = format!("regions/{r}/{sub}");
+                    keys.extend(
+                        o.list(&dir)
+                            .await?
+                            .into_iter()
+                            .map(|n| format!("{dir}/{n}")),
+                    );
+                }
+            }
+            keys.push("gc/grace".into());
+        }
+        let sizes = &self.sizes;
+        let mut lens = futures::stream::iter(keys)
+            .map(|k| async move {
+                let known = sizes.lock().expect("sizes").get(&k).copied();
+                if let Some(len) = known {
+                    return anyhow::Ok(len);
+                }
+                let len = o.get(&k).await?.map_or(0, |b| b.len() as u64);
+                sizes.lock().expect("sizes").insert(k, len);
+                Ok(len)
+            })
+            .buffer_unordered(IN_FLIGHT);
+        let mut total = 0;
+        while let Some(len) = lens.next().await {
+            total += len?;
+        }
+        Ok(total)
+    }
+
     fn row(&self, case: &'static str) -> Row {
         Row {
             bench: "versions",
             case,
+            objects: self.spec.split(':').next().unwrap_or_default().to_owned(),
             region_bytes: self.g.size(),
             ..Row::default()
         }
@@ -276,11 +354,11 @@ impl Bench {
         write_all(&v, (0..n).map(|i| (i, content(g, i, 0)))).await?;
         v.flush().await?;
         let took = start.elapsed();
-        let chunks = du(&self.root.join("chunks")).max(1);
+        let chunks = self.stored(Stored::Chunks).await?.max(1);
         self.emit(Row {
             ms: ms(start),
             mb_per_s: Some(output::mb_per_s(g.size(), took)),
-            bytes_written: Some(du(&self.root)),
+            bytes_written: Some(self.stored(Stored::All).await?),
             compression_ratio: Some(ratio(self.nonzero(|_| 0) as f64 / chunks as f64)),
             verified: true,
             ..self.row("create")
@@ -291,8 +369,8 @@ impl Bench {
     async fn snapshot(&self, v: &Versioned) -> anyhow::Result<()> {
         let g = self.g;
         let dirty: Vec<u64> = (0..g.chunk_count()).step_by(100).collect();
-        let before = du(&self.root);
-        let chunks_before = du(&self.root.join("chunks"));
+        let before = self.stored(Stored::All).await?;
+        let chunks_before = self.stored(Stored::Chunks).await?;
         let start = Instant::now();
         write_all(v, dirty.iter().map(|&i| (i, content(g, i, 1)))).await?;
         let write_ms = ms(start);
@@ -302,8 +380,8 @@ impl Bench {
             ms: ms(start),
             write_ms: Some(write_ms),
             dirty_bytes: Some(dirty.iter().map(|&i| g.chunk_len(ChunkIdx(i)) as u64).sum()),
-            dirty_stored_bytes: Some(du(&self.root.join("chunks")) - chunks_before),
-            bytes_written: Some(du(&self.root) - before),
+            dirty_stored_bytes: Some(self.stored(Stored::Chunks).await? - chunks_before),
+            bytes_written: Some(self.stored(Stored::All).await? - before),
             verified: true,
             ..self.row("snapshot")
         })
@@ -342,7 +420,7 @@ impl Bench {
     async fn fork(&self, clones: u32) -> anyhow::Result<()> {
         let (g, n) = (self.g, self.g.chunk_count());
         let names: Vec<String> = (0..clones).map(|c| format!("fork-{c}")).collect();
-        let before = du(&self.root);
+        let before = self.stored(Stored::All).await?;
         let start = Instant::now();
         fork(&*self.objects, "base", &At::Tag("bench".into()), &names).await?;
         let fork_ms = ms(start);
@@ -365,7 +443,7 @@ impl Bench {
                 ok &= f.read(ChunkIdx(i)).await? == content(g, i, gen);
             }
         }
-        let store = du(&self.root).max(1);
+        let store = self.stored(Stored::All).await?.max(1);
         let logical = self.nonzero(after_snapshot) * (1 + u64::from(clones));
         self.emit(Row {
             ms: fork_ms,
@@ -390,10 +468,10 @@ struct ClonesRun {
     ok: bool,
 }
 
-/// Opens `names` in `root` as regions, one after the other, each reading `ws` (checked
-/// against `expect`); measures before closing them.
+/// Opens `names` in the objects `spec` as regions, one after the other, each reading `ws`
+/// (checked against `expect`); measures before closing them.
 fn clones_run(
-    root: &Path,
+    spec: &str,
     names: &[String],
     ws: &[u64],
     g: Geometry,
@@ -405,7 +483,7 @@ fn clones_run(
     let mut ok = true;
     let mut buf = vec![0u8; g.chunk_size() as usize];
     for name in names {
-        let spec: farmap::StoreSpec = format!("versioned:(dir:{})/{name}", root.display())
+        let spec: farmap::StoreSpec = format!("versioned:({spec})/{name}")
             .parse()
             .context("the clone's spec")?;
         let opts = farmap::RegionOptions {
@@ -452,13 +530,13 @@ impl Bench {
     async fn clones(&self, clones: u32) -> anyhow::Result<()> {
         let names: Vec<String> = (0..clones).map(|c| format!("clone-{c}")).collect();
         fork(&*self.objects, "base", &At::Tag("bench".into()), &names).await?;
-        let (g, root, ws) = (self.g, self.root.clone(), self.working_set());
+        let (g, spec, ws) = (self.g, self.spec.clone(), self.working_set());
         let ws_bytes = ws.iter().map(|&i| g.chunk_len(ChunkIdx(i)) as u64).sum();
         let expect = move |i: u64| content(g, i, after_snapshot(i));
         let (shared, own) = tokio::task::spawn_blocking(move || -> anyhow::Result<_> {
             Ok((
-                clones_run(&root, &names, &ws, g, true, expect)?,
-                clones_run(&root, &names, &ws, g, false, expect)?,
+                clones_run(&spec, &names, &ws, g, true, expect)?,
+                clones_run(&spec, &names, &ws, g, false, expect)?,
             ))
         })
         .await??;
@@ -551,7 +629,7 @@ impl Bench {
         // Stopped before its flush: what it stored no version lists.
         drop(w);
         let stored: u64 = garbage.iter().filter(|i| *i % 4 != 0).count() as u64;
-        let before = du(&self.root);
+        let before = self.stored(Stored::All).await?;
         let start = Instant::now();
         let first = gc(&*self.objects, &GcOptions::default()).await?;
         let first_ms = ms(start);
@@ -559,7 +637,7 @@ impl Bench {
         let start = Instant::now();
         let second = gc(&*self.objects, &GcOptions::default()).await?;
         let second_ms = ms(start);
-        let after = du(&self.root);
+        let after = self.stored(Stored::All).await?;
         let r = Versioned::open(self.objects.clone(), open_opts("base", At::Latest, None)).await?;
         let mut ok = first.trashed == stored && second.deleted == stored;
         for &i in garbage.iter().take(64) {
@@ -585,23 +663,42 @@ impl Bench {
 pub async fn run(args: VersionsArgs) -> anyhow::Result<ExitCode> {
     let g = Geometry::new(args.size, args.chunk).context("--size and --chunk")?;
     let temp;
-    let root = match &args.dir {
-        Some(d) => d.clone(),
+    let (objects, root, spec): (Arc<dyn Objects>, _, _) = match &args.objects {
+        Some(text) => {
+            let spec: farmap::StoreSpec = text.parse().context("--objects")?;
+            let objects = farmap::spec::open_objects(&spec)
+                .await
+                .with_context(|| format!("--objects {spec}"))?;
+            (objects, None, text.clone())
+        }
         None => {
-            temp = tempfile::tempdir().context("a temporary directory")?;
-            temp.path().join("objects")
+            let root = match &args.dir {
+                Some(d) => d.clone(),
+                None => {
+                    temp = tempfile::tempdir().context("a temporary directory")?;
+                    temp.path().join("objects")
+                }
+            };
+            let spec = format!("dir:{}", root.display());
+            (Arc::new(DirObjects::open(&root)?), Some(root), spec)
         }
     };
-    let objects: Arc<dyn Objects> = Arc::new(DirObjects::open(&root)?);
     // A short grace, so that the gc case deletes within a second.
     let grace = Duration::from_secs(1);
     farmap::versions::gc::grace(&*objects, Some(grace))
         .await
-        .with_context(|| format!("{}: give a new --dir", root.display()))?;
+        .with_context(|| {
+            format!(
+                "{}: give a new --dir or --objects prefix",
+                objects.location()
+            )
+        })?;
     let bench = Bench {
         g,
         objects,
         root,
+        spec,
+        sizes: Default::default(),
         json: args.json,
         grace,
     };
