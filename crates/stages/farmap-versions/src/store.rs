@@ -186,20 +186,25 @@ impl Versioned {
     pub async fn open(objects: Arc<dyn Objects>, opts: VersionedOptions) -> StoreResult<Self> {
         check_name("region", &opts.region).map_err(StoreError::invalid)?;
         let region = opts.region.clone();
-        let latest = latest_or_create(&*objects, &opts).await?;
         let seq = match &opts.at {
-            At::Latest => latest,
-            at => resolve(&*objects, &region, at).await?,
+            At::Latest => latest_or_create(&*objects, &opts).await?,
+            // A read-only opening of a given version needs nothing else: no listing.
+            at if opts.read_only => resolve(&*objects, &region, at).await?,
+            at => {
+                let latest = latest_or_create(&*objects, &opts).await?;
+                let seq = resolve(&*objects, &region, at).await?;
+                if seq != latest {
+                    return Err(StoreError::new(
+                        ErrorKind::ReadOnly,
+                        format!(
+                            "region {region:?}: version {seq} is not the latest ({latest}); \
+                             open it read-only"
+                        ),
+                    ));
+                }
+                seq
+            }
         };
-        let writable = !opts.read_only;
-        if writable && seq != latest {
-            return Err(StoreError::new(
-                ErrorKind::ReadOnly,
-                format!(
-                    "region {region:?}: version {seq} is not the latest ({latest}); open it read-only"
-                ),
-            ));
-        }
         let (manifest, map) = load(&*objects, &region, seq).await?;
         let geometry = manifest.geometry()?;
         if let Some(g) = opts.create {

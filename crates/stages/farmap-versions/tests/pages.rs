@@ -23,6 +23,7 @@ struct Counting {
     inner: DirObjects,
     gets: AtomicUsize,
     creates: AtomicUsize,
+    lists: AtomicUsize,
 }
 
 impl Counting {
@@ -31,6 +32,7 @@ impl Counting {
             inner: DirObjects::open(dir).unwrap(),
             gets: AtomicUsize::new(0),
             creates: AtomicUsize::new(0),
+            lists: AtomicUsize::new(0),
         })
     }
 
@@ -60,6 +62,7 @@ impl Objects for Counting {
         self.inner.create(key, data)
     }
     fn list<'a>(&'a self, dir: &'a str) -> BoxFuture<'a, StoreResult<Vec<String>>> {
+        self.lists.fetch_add(1, Ordering::SeqCst);
         self.inner.list(dir)
     }
     fn delete<'a>(&'a self, key: &'a str) -> BoxFuture<'a, StoreResult<()>> {
@@ -142,6 +145,16 @@ async fn an_open_reads_no_page_and_a_read_reads_its_page_once() {
         assert_eq!(v.read(ChunkIdx(b + 1)).await.unwrap(), vec![0; 4096]);
         assert_eq!(counting.take().0, 1, "the page was read already");
         assert_eq!(v.read(ChunkIdx(1)).await.unwrap(), content(1, 31));
+
+        // A read-only opening of a given version lists nothing (a listing is a slow call on
+        // S3): it reads that version's manifests.
+        let seq = v.version();
+        counting.lists.store(0, Ordering::SeqCst);
+        let old = Versioned::open(o.clone(), opts("r", At::Seq(seq), None))
+            .await
+            .unwrap();
+        assert_eq!(counting.lists.load(Ordering::SeqCst), 0);
+        assert_eq!(old.read(ChunkIdx(a)).await.unwrap(), content(a, 1));
     }
 }
 
