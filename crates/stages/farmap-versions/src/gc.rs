@@ -32,7 +32,7 @@ use tracing::{debug, info};
 
 use crate::chunk::{self, from_trash, trash_key, TRASH};
 use crate::manifest::Manifest;
-use crate::page::PageCache;
+use crate::page::read_page;
 use crate::{now_ms, versions_dir, Hash};
 
 /// The grace an object store gets when its first writer or collector asks for none.
@@ -222,8 +222,7 @@ async fn referenced(objects: &dyn Objects) -> StoreResult<(HashSet<Hash>, u64, u
                     continue;
                 }
                 set.insert(page.hash);
-                let p = PageCache::default()
-                    .load(objects, page.hash, m.page_chunks)
+                let p = read_page(objects, page.hash, m.page_chunks)
                     .await
                     .map_err(stop)?;
                 set.extend(p.entries().iter().map(|(_, h)| *h));

@@ -185,8 +185,8 @@ impl PageCache {
         self.loaded.lock().get(hash).cloned()
     }
 
-    /// Reads page `hash` (of a map with `page_chunks` chunks per page) from `objects`, or
-    /// from the trash when a collector moved it, checking it.
+    /// Page `hash` (of a map with `page_chunks` chunks per page): the one read already, or
+    /// [`read_page`], kept.
     pub async fn load(
         &self,
         objects: &dyn Objects,
@@ -196,22 +196,7 @@ impl PageCache {
         if let Some(p) = self.get(&hash) {
             return Ok(p);
         }
-        let stored = match objects.get(&chunk::key(&hash)).await? {
-            Some(b) => Some(b),
-            None => from_trash(objects, &hash).await?,
-        };
-        let stored = stored.ok_or_else(|| {
-            StoreError::new(
-                ErrorKind::Corrupt,
-                format!(
-                    "page {} of a version's chunk map is missing from {}",
-                    hash.hex(),
-                    objects.location()
-                ),
-            )
-        })?;
-        let bytes = chunk::decode_within(&stored, max_page_len(page_chunks), &hash)?;
-        let page = Arc::new(Page::decode(&bytes, page_chunks)?);
+        let page = Arc::new(read_page(objects, hash, page_chunks).await?);
         self.loaded.lock().insert(hash, page.clone());
         Ok(page)
     }
@@ -386,6 +371,31 @@ impl Map {
         }
         Hash::of(&body).0
     }
+}
+
+/// Reads page `hash` (of a map with `page_chunks` chunks per page) from `objects`, or from
+/// the trash when a collector moved it, checking it.
+pub(crate) async fn read_page(
+    objects: &dyn Objects,
+    hash: Hash,
+    page_chunks: u32,
+) -> StoreResult<Page> {
+    let stored = match objects.get(&chunk::key(&hash)).await? {
+        Some(b) => Some(b),
+        None => from_trash(objects, &hash).await?,
+    };
+    let stored = stored.ok_or_else(|| {
+        StoreError::new(
+            ErrorKind::Corrupt,
+            format!(
+                "page {} of a version's chunk map is missing from {}",
+                hash.hex(),
+                objects.location()
+            ),
+        )
+    })?;
+    let bytes = chunk::decode_within(&stored, max_page_len(page_chunks), &hash)?;
+    Page::decode(&bytes, page_chunks)
 }
 
 /// What `map` holds at chunk `idx` (`None`: zeros), reading its page when needed.
