@@ -120,7 +120,7 @@ fn pair(test: &str, service: &'static str) -> Option<Pair> {
 
 /// `farmap seed` on `a` with `seed_extra` arguments, `farmap leech` on `b` with
 /// `leech_extra`: the leech report, and the seed's stderr.
-fn migrate(p: &Pair, seed_extra: &[&str], leech_extra: &[&str]) -> (Value, String) {
+fn migrate(p: &mut Pair, seed_extra: &[&str], leech_extra: &[&str]) -> (Value, String) {
     let seed = Seeder::start(&p.farmap, &p.a, seed_extra);
     let mut args = vec!["--max-downtime", "10ms"];
     args.extend_from_slice(leech_extra);
@@ -129,7 +129,12 @@ fn migrate(p: &Pair, seed_extra: &[&str], leech_extra: &[&str]) -> (Value, Strin
     assert!(ok, "leech failed: {err}");
     let report = json_of(&out);
     let (ok, out, seed_err) = seed.proc.finish();
-    assert!(ok, "seed failed: {seed_err}");
+    if !ok {
+        // Whether the source application is still there says whose end failed.
+        std::thread::sleep(Duration::from_millis(500));
+        let source = p.a.proc.child().try_wait();
+        panic!("seed failed: {seed_err}\nthe source node: {source:?} (None: running)");
+    }
     assert_eq!(json_of(&out)["role"], "seed");
     (report, seed_err)
 }
@@ -148,7 +153,7 @@ fn a_region_over_redis_migrates_live_and_redis_holds_the_hand_over_image() {
     // Let a few push rounds run with the writer going.
     std::thread::sleep(Duration::from_millis(300));
     let before = verify(&mut p.a);
-    let (report, _) = migrate(&p, &[], &[]);
+    let (report, _) = migrate(&mut p, &[], &[]);
     let handed_over_at = report["resumed_at_op"]
         .as_u64()
         .unwrap_or_else(|| panic!("resumed_at_op missing in {report}"));
@@ -181,7 +186,7 @@ fn instant(test: &str, service: &'static str, seed_extra: &[&str]) -> Option<(St
     let mut p = pair(test, service)?;
     std::thread::sleep(Duration::from_millis(300));
     let before = verify(&mut p.a);
-    let (report, seed_err) = migrate(&p, seed_extra, &["--mode", "instant"]);
+    let (report, seed_err) = migrate(&mut p, seed_extra, &["--mode", "instant"]);
     assert_eq!(report["mode"], "instant", "{report}");
     let chunks = p.size / (64 << 10);
     let (from_store, from_source) = (

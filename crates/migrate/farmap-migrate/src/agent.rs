@@ -517,7 +517,7 @@ async fn connection<A: App>(
                     })
                 };
                 match req {
-                    Request::Seed(r) => run_seed(r, &*app, observer, &mut rd, &tx).await,
+                    Request::Seed(r) => run_seed(r, &app, observer, &mut rd, &tx).await,
                     Request::Leech(r) => run_leech(r, &*app, observer, &mut rd).await,
                     Request::Cancel | Request::SetLocalMax(_) | Request::PagingState => {
                         unreachable!("handled above")
@@ -561,7 +561,7 @@ fn parse_listen(s: &str) -> Result<ListenAddr, String> {
 
 async fn run_seed<R: AsyncRead + Unpin, A: App>(
     req: SeedRequest,
-    app: &A,
+    app: &Arc<A>,
     observer: Observer,
     rd: &mut BufReader<R>,
     tx: &Replies,
@@ -629,9 +629,19 @@ async fn run_seed<R: AsyncRead + Unpin, A: App>(
     };
     match result {
         Ok(report) => {
-            app.released(&report);
-            Reply::Done {
-                report: seed_metrics(&report),
+            let metrics = seed_metrics(&report);
+            // An application lets go of its region there: it may join its threads and
+            // drop its mapping and runtime, which no async worker may do.
+            let app = app.clone();
+            match tokio::task::spawn_blocking(move || app.released(&report)).await {
+                Ok(()) => Reply::Done { report: metrics },
+                Err(e) => Reply::Error {
+                    kind: FailKind::AfterHandOver,
+                    message: format!(
+                        "the region is at the destination, but the application failed \
+                         releasing it here: {e}"
+                    ),
+                },
             }
         }
         Err(e) => Reply::Error {
