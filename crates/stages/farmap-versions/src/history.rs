@@ -39,6 +39,9 @@ pub(crate) async fn manifest(
     Ok(m)
 }
 
+/// Manifests a chain's reading asks for at once.
+const CHAIN_READS: usize = 16;
+
 /// Version `seq` of `region` and its chunk map: the pages of the whole manifest its chain
 /// starts from (or, for a fork, the map of the version it started from), then each delta up
 /// to `seq` over them. No page is read.
@@ -47,7 +50,33 @@ pub(crate) async fn load(
     region: &str,
     seq: u64,
 ) -> StoreResult<(Manifest, Map)> {
-    load_within(objects, region, seq, MAX_DEPTH).await
+    load_hinted(objects, region, seq, None).await
+}
+
+/// [`load`], told where the chain of `seq` starts if a snapshot's name said so (`base`): the
+/// manifests of the chain are then read together with `seq`'s, one round trip in all. A
+/// wrong hint costs a second round trip, never a wrong map: the chain is `seq`'s own.
+pub(crate) async fn load_hinted(
+    objects: &dyn Objects,
+    region: &str,
+    seq: u64,
+    base: Option<u64>,
+) -> StoreResult<(Manifest, Map)> {
+    load_within(objects, region, seq, base, MAX_DEPTH).await
+}
+
+/// Versions `from..to` of `region`, read [`CHAIN_READS`] at a time, in order.
+async fn manifests(
+    objects: &dyn Objects,
+    region: &str,
+    seqs: std::ops::Range<u64>,
+) -> StoreResult<Vec<Manifest>> {
+    use futures::{StreamExt, TryStreamExt};
+    futures::stream::iter(seqs)
+        .map(|s| manifest(objects, region, s))
+        .buffered(CHAIN_READS)
+        .try_collect()
+        .await
 }
 
 /// [`load`], following at most `forks` parents.
@@ -55,10 +84,22 @@ fn load_within<'a>(
     objects: &'a dyn Objects,
     region: &'a str,
     seq: u64,
+    hint: Option<u64>,
     forks: u32,
 ) -> farmap_core::BoxFuture<'a, StoreResult<(Manifest, Map)>> {
     Box::pin(async move {
-        let top = manifest(objects, region, seq).await?;
+        // A hint past the chain's limit is not followed (it would read too much).
+        let hint = hint.filter(|&b| b <= seq && seq - b <= MAX_CHAIN);
+        let (top, guessed) = match hint {
+            Some(b) => {
+                let (top, guessed) = futures::join!(
+                    manifest(objects, region, seq),
+                    manifests(objects, region, b..seq)
+                );
+                (top?, guessed.ok())
+            }
+            None => (manifest(objects, region, seq).await?, None),
+        };
         // A chain longer than a writer makes is refused: it would be read whole at every open.
         if seq - top.base > MAX_CHAIN {
             return Err(StoreError::new(
@@ -66,14 +107,14 @@ fn load_within<'a>(
             format!("region {region:?}: version {seq} starts from version {}, more than {MAX_CHAIN} back", top.base),
         ));
         }
+        let mut chain = match guessed {
+            Some(chain) if hint == Some(top.base) => chain,
+            _ => manifests(objects, region, top.base..seq).await?,
+        };
+        chain.push(top.clone());
         let geometry = top.geometry()?;
         let mut map = Map::empty(geometry);
-        for s in top.base..=seq {
-            let m = if s == seq {
-                top.clone()
-            } else {
-                manifest(objects, region, s).await?
-            };
+        for (s, m) in (top.base..=seq).zip(chain) {
             let starts = m.whole || m.from.is_some();
             if (m.size, m.chunk_size) != (top.size, top.chunk_size) || (s == top.base) != starts {
                 return Err(StoreError::new(
@@ -92,7 +133,8 @@ fn load_within<'a>(
                         ),
                     ));
                 }
-                let (parent, pmap) = load_within(objects, &p.region, p.seq, forks - 1).await?;
+                let (parent, pmap) =
+                    load_within(objects, &p.region, p.seq, None, forks - 1).await?;
                 if (parent.size, parent.chunk_size) != (m.size, m.chunk_size) {
                     return Err(StoreError::new(
                         ErrorKind::Corrupt,
@@ -131,17 +173,30 @@ async fn with_depth(objects: &dyn Objects, region: &str, seq: u64) -> StoreResul
 
 /// The version number `at` stands for in `region`.
 pub async fn resolve(objects: &dyn Objects, region: &str, at: &At) -> StoreResult<u64> {
+    Ok(resolve_hinted(objects, region, at).await?.0)
+}
+
+/// The version number `at` stands for in `region`, and where its chain starts when a
+/// snapshot's name says so (a hint for [`load_hinted`]).
+pub(crate) async fn resolve_hinted(
+    objects: &dyn Objects,
+    region: &str,
+    at: &At,
+) -> StoreResult<(u64, Option<u64>)> {
     match at {
-        At::Latest => latest(objects, region).await?.ok_or_else(|| {
-            StoreError::new(
-                ErrorKind::NotFound,
-                format!(
-                    "region {region:?} has no versions in {}",
-                    objects.location()
-                ),
-            )
-        }),
-        At::Seq(n) => Ok(*n),
+        At::Latest => latest(objects, region)
+            .await?
+            .map(|s| (s, None))
+            .ok_or_else(|| {
+                StoreError::new(
+                    ErrorKind::NotFound,
+                    format!(
+                        "region {region:?} has no versions in {}",
+                        objects.location()
+                    ),
+                )
+            }),
+        At::Seq(n) => Ok((*n, None)),
         At::Tag(name) => {
             check_name("snapshot", name).map_err(StoreError::invalid)?;
             let key = format!("{}/{name}", tags_dir(region));
@@ -151,17 +206,32 @@ pub async fn resolve(objects: &dyn Objects, region: &str, at: &At) -> StoreResul
                     format!("region {region:?} has no snapshot named {name:?}"),
                 )
             })?;
-            std::str::from_utf8(&text)
-                .ok()
-                .and_then(|t| t.trim().parse().ok())
-                .ok_or_else(|| {
-                    StoreError::new(
-                        ErrorKind::Corrupt,
-                        format!("{key} does not hold a version number"),
-                    )
-                })
+            parse_tag(&text).ok_or_else(|| {
+                StoreError::new(
+                    ErrorKind::Corrupt,
+                    format!("{key} does not hold a version number"),
+                )
+            })
         }
     }
+}
+
+/// What a snapshot's name holds: `SEQ BASE` (the version, and where its chain starts), or
+/// `SEQ` alone as written before the base was kept.
+pub(crate) fn tag_text(seq: u64, base: u64) -> String {
+    format!("{seq} {base}\n")
+}
+
+/// Reads [`tag_text`]: the version and, if given, where its chain starts.
+fn parse_tag(text: &[u8]) -> Option<(u64, Option<u64>)> {
+    let text = std::str::from_utf8(text).ok()?;
+    let mut words = text.split_ascii_whitespace();
+    let seq = words.next()?.parse().ok()?;
+    let base = match words.next() {
+        Some(b) => Some(b.parse().ok()?),
+        None => None,
+    };
+    words.next().is_none().then_some((seq, base))
 }
 
 /// One version, as `farmap versions` lists it.

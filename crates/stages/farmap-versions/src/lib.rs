@@ -6,7 +6,8 @@
 //!   chunks/HH/HASH                       a chunk's bytes, compressed (HASH: SHA-256 of them),
 //!                                        or a page of a whole version's chunk map
 //!   regions/NAME/versions/SEQ            a version's manifest (SEQ: 20 decimal digits)
-//!   regions/NAME/tags/TAG                the SEQ a snapshot's name stands for
+//!   regions/NAME/tags/TAG                the SEQ a snapshot's name stands for, and where
+//!                                        its chain starts (`SEQ BASE`)
 //! ```
 //!
 //! - **Chunks are immutable** and named by the SHA-256 of their content: writing the same
@@ -17,8 +18,9 @@
 //!   before it, or, every [`MAX_CHAIN`] versions (and when more than [`MAX_DELTA`] chunks
 //!   changed), every chunk that holds data, listed in
 //!   [`page`]s of 4096 chunks that are stored like chunks and shared by every version that
-//!   holds them. Opening a version reads its manifest (and the deltas since the whole one),
-//!   never the pages: those are read when a chunk in them is first looked up, so an open
+//!   holds them. Opening a version reads its manifest and the deltas since the whole one, 16
+//!   at a time (with its manifest when a snapshot's name says where the chain starts: one
+//!   round trip to the store), never the pages: those are read when a chunk in them is first looked up, so an open
 //!   costs the same whatever the region's size. Versions are numbered from 0 without gaps;
 //!   a flush that has something to save writes the next one.
 //! - **One writer, fenced**: writing version `N + 1` is the object store's one atomic step,

@@ -16,7 +16,7 @@ use parking_lot::Mutex;
 use crate::base::{Base, Lookup};
 use crate::chunk::from_trash;
 use crate::gc;
-use crate::history::{latest, load, resolve};
+use crate::history::{self, latest, load, load_hinted, resolve, resolve_hinted};
 use crate::manifest::Manifest;
 use crate::page::{self, Map, PageCache, PageRef};
 use crate::touched;
@@ -186,10 +186,15 @@ impl Versioned {
     pub async fn open(objects: Arc<dyn Objects>, opts: VersionedOptions) -> StoreResult<Self> {
         check_name("region", &opts.region).map_err(StoreError::invalid)?;
         let region = opts.region.clone();
+        let mut hint = None;
         let seq = match &opts.at {
             At::Latest => latest_or_create(&*objects, &opts).await?,
             // A read-only opening of a given version needs nothing else: no listing.
-            at if opts.read_only => resolve(&*objects, &region, at).await?,
+            at if opts.read_only => {
+                let (seq, base) = resolve_hinted(&*objects, &region, at).await?;
+                hint = base;
+                seq
+            }
             at => {
                 let latest = latest_or_create(&*objects, &opts).await?;
                 let seq = resolve(&*objects, &region, at).await?;
@@ -205,7 +210,7 @@ impl Versioned {
                 seq
             }
         };
-        let (manifest, map) = load(&*objects, &region, seq).await?;
+        let (manifest, map) = load_hinted(&*objects, &region, seq, hint).await?;
         let geometry = manifest.geometry()?;
         if let Some(g) = opts.create {
             if (g.size(), g.chunk_size()) != (geometry.size(), geometry.chunk_size()) {
@@ -347,11 +352,14 @@ impl Versioned {
     pub async fn snapshot(&self, name: &str) -> StoreResult<u64> {
         check_name("snapshot", name).map_err(StoreError::invalid)?;
         self.flush().await?;
-        let seq = self.version();
+        let (seq, base) = {
+            let head = &self.state.lock().head;
+            (head.seq, head.base)
+        };
         let key = format!("{}/{name}", tags_dir(&self.region));
         if !self
             .objects
-            .create(&key, Bytes::from(format!("{seq}\n")))
+            .create(&key, Bytes::from(history::tag_text(seq, base)))
             .await?
         {
             return Err(StoreError::invalid(format!(
