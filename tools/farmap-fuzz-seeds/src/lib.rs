@@ -75,7 +75,7 @@ fn wire_frame() -> Vec<Seed> {
     use farmap_core::{Caps, ChunkIdx, ChunkRange, ChunkStatus, ErrorKind, Geometry};
     use farmap_wire::{Frame, Message, Payload, RegionInfo, RemoteError, RunData};
 
-    let frames = [
+    let mut frames = vec![
         (
             "read",
             Frame::new(
@@ -167,6 +167,7 @@ fn wire_frame() -> Vec<Seed> {
             ),
         ),
     ];
+    frames.extend(object_frames());
     let encode = |f: &Frame| {
         let mut b = BytesMut::new();
         f.encode(&mut b);
@@ -189,6 +190,58 @@ fn wire_frame() -> Vec<Seed> {
         [&[6u8][..], &stream].concat(),
     ));
     seeds
+}
+
+/// Frames of an objects export (`farmap serve --objects`).
+fn object_frames() -> Vec<(&'static str, farmap_wire::Frame)> {
+    use bytes::Bytes;
+    use farmap_wire::{Frame, Message};
+    vec![
+        (
+            "obj-get",
+            Frame::new(12, Message::ObjGet("chunks/ab/0123".into())),
+        ),
+        (
+            "obj-create",
+            Frame::new(
+                13,
+                Message::ObjCreate {
+                    key: "regions/r/versions/00000000000000000001".into(),
+                    data: Bytes::from_static(b"a manifest"),
+                },
+            ),
+        ),
+        (
+            "obj-list",
+            Frame::new(
+                14,
+                Message::ObjList {
+                    dir: "chunks/ab".into(),
+                    after: "0123".into(),
+                },
+            ),
+        ),
+        (
+            "obj-delete",
+            Frame::new(15, Message::ObjDelete("trash/ab/0123".into())),
+        ),
+        (
+            "obj-data",
+            Frame::new(12, Message::ObjData(Some(Bytes::from_static(b"bytes")))),
+        ),
+        ("obj-none", Frame::new(12, Message::ObjData(None))),
+        ("obj-bool", Frame::new(13, Message::ObjBool(true))),
+        (
+            "obj-names",
+            Frame::new(
+                14,
+                Message::ObjNames {
+                    names: vec!["00".into(), "ff".into()],
+                    more: true,
+                },
+            ),
+        ),
+    ]
 }
 
 /// A client hello, an accepting server hello and a refusing one.

@@ -6,14 +6,17 @@ use anyhow::Context;
 
 use farmap::spec::open_store_async;
 use farmap::Caps;
-use farmap_net::{serve, ListenAddr, Listener, ServeOptions};
+use farmap_net::{serve, serve_objects, ListenAddr, Listener, ServeOptions};
 
 pub use crate::serve_args::ServeArgs;
 use crate::stop::{listen_for_stop, stop_signal};
 
 pub async fn run(args: ServeArgs) -> anyhow::Result<ExitCode> {
     listen_for_stop()?;
-    let store = open_store_async(&args.store)
+    if let Some(objects) = args.objects.clone() {
+        return run_objects(args, objects).await;
+    }
+    let store = open_store_async(args.store())
         .await
         .context("opening the store to serve")?;
     if args.grpc {
@@ -22,42 +25,17 @@ pub async fn run(args: ServeArgs) -> anyhow::Result<ExitCode> {
     if args.nbd {
         return crate::serve_nbd::run(args, store).await;
     }
-    let tls = args.tls.config();
-    let listen = args.listen("127.0.0.1:7400");
-    let listener = Listener::bind(&listen)
-        .await
-        .with_context(|| format!("cannot listen on {listen}"))?;
-    let defaults = ServeOptions::default();
-    let opts = ServeOptions {
-        read_only: args.read_only,
-        max_connections: args.max_connections as usize,
-        max_in_flight_per_conn: args.max_in_flight as usize,
-        max_running: args.max_running(std::iter::once(&args.store)),
-        tls,
-        idle_timeout: args.idle_timeout,
-        handshake_timeout: args.handshake_timeout.unwrap_or(defaults.handshake_timeout),
-        total_budget: args.max_memory.map_or(defaults.total_budget, |m| {
-            usize::try_from(m).unwrap_or(usize::MAX)
-        }),
-        log: !args.quiet,
-        ..defaults
-    };
+    let (listener, opts) = native_listener(&args, args.store()).await?;
     let geometry = store.geometry();
     let caps = served_caps(store.caps(), args.read_only);
-    let local = listener
-        .local_addr()
-        .context("reading the address listened on")?;
-    let security = match (&args.tls.tls_cert, &args.tls.tls_client_ca) {
-        (None, _) => "no TLS",
-        (Some(_), None) => "TLS",
-        (Some(_), Some(_)) => "mutual TLS",
-    };
     // Said before the first connection can be accepted (and logged): tools wait for this
     // line first.
     status!(
-        "farmap serve: listening on {local} ({security}{}), serving {} ({geometry}, {caps})",
+        "farmap serve: listening on {} ({}{}), serving {} ({geometry}, {caps})",
+        local_addr(&listener)?,
+        security(&args),
         if args.read_only { ", read-only" } else { "" },
-        args.store,
+        args.store(),
     );
     let server = serve(store, listener, opts).context("starting the server")?;
     stop_signal().await?;
@@ -68,6 +46,73 @@ pub async fn run(args: ServeArgs) -> anyhow::Result<ExitCode> {
         .context("shutting the server down")?;
     status!("farmap serve: stopped");
     Ok(ExitCode::SUCCESS)
+}
+
+/// `farmap serve --objects SPEC`: the named objects of a versioned layout, for
+/// `versioned:(farmap://HOST:PORT)/REGION` on other hosts.
+async fn run_objects(args: ServeArgs, spec: farmap::StoreSpec) -> anyhow::Result<ExitCode> {
+    let objects = farmap::spec::open_objects(&spec)
+        .await
+        .with_context(|| format!("opening the objects to serve ({spec})"))?;
+    let (listener, opts) = native_listener(&args, &spec).await?;
+    let local = local_addr(&listener)?;
+    status!(
+        "farmap serve: listening on {local} ({}{}), serving the objects in {spec} (open a \
+         region in them as versioned:(farmap://{local})/REGION)",
+        security(&args),
+        if args.read_only { ", read-only" } else { "" },
+    );
+    let server = serve_objects(objects, listener, opts).context("starting the server")?;
+    stop_signal().await?;
+    status!("farmap serve: shutting down: answering requests in flight");
+    server
+        .shutdown()
+        .await
+        .context("shutting the server down")?;
+    status!("farmap serve: stopped");
+    Ok(ExitCode::SUCCESS)
+}
+
+/// The listener and options of farmap's native protocol, serving `spec`.
+async fn native_listener(
+    args: &ServeArgs,
+    spec: &farmap::StoreSpec,
+) -> anyhow::Result<(Listener, ServeOptions)> {
+    let listen = args.listen("127.0.0.1:7400");
+    let listener = Listener::bind(&listen)
+        .await
+        .with_context(|| format!("cannot listen on {listen}"))?;
+    let defaults = ServeOptions::default();
+    let opts = ServeOptions {
+        read_only: args.read_only,
+        max_connections: args.max_connections as usize,
+        max_in_flight_per_conn: args.max_in_flight as usize,
+        max_running: args.max_running(std::iter::once(spec)),
+        tls: args.tls.config(),
+        idle_timeout: args.idle_timeout,
+        handshake_timeout: args.handshake_timeout.unwrap_or(defaults.handshake_timeout),
+        total_budget: args.max_memory.map_or(defaults.total_budget, |m| {
+            usize::try_from(m).unwrap_or(usize::MAX)
+        }),
+        log: !args.quiet,
+        ..defaults
+    };
+    Ok((listener, opts))
+}
+
+fn local_addr(listener: &Listener) -> anyhow::Result<ListenAddr> {
+    listener
+        .local_addr()
+        .context("reading the address listened on")
+}
+
+/// How connections are secured, in words.
+fn security(args: &ServeArgs) -> &'static str {
+    match (&args.tls.tls_cert, &args.tls.tls_client_ca) {
+        (None, _) => "no TLS",
+        (Some(_), None) => "TLS",
+        (Some(_), Some(_)) => "mutual TLS",
+    }
 }
 
 /// What clients are told the store can do.
@@ -100,7 +145,7 @@ async fn run_grpc(
     status!(
         "farmap serve: listening on {local} (gRPC{}), serving {} ({}, {})",
         if args.read_only { ", read-only" } else { "" },
-        args.store,
+        args.store(),
         store.geometry(),
         served_caps(store.caps(), args.read_only),
     );
@@ -109,7 +154,7 @@ async fn run_grpc(
         read_only: args.read_only,
         max_connections: args.max_connections as usize,
         max_in_flight: args.max_in_flight,
-        max_running: args.max_running(std::iter::once(&args.store)),
+        max_running: args.max_running(std::iter::once(args.store())),
         idle_timeout: args.idle_timeout,
         log: !args.quiet,
         total_budget: args.max_memory.map_or(defaults.total_budget, |m| {

@@ -11,7 +11,14 @@ use farmap_net::ListenAddr;
 #[derive(Debug, Args)]
 pub struct ServeArgs {
     /// The store to serve (any spec, even a remote one: the server then relays).
-    pub(crate) store: StoreSpec,
+    #[arg(required_unless_present = "objects")]
+    pub(crate) store: Option<StoreSpec>,
+    /// Serve the named objects of a versioned layout kept in SPEC (dir:PATH, s3://...,
+    /// redis://..., cql://...) instead of a region: other hosts then keep versioned regions
+    /// here as versioned:(farmap://HOST:PORT)/REGION, each writer fenced by this server's
+    /// atomic creates. Keys clients send are checked before anything is opened.
+    #[arg(long, value_name = "SPEC", conflicts_with_all = ["store", "grpc", "nbd"])]
+    pub(crate) objects: Option<StoreSpec>,
     /// Where to listen: IP:PORT, or unix:/path for a Unix socket. Port 0 picks a free port
     /// (the address is printed on stderr). Default 127.0.0.1:7400 (127.0.0.1:10809 with
     /// --nbd).
@@ -76,6 +83,13 @@ pub struct ServeArgs {
 }
 
 impl ServeArgs {
+    /// The store to serve (present unless `--objects` is: clap checks it).
+    pub(crate) fn store(&self) -> &StoreSpec {
+        self.store
+            .as_ref()
+            .expect("clap requires STORE unless --objects is given")
+    }
+
     /// `--max-running`, or the default for stores of `specs`.
     pub(crate) fn max_running<'a>(&self, mut specs: impl Iterator<Item = &'a StoreSpec>) -> usize {
         match self.max_running {

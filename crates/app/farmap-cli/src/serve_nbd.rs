@@ -39,14 +39,14 @@ pub async fn run(args: ServeArgs, store: Arc<dyn farmap::Store>) -> anyhow::Resu
     let mut exports = vec![Export {
         name: String::new(),
         description: if managed.is_some() {
-            format!("{} (managed)", args.store)
+            format!("{} (managed)", args.store())
         } else {
-            args.store.to_string()
+            args.store().to_string()
         },
         store: served,
         read_only: args.read_only,
     }];
-    let mut specs = vec![args.store.clone()];
+    let mut specs = vec![args.store().clone()];
     for e in &args.exports {
         let (name, spec) = parse_export(e)?;
         specs.push(spec.clone());

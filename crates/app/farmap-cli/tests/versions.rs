@@ -296,14 +296,42 @@ fn a_second_writer_in_another_process_is_refused_at_its_first_flush_every_time()
         return;
     }
     let dir = tempfile::tempdir().unwrap();
-    let objects = dir.path().join("objects");
+    let objects = format!("dir:{}", dir.path().join("objects").display());
+    second_writers_are_refused(dir.path(), &objects);
+}
+
+/// The same through a farmap host (`farmap serve --objects`, a third process): two writers
+/// on other "hosts" keep one region there, and the second to save is refused every time.
+#[test]
+fn a_second_writer_through_a_farmap_objects_server_is_refused_every_time() {
+    let test = "a_second_writer_through_a_farmap_objects_server_is_refused_every_time";
+    if !skip::fuse_mountable(test) {
+        return;
+    }
+    let dir = tempfile::tempdir().unwrap();
+    let served = format!("dir:{}", dir.path().join("objects").display());
+    let server = farmap()
+        .listening(&["serve", "--objects", &served, "--listen", "127.0.0.1:0"])
+        .drained();
+    assert!(
+        server.banner().contains("serving the objects in"),
+        "{}",
+        server.banner()
+    );
+    second_writers_are_refused(dir.path(), &format!("farmap://{}", server.addr()));
+    // A region client is told what this server is.
+    let e = farmap().fails(&["info", &format!("farmap://{}", server.addr())]);
+    assert!(e.contains("exports objects"), "{e}");
+    // The objects are in the served directory, nowhere else.
+    assert!(dir.path().join("objects/regions/r0/versions").is_dir());
+}
+
+/// Five tries in `dir` of two mounts of one region kept in `objects` (both orders of saving).
+fn second_writers_are_refused(dir: &Path, objects: &str) {
     const TRIES: usize = 5;
     for t in 0..TRIES {
-        let spec = format!("versioned:(dir:{})/r{t}?size=1MiB", objects.display());
-        let (one, two) = (
-            dir.path().join(format!("a{t}")),
-            dir.path().join(format!("b{t}")),
-        );
+        let spec = format!("versioned:({objects})/r{t}?size=1MiB");
+        let (one, two) = (dir.join(format!("a{t}")), dir.join(format!("b{t}")));
         let (a, file_a) = mount(&spec, &one);
         let (b, file_b) = mount(&spec, &two);
         let write = |path: &str, byte: u8| {
@@ -323,7 +351,7 @@ fn a_second_writer_in_another_process_is_refused_at_its_first_flush_every_time()
         unmount(a, &one);
         unmount(b, &two);
         let plain = spec.split('?').next().unwrap();
-        let img = dir.path().join(format!("out{t}.img"));
+        let img = dir.join(format!("out{t}.img"));
         farmap().ok(&["cp", plain, &format!("file:{}", img.display())]);
         let back = std::fs::read(&img).unwrap();
         assert!(

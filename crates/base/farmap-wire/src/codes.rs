@@ -108,8 +108,12 @@ impl Features {
     /// ([`ServerHello::Challenge`](crate::ServerHello::Challenge)); a server that requires a
     /// key refuses a client without it, and grants it back once the client proved the key.
     pub const AUTH: Features = Features(1 << 2);
+    /// The client wants named objects (a versioned layout's store), not a region: the `OBJ_*`
+    /// ops. A server that exports objects grants it, and refuses a client that does not ask
+    /// for it; a server that exports a region never grants it.
+    pub const OBJECTS: Features = Features(1 << 3);
     /// Every feature this version knows.
-    const KNOWN: Features = Features(Features::ALL.0 | Features::AUTH.0);
+    const KNOWN: Features = Features(Features::ALL.0 | Features::AUTH.0 | Features::OBJECTS.0);
 
     /// The features of raw bits, keeping only those this version knows.
     pub fn from_bits(bits: u32) -> Features {
@@ -182,8 +186,9 @@ mod tests {
     fn features_keep_known_bits() {
         assert_eq!(
             Features::from_bits(u32::MAX),
-            Features::ALL | Features::AUTH
+            Features::ALL | Features::AUTH | Features::OBJECTS
         );
+        assert!(!Features::ALL.contains(Features::OBJECTS));
         assert!(!Features::ALL.contains(Features::AUTH));
         assert!(Features::ALL.contains(Features::ZERO_WRITES));
         assert!(Features::ALL.contains(Features::RUN_READS));

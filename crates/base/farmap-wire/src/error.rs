@@ -132,6 +132,17 @@ pub enum WireError {
         /// The limit.
         max: usize,
     },
+    /// An object key or folder that is empty, longer than [`MAX_KEY`](crate::MAX_KEY) bytes,
+    /// or not UTF-8.
+    #[error(
+        "a {op} frame names an object key of {len} bytes that is empty, too long or not UTF-8"
+    )]
+    BadKey {
+        /// The frame's op name.
+        op: &'static str,
+        /// The key's length.
+        len: usize,
+    },
     /// The server announced a region geometry that is not valid.
     #[error("the server announced an invalid region geometry")]
     BadGeometry(#[source] GeometryError),

@@ -25,6 +25,11 @@ pub const MAX_BATCH_LIMIT: u32 = 4096;
 /// that fills the largest frame any peer may announce.
 pub const MAX_RUN_LIMIT: u32 = MAX_FRAME_LIMIT / 4096;
 
+/// Longest object key (or folder) in an objects request, in bytes (as `check_key` allows).
+pub const MAX_KEY: usize = 1024;
+/// Most names in one list reply ([`Message::ObjNames`]); a longer folder takes more replies.
+pub const MAX_NAMES: u32 = 65536;
+
 /// Payloads of at least this many bytes are separate pieces in [`Frame::encode_parts`].
 pub const ZERO_COPY_MIN: usize = 8 * 1024;
 
@@ -48,6 +53,16 @@ pub mod op {
     pub const GEOMETRY: u8 = 0x06;
     /// Read a run of contiguous chunks (feature [`RUN_READS`](crate::Features::RUN_READS)).
     pub const READ_RUN: u8 = 0x07;
+    /// Read an object (feature [`OBJECTS`](crate::Features::OBJECTS), as the next four).
+    pub const OBJ_GET: u8 = 0x08;
+    /// Whether an object exists.
+    pub const OBJ_EXISTS: u8 = 0x09;
+    /// Create an object unless it exists.
+    pub const OBJ_CREATE: u8 = 0x0a;
+    /// The names in a folder of objects.
+    pub const OBJ_LIST: u8 = 0x0b;
+    /// Remove an object.
+    pub const OBJ_DELETE: u8 = 0x0c;
     /// Reply to `READ`: the chunks, in request order.
     pub const READ_OK: u8 = 0x81;
     /// Reply to `WRITE`, `FLUSH` and `TRIM`: done.
@@ -58,6 +73,12 @@ pub mod op {
     pub const GEOMETRY_OK: u8 = 0x86;
     /// Reply to `READ_RUN`: a bitmap of zero chunks and the other chunks' bytes.
     pub const READ_RUN_OK: u8 = 0x87;
+    /// Reply to `OBJ_GET`: the object, or none.
+    pub const OBJ_DATA: u8 = 0x88;
+    /// Reply to `OBJ_EXISTS` and `OBJ_CREATE`: yes or no.
+    pub const OBJ_BOOL: u8 = 0x89;
+    /// Reply to `OBJ_LIST`: names, and whether more follow.
+    pub const OBJ_NAMES: u8 = 0x8b;
     /// Reply to any request that failed; with id 0, the connection is being closed.
     pub const ERROR: u8 = 0xff;
 }
@@ -201,8 +222,42 @@ pub enum Message {
         /// How many.
         count: u32,
     },
+    /// The object named by the key (feature [`OBJECTS`](crate::Features::OBJECTS)).
+    ObjGet(String),
+    /// Whether the object named by the key exists.
+    ObjExists(String),
+    /// Create an object unless one of that name exists (answered with
+    /// [`ObjBool`](Message::ObjBool): whether this request created it).
+    ObjCreate {
+        /// Its name.
+        key: String,
+        /// Its bytes.
+        data: Bytes,
+    },
+    /// The names directly under a folder, ascending, from after `after` (empty: from the
+    /// first).
+    ObjList {
+        /// The folder.
+        dir: String,
+        /// The last name of the previous reply, or empty.
+        after: String,
+    },
+    /// Remove the object named by the key (answered with [`Done`](Message::Done)).
+    ObjDelete(String),
     /// The chunks of a run read.
     ReadRunOk(RunData),
+    /// An object's bytes, `None` when there is no such object.
+    ObjData(Option<Bytes>),
+    /// Whether an object exists, or whether a create created it.
+    ObjBool(bool),
+    /// Names in a folder (at most [`MAX_NAMES`]), and whether more follow (ask again from
+    /// the last).
+    ObjNames {
+        /// The names, ascending.
+        names: Vec<String>,
+        /// Whether the folder has names after these.
+        more: bool,
+    },
     /// The chunks of a read, in request order.
     ReadOk(Vec<Payload>),
     /// A write, flush or trim is done.
@@ -226,7 +281,15 @@ impl Message {
             Message::Status(_) => op::STATUS,
             Message::Geometry => op::GEOMETRY,
             Message::ReadRun { .. } => op::READ_RUN,
+            Message::ObjGet(_) => op::OBJ_GET,
+            Message::ObjExists(_) => op::OBJ_EXISTS,
+            Message::ObjCreate { .. } => op::OBJ_CREATE,
+            Message::ObjList { .. } => op::OBJ_LIST,
+            Message::ObjDelete(_) => op::OBJ_DELETE,
             Message::ReadRunOk(_) => op::READ_RUN_OK,
+            Message::ObjData(_) => op::OBJ_DATA,
+            Message::ObjBool(_) => op::OBJ_BOOL,
+            Message::ObjNames { .. } => op::OBJ_NAMES,
             Message::ReadOk(_) => op::READ_OK,
             Message::Done => op::DONE,
             Message::StatusOk(_) => op::STATUS_OK,
@@ -248,6 +311,12 @@ impl Message {
             Message::Trim(_) => 16,
             Message::Status(_) => 8,
             Message::ReadRun { .. } => 12,
+            Message::ObjGet(k) | Message::ObjExists(k) | Message::ObjDelete(k) => k.len(),
+            Message::ObjCreate { key, data } => 2 + key.len() + data.len(),
+            Message::ObjList { dir, after } => 2 + dir.len() + after.len(),
+            Message::ObjData(d) => 1 + d.as_ref().map_or(0, Bytes::len),
+            Message::ObjBool(_) => 1,
+            Message::ObjNames { names, .. } => 5 + names.iter().map(|n| 2 + n.len()).sum::<usize>(),
             Message::ReadRunOk(run) => 8 + run.zeros.len() + run.data_len,
             Message::ReadOk(chunks) => {
                 4 + chunks
@@ -358,6 +427,31 @@ impl Frame {
                 dst.put_u64(start.0);
                 dst.put_u32(*count);
             }
+            Message::ObjGet(k) | Message::ObjExists(k) | Message::ObjDelete(k) => {
+                dst.put_slice(k.as_bytes());
+            }
+            Message::ObjCreate { key, data } => {
+                put_name(dst, key);
+                put_bytes(dst, data, parts.as_deref_mut());
+            }
+            Message::ObjList { dir, after } => {
+                put_name(dst, dir);
+                dst.put_slice(after.as_bytes());
+            }
+            Message::ObjData(d) => {
+                dst.put_u8(u8::from(d.is_some()));
+                if let Some(d) = d {
+                    put_bytes(dst, d, parts.as_deref_mut());
+                }
+            }
+            Message::ObjBool(b) => dst.put_u8(u8::from(*b)),
+            Message::ObjNames { names, more } => {
+                dst.put_u8(u8::from(*more));
+                dst.put_u32(names.len() as u32);
+                for n in names {
+                    put_name(dst, n);
+                }
+            }
             Message::ReadRunOk(run) => {
                 dst.put_u32(run.count);
                 dst.put_u32(run.data_len as u32);
@@ -410,6 +504,45 @@ fn put_payload_flagged(
             }
         }
     }
+}
+
+/// A name with its length (u16) before it.
+fn put_name(dst: &mut BytesMut, name: &str) {
+    let len = u16::try_from(name.len()).expect("names are at most MAX_KEY bytes");
+    dst.put_u16(len);
+    dst.put_slice(name.as_bytes());
+}
+
+/// Bytes to the end of the frame, a piece of their own when large.
+fn put_bytes(dst: &mut BytesMut, data: &Bytes, parts: Option<&mut Vec<Bytes>>) {
+    match parts {
+        Some(parts) if data.len() >= ZERO_COPY_MIN => {
+            parts.push(dst.split().freeze());
+            parts.push(data.clone());
+        }
+        _ => dst.put_slice(data),
+    }
+}
+
+/// An object key or folder name from a frame: UTF-8, 1 to [`MAX_KEY`] bytes.
+fn get_key(bytes: &[u8], op: &'static str) -> Result<String, WireError> {
+    if bytes.is_empty() || bytes.len() > MAX_KEY {
+        return Err(WireError::BadKey {
+            op,
+            len: bytes.len(),
+        });
+    }
+    String::from_utf8(bytes.to_vec()).map_err(|_| WireError::BadKey {
+        op,
+        len: bytes.len(),
+    })
+}
+
+/// A name with its length before it ([`put_name`]).
+fn get_name(body: &mut Body) -> Result<String, WireError> {
+    let len = body.u16()? as usize;
+    let op = body.op;
+    get_key(&body.take(len)?, op)
 }
 
 /// Encodes a region: size u64, chunk size u32, caps u32, flags u32 (bit 0: read-only).
@@ -540,6 +673,14 @@ fn op_name(code: u8) -> Result<&'static str, WireError> {
         op::STATUS => "status",
         op::GEOMETRY => "geometry",
         op::READ_RUN => "run read",
+        op::OBJ_GET => "object get",
+        op::OBJ_EXISTS => "object exists",
+        op::OBJ_CREATE => "object create",
+        op::OBJ_LIST => "object list",
+        op::OBJ_DELETE => "object delete",
+        op::OBJ_DATA => "object data reply",
+        op::OBJ_BOOL => "object yes-or-no reply",
+        op::OBJ_NAMES => "object names reply",
         op::READ_OK => "read reply",
         op::DONE => "done reply",
         op::STATUS_OK => "status reply",
@@ -725,6 +866,9 @@ impl FrameDecoder {
                     count,
                 }
             }
+            op::OBJ_GET..=op::OBJ_DELETE | op::OBJ_DATA | op::OBJ_BOOL | op::OBJ_NAMES => {
+                decode_objects(code, &mut body, copy)?
+            }
             op::READ_RUN_OK => {
                 let count = body.u32()?;
                 run_count(count)?;
@@ -809,6 +953,90 @@ impl FrameDecoder {
         body.finish()?;
         Ok(msg)
     }
+}
+
+/// The body of an objects request or reply (feature [`OBJECTS`](crate::Features::OBJECTS)).
+fn decode_objects(code: u8, body: &mut Body, copy: bool) -> Result<Message, WireError> {
+    let own = |b: Bytes| if copy { own(b) } else { b };
+    Ok(match code {
+        op::OBJ_GET | op::OBJ_EXISTS | op::OBJ_DELETE => {
+            let key = get_key(&body.rest(), body.op)?;
+            match code {
+                op::OBJ_GET => Message::ObjGet(key),
+                op::OBJ_EXISTS => Message::ObjExists(key),
+                _ => Message::ObjDelete(key),
+            }
+        }
+        op::OBJ_CREATE => {
+            let key = get_name(body)?;
+            Message::ObjCreate {
+                key,
+                data: own(body.rest()),
+            }
+        }
+        op::OBJ_LIST => {
+            let dir = get_name(body)?;
+            let after = body.rest();
+            let after = if after.is_empty() {
+                String::new()
+            } else {
+                get_key(&after, body.op)?
+            };
+            Message::ObjList { dir, after }
+        }
+        op::OBJ_DATA => match body.u8()? {
+            0 => {
+                body.exact(0)?;
+                Message::ObjData(None)
+            }
+            1 => Message::ObjData(Some(own(body.rest()))),
+            other => {
+                return Err(WireError::BadFlags {
+                    op: body.op,
+                    flags: other,
+                })
+            }
+        },
+        op::OBJ_BOOL => {
+            body.exact(1)?;
+            match body.u8()? {
+                b @ (0 | 1) => Message::ObjBool(b == 1),
+                other => {
+                    return Err(WireError::BadFlags {
+                        op: body.op,
+                        flags: other,
+                    })
+                }
+            }
+        }
+        op::OBJ_NAMES => {
+            let more = match body.u8()? {
+                b @ (0 | 1) => b == 1,
+                other => {
+                    return Err(WireError::BadFlags {
+                        op: body.op,
+                        flags: other,
+                    })
+                }
+            };
+            let count = body.u32()?;
+            if count > MAX_NAMES {
+                return Err(WireError::BatchTooLarge {
+                    count,
+                    max: MAX_NAMES,
+                });
+            }
+            // Every name takes at least 3 bytes: checked before anything is kept.
+            if body.len() < count as usize * 3 {
+                return Err(WireError::Truncated { op: body.op });
+            }
+            let names = (0..count)
+                .map(|_| get_name(body))
+                .collect::<Result<Vec<_>, _>>()?;
+            Message::ObjNames { names, more }
+        }
+        other => return Err(WireError::UnknownOp(other)),
+    })
 }
 
 /// A chunk payload in an allocation of its own, of exactly its size.

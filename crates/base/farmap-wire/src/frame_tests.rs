@@ -85,6 +85,56 @@ fn sample_frames() -> Vec<Frame> {
             11,
             Message::ReadRunOk(RunData::new(&[true; 16], Vec::new())),
         ),
+        Frame::new(12, Message::ObjGet("chunks/ab/0123".into())),
+        Frame::new(13, Message::ObjExists("regions/r/tags/t".into())),
+        Frame::new(
+            14,
+            Message::ObjCreate {
+                key: "regions/r/versions/00000000000000000001".into(),
+                data: Bytes::from(vec![5u8; 20_000]),
+            },
+        ),
+        Frame::new(
+            15,
+            Message::ObjCreate {
+                key: "gc/grace".into(),
+                data: Bytes::new(),
+            },
+        ),
+        Frame::new(
+            16,
+            Message::ObjList {
+                dir: "chunks".into(),
+                after: String::new(),
+            },
+        ),
+        Frame::new(
+            16,
+            Message::ObjList {
+                dir: "chunks/ab".into(),
+                after: "0123".into(),
+            },
+        ),
+        Frame::new(17, Message::ObjDelete("chunks/ab/0123".into())),
+        Frame::new(12, Message::ObjData(Some(Bytes::from_static(b"manifest")))),
+        Frame::new(12, Message::ObjData(Some(Bytes::new()))),
+        Frame::new(12, Message::ObjData(None)),
+        Frame::new(13, Message::ObjBool(true)),
+        Frame::new(14, Message::ObjBool(false)),
+        Frame::new(
+            16,
+            Message::ObjNames {
+                names: vec!["00".into(), "ab".into(), "ff".into()],
+                more: true,
+            },
+        ),
+        Frame::new(
+            16,
+            Message::ObjNames {
+                names: Vec::new(),
+                more: false,
+            },
+        ),
         Frame::new(2, Message::Done),
         Frame::new(6, Message::StatusOk(ChunkStatus::Zero)),
         Frame::new(
@@ -355,7 +405,95 @@ fn message() -> impl Strategy<Value = Message> {
         }),
         (kind(), ".{0,200}")
             .prop_map(|(kind, message)| Message::Error(RemoteError { kind, message })),
+        "[a-z0-9/._-]{1,60}".prop_map(Message::ObjGet),
+        (
+            "[a-z0-9/]{1,60}",
+            prop::collection::vec(any::<u8>(), 0..300)
+        )
+            .prop_map(|(key, d)| Message::ObjCreate {
+                key,
+                data: Bytes::from(d)
+            }),
+        ("[a-z/]{1,20}", "[a-z0-9]{0,20}").prop_map(|(dir, after)| Message::ObjList { dir, after }),
+        prop::option::of(prop::collection::vec(any::<u8>(), 0..300))
+            .prop_map(|d| Message::ObjData(d.map(Bytes::from))),
+        (prop::collection::vec(".{1,30}", 0..20), any::<bool>())
+            .prop_map(|(names, more)| Message::ObjNames { names, more }),
     ]
+}
+
+#[test]
+fn object_frames_are_checked() {
+    let check = |wire: BytesMut, want: WireError| {
+        assert_eq!(decode_all(Limits::default(), wire), Err(want));
+    };
+    let bad_key = |op, len| WireError::BadKey { op, len };
+    check(raw(op::OBJ_GET, 1, b""), bad_key("object get", 0));
+    check(
+        raw(op::OBJ_DELETE, 1, &[b'a'; 1025]),
+        bad_key("object delete", 1025),
+    );
+    check(
+        raw(op::OBJ_EXISTS, 1, b"\xff\xfe"),
+        bad_key("object exists", 2),
+    );
+    // A create whose key length runs past the body, or names nothing.
+    check(
+        raw(op::OBJ_CREATE, 1, &[0, 9, b'a']),
+        WireError::Truncated {
+            op: "object create",
+        },
+    );
+    check(raw(op::OBJ_CREATE, 1, &[0, 0]), bad_key("object create", 0));
+    check(
+        raw(op::OBJ_DATA, 1, &[0, 1]),
+        WireError::BodyLength {
+            op: "object data reply",
+            len: 1,
+            expected: 0,
+        },
+    );
+    check(
+        raw(op::OBJ_DATA, 1, &[2]),
+        WireError::BadFlags {
+            op: "object data reply",
+            flags: 2,
+        },
+    );
+    check(
+        raw(op::OBJ_BOOL, 1, &[7]),
+        WireError::BadFlags {
+            op: "object yes-or-no reply",
+            flags: 7,
+        },
+    );
+    // A name count over the cap, or more than the body can hold: refused before any name
+    // is kept.
+    let mut names = vec![0u8];
+    names.extend_from_slice(&(MAX_NAMES + 1).to_be_bytes());
+    check(
+        raw(op::OBJ_NAMES, 1, &names),
+        WireError::BatchTooLarge {
+            count: MAX_NAMES + 1,
+            max: MAX_NAMES,
+        },
+    );
+    let mut names = vec![1u8];
+    names.extend_from_slice(&1000u32.to_be_bytes());
+    names.extend_from_slice(&[0, 1, b'a']);
+    check(
+        raw(op::OBJ_NAMES, 1, &names),
+        WireError::Truncated {
+            op: "object names reply",
+        },
+    );
+    let mut names = vec![0u8];
+    names.extend_from_slice(&1u32.to_be_bytes());
+    names.extend_from_slice(&[0, 0, 0]);
+    check(
+        raw(op::OBJ_NAMES, 1, &names),
+        bad_key("object names reply", 0),
+    );
 }
 
 proptest! {

@@ -69,11 +69,19 @@
 //! | `05` | status | chunk index u64 |
 //! | `06` | geometry | empty |
 //! | `07` | run read | first chunk u64, count u32 (1..=[`MAX_RUN_LIMIT`]); feature [`Features::RUN_READS`] |
+//! | `08` | object get | key (rest; 1..=[`MAX_KEY`] bytes of UTF-8); feature [`Features::OBJECTS`], as `09`..`0c` |
+//! | `09` | object exists | key (rest) |
+//! | `0a` | object create | key length u16, key, the object's bytes (rest) |
+//! | `0b` | object list | folder length u16, folder, the name to list after (rest; empty: from the first) |
+//! | `0c` | object delete | key (rest) |
 //! | `81` | read reply | count u32, then per chunk in request order: flags u8 (bit 0: zero chunk), and unless zero a length u32 and that many bytes |
 //! | `82` | done | empty (reply to write, flush, trim) |
 //! | `85` | status reply | status u8: 1 zero, 2 data, 3 unknown |
 //! | `86` | geometry reply | size u64, chunk size u32, caps u32, flags u32 (as in the hello) |
 //! | `87` | run read reply | count u32, data length *D* u32, zero bitmap ⌈count / 8⌉ bytes (bit *i* % 8 of byte *i* / 8 set: chunk *i* is zero; bits past count are 0), then *D* bytes: the other chunks, in order |
+//! | `88` | object data reply | flag u8 (1: the object exists), then its bytes (rest; none when the flag is 0) |
+//! | `89` | object yes-or-no reply | u8: 1 yes (exists; created by this request), 0 no |
+//! | `8b` | object names reply | more u8 (1: ask again after the last name), count u32 (≤ [`MAX_NAMES`]), then count × (length u16, name) |
 //! | `ff` | error reply | error kind u8, message UTF-8 (rest, ≤ [`MAX_MESSAGE`] bytes) |
 //!
 //! Error kind codes: 1 I/O, 2 not found, 3 out of range, 4 invalid input, 5 timeout,
@@ -84,6 +92,12 @@
 //! and in writes when the [`Features::ZERO_WRITES`] feature was granted), never as payload.
 //! A client sends a run read only when the server granted [`Features::RUN_READS`]; older
 //! servers do not grant it and are read chunk by chunk.
+//!
+//! A server exports either a region or named objects (a versioned layout's store: `farmap
+//! serve --objects`). An objects client asks for [`Features::OBJECTS`] and refuses a server
+//! that does not grant it (a region server never does); an objects server refuses a client
+//! that did not ask for it. The region in its hello then means nothing. Keys are checked by
+//! the server before it touches anything: a peer never names a path.
 #![forbid(unsafe_code)]
 #![warn(missing_docs)]
 
@@ -100,7 +114,8 @@ pub use error::WireError;
 pub use frame::{
     op, read_reply_overhead, run_reply_overhead, Frame, FrameDecoder, Limits, Message, Payload,
     RegionInfo, RemoteError, RunData, DEFAULT_MAX_BATCH, DEFAULT_MAX_FRAME, HEADER_LEN,
-    MAX_BATCH_LIMIT, MAX_FRAME_LIMIT, MAX_MESSAGE, MAX_RUN_LIMIT, ZERO_COPY_MIN,
+    MAX_BATCH_LIMIT, MAX_FRAME_LIMIT, MAX_KEY, MAX_MESSAGE, MAX_NAMES, MAX_RUN_LIMIT,
+    ZERO_COPY_MIN,
 };
 pub use hello::{
     decode_client_hello, decode_server_hello, ClientHello, Refusal, ServerHello, ServerInfo,

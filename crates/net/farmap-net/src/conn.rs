@@ -186,8 +186,9 @@ pub(crate) async fn open(
     tls: Option<&TlsSetup>,
     key: Option<&Key>,
     timeout: Duration,
+    ask: Features,
 ) -> StoreResult<Arc<Conn>> {
-    match tokio::time::timeout(timeout, open_inner(addr, tls, key)).await {
+    match tokio::time::timeout(timeout, open_inner(addr, tls, key, ask)).await {
         Ok(r) => r,
         Err(_) => Err(StoreError::new(
             ErrorKind::Timeout,
@@ -196,15 +197,19 @@ pub(crate) async fn open(
     }
 }
 
+/// `ask`: features asked for beside the default ones ([`Features::OBJECTS`]: named objects,
+/// refused from a server that does not grant it).
 async fn open_inner(
     addr: &RemoteAddr,
     tls: Option<&TlsSetup>,
     key: Option<&Key>,
+    ask: Features,
 ) -> StoreResult<Arc<Conn>> {
     let mut stream = connect_stream(addr, tls).await?;
     let sent_cert = tls.is_some_and(|t| t.sent_cert);
     let mut out = BytesMut::new();
     let mut hello = ClientHello::current();
+    hello.features = hello.features | ask;
     if key.is_some() {
         hello.features = hello.features | Features::AUTH;
     }
@@ -231,6 +236,15 @@ async fn open_inner(
                         format!(
                             "the server at {addr} did not ask for this client's key: it is \
                              not the server this client was told to trust"
+                        ),
+                    ));
+                }
+                if ask.contains(Features::OBJECTS) && !info.features.contains(Features::OBJECTS) {
+                    return Err(StoreError::new(
+                        ErrorKind::Unsupported,
+                        format!(
+                            "the server at {addr} exports a region, not objects: open it as \
+                             farmap://{addr}, or serve objects with `farmap serve --objects`"
                         ),
                     ));
                 }
@@ -343,8 +357,9 @@ fn handshake_error(addr: &RemoteAddr, e: &std::io::Error, sent_cert: bool) -> St
 }
 
 fn refused(addr: &RemoteAddr, r: &Refusal) -> StoreError {
-    let mismatch =
-        r.kind == ErrorKind::Unsupported || r.min_version > VERSION || r.max_version < VERSION;
+    // A server refuses for other reasons too (a region client at an objects server): only
+    // a range of versions without this one is a mismatch.
+    let mismatch = r.min_version > VERSION || r.max_version < VERSION;
     if mismatch {
         let theirs = if r.min_version == r.max_version {
             format!("version {}", r.max_version)

@@ -32,6 +32,7 @@ pub mod budget;
 mod conn;
 pub mod counted;
 pub mod fair;
+mod objects;
 pub mod pool;
 mod remote;
 mod running;
@@ -41,11 +42,12 @@ mod tls;
 
 pub use accept::{accept_connections, check_max_connections, AcceptLoop, Activity, IDLE_TO_EVICT};
 pub use addr::{bind_private_unix, AddrError, ListenAddr, Listener, RemoteAddr, RemoteAddrError};
+pub use objects::RemoteObjects;
 pub use remote::{reconnect_policy, ClientOptions, RemoteStore};
 pub use running::{Running, Starting};
 pub use server::{
-    serve, serve_with_runs, RunReader, ServeError, ServeOptions, Server, DEFAULT_CONN_BUDGET,
-    DEFAULT_IDLE_TIMEOUT, DEFAULT_TOTAL_BUDGET,
+    serve, serve_objects, serve_with_runs, RunReader, ServeError, ServeOptions, Server,
+    DEFAULT_CONN_BUDGET, DEFAULT_IDLE_TIMEOUT, DEFAULT_TOTAL_BUDGET,
 };
 pub use stream::{is_clean_close, raised, within, write_all_vectored, BoxStream, Stream};
 pub use tls::{

@@ -85,6 +85,8 @@ impl Default for ClientOptions {
 /// Opens the pool's connections, each checked to serve the region the store was opened on.
 struct Dialer {
     addr: RemoteAddr,
+    /// Features asked for beside the defaults.
+    ask: Features,
     tls: Option<TlsSetup>,
     key: Option<Key>,
     connect_timeout: Duration,
@@ -161,7 +163,14 @@ impl Dial for Dialer {
     fn dial(&self) -> BoxFuture<'_, StoreResult<Arc<Conn>>> {
         Box::pin(async move {
             let key = self.key.as_ref();
-            let c = open(&self.addr, self.tls.as_ref(), key, self.connect_timeout).await?;
+            let c = open(
+                &self.addr,
+                self.tls.as_ref(),
+                key,
+                self.connect_timeout,
+                self.ask,
+            )
+            .await?;
             match self.check_same(&c) {
                 Ok(()) => {
                     self.restarts.connected(&self.addr, c.info());
@@ -194,7 +203,7 @@ impl Link for Conn {
     }
 }
 
-struct Client {
+pub(crate) struct Client {
     addr: RemoteAddr,
     opts: ClientOptions,
     info: ServerInfo,
@@ -237,36 +246,7 @@ impl RemoteStore {
     /// the error, in a sentence: refused, TLS refused and why, version mismatch...), the rest
     /// of the pool in the background.
     pub async fn connect(addr: RemoteAddr, opts: ClientOptions) -> StoreResult<RemoteStore> {
-        let tls = opts.tls.as_ref().map(|t| tls_setup(&addr, t)).transpose()?;
-        let first = open(&addr, tls.as_ref(), opts.key.as_ref(), opts.connect_timeout).await?;
-        let n = opts.connections.max(1);
-        let mut initial = vec![Some(first.clone())];
-        initial.resize(n, None);
-        let restarts = Arc::new(Restarts::default());
-        restarts.connected(&addr, first.info());
-        let dialer = Dialer {
-            addr: addr.clone(),
-            tls,
-            key: opts.key.clone(),
-            connect_timeout: opts.connect_timeout,
-            info: *first.info(),
-            restarts: restarts.clone(),
-        };
-        let links = Pool::start(
-            dialer,
-            PoolOptions {
-                reconnect: opts.reconnect,
-                fail_fast: false,
-            },
-            initial,
-        );
-        let pool = Arc::new(Client {
-            info: *first.info(),
-            addr,
-            opts,
-            links,
-            restarts,
-        });
+        let pool = Arc::new(Client::connect(addr, opts, Features::NONE).await?);
         Ok(RemoteStore { pool })
     }
 
@@ -433,6 +413,63 @@ impl Drop for RemoteStore {
 }
 
 impl Client {
+    /// Connects to the server at `addr`, asking for `ask` beside the default features: the
+    /// first connection now, the rest of the pool in the background.
+    pub(crate) async fn connect(
+        addr: RemoteAddr,
+        opts: ClientOptions,
+        ask: Features,
+    ) -> StoreResult<Client> {
+        let tls = opts.tls.as_ref().map(|t| tls_setup(&addr, t)).transpose()?;
+        let first = open(
+            &addr,
+            tls.as_ref(),
+            opts.key.as_ref(),
+            opts.connect_timeout,
+            ask,
+        )
+        .await?;
+        let n = opts.connections.max(1);
+        let mut initial = vec![Some(first.clone())];
+        initial.resize(n, None);
+        let restarts = Arc::new(Restarts::default());
+        restarts.connected(&addr, first.info());
+        let dialer = Dialer {
+            addr: addr.clone(),
+            ask,
+            tls,
+            key: opts.key.clone(),
+            connect_timeout: opts.connect_timeout,
+            info: *first.info(),
+            restarts: restarts.clone(),
+        };
+        let links = Pool::start(
+            dialer,
+            PoolOptions {
+                reconnect: opts.reconnect,
+                fail_fast: false,
+            },
+            initial,
+        );
+        Ok(Client {
+            info: *first.info(),
+            addr,
+            opts,
+            links,
+            restarts,
+        })
+    }
+
+    /// The server's address.
+    pub(crate) fn addr(&self) -> &RemoteAddr {
+        &self.addr
+    }
+
+    /// Closes every connection.
+    pub(crate) fn close(&self, why: &str) {
+        self.links.close(why);
+    }
+
     /// One request with the request deadline; error replies become errors.
     /// Fails once a server restart may have lost acknowledged writes ([`Restarts`]).
     fn check_not_lost(&self) -> StoreResult<()> {
@@ -451,7 +488,7 @@ impl Client {
         Ok(conn)
     }
 
-    async fn call(&self, msg: Message) -> StoreResult<Message> {
+    pub(crate) async fn call(&self, msg: Message) -> StoreResult<Message> {
         let timeout = self.opts.request_timeout;
         let deadline = Instant::now() + timeout;
         // A read that changes nothing is sent again on another connection if its own was
@@ -459,7 +496,13 @@ impl Client {
         // Writes, trims and flushes are not: their outcome is unknown, the caller decides.
         let resend = matches!(
             msg,
-            Message::Read(_) | Message::ReadRun { .. } | Message::Status(_) | Message::Geometry
+            Message::Read(_)
+                | Message::ReadRun { .. }
+                | Message::Status(_)
+                | Message::Geometry
+                | Message::ObjGet(_)
+                | Message::ObjExists(_)
+                | Message::ObjList { .. }
         )
         .then(|| msg.clone());
         let conn = self.link(deadline).await?;
@@ -483,7 +526,7 @@ impl Client {
         }
     }
 
-    fn unexpected(&self, what: &str, reply: &Message) -> StoreError {
+    pub(crate) fn unexpected(&self, what: &str, reply: &Message) -> StoreError {
         StoreError::new(
             ErrorKind::Corrupt,
             format!(

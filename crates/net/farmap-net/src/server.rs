@@ -40,14 +40,14 @@ use std::time::Duration;
 use bytes::{Bytes, BytesMut};
 use farmap_core::option::{check_range, OutOfRange};
 use farmap_core::{
-    is_zero, zero_chunk, BoxFuture, Caps, ChunkIdx, ErrorKind, Geometry, Store, StoreError,
-    StoreResult,
+    check_key, is_zero, zero_chunk, BoxFuture, Caps, ChunkIdx, ErrorKind, Geometry, Objects, Store,
+    StoreError, StoreResult,
 };
 use farmap_wire::{
     decode_client_hello, read_reply_overhead, run_reply_overhead, ClientHello, Features, Frame,
     FrameDecoder, Limits, Message, Payload, Refusal, RegionInfo, RemoteError, RunData, ServerHello,
     ServerInfo, WireError, DEFAULT_MAX_BATCH, DEFAULT_MAX_FRAME, HEADER_LEN, MAX_BATCH_LIMIT,
-    MAX_FRAME_LIMIT, MAX_IN_FLIGHT_LIMIT, MAX_MESSAGE, VERSION,
+    MAX_FRAME_LIMIT, MAX_IN_FLIGHT_LIMIT, MAX_KEY, MAX_MESSAGE, MAX_NAMES, VERSION,
 };
 use farmap_wire::{CHALLENGE_LABEL, CHALLENGE_LEN};
 use futures::future::join_all;
@@ -175,6 +175,8 @@ pub trait RunReader: Send + Sync + std::fmt::Debug + 'static {
 struct Ctx {
     store: Arc<dyn Store>,
     runs: Option<Arc<dyn RunReader>>,
+    /// Named objects this server exports instead of a region ([`serve_objects`]).
+    objects: Option<Arc<dyn Objects>>,
     info: ServerInfo,
     opts: ServeOptions,
     tls: Option<TlsAcceptor>,
@@ -233,6 +235,66 @@ pub fn serve_with_runs(
     listener: Listener,
     opts: ServeOptions,
 ) -> Result<Server, ServeError> {
+    serve_any(store, runs, None, listener, opts)
+}
+
+/// Serves named `objects` (a versioned layout's store: `versioned:(farmap://ADDR)/REGION`
+/// on the client) rather than a region, with the same transports, TLS, keys and budgets.
+/// Only clients that ask for objects ([`Features::OBJECTS`]) are served; every key a client
+/// sends is checked ([`check_key`]) before `objects` sees it.
+pub fn serve_objects(
+    objects: Arc<dyn Objects>,
+    listener: Listener,
+    opts: ServeOptions,
+) -> Result<Server, ServeError> {
+    serve_any(Arc::new(NoRegion), None, Some(objects), listener, opts)
+}
+
+/// What an objects server announces as its region in the hello: one chunk, no caps, and
+/// every operation refused (an objects client ignores it; a region client is refused).
+#[derive(Debug)]
+struct NoRegion;
+
+impl NoRegion {
+    fn refused<T>() -> StoreResult<T> {
+        Err(StoreError::new(
+            ErrorKind::Unsupported,
+            "this server exports objects, not a region",
+        ))
+    }
+}
+
+impl Store for NoRegion {
+    fn geometry(&self) -> Geometry {
+        Geometry::new(64 << 10, 64 << 10).expect("a valid geometry")
+    }
+    fn caps(&self) -> Caps {
+        Caps::NONE
+    }
+    fn read(&self, _: ChunkIdx) -> BoxFuture<'_, StoreResult<Bytes>> {
+        Box::pin(async { Self::refused() })
+    }
+    fn write(&self, _: ChunkIdx, _: Bytes) -> BoxFuture<'_, StoreResult<()>> {
+        Box::pin(async { Self::refused() })
+    }
+    fn flush(&self) -> BoxFuture<'_, StoreResult<()>> {
+        Box::pin(async { Ok(()) })
+    }
+    fn trim(&self, _: farmap_core::ChunkRange) -> BoxFuture<'_, StoreResult<()>> {
+        Box::pin(async { Self::refused() })
+    }
+    fn status(&self, _: ChunkIdx) -> BoxFuture<'_, StoreResult<farmap_core::ChunkStatus>> {
+        Box::pin(async { Self::refused() })
+    }
+}
+
+fn serve_any(
+    store: Arc<dyn Store>,
+    runs: Option<Arc<dyn RunReader>>,
+    objects: Option<Arc<dyn Objects>>,
+    listener: Listener,
+    opts: ServeOptions,
+) -> Result<Server, ServeError> {
     let g = store.geometry();
     let min_frame = read_reply_overhead(1) as u64 + u64::from(g.chunk_size());
     check_range(
@@ -271,7 +333,11 @@ pub fn serve_with_runs(
     }
     let info = ServerInfo {
         version: VERSION,
-        features: Features::ALL,
+        features: if objects.is_some() {
+            Features::ALL | Features::OBJECTS
+        } else {
+            Features::ALL
+        },
         region: RegionInfo {
             geometry: g,
             caps,
@@ -295,6 +361,7 @@ pub fn serve_with_runs(
         // Each store operation takes its connection's turn.
         store: Arc::new(fair::InTurn::new(store.clone())),
         runs,
+        objects,
         info,
         opts,
         tls,
@@ -494,6 +561,18 @@ async fn connection(stream: BoxStream, peer: String, ctx: Arc<Ctx>, activity: Ar
         let _ = send_refusal(&mut stream, ErrorKind::Unsupported, msg).await;
         return;
     }
+    let wants_objects = hello.features.contains(Features::OBJECTS);
+    if wants_objects != ctx.objects.is_some() {
+        let msg = if wants_objects {
+            "this server exports a region, not objects: open it as farmap://ADDR"
+        } else {
+            "this server exports objects (a versioned layout), not a region: open a region in \
+             it as versioned:(farmap://ADDR)/REGION"
+        };
+        tracing::warn!("refused {peer}: {msg}");
+        let _ = send_refusal(&mut stream, ErrorKind::Unsupported, msg.to_owned()).await;
+        return;
+    }
     let mut info = ctx.info;
     info.features = info.features & hello.features;
     let mut buf = buf;
@@ -581,6 +660,8 @@ fn cost(ctx: &Ctx, msg: &Message, frame_len: usize) -> usize {
                 + u64::from(*count) * u64::from(g.chunk_size()),
         )
         .unwrap_or(usize::MAX),
+        // An object or a page of names: up to a whole frame.
+        Message::ObjGet(_) | Message::ObjList { .. } => ctx.info.max_frame as usize,
         _ => HEADER_LEN + 1 + MAX_MESSAGE,
     };
     // Never more than a whole budget, so that every request can run.
@@ -962,6 +1043,11 @@ async fn execute(ctx: &Ctx, msg: Message) -> Message {
         Message::Trim(range) => store.trim(range).await.map(|()| Message::Done),
         Message::Status(idx) => store.status(idx).await.map(Message::StatusOk),
         Message::Geometry => Ok(Message::GeometryOk(ctx.info.region)),
+        m @ (Message::ObjGet(_)
+        | Message::ObjExists(_)
+        | Message::ObjCreate { .. }
+        | Message::ObjList { .. }
+        | Message::ObjDelete(_)) => objects_op(ctx, m).await,
         other => {
             // The read loop only hands requests over.
             return Message::Error(RemoteError {
@@ -971,6 +1057,91 @@ async fn execute(ctx: &Ctx, msg: Message) -> Message {
         }
     };
     result.unwrap_or_else(|e| error_reply(&e))
+}
+
+/// An objects request, in the connection's turn: every key checked before the objects see
+/// it, and no reply larger than a frame.
+async fn objects_op(ctx: &Ctx, msg: Message) -> StoreResult<Message> {
+    let Some(objects) = &ctx.objects else {
+        return Err(StoreError::new(
+            ErrorKind::Unsupported,
+            "this server exports a region, not objects",
+        ));
+    };
+    let writes = matches!(msg, Message::ObjCreate { .. } | Message::ObjDelete(_));
+    if writes && ctx.opts.read_only {
+        return Err(StoreError::new(
+            ErrorKind::ReadOnly,
+            "this server is read-only",
+        ));
+    }
+    let max_frame = ctx.info.max_frame as usize;
+    let _turn = fair::current_turn().await?;
+    match msg {
+        Message::ObjGet(key) => {
+            check_key(&key)?;
+            let data = objects.get(&key).await?;
+            if let Some(d) = &data {
+                if HEADER_LEN + 1 + d.len() > max_frame {
+                    return Err(StoreError::new(
+                        ErrorKind::InvalidInput,
+                        format!(
+                            "object {key} is {} bytes, more than a frame of {max_frame} holds",
+                            d.len()
+                        ),
+                    ));
+                }
+            }
+            Ok(Message::ObjData(data))
+        }
+        Message::ObjExists(key) => {
+            check_key(&key)?;
+            Ok(Message::ObjBool(objects.exists(&key).await?))
+        }
+        Message::ObjCreate { key, data } => {
+            check_key(&key)?;
+            Ok(Message::ObjBool(objects.create(&key, data).await?))
+        }
+        Message::ObjDelete(key) => {
+            check_key(&key)?;
+            objects.delete(&key).await?;
+            Ok(Message::Done)
+        }
+        Message::ObjList { dir, after } => {
+            check_key(&dir)?;
+            let names = objects.list(&dir).await?;
+            Ok(names_page(names, &after, max_frame))
+        }
+        other => Err(StoreError::invalid(format!(
+            "op {:#04x} is not an objects request",
+            other.op()
+        ))),
+    }
+}
+
+/// The names of a folder after `after` that fit one reply of at most `max_frame` bytes
+/// ([`MAX_NAMES`] at most), and whether more follow. Names no key could hold are left out.
+fn names_page(names: Vec<String>, after: &str, max_frame: usize) -> Message {
+    let from = if after.is_empty() {
+        0
+    } else {
+        names.partition_point(|n| n.as_str() <= after)
+    };
+    let mut room = max_frame.saturating_sub(HEADER_LEN + 5);
+    let mut page = Vec::new();
+    let mut more = false;
+    for n in names.into_iter().skip(from) {
+        if n.is_empty() || n.len() > MAX_KEY {
+            continue;
+        }
+        if page.len() == MAX_NAMES as usize || 2 + n.len() > room {
+            more = true;
+            break;
+        }
+        room -= 2 + n.len();
+        page.push(n);
+    }
+    Message::ObjNames { names: page, more }
 }
 
 /// Chunks `start..start + count`, checked against the geometry: their total length.
@@ -1056,4 +1227,60 @@ async fn read_run(ctx: &Ctx, start: ChunkIdx, count: u32) -> StoreResult<Message
         }
     }
     Ok(Message::ReadRunOk(RunData::new(&zero, pieces)))
+}
+
+#[cfg(test)]
+mod names_tests {
+    use super::*;
+
+    fn page(names: &[&str], after: &str, max_frame: usize) -> (Vec<String>, bool) {
+        let names = names.iter().map(|n| (*n).to_owned()).collect();
+        match names_page(names, after, max_frame) {
+            Message::ObjNames { names, more } => (names, more),
+            other => panic!("{other:?}"),
+        }
+    }
+
+    #[test]
+    fn a_page_of_names_fits_its_frame_and_says_whether_more_follow() {
+        let all = ["a", "bb", "ccc", "dddd"];
+        assert_eq!(
+            page(&all, "", 1 << 20),
+            (
+                vec!["a".into(), "bb".into(), "ccc".into(), "dddd".into()],
+                false
+            )
+        );
+        assert_eq!(
+            page(&all, "bb", 1 << 20),
+            (vec!["ccc".into(), "dddd".into()], false)
+        );
+        // After a name that is not listed: from the next one up.
+        assert_eq!(
+            page(&all, "b", 1 << 20),
+            (vec!["bb".into(), "ccc".into(), "dddd".into()], false)
+        );
+        assert_eq!(page(&all, "dddd", 1 << 20), (Vec::new(), false));
+        // Room for "a" (3 bytes) and "bb" (4) only.
+        let small = HEADER_LEN + 5 + 7;
+        assert_eq!(page(&all, "", small), (vec!["a".into(), "bb".into()], true));
+        assert_eq!(page(&all, "bb", small), (vec!["ccc".into()], true));
+        // Every reply fits the frame it was made for.
+        let msg = names_page(all.iter().map(|n| (*n).to_owned()).collect(), "", small);
+        assert!(Frame::new(1, msg).encoded_len() <= small);
+        // At most MAX_NAMES names a reply, and never an empty or oversized name.
+        let many: Vec<String> = (0..MAX_NAMES + 3).map(|i| format!("{i:08}")).collect();
+        match names_page(many, "", 64 << 20) {
+            Message::ObjNames { names, more } => {
+                assert_eq!(names.len(), MAX_NAMES as usize);
+                assert!(more);
+            }
+            other => panic!("{other:?}"),
+        }
+        let long = "x".repeat(MAX_KEY + 1);
+        assert_eq!(
+            page(&["", &long, "ok"], "", 1 << 20),
+            (vec!["ok".into()], false)
+        );
+    }
 }

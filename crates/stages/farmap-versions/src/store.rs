@@ -186,30 +186,7 @@ impl Versioned {
     pub async fn open(objects: Arc<dyn Objects>, opts: VersionedOptions) -> StoreResult<Self> {
         check_name("region", &opts.region).map_err(StoreError::invalid)?;
         let region = opts.region.clone();
-        let mut hint = None;
-        let seq = match &opts.at {
-            At::Latest => latest_or_create(&*objects, &opts).await?,
-            // A read-only opening of a given version needs nothing else: no listing.
-            at if opts.read_only => {
-                let (seq, base) = resolve_hinted(&*objects, &region, at).await?;
-                hint = base;
-                seq
-            }
-            at => {
-                let latest = latest_or_create(&*objects, &opts).await?;
-                let seq = resolve(&*objects, &region, at).await?;
-                if seq != latest {
-                    return Err(StoreError::new(
-                        ErrorKind::ReadOnly,
-                        format!(
-                            "region {region:?}: version {seq} is not the latest ({latest}); \
-                             open it read-only"
-                        ),
-                    ));
-                }
-                seq
-            }
-        };
+        let (seq, hint) = version_to_open(&*objects, &opts).await?;
         let (manifest, map) = load_hinted(&*objects, &region, seq, hint).await?;
         let geometry = manifest.geometry()?;
         if let Some(g) = opts.create {
@@ -777,6 +754,40 @@ struct Reader {
 
 /// Starts reading ahead the working set recorded for version `seq` (see
 /// [`touched`](crate::touched)), if there is one.
+/// The version an opening opens (checked writable unless read-only), and where its chain
+/// starts when a snapshot's name says so.
+async fn version_to_open(
+    objects: &dyn Objects,
+    opts: &VersionedOptions,
+) -> StoreResult<(u64, Option<u64>)> {
+    let region = &opts.region;
+    let mut hint = None;
+    let seq = match &opts.at {
+        At::Latest => latest_or_create(objects, opts).await?,
+        // A read-only opening of a given version needs nothing else: no listing.
+        at if opts.read_only => {
+            let (seq, base) = resolve_hinted(objects, region, at).await?;
+            hint = base;
+            seq
+        }
+        at => {
+            let latest = latest_or_create(objects, opts).await?;
+            let seq = resolve(objects, region, at).await?;
+            if seq != latest {
+                return Err(StoreError::new(
+                    ErrorKind::ReadOnly,
+                    format!(
+                        "region {region:?}: version {seq} is not the latest ({latest}); \
+                         open it read-only"
+                    ),
+                ));
+            }
+            seq
+        }
+    };
+    Ok((seq, hint))
+}
+
 async fn start_read_ahead(
     rt: &tokio::runtime::Handle,
     to: Reader,

@@ -57,7 +57,7 @@ impl Scheme for Remote {
 }
 
 /// The settings of a `farmap://` spec (one this scheme parsed).
-fn remote_fields(
+pub(super) fn remote_fields(
     spec: &StoreSpec,
 ) -> (
     &RemoteAddr,

@@ -3,8 +3,9 @@
 //!
 //! `OBJECTS` is where the objects live: `dir:PATH` (a directory), `s3://BUCKET/PREFIX`
 //! (with its options: `endpoint=`...), `redis://HOST:PORT/DB?prefix=P` (also `rediss://`
-//! and `redis+cluster://`, with their options) or `cql://HOST:PORT/KEYSPACE?table=T` (the
-//! table `T_objects`, created with `create=true`), shared by every region kept there, so
+//! and `redis+cluster://`, with their options), `cql://HOST:PORT/KEYSPACE?table=T` (the
+//! table `T_objects`, created with `create=true`) or `farmap://HOST:PORT` (also
+//! `farmaps://`, `farmap+unix:`: a `farmap serve --objects` server), shared by every region kept there, so
 //! equal chunks are stored once. `REGION` names the region; `@N` opens version
 //! `N`, `@NAME` the version a snapshot was named, read-only (a region opens writable only at
 //! its latest version). `size=` (and `chunk=`) create the region when it has no version yet.
@@ -117,11 +118,18 @@ pub async fn open_objects(spec: &StoreSpec) -> Result<Arc<dyn Objects>, farmap_c
         SpecKind::Redis(config) => Ok(Arc::new(farmap_redis::RedisObjects::open(config).await?)),
         #[cfg(feature = "cql")]
         SpecKind::Cql(target) => Ok(Arc::new(farmap_cql::CqlObjects::open(target).await?)),
+        SpecKind::Remote { .. } => {
+            let (addr, tls, connections, timeout) = super::remote::remote_fields(spec);
+            let opts = super::remote::client_options(tls, connections, timeout);
+            Ok(Arc::new(
+                farmap_net::RemoteObjects::connect(addr.clone(), opts).await?,
+            ))
+        }
         _ => Err(farmap_core::StoreError::new(
             farmap_core::ErrorKind::Unsupported,
             format!(
-                "versioned: keeps its objects in dir:PATH, s3://, redis:// or cql://; {spec} \
-                 cannot hold them"
+                "versioned: keeps its objects in dir:PATH, s3://, redis://, cql:// or \
+                 farmap:// (a `farmap serve --objects` server); {spec} cannot hold them"
             ),
         )),
     }
@@ -130,7 +138,7 @@ pub async fn open_objects(spec: &StoreSpec) -> Result<Arc<dyn Objects>, farmap_c
 /// Whether a store of this kind can keep a versioned region's objects.
 fn holds_objects(kind: &SpecKind) -> bool {
     match kind {
-        SpecKind::Dir { .. } => true,
+        SpecKind::Dir { .. } | SpecKind::Remote { .. } => true,
         #[cfg(feature = "s3")]
         SpecKind::S3 { .. } => true,
         #[cfg(feature = "redis")]
@@ -160,7 +168,8 @@ fn parse(rest: &str, spec: &str, depth: usize) -> Result<StoreSpec, SpecError> {
     if !holds_objects(&objects.kind) {
         return Err(bad(format!(
             "the objects of a versioned region live in dir:PATH, s3://BUCKET/PREFIX, \
-             redis://HOST:PORT/DB?prefix=P or cql://HOST:PORT/KEYSPACE?table=T, not {objects}"
+             redis://HOST:PORT/DB?prefix=P, cql://HOST:PORT/KEYSPACE?table=T or \
+             farmap://HOST:PORT (`farmap serve --objects`), not {objects}"
         )));
     }
     #[cfg(feature = "cql")]
