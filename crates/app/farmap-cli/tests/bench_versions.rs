@@ -31,6 +31,22 @@ fn bench_versions_runs_over_another_object_store() {
     check(&["--objects", &spec], "redis");
 }
 
+/// The same cases over a farmap host that exports a directory's objects
+/// (`farmap serve --objects`, another process).
+#[test]
+fn bench_versions_runs_over_a_farmap_objects_server() {
+    let dir = tempfile::tempdir().unwrap();
+    let served = format!("dir:{}", dir.path().display());
+    let server = farmap()
+        .listening(&["serve", "--objects", &served, "--listen", "127.0.0.1:0", "-q"])
+        .drained();
+    check(
+        &["--objects", &format!("farmap://{}", server.addr())],
+        "farmap",
+    );
+    assert!(dir.path().join("chunks").is_dir());
+}
+
 /// Runs the bench small with `extra` and checks its rows; `objects` is the store's kind.
 fn check(extra: &[&str], objects: &str) {
     let mut args = vec![
