@@ -38,7 +38,14 @@ fn bench_versions_runs_over_a_farmap_objects_server() {
     let dir = tempfile::tempdir().unwrap();
     let served = format!("dir:{}", dir.path().display());
     let server = farmap()
-        .listening(&["serve", "--objects", &served, "--listen", "127.0.0.1:0", "-q"])
+        .listening(&[
+            "serve",
+            "--objects",
+            &served,
+            "--listen",
+            "127.0.0.1:0",
+            "-q",
+        ])
         .drained();
     check(
         &["--objects", &format!("farmap://{}", server.addr())],
