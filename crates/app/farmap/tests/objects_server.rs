@@ -119,6 +119,20 @@ async fn region_and_objects_clients_are_told_what_the_server_exports() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_object_over_the_limit_is_refused_before_it_is_sent() {
+    let dir = tempfile::tempdir().unwrap();
+    let (server, addr) = served(dir.path(), false).await;
+    let o = remote(&addr).await;
+    let big = Bytes::from(vec![1u8; farmap_net::wire::MAX_OBJECT + 1]);
+    let e = o.create("a/big", big).await.unwrap_err();
+    assert_eq!(e.kind(), ErrorKind::InvalidInput, "{e}");
+    // The connection was not lost over it: the next requests are answered.
+    assert!(o.create("a/ok", Bytes::from_static(b"ok")).await.unwrap());
+    assert_eq!(o.list("a").await.unwrap(), ["ok"]);
+    server.shutdown().await.unwrap();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_read_only_export_reads_and_refuses_changes() {
     let dir = tempfile::tempdir().unwrap();
     let local = DirObjects::open(dir.path()).unwrap();
@@ -170,12 +184,18 @@ async fn keys_naming_paths_are_refused_by_the_server() {
         "a b",
     ];
     let mut decoder = FrameDecoder::default();
-    for (i, key) in bad.iter().enumerate() {
+    // Bad keys, and a good key with more bytes than an object may hold (a frame holds them).
+    let big = Bytes::from(vec![1u8; farmap_net::wire::MAX_OBJECT + 1]);
+    let requests = bad
+        .iter()
+        .map(|k| ((*k).to_owned(), Bytes::from_static(b"owned")))
+        .chain(std::iter::once(("a/big".to_owned(), big)));
+    for (i, (key, data)) in requests.enumerate() {
         let frame = Frame::new(
             i as u64 + 1,
             Message::ObjCreate {
-                key: (*key).to_owned(),
-                data: Bytes::from_static(b"owned"),
+                key: key.clone(),
+                data,
             },
         );
         let mut out = BytesMut::new();

@@ -27,6 +27,9 @@ pub const MAX_RUN_LIMIT: u32 = MAX_FRAME_LIMIT / 4096;
 
 /// Longest object key (or folder) in an objects request, in bytes (as `check_key` allows).
 pub const MAX_KEY: usize = 1024;
+/// Largest object an objects export stores or serves: every object of the versioned layout
+/// fits (as it fits a CQL object: chunks, pages, manifests, working sets).
+pub const MAX_OBJECT: usize = 8 << 20;
 /// Most names in one list reply ([`Message::ObjNames`]); a longer folder takes more replies.
 pub const MAX_NAMES: u32 = 65536;
 

@@ -114,7 +114,7 @@ pub use error::WireError;
 pub use frame::{
     op, read_reply_overhead, run_reply_overhead, Frame, FrameDecoder, Limits, Message, Payload,
     RegionInfo, RemoteError, RunData, DEFAULT_MAX_BATCH, DEFAULT_MAX_FRAME, HEADER_LEN,
-    MAX_BATCH_LIMIT, MAX_FRAME_LIMIT, MAX_KEY, MAX_MESSAGE, MAX_NAMES, MAX_RUN_LIMIT,
+    MAX_BATCH_LIMIT, MAX_FRAME_LIMIT, MAX_KEY, MAX_MESSAGE, MAX_NAMES, MAX_OBJECT, MAX_RUN_LIMIT,
     ZERO_COPY_MIN,
 };
 pub use hello::{

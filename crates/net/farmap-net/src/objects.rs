@@ -5,11 +5,12 @@
 //! reads (`get`, `exists`, `list`) are sent again once on another connection if theirs was
 //! lost under them, a create or delete is not (its outcome is unknown: the caller decides).
 //! What the server answers is checked: list replies must name single, valid names in
-//! ascending order, and a folder of more than [`MAX_LISTED`] names is refused.
+//! ascending order, and a folder of more than [`MAX_LISTED`] names (or [`MAX_LISTED_BYTES`]
+//! of them) is refused; an object over [`MAX_OBJECT`] is refused before it is sent.
 
 use bytes::Bytes;
 use farmap_core::{check_key, BoxFuture, ErrorKind, Objects, StoreError, StoreResult};
-use farmap_wire::{Features, Message};
+use farmap_wire::{Features, Frame, Message, HEADER_LEN, MAX_OBJECT};
 
 use crate::addr::RemoteAddr;
 use crate::remote::{Client, ClientOptions};
@@ -17,6 +18,8 @@ use crate::remote::{Client, ClientOptions};
 /// Most names one listing gathers from a server (over many replies): what a layout's largest
 /// folder holds, with room; a server that sends more is refused rather than followed.
 pub const MAX_LISTED: usize = 4 << 20;
+/// Most bytes of names one listing gathers from a server.
+pub const MAX_LISTED_BYTES: usize = 256 << 20;
 
 /// Named objects served by a farmap server.
 pub struct RemoteObjects {
@@ -113,6 +116,17 @@ impl Objects for RemoteObjects {
                 key: key.to_owned(),
                 data,
             };
+            // Refused here rather than by the server's decoder, which would close the
+            // connection under every other request in flight on it.
+            let len = Frame::new(1, msg.clone()).encoded_len();
+            let max_frame = self.client.max_frame();
+            if len > HEADER_LEN + 2 + key.len() + MAX_OBJECT || len > max_frame {
+                return Err(StoreError::invalid(format!(
+                    "object {key} is too large for {}: at most {MAX_OBJECT} bytes, in a frame \
+                     of at most {max_frame}",
+                    self.location(),
+                )));
+            }
             match self.client.call(msg).await? {
                 Message::ObjBool(b) => Ok(b),
                 other => Err(self.client.unexpected("create", &other)),
@@ -124,13 +138,16 @@ impl Objects for RemoteObjects {
         Box::pin(async move {
             check_key(dir)?;
             let mut all: Vec<String> = Vec::new();
+            let mut bytes = 0usize;
             loop {
                 let after = all.last().map_or("", String::as_str);
                 let (names, more) = self.list_page(dir, after).await?;
-                if all.len() + names.len() > MAX_LISTED {
-                    return Err(
-                        self.corrupt(format!("listed more than {MAX_LISTED} names in {dir}"))
-                    );
+                bytes += names.iter().map(String::len).sum::<usize>();
+                if all.len() + names.len() > MAX_LISTED || bytes > MAX_LISTED_BYTES {
+                    return Err(self.corrupt(format!(
+                        "listed more than {MAX_LISTED} names or {MAX_LISTED_BYTES} bytes of \
+                         names in {dir}"
+                    )));
                 }
                 all.extend(names);
                 if !more {

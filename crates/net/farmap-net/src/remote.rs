@@ -465,6 +465,11 @@ impl Client {
         &self.addr
     }
 
+    /// The largest frame the server takes, in bytes.
+    pub(crate) fn max_frame(&self) -> usize {
+        self.info.max_frame as usize
+    }
+
     /// Closes every connection.
     pub(crate) fn close(&self, why: &str) {
         self.links.close(why);

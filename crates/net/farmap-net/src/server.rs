@@ -47,7 +47,7 @@ use farmap_wire::{
     decode_client_hello, read_reply_overhead, run_reply_overhead, ClientHello, Features, Frame,
     FrameDecoder, Limits, Message, Payload, Refusal, RegionInfo, RemoteError, RunData, ServerHello,
     ServerInfo, WireError, DEFAULT_MAX_BATCH, DEFAULT_MAX_FRAME, HEADER_LEN, MAX_BATCH_LIMIT,
-    MAX_FRAME_LIMIT, MAX_IN_FLIGHT_LIMIT, MAX_KEY, MAX_MESSAGE, MAX_NAMES, VERSION,
+    MAX_FRAME_LIMIT, MAX_IN_FLIGHT_LIMIT, MAX_MESSAGE, MAX_NAMES, MAX_OBJECT, VERSION,
 };
 use farmap_wire::{CHALLENGE_LABEL, CHALLENGE_LEN};
 use futures::future::join_all;
@@ -660,8 +660,8 @@ fn cost(ctx: &Ctx, msg: &Message, frame_len: usize) -> usize {
                 + u64::from(*count) * u64::from(g.chunk_size()),
         )
         .unwrap_or(usize::MAX),
-        // An object or a page of names: up to a whole frame.
-        Message::ObjGet(_) | Message::ObjList { .. } => ctx.info.max_frame as usize,
+        // An object or a page of names: at most the largest object.
+        Message::ObjGet(_) | Message::ObjList { .. } => HEADER_LEN + 1 + MAX_OBJECT,
         _ => HEADER_LEN + 1 + MAX_MESSAGE,
     };
     // Never more than a whole budget, so that every request can run.
@@ -1075,18 +1075,19 @@ async fn objects_op(ctx: &Ctx, msg: Message) -> StoreResult<Message> {
             "this server is read-only",
         ));
     }
-    let max_frame = ctx.info.max_frame as usize;
+    // What a reply may hold: a frame, and no more than the request was charged.
+    let max_reply = (ctx.info.max_frame as usize).min(HEADER_LEN + 1 + MAX_OBJECT);
     let _turn = fair::current_turn().await?;
     match msg {
         Message::ObjGet(key) => {
             check_key(&key)?;
             let data = objects.get(&key).await?;
             if let Some(d) = &data {
-                if HEADER_LEN + 1 + d.len() > max_frame {
+                if HEADER_LEN + 1 + d.len() > max_reply {
                     return Err(StoreError::new(
                         ErrorKind::InvalidInput,
                         format!(
-                            "object {key} is {} bytes, more than a frame of {max_frame} holds",
+                            "object {key} is {} bytes, more than a reply of {max_reply} holds",
                             d.len()
                         ),
                     ));
@@ -1100,6 +1101,12 @@ async fn objects_op(ctx: &Ctx, msg: Message) -> StoreResult<Message> {
         }
         Message::ObjCreate { key, data } => {
             check_key(&key)?;
+            if data.len() > MAX_OBJECT {
+                return Err(StoreError::invalid(format!(
+                    "object {key} is {} bytes, more than the {MAX_OBJECT} an object may be",
+                    data.len()
+                )));
+            }
             Ok(Message::ObjBool(objects.create(&key, data).await?))
         }
         Message::ObjDelete(key) => {
@@ -1110,7 +1117,7 @@ async fn objects_op(ctx: &Ctx, msg: Message) -> StoreResult<Message> {
         Message::ObjList { dir, after } => {
             check_key(&dir)?;
             let names = objects.list(&dir).await?;
-            Ok(names_page(names, &after, max_frame))
+            Ok(names_page(names, &after, max_reply))
         }
         other => Err(StoreError::invalid(format!(
             "op {:#04x} is not an objects request",
@@ -1120,7 +1127,9 @@ async fn objects_op(ctx: &Ctx, msg: Message) -> StoreResult<Message> {
 }
 
 /// The names of a folder after `after` that fit one reply of at most `max_frame` bytes
-/// ([`MAX_NAMES`] at most), and whether more follow. Names no key could hold are left out.
+/// ([`MAX_NAMES`] at most), and whether more follow. Names no key could hold (and names
+/// with a `/`) are left out. The folder is listed whole at every page: its memory is the
+/// store's listing, not charged to the connection (see `docs/limits.md`).
 fn names_page(names: Vec<String>, after: &str, max_frame: usize) -> Message {
     let from = if after.is_empty() {
         0
@@ -1131,7 +1140,8 @@ fn names_page(names: Vec<String>, after: &str, max_frame: usize) -> Message {
     let mut page = Vec::new();
     let mut more = false;
     for n in names.into_iter().skip(from) {
-        if n.is_empty() || n.len() > MAX_KEY {
+        // What a client takes as a name (no key could hold the others).
+        if n.contains('/') || check_key(&n).is_err() {
             continue;
         }
         if page.len() == MAX_NAMES as usize || 2 + n.len() > room {
@@ -1277,9 +1287,10 @@ mod names_tests {
             }
             other => panic!("{other:?}"),
         }
-        let long = "x".repeat(MAX_KEY + 1);
+        let long = "x".repeat(farmap_wire::MAX_KEY + 1);
+        // Nor a name a client would refuse.
         assert_eq!(
-            page(&["", &long, "ok"], "", 1 << 20),
+            page(&["", &long, "a/b", ".tmp", "ok"], "", 1 << 20),
             (vec!["ok".into()], false)
         );
     }

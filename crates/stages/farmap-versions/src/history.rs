@@ -6,7 +6,7 @@ use farmap_core::{ErrorKind, Objects, StoreError, StoreResult};
 
 use crate::manifest::{Manifest, Parent, MAX_DEPTH};
 use crate::page::{Map, PageCache};
-use crate::{check_name, tags_dir, version_key, versions_dir, At, MAX_CHAIN};
+use crate::{bases_dir, check_name, tags_dir, version_key, versions_dir, At, MAX_CHAIN};
 
 /// Reads version `seq` of `region`, checking that it is the manifest it claims to be.
 pub(crate) async fn manifest(
@@ -200,38 +200,34 @@ pub(crate) async fn resolve_hinted(
         At::Tag(name) => {
             check_name("snapshot", name).map_err(StoreError::invalid)?;
             let key = format!("{}/{name}", tags_dir(region));
-            let text = objects.get(&key).await?.ok_or_else(|| {
+            let hint_key = format!("{}/{name}", bases_dir(region));
+            // The hint is read with the name; it is only a hint: unreadable, it is none.
+            let (text, hint) = futures::join!(objects.get(&key), objects.get(&hint_key));
+            let text = text?.ok_or_else(|| {
                 StoreError::new(
                     ErrorKind::NotFound,
                     format!("region {region:?} has no snapshot named {name:?}"),
                 )
             })?;
-            parse_tag(&text).ok_or_else(|| {
+            let seq = parse_number(&text).ok_or_else(|| {
                 StoreError::new(
                     ErrorKind::Corrupt,
                     format!("{key} does not hold a version number"),
                 )
-            })
+            })?;
+            let base = hint.ok().flatten().and_then(|b| parse_number(&b));
+            Ok((seq, base))
         }
     }
 }
 
-/// What a snapshot's name holds: `SEQ BASE` (the version, and where its chain starts), or
-/// `SEQ` alone as written before the base was kept.
-pub(crate) fn tag_text(seq: u64, base: u64) -> String {
-    format!("{seq} {base}\n")
+/// A version number as a snapshot's name (and its hint) hold it: decimal, a newline after.
+pub(crate) fn number_text(n: u64) -> String {
+    format!("{n}\n")
 }
 
-/// Reads [`tag_text`]: the version and, if given, where its chain starts.
-fn parse_tag(text: &[u8]) -> Option<(u64, Option<u64>)> {
-    let text = std::str::from_utf8(text).ok()?;
-    let mut words = text.split_ascii_whitespace();
-    let seq = words.next()?.parse().ok()?;
-    let base = match words.next() {
-        Some(b) => Some(b.parse().ok()?),
-        None => None,
-    };
-    words.next().is_none().then_some((seq, base))
+fn parse_number(text: &[u8]) -> Option<u64> {
+    std::str::from_utf8(text).ok()?.trim().parse().ok()
 }
 
 /// One version, as `farmap versions` lists it.

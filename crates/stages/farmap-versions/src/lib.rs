@@ -6,8 +6,8 @@
 //!   chunks/HH/HASH                       a chunk's bytes, compressed (HASH: SHA-256 of them),
 //!                                        or a page of a whole version's chunk map
 //!   regions/NAME/versions/SEQ            a version's manifest (SEQ: 20 decimal digits)
-//!   regions/NAME/tags/TAG                the SEQ a snapshot's name stands for, and where
-//!                                        its chain starts (`SEQ BASE`)
+//!   regions/NAME/tags/TAG                the SEQ a snapshot's name stands for
+//!   regions/NAME/bases/TAG               where that version's chain starts (a hint)
 //! ```
 //!
 //! - **Chunks are immutable** and named by the SHA-256 of their content: writing the same
@@ -127,6 +127,12 @@ fn versions_dir(region: &str) -> String {
 /// The folder of a region's snapshot names.
 fn tags_dir(region: &str) -> String {
     format!("regions/{region}/tags")
+}
+
+/// The folder of where the versions that snapshot names stand for start their chains: a
+/// hint beside each name, which older readers of the layout do not look at.
+fn bases_dir(region: &str) -> String {
+    format!("regions/{region}/bases")
 }
 
 /// Milliseconds since the Unix epoch.

@@ -336,13 +336,27 @@ impl Versioned {
         let key = format!("{}/{name}", tags_dir(&self.region));
         if !self
             .objects
-            .create(&key, Bytes::from(history::tag_text(seq, base)))
+            .create(&key, Bytes::from(history::number_text(seq)))
             .await?
         {
             return Err(StoreError::invalid(format!(
                 "region {:?} already has a snapshot named {name:?}",
                 self.region
             )));
+        }
+        // Where its chain starts, beside the name (older readers see the name alone): an
+        // opening of the name reads the chain with the version's manifest. Only a hint: a
+        // failure costs a later opening one round trip.
+        let hint = format!("{}/{name}", crate::bases_dir(&self.region));
+        if let Err(e) = self
+            .objects
+            .create(&hint, Bytes::from(history::number_text(base)))
+            .await
+        {
+            tracing::warn!(
+                region = self.region,
+                "cannot save where snapshot {name:?} starts: {e}"
+            );
         }
         Ok(seq)
     }
@@ -752,8 +766,6 @@ struct Reader {
     ahead: Arc<Ahead>,
 }
 
-/// Starts reading ahead the working set recorded for version `seq` (see
-/// [`touched`](crate::touched)), if there is one.
 /// The version an opening opens (checked writable unless read-only), and where its chain
 /// starts when a snapshot's name says so.
 async fn version_to_open(
@@ -788,6 +800,8 @@ async fn version_to_open(
     Ok((seq, hint))
 }
 
+/// Starts reading ahead the working set recorded for version `seq` (see
+/// [`touched`](crate::touched)), if there is one.
 async fn start_read_ahead(
     rt: &tokio::runtime::Handle,
     to: Reader,

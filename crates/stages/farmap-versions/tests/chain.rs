@@ -1,7 +1,8 @@
 //! Opening a version whose chain has deltas, over a real directory whose manifest reads are
-//! slowed down: a snapshot's name says where the chain starts, so the chain's manifests are
-//! read together (one round trip, not one each); a name written before it kept the start, or
-//! one whose start is wrong, still opens exactly the version it names.
+//! slowed down: beside a snapshot's name, a hint says where the chain starts, so the chain's
+//! manifests are read together (one round trip, not one each); a name without a hint, or
+//! with a wrong one, still opens exactly the version it names; the name itself holds the
+//! version alone, as older readers of the layout read it.
 
 use std::path::Path;
 use std::sync::atomic::{AtomicUsize, Ordering};
@@ -145,8 +146,8 @@ async fn a_snapshot_reads_its_chain_in_one_round_trip() {
         .await
         .unwrap();
     let (gets, peak) = slow.take();
-    // The name, then the eleven manifests at once.
-    assert_eq!(gets, 12);
+    // The name and where its chain starts, then the eleven manifests at once.
+    assert_eq!(gets, 13);
     assert_eq!(peak, 11, "the chain's manifests were not read together");
     assert_eq!(v.version(), flushes);
     check_all(&v, flushes).await;
@@ -172,28 +173,42 @@ async fn a_name_without_its_chain_start_or_with_a_wrong_one_opens_its_version() 
     let last = h.last().unwrap().seq;
     let base = h.iter().rev().find(|v| v.whole).unwrap().seq;
     assert!(base > 1, "{h:?}");
+    // The name holds the version alone (as older readers read it), the hint beside it.
     assert_eq!(
         std::fs::read_to_string(dir.path().join("regions/r/tags/snap")).unwrap(),
-        format!("{last} {base}\n")
+        format!("{last}\n")
     );
-    for (name, text) in [
-        // As names were written before they kept the start.
-        ("old", format!("{last}\n")),
+    assert_eq!(
+        std::fs::read_to_string(dir.path().join("regions/r/bases/snap")).unwrap(),
+        format!("{base}\n")
+    );
+    for (name, hint) in [
+        // As names were written before they had a hint.
+        ("old", None),
         // A start too early, and one past the version: each read again from the version's.
-        ("early", format!("{last} {}\n", base - 1)),
-        ("late", format!("{last} {}\n", last + 5)),
+        ("early", Some(format!("{}\n", base - 1))),
+        ("late", Some(format!("{}\n", last + 5))),
         // Further back than a chain goes: not followed.
-        ("far", format!("{last} 0\n")),
+        ("far", Some("0\n".to_owned())),
+        // Not a number: no hint.
+        ("garbage", Some("x y\n".to_owned())),
     ] {
         let key = format!("regions/r/tags/{name}");
-        assert!(o.create(&key, Bytes::from(text)).await.unwrap());
+        assert!(o
+            .create(&key, Bytes::from(format!("{last}\n")))
+            .await
+            .unwrap());
+        if let Some(hint) = hint {
+            let key = format!("regions/r/bases/{name}");
+            assert!(o.create(&key, Bytes::from(hint)).await.unwrap());
+        }
         let v = Versioned::open(o.clone(), opts(At::Tag(name.into()), None))
             .await
             .unwrap_or_else(|e| panic!("{name}: {e}"));
         assert_eq!(v.version(), last, "{name}");
         check_all(&v, flushes).await;
     }
-    for (name, text) in [("words", "7 x\n"), ("three", "7 1 2\n"), ("empty", "")] {
+    for (name, text) in [("words", "7 x\n"), ("two", "7 1\n"), ("empty", "")] {
         let key = format!("regions/r/tags/{name}");
         assert!(o.create(&key, Bytes::from(text)).await.unwrap());
         let e = Versioned::open(o.clone(), opts(At::Tag(name.into()), None))
