@@ -38,14 +38,7 @@ pub async fn run(args: ServeArgs) -> anyhow::Result<ExitCode> {
         args.store(),
     );
     let server = serve(store, listener, opts).context("starting the server")?;
-    stop_signal().await?;
-    status!("farmap serve: shutting down: answering requests in flight, flushing the store");
-    server
-        .shutdown()
-        .await
-        .context("shutting the server down")?;
-    status!("farmap serve: stopped");
-    Ok(ExitCode::SUCCESS)
+    until_stopped(server, ", flushing the store").await
 }
 
 /// `farmap serve --objects SPEC`: the named objects of a versioned layout, for
@@ -63,8 +56,14 @@ async fn run_objects(args: ServeArgs, spec: farmap::StoreSpec) -> anyhow::Result
         if args.read_only { ", read-only" } else { "" },
     );
     let server = serve_objects(objects, listener, opts).context("starting the server")?;
+    until_stopped(server, "").await
+}
+
+/// Runs `server` until SIGTERM or Ctrl-C, then shuts it down cleanly (`also`: what its
+/// shutdown does besides answering the requests in flight, for the message).
+async fn until_stopped(server: farmap_net::Server, also: &str) -> anyhow::Result<ExitCode> {
     stop_signal().await?;
-    status!("farmap serve: shutting down: answering requests in flight");
+    status!("farmap serve: shutting down: answering requests in flight{also}");
     server
         .shutdown()
         .await
