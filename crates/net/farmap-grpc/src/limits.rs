@@ -91,6 +91,11 @@ pub(crate) struct Live {
 }
 
 impl Live {
+    /// Closed for a newcomer, and not yet gone.
+    fn is_evicted(&self) -> bool {
+        self.evicted.load(std::sync::atomic::Ordering::Acquire)
+    }
+
     /// How long it has been idle, when no call holds memory.
     fn idle_for(&self) -> Option<Duration> {
         if !self.budget.is_idle() {
@@ -119,10 +124,15 @@ impl Live {
     }
 }
 
-/// The live connection idle longest (at least [`farmap_net::IDLE_TO_EVICT`]), if any.
+/// Whom to close for a newcomer: a connection already closed for one and not yet gone (its
+/// slot is on its way back: closing another would be one too many), else the live
+/// connection idle longest (at least [`farmap_net::IDLE_TO_EVICT`]), if any.
 fn evictee(live: &[std::sync::Weak<Live>]) -> Option<Arc<Live>> {
-    live.iter()
-        .filter_map(std::sync::Weak::upgrade)
+    let live: Vec<_> = live.iter().filter_map(std::sync::Weak::upgrade).collect();
+    if let Some(going) = live.iter().find(|l| l.is_evicted()) {
+        return Some(going.clone());
+    }
+    live.into_iter()
         .filter_map(|l| Some((l.idle_for()?, l)))
         .filter(|(idle, _)| *idle >= farmap_net::IDLE_TO_EVICT)
         .max_by_key(|(idle, _)| *idle)
@@ -133,7 +143,6 @@ fn evictee(live: &[std::sync::Weak<Live>]) -> Option<Arc<Live>> {
 #[derive(Debug)]
 pub(crate) struct Limited {
     io: TcpStream,
-    _slot: OwnedSemaphorePermit,
     idle: Duration,
     deadline: Pin<Box<Sleep>>,
     info: ConnInfo,
@@ -142,6 +151,8 @@ pub(crate) struct Limited {
     stopping: Arc<std::sync::atomic::AtomicBool>,
     /// The deadline was shortened for the stop.
     stop_armed: bool,
+    /// Declared last, so dropped last: the slot comes back after the connection is gone.
+    _slot: OwnedSemaphorePermit,
 }
 
 impl Limited {
@@ -234,7 +245,7 @@ impl AsyncRead for Limited {
         buf: &mut ReadBuf<'_>,
     ) -> Poll<io::Result<()>> {
         let this = &mut *self;
-        if this.live.evicted.load(std::sync::atomic::Ordering::Acquire) {
+        if this.live.is_evicted() {
             return Poll::Ready(Err(io::Error::new(
                 io::ErrorKind::ConnectionAborted,
                 "closed for a new connection: idle at the connection limit",
@@ -354,10 +365,12 @@ pub(crate) fn limited_incoming(
                     };
                     let freed = match old {
                         Some(old) => {
-                            tracing::warn!(
-                                "{max} gRPC connections (the limit): closing the one idle longest for {peer}"
-                            );
-                            old.evict();
+                            if !old.is_evicted() {
+                                tracing::warn!(
+                                    "{max} gRPC connections (the limit): closing the one idle longest for {peer}"
+                                );
+                                old.evict();
+                            }
                             drop(old);
                             let wait = slots.clone().acquire_owned();
                             tokio::time::timeout(Duration::from_secs(2), wait)
@@ -402,4 +415,43 @@ pub(crate) fn limited_incoming(
             return Some((Ok(conn), (listener, slots, budgets, live)));
         }
     })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn live(total: &Total, idle: Duration) -> Arc<Live> {
+        Arc::new(Live {
+            budget: total.connection(1 << 20, 1 << 16),
+            last_read: std::sync::Mutex::new(std::time::Instant::now() - idle),
+            evicted: std::sync::atomic::AtomicBool::new(false),
+            reader: std::sync::Mutex::new(None),
+            writer: std::sync::Mutex::new(None),
+        })
+    }
+
+    /// A connection closed for one newcomer and not yet gone is what the next one waits
+    /// for: closing another would close one connection too many (the next newcomer would
+    /// then find no slot and be refused).
+    #[test]
+    fn a_connection_on_its_way_out_is_waited_for_not_a_second_one_closed() {
+        let total = Total::new(64 << 20);
+        let (long, longer, fresh) = (
+            live(&total, Duration::from_secs(5)),
+            live(&total, Duration::from_secs(9)),
+            live(&total, Duration::ZERO),
+        );
+        let all: Vec<_> = [&long, &longer, &fresh].map(Arc::downgrade).into();
+        let first = evictee(&all).expect("one idle long enough");
+        assert!(Arc::ptr_eq(&first, &longer), "the one idle longest");
+        first.evict();
+        let second = evictee(&all).expect("the one on its way out");
+        assert!(Arc::ptr_eq(&second, &longer), "not a second one");
+        drop((first, second, longer));
+        let third = evictee(&all).expect("once it is gone, the next idle one");
+        assert!(Arc::ptr_eq(&third, &long));
+        drop((third, long));
+        assert!(evictee(&all).is_none(), "a fresh connection is not closed");
+    }
 }
