@@ -15,7 +15,7 @@ mod common;
 use common::farmap;
 
 use farmap_testkit::cli::Cli;
-use farmap_testkit::demo::{json_of, DemoNode, Seeder};
+use farmap_testkit::demo::{self, json_of, DemoNode, Seeder};
 use farmap_testkit::{skip, unique_name, Service};
 use serde_json::Value;
 
@@ -275,4 +275,79 @@ fn an_instant_migration_of_a_versioned_region_hands_its_writer_over() {
     assert!(epochs.windows(2).all(|w| w[0] <= w[1]), "{epochs:?}");
     assert!(epochs.contains(&2), "the destination's epoch: {rows:?}");
     assert!(epochs.iter().filter(|e| **e == 1).count() >= 2, "{rows:?}");
+}
+
+/// The source host dies in the middle of an instant migration's post-copy (its data plane
+/// slowed to 64 KB/s, so the chunks only it holds are still coming when the application
+/// resumes at the destination): the destination finishes from the shared store, says which
+/// chunks rolled back to the store's version, and every other byte is what the source held
+/// at the hand-over or what was written here since.
+#[test]
+fn an_instant_migration_finishes_from_redis_when_the_source_dies_during_the_post_copy() {
+    let test = "an_instant_migration_finishes_from_redis_when_the_source_dies_during_the_post_copy";
+    let Some(mut p) = pair(test, "redis") else {
+        return;
+    };
+    std::thread::sleep(Duration::from_millis(300));
+    // No push before the suspension: what the writer wrote since the last background push
+    // is at the source alone.
+    let mut seed = Seeder::start(&p.farmap, &p.a, &["--push-budget", "0s"]);
+    let (mut slow, slow_data) = demo::proxy(&p.farmap, &seed.data, 0, Some("64KB/s"));
+    let mut leech = demo::leech(
+        &p.farmap,
+        &p.b,
+        &seed.control,
+        &slow_data,
+        &[
+            "--mode",
+            "instant",
+            "--max-downtime",
+            "10ms",
+            "--reconnect-for",
+            "1s",
+        ],
+    );
+    let resumed = leech.stderr_line("resumed here after");
+    let from_source: u64 = resumed
+        .split(" chunks come from the source")
+        .next()
+        .and_then(|s| s.rsplit(' ').next())
+        .and_then(|n| n.parse().ok())
+        .unwrap_or_else(|| panic!("no source chunk count in {resumed:?}"));
+    assert!(
+        from_source > 0,
+        "a writer left chunks at the source: {resumed}"
+    );
+    // The source host dies: its application, the seed command and the way to its data plane.
+    p.a.proc.kill();
+    seed.proc.kill();
+    slow.kill();
+    let (ok, out, err) = leech.finish();
+    assert!(ok, "the destination finishes without its source: {err}");
+    assert!(
+        err.contains("the seeder is gone: finishing from the shared store"),
+        "{err}"
+    );
+    let report = json_of(&out);
+    let chunk = 64u64 << 10;
+    let rolled: Vec<std::ops::Range<u64>> = report["rolled_back"]
+        .as_array()
+        .unwrap_or_else(|| panic!("rolled_back missing in {report}"))
+        .iter()
+        // `[start, end)` runs of chunks.
+        .map(|r| r[0].as_u64().unwrap() * chunk..r[1].as_u64().unwrap() * chunk)
+        .collect();
+    let count: u64 = rolled.iter().map(|r| (r.end - r.start) / chunk).sum();
+    assert_eq!(report["chunks_rolled_back"], count, "{report}");
+    assert!(
+        count > 0 && count <= from_source,
+        "the source died with chunks on their way: {count} rolled back of {from_source}: {report}"
+    );
+    // Everything else is the history's image: nothing the destination received was lost,
+    // and the writer goes on here.
+    let ops =
+        p.b.verify_except(&rolled)
+            .expect("the destination holds the region");
+    let handed_over_at = report["resumed_at_op"].as_u64().unwrap();
+    assert!(ops >= handed_over_at, "{ops} < {handed_over_at}");
 }

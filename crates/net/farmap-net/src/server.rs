@@ -564,10 +564,11 @@ async fn connection(stream: BoxStream, peer: String, ctx: Arc<Ctx>, activity: Ar
     let wants_objects = hello.features.contains(Features::OBJECTS);
     if wants_objects != ctx.objects.is_some() {
         let msg = if wants_objects {
-            "this server exports a region, not objects: open it as farmap://ADDR"
+            "this server exports a region, not objects: open its spec (farmap://HOST:PORT) \
+             as a region, not inside versioned:(...)"
         } else {
             "this server exports objects (a versioned layout), not a region: open a region in \
-             it as versioned:(farmap://ADDR)/REGION"
+             it as versioned:(SPEC)/REGION, SPEC being this server's farmap:// spec"
         };
         tracing::warn!("refused {peer}: {msg}");
         let _ = send_refusal(&mut stream, ErrorKind::Unsupported, msg.to_owned()).await;

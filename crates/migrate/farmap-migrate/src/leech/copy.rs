@@ -234,12 +234,23 @@ pub(super) async fn instant_copy<D: Destination>(
     copy.fetch_all(&source, true).await;
     if !source.is_empty() {
         let took = t0.elapsed().as_secs_f64();
-        rep.note(format!(
-            "instant: the {} chunks only the source held came in {:.1} ms ({:.0} MB/s)",
-            source.len(),
-            took * 1e3,
-            (source.len() as u64 * chunk) as f64 / took.max(1e-9) / 1e6
-        ));
+        let rolled = store.rolled_back().len();
+        let came = source.len().saturating_sub(rolled);
+        rep.note(if rolled == 0 {
+            format!(
+                "instant: the {} chunks only the source held came in {:.1} ms ({:.0} MB/s)",
+                source.len(),
+                took * 1e3,
+                (came as u64 * chunk) as f64 / took.max(1e-9) / 1e6
+            )
+        } else {
+            format!(
+                "instant: of the {} chunks only the source held, {came} came in and {rolled} \
+                 rolled back (the source is gone), after {:.1} ms",
+                source.len(),
+                took * 1e3,
+            )
+        });
     }
     copy.push(&source).await;
     store.wait_confirmed().await;
