@@ -1,0 +1,651 @@
+//! What the kernel lets one process do to another's userfaultfd regions, with two real
+//! processes (`farmap run`'s design, docs/design/farmap-run.md §2.4, rests on these): the
+//! test binary re-runs itself as the *program* (`FARMAP_FOREIGN_PROGRAM` set, its socket on
+//! fd 3), which maps a region and a staging area, registers them with two userfaultfds, and
+//! sends those fds, its pagemap and its `/proc/self/mem` over the socket. This process (the
+//! *handler*) then works on the program's memory through them, and the program reports what
+//! it sees. One test per fact:
+//! - a fault in the program is resolved by `UFFDIO_COPY` (write-protected) from here, and
+//!   `pread` on the received mem fd reads the program's pages;
+//! - `PAGEMAP_SCAN` on the received pagemap reports the program's writes and protects the
+//!   pages again (the next write is reported again);
+//! - `UFFDIO_MOVE` issued here is refused (`EINVAL`: the kernel allows no move across
+//!   address spaces, `mm != current->mm`); issued by the program itself (a thread of its
+//!   own: the reaper) it moves pages between its region and staging area, both ways, and a
+//!   fault on a page moved away is resolved from here by a copy of what the mem fd reads in
+//!   the staging area;
+//! - the program's `madvise(MADV_DONTNEED)` of its staging area (the reaper's job) raises no
+//!   event on the region's fd; `MADV_DONTNEED` and `MADV_FREE` of the region raise a remove
+//!   event, and the program's madvise waits until that event is read;
+//! - as root: the program's `fork` raises a fork event here, whose new userfaultfd is
+//!   installed in *this* process's fd table; while the child shares a page, the program's
+//!   move of it fails with `EBUSY`, and once the child is gone and the program wrote the
+//!   page, it moves again.
+
+use std::io::{BufRead, BufReader, Write};
+use std::os::fd::{AsRawFd, FromRawFd, OwnedFd, RawFd};
+use std::os::unix::net::UnixStream;
+use std::os::unix::process::CommandExt;
+use std::process::{Child, Command, Stdio};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use farmap_uffd::pagemap::Pagemap;
+use farmap_uffd::sys::{self, PageRegion, UffdMsg};
+use farmap_uffd::uffd::{Uffd, UffdRange};
+
+const PAGE: usize = 4096;
+/// The region's and the staging area's size.
+const LEN: usize = 64 * PAGE;
+const LIMIT: Duration = Duration::from_secs(20);
+
+/// The region's userfaultfd features in the program (`fork`: with fork events).
+fn loud_features(fork: bool) -> u64 {
+    let mut f = sys::UFFD_FEATURE_MOVE
+        | sys::UFFD_FEATURE_EVENT_REMOVE
+        | sys::UFFD_FEATURE_WP_ASYNC
+        | sys::UFFD_FEATURE_WP_UNPOPULATED;
+    if fork {
+        f |= sys::UFFD_FEATURE_EVENT_FORK;
+    }
+    f
+}
+
+/// Whether this kernel has what the tests need (a recorded skip otherwise).
+fn usable(test: &str) -> bool {
+    let support = match Uffd::probe() {
+        Ok(s) => s,
+        Err(e) => {
+            farmap_testkit::skip(test, format!("userfaultfd: {e}"));
+            return false;
+        }
+    };
+    let want = loud_features(false);
+    if support & want != want {
+        farmap_testkit::skip(
+            test,
+            format!("userfaultfd lacks features {:#x}", want & !support),
+        );
+        return false;
+    }
+    true
+}
+
+/// The program's side of the socket: sends `fds` with `data` (SCM_RIGHTS).
+fn send_fds(sock: &UnixStream, data: &[u8], fds: &[RawFd]) -> std::io::Result<()> {
+    // SAFETY: CMSG_SPACE only computes a size.
+    let space = unsafe { libc::CMSG_SPACE(std::mem::size_of_val(fds) as u32) } as usize;
+    let mut control = vec![0u8; space];
+    let mut iov = libc::iovec {
+        iov_base: data.as_ptr() as *mut libc::c_void,
+        iov_len: data.len(),
+    };
+    // SAFETY: msghdr is plain old data; every pointer set below outlives the sendmsg call.
+    let mut msg: libc::msghdr = unsafe { std::mem::zeroed() };
+    msg.msg_iov = &mut iov;
+    msg.msg_iovlen = 1;
+    msg.msg_control = control.as_mut_ptr().cast();
+    msg.msg_controllen = space;
+    // SAFETY: the control buffer holds CMSG_SPACE(fds) bytes, so the first header and its
+    // data fit; CMSG_FIRSTHDR of a buffer that large is not null.
+    unsafe {
+        let cmsg = libc::CMSG_FIRSTHDR(&msg);
+        (*cmsg).cmsg_level = libc::SOL_SOCKET;
+        (*cmsg).cmsg_type = libc::SCM_RIGHTS;
+        (*cmsg).cmsg_len = libc::CMSG_LEN(std::mem::size_of_val(fds) as u32) as usize;
+        std::ptr::copy_nonoverlapping(
+            fds.as_ptr(),
+            libc::CMSG_DATA(cmsg).cast::<RawFd>(),
+            fds.len(),
+        );
+    }
+    // SAFETY: msg describes live buffers (see above).
+    let n = unsafe { libc::sendmsg(sock.as_raw_fd(), &msg, 0) };
+    if n < 0 {
+        return Err(std::io::Error::last_os_error());
+    }
+    Ok(())
+}
+
+/// The handler's side: receives `data.len()` bytes and up to 4 fds.
+fn recv_fds(sock: &UnixStream, data: &mut [u8]) -> std::io::Result<Vec<OwnedFd>> {
+    // SAFETY: CMSG_SPACE only computes a size.
+    let space = unsafe { libc::CMSG_SPACE(4 * std::mem::size_of::<RawFd>() as u32) } as usize;
+    let mut control = vec![0u8; space];
+    let mut iov = libc::iovec {
+        iov_base: data.as_mut_ptr().cast(),
+        iov_len: data.len(),
+    };
+    // SAFETY: as in send_fds.
+    let mut msg: libc::msghdr = unsafe { std::mem::zeroed() };
+    msg.msg_iov = &mut iov;
+    msg.msg_iovlen = 1;
+    msg.msg_control = control.as_mut_ptr().cast();
+    msg.msg_controllen = space;
+    // SAFETY: msg describes live buffers.
+    let n = unsafe { libc::recvmsg(sock.as_raw_fd(), &mut msg, libc::MSG_CMSG_CLOEXEC) };
+    if n < 0 {
+        return Err(std::io::Error::last_os_error());
+    }
+    assert_eq!(n as usize, data.len(), "a short hello");
+    let mut fds = Vec::new();
+    // SAFETY: the kernel filled the control buffer; CMSG_* walk what it wrote.
+    unsafe {
+        let mut cmsg = libc::CMSG_FIRSTHDR(&msg);
+        while !cmsg.is_null() {
+            if (*cmsg).cmsg_level == libc::SOL_SOCKET && (*cmsg).cmsg_type == libc::SCM_RIGHTS {
+                let count = ((*cmsg).cmsg_len as usize - libc::CMSG_LEN(0) as usize)
+                    / std::mem::size_of::<RawFd>();
+                let p = libc::CMSG_DATA(cmsg).cast::<RawFd>();
+                for i in 0..count {
+                    fds.push(OwnedFd::from_raw_fd(p.add(i).read_unaligned()));
+                }
+            }
+            cmsg = libc::CMSG_NXTHDR(&msg, cmsg);
+        }
+    }
+    Ok(fds)
+}
+
+/// The program as this process sees it: its socket, its areas and the fds it sent.
+struct Program {
+    child: Child,
+    lines: BufReader<UnixStream>,
+    sock: UnixStream,
+    region: UffdRange,
+    staging: UffdRange,
+    pagemap: Pagemap,
+    mem: OwnedFd,
+    loud: Arc<Uffd>,
+}
+
+impl Program {
+    /// Starts the program (`fork`: its region's fd reports forks) and receives its fds.
+    fn start(fork: bool) -> Program {
+        let (ours, theirs) = UnixStream::pair().unwrap();
+        let fd = theirs.as_raw_fd();
+        let mut cmd = Command::new(std::env::current_exe().unwrap());
+        cmd.args([
+            "--exact",
+            "program_process",
+            "--ignored",
+            "--nocapture",
+            "--test-threads=1",
+        ])
+        .env(
+            "FARMAP_FOREIGN_PROGRAM",
+            if fork { "fork" } else { "plain" },
+        )
+        .stdout(Stdio::null());
+        // SAFETY: between fork and exec the child only calls dup2 (async-signal-safe); the
+        // copy on fd 3 has no close-on-exec flag, so exactly this child inherits the socket.
+        unsafe {
+            cmd.pre_exec(move || {
+                if libc::dup2(fd, 3) < 0 {
+                    return Err(std::io::Error::last_os_error());
+                }
+                Ok(())
+            });
+        }
+        let child = cmd.spawn().unwrap();
+        drop(theirs);
+        ours.set_read_timeout(Some(LIMIT)).unwrap();
+        let mut hello = [0u8; 32];
+        let fds = recv_fds(&ours, &mut hello).expect("the program's hello");
+        let word = |i: usize| u64::from_le_bytes(hello[i * 8..i * 8 + 8].try_into().unwrap());
+        let (region_base, staging_base, len, features) = (
+            word(0) as usize,
+            word(1) as usize,
+            word(2) as usize,
+            word(3),
+        );
+        assert_eq!(len, LEN);
+        let [loud, quiet, pagemap, mem]: [OwnedFd; 4] = fds.try_into().expect("four fds");
+        let loud = Arc::new(Uffd::from_owned(loud, features));
+        let quiet = Arc::new(Uffd::from_owned(quiet, sys::UFFD_FEATURE_MOVE));
+        Program {
+            child,
+            lines: BufReader::new(ours.try_clone().unwrap()),
+            sock: ours,
+            region: UffdRange::new(loud.clone(), region_base, LEN),
+            staging: UffdRange::new(quiet, staging_base, LEN),
+            pagemap: Pagemap::from_owned(pagemap),
+            mem,
+            loud,
+        }
+    }
+
+    /// Sends a command; the program answers one line each.
+    fn send(&mut self, command: &str) {
+        writeln!(self.sock, "{command}").unwrap();
+    }
+
+    fn answer(&mut self) -> String {
+        let mut line = String::new();
+        self.lines
+            .read_line(&mut line)
+            .expect("the program's answer");
+        assert!(!line.is_empty(), "the program closed its socket");
+        line.trim().to_owned()
+    }
+
+    fn ask(&mut self, command: &str) -> String {
+        self.send(command);
+        self.answer()
+    }
+
+    /// The next message on the region's fd, waiting up to the limit.
+    fn message(&self) -> UffdMsg {
+        let deadline = Instant::now() + LIMIT;
+        let mut msgs = [UffdMsg::default(); 1];
+        loop {
+            if self.loud.read_messages(&mut msgs).unwrap() == 1 {
+                return msgs[0];
+            }
+            assert!(Instant::now() < deadline, "no userfaultfd message in time");
+            std::thread::sleep(Duration::from_millis(1));
+        }
+    }
+
+    /// Whether a message is pending on the region's fd after `wait`.
+    fn quiet_for(&self, wait: Duration) -> bool {
+        std::thread::sleep(wait);
+        let mut msgs = [UffdMsg::default(); 1];
+        self.loud.read_messages(&mut msgs).unwrap() == 0
+    }
+
+    /// The program's region page at `off`, read through its mem fd.
+    fn pread(&self, off: usize) -> Vec<u8> {
+        self.pread_at(self.region.base() + off)
+    }
+
+    /// The program's page at address `addr`, read through its mem fd.
+    fn pread_at(&self, addr: usize) -> Vec<u8> {
+        let mut buf = vec![0u8; PAGE];
+        let at = addr as libc::off_t;
+        // SAFETY: buf is valid for PAGE bytes of writes.
+        let n = unsafe { libc::pread(self.mem.as_raw_fd(), buf.as_mut_ptr().cast(), PAGE, at) };
+        assert_eq!(
+            n,
+            PAGE as isize,
+            "pread: {}",
+            std::io::Error::last_os_error()
+        );
+        buf
+    }
+
+    /// The written pages of the region (offsets), protected again.
+    fn collect_written(&self) -> Vec<usize> {
+        let mut scratch: Vec<PageRegion> = Vec::new();
+        let mut pages = Vec::new();
+        let base = self.region.base();
+        self.pagemap
+            .collect_written(base, base + LEN, &mut scratch, |run| {
+                if run.has_data {
+                    pages.extend((run.start..run.end).step_by(PAGE).map(|a| a - base));
+                }
+            })
+            .unwrap();
+        pages
+    }
+}
+
+impl Drop for Program {
+    fn drop(&mut self) {
+        let _ = writeln!(self.sock, "exit");
+        let deadline = Instant::now() + Duration::from_secs(5);
+        while Instant::now() < deadline {
+            if let Ok(Some(_)) = self.child.try_wait() {
+                return;
+            }
+            std::thread::sleep(Duration::from_millis(10));
+        }
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+/// A page whose every 8-byte word is `tag`.
+fn page_of(tag: u64) -> Vec<u8> {
+    tag.to_le_bytes().repeat(PAGE / 8)
+}
+
+#[test]
+fn a_copy_from_another_process_resolves_the_programs_fault_and_its_mem_fd_reads_it() {
+    let test = "a_copy_from_another_process_resolves_the_programs_fault_and_its_mem_fd_reads_it";
+    if !usable(test) {
+        return;
+    }
+    let mut p = Program::start(false);
+    p.send(&format!("read {}", 3 * PAGE + 16));
+    let m = p.message();
+    assert_eq!(m.event, sys::UFFD_EVENT_PAGEFAULT);
+    assert_eq!(m.arg1 as usize & !(PAGE - 1), p.region.base() + 3 * PAGE);
+    p.region
+        .copy(3 * PAGE, &page_of(0xfeed), sys::UFFDIO_COPY_MODE_WP)
+        .unwrap();
+    assert_eq!(
+        p.answer(),
+        format!("{}", 0xfeed),
+        "the program read the copied page"
+    );
+    assert_eq!(p.pread(3 * PAGE), page_of(0xfeed), "the mem fd reads it");
+    // A write to the write-protected page: WP_ASYNC lets it through without a message.
+    assert_eq!(p.ask(&format!("write {} 77", 3 * PAGE)), "ok");
+    assert_eq!(&p.pread(3 * PAGE)[..8], &77u64.to_le_bytes());
+    assert!(
+        p.quiet_for(Duration::from_millis(50)),
+        "no write-protect fault"
+    );
+}
+
+#[test]
+fn pagemap_scan_of_another_process_reports_its_writes_and_protects_them_again() {
+    let test = "pagemap_scan_of_another_process_reports_its_writes_and_protects_them_again";
+    if !usable(test) {
+        return;
+    }
+    let mut p = Program::start(false);
+    for i in 0..8 {
+        p.region
+            .copy(i * PAGE, &page_of(i as u64), sys::UFFDIO_COPY_MODE_WP)
+            .unwrap();
+    }
+    assert_eq!(
+        p.collect_written(),
+        Vec::<usize>::new(),
+        "copied with WP: not written"
+    );
+    assert_eq!(p.ask(&format!("write {} 5", PAGE)), "ok");
+    assert_eq!(p.ask(&format!("write {} 6", 6 * PAGE + 8)), "ok");
+    assert_eq!(p.collect_written(), vec![PAGE, 6 * PAGE]);
+    assert_eq!(p.collect_written(), Vec::<usize>::new(), "protected again");
+    assert_eq!(p.ask(&format!("write {} 7", PAGE)), "ok");
+    assert_eq!(
+        p.collect_written(),
+        vec![PAGE],
+        "the next write is reported again"
+    );
+}
+
+#[test]
+fn a_move_is_refused_across_processes_and_done_by_the_program_itself() {
+    let test = "a_move_is_refused_across_processes_and_done_by_the_program_itself";
+    if !usable(test) {
+        return;
+    }
+    let mut p = Program::start(false);
+    p.region
+        .copy(0, &page_of(0xabc), sys::UFFDIO_COPY_MODE_WP)
+        .unwrap();
+    p.region
+        .copy(PAGE, &page_of(0xdef), sys::UFFDIO_COPY_MODE_WP)
+        .unwrap();
+    // Issued here, on the program's fds: refused, whichever way.
+    assert_eq!(
+        p.region.move_to(
+            0,
+            &p.staging,
+            5 * PAGE,
+            2 * PAGE,
+            sys::UFFDIO_MOVE_MODE_DONTWAKE
+        ),
+        Err((0, libc::EINVAL)),
+        "a move across address spaces"
+    );
+    // Issued by the program: region → staging (on the staging area's quiet fd).
+    assert_eq!(
+        p.ask(&format!("move r 0 s {} {}", 5 * PAGE, 2 * PAGE)),
+        format!("ok {}", 2 * PAGE)
+    );
+    assert_eq!(p.ask(&format!("sread {}", 5 * PAGE)), format!("{}", 0xabc));
+    assert_eq!(p.ask(&format!("sread {}", 6 * PAGE)), format!("{}", 0xdef));
+    // The region's page is missing again: the program's touch faults, and a copy from here
+    // of what the staging area holds (read through the mem fd) resolves it.
+    p.send("read 8");
+    let m = p.message();
+    assert_eq!(m.event, sys::UFFD_EVENT_PAGEFAULT);
+    assert_eq!(m.arg1 as usize & !(PAGE - 1), p.region.base());
+    let staged = p.pread_at(p.staging.base() + 5 * PAGE);
+    assert_eq!(staged, page_of(0xabc), "the mem fd reads the staging area");
+    p.region.copy(0, &staged, sys::UFFDIO_COPY_MODE_WP).unwrap();
+    assert_eq!(p.answer(), format!("{}", 0xabc));
+    // Staging → region, by the program, into a missing page of the region.
+    assert_eq!(
+        p.ask(&format!("move s {} r {} {}", 6 * PAGE, 9 * PAGE, PAGE)),
+        format!("ok {PAGE}")
+    );
+    assert_eq!(p.ask(&format!("read {}", 9 * PAGE)), format!("{}", 0xdef));
+    assert!(
+        p.quiet_for(Duration::from_millis(50)),
+        "no fault for a moved-in page"
+    );
+    // The staging slot it left reads as a hole (zeros, no fault).
+    assert_eq!(p.ask(&format!("sread {}", 6 * PAGE)), "0");
+}
+
+#[test]
+fn discarding_staging_raises_nothing_and_discarding_the_region_waits_for_its_remove_event() {
+    let test =
+        "discarding_staging_raises_nothing_and_discarding_the_region_waits_for_its_remove_event";
+    if !usable(test) {
+        return;
+    }
+    let mut p = Program::start(false);
+    p.region
+        .copy(0, &page_of(1), sys::UFFDIO_COPY_MODE_WP)
+        .unwrap();
+    assert_eq!(p.ask(&format!("move r 0 s 0 {PAGE}")), format!("ok {PAGE}"));
+    // The reaper's job: drop staged pages in the program's own mm.
+    assert_eq!(p.ask(&format!("dontneed-staging 0 {PAGE}")), "0");
+    assert!(
+        p.quiet_for(Duration::from_millis(50)),
+        "no event for staging"
+    );
+    assert_eq!(p.ask("sread 0"), "0");
+    for (advice, off) in [("dontneed", 2 * PAGE), ("free", 4 * PAGE)] {
+        p.region
+            .copy(off, &page_of(9), sys::UFFDIO_COPY_MODE_WP)
+            .unwrap();
+        p.send(&format!("{advice} {off} {PAGE}"));
+        let m = p.message();
+        assert_eq!(m.event, sys::UFFD_EVENT_REMOVE, "{advice}");
+        assert_eq!(
+            (m.arg0 as usize, m.arg1 as usize),
+            (p.region.base() + off, p.region.base() + off + PAGE),
+            "{advice}: the removed range"
+        );
+        assert_eq!(p.answer(), "0", "{advice} returned once its event was read");
+    }
+}
+
+#[test]
+fn a_fork_in_the_program_reaches_the_handler_and_shared_pages_do_not_move() {
+    let test = "a_fork_in_the_program_reaches_the_handler_and_shared_pages_do_not_move";
+    if !usable(test) {
+        return;
+    }
+    // SAFETY: geteuid has no preconditions.
+    if unsafe { libc::geteuid() } != 0 {
+        farmap_testkit::skip(test, "fork events need CAP_SYS_PTRACE (run as root)");
+        return;
+    }
+    let mut p = Program::start(true);
+    p.region
+        .copy(0, &page_of(0x51), sys::UFFDIO_COPY_MODE_WP)
+        .unwrap();
+    p.send("fork");
+    let m = p.message();
+    assert_eq!(m.event, sys::UFFD_EVENT_FORK);
+    let ufd = (m.arg0 & 0xffff_ffff) as RawFd;
+    let link = std::fs::read_link(format!("/proc/self/fd/{ufd}")).unwrap();
+    assert_eq!(
+        link.to_string_lossy(),
+        "anon_inode:[userfaultfd]",
+        "the child's userfaultfd is installed here"
+    );
+    // SAFETY: the kernel installed this fd in our table for us alone.
+    let child_uffd = unsafe { OwnedFd::from_raw_fd(ufd) };
+    let child_pid: i32 = p.answer().parse().expect("the child's pid");
+    assert!(child_pid > 0);
+    // The page is shared copy-on-write with the child now: it cannot move.
+    assert_eq!(
+        p.ask(&format!("move r 0 s 0 {PAGE}")),
+        format!("err {} 0", libc::EBUSY)
+    );
+    // The child ends; the program's next write makes the page its own again, and it moves.
+    assert_eq!(p.ask("reap"), "0");
+    drop(child_uffd);
+    assert_eq!(p.ask("write 0 3"), "ok");
+    assert_eq!(p.ask(&format!("move r 0 s 0 {PAGE}")), format!("ok {PAGE}"));
+    assert_eq!(p.ask("sread 0"), "3");
+}
+
+/// The program: an entry point the tests above start as a child process (ignored in a
+/// normal run, so that it does not count as a pass).
+#[test]
+#[ignore = "the program's entry point, started by the tests above"]
+fn program_process() {
+    let mode = std::env::var("FARMAP_FOREIGN_PROGRAM")
+        .expect("started by a foreign_kernel test, with FARMAP_FOREIGN_PROGRAM set");
+    // SAFETY: fd 3 is the socket our parent set up for us, and nothing else owns it.
+    let sock = unsafe { UnixStream::from_raw_fd(3) };
+    let features = loud_features(mode == "fork");
+    let loud = Uffd::open(features).expect("the region's userfaultfd");
+    let quiet = Uffd::open(sys::UFFD_FEATURE_MOVE).expect("the staging area's userfaultfd");
+    let map = || {
+        // SAFETY: a new anonymous private mapping; nothing else refers to it.
+        let p = unsafe {
+            libc::mmap(
+                std::ptr::null_mut(),
+                LEN,
+                libc::PROT_READ | libc::PROT_WRITE,
+                libc::MAP_PRIVATE | libc::MAP_ANONYMOUS | libc::MAP_NORESERVE,
+                -1,
+                0,
+            )
+        };
+        assert_ne!(p, libc::MAP_FAILED);
+        p as usize
+    };
+    let (region, staging) = (map(), map());
+    // SAFETY: both are anonymous private mappings of this process that no Rust reference
+    // covers: they are only touched with volatile accesses below.
+    unsafe {
+        loud.register(
+            region,
+            LEN,
+            sys::UFFDIO_REGISTER_MODE_MISSING | sys::UFFDIO_REGISTER_MODE_WP,
+        )
+        .expect("registering the region");
+        quiet
+            .register(staging, LEN, sys::UFFDIO_REGISTER_MODE_WP)
+            .expect("registering the staging area");
+    }
+    let open = |path: &str| std::fs::File::open(path).expect(path);
+    let (pagemap, mem) = (open("/proc/self/pagemap"), open("/proc/self/mem"));
+    let mut hello = Vec::new();
+    for w in [region as u64, staging as u64, LEN as u64, features] {
+        hello.extend_from_slice(&w.to_le_bytes());
+    }
+    send_fds(
+        &sock,
+        &hello,
+        &[
+            loud_fd(&loud),
+            loud_fd(&quiet),
+            pagemap.as_raw_fd(),
+            mem.as_raw_fd(),
+        ],
+    )
+    .expect("sending the fds");
+    let (loud, quiet) = (Arc::new(loud), Arc::new(quiet));
+    let areas = [
+        UffdRange::new(loud.clone(), region, LEN),
+        UffdRange::new(quiet.clone(), staging, LEN),
+    ];
+    let area = |w: &str| &areas[usize::from(w == "s")];
+    let mut out = sock.try_clone().unwrap();
+    let mut forked: Option<i32> = None;
+    for line in BufReader::new(sock).lines() {
+        let line = line.unwrap();
+        let words: Vec<&str> = line.split_whitespace().collect();
+        let num = |i: usize| -> usize { words[i].parse().unwrap() };
+        let answer = match words[0] {
+            "read" => {
+                // SAFETY: inside the region (the tests pass offsets below LEN), aligned, and
+                // only ever touched with volatile accesses.
+                unsafe { ((region + num(1)) as *const u64).read_volatile() }.to_string()
+            }
+            "sread" => {
+                // SAFETY: as for "read", in the staging area.
+                unsafe { ((staging + num(1)) as *const u64).read_volatile() }.to_string()
+            }
+            "write" => {
+                // SAFETY: as for "read".
+                unsafe { ((region + num(1)) as *mut u64).write_volatile(num(2) as u64) };
+                "ok".to_owned()
+            }
+            "dontneed" | "free" | "dontneed-staging" => {
+                let base = if words[0] == "dontneed-staging" {
+                    staging
+                } else {
+                    region
+                };
+                let advice = if words[0] == "free" {
+                    libc::MADV_FREE
+                } else {
+                    libc::MADV_DONTNEED
+                };
+                // SAFETY: a range of our own mapping; its pages may go (the contract of the
+                // registration above).
+                let r = unsafe { libc::madvise((base + num(1)) as *mut _, num(2), advice) };
+                if r == 0 {
+                    0
+                } else {
+                    std::io::Error::last_os_error().raw_os_error().unwrap_or(-1)
+                }
+                .to_string()
+            }
+            "fork" => {
+                // SAFETY: the child only sleeps and exits (async-signal-safe calls).
+                let pid = unsafe { libc::fork() };
+                if pid == 0 {
+                    // SAFETY: async-signal-safe calls in the forked child.
+                    unsafe {
+                        libc::sleep(30);
+                        libc::_exit(0);
+                    }
+                }
+                forked = Some(pid);
+                pid.to_string()
+            }
+            "move" => {
+                // move AREA OFF AREA OFF LEN (areas r and s), issued in this process.
+                let (from, to) = (area(words[1]), area(words[3]));
+                let flags = sys::UFFDIO_MOVE_MODE_DONTWAKE;
+                match from.move_to(num(2), to, num(4), num(5), flags) {
+                    Ok(n) => format!("ok {n}"),
+                    Err((n, e)) => format!("err {e} {n}"),
+                }
+            }
+            "reap" => {
+                let pid = forked.take().expect("a forked child");
+                // SAFETY: plain calls on our own child.
+                unsafe {
+                    libc::kill(pid, libc::SIGKILL);
+                    libc::waitpid(pid, std::ptr::null_mut(), 0);
+                }
+                "0".to_owned()
+            }
+            "exit" => break,
+            other => panic!("unknown command {other:?}"),
+        };
+        writeln!(out, "{answer}").unwrap();
+    }
+}
+
+fn loud_fd(u: &Uffd) -> RawFd {
+    use std::os::fd::AsFd;
+    u.as_fd().as_raw_fd()
+}
