@@ -54,6 +54,7 @@ pub fn seeds() -> Vec<Seed> {
     all.extend(nbd::client_seeds());
     all.extend(genl_reply());
     all.extend(version_manifest());
+    all.extend(run_msg());
     all
 }
 
@@ -425,6 +426,85 @@ fn handover_hello() -> Vec<Seed> {
             encode_reply(Some(Refusal::Store)),
         ),
     ]
+}
+
+/// Every kind of `farmap run` message, and two back to back.
+fn run_msg() -> Vec<Seed> {
+    use farmap_run_proto::{
+        Config, Done, Hello, Msg, Op, Registered, Request, Verdict, MAX_MSG_LEN,
+    };
+    let base = 0x7f00_0000_0000u64;
+    let msgs = [
+        (
+            "hello",
+            Msg::Hello(Hello {
+                token: [7; 32],
+                pid: 4242,
+            }),
+        ),
+        (
+            "config",
+            Msg::Config(Config {
+                region_len: 1 << 30,
+                chunk_size: 4096,
+                trash_len: 64 * 4096,
+                features: 0x1_a048,
+            }),
+        ),
+        (
+            "registered",
+            Msg::Registered(Registered {
+                region: base,
+                region_len: 1 << 30,
+                staging: base + (2 << 30),
+                staging_len: (1 << 30) + 64 * 4096,
+                features: 0x1_a048,
+            }),
+        ),
+        ("verdict", Msg::Verdict(Verdict { status: 3 })),
+        (
+            "discard",
+            Msg::Request(Request {
+                id: 1,
+                op: Op::Discard {
+                    start: base + (2 << 30),
+                    len: 16 * 4096,
+                },
+            }),
+        ),
+        (
+            "move",
+            Msg::Request(Request {
+                id: 2,
+                op: Op::Move {
+                    src: base,
+                    dst: base + (2 << 30),
+                    len: 32 * 4096,
+                },
+            }),
+        ),
+        (
+            "done",
+            Msg::Done(Done {
+                id: 2,
+                errno: 16,
+                bytes: 4096,
+            }),
+        ),
+    ];
+    let encode = |m: &Msg| {
+        let mut out = [0u8; MAX_MSG_LEN];
+        let n = m.encode(&mut out).expect("a seed message encodes");
+        out[..n].to_vec()
+    };
+    let mut seeds: Vec<Seed> = msgs
+        .iter()
+        .map(|(name, m)| Seed::new("run_msg", *name, encode(m)))
+        .collect();
+    let mut two = encode(&msgs[4].1);
+    two.extend(encode(&msgs[6].1));
+    seeds.push(Seed::new("run_msg", "two", two));
+    seeds
 }
 
 /// Version manifests (a whole one, a delta) and stored chunks (compressed, raw), each behind
