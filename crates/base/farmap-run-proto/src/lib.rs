@@ -346,7 +346,10 @@ impl Msg {
                     c.chunk_size.is_power_of_two() && (4096..=4 << 20).contains(&c.chunk_size),
                 )?;
                 check_area("region_len", 0, c.region_len)?;
-                check("region_len", c.region_len.is_multiple_of(u64::from(c.chunk_size)))?;
+                check(
+                    "region_len",
+                    c.region_len.is_multiple_of(u64::from(c.chunk_size)),
+                )?;
                 check(
                     "trash_len",
                     c.trash_len.is_multiple_of(PAGE) && c.trash_len <= MAX_LEN,

@@ -289,29 +289,47 @@ pub(crate) async fn latest(objects: &dyn Objects, region: &str) -> StoreResult<O
     Ok(names.iter().filter_map(|n| n.parse::<u64>().ok()).max())
 }
 
+/// Writes `name`'s version 0; false if it exists.
+async fn create_first(objects: &dyn Objects, name: &str, bytes: bytes::Bytes) -> StoreResult<bool> {
+    objects.create(&version_key(name, 0), bytes).await
+}
+
 /// Makes each of `into` a new region whose version 0 is version `at` of `region`: every
 /// chunk is shared, and each fork is written independently from then on. A fork's version 0
 /// names the version it starts from (a small manifest, whatever the region's size), unless
 /// that one is already [`MAX_DEPTH`] forks deep: then it lists every chunk. Refuses a name
 /// that already has versions, before making any.
+///
+/// Round trips, whatever the region's size: the new names are looked up while the source
+/// version is resolved, then the forks are written, [`CHAIN_READS`] of each at a time.
 pub async fn fork(
     objects: &dyn Objects,
     region: &str,
     at: &At,
     into: &[String],
 ) -> StoreResult<u64> {
+    use futures::{StreamExt, TryStreamExt};
+
     check_name("region", region).map_err(StoreError::invalid)?;
     for name in into {
         check_name("region", name).map_err(StoreError::invalid)?;
-        if latest(objects, name).await?.is_some() {
-            return Err(StoreError::invalid(format!(
-                "region {name:?} already exists in {}",
-                objects.location()
-            )));
-        }
     }
-    let seq = resolve(objects, region, at).await?;
-    let (top, deep) = with_depth(objects, region, seq).await?;
+    let taken = futures::stream::iter(0..into.len())
+        .map(|i| latest(objects, &into[i]))
+        .buffered(CHAIN_READS)
+        .try_collect::<Vec<_>>();
+    let source = async {
+        let seq = resolve(objects, region, at).await?;
+        let (top, deep) = with_depth(objects, region, seq).await?;
+        Ok::<_, StoreError>((seq, top, deep))
+    };
+    let (taken, (seq, top, deep)) = futures::try_join!(taken, source)?;
+    if let Some((name, _)) = into.iter().zip(&taken).find(|(_, v)| v.is_some()) {
+        return Err(StoreError::invalid(format!(
+            "region {name:?} already exists in {}",
+            objects.location()
+        )));
+    }
     let first = if deep < MAX_DEPTH {
         let parent = Parent {
             region: region.to_owned(),
@@ -328,12 +346,15 @@ pub async fn fork(
         Manifest::first(top.size, top.chunk_size, map.page_chunks(), pages)
     };
     let bytes = bytes::Bytes::from(first.encode());
-    for name in into {
-        if !objects.create(&version_key(name, 0), bytes.clone()).await? {
-            return Err(StoreError::invalid(format!(
-                "region {name:?} was created by someone else meanwhile"
-            )));
-        }
+    let made = futures::stream::iter(0..into.len())
+        .map(|i| create_first(objects, &into[i], bytes.clone()))
+        .buffered(CHAIN_READS)
+        .try_collect::<Vec<_>>()
+        .await?;
+    if let Some((name, _)) = into.iter().zip(&made).find(|(_, created)| !**created) {
+        return Err(StoreError::invalid(format!(
+            "region {name:?} was created by someone else meanwhile"
+        )));
     }
     Ok(seq)
 }

@@ -24,6 +24,11 @@ struct Slow {
     in_flight: AtomicUsize,
     peak: AtomicUsize,
     gets: AtomicUsize,
+    /// Lists and creates under `regions/` take 20 ms too (off unless set), and the most
+    /// of them in flight at once.
+    slow_lists: std::sync::atomic::AtomicBool,
+    lists_in_flight: AtomicUsize,
+    lists_peak: AtomicUsize,
 }
 
 impl Slow {
@@ -33,7 +38,23 @@ impl Slow {
             in_flight: AtomicUsize::new(0),
             peak: AtomicUsize::new(0),
             gets: AtomicUsize::new(0),
+            slow_lists: std::sync::atomic::AtomicBool::new(false),
+            lists_in_flight: AtomicUsize::new(0),
+            lists_peak: AtomicUsize::new(0),
         })
+    }
+
+    /// Runs `op` (a list or a create of `key`) slowly when asked to, counting it.
+    async fn slowly<T>(&self, key: &str, op: BoxFuture<'_, StoreResult<T>>) -> StoreResult<T> {
+        if !key.starts_with("regions/") || !self.slow_lists.load(Ordering::SeqCst) {
+            return op.await;
+        }
+        let now = self.lists_in_flight.fetch_add(1, Ordering::SeqCst) + 1;
+        self.lists_peak.fetch_max(now, Ordering::SeqCst);
+        tokio::time::sleep(Duration::from_millis(20)).await;
+        let done = op.await;
+        self.lists_in_flight.fetch_sub(1, Ordering::SeqCst);
+        done
     }
 
     /// `(gets, most in flight at once)` since the last call.
@@ -64,10 +85,10 @@ impl Objects for Slow {
         self.inner.exists(key)
     }
     fn create<'a>(&'a self, key: &'a str, data: Bytes) -> BoxFuture<'a, StoreResult<bool>> {
-        self.inner.create(key, data)
+        Box::pin(self.slowly(key, self.inner.create(key, data)))
     }
     fn list<'a>(&'a self, dir: &'a str) -> BoxFuture<'a, StoreResult<Vec<String>>> {
-        self.inner.list(dir)
+        Box::pin(self.slowly(dir, self.inner.list(dir)))
     }
     fn delete<'a>(&'a self, key: &'a str) -> BoxFuture<'a, StoreResult<()>> {
         self.inner.delete(key)
@@ -217,4 +238,46 @@ async fn a_name_without_its_chain_start_or_with_a_wrong_one_opens_its_version() 
             .unwrap_or_else(|| panic!("{name} opened"));
         assert_eq!(e.kind(), ErrorKind::Corrupt, "{name}: {e}");
     }
+}
+
+/// Forking into several regions looks their names up together, while the source version
+/// is resolved, and writes them together: its round trips do not grow with the forks.
+#[tokio::test]
+async fn forks_are_looked_up_and_written_together() {
+    let dir = tempfile::tempdir().unwrap();
+    let slow = Slow::open(dir.path());
+    let o: Arc<dyn Objects> = slow.clone();
+    let _writer = region(&o, 3).await;
+    slow.slow_lists.store(true, Ordering::SeqCst);
+    let names: Vec<String> = (0..8).map(|i| format!("f{i}")).collect();
+    let seq = farmap_versions::fork(&*o, "r", &At::Tag("snap".into()), &names)
+        .await
+        .unwrap();
+    assert_eq!(seq, 3);
+    let peak = slow.lists_peak.swap(0, Ordering::SeqCst);
+    assert!(
+        peak >= 8,
+        "the names were looked up or written one by one (peak {peak})"
+    );
+    slow.slow_lists.store(false, Ordering::SeqCst);
+    for name in &names {
+        let v = Versioned::open(
+            o.clone(),
+            VersionedOptions {
+                read_only: true,
+                read_ahead: false,
+                ..VersionedOptions::new(name)
+            },
+        )
+        .await
+        .unwrap();
+        check_all(&v, 3).await;
+    }
+    // A name that exists is refused, and no other fork is made.
+    let again = vec!["g0".to_owned(), "f3".to_owned()];
+    let e = farmap_versions::fork(&*o, "r", &At::Latest, &again)
+        .await
+        .unwrap_err();
+    assert!(e.to_string().contains("\"f3\" already exists"), "{e}");
+    assert!(o.list("regions/g0/versions").await.unwrap().is_empty());
 }
