@@ -37,8 +37,9 @@ pub unsafe trait Backing {
 
     /// Gives the pages of `ptr..ptr + len` back (`madvise(MADV_DONTNEED)`), so that they read
     /// as zeros; returns whether it did. The range is page-aligned and lies in the region.
-    /// The heap calls this with its span lock held, and hands the range out again only
-    /// after this returns: a purge that is deferred must be done before returning `true`.
+    /// The heap calls this with its span lock held (and maybe an arena lock), and hands the
+    /// range out again only after this returns: a purge that is deferred must be done
+    /// before returning `true`.
     ///
     /// # Safety
     /// Only the heap calls this, for a free span: nothing may use the range meanwhile.

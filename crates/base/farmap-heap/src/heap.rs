@@ -86,8 +86,9 @@ fn arena_index(hint: usize, narenas: usize) -> usize {
 impl<B: Backing> Heap<B> {
     /// A heap over `region_len` bytes at `region`, with `arenas` arenas (`1..=MAX_ARENAS`),
     /// its metadata mapped through `backing`. Only the whole 64 KiB pages of the region are
-    /// used. The heap allocates nothing else; store it wherever it should live (a `static`
-    /// in a malloc replacement).
+    /// used. The heap itself is a few words (its state is in the metadata mapping), so it
+    /// can be moved freely: store it wherever it should live (a `static` set once in a
+    /// malloc replacement).
     ///
     /// # Safety
     /// - `region..region + region_len` is readable and writable memory that reads as zeros
@@ -331,7 +332,7 @@ impl<B: Backing> Heap<B> {
         let Some(arena) = self.arena_slice().get(head.arena()) else {
             return;
         };
-        let offset = ptr.addr() - env.ptr(s).addr();
+        let offset = ptr.addr().wrapping_sub(env.ptr(s).addr());
         let _guard = arena.raw_lock().guard(&self.backing);
         // SAFETY: the arena's lock is held until `_guard` drops; the page table says this
         // arena owns slab `s`, and cannot change while the object `ptr` is live (free's

@@ -35,7 +35,10 @@
 //! pages go back to the kernel, or for a userfaultfd region to farmap, as zeros, with no
 //! write-back). The heap tracks which free spans read as zeros (never used, or purged):
 //! `calloc` skips its memset on them, and on the never-used objects of slabs made from
-//! them. Allocation prefers dirty (already resident) spans to zero ones.
+//! them. Allocation prefers dirty (already resident) spans to zero ones. Dirty and zero
+//! spans that touch are not merged (that would lose what is known to be zeros); when an
+//! allocation finds no room, every dirty free span is purged, so that all free memory
+//! merges, and it looks again before returning null.
 //!
 //! # Locking
 //! - Small objects come from *arenas* (1 to [`MAX_ARENAS`], the caller's choice), each with

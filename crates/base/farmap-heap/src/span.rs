@@ -13,9 +13,11 @@
 //!   only when both fail (the region is nearly full) is the first bin searched to its end.
 //! - The allocated span comes from the front of the free span (or its first aligned page);
 //!   what is left keeps its state.
-//! - When no free span fits, every span of every bin is tried; if none fits either, every
-//!   dirty span is purged (so it merges with its zero neighbours) and the zero spans are
-//!   tried again. These scans over all free spans happen only on the way to failing.
+//! - When that finds nothing, every span long enough is tried (an aligned request may fit a
+//!   span shorter than the length that surely holds it); if none fits, every dirty span is
+//!   purged (so it merges with its zero neighbours) and the zero spans are tried again.
+//!   These scans over many spans happen only when no free span is surely long enough: when
+//!   the region is (nearly) full, or for alignments above 64 KiB.
 
 use core::cell::UnsafeCell;
 
