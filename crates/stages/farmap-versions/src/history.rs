@@ -301,7 +301,7 @@ async fn create_first(objects: &dyn Objects, name: &str, bytes: bytes::Bytes) ->
 /// that already has versions, before making any.
 ///
 /// Round trips, whatever the region's size: the new names are looked up while the source
-/// version is resolved, then the forks are written, [`CHAIN_READS`] of each at a time.
+/// version is resolved, then the forks are written, 16 of each at a time.
 pub async fn fork(
     objects: &dyn Objects,
     region: &str,
