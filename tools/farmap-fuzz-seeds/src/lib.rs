@@ -722,7 +722,7 @@ mod tests {
                     .into_owned()
             })
             .collect();
-        assert_eq!(targets.len(), 10, "{targets:?}");
+        assert_eq!(targets.len(), 11, "{targets:?}");
         let all = seeds();
         for t in &targets {
             let n = all.iter().filter(|s| s.target == t).count();
