@@ -127,7 +127,8 @@ fn print(r: &PagingReport, json: bool) -> anyhow::Result<()> {
     let chunks = |b: u64| b / r.chunk_bytes.max(1);
     println!(
         "local memory: limit {} ({} chunks of {}, {:.1}% of {}), resident {} (staged {}), \
-         min_free {}; in memory {}; evictions {} reactive, {} proactive",
+         min_free {}; in memory {}; evictions {} reactive, {} proactive; faults {}; \
+         prefetched {} ({} touched, {} dropped untouched)",
         bytes(r.limit_bytes),
         chunks(r.limit_bytes),
         bytes(r.chunk_bytes),
@@ -139,6 +140,10 @@ fn print(r: &PagingReport, json: bool) -> anyhow::Result<()> {
         r.local_bytes.map_or_else(|| "unknown".into(), bytes),
         r.evictions_reactive,
         r.evictions_proactive,
+        r.faults,
+        r.prefetched,
+        r.prefetch_hits,
+        r.prefetch_wasted,
     );
     Ok(())
 }

@@ -194,6 +194,10 @@ fn region_limit_lowers_a_running_applications_local_memory() {
     assert!(samples >= 3, "only {samples} samples in a second");
     let ops = node.verify();
     assert!(ops > 0, "the writer ran");
+    // Under a 1 MiB bound, the writer's chunks came back through faults.
+    let r = farmap_json(&["region", "stats", "--app", &sock, "--json"]);
+    assert!(u(&r, "faults") > 0, "{r}");
+    assert!(u(&r, "prefetch_hits") <= u(&r, "prefetched"), "{r}");
 
     // A percentage, printed for people this time.
     let out = farmap().run(&["region", "limit", "--app", &sock, "25%"]);
@@ -204,7 +208,9 @@ fn region_limit_lowers_a_running_applications_local_memory() {
         String::from_utf8_lossy(&out.stderr)
     );
     assert!(
-        stdout.starts_with("local memory: limit 2 MiB (32 chunks of 64 KiB, 25.0% of 8 MiB)"),
+        stdout.starts_with("local memory: limit 2 MiB (32 chunks of 64 KiB, 25.0% of 8 MiB)")
+            && stdout.contains("; faults ")
+            && stdout.contains(" touched, "),
         "{stdout}"
     );
     assert_within(

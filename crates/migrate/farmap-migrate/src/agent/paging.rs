@@ -114,13 +114,27 @@ pub struct PagingReport {
     /// Chunks admitted over the limit (within `min_free_bytes`) while a reclaim made room.
     #[serde(default)]
     pub overcommits: u64,
+    /// Page faults the region's handler resolved (missing pages; write-protect faults are
+    /// not counted).
+    #[serde(default)]
+    pub faults: u64,
+    /// Chunks read ahead of their faults.
+    #[serde(default)]
+    pub prefetched: u64,
+    /// Of those, chunks touched afterwards.
+    #[serde(default)]
+    pub prefetch_hits: u64,
+    /// Of those, chunks dropped before any touch.
+    #[serde(default)]
+    pub prefetch_wasted: u64,
 }
 
 impl PagingReport {
     /// The state of `region` now; `None` if its local memory is not bounded. Blocks (scans
     /// the page tables).
     pub fn of(region: &Region) -> Option<PagingReport> {
-        let p = region.stats().paging?;
+        let stats = region.stats();
+        let p = stats.paging?;
         let g = region.geometry();
         let chunk = u64::from(g.chunk_size());
         let page = region.page_size() as u64;
@@ -147,6 +161,10 @@ impl PagingReport {
             staged_refaults: p.staged_refaults,
             full_faults: p.full_faults,
             overcommits: p.overcommits,
+            faults: stats.faults,
+            prefetched: p.prefetched,
+            prefetch_hits: p.prefetch_hits,
+            prefetch_wasted: p.prefetch_wasted,
         })
     }
 }
