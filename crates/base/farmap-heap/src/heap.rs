@@ -254,7 +254,21 @@ impl<B: Backing> Heap<B> {
         NonNull::new(self.memalign(align, size)).ok_or(AllocError::OutOfMemory)
     }
 
+    /// [`try_alloc`](Self::try_alloc); when the region is full, the empty slabs the arenas
+    /// keep for reuse are given back ([`trim`](Self::trim), no lock held) and it is tried
+    /// once more.
     fn alloc(&self, size: usize, align: usize) -> Option<(*mut u8, bool)> {
+        if align > (self.npages as usize) << PAGE_SHIFT {
+            // No span of the region can be aligned so (nothing to purge or trim for).
+            return None;
+        }
+        self.try_alloc(size, align).or_else(|| {
+            self.trim();
+            self.try_alloc(size, align)
+        })
+    }
+
+    fn try_alloc(&self, size: usize, align: usize) -> Option<(*mut u8, bool)> {
         let class = if align <= MIN_ALIGN {
             (size <= MAX_SMALL).then(|| class_of(size))
         } else if align <= MAX_SMALL {
@@ -376,8 +390,8 @@ impl<B: Backing> Heap<B> {
     }
 
     /// Resizes the allocation at `ptr` to `size` bytes, keeping its first `min(usable,
-    /// size)` bytes; returns the new pointer, or null (and `ptr` untouched) if the region
-    /// is full. Null `ptr` is `malloc(size)`; `size == 0` frees `ptr` and returns null (as
+    /// size)` bytes; returns the new pointer, or null (and `ptr` untouched) if it grows and
+    /// the region is full (a shrink never fails). Null `ptr` is `malloc(size)`; `size == 0` frees `ptr` and returns null (as
     /// glibc does). Stays in place when the new size fits the object's size class and is
     /// not less than about half of it, or when a large object shrinks or the span after it
     /// is free and long enough.
@@ -402,6 +416,11 @@ impl<B: Backing> Heap<B> {
             return ptr;
         }
         let new = self.malloc(size);
+        if new.is_null() && size <= old {
+            // A shrink never fails (programs rely on it, as glibc's does not fail): the
+            // object stays where it is, larger than asked.
+            return ptr;
+        }
         if !new.is_null() {
             // SAFETY: `ptr` is live with `old` usable bytes and `new` was just allocated
             // with at least `size`; two live allocations never overlap. `ptr` is not used

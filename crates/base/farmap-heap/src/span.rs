@@ -253,6 +253,11 @@ impl SpanState {
             };
             if let Some(h) = head.filter(|&h| env.page(h).zero() == zero) {
                 self.unlink(env, h);
+                // The span's head (an object's, before it was freed) and the left span's
+                // tail are inside the merged span now: a stale head there would pass for a
+                // live object (a second free of it would give away pages in use).
+                env.page(s).set(Kind::Unset, 0);
+                env.page(s - 1).set(Kind::Unset, 0);
                 n += s - h;
                 s = h;
             }
@@ -263,6 +268,7 @@ impl SpanState {
             if right.kind() == Kind::Free && right.zero() == zero {
                 let len = right.x();
                 self.unlink(env, r);
+                right.set(Kind::Unset, 0);
                 n += len;
             }
         }
