@@ -38,7 +38,9 @@
 //! them. Allocation prefers dirty (already resident) spans to zero ones. Dirty and zero
 //! spans that touch are not merged (that would lose what is known to be zeros); when an
 //! allocation finds no room, every dirty free span is purged, so that all free memory
-//! merges, and it looks again before returning null.
+//! merges, and it looks again; if there is still none, the arenas give back the empty slabs
+//! they keep for reuse ([`Heap::trim`]) and it tries once more before returning null. A
+//! shrinking `realloc` never fails (at worst the object stays where it is).
 //!
 //! # Locking
 //! - Small objects come from *arenas* (1 to [`MAX_ARENAS`], the caller's choice), each with

@@ -126,6 +126,8 @@
 #[forbid(unsafe_code)]
 mod error;
 #[forbid(unsafe_code)]
+pub mod foreign;
+#[forbid(unsafe_code)]
 pub mod handover;
 #[forbid(unsafe_code)]
 mod live;

@@ -21,6 +21,10 @@
 //!   installed in *this* process's fd table; while the child shares a page, the program's
 //!   move of it fails with `EBUSY`, and once the child is gone and the program wrote the
 //!   page, it moves again.
+//!
+//! And the conversation built on the move fact: farmap's [`Reaper`] client asks the
+//! program's reaper thread (here: a thread of the test program speaking farmap-run-proto on
+//! fd 4) to move and discard pages in the program, and sees what stops a move.
 
 use std::io::{BufRead, BufReader, Write};
 use std::os::fd::{AsRawFd, FromRawFd, OwnedFd, RawFd};
@@ -30,6 +34,7 @@ use std::process::{Child, Command, Stdio};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
+use farmap_uffd::foreign::{Reaper, ReaperError};
 use farmap_uffd::pagemap::Pagemap;
 use farmap_uffd::sys::{self, PageRegion, UffdMsg};
 use farmap_uffd::uffd::{Uffd, UffdRange};
@@ -157,13 +162,17 @@ struct Program {
     pagemap: Pagemap,
     mem: OwnedFd,
     loud: Arc<Uffd>,
+    /// Our end of the program's reaper's socket (its thread reads requests on fd 4).
+    reaper: Option<UnixStream>,
 }
 
 impl Program {
     /// Starts the program (`fork`: its region's fd reports forks) and receives its fds.
     fn start(fork: bool) -> Program {
         let (ours, theirs) = UnixStream::pair().unwrap();
+        let (reaper, reaper_theirs) = UnixStream::pair().unwrap();
         let fd = theirs.as_raw_fd();
+        let reaper_fd = reaper_theirs.as_raw_fd();
         let mut cmd = Command::new(std::env::current_exe().unwrap());
         cmd.args([
             "--exact",
@@ -181,14 +190,14 @@ impl Program {
         // copy on fd 3 has no close-on-exec flag, so exactly this child inherits the socket.
         unsafe {
             cmd.pre_exec(move || {
-                if libc::dup2(fd, 3) < 0 {
+                if libc::dup2(fd, 3) < 0 || libc::dup2(reaper_fd, 4) < 0 {
                     return Err(std::io::Error::last_os_error());
                 }
                 Ok(())
             });
         }
         let child = cmd.spawn().unwrap();
-        drop(theirs);
+        drop((theirs, reaper_theirs));
         ours.set_read_timeout(Some(LIMIT)).unwrap();
         let mut hello = [0u8; 32];
         let fds = recv_fds(&ours, &mut hello).expect("the program's hello");
@@ -212,6 +221,7 @@ impl Program {
             pagemap: Pagemap::from_owned(pagemap),
             mem,
             loud,
+            reaper: Some(reaper),
         }
     }
 
@@ -501,6 +511,134 @@ fn a_fork_in_the_program_reaches_the_handler_and_shared_pages_do_not_move() {
     assert_eq!(p.ask("sread 0"), "3");
 }
 
+#[test]
+fn the_reaper_moves_and_discards_in_the_program_for_the_handler() {
+    let test = "the_reaper_moves_and_discards_in_the_program_for_the_handler";
+    if !usable(test) {
+        return;
+    }
+    let mut p = Program::start(false);
+    let reaper = Reaper::new(p.reaper.take().unwrap(), LIMIT).unwrap();
+    let (r, s) = (p.region.base() as u64, p.staging.base() as u64);
+    let page = PAGE as u64;
+    for i in 0..4 {
+        p.region
+            .copy(i * PAGE, &page_of(100 + i as u64), sys::UFFDIO_COPY_MODE_WP)
+            .unwrap();
+    }
+    // Region → staging, through the reaper.
+    assert_eq!(
+        reaper.move_pages(r, s + 8 * page, 4 * page).unwrap(),
+        4 * page
+    );
+    assert_eq!(p.ask(&format!("sread {}", 10 * PAGE)), "102");
+    // A move onto present pages stops at once (EEXIST), and says so.
+    p.region
+        .copy(0, &page_of(7), sys::UFFDIO_COPY_MODE_WP)
+        .unwrap();
+    match reaper.move_pages(s + 8 * page, r, page) {
+        Err(ReaperError::Stopped { bytes: 0, errno }) => assert_eq!(errno, libc::EEXIST),
+        other => panic!("a move onto a present page: {other:?}"),
+    }
+    // Staging → region, into a missing page: the program reads it without a fault.
+    assert_eq!(
+        reaper
+            .move_pages(s + 9 * page, r + 20 * page, page)
+            .unwrap(),
+        page
+    );
+    assert_eq!(p.ask(&format!("read {}", 20 * PAGE)), "101");
+    assert!(
+        p.quiet_for(Duration::from_millis(50)),
+        "no fault for a moved-in page"
+    );
+    // Dropping staged pages: a hole again.
+    reaper.discard(s + 10 * page, 2 * page).unwrap();
+    assert_eq!(p.ask(&format!("sread {}", 10 * PAGE)), "0");
+    assert_eq!(p.ask(&format!("sread {}", 11 * PAGE)), "0");
+    // A request out of the protocol's limits is not sent; one the program's kernel
+    // refuses comes back as its errno (ENOMEM: nothing mapped there), not as a lost reaper.
+    assert!(matches!(
+        reaper.discard(s + page / 2, page),
+        Err(ReaperError::Invalid(_))
+    ));
+    match reaper.discard(page, page) {
+        Err(ReaperError::Stopped { errno, .. }) => assert_eq!(errno, libc::ENOMEM),
+        other => panic!("a discard of unmapped memory: {other:?}"),
+    }
+    assert_eq!(p.ask("sread 0"), "0", "the program goes on");
+    // The program ends: the next request finds its reaper lost, at once.
+    drop(p);
+    assert!(matches!(reaper.discard(s, page), Err(ReaperError::Lost(_))));
+}
+
+/// The program's reaper thread: reads requests on `sock` and does them in this process, on
+/// the destination's userfaultfd for a move.
+fn reaper_thread(sock: UnixStream, areas: [UffdRange; 2]) {
+    use farmap_run_proto::{decode, Done, Msg, Op, MAX_MSG_LEN};
+    use std::io::Read;
+    let mut out = sock.try_clone().unwrap();
+    let mut sock = sock;
+    let mut buf = Vec::new();
+    let mut chunk = [0u8; MAX_MSG_LEN];
+    loop {
+        let Ok(n) = sock.read(&mut chunk) else { return };
+        if n == 0 {
+            return;
+        }
+        buf.extend_from_slice(&chunk[..n]);
+        while let Some((msg, used)) = decode(&buf).expect("a request") {
+            buf.drain(..used);
+            let Msg::Request(req) = msg else {
+                panic!("not a request: {msg:?}")
+            };
+            let (bytes, errno) = match req.op {
+                Op::Discard { start, len } => {
+                    // SAFETY: a range of this program's own areas, which may go (the
+                    // registrations' contract); madvise checks the rest.
+                    let r = unsafe {
+                        libc::madvise(start as usize as *mut _, len as usize, libc::MADV_DONTNEED)
+                    };
+                    if r == 0 {
+                        (len, 0)
+                    } else {
+                        (
+                            0,
+                            std::io::Error::last_os_error()
+                                .raw_os_error()
+                                .unwrap_or(libc::EIO),
+                        )
+                    }
+                }
+                Op::Move { src, dst, len } => {
+                    let find = |a: u64| {
+                        areas
+                            .iter()
+                            .find(|r| r.contains(a as usize))
+                            .expect("an address in the program's areas")
+                    };
+                    let (from, to) = (find(src), find(dst));
+                    let (src_off, dst_off) = (src as usize - from.base(), dst as usize - to.base());
+                    match from.move_to(src_off, to, dst_off, len as usize, 0) {
+                        Ok(n) => (n as u64, 0),
+                        Err((n, e)) => (n as u64, e),
+                    }
+                }
+            };
+            let mut reply = [0u8; MAX_MSG_LEN];
+            let done = Msg::Done(Done {
+                id: req.id,
+                errno,
+                bytes,
+            });
+            let n = done.encode(&mut reply).unwrap();
+            if out.write_all(&reply[..n]).is_err() {
+                return;
+            }
+        }
+    }
+}
+
 /// The program: an entry point the tests above start as a child process (ignored in a
 /// normal run, so that it does not count as a pass).
 #[test]
@@ -564,6 +702,15 @@ fn program_process() {
         UffdRange::new(loud.clone(), region, LEN),
         UffdRange::new(quiet.clone(), staging, LEN),
     ];
+    {
+        // SAFETY: fd 4 is the reaper's socket our parent set up for us, nothing else owns it.
+        let reaper = unsafe { UnixStream::from_raw_fd(4) };
+        let areas = [
+            UffdRange::new(loud.clone(), region, LEN),
+            UffdRange::new(quiet.clone(), staging, LEN),
+        ];
+        std::thread::spawn(move || reaper_thread(reaper, areas));
+    }
     let area = |w: &str| &areas[usize::from(w == "s")];
     let mut out = sock.try_clone().unwrap();
     let mut forked: Option<i32> = None;

@@ -1,0 +1,15 @@
+//! Regions in another process's address space (`farmap run`, docs/design/farmap-run.md):
+//! the program maps and registers its heap and sends the fds; this side serves its faults.
+//!
+//! What the kernel lets this side do to the program's memory, and what it does not, is
+//! tested with two real processes in `tests/foreign_kernel.rs`: copies, write protection,
+//! `PAGEMAP_SCAN` and reads through the program's `/proc/self/mem` work from here; page
+//! moves (`UFFDIO_MOVE`) and discards (`madvise`) do not, so a thread of the program (its
+//! *reaper*) does them on request: [`Reaper`] is this side of that conversation.
+//!
+//! Built so far: the reaper's client. Next (step 2 of the design): the pager working over a
+//! foreign region through it.
+
+mod reaper;
+
+pub use reaper::{Reaper, ReaperError};

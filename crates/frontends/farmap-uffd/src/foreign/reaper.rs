@@ -1,0 +1,134 @@
+//! [`Reaper`]: asks a program's reaper thread to move or discard pages of its own address
+//! space, one request at a time, over a Unix socket, in farmap-run-proto's messages.
+
+use std::io::{self, Read, Write};
+use std::os::unix::net::UnixStream;
+use std::time::Duration;
+
+use farmap_run_proto::{decode, Done, Msg, Op, Request, MAX_MSG_LEN};
+use parking_lot::Mutex;
+
+/// Why a request to the reaper failed.
+#[derive(Debug, thiserror::Error)]
+pub enum ReaperError {
+    /// The reaper did what it could and stopped: `bytes` were done before `errno` (for a
+    /// move, `EAGAIN` and `EBUSY` mean: try again later; `EEXIST`: a destination page is
+    /// present; `ENOENT`: a source page is missing).
+    #[error("the reaper stopped after {bytes} bytes: {}", io::Error::from_raw_os_error(*errno))]
+    Stopped {
+        /// Bytes done.
+        bytes: u64,
+        /// The errno that stopped it.
+        errno: i32,
+    },
+    /// A request out of the protocol's limits (unaligned, outside the address space): not
+    /// sent.
+    #[error("not a request the reaper can take: {0}")]
+    Invalid(farmap_run_proto::Error),
+    /// The reaper is gone, silent past the deadline, or spoke out of turn: the program can
+    /// no longer be served (its memory cannot shrink), and the session must end.
+    #[error("the program's reaper is lost: {0}")]
+    Lost(#[source] io::Error),
+}
+
+/// This side of a program's reaper (see the module docs). Requests are serialized: the
+/// reaper is one thread, and each reply names its request.
+#[derive(Debug)]
+pub struct Reaper {
+    conn: Mutex<Conn>,
+}
+
+#[derive(Debug)]
+struct Conn {
+    sock: UnixStream,
+    next_id: u32,
+    /// A reply read past (never expected: one request at a time) or a failure seen: the
+    /// connection is not used again.
+    broken: bool,
+}
+
+impl Reaper {
+    /// Talks to the reaper on `sock`; a request not answered within `deadline` loses it.
+    pub fn new(sock: UnixStream, deadline: Duration) -> io::Result<Reaper> {
+        sock.set_read_timeout(Some(deadline))?;
+        sock.set_write_timeout(Some(deadline))?;
+        Ok(Reaper {
+            conn: Mutex::new(Conn {
+                sock,
+                next_id: 1,
+                broken: false,
+            }),
+        })
+    }
+
+    /// `madvise(MADV_DONTNEED)` of `len` bytes at `start` in the program.
+    pub fn discard(&self, start: u64, len: u64) -> Result<(), ReaperError> {
+        self.call(Op::Discard { start, len }).map(|_| ())
+    }
+
+    /// `UFFDIO_MOVE` of `len` bytes from `src` to `dst` in the program (issued there on the
+    /// destination's userfaultfd); the bytes moved.
+    pub fn move_pages(&self, src: u64, dst: u64, len: u64) -> Result<u64, ReaperError> {
+        self.call(Op::Move { src, dst, len })
+    }
+
+    fn call(&self, op: Op) -> Result<u64, ReaperError> {
+        let mut conn = self.conn.lock();
+        if conn.broken {
+            return Err(lost("an earlier request failed"));
+        }
+        let id = conn.next_id;
+        let mut out = [0u8; MAX_MSG_LEN];
+        let n = Msg::Request(Request { id, op })
+            .encode(&mut out)
+            .map_err(ReaperError::Invalid)?;
+        conn.next_id = conn.next_id.wrapping_add(1);
+        let done = conn.exchange(id, &out[..n]);
+        if done.is_err() {
+            conn.broken = true;
+        }
+        match done? {
+            Done {
+                errno: 0, bytes, ..
+            } => Ok(bytes),
+            Done { errno, bytes, .. } => Err(ReaperError::Stopped { bytes, errno }),
+        }
+    }
+}
+
+impl Conn {
+    /// Sends request `id` (encoded: `request`) and reads its `Done`.
+    fn exchange(&mut self, id: u32, request: &[u8]) -> Result<Done, ReaperError> {
+        self.sock.write_all(request).map_err(ReaperError::Lost)?;
+        let mut buf = [0u8; MAX_MSG_LEN];
+        let mut have = 0;
+        loop {
+            match decode(&buf[..have]) {
+                Ok(Some((Msg::Done(d), used))) if used == have && d.id == id => return Ok(d),
+                Ok(Some((msg, _))) => {
+                    return Err(lost(format!("an answer out of turn: {msg:?}")));
+                }
+                Ok(None) => {}
+                Err(e) => return Err(lost(format!("a bad answer: {e}"))),
+            }
+            // A Done is shorter than the longest message: read only what it can take, so
+            // that nothing past it is ever read.
+            let want = (have + 1).max(farmap_run_proto::HEADER_LEN + DONE_BODY);
+            let got = self
+                .sock
+                .read(&mut buf[have..want.min(MAX_MSG_LEN)])
+                .map_err(ReaperError::Lost)?;
+            if got == 0 {
+                return Err(lost("the reaper closed its socket (the program ended)"));
+            }
+            have += got;
+        }
+    }
+}
+
+/// A `Done`'s body length.
+const DONE_BODY: usize = 16;
+
+fn lost(why: impl Into<String>) -> ReaperError {
+    ReaperError::Lost(io::Error::other(why.into()))
+}
