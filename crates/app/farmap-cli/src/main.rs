@@ -12,6 +12,7 @@ extern crate farmap_cli_kit;
 
 mod cache_max;
 mod cp;
+mod doctor;
 mod info;
 mod logging;
 mod migrate;
@@ -82,6 +83,10 @@ struct Cli {
 
 #[derive(Debug, Subcommand)]
 enum Command {
+    /// What this machine and this user can do (userfaultfd and its features, FUSE, nbd,
+    /// ublk, io_uring, cgroups, swap, limits), which farmap features follow, and how to
+    /// enable what is missing.
+    Doctor(doctor::DoctorArgs),
     /// Show a store's size, chunk size, capabilities and how much of it holds data.
     #[command(after_help = SPEC_HELP)]
     Info(info::InfoArgs),
@@ -217,6 +222,7 @@ fn main() -> ExitCode {
     };
     let result = rt.block_on(async {
         match cli.command {
+            Command::Doctor(args) => doctor::run(args),
             Command::Info(args) => info::run(args).await,
             Command::Cp(args) => cp::run(args).await,
             Command::Verify(args) => verify::run(args).await,

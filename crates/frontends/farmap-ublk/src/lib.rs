@@ -27,3 +27,9 @@ mod device;
 mod queue;
 
 pub use device::{UblkDevice, UblkDeviceError, UblkOptions, UBLK_CONTROL};
+
+/// Whether this process can set up an io_uring (what every ublk queue needs): a ring of two
+/// entries is made and dropped.
+pub fn io_uring_works() -> std::io::Result<()> {
+    io_uring::IoUring::new(2).map(drop)
+}

@@ -311,8 +311,22 @@ mod tests {
             staged_refaults: 4,
             full_faults: 5,
             overcommits: 6,
+            faults: 7,
+            prefetched: 8,
+            prefetch_hits: 9,
+            prefetch_wasted: 10,
         };
         let s = serde_json::to_string(&Reply::Paging(report.clone())).unwrap();
+        // An older agent's report, without the fault and prefetch counters, still reads.
+        let old = s.replace(
+            r#","faults":7,"prefetched":8,"prefetch_hits":9,"prefetch_wasted":10"#,
+            "",
+        );
+        assert_ne!(old, s);
+        match serde_json::from_str::<Reply>(&old).unwrap() {
+            Reply::Paging(r) => assert_eq!((r.faults, r.prefetched), (0, 0)),
+            other => panic!("{other:?}"),
+        }
         assert!(
             s.starts_with(r#"{"event":"paging","region_bytes":1048576,"chunk_bytes":65536,"limit_bytes":262144,"min_free_bytes":65536,"resident_bytes":262144,"staged_bytes":65536,"local_bytes":258048,"#),
             "{s}"
