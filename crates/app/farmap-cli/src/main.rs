@@ -5,7 +5,7 @@
 
 use std::process::ExitCode;
 
-use clap::{Parser, Subcommand};
+use clap::{CommandFactory, Parser, Subcommand};
 
 #[macro_use]
 extern crate farmap_cli_kit;
@@ -15,6 +15,7 @@ mod cp;
 mod doctor;
 mod info;
 mod logging;
+mod manual;
 mod migrate;
 mod mount;
 mod mount_agent;
@@ -140,6 +141,10 @@ enum Command {
     /// another process over loopback (through an emulated link), is verified, and moves back.
     #[cfg(feature = "tools")]
     Demo(demo::DemoArgs),
+    /// Print a shell completion script (bash, zsh, fish, elvish, powershell).
+    Completions(manual::CompletionsArgs),
+    /// Print farmap's man page, or write one per command into a directory (--dir).
+    Man(manual::ManArgs),
     /// Every store farmap can keep a region in, with an example and its options.
     #[command(long_about = STORES_HELP)]
     Stores,
@@ -223,6 +228,8 @@ fn main() -> ExitCode {
     let result = rt.block_on(async {
         match cli.command {
             Command::Doctor(args) => doctor::run(args),
+            Command::Completions(args) => manual::completions(args, Cli::command()),
+            Command::Man(args) => manual::man(args, Cli::command()),
             Command::Info(args) => info::run(args).await,
             Command::Cp(args) => cp::run(args).await,
             Command::Verify(args) => verify::run(args).await,
