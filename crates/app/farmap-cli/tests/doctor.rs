@@ -103,18 +103,13 @@ fn doctor_run_by_a_user_without_privileges_says_what_it_cannot_do() {
     std::fs::copy(env!("CARGO_BIN_EXE_farmap"), &bin).unwrap();
     use std::os::unix::fs::PermissionsExt;
     std::fs::set_permissions(dir.path(), std::fs::Permissions::from_mode(0o755)).unwrap();
-    let out = std::process::Command::new(setpriv)
-        .args(["--reuid=65534", "--regid=65534", "--clear-groups"])
-        .arg(&bin)
-        .args(["doctor", "--json"])
-        .output()
-        .unwrap();
-    assert!(
-        out.status.success(),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
+    let out = farmap_testkit::process::stdout_of(
+        std::process::Command::new(setpriv)
+            .args(["--reuid=65534", "--regid=65534", "--clear-groups"])
+            .arg(&bin)
+            .args(["doctor", "--json"]),
     );
-    let report: Value = serde_json::from_slice(&out.stdout).unwrap();
+    let report: Value = serde_json::from_str(&out).unwrap();
     assert_eq!(report["root"], false);
     assert_eq!(check(&report, "swap")["detail"], "swapon needs root");
     let refused = std::fs::read_to_string("/proc/sys/vm/unprivileged_userfaultfd")

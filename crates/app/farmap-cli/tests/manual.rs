@@ -19,16 +19,7 @@ fn complete(script: &str, words: &[&str]) -> Vec<String> {
         words.len() - 1,
         words.join(" ")
     );
-    let out = std::process::Command::new("bash")
-        .args(["-c", &line])
-        .output()
-        .unwrap();
-    assert!(
-        out.status.success(),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-    String::from_utf8_lossy(&out.stdout)
+    farmap_testkit::process::stdout_of(std::process::Command::new("bash").args(["-c", &line]))
         .lines()
         .map(str::to_owned)
         .collect()

@@ -4,7 +4,7 @@
 //! under load. Each of the first four failed before its fix.
 
 mod common;
-use common::{fill, holds, TestHeap, MIB};
+use common::{fill, holds, Rng, TestHeap, MIB};
 use farmap_heap::{class_size, MAX_SMALL, NCLASSES, PAGE_SIZE};
 use std::sync::Mutex;
 
@@ -172,16 +172,6 @@ fn huge_args() {
     assert_eq!(heap.posix_memalign(4, 1).unwrap_err().errno(), 22);
     assert_eq!(heap.posix_memalign(0, 1).unwrap_err().errno(), 22);
     assert_eq!(heap.posix_memalign(1 << 40, 1).unwrap_err().errno(), 12);
-}
-
-struct Rng(u64);
-impl Rng {
-    fn next(&mut self) -> u64 {
-        self.0 ^= self.0 << 13;
-        self.0 ^= self.0 >> 7;
-        self.0 ^= self.0 << 17;
-        self.0
-    }
 }
 
 /// Small region: threads run it out of memory, free each other's objects through a shared pool.

@@ -7,7 +7,7 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::mpsc::{channel, Receiver, Sender};
 use std::time::Duration;
 
-use common::{fill, holds, MmapBacking, TestHeap, MIB};
+use common::{fill, holds, MmapBacking, Rng, TestHeap, MIB};
 use farmap_heap::Heap;
 
 const THREADS: usize = 8;
@@ -19,28 +19,6 @@ struct Obj {
     addr: usize,
     size: usize,
     tag: u8,
-}
-
-struct Rng(u64);
-
-impl Rng {
-    fn next(&mut self) -> u64 {
-        self.0 ^= self.0 << 13;
-        self.0 ^= self.0 >> 7;
-        self.0 ^= self.0 << 17;
-        self.0
-    }
-
-    /// Mostly small, some up to 64 KiB, a few up to 2 MiB.
-    fn size(&mut self) -> usize {
-        let r = self.next();
-        let bound = match r % 100 {
-            0 => 2 * MIB,
-            1..=9 => 64 << 10,
-            _ => 512,
-        };
-        (r >> 8) as usize % bound
-    }
 }
 
 fn check_and_free(heap: &Heap<MmapBacking>, o: Obj) {

@@ -56,6 +56,12 @@ fn loud_features(fork: bool) -> u64 {
     f
 }
 
+/// The program for `test` (`fork`: its region's fd reports forks), or `None` (a recorded
+/// skip) where this kernel lacks what the tests need.
+fn program(test: &str, fork: bool) -> Option<Program> {
+    usable(test).then(|| Program::start(fork))
+}
+
 /// Whether this kernel has what the tests need (a recorded skip otherwise).
 fn usable(test: &str) -> bool {
     let support = match Uffd::probe() {
@@ -225,6 +231,13 @@ impl Program {
         }
     }
 
+    /// Fills the region's page at `off` from here with [`page_of`]`(tag)`, write-protected.
+    fn fill(&self, off: usize, tag: u64) {
+        self.region
+            .copy(off, &page_of(tag), sys::UFFDIO_COPY_MODE_WP)
+            .unwrap();
+    }
+
     /// Sends a command; the program answers one line each.
     fn send(&mut self, command: &str) {
         writeln!(self.sock, "{command}").unwrap();
@@ -322,18 +335,17 @@ fn page_of(tag: u64) -> Vec<u8> {
 
 #[test]
 fn a_copy_from_another_process_resolves_the_programs_fault_and_its_mem_fd_reads_it() {
-    let test = "a_copy_from_another_process_resolves_the_programs_fault_and_its_mem_fd_reads_it";
-    if !usable(test) {
+    let Some(mut p) = program(
+        "a_copy_from_another_process_resolves_the_programs_fault_and_its_mem_fd_reads_it",
+        false,
+    ) else {
         return;
-    }
-    let mut p = Program::start(false);
+    };
     p.send(&format!("read {}", 3 * PAGE + 16));
     let m = p.message();
     assert_eq!(m.event, sys::UFFD_EVENT_PAGEFAULT);
     assert_eq!(m.arg1 as usize & !(PAGE - 1), p.region.base() + 3 * PAGE);
-    p.region
-        .copy(3 * PAGE, &page_of(0xfeed), sys::UFFDIO_COPY_MODE_WP)
-        .unwrap();
+    p.fill(3 * PAGE, 0xfeed);
     assert_eq!(
         p.answer(),
         format!("{}", 0xfeed),
@@ -351,15 +363,14 @@ fn a_copy_from_another_process_resolves_the_programs_fault_and_its_mem_fd_reads_
 
 #[test]
 fn pagemap_scan_of_another_process_reports_its_writes_and_protects_them_again() {
-    let test = "pagemap_scan_of_another_process_reports_its_writes_and_protects_them_again";
-    if !usable(test) {
+    let Some(mut p) = program(
+        "pagemap_scan_of_another_process_reports_its_writes_and_protects_them_again",
+        false,
+    ) else {
         return;
-    }
-    let mut p = Program::start(false);
+    };
     for i in 0..8 {
-        p.region
-            .copy(i * PAGE, &page_of(i as u64), sys::UFFDIO_COPY_MODE_WP)
-            .unwrap();
+        p.fill(i * PAGE, i as u64);
     }
     assert_eq!(
         p.collect_written(),
@@ -380,17 +391,14 @@ fn pagemap_scan_of_another_process_reports_its_writes_and_protects_them_again() 
 
 #[test]
 fn a_move_is_refused_across_processes_and_done_by_the_program_itself() {
-    let test = "a_move_is_refused_across_processes_and_done_by_the_program_itself";
-    if !usable(test) {
+    let Some(mut p) = program(
+        "a_move_is_refused_across_processes_and_done_by_the_program_itself",
+        false,
+    ) else {
         return;
-    }
-    let mut p = Program::start(false);
-    p.region
-        .copy(0, &page_of(0xabc), sys::UFFDIO_COPY_MODE_WP)
-        .unwrap();
-    p.region
-        .copy(PAGE, &page_of(0xdef), sys::UFFDIO_COPY_MODE_WP)
-        .unwrap();
+    };
+    p.fill(0, 0xabc);
+    p.fill(PAGE, 0xdef);
     // Issued here, on the program's fds: refused, whichever way.
     assert_eq!(
         p.region.move_to(
@@ -436,15 +444,13 @@ fn a_move_is_refused_across_processes_and_done_by_the_program_itself() {
 
 #[test]
 fn discarding_staging_raises_nothing_and_discarding_the_region_waits_for_its_remove_event() {
-    let test =
-        "discarding_staging_raises_nothing_and_discarding_the_region_waits_for_its_remove_event";
-    if !usable(test) {
+    let Some(mut p) = program(
+        "discarding_staging_raises_nothing_and_discarding_the_region_waits_for_its_remove_event",
+        false,
+    ) else {
         return;
-    }
-    let mut p = Program::start(false);
-    p.region
-        .copy(0, &page_of(1), sys::UFFDIO_COPY_MODE_WP)
-        .unwrap();
+    };
+    p.fill(0, 1);
     assert_eq!(p.ask(&format!("move r 0 s 0 {PAGE}")), format!("ok {PAGE}"));
     // The reaper's job: drop staged pages in the program's own mm.
     assert_eq!(p.ask(&format!("dontneed-staging 0 {PAGE}")), "0");
@@ -454,9 +460,7 @@ fn discarding_staging_raises_nothing_and_discarding_the_region_waits_for_its_rem
     );
     assert_eq!(p.ask("sread 0"), "0");
     for (advice, off) in [("dontneed", 2 * PAGE), ("free", 4 * PAGE)] {
-        p.region
-            .copy(off, &page_of(9), sys::UFFDIO_COPY_MODE_WP)
-            .unwrap();
+        p.fill(off, 9);
         p.send(&format!("{advice} {off} {PAGE}"));
         let m = p.message();
         assert_eq!(m.event, sys::UFFD_EVENT_REMOVE, "{advice}");
@@ -481,9 +485,7 @@ fn a_fork_in_the_program_reaches_the_handler_and_shared_pages_do_not_move() {
         return;
     }
     let mut p = Program::start(true);
-    p.region
-        .copy(0, &page_of(0x51), sys::UFFDIO_COPY_MODE_WP)
-        .unwrap();
+    p.fill(0, 0x51);
     p.send("fork");
     let m = p.message();
     assert_eq!(m.event, sys::UFFD_EVENT_FORK);
@@ -513,18 +515,17 @@ fn a_fork_in_the_program_reaches_the_handler_and_shared_pages_do_not_move() {
 
 #[test]
 fn the_reaper_moves_and_discards_in_the_program_for_the_handler() {
-    let test = "the_reaper_moves_and_discards_in_the_program_for_the_handler";
-    if !usable(test) {
+    let Some(mut p) = program(
+        "the_reaper_moves_and_discards_in_the_program_for_the_handler",
+        false,
+    ) else {
         return;
-    }
-    let mut p = Program::start(false);
+    };
     let reaper = Reaper::new(p.reaper.take().unwrap(), LIMIT).unwrap();
     let (r, s) = (p.region.base() as u64, p.staging.base() as u64);
     let page = PAGE as u64;
     for i in 0..4 {
-        p.region
-            .copy(i * PAGE, &page_of(100 + i as u64), sys::UFFDIO_COPY_MODE_WP)
-            .unwrap();
+        p.fill(i * PAGE, 100 + i as u64);
     }
     // Region → staging, through the reaper.
     assert_eq!(
@@ -533,9 +534,7 @@ fn the_reaper_moves_and_discards_in_the_program_for_the_handler() {
     );
     assert_eq!(p.ask(&format!("sread {}", 10 * PAGE)), "102");
     // A move onto present pages stops at once (EEXIST), and says so.
-    p.region
-        .copy(0, &page_of(7), sys::UFFDIO_COPY_MODE_WP)
-        .unwrap();
+    p.fill(0, 7);
     match reaper.move_pages(s + 8 * page, r, page) {
         Err(ReaperError::Stopped { bytes: 0, errno }) => assert_eq!(errno, libc::EEXIST),
         other => panic!("a move onto a present page: {other:?}"),

@@ -162,3 +162,26 @@ pub unsafe fn holds(p: *const u8, len: usize, byte: u8) -> bool {
         .iter()
         .all(|&b| b == byte)
 }
+
+/// A xorshift generator: the stress tests' sizes and choices, the same on every run.
+pub struct Rng(pub u64);
+
+impl Rng {
+    pub fn next(&mut self) -> u64 {
+        self.0 ^= self.0 << 13;
+        self.0 ^= self.0 >> 7;
+        self.0 ^= self.0 << 17;
+        self.0
+    }
+
+    /// Mostly small, some up to 64 KiB, a few up to 2 MiB.
+    pub fn size(&mut self) -> usize {
+        let r = self.next();
+        let bound = match r % 100 {
+            0 => 2 * MIB,
+            1..=9 => 64 << 10,
+            _ => 512,
+        };
+        (r >> 8) as usize % bound
+    }
+}

@@ -42,8 +42,7 @@ pub struct Reaper {
 struct Conn {
     sock: UnixStream,
     next_id: u32,
-    /// A reply read past (never expected: one request at a time) or a failure seen: the
-    /// connection is not used again.
+    /// A request failed (lost, or an answer out of turn): the connection is not used again.
     broken: bool,
 }
 
@@ -100,34 +99,24 @@ impl Conn {
     /// Sends request `id` (encoded: `request`) and reads its `Done`.
     fn exchange(&mut self, id: u32, request: &[u8]) -> Result<Done, ReaperError> {
         self.sock.write_all(request).map_err(ReaperError::Lost)?;
-        let mut buf = [0u8; MAX_MSG_LEN];
-        let mut have = 0;
-        loop {
-            match decode(&buf[..have]) {
-                Ok(Some((Msg::Done(d), used))) if used == have && d.id == id => return Ok(d),
-                Ok(Some((msg, _))) => {
-                    return Err(lost(format!("an answer out of turn: {msg:?}")));
-                }
-                Ok(None) => {}
-                Err(e) => return Err(lost(format!("a bad answer: {e}"))),
+        // The answer is a Done, of a fixed length: exactly that is read, never past it.
+        let mut buf = [0u8; DONE_LEN];
+        self.sock.read_exact(&mut buf).map_err(|e| match e.kind() {
+            io::ErrorKind::UnexpectedEof => {
+                lost("the reaper closed its socket (the program ended)")
             }
-            // A Done is shorter than the longest message: read only what it can take, so
-            // that nothing past it is ever read.
-            let want = (have + 1).max(farmap_run_proto::HEADER_LEN + DONE_BODY);
-            let got = self
-                .sock
-                .read(&mut buf[have..want.min(MAX_MSG_LEN)])
-                .map_err(ReaperError::Lost)?;
-            if got == 0 {
-                return Err(lost("the reaper closed its socket (the program ended)"));
-            }
-            have += got;
+            _ => ReaperError::Lost(e),
+        })?;
+        match decode(&buf) {
+            Ok(Some((Msg::Done(d), DONE_LEN))) if d.id == id => Ok(d),
+            Ok(other) => Err(lost(format!("an answer out of turn: {other:?}"))),
+            Err(e) => Err(lost(format!("a bad answer: {e}"))),
         }
     }
 }
 
-/// A `Done`'s body length.
-const DONE_BODY: usize = 16;
+/// A `Done`'s length: the header and its 16-byte body.
+const DONE_LEN: usize = farmap_run_proto::HEADER_LEN + 16;
 
 fn lost(why: impl Into<String>) -> ReaperError {
     ReaperError::Lost(io::Error::other(why.into()))
