@@ -121,3 +121,74 @@ const DONE_LEN: usize = farmap_run_proto::HEADER_LEN + 16;
 fn lost(why: impl Into<String>) -> ReaperError {
     ReaperError::Lost(io::Error::other(why.into()))
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::time::Instant;
+
+    fn reaper(deadline: Duration) -> (Reaper, UnixStream) {
+        let (ours, theirs) = UnixStream::pair().unwrap();
+        (Reaper::new(ours, deadline).unwrap(), theirs)
+    }
+
+    /// Answers the next request with `answer(request id)`.
+    fn answer_with(mut peer: UnixStream, answer: impl FnOnce(u32) -> Vec<u8> + Send + 'static) {
+        std::thread::spawn(move || {
+            let mut req = [0u8; farmap_run_proto::HEADER_LEN + 32];
+            peer.read_exact(&mut req).unwrap();
+            let Ok(Some((Msg::Request(r), _))) = decode(&req) else {
+                panic!("not a request")
+            };
+            let _ = peer.write_all(&answer(r.id));
+            std::thread::sleep(Duration::from_millis(200));
+        });
+    }
+
+    fn done(id: u32, errno: i32, bytes: u64) -> Vec<u8> {
+        let mut out = [0u8; MAX_MSG_LEN];
+        let n = Msg::Done(Done { id, errno, bytes })
+            .encode(&mut out)
+            .unwrap();
+        out[..n].to_vec()
+    }
+
+    #[test]
+    fn a_silent_reaper_is_lost_at_the_deadline() {
+        let (r, _peer) = reaper(Duration::from_millis(100));
+        let t = Instant::now();
+        assert!(matches!(r.discard(4096, 4096), Err(ReaperError::Lost(_))));
+        assert!(t.elapsed() < Duration::from_secs(5), "{:?}", t.elapsed());
+    }
+
+    #[test]
+    fn an_answer_to_another_request_loses_the_reaper_for_good() {
+        let (r, peer) = reaper(Duration::from_secs(5));
+        answer_with(peer, |id| done(id + 1, 0, 4096));
+        assert!(matches!(r.discard(4096, 4096), Err(ReaperError::Lost(_))));
+        let again = r.discard(4096, 4096).unwrap_err().to_string();
+        assert!(again.contains("an earlier request failed"), "{again}");
+    }
+
+    #[test]
+    fn garbage_or_a_closed_socket_is_lost_and_a_refusal_is_not() {
+        let (r, peer) = reaper(Duration::from_secs(5));
+        answer_with(peer, |_| vec![0xff; DONE_LEN]);
+        assert!(matches!(r.discard(4096, 4096), Err(ReaperError::Lost(_))));
+
+        let (r, peer) = reaper(Duration::from_secs(5));
+        answer_with(peer, |_| Vec::new());
+        let e = r.move_pages(4096, 1 << 20, 4096).unwrap_err().to_string();
+        assert!(e.contains("closed its socket"), "{e}");
+
+        let (r, peer) = reaper(Duration::from_secs(5));
+        answer_with(peer, |id| done(id, libc::EBUSY, 0));
+        assert!(matches!(
+            r.move_pages(4096, 1 << 20, 4096),
+            Err(ReaperError::Stopped {
+                bytes: 0,
+                errno: libc::EBUSY
+            })
+        ));
+    }
+}
