@@ -3,11 +3,13 @@
 # pinned stable toolchain:
 #
 #   scripts/fuzz.sh [--keep] [SECONDS] [TARGET...]
+#   scripts/fuzz.sh --build-only [TARGET...]
 #
 # Each TARGET (default: all) runs for SECONDS (default 30) from its committed corpus
 # fuzz/corpus/<target>/, one per core at a time (FUZZ_JOBS=N to change). New inputs go to a
 # scratch directory that is deleted afterwards; with --keep, those that add coverage are
-# merged into fuzz/corpus/<target>/ (commit them if they are worth keeping).
+# merged into fuzz/corpus/<target>/ (commit them if they are worth keeping). --build-only
+# builds the targets and stops (scripts/test.sh builds them early, in the background).
 # It prints one line per target: executions, executions per second, edges covered, the
 # committed seeds and the corpus at the end, crashes with the path of the input. A crash, a
 # hang (10 s) or an allocation over 2 GiB is saved under fuzz/artifacts/<target>/ beside the
@@ -25,10 +27,12 @@ cd "$(dirname "$0")/.."
 usage() { sed -n '2,/^set -euo/p' "$0" | sed '$d; s/^# \{0,1\}//'; }
 
 keep=false
+build_only=false
 args=()
 for a in "$@"; do
   case "$a" in
     --keep) keep=true ;;
+    --build-only) build_only=true ;;
     -h | --help) usage; exit 0 ;;
     -*) echo "fuzz.sh: unknown option $a" >&2; exit 2 ;;
     *) args+=("$a") ;;
@@ -73,6 +77,7 @@ RUSTFLAGS="-Cpasses=sancov-module \
   CARGO_TARGET_DIR="$target_dir" \
   cargo build --locked --quiet --release --manifest-path fuzz/Cargo.toml --target "$triple" "${bins[@]}"
 ((SECONDS - start < 2)) || echo "fuzz.sh: built in $((SECONDS - start)) s" >&2
+! $build_only || exit 0
 
 scratch=$(mktemp -d "${TMPDIR:-/tmp}/farmap-fuzz.XXXXXX")
 trap 'rm -rf "$scratch"' EXIT
