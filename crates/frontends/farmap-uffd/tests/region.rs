@@ -328,21 +328,10 @@ fn a_region_can_live_at_a_fixed_address() {
         return;
     }
     let g = Geometry::new(1 << 20, 64 << 10).unwrap();
-    // Find a free, aligned address: map, note, unmap.
-    // SAFETY: a fresh anonymous mapping, unmapped at once; nothing else refers to it.
-    let addr = unsafe {
-        let p = libc::mmap(
-            std::ptr::null_mut(),
-            4 << 20,
-            libc::PROT_NONE,
-            libc::MAP_PRIVATE | libc::MAP_ANONYMOUS,
-            -1,
-            0,
-        );
-        assert_ne!(p, libc::MAP_FAILED);
-        libc::munmap(p, 4 << 20);
-        (p as usize + (1 << 20)) & !((1 << 20) - 1)
-    };
+    // An address far from where the kernel places mappings (top-down from below the stack;
+    // the program and its heap sit near 0x55..): a free one found by mapping and unmapping
+    // could be taken by another test's thread before the region claims it.
+    let addr = 0x2000_0000_0000 + (std::process::id() as usize % 4096) * (1 << 30);
     let store: Arc<dyn Store> = Arc::new(PatternStore::new(g, 3));
     let opts = RegionOptions {
         address: Some(addr),
