@@ -126,7 +126,9 @@ pub(crate) struct Tracker {
 }
 
 impl Tracker {
-    /// A tracker of `range` (the region `mapping`), with its own pagemap file.
+    /// A tracker of `range` (the region `mapping`), scanning the page tables of `pagemap`
+    /// (the region's process's).
+    #[allow(clippy::too_many_arguments)]
     pub fn new(
         mode: TrackingMode,
         range: UffdRange,
@@ -135,10 +137,9 @@ impl Tracker {
         events: Arc<Events>,
         counters: Arc<Counters>,
         mapping: Arc<Mapping>,
-    ) -> Result<Self, RegionError> {
-        let pagemap =
-            Pagemap::open_self().map_err(|e| RegionError::sys("opening /proc/self/pagemap", e))?;
-        Ok(Self {
+        pagemap: Pagemap,
+    ) -> Self {
+        Self {
             mapping,
             mode,
             range,
@@ -149,7 +150,7 @@ impl Tracker {
             events,
             counters,
             observed: OnceLock::new(),
-        })
+        }
     }
 
     pub fn mode(&self) -> TrackingMode {

@@ -263,48 +263,58 @@ pub(crate) struct Pager {
     trace: Option<Mutex<Vec<(u64, String)>>>,
 }
 
+/// What a [`Pager`] is made of.
+pub(crate) struct PagerParts {
+    /// The region, on its userfaultfd.
+    pub region: UffdRange,
+    /// The staging slots (as large as the region), on the quiet userfaultfd.
+    pub staging: UffdRange,
+    /// The whole staging area: the slots, then the trash (see [`trash_len`]).
+    pub staging_map: Arc<Mapping>,
+    pub events: Arc<Events>,
+    pub geometry: Geometry,
+    /// The limit, in chunks (at least 1).
+    pub limit: u64,
+    /// Chunks kept free by proactive reclaim; `None`: a share of the limit.
+    pub min_free: Option<u64>,
+    /// A fresh region: its chunks were never written (zero, not remote).
+    pub fresh: bool,
+    pub prefetch: Prefetch,
+    pub region_counters: Arc<Counters>,
+    /// The page tables of the region's process.
+    pub pagemap: Pagemap,
+}
+
 impl Pager {
-    #[allow(clippy::too_many_arguments)]
-    pub(crate) fn new(
-        region: UffdRange,
-        staging: UffdRange,
-        staging_map: Arc<Mapping>,
-        events: Arc<Events>,
-        geometry: Geometry,
-        limit: u64,
-        min_free: Option<u64>,
-        fresh: bool,
-        prefetch: Prefetch,
-        region_counters: Arc<Counters>,
-    ) -> std::io::Result<Pager> {
-        let n = geometry.chunk_count() as usize;
-        let limit = limit.max(1);
+    pub(crate) fn new(p: PagerParts) -> Pager {
+        let n = p.geometry.chunk_count() as usize;
+        let limit = p.limit.max(1);
         // The staging mapping's tail past the slots (see `trash_len`) is the trash.
-        let trash_offset = staging.len();
-        let trash_len = staging_map.len().saturating_sub(trash_offset);
-        let trash_chunks = trash_len / geometry.chunk_size() as usize;
+        let trash_offset = p.staging.len();
+        let trash_len = p.staging_map.len().saturating_sub(trash_offset);
+        let trash_chunks = trash_len / p.geometry.chunk_size() as usize;
         let trash = (trash_chunks > 0).then(|| {
             UffdRange::new(
-                staging.uffd().clone(),
-                staging.base() + trash_offset,
+                p.staging.uffd().clone(),
+                p.staging.base() + trash_offset,
                 trash_len,
             )
         });
-        Ok(Pager {
-            region,
-            staging,
+        Pager {
+            region: p.region,
+            staging: p.staging,
             trash,
             trash_offset,
             trash_chunks,
-            events,
-            staging_map,
-            geometry,
-            pagemap: Pagemap::open_self()?,
-            state: SleepLock::new(State::new(n, fresh)),
+            events: p.events,
+            staging_map: p.staging_map,
+            geometry: p.geometry,
+            pagemap: p.pagemap,
+            state: SleepLock::new(State::new(n, p.fresh)),
             limit: AtomicU64::new(limit),
-            min_free: AtomicU64::new(min_free.unwrap_or_else(|| auto_min_free(limit))),
-            min_free_auto: min_free.is_none(),
-            prefetch,
+            min_free: AtomicU64::new(p.min_free.unwrap_or_else(|| auto_min_free(limit))),
+            min_free_auto: p.min_free.is_none(),
+            prefetch: p.prefetch,
             streams: Mutex::new(HashMap::new()),
             cache: OnceLock::new(),
             write_back: OnceLock::new(),
@@ -318,9 +328,9 @@ impl Pager {
             unprotected: (0..n.div_ceil(64)).map(|_| AtomicU64::new(0)).collect(),
             unprotected_any: AtomicBool::new(false),
             counters: PagingCounters::default(),
-            region_counters,
+            region_counters: p.region_counters,
             trace: std::env::var_os("FARMAP_PAGER_TRACE").map(|_| Mutex::new(Vec::new())),
-        })
+        }
     }
 
     /// Connects the cache and the pusher (made after the pager).
