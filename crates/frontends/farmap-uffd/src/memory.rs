@@ -17,8 +17,8 @@ use farmap_pipeline::Cached;
 use parking_lot::RwLock;
 use tokio::sync::Notify;
 
-use crate::mapping::Mapping;
 use crate::shared::SharedBase;
+use crate::space::Area;
 use crate::stats::Counters;
 use crate::uffd::{InstallError, UffdRange};
 
@@ -112,7 +112,7 @@ pub(crate) struct RegionMemory {
     range: UffdRange,
     geometry: Geometry,
     write_protect: bool,
-    mapping: Option<Arc<Mapping>>,
+    mapping: Option<Area>,
     events: Arc<Events>,
     counters: Arc<Counters>,
     /// Bounded local memory: staged chunks are read out of their staging slot.
@@ -126,7 +126,7 @@ impl RegionMemory {
         range: UffdRange,
         geometry: Geometry,
         write_protect: bool,
-        mapping: Option<Arc<Mapping>>,
+        mapping: Option<Area>,
         events: Arc<Events>,
         counters: Arc<Counters>,
         pager: Option<Arc<dyn PushReads>>,

@@ -25,6 +25,7 @@ use crate::paging::{Pager, PagerParts, Reclaimer};
 use crate::server::{OwnedRuntime, Reader, Server, ServerParts};
 use crate::shared::{BaseFirst, SharedBase};
 use crate::signal::{Registration, SignalPath};
+use crate::space::{Area, Moves};
 use crate::stats::{
     Counters, DirtyReport, HandlerLocation, MemoryUse, PagingStats, RegionStats, SharedStats,
 };
@@ -315,7 +316,7 @@ impl Region {
             written,
             events,
             counters,
-            mapping.clone(),
+            Area::Local(mapping.clone()),
             pagemap,
         ));
         let pusher = start_pusher(&memory, store, opts.push, &tracker, &handle)?;
@@ -873,7 +874,7 @@ fn region_memory(
             range.clone(),
             geometry,
             true,
-            Some(mapping.clone()),
+            Some(Area::Local(mapping.clone())),
             events.clone(),
             counters.clone(),
             pager.cloned().map(|p| p as Arc<dyn PushReads>),
@@ -962,7 +963,8 @@ fn new_pager(
     let pager = Pager::new(PagerParts {
         region: range.clone(),
         staging: UffdRange::new(quiet, staging.addr(), range.len()),
-        staging_map: staging.shared(),
+        staging_map: Area::Local(staging.shared()),
+        moves: Moves::Local,
         events: events.clone(),
         geometry,
         limit,

@@ -22,10 +22,10 @@ use farmap_pipeline::{DirtySet, DirtySource};
 use parking_lot::Mutex;
 
 use crate::error::RegionError;
-use crate::mapping::Mapping;
 use crate::memory::Events;
 use crate::options::TrackingMode;
 use crate::pagemap::Pagemap;
+use crate::space::Area;
 use crate::stats::{Counters, DirtyReport};
 use crate::sys::PageRegion;
 use crate::uffd::UffdRange;
@@ -118,7 +118,7 @@ pub(crate) struct Tracker {
     written: Option<Arc<PageBits>>,
     events: Arc<Events>,
     counters: Arc<Counters>,
-    mapping: Arc<Mapping>,
+    mapping: Area,
     /// The pages written since the last [`take_observed`](Self::take_observed), whoever
     /// scanned them (a push round, `take_dirty`, or that call): set by every scan once a
     /// second consumer (a migration) asked for them the first time.
@@ -136,7 +136,7 @@ impl Tracker {
         written: Option<Arc<PageBits>>,
         events: Arc<Events>,
         counters: Arc<Counters>,
-        mapping: Arc<Mapping>,
+        mapping: Area,
         pagemap: Pagemap,
     ) -> Self {
         Self {

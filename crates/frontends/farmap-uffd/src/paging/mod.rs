@@ -149,10 +149,10 @@ use farmap_core::{ChunkIdx, Geometry, StoreResult};
 use parking_lot::{Condvar, Mutex};
 use tokio::sync::Notify;
 
-use crate::mapping::Mapping;
 use crate::memory::{Events, RegionCache};
 use crate::options::Prefetch;
 use crate::pagemap::Pagemap;
+use crate::space::{Area, Moves};
 use crate::stats::Counters;
 use crate::uffd::UffdRange;
 use lock::SleepLock;
@@ -229,7 +229,9 @@ pub(crate) struct Pager {
     trash_chunks: usize,
     /// Bumped after every discard, for copies waiting on `EAGAIN`.
     events: Arc<Events>,
-    staging_map: Arc<Mapping>,
+    staging_map: Area,
+    /// Who moves the pages (this process, for a region of its own).
+    moves: Moves,
     geometry: Geometry,
     pagemap: Pagemap,
     state: SleepLock<State>,
@@ -270,7 +272,9 @@ pub(crate) struct PagerParts {
     /// The staging slots (as large as the region), on the quiet userfaultfd.
     pub staging: UffdRange,
     /// The whole staging area: the slots, then the trash (see [`trash_len`]).
-    pub staging_map: Arc<Mapping>,
+    pub staging_map: Area,
+    /// Who moves pages between the region and the staging area.
+    pub moves: Moves,
     pub events: Arc<Events>,
     pub geometry: Geometry,
     /// The limit, in chunks (at least 1).
@@ -308,6 +312,7 @@ impl Pager {
             trash_chunks,
             events: p.events,
             staging_map: p.staging_map,
+            moves: p.moves,
             geometry: p.geometry,
             pagemap: p.pagemap,
             state: SleepLock::new(State::new(n, p.fresh)),
