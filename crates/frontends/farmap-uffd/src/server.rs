@@ -411,6 +411,7 @@ impl Server {
                     }
                     return;
                 }
+                Admit::FromSlot => return pager.copy_back(idx).await,
             }
         }
     }
