@@ -149,6 +149,8 @@ mod server;
 mod shared;
 mod signal;
 #[forbid(unsafe_code)]
+mod space;
+#[forbid(unsafe_code)]
 mod stats;
 pub mod sys;
 #[forbid(unsafe_code)]

@@ -14,10 +14,11 @@ use farmap_core::{
     StoreResult,
 };
 use farmap_pipeline::Cached;
+use parking_lot::RwLock;
 use tokio::sync::Notify;
 
-use crate::mapping::Mapping;
 use crate::shared::SharedBase;
+use crate::space::Area;
 use crate::stats::Counters;
 use crate::uffd::{InstallError, UffdRange};
 
@@ -60,14 +61,22 @@ pub(crate) trait PushReads: Send + Sync {
 }
 
 /// A generation counter the handler bumps after reading events, for copies that must wait
-/// for pending events to be read (`EAGAIN`).
+/// for pending events to be read (`EAGAIN`), and the order of the readers' batches.
 #[derive(Debug, Default)]
 pub(crate) struct Events {
     generation: AtomicU64,
     notify: Notify,
+    /// Held exclusively by a fault reader from its read of messages to the end of its
+    /// handling of the events among them (the server module's docs).
+    order: RwLock<()>,
 }
 
 impl Events {
+    /// The readers' order: see the field.
+    pub fn order(&self) -> &RwLock<()> {
+        &self.order
+    }
+
     /// The current generation.
     pub fn current(&self) -> u64 {
         self.generation.load(Ordering::Acquire)
@@ -103,7 +112,7 @@ pub(crate) struct RegionMemory {
     range: UffdRange,
     geometry: Geometry,
     write_protect: bool,
-    mapping: Option<Arc<Mapping>>,
+    mapping: Option<Area>,
     events: Arc<Events>,
     counters: Arc<Counters>,
     /// Bounded local memory: staged chunks are read out of their staging slot.
@@ -117,7 +126,7 @@ impl RegionMemory {
         range: UffdRange,
         geometry: Geometry,
         write_protect: bool,
-        mapping: Option<Arc<Mapping>>,
+        mapping: Option<Area>,
         events: Arc<Events>,
         counters: Arc<Counters>,
         pager: Option<Arc<dyn PushReads>>,

@@ -100,6 +100,14 @@ impl Pagemap {
         Pagemap { fd }
     }
 
+    /// Another handle on the same file (a `dup`: the same process's page tables), for a
+    /// second user of one pagemap received from another process.
+    pub fn try_clone(&self) -> io::Result<Pagemap> {
+        Ok(Pagemap {
+            fd: self.fd.try_clone()?,
+        })
+    }
+
     /// The file descriptor (to send it).
     pub fn fd(&self) -> &OwnedFd {
         &self.fd

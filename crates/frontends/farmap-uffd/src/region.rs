@@ -21,10 +21,11 @@ use crate::options::{
     FaultWait, PagingOptions, RegionMode, RegionOptions, TrackingMode, WriteTracking,
 };
 use crate::pagemap::Pagemap;
-use crate::paging::{Pager, Reclaimer};
+use crate::paging::{Pager, PagerParts, Reclaimer};
 use crate::server::{OwnedRuntime, Reader, Server, ServerParts};
 use crate::shared::{BaseFirst, SharedBase};
 use crate::signal::{Registration, SignalPath};
+use crate::space::{Area, Moves};
 use crate::stats::{
     Counters, DirtyReport, HandlerLocation, MemoryUse, PagingStats, RegionStats, SharedStats,
 };
@@ -263,19 +264,15 @@ impl Region {
         let (owned, uffd) = map_registered(len, opts.address, features.bits, shared.as_deref())?;
         let mapping = owned.shared();
         let range = UffdRange::new(uffd.clone(), mapping.addr(), len);
-        let staging = paging
-            .as_ref()
-            .map(|_| staging_area(len, geometry))
-            .transpose()?;
         let events = Arc::new(Events::default());
         let written = (mode == TrackingMode::SyncFaults)
             .then(|| Arc::new(PageBits::new((len / page) as u64)));
-        let pager = match (&paging, &staging) {
-            (Some(p), Some(staging)) => Some(new_pager(
-                p, staging, &range, len, geometry, &events, &counters,
-            )?),
-            _ => None,
-        };
+        let pagemap = Pagemap::open_self().map_err(|e| RegionError::sys("opening pagemap", e))?;
+        let (staging, pager) = paging
+            .as_ref()
+            .map(|p| new_pager(p, &range, geometry, &events, &counters, &pagemap))
+            .transpose()?
+            .unzip();
         let memory = region_memory(
             &range,
             geometry,
@@ -302,7 +299,7 @@ impl Region {
                 farmap_pipeline::Cached::new(memory.clone(), fetch_from(&store, &shared))
                     .expect("the region's memory has the store's geometry"),
             ),
-            pagemap: Pagemap::open_self().map_err(|e| RegionError::sys("opening pagemap", e))?,
+            pagemap: dup_pagemap(&pagemap)?,
             readahead: u64::from(opts.readahead_chunks),
             fetch_retry: opts.fetch_retry,
             written: written.clone(),
@@ -319,8 +316,9 @@ impl Region {
             written,
             events,
             counters,
-            mapping.clone(),
-        )?);
+            Area::Local(mapping.clone()),
+            pagemap,
+        ));
         let pusher = start_pusher(&memory, store, opts.push, &tracker, &handle)?;
         let reclaimer = match &pager {
             Some(pager) => connect_pager(pager, &server, &pusher, paging.as_ref(), &handle)?,
@@ -352,7 +350,7 @@ impl Region {
                 shared,
             }),
             mapping: owned,
-            staging: staging.map(|(owned, _)| owned),
+            staging,
             signal,
             runtime: Some(runtime),
         })
@@ -876,7 +874,7 @@ fn region_memory(
             range.clone(),
             geometry,
             true,
-            Some(mapping.clone()),
+            Some(Area::Local(mapping.clone())),
             events.clone(),
             counters.clone(),
             pager.cloned().map(|p| p as Arc<dyn PushReads>),
@@ -949,33 +947,41 @@ fn fetch_from(store: &Arc<dyn Store>, shared: &Option<Arc<SharedBase>>) -> Arc<d
 }
 
 /// The pager of bounded local memory (`p`), moving pages between the region (`range`) and
-/// its staging area.
+/// its staging area (made here, and returned with it).
 fn new_pager(
     p: &PagingOptions,
-    (staging, quiet): &(OwnedMapping, Arc<Uffd>),
     range: &UffdRange,
-    len: usize,
     geometry: Geometry,
     events: &Arc<Events>,
     counters: &Arc<Counters>,
-) -> Result<Arc<Pager>, RegionError> {
+    pagemap: &Pagemap,
+) -> Result<(OwnedMapping, Arc<Pager>), RegionError> {
+    let (staging, quiet) = staging_area(range.len(), geometry)?;
     let limit = p
         .local_max
         .chunks(geometry.size(), u64::from(geometry.chunk_size()));
-    let pager = Pager::new(
-        range.clone(),
-        UffdRange::new(quiet.clone(), staging.addr(), len),
-        staging.shared(),
-        events.clone(),
+    let pager = Pager::new(PagerParts {
+        region: range.clone(),
+        staging: UffdRange::new(quiet, staging.addr(), range.len()),
+        staging_map: Area::Local(staging.shared()),
+        moves: Moves::Local,
+        events: events.clone(),
         geometry,
         limit,
-        p.min_free,
-        p.fresh,
-        p.prefetch,
-        counters.clone(),
-    )
-    .map_err(|e| RegionError::sys("opening pagemap", e))?;
-    Ok(Arc::new(pager))
+        min_free: p.min_free,
+        fresh: p.fresh,
+        prefetch: p.prefetch,
+        region_counters: counters.clone(),
+        pagemap: dup_pagemap(pagemap)?,
+    });
+    Ok((staging, Arc::new(pager)))
+}
+
+/// Another handle on the region's pagemap, for one more of its users.
+fn dup_pagemap(pagemap: &Pagemap) -> Result<Pagemap, RegionError> {
+    pagemap
+        .try_clone()
+        .map_err(|e| RegionError::sys("duplicating the pagemap fd", e))
 }
 
 /// In-thread fault resolution's pipe to the pager (polling for `fault_wait`'s window).

@@ -23,9 +23,10 @@
 //! a wake-up of its CPU: when its wake-ups keep finding nothing to read (another reader was
 //! first), or when the faulting threads of what it reads run on other CPUs only (looked up
 //! in `/proc` at most every [`CPU_CHECK_EVERY`]). One reader always stays. A reader holds
-//! `read_order` from its read until it has handled the events among what it read (faults
-//! after that), so every message read after an event is handled after the event, as with a
-//! single reader (a remove event clears written marks that a later fault may set again).
+//! the events' order (`Events::order`, exclusively) from its read until it has handled the
+//! events among what it read (faults after that), so every message read after an event is
+//! handled after the event, as with a single reader (a remove event clears written marks
+//! that a later fault may set again).
 //!
 //! With [`FaultWait::Poll`] one reader, after each batch, goes on reading without blocking
 //! for the window before it returns to `poll(2)`, and idle-priority companions keep the CPUs
@@ -48,7 +49,7 @@ use std::time::{Duration, Instant};
 
 use farmap_core::{ChunkIdx, Geometry, Store};
 use farmap_pipeline::{retry, Puller, RetryPolicy};
-use parking_lot::{Mutex, RwLock};
+use parking_lot::RwLock;
 use rustix::event::{eventfd, poll, EventfdFlags, PollFd, PollFlags};
 use tokio::runtime::Handle;
 
@@ -123,9 +124,6 @@ pub(crate) struct Server {
     handler_cpu: HandlerAccounts,
     faults_read: AtomicU64,
     poison_unsupported: AtomicBool,
-    /// Held by a reader from a read of messages to the end of the handling of the events it
-    /// read (see the module doc).
-    read_order: Mutex<()>,
     /// Reader threads of the last start.
     readers: AtomicUsize,
 }
@@ -185,7 +183,6 @@ impl Server {
             handler_cpu: HandlerAccounts::default(),
             faults_read: AtomicU64::new(0),
             poison_unsupported: AtomicBool::new(false),
-            read_order: Mutex::new(()),
             readers: AtomicUsize::new(0),
         }
     }
@@ -228,7 +225,7 @@ impl Server {
 
     /// Reads a batch from `from` into `msgs`, counts its faults as found `how`, handles its
     /// events and then its faults; returns how many messages it read. The events are handled
-    /// under `read_order` (see the module doc).
+    /// under the events' order, held exclusively (see the module doc).
     fn read_and_handle(
         self: &Arc<Self>,
         msgs: &mut [UffdMsg],
@@ -237,7 +234,7 @@ impl Server {
         how: Found,
     ) -> io::Result<usize> {
         let n = {
-            let _order = self.read_order.lock();
+            let _order = self.events.order().write();
             let n = match (from, &self.signal) {
                 (ReadFrom::Posts, Some(s)) => s.read_posted(msgs),
                 (ReadFrom::Posts, None) => 0,
@@ -414,6 +411,7 @@ impl Server {
                     }
                     return;
                 }
+                Admit::FromSlot => return pager.copy_back(idx).await,
             }
         }
     }

@@ -198,7 +198,8 @@ pub struct PagingStats {
     pub evictions_proactive: u64,
     /// Chunks moved from the region into staging.
     pub deactivations: u64,
-    /// Faults served by moving a staged chunk back (no I/O).
+    /// Faults served by moving a staged chunk back (no I/O), or, in a program's region
+    /// (which this process cannot move pages of), by copying it back.
     pub staged_refaults: u64,
     /// Of those, the ones the faulting thread served itself (in-thread mode).
     pub staged_refaults_in_thread: u64,

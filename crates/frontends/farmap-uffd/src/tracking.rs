@@ -22,10 +22,10 @@ use farmap_pipeline::{DirtySet, DirtySource};
 use parking_lot::Mutex;
 
 use crate::error::RegionError;
-use crate::mapping::Mapping;
 use crate::memory::Events;
 use crate::options::TrackingMode;
 use crate::pagemap::Pagemap;
+use crate::space::Area;
 use crate::stats::{Counters, DirtyReport};
 use crate::sys::PageRegion;
 use crate::uffd::UffdRange;
@@ -118,7 +118,7 @@ pub(crate) struct Tracker {
     written: Option<Arc<PageBits>>,
     events: Arc<Events>,
     counters: Arc<Counters>,
-    mapping: Arc<Mapping>,
+    mapping: Area,
     /// The pages written since the last [`take_observed`](Self::take_observed), whoever
     /// scanned them (a push round, `take_dirty`, or that call): set by every scan once a
     /// second consumer (a migration) asked for them the first time.
@@ -126,7 +126,9 @@ pub(crate) struct Tracker {
 }
 
 impl Tracker {
-    /// A tracker of `range` (the region `mapping`), with its own pagemap file.
+    /// A tracker of `range` (the region `mapping`), scanning the page tables of `pagemap`
+    /// (the region's process's).
+    #[allow(clippy::too_many_arguments)]
     pub fn new(
         mode: TrackingMode,
         range: UffdRange,
@@ -134,11 +136,10 @@ impl Tracker {
         written: Option<Arc<PageBits>>,
         events: Arc<Events>,
         counters: Arc<Counters>,
-        mapping: Arc<Mapping>,
-    ) -> Result<Self, RegionError> {
-        let pagemap =
-            Pagemap::open_self().map_err(|e| RegionError::sys("opening /proc/self/pagemap", e))?;
-        Ok(Self {
+        mapping: Area,
+        pagemap: Pagemap,
+    ) -> Self {
+        Self {
             mapping,
             mode,
             range,
@@ -149,7 +150,7 @@ impl Tracker {
             events,
             counters,
             observed: OnceLock::new(),
-        })
+        }
     }
 
     pub fn mode(&self) -> TrackingMode {

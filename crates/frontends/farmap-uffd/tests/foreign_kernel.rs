@@ -17,6 +17,16 @@
 //! - the program's `madvise(MADV_DONTNEED)` of its staging area (the reaper's job) raises no
 //!   event on the region's fd; `MADV_DONTNEED` and `MADV_FREE` of the region raise a remove
 //!   event, and the program's madvise waits until that event is read;
+//! - a `pread` of the mem fd of a missing page of the region fails with `EIO` at once and
+//!   raises no fault (a read from another process may not wait for a handler); of a hole of
+//!   the staging area it reads zeros and maps the zero page there, where a move then finds
+//!   a page present (`EEXIST`);
+//! - once the program exits, or execs (its pid lives on), every read of the mem fd returns
+//!   0 bytes, wherever it reads (while the mm lives, an address nothing maps fails with
+//!   `EIO`); the region's fd raises nothing (no `POLLHUP`, no `POLLERR`), and copies and
+//!   `PAGEMAP_SCAN` fail with `ESRCH`;
+//! - `UFFDIO_ZEROPAGE` issued here resolves the program's fault with the zero page, which the
+//!   write protection that follows covers (a write to it is reported);
 //! - as root: the program's `fork` raises a fork event here, whose new userfaultfd is
 //!   installed in *this* process's fd table; while the child shares a page, the program's
 //!   move of it fails with `EBUSY`, and once the child is gone and the program wrote the
@@ -37,7 +47,8 @@ use std::time::{Duration, Instant};
 use farmap_uffd::foreign::{Reaper, ReaperError};
 use farmap_uffd::pagemap::Pagemap;
 use farmap_uffd::sys::{self, PageRegion, UffdMsg};
-use farmap_uffd::uffd::{Uffd, UffdRange};
+use farmap_uffd::uffd::{CopyError, Uffd, UffdRange};
+use rustix::event::{PollFd, PollFlags};
 
 const PAGE: usize = 4096;
 /// The region's and the staging area's size.
@@ -571,6 +582,149 @@ fn the_reaper_moves_and_discards_in_the_program_for_the_handler() {
     assert!(matches!(reaper.discard(s, page), Err(ReaperError::Lost(_))));
 }
 
+/// A `pread` of `len` bytes of the program's memory at `addr`, through its mem fd: the bytes
+/// read, or the errno.
+fn pread_mem(mem: &OwnedFd, addr: usize, len: usize) -> Result<usize, i32> {
+    let mut buf = vec![0u8; len];
+    rustix::io::pread(mem, &mut buf, addr as u64).map_err(|e| e.raw_os_error())
+}
+
+#[test]
+fn a_mem_fd_read_of_a_missing_region_page_fails_with_eio_and_raises_no_fault() {
+    let Some(p) = program(
+        "a_mem_fd_read_of_a_missing_region_page_fails_with_eio_and_raises_no_fault",
+        false,
+    ) else {
+        return;
+    };
+    let mem = p.mem.try_clone().unwrap();
+    let addr = p.region.base() + 10 * PAGE;
+    let (tx, rx) = std::sync::mpsc::channel();
+    std::thread::spawn(move || {
+        let _ = tx.send(pread_mem(&mem, addr, PAGE));
+    });
+    // Wait for the read; should it raise a fault instead, serve it, so that nothing hangs.
+    let deadline = Instant::now() + LIMIT;
+    let mut msgs = [UffdMsg::default(); 1];
+    let mut faults = 0;
+    let read = loop {
+        if let Ok(r) = rx.try_recv() {
+            break r;
+        }
+        if p.loud.read_messages(&mut msgs).unwrap() == 1 {
+            faults += 1;
+            p.fill(10 * PAGE, 0x77);
+        }
+        assert!(
+            Instant::now() < deadline,
+            "the read neither failed nor faulted"
+        );
+        std::thread::sleep(Duration::from_millis(1));
+    };
+    // The remote read may not wait for a handler (no FAULT_FLAG_ALLOW_RETRY): the kernel's
+    // userfault handling refuses it, and the read fails at once.
+    assert_eq!((read, faults), (Err(libc::EIO), 0));
+    assert!(p.quiet_for(Duration::from_millis(50)), "no fault raised");
+    assert!(
+        !p.pagemap.all_in_memory(addr, addr + PAGE).unwrap(),
+        "the page is still missing"
+    );
+}
+
+#[test]
+fn the_mem_fd_reads_nothing_once_the_program_exits_or_execs() {
+    let test = "the_mem_fd_reads_nothing_once_the_program_exits_or_execs";
+    for how in ["exit", "exec"] {
+        let Some(mut p) = program(test, false) else {
+            return;
+        };
+        p.fill(0, 5);
+        let base = p.region.base();
+        // While the mm lives: a present page reads, an address nothing maps fails (EIO).
+        assert_eq!(pread_mem(&p.mem, base, 1), Ok(1), "{how}");
+        assert_eq!(pread_mem(&p.mem, 0, 1), Err(libc::EIO), "{how}");
+        if how == "exit" {
+            p.send("exit");
+            assert!(p.child.wait().unwrap().success());
+        } else {
+            p.send("exec");
+            assert_eq!(p.answer(), "execd");
+            assert!(p.child.try_wait().unwrap().is_none(), "the pid lives on");
+        }
+        // The mem fd's mm is gone: every read is an end of file, wherever it reads.
+        assert_eq!(pread_mem(&p.mem, base, 1), Ok(0), "{how}");
+        assert_eq!(pread_mem(&p.mem, 0, 1), Ok(0), "{how}");
+        // The region's fd says nothing (no POLLHUP or POLLERR: the end must be watched
+        // for elsewhere); copies and PAGEMAP_SCAN fail with ESRCH.
+        let mut fds = [PollFd::new(&*p.loud, PollFlags::IN)];
+        let now = rustix::time::Timespec {
+            tv_sec: 0,
+            tv_nsec: 0,
+        };
+        assert_eq!(rustix::event::poll(&mut fds, Some(&now)), Ok(0), "{how}");
+        assert_eq!(
+            p.region.copy(PAGE, &page_of(1), sys::UFFDIO_COPY_MODE_WP),
+            Err(CopyError::Gone),
+            "{how}"
+        );
+        let scan = p.pagemap.all_in_memory(base, base + PAGE).unwrap_err();
+        assert_eq!(scan.raw_os_error(), Some(libc::ESRCH), "{how}");
+        let _ = p.child.kill();
+    }
+}
+
+#[test]
+fn a_mem_fd_read_of_a_staging_hole_maps_the_zero_page_there() {
+    let Some(mut p) = program(
+        "a_mem_fd_read_of_a_staging_hole_maps_the_zero_page_there",
+        false,
+    ) else {
+        return;
+    };
+    let hole = p.staging.base() + 7 * PAGE;
+    assert!(!p.pagemap.all_in_memory(hole, hole + PAGE).unwrap());
+    assert_eq!(pread_mem(&p.mem, hole, 1), Ok(1), "a hole reads (as zeros)");
+    assert!(
+        p.pagemap.all_in_memory(hole, hole + PAGE).unwrap(),
+        "the read mapped the zero page"
+    );
+    // Which a move into the slot then finds present.
+    p.fill(0, 3);
+    assert_eq!(
+        p.ask(&format!("move r 0 s {} {PAGE}", 7 * PAGE)),
+        format!("err {} 0", libc::EEXIST)
+    );
+}
+
+#[test]
+fn a_zeropage_from_another_process_resolves_the_programs_fault() {
+    let Some(mut p) = program(
+        "a_zeropage_from_another_process_resolves_the_programs_fault",
+        false,
+    ) else {
+        return;
+    };
+    let off = 7 * PAGE;
+    p.send(&format!("read {}", off + 8));
+    let m = p.message();
+    assert_eq!(m.event, sys::UFFD_EVENT_PAGEFAULT);
+    assert_eq!(m.arg1 as usize & !(PAGE - 1), p.region.base() + off);
+    // As the pager's zero fill does it: no WP mode for ZEROPAGE, so protect right after.
+    p.region.write_protect(off, PAGE, false, false).unwrap();
+    assert_eq!(p.region.zeropage(off, PAGE, true), Ok(PAGE));
+    p.region.write_protect(off, PAGE, true, false).unwrap();
+    p.region.wake(off, PAGE).unwrap();
+    assert_eq!(p.answer(), "0");
+    let addr = p.region.base() + off;
+    assert!(
+        !p.pagemap.any_not_zero_page(addr, addr + PAGE).unwrap(),
+        "the shared zero page is mapped"
+    );
+    assert_eq!(p.collect_written(), Vec::<usize>::new());
+    assert_eq!(p.ask(&format!("write {off} 4")), "ok");
+    assert_eq!(p.collect_written(), vec![off], "a write to it is tracked");
+}
+
 /// The program's reaper thread: reads requests on `sock` and does them in this process, on
 /// the destination's userfaultfd for a move.
 fn reaper_thread(sock: UnixStream, areas: [UffdRange; 2]) {
@@ -783,6 +937,14 @@ fn program_process() {
                     libc::waitpid(pid, std::ptr::null_mut(), 0);
                 }
                 "0".to_owned()
+            }
+            "exec" => {
+                // A new image: fds 3 and 4 stay open (dup2'd: no close-on-exec), and it says
+                // so on fd 3 before it sleeps.
+                let e = Command::new("/bin/sh")
+                    .args(["-c", "echo execd >&3; exec sleep 5"])
+                    .exec();
+                panic!("exec: {e}");
             }
             "exit" => break,
             other => panic!("unknown command {other:?}"),

@@ -1,163 +1,21 @@
 //! Bounded local memory: a region larger than its local limit loses no write whatever the
 //! limit does, and its resident memory stays under the limit.
 
+mod common;
+
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
+use common::paging::{bounded, no_write_lost, no_write_lost_as, paging_available, CHUNK, CHUNKS};
 use farmap_core::Geometry;
-use farmap_pipeline::PushOptions;
 use farmap_store::MemoryStore;
 use farmap_testkit::contents::{snapshot, with_pattern};
 use farmap_testkit::pattern_bytes;
-use farmap_uffd::{LocalLimit, PagingOptions, Region, RegionOptions, WriteTracking};
+use farmap_uffd::{LocalLimit, Region};
 use proptest::prelude::*;
 use rand::rngs::SmallRng;
 use rand::{Rng, SeedableRng};
-
-const CHUNK: u32 = 16 * 1024;
-const CHUNKS: u64 = 64;
-
-/// Whether bounded regions work here (userfaultfd with UFFDIO_MOVE and WP_ASYNC); records a
-/// skip otherwise.
-fn paging_available(test: &str) -> bool {
-    farmap_testkit::skip::unless(test, farmap_uffd::probe_paging()).is_some()
-}
-
-fn bounded(limit: LocalLimit, push: Option<Duration>) -> RegionOptions {
-    RegionOptions {
-        tracking: WriteTracking::Async,
-        push: PushOptions {
-            interval: push,
-            ..PushOptions::default()
-        },
-        paging: Some(PagingOptions {
-            local_max: limit,
-            min_free: Some(2),
-            proactive: true,
-            fresh: false,
-            prefetch: farmap_uffd::Prefetch::Off,
-            in_thread: false,
-        }),
-        ..RegionOptions::direct()
-    }
-}
-
-/// One writer thread writing random words all over the region (keeping a model) while the
-/// test thread changes the limit; at the end the memory, and the store after a sync, equal
-/// the model.
-fn no_write_lost(seed: u64, limits: &[u8], push: Option<Duration>, in_thread: bool) {
-    no_write_lost_as(seed, limits, push, in_thread, false);
-}
-
-/// [`no_write_lost`]; `sequential`: the writer sweeps the region chunk after chunk (a word
-/// in each, over and over) with sequential prefetch on, so that its stream leaves chunks
-/// behind for drop-behind.
-fn no_write_lost_as(
-    seed: u64,
-    limits: &[u8],
-    push: Option<Duration>,
-    in_thread: bool,
-    sequential: bool,
-) -> farmap_uffd::PagingStats {
-    let g = Geometry::new(CHUNKS * u64::from(CHUNK), u64::from(CHUNK)).unwrap();
-    let store = with_pattern(MemoryStore::new(g), seed);
-    let mut opts = bounded(LocalLimit::Percent(f64::from(limits[0])), push);
-    if let Some(p) = &mut opts.paging {
-        p.in_thread = in_thread;
-        if sequential {
-            p.prefetch = farmap_uffd::Prefetch::Sequential { max_chunks: 2 };
-        }
-    }
-    let region = Region::open(store.clone(), opts).unwrap();
-    let mut model = pattern_bytes(seed, 0, g.size() as usize);
-    let stop = AtomicBool::new(false);
-    std::thread::scope(|s| {
-        let writer = s.spawn(|| {
-            let mem = region.memory();
-            let mut rng = SmallRng::seed_from_u64(seed ^ 0x5eed);
-            let mut writes = Vec::new();
-            let words = region.len() / 8;
-            let per_chunk = CHUNK as usize / 8;
-            while !stop.load(Ordering::Relaxed) || writes.len() < 2000 {
-                // Half of the writes go to a hot eighth of the region.
-                let w = if sequential {
-                    let k = writes.len();
-                    (k % (words / per_chunk)) * per_chunk + rng.gen_range(0..per_chunk)
-                } else if rng.gen_bool(0.5) {
-                    rng.gen_range(0..words / 8)
-                } else {
-                    rng.gen_range(0..words)
-                };
-                let v: u64 = rng.gen();
-                mem.store_u64(w * 8, v).unwrap();
-                // Read back at once: a lost staged copy would show here too.
-                assert_eq!(mem.load_u64(w * 8).unwrap(), v, "word {w} read back");
-                writes.push((w * 8, v));
-            }
-            writes
-        });
-        for &pct in limits.iter().cycle().take(limits.len() * 3) {
-            std::thread::sleep(Duration::from_millis(3));
-            assert!(region.set_local_max(LocalLimit::Percent(f64::from(pct))));
-        }
-        stop.store(true, Ordering::Relaxed);
-        for (off, v) in writer.join().unwrap() {
-            model[off..off + 8].copy_from_slice(&v.to_ne_bytes());
-        }
-    });
-    let stats = region.stats();
-    let paging = stats.paging.clone().unwrap();
-    assert!(
-        paging.deactivations > 0,
-        "the limit never made the region evict anything: {paging:?}"
-    );
-    region.sync().unwrap();
-    let snap = snapshot(&*store);
-    if snap != model {
-        let bad: Vec<usize> = (0..model.len() / 8)
-            .filter(|w| snap[w * 8..w * 8 + 8] != model[w * 8..w * 8 + 8])
-            .collect();
-        let mem = region.memory().to_vec();
-        let mem_bad = (0..model.len() / 8)
-            .filter(|w| mem[w * 8..w * 8 + 8] != model[w * 8..w * 8 + 8])
-            .count();
-        let chunks: std::collections::BTreeSet<usize> =
-            bad.iter().map(|w| w * 8 / CHUNK as usize).collect();
-        for c in &chunks {
-            eprintln!(
-                "chunk {c}: {:#?}",
-                region.diagnostics().pager_trace(*c as u64)
-            );
-        }
-        for w in &bad {
-            eprintln!(
-                "word {w} (offset {:#x}) model {:x?} mem {:x?}",
-                w * 8,
-                &model[w * 8..w * 8 + 8],
-                &mem[w * 8..w * 8 + 8]
-            );
-        }
-        panic!(
-            "the store differs from the model after a sync: {} words in chunks {chunks:?} \
-             (memory differs in {mem_bad} words); {:?}",
-            bad.len(),
-            region.stats()
-        );
-    }
-    assert!(
-        region.memory().to_vec() == model,
-        "the region's memory differs from the model"
-    );
-    assert_eq!(stats.poisoned_pages, 0);
-    let paging = region.stats().paging.unwrap();
-    assert_eq!(
-        paging.recovered, 0,
-        "an active chunk's pages turned up in its staging slot: {paging:?}"
-    );
-    drop(region);
-    paging
-}
 
 proptest! {
     #![proptest_config(ProptestConfig { cases: 6, ..ProptestConfig::default() })]

@@ -7,9 +7,15 @@
 //! moves (`UFFDIO_MOVE`) and discards (`madvise`) do not, so a thread of the program (its
 //! *reaper*) does them on request: [`Reaper`] is this side of that conversation.
 //!
-//! Built so far: the reaper's client. Next (step 2 of the design): the pager working over a
-//! foreign region through it.
+//! Built so far: the reaper's client, and the program's address space as the pager will
+//! reach it (its mem fd, its reaper, the watch for its end: `space.rs`). Next (step 2 of the
+//! design, docs/design/foreign-region.md): the pager working over a foreign region.
 
 mod reaper;
+mod space;
 
 pub use reaper::{Reaper, ReaperError};
+#[cfg(test)]
+pub(crate) use space::testing;
+pub use space::End;
+pub(crate) use space::ForeignSpace;

@@ -2,6 +2,7 @@
 //! space, one request at a time, over a Unix socket, in farmap-run-proto's messages.
 
 use std::io::{self, Read, Write};
+use std::os::fd::{AsFd, BorrowedFd};
 use std::os::unix::net::UnixStream;
 use std::time::Duration;
 
@@ -36,6 +37,8 @@ pub enum ReaperError {
 #[derive(Debug)]
 pub struct Reaper {
     conn: Mutex<Conn>,
+    /// A second handle on the socket, polled (never read) for the program's hang-up.
+    watch: UnixStream,
 }
 
 #[derive(Debug)]
@@ -52,12 +55,19 @@ impl Reaper {
         sock.set_read_timeout(Some(deadline))?;
         sock.set_write_timeout(Some(deadline))?;
         Ok(Reaper {
+            watch: sock.try_clone()?,
             conn: Mutex::new(Conn {
                 sock,
                 next_id: 1,
                 broken: false,
             }),
         })
+    }
+
+    /// The socket, to poll for the program's hang-up (`POLLRDHUP`) while requests go on:
+    /// never to read or write.
+    pub(crate) fn socket(&self) -> BorrowedFd<'_> {
+        self.watch.as_fd()
     }
 
     /// `madvise(MADV_DONTNEED)` of `len` bytes at `start` in the program.

@@ -16,7 +16,8 @@ impl Pager {
         let i = idx.0;
         let mut st = self.state.lock();
         match st.chunk[i as usize] {
-            St::Fetching { .. } => Admit::InFlight,
+            // A fetch, or a copy back, will wake the thread.
+            St::Fetching { .. } | St::Unstaging { .. } => Admit::InFlight,
             // Its pages are on their way to the staging slot: ask again once they are there
             // (the deactivation bumps the event generation), and move them back then.
             St::Moving => Admit::Retry,
@@ -37,6 +38,9 @@ impl Pager {
                     self.region_counters.error(format!(
                         "chunk {i} is active but its pages are in its staging slot"
                     ));
+                    if self.copy_refault {
+                        return self.admit_copy(&mut st, i, false, overcommit);
+                    }
                     return self.move_back(&mut st, i);
                 }
                 // Discarded behind our back (the application's madvise): fetch it again,
@@ -49,31 +53,42 @@ impl Pager {
                 self.evict_from_cache(idx);
                 Admit::Fetch
             }
+            St::Staged if self.copy_refault => self.admit_copy(&mut st, i, true, overcommit),
             St::Staged => self.move_back(&mut st, i),
             St::Remote | St::Zero => {
                 let zero = st.chunk[i as usize] == St::Zero;
-                let limit = self.limit();
-                if st.resident < limit || (overcommit && st.resident < limit + self.min_free()) {
-                    if st.resident >= limit {
-                        Counters::add(&self.counters.overcommits, 1);
-                    }
-                    st.resident += 1;
-                    self.tr(i, || format!("remote fault page {page:#x} -> fetch"));
-                    st.chunk[i as usize] = St::Fetching { new: true, zero };
-                    self.evict_from_cache(idx);
-                    if limit.saturating_sub(st.resident) < self.low_water() {
-                        self.kick();
-                    }
-                    if zero {
-                        Admit::Zero
-                    } else {
-                        Admit::Fetch
-                    }
+                if !self.take_unit(&mut st, overcommit) {
+                    return Admit::Full;
+                }
+                self.tr(i, || format!("remote fault page {page:#x} -> fetch"));
+                st.chunk[i as usize] = St::Fetching { new: true, zero };
+                self.evict_from_cache(idx);
+                if zero {
+                    Admit::Zero
                 } else {
-                    self.kick();
-                    Admit::Full
+                    Admit::Fetch
                 }
             }
+        }
+    }
+
+    /// Takes one unit of the limit for a fault, if there is room: below the limit, or with
+    /// `overcommit` below the limit plus `min_free`. Wakes the reclaim thread when free
+    /// chunks run low, or when there is no room (then false: the fault reclaims first).
+    pub(super) fn take_unit(&self, st: &mut State, overcommit: bool) -> bool {
+        let limit = self.limit();
+        if st.resident < limit || (overcommit && st.resident < limit + self.min_free()) {
+            if st.resident >= limit {
+                Counters::add(&self.counters.overcommits, 1);
+            }
+            st.resident += 1;
+            if limit.saturating_sub(st.resident) < self.low_water() {
+                self.kick();
+            }
+            true
+        } else {
+            self.kick();
+            false
         }
     }
 
@@ -156,7 +171,7 @@ impl Pager {
     /// finishes any partial move as [`move_back`](Self::move_back) does. Async-signal-safe:
     /// no allocation, no blocking lock.
     pub(crate) fn move_back_in_thread(&self, i: u64) -> InThread {
-        if self.trace.is_some() {
+        if self.trace.is_some() || self.copy_refault {
             return InThread::Elsewhere;
         }
         let Some(mut st) = self.state.try_lock() else {

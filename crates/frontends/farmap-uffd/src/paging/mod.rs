@@ -26,6 +26,8 @@
 //!   are missing again, the next touch faults, and the fault moves them back with no I/O,
 //!   ≈ 1 µs a page). Chunk `i` has slot `i` of a staging mapping as large as the region
 //!   (`MAP_NORESERVE`: only staged pages take memory).
+//! - *unstaging*: staged, and a fault is copying its slot back into the region (see *Staged
+//!   refaults by copy* below).
 //!
 //! The staging area is registered with a second, *quiet* userfaultfd: no events, and
 //! write-protect mode only (its holes read as zeros). `UFFDIO_MOVE` only requires its
@@ -36,7 +38,8 @@
 //! every fetch, zero fill and move into the region failed with `EAGAIN` meanwhile: a
 //! reclaim thread descheduled inside `madvise` stalled all faults for its time slice.
 //!
-//! Resident = active + staged (+ fetches in flight + slots being dropped). A fault admits a
+//! Resident = active + staged + stale slots (+ fetches in flight + slots being dropped). A
+//! fault admits a
 //! new chunk only below the limit; at the limit it reclaims synchronously (a *reactive*
 //! eviction) and, if nothing can be reclaimed (everything resident is being fetched), it may
 //! go over by at most `min_free` chunks. A fault that finds a reclaim pass already running
@@ -92,6 +95,21 @@
 //! before fetching again, moves the pages back rather than fetch stale data, counts it in
 //! `recovered` and records an error; the model test asserts it never happens.
 
+//! # Staged refaults by copy
+//! When this process cannot move pages (a program's region, whose moves go through its
+//! reaper: a socket round trip, docs/design/foreign-region.md §1.3), a fault on a staged
+//! chunk copies it back instead. Under the state lock the chunk becomes *unstaging* and
+//! takes one more unit of the limit (at the limit the fault reclaims first, as for a fetch);
+//! outside it, the slot is read ([`Area::read`]) and installed with `UFFDIO_COPY|WP`
+//! (present pages of the region, left by a move that stopped part way, are skipped); then
+//! the chunk is active, marked dirty, and its slot *stale*: still busy, so that nothing
+//! moves into it, and dropped by the next reclaim without a write-back (the region holds
+//! the newest copy). Its extra unit is freed then. A push of an unstaging chunk waits (the
+//! newest content is in the slot, not in the store); a failed copy puts the chunk back as it
+//! was and wakes the faulting thread, which faults again. `FARMAP_PAGER_REFAULT=copy`
+//! (read once, when the pager is made) makes a pager of this process's region copy too,
+//! for the tests.
+//!
 //! # Eviction policy
 //! RackMem keeps an active FIFO with a recency score. With no accessed bits from userspace
 //! on this kernel, the score here is a referenced flag per chunk, set (a) when the chunk
@@ -123,11 +141,13 @@
 //! - `moves.rs`: moving pages between the region and the staging area, run by run;
 //! - `fault.rs`: a fault's admission, the end of its fetch, zero fills, moves back (in the
 //!   reader or in the faulting thread);
+//! - `copy.rs`: staged refaults by copy, stale slots;
 //! - `push.rs`: where a push reads a chunk;
 //! - `prefetch.rs`: sequential prefetch after a fault;
 //! - `deactivate.rs`: active → staged, the eviction policy's victims;
 //! - `reclaim.rs`: write-back and drop of staged chunks, room for faults, the reclaim thread.
 
+mod copy;
 mod deactivate;
 mod fault;
 mod lock;
@@ -149,10 +169,10 @@ use farmap_core::{ChunkIdx, Geometry, StoreResult};
 use parking_lot::{Condvar, Mutex};
 use tokio::sync::Notify;
 
-use crate::mapping::Mapping;
 use crate::memory::{Events, RegionCache};
 use crate::options::Prefetch;
 use crate::pagemap::Pagemap;
+use crate::space::{Area, Moves};
 use crate::stats::Counters;
 use crate::uffd::UffdRange;
 use lock::SleepLock;
@@ -185,6 +205,9 @@ pub(crate) enum Admit {
     /// generation to move on (the reader read the event; the deactivation recorded the
     /// chunk as staged), then ask again.
     Retry,
+    /// The chunk is staged and marked unstaging: copy its slot into the region
+    /// ([`Pager::copy_back`], outside the lock).
+    FromSlot,
 }
 
 /// What a fault served in the faulting thread's signal handler came to.
@@ -229,7 +252,11 @@ pub(crate) struct Pager {
     trash_chunks: usize,
     /// Bumped after every discard, for copies waiting on `EAGAIN`.
     events: Arc<Events>,
-    staging_map: Arc<Mapping>,
+    staging_map: Area,
+    /// Who moves the pages (this process, for a region of its own).
+    moves: Moves,
+    /// Staged chunks come back by copy, not by a move (see the module docs).
+    copy_refault: bool,
     geometry: Geometry,
     pagemap: Pagemap,
     state: SleepLock<State>,
@@ -263,48 +290,63 @@ pub(crate) struct Pager {
     trace: Option<Mutex<Vec<(u64, String)>>>,
 }
 
+/// What a [`Pager`] is made of.
+pub(crate) struct PagerParts {
+    /// The region, on its userfaultfd.
+    pub region: UffdRange,
+    /// The staging slots (as large as the region), on the quiet userfaultfd.
+    pub staging: UffdRange,
+    /// The whole staging area: the slots, then the trash (see [`trash_len`]).
+    pub staging_map: Area,
+    /// Who moves pages between the region and the staging area.
+    pub moves: Moves,
+    pub events: Arc<Events>,
+    pub geometry: Geometry,
+    /// The limit, in chunks (at least 1).
+    pub limit: u64,
+    /// Chunks kept free by proactive reclaim; `None`: a share of the limit.
+    pub min_free: Option<u64>,
+    /// A fresh region: its chunks were never written (zero, not remote).
+    pub fresh: bool,
+    pub prefetch: Prefetch,
+    pub region_counters: Arc<Counters>,
+    /// The page tables of the region's process.
+    pub pagemap: Pagemap,
+}
+
 impl Pager {
-    #[allow(clippy::too_many_arguments)]
-    pub(crate) fn new(
-        region: UffdRange,
-        staging: UffdRange,
-        staging_map: Arc<Mapping>,
-        events: Arc<Events>,
-        geometry: Geometry,
-        limit: u64,
-        min_free: Option<u64>,
-        fresh: bool,
-        prefetch: Prefetch,
-        region_counters: Arc<Counters>,
-    ) -> std::io::Result<Pager> {
-        let n = geometry.chunk_count() as usize;
-        let limit = limit.max(1);
+    pub(crate) fn new(p: PagerParts) -> Pager {
+        let n = p.geometry.chunk_count() as usize;
+        let limit = p.limit.max(1);
         // The staging mapping's tail past the slots (see `trash_len`) is the trash.
-        let trash_offset = staging.len();
-        let trash_len = staging_map.len().saturating_sub(trash_offset);
-        let trash_chunks = trash_len / geometry.chunk_size() as usize;
+        let trash_offset = p.staging.len();
+        let trash_len = p.staging_map.len().saturating_sub(trash_offset);
+        let trash_chunks = trash_len / p.geometry.chunk_size() as usize;
         let trash = (trash_chunks > 0).then(|| {
             UffdRange::new(
-                staging.uffd().clone(),
-                staging.base() + trash_offset,
+                p.staging.uffd().clone(),
+                p.staging.base() + trash_offset,
                 trash_len,
             )
         });
-        Ok(Pager {
-            region,
-            staging,
+        Pager {
+            region: p.region,
+            staging: p.staging,
             trash,
             trash_offset,
             trash_chunks,
-            events,
-            staging_map,
-            geometry,
-            pagemap: Pagemap::open_self()?,
-            state: SleepLock::new(State::new(n, fresh)),
+            events: p.events,
+            staging_map: p.staging_map,
+            copy_refault: !p.moves.in_process()
+                || std::env::var_os("FARMAP_PAGER_REFAULT").is_some_and(|v| v == "copy"),
+            moves: p.moves,
+            geometry: p.geometry,
+            pagemap: p.pagemap,
+            state: SleepLock::new(State::new(n, p.fresh)),
             limit: AtomicU64::new(limit),
-            min_free: AtomicU64::new(min_free.unwrap_or_else(|| auto_min_free(limit))),
-            min_free_auto: min_free.is_none(),
-            prefetch,
+            min_free: AtomicU64::new(p.min_free.unwrap_or_else(|| auto_min_free(limit))),
+            min_free_auto: p.min_free.is_none(),
+            prefetch: p.prefetch,
             streams: Mutex::new(HashMap::new()),
             cache: OnceLock::new(),
             write_back: OnceLock::new(),
@@ -318,9 +360,9 @@ impl Pager {
             unprotected: (0..n.div_ceil(64)).map(|_| AtomicU64::new(0)).collect(),
             unprotected_any: AtomicBool::new(false),
             counters: PagingCounters::default(),
-            region_counters,
+            region_counters: p.region_counters,
             trace: std::env::var_os("FARMAP_PAGER_TRACE").map(|_| Mutex::new(Vec::new())),
-        })
+        }
     }
 
     /// Connects the cache and the pusher (made after the pager).

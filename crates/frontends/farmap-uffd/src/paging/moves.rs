@@ -57,14 +57,16 @@ impl Pager {
             )
             .map_err(|e| e.raw_os_error().unwrap_or(libc::EIO))?;
         for (o, l) in runs {
-            from.move_to(
-                o,
-                to,
-                to_off + (o - from_off),
-                l,
-                sys::UFFDIO_MOVE_MODE_DONTWAKE,
-            )
-            .map_err(|(_, e)| e)?;
+            self.moves
+                .move_pages(
+                    from,
+                    o,
+                    to,
+                    to_off + (o - from_off),
+                    l,
+                    sys::UFFDIO_MOVE_MODE_DONTWAKE,
+                )
+                .map_err(|(_, e)| e)?;
         }
         Ok(())
     }
@@ -74,8 +76,13 @@ impl Pager {
     /// write-protect markers (WP_UNPOPULATED: the tracker's scans protect holes too), which
     /// a move refuses as not empty (`EEXIST`): then they are cleared and the move tried once
     /// more. `Err` if it stopped part way (the pages moved stay in the region, and
-    /// [`move_present`](Self::move_present) finishes the rest). Async-signal-safe.
+    /// [`move_present`](Self::move_present) finishes the rest). Async-signal-safe. Only for
+    /// areas of this process: the move is issued here.
     pub(super) fn move_slot_back(&self, off: usize, len: usize) -> Result<(), ()> {
+        debug_assert!(
+            self.moves.in_process(),
+            "moves back are issued in this process"
+        );
         let mode = sys::UFFDIO_MOVE_MODE_DONTWAKE | sys::UFFDIO_MOVE_MODE_ALLOW_SRC_HOLES;
         let mut moved = self.staging.move_to(off, &self.region, off, len, mode);
         if let Err((0, libc::EEXIST)) = moved {

@@ -21,7 +21,8 @@ impl Pager {
     ///   first);
     /// - active: pinned (not deactivated until [`unpin`](Self::unpin)), to be read out of
     ///   the region, where all its pages are;
-    /// - being fetched: wait until it is active (a fetch never waits for a push);
+    /// - being fetched, or copied back out of its slot: wait until it is active (a fetch or
+    ///   a copy never waits for a push);
     /// - remote: every staged copy is written back before it is dropped, so the store holds
     ///   the newest content (and the region none of its pages).
     fn read_for_push(&self, idx: ChunkIdx, buf: &mut [u8]) -> PushRead {
@@ -65,6 +66,10 @@ impl Pager {
             Some(St::Fetching { .. }) => PushRead::Busy,
             // Being staged: its pages are moving; read it from its slot once it is staged.
             Some(St::Moving) => PushRead::Busy,
+            // Being copied back out of its slot, where its newest content is (not in the
+            // store: reading the store now would lose the staged writes): read the region
+            // once it is active.
+            Some(St::Unstaging { .. }) => PushRead::Busy,
             Some(St::Zero) => PushRead::Zero,
             _ => {
                 Counters::add(&self.counters.pushes_from_store, 1);

@@ -64,8 +64,36 @@ impl Pager {
         n
     }
 
-    /// Frees the staging slots of `victims` (at most `trash_chunks`; dropped chunks, their
-    /// slots busy, so nobody else moves their pages) with one `madvise`: their pages are
+    /// Drops stale slots (chunks copied back into the region, which holds their newest
+    /// copy: no write-back), oldest first, in whole batches of up to `trash_chunks` until
+    /// `n` are dropped or none is left; returns how many.
+    fn drop_stale(&self, n: u64) -> u64 {
+        let step = self.trash_chunks.max(1);
+        let mut dropped = 0;
+        while dropped < n {
+            let group: Vec<u64> = {
+                let mut st = self.state.lock_yielding();
+                let k = st.stale.len().min(step);
+                st.stale.drain(..k).collect()
+            };
+            if group.is_empty() {
+                break;
+            }
+            self.discard_slots(&group);
+            let mut st = self.state.lock_yielding();
+            for &i in &group {
+                st.slot_busy[i as usize] = false;
+            }
+            st.resident -= group.len() as u64;
+            drop(st);
+            self.changed.notify_waiters();
+            dropped += group.len() as u64;
+        }
+        dropped
+    }
+
+    /// Frees the staging slots of `victims` (at most `trash_chunks`; dropped chunks or stale
+    /// slots, busy, so nobody else moves their pages) with one `madvise`: their pages are
     /// moved into the trash area first, so that one system call (and one TLB flush) frees
     /// them all. A slot whose pages cannot be moved is discarded where it is. The staging
     /// area's fd raises no events (see the module docs); the event generation is still
@@ -85,9 +113,7 @@ impl Pager {
                     .is_ok()
             });
             for &i in run {
-                self.tr(i, || {
-                    format!("drop (written back), to the trash: {moved:?}")
-                });
+                self.tr(i, || format!("drop, to the trash: {moved:?}"));
             }
             if moved.is_some() {
                 // The run's trash slots are discarded below, whatever landed in them (a move
@@ -191,6 +217,12 @@ impl Pager {
             if need == 0 {
                 return total;
             }
+            let stale = self.drop_stale(need);
+            total += stale;
+            if stale >= need {
+                continue;
+            }
+            let need = need - stale;
             let dropped = self.drop_written_back(need, proactive);
             total += dropped;
             if dropped >= need {

@@ -20,6 +20,12 @@ pub(super) enum St {
     /// state lock); then staged, or active again if the move could be undone.
     Moving,
     Staged,
+    /// A fault's copy of its staging slot is being installed in the region (outside the
+    /// state lock, [`Admit::FromSlot`](super::Admit::FromSlot)); then active, its slot
+    /// stale. `staged`: it was staged (else active with pages in its slot: a bug recovered).
+    Unstaging {
+        staged: bool,
+    },
 }
 
 /// The state of every chunk of the region, under the pager's lock.
@@ -49,6 +55,10 @@ pub(super) struct State {
     pub(super) stage_id: Vec<u64>,
     /// The last staging id given.
     pub(super) stage_seq: u64,
+    /// Stale slots, oldest first: chunks copied back into the region whose staging slot
+    /// still holds the old copy (busy, so that nothing moves into it), to be dropped without
+    /// a write-back. Each counts as resident until then.
+    pub(super) stale: VecDeque<u64>,
     /// Chunks in the staged state.
     pub(super) n_staged: u64,
     /// Chunks counted against the limit.
@@ -75,6 +85,7 @@ impl State {
             staged: VecDeque::new(),
             stage_id: vec![0; n],
             stage_seq: 0,
+            stale: VecDeque::new(),
             n_staged: 0,
             resident: 0,
             epoch: 0,

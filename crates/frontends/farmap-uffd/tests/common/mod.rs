@@ -1,15 +1,20 @@
 //! Helpers shared by the userfaultfd tests (the generic ones are in farmap-testkit).
 
+#[allow(dead_code)] // the paging tests' helpers
+pub mod paging;
+
 use farmap_pipeline::PushOptions;
 use farmap_uffd::{RegionOptions, WriteTracking};
 
 /// Whether userfaultfd works here. Records a skip (`farmap_testkit::skip`) when it does not;
 /// under CI=true that fails the test instead (CI machines support everything).
+#[allow(dead_code)] // not used by the paging tests
 pub fn uffd_available(test: &str) -> bool {
     farmap_testkit::skip::unless(test, farmap_uffd::probe()).is_some()
 }
 
 /// Direct mode, no background push, the given tracking.
+#[allow(dead_code)] // not used by the paging tests
 pub fn direct(tracking: WriteTracking) -> RegionOptions {
     RegionOptions {
         tracking,
