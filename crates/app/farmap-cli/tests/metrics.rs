@@ -1,13 +1,14 @@
 //! `--metrics-listen`: a running `farmap serve` scraped for real. Data moves through it with
-//! real clients (`farmap cp` over farmap's protocol, gRPC and NBD), the exposition is read
-//! by Python's `prometheus_client` parser, and hostile scrapers (an endless head, wrong
-//! paths and methods, a silent client, no client certificate) do not hurt it.
+//! real clients (`farmap cp` over farmap's protocol, gRPC and NBD; a managed FUSE mount's
+//! file), the exposition is read by Python's `prometheus_client` parser, and hostile
+//! scrapers (an endless head, wrong paths and methods, a silent client, no client
+//! certificate) do not hurt it.
 
 mod common;
 use common::farmap;
 
 use std::collections::HashMap;
-use std::io::{Read, Write};
+use std::io::{BufRead, BufReader, Read, Write};
 use std::net::TcpStream;
 use std::path::Path;
 use std::process::{Command, Stdio};
@@ -15,6 +16,7 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use farmap_testkit::cli::Listening;
+use farmap_testkit::process::KillOnDrop;
 use farmap_testkit::skip::skip;
 use farmap_testkit::tls::Pki;
 use farmap_testkit::wait::eventually;
@@ -409,4 +411,67 @@ fn metrics_over_mutual_tls_answer_only_clients_with_a_certificate() {
     // Plain HTTP to the TLS endpoint gets no metrics either.
     let plain = exchange(&served.metrics, b"GET /metrics HTTP/1.1\r\n\r\n").unwrap_or_default();
     assert!(!plain.contains("farmap_"), "{plain}");
+}
+
+/// Starts `farmap mount DIR STORE ARGS...`: the process (killed if the test fails), the
+/// mounted file's path, and the address of its metrics.
+fn mount(dir: &Path, store: &str, args: &[&str]) -> (KillOnDrop, String, String) {
+    let mut child = farmap()
+        .command()
+        .args(["mount", dir.to_str().unwrap(), store])
+        .args(args)
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .expect("start farmap mount");
+    let (stdout, stderr) = (child.stdout.take().unwrap(), child.stderr.take().unwrap());
+    let child = KillOnDrop(child);
+    let (tx, rx) = std::sync::mpsc::channel();
+    std::thread::spawn(move || {
+        for line in BufReader::new(stderr).lines().map_while(Result::ok) {
+            if let Some(url) = line.split("metrics on http://").nth(1) {
+                let _ = tx.send(url.trim_end_matches("/metrics").to_owned());
+            }
+        }
+    });
+    let mut path = String::new();
+    BufReader::new(stdout).read_line(&mut path).unwrap();
+    let metrics = rx
+        .recv_timeout(Duration::from_secs(20))
+        .expect("the metrics line");
+    (child, path.trim().to_owned(), metrics)
+}
+
+#[test]
+fn a_managed_mount_counts_its_store_and_its_pushes() {
+    let test = "a_managed_mount_counts_its_store_and_its_pushes";
+    let Some(python) = python_with_parser() else {
+        return skip(
+            test,
+            "no Python with prometheus_client (python3-prometheus-client)",
+        );
+    };
+    if !farmap_testkit::skip::fuse_mountable(test) {
+        return;
+    }
+    let dir = tempfile::tempdir().unwrap();
+    let args = ["--managed", "--metrics-listen", "127.0.0.1:0"];
+    let (mut child, path, metrics) = mount(dir.path(), "memory:4MiB?chunk=16KiB", &args);
+    let mut data = vec![0u8; SIZE];
+    rand::rngs::SmallRng::seed_from_u64(5).fill_bytes(&mut data);
+    let mut f = std::fs::OpenOptions::new().write(true).open(&path).unwrap();
+    f.write_all(&data).unwrap();
+    // An fsync pushes everything to the store.
+    f.sync_all().unwrap();
+    drop(f);
+    assert!(std::fs::read(&path).unwrap() == data);
+    let s = parse(python, &scrape(&metrics));
+    let store = [("store", "store"), ("kind", "memory")];
+    let written = value(&s, "farmap_store_written_bytes_total", "counter", &store);
+    assert!(written >= SIZE as f64, "written {written}");
+    let pushed = value(&s, "farmap_push_bytes_total", "counter", &[]);
+    assert!(pushed >= SIZE as f64, "pushed {pushed}");
+    let present = value(&s, "farmap_cache_present_chunks", "gauge", &[]);
+    assert!(present >= 256.0, "present {present}");
+    farmap_testkit::process::terminate(&mut child.0, Duration::from_secs(60));
 }
