@@ -6,8 +6,10 @@
 //! - [`args`]: one parser for every size and duration a user types, and the flag groups
 //!   several commands take (a migration's pull budget, a region's local-memory bound).
 //! - [`drive`]: following a live migration through an application's agent to its end.
+//! - [`metrics`]: Prometheus metrics of long-running commands (`--metrics-listen`).
 #![forbid(unsafe_code)]
 
 pub mod args;
 pub mod drive;
+pub mod metrics;
 pub mod output;

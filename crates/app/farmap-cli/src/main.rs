@@ -125,7 +125,7 @@ enum Command {
     /// Serve a store to other hosts (farmap://, farmaps://, farmap+unix: clients, or NBD
     /// clients with --nbd) until Ctrl-C.
     #[command(after_help = SPEC_HELP)]
-    Serve(serve::ServeArgs),
+    Serve(Box<serve::ServeArgs>),
     /// Migrate a live region away: tell the application's migration agent to seed it, show
     /// progress until a leecher has taken it over, print the result.
     Seed(migrate::SeedArgs),
@@ -241,7 +241,7 @@ fn main() -> ExitCode {
             Command::Bench(cmd) => bench::run(cmd).await,
             #[cfg(feature = "tools")]
             Command::Proxy(args) => proxy::run(args).await,
-            Command::Serve(args) => serve::run(args).await,
+            Command::Serve(args) => serve::run(*args).await,
             Command::Seed(args) => migrate::seed(args).await,
             Command::Leech(args) => migrate::leech(args).await,
             #[cfg(feature = "tools")]

@@ -17,6 +17,7 @@ use farmap_migrate::mount::MountShared;
 use crate::cache_max::{parse_cache_max, CacheMax};
 use crate::stop::stop_signal;
 use farmap_cli_kit::args::parse_duration;
+use farmap_cli_kit::metrics::{Metrics, MetricsArgs};
 
 /// The order of a managed mount's background pull.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
@@ -111,6 +112,8 @@ pub struct MountArgs {
     after: Option<String>,
     #[command(flatten)]
     nbd_opts: crate::mount_nbd::NbdMountOpts,
+    #[command(flatten)]
+    metrics: MetricsArgs,
 }
 
 #[derive(Debug, Args)]
@@ -148,7 +151,9 @@ pub async fn run(args: MountArgs) -> anyhow::Result<ExitCode> {
     let managed_opts = args
         .managed
         .then(|| managed_options(args.pull, args.push_interval));
-    let (served, managed) = open_served(&spec, managed_opts, args.cache_max).await?;
+    let metrics = args.metrics.metrics();
+    let (served, managed) = open_served(&spec, managed_opts, args.cache_max, &metrics).await?;
+    let _endpoint = args.metrics.serve("mount", &metrics).await?;
     if args.nbd {
         // The device is flushed and disconnected first (the server flushes the store stack
         // when it stops); then push what is left.
@@ -286,20 +291,23 @@ fn checkpoint(file: std::fs::File, every: Duration) -> tokio::task::JoinHandle<(
 
 /// Opens the store `spec` names, behind a managed front (Cached + Puller + Pusher) when
 /// `managed` gives its options: the store to serve, and the front to finish with
-/// [`finish_managed`].
+/// [`finish_managed`]. Both are counted in `metrics` (the store as `store="store"`).
 pub(crate) async fn open_served(
     spec: &StoreSpec,
     managed: Option<ManagedOptions>,
     cache_max: Option<CacheMax>,
+    metrics: &Metrics,
 ) -> anyhow::Result<(Arc<dyn Store>, Option<Arc<Managed>>)> {
     let store = open_store_async(spec)
         .await
         .with_context(|| format!("opening {spec}"))?;
+    let store = metrics.meter("store", spec, store);
     let Some(opts) = managed else {
         return Ok((store, None));
     };
     let size = store.geometry().size();
     let m = Arc::new(open_managed(store, opts, cache_max)?);
+    metrics.managed(&m);
     if let Some(max) = cache_max {
         status!("{}", cache_max_note(size, max));
     }

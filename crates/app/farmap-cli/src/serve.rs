@@ -6,6 +6,7 @@ use anyhow::Context;
 
 use farmap::spec::open_store_async;
 use farmap::Caps;
+use farmap_cli_kit::metrics::Metrics;
 use farmap_net::{serve, serve_objects, ListenAddr, Listener, ServeOptions};
 
 pub use crate::serve_args::ServeArgs;
@@ -16,14 +17,16 @@ pub async fn run(args: ServeArgs) -> anyhow::Result<ExitCode> {
     if let Some(objects) = args.objects.clone() {
         return run_objects(args, objects).await;
     }
+    let metrics = args.metrics.metrics();
     let store = open_store_async(args.store())
         .await
         .context("opening the store to serve")?;
+    let store = metrics.meter("served", args.store(), store);
     if args.grpc {
-        return run_grpc(args, store).await;
+        return run_grpc(args, store, metrics).await;
     }
     if args.nbd {
-        return crate::serve_nbd::run(args, store).await;
+        return crate::serve_nbd::run(args, store, metrics).await;
     }
     let (listener, opts) = native_listener(&args, args.store()).await?;
     let geometry = store.geometry();
@@ -38,6 +41,8 @@ pub async fn run(args: ServeArgs) -> anyhow::Result<ExitCode> {
         args.store(),
     );
     let server = serve(store, listener, opts).context("starting the server")?;
+    metrics.connections("native", server.connection_stats());
+    let _endpoint = args.metrics.serve("serve", &metrics).await?;
     until_stopped(server, ", flushing the store").await
 }
 
@@ -56,6 +61,9 @@ async fn run_objects(args: ServeArgs, spec: farmap::StoreSpec) -> anyhow::Result
         if args.read_only { ", read-only" } else { "" },
     );
     let server = serve_objects(objects, listener, opts).context("starting the server")?;
+    let metrics = args.metrics.metrics();
+    metrics.connections("native", server.connection_stats());
+    let _endpoint = args.metrics.serve("serve", &metrics).await?;
     until_stopped(server, "").await
 }
 
@@ -126,6 +134,7 @@ fn served_caps(caps: Caps, read_only: bool) -> Caps {
 async fn run_grpc(
     args: ServeArgs,
     store: std::sync::Arc<dyn farmap::Store>,
+    metrics: Metrics,
 ) -> anyhow::Result<ExitCode> {
     let listen = args.listen("127.0.0.1:7400");
     let ListenAddr::Tcp(addr) = &listen else {
@@ -148,6 +157,7 @@ async fn run_grpc(
         store.geometry(),
         served_caps(store.caps(), args.read_only),
     );
+    let _endpoint = args.metrics.serve("serve", &metrics).await?;
     let defaults = farmap_grpc::GrpcServerOptions::default();
     let opts = farmap_grpc::GrpcServerOptions {
         read_only: args.read_only,

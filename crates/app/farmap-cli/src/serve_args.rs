@@ -5,6 +5,7 @@ use std::time::Duration;
 use clap::Args;
 use farmap::StoreSpec;
 use farmap_cli_kit::args::{parse_duration, parse_size_arg};
+use farmap_cli_kit::metrics::MetricsArgs;
 use farmap_cli_kit::output::ServerTlsArgs;
 use farmap_net::ListenAddr;
 
@@ -80,6 +81,8 @@ pub struct ServeArgs {
     /// are still printed). `FARMAP_LOG` overrides it.
     #[arg(long, short)]
     pub(crate) quiet: bool,
+    #[command(flatten)]
+    pub(crate) metrics: MetricsArgs,
 }
 
 impl ServeArgs {

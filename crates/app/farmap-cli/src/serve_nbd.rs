@@ -9,6 +9,8 @@ use farmap::{ManagedOptions, StoreSpec};
 use farmap_nbd::{serve_nbd, Export, NbdServeOptions};
 use farmap_net::Listener;
 
+use farmap_cli_kit::metrics::Metrics;
+
 use crate::serve_args::ServeArgs;
 use crate::stop::stop_signal;
 
@@ -23,12 +25,44 @@ fn parse_export(s: &str) -> anyhow::Result<(String, StoreSpec)> {
     Ok((name.to_owned(), spec))
 }
 
-pub async fn run(args: ServeArgs, store: Arc<dyn farmap::Store>) -> anyhow::Result<ExitCode> {
+/// Opens the stores of `--export NAME=SPEC` (each counted in `metrics` as
+/// `store="export:NAME"`) and adds them to `exports`: the specs of every export, the
+/// default one first.
+async fn more_exports(
+    args: &ServeArgs,
+    metrics: &Metrics,
+    exports: &mut Vec<Export>,
+) -> anyhow::Result<Vec<StoreSpec>> {
+    let mut specs = vec![args.store().clone()];
+    for e in &args.exports {
+        let (name, spec) = parse_export(e)?;
+        specs.push(spec.clone());
+        let store = open_store_async(&spec)
+            .await
+            .with_context(|| format!("opening the store of export {name:?}"))?;
+        let store = metrics.meter(&format!("export:{name}"), &spec, store);
+        exports.push(Export {
+            name,
+            description: spec.to_string(),
+            store,
+            read_only: args.read_only,
+        });
+    }
+    Ok(specs)
+}
+
+pub async fn run(
+    args: ServeArgs,
+    store: Arc<dyn farmap::Store>,
+    metrics: Metrics,
+) -> anyhow::Result<ExitCode> {
     let managed = if args.managed {
         let m =
             crate::mount::open_managed(store.clone(), ManagedOptions::default(), args.cache_max)
                 .context("starting the managed (cached) store")?;
-        Some(Arc::new(m))
+        let m = Arc::new(m);
+        metrics.managed(&m);
+        Some(m)
     } else {
         None
     };
@@ -46,20 +80,7 @@ pub async fn run(args: ServeArgs, store: Arc<dyn farmap::Store>) -> anyhow::Resu
         store: served,
         read_only: args.read_only,
     }];
-    let mut specs = vec![args.store().clone()];
-    for e in &args.exports {
-        let (name, spec) = parse_export(e)?;
-        specs.push(spec.clone());
-        let store = open_store_async(&spec)
-            .await
-            .with_context(|| format!("opening the store of export {name:?}"))?;
-        exports.push(Export {
-            name,
-            description: spec.to_string(),
-            store,
-            read_only: args.read_only,
-        });
-    }
+    let specs = more_exports(&args, &metrics, &mut exports).await?;
     let listen = args.listen("127.0.0.1:10809");
     let listener = Listener::bind(&listen)
         .await
@@ -103,6 +124,8 @@ pub async fn run(args: ServeArgs, store: Arc<dyn farmap::Store>) -> anyhow::Resu
         status!("{}", crate::mount::cache_max_note(size, max));
     }
     let server = serve_nbd(exports, listener, opts).context("starting the NBD server")?;
+    metrics.connections("nbd", server.connection_stats());
+    let _endpoint = args.metrics.serve("serve", &metrics).await?;
     stop_signal().await?;
     status!("farmap serve: shutting down: answering requests in flight, flushing the stores");
     server

@@ -632,7 +632,13 @@ async fn open_dense(
         let dense: Arc<dyn Store> = Arc::new(DenseMemoryStore::new(g));
         return Ok((dense, None));
     }
-    open_served(spec, managed_opts, None).await
+    open_served(
+        spec,
+        managed_opts,
+        None,
+        &farmap_cli_kit::metrics::Metrics::default(),
+    )
+    .await
 }
 
 /// Prints the device on stdout (with --json: one object describing the swap).

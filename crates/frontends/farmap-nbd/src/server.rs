@@ -232,6 +232,11 @@ impl NbdServer {
         self.running.connections()
     }
 
+    /// Its connections, counted while it runs (being served, accepted, refused).
+    pub fn connection_stats(&self) -> std::sync::Arc<farmap_net::ConnectionStats> {
+        self.running.connection_stats()
+    }
+
     /// Stops accepting, lets the requests in flight be answered, closes every connection,
     /// and flushes every export.
     pub async fn shutdown(mut self) -> Result<(), NbdServeError> {

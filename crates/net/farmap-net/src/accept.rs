@@ -28,10 +28,41 @@ pub struct AcceptLoop {
     /// How long the connections being served may take to finish after the stop; the
     /// ones still running then are aborted.
     pub grace: Duration,
-    /// Kept equal to the number of connections being served (0 once the loop ends).
-    pub connections: Arc<AtomicUsize>,
+    /// What the loop counts: connections being served (0 once the loop ends), accepted
+    /// and refused.
+    pub connections: Arc<ConnectionStats>,
     /// The server, as the logs name it (`"NBD server"`).
     pub server: &'static str,
+}
+
+/// What a server's accept loop counts, for reports (a metrics endpoint reads it while the
+/// server runs): relaxed atomics, each read on its own.
+#[derive(Debug, Default)]
+pub struct ConnectionStats {
+    open: AtomicUsize,
+    accepted: AtomicU64,
+    refused: AtomicU64,
+}
+
+impl ConnectionStats {
+    /// Connections being served now.
+    pub fn open(&self) -> usize {
+        self.open.load(Ordering::Relaxed)
+    }
+
+    /// Connections accepted and served since the start (those closed for a newcomer too).
+    pub fn accepted(&self) -> u64 {
+        self.accepted.load(Ordering::Relaxed)
+    }
+
+    /// Connections refused at the limit since the start.
+    pub fn refused(&self) -> u64 {
+        self.refused.load(Ordering::Relaxed)
+    }
+
+    fn set_open(&self, n: usize) {
+        self.open.store(n, Ordering::Relaxed);
+    }
 }
 
 /// Checks a server's connection limit ([`AcceptLoop::max_connections`]): from 1 to 2^20 for
@@ -135,7 +166,7 @@ pub async fn accept_connections<S, F, R>(
         tokio::select! {
             _ = raised(&mut shutdown) => break,
             Some(_) = conns.join_next(), if !conns.is_empty() => {
-                connections.store(conns.len(), Ordering::Relaxed);
+                connections.set_open(conns.len());
             }
             accepted = listener.accept() => match accepted {
                 Ok((stream, peer)) => {
@@ -158,6 +189,7 @@ pub async fn accept_connections<S, F, R>(
                                 }
                             }
                             None => {
+                                connections.refused.fetch_add(1, Ordering::Relaxed);
                                 refuse(stream, peer, conns.len());
                                 continue;
                             }
@@ -169,7 +201,8 @@ pub async fn accept_connections<S, F, R>(
                     if live.len() > 2 * max_connections {
                         live.retain(|(h, _, _)| !h.is_finished());
                     }
-                    connections.store(conns.len(), Ordering::Relaxed);
+                    connections.accepted.fetch_add(1, Ordering::Relaxed);
+                    connections.set_open(conns.len());
                 }
                 Err(e) => {
                     // Out of file descriptors and the like: pause rather than spin.
@@ -190,5 +223,5 @@ pub async fn accept_connections<S, F, R>(
         );
         conns.shutdown().await;
     }
-    connections.store(0, Ordering::Relaxed);
+    connections.set_open(0);
 }

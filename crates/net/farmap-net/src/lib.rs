@@ -40,7 +40,9 @@ mod server;
 mod stream;
 mod tls;
 
-pub use accept::{accept_connections, check_max_connections, AcceptLoop, Activity, IDLE_TO_EVICT};
+pub use accept::{
+    accept_connections, check_max_connections, AcceptLoop, Activity, ConnectionStats, IDLE_TO_EVICT,
+};
 pub use addr::{bind_private_unix, AddrError, ListenAddr, Listener, RemoteAddr, RemoteAddrError};
 pub use objects::RemoteObjects;
 pub use remote::{reconnect_policy, ClientOptions, RemoteStore};

@@ -2,14 +2,13 @@
 //! connections it serves, the stop signal its tasks watch, and the accept loop's task.
 
 use std::future::Future;
-use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
 use tokio::sync::watch;
 use tokio::task::JoinHandle;
 
-use crate::accept::AcceptLoop;
+use crate::accept::{AcceptLoop, ConnectionStats};
 use crate::addr::ListenAddr;
 
 /// A server's accept loop while it runs. Dropping it raises the stop signal (the loop and
@@ -19,7 +18,7 @@ pub struct Running {
     addr: ListenAddr,
     stop: watch::Sender<bool>,
     task: Option<JoinHandle<()>>,
-    connections: Arc<AtomicUsize>,
+    connections: Arc<ConnectionStats>,
 }
 
 /// What a server's tasks share before its accept loop starts: the stop signal they watch and
@@ -29,8 +28,8 @@ pub struct Starting {
     stop: watch::Sender<bool>,
     /// Raised when the server stops: connections and the accept loop end.
     pub shutdown: watch::Receiver<bool>,
-    /// Connections being served (the accept loop counts them).
-    pub connections: Arc<AtomicUsize>,
+    /// Connections being served, accepted and refused (the accept loop counts them).
+    pub connections: Arc<ConnectionStats>,
 }
 
 impl Starting {
@@ -40,7 +39,7 @@ impl Starting {
         Self {
             stop,
             shutdown,
-            connections: Arc::new(AtomicUsize::new(0)),
+            connections: Arc::default(),
         }
     }
 
@@ -90,7 +89,12 @@ impl Running {
 
     /// Connections being served right now.
     pub fn connections(&self) -> usize {
-        self.connections.load(Ordering::Relaxed)
+        self.connections.open()
+    }
+
+    /// What the accept loop counts, shared: it goes on counting while the server runs.
+    pub fn connection_stats(&self) -> Arc<ConnectionStats> {
+        self.connections.clone()
     }
 
     /// Stops accepting and waits for the accept loop, which lets the requests in flight be

@@ -389,6 +389,11 @@ impl Server {
         self.running.connections()
     }
 
+    /// Its connections, counted while it runs (being served, accepted, refused).
+    pub fn connection_stats(&self) -> std::sync::Arc<crate::ConnectionStats> {
+        self.running.connection_stats()
+    }
+
     /// Stops accepting, answers the requests in flight, closes every connection, and flushes
     /// the store.
     pub async fn shutdown(mut self) -> Result<(), ServeError> {
