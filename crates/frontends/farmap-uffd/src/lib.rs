@@ -161,8 +161,8 @@ pub use error::{RegionError, Unsupported};
 /// The volatile view of region memory ([`Region::memory`]), from `farmap-memory`.
 pub use farmap_memory::{RegionSlice, SliceError};
 pub use options::{
-    FaultWait, LocalLimit, PagingOptions, Prefetch, RegionMode, RegionOptions, TrackingMode,
-    WriteTracking, DEFAULT_PREFETCH_CHUNKS, PAGING_CHUNK_SIZE,
+    FaultWait, LocalLimit, PagingOptions, Prefetch, RegionMode, RegionOptions, RemoveMeans,
+    TrackingMode, WriteTracking, DEFAULT_PREFETCH_CHUNKS, PAGING_CHUNK_SIZE,
 };
 pub use polling::{idle_companions, KeepAwake};
 pub use region::{probe, probe_paging, Diagnostics, Region, Support};

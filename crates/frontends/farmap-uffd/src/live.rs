@@ -40,7 +40,9 @@ impl Region {
     /// Discards the pages of `runs` (page indices, ascending or not) with
     /// `madvise(MADV_DONTNEED)`: their chunks become absent, and the next touch (or
     /// [`fetch_chunks`](Self::fetch_chunks)) fetches them from the store again; pages of those
-    /// chunks that were not discarded keep their content. Each run costs one system call and
+    /// chunks that were not discarded keep their content. (A bounded region whose discarded
+    /// pages mean zeros, a test switch of the pager's, reads zeros there instead, and pushes
+    /// them.) Each run costs one system call and
     /// one round trip through the fault reader.
     ///
     /// The caller makes sure that no fetch of these chunks is in flight (a fetch that started
@@ -64,11 +66,15 @@ impl Region {
                 None => return Err(RegionError::Closed),
                 Some(Ok(())) => {
                     // The reader may not have handled the remove event yet: its chunks must
-                    // be absent before this returns.
+                    // be absent before this returns. A pager that makes them zero is told
+                    // by the reader, which holds the events' order from its read of the
+                    // event to the end of its handling: wait for that.
+                    let inner = self.inner();
+                    if inner.pager.as_ref().is_some_and(|p| p.zeroes_removed()) {
+                        drop(inner.server.events.order().read());
+                    }
                     let base = self.as_ptr() as usize;
-                    self.inner()
-                        .server
-                        .forget(base + offset, base + offset + len);
+                    inner.server.forget(base + offset, base + offset + len);
                 }
                 Some(Err(e)) => {
                     return Err(RegionError::sys(

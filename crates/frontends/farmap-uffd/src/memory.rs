@@ -4,7 +4,7 @@
 
 use std::fmt;
 use std::pin::pin;
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -39,16 +39,17 @@ pub(crate) enum PushRead {
     Pinned,
     /// Remote: the store holds its newest content.
     NotLocal,
-    /// Never written: zeros.
+    /// Never written, or removed (its pages discarded, which means zeros): zeros.
     Zero,
     /// Being fetched, or its pages are being moved (a move met a busy page): ask again in a
     /// moment.
     Busy,
 }
 
-/// What bounded local memory (the region's pager) decides for the reads of a push: a chunk
+/// What bounded local memory (the region's pager) decides for the reads of a push (a chunk
 /// that is staged, remote or never written is not read out of the region, whose pages may
-/// be missing. Implemented by the pager, which sits above this memory.
+/// be missing) and for installs (nothing goes into a removed chunk). Implemented by the
+/// pager, which sits above this memory.
 pub(crate) trait PushReads: Send + Sync {
     /// Where chunk `idx`'s content is (copied into `buf` when staged or zero).
     fn read_for_push(&self, idx: ChunkIdx, buf: &mut [u8]) -> PushRead;
@@ -58,6 +59,21 @@ pub(crate) trait PushReads: Send + Sync {
     fn remote_store(&self) -> Option<Arc<dyn Store>>;
     /// Records an installed chunk in the pager's trace.
     fn trace_install(&self, idx: ChunkIdx, copied_pages: usize, present_pages: usize);
+    /// Whether installs pass the remove gate ([`install_refused`](Self::install_refused)).
+    fn gates_installs(&self) -> bool;
+    /// Whether chunk `idx` was removed, so that nothing may be installed into it; asked with
+    /// the events' order held shared across the question and the copy.
+    fn install_refused(&self, idx: ChunkIdx) -> bool;
+}
+
+/// What an install of a chunk came to.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Landed {
+    /// Its missing pages were filled.
+    Installed,
+    /// Refused: the application discarded the chunk's pages meanwhile, which means zeros
+    /// (the pager's remove gate); nothing was installed.
+    Removed,
 }
 
 /// A generation counter the handler bumps after reading events, for copies that must wait
@@ -69,12 +85,33 @@ pub(crate) struct Events {
     /// Held exclusively by a fault reader from its read of messages to the end of its
     /// handling of the events among them (the server module's docs).
     order: RwLock<()>,
+    /// Remove events mark chunks dirty (a pager whose removed chunks read as zeros): a scan
+    /// for written pages must not miss both a write and the mark of the remove that zapped
+    /// its page ([`settle`](Self::settle)).
+    removes_mark: AtomicBool,
 }
 
 impl Events {
     /// The readers' order: see the field.
     pub fn order(&self) -> &RwLock<()> {
         &self.order
+    }
+
+    /// Remove events mark the chunks they cover dirty from now on (see
+    /// [`settle`](Self::settle)).
+    pub fn removes_mark(&self) {
+        self.removes_mark.store(true, Ordering::Release);
+    }
+
+    /// When remove events mark chunks dirty: waits until the events read so far are
+    /// handled. A scan for written pages calls it after its walk: the remover zaps its range
+    /// as soon as its event is read, before the reader handles it, so a page written and
+    /// then zapped under the walk is missing from it, and its chunk's mark must be in before
+    /// the scan's caller takes the marks.
+    pub fn settle(&self) {
+        if self.removes_mark.load(Ordering::Acquire) {
+            drop(self.order.read());
+        }
     }
 
     /// The current generation.
@@ -166,7 +203,9 @@ impl RegionMemory {
         Ok(Bytes::from(buf))
     }
 
-    async fn install(&self, idx: ChunkIdx, data: Bytes) -> StoreResult<()> {
+    /// Installs chunk `idx` from `data` (see the type's docs), unless the pager's remove
+    /// gate refuses it.
+    pub async fn install(&self, idx: ChunkIdx, data: Bytes) -> StoreResult<Landed> {
         self.geometry.check_write(idx, data.len())?;
         let offset = self.geometry.offset_of(idx) as usize;
         // A chunk of the base goes through the shared file (filled once, checked), and is
@@ -178,14 +217,22 @@ impl RegionMemory {
         if from_base {
             Counters::add(&self.counters.base_mapped, 1);
         }
+        let gate = self.pager.as_ref().filter(|p| p.gates_installs());
         let mut from = 0;
         loop {
             let seen = self.events.current();
-            let done = if from_base {
-                self.range
-                    .map_cached(offset, data.len(), from, self.write_protect)
-            } else {
-                self.range.install(offset, &data, from, self.write_protect)
+            let done = {
+                // The gate: no remove event is handled from the question to the copy.
+                let _order = gate.map(|_| self.events.order().read());
+                if gate.is_some_and(|p| p.install_refused(idx)) {
+                    return Ok(Landed::Removed);
+                }
+                if from_base {
+                    self.range
+                        .map_cached(offset, data.len(), from, self.write_protect)
+                } else {
+                    self.range.install(offset, &data, from, self.write_protect)
+                }
             };
             match done {
                 Ok(done) => {
@@ -195,7 +242,7 @@ impl RegionMemory {
                     let bytes = (done.copied_pages * self.range.page_size()) as u64;
                     Counters::add(&self.counters.chunks_fetched, 1);
                     Counters::add(&self.counters.bytes_fetched, bytes);
-                    return Ok(());
+                    return Ok(Landed::Installed);
                 }
                 Err(InstallError::EventPending { done }) => {
                     from = done;
@@ -318,8 +365,10 @@ impl Store for RegionMemory {
         })
     }
 
+    /// Installs the chunk; a chunk removed meanwhile gets nothing, which is not an error
+    /// (its pages read as zeros).
     fn write(&self, idx: ChunkIdx, data: Bytes) -> BoxFuture<'_, StoreResult<()>> {
-        Box::pin(self.install(idx, data))
+        Box::pin(async move { self.install(idx, data).await.map(|_| ()) })
     }
 
     fn flush(&self) -> BoxFuture<'_, StoreResult<()>> {

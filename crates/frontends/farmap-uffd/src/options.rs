@@ -160,6 +160,20 @@ impl PagingOptions {
     }
 }
 
+/// What a bounded region's chunk holds once the application has discarded its pages (a
+/// remove event: `madvise(MADV_DONTNEED)` and the like).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum RemoveMeans {
+    /// The store's copy: the next touch fetches the chunk again (a region's memory is the
+    /// store's content).
+    #[default]
+    Refetch,
+    /// Zeros, as anonymous memory would hold (a program's heap): the store's old copy is
+    /// never read again, and the chunk's next push writes zeros. Needs chunks of one page,
+    /// so that a remove covers whole chunks.
+    Zero,
+}
+
 /// How a region's fault reader waits for the next fault (see the `polling` module:
 /// `src/polling.rs`).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]

@@ -18,7 +18,7 @@ use crate::mapping::{Mapping, OwnedMapping};
 use crate::memory::{Events, PushReads, RegionMemory};
 use crate::options::LocalLimit;
 use crate::options::{
-    FaultWait, PagingOptions, RegionMode, RegionOptions, TrackingMode, WriteTracking,
+    FaultWait, PagingOptions, RegionMode, RegionOptions, RemoveMeans, TrackingMode, WriteTracking,
 };
 use crate::pagemap::Pagemap;
 use crate::paging::{Pager, PagerParts, Reclaimer};
@@ -973,6 +973,7 @@ fn new_pager(
         prefetch: p.prefetch,
         region_counters: counters.clone(),
         pagemap: dup_pagemap(pagemap)?,
+        remove: RemoveMeans::Refetch,
     });
     Ok((staging, Arc::new(pager)))
 }

@@ -53,7 +53,7 @@ use parking_lot::RwLock;
 use rustix::event::{eventfd, poll, EventfdFlags, PollFd, PollFlags};
 use tokio::runtime::Handle;
 
-use crate::memory::{Events, RegionCache};
+use crate::memory::{Events, Landed, RegionCache};
 use crate::options::FaultWait;
 use crate::pagemap::Pagemap;
 use crate::paging::{Admit, Pager};
@@ -290,9 +290,13 @@ impl Server {
 
     /// `UFFD_EVENT_REMOVE` of `start..end`: every chunk it touches becomes absent, so that its
     /// next touch fetches it again (pages of a partly removed chunk that are still there keep
-    /// their content: the copy skips them).
+    /// their content: the copy skips them); or zero, if the pager says that is what a
+    /// discard means ([`Pager::removed`], told here, under the events' order).
     fn removed(&self, start: usize, end: usize) {
         Counters::add(&self.counters.remove_events, 1);
+        if let Some(pager) = &self.pager {
+            pager.removed(start, end);
+        }
         self.forget(start, end);
     }
 
@@ -426,12 +430,13 @@ impl Server {
                 r => break r,
             }
         };
-        pager.fetched(idx, filled.is_ok());
-        if filled.is_err() {
+        let installed = matches!(filled, Ok(Landed::Installed));
+        pager.fetched(idx, installed);
+        if !installed {
             let off = self.geometry.offset_of(idx) as usize;
             let _ = self.range.wake(off, self.geometry.chunk_len(idx));
         }
-        filled
+        filled.map(|_| ())
     }
 
     /// Fetches chunk `idx`, admitted by the pager, straight from the store into the region's
@@ -439,19 +444,22 @@ impl Server {
     /// the cache's presence map does not know about moves), and tells the pager. On an error
     /// the threads waiting on its pages (told the fetch was in flight) are woken, so that
     /// they fault again and fetch it themselves.
+    /// A chunk removed meanwhile gets nothing installed (not an error): its waiters fault
+    /// again, and find it zero.
     async fn fetch_paged(&self, pager: &Pager, idx: ChunkIdx) -> farmap_core::StoreResult<()> {
         let (store, memory) = (self.cache.remote(), self.cache.local());
         let fetched = retry(self.fetch_retry, || async {
             let data = store.read(idx).await?;
-            memory.write(idx, data).await
+            memory.install(idx, data).await
         })
         .await;
-        pager.fetched(idx, fetched.is_ok());
-        if fetched.is_err() {
+        let installed = matches!(fetched, Ok(Landed::Installed));
+        pager.fetched(idx, installed);
+        if !installed {
             let off = self.geometry.offset_of(idx) as usize;
             let _ = self.range.wake(off, self.geometry.chunk_len(idx));
         }
-        fetched
+        fetched.map(|_| ())
     }
 
     /// Fetches (or zero-fills) the chunks [`Pager::prefetch_after`] admitted, all at once.

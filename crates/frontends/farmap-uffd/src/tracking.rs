@@ -322,10 +322,17 @@ impl Tracker {
     ) -> StoreResult<()> {
         let on_async_worker = tokio::runtime::Handle::try_current()
             .is_ok_and(|h| h.runtime_flavor() == tokio::runtime::RuntimeFlavor::MultiThread);
+        // Remove events read under the walk are handled before the chunks are marked (see
+        // `Events::settle`).
+        let scan = || {
+            let taken = take();
+            self.events.settle();
+            taken
+        };
         let taken = if on_async_worker {
-            tokio::task::block_in_place(take)
+            tokio::task::block_in_place(scan)
         } else {
-            take()
+            scan()
         };
         let report = taken.map_err(|e| {
             let message = format!("collecting the region's written pages: {e}");

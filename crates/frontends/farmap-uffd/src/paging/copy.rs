@@ -5,10 +5,11 @@
 use std::sync::Weak;
 
 use bytes::Bytes;
-use farmap_core::{ChunkIdx, Store};
+use farmap_core::ChunkIdx;
 
 use super::state::{St, State};
 use super::{Admit, Pager};
+use crate::memory::Landed;
 use crate::stats::Counters;
 
 impl Pager {
@@ -49,8 +50,8 @@ impl Pager {
             self.read_slot(idx),
             self.cache.get().and_then(Weak::upgrade),
         ) {
-            (Some(data), Some(cache)) => match cache.local().write(idx, data).await {
-                Ok(()) => true,
+            (Some(data), Some(cache)) => match cache.local().install(idx, data).await {
+                Ok(landed) => landed == Landed::Installed,
                 Err(e) => {
                     self.region_counters.error(format!(
                         "copying staged chunk {idx} back into the region: {}",
@@ -82,15 +83,16 @@ impl Pager {
     /// and marked dirty (its staged content may not be in the store yet; the pages came
     /// write-protected, so later writes are tracked), its slot stale. Not installed: the chunk
     /// is as it was (a staged chunk keeps its write-back proof) and its waiters are woken to
-    /// fault again.
-    fn unstaged(&self, idx: ChunkIdx, installed: bool) {
+    /// fault again. Removed meanwhile: zero, its slot stale.
+    pub(super) fn unstaged(&self, idx: ChunkIdx, installed: bool) {
         let (i, iu) = (idx.0, idx.0 as usize);
         let mut st = self.state.lock();
         let St::Unstaging { staged } = st.chunk[iu] else {
             return;
         };
         self.tr(i, || format!("unstaged installed={installed}"));
-        if installed {
+        let removed = st.is_removed(i);
+        if installed && !removed {
             st.chunk[iu] = St::Active;
             st.referenced[iu] = true;
             st.active.push_back(i);
@@ -102,13 +104,19 @@ impl Pager {
             Counters::add(&self.counters.staged_refaults, 1);
             return;
         }
-        // The unit taken for the copy.
-        st.resident -= 1;
-        if staged {
-            Self::restage(&mut st, i);
+        if removed {
+            // Overtaken by a remove event: zero, its slot stale, the copy's unit freed (a
+            // page it installed came before the event was read, and the remover zaps it).
+            self.end_removed(&mut st, i, true, 1);
         } else {
-            st.chunk[iu] = St::Active;
-            st.slot_busy[iu] = false;
+            // The unit taken for the copy.
+            st.resident -= 1;
+            if staged {
+                Self::restage(&mut st, i);
+            } else {
+                st.chunk[iu] = St::Active;
+                st.slot_busy[iu] = false;
+            }
         }
         drop(st);
         self.changed.notify_waiters();
@@ -132,88 +140,21 @@ impl Pager {
 
 #[cfg(test)]
 mod tests {
-    use std::sync::Arc;
-    use std::time::Duration;
-
-    use farmap_core::{ChunkIdx, Geometry};
+    use farmap_core::ChunkIdx;
 
     use super::super::state::St;
-    use super::super::{trash_len, Admit, Pager, PagerParts};
-    use crate::mapping::OwnedMapping;
-    use crate::memory::{Events, PushRead, PushReads};
-    use crate::options::Prefetch;
-    use crate::pagemap::Pagemap;
-    use crate::space::{Area, Moves};
-    use crate::uffd::{Uffd, UffdRange};
-
-    const PAGE: usize = 4096;
-    const CHUNKS: u64 = 4;
-
-    /// A pager over two mappings of this process (a region and a staging area, neither
-    /// registered: the tests only drive its state), moving through a reaper (of this process,
-    /// nobody answering), so that staged chunks come back by copy; chunk 1 staged, its slot
-    /// full of 0xab. `None`: skipped.
-    fn pager(test: &str) -> Option<(Pager, OwnedMapping, OwnedMapping)> {
-        let uffd = match Uffd::open(0) {
-            Ok(u) => Arc::new(u),
-            Err(e) => {
-                farmap_testkit::skip(test, format!("userfaultfd: {e}"));
-                return None;
-            }
-        };
-        let (space, _peer) = crate::foreign::testing::space_of(
-            test,
-            std::process::id(),
-            0,
-            Duration::from_millis(10),
-        )?;
-        let geometry = Geometry::new(CHUNKS * PAGE as u64, PAGE as u64).unwrap();
-        let len = CHUNKS as usize * PAGE;
-        let region = OwnedMapping::new(len, None).unwrap();
-        let staging = OwnedMapping::new(len + trash_len(geometry), None).unwrap();
-        staging.slice().fill(PAGE, PAGE, 0xab).unwrap();
-        let pager = Pager::new(PagerParts {
-            region: UffdRange::new(uffd.clone(), region.addr(), len),
-            staging: UffdRange::new(uffd, staging.addr(), len),
-            staging_map: Area::Local(staging.shared()),
-            moves: Moves::Reaper(Arc::new(space)),
-            events: Arc::new(Events::default()),
-            geometry,
-            limit: CHUNKS,
-            min_free: Some(1),
-            fresh: false,
-            prefetch: Prefetch::Off,
-            region_counters: Default::default(),
-            pagemap: Pagemap::open_self().unwrap(),
-        });
-        {
-            let mut st = pager.state.lock();
-            st.chunk[1] = St::Staged;
-            st.slot_busy[1] = true;
-            st.n_staged = 1;
-            st.resident = 1;
-            st.stage_seq = 1;
-            st.stage_id[1] = 1;
-            st.staged.push_back((1, 1));
-        }
-        Some((pager, region, staging))
-    }
-
-    fn push_read(pager: &Pager, i: u64) -> PushRead {
-        let mut buf = vec![0u8; PAGE];
-        let r = PushReads::read_for_push(pager, ChunkIdx(i), &mut buf);
-        if r == PushRead::Pinned {
-            PushReads::unpin(pager, ChunkIdx(i));
-        }
-        r
-    }
+    use super::super::testing::{pager, push_read, CHUNKS, PAGE};
+    use super::super::Admit;
+    use crate::memory::PushRead;
+    use crate::options::{Prefetch, RemoveMeans};
 
     #[test]
     fn a_staged_chunk_comes_back_by_copy_and_pushes_wait_meanwhile() {
         let test = "paging::copy::a_staged_chunk_comes_back_by_copy_and_pushes_wait_meanwhile";
-        let Some((pager, _region, _staging)) = pager(test) else {
+        let Some(f) = pager(test, RemoveMeans::Refetch, Prefetch::Off) else {
             return;
         };
+        let pager = &f.pager;
         assert!(pager.copy_refault);
         assert_eq!(pager.on_fault(ChunkIdx(1), PAGE, false), Admit::FromSlot);
         {
@@ -227,7 +168,7 @@ mod tests {
         }
         assert_eq!(pager.on_fault(ChunkIdx(1), PAGE, false), Admit::InFlight);
         // The newest content is in the slot: a push must not read the store now.
-        assert_eq!(push_read(&pager, 1), PushRead::Busy);
+        assert_eq!(push_read(pager, 1), PushRead::Busy);
         assert_eq!(
             &pager.read_slot(ChunkIdx(1)).unwrap()[..],
             &[0xab; PAGE][..]
@@ -242,7 +183,7 @@ mod tests {
         assert_eq!(st.stale, [1]);
         assert_eq!((st.resident, st.n_staged), (2, 0));
         drop(st);
-        assert_eq!(push_read(&pager, 1), PushRead::Pinned);
+        assert_eq!(push_read(pager, 1), PushRead::Pinned);
         // A stale slot is never taken for a deactivation (nothing moves into it).
         pager.state.lock().referenced[1] = false;
         assert_eq!(pager.deactivate(CHUNKS), 0);
@@ -253,9 +194,10 @@ mod tests {
     fn a_failed_copy_leaves_the_chunk_staged_and_a_full_region_reclaims_first() {
         let test =
             "paging::copy::a_failed_copy_leaves_the_chunk_staged_and_a_full_region_reclaims_first";
-        let Some((pager, _region, _staging)) = pager(test) else {
+        let Some(f) = pager(test, RemoveMeans::Refetch, Prefetch::Off) else {
             return;
         };
+        let pager = &f.pager;
         assert_eq!(pager.on_fault(ChunkIdx(1), PAGE, false), Admit::FromSlot);
         pager.unstaged(ChunkIdx(1), false);
         {
@@ -271,7 +213,7 @@ mod tests {
             assert!(st.stale.is_empty());
         }
         // Its slot holds every page: a push copies it out.
-        assert_eq!(push_read(&pager, 1), PushRead::Copied);
+        assert_eq!(push_read(pager, 1), PushRead::Copied);
         pager.state.lock().resident = CHUNKS;
         assert_eq!(pager.on_fault(ChunkIdx(1), PAGE, false), Admit::Full);
         assert_eq!(pager.state.lock().chunk[1], St::Staged);

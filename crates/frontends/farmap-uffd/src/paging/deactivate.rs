@@ -169,11 +169,18 @@ impl Pager {
     }
 
     /// Records the `outcomes` of [`move_group`](Self::move_group): staged chunks as staged,
-    /// the others active again (and referenced); returns how many were staged.
-    fn record_moves(&self, st: &mut State, outcomes: &[(u64, bool)]) -> u64 {
+    /// the others active again (and referenced), removed ones zero (a slot with their pages
+    /// stale); returns how many were staged.
+    pub(super) fn record_moves(&self, st: &mut State, outcomes: &[(u64, bool)]) -> u64 {
         let mut staged_now = 0;
+        let mut freed = false;
         for &(i, staged) in outcomes {
-            if staged {
+            if st.is_removed(i) {
+                // The unit goes to the stale slot, or is freed (pages left in the region,
+                // or moved back before the event was read, are zapped by the remover).
+                self.end_removed(st, i, staged, u64::from(!staged));
+                freed |= !staged;
+            } else if staged {
                 self.active_to_staged(st, i);
                 self.evict_from_cache(ChunkIdx(i));
                 Counters::add(&self.counters.deactivations, 1);
@@ -184,6 +191,9 @@ impl Pager {
                 st.active.push_back(i);
             }
         }
+        if freed {
+            self.changed.notify_waiters();
+        }
         staged_now
     }
 
@@ -193,7 +203,15 @@ impl Pager {
     /// the undo stopped part way too). The region's holes may carry write-protect markers by
     /// now (a scan): unprotect first, protect after, and mark the chunk dirty (moves drop the
     /// write protection).
+    ///
+    /// Removed chunks pass the gate (see the module docs): the undo holds the events' order
+    /// shared, and a chunk removed already keeps its pages in the slot (which goes stale).
     fn undo_deactivation(&self, i: u64, e: i32) -> bool {
+        let zeroes = self.zeroes_removed();
+        let _order = zeroes.then(|| self.events.order().read());
+        if zeroes && self.state.lock_yielding().is_removed(i) {
+            return true;
+        }
         let (off, len) = self.chunk_span(i);
         let _ = self.region.write_protect(off, len, false, false);
         let undone = self.move_present(&self.staging, &self.region, off, len);

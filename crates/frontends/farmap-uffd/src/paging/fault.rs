@@ -8,6 +8,7 @@ use farmap_core::ChunkIdx;
 
 use super::state::{St, State};
 use super::{Admit, InThread, Pager};
+use crate::memory::Landed;
 use crate::stats::Counters;
 
 impl Pager {
@@ -22,10 +23,8 @@ impl Pager {
             // (the deactivation bumps the event generation), and move them back then.
             St::Moving => Admit::Retry,
             St::Active => {
-                let addr = self.region.base() + page;
-                let ps = self.region.page_size();
-                if self.pagemap.all_in_memory(addr, addr + ps).unwrap_or(false) {
-                    let _ = self.region.wake(page, ps);
+                if self.page_present(page) {
+                    let _ = self.region.wake(page, self.region.page_size());
                     return Admit::Done;
                 }
                 // Its pages in its staging slot although it is active: a bug (see the module
@@ -43,21 +42,31 @@ impl Pager {
                     }
                     return self.move_back(&mut st, i);
                 }
-                // Discarded behind our back (the application's madvise): fetch it again,
-                // already counted.
-                st.chunk[i as usize] = St::Fetching {
-                    new: false,
-                    zero: false,
-                };
+                // Discarded behind our back (the application's madvise): fetch it again, or
+                // fill it with zeros if that is what a discard means; already counted.
+                let zero = self.zeroes_removed();
+                st.chunk[i as usize] = St::Fetching { new: false, zero };
                 self.tr(i, || format!("active-missing page {page:#x} -> refetch"));
                 self.evict_from_cache(idx);
-                Admit::Fetch
+                if zero {
+                    Admit::Zero
+                } else {
+                    Admit::Fetch
+                }
             }
             St::Staged if self.copy_refault => self.admit_copy(&mut st, i, true, overcommit),
             St::Staged => self.move_back(&mut st, i),
             St::Remote | St::Zero => {
+                if let Some(admit) = self.fault_on_removed(&mut st, i, page) {
+                    return admit;
+                }
                 let zero = st.chunk[i as usize] == St::Zero;
-                if !self.take_unit(&mut st, overcommit) {
+                // A push of this process reading a page removed under it faults here (its
+                // chunk was pinned): admitted at once, over the limit if need be, since the
+                // push waits for this fault and reclaim may wait for the push.
+                if st.pins[i as usize] > 0 {
+                    st.resident += 1;
+                } else if !self.take_unit(&mut st, overcommit) {
                     return Admit::Full;
                 }
                 self.tr(i, || format!("remote fault page {page:#x} -> fetch"));
@@ -97,11 +106,28 @@ impl Pager {
         let i = idx.0 as usize;
         let mut st = self.state.lock();
         if let St::Fetching { new, zero } = st.chunk[i] {
+            // Removed meanwhile: what it installed came before the event was read (the
+            // gate), and the remover zaps it; zeros filled are right either way.
+            let removed = st.is_removed(idx.0);
+            if removed && !(ok && zero) {
+                self.end_removed(&mut st, idx.0, false, 1);
+                drop(st);
+                self.changed.notify_waiters();
+                return;
+            }
+            st.set_removed(idx.0, false);
             self.tr(idx.0, || format!("fetched ok={ok}"));
             if ok {
                 st.chunk[i] = St::Active;
                 st.referenced[i] = true;
                 st.active.push_back(idx.0);
+                if self.zeroes_removed() {
+                    // A remover may have zapped what was installed since (the zap follows
+                    // the handling of its event, which may come first): a thread that
+                    // faulted after that was told the fetch would wake it. It faults again.
+                    let (off, len) = self.chunk_span(idx.0);
+                    let _ = self.region.wake(off, len);
+                }
             } else {
                 st.chunk[i] = if zero { St::Zero } else { St::Remote };
                 st.prefetched[i] = false;
@@ -218,13 +244,25 @@ impl Pager {
 
     /// Fills chunk `idx` (admitted with [`Admit::Zero`]) with the shared zero page and wakes
     /// its waiters: no store read, no page allocated until a write. `Err(EAGAIN)` while an
-    /// event is pending (call again once the reader has read it).
+    /// event is pending (call again once the reader has read it). A chunk removed meanwhile
+    /// gets nothing ([`Landed::Removed`]: the fill passes the remove gate, as copies do; see
+    /// the module docs).
+    pub(crate) fn fill_zero(&self, idx: ChunkIdx) -> Result<Landed, i32> {
+        let zeroes = self.zeroes_removed();
+        let _order = zeroes.then(|| self.events.order().read());
+        if zeroes && self.state.lock().is_removed(idx.0) {
+            return Ok(Landed::Removed);
+        }
+        self.fill_zero_now(idx).map(|()| Landed::Installed)
+    }
+
+    /// [`fill_zero`](Self::fill_zero), past the gate.
     ///
     /// `UFFDIO_ZEROPAGE` has no write-protect mode: the zero pages are protected right after
     /// (so that the scans see later writes), before anyone is woken. A thread that touches a
     /// page for the first time in between may write it unprotected; such a page is no longer
     /// the zero page, which the page tables tell, and the chunk is then marked dirty.
-    pub(crate) fn fill_zero(&self, idx: ChunkIdx) -> Result<(), i32> {
+    fn fill_zero_now(&self, idx: ChunkIdx) -> Result<(), i32> {
         let (off, len) = self.chunk_span(idx.0);
         // Empty entries may carry write-protect markers (the scans protect holes), which
         // UFFDIO_ZEROPAGE refuses (EEXIST): unprotecting clears them.

@@ -110,6 +110,39 @@
 //! (read once, when the pager is made) makes a pager of this process's region copy too,
 //! for the tests.
 //!
+//! # Removed pages read as zeros ([`RemoveMeans::Zero`])
+//! For a program's heap, pages it discards (`madvise(MADV_DONTNEED)`) must read as zeros
+//! afterwards, not as the store's copy. The reader calls [`Pager::removed`] for each remove
+//! event, under the events' order (held exclusively from its read of the event), before the
+//! event generation moves on: every chunk of the range becomes *zero* (an active one frees
+//! its unit; a staged one's slot goes stale), is marked dirty, so that its next push writes
+//! zeros, and gets its *removed* bit. A chunk with an operation in flight (fetching,
+//! unstaging, moving) keeps its state, and the operation ends in the zero state.
+//!
+//! The kernel raises `mmap_changing` before it queues the event (copies and moves into the
+//! region fail with `EAGAIN` meanwhile), drops it once the event is read, and zaps the range
+//! after that: after our read, and maybe before or after our handling. A copy issued between
+//! our read of the event and our handling of it, or after the zap, would bring the old
+//! content back. So each copy into the region (a fetch's, a copy back's) and each move that
+//! undoes a deactivation takes the events' order shared and checks the bit first (the
+//! *gate*): a chunk removed meanwhile gets nothing installed, and its faulting threads fault
+//! again. Zero fills pass it too: zeros are right either way, but a fault task that asks the
+//! pager again (after waiting for room) can find a page zapped before the event is handled
+//! and fill it, and that chunk would then be made zero with a page mapped that no zap will
+//! ever take away. (Staged chunks come back by copy in this mode: a move back runs under
+//! the state lock, which cannot wait for the events' order.) The bit also says that the zap
+//! may be pending: prefetch leaves the chunk alone, and a fault on it that finds its page
+//! present just wakes the thread (an access racing the discard, which may see the old
+//! content); a fault on a missing page clears it. What was installed may be zapped after
+//! it: a finished fetch wakes the chunk's range (threads that faulted meanwhile were told it
+//! would), and an active chunk whose page is missing is filled again, never fetched.
+//!
+//! A scan for written pages can miss a write whose page was zapped under it before the
+//! remove was handled (and the chunk marked): in this mode the tracker's scans wait for the
+//! events read so far to be handled ([`Events::settle`]). Needs chunks of one page.
+//! `FARMAP_PAGER_REMOVE=zero` (read once, for regions of one-page chunks) sets it for a
+//! region of this process, for the tests.
+//!
 //! # Eviction policy
 //! RackMem keeps an active FIFO with a recency score. With no accessed bits from userspace
 //! on this kernel, the score here is a referenced flag per chunk, set (a) when the chunk
@@ -139,6 +172,7 @@
 //! others add the pager's methods, each using only this file and the ones listed before it:
 //! - `trace.rs`: the per-chunk trace (`FARMAP_PAGER_TRACE`, for the tests' diagnostics);
 //! - `moves.rs`: moving pages between the region and the staging area, run by run;
+//! - `remove.rs`: remove events that mean zeros, and the gate of copies into the region;
 //! - `fault.rs`: a fault's admission, the end of its fetch, zero fills, moves back (in the
 //!   reader or in the faulting thread);
 //! - `copy.rs`: staged refaults by copy, stale slots;
@@ -155,8 +189,11 @@ mod moves;
 mod prefetch;
 mod push;
 mod reclaim;
+mod remove;
 mod state;
 mod stream;
+#[cfg(test)]
+mod testing;
 mod trace;
 
 use std::collections::HashMap;
@@ -170,7 +207,7 @@ use parking_lot::{Condvar, Mutex};
 use tokio::sync::Notify;
 
 use crate::memory::{Events, RegionCache};
-use crate::options::Prefetch;
+use crate::options::{Prefetch, RemoveMeans};
 use crate::pagemap::Pagemap;
 use crate::space::{Area, Moves};
 use crate::stats::Counters;
@@ -257,6 +294,8 @@ pub(crate) struct Pager {
     moves: Moves,
     /// Staged chunks come back by copy, not by a move (see the module docs).
     copy_refault: bool,
+    /// What a remove event makes of a chunk.
+    remove: RemoveMeans,
     geometry: Geometry,
     pagemap: Pagemap,
     state: SleepLock<State>,
@@ -312,11 +351,17 @@ pub(crate) struct PagerParts {
     pub region_counters: Arc<Counters>,
     /// The page tables of the region's process.
     pub pagemap: Pagemap,
+    /// What a remove event makes of a chunk ([`RemoveMeans::Zero`]: one-page chunks only).
+    pub remove: RemoveMeans,
 }
 
 impl Pager {
     pub(crate) fn new(p: PagerParts) -> Pager {
         let n = p.geometry.chunk_count() as usize;
+        let remove = remove_means(p.remove, &p.geometry, p.region.page_size());
+        if remove == RemoveMeans::Zero {
+            p.events.removes_mark();
+        }
         let limit = p.limit.max(1);
         // The staging mapping's tail past the slots (see `trash_len`) is the trash.
         let trash_offset = p.staging.len();
@@ -337,12 +382,16 @@ impl Pager {
             trash_chunks,
             events: p.events,
             staging_map: p.staging_map,
+            // Moves back are not gated for removes (they run under the state lock, which
+            // the reader takes inside the events' order): zero mode copies.
             copy_refault: !p.moves.in_process()
+                || remove == RemoveMeans::Zero
                 || std::env::var_os("FARMAP_PAGER_REFAULT").is_some_and(|v| v == "copy"),
             moves: p.moves,
             geometry: p.geometry,
             pagemap: p.pagemap,
-            state: SleepLock::new(State::new(n, p.fresh)),
+            state: SleepLock::new(State::new(n, p.fresh, remove == RemoveMeans::Zero)),
+            remove,
             limit: AtomicU64::new(limit),
             min_free: AtomicU64::new(p.min_free.unwrap_or_else(|| auto_min_free(limit))),
             min_free_auto: p.min_free.is_none(),
@@ -476,6 +525,25 @@ impl Pager {
 /// only, `MAP_NORESERVE`; pages pass through it on their way out).
 pub(crate) fn trash_len(geometry: Geometry) -> usize {
     64 * geometry.chunk_size() as usize
+}
+
+/// What a remove event makes of a chunk: `asked`, or zeros when `FARMAP_PAGER_REMOVE=zero`
+/// and the chunks are one page (the tests' switch).
+///
+/// # Panics
+/// If zeros are asked for chunks larger than a page.
+fn remove_means(asked: RemoveMeans, geometry: &Geometry, page: usize) -> RemoveMeans {
+    let one_page = geometry.chunk_size() as usize == page;
+    assert!(
+        asked == RemoveMeans::Refetch || one_page,
+        "removed chunks read as zeros only with chunks of one page"
+    );
+    let switch = std::env::var_os("FARMAP_PAGER_REMOVE").is_some_and(|v| v == "zero");
+    if switch && one_page {
+        RemoveMeans::Zero
+    } else {
+        asked
+    }
 }
 
 fn auto_min_free(limit: u64) -> u64 {

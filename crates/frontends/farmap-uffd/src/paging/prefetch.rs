@@ -78,6 +78,11 @@ impl Pager {
             let iu = i as usize;
             let zero = match st.chunk[iu] {
                 St::Remote => false,
+                // Removed: its old page may be mapped until the zap; only a fault fills it.
+                St::Zero if st.is_removed(i) => {
+                    covered += 1;
+                    continue;
+                }
                 St::Zero => true,
                 _ => {
                     covered += 1;

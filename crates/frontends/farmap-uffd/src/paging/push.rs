@@ -52,6 +52,13 @@ impl Pager {
                     .all_in_memory(base, base + len)
                     .unwrap_or(false)
                 {
+                    // Chunks of one page whose removed pages read as zeros: its page was
+                    // zapped while it was active (a discard overtook its zero fill), so
+                    // its content is zeros (waiting would wait for its next fault).
+                    if self.zeroes_removed() {
+                        buf[..len].fill(0);
+                        return PushRead::Zero;
+                    }
                     return PushRead::Busy;
                 }
                 if self.staging_map.read(off, &mut buf[..len]) {
@@ -108,5 +115,13 @@ impl PushReads for Pager {
 
     fn trace_install(&self, idx: ChunkIdx, copied_pages: usize, present_pages: usize) {
         Pager::trace_install(self, idx, copied_pages, present_pages)
+    }
+
+    fn gates_installs(&self) -> bool {
+        self.zeroes_removed()
+    }
+
+    fn install_refused(&self, idx: ChunkIdx) -> bool {
+        Pager::install_refused(self, idx)
     }
 }

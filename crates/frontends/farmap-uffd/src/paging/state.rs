@@ -59,6 +59,12 @@ pub(super) struct State {
     /// still holds the old copy (busy, so that nothing moves into it), to be dropped without
     /// a write-back. Each counts as resident until then.
     pub(super) stale: VecDeque<u64>,
+    /// Removed (a remove event covered it, [`RemoveMeans::Zero`](crate::RemoveMeans) only;
+    /// empty otherwise): the remover may not have zapped the range yet, and its old pages
+    /// may still be mapped, so nothing is installed into it, prefetch leaves it alone, and
+    /// an operation in flight on it ends in the zero state. Cleared when a fault finds its
+    /// page missing; never set on an active or staged chunk.
+    removed: Vec<bool>,
     /// Chunks in the staged state.
     pub(super) n_staged: u64,
     /// Chunks counted against the limit.
@@ -68,8 +74,9 @@ pub(super) struct State {
 }
 
 impl State {
-    /// Every one of `n` chunks zero (`fresh`) or remote.
-    pub(super) fn new(n: usize, fresh: bool) -> Self {
+    /// Every one of `n` chunks zero (`fresh`) or remote; `removes`: chunks can be removed
+    /// (their bits are kept).
+    pub(super) fn new(n: usize, fresh: bool, removes: bool) -> Self {
         State {
             chunk: vec![if fresh { St::Zero } else { St::Remote }; n],
             slot_busy: vec![false; n],
@@ -86,9 +93,22 @@ impl State {
             stage_id: vec![0; n],
             stage_seq: 0,
             stale: VecDeque::new(),
+            removed: if removes { vec![false; n] } else { Vec::new() },
             n_staged: 0,
             resident: 0,
             epoch: 0,
+        }
+    }
+
+    /// Whether chunk `i` is removed (see the field).
+    pub(super) fn is_removed(&self, i: u64) -> bool {
+        self.removed.get(i as usize).copied().unwrap_or(false)
+    }
+
+    /// Sets or clears chunk `i`'s removed bit (only kept when chunks can be removed).
+    pub(super) fn set_removed(&mut self, i: u64, removed: bool) {
+        if let Some(r) = self.removed.get_mut(i as usize) {
+            *r = removed;
         }
     }
 }
