@@ -48,6 +48,12 @@ pub enum RegionError {
     /// The region is closed, or its handler is gone.
     #[error("the region is closed")]
     Closed,
+    /// A program's region (`farmap run`) is not one this side can serve.
+    #[error("the program's region cannot be served: {reason}")]
+    Foreign {
+        /// Why.
+        reason: String,
+    },
 }
 
 /// What this system lacks for a region ([`RegionError::Unsupported`]).

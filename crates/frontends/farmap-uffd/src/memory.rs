@@ -334,6 +334,14 @@ impl Store for RegionMemory {
                         PushRead::Pinned => {
                             let ok = mapping.read(offset, &mut buf);
                             pager.unpin(idx);
+                            // A program's page read from here is missing (EIO) when the
+                            // program discarded it and the reader has not handled the
+                            // remove yet: ask again once it has (the chunk is zero then).
+                            if !ok && mapping.is_foreign() && mapping.while_mapped(|| ()).is_some()
+                            {
+                                std::thread::sleep(EVENT_RETRY);
+                                continue;
+                            }
                             return Some(ok.then(|| Bytes::from(buf)));
                         }
                         PushRead::NotLocal => return None,

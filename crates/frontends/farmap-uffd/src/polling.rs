@@ -67,9 +67,14 @@ use farmap_memory::sched::{set_thread_policy, ThreadPolicy};
 /// Spin hints between two looks at the clock in a companion's loop.
 const SPINS_PER_CHECK: u32 = 16;
 
-/// The CPUs this process may run on, in order; `None` if the affinity cannot be read.
-pub(crate) fn affinity_cpus() -> Option<Vec<usize>> {
-    let set = rustix::thread::sched_getaffinity(None).ok()?;
+/// The CPUs process `pid` (`None`: this one) may run on, in order; `None` if the affinity
+/// cannot be read.
+pub(crate) fn affinity_cpus(pid: Option<u32>) -> Option<Vec<usize>> {
+    let pid = match pid {
+        Some(p) => Some(Pid::from_raw(i32::try_from(p).ok()?)?),
+        None => None,
+    };
+    let set = rustix::thread::sched_getaffinity(pid).ok()?;
     Some((0..CpuSet::MAX_CPU).filter(|c| set.is_set(*c)).collect())
 }
 
@@ -206,7 +211,7 @@ impl Companions {
     /// CPU has one: the scheduler, left alone, sometimes stacks them on one CPU, since they
     /// weigh next to nothing); one per CPU, unpinned, if the affinity cannot be read.
     pub fn per_cpu(cpu: Arc<CpuAccount>) -> io::Result<Companions> {
-        let cpus = match affinity_cpus() {
+        let cpus = match affinity_cpus(None) {
             Some(cpus) => cpus.into_iter().map(Some).collect(),
             None => {
                 let n = std::thread::available_parallelism().map_or(1, |n| n.get());

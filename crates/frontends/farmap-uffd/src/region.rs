@@ -34,7 +34,7 @@ use crate::tracking::{PageBits, Tracker};
 use crate::uffd::{Uffd, UffdRange};
 use farmap_memory::RegionSlice;
 
-type RegionPusher = Pusher<Arc<RegionMemory>, Arc<dyn Store>>;
+pub(crate) type RegionPusher = Pusher<Arc<RegionMemory>, Arc<dyn Store>>;
 
 /// What this kernel's userfaultfd supports, from [`probe`].
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -308,6 +308,7 @@ impl Region {
             pager: pager.clone(),
             fault_wait: opts.fault_wait,
             signal: signal.clone(),
+            program: None,
         }));
         let tracker = Arc::new(Tracker::new(
             mode,
@@ -541,73 +542,15 @@ impl Region {
 
     /// The region's counters.
     pub fn stats(&self) -> RegionStats {
-        let c = &self.inner.server.counters;
-        let push = self.inner.pusher.stats();
-        let last_error = c.last_error.lock().clone().or(push.last_error);
-        RegionStats {
-            tracking: self.tracking_mode(),
-            handler: self.handler(),
-            faults: Counters::get(&c.faults),
-            faults_inline: Counters::get(&c.faults_inline),
-            wp_faults: Counters::get(&c.wp_faults),
-            faults_polled: Counters::get(&c.faults_polled),
-            faults_slept: Counters::get(&c.faults_slept),
-            fault_readers: self.inner.server.readers() as u32,
-            reader_rests: Counters::get(&c.reader_rests),
-            faults_in_thread: Counters::get(&c.faults_in_thread),
-            faults_signalled: Counters::get(&c.faults_signalled),
-            handler_cpu: self.inner.server.handler_cpu(),
-            chunks_fetched: Counters::get(&c.chunks_fetched),
-            bytes_fetched: Counters::get(&c.bytes_fetched),
-            present_chunks: self.inner.server.cache.present_count(),
-            refetched_chunks: Counters::get(&c.refetched_chunks),
-            remove_events: Counters::get(&c.remove_events),
-            removed_chunks: Counters::get(&c.removed_chunks),
-            poisoned_pages: Counters::get(&c.poisoned_pages),
-            dirty_pages: Counters::get(&c.dirty_pages),
-            dirty_chunks: Counters::get(&c.dirty_chunks),
-            pushed_chunks: push.pushed_chunks,
-            pushed_bytes: push.pushed_bytes,
-            failed_pushes: push.failed_pushes,
-            pull: self
-                .inner
-                .server
-                .puller
-                .read()
-                .as_ref()
-                .map(|p| p.progress()),
-            paging: self.inner.pager.as_ref().map(|p| {
-                let (resident, staged) = p.resident();
-                let pc = &p.counters;
-                PagingStats {
-                    limit_chunks: p.limit(),
-                    min_free_chunks: p.min_free(),
-                    resident_chunks: resident,
-                    staged_chunks: staged,
-                    evictions_reactive: Counters::get(&pc.evictions_reactive),
-                    evictions_proactive: Counters::get(&pc.evictions_proactive),
-                    deactivations: Counters::get(&pc.deactivations),
-                    staged_refaults: Counters::get(&pc.staged_refaults),
-                    staged_refaults_in_thread: Counters::get(&pc.staged_refaults_in_thread),
-                    overcommits: Counters::get(&pc.overcommits),
-                    full_faults: Counters::get(&pc.full_faults),
-                    recovered: Counters::get(&pc.recovered),
-                    partial_moves: Counters::get(&pc.partial_moves),
-                    pushes_from_store: Counters::get(&pc.pushes_from_store),
-                    zero_fills: Counters::get(&pc.zero_fills),
-                    prefetched: Counters::get(&pc.prefetched),
-                    prefetch_hits: Counters::get(&pc.prefetch_hits),
-                    prefetch_wasted: Counters::get(&pc.prefetch_wasted),
-                    dropped_behind: Counters::get(&pc.dropped_behind),
-                }
-            }),
-            shared: self.inner.shared.as_ref().map(|s| SharedStats {
-                path: s.path().to_owned(),
-                mapped_chunks: Counters::get(&c.base_mapped),
-                filled_chunks: Counters::get(&c.base_filled),
-            }),
-            last_error,
-        }
+        let inner = &self.inner;
+        region_stats(
+            &inner.server,
+            &inner.pusher,
+            inner.pager.as_deref(),
+            self.tracking_mode(),
+            self.handler(),
+            inner.shared.as_deref(),
+        )
     }
 
     /// What the region's memory costs now, from the kernel's accounting of its mapping:
@@ -745,6 +688,78 @@ impl fmt::Debug for Region {
             .finish()
     }
 }
+/// A region's counters, from its parts (a region of this process, or a program's).
+pub(crate) fn region_stats(
+    server: &Server,
+    pusher: &RegionPusher,
+    pager: Option<&Pager>,
+    tracking: TrackingMode,
+    handler: HandlerLocation,
+    shared: Option<&SharedBase>,
+) -> RegionStats {
+    let c = &server.counters;
+    let push = pusher.stats();
+    let last_error = c.last_error.lock().clone().or(push.last_error);
+    RegionStats {
+        tracking,
+        handler,
+        faults: Counters::get(&c.faults),
+        faults_inline: Counters::get(&c.faults_inline),
+        wp_faults: Counters::get(&c.wp_faults),
+        faults_polled: Counters::get(&c.faults_polled),
+        faults_slept: Counters::get(&c.faults_slept),
+        fault_readers: server.readers() as u32,
+        reader_rests: Counters::get(&c.reader_rests),
+        faults_in_thread: Counters::get(&c.faults_in_thread),
+        faults_signalled: Counters::get(&c.faults_signalled),
+        handler_cpu: server.handler_cpu(),
+        chunks_fetched: Counters::get(&c.chunks_fetched),
+        bytes_fetched: Counters::get(&c.bytes_fetched),
+        present_chunks: server.cache.present_count(),
+        refetched_chunks: Counters::get(&c.refetched_chunks),
+        remove_events: Counters::get(&c.remove_events),
+        removed_chunks: Counters::get(&c.removed_chunks),
+        poisoned_pages: Counters::get(&c.poisoned_pages),
+        dirty_pages: Counters::get(&c.dirty_pages),
+        dirty_chunks: Counters::get(&c.dirty_chunks),
+        pushed_chunks: push.pushed_chunks,
+        pushed_bytes: push.pushed_bytes,
+        failed_pushes: push.failed_pushes,
+        pull: server.puller.read().as_ref().map(|p| p.progress()),
+        paging: pager.map(|p| {
+            let (resident, staged) = p.resident();
+            let pc = &p.counters;
+            PagingStats {
+                limit_chunks: p.limit(),
+                min_free_chunks: p.min_free(),
+                resident_chunks: resident,
+                staged_chunks: staged,
+                evictions_reactive: Counters::get(&pc.evictions_reactive),
+                evictions_proactive: Counters::get(&pc.evictions_proactive),
+                deactivations: Counters::get(&pc.deactivations),
+                staged_refaults: Counters::get(&pc.staged_refaults),
+                staged_refaults_in_thread: Counters::get(&pc.staged_refaults_in_thread),
+                overcommits: Counters::get(&pc.overcommits),
+                full_faults: Counters::get(&pc.full_faults),
+                recovered: Counters::get(&pc.recovered),
+                partial_moves: Counters::get(&pc.partial_moves),
+                pushes_from_store: Counters::get(&pc.pushes_from_store),
+                zero_fills: Counters::get(&pc.zero_fills),
+                prefetched: Counters::get(&pc.prefetched),
+                prefetch_hits: Counters::get(&pc.prefetch_hits),
+                prefetch_wasted: Counters::get(&pc.prefetch_wasted),
+                dropped_behind: Counters::get(&pc.dropped_behind),
+            }
+        }),
+        shared: shared.map(|s| SharedStats {
+            path: s.path().to_owned(),
+            mapped_chunks: Counters::get(&c.base_mapped),
+            filled_chunks: Counters::get(&c.base_filled),
+        }),
+        last_error,
+    }
+}
+
 /// The region's length in bytes, if `geometry` can be a region: whole pages, chunks of at
 /// least a page, within the address space.
 fn region_len(geometry: Geometry, page: usize) -> Result<usize, RegionError> {
@@ -860,7 +875,7 @@ fn map_registered(
 
 /// The region's memory as the pipeline's stages see it: chunks copied in and out of the
 /// mapping (and, with bounded local memory, of the pager's staging area).
-fn region_memory(
+pub(crate) fn region_memory(
     range: &UffdRange,
     geometry: Geometry,
     mapping: &Arc<Mapping>,
@@ -936,7 +951,10 @@ fn open_shared(
 
 /// What the region's cache fetches from: the store, or, with a shared base, the base's
 /// file first.
-fn fetch_from(store: &Arc<dyn Store>, shared: &Option<Arc<SharedBase>>) -> Arc<dyn Store> {
+pub(crate) fn fetch_from(
+    store: &Arc<dyn Store>,
+    shared: &Option<Arc<SharedBase>>,
+) -> Arc<dyn Store> {
     match shared {
         Some(s) => Arc::new(BaseFirst {
             store: store.clone(),
@@ -948,7 +966,7 @@ fn fetch_from(store: &Arc<dyn Store>, shared: &Option<Arc<SharedBase>>) -> Arc<d
 
 /// The pager of bounded local memory (`p`), moving pages between the region (`range`) and
 /// its staging area (made here, and returned with it).
-fn new_pager(
+pub(crate) fn new_pager(
     p: &PagingOptions,
     range: &UffdRange,
     geometry: Geometry,
@@ -979,7 +997,7 @@ fn new_pager(
 }
 
 /// Another handle on the region's pagemap, for one more of its users.
-fn dup_pagemap(pagemap: &Pagemap) -> Result<Pagemap, RegionError> {
+pub(crate) fn dup_pagemap(pagemap: &Pagemap) -> Result<Pagemap, RegionError> {
     pagemap
         .try_clone()
         .map_err(|e| RegionError::sys("duplicating the pagemap fd", e))
@@ -1010,7 +1028,7 @@ fn new_signal_path(
 
 /// Starts the pusher of the region's written chunks (on the region's runtime), tracked by
 /// `tracker`.
-fn start_pusher(
+pub(crate) fn start_pusher(
     memory: &Arc<RegionMemory>,
     store: Arc<dyn Store>,
     opts: PushOptions,
@@ -1050,7 +1068,10 @@ fn start_pull(
 /// issued on its destination's fd, so pages move both ways; and dropping staged pages
 /// (madvise) raises no remove event on the region's fd, whose copies would fail with EAGAIN
 /// until the madvise returned (the paging module's docs).
-fn staging_area(len: usize, geometry: Geometry) -> Result<(OwnedMapping, Arc<Uffd>), RegionError> {
+pub(crate) fn staging_area(
+    len: usize,
+    geometry: Geometry,
+) -> Result<(OwnedMapping, Arc<Uffd>), RegionError> {
     let quiet = Uffd::open(sys::UFFD_FEATURE_MOVE)
         .map_err(|e| RegionError::sys("opening the staging area's userfaultfd", e))?;
     let owned = OwnedMapping::new(len + crate::paging::trash_len(geometry), None)
@@ -1063,7 +1084,7 @@ fn staging_area(len: usize, geometry: Geometry) -> Result<(OwnedMapping, Arc<Uff
 
 /// Connects the pager to the region's cache and pusher (write-backs before a staged copy is
 /// dropped, dirty marks of chunks being staged); starts the reclaim thread if asked.
-fn connect_pager(
+pub(crate) fn connect_pager(
     pager: &Arc<Pager>,
     server: &Arc<Server>,
     pusher: &Arc<RegionPusher>,

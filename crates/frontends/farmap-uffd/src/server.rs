@@ -120,6 +120,9 @@ pub(crate) struct Server {
     pub fault_wait: FaultWait,
     /// In-thread mode: faults the faulting threads' SIGBUS handlers post to the reader.
     pub signal: Option<Arc<SignalPath>>,
+    /// The process whose region this is, when it is another one (`farmap run`): where the
+    /// faulting threads are looked up, and whose CPUs the readers sit on.
+    pub program: Option<u32>,
     /// CPU time of the reader threads and companions.
     handler_cpu: HandlerAccounts,
     faults_read: AtomicU64,
@@ -142,6 +145,8 @@ pub(crate) struct ServerParts {
     pub pager: Option<Arc<Pager>>,
     pub fault_wait: FaultWait,
     pub signal: Option<Arc<SignalPath>>,
+    /// The region's process, when it is not this one.
+    pub program: Option<u32>,
 }
 
 /// Where a reader reads fault messages from.
@@ -180,6 +185,7 @@ impl Server {
             exit_after_faults: None,
             fault_wait: p.fault_wait,
             signal: p.signal,
+            program: p.program,
             handler_cpu: HandlerAccounts::default(),
             faults_read: AtomicU64::new(0),
             poison_unsupported: AtomicBool::new(false),
@@ -381,6 +387,10 @@ impl Server {
         let mut overcommit = false;
         let mut yielded = false;
         loop {
+            // The session ended (a program's region): nobody is left to serve.
+            if pager.stopped() {
+                return;
+            }
             let seen = self.events.current();
             match pager.on_fault(idx, page, overcommit) {
                 Admit::Done | Admit::InFlight => return,
@@ -426,6 +436,7 @@ impl Server {
         let filled = loop {
             let seen = self.events.current();
             match pager.fill_zero(idx) {
+                Err(libc::EAGAIN) if pager.stopped() => break Err(libc::ESRCH),
                 Err(libc::EAGAIN) => self.events.wait_past(seen).await,
                 r => break r,
             }
@@ -614,7 +625,7 @@ impl Reader {
         };
         // Sleeping: a reader per CPU, each kept to it (see the module doc); polling, or when
         // the affinity cannot be read: one reader, anywhere.
-        let cpus: Vec<Option<usize>> = match (&window, affinity_cpus()) {
+        let cpus: Vec<Option<usize>> = match (&window, affinity_cpus(server.program)) {
             (None, Some(cpus)) if !cpus.is_empty() => {
                 cpus.into_iter().take(MAX_READERS).map(Some).collect()
             }
@@ -727,6 +738,7 @@ fn read_loop(
     // Wake-ups in a row that found nothing to read.
     let mut empty_wakes = 0u32;
     let mut home = HomeWatch {
+        program: server.program,
         checked: Instant::now(),
         home_seen: None,
     };
@@ -843,6 +855,8 @@ fn wait_readable(server: &Server, stop: &StopSignal, signal: Option<&SignalPath>
 /// Where a seated reader's faulting threads run: when it last looked, and when a look last
 /// found one on its CPU.
 struct HomeWatch {
+    /// The faulting threads' process, when it is not this one.
+    program: Option<u32>,
     checked: Instant,
     home_seen: Option<Instant>,
 }
@@ -859,7 +873,7 @@ impl HomeWatch {
         let cpu = msgs
             .iter()
             .find(|m| m.event == sys::UFFD_EVENT_PAGEFAULT && m.arg2 != 0)
-            .and_then(|m| task_cpu(m.arg2 as u32));
+            .and_then(|m| task_cpu(self.program, m.arg2 as u32));
         match cpu {
             Some(cpu) if cpu == seat.home() => {
                 self.home_seen = Some(self.checked);
@@ -871,11 +885,16 @@ impl HomeWatch {
     }
 }
 
-/// The CPU thread `tid` of this process last ran on (field 39 of its `stat`), if readable.
-fn task_cpu(tid: u32) -> Option<usize> {
+/// The CPU thread `tid` of `program` (`None`: this process) last ran on (field 39 of its
+/// `stat`), if readable.
+fn task_cpu(program: Option<u32>, tid: u32) -> Option<usize> {
     use std::io::Read;
     let mut buf = [0u8; 1024];
-    let mut f = std::fs::File::open(format!("/proc/self/task/{tid}/stat")).ok()?;
+    let path = match program {
+        Some(pid) => format!("/proc/{pid}/task/{tid}/stat"),
+        None => format!("/proc/self/task/{tid}/stat"),
+    };
+    let mut f = std::fs::File::open(path).ok()?;
     let mut len = 0;
     while len < buf.len() {
         match f.read(&mut buf[len..]) {

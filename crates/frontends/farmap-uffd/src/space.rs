@@ -22,7 +22,6 @@ pub(crate) enum Area {
     /// A mapping of this process (the region, or its staging area).
     Local(Arc<Mapping>),
     /// `len` bytes at `base` in a program's address space.
-    #[allow(dead_code, reason = "made by the foreign region (the plan's C6)")]
     Foreign {
         space: Arc<ForeignSpace>,
         base: usize,
@@ -31,6 +30,11 @@ pub(crate) enum Area {
 }
 
 impl Area {
+    /// Whether the area is in another process.
+    pub fn is_foreign(&self) -> bool {
+        matches!(self, Area::Foreign { .. })
+    }
+
     /// Length in bytes.
     pub fn len(&self) -> usize {
         match self {
@@ -107,7 +111,6 @@ pub(crate) enum Moves {
     Local,
     /// The reaper of the program whose areas they are (the kernel refuses moves across
     /// address spaces).
-    #[allow(dead_code, reason = "made by the foreign region (the plan's C6)")]
     Reaper(Arc<ForeignSpace>),
 }
 

@@ -36,6 +36,8 @@
 //! program's reaper thread (here: a thread of the test program speaking farmap-run-proto on
 //! fd 4) to move and discard pages in the program, and sees what stops a move.
 
+mod common;
+
 use std::io::{BufRead, BufReader, Write};
 use std::os::fd::{AsRawFd, FromRawFd, OwnedFd, RawFd};
 use std::os::unix::net::UnixStream;
@@ -44,6 +46,7 @@ use std::process::{Child, Command, Stdio};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
+use common::foreign::{reaper_thread, recv_fds, send_fds};
 use farmap_uffd::foreign::{Reaper, ReaperError};
 use farmap_uffd::pagemap::Pagemap;
 use farmap_uffd::sys::{self, PageRegion, UffdMsg};
@@ -91,82 +94,6 @@ fn usable(test: &str) -> bool {
         return false;
     }
     true
-}
-
-/// The program's side of the socket: sends `fds` with `data` (SCM_RIGHTS).
-fn send_fds(sock: &UnixStream, data: &[u8], fds: &[RawFd]) -> std::io::Result<()> {
-    // SAFETY: CMSG_SPACE only computes a size.
-    let space = unsafe { libc::CMSG_SPACE(std::mem::size_of_val(fds) as u32) } as usize;
-    let mut control = vec![0u8; space];
-    let mut iov = libc::iovec {
-        iov_base: data.as_ptr() as *mut libc::c_void,
-        iov_len: data.len(),
-    };
-    // SAFETY: msghdr is plain old data; every pointer set below outlives the sendmsg call.
-    let mut msg: libc::msghdr = unsafe { std::mem::zeroed() };
-    msg.msg_iov = &mut iov;
-    msg.msg_iovlen = 1;
-    msg.msg_control = control.as_mut_ptr().cast();
-    msg.msg_controllen = space;
-    // SAFETY: the control buffer holds CMSG_SPACE(fds) bytes, so the first header and its
-    // data fit; CMSG_FIRSTHDR of a buffer that large is not null.
-    unsafe {
-        let cmsg = libc::CMSG_FIRSTHDR(&msg);
-        (*cmsg).cmsg_level = libc::SOL_SOCKET;
-        (*cmsg).cmsg_type = libc::SCM_RIGHTS;
-        (*cmsg).cmsg_len = libc::CMSG_LEN(std::mem::size_of_val(fds) as u32) as usize;
-        std::ptr::copy_nonoverlapping(
-            fds.as_ptr(),
-            libc::CMSG_DATA(cmsg).cast::<RawFd>(),
-            fds.len(),
-        );
-    }
-    // SAFETY: msg describes live buffers (see above).
-    let n = unsafe { libc::sendmsg(sock.as_raw_fd(), &msg, 0) };
-    if n < 0 {
-        return Err(std::io::Error::last_os_error());
-    }
-    Ok(())
-}
-
-/// The handler's side: receives `data.len()` bytes and up to 4 fds.
-fn recv_fds(sock: &UnixStream, data: &mut [u8]) -> std::io::Result<Vec<OwnedFd>> {
-    // SAFETY: CMSG_SPACE only computes a size.
-    let space = unsafe { libc::CMSG_SPACE(4 * std::mem::size_of::<RawFd>() as u32) } as usize;
-    let mut control = vec![0u8; space];
-    let mut iov = libc::iovec {
-        iov_base: data.as_mut_ptr().cast(),
-        iov_len: data.len(),
-    };
-    // SAFETY: as in send_fds.
-    let mut msg: libc::msghdr = unsafe { std::mem::zeroed() };
-    msg.msg_iov = &mut iov;
-    msg.msg_iovlen = 1;
-    msg.msg_control = control.as_mut_ptr().cast();
-    msg.msg_controllen = space;
-    // SAFETY: msg describes live buffers.
-    let n = unsafe { libc::recvmsg(sock.as_raw_fd(), &mut msg, libc::MSG_CMSG_CLOEXEC) };
-    if n < 0 {
-        return Err(std::io::Error::last_os_error());
-    }
-    assert_eq!(n as usize, data.len(), "a short hello");
-    let mut fds = Vec::new();
-    // SAFETY: the kernel filled the control buffer; CMSG_* walk what it wrote.
-    unsafe {
-        let mut cmsg = libc::CMSG_FIRSTHDR(&msg);
-        while !cmsg.is_null() {
-            if (*cmsg).cmsg_level == libc::SOL_SOCKET && (*cmsg).cmsg_type == libc::SCM_RIGHTS {
-                let count = ((*cmsg).cmsg_len as usize - libc::CMSG_LEN(0) as usize)
-                    / std::mem::size_of::<RawFd>();
-                let p = libc::CMSG_DATA(cmsg).cast::<RawFd>();
-                for i in 0..count {
-                    fds.push(OwnedFd::from_raw_fd(p.add(i).read_unaligned()));
-                }
-            }
-            cmsg = libc::CMSG_NXTHDR(&msg, cmsg);
-        }
-    }
-    Ok(fds)
 }
 
 /// The program as this process sees it: its socket, its areas and the fds it sent.
@@ -217,7 +144,8 @@ impl Program {
         drop((theirs, reaper_theirs));
         ours.set_read_timeout(Some(LIMIT)).unwrap();
         let mut hello = [0u8; 32];
-        let fds = recv_fds(&ours, &mut hello).expect("the program's hello");
+        let (n, fds) = recv_fds(&ours, &mut hello).expect("the program's hello");
+        assert_eq!(n, hello.len(), "a short hello");
         let word = |i: usize| u64::from_le_bytes(hello[i * 8..i * 8 + 8].try_into().unwrap());
         let (region_base, staging_base, len, features) = (
             word(0) as usize,
@@ -723,73 +651,6 @@ fn a_zeropage_from_another_process_resolves_the_programs_fault() {
     assert_eq!(p.collect_written(), Vec::<usize>::new());
     assert_eq!(p.ask(&format!("write {off} 4")), "ok");
     assert_eq!(p.collect_written(), vec![off], "a write to it is tracked");
-}
-
-/// The program's reaper thread: reads requests on `sock` and does them in this process, on
-/// the destination's userfaultfd for a move.
-fn reaper_thread(sock: UnixStream, areas: [UffdRange; 2]) {
-    use farmap_run_proto::{decode, Done, Msg, Op, MAX_MSG_LEN};
-    use std::io::Read;
-    let mut out = sock.try_clone().unwrap();
-    let mut sock = sock;
-    let mut buf = Vec::new();
-    let mut chunk = [0u8; MAX_MSG_LEN];
-    loop {
-        let Ok(n) = sock.read(&mut chunk) else { return };
-        if n == 0 {
-            return;
-        }
-        buf.extend_from_slice(&chunk[..n]);
-        while let Some((msg, used)) = decode(&buf).expect("a request") {
-            buf.drain(..used);
-            let Msg::Request(req) = msg else {
-                panic!("not a request: {msg:?}")
-            };
-            let (bytes, errno) = match req.op {
-                Op::Discard { start, len } => {
-                    // SAFETY: a range of this program's own areas, which may go (the
-                    // registrations' contract); madvise checks the rest.
-                    let r = unsafe {
-                        libc::madvise(start as usize as *mut _, len as usize, libc::MADV_DONTNEED)
-                    };
-                    if r == 0 {
-                        (len, 0)
-                    } else {
-                        (
-                            0,
-                            std::io::Error::last_os_error()
-                                .raw_os_error()
-                                .unwrap_or(libc::EIO),
-                        )
-                    }
-                }
-                Op::Move { src, dst, len } => {
-                    let find = |a: u64| {
-                        areas
-                            .iter()
-                            .find(|r| r.contains(a as usize))
-                            .expect("an address in the program's areas")
-                    };
-                    let (from, to) = (find(src), find(dst));
-                    let (src_off, dst_off) = (src as usize - from.base(), dst as usize - to.base());
-                    match from.move_to(src_off, to, dst_off, len as usize, 0) {
-                        Ok(n) => (n as u64, 0),
-                        Err((n, e)) => (n as u64, e),
-                    }
-                }
-            };
-            let mut reply = [0u8; MAX_MSG_LEN];
-            let done = Msg::Done(Done {
-                id: req.id,
-                errno,
-                bytes,
-            });
-            let n = done.encode(&mut reply).unwrap();
-            if out.write_all(&reply[..n]).is_err() {
-                return;
-            }
-        }
-    }
 }
 
 /// The program: an entry point the tests above start as a child process (ignored in a

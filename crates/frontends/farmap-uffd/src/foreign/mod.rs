@@ -7,14 +7,21 @@
 //! moves (`UFFDIO_MOVE`) and discards (`madvise`) do not, so a thread of the program (its
 //! *reaper*) does them on request: [`Reaper`] is this side of that conversation.
 //!
-//! Built so far: the reaper's client, and the program's address space as the pager will
-//! reach it (its mem fd, its reaper, the watch for its end: `space.rs`). Next (step 2 of the
-//! design, docs/design/foreign-region.md): the pager working over a foreign region.
+//! - [`Reaper`]: the client of the program's reaper (`reaper.rs`);
+//! - the program's address space as the pager reaches it: its mem fd, its reaper, the watch
+//!   for its end (`space.rs`);
+//! - [`ForeignRegion`]: bounded local memory for the program's region, served from here
+//!   (`region.rs`; design: docs/design/foreign-region.md).
 
 mod reaper;
+mod region;
 mod space;
 
 pub use reaper::{Reaper, ReaperError};
+pub use region::{
+    trash_len, ForeignFds, ForeignOptions, ForeignRegion, Program, FOREIGN_FEATURES,
+    FOREIGN_REFUSED_FEATURES,
+};
 #[cfg(test)]
 pub(crate) use space::testing;
 pub use space::End;

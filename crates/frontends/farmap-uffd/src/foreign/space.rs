@@ -19,10 +19,6 @@
 //! the reaper's socket open (a program that cleared its close-on-exec flag) shows nowhere
 //! else. The probe reads one byte where nothing is served (see
 //! [`mm_alive`](ForeignSpace::mm_alive)).
-#![allow(
-    dead_code,
-    reason = "the foreign region (the plan's C6) is its user; the unit tests meanwhile"
-)]
 
 use std::fs::File;
 use std::io;
@@ -212,6 +208,23 @@ impl ForeignSpace {
             Ok(n) => Ok(n > 0),
             Err(rustix::io::Errno::IO) => Ok(true),
             Err(e) => Err(e.into()),
+        }
+    }
+
+    /// Waits up to `timeout` for the program to be gone (its pidfd readable); whether it
+    /// is.
+    pub fn wait_gone(&self, timeout: Duration) -> bool {
+        let mut fds = [PollFd::new(&self.pidfd, PollFlags::IN)];
+        let deadline = Instant::now() + timeout;
+        loop {
+            let left = deadline.saturating_duration_since(Instant::now());
+            let t = Timespec::try_from(left).ok();
+            match poll(&mut fds, t.as_ref()) {
+                Ok(n) if n > 0 => return true,
+                Err(rustix::io::Errno::INTR) => {}
+                _ if Instant::now() >= deadline => return false,
+                _ => {}
+            }
         }
     }
 

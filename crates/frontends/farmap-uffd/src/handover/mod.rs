@@ -551,6 +551,7 @@ impl Served {
             // The serving process sleeps between faults (it has no poll option yet).
             fault_wait: crate::FaultWait::Sleep,
             signal: None,
+            program: None,
         });
         server.exit_after_faults = opts.exit_after_faults;
         let server = Arc::new(server);

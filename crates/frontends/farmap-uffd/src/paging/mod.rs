@@ -519,6 +519,21 @@ impl Pager {
         *m.lock() = true;
         cv.notify_one();
     }
+
+    /// Ends the pager's work: the reclaim thread returns, and fault tasks that wait for
+    /// room or for an event give up ([`stopped`](Self::stopped)). For a program's region
+    /// whose session ended (nothing else drops those tasks on a runtime shared by
+    /// sessions); a local region's pager stops as its region drops.
+    pub(crate) fn stop(&self) {
+        self.stop.store(true, Ordering::Release);
+        self.kick();
+        self.changed.notify_waiters();
+    }
+
+    /// Whether [`stop`](Self::stop) was called.
+    pub(crate) fn stopped(&self) -> bool {
+        self.stop.load(Ordering::Acquire)
+    }
 }
 
 /// Bytes of trash after a region of `geometry`'s staging slots: 64 chunks (address space
@@ -569,8 +584,7 @@ pub(crate) struct Reclaimer {
 
 impl Reclaimer {
     pub(crate) fn stop(&mut self) {
-        self.pager.stop.store(true, Ordering::Release);
-        self.pager.kick();
+        self.pager.stop();
         if let Some(t) = self.thread.take() {
             let _ = t.join();
         }

@@ -1,5 +1,7 @@
 //! Helpers shared by the userfaultfd tests (the generic ones are in farmap-testkit).
 
+#[allow(dead_code)] // the foreign tests' helpers
+pub mod foreign;
 #[allow(dead_code)] // the paging tests' helpers
 pub mod paging;
 
