@@ -24,6 +24,7 @@ mod mount_ublk;
 #[cfg(feature = "tools")]
 mod proxy;
 mod region;
+mod run;
 mod serve;
 mod serve_args;
 mod serve_nbd;
@@ -137,6 +138,8 @@ enum Command {
     /// limit --app SOCKET SIZE|N%`), or show its paging state (`region stats --app SOCKET`).
     #[command(subcommand)]
     Region(region::RegionCommand),
+    /// Run a program with its heap served by farmap, its local memory bounded.
+    Run(run::RunArgs),
     /// Live migration, shown: a region that a deterministic writer keeps changing moves to
     /// another process over loopback (through an emulated link), is verified, and moves back.
     #[cfg(feature = "tools")]
@@ -247,6 +250,7 @@ fn main() -> ExitCode {
             #[cfg(feature = "tools")]
             Command::Demo(args) => demo::run(args).await,
             Command::Region(cmd) => region::run(cmd).await,
+            Command::Run(args) => run::run(args).await,
             Command::Stores => {
                 println!("{STORES_HELP}");
                 Ok(ExitCode::SUCCESS)

@@ -11,12 +11,16 @@
 //! - the program's address space as the pager reaches it: its mem fd, its reaper, the watch
 //!   for its end (`space.rs`);
 //! - [`ForeignRegion`]: bounded local memory for the program's region, served from here
-//!   (`region.rs`; design: docs/design/foreign-region.md).
+//!   (`region.rs`; design: docs/design/foreign-region.md);
+//! - [`handshake`]: the handler's side of a program's handshake, checked in full before the
+//!   region is served ([`Applicant::accept`]; `accept.rs`).
 
+mod accept;
 mod reaper;
 mod region;
 mod space;
 
+pub use accept::{handshake, Applicant, Expected, HandshakeError, REAPER_DEADLINE};
 pub use reaper::{Reaper, ReaperError};
 pub use region::{
     trash_len, ForeignFds, ForeignOptions, ForeignRegion, Program, FOREIGN_FEATURES,

@@ -24,7 +24,7 @@
 //! can open to the same data (`file:`, `dir:`, a remote store — not `memory:`).
 
 pub mod message;
-mod socket;
+pub(crate) mod socket;
 
 use std::fmt;
 use std::io::{self, Read, Write};

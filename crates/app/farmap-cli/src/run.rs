@@ -1,0 +1,417 @@
+//! `farmap run -- PROGRAM ARGS...`: an unmodified program's heap served by farmap, with its
+//! local memory bounded (docs/design/farmap-run.md).
+//!
+//! The program starts with `LD_PRELOAD` naming farmap's interposition library
+//! (`libfarmap_preload.so`), which serves its `malloc` family and C++ `new`/`delete` from one
+//! region. The library connects back to this process over a private Unix socket, proves who
+//! it is (a token in its environment, its credentials, its descent from the program we
+//! started), maps and registers the region as told, and hands over its userfaultfds; this
+//! process then serves the region's faults, writes back and drops what goes over the bound,
+//! and asks a thread of the library (the reaper) to move and discard pages in the program.
+//! An exec starts a new session (the library loads again in the new image).
+
+use std::ffi::OsString;
+use std::io::Read;
+use std::os::unix::fs::DirBuilderExt;
+use std::os::unix::net::UnixListener;
+use std::path::{Path, PathBuf};
+use std::process::ExitCode;
+use std::sync::Arc;
+use std::time::Duration;
+
+use anyhow::{bail, Context};
+use clap::Args;
+use farmap::{open_store_async, StoreSpec};
+use farmap_cli_kit::args::{parse_local_max, parse_size_arg};
+use farmap_run_proto::TOKEN_LEN;
+use farmap_uffd::foreign::{
+    handshake, trash_len, Expected, ForeignOptions, ForeignRegion, FOREIGN_FEATURES,
+};
+use farmap_uffd::{LocalLimit, PagingOptions, Prefetch, RegionStats};
+use parking_lot::Mutex;
+use tokio::runtime::Handle;
+
+/// The chunk of a program's heap: one page (a discarded page reads as zeros, page by page).
+const HEAP_CHUNK: u64 = 4096;
+
+/// How long a program may take over each step of its handshake.
+const HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(10);
+
+const RUN_HELP: &str = "\
+HOW IT WORKS:
+  PROGRAM starts with LD_PRELOAD naming libfarmap_preload.so, which serves its malloc family
+  and C++ new/delete from one region of --heap-max bytes (address space: only what is used
+  costs memory). farmap run serves that region's faults from --store and keeps at most
+  --local-max of it in memory: the rest is written back and dropped, and fetched again on
+  the next touch. A page the program frees back (madvise) reads as zeros.
+
+  The program's exit status is farmap run's (128 + N for a signal N); SIGINT, SIGTERM and
+  SIGHUP are passed on to it. An exec starts a new session (the library loads again).
+
+LIMITS:
+  Statically linked programs, setuid programs (the loader ignores LD_PRELOAD) and memory a
+  program maps itself (mmap) are not served. A child made by fork must exec before it
+  touches the heap (the heap is not inherited). Programs must stay in the foreground.";
+
+#[derive(Debug, Args)]
+#[command(after_help = RUN_HELP)]
+pub struct RunArgs {
+    /// Where the heap's pages go when they leave memory (default: this process's memory).
+    /// Opened anew for each program image; chunks must be 4KiB (the default here), and the
+    /// size is --heap-max.
+    #[arg(long, value_name = "SPEC")]
+    store: Option<String>,
+    /// The bound on the heap's local memory: SIZE (e.g. 256MiB) or N% of --heap-max.
+    #[arg(long, value_name = "SIZE|N%", default_value = "25%", value_parser = parse_local_max)]
+    local_max: LocalLimit,
+    /// The heap's size: the most the program can allocate through farmap.
+    #[arg(long, value_name = "SIZE", default_value = "1GiB", value_parser = parse_size_arg)]
+    heap_max: u64,
+    /// Sequential prefetch: the largest window, in pages (0 turns it off).
+    #[arg(long, value_name = "PAGES", default_value_t = farmap_uffd::DEFAULT_PREFETCH_CHUNKS)]
+    prefetch: u32,
+    /// The interposition library (default: $FARMAP_PRELOAD, else libfarmap_preload.so next
+    /// to the farmap binary).
+    #[arg(long, value_name = "PATH")]
+    preload: Option<PathBuf>,
+    /// When a program ends, print its heap's counters on stderr (one JSON line per
+    /// program image).
+    #[arg(long)]
+    stats: bool,
+    /// The program and its arguments.
+    #[arg(
+        required = true,
+        trailing_var_arg = true,
+        allow_hyphen_values = true,
+        value_name = "PROGRAM"
+    )]
+    command: Vec<OsString>,
+}
+
+/// What the program's sessions share.
+struct Served {
+    heap_max: u64,
+    spec: StoreSpec,
+    opts: ForeignOptions,
+    rt: Handle,
+    /// The regions served now (one per program image that connected).
+    sessions: Mutex<Vec<Arc<ForeignRegion>>>,
+    stats: bool,
+}
+
+pub async fn run(args: RunArgs) -> anyhow::Result<ExitCode> {
+    let preload = find_preload(args.preload.as_deref())?;
+    farmap_uffd::probe_paging().context("farmap run needs bounded userfaultfd regions")?;
+    if args.heap_max == 0 || !args.heap_max.is_multiple_of(HEAP_CHUNK) {
+        bail!("--heap-max must be a positive multiple of 4KiB");
+    }
+    let spec = heap_spec(args.store.as_deref(), args.heap_max)?;
+    let geometry = farmap::Geometry::new(args.heap_max, HEAP_CHUNK)?;
+    let mut paging = PagingOptions::new(args.local_max);
+    paging.fresh = true;
+    paging.prefetch = match args.prefetch {
+        0 => Prefetch::Off,
+        n => Prefetch::Sequential { max_chunks: n },
+    };
+    let served = Arc::new(Served {
+        heap_max: args.heap_max,
+        spec,
+        opts: ForeignOptions {
+            paging,
+            ..ForeignOptions::default()
+        },
+        rt: Handle::current(),
+        sessions: Mutex::new(Vec::new()),
+        stats: args.stats,
+    });
+    let dir = PrivateDir::new()?;
+    let sock_path = dir.path.join("run.sock");
+    let listener = UnixListener::bind(&sock_path)
+        .with_context(|| format!("listening on {}", sock_path.display()))?;
+    let token = new_token()?;
+    let mut preload_env = preload.into_os_string();
+    if let Some(prev) = std::env::var_os("LD_PRELOAD").filter(|v| !v.is_empty()) {
+        preload_env.push(":");
+        preload_env.push(prev);
+    }
+    let mut child = tokio::process::Command::new(&args.command[0])
+        .args(&args.command[1..])
+        .env("LD_PRELOAD", preload_env)
+        .env("FARMAP_RUN_SOCK", &sock_path)
+        .env("FARMAP_RUN_TOKEN", hex(&token))
+        .spawn()
+        .with_context(|| format!("starting {}", args.command[0].to_string_lossy()))?;
+    let pid = child.id().context("the program exited at once")?;
+    let expected = Expected {
+        token,
+        config: farmap_run_proto::Config {
+            region_len: args.heap_max,
+            chunk_size: HEAP_CHUNK as u32,
+            trash_len: trash_len(geometry),
+            features: region_features(),
+        },
+        ancestor: Some(pid),
+    };
+    let accepting = {
+        let served = served.clone();
+        std::thread::Builder::new()
+            .name("farmap-run-accept".into())
+            .spawn(move || accept_loop(listener, expected, served))?
+    };
+    let status = wait_forwarding_signals(&mut child, pid).await?;
+    // A program image that outlives the program we started (its daemon) is served until it
+    // ends too.
+    let sessions: Vec<Arc<ForeignRegion>> = served.sessions.lock().clone();
+    for s in sessions {
+        let s2 = s.clone();
+        tokio::task::spawn_blocking(
+            move || while s2.wait_end(Duration::from_secs(3600)).is_none() {},
+        )
+        .await?;
+    }
+    drop(dir);
+    drop(accepting);
+    Ok(exit_code(status))
+}
+
+/// The features the program's region userfaultfd is opened with.
+fn region_features() -> u64 {
+    let thread_id = farmap_uffd::sys::UFFD_FEATURE_THREAD_ID;
+    match farmap_uffd::probe() {
+        Ok(s) if s.features & thread_id != 0 => FOREIGN_FEATURES | thread_id,
+        _ => FOREIGN_FEATURES,
+    }
+}
+
+/// The store spec of a heap of `heap_max` bytes: `spec` (its size, if any, must be
+/// `heap_max`; its chunks 4KiB), or memory.
+fn heap_spec(spec: Option<&str>, heap_max: u64) -> anyhow::Result<StoreSpec> {
+    let mut spec: StoreSpec = match spec {
+        Some(s) => s.parse().with_context(|| format!("--store {s}"))?,
+        None => format!("memory:{heap_max}").parse()?,
+    };
+    match spec.size {
+        Some(size) if size != heap_max => bail!(
+            "--store's size ({}) is not --heap-max ({}): leave it out of the spec",
+            farmap::format_size(size),
+            farmap::format_size(heap_max)
+        ),
+        _ => spec.size = Some(heap_max),
+    }
+    match spec.chunk_size {
+        Some(c) if u64::from(c) != HEAP_CHUNK => bail!(
+            "--store's chunks are {}: a program's heap is served in chunks of 4KiB",
+            farmap::format_size(u64::from(c))
+        ),
+        _ => spec.chunk_size = Some(HEAP_CHUNK as u32),
+    }
+    Ok(spec)
+}
+
+/// The interposition library: `explicit`, `$FARMAP_PRELOAD`, or next to this binary.
+fn find_preload(explicit: Option<&Path>) -> anyhow::Result<PathBuf> {
+    let candidate = match explicit {
+        Some(p) => p.to_owned(),
+        None => match std::env::var_os("FARMAP_PRELOAD") {
+            Some(p) => PathBuf::from(p),
+            None => std::env::current_exe()
+                .context("finding the farmap binary")?
+                .with_file_name("libfarmap_preload.so"),
+        },
+    };
+    if !candidate.is_file() {
+        bail!(
+            "the interposition library {} does not exist (build it with `cargo build -p \
+             farmap-preload`, or name it with --preload or $FARMAP_PRELOAD)",
+            candidate.display()
+        );
+    }
+    // The loader needs an absolute path (the program may change its directory).
+    std::fs::canonicalize(&candidate).with_context(|| format!("{}", candidate.display()))
+}
+
+/// Accepts programs' connections until the process ends: each handshake on a thread of
+/// its own (a slow program does not hold up another), then its region served.
+fn accept_loop(listener: UnixListener, expected: Expected, served: Arc<Served>) {
+    for conn in listener.incoming() {
+        let Ok(conn) = conn else { continue };
+        let (expected, served) = (expected.clone(), served.clone());
+        let spawned = std::thread::Builder::new()
+            .name("farmap-run-session".into())
+            .spawn(move || {
+                if let Err(e) = serve_program(conn, &expected, &served) {
+                    status!("farmap run: {}", farmap_cli_kit::output::error_chain(&e));
+                }
+            });
+        if let Err(e) = spawned {
+            status!("farmap run: cannot start a session thread: {e}");
+        }
+    }
+}
+
+/// One program image: its handshake, its region, its end.
+fn serve_program(
+    conn: std::os::unix::net::UnixStream,
+    expected: &Expected,
+    served: &Served,
+) -> anyhow::Result<()> {
+    let applicant = handshake(conn, expected, HANDSHAKE_TIMEOUT)?;
+    let pid = applicant.pid();
+    let spec = served.spec.clone();
+    let store = served
+        .rt
+        .block_on(async move { open_store_async(&spec).await });
+    let store = match store {
+        Ok(s) => s,
+        Err(e) => {
+            let why = format!("opening the heap's store: {e}");
+            return Err(applicant.refuse(&why).into());
+        }
+    };
+    if served.spec.kind != farmap::SpecKind::Memory && !served.sessions.lock().is_empty() {
+        return Err(applicant
+            .refuse("a --store serves one program image at a time")
+            .into());
+    }
+    let region = applicant
+        .accept(store, served.opts.clone(), served.rt.clone())
+        .with_context(|| format!("serving process {pid}'s heap"))?;
+    let region = Arc::new(region);
+    served.sessions.lock().push(region.clone());
+    let end = loop {
+        if let Some(end) = region.wait_end(Duration::from_secs(3600)) {
+            break end;
+        }
+    };
+    if served.stats {
+        status!(
+            "{}",
+            stats_line(pid, served.heap_max, &end, &region.stats())
+        );
+    }
+    served.sessions.lock().retain(|r| !Arc::ptr_eq(r, &region));
+    Ok(())
+}
+
+/// One JSON line of a program image's heap counters.
+fn stats_line(pid: u32, heap_max: u64, end: &farmap_uffd::foreign::End, s: &RegionStats) -> String {
+    let p = s.paging.clone().unwrap_or_default();
+    serde_json::json!({
+        "pid": pid,
+        "end": format!("{end:?}"),
+        "heap_max_bytes": heap_max,
+        "limit_bytes": p.limit_chunks * HEAP_CHUNK,
+        "faults": s.faults,
+        "zero_fills": p.zero_fills,
+        "evictions": p.evictions_reactive + p.evictions_proactive,
+        "staged_refaults": p.staged_refaults,
+        "prefetched": p.prefetched,
+        "prefetch_hits": p.prefetch_hits,
+        "pushed_bytes": s.pushed_bytes,
+        "remove_events": s.remove_events,
+    })
+    .to_string()
+}
+
+/// Waits for the program, passing SIGINT, SIGTERM and SIGHUP on to it.
+async fn wait_forwarding_signals(
+    child: &mut tokio::process::Child,
+    pid: u32,
+) -> anyhow::Result<std::process::ExitStatus> {
+    use tokio::signal::unix::{signal, SignalKind};
+    let mut int = signal(SignalKind::interrupt())?;
+    let mut term = signal(SignalKind::terminate())?;
+    let mut hup = signal(SignalKind::hangup())?;
+    let forward = |sig: rustix::process::Signal| {
+        if let Some(p) = rustix::process::Pid::from_raw(pid as i32) {
+            let _ = rustix::process::kill_process(p, sig);
+        }
+    };
+    loop {
+        tokio::select! {
+            status = child.wait() => return Ok(status?),
+            _ = int.recv() => forward(rustix::process::Signal::INT),
+            _ = term.recv() => forward(rustix::process::Signal::TERM),
+            _ = hup.recv() => forward(rustix::process::Signal::HUP),
+        }
+    }
+}
+
+/// The program's status as ours: its code, or 128 + the signal that ended it.
+fn exit_code(status: std::process::ExitStatus) -> ExitCode {
+    use std::os::unix::process::ExitStatusExt;
+    let code = status
+        .code()
+        .or_else(|| status.signal().map(|s| 128 + s))
+        .unwrap_or(1);
+    ExitCode::from(u8::try_from(code).unwrap_or(1))
+}
+
+/// A new random token.
+fn new_token() -> anyhow::Result<[u8; TOKEN_LEN]> {
+    let mut token = [0u8; TOKEN_LEN];
+    std::fs::File::open("/dev/urandom")
+        .and_then(|mut f| f.read_exact(&mut token))
+        .context("reading /dev/urandom")?;
+    Ok(token)
+}
+
+fn hex(bytes: &[u8]) -> String {
+    bytes.iter().map(|b| format!("{b:02x}")).collect()
+}
+
+/// A directory only this user can enter (the control socket's), removed on drop.
+struct PrivateDir {
+    path: PathBuf,
+}
+
+impl PrivateDir {
+    fn new() -> anyhow::Result<PrivateDir> {
+        let base = std::env::var_os("XDG_RUNTIME_DIR")
+            .map(PathBuf::from)
+            .filter(|p| p.is_dir())
+            .unwrap_or_else(std::env::temp_dir);
+        let token = new_token()?;
+        let path = base.join(format!(
+            "farmap-run-{}-{}",
+            std::process::id(),
+            hex(&token[..6])
+        ));
+        std::fs::DirBuilder::new()
+            .mode(0o700)
+            .create(&path)
+            .with_context(|| format!("creating {}", path.display()))?;
+        Ok(PrivateDir { path })
+    }
+}
+
+impl Drop for PrivateDir {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_dir_all(&self.path);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_heap_store_takes_the_heaps_size_and_page_chunks() {
+        let s = heap_spec(None, 1 << 30).unwrap();
+        assert_eq!((s.size, s.chunk_size), (Some(1 << 30), Some(4096)));
+        let s = heap_spec(Some("dir:/tmp/x"), 1 << 20).unwrap();
+        assert_eq!((s.size, s.chunk_size), (Some(1 << 20), Some(4096)));
+        let e = heap_spec(Some("memory:2MiB"), 1 << 20).unwrap_err();
+        assert!(e.to_string().contains("--heap-max"), "{e}");
+        let e = heap_spec(Some("dir:/tmp/x?chunk=64KiB"), 1 << 20).unwrap_err();
+        assert!(e.to_string().contains("4KiB"), "{e}");
+    }
+
+    #[test]
+    fn exit_codes_follow_the_program() {
+        use std::os::unix::process::ExitStatusExt;
+        let code = |raw| exit_code(std::process::ExitStatus::from_raw(raw));
+        assert_eq!(code(3 << 8), ExitCode::from(3));
+        assert_eq!(code(9), ExitCode::from(137));
+    }
+}

@@ -1,0 +1,415 @@
+//! The handler's side of a program's handshake (farmap-run-proto, docs/design/farmap-run.md
+//! §2.1): who is asking, what it is told to map, what it registered and sent, checked in
+//! full before anything is acted on; then the region is served and the verdict sent.
+//!
+//! ```text
+//!  program                                    handler (this module)
+//!  Hello {token, pid}          ─────────▶     token, the peer's uid and pid, its ancestry
+//!                              ◀─────────     Config {region_len, chunk_size, trash_len, features}
+//!  Registered + 4 fds          ─────────▶     sizes, features, what each fd is
+//!                              ◀─────────     Verdict {0 | refusal}
+//!  (the same socket is the reaper's from here on)
+//! ```
+//!
+//! A refusal is sent to the program (which exits: it cannot run without its heap) and
+//! returned with its reason.
+
+use std::io::{self, Read, Write};
+use std::os::fd::{AsFd, AsRawFd, OwnedFd};
+use std::os::unix::net::UnixStream;
+use std::sync::Arc;
+use std::time::Duration;
+
+use farmap_core::Store;
+use farmap_run_proto::{
+    decode, Config, Hello, Msg, Refusal, Registered, Verdict, MAX_MSG_LEN, TOKEN_LEN,
+};
+use tokio::runtime::Handle;
+
+use super::region::{ForeignFds, ForeignOptions, ForeignRegion, Program};
+use super::Reaper;
+use crate::error::RegionError;
+use crate::handover::socket::recv_with_fds;
+
+/// How long the reaper may take to answer a request before it counts as lost.
+pub const REAPER_DEADLINE: Duration = Duration::from_secs(5);
+
+/// What a handler expects of the programs that connect to it.
+#[derive(Debug, Clone)]
+pub struct Expected {
+    /// The token it gave them (in their environment).
+    pub token: [u8; TOKEN_LEN],
+    /// What they are to map and register.
+    pub config: Config,
+    /// Only this process and its descendants may connect (`None`: any process of this
+    /// user).
+    pub ancestor: Option<u32>,
+}
+
+/// Why a handshake did not end in a served region.
+#[derive(Debug, thiserror::Error)]
+pub enum HandshakeError {
+    /// The socket failed, or the program went away.
+    #[error("talking to the program: {0}")]
+    Io(#[from] io::Error),
+    /// The program sent something that is not a message of the protocol, or not the one
+    /// expected now.
+    #[error("the program does not speak farmap run's protocol: {0}")]
+    Protocol(String),
+    /// The program was refused (and told so).
+    #[error("refused the program ({refusal:?}): {why}")]
+    Refused {
+        /// The code it was sent.
+        refusal: Refusal,
+        /// Why.
+        why: String,
+    },
+}
+
+/// A program past the handshake's checks, not served yet ([`accept`](Self::accept)).
+#[derive(Debug)]
+pub struct Applicant {
+    /// What it said first.
+    pub hello: Hello,
+    /// Where its areas are.
+    pub registered: Registered,
+    fds: ForeignFds,
+    program: Program,
+    sock: UnixStream,
+}
+
+impl Applicant {
+    /// The program's pid.
+    pub fn pid(&self) -> u32 {
+        self.program.pid
+    }
+
+    /// Serves the program's region from `store` with `opts` (on `rt`) and sends the
+    /// verdict: serving, or [`Refusal::Setup`] if the region could not be set up (the
+    /// error is returned).
+    pub fn accept(
+        self,
+        store: Arc<dyn Store>,
+        opts: ForeignOptions,
+        rt: Handle,
+    ) -> Result<ForeignRegion, RegionError> {
+        let Applicant {
+            registered,
+            fds,
+            program,
+            mut sock,
+            ..
+        } = self;
+        let reaper = sock
+            .try_clone()
+            .and_then(|s| Reaper::new(s, REAPER_DEADLINE))
+            .map_err(|e| RegionError::sys("talking to the program's reaper", e));
+        let region = reaper.and_then(|reaper| {
+            ForeignRegion::start(&registered, fds, program, reaper, store, opts, rt)
+        });
+        let status = match &region {
+            Ok(_) => 0,
+            Err(_) => Refusal::Setup as u16,
+        };
+        if let Err(e) = send(&mut sock, Msg::Verdict(Verdict { status })) {
+            // The program is gone or deaf: the region (if any) ends with it.
+            tracing::debug!("sending the verdict: {e}");
+        }
+        region
+    }
+
+    /// Refuses the program (it is told [`Refusal::Setup`]): the handler cannot serve it.
+    pub fn refuse(mut self, why: &str) -> HandshakeError {
+        refuse(&mut self.sock, Refusal::Setup, why.to_owned())
+    }
+}
+
+/// Runs the handshake on `sock` (a connection a program made) up to its verdict: checks
+/// its hello, tells it `expected.config`, receives and checks what it registered. Each
+/// read waits at most `timeout`.
+pub fn handshake(
+    mut sock: UnixStream,
+    expected: &Expected,
+    timeout: Duration,
+) -> Result<Applicant, HandshakeError> {
+    sock.set_read_timeout(Some(timeout))?;
+    sock.set_write_timeout(Some(timeout))?;
+    let Msg::Hello(hello) = read_msg(&mut sock)? else {
+        return Err(HandshakeError::Protocol(
+            "the first message is not a hello".into(),
+        ));
+    };
+    if !same_token(&hello.token, &expected.token) {
+        return Err(refuse(&mut sock, Refusal::Token, "a wrong token".into()));
+    }
+    if let Err(why) = check_peer(&sock, hello.pid, expected.ancestor) {
+        return Err(refuse(&mut sock, Refusal::Stranger, why));
+    }
+    send(&mut sock, Msg::Config(expected.config))?;
+    let (registered, fds) = read_registered(&sock)?;
+    let c = &expected.config;
+    let staging_len = c.region_len + c.trash_len;
+    if registered.region_len != c.region_len
+        || registered.staging_len != staging_len
+        || registered.features != c.features
+    {
+        let why = format!(
+            "registered {registered:?}, configured {} bytes, staging {staging_len}, features {:#x}",
+            c.region_len, c.features
+        );
+        return Err(refuse(&mut sock, Refusal::Areas, why));
+    }
+    let fds = match check_fds(fds, hello.pid) {
+        Ok(fds) => fds,
+        Err(why) => return Err(refuse(&mut sock, Refusal::Descriptors, why)),
+    };
+    let pidfd = match rustix::process::Pid::from_raw(hello.pid as i32)
+        .ok_or(rustix::io::Errno::SRCH)
+        .and_then(|pid| rustix::process::pidfd_open(pid, rustix::process::PidfdFlags::empty()))
+    {
+        Ok(fd) => fd,
+        Err(e) => {
+            return Err(refuse(
+                &mut sock,
+                Refusal::Stranger,
+                format!("pidfd_open: {e}"),
+            ))
+        }
+    };
+    // From here on the reaper's requests have their own deadline.
+    sock.set_read_timeout(None)?;
+    sock.set_write_timeout(None)?;
+    Ok(Applicant {
+        hello,
+        registered,
+        fds,
+        program: Program {
+            pid: hello.pid,
+            pidfd,
+        },
+        sock,
+    })
+}
+
+/// Sends `refusal` (best effort) and returns the error.
+fn refuse(sock: &mut UnixStream, refusal: Refusal, why: String) -> HandshakeError {
+    let _ = send(
+        sock,
+        Msg::Verdict(Verdict {
+            status: refusal as u16,
+        }),
+    );
+    HandshakeError::Refused { refusal, why }
+}
+
+fn send(sock: &mut UnixStream, msg: Msg) -> io::Result<()> {
+    let mut out = [0u8; MAX_MSG_LEN];
+    let n = msg
+        .encode(&mut out)
+        .map_err(|e| io::Error::other(e.to_string()))?;
+    sock.write_all(&out[..n])
+}
+
+/// Reads one message, byte-exact (never past its end: what follows is not ours to read).
+fn read_msg(sock: &mut UnixStream) -> Result<Msg, HandshakeError> {
+    let mut buf = [0u8; MAX_MSG_LEN];
+    let mut have = 0;
+    loop {
+        match decode(&buf[..have]) {
+            Ok(Some((msg, _))) => return Ok(msg),
+            Ok(None) => {}
+            Err(e) => return Err(HandshakeError::Protocol(e.to_string())),
+        }
+        // The header says how long the message is; read up to its end only.
+        let want = if have < farmap_run_proto::HEADER_LEN {
+            farmap_run_proto::HEADER_LEN
+        } else {
+            let len = u32::from_le_bytes(buf[8..12].try_into().expect("4 bytes")) as usize;
+            (farmap_run_proto::HEADER_LEN + len).min(MAX_MSG_LEN)
+        };
+        let n = sock.read(&mut buf[have..want])?;
+        if n == 0 {
+            return Err(io::Error::from(io::ErrorKind::UnexpectedEof).into());
+        }
+        have += n;
+    }
+}
+
+/// Receives the program's `Registered` message and its descriptors.
+fn read_registered(sock: &UnixStream) -> Result<(Registered, Vec<OwnedFd>), HandshakeError> {
+    let mut out = [0u8; MAX_MSG_LEN];
+    let sample = Msg::Registered(Registered {
+        region: 0,
+        region_len: 0,
+        staging: 0,
+        staging_len: 0,
+        features: 0,
+    });
+    let len = sample
+        .encode(&mut out)
+        .map_err(|e| HandshakeError::Protocol(e.to_string()))?;
+    let mut buf = [0u8; MAX_MSG_LEN];
+    let fds = recv_with_fds(sock, &mut buf[..len])?;
+    match decode(&buf[..len]) {
+        Ok(Some((Msg::Registered(r), _))) => Ok((r, fds)),
+        Ok(_) => Err(HandshakeError::Protocol(
+            "expected the areas the program registered".into(),
+        )),
+        Err(e) => Err(HandshakeError::Protocol(e.to_string())),
+    }
+}
+
+/// Compares tokens in time that does not depend on where they differ.
+fn same_token(a: &[u8; TOKEN_LEN], b: &[u8; TOKEN_LEN]) -> bool {
+    a.iter().zip(b).fold(0u8, |acc, (x, y)| acc | (x ^ y)) == 0
+}
+
+/// The peer is this user's process `pid`, and a descendant of `ancestor` (or it).
+fn check_peer(sock: &UnixStream, pid: u32, ancestor: Option<u32>) -> Result<(), String> {
+    let cred = rustix::net::sockopt::socket_peercred(sock)
+        .map_err(|e| format!("reading the peer's credentials: {e}"))?;
+    let uid = rustix::process::geteuid();
+    if cred.uid != uid {
+        return Err(format!(
+            "the peer is user {}, not {}",
+            cred.uid.as_raw(),
+            uid.as_raw()
+        ));
+    }
+    let peer = cred.pid.as_raw_nonzero().get() as u32;
+    if peer != pid {
+        return Err(format!("the peer is process {peer}, its hello says {pid}"));
+    }
+    if let Some(root) = ancestor {
+        if !descends_from(pid, root) {
+            return Err(format!("process {pid} was not started by process {root}"));
+        }
+    }
+    Ok(())
+}
+
+/// Whether `pid` is `root` or one of its descendants (by the parent links in `/proc`).
+fn descends_from(mut pid: u32, root: u32) -> bool {
+    for _ in 0..4096 {
+        if pid == root {
+            return true;
+        }
+        match parent_of(pid) {
+            Some(p) if p > 1 && p != pid => pid = p,
+            _ => return false,
+        }
+    }
+    false
+}
+
+/// The parent of `pid` (field 4 of `/proc/PID/stat`).
+fn parent_of(pid: u32) -> Option<u32> {
+    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
+    // The command name (field 2) is in parentheses and may hold anything.
+    let rest = &stat[stat.rfind(')')? + 1..];
+    rest.split_ascii_whitespace().nth(1)?.parse().ok()
+}
+
+/// The four descriptors are what the protocol says: two userfaultfds, then the program's
+/// own pagemap and mem files (a program cannot pass another process's off as its own).
+fn check_fds(fds: Vec<OwnedFd>, pid: u32) -> Result<ForeignFds, String> {
+    let fds = ForeignFds::try_from(fds).map_err(|e| e.to_string())?;
+    let link = |fd: &OwnedFd| {
+        std::fs::read_link(format!("/proc/self/fd/{}", fd.as_fd().as_raw_fd()))
+            .map(|p| p.to_string_lossy().into_owned())
+            .unwrap_or_default()
+    };
+    for (what, fd) in [
+        ("the region's", &fds.region_uffd),
+        ("the staging area's", &fds.staging_uffd),
+    ] {
+        let l = link(fd);
+        if l != "anon_inode:[userfaultfd]" {
+            return Err(format!("{what} userfaultfd is {l:?}"));
+        }
+    }
+    for (name, fd) in [("pagemap", &fds.pagemap), ("mem", &fds.mem)] {
+        let want = format!("/proc/{pid}/{name}");
+        let l = link(fd);
+        if l != want {
+            return Err(format!("the {name} descriptor is {l:?}, not {want}"));
+        }
+    }
+    Ok(fds)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn tokens_compare_whole() {
+        let a = [7u8; TOKEN_LEN];
+        let mut b = a;
+        assert!(same_token(&a, &b));
+        b[TOKEN_LEN - 1] ^= 1;
+        assert!(!same_token(&a, &b));
+    }
+
+    #[test]
+    fn this_process_descends_from_its_parent_and_not_from_a_child() {
+        let me = std::process::id();
+        let parent = parent_of(me).unwrap();
+        assert!(descends_from(me, me));
+        assert!(descends_from(me, parent));
+        let mut child = std::process::Command::new("sleep")
+            .arg("5")
+            .spawn()
+            .unwrap();
+        assert!(descends_from(child.id(), me));
+        assert!(!descends_from(me, child.id()));
+        child.kill().unwrap();
+        child.wait().unwrap();
+    }
+
+    #[test]
+    fn descriptors_must_be_userfaultfds_and_the_programs_own_files() {
+        let me = std::process::id();
+        let open = |p: &str| -> OwnedFd { std::fs::File::open(p).unwrap().into() };
+        // Not userfaultfds.
+        let fds = vec![
+            open("/dev/null"),
+            open("/dev/null"),
+            open("/proc/self/pagemap"),
+            open("/proc/self/mem"),
+        ];
+        let err = check_fds(fds, me).unwrap_err();
+        assert!(err.contains("userfaultfd"), "{err}");
+        let Ok(a) = crate::uffd::Uffd::open(0) else {
+            farmap_testkit::skip(
+                "foreign::accept::descriptors_must_be_userfaultfds_and_the_programs_own_files",
+                "no userfaultfd",
+            );
+            return;
+        };
+        let b = crate::uffd::Uffd::open(0).unwrap();
+        let fd = |u: crate::uffd::Uffd| -> OwnedFd { u.as_fd().try_clone_to_owned().unwrap() };
+        // Another process's pagemap (a child's: this one may open it).
+        let mut child = std::process::Command::new("sleep")
+            .arg("5")
+            .spawn()
+            .unwrap();
+        let fds = vec![
+            fd(a),
+            fd(b),
+            open(&format!("/proc/{}/pagemap", child.id())),
+            open("/proc/self/mem"),
+        ];
+        let err = check_fds(fds, me).unwrap_err();
+        child.kill().unwrap();
+        child.wait().unwrap();
+        assert!(err.contains("pagemap"), "{err}");
+        let fds = vec![
+            fd(crate::uffd::Uffd::open(0).unwrap()),
+            fd(crate::uffd::Uffd::open(0).unwrap()),
+            open("/proc/self/pagemap"),
+            open("/proc/self/mem"),
+        ];
+        assert!(check_fds(fds, me).is_ok());
+    }
+}
