@@ -1,0 +1,259 @@
+//! `farmap run -- PROGRAM`: real programs (Python, sh) with their heap served by farmap
+//! through the interposition library (`libfarmap_preload.so`), at a bound well under what
+//! they allocate. Each test checks what the program itself verified, what farmap run
+//! reports, and what the kernel says of the program's memory.
+
+mod common;
+use common::farmap;
+
+use std::path::PathBuf;
+use std::process::Stdio;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::time::Duration;
+
+use farmap_testkit::skip::skip;
+use serde_json::Value;
+
+const PYTHON: &str = "/usr/bin/python3";
+
+/// The interposition library built beside the `farmap` binary (`cargo test --workspace`
+/// builds it; `cargo build -p farmap-preload` otherwise), or `None` (a recorded skip).
+fn preload(test: &str) -> Option<PathBuf> {
+    let bin = PathBuf::from(env!("CARGO_BIN_EXE_farmap"));
+    let so = bin.with_file_name("libfarmap_preload.so");
+    if !so.is_file() {
+        skip(
+            test,
+            format!(
+                "{} is missing: build it with `cargo build -p farmap-preload`",
+                so.display()
+            ),
+        );
+        return None;
+    }
+    if farmap_uffd::probe_paging().is_err() {
+        skip(test, "bounded userfaultfd regions are not available here");
+        return None;
+    }
+    if !std::path::Path::new(PYTHON).is_file() {
+        skip(test, format!("{PYTHON} is missing"));
+        return None;
+    }
+    Some(so)
+}
+
+/// `farmap run --preload SO ARGS...`, its output.
+fn run(so: &std::path::Path, args: &[&str]) -> std::process::Output {
+    let mut all = vec!["run", "--preload", so.to_str().unwrap()];
+    all.extend_from_slice(args);
+    farmap().run(&all)
+}
+
+/// The `--stats` lines farmap run printed on stderr.
+fn stats_lines(stderr: &[u8]) -> Vec<Value> {
+    String::from_utf8_lossy(stderr)
+        .lines()
+        .filter(|l| l.starts_with('{'))
+        .map(|l| serde_json::from_str(l).unwrap())
+        .collect()
+}
+
+/// Python: 96 MiB of tagged buffers (1,536 × 64 KiB, each byte its buffer's tag), written
+/// and verified from 4 threads, freed and allocated again, verified again.
+const TAGGED: &str = r#"
+import threading, sys
+N, SIZE = 1536, 64 * 1024
+bufs = [None] * N
+def fill(k):
+    for i in range(k, N, 4):
+        bufs[i] = bytearray(bytes([i % 251]) * SIZE)
+def check(k, bad):
+    for i in range(k, N, 4):
+        b = bufs[i]
+        if len(b) != SIZE or b.count(i % 251) != SIZE:
+            bad.append(i)
+for step in (fill, None):
+    if step:
+        ts = [threading.Thread(target=fill, args=(k,)) for k in range(4)]
+        [t.start() for t in ts]; [t.join() for t in ts]
+    bad = []
+    ts = [threading.Thread(target=check, args=(k, bad)) for k in range(4)]
+    [t.start() for t in ts]; [t.join() for t in ts]
+    if bad:
+        print("bad", bad[:5]); sys.exit(1)
+# Free every other buffer and allocate new ones with other tags: freed memory is reused.
+for i in range(0, N, 2):
+    bufs[i] = None
+for i in range(0, N, 2):
+    bufs[i] = bytearray(bytes([(i + 7) % 251]) * SIZE)
+bad = [i for i in range(N) if bufs[i].count(((i + 7) if i % 2 == 0 else i) % 251) != SIZE]
+print("verified", N - len(bad), "bad", len(bad))
+sys.exit(1 if bad else 0)
+"#;
+
+#[test]
+fn python_verifies_its_heap_at_a_third_of_what_it_allocates() {
+    let test = "python_verifies_its_heap_at_a_third_of_what_it_allocates";
+    let Some(so) = preload(test) else { return };
+    let mut cmd = farmap().command();
+    cmd.args([
+        "run",
+        "--preload",
+        so.to_str().unwrap(),
+        "--heap-max",
+        "512MiB",
+        "--local-max",
+        "32MiB",
+        "--stats",
+        "--",
+        PYTHON,
+        "-c",
+        TAGGED,
+    ])
+    .stdout(Stdio::piped())
+    .stderr(Stdio::piped());
+    let child = cmd.spawn().unwrap();
+    let runner = child.id();
+    // The program's resident set, sampled while it runs.
+    let (done, max_rss) = (AtomicBool::new(false), AtomicU64::new(0));
+    let out = std::thread::scope(|s| {
+        s.spawn(|| {
+            while !done.load(Ordering::Relaxed) {
+                if let Some(rss) = children_of(runner).into_iter().filter_map(rss).max() {
+                    max_rss.fetch_max(rss, Ordering::Relaxed);
+                }
+                std::thread::sleep(Duration::from_millis(10));
+            }
+        });
+        let out = child.wait_with_output().unwrap();
+        done.store(true, Ordering::Relaxed);
+        out
+    });
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        out.status.success(),
+        "farmap run: {:?}\n{stdout}\n{stderr}",
+        out.status
+    );
+    assert!(stdout.contains("verified 1536 bad 0"), "{stdout}");
+    let stats = stats_lines(&out.stderr);
+    assert_eq!(stats.len(), 1, "one program image: {stderr}");
+    let s = &stats[0];
+    eprintln!(
+        "{s}; the program's largest resident set: {} bytes",
+        max_rss.load(Ordering::Relaxed)
+    );
+    assert_eq!(s["limit_bytes"], 32 << 20);
+    assert!(s["faults"].as_u64().unwrap() > 0, "{s}");
+    assert!(
+        s["evictions"].as_u64().unwrap() > 0,
+        "96 MiB in 32 MiB and nothing evicted: {s}"
+    );
+    assert!(s["pushed_bytes"].as_u64().unwrap() > 0, "{s}");
+    assert_eq!(s["end"], "Exited");
+    // The bound plus Python itself (its code, libraries and interpreter state: about
+    // 10 MB here) and the library's bootstrap heap.
+    let max = max_rss.load(Ordering::Relaxed);
+    assert!(max > 0, "the program's resident set was never sampled");
+    assert!(
+        max <= (32 + 32) << 20,
+        "the program's resident set reached {max} bytes"
+    );
+}
+
+#[test]
+fn programs_that_allocate_little_start_and_end_cleanly_with_their_status() {
+    let test = "programs_that_allocate_little_start_and_end_cleanly_with_their_status";
+    let Some(so) = preload(test) else { return };
+    let out = run(&so, &["--", "/bin/true"]);
+    assert!(out.status.success(), "{out:?}");
+    let out = run(&so, &["--", PYTHON, "-c", "pass"]);
+    assert!(out.status.success(), "{out:?}");
+    let out = run(&so, &["--", "/bin/sh", "-c", "exit 7"]);
+    assert_eq!(out.status.code(), Some(7), "{out:?}");
+    let out = run(&so, &["--", "/bin/sh", "-c", "kill -TERM $$"]);
+    assert_eq!(out.status.code(), Some(128 + 15), "{out:?}");
+    let out = run(&so, &["--", "/nonexistent/program"]);
+    assert!(!out.status.success());
+    assert!(
+        String::from_utf8_lossy(&out.stderr).contains("/nonexistent/program"),
+        "{out:?}"
+    );
+}
+
+#[test]
+fn an_exec_starts_a_new_session() {
+    let test = "an_exec_starts_a_new_session";
+    let Some(so) = preload(test) else { return };
+    let script = format!(
+        "exec {PYTHON} -c 'b = [bytearray(65536) for _ in range(256)]; print(\"python\", len(b))'"
+    );
+    let out = run(&so, &["--stats", "--", "/bin/sh", "-c", &script]);
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success(), "{out:?}");
+    assert!(String::from_utf8_lossy(&out.stdout).contains("python 256"));
+    let stats = stats_lines(&out.stderr);
+    let ends: Vec<&str> = stats.iter().map(|s| s["end"].as_str().unwrap()).collect();
+    assert_eq!(ends, ["Replaced", "Exited"], "{stderr}");
+}
+
+/// A process of the program that connects with a wrong token, or speaks nonsense, is
+/// refused and changes nothing: the program's own session goes on.
+#[test]
+fn strangers_on_the_control_socket_are_refused() {
+    let test = "strangers_on_the_control_socket_are_refused";
+    let Some(so) = preload(test) else { return };
+    let script = r#"
+import os, socket, struct
+path = os.environ["FARMAP_RUN_SOCK"]
+def hello(token):
+    body = token + struct.pack("<II", os.getpid(), 0)
+    return b"FMRN" + struct.pack("<HHII", 1, 1, len(body), 0) + body
+s = socket.socket(socket.AF_UNIX); s.connect(path)
+s.sendall(hello(b"\x00" * 32))
+verdict = s.recv(64)
+status = struct.unpack("<H", verdict[16:18])[0] if len(verdict) >= 18 else None
+s2 = socket.socket(socket.AF_UNIX); s2.connect(path)
+s2.sendall(b"GET / HTTP/1.1\r\n\r\n" * 4)
+rest = s2.recv(64)
+data = [bytearray(b"x" * 100000) for _ in range(64)]
+print("status", status, "garbage answered", len(rest), "ok", all(d.count(b"x") == 100000 for d in data))
+"#;
+    let out = run(&so, &["--", PYTHON, "-c", script]);
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(out.status.success(), "{out:?}");
+    assert!(
+        stdout.contains("status 1 garbage answered 0 ok True"),
+        "{stdout} {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+}
+
+/// The pids of `pid`'s children.
+fn children_of(pid: u32) -> Vec<u32> {
+    let Ok(tasks) = std::fs::read_dir(format!("/proc/{pid}/task")) else {
+        return Vec::new();
+    };
+    tasks
+        .filter_map(|t| std::fs::read_to_string(t.ok()?.path().join("children")).ok())
+        .flat_map(|c| {
+            c.split_whitespace()
+                .filter_map(|p| p.parse().ok())
+                .collect::<Vec<u32>>()
+        })
+        .collect()
+}
+
+/// A process's resident set (`VmRSS`), bytes.
+fn rss(pid: u32) -> Option<u64> {
+    let status = std::fs::read_to_string(format!("/proc/{pid}/status")).ok()?;
+    let kb: u64 = status
+        .lines()
+        .find(|l| l.starts_with("VmRSS:"))?
+        .split_whitespace()
+        .nth(1)?
+        .parse()
+        .ok()?;
+    Some(kb * 1024)
+}
