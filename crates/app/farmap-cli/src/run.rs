@@ -78,6 +78,10 @@ pub struct RunArgs {
     /// program image).
     #[arg(long)]
     stats: bool,
+    /// Answer `farmap region limit --app SOCKET` and `farmap region stats --app SOCKET` on
+    /// this Unix socket (mode 0600) while the program runs (its newest program image).
+    #[arg(long, value_name = "SOCKET")]
+    agent: Option<PathBuf>,
     /// The program and its arguments.
     #[arg(
         required = true,
@@ -124,6 +128,23 @@ pub async fn run(args: RunArgs) -> anyhow::Result<ExitCode> {
         sessions: Mutex::new(Vec::new()),
         stats: args.stats,
     });
+    let _agent = match &args.agent {
+        Some(path) => {
+            let served = served.clone();
+            let newest = move || {
+                let sessions = served.sessions.lock();
+                sessions
+                    .last()
+                    .map(|r| r.clone() as Arc<dyn farmap_uffd::BoundedRegion>)
+            };
+            Some(
+                farmap_migrate::agent::serve_bounded(path, newest)
+                    .await
+                    .with_context(|| format!("--agent {}", path.display()))?,
+            )
+        }
+        None => None,
+    };
     let dir = PrivateDir::new()?;
     let sock_path = dir.path.join("run.sock");
     let listener = UnixListener::bind(&sock_path)

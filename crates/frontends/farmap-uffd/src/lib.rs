@@ -124,6 +124,7 @@
 #![warn(missing_docs)]
 
 #[forbid(unsafe_code)]
+mod bounded;
 mod error;
 #[forbid(unsafe_code)]
 pub mod foreign;
@@ -157,6 +158,7 @@ pub mod sys;
 mod tracking;
 pub mod uffd;
 
+pub use bounded::BoundedRegion;
 pub use error::{RegionError, Unsupported};
 /// The volatile view of region memory ([`Region::memory`]), from `farmap-memory`.
 pub use farmap_memory::{RegionSlice, SliceError};

@@ -6,12 +6,12 @@
 //! program's whose region this process serves (`farmap run`, docs/design/foreign-region.md):
 //! an area is read through the program's `/proc/PID/mem`, and its reaper thread moves and
 //! discards pages, which the kernel refuses across address spaces
-//! ([`ForeignSpace`](crate::foreign::ForeignSpace)).
+//! ([`ForeignSpace`](crate::foreign::space::ForeignSpace)).
 
 use std::io;
 use std::sync::Arc;
 
-use crate::foreign::ForeignSpace;
+use crate::foreign::space::ForeignSpace;
 use crate::mapping::Mapping;
 use crate::uffd::UffdRange;
 

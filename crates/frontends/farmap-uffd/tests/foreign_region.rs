@@ -13,7 +13,8 @@
 //! 4. checks every page;
 //!
 //! and prints `done MISMATCHES FIRST_BAD`. The tests check the program's verdict, the
-//! bound on its memory while it runs (chunks counted against the limit, and its
+//! bound on its memory while it runs (chunks counted against the limit, pages present in
+//! its region and staging area, and its
 //! resident set), how the session ends (exit, exec, or the handler dropped: the program is
 //! killed), and that nothing of the session is left running afterwards.
 
@@ -310,6 +311,10 @@ fn a_programs_region_reads_what_it_wrote_within_its_bound_and_ends_with_it() {
     assert!(
         max_units.load(Ordering::Relaxed) <= bound_pages,
         "more chunks resident than limit + min_free ({bound_pages})"
+    );
+    assert!(
+        max_pages.load(Ordering::Relaxed) <= bound_pages,
+        "more pages present in the region and staging area than limit + min_free"
     );
     assert!(
         max_rss.load(Ordering::Relaxed) <= rss_bound,

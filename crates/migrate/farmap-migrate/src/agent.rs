@@ -31,7 +31,7 @@ use std::time::Duration;
 
 use farmap_core::error_chain;
 use farmap_net::{ListenAddr, RemoteAddr, TlsClientConfig, TlsServerConfig};
-use farmap_uffd::Region;
+use farmap_uffd::{BoundedRegion, Region};
 use serde::{Deserialize, Serialize};
 use serde_json::{json, Map, Value};
 use tokio::io::{AsyncBufReadExt, AsyncRead, AsyncWriteExt, BufReader};
@@ -70,6 +70,11 @@ pub trait App: Send + Sync + 'static {
     /// holds another kind (a mounted file). Unlike [`region`](Self::region), it starts
     /// nothing: it may be called at any time, during a migration too.
     fn uffd_region(&self) -> Option<Arc<Region>>;
+    /// The region whose local memory the local-memory requests bound: by default
+    /// [`uffd_region`](Self::uffd_region)'s.
+    fn bounded_region(&self) -> Option<Arc<dyn BoundedRegion>> {
+        self.uffd_region().map(|r| r as Arc<dyn BoundedRegion>)
+    }
     /// The region was handed over and released: it is no longer this process's.
     fn released(&self, report: &SeedReport);
     /// Opens the destination of a region that is arriving (before pre-copy); for a
@@ -361,24 +366,7 @@ impl Drop for Agent {
 /// replaced; one that another agent still answers on is an error.
 pub async fn serve<A: App>(path: impl AsRef<Path>, app: Arc<A>) -> io::Result<Agent> {
     let path = path.as_ref().to_path_buf();
-    if let Ok(meta) = std::fs::symlink_metadata(&path) {
-        use std::os::unix::fs::FileTypeExt;
-        if !meta.file_type().is_socket() {
-            // Never delete what is not ours to delete: a file, a directory, a link.
-            return Err(io::Error::new(
-                io::ErrorKind::AlreadyExists,
-                format!("{} exists and is not a socket", path.display()),
-            ));
-        }
-        if UnixStream::connect(&path).await.is_ok() {
-            return Err(io::Error::new(
-                io::ErrorKind::AddrInUse,
-                format!("another agent answers on {}", path.display()),
-            ));
-        }
-        std::fs::remove_file(&path)?;
-    }
-    let listener = farmap_net::bind_private_unix(&path)?;
+    let listener = bind_agent(&path).await?;
     let busy = Arc::new(tokio::sync::Mutex::new(()));
     let task = tokio::spawn(async move {
         loop {
@@ -392,6 +380,80 @@ pub async fn serve<A: App>(path: impl AsRef<Path>, app: Arc<A>) -> io::Result<Ag
         }
     });
     Ok(Agent { path, task })
+}
+
+/// Starts an agent that answers the local-memory requests only
+/// ([`Request::SetLocalMax`], [`Request::PagingState`]) for the region `region` returns
+/// (`farmap run`'s: a program's heap, which does not migrate); every other request is
+/// refused. On the Unix socket `path`, as [`serve`].
+pub async fn serve_bounded(
+    path: impl AsRef<Path>,
+    region: impl Fn() -> Option<Arc<dyn BoundedRegion>> + Send + Sync + 'static,
+) -> io::Result<Agent> {
+    let path = path.as_ref().to_path_buf();
+    let listener = bind_agent(&path).await?;
+    let region = Arc::new(region);
+    let task = tokio::spawn(async move {
+        loop {
+            let Ok((stream, _)) = listener.accept().await else {
+                continue;
+            };
+            let region = region.clone();
+            tokio::spawn(async move {
+                let (rd, mut wr) = stream.into_split();
+                let mut rd = BufReader::new(rd);
+                let refuse = |message: String| Reply::Error {
+                    kind: FailKind::Refused,
+                    message,
+                };
+                let reply = match read_line(&mut rd).await {
+                    Ok(None) => return,
+                    Err(e) => refuse(format!("a bad request: {e}")),
+                    Ok(Some(l)) => match serde_json::from_str::<Request>(&l) {
+                        Err(e) => refuse(format!("a bad request: {e}")),
+                        Ok(Request::SetLocalMax(r)) => paging::set_local_max(r, region())
+                            .await
+                            .map_or_else(refuse, Reply::Paging),
+                        Ok(Request::PagingState) => paging::state(region())
+                            .await
+                            .map_or_else(refuse, Reply::Paging),
+                        Ok(_) => refuse(
+                            "this agent only bounds a program's memory (farmap run): its \
+                             heap does not migrate"
+                                .into(),
+                        ),
+                    },
+                };
+                let mut line = serde_json::to_vec(&reply).expect("replies serialize");
+                line.push(b'\n');
+                let _ = wr.write_all(&line).await;
+            });
+        }
+    });
+    Ok(Agent { path, task })
+}
+
+/// Listens on the agent's socket `path`: a stale socket file is replaced; anything else
+/// there, or a socket another agent answers on, is an error.
+async fn bind_agent(path: &Path) -> io::Result<tokio::net::UnixListener> {
+    if let Ok(meta) = std::fs::symlink_metadata(path) {
+        use std::os::unix::fs::FileTypeExt;
+        if !meta.file_type().is_socket() {
+            // Never delete what is not ours to delete: a file, a directory, a link.
+            return Err(io::Error::new(
+                io::ErrorKind::AlreadyExists,
+                format!("{} exists and is not a socket", path.display()),
+            ));
+        }
+        if UnixStream::connect(path).await.is_ok() {
+            return Err(io::Error::new(
+                io::ErrorKind::AddrInUse,
+                format!("another agent answers on {}", path.display()),
+            ));
+        }
+        std::fs::remove_file(path)?;
+    }
+    farmap_net::bind_private_unix(path)
 }
 
 /// Reads one line of at most [`MAX_LINE`] bytes; `Ok(None)` at the end of the stream.
@@ -495,10 +557,10 @@ async fn connection<A: App>(
         Err(e) => refuse(e),
         Ok(Request::Cancel) => refuse("nothing to cancel on a new connection".into()),
         // Never behind a migration: they change or read the region's bound, nothing else.
-        Ok(Request::SetLocalMax(r)) => paging::set_local_max(r, app.uffd_region())
+        Ok(Request::SetLocalMax(r)) => paging::set_local_max(r, app.bounded_region())
             .await
             .map_or_else(refuse, Reply::Paging),
-        Ok(Request::PagingState) => paging::state(app.uffd_region())
+        Ok(Request::PagingState) => paging::state(app.bounded_region())
             .await
             .map_or_else(refuse, Reply::Paging),
         Ok(req) => {

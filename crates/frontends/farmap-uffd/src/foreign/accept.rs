@@ -27,7 +27,7 @@ use farmap_run_proto::{
 use tokio::runtime::Handle;
 
 use super::region::{ForeignFds, ForeignOptions, ForeignRegion, Program};
-use super::Reaper;
+use super::reaper::Reaper;
 use crate::error::RegionError;
 use crate::handover::socket::recv_with_fds;
 
@@ -235,19 +235,12 @@ fn read_msg(sock: &mut UnixStream) -> Result<Msg, HandshakeError> {
     }
 }
 
+/// The length of a `Registered` message (a header and five 8-byte fields).
+const REGISTERED_LEN: usize = farmap_run_proto::HEADER_LEN + 40;
+
 /// Receives the program's `Registered` message and its descriptors.
 fn read_registered(sock: &UnixStream) -> Result<(Registered, Vec<OwnedFd>), HandshakeError> {
-    let mut out = [0u8; MAX_MSG_LEN];
-    let sample = Msg::Registered(Registered {
-        region: 0,
-        region_len: 0,
-        staging: 0,
-        staging_len: 0,
-        features: 0,
-    });
-    let len = sample
-        .encode(&mut out)
-        .map_err(|e| HandshakeError::Protocol(e.to_string()))?;
+    let len = REGISTERED_LEN;
     let mut buf = [0u8; MAX_MSG_LEN];
     let fds = recv_with_fds(sock, &mut buf[..len])?;
     match decode(&buf[..len]) {
@@ -341,6 +334,19 @@ fn check_fds(fds: Vec<OwnedFd>, pid: u32) -> Result<ForeignFds, String> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_registered_message_is_as_long_as_said() {
+        let mut out = [0u8; MAX_MSG_LEN];
+        let r = Registered {
+            region: 1 << 30,
+            region_len: 1 << 20,
+            staging: 1 << 31,
+            staging_len: 2 << 20,
+            features: 0,
+        };
+        assert_eq!(Msg::Registered(r).encode(&mut out).unwrap(), REGISTERED_LEN);
+    }
 
     #[test]
     fn tokens_compare_whole() {

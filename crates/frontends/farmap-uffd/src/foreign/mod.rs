@@ -16,9 +16,9 @@
 //!   region is served ([`Applicant::accept`]; `accept.rs`).
 
 mod accept;
-mod reaper;
+pub(crate) mod reaper;
 mod region;
-mod space;
+pub(crate) mod space;
 
 pub use accept::{handshake, Applicant, Expected, HandshakeError, REAPER_DEADLINE};
 pub use reaper::{Reaper, ReaperError};

@@ -30,7 +30,7 @@ use parking_lot::Mutex;
 use tokio::runtime::Handle;
 
 use super::space::{End, ForeignSpace};
-use super::Reaper;
+use super::reaper::Reaper;
 use crate::error::RegionError;
 use crate::memory::{Events, PushReads, RegionMemory};
 use crate::options::{FaultWait, LocalLimit, PagingOptions, RemoveMeans, TrackingMode};

@@ -13,7 +13,7 @@
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use farmap_uffd::{LocalLimit, Region};
+use farmap_uffd::{BoundedRegion, LocalLimit};
 use serde::{Deserialize, Serialize};
 
 /// The longest a [`SetLocalMaxRequest`] may ask to wait for resident memory to settle.
@@ -132,7 +132,7 @@ pub struct PagingReport {
 impl PagingReport {
     /// The state of `region` now; `None` if its local memory is not bounded. Blocks (scans
     /// the page tables).
-    pub fn of(region: &Region) -> Option<PagingReport> {
+    pub fn of(region: &dyn BoundedRegion) -> Option<PagingReport> {
         let stats = region.stats();
         let p = stats.paging?;
         let g = region.geometry();
@@ -171,7 +171,7 @@ impl PagingReport {
 
 /// The region held here if its local memory is bounded; why a local-memory request is
 /// refused otherwise.
-fn paged(region: Option<Arc<Region>>) -> Result<Arc<Region>, String> {
+fn paged(region: Option<Arc<dyn BoundedRegion>>) -> Result<Arc<dyn BoundedRegion>, String> {
     match region {
         None => Err(
             "this process holds no userfaultfd region (none yet, handed over, or a \
@@ -188,7 +188,7 @@ fn paged(region: Option<Arc<Region>>) -> Result<Arc<Region>, String> {
 
 /// The answer to [`Request::PagingState`](super::Request::PagingState): the report, or why
 /// the agent refuses.
-pub(super) async fn state(region: Option<Arc<Region>>) -> Result<PagingReport, String> {
+pub(super) async fn state(region: Option<Arc<dyn BoundedRegion>>) -> Result<PagingReport, String> {
     report(paged(region)?).await
 }
 
@@ -196,7 +196,7 @@ pub(super) async fn state(region: Option<Arc<Region>>) -> Result<PagingReport, S
 /// with the state after it. Everything is checked before the limit changes.
 pub(super) async fn set_local_max(
     req: SetLocalMaxRequest,
-    region: Option<Arc<Region>>,
+    region: Option<Arc<dyn BoundedRegion>>,
 ) -> Result<PagingReport, String> {
     let limit = req.local_max.limit().map_err(|e| e.to_string())?;
     let wait = Duration::from_millis(req.wait_ms);
@@ -214,22 +214,22 @@ pub(super) async fn set_local_max(
     }
     tracing::info!(?limit, "local-memory limit changed by the agent");
     let deadline = Instant::now() + wait;
-    while Instant::now() < deadline && !settled(&region) {
+    while Instant::now() < deadline && !settled(&*region) {
         tokio::time::sleep(SETTLE_POLL).await;
     }
     report(region).await
 }
 
 /// Whether resident memory is within the limit plus `min_free`.
-fn settled(region: &Region) -> bool {
+fn settled(region: &dyn BoundedRegion) -> bool {
     region
         .stats()
         .paging
         .is_some_and(|p| p.resident_chunks <= p.limit_chunks + p.min_free_chunks)
 }
 
-async fn report(region: Arc<Region>) -> Result<PagingReport, String> {
-    match tokio::task::spawn_blocking(move || PagingReport::of(&region)).await {
+async fn report(region: Arc<dyn BoundedRegion>) -> Result<PagingReport, String> {
+    match tokio::task::spawn_blocking(move || PagingReport::of(&*region)).await {
         Ok(Some(r)) => Ok(r),
         Ok(None) => Err("the region lost its local-memory limit".into()),
         Err(e) => Err(format!("reading the region's paging state failed: {e}")),
