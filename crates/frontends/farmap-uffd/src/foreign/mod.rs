@@ -29,4 +29,3 @@ pub use region::{
 #[cfg(test)]
 pub(crate) use space::testing;
 pub use space::End;
-pub(crate) use space::ForeignSpace;
