@@ -57,7 +57,9 @@ pub(crate) unsafe fn read(envp: *const *const c_char) -> Settings {
         if let Some(v) = value_of(bytes, SOCK) {
             // The value is the entry's tail, NUL-terminated with it.
             let tail = &entry.to_bytes_with_nul()[bytes.len() - v.len()..];
-            s.sock = CStr::from_bytes_with_nul(tail).ok().filter(|c| !c.is_empty());
+            s.sock = CStr::from_bytes_with_nul(tail)
+                .ok()
+                .filter(|c| !c.is_empty());
         } else if let Some(v) = value_of(bytes, TOKEN) {
             s.token = Some(v);
         } else if let Some(v) = value_of(bytes, OPTIONAL) {
@@ -92,7 +94,8 @@ mod tests {
 
     #[test]
     fn tokens_are_64_hex_digits() {
-        let hex = b"00ff10AbcdEF0123456789abcdef00000000000000000000000000000000000001";
+        let hex = format!("00fF10Ab{}01", "0".repeat(54));
+        let hex = hex.as_bytes();
         let t = parse_token(hex).unwrap();
         assert_eq!(&t[..4], &[0x00, 0xff, 0x10, 0xab]);
         assert_eq!(t[31], 0x01);

@@ -202,7 +202,11 @@ pub unsafe extern "C" fn reallocarray(p: *mut c_void, n: usize, size: usize) -> 
 
 /// `posix_memalign(3)`.
 #[no_mangle]
-pub unsafe extern "C" fn posix_memalign(memptr: *mut *mut c_void, align: usize, size: usize) -> c_int {
+pub unsafe extern "C" fn posix_memalign(
+    memptr: *mut *mut c_void,
+    align: usize,
+    size: usize,
+) -> c_int {
     // SAFETY: posix_memalign(3)'s contract.
     unsafe { posix_memalign_impl(memptr, align, size) }
 }
@@ -288,7 +292,11 @@ pub extern "C" fn __libc_pvalloc(size: usize) -> *mut c_void {
 
 /// glibc's `__posix_memalign`.
 #[no_mangle]
-pub unsafe extern "C" fn __posix_memalign(memptr: *mut *mut c_void, align: usize, size: usize) -> c_int {
+pub unsafe extern "C" fn __posix_memalign(
+    memptr: *mut *mut c_void,
+    align: usize,
+    size: usize,
+) -> c_int {
     // SAFETY: posix_memalign(3)'s contract.
     unsafe { posix_memalign_impl(memptr, align, size) }
 }

@@ -186,7 +186,9 @@ pub(crate) unsafe fn init(envp: *const *const c_char) {
                 MODE_REGION
             }
             Err(e) if settings.optional => {
-                sys::say(format_args!("{e}; running on plain memory (FARMAP_RUN_OPTIONAL)"));
+                sys::say(format_args!(
+                    "{e}; running on plain memory (FARMAP_RUN_OPTIONAL)"
+                ));
                 MODE_PLAIN
             }
             Err(e) => {
@@ -195,14 +197,26 @@ pub(crate) unsafe fn init(envp: *const *const c_char) {
             }
         },
     };
-    if mode == MODE_PLAIN && MAIN.get_or_make(|| plain_heap(PLAIN_LEN, arenas())).is_none() {
-        sys::say(format_args!("could not map the plain heap; serving from the boot heap"));
+    if mode == MODE_PLAIN
+        && MAIN
+            .get_or_make(|| plain_heap(PLAIN_LEN, arenas()))
+            .is_none()
+    {
+        sys::say(format_args!(
+            "could not map the plain heap; serving from the boot heap"
+        ));
     }
     MODE.store(mode, Ordering::Relaxed);
     // SAFETY: registering handlers that only take and release heap locks (and, in a child,
     // make a plain heap with raw system calls); the main heap is set, so the allocation
     // glibc makes here is served without any lock of ours held.
-    unsafe { libc::pthread_atfork(Some(before_fork), Some(after_fork_parent), Some(after_fork_child)) };
+    unsafe {
+        libc::pthread_atfork(
+            Some(before_fork),
+            Some(after_fork_parent),
+            Some(after_fork_child),
+        )
+    };
 }
 
 /// Serves the program's heap from the session's region, and starts the reaper.

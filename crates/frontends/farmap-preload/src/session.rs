@@ -26,7 +26,9 @@ use farmap_run_proto::{
 };
 use rustix::io::Errno;
 use rustix::mm::Advice;
-use rustix::net::{AddressFamily, SendAncillaryBuffer, SendAncillaryMessage, SendFlags, SocketType};
+use rustix::net::{
+    AddressFamily, SendAncillaryBuffer, SendAncillaryMessage, SendFlags, SocketType,
+};
 
 use crate::sys;
 
@@ -90,8 +92,16 @@ impl Area {
 /// What a valid request does: which area (index) a move's destination is in.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(crate) enum Action {
-    Discard { start: u64, len: u64 },
-    Move { src: u64, dst: u64, len: u64, dst_area: usize },
+    Discard {
+        start: u64,
+        len: u64,
+    },
+    Move {
+        src: u64,
+        dst: u64,
+        len: u64,
+        dst_area: usize,
+    },
 }
 
 /// Checks a request against the program's areas: each range wholly inside one of them
@@ -234,7 +244,8 @@ pub(crate) fn open(path: &CStr, token: Option<&[u8]>) -> Result<Session, Session
     .map_err(sys_err("creating a socket"))?;
     let addr = rustix::net::SocketAddrUnix::new(path).map_err(sys_err("FARMAP_RUN_SOCK"))?;
     rustix::net::connect(&fd, &addr).map_err(sys_err("connecting to FARMAP_RUN_SOCK"))?;
-    let timeout = |v| rustix::net::sockopt::set_socket_timeout(&fd, rustix::net::sockopt::Timeout::Recv, v);
+    let timeout =
+        |v| rustix::net::sockopt::set_socket_timeout(&fd, rustix::net::sockopt::Timeout::Recv, v);
     timeout(Some(HANDSHAKE_WAIT)).map_err(sys_err("setting the socket's timeout"))?;
     let mut conn = Conn {
         fd,
@@ -250,17 +261,25 @@ pub(crate) fn open(path: &CStr, token: Option<&[u8]>) -> Result<Session, Session
     let session = finish(session)?;
     // Serving: the areas are the session's for the rest of the process.
     core::mem::forget(mapped);
-    let timeout = |v| rustix::net::sockopt::set_socket_timeout(&session.conn.fd, rustix::net::sockopt::Timeout::Recv, v);
+    let timeout = |v| {
+        rustix::net::sockopt::set_socket_timeout(
+            &session.conn.fd,
+            rustix::net::sockopt::Timeout::Recv,
+            v,
+        )
+    };
     timeout(None).map_err(sys_err("clearing the socket's timeout"))?;
     Ok(session)
 }
 
 /// Maps and registers the areas, sends them with the four fds.
 fn register(conn: Conn, config: &Config) -> Result<(Session, Mapped), SessionError> {
-    let region_uffd = sys::uffd_open(config.features).map_err(sys_err("the region's userfaultfd"))?;
-    let staging_uffd =
-        sys::uffd_open(sys::UFFD_FEATURE_MOVE).map_err(sys_err("the staging area's userfaultfd"))?;
-    let region_len = usize::try_from(config.region_len).map_err(|_| SessionError::Unexpected("a region that fits"))?;
+    let region_uffd =
+        sys::uffd_open(config.features).map_err(sys_err("the region's userfaultfd"))?;
+    let staging_uffd = sys::uffd_open(sys::UFFD_FEATURE_MOVE)
+        .map_err(sys_err("the staging area's userfaultfd"))?;
+    let region_len = usize::try_from(config.region_len)
+        .map_err(|_| SessionError::Unexpected("a region that fits"))?;
     let staging_len = config
         .region_len
         .checked_add(config.trash_len)
@@ -278,10 +297,20 @@ fn register(conn: Conn, config: &Config) -> Result<(Session, Mapped), SessionErr
     // SAFETY: both are fresh private anonymous mappings of ours that nothing has touched;
     // from now on the handler serves their faults (that is the point of the session).
     unsafe {
-        sys::uffd_register(region_uffd.as_fd(), region.addr(), region_len, sys::MODE_MISSING | sys::MODE_WP)
-            .map_err(sys_err("registering the region"))?;
-        sys::uffd_register(staging_uffd.as_fd(), staging.addr(), staging_len, sys::MODE_WP)
-            .map_err(sys_err("registering the staging area"))?;
+        sys::uffd_register(
+            region_uffd.as_fd(),
+            region.addr(),
+            region_len,
+            sys::MODE_MISSING | sys::MODE_WP,
+        )
+        .map_err(sys_err("registering the region"))?;
+        sys::uffd_register(
+            staging_uffd.as_fd(),
+            staging.addr(),
+            staging_len,
+            sys::MODE_WP,
+        )
+        .map_err(sys_err("registering the staging area"))?;
     }
     for (p, len) in mapped.0 {
         // SAFETY: DONTFORK changes only what a forked child inherits (not these areas).
@@ -295,7 +324,8 @@ fn register(conn: Conn, config: &Config) -> Result<(Session, Mapped), SessionErr
             rustix::fs::Mode::empty(),
         )
     };
-    let pagemap = proc_file(c"/proc/self/pagemap").map_err(sys_err("opening /proc/self/pagemap"))?;
+    let pagemap =
+        proc_file(c"/proc/self/pagemap").map_err(sys_err("opening /proc/self/pagemap"))?;
     let mem = proc_file(c"/proc/self/mem").map_err(sys_err("opening /proc/self/mem"))?;
     let areas = [
         Area {
@@ -314,7 +344,12 @@ fn register(conn: Conn, config: &Config) -> Result<(Session, Mapped), SessionErr
         staging_len: areas[1].len,
         features: config.features,
     });
-    let fds = [region_uffd.as_fd(), staging_uffd.as_fd(), pagemap.as_fd(), mem.as_fd()];
+    let fds = [
+        region_uffd.as_fd(),
+        staging_uffd.as_fd(),
+        pagemap.as_fd(),
+        mem.as_fd(),
+    ];
     send_with_fds(conn.fd.as_fd(), &msg, &fds)?;
     drop((pagemap, mem));
     Ok((
@@ -328,7 +363,11 @@ fn register(conn: Conn, config: &Config) -> Result<(Session, Mapped), SessionErr
 }
 
 /// Sends `msg` with `fds` (SCM_RIGHTS).
-fn send_with_fds(sock: BorrowedFd<'_>, msg: &Msg, fds: &[BorrowedFd<'_>; 4]) -> Result<(), SessionError> {
+fn send_with_fds(
+    sock: BorrowedFd<'_>,
+    msg: &Msg,
+    fds: &[BorrowedFd<'_>; 4],
+) -> Result<(), SessionError> {
     let mut out = [0u8; MAX_MSG_LEN];
     let n = msg.encode(&mut out).map_err(SessionError::Proto)?;
     let mut space = [MaybeUninit::<u8>::uninit(); rustix::cmsg_space!(ScmRights(4))];
@@ -394,7 +433,12 @@ pub(crate) fn start_reaper(session: Session) -> Result<(), Errno> {
         libc::sigfillset(all.as_mut_ptr());
         libc::pthread_sigmask(libc::SIG_SETMASK, all.as_ptr(), old.as_mut_ptr());
         let mut thread = MaybeUninit::<libc::pthread_t>::uninit();
-        let r = libc::pthread_create(thread.as_mut_ptr(), ptr::null(), reaper_main, ptr::null_mut());
+        let r = libc::pthread_create(
+            thread.as_mut_ptr(),
+            ptr::null(),
+            reaper_main,
+            ptr::null_mut(),
+        );
         libc::pthread_sigmask(libc::SIG_SETMASK, old.as_ptr(), ptr::null_mut());
         if r != 0 {
             return Err(Errno::from_raw_os_error(r));
@@ -472,12 +516,12 @@ mod tests {
     #[test]
     fn ranges_outside_or_across_areas_are_einval() {
         for (start, len) in [
-            (0x0f_f000, 0x1000),   // before the region
-            (0x1f_f000, 0x2000),   // past the region's end
-            (0x20_0000, 0x1000),   // between the areas
-            (0x10_0000, 0x40_0000), // across both
-            (0x60_0000, 0x1000),   // after staging
-            (0x10_0000, 0),        // empty
+            (0x0f_f000, 0x1000),        // before the region
+            (0x1f_f000, 0x2000),        // past the region's end
+            (0x20_0000, 0x1000),        // between the areas
+            (0x10_0000, 0x40_0000),     // across both
+            (0x60_0000, 0x1000),        // after staging
+            (0x10_0000, 0),             // empty
             (u64::MAX - 0xfff, 0x1000), // wraps
         ] {
             assert_eq!(
@@ -509,7 +553,10 @@ mod tests {
             dst: 0x10_0000,
             len: 0x1000,
         };
-        assert!(matches!(validate(&AREAS, back), Ok(Action::Move { dst_area: 0, .. })));
+        assert!(matches!(
+            validate(&AREAS, back),
+            Ok(Action::Move { dst_area: 0, .. })
+        ));
         let outside = Op::Move {
             src: 0x10_0000,
             dst: 0x30_0000,

@@ -153,7 +153,8 @@ pub(crate) const MODE_WP: u64 = 1 << 1;
 pub(crate) fn uffd_open(features: u64) -> Result<OwnedFd, Errno> {
     use rustix::mm::UserfaultfdFlags;
     // SAFETY: creating a userfaultfd has no effect on memory until ranges are registered.
-    let fd = unsafe { rustix::mm::userfaultfd(UserfaultfdFlags::CLOEXEC | UserfaultfdFlags::NONBLOCK)? };
+    let fd =
+        unsafe { rustix::mm::userfaultfd(UserfaultfdFlags::CLOEXEC | UserfaultfdFlags::NONBLOCK)? };
     let mut api = UffdioApi {
         api: UFFD_API,
         features,
@@ -183,7 +184,12 @@ pub(crate) unsafe fn uffd_register(
     };
     // SAFETY: UFFDIO_REGISTER takes a `struct uffdio_register`; the range's contract is
     // the caller's.
-    unsafe { ioctl::ioctl(uffd, Updater::<UFFDIO_REGISTER, UffdioRegister>::new(&mut reg)) }
+    unsafe {
+        ioctl::ioctl(
+            uffd,
+            Updater::<UFFDIO_REGISTER, UffdioRegister>::new(&mut reg),
+        )
+    }
 }
 
 /// `UFFDIO_MOVE` of `len` bytes from `src` to `dst`, issued on `uffd` (the destination's);
