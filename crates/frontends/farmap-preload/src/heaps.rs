@@ -222,6 +222,12 @@ pub(crate) unsafe fn init(envp: *const *const c_char) {
 /// Serves the program's heap from the session's region, and starts the reaper.
 fn start_region(s: session::Session) {
     let (region, len) = s.region();
+    // The reaper first: creating a thread allocates (glibc's TLS vector), which the boot
+    // heap serves; so no fault in the region is needed before the reaper runs.
+    if let Err(e) = session::start_reaper(s) {
+        sys::say(format_args!("cannot start the reaper thread: {e}"));
+        sys::kill_self();
+    }
     // SAFETY: the region is a fresh private anonymous mapping registered with the session's
     // userfaultfd: it reads as zeros (missing pages are served by farmap run as zeros, or
     // from the store once written), and only this heap hands it out; it is never unmapped.
@@ -229,15 +235,11 @@ fn start_region(s: session::Session) {
         Ok(h) => h,
         Err(e) => {
             sys::say(format_args!("cannot make a heap over the region: {e}"));
-            sys::exit_now(127);
+            sys::kill_self();
         }
     };
     if MAIN.get_or_make(|| Some(heap)).is_none() {
         sys::exit_now(127);
-    }
-    if let Err(e) = session::start_reaper(s) {
-        sys::say(format_args!("cannot start the reaper thread: {e}"));
-        sys::kill_self();
     }
 }
 

@@ -1,0 +1,377 @@
+//! The library in region mode against a real handler: this test process plays `farmap run`
+//! (the handshake, then [`ForeignRegion`] over the fds the program sends), and the program
+//! is `/usr/bin/python3` with the library preloaded, writing and checking tagged objects
+//! whose working set is larger than the local limit. A second test plays a handler that
+//! serves no faults, to check the reaper's answers and that losing the handler kills the
+//! program.
+
+mod common;
+
+use std::io::{Read, Write};
+use std::os::fd::{AsRawFd, FromRawFd, OwnedFd, RawFd};
+use std::os::unix::net::{UnixListener, UnixStream};
+use std::os::unix::process::ExitStatusExt;
+use std::process::{Child, Stdio};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use common::{count, preloaded, python_tagged, stat};
+use farmap_core::{Geometry, Store};
+use farmap_run_proto::{
+    decode, Config, Done, Msg, Op, Registered, Request, Verdict, MAX_MSG_LEN, TOKEN_LEN,
+};
+use farmap_store::MemoryStore;
+use farmap_uffd::foreign::{
+    trash_len, End, ForeignFds, ForeignOptions, ForeignRegion, Program, Reaper, FOREIGN_FEATURES,
+};
+use farmap_uffd::uffd::Uffd;
+use farmap_uffd::{sys, LocalLimit};
+
+const PAGE: u64 = 4096;
+/// The region (`--heap-max`).
+const REGION: u64 = 256 << 20;
+/// The local limit: a quarter of the program's 64 MiB of data.
+const LOCAL: u64 = 16 << 20;
+const LIMIT: Duration = Duration::from_secs(120);
+const TOKEN: [u8; TOKEN_LEN] = [0xA5; TOKEN_LEN];
+
+fn features() -> u64 {
+    FOREIGN_FEATURES | sys::UFFD_FEATURE_THREAD_ID
+}
+
+fn geometry() -> Geometry {
+    Geometry::new(REGION, PAGE).unwrap()
+}
+
+/// Whether this kernel can serve a program's region (a recorded skip otherwise).
+fn usable(test: &str) -> bool {
+    if farmap_testkit::skip::unless(test, farmap_uffd::probe_paging()).is_none() {
+        return false;
+    }
+    match Uffd::probe() {
+        Ok(s) if s & features() == features() => true,
+        Ok(s) => {
+            farmap_testkit::skip(test, format!("userfaultfd lacks {:#x}", features() & !s));
+            false
+        }
+        Err(e) => {
+            farmap_testkit::skip(test, format!("userfaultfd: {e}"));
+            false
+        }
+    }
+}
+
+fn hex(token: &[u8]) -> String {
+    token.iter().map(|b| format!("{b:02x}")).collect()
+}
+
+/// Reads one message.
+fn read_msg(sock: &mut UnixStream) -> Msg {
+    let mut buf = Vec::new();
+    loop {
+        if let Some((msg, used)) = decode(&buf).unwrap() {
+            assert_eq!(used, buf.len(), "one message at a time");
+            return msg;
+        }
+        let mut b = [0u8; 1];
+        let n = sock
+            .read(&mut b)
+            .expect("reading the program's next message");
+        assert_eq!(n, 1, "the program closed the socket");
+        buf.push(b[0]);
+    }
+}
+
+fn send(sock: &mut UnixStream, msg: Msg) {
+    let mut out = [0u8; MAX_MSG_LEN];
+    let n = msg.encode(&mut out).unwrap();
+    sock.write_all(&out[..n]).unwrap();
+}
+
+/// Receives up to `data.len()` bytes and up to 4 fds (SCM_RIGHTS).
+fn recv_fds(sock: &UnixStream, data: &mut [u8]) -> (usize, Vec<OwnedFd>) {
+    // SAFETY: CMSG_SPACE only computes a size.
+    let space = unsafe { libc::CMSG_SPACE(4 * std::mem::size_of::<RawFd>() as u32) } as usize;
+    let mut control = vec![0u8; space];
+    let mut iov = libc::iovec {
+        iov_base: data.as_mut_ptr().cast(),
+        iov_len: data.len(),
+    };
+    // SAFETY: msghdr is plain old data; every pointer set below outlives the recvmsg call.
+    let mut msg: libc::msghdr = unsafe { std::mem::zeroed() };
+    msg.msg_iov = &mut iov;
+    msg.msg_iovlen = 1;
+    msg.msg_control = control.as_mut_ptr().cast();
+    msg.msg_controllen = space;
+    // SAFETY: msg describes live buffers.
+    let n = unsafe { libc::recvmsg(sock.as_raw_fd(), &mut msg, libc::MSG_CMSG_CLOEXEC) };
+    assert!(n > 0, "recvmsg: {}", std::io::Error::last_os_error());
+    let mut fds = Vec::new();
+    // SAFETY: the kernel filled the control buffer; CMSG_* walk what it wrote, and each fd
+    // in it is new in this process, owned by nobody else.
+    unsafe {
+        let mut cmsg = libc::CMSG_FIRSTHDR(&msg);
+        while !cmsg.is_null() {
+            if (*cmsg).cmsg_level == libc::SOL_SOCKET && (*cmsg).cmsg_type == libc::SCM_RIGHTS {
+                let count = ((*cmsg).cmsg_len as usize - libc::CMSG_LEN(0) as usize)
+                    / std::mem::size_of::<RawFd>();
+                let p = libc::CMSG_DATA(cmsg).cast::<RawFd>();
+                for i in 0..count {
+                    fds.push(OwnedFd::from_raw_fd(p.add(i).read_unaligned()));
+                }
+            }
+            cmsg = libc::CMSG_NXTHDR(&msg, cmsg);
+        }
+    }
+    (n as usize, fds)
+}
+
+/// A program started under the library with a session socket, and this side's end of it
+/// after the handshake up to `Registered`.
+struct Started {
+    child: Child,
+    sock: UnixStream,
+    registered: Registered,
+    fds: Vec<OwnedFd>,
+    _dir: tempfile::TempDir,
+}
+
+/// Starts `python3 -c script` under the library, accepts its session, checks its Hello,
+/// sends the Config and receives its areas and fds.
+fn start(script: &str) -> Started {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("run.sock");
+    let listener = UnixListener::bind(&path).unwrap();
+    listener.set_nonblocking(true).unwrap();
+    let mut child = preloaded("/usr/bin/python3")
+        .args(["-c", script])
+        .env("FARMAP_RUN_SOCK", &path)
+        .env("FARMAP_RUN_TOKEN", hex(&TOKEN))
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let deadline = Instant::now() + LIMIT;
+    let mut sock = loop {
+        match listener.accept() {
+            Ok((s, _)) => break s,
+            Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => {
+                if let Some(status) = child.try_wait().unwrap() {
+                    panic!("the program ended before connecting: {status:?}");
+                }
+                assert!(Instant::now() < deadline, "the program never connected");
+                std::thread::sleep(Duration::from_millis(5));
+            }
+            Err(e) => panic!("accept: {e}"),
+        }
+    };
+    sock.set_nonblocking(false).unwrap();
+    sock.set_read_timeout(Some(LIMIT)).unwrap();
+    let Msg::Hello(hello) = read_msg(&mut sock) else {
+        panic!("not a Hello")
+    };
+    assert_eq!(hello.token, TOKEN);
+    assert_eq!(hello.pid, child.id());
+    send(
+        &mut sock,
+        Msg::Config(Config {
+            region_len: REGION,
+            chunk_size: PAGE as u32,
+            trash_len: trash_len(geometry()),
+            features: features(),
+        }),
+    );
+    let mut buf = [0u8; MAX_MSG_LEN];
+    let (n, fds) = recv_fds(&sock, &mut buf);
+    let Some((Msg::Registered(registered), used)) = decode(&buf[..n]).unwrap() else {
+        panic!("not a Registered message: {:?}", &buf[..n]);
+    };
+    assert_eq!(used, n);
+    assert_eq!(fds.len(), 4);
+    assert_eq!(registered.region_len, REGION);
+    assert_eq!(registered.staging_len, REGION + trash_len(geometry()));
+    assert_eq!(registered.features, features());
+    Started {
+        child,
+        sock,
+        registered,
+        fds,
+        _dir: dir,
+    }
+}
+
+/// Waits for the program's end; its status, stdout and stderr.
+fn finish(mut child: Child) -> (std::process::ExitStatus, String, String) {
+    let deadline = Instant::now() + LIMIT;
+    let status = loop {
+        if let Some(s) = child.try_wait().unwrap() {
+            break s;
+        }
+        assert!(Instant::now() < deadline, "the program did not end");
+        std::thread::sleep(Duration::from_millis(20));
+    };
+    let mut out = String::new();
+    let mut err = String::new();
+    child
+        .stdout
+        .take()
+        .unwrap()
+        .read_to_string(&mut out)
+        .unwrap();
+    child
+        .stderr
+        .take()
+        .unwrap()
+        .read_to_string(&mut err)
+        .unwrap();
+    (status, out, err)
+}
+
+#[test]
+fn python_reads_back_64_mib_through_a_region_bounded_to_16_mib() {
+    let test = "python_reads_back_64_mib_through_a_region_bounded_to_16_mib";
+    if !usable(test) {
+        return;
+    }
+    let s = start(&python_tagged(1, 64));
+    let pid = s.child.id();
+    let pidfd = rustix::process::pidfd_open(
+        rustix::process::Pid::from_raw(pid as i32).unwrap(),
+        rustix::process::PidfdFlags::empty(),
+    )
+    .unwrap();
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()
+        .unwrap();
+    let store: Arc<dyn Store> = Arc::new(MemoryStore::new(geometry()));
+    let mut opts = ForeignOptions::default();
+    opts.paging.local_max = LocalLimit::Bytes(LOCAL);
+    let mut sock = s.sock;
+    let region = ForeignRegion::start(
+        &s.registered,
+        ForeignFds::try_from(s.fds).unwrap(),
+        Program { pid, pidfd },
+        Reaper::new(sock.try_clone().unwrap(), Duration::from_secs(5)).unwrap(),
+        store,
+        opts,
+        rt.handle().clone(),
+    )
+    .unwrap();
+    send(&mut sock, Msg::Verdict(Verdict { status: 0 }));
+    let (status, out, err) = finish(s.child);
+    assert!(status.success(), "python: {status:?}\n{out}\n{err}");
+    assert_eq!(out.trim(), "ok", "{err}");
+    let st = common::stats(&std::process::Output {
+        status,
+        stdout: out.into_bytes(),
+        stderr: err.clone().into_bytes(),
+    });
+    assert_eq!(stat(&st, "mode"), "region", "{err}");
+    assert!(count(&st, "main_allocs") > 1024, "{st:?}");
+    assert_eq!(region.wait_end(Duration::from_secs(10)), Some(End::Exited));
+    let stats = region.stats();
+    let p = stats.paging.clone().unwrap();
+    eprintln!("{stats:?}");
+    assert!(stats.faults > (LOCAL / PAGE), "{stats:?}");
+    assert!(p.evictions_reactive + p.evictions_proactive > 0, "{p:?}");
+    assert!(p.limit_chunks <= LOCAL / PAGE, "{p:?}");
+    drop(region);
+}
+
+#[test]
+fn the_reaper_answers_requests_and_losing_the_handler_kills_the_program() {
+    let test = "the_reaper_answers_requests_and_losing_the_handler_kills_the_program";
+    if !usable(test) {
+        return;
+    }
+    // Nobody serves the region's faults here: the program blocks in its first allocation
+    // from the region, while its reaper (started before the region heap) answers.
+    let mut s = start("print('never')");
+    let r = s.registered;
+    // The kernel may place the two areas next to each other: "outside" is outside both.
+    let below = r.region.min(r.staging) - 16 * PAGE;
+    let above = (r.region + r.region_len).max(r.staging + r.staging_len) + 16 * PAGE;
+    let requests = [
+        // Outside both areas: refused, untouched.
+        (
+            Op::Discard {
+                start: below,
+                len: PAGE,
+            },
+            libc::EINVAL,
+            0,
+        ),
+        // Across the end of the staging area.
+        (
+            Op::Discard {
+                start: r.staging + r.staging_len - PAGE,
+                len: 2 * PAGE,
+            },
+            libc::EINVAL,
+            0,
+        ),
+        // Inside the staging area: done.
+        (
+            Op::Discard {
+                start: r.staging,
+                len: 4 * PAGE,
+            },
+            0,
+            4 * PAGE,
+        ),
+        // A move whose source page is missing: the kernel's ENOENT, nothing moved.
+        (
+            Op::Move {
+                src: r.staging,
+                dst: r.region + 8 * PAGE,
+                len: PAGE,
+            },
+            libc::ENOENT,
+            0,
+        ),
+        // A move to outside the areas.
+        (
+            Op::Move {
+                src: r.staging,
+                dst: above,
+                len: PAGE,
+            },
+            libc::EINVAL,
+            0,
+        ),
+    ];
+    send(&mut s.sock, Msg::Verdict(Verdict { status: 0 }));
+    for (id, (op, errno, bytes)) in requests.into_iter().enumerate() {
+        let id = id as u32 + 1;
+        send(&mut s.sock, Msg::Request(Request { id, op }));
+        assert_eq!(
+            read_msg(&mut s.sock),
+            Msg::Done(Done { id, errno, bytes }),
+            "{op:?}"
+        );
+    }
+    assert!(s.child.try_wait().unwrap().is_none(), "the program waits");
+    drop(s.sock);
+    drop(s.fds);
+    let started = Instant::now();
+    let (status, out, _) = finish(s.child);
+    assert_eq!(status.signal(), Some(libc::SIGKILL), "{status:?}");
+    assert!(started.elapsed() < Duration::from_secs(5));
+    assert!(!out.contains("never"));
+}
+
+#[test]
+fn a_refusal_ends_the_program_with_127() {
+    let test = "a_refusal_ends_the_program_with_127";
+    if !usable(test) {
+        return;
+    }
+    let mut s = start("print('never')");
+    send(&mut s.sock, Msg::Verdict(Verdict { status: 1 }));
+    let (status, out, err) = finish(s.child);
+    assert_eq!(status.code(), Some(127), "{status:?} {err}");
+    assert!(err.contains("refused"), "{err}");
+    assert!(!out.contains("never"));
+}
