@@ -104,7 +104,7 @@ fn usable_impl(p: *const c_void) -> usize {
 /// # Safety
 /// `memptr` is writable.
 unsafe fn posix_memalign_impl(memptr: *mut *mut c_void, align: usize, size: usize) -> c_int {
-    if !align.is_power_of_two() || align % size_of::<*mut c_void>() != 0 {
+    if !align.is_power_of_two() || !align.is_multiple_of(size_of::<*mut c_void>()) {
         return libc::EINVAL;
     }
     let p = heaps::with_current(|h| h.memalign(align, size));

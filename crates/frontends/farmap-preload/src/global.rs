@@ -31,10 +31,7 @@ pub(crate) struct Bump;
 unsafe impl GlobalAlloc for Bump {
     unsafe fn alloc(&self, layout: Layout) -> *mut u8 {
         let mut at = NEXT.load(Ordering::Relaxed);
-        loop {
-            let Some(start) = at.checked_next_multiple_of(layout.align()) else {
-                break;
-            };
+        while let Some(start) = at.checked_next_multiple_of(layout.align()) {
             let end = start.saturating_add(layout.size());
             if end > LEN || layout.align() > 4096 {
                 break;

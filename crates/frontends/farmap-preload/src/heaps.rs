@@ -90,7 +90,7 @@ impl Slot {
                 Err(READY) => {}
                 Err(FAILED) => return None,
                 Err(_) => {
-                    let _ = rustix::thread::sched_yield();
+                    rustix::thread::sched_yield();
                     continue;
                 }
             }
