@@ -185,3 +185,70 @@ fn a_cxx_program_sees_glibcs_semantics_and_its_operators_are_ours() {
     // 100,000 strings of 40 bytes (new), plus the vector's growth.
     assert!(count(&s, "main_allocs") > 100_000, "{s:?}");
 }
+
+#[test]
+fn redis_server_answers_and_its_allocations_are_ours() {
+    let test = "redis_server_answers_and_its_allocations_are_ours";
+    let cli = |sock: &std::path::Path, args: &[&str]| {
+        Command::new("redis-cli")
+            .arg("-s")
+            .arg(sock)
+            .args(args)
+            .output()
+    };
+    if Command::new("redis-server")
+        .arg("--version")
+        .output()
+        .is_err()
+        || Command::new("redis-cli").arg("--version").output().is_err()
+    {
+        farmap_testkit::skip(test, "redis-server or redis-cli is not installed");
+        return;
+    }
+    let dir = tempfile::tempdir().unwrap();
+    let sock = dir.path().join("redis.sock");
+    let mut server = preloaded("redis-server")
+        .args([
+            "--port",
+            "0",
+            "--save",
+            "",
+            "--appendonly",
+            "no",
+            "--unixsocket",
+        ])
+        .arg(&sock)
+        .current_dir(dir.path())
+        .stdout(std::process::Stdio::null())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(30);
+    loop {
+        if let Ok(out) = cli(&sock, &["PING"]) {
+            if String::from_utf8_lossy(&out.stdout).trim() == "PONG" {
+                break;
+            }
+        }
+        if let Some(status) = server.try_wait().unwrap() {
+            panic!("redis-server ended: {status:?}");
+        }
+        assert!(
+            std::time::Instant::now() < deadline,
+            "redis-server never answered PING"
+        );
+        std::thread::sleep(std::time::Duration::from_millis(20));
+    }
+    // 20,000 keys of 1 KiB through one pipeline-free loop in Lua (one round trip).
+    let script = "for i=1,20000 do redis.call('SET', 'k'..i, string.rep(string.char(65 + i % 26), 1024)) end return redis.call('DBSIZE')";
+    let out = cli(&sock, &["EVAL", script, "0"]).unwrap();
+    assert_eq!(String::from_utf8_lossy(&out.stdout).trim(), "20000");
+    let out = cli(&sock, &["GET", "k12345"]).unwrap();
+    let want = std::iter::repeat_n((b'A' + (12345 % 26) as u8) as char, 1024).collect::<String>();
+    assert_eq!(String::from_utf8_lossy(&out.stdout).trim(), want);
+    let _ = cli(&sock, &["SHUTDOWN", "NOSAVE"]);
+    let out = server.wait_with_output().unwrap();
+    assert!(out.status.success(), "redis-server: {out:?}");
+    let s = stats(&out);
+    assert!(count(&s, "main_allocs") > 40_000, "{s:?}");
+}
