@@ -138,7 +138,9 @@ impl Conn {
         let n = msg.encode(&mut out).map_err(SessionError::Proto)?;
         let mut bytes = &out[..n];
         while !bytes.is_empty() {
-            let k = rustix::io::write(&self.fd, bytes).map_err(sys_err("writing to farmap run"))?;
+            // NOSIGNAL: a closed peer is an error here, not a SIGPIPE for the program.
+            let k = rustix::net::send(&self.fd, bytes, SendFlags::NOSIGNAL)
+                .map_err(sys_err("writing to farmap run"))?;
             bytes = &bytes[k..];
         }
         Ok(())
@@ -382,7 +384,8 @@ fn send_with_fds(
         // The fds went with the first byte; the rest of the message follows.
         let mut rest = &out[sent..n];
         while !rest.is_empty() {
-            let k = rustix::io::write(sock, rest).map_err(sys_err("writing to farmap run"))?;
+            let k = rustix::net::send(sock, rest, SendFlags::NOSIGNAL)
+                .map_err(sys_err("writing to farmap run"))?;
             rest = &rest[k..];
         }
     }
