@@ -11,7 +11,7 @@ use std::io::{Read, Write};
 use std::os::fd::{AsRawFd, FromRawFd, OwnedFd, RawFd};
 use std::os::unix::net::{UnixListener, UnixStream};
 use std::os::unix::process::ExitStatusExt;
-use std::process::{Child, Stdio};
+use std::process::{Child, Command, Stdio};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -139,12 +139,17 @@ struct Started {
 /// Starts `python3 -c script` under the library, accepts its session, checks its Hello,
 /// sends the Config and receives its areas and fds.
 fn start(script: &str) -> Started {
-    let dir = tempfile::tempdir().unwrap();
+    let mut cmd = preloaded("/usr/bin/python3");
+    cmd.args(["-c", script]);
+    start_cmd(cmd, tempfile::tempdir().unwrap())
+}
+
+/// [`start`] for any program (`cmd`, with the library preloaded), its socket in `dir`.
+fn start_cmd(mut cmd: Command, dir: tempfile::TempDir) -> Started {
     let path = dir.path().join("run.sock");
     let listener = UnixListener::bind(&path).unwrap();
     listener.set_nonblocking(true).unwrap();
-    let mut child = preloaded("/usr/bin/python3")
-        .args(["-c", script])
+    let mut child = cmd
         .env("FARMAP_RUN_SOCK", &path)
         .env("FARMAP_RUN_TOKEN", hex(&TOKEN))
         .stdout(Stdio::piped())
@@ -227,24 +232,18 @@ fn finish(mut child: Child) -> (std::process::ExitStatus, String, String) {
     (status, out, err)
 }
 
-#[test]
-fn python_reads_back_64_mib_through_a_region_bounded_to_16_mib() {
-    let test = "python_reads_back_64_mib_through_a_region_bounded_to_16_mib";
-    if !usable(test) {
-        return;
-    }
-    let s = start(&python_tagged(1, 64));
+/// Serves a started program's region with [`LOCAL`] bytes local, and sends the verdict.
+/// Returns the socket and the directory too, which must live as long as the program.
+fn serve(
+    s: Started,
+    rt: &tokio::runtime::Runtime,
+) -> (ForeignRegion, Child, (UnixStream, tempfile::TempDir)) {
     let pid = s.child.id();
     let pidfd = rustix::process::pidfd_open(
         rustix::process::Pid::from_raw(pid as i32).unwrap(),
         rustix::process::PidfdFlags::empty(),
     )
     .unwrap();
-    let rt = tokio::runtime::Builder::new_multi_thread()
-        .worker_threads(2)
-        .enable_all()
-        .build()
-        .unwrap();
     let store: Arc<dyn Store> = Arc::new(MemoryStore::new(geometry()));
     let mut opts = ForeignOptions::default();
     opts.paging.local_max = LocalLimit::Bytes(LOCAL);
@@ -260,7 +259,27 @@ fn python_reads_back_64_mib_through_a_region_bounded_to_16_mib() {
     )
     .unwrap();
     send(&mut sock, Msg::Verdict(Verdict { status: 0 }));
-    let (status, out, err) = finish(s.child);
+    (region, s.child, (sock, s._dir))
+}
+
+fn runtime() -> tokio::runtime::Runtime {
+    tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()
+        .unwrap()
+}
+
+#[test]
+fn python_reads_back_64_mib_through_a_region_bounded_to_16_mib() {
+    let test = "python_reads_back_64_mib_through_a_region_bounded_to_16_mib";
+    if !usable(test) {
+        return;
+    }
+    let rt = runtime();
+    let s = start(&python_tagged(1, 64));
+    let (region, child, _sock) = serve(s, &rt);
+    let (status, out, err) = finish(child);
     assert!(status.success(), "python: {status:?}\n{out}\n{err}");
     assert_eq!(out.trim(), "ok", "{err}");
     let st = common::stats(&std::process::Output {
@@ -374,4 +393,142 @@ fn a_refusal_ends_the_program_with_127() {
     assert_eq!(status.code(), Some(127), "{status:?} {err}");
     assert!(err.contains("refused"), "{err}");
     assert!(!out.contains("never"));
+}
+
+#[test]
+fn redis_keeps_40_mib_of_keys_through_a_region_bounded_to_16_mib() {
+    let test = "redis_keeps_40_mib_of_keys_through_a_region_bounded_to_16_mib";
+    if !usable(test) {
+        return;
+    }
+    if Command::new("redis-cli").arg("--version").output().is_err() {
+        farmap_testkit::skip(test, "redis-server or redis-cli is not installed");
+        return;
+    }
+    let dir = tempfile::tempdir().unwrap();
+    let redis_sock = dir.path().join("redis.sock");
+    let mut cmd = preloaded("redis-server");
+    cmd.args([
+        "--port",
+        "0",
+        "--save",
+        "",
+        "--appendonly",
+        "no",
+        "--unixsocket",
+    ])
+    .arg(&redis_sock)
+    .current_dir(dir.path());
+    let rt = runtime();
+    let s = start_cmd(cmd, dir);
+    let (region, mut child, _sock) = serve(s, &rt);
+    let cli = |args: &[&str]| {
+        let out = Command::new("redis-cli")
+            .arg("-s")
+            .arg(&redis_sock)
+            .args(args)
+            .output()
+            .unwrap();
+        String::from_utf8_lossy(&out.stdout).trim().to_owned()
+    };
+    let deadline = Instant::now() + LIMIT;
+    while cli(&["PING"]) != "PONG" {
+        if child.try_wait().unwrap().is_some() {
+            let (status, out, err) = finish(child);
+            panic!("redis-server ended: {status:?}\n{out}\n{err}");
+        }
+        assert!(Instant::now() < deadline, "redis-server never answered");
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    let value = "string.rep(string.char(65 + i % 26), 1000) .. i";
+    let fill = format!(
+        "for i=1,40000 do redis.call('SET', 'k'..i, {value}) end return redis.call('DBSIZE')"
+    );
+    assert_eq!(cli(&["EVAL", &fill, "0"]), "40000");
+    let check = format!(
+        "for i=1,40000 do if redis.call('GET', 'k'..i) ~= {value} then return i end end return 0"
+    );
+    assert_eq!(cli(&["EVAL", &check, "0"]), "0", "a key read back wrong");
+    let _ = cli(&["SHUTDOWN", "NOSAVE"]);
+    let (status, out, err) = finish(child);
+    assert!(status.success(), "redis-server: {status:?}\n{out}\n{err}");
+    let st = common::stats(&std::process::Output {
+        status,
+        stdout: Vec::new(),
+        stderr: err.into_bytes(),
+    });
+    assert_eq!(stat(&st, "mode"), "region");
+    assert!(count(&st, "main_allocs") > 80_000, "{st:?}");
+    assert_eq!(region.wait_end(Duration::from_secs(10)), Some(End::Exited));
+    let stats = region.stats();
+    let p = stats.paging.clone().unwrap();
+    eprintln!("{stats:?}");
+    assert!(stats.faults > LOCAL / PAGE, "{stats:?}");
+    assert!(p.evictions_reactive + p.evictions_proactive > 0, "{p:?}");
+}
+
+/// A C program in region mode that forks: the child allocates from a heap of its own, and
+/// touching its parent's heap object kills it (SIGSEGV: the region is `MADV_DONTFORK`).
+const FORK_C: &str = r#"
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/wait.h>
+#include <unistd.h>
+int main(void) {
+    char *p = malloc(100000);
+    memset(p, 7, 100000);
+    fflush(stdout);
+    pid_t pid = fork();
+    if (pid == 0) {
+        char *q = malloc(100000);
+        memset(q, 9, 100000);
+        int ok = q[99999] == 9;
+        free(q);
+        printf("child allocated %d\n", ok);
+        fflush(stdout);
+        volatile char c = p[5];
+        printf("child read the parent's object: %d\n", c);
+        _exit(0);
+    }
+    int status = 0;
+    waitpid(pid, &status, 0);
+    printf("child signal %d\n", WIFSIGNALED(status) ? WTERMSIG(status) : 0);
+    printf("parent reads %d\n", p[99999]);
+    free(p);
+    return 0;
+}
+"#;
+
+#[test]
+fn a_forked_child_allocates_on_its_own_and_faults_on_its_parents_heap() {
+    let test = "a_forked_child_allocates_on_its_own_and_faults_on_its_parents_heap";
+    if !usable(test) {
+        return;
+    }
+    if Command::new("gcc").arg("--version").output().is_err() {
+        farmap_testkit::skip(test, "gcc is not installed");
+        return;
+    }
+    let dir = tempfile::tempdir().unwrap();
+    let (src, exe) = (dir.path().join("fork.c"), dir.path().join("fork"));
+    std::fs::write(&src, FORK_C).unwrap();
+    let built = Command::new("gcc")
+        .args(["-O1", "-o"])
+        .arg(&exe)
+        .arg(&src)
+        .output()
+        .unwrap();
+    common::assert_success(&built, "gcc");
+    let rt = runtime();
+    let s = start_cmd(preloaded(exe.to_str().unwrap()), dir);
+    let (region, child, _sock) = serve(s, &rt);
+    let (status, out, err) = finish(child);
+    assert!(status.success(), "{status:?}\n{out}\n{err}");
+    assert_eq!(
+        out.lines().collect::<Vec<_>>(),
+        ["child allocated 1", "child signal 11", "parent reads 7"],
+        "{err}"
+    );
+    drop(region);
 }
