@@ -64,10 +64,22 @@
 //!   region-mode program gets a plain heap of its own for new allocations (so fork + exec,
 //!   and children that allocate, work); an object of the parent's heap does not exist in
 //!   the child: touching it faults (SIGSEGV), loudly. No `UFFD_EVENT_FORK` session yet.
+//!   A shell's fork child reads the shell's heap between `fork` and `exec`, so pipelines
+//!   and commands run by a shell that is itself in region mode die that way: run the
+//!   shell outside and `exec` the program (`sh -c 'exec prog'` starts one session for
+//!   `prog`). Children made with `vfork` or `posix_spawn` share or skip the heap and work.
 //! - **Statically linked programs** and programs that call the `mmap`/`brk` system calls
 //!   themselves are not interposed; **setuid** programs ignore `LD_PRELOAD`.
 //! - `mmap`, `munmap`, `mremap` and `madvise` are not interposed yet (step 7): `MAP_SHARED`
 //!   and large anonymous mappings a program makes itself stay outside the region.
+//! - The session's fds are wherever the kernel puts them (no `FARMAP_RUN_FD_BASE` yet): a
+//!   program that closes or `dup2`s over them loses its reaper (then it is killed) or its
+//!   own userfaultfd copies.
+//! - With `vm.overcommit_memory = 2` the 64 GiB plain heap cannot be mapped; plain mode then
+//!   serves everything from the 1 GiB boot heap (and says so on stderr).
+//! - jemalloc's extended API (`mallocx`, `nallocx`, `mallctl`, ...) is not interposed: redis
+//!   calls `nallocx` (a size hint) and `mallctl` (statistics of jemalloc's unused arenas),
+//!   which is harmless; a program that frees with `sdallocx` would not be.
 //! - `mallopt`, `mallinfo` and `malloc_trim` are glibc's (they act on glibc's unused arena).
 //! - `operator new` that finds no memory prints one line and aborts (no `bad_alloc`, no
 //!   `new_handler`).
