@@ -48,57 +48,23 @@ fn memalign_impl(align: usize, size: usize) -> *mut c_void {
 /// # Safety
 /// `p` is null, not ours (ignored), or a live allocation of ours.
 unsafe fn free_impl(p: *mut c_void) {
-    if let Some(h) = heaps::owner(p.cast_const().cast()) {
-        // SAFETY: `p` is a live allocation of `h` (the caller's contract; `owner` found it
-        // in `h`'s region).
-        unsafe { h.free(p.cast()) };
-    }
+    // SAFETY: the caller's contract.
+    unsafe { heaps::free(p.cast()) }
 }
 
 /// # Safety
 /// As `realloc(3)`: `p` is null or a live allocation of ours.
 unsafe fn realloc_impl(p: *mut c_void, size: usize) -> *mut c_void {
-    if p.is_null() {
-        return alloc(|h| h.malloc(size));
+    // SAFETY: the caller's contract.
+    let q = unsafe { heaps::realloc(p.cast(), size) };
+    if q.is_null() && (size != 0 || p.is_null()) {
+        set_errno(libc::ENOMEM);
     }
-    let Some(owner) = heaps::owner(p.cast_const().cast()) else {
-        // Not ours (ld.so's early memory): its size is unknown, so it cannot be moved.
-        return fail(libc::ENOMEM, ptr::null_mut());
-    };
-    if size == 0 {
-        // SAFETY: `p` is live in `owner` (the caller's contract).
-        unsafe { owner.free(p.cast()) };
-        return ptr::null_mut();
-    }
-    let Some((current, _)) = heaps::current() else {
-        return fail(libc::ENOMEM, ptr::null_mut());
-    };
-    if ptr::eq(owner, current) {
-        // SAFETY: `p` is live in `owner` (the caller's contract).
-        let q = unsafe { owner.realloc(p.cast(), size) };
-        return if q.is_null() {
-            fail(libc::ENOMEM, ptr::null_mut())
-        } else {
-            q.cast()
-        };
-    }
-    // From the boot heap to the main one.
-    let q = alloc(|h| h.malloc(size));
-    if !q.is_null() {
-        let old = owner.usable_size(p.cast_const().cast());
-        // SAFETY: `p` is live with `old` usable bytes, `q` was just allocated with at least
-        // `size`; they are in different heaps, so they do not overlap. `p` is not used after
-        // (the caller's contract).
-        unsafe {
-            ptr::copy_nonoverlapping(p.cast::<u8>(), q.cast::<u8>(), old.min(size));
-            owner.free(p.cast());
-        }
-    }
-    q
+    q.cast()
 }
 
 fn usable_impl(p: *const c_void) -> usize {
-    heaps::owner(p.cast()).map_or(0, |h| h.usable_size(p.cast()))
+    heaps::usable_size(p.cast())
 }
 
 /// # Safety

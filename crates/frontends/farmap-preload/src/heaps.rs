@@ -168,6 +168,64 @@ pub(crate) fn owner(p: *const u8) -> Option<&'static H> {
         .find(|h| h.owns(p))
 }
 
+/// `free`: to the heap that owns `p`; a pointer no heap owns is ignored.
+///
+/// # Safety
+/// `p` is null, not ours, or a live allocation of ours that is not used after this.
+pub(crate) unsafe fn free(p: *mut u8) {
+    if let Some(h) = owner(p) {
+        // SAFETY: `p` is a live allocation of `h` (the caller's contract; `owner` found it
+        // in `h`'s region).
+        unsafe { h.free(p) };
+    }
+}
+
+/// `malloc_usable_size`: 0 for null and for pointers no heap owns.
+pub(crate) fn usable_size(p: *const u8) -> usize {
+    owner(p).map_or(0, |h| h.usable_size(p))
+}
+
+/// `realloc`, as glibc's: null `p` is `malloc`; size 0 frees and returns null; an object of
+/// a heap that no longer serves new allocations (the boot heap, once the main one is set)
+/// moves to the current one. Null on failure (`p` untouched), and for a pointer no heap
+/// owns (its size is unknown, so it cannot be moved).
+///
+/// # Safety
+/// `p` is null or a live allocation of ours; if the result is not null, `p` is not used
+/// after this (unless they are equal).
+pub(crate) unsafe fn realloc(p: *mut u8, size: usize) -> *mut u8 {
+    if p.is_null() {
+        return with_current(|h| h.malloc(size));
+    }
+    let Some(owner) = owner(p) else {
+        return ptr::null_mut();
+    };
+    if size == 0 {
+        // SAFETY: `p` is live in `owner` (the caller's contract).
+        unsafe { owner.free(p) };
+        return ptr::null_mut();
+    }
+    let Some((current, _)) = current() else {
+        return ptr::null_mut();
+    };
+    if ptr::eq(owner, current) {
+        // SAFETY: `p` is live in `owner` (the caller's contract).
+        return unsafe { owner.realloc(p, size) };
+    }
+    let q = with_current(|h| h.malloc(size));
+    if !q.is_null() {
+        let old = owner.usable_size(p);
+        // SAFETY: `p` is live with `old` usable bytes, `q` was just allocated with at least
+        // `size`; they are in different heaps, so they do not overlap. `p` is not used
+        // after this (the caller's contract).
+        unsafe {
+            ptr::copy_nonoverlapping(p, q, old.min(size));
+            owner.free(p);
+        }
+    }
+    q
+}
+
 /// Reads the environment and sets the main heap (the library's constructor).
 ///
 /// # Safety
@@ -291,4 +349,66 @@ pub(crate) fn report() {
         in_use(&MAIN),
         in_use(&BOOT),
     ));
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The boot heap serves until the main heap is set; then new allocations come from the
+    /// main heap, and each pointer goes back to (or moves from) the heap that owns it.
+    #[test]
+    fn calls_go_to_the_heap_that_owns_the_pointer() {
+        let early = with_current(|h| h.malloc(100));
+        assert!(!early.is_null());
+        assert!(ptr::eq(owner(early).unwrap(), BOOT.get().unwrap()));
+        assert!(MAIN.get().is_none());
+        // SAFETY: `early` has at least 100 usable bytes.
+        unsafe { early.write_bytes(0x5a, 100) };
+        let doomed = with_current(|h| h.malloc(10));
+        assert!(MAIN.get_or_make(|| plain_heap(1 << 30, 2)).is_some());
+        let (_, slot) = current().unwrap();
+        assert!(ptr::eq(slot, &MAIN));
+        let late = with_current(|h| h.malloc(100));
+        assert!(ptr::eq(owner(late).unwrap(), MAIN.get().unwrap()));
+        assert!(usable_size(late) >= 100);
+        // A boot object that grows moves to the main heap with its bytes.
+        // SAFETY: `early` is live and not used after this.
+        let moved = unsafe { realloc(early, 5000) };
+        assert!(ptr::eq(owner(moved).unwrap(), MAIN.get().unwrap()));
+        // SAFETY: `moved` kept the first 100 bytes.
+        let kept = unsafe { core::slice::from_raw_parts(moved, 100) };
+        assert!(kept.iter().all(|&b| b == 0x5a));
+        assert_eq!(
+            BOOT.get().unwrap().stats().objects_in_use,
+            1,
+            "only `doomed` is left"
+        );
+        // SAFETY: live pointers of ours, not used after this.
+        unsafe {
+            free(doomed);
+            free(moved);
+            free(late);
+        }
+        assert_eq!(BOOT.get().unwrap().stats().objects_in_use, 0);
+        // Pointers no heap owns: ignored by free, 0 usable bytes, not reallocated.
+        let mut on_stack = [0u8; 16];
+        let foreign = on_stack.as_mut_ptr();
+        assert!(owner(foreign).is_none());
+        assert_eq!(usable_size(foreign), 0);
+        // SAFETY: not ours: free ignores it and realloc refuses it without touching it.
+        unsafe {
+            free(foreign);
+            assert!(realloc(foreign, 10).is_null());
+        }
+        assert_eq!(usable_size(ptr::null()), 0);
+        // realloc(p, 0) frees; realloc(null, n) allocates.
+        // SAFETY: null, then a live pointer not used after the call.
+        unsafe {
+            let p = realloc(ptr::null_mut(), 64);
+            assert!(ptr::eq(owner(p).unwrap(), MAIN.get().unwrap()));
+            assert!(realloc(p, 0).is_null());
+        }
+        assert_eq!(MAIN.get().unwrap().stats().objects_in_use, 0);
+    }
 }
