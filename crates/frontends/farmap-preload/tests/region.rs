@@ -133,6 +133,8 @@ struct Started {
     sock: UnixStream,
     registered: Registered,
     fds: Vec<OwnedFd>,
+    /// Where the program's next image (after an exec) connects.
+    listener: UnixListener,
     _dir: tempfile::TempDir,
 }
 
@@ -156,6 +158,20 @@ fn start_cmd(mut cmd: Command, dir: tempfile::TempDir) -> Started {
         .stderr(Stdio::piped())
         .spawn()
         .unwrap();
+    let (sock, registered, fds) = accept(&listener, &mut child);
+    Started {
+        child,
+        sock,
+        registered,
+        fds,
+        listener,
+        _dir: dir,
+    }
+}
+
+/// Accepts `child`'s session on `listener`, checks its Hello, sends the Config and
+/// receives its areas and fds.
+fn accept(listener: &UnixListener, child: &mut Child) -> (UnixStream, Registered, Vec<OwnedFd>) {
     let deadline = Instant::now() + LIMIT;
     let mut sock = loop {
         match listener.accept() {
@@ -196,13 +212,7 @@ fn start_cmd(mut cmd: Command, dir: tempfile::TempDir) -> Started {
     assert_eq!(registered.region_len, REGION);
     assert_eq!(registered.staging_len, REGION + trash_len(geometry()));
     assert_eq!(registered.features, features());
-    Started {
-        child,
-        sock,
-        registered,
-        fds,
-        _dir: dir,
-    }
+    (sock, registered, fds)
 }
 
 /// Waits for the program's end; its status, stdout and stderr.
@@ -233,11 +243,16 @@ fn finish(mut child: Child) -> (std::process::ExitStatus, String, String) {
 }
 
 /// Serves a started program's region with [`LOCAL`] bytes local, and sends the verdict.
-/// Returns the socket and the directory too, which must live as long as the program.
+/// Returns the socket, the listener and the directory too, which must live as long as the
+/// program.
 fn serve(
     s: Started,
     rt: &tokio::runtime::Runtime,
-) -> (ForeignRegion, Child, (UnixStream, tempfile::TempDir)) {
+) -> (
+    ForeignRegion,
+    Child,
+    (UnixStream, UnixListener, tempfile::TempDir),
+) {
     let pid = s.child.id();
     let pidfd = rustix::process::pidfd_open(
         rustix::process::Pid::from_raw(pid as i32).unwrap(),
@@ -259,7 +274,7 @@ fn serve(
     )
     .unwrap();
     send(&mut sock, Msg::Verdict(Verdict { status: 0 }));
-    (region, s.child, (sock, s._dir))
+    (region, s.child, (sock, s.listener, s._dir))
 }
 
 fn runtime() -> tokio::runtime::Runtime {
@@ -531,4 +546,41 @@ fn a_forked_child_allocates_on_its_own_and_faults_on_its_parents_heap() {
         "{err}"
     );
     drop(region);
+}
+
+#[test]
+fn an_exec_ends_the_session_and_the_new_image_opens_its_own() {
+    let test = "an_exec_ends_the_session_and_the_new_image_opens_its_own";
+    if !usable(test) {
+        return;
+    }
+    let rt = runtime();
+    let mut cmd = preloaded("/bin/sh");
+    cmd.args([
+        "-c",
+        "exec /usr/bin/python3 -c \"$0\"",
+        &python_tagged(1, 32),
+    ]);
+    let s = start_cmd(cmd, tempfile::tempdir().unwrap());
+    let (first, mut child, (_sock, listener, dir)) = serve(s, &rt);
+    assert_eq!(first.wait_end(LIMIT), Some(End::Replaced));
+    let (sock, registered, fds) = accept(&listener, &mut child);
+    let s = Started {
+        child,
+        sock,
+        registered,
+        fds,
+        listener,
+        _dir: dir,
+    };
+    let (second, child, _keep) = serve(s, &rt);
+    let (status, out, err) = finish(child);
+    assert!(status.success(), "{status:?}\n{out}\n{err}");
+    assert_eq!(out.trim(), "ok", "{err}");
+    assert_eq!(second.wait_end(Duration::from_secs(10)), Some(End::Exited));
+    let stats = second.stats();
+    let p = stats.paging.clone().unwrap();
+    assert!(stats.faults > LOCAL / PAGE, "{stats:?}");
+    assert!(p.evictions_reactive + p.evictions_proactive > 0, "{p:?}");
+    drop((first, second));
 }
