@@ -98,9 +98,14 @@ impl Slot {
         }
     }
 
-    /// Counts an allocation this slot served.
+    /// Counts an allocation this slot served: always for the boot heap (whose allocations
+    /// come before the environment is read, and are few), for the others only with
+    /// `FARMAP_PRELOAD_DEBUG=1` (a counter shared by all threads costs a contended cache
+    /// line per allocation).
     fn served(&self) {
-        self.served.fetch_add(1, Ordering::Relaxed);
+        if ptr::eq(self, &BOOT) || DEBUG.load(Ordering::Relaxed) {
+            self.served.fetch_add(1, Ordering::Relaxed);
+        }
     }
 }
 
