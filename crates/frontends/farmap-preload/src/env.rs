@@ -13,6 +13,8 @@ pub(crate) const TOKEN: &[u8] = b"FARMAP_RUN_TOKEN";
 pub(crate) const OPTIONAL: &[u8] = b"FARMAP_RUN_OPTIONAL";
 /// `1`: print one stats line on stderr at exit.
 pub(crate) const DEBUG: &[u8] = b"FARMAP_PRELOAD_DEBUG";
+/// The lowest fd number for the session's long-lived fds (decimal; optional).
+pub(crate) const FD_BASE: &[u8] = b"FARMAP_RUN_FD_BASE";
 
 /// What the environment asks of this library.
 #[derive(Debug, Clone, Copy, Default)]
@@ -25,6 +27,8 @@ pub(crate) struct Settings {
     pub(crate) optional: bool,
     /// `FARMAP_PRELOAD_DEBUG=1`.
     pub(crate) debug: bool,
+    /// `FARMAP_RUN_FD_BASE`, if it is a number from 3 to 1,000,000.
+    pub(crate) fd_base: Option<i32>,
 }
 
 /// The value of `name` in one `NAME=value` entry.
@@ -66,8 +70,19 @@ pub(crate) unsafe fn read(envp: *const *const c_char) -> Settings {
             s.optional = v == b"1";
         } else if let Some(v) = value_of(bytes, DEBUG) {
             s.debug = v == b"1";
+        } else if let Some(v) = value_of(bytes, FD_BASE) {
+            s.fd_base = parse_fd_base(v);
         }
     }
+}
+
+/// An fd number from 3 to 1,000,000, in decimal.
+pub(crate) fn parse_fd_base(v: &[u8]) -> Option<i32> {
+    if v.is_empty() || v.len() > 7 || !v.iter().all(u8::is_ascii_digit) {
+        return None;
+    }
+    let n = v.iter().fold(0i32, |n, d| n * 10 + i32::from(d - b'0'));
+    (3..=1_000_000).contains(&n).then_some(n)
 }
 
 /// A token from exactly 64 hex digits (either case).
@@ -109,6 +124,18 @@ mod tests {
         assert_eq!(parse_token(&bad), None, "not hex");
         bad[10] = b' ';
         assert_eq!(parse_token(&bad), None, "space");
+    }
+
+    #[test]
+    fn fd_bases_are_small_decimal_numbers() {
+        assert_eq!(parse_fd_base(b"900"), Some(900));
+        assert_eq!(parse_fd_base(b"3"), Some(3));
+        assert_eq!(parse_fd_base(b"2"), None);
+        assert_eq!(parse_fd_base(b""), None);
+        assert_eq!(parse_fd_base(b"-5"), None);
+        assert_eq!(parse_fd_base(b"9x"), None);
+        assert_eq!(parse_fd_base(b"1000001"), None);
+        assert_eq!(parse_fd_base(b"99999999999"), None);
     }
 
     #[test]

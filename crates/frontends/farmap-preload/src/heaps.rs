@@ -243,7 +243,7 @@ pub(crate) unsafe fn init(envp: *const *const c_char) {
     let _ = boot();
     let mode = match settings.sock {
         None => MODE_PLAIN,
-        Some(path) => match session::open(path, settings.token) {
+        Some(path) => match session::open(path, settings.token, settings.fd_base) {
             Ok(s) => {
                 start_region(s);
                 MODE_REGION

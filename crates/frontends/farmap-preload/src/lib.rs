@@ -72,9 +72,9 @@
 //!   themselves are not interposed; **setuid** programs ignore `LD_PRELOAD`.
 //! - `mmap`, `munmap`, `mremap` and `madvise` are not interposed yet (step 7): `MAP_SHARED`
 //!   and large anonymous mappings a program makes itself stay outside the region.
-//! - The session's fds are wherever the kernel puts them (no `FARMAP_RUN_FD_BASE` yet): a
-//!   program that closes or `dup2`s over them loses its reaper (then it is killed) or its
-//!   own userfaultfd copies.
+//! - A program that closes or `dup2`s over the session's fds loses its reaper (then it is
+//!   killed) or its own userfaultfd copies. `FARMAP_RUN_FD_BASE=N` (optional) moves the
+//!   socket and the two userfaultfds to `N` or above, out of the way of most such habits.
 //! - With `vm.overcommit_memory = 2` the 64 GiB plain heap cannot be mapped; plain mode then
 //!   serves everything from the 1 GiB boot heap (and says so on stderr).
 //! - jemalloc's extended API (`mallocx`, `nallocx`, `mallctl`, ...) is not interposed: redis

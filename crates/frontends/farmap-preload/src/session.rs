@@ -232,8 +232,24 @@ impl Drop for Mapped {
     }
 }
 
-/// Opens a session with the handler at `path` (see the module docs).
-pub(crate) fn open(path: &CStr, token: Option<&[u8]>) -> Result<Session, SessionError> {
+/// `fd` moved to the lowest free number from `base` (close-on-exec), or left as it is.
+fn placed(fd: OwnedFd, base: Option<i32>) -> Result<OwnedFd, SessionError> {
+    match base {
+        Some(min) if fd.as_raw_fd() < min => {
+            rustix::io::fcntl_dupfd_cloexec(&fd, min).map_err(sys_err("moving an fd up"))
+        }
+        _ => Ok(fd),
+    }
+}
+
+/// Opens a session with the handler at `path` (see the module docs); the long-lived fds
+/// (socket, userfaultfds) are moved to `fd_base` or above if it is set, out of the way of
+/// programs that `dup2` onto low numbers.
+pub(crate) fn open(
+    path: &CStr,
+    token: Option<&[u8]>,
+    fd_base: Option<i32>,
+) -> Result<Session, SessionError> {
     let token = token
         .and_then(crate::env::parse_token)
         .ok_or(SessionError::Token)?;
@@ -244,6 +260,7 @@ pub(crate) fn open(path: &CStr, token: Option<&[u8]>) -> Result<Session, Session
         None,
     )
     .map_err(sys_err("creating a socket"))?;
+    let fd = placed(fd, fd_base)?;
     let addr = rustix::net::SocketAddrUnix::new(path).map_err(sys_err("FARMAP_RUN_SOCK"))?;
     rustix::net::connect(&fd, &addr).map_err(sys_err("connecting to FARMAP_RUN_SOCK"))?;
     let timeout =
@@ -259,7 +276,7 @@ pub(crate) fn open(path: &CStr, token: Option<&[u8]>) -> Result<Session, Session
     let Msg::Config(config) = conn.recv()? else {
         return Err(SessionError::Unexpected("a Config"));
     };
-    let (session, mapped) = register(conn, &config)?;
+    let (session, mapped) = register(conn, &config, fd_base)?;
     let session = finish(session)?;
     // Serving: the areas are the session's for the rest of the process.
     core::mem::forget(mapped);
@@ -275,11 +292,17 @@ pub(crate) fn open(path: &CStr, token: Option<&[u8]>) -> Result<Session, Session
 }
 
 /// Maps and registers the areas, sends them with the four fds.
-fn register(conn: Conn, config: &Config) -> Result<(Session, Mapped), SessionError> {
+fn register(
+    conn: Conn,
+    config: &Config,
+    fd_base: Option<i32>,
+) -> Result<(Session, Mapped), SessionError> {
     let region_uffd =
         sys::uffd_open(config.features).map_err(sys_err("the region's userfaultfd"))?;
+    let region_uffd = placed(region_uffd, fd_base)?;
     let staging_uffd = sys::uffd_open(sys::UFFD_FEATURE_MOVE)
         .map_err(sys_err("the staging area's userfaultfd"))?;
+    let staging_uffd = placed(staging_uffd, fd_base)?;
     let region_len = usize::try_from(config.region_len)
         .map_err(|_| SessionError::Unexpected("a region that fits"))?;
     let staging_len = config

@@ -321,8 +321,32 @@ fn the_reaper_answers_requests_and_losing_the_handler_kills_the_program() {
         return;
     }
     // Nobody serves the region's faults here: the program blocks in its first allocation
-    // from the region, while its reaper (started before the region heap) answers.
-    let mut s = start("print('never')");
+    // from the region, while its reaper (started before the region heap) answers. Its
+    // session fds are placed from 900 up.
+    let mut cmd = preloaded("/usr/bin/python3");
+    cmd.args(["-c", "print('never')"])
+        .env("FARMAP_RUN_FD_BASE", "900");
+    let mut s = start_cmd(cmd, tempfile::tempdir().unwrap());
+    let high: Vec<String> = std::fs::read_dir(format!("/proc/{}/fd", s.child.id()))
+        .unwrap()
+        .filter_map(|e| {
+            let e = e.ok()?;
+            let n: u32 = e.file_name().to_str()?.parse().ok()?;
+            (n >= 900).then(|| std::fs::read_link(e.path()).ok())?
+        })
+        .map(|l| l.display().to_string())
+        .collect();
+    assert_eq!(high.len(), 3, "{high:?}");
+    assert_eq!(
+        high.iter().filter(|l| l.contains("userfaultfd")).count(),
+        2,
+        "{high:?}"
+    );
+    assert_eq!(
+        high.iter().filter(|l| l.starts_with("socket:")).count(),
+        1,
+        "{high:?}"
+    );
     let r = s.registered;
     // The kernel may place the two areas next to each other: "outside" is outside both.
     let below = r.region.min(r.staging) - 16 * PAGE;
