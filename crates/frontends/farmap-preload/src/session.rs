@@ -139,8 +139,10 @@ impl Conn {
         let mut bytes = &out[..n];
         while !bytes.is_empty() {
             // NOSIGNAL: a closed peer is an error here, not a SIGPIPE for the program.
-            let k = rustix::net::send(&self.fd, bytes, SendFlags::NOSIGNAL)
-                .map_err(sys_err("writing to farmap run"))?;
+            let k = match rustix::net::send(&self.fd, bytes, SendFlags::NOSIGNAL) {
+                Err(Errno::INTR) => continue,
+                r => r.map_err(sys_err("writing to farmap run"))?,
+            };
             bytes = &bytes[k..];
         }
         Ok(())
@@ -232,13 +234,15 @@ impl Drop for Mapped {
     }
 }
 
-/// `fd` moved to the lowest free number from `base` (close-on-exec), or left as it is.
+/// `fd` moved to the lowest free number from `base` (close-on-exec), or left as it is. Never
+/// below 3: a program started with stdin, stdout or stderr closed would otherwise write
+/// its output into the session.
 fn placed(fd: OwnedFd, base: Option<i32>) -> Result<OwnedFd, SessionError> {
-    match base {
-        Some(min) if fd.as_raw_fd() < min => {
-            rustix::io::fcntl_dupfd_cloexec(&fd, min).map_err(sys_err("moving an fd up"))
-        }
-        _ => Ok(fd),
+    let min = base.unwrap_or(3).max(3);
+    if fd.as_raw_fd() < min {
+        rustix::io::fcntl_dupfd_cloexec(&fd, min).map_err(sys_err("moving an fd up"))
+    } else {
+        Ok(fd)
     }
 }
 
@@ -401,14 +405,20 @@ fn send_with_fds(
         return Err(SessionError::Sys("packing the fds", Errno::NOBUFS));
     }
     let iov = [std::io::IoSlice::new(&out[..n])];
-    let sent = rustix::net::sendmsg(sock, &iov, &mut control, SendFlags::NOSIGNAL)
-        .map_err(sys_err("sending the areas to farmap run"))?;
+    let sent = loop {
+        match rustix::net::sendmsg(sock, &iov, &mut control, SendFlags::NOSIGNAL) {
+            Err(Errno::INTR) => continue,
+            r => break r.map_err(sys_err("sending the areas to farmap run"))?,
+        }
+    };
     if sent != n {
         // The fds went with the first byte; the rest of the message follows.
         let mut rest = &out[sent..n];
         while !rest.is_empty() {
-            let k = rustix::net::send(sock, rest, SendFlags::NOSIGNAL)
-                .map_err(sys_err("writing to farmap run"))?;
+            let k = match rustix::net::send(sock, rest, SendFlags::NOSIGNAL) {
+                Err(Errno::INTR) => continue,
+                r => r.map_err(sys_err("writing to farmap run"))?,
+            };
             rest = &rest[k..];
         }
     }
