@@ -1,0 +1,609 @@
+//! The session with `farmap run`: the handshake on `FARMAP_RUN_SOCK` (docs/design/farmap-run.md
+//! §2.1) and, after the verdict, the reaper thread on the same socket (§2.2, §2.5).
+//!
+//! ```text
+//! Hello{token, pid} ──▶            ◀── Config{region_len, chunk_size, trash_len, features}
+//! map + register region (MISSING|WP) and staging+trash (WP), MADV_DONTFORK both
+//! Registered{areas} + [region uffd, staging uffd, pagemap, mem] ──▶
+//!                                  ◀── Verdict{0} (or a refusal)
+//! reaper:                          ◀── Request{id, Discard|Move}
+//!         Done{id, errno, bytes} ──▶
+//! ```
+//!
+//! Requests that arrive before the verdict are served by the thread doing the handshake
+//! (the handler may start its pager before it answers). Nothing here allocates.
+
+use core::ffi::{c_void, CStr};
+use core::fmt;
+use core::mem::MaybeUninit;
+use core::ptr;
+use core::sync::atomic::{AtomicI32, Ordering};
+use core::time::Duration;
+use std::os::fd::{AsFd, AsRawFd, BorrowedFd, OwnedFd};
+
+use farmap_run_proto::{
+    decode, Config, Done, Hello, Msg, Op, Refusal, Registered, Request, MAX_MSG_LEN,
+};
+use rustix::io::Errno;
+use rustix::mm::Advice;
+use rustix::net::{
+    AddressFamily, SendAncillaryBuffer, SendAncillaryMessage, SendFlags, SocketType,
+};
+
+use crate::sys;
+
+/// How long the handshake waits for each of the handler's answers.
+const HANDSHAKE_WAIT: Duration = Duration::from_secs(30);
+
+/// Why a session could not be opened.
+#[derive(Debug, Clone, Copy)]
+pub(crate) enum SessionError {
+    /// `FARMAP_RUN_TOKEN` is missing or not 64 hex digits.
+    Token,
+    /// A system call failed: what it was for.
+    Sys(&'static str, Errno),
+    /// The handler sent bytes that are not a message.
+    Proto(farmap_run_proto::Error),
+    /// The handler sent a message out of turn: what was expected.
+    Unexpected(&'static str),
+    /// The handler closed the socket.
+    Closed,
+    /// The handler refused (a [`Refusal`] code).
+    Refused(u16),
+}
+
+impl fmt::Display for SessionError {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            Self::Token => f.write_str("FARMAP_RUN_TOKEN is not 64 hex digits"),
+            Self::Sys(what, e) => write!(f, "{what}: {e}"),
+            Self::Proto(e) => write!(f, "farmap run sent a bad message: {e}"),
+            Self::Unexpected(what) => write!(f, "farmap run did not send {what}"),
+            Self::Closed => f.write_str("farmap run closed the session's socket"),
+            Self::Refused(code) => match Refusal::from_status(*code) {
+                Some(r) => write!(f, "farmap run refused this program: {r:?}"),
+                None => write!(f, "farmap run refused this program (status {code})"),
+            },
+        }
+    }
+}
+
+fn sys_err(what: &'static str) -> impl Fn(Errno) -> SessionError {
+    move |e| SessionError::Sys(what, e)
+}
+
+/// One of the program's two areas (the region; the staging area with its trash).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) struct Area {
+    pub(crate) start: u64,
+    pub(crate) len: u64,
+}
+
+impl Area {
+    fn holds(&self, start: u64, len: u64) -> bool {
+        len > 0
+            && start >= self.start
+            && start
+                .checked_add(len)
+                .is_some_and(|end| end <= self.start + self.len)
+    }
+}
+
+/// What a valid request does: which area (index) a move's destination is in.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Action {
+    Discard {
+        start: u64,
+        len: u64,
+    },
+    Move {
+        src: u64,
+        dst: u64,
+        len: u64,
+        dst_area: usize,
+    },
+}
+
+/// Checks a request against the program's areas: each range wholly inside one of them
+/// (else `EINVAL`, and nothing is done).
+pub(crate) fn validate(areas: &[Area; 2], op: Op) -> Result<Action, i32> {
+    let area_of = |start: u64, len: u64| areas.iter().position(|a| a.holds(start, len));
+    match op {
+        Op::Discard { start, len } => area_of(start, len)
+            .map(|_| Action::Discard { start, len })
+            .ok_or(libc::EINVAL),
+        Op::Move { src, dst, len } => match (area_of(src, len), area_of(dst, len)) {
+            (Some(_), Some(dst_area)) => Ok(Action::Move {
+                src,
+                dst,
+                len,
+                dst_area,
+            }),
+            _ => Err(libc::EINVAL),
+        },
+    }
+}
+
+/// The socket with what was read past the last message.
+#[derive(Debug)]
+struct Conn {
+    fd: OwnedFd,
+    buf: [u8; 4 * MAX_MSG_LEN],
+    len: usize,
+}
+
+impl Conn {
+    fn send(&self, msg: &Msg) -> Result<(), SessionError> {
+        let mut out = [0u8; MAX_MSG_LEN];
+        let n = msg.encode(&mut out).map_err(SessionError::Proto)?;
+        let mut bytes = &out[..n];
+        while !bytes.is_empty() {
+            // NOSIGNAL: a closed peer is an error here, not a SIGPIPE for the program.
+            let k = match rustix::net::send(&self.fd, bytes, SendFlags::NOSIGNAL) {
+                Err(Errno::INTR) => continue,
+                r => r.map_err(sys_err("writing to farmap run"))?,
+            };
+            bytes = &bytes[k..];
+        }
+        Ok(())
+    }
+
+    fn recv(&mut self) -> Result<Msg, SessionError> {
+        loop {
+            if let Some((msg, used)) = decode(&self.buf[..self.len]).map_err(SessionError::Proto)? {
+                self.buf.copy_within(used..self.len, 0);
+                self.len -= used;
+                return Ok(msg);
+            }
+            let n = loop {
+                match rustix::io::read(&self.fd, &mut self.buf[self.len..]) {
+                    Err(Errno::INTR) => continue,
+                    r => break r.map_err(sys_err("reading from farmap run"))?,
+                }
+            };
+            if n == 0 {
+                return Err(SessionError::Closed);
+            }
+            self.len += n;
+        }
+    }
+}
+
+/// An open session: the areas, the program's own copies of the userfaultfds (closing the
+/// last copy would unregister the areas and let faults through as zeros), the socket.
+#[derive(Debug)]
+pub(crate) struct Session {
+    areas: [Area; 2],
+    uffds: [OwnedFd; 2],
+    conn: Conn,
+}
+
+impl Session {
+    /// The region: its first byte and length.
+    pub(crate) fn region(&self) -> (*mut u8, usize) {
+        (
+            ptr::with_exposed_provenance_mut(self.areas[0].start as usize),
+            self.areas[0].len as usize,
+        )
+    }
+
+    /// Does one request and says how it went.
+    fn serve(&self, req: Request) -> Done {
+        let (bytes, errno) = match validate(&self.areas, req.op) {
+            Err(errno) => (0, errno),
+            Ok(Action::Discard { start, len }) => {
+                let p = ptr::with_exposed_provenance_mut::<u8>(start as usize);
+                // SAFETY: the range lies in this program's region or staging area (checked
+                // above), whose pages the handler may drop at any time: the region's
+                // come back through it (a REMOVE event it reads), staging pages are its own.
+                match unsafe { sys::madvise(p, len as usize, Advice::LinuxDontNeed) } {
+                    Ok(()) => (len, 0),
+                    Err(e) => (0, e.raw_os_error()),
+                }
+            }
+            Ok(Action::Move {
+                src,
+                dst,
+                len,
+                dst_area,
+            }) => {
+                // SAFETY: both ranges lie in the two registered areas (checked above), whose
+                // pages the handler moves as it likes (it serves every access to them).
+                unsafe { sys::uffd_move(&self.uffds[dst_area], src, dst, len) }
+            }
+        };
+        Done {
+            id: req.id,
+            errno,
+            bytes,
+        }
+    }
+}
+
+/// Unmaps the areas unless the session opened.
+struct Mapped([(*mut u8, usize); 2]);
+
+impl Drop for Mapped {
+    fn drop(&mut self) {
+        for (p, len) in self.0 {
+            if !p.is_null() {
+                // SAFETY: mappings made by `open` that nothing uses (the session failed).
+                unsafe { sys::unmap(p, len) };
+            }
+        }
+    }
+}
+
+/// `fd` moved to the lowest free number from `base` (close-on-exec), or left as it is. Never
+/// below 3: a program started with stdin, stdout or stderr closed would otherwise write
+/// its output into the session.
+fn placed(fd: OwnedFd, base: Option<i32>) -> Result<OwnedFd, SessionError> {
+    let min = base.unwrap_or(3).max(3);
+    if fd.as_raw_fd() < min {
+        rustix::io::fcntl_dupfd_cloexec(&fd, min).map_err(sys_err("moving an fd up"))
+    } else {
+        Ok(fd)
+    }
+}
+
+/// Opens a session with the handler at `path` (see the module docs); the long-lived fds
+/// (socket, userfaultfds) are moved to `fd_base` or above if it is set, out of the way of
+/// programs that `dup2` onto low numbers.
+pub(crate) fn open(
+    path: &CStr,
+    token: Option<&[u8]>,
+    fd_base: Option<i32>,
+) -> Result<Session, SessionError> {
+    let token = token
+        .and_then(crate::env::parse_token)
+        .ok_or(SessionError::Token)?;
+    let fd = rustix::net::socket_with(
+        AddressFamily::UNIX,
+        SocketType::STREAM,
+        rustix::net::SocketFlags::CLOEXEC,
+        None,
+    )
+    .map_err(sys_err("creating a socket"))?;
+    let fd = placed(fd, fd_base)?;
+    let addr = rustix::net::SocketAddrUnix::new(path).map_err(sys_err("FARMAP_RUN_SOCK"))?;
+    rustix::net::connect(&fd, &addr).map_err(sys_err("connecting to FARMAP_RUN_SOCK"))?;
+    let timeout =
+        |v| rustix::net::sockopt::set_socket_timeout(&fd, rustix::net::sockopt::Timeout::Recv, v);
+    timeout(Some(HANDSHAKE_WAIT)).map_err(sys_err("setting the socket's timeout"))?;
+    let mut conn = Conn {
+        fd,
+        buf: [0; 4 * MAX_MSG_LEN],
+        len: 0,
+    };
+    let pid = rustix::process::getpid().as_raw_nonzero().get() as u32;
+    conn.send(&Msg::Hello(Hello { token, pid }))?;
+    let Msg::Config(config) = conn.recv()? else {
+        return Err(SessionError::Unexpected("a Config"));
+    };
+    let (session, mapped) = register(conn, &config, fd_base)?;
+    let session = finish(session)?;
+    // Serving: the areas are the session's for the rest of the process.
+    core::mem::forget(mapped);
+    let timeout = |v| {
+        rustix::net::sockopt::set_socket_timeout(
+            &session.conn.fd,
+            rustix::net::sockopt::Timeout::Recv,
+            v,
+        )
+    };
+    timeout(None).map_err(sys_err("clearing the socket's timeout"))?;
+    Ok(session)
+}
+
+/// Maps and registers the areas, sends them with the four fds.
+fn register(
+    conn: Conn,
+    config: &Config,
+    fd_base: Option<i32>,
+) -> Result<(Session, Mapped), SessionError> {
+    let region_uffd =
+        sys::uffd_open(config.features).map_err(sys_err("the region's userfaultfd"))?;
+    let region_uffd = placed(region_uffd, fd_base)?;
+    let staging_uffd = sys::uffd_open(sys::UFFD_FEATURE_MOVE)
+        .map_err(sys_err("the staging area's userfaultfd"))?;
+    let staging_uffd = placed(staging_uffd, fd_base)?;
+    let region_len = usize::try_from(config.region_len)
+        .map_err(|_| SessionError::Unexpected("a region that fits"))?;
+    let staging_len = config
+        .region_len
+        .checked_add(config.trash_len)
+        .and_then(|l| usize::try_from(l).ok())
+        .ok_or(SessionError::Unexpected("a staging area that fits"))?;
+    let mut mapped = Mapped([(ptr::null_mut(), 0); 2]);
+    for (i, len) in [region_len, staging_len].into_iter().enumerate() {
+        let p = sys::map_anon(len);
+        if p.is_null() {
+            return Err(SessionError::Sys("mapping the region", Errno::NOMEM));
+        }
+        mapped.0[i] = (p, len);
+    }
+    let [(region, _), (staging, _)] = mapped.0;
+    // SAFETY: both are fresh private anonymous mappings of ours that nothing has touched;
+    // from now on the handler serves their faults (that is the point of the session).
+    unsafe {
+        sys::uffd_register(
+            region_uffd.as_fd(),
+            region.addr(),
+            region_len,
+            sys::MODE_MISSING | sys::MODE_WP,
+        )
+        .map_err(sys_err("registering the region"))?;
+        sys::uffd_register(
+            staging_uffd.as_fd(),
+            staging.addr(),
+            staging_len,
+            sys::MODE_WP,
+        )
+        .map_err(sys_err("registering the staging area"))?;
+    }
+    for (p, len) in mapped.0 {
+        // SAFETY: DONTFORK changes only what a forked child inherits (not these areas).
+        unsafe { sys::madvise(p, len, Advice::LinuxDontFork) }.map_err(sys_err("MADV_DONTFORK"))?;
+    }
+    let proc_file = |path: &CStr| {
+        rustix::fs::openat(
+            rustix::fs::CWD,
+            path,
+            rustix::fs::OFlags::RDONLY | rustix::fs::OFlags::CLOEXEC,
+            rustix::fs::Mode::empty(),
+        )
+    };
+    let pagemap =
+        proc_file(c"/proc/self/pagemap").map_err(sys_err("opening /proc/self/pagemap"))?;
+    let mem = proc_file(c"/proc/self/mem").map_err(sys_err("opening /proc/self/mem"))?;
+    let areas = [
+        Area {
+            start: region.addr() as u64,
+            len: region_len as u64,
+        },
+        Area {
+            start: staging.addr() as u64,
+            len: staging_len as u64,
+        },
+    ];
+    let msg = Msg::Registered(Registered {
+        region: areas[0].start,
+        region_len: areas[0].len,
+        staging: areas[1].start,
+        staging_len: areas[1].len,
+        features: config.features,
+    });
+    let fds = [
+        region_uffd.as_fd(),
+        staging_uffd.as_fd(),
+        pagemap.as_fd(),
+        mem.as_fd(),
+    ];
+    send_with_fds(conn.fd.as_fd(), &msg, &fds)?;
+    drop((pagemap, mem));
+    Ok((
+        Session {
+            areas,
+            uffds: [region_uffd, staging_uffd],
+            conn,
+        },
+        mapped,
+    ))
+}
+
+/// Sends `msg` with `fds` (SCM_RIGHTS).
+fn send_with_fds(
+    sock: BorrowedFd<'_>,
+    msg: &Msg,
+    fds: &[BorrowedFd<'_>; 4],
+) -> Result<(), SessionError> {
+    let mut out = [0u8; MAX_MSG_LEN];
+    let n = msg.encode(&mut out).map_err(SessionError::Proto)?;
+    let mut space = [MaybeUninit::<u8>::uninit(); rustix::cmsg_space!(ScmRights(4))];
+    let mut control = SendAncillaryBuffer::new(&mut space);
+    if !control.push(SendAncillaryMessage::ScmRights(fds)) {
+        return Err(SessionError::Sys("packing the fds", Errno::NOBUFS));
+    }
+    let iov = [std::io::IoSlice::new(&out[..n])];
+    let sent = loop {
+        match rustix::net::sendmsg(sock, &iov, &mut control, SendFlags::NOSIGNAL) {
+            Err(Errno::INTR) => continue,
+            r => break r.map_err(sys_err("sending the areas to farmap run"))?,
+        }
+    };
+    if sent != n {
+        // The fds went with the first byte; the rest of the message follows.
+        let mut rest = &out[sent..n];
+        while !rest.is_empty() {
+            let k = match rustix::net::send(sock, rest, SendFlags::NOSIGNAL) {
+                Err(Errno::INTR) => continue,
+                r => r.map_err(sys_err("writing to farmap run"))?,
+            };
+            rest = &rest[k..];
+        }
+    }
+    Ok(())
+}
+
+/// Waits for the verdict, serving requests that come before it.
+fn finish(mut session: Session) -> Result<Session, SessionError> {
+    loop {
+        match session.conn.recv()? {
+            Msg::Request(req) => {
+                let done = session.serve(req);
+                session.conn.send(&Msg::Done(done))?;
+            }
+            Msg::Verdict(v) if v.status == 0 => break,
+            Msg::Verdict(v) => return Err(SessionError::Refused(v.status)),
+            _ => return Err(SessionError::Unexpected("a Verdict")),
+        }
+    }
+    Ok(session)
+}
+
+/// The session's fds, for a forked child to close (it has no reaper, and its own areas are
+/// gone: `MADV_DONTFORK`); -1 when none.
+static FDS: [AtomicI32; 3] = [AtomicI32::new(-1), AtomicI32::new(-1), AtomicI32::new(-1)];
+
+/// The session, owned by the reaper thread once it runs.
+struct Slot(core::cell::UnsafeCell<MaybeUninit<Session>>);
+// SAFETY: written once by `start_reaper` before the reaper thread exists, then only read by
+// that thread.
+unsafe impl Sync for Slot {}
+static REAPER: Slot = Slot(core::cell::UnsafeCell::new(MaybeUninit::uninit()));
+
+/// Starts the reaper thread (all signals blocked) on the session, which lives as long as the
+/// process. Called once.
+pub(crate) fn start_reaper(session: Session) -> Result<(), Errno> {
+    FDS[0].store(session.uffds[0].as_raw_fd(), Ordering::Relaxed);
+    FDS[1].store(session.uffds[1].as_raw_fd(), Ordering::Relaxed);
+    FDS[2].store(session.conn.fd.as_raw_fd(), Ordering::Relaxed);
+    // SAFETY: called once, before the thread that reads the slot exists.
+    unsafe { (*REAPER.0.get()).write(session) };
+    // SAFETY: plain libc calls on local, initialized signal sets and thread handle; the new
+    // thread inherits the blocked mask, so no signal is ever delivered to it; the slot it
+    // reads was written above.
+    unsafe {
+        let mut all = MaybeUninit::<libc::sigset_t>::uninit();
+        let mut old = MaybeUninit::<libc::sigset_t>::uninit();
+        libc::sigfillset(all.as_mut_ptr());
+        libc::pthread_sigmask(libc::SIG_SETMASK, all.as_ptr(), old.as_mut_ptr());
+        let mut thread = MaybeUninit::<libc::pthread_t>::uninit();
+        let r = libc::pthread_create(
+            thread.as_mut_ptr(),
+            ptr::null(),
+            reaper_main,
+            ptr::null_mut(),
+        );
+        libc::pthread_sigmask(libc::SIG_SETMASK, old.as_ptr(), ptr::null_mut());
+        if r != 0 {
+            return Err(Errno::from_raw_os_error(r));
+        }
+        libc::pthread_detach(thread.assume_init());
+        libc::pthread_setname_np(thread.assume_init(), c"farmap-reaper".as_ptr());
+    }
+    Ok(())
+}
+
+extern "C" fn reaper_main(_: *mut c_void) -> *mut c_void {
+    // SAFETY: `start_reaper` wrote the slot before creating this thread, the only user.
+    let session = unsafe { (*REAPER.0.get()).assume_init_mut() };
+    loop {
+        let req = match session.conn.recv() {
+            Ok(Msg::Request(req)) => req,
+            // The handler is gone (or speaks out of turn): nobody serves this program's
+            // faults any more, and it must not run on reading zeros.
+            _ => sys::kill_self(),
+        };
+        let done = session.serve(req);
+        if session.conn.send(&Msg::Done(done)).is_err() {
+            sys::kill_self();
+        }
+    }
+}
+
+/// Closes the session's fds (a forked child's copies).
+pub(crate) fn close_inherited() {
+    for fd in &FDS {
+        let fd = fd.swap(-1, Ordering::Relaxed);
+        if fd >= 0 {
+            // SAFETY: a forked child's copy of a session fd, which nothing in the child
+            // uses (it has no reaper thread and no areas).
+            unsafe { libc::close(fd) };
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const AREAS: [Area; 2] = [
+        Area {
+            start: 0x10_0000,
+            len: 0x10_0000,
+        },
+        Area {
+            start: 0x40_0000,
+            len: 0x20_0000,
+        },
+    ];
+
+    #[test]
+    fn discards_inside_an_area_are_taken() {
+        let op = Op::Discard {
+            start: 0x10_0000,
+            len: 0x10_0000,
+        };
+        assert_eq!(
+            validate(&AREAS, op),
+            Ok(Action::Discard {
+                start: 0x10_0000,
+                len: 0x10_0000
+            })
+        );
+        let op = Op::Discard {
+            start: 0x5f_f000,
+            len: 0x1000,
+        };
+        assert!(validate(&AREAS, op).is_ok(), "the last page of staging");
+    }
+
+    #[test]
+    fn ranges_outside_or_across_areas_are_einval() {
+        for (start, len) in [
+            (0x0f_f000, 0x1000),        // before the region
+            (0x1f_f000, 0x2000),        // past the region's end
+            (0x20_0000, 0x1000),        // between the areas
+            (0x10_0000, 0x40_0000),     // across both
+            (0x60_0000, 0x1000),        // after staging
+            (0x10_0000, 0),             // empty
+            (u64::MAX - 0xfff, 0x1000), // wraps
+        ] {
+            assert_eq!(
+                validate(&AREAS, Op::Discard { start, len }),
+                Err(libc::EINVAL),
+                "{start:#x}+{len:#x}"
+            );
+        }
+    }
+
+    #[test]
+    fn moves_go_to_the_destinations_area() {
+        let out = Op::Move {
+            src: 0x10_0000,
+            dst: 0x40_0000,
+            len: 0x1000,
+        };
+        assert_eq!(
+            validate(&AREAS, out),
+            Ok(Action::Move {
+                src: 0x10_0000,
+                dst: 0x40_0000,
+                len: 0x1000,
+                dst_area: 1
+            })
+        );
+        let back = Op::Move {
+            src: 0x40_0000,
+            dst: 0x10_0000,
+            len: 0x1000,
+        };
+        assert!(matches!(
+            validate(&AREAS, back),
+            Ok(Action::Move { dst_area: 0, .. })
+        ));
+        let outside = Op::Move {
+            src: 0x10_0000,
+            dst: 0x30_0000,
+            len: 0x1000,
+        };
+        assert_eq!(validate(&AREAS, outside), Err(libc::EINVAL));
+        let from_outside = Op::Move {
+            src: 0x90_0000,
+            dst: 0x10_0000,
+            len: 0x1000,
+        };
+        assert_eq!(validate(&AREAS, from_outside), Err(libc::EINVAL));
+    }
+}
