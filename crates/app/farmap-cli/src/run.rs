@@ -235,9 +235,18 @@ fn find_preload(explicit: Option<&Path>) -> anyhow::Result<PathBuf> {
         Some(p) => p.to_owned(),
         None => match std::env::var_os("FARMAP_PRELOAD") {
             Some(p) => PathBuf::from(p),
-            None => std::env::current_exe()
-                .context("finding the farmap binary")?
-                .with_file_name("libfarmap_preload.so"),
+            None => {
+                // Beside the binary (an install, or `cargo build -p farmap-preload`), or in
+                // the build's `deps` (a workspace build, its tests).
+                let exe = std::env::current_exe().context("finding the farmap binary")?;
+                let beside = exe.with_file_name("libfarmap_preload.so");
+                let deps = exe.with_file_name("deps").join("libfarmap_preload.so");
+                if !beside.is_file() && deps.is_file() {
+                    deps
+                } else {
+                    beside
+                }
+            }
         },
     };
     if !candidate.is_file() {

@@ -16,11 +16,18 @@ use serde_json::Value;
 
 const PYTHON: &str = "/usr/bin/python3";
 
-/// The interposition library built beside the `farmap` binary (`cargo test --workspace`
-/// builds it; `cargo build -p farmap-preload` otherwise), or `None` (a recorded skip).
+/// The interposition library of this build (`cargo test --workspace` builds it, `cargo build
+/// -p farmap-preload` too), or `None` (a recorded skip).
 fn preload(test: &str) -> Option<PathBuf> {
     let bin = PathBuf::from(env!("CARGO_BIN_EXE_farmap"));
-    let so = bin.with_file_name("libfarmap_preload.so");
+    // Where farmap run looks by default: beside the binary, or in the build's `deps`.
+    let beside = bin.with_file_name("libfarmap_preload.so");
+    let deps = bin.with_file_name("deps").join("libfarmap_preload.so");
+    let so = if !beside.is_file() && deps.is_file() {
+        deps
+    } else {
+        beside
+    };
     if !so.is_file() {
         skip(
             test,
@@ -232,6 +239,102 @@ print("status", status, "garbage answered", len(rest), "ok", all(d.count(b"x") =
         "{stdout} {}",
         String::from_utf8_lossy(&out.stderr)
     );
+}
+
+/// redis-server under `farmap run` at a 16 MiB bound keeps 40,000 keys of 1 KiB (about
+/// 45 MB with redis's overhead): every key reads back with its value; `farmap region stats`
+/// and `limit` reach the running program through `--agent`.
+#[test]
+fn redis_keeps_its_keys_under_farmap_run_at_a_small_bound() {
+    let test = "redis_keeps_its_keys_under_farmap_run_at_a_small_bound";
+    let Some(so) = preload(test) else { return };
+    if std::process::Command::new("redis-server")
+        .arg("--version")
+        .output()
+        .is_err()
+    {
+        skip(test, "redis-server is not installed");
+        return;
+    }
+    let dir = tempfile::tempdir().unwrap();
+    let (redis_sock, agent) = (dir.path().join("redis.sock"), dir.path().join("agent.sock"));
+    let mut cmd = farmap().command();
+    cmd.args(["run", "--preload", so.to_str().unwrap()])
+        .args([
+            "--heap-max",
+            "1GiB",
+            "--local-max",
+            "16MiB",
+            "--stats",
+            "--agent",
+        ])
+        .arg(&agent)
+        .args([
+            "--",
+            "redis-server",
+            "--port",
+            "0",
+            "--save",
+            "",
+            "--appendonly",
+            "no",
+        ])
+        .arg("--unixsocket")
+        .arg(&redis_sock)
+        .current_dir(dir.path())
+        .stdout(Stdio::null())
+        .stderr(Stdio::piped());
+    let mut runner = farmap_testkit::process::KillOnDrop(cmd.spawn().unwrap());
+    let cli = |args: &[&str]| {
+        let out = std::process::Command::new("redis-cli")
+            .arg("-s")
+            .arg(&redis_sock)
+            .args(args)
+            .output()
+            .unwrap();
+        String::from_utf8_lossy(&out.stdout).trim().to_owned()
+    };
+    let deadline = std::time::Instant::now() + Duration::from_secs(60);
+    while cli(&["PING"]) != "PONG" {
+        assert!(
+            runner.0.try_wait().unwrap().is_none(),
+            "farmap run ended before redis answered"
+        );
+        assert!(std::time::Instant::now() < deadline, "redis never answered");
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    let value = "string.rep(string.char(65 + i % 26), 1000) .. i";
+    let fill = format!(
+        "for i=1,40000 do redis.call('SET', 'k'..i, {value}) end return redis.call('DBSIZE')"
+    );
+    assert_eq!(cli(&["EVAL", &fill, "0"]), "40000");
+    let check = format!(
+        "for i=1,40000 do if redis.call('GET', 'k'..i) ~= {value} then return i end end return 0"
+    );
+    assert_eq!(cli(&["EVAL", &check, "0"]), "0", "a key read back wrong");
+    // The agent: the bound and the counters of the running program; then a lower bound.
+    let agent = agent.to_str().unwrap();
+    let state = farmap().json(&["region", "stats", "--app", agent, "--json"]);
+    assert_eq!(state["limit_bytes"], 16 << 20, "{state}");
+    assert!(state["faults"].as_u64().unwrap() > 0, "{state}");
+    assert_eq!(state["within_limit"], true, "{state}");
+    let lowered = farmap().json(&["region", "limit", "--app", agent, "8MiB", "--json"]);
+    assert_eq!(lowered["limit_bytes"], 8 << 20, "{lowered}");
+    assert_eq!(lowered["within_limit"], true, "{lowered}");
+    assert_eq!(
+        cli(&["EVAL", &check, "0"]),
+        "0",
+        "a key read back wrong at 8 MiB"
+    );
+    let _ = cli(&["SHUTDOWN", "NOSAVE"]);
+    let status = runner.0.wait().unwrap();
+    let mut stderr = String::new();
+    std::io::Read::read_to_string(runner.0.stderr.as_mut().unwrap(), &mut stderr).unwrap();
+    assert!(status.success(), "farmap run: {status:?}\n{stderr}");
+    let stats = stats_lines(stderr.as_bytes());
+    assert_eq!(stats.len(), 1, "{stderr}");
+    eprintln!("{}", stats[0]);
+    assert!(stats[0]["evictions"].as_u64().unwrap() > 0, "{stderr}");
 }
 
 /// The pids of `pid`'s children.

@@ -26,8 +26,8 @@ use farmap_run_proto::{
 };
 use tokio::runtime::Handle;
 
-use super::region::{ForeignFds, ForeignOptions, ForeignRegion, Program};
 use super::reaper::Reaper;
+use super::region::{ForeignFds, ForeignOptions, ForeignRegion, Program};
 use crate::error::RegionError;
 use crate::handover::socket::recv_with_fds;
 

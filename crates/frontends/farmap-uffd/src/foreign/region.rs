@@ -29,8 +29,8 @@ use farmap_run_proto::Registered;
 use parking_lot::Mutex;
 use tokio::runtime::Handle;
 
-use super::space::{End, ForeignSpace};
 use super::reaper::Reaper;
+use super::space::{End, ForeignSpace};
 use crate::error::RegionError;
 use crate::memory::{Events, PushReads, RegionMemory};
 use crate::options::{FaultWait, LocalLimit, PagingOptions, RemoveMeans, TrackingMode};
