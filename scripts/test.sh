@@ -27,9 +27,10 @@ step() { printf '\n=== [%d:%02d] %s\n' $((SECONDS / 60)) $((SECONDS % 60)) "$*" 
 # redis-cluster.sh, redis-tls.sh makes its test CA with openssl).
 # python3: the `farmap mount` tests drive the mounted file from Python (mmap, threads).
 # python3-prometheus-client: the metrics tests read the exposition with its parser.
+# memcached: `farmap run`'s tests run it (and redis-server) with its heap on farmap.
 PKGS=(util-linux g++ qemu-system-x86 nbd-client busybox-static cpio xz-utils e2fsprogs libclang-dev
   nbdkit libnbd-bin qemu-utils fio fuse3 openjdk-17-jre-headless maven redis-server redis-tools openssl python3
-  python3-prometheus-client)
+  python3-prometheus-client memcached)
 missing=()
 for p in "${PKGS[@]}"; do
   dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")

@@ -337,6 +337,100 @@ fn redis_keeps_its_keys_under_farmap_run_at_a_small_bound() {
     assert!(stats[0]["evictions"].as_u64().unwrap() > 0, "{stderr}");
 }
 
+/// memcached under `farmap run` at a 16 MiB bound keeps 20,000 items of 2 KB (41 MB of
+/// items): every one reads back with its value, through the text protocol on a Unix socket.
+#[test]
+fn memcached_keeps_its_items_under_farmap_run_at_a_small_bound() {
+    let test = "memcached_keeps_its_items_under_farmap_run_at_a_small_bound";
+    let Some(so) = preload(test) else { return };
+    if std::process::Command::new("memcached")
+        .arg("--version")
+        .output()
+        .is_err()
+    {
+        skip(test, "memcached is not installed");
+        return;
+    }
+    let dir = tempfile::tempdir().unwrap();
+    let sock = dir.path().join("memcached.sock");
+    let script = format!(
+        r#"
+import socket, sys, time
+deadline = time.time() + 30
+while True:
+    try:
+        s = socket.socket(socket.AF_UNIX); s.connect({sock:?}); break
+    except OSError:
+        if time.time() > deadline: sys.exit("memcached never answered")
+        time.sleep(0.02)
+f = s.makefile("rwb")
+N = 20000
+val = lambda i: bytes([65 + i % 26]) * 2000 + str(i).encode()
+for i in range(N):
+    v = val(i)
+    f.write(b"set k%d 0 0 %d noreply\r\n%s\r\n" % (i, len(v), v))
+f.flush()
+bad = 0
+for i in range(N):
+    f.write(b"get k%d\r\n" % i); f.flush()
+    line = f.readline()
+    if not line.startswith(b"VALUE"):
+        bad += 1; continue
+    v = f.read(int(line.split()[3]) + 2)[:-2]; f.readline()
+    bad += v != val(i)
+f.write(b"shutdown\r\n"); f.flush()
+print("bad", bad)
+"#,
+        sock = sock.to_str().unwrap()
+    );
+    let mut cmd = farmap().command();
+    cmd.args(["run", "--preload", so.to_str().unwrap()])
+        .args([
+            "--heap-max",
+            "1GiB",
+            "--local-max",
+            "16MiB",
+            "--stats",
+            "--",
+        ])
+        .args([
+            "memcached",
+            "-u",
+            "root",
+            "-m",
+            "128",
+            "-U",
+            "0",
+            "-t",
+            "2",
+            "-A",
+            "-s",
+        ])
+        .arg(&sock)
+        .stdout(Stdio::null())
+        .stderr(Stdio::piped());
+    let runner = farmap_testkit::process::KillOnDrop(cmd.spawn().unwrap());
+    let client = std::process::Command::new(PYTHON)
+        .args(["-c", &script])
+        .output()
+        .unwrap();
+    let mut runner = runner;
+    let status = runner.0.wait().unwrap();
+    let mut stderr = String::new();
+    std::io::Read::read_to_string(runner.0.stderr.as_mut().unwrap(), &mut stderr).unwrap();
+    let out = String::from_utf8_lossy(&client.stdout);
+    assert!(
+        out.contains("bad 0"),
+        "{out} {} {stderr}",
+        String::from_utf8_lossy(&client.stderr)
+    );
+    assert!(status.success(), "farmap run: {status:?}\n{stderr}");
+    let stats = stats_lines(stderr.as_bytes());
+    assert_eq!(stats.len(), 1, "{stderr}");
+    eprintln!("{}", stats[0]);
+    assert!(stats[0]["evictions"].as_u64().unwrap() > 0, "{stderr}");
+}
+
 /// The pids of `pid`'s children.
 fn children_of(pid: u32) -> Vec<u32> {
     let Ok(tasks) = std::fs::read_dir(format!("/proc/{pid}/task")) else {
