@@ -13,3 +13,7 @@ pub mod args;
 pub mod drive;
 pub mod metrics;
 pub mod output;
+
+/// For [`status!`]: its lines are log events with `--log-format json`.
+#[doc(hidden)]
+pub use tracing;

@@ -11,12 +11,33 @@ use serde::Serialize;
 /// A status line on stderr (`eprintln!` without its panic): a daemon whose stderr pipe was
 /// closed by its parent must still flush and stop cleanly at SIGTERM, so a failed write of
 /// a status line is ignored.
+///
+/// With `--log-format json` ([`set_json_status`]) it is a log event instead (target
+/// `farmap::status`, level info), written as one JSON object like every other log line.
 #[macro_export]
 macro_rules! status {
     ($($arg:tt)*) => {{
-        use std::io::Write as _;
-        let _ = writeln!(std::io::stderr(), $($arg)*);
+        if $crate::output::json_status() {
+            // Formatted out here: the caller's names must not meet the event macro's.
+            let line = format!($($arg)*);
+            $crate::tracing::info!(target: "farmap::status", "{}", line);
+        } else {
+            use std::io::Write as _;
+            let _ = writeln!(std::io::stderr(), $($arg)*);
+        }
     }};
+}
+
+static JSON_STATUS: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
+
+/// Makes [`status!`] lines log events (`--log-format json`).
+pub fn set_json_status() {
+    JSON_STATUS.store(true, std::sync::atomic::Ordering::Relaxed);
+}
+
+/// Whether [`status!`] lines are log events.
+pub fn json_status() -> bool {
+    JSON_STATUS.load(std::sync::atomic::Ordering::Relaxed)
 }
 
 /// Prints `value` as one JSON line on stdout.
@@ -35,7 +56,7 @@ pub fn error_chain(err: &anyhow::Error) -> String {
 
 /// A byte progress bar on stderr, hidden when stderr is not a terminal or when `quiet`.
 pub fn byte_bar(total: u64, what: &str, quiet: bool) -> ProgressBar {
-    if quiet || !std::io::stderr().is_terminal() {
+    if quiet || json_status() || !std::io::stderr().is_terminal() {
         return ProgressBar::hidden();
     }
     let bar = ProgressBar::with_draw_target(Some(total), ProgressDrawTarget::stderr_with_hz(10));

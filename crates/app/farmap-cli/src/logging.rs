@@ -2,6 +2,12 @@
 //!
 //! `FARMAP_LOG` takes `tracing_subscriber`'s filter syntax (`debug`, `farmap_net=trace`, ...);
 //! by default farmap's own crates log at `info` and everything else at `warn`.
+//!
+//! `--log-format json` (or `FARMAP_LOG_FORMAT=json`) writes one JSON object per line
+//! instead: `timestamp`, `level`, `target`, `fields` (with `message`), and the spans the
+//! event happened in (`span` and `spans`: a connection's server and peer, a migration's
+//! side, a mount's directory, a `farmap run` program's pid). The command's own status lines
+//! become events of target `farmap::status`, which `FARMAP_LOG` does not filter out.
 
 use tracing_subscriber::EnvFilter;
 
@@ -13,21 +19,46 @@ farmap_store=info,farmap_pipeline=info,farmap_uffd=info,farmap_wire=info,farmap_
 farmap_grpc=info,farmap_migrate=info,farmap_nbd=info,farmap_nbd_proto=info,farmap_ublk=info,\
 farmap_fuse=info,farmap_redis=info,farmap_s3=info,farmap_cql=info,scylla=off";
 
+/// How log lines are written.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, clap::ValueEnum)]
+pub enum LogFormat {
+    /// One line of text per event, for people.
+    #[default]
+    Text,
+    /// One JSON object per event, for machines.
+    Json,
+}
+
 /// Installs the stderr subscriber (once; later calls do nothing). `quiet` raises the default
 /// level of farmap's crates to `warn`.
-pub fn init(quiet: bool) {
+pub fn init(quiet: bool, format: LogFormat) {
     let filter = match std::env::var("FARMAP_LOG") {
         Ok(s) if !s.trim().is_empty() => EnvFilter::new(s),
         _ if quiet => EnvFilter::new("warn"),
         _ => EnvFilter::new(DEFAULT_FILTER),
     };
-    let _ = tracing_subscriber::fmt()
-        .with_env_filter(filter)
-        .with_writer(|| QuietStderr)
-        .with_target(false)
-        .without_time()
-        .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))
-        .try_init();
+    match format {
+        LogFormat::Text => {
+            let _ = tracing_subscriber::fmt()
+                .with_env_filter(filter)
+                .with_writer(|| QuietStderr)
+                .with_target(false)
+                .without_time()
+                .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))
+                .try_init();
+        }
+        LogFormat::Json => {
+            farmap_cli_kit::output::set_json_status();
+            let status = "farmap::status=info".parse().expect("a valid directive");
+            let _ = tracing_subscriber::fmt()
+                .json()
+                .with_current_span(true)
+                .with_span_list(true)
+                .with_env_filter(filter.add_directive(status))
+                .with_writer(|| QuietStderr)
+                .try_init();
+        }
+    }
 }
 
 /// stderr for logs, where a failed write is dropped: tracing-subscriber reports a writer error

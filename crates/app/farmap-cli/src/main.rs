@@ -81,6 +81,16 @@ const STORES_HELP: &str = include_str!("../../../../docs/store-specs.md");
 struct Cli {
     #[command(subcommand)]
     command: Command,
+    /// How log and status lines on stderr are written: text, or one JSON object per line
+    /// (timestamp, level, target, fields, spans).
+    #[arg(
+        long,
+        global = true,
+        value_enum,
+        default_value_t,
+        env = "FARMAP_LOG_FORMAT"
+    )]
+    log_format: logging::LogFormat,
 }
 
 #[derive(Debug, Subcommand)]
@@ -198,7 +208,10 @@ impl Command {
 
 fn main() -> ExitCode {
     let cli = Cli::parse();
-    logging::init(matches!(&cli.command, Command::Serve(args) if args.quiet));
+    logging::init(
+        matches!(&cli.command, Command::Serve(args) if args.quiet),
+        cli.log_format,
+    );
     // Before the runtime's threads exist: they inherit it (see `swap`).
     let swap_prepared =
         matches!(&cli.command, Command::Swap(swap::SwapCommand::On(_))).then(swap::prepare);
@@ -270,7 +283,11 @@ fn main() -> ExitCode {
     match result {
         Ok(code) => code,
         Err(err) => {
-            status!("farmap: {}", output::error_chain(&err));
+            if output::json_status() {
+                tracing::error!(target: "farmap::status", "farmap: {}", output::error_chain(&err));
+            } else {
+                status!("farmap: {}", output::error_chain(&err));
+            }
             ExitCode::FAILURE
         }
     }

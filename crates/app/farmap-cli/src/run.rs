@@ -100,6 +100,8 @@ struct Served {
     rt: Handle,
     /// The regions served now (one per program image that connected).
     sessions: Mutex<Vec<Arc<ForeignRegion>>>,
+    /// Connections being handled (a handshake, a session, its last report).
+    active: std::sync::atomic::AtomicUsize,
     stats: bool,
 }
 
@@ -126,6 +128,7 @@ pub async fn run(args: RunArgs) -> anyhow::Result<ExitCode> {
         },
         rt: Handle::current(),
         sessions: Mutex::new(Vec::new()),
+        active: Default::default(),
         stats: args.stats,
     });
     let _agent = match &args.agent {
@@ -181,14 +184,9 @@ pub async fn run(args: RunArgs) -> anyhow::Result<ExitCode> {
     };
     let status = wait_forwarding_signals(&mut child, pid).await?;
     // A program image that outlives the program we started (its daemon) is served until it
-    // ends too.
-    let sessions: Vec<Arc<ForeignRegion>> = served.sessions.lock().clone();
-    for s in sessions {
-        let s2 = s.clone();
-        tokio::task::spawn_blocking(
-            move || while s2.wait_end(Duration::from_secs(3600)).is_none() {},
-        )
-        .await?;
+    // ends too; each session's report is written before this returns.
+    while served.active.load(std::sync::atomic::Ordering::Acquire) > 0 {
+        tokio::time::sleep(Duration::from_millis(2)).await;
     }
     drop(dir);
     drop(accepting);
@@ -266,14 +264,19 @@ fn accept_loop(listener: UnixListener, expected: Expected, served: Arc<Served>) 
     for conn in listener.incoming() {
         let Ok(conn) = conn else { continue };
         let (expected, served) = (expected.clone(), served.clone());
+        use std::sync::atomic::Ordering;
+        served.active.fetch_add(1, Ordering::AcqRel);
+        let counted = served.clone();
         let spawned = std::thread::Builder::new()
             .name("farmap-run-session".into())
             .spawn(move || {
                 if let Err(e) = serve_program(conn, &expected, &served) {
                     status!("farmap run: {}", farmap_cli_kit::output::error_chain(&e));
                 }
+                served.active.fetch_sub(1, Ordering::AcqRel);
             });
         if let Err(e) = spawned {
+            counted.active.fetch_sub(1, Ordering::AcqRel);
             status!("farmap run: cannot start a session thread: {e}");
         }
     }
@@ -287,6 +290,7 @@ fn serve_program(
 ) -> anyhow::Result<()> {
     let applicant = handshake(conn, expected, HANDSHAKE_TIMEOUT)?;
     let pid = applicant.pid();
+    let _span = tracing::info_span!("run", pid).entered();
     let spec = served.spec.clone();
     let store = served
         .rt

@@ -398,3 +398,58 @@ fn info_shows_a_mirrors_state() {
         stdout(&o)
     );
 }
+
+/// `--log-format json` (or `FARMAP_LOG_FORMAT=json`): every line on stderr is one JSON
+/// object; the command's own status and error lines are events of target `farmap::status`;
+/// a server's log lines about a connection carry its span (server and peer).
+#[test]
+fn json_logs_are_one_object_per_line_with_levels_and_spans() {
+    let parse = |o: &Output| -> Vec<serde_json::Value> {
+        stderr(o)
+            .lines()
+            .map(|l| {
+                serde_json::from_str(l).unwrap_or_else(|e| panic!("not JSON ({e}): {l}"))
+            })
+            .collect()
+    };
+    let failed = farmap().run(&["--log-format", "json", "info", "dir:/nonexistent/farmap"]);
+    assert!(!failed.status.success());
+    let lines = parse(&failed);
+    assert_eq!(lines.len(), 1, "{}", stderr(&failed));
+    assert_eq!(lines[0]["level"], "ERROR");
+    assert_eq!(lines[0]["target"], "farmap::status");
+    assert!(lines[0]["fields"]["message"]
+        .as_str()
+        .unwrap()
+        .contains("/nonexistent/farmap"));
+    assert!(lines[0]["timestamp"].as_str().unwrap().ends_with('Z'));
+    // The environment variable does the same; and a hostile peer of a server is logged in
+    // the span of its connection.
+    let mut server = farmap()
+        .env("FARMAP_LOG_FORMAT", "json")
+        .listening(&["serve", "memory:4MiB", "--listen", "127.0.0.1:0"]);
+    let log = server.log_stderr();
+    let addr = server.addr().to_owned();
+    let mut peer = std::net::TcpStream::connect(&addr).unwrap();
+    std::io::Write::write_all(&mut peer, b"GARBAGE GARBAGE GARBAGE").unwrap();
+    let deadline = Instant::now() + Duration::from_secs(10);
+    let warned = loop {
+        let found = log
+            .lock()
+            .unwrap()
+            .lines()
+            .filter_map(|l| serde_json::from_str::<serde_json::Value>(l).ok())
+            .find(|v| v["level"] == "WARN");
+        if let Some(v) = found {
+            break v;
+        }
+        assert!(Instant::now() < deadline, "no warning: {}", log.lock().unwrap());
+        std::thread::sleep(Duration::from_millis(20));
+    };
+    assert_eq!(warned["span"]["name"], "connection", "{warned}");
+    assert_eq!(
+        warned["span"]["peer"].as_str().unwrap(),
+        peer.local_addr().unwrap().to_string(),
+        "{warned}"
+    );
+}

@@ -169,9 +169,11 @@ fn spawn_session(
     std::thread::Builder::new()
         .name("farmap-fuse-session".into())
         .spawn(move || {
+            // Every log line of the session names its mount point.
+            let _span = tracing::info_span!("mount", dir = %dir.display()).entered();
             let result = session.run();
             if let Err(e) = &result {
-                tracing::warn!(dir = %dir.display(), "the FUSE session ended: {e}");
+                tracing::warn!("the FUSE session ended: {e}");
             }
             let _ = ended.send(true);
             result

@@ -155,6 +155,18 @@ pub async fn leech_into<D: Destination>(
     opts: LeechOptions,
     open: Opener<D>,
     resume: Resumer<D>,
+    cancel: tokio::sync::watch::Receiver<bool>,
+) -> Result<LeechReport<D>, LeechError> {
+    // Every log line of the migration names its side and its source.
+    let span = tracing::info_span!("leech", from = %opts.from);
+    tracing::Instrument::instrument(leech_here(opts, open, resume, cancel), span).await
+}
+
+/// [`leech_into`], inside its span.
+async fn leech_here<D: Destination>(
+    opts: LeechOptions,
+    open: Opener<D>,
+    resume: Resumer<D>,
     mut cancel: tokio::sync::watch::Receiver<bool>,
 ) -> Result<LeechReport<D>, LeechError> {
     let started = Instant::now();

@@ -213,23 +213,28 @@ pub async fn seed(
         .map_err(SeedError::LocalAddr)?;
     let info = region_info(&*region, &data);
     let (cancel, cancelled) = tokio::sync::watch::channel(false);
-    let task = tokio::spawn(async move {
-        let (conn_tx, conn_rx) = mpsc::channel(4);
-        let acceptor = Acceptor {
-            listener: control_listener,
-            timeout: opts.handshake_timeout,
-            max: opts.max_handshakes.max(1),
-            out: conn_tx,
-            keys: keys.clone(),
-        };
-        let accepting = AbortOnDrop(tokio::spawn(acceptor.run()));
-        let seed_run = SeedRun::new(region, suspend, opts, keys, pacer);
-        let r = run(seed_run, conn_rx, Seeder::new(info, 0), cancelled).await;
-        drop(accepting);
-        let _ = server.shutdown().await;
-        drop(pull_rt);
-        r
-    });
+    // Every log line of the migration names its side and control address.
+    let span = tracing::info_span!("seed", control = %control, size = info.size);
+    let task = tokio::spawn(tracing::Instrument::instrument(
+        async move {
+            let (conn_tx, conn_rx) = mpsc::channel(4);
+            let acceptor = Acceptor {
+                listener: control_listener,
+                timeout: opts.handshake_timeout,
+                max: opts.max_handshakes.max(1),
+                out: conn_tx,
+                keys: keys.clone(),
+            };
+            let accepting = AbortOnDrop(tokio::spawn(acceptor.run()));
+            let seed_run = SeedRun::new(region, suspend, opts, keys, pacer);
+            let r = run(seed_run, conn_rx, Seeder::new(info, 0), cancelled).await;
+            drop(accepting);
+            let _ = server.shutdown().await;
+            drop(pull_rt);
+            r
+        },
+        span,
+    ));
     Ok(Seeding {
         control,
         data,

@@ -196,7 +196,14 @@ pub async fn accept_connections<S, F, R>(
                         }
                     }
                     let activity = Arc::new(Activity::new(origin));
-                    let handle = conns.spawn(serve(stream, peer.clone(), activity.clone()));
+                    // Every log line of the connection names its server and peer.
+                    let span = tracing::info_span!("connection", server, peer = %peer);
+                    let handle = conns.spawn(
+                        tracing::Instrument::instrument(
+                            serve(stream, peer.clone(), activity.clone()),
+                            span,
+                        ),
+                    );
                     live.push((handle, activity, peer));
                     if live.len() > 2 * max_connections {
                         live.retain(|(h, _, _)| !h.is_finished());
