@@ -1,0 +1,67 @@
+"""Live migration of a region within this process: seed, leech, the data moves."""
+
+import threading
+
+import numpy as np
+import pytest
+
+import farmap
+
+MIB = 1 << 20
+
+
+def test_a_region_moves_to_a_leecher_with_its_data(uffd):
+    source = farmap.open_region("memory:8MiB?chunk=64KiB")
+    rng = np.random.default_rng(3)
+    data = rng.integers(0, 1 << 32, size=2 * MIB, dtype=np.uint32)
+    arr = np.frombuffer(source, dtype=np.uint32)
+    arr[:] = data
+    del arr
+    seeding = source.seed()
+    assert ":" in seeding.control
+    moved, report = farmap.leech(seeding.control, mode="precopy")
+    seed_report = seeding.wait()
+    assert report["mode"] == "precopy" and seed_report["mode"] == "precopy"
+    assert report["bytes_precopy"] + report["bytes_postcopy"] >= 8 * MIB
+    with moved:
+        assert moved.size == 8 * MIB
+        got = np.frombuffer(moved, dtype=np.uint32)
+        assert np.array_equal(got, data)
+        # The new region is ordinary memory of this process: writable in place.
+        got[0] = 7
+        assert moved.read(0, 4) == (7).to_bytes(4, "little")
+        del got
+    with pytest.raises(farmap.FarmapError):
+        seeding.wait()  # once only
+    source.close()
+
+
+def test_waiting_for_a_seeding_releases_the_gil(uffd):
+    """wait() blocks until a leecher is done; the leecher runs on this thread meanwhile, which
+    needs the GIL: if wait() kept it, this test would hang (bounded by the join timeout)."""
+    source = farmap.open_region("memory:1MiB?chunk=64KiB")
+    source.write(0, b"gil")
+    seeding = source.seed()
+    result = {}
+
+    def wait():
+        result["seed"] = seeding.wait()
+
+    t = threading.Thread(target=wait)
+    t.start()
+    moved, report = farmap.leech(seeding.control, mode="postcopy")
+    t.join(timeout=60)
+    assert not t.is_alive(), "Seeding.wait() did not return"
+    assert result["seed"]["mode"] == "postcopy"
+    with moved:
+        assert moved.read(0, 3) == b"gil"
+    source.close()
+
+
+def test_bad_migration_arguments_raise_typed_errors(uffd):
+    with pytest.raises(farmap.InvalidInputError):
+        farmap.leech("127.0.0.1:1", mode="sideways")
+    with pytest.raises(farmap.InvalidInputError):
+        farmap.leech("not an address")
+    with pytest.raises(farmap.MigrationError):
+        farmap.leech("127.0.0.1:1")  # nobody listens there
