@@ -1,6 +1,7 @@
 """Live migration of a region within this process: seed, leech, the data moves."""
 
 import threading
+import time
 
 import numpy as np
 import pytest
@@ -37,21 +38,30 @@ def test_a_region_moves_to_a_leecher_with_its_data(uffd):
 
 
 def test_waiting_for_a_seeding_releases_the_gil(uffd):
-    """wait() blocks until a leecher is done; the leecher runs on this thread meanwhile, which
-    needs the GIL: if wait() kept it, this test would hang (bounded by the join timeout)."""
+    """wait() blocks until a leecher is done; the leecher starts on this thread meanwhile,
+    which needs the GIL: had wait() kept it, the leecher could only start after wait() gave
+    up at its timeout, and the waiting thread would have a StoreTimeoutError."""
     source = farmap.open_region("memory:1MiB?chunk=64KiB")
     source.write(0, b"gil")
     seeding = source.seed()
+    # Nobody leeches yet: a short wait times out, and the seeding goes on.
+    with pytest.raises(farmap.StoreTimeoutError):
+        seeding.wait(timeout=0.05)
     result = {}
 
     def wait():
-        result["seed"] = seeding.wait()
+        try:
+            result["seed"] = seeding.wait(timeout=20)
+        except farmap.FarmapError as e:
+            result["error"] = e
 
     t = threading.Thread(target=wait)
     t.start()
+    time.sleep(0.1)  # the thread is inside wait()
     moved, report = farmap.leech(seeding.control, mode="postcopy")
     t.join(timeout=60)
     assert not t.is_alive(), "Seeding.wait() did not return"
+    assert "error" not in result, result
     assert result["seed"]["mode"] == "postcopy"
     with moved:
         assert moved.read(0, 3) == b"gil"

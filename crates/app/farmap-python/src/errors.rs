@@ -170,7 +170,10 @@ impl From<OpenRegionError> for Failure {
             OpenRegionError::Region(e) => Failure::from(e),
             e => return Failure::chain(Class::Io, &e),
         };
-        Failure::new(inner.class, format!("cannot open the region: {}", inner.message))
+        Failure::new(
+            inner.class,
+            format!("cannot open the region: {}", inner.message),
+        )
     }
 }
 
@@ -289,12 +292,16 @@ mod tests {
 
     #[test]
     fn a_missing_file_store_is_not_found() {
-        let dir = std::env::temp_dir().join(format!("farmap-python-missing-{}", std::process::id()));
+        let dir =
+            std::env::temp_dir().join(format!("farmap-python-missing-{}", std::process::id()));
         // Without size= an absent file cannot be created.
-        let spec: farmap::StoreSpec = format!("file:{}/absent.img", dir.display()).parse().unwrap();
+        let spec: farmap::StoreSpec = format!("file:{}/absent.img", dir.display())
+            .parse()
+            .unwrap();
         let e = farmap::open_store(&spec).unwrap_err();
         let f = Failure::from(e);
-        assert_ne!(f.class, Class::Io, "{f:?}");
+        assert_eq!(f.class, Class::NotFound, "{f:?}");
+        assert!(f.message.contains("absent.img"), "{}", f.message);
     }
 
     #[test]

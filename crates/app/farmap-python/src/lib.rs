@@ -6,7 +6,7 @@
 //! - [`region`]: `open_region(spec)`: a userfaultfd region whose memory Python sees through
 //!   the buffer protocol (`memoryview(region)`, `numpy.frombuffer(region, ...)`), without a copy.
 //! - [`mount`]: `mount(spec, dir)`: a store as one file on a FUSE mount; `Mount.unmount()`.
-//! - [`migrate`]: `Region.seed(...)` and `leech(...)`: live migration of a region.
+//! - [`migrate`]: what `Region.seed(...)` and `leech(...)` run: live migration of a region.
 //! - [`errors`]: `farmap.FarmapError` and its subclasses, from the library's error kinds.
 //!
 //! Every call that may wait (I/O, faults, a migration) releases the GIL
@@ -58,7 +58,7 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(region::open_region, m)?)?;
     m.add_function(wrap_pyfunction!(region::userfaultfd_support, m)?)?;
     m.add_function(wrap_pyfunction!(mount::mount, m)?)?;
-    m.add_function(wrap_pyfunction!(migrate::leech, m)?)?;
+    m.add_function(wrap_pyfunction!(region::leech, m)?)?;
     m.add("DEFAULT_CHUNK_SIZE", farmap::DEFAULT_CHUNK_SIZE)?;
     Ok(())
 }

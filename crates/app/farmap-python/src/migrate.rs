@@ -5,7 +5,7 @@
 //!   region to one leecher (in the background, on the module's runtime);
 //! - `farmap.leech(source, mode="precopy", ...) -> (Region, dict)` pulls it here and returns
 //!   the new region and the report, once the hand-over is done and every chunk is local;
-//! - `Seeding.wait() -> dict` waits for the source side to finish.
+//! - `Seeding.wait(timeout=None) -> dict` waits for the source side to finish.
 //!
 //! Both sides prove they hold the same key: without `key_file`, this process's own random key
 //! (a migration within one process); with it, the secret in that file (mode 0600, same as
@@ -23,12 +23,12 @@ use farmap::net::{ListenAddr, RemoteAddr};
 use farmap_migrate::leech::LeechOptions;
 use farmap_migrate::seed::SeedOptions;
 use farmap_migrate::{Convergence, Mode, WriterGate};
+use farmap_migrate::{SeedError, SeedReport};
 use parking_lot::Mutex;
 use pyo3::prelude::*;
 use pyo3::types::PyDict;
 
-use crate::errors::{Class, Fallible, Failure};
-use crate::region::Region;
+use crate::errors::{Class, Failure, Fallible};
 use crate::{blocking, runtime};
 
 fn key(key_file: Option<PathBuf>) -> Fallible<Key> {
@@ -51,28 +51,40 @@ fn address<T: std::str::FromStr>(what: &str, s: &str) -> Fallible<T>
 where
     T::Err: std::fmt::Display,
 {
-    s.parse().map_err(|e: T::Err| {
-        Failure::new(Class::InvalidInput, format!("{what} {s:?}: {e}"))
-    })
+    s.parse()
+        .map_err(|e: T::Err| Failure::new(Class::InvalidInput, format!("{what} {s:?}: {e}")))
 }
 
 fn migration_error(e: &(dyn std::error::Error + 'static)) -> Failure {
     Failure::new(Class::Migration, farmap::error_chain(e))
 }
 
-/// A seeding at work (see the module docs).
+/// What a seeding's task returns.
+type SeedTask = tokio::task::JoinHandle<Result<SeedReport, SeedError>>;
+
+/// A seeding at work (see the module docs): its addresses, a way to cancel it, and the task
+/// that finishes it (awaited by `wait`, which may give up and wait again).
 #[pyclass(module = "farmap", name = "Seeding", frozen)]
-#[derive(Debug)]
 pub struct Seeding {
     control: String,
     data: String,
-    seeding: Mutex<Option<farmap_migrate::seed::Seeding>>,
+    cancel: Box<dyn Fn() + Send + Sync>,
+    task: Mutex<Option<SeedTask>>,
+}
+
+impl std::fmt::Debug for Seeding {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Seeding")
+            .field("control", &self.control)
+            .field("data", &self.data)
+            .finish_non_exhaustive()
+    }
 }
 
 /// Starts seeding `region` (`Region.seed`, see the module docs).
 pub fn seed(
-    region: &Region,
     py: Python<'_>,
+    region: Arc<farmap::Region>,
     listen: &str,
     data_listen: &str,
     key_file: Option<PathBuf>,
@@ -80,7 +92,6 @@ pub fn seed(
     let listen: ListenAddr = address("listen address", listen)?;
     let data_listen: ListenAddr = address("data address", data_listen)?;
     let key = key(key_file)?;
-    let region = region.get()?;
     let opts = SeedOptions {
         listen,
         data_listen,
@@ -99,10 +110,14 @@ pub fn seed(
         runtime().block_on(farmap_migrate::seed(region, gate, opts))
     })
     .map_err(|e| migration_error(&e))?;
+    let (control, data) = (seeding.control.to_string(), seeding.data.to_string());
+    let cancel = Box::new(seeding.canceller());
+    let task = runtime().spawn(seeding.finish());
     Ok(Seeding {
-        control: seeding.control.to_string(),
-        data: seeding.data.to_string(),
-        seeding: Mutex::new(Some(seeding)),
+        control,
+        data,
+        cancel,
+        task: Mutex::new(Some(task)),
     })
 }
 
@@ -122,18 +137,43 @@ impl Seeding {
 
     /// Abandons the seeding if the hand-over has not happened yet (the source runs on).
     fn cancel(&self) {
-        if let Some(s) = self.seeding.lock().as_ref() {
-            s.cancel();
-        }
+        (self.cancel)();
     }
 
     /// Waits until the region was handed over and released: `{"dirty_sets", "dirty_pages",
-    /// "elapsed_s", "mode"}`.
-    fn wait<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
-        let Some(seeding) = self.seeding.lock().take() else {
+    /// "elapsed_s", "mode"}`. With `timeout` (seconds), raises `StoreTimeoutError` when it
+    /// is not done by then (the seeding goes on; wait again).
+    #[pyo3(signature = (timeout = None))]
+    fn wait<'py>(&self, py: Python<'py>, timeout: Option<f64>) -> PyResult<Bound<'py, PyDict>> {
+        let timeout = timeout
+            .map(|t| {
+                Duration::try_from_secs_f64(t).map_err(|_| {
+                    Failure::new(Class::InvalidInput, format!("timeout {t} is not seconds"))
+                })
+            })
+            .transpose()?;
+        let Some(mut task) = self.task.lock().take() else {
             return Err(Failure::new(Class::Closed, "this seeding was waited for already").into());
         };
-        let report = blocking(py, || runtime().block_on(seeding.finish()))
+        let (task, done) = blocking(py, || {
+            let done = runtime().block_on(async {
+                match timeout {
+                    Some(t) => tokio::time::timeout(t, &mut task).await.ok(),
+                    None => Some((&mut task).await),
+                }
+            });
+            (task, done)
+        });
+        let Some(done) = done else {
+            *self.task.lock() = Some(task);
+            return Err(Failure::new(
+                Class::Timeout,
+                format!("the seeding at {} was not done in time", self.control),
+            )
+            .into());
+        };
+        let report = done
+            .map_err(|e| migration_error(&e))?
             .map_err(|e| migration_error(&e))?;
         let d = PyDict::new(py);
         d.set_item("dirty_sets", report.dirty_sets)?;
@@ -144,22 +184,23 @@ impl Seeding {
     }
 
     fn __repr__(&self) -> String {
-        format!("<farmap.Seeding control={} data={}>", self.control, self.data)
+        format!(
+            "<farmap.Seeding control={} data={}>",
+            self.control, self.data
+        )
     }
 }
 
-/// Migrates the region seeded at `source` into this process: returns the new region and the
-/// report (`downtime_s`, `total_s`, `rounds`, `bytes_precopy`, `bytes_postcopy`, `mode`).
-/// `mode`: `"precopy"`, `"postcopy"` or `"instant"`; `max_downtime` in seconds.
-#[pyfunction]
-#[pyo3(signature = (source, mode = "precopy", key_file = None, max_downtime = 0.01))]
+/// Migrates the region seeded at `source` into this process (`farmap.leech`, see
+/// `region::leech`): the new region and the report (`downtime_s`, `total_s`, `rounds`,
+/// `bytes_precopy`, `bytes_postcopy`, `mode`).
 pub fn leech<'py>(
     py: Python<'py>,
     source: &str,
     mode: &str,
     key_file: Option<PathBuf>,
     max_downtime: f64,
-) -> PyResult<(Region, Bound<'py, PyDict>)> {
+) -> PyResult<(Arc<farmap::Region>, Bound<'py, PyDict>)> {
     let from: RemoteAddr = address("source address", source)?;
     let mode: Mode = mode
         .parse()
@@ -191,6 +232,5 @@ pub fn leech<'py>(
     d.set_item("bytes_precopy", report.bytes_precopy)?;
     d.set_item("bytes_postcopy", report.bytes_postcopy)?;
     d.set_item("mode", report.mode.to_string())?;
-    let region = Region::wrap(format!("a region migrated from {source}"), report.region);
-    Ok((region, d))
+    Ok((report.region, d))
 }

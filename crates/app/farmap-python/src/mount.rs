@@ -85,7 +85,11 @@ impl Mount {
     fn sync(&self, py: Python<'_>) -> PyResult<()> {
         let guard = self.mount.lock();
         let Some(mount) = guard.as_ref() else {
-            return Err(Failure::new(Class::Closed, format!("{} is unmounted", self.dir.display())).into());
+            return Err(Failure::new(
+                Class::Closed,
+                format!("{} is unmounted", self.dir.display()),
+            )
+            .into());
         };
         blocking(py, || mount.sync()).map_err(Failure::from)?;
         Ok(())

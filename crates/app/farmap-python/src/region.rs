@@ -21,7 +21,7 @@ use pyo3::ffi;
 use pyo3::prelude::*;
 use pyo3::types::{PyBytes, PyDict, PyMemoryView};
 
-use crate::errors::{Class, Fallible, Failure};
+use crate::errors::{Class, Failure, Fallible};
 use crate::store::byte_range;
 use crate::{blocking, runtime};
 
@@ -48,7 +48,10 @@ impl Region {
 
     /// The region, if it is open.
     pub fn get(&self) -> Fallible<Arc<farmap::Region>> {
-        self.region.read().clone().ok_or_else(|| self.closed_error())
+        self.region
+            .read()
+            .clone()
+            .ok_or_else(|| self.closed_error())
     }
 
     fn closed_error(&self) -> Failure {
@@ -104,6 +107,24 @@ pub fn open_region(py: Python<'_>, spec: &str, mode: &str) -> PyResult<Region> {
     Ok(Region::wrap(parsed.to_string(), Arc::new(region)))
 }
 
+/// Migrates the region seeded at `source` (`Region.seed` in this or another process) into
+/// this process: returns the new region and the report (`downtime_s`, `total_s`, `rounds`,
+/// `bytes_precopy`, `bytes_postcopy`, `mode`). `mode`: `"precopy"`, `"postcopy"` or
+/// `"instant"`; `max_downtime` in seconds; `key_file`: see `crate::migrate`.
+#[pyfunction]
+#[pyo3(signature = (source, mode = "precopy", key_file = None, max_downtime = 0.01))]
+pub fn leech<'py>(
+    py: Python<'py>,
+    source: &str,
+    mode: &str,
+    key_file: Option<std::path::PathBuf>,
+    max_downtime: f64,
+) -> PyResult<(Region, Bound<'py, PyDict>)> {
+    let (region, report) = crate::migrate::leech(py, source, mode, key_file, max_downtime)?;
+    let region = Region::wrap(format!("a region migrated from {source}"), region);
+    Ok((region, report))
+}
+
 /// What userfaultfd offers here: `{"tracking": ..., "poison": ...}`; raises `UnsupportedError`
 /// (with the reason) where regions cannot be opened.
 #[pyfunction]
@@ -154,7 +175,12 @@ impl Region {
     }
 
     /// A copy of `length` bytes at `offset` (fetching what is missing).
-    fn read<'py>(&self, py: Python<'py>, offset: i64, length: i64) -> PyResult<Bound<'py, PyBytes>> {
+    fn read<'py>(
+        &self,
+        py: Python<'py>,
+        offset: i64,
+        length: i64,
+    ) -> PyResult<Bound<'py, PyBytes>> {
         let (offset, len) = byte_range(self.geometry, offset, length)?;
         let region = self.get()?;
         let data = blocking(py, || {
@@ -199,7 +225,7 @@ impl Region {
         data_listen: &str,
         key_file: Option<std::path::PathBuf>,
     ) -> PyResult<crate::migrate::Seeding> {
-        crate::migrate::seed(self, py, listen, data_listen, key_file)
+        crate::migrate::seed(py, self.get()?, listen, data_listen, key_file)
     }
 
     /// Counters: faults, chunks fetched, bytes fetched, chunks present, tracking in use.
@@ -233,13 +259,20 @@ impl Region {
         slf
     }
 
+    /// Closes the region. When the block raised and buffers are still exported (the
+    /// traceback's frames may hold the arrays), the region stays open and the block's own
+    /// exception goes on, rather than a `BusyError` that would hide it; the region is synced
+    /// and unmapped when the last reference goes.
     fn __exit__(
         &self,
         py: Python<'_>,
-        _ty: Option<Bound<'_, PyAny>>,
+        ty: Option<Bound<'_, PyAny>>,
         _value: Option<Bound<'_, PyAny>>,
         _tb: Option<Bound<'_, PyAny>>,
     ) -> PyResult<bool> {
+        if ty.is_some() && self.exports.load(Ordering::Acquire) > 0 {
+            return Ok(false);
+        }
         self.close(py)?;
         Ok(false)
     }
@@ -335,10 +368,7 @@ impl Drop for Region {
         if let Some(region) = self.region.get_mut().take() {
             if let Ok(region) = Arc::try_unwrap(region) {
                 if let Err(e) = region.close() {
-                    tracing::warn!(
-                        "closing a dropped region: {}",
-                        farmap::error_chain(&e)
-                    );
+                    tracing::warn!("closing a dropped region: {}", farmap::error_chain(&e));
                 }
             }
         }

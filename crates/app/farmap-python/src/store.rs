@@ -14,8 +14,11 @@ use parking_lot::RwLock;
 use pyo3::prelude::*;
 use pyo3::types::PyBytes;
 
-use crate::errors::{Class, Fallible, Failure};
+use crate::errors::{Class, Failure, Fallible};
 use crate::{blocking, runtime};
+
+/// The store behind a `Store`: byte ranges and chunks through one `Unaligned` stage.
+type Ranges = Arc<Unaligned<Arc<dyn farmap::Store>>>;
 
 /// An open store. Close it (or use `with`) to flush and release it.
 #[pyclass(module = "farmap", name = "Store", frozen)]
@@ -23,7 +26,7 @@ use crate::{blocking, runtime};
 pub struct Store {
     spec: String,
     geometry: Geometry,
-    store: RwLock<Option<Arc<Unaligned<Arc<dyn farmap::Store>>>>>,
+    store: RwLock<Option<Ranges>>,
 }
 
 /// Parses `spec` (a [`StoreSpec`]) and opens its store on the module's runtime.
@@ -72,11 +75,10 @@ pub fn byte_range(geometry: Geometry, offset: i64, len: i64) -> Fallible<(u64, u
 }
 
 impl Store {
-    fn get(&self) -> Fallible<Arc<Unaligned<Arc<dyn farmap::Store>>>> {
-        self.store
-            .read()
-            .clone()
-            .ok_or_else(|| Failure::new(Class::Closed, format!("the store {} is closed", self.spec)))
+    fn get(&self) -> Fallible<Ranges> {
+        self.store.read().clone().ok_or_else(|| {
+            Failure::new(Class::Closed, format!("the store {} is closed", self.spec))
+        })
     }
 }
 
@@ -116,8 +118,8 @@ impl Store {
     fn read_chunk<'py>(&self, py: Python<'py>, index: i64) -> PyResult<Bound<'py, PyBytes>> {
         let idx = chunk_index(self.geometry, index)?;
         let store = self.get()?;
-        let data: Bytes = blocking(py, || runtime().block_on(store.read(idx)))
-            .map_err(Failure::from)?;
+        let data: Bytes =
+            blocking(py, || runtime().block_on(store.read(idx))).map_err(Failure::from)?;
         Ok(PyBytes::new(py, &data))
     }
 
@@ -139,7 +141,12 @@ impl Store {
     }
 
     /// Reads `length` bytes at `offset` (any offset and length inside the region).
-    fn read<'py>(&self, py: Python<'py>, offset: i64, length: i64) -> PyResult<Bound<'py, PyBytes>> {
+    fn read<'py>(
+        &self,
+        py: Python<'py>,
+        offset: i64,
+        length: i64,
+    ) -> PyResult<Bound<'py, PyBytes>> {
         let (offset, len) = byte_range(self.geometry, offset, length)?;
         let store = self.get()?;
         let data = blocking(py, || {
@@ -222,7 +229,13 @@ mod tests {
     fn byte_ranges_must_end_inside_the_region() {
         assert_eq!(byte_range(g(), 0, 40960).unwrap(), (0, 40960));
         assert_eq!(byte_range(g(), 40960, 0).unwrap(), (40960, 0));
-        for (o, l) in [(-1, 1), (0, -1), (40960, 1), (1, 40960), (i64::MAX, i64::MAX)] {
+        for (o, l) in [
+            (-1, 1),
+            (0, -1),
+            (40960, 1),
+            (1, 40960),
+            (i64::MAX, i64::MAX),
+        ] {
             assert_eq!(byte_range(g(), o, l).unwrap_err().class, Class::OutOfRange);
         }
     }
