@@ -1,6 +1,7 @@
 """Type stubs of farmap's native module (crates/app/farmap-python)."""
 
 from os import PathLike
+from pathlib import Path
 from types import TracebackType
 from typing import Any, Literal
 
@@ -93,9 +94,9 @@ class Region:
 
 class Mount:
     @property
-    def path(self) -> str: ...
+    def path(self) -> Path: ...
     @property
-    def dir(self) -> str: ...
+    def dir(self) -> Path: ...
     @property
     def size(self) -> int: ...
     @property

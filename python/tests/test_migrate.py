@@ -68,6 +68,41 @@ def test_waiting_for_a_seeding_releases_the_gil(uffd):
     source.close()
 
 
+def key_file(path, secret: str, mode=0o600):
+    path.write_text(secret + "\n")
+    path.chmod(mode)
+    return path
+
+
+def test_both_sides_must_hold_the_same_key_file(tmp_path, uffd):
+    ours = key_file(tmp_path / "ours", "a" * 64)
+    theirs = key_file(tmp_path / "theirs", "b" * 64)
+    source = farmap.open_region("memory:1MiB?chunk=64KiB")
+    source.write(100, b"keyed")
+    seeding = source.seed(key_file=ours)
+    # A leecher with another key is refused, and the seeding goes on for the right one.
+    with pytest.raises(farmap.MigrationError):
+        farmap.leech(seeding.control, key_file=theirs)
+    # So is one with this process's own key (no key file).
+    with pytest.raises(farmap.MigrationError):
+        farmap.leech(seeding.control)
+    moved, _ = farmap.leech(seeding.control, key_file=ours)
+    seeding.wait(timeout=30)
+    with moved:
+        assert moved.read(100, 5) == b"keyed"
+    source.close()
+
+
+def test_key_files_are_checked_before_anything_starts(tmp_path, uffd):
+    with farmap.open_region("memory:1MiB?chunk=64KiB") as source:
+        with pytest.raises(farmap.NotFoundError):
+            source.seed(key_file=tmp_path / "absent")
+        with pytest.raises(farmap.PermissionDeniedError):
+            source.seed(key_file=key_file(tmp_path / "open", "c" * 64, mode=0o644))
+        with pytest.raises(farmap.InvalidInputError):
+            source.seed(key_file=key_file(tmp_path / "short", "d"))
+
+
 def test_bad_migration_arguments_raise_typed_errors(uffd):
     with pytest.raises(farmap.InvalidInputError):
         farmap.leech("127.0.0.1:1", mode="sideways")

@@ -35,14 +35,14 @@ fn key(key_file: Option<PathBuf>) -> Fallible<Key> {
     match key_file {
         None => Ok(farmap_migrate::auth::process_key()),
         Some(path) => Key::load(&path).map_err(|e| {
-            Failure::new(
-                Class::PermissionDenied,
-                format!(
-                    "the migration key {}: {}",
-                    path.display(),
-                    farmap::error_chain(&e)
-                ),
-            )
+            use farmap::net::auth::KeyError as K;
+            let class = match &e {
+                K::Missing { .. } => Class::NotFound,
+                K::Exposed { .. } => Class::PermissionDenied,
+                K::BadLength { .. } | K::BadSecret { .. } => Class::InvalidInput,
+                _ => Class::Io,
+            };
+            Failure::new(class, farmap::error_chain(&e))
         }),
     }
 }
