@@ -28,9 +28,11 @@ step() { printf '\n=== [%d:%02d] %s\n' $((SECONDS / 60)) $((SECONDS % 60)) "$*" 
 # python3: the `farmap mount` tests drive the mounted file from Python (mmap, threads).
 # python3-prometheus-client: the metrics tests read the exposition with its parser.
 # memcached: `farmap run`'s tests run it (and redis-server) with its heap on farmap.
+# python3-venv, python3-dev: the Python package's venv (scripts/test-python.sh) and the
+# libpython that farmap-python's unit tests link.
 PKGS=(util-linux g++ qemu-system-x86 nbd-client busybox-static cpio xz-utils e2fsprogs libclang-dev
   nbdkit libnbd-bin qemu-utils fio fuse3 openjdk-17-jre-headless maven redis-server redis-tools openssl python3
-  python3-prometheus-client memcached)
+  python3-prometheus-client memcached python3-venv python3-dev)
 missing=()
 for p in "${PKGS[@]}"; do
   dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")
@@ -101,6 +103,26 @@ status=0
 cargo test --locked --workspace --all-targets --no-fail-fast 2>&1 | tee "$log" || status=1
 cargo test --locked --workspace --doc --no-fail-fast 2>&1 | tee -a "$log" || status=1
 
+# The Python package (docs/python.md), built over what `cargo test` just built (dev profile),
+# and its pytest suite. Its counts join the closing line below.
+step "python package: pip install ./python and pytest (scripts/test-python.sh)"
+py_log=$(mktemp)
+trap 'rm -f "$log" "$FARMAP_SKIP_LOG" "$py_log"' EXIT
+scripts/test-python.sh 2>&1 | tee "$py_log" || status=1
+# pytest's last line: "3 failed, 20 passed, 1 skipped in 4.2s" (errors count as failures).
+read -r py_passed py_failed py_skipped < <(python3 - "$py_log" <<'PY'
+import re, sys
+text = open(sys.argv[1], errors="replace").read()
+n = lambda w: sum(int(x) for x in re.findall(r"(\d+) " + w + r"\b", text.splitlines()[-1] if text else ""))
+print(n("passed"), n("failed") + n("errors?"), n("skipped"))
+PY
+)
+if ((py_passed + py_failed == 0)); then
+  echo "the Python tests did not run (see the python package step)" >&2
+  py_failed=1
+  status=1
+fi
+
 # A skip's reason may span lines (a service's log): count the lines that start one.
 skipped=$(grep -c '^skipped:' "$FARMAP_SKIP_LOG" || true)
 if ((skipped)); then
@@ -131,9 +153,11 @@ PY
 # recorded a skip (they return early and libtest counts them as passed); "ignored" counts the
 # `#[ignore]` entry points that tests start as child processes (`--ignored --exact <name>`,
 # their output kept out of this log), which are not tests of their own.
-awk -v s="$skipped" '/^test result:/ { p += $4; f += $6; i += $8 } END { printf "\n%d passed, %d failed, %d skipped, %d ignored\n", p - s, f, s, i }' "$log"
-if [[ "${CI:-}" == true ]] && ((skipped)); then
-  echo "CI=true: $skipped test(s) skipped; nothing this machine can run may be skipped" >&2
+# The Python tests' counts are added (pytest counts its skips apart from its passes; their
+# reasons are in its "short test summary" above).
+awk -v s="$skipped" -v pp="$py_passed" -v pf="$py_failed" -v ps="$py_skipped" '/^test result:/ { p += $4; f += $6; i += $8 } END { printf "\n%d passed, %d failed, %d skipped, %d ignored\n", p - s + pp, f + pf, s + ps, i }' "$log"
+if [[ "${CI:-}" == true ]] && ((skipped + py_skipped)); then
+  echo "CI=true: $((skipped + py_skipped)) test(s) skipped; nothing this machine can run may be skipped" >&2
   exit 1
 fi
 if ((status)); then

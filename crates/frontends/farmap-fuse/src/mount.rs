@@ -416,7 +416,12 @@ impl FuseMount {
             let store = self.store.clone();
             let (tx, rx) = std::sync::mpsc::sync_channel(1);
             runtime.spawn(async move {
-                let _ = tx.send(store.flush().await);
+                let flushed = store.flush().await;
+                // Let go of the store before answering: the runtime is shut down in the
+                // background, and a caller that reopens the store after `unmount` (a file
+                // store's writer lock) must not find this task still holding it.
+                drop(store);
+                let _ = tx.send(flushed);
             });
             if let Ok(Err(e)) = rx.recv() {
                 first_error.get_or_insert(MountError::Flush {
