@@ -407,9 +407,7 @@ fn json_logs_are_one_object_per_line_with_levels_and_spans() {
     let parse = |o: &Output| -> Vec<serde_json::Value> {
         stderr(o)
             .lines()
-            .map(|l| {
-                serde_json::from_str(l).unwrap_or_else(|e| panic!("not JSON ({e}): {l}"))
-            })
+            .map(|l| serde_json::from_str(l).unwrap_or_else(|e| panic!("not JSON ({e}): {l}")))
             .collect()
     };
     let failed = farmap().run(&["--log-format", "json", "info", "dir:/nonexistent/farmap"]);
@@ -425,9 +423,12 @@ fn json_logs_are_one_object_per_line_with_levels_and_spans() {
     assert!(lines[0]["timestamp"].as_str().unwrap().ends_with('Z'));
     // The environment variable does the same; and a hostile peer of a server is logged in
     // the span of its connection.
-    let mut server = farmap()
-        .env("FARMAP_LOG_FORMAT", "json")
-        .listening(&["serve", "memory:4MiB", "--listen", "127.0.0.1:0"]);
+    let mut server = farmap().env("FARMAP_LOG_FORMAT", "json").listening(&[
+        "serve",
+        "memory:4MiB",
+        "--listen",
+        "127.0.0.1:0",
+    ]);
     let log = server.log_stderr();
     let addr = server.addr().to_owned();
     let mut peer = std::net::TcpStream::connect(&addr).unwrap();
@@ -443,7 +444,11 @@ fn json_logs_are_one_object_per_line_with_levels_and_spans() {
         if let Some(v) = found {
             break v;
         }
-        assert!(Instant::now() < deadline, "no warning: {}", log.lock().unwrap());
+        assert!(
+            Instant::now() < deadline,
+            "no warning: {}",
+            log.lock().unwrap()
+        );
         std::thread::sleep(Duration::from_millis(20));
     };
     assert_eq!(warned["span"]["name"], "connection", "{warned}");
