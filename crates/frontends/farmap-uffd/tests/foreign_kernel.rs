@@ -42,11 +42,11 @@ use std::io::{BufRead, BufReader, Write};
 use std::os::fd::{AsRawFd, FromRawFd, OwnedFd, RawFd};
 use std::os::unix::net::UnixStream;
 use std::os::unix::process::CommandExt;
-use std::process::{Child, Command, Stdio};
+use std::process::{Child, Command};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use common::foreign::{reaper_thread, recv_fds, send_fds};
+use common::foreign::{reaper_thread, recv_fds, send_fds, spawn_program};
 use farmap_uffd::foreign::{Reaper, ReaperError};
 use farmap_uffd::pagemap::Pagemap;
 use farmap_uffd::sys::{self, PageRegion, UffdMsg};
@@ -113,35 +113,9 @@ struct Program {
 impl Program {
     /// Starts the program (`fork`: its region's fd reports forks) and receives its fds.
     fn start(fork: bool) -> Program {
-        let (ours, theirs) = UnixStream::pair().unwrap();
-        let (reaper, reaper_theirs) = UnixStream::pair().unwrap();
-        let fd = theirs.as_raw_fd();
-        let reaper_fd = reaper_theirs.as_raw_fd();
-        let mut cmd = Command::new(std::env::current_exe().unwrap());
-        cmd.args([
-            "--exact",
-            "program_process",
-            "--ignored",
-            "--nocapture",
-            "--test-threads=1",
-        ])
-        .env(
-            "FARMAP_FOREIGN_PROGRAM",
-            if fork { "fork" } else { "plain" },
-        )
-        .stdout(Stdio::null());
-        // SAFETY: between fork and exec the child only calls dup2 (async-signal-safe); the
-        // copy on fd 3 has no close-on-exec flag, so exactly this child inherits the socket.
-        unsafe {
-            cmd.pre_exec(move || {
-                if libc::dup2(fd, 3) < 0 || libc::dup2(reaper_fd, 4) < 0 {
-                    return Err(std::io::Error::last_os_error());
-                }
-                Ok(())
-            });
-        }
-        let child = cmd.spawn().unwrap();
-        drop((theirs, reaper_theirs));
+        let mode = if fork { "fork" } else { "plain" };
+        let (child, ours, reaper) =
+            spawn_program("program_process", ("FARMAP_FOREIGN_PROGRAM", mode));
         ours.set_read_timeout(Some(LIMIT)).unwrap();
         let mut hello = [0u8; 32];
         let (n, fds) = recv_fds(&ours, &mut hello).expect("the program's hello");

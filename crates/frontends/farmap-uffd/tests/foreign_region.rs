@@ -24,12 +24,12 @@ use std::io::{BufRead, BufReader, Read, Write};
 use std::os::fd::{AsRawFd, FromRawFd};
 use std::os::unix::net::UnixStream;
 use std::os::unix::process::{CommandExt, ExitStatusExt};
-use std::process::{Child, Command, Stdio};
+use std::process::{Child, Command};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-use common::foreign::{reaper_thread, recv_fds, send_fds};
+use common::foreign::{reaper_thread, recv_fds, send_fds, spawn_program};
 use farmap_core::{Geometry, Store};
 use farmap_run_proto::{decode, Msg, Registered, Verdict, MAX_MSG_LEN};
 use farmap_store::MemoryStore;
@@ -108,30 +108,8 @@ impl Session {
     /// Starts the program in `mode` (`run` or `exec`) and serves its region with a limit of
     /// a quarter; returns once it said `ready`.
     fn start(mode: &str) -> Session {
-        let (ours, theirs) = UnixStream::pair().unwrap();
-        let (reaper, reaper_theirs) = UnixStream::pair().unwrap();
-        let (fd, reaper_fd) = (theirs.as_raw_fd(), reaper_theirs.as_raw_fd());
-        let mut cmd = Command::new(std::env::current_exe().unwrap());
-        cmd.args([
-            "--exact",
-            "foreign_program",
-            "--ignored",
-            "--nocapture",
-            "--test-threads=1",
-        ])
-        .env("FARMAP_FOREIGN_REGION_PROGRAM", mode)
-        .stdout(Stdio::null());
-        // SAFETY: between fork and exec the child only calls dup2 (async-signal-safe).
-        unsafe {
-            cmd.pre_exec(move || {
-                if libc::dup2(fd, 3) < 0 || libc::dup2(reaper_fd, 4) < 0 {
-                    return Err(std::io::Error::last_os_error());
-                }
-                Ok(())
-            });
-        }
-        let child = cmd.spawn().unwrap();
-        drop((theirs, reaper_theirs));
+        let (child, ours, reaper) =
+            spawn_program("foreign_program", ("FARMAP_FOREIGN_REGION_PROGRAM", mode));
         ours.set_read_timeout(Some(LIMIT)).unwrap();
         let mut buf = [0u8; MAX_MSG_LEN];
         let (n, fds) = recv_fds(&ours, &mut buf).expect("the program's Registered message");

@@ -5,6 +5,8 @@
 use std::io::Write;
 use std::os::fd::{AsRawFd, FromRawFd, OwnedFd, RawFd};
 use std::os::unix::net::UnixStream;
+use std::os::unix::process::CommandExt;
+use std::process::{Child, Command, Stdio};
 
 use farmap_uffd::uffd::UffdRange;
 
@@ -150,4 +152,37 @@ pub fn reaper_thread(sock: UnixStream, areas: [UffdRange; 2]) {
             }
         }
     }
+}
+
+/// Re-runs this test binary as a program: its ignored test `entry`, with `env` set, its
+/// stdout dropped, and two sockets on fds 3 (control) and 4 (its reaper's); returns the
+/// child and this side's ends of the two sockets.
+pub fn spawn_program(entry: &str, env: (&str, &str)) -> (Child, UnixStream, UnixStream) {
+    let (ours, theirs) = UnixStream::pair().unwrap();
+    let (reaper, reaper_theirs) = UnixStream::pair().unwrap();
+    let (fd, reaper_fd) = (theirs.as_raw_fd(), reaper_theirs.as_raw_fd());
+    let mut cmd = Command::new(std::env::current_exe().unwrap());
+    cmd.args([
+        "--exact",
+        entry,
+        "--ignored",
+        "--nocapture",
+        "--test-threads=1",
+    ])
+    .env(env.0, env.1)
+    .stdout(Stdio::null());
+    // SAFETY: between fork and exec the child only calls dup2 (async-signal-safe); the
+    // copies on fds 3 and 4 have no close-on-exec flag, so exactly this child inherits the
+    // sockets.
+    unsafe {
+        cmd.pre_exec(move || {
+            if libc::dup2(fd, 3) < 0 || libc::dup2(reaper_fd, 4) < 0 {
+                return Err(std::io::Error::last_os_error());
+            }
+            Ok(())
+        });
+    }
+    let child = cmd.spawn().unwrap();
+    drop((theirs, reaper_theirs));
+    (child, ours, reaper)
 }
