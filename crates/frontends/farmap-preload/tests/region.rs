@@ -8,7 +8,7 @@
 mod common;
 
 use std::io::{Read, Write};
-use std::os::fd::{AsRawFd, FromRawFd, OwnedFd, RawFd};
+use std::os::fd::OwnedFd;
 use std::os::unix::net::{UnixListener, UnixStream};
 use std::os::unix::process::ExitStatusExt;
 use std::process::{Child, Command, Stdio};
@@ -88,44 +88,6 @@ fn send(sock: &mut UnixStream, msg: Msg) {
     sock.write_all(&out[..n]).unwrap();
 }
 
-/// Receives up to `data.len()` bytes and up to 4 fds (SCM_RIGHTS).
-fn recv_fds(sock: &UnixStream, data: &mut [u8]) -> (usize, Vec<OwnedFd>) {
-    // SAFETY: CMSG_SPACE only computes a size.
-    let space = unsafe { libc::CMSG_SPACE(4 * std::mem::size_of::<RawFd>() as u32) } as usize;
-    let mut control = vec![0u8; space];
-    let mut iov = libc::iovec {
-        iov_base: data.as_mut_ptr().cast(),
-        iov_len: data.len(),
-    };
-    // SAFETY: msghdr is plain old data; every pointer set below outlives the recvmsg call.
-    let mut msg: libc::msghdr = unsafe { std::mem::zeroed() };
-    msg.msg_iov = &mut iov;
-    msg.msg_iovlen = 1;
-    msg.msg_control = control.as_mut_ptr().cast();
-    msg.msg_controllen = space;
-    // SAFETY: msg describes live buffers.
-    let n = unsafe { libc::recvmsg(sock.as_raw_fd(), &mut msg, libc::MSG_CMSG_CLOEXEC) };
-    assert!(n > 0, "recvmsg: {}", std::io::Error::last_os_error());
-    let mut fds = Vec::new();
-    // SAFETY: the kernel filled the control buffer; CMSG_* walk what it wrote, and each fd
-    // in it is new in this process, owned by nobody else.
-    unsafe {
-        let mut cmsg = libc::CMSG_FIRSTHDR(&msg);
-        while !cmsg.is_null() {
-            if (*cmsg).cmsg_level == libc::SOL_SOCKET && (*cmsg).cmsg_type == libc::SCM_RIGHTS {
-                let count = ((*cmsg).cmsg_len as usize - libc::CMSG_LEN(0) as usize)
-                    / std::mem::size_of::<RawFd>();
-                let p = libc::CMSG_DATA(cmsg).cast::<RawFd>();
-                for i in 0..count {
-                    fds.push(OwnedFd::from_raw_fd(p.add(i).read_unaligned()));
-                }
-            }
-            cmsg = libc::CMSG_NXTHDR(&msg, cmsg);
-        }
-    }
-    (n as usize, fds)
-}
-
 /// A program started under the library with a session socket, and this side's end of it
 /// after the handshake up to `Registered`.
 struct Started {
@@ -203,7 +165,7 @@ fn accept(listener: &UnixListener, child: &mut Child) -> (UnixStream, Registered
         }),
     );
     let mut buf = [0u8; MAX_MSG_LEN];
-    let (n, fds) = recv_fds(&sock, &mut buf);
+    let (n, fds) = farmap_testkit::fds::recv_fds(&sock, &mut buf).expect("the program's areas");
     let Some((Msg::Registered(registered), used)) = decode(&buf[..n]).unwrap() else {
         panic!("not a Registered message: {:?}", &buf[..n]);
     };

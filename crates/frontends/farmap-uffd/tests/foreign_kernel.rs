@@ -39,14 +39,15 @@
 mod common;
 
 use std::io::{BufRead, BufReader, Write};
-use std::os::fd::{AsRawFd, FromRawFd, OwnedFd, RawFd};
+use std::os::fd::{AsFd, AsRawFd, FromRawFd, OwnedFd, RawFd};
 use std::os::unix::net::UnixStream;
 use std::os::unix::process::CommandExt;
 use std::process::{Child, Command};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use common::foreign::{reaper_thread, recv_fds, send_fds, spawn_program};
+use common::foreign::{reaper_thread, spawn_program};
+use farmap_testkit::fds::{recv_fds, send_fds};
 use farmap_uffd::foreign::{Reaper, ReaperError};
 use farmap_uffd::pagemap::Pagemap;
 use farmap_uffd::sys::{self, PageRegion, UffdMsg};
@@ -677,12 +678,7 @@ fn program_process() {
     send_fds(
         &sock,
         &hello,
-        &[
-            loud_fd(&loud),
-            loud_fd(&quiet),
-            pagemap.as_raw_fd(),
-            mem.as_raw_fd(),
-        ],
+        &[loud.as_fd(), quiet.as_fd(), pagemap.as_fd(), mem.as_fd()],
     )
     .expect("sending the fds");
     let (loud, quiet) = (Arc::new(loud), Arc::new(quiet));
@@ -786,9 +782,4 @@ fn program_process() {
         };
         writeln!(out, "{answer}").unwrap();
     }
-}
-
-fn loud_fd(u: &Uffd) -> RawFd {
-    use std::os::fd::AsFd;
-    u.as_fd().as_raw_fd()
 }

@@ -21,7 +21,7 @@
 mod common;
 
 use std::io::{BufRead, BufReader, Read, Write};
-use std::os::fd::{AsRawFd, FromRawFd};
+use std::os::fd::FromRawFd;
 use std::os::unix::net::UnixStream;
 use std::os::unix::process::{CommandExt, ExitStatusExt};
 use std::process::{Child, Command};
@@ -29,10 +29,11 @@ use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-use common::foreign::{reaper_thread, recv_fds, send_fds, spawn_program};
+use common::foreign::{reaper_thread, spawn_program};
 use farmap_core::{Geometry, Store};
 use farmap_run_proto::{decode, Msg, Registered, Verdict, MAX_MSG_LEN};
 use farmap_store::MemoryStore;
+use farmap_testkit::fds::{recv_fds, send_fds};
 use farmap_uffd::foreign::{
     trash_len, End, ForeignFds, ForeignOptions, ForeignRegion, Program, Reaper, FOREIGN_FEATURES,
 };
@@ -415,19 +416,11 @@ fn foreign_program() {
     });
     let mut buf = [0u8; MAX_MSG_LEN];
     let n = registered.encode(&mut buf).unwrap();
-    let fd_of = |u: &Uffd| {
-        use std::os::fd::AsFd;
-        u.as_fd().as_raw_fd()
-    };
+    use std::os::fd::AsFd;
     send_fds(
         &sock,
         &buf[..n],
-        &[
-            fd_of(&loud),
-            fd_of(&quiet),
-            pagemap.as_raw_fd(),
-            mem.as_raw_fd(),
-        ],
+        &[loud.as_fd(), quiet.as_fd(), pagemap.as_fd(), mem.as_fd()],
     )
     .expect("sending the fds");
     let (loud, quiet) = (Arc::new(loud), Arc::new(quiet));

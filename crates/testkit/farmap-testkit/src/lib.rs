@@ -32,6 +32,7 @@ pub mod cli;
 pub mod conformance;
 pub mod contents;
 pub mod demo;
+pub mod fds;
 mod hooked;
 mod model;
 mod objects;
