@@ -77,7 +77,9 @@ if [ ! -f "$LIB/.complete" ]; then
 <dependency><groupId>redis.clients</groupId><artifactId>jedis</artifactId><version>$JEDIS_VERSION</version></dependency>
 </dependencies></project>
 POM
-  (cd "$tmp" && mvn -q -B -Dstyle.color=never dependency:copy-dependencies -DoutputDirectory=lib -DincludeScope=runtime) >&2 ||
+  # (Debian's maven 3.8 writes colour resets even with -B -q: they are removed from the log.)
+  (cd "$tmp" && mvn -q -B -Dstyle.color=never dependency:copy-dependencies -DoutputDirectory=lib -DincludeScope=runtime 2>&1 |
+    sed 's/\x1b\[[0-9;]*m//g' >&2) ||
     { rm -rf "$tmp"; die "mvn could not fetch site.ycsb:core:$YCSB_VERSION and redis.clients:jedis:$JEDIS_VERSION"; }
   [ -f "$tmp/lib/core-$YCSB_VERSION.jar" ] || { rm -rf "$tmp"; die "no core-$YCSB_VERSION.jar after mvn"; }
   touch "$tmp/lib/.complete"
