@@ -114,6 +114,19 @@ def _paging(key):
     return figure
 
 
+def _run(key, program, reference):
+    """`farmap bench run`: farmap's figure and `reference`'s (a system) for YCSB-B at 30%
+    (unlimited has its rows at 100%)."""
+    def figure(out):
+        r = out["run"]
+        ref_local = 100.0 if reference == "unlimited" else 30.0
+        return (one(r, key, program=program, workload="ycsb-b", system="farmap",
+                    local_percent=30.0),
+                one(r, key, program=program, workload="ycsb-b", system=reference,
+                    local_percent=ref_local))
+    return figure
+
+
 def _tail(out):
     r = out["paging-zipf"]
 
@@ -227,6 +240,8 @@ def have_nbd_tools():
 
 
 ZIPF = ["paging", "--pattern", "zipf", "--local", "30%"]
+RUN = ["run", "--workload", "ycsb-b", "--local", "30%"]
+RUN_QUICK = {"run": RUN + ["--records", "50000", "--operations", "50000"]}
 SEQ = ["paging", "--pattern", "seq", "--local", "30%", "--system", "farmap"]
 UNIFORM = ["paging", "--pattern", "uniform", "--local", "30%", "--system", "farmap"]
 
@@ -250,6 +265,21 @@ CASES = [
          "kernel swap's p99.9 ÷ p50", bar=("<=", 10.0), on="farmap",
          needs=(have_root_cgroup_v1,),
          quick={"paging-zipf": ZIPF + ["--accesses", "50000"]}),
+    Case("run redis ycsb-b 30% throughput", "ops/s", {"run": RUN},
+         _run("ops_per_s", "redis", "kernel-swap"), "kernel swap", bar=(">=", 1.5),
+         needs=(have_root_cgroup_v1,), better="higher", quick=RUN_QUICK),
+    Case("run redis ycsb-b 30% vs unlimited", "ops/s", {"run": RUN},
+         _run("ops_per_s", "redis", "unlimited"), "unlimited", bar=(">=", 0.5),
+         better="higher", quick=RUN_QUICK),
+    Case("run redis ycsb-b 30% p99", "µs", {"run": RUN},
+         _run("p99_us", "redis", "kernel-swap"), "kernel swap p99", bar=("<=", 0.5),
+         needs=(have_root_cgroup_v1,), quick=RUN_QUICK),
+    Case("run memcached ycsb-b 30% throughput", "ops/s", {"run": RUN},
+         _run("ops_per_s", "memcached", "kernel-swap"), "kernel swap", bar=(">=", 1.0),
+         needs=(have_root_cgroup_v1,), better="higher", quick=RUN_QUICK),
+    Case("run memcached ycsb-b 30% p99", "µs", {"run": RUN},
+         _run("p99_us", "memcached", "kernel-swap"), "kernel swap p99", bar=("<=", 1.0),
+         needs=(have_root_cgroup_v1,), quick=RUN_QUICK),
     Case("paging seq runtime, default prefetch", "ms",
          {"paging-seq": SEQ, "paging-seq-off": SEQ + ["--prefetch", "off"]},
          _prefetch_runtime, "runtime with --prefetch off", bar=("<=", 0.5),
@@ -508,6 +538,14 @@ def self_test():
     zipf = [{"system": "farmap", "pattern": "zipf", "p50_us": 20.0, "p99_9_us": 150.0},
             {"system": "kernel-swap", "pattern": "zipf", "p50_us": 40.0, "p99_9_us": 800.0}]
     assert _tail({"paging-zipf": zipf}) == (7.5, 20.0)
+    run = [{"program": "redis", "workload": "ycsb-b", "system": "farmap",
+            "local_percent": 30.0, "ops_per_s": 30.0},
+           {"program": "redis", "workload": "ycsb-b", "system": "kernel-swap",
+            "local_percent": 30.0, "ops_per_s": 20.0},
+           {"program": "redis", "workload": "ycsb-b", "system": "unlimited",
+            "local_percent": 100.0, "ops_per_s": 100.0}]
+    assert _run("ops_per_s", "redis", "kernel-swap")({"run": run}) == (30.0, 20.0)
+    assert _run("ops_per_s", "redis", "unlimited")({"run": run}) == (30.0, 100.0)
     uniform = [{"system": "farmap", "pattern": "uniform", "prefetched": 10,
                 "prefetch_wasted": 5, "faults": 90}]
     assert _waste({"paging-uniform": uniform}) == (0.05, 100.0)

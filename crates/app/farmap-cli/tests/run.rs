@@ -458,3 +458,79 @@ fn rss(pid: u32) -> Option<u64> {
         .ok()?;
     Some(kb * 1024)
 }
+
+/// `farmap bench run --quick` (the benchmark's smoke test, not a measurement): redis and
+/// memcached under YCSB and redis-benchmark, unlimited and under `farmap run` at 30% of the
+/// working set. Every row has the columns other tools read, every value YCSB read back was
+/// right (and redis's keyspace digest matched the unlimited run's), and the bounded runs
+/// faulted and evicted.
+#[test]
+fn bench_run_rows_are_verified_for_redis_and_memcached() {
+    let test = "bench_run_rows_are_verified_for_redis_and_memcached";
+    let Some(so) = preload(test) else { return };
+    if !installed(test, "redis-server") || !installed(test, "memcached") {
+        return;
+    }
+    if !installed(test, "java") || !installed(test, "mvn") {
+        return;
+    }
+    let out = farmap().run(&[
+        "bench",
+        "run",
+        "--quick",
+        "--system",
+        "unlimited,farmap",
+        "--workload",
+        "ycsb-b,redis-benchmark",
+        "--local",
+        "30%",
+        "--preload",
+        so.to_str().unwrap(),
+        "--json",
+    ]);
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success(), "{stderr}");
+    let rows: Vec<Value> = String::from_utf8_lossy(&out.stdout)
+        .lines()
+        .map(|l| serde_json::from_str(l).unwrap())
+        .collect();
+    let want = [
+        ("redis", "ycsb-b"),
+        ("redis", "redis-benchmark-hgetall"),
+        ("memcached", "ycsb-b"),
+    ];
+    assert_eq!(rows.len(), want.len() * 2, "{rows:#?}");
+    for (program, workload) in want {
+        for system in ["unlimited", "farmap"] {
+            let row = rows
+                .iter()
+                .find(|r| {
+                    r["program"] == program && r["workload"] == workload && r["system"] == system
+                })
+                .unwrap_or_else(|| panic!("no row for {program} {workload} {system}: {rows:#?}"));
+            for key in [
+                "bench",
+                "local_percent",
+                "ops_per_s",
+                "p50_us",
+                "p99_us",
+                "p99_9_us",
+                "faults",
+                "evictions",
+                "rss_max_bytes",
+                "verified",
+            ] {
+                assert!(row.get(key).is_some(), "{key} missing: {row}");
+            }
+            assert_eq!(row["bench"], "run");
+            assert_eq!(row["verified"], true, "{row}");
+            assert!(row["ops_per_s"].as_f64().unwrap() > 0.0, "{row}");
+            assert!(row["rss_max_bytes"].as_u64().unwrap() > 0, "{row}");
+            if system == "farmap" {
+                assert_eq!(row["local_percent"], 30.0, "{row}");
+                assert!(row["faults"].as_u64().unwrap() > 0, "{row}");
+                assert!(row["evictions"].as_u64().unwrap() > 0, "{row}");
+            }
+        }
+    }
+}

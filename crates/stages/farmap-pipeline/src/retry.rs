@@ -90,7 +90,9 @@ mod tests {
         assert_eq!(calls, 1);
     }
 
-    #[tokio::test(start_paused = true)]
+    // Real time (no paused clock: tokio's test-util would give test builds other tokio
+    // features than the library's, see the workspace Cargo.toml): the waits are short.
+    #[tokio::test]
     async fn backoff_grows_and_is_capped() {
         let p = RetryPolicy {
             attempts: 10,
@@ -109,7 +111,8 @@ mod tests {
         let kinds = [ErrorKind::Timeout; 3];
         retry(p, failing(&kinds)).await.unwrap();
         let waited = start.elapsed();
-        // 5..10 + 10..20 + 20..40 ms
-        assert!(waited >= Duration::from_millis(35) && waited <= Duration::from_millis(70));
+        // 5..10 + 10..20 + 20..40 ms; a loaded machine may sleep longer, never shorter.
+        assert!(waited >= Duration::from_millis(35), "{waited:?}");
+        assert!(waited <= Duration::from_secs(5), "{waited:?}");
     }
 }

@@ -17,6 +17,7 @@ mod paging_swap;
 mod proxy;
 mod pull;
 mod push;
+mod run;
 mod stores;
 mod timer;
 mod uffd;
@@ -78,6 +79,13 @@ pub enum BenchCommand {
     /// The versioned layout over a directory of objects: a whole write, an incremental
     /// snapshot (1% rewritten), opening the snapshot (first access, all read), and forks.
     Versions(versions::VersionsArgs),
+    /// Real servers (redis-server, memcached) driven by real load generators (YCSB
+    /// workloads A and B, redis-benchmark), their memory bounded to `--local` percent of
+    /// their working set by `farmap run`, against the same server swapping under the
+    /// kernel (a cgroup v1 memory limit; root) and unlimited, in the same run: throughput,
+    /// latency percentiles, faults, evictions, the server's largest resident memory, and
+    /// whether every value read back was right.
+    Run(run::RunArgs),
 }
 
 pub use paging_app::{run_child as paging_app, AppArgs as PagingAppArgs};
@@ -96,5 +104,6 @@ pub async fn run(cmd: BenchCommand) -> anyhow::Result<ExitCode> {
         BenchCommand::Paging(args) => paging::run(args).await,
         BenchCommand::Migrate(args) => migrate::run(args).await,
         BenchCommand::Versions(args) => versions::run(args).await,
+        BenchCommand::Run(args) => run::run(args).await,
     }
 }

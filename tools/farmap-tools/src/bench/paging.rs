@@ -87,7 +87,7 @@ fn parse_prefetch(s: &str) -> Result<Prefetch, String> {
 }
 
 /// `30%` or `30`: a share of the size in (0, 100].
-fn parse_percent(s: &str) -> Result<f64, String> {
+pub(super) fn parse_percent(s: &str) -> Result<f64, String> {
     let p: f64 = s
         .trim()
         .trim_end_matches('%')

@@ -108,6 +108,10 @@ pub struct SwapEnv {
     swap_on: bool,
 }
 
+fn libc_ebusy() -> i32 {
+    rustix::io::Errno::BUSY.raw_os_error()
+}
+
 /// The prefix of everything a run names after its PID (directories under `/run`, cgroups).
 const PREFIX: &str = "farmap-bench-paging-";
 
@@ -328,13 +332,38 @@ impl SwapEnv {
         self.loop_dev.as_deref().unwrap_or("?")
     }
 
-    fn set_limit(&self, limit: Option<u64>) -> anyhow::Result<()> {
-        let v = limit.map_or_else(|| "-1".to_owned(), |l| l.to_string());
-        std::fs::write(self.cgroup().join("memory.limit_in_bytes"), &v)
-            .with_context(|| format!("setting memory.limit_in_bytes to {v}"))
+    /// The cgroup's `cgroup.procs` (a process that writes its PID there joins it).
+    pub fn procs(&self) -> PathBuf {
+        self.cgroup().join("cgroup.procs")
     }
 
-    fn usage(&self) -> anyhow::Result<u64> {
+    /// Sets `memory.limit_in_bytes` (`None`: unlimited); lowering it reclaims (swaps out)
+    /// down to it before it returns.
+    ///
+    /// The kernel gives up (EBUSY) when a few rounds of reclaim did not bring the usage
+    /// down; each write reclaims more, so it is written again for up to 10 s.
+    pub fn set_limit(&self, limit: Option<u64>) -> anyhow::Result<()> {
+        let v = limit.map_or_else(|| "-1".to_owned(), |l| l.to_string());
+        let path = self.cgroup().join("memory.limit_in_bytes");
+        let deadline = Instant::now() + Duration::from_secs(10);
+        loop {
+            match std::fs::write(&path, &v) {
+                Ok(()) => return Ok(()),
+                Err(e) if e.raw_os_error() == Some(libc_ebusy()) && Instant::now() < deadline => {
+                    std::thread::sleep(Duration::from_millis(10));
+                }
+                Err(e) => {
+                    let usage = self.usage().unwrap_or(0);
+                    return Err(anyhow::Error::new(e).context(format!(
+                        "setting memory.limit_in_bytes to {v} (usage {usage})"
+                    )));
+                }
+            }
+        }
+    }
+
+    /// `memory.usage_in_bytes`: what the cgroup's processes are charged for now.
+    pub fn usage(&self) -> anyhow::Result<u64> {
         let p = self.cgroup().join("memory.usage_in_bytes");
         std::fs::read_to_string(&p)
             .with_context(|| format!("reading {}", p.display()))?
@@ -344,7 +373,7 @@ impl SwapEnv {
     }
 
     /// The cgroup's OOM kills so far (`oom_kill` in `memory.oom_control`).
-    fn oom_kills(&self) -> u64 {
+    pub fn oom_kills(&self) -> u64 {
         std::fs::read_to_string(self.cgroup().join("memory.oom_control"))
             .ok()
             .and_then(|s| {
