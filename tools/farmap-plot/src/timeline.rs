@@ -217,7 +217,9 @@ impl TimelinePicture<'_> {
                 });
         }
         // Bytes moved only grow: the lower right is under the line's end, empty.
-        legend(&mut chart, SeriesLabelPosition::LowerRight)?;
+        if !t.phases.is_empty() || !t.bytes_moved.is_empty() {
+            legend(&mut chart, SeriesLabelPosition::LowerRight)?;
+        }
         Ok(())
     }
 
@@ -293,9 +295,14 @@ impl TimelinePicture<'_> {
             )
         };
         let label = format!(
-            "longest write gap {} ms ({} gaps)",
+            "longest write gap {} ms ({} {})",
             short_number(longest.length_ms),
-            t.write_gaps.len()
+            t.write_gaps.len(),
+            if t.write_gaps.len() == 1 {
+                "gap"
+            } else {
+                "gaps"
+            }
         );
         chart.draw_series(std::iter::once(Text::new(
             label,
