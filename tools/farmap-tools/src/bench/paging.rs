@@ -676,9 +676,14 @@ pub async fn run(args: PagingArgs) -> anyhow::Result<ExitCode> {
     };
     let plot = bench.args.plot.clone();
     let title = format!(
-        "farmap bench paging: faulting accesses ({} MiB, {} thread(s), {}% writes)",
+        "farmap bench paging: faulting accesses ({} MiB, {} {}, {}% writes)",
         bench.args.size >> 20,
         bench.args.threads,
+        if bench.args.threads == 1 {
+            "thread"
+        } else {
+            "threads"
+        },
         bench.args.writes
     );
     let result = tokio::task::spawn_blocking(move || -> anyhow::Result<(bool, Vec<_>)> {
