@@ -29,8 +29,14 @@
 //! Both systems also run once unlimited (farmap: no paging; kernel: limit `-1`);
 //! `runtime_ratio` is the limited run's timed phase over the unlimited one's.
 //! Timed phase only: init (every page written once) and the final check are untimed.
+//!
+//! `--plot FILE.svg|png` also draws every limited run's faulting accesses as a tail curve
+//! (1 − CDF, log axes, p50/p99/p99.9 marked; `farmap_plot::latency_cdf`) from the
+//! application's histogram (64 buckets per power of two; the kernel-swap child sends its
+//! buckets in its JSON report).
 
 use std::net::SocketAddr;
+use std::path::PathBuf;
 use std::process::ExitCode;
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
@@ -42,6 +48,7 @@ use farmap::net::{serve, ClientOptions, ListenAddr, Listener, RemoteAddr, Remote
 use farmap::pipeline::PushOptions;
 use farmap::store::MemoryStore;
 use farmap::{Geometry, Store};
+use farmap_plot::{Latencies, LatencySeries};
 use farmap_uffd::{
     FaultWait, LocalLimit, PagingOptions, Prefetch, Region, RegionOptions, RegionStats,
 };
@@ -172,6 +179,10 @@ pub struct PagingArgs {
     /// One JSON object per system, pattern and local share on stdout.
     #[arg(long)]
     json: bool,
+    /// Also draw the faulting accesses' latencies, one tail curve (1 − CDF) per system,
+    /// pattern and local share, into FILE (`.svg` or `.png`).
+    #[arg(long, value_name = "FILE")]
+    plot: Option<PathBuf>,
 }
 
 #[derive(Debug, Serialize)]
@@ -543,8 +554,24 @@ impl Bench {
     }
 }
 
-/// The blocking part: every run, in order, one line per system, pattern and share.
-fn run_all(bench: &Bench, env: Option<&SwapEnv>) -> anyhow::Result<bool> {
+/// A row's latencies for `--plot`, named after its system, pattern and local share.
+fn plot_series(row: &Row, report: &AppReport) -> LatencySeries {
+    LatencySeries {
+        name: format!(
+            "{} {} {}% local",
+            row.system, row.pattern, row.local_percent
+        ),
+        latencies: Latencies::Buckets(report.latency_buckets_us.clone()),
+    }
+}
+
+/// The blocking part: every run, in order, one line per system, pattern and share; the
+/// limited runs' latencies go to `plotted`.
+fn run_all(
+    bench: &Bench,
+    env: Option<&SwapEnv>,
+    plotted: &mut Vec<LatencySeries>,
+) -> anyhow::Result<bool> {
     let args = &bench.args;
     let farmap = args.system.contains(&System::Farmap);
     let mut all_verified = true;
@@ -579,7 +606,9 @@ fn run_all(bench: &Bench, env: Option<&SwapEnv>) -> anyhow::Result<bool> {
                 let run = bench.farmap(&config, Some(local))?;
                 interrupted()?;
                 all_verified &= run.report.verified;
-                bench.emit(&bench.farmap_row(pattern, local, &run, unlimited))?;
+                let row = bench.farmap_row(pattern, local, &run, unlimited);
+                plotted.push(plot_series(&row, &run.report));
+                bench.emit(&row)?;
             }
             if let (Some(env), Some(unlimited)) = (env, kernel_unlimited) {
                 bench.progress(format_args!("kernel-swap {} at {local}%", pattern.name()));
@@ -587,7 +616,9 @@ fn run_all(bench: &Bench, env: Option<&SwapEnv>) -> anyhow::Result<bool> {
                 let run = env.run(&config, Some(bytes))?;
                 interrupted()?;
                 all_verified &= run.report.verified;
-                bench.emit(&bench.kernel_row(pattern, local, &run, unlimited))?;
+                let row = bench.kernel_row(pattern, local, &run, unlimited);
+                plotted.push(plot_series(&row, &run.report));
+                bench.emit(&row)?;
             }
         }
     }
@@ -606,6 +637,10 @@ pub async fn run(args: PagingArgs) -> anyhow::Result<ExitCode> {
     }
     if (size / PAGE_SIZE) < args.threads as usize {
         bail!("--size must give every thread at least one page");
+    }
+    if let Some(path) = &args.plot {
+        // A wrong extension is found before minutes of runs, not after.
+        farmap_plot::Format::from_path(path)?;
     }
     if args.system.contains(&System::Farmap) {
         farmap_uffd::probe().context("userfaultfd is needed for farmap's side")?;
@@ -639,7 +674,19 @@ pub async fn run(args: PagingArgs) -> anyhow::Result<ExitCode> {
         geometry,
         kernel_prefetch,
     };
-    let result = tokio::task::spawn_blocking(move || -> anyhow::Result<bool> {
+    let plot = bench.args.plot.clone();
+    let title = format!(
+        "farmap bench paging: faulting accesses ({} MiB, {} {}, {}% writes)",
+        bench.args.size >> 20,
+        bench.args.threads,
+        if bench.args.threads == 1 {
+            "thread"
+        } else {
+            "threads"
+        },
+        bench.args.writes
+    );
+    let result = tokio::task::spawn_blocking(move || -> anyhow::Result<(bool, Vec<_>)> {
         let env = if want_kernel {
             match SwapEnv::setup(bench.args.size) {
                 Ok(env) => {
@@ -658,11 +705,18 @@ pub async fn run(args: PagingArgs) -> anyhow::Result<ExitCode> {
             None
         };
         // `env` drops (swapoff, losetup -d, rmdir) whatever happens.
-        run_all(&bench, env.as_ref())
+        let mut plotted = Vec::new();
+        let verified = run_all(&bench, env.as_ref(), &mut plotted)?;
+        Ok((verified, plotted))
     })
     .await;
     ctrl_c.abort();
-    let verified = result.context("the benchmark thread panicked")??;
+    let (verified, plotted) = result.context("the benchmark thread panicked")??;
+    if let Some(path) = plot {
+        farmap_plot::latency_cdf(&path, &title, &plotted)
+            .with_context(|| format!("drawing --plot {}", path.display()))?;
+        status!("drew {}", path.display());
+    }
     if !verified {
         bail!("the application read a word it did not write (see `mismatch`)");
     }

@@ -281,6 +281,35 @@ impl Histogram {
         self.total += other.total;
     }
 
+    /// The upper bound of bucket `i`, ns (inclusive).
+    fn upper(i: usize) -> u64 {
+        let i = i as u64;
+        if i < SUB {
+            return i;
+        }
+        let e = (i / SUB - 1) as u32 + SUB_BITS;
+        let sub = i % SUB;
+        let lo = (SUB + sub) << (e - SUB_BITS);
+        lo + ((1u64 << (e - SUB_BITS)) - 1)
+    }
+
+    /// The non-empty buckets as `(upper bound µs, count)`, ascending, each run of them led
+    /// by its empty neighbour below (count 0), which gives the run's lower bound: the shape
+    /// `farmap_plot::Latencies::Buckets` takes.
+    pub fn buckets_us(&self) -> Vec<(f64, u64)> {
+        let mut out = Vec::new();
+        for (i, &c) in self.counts.iter().enumerate() {
+            if c == 0 {
+                continue;
+            }
+            if i > 0 && self.counts[i - 1] == 0 {
+                out.push((Self::upper(i - 1) as f64 / 1e3, 0));
+            }
+            out.push((Self::upper(i) as f64 / 1e3, c));
+        }
+        out
+    }
+
     /// The `q` quantile (0 < q ≤ 1) in ns; `None` when empty.
     pub fn quantile(&self, q: f64) -> Option<f64> {
         if self.total == 0 {
@@ -313,6 +342,9 @@ pub struct AppReport {
     /// The first of them.
     pub first_mismatch: Option<String>,
     pub verified: bool,
+    /// The faulting accesses' histogram ([`Histogram::buckets_us`]), for `--plot`.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub latency_buckets_us: Vec<(f64, u64)>,
     /// Kernel-swap children only: page faults of the process during the run
     /// (`/proc/self/stat`), and the system's swap counters (`/proc/vmstat`) over it.
     #[serde(default)]
@@ -634,6 +666,7 @@ impl App {
             p95_us: us(0.95),
             p99_us: us(0.99),
             p99_9_us: us(0.999),
+            latency_buckets_us: hist.buckets_us(),
             runtime_ms: (runtime.as_secs_f64() * 1e6).round() / 1e3,
             mismatches,
             first_mismatch: self.workers.iter().find_map(|w| w.first_mismatch.clone()),
@@ -774,6 +807,31 @@ mod tests {
             let mid = Histogram::value(Histogram::index(v));
             assert!((mid - v as f64).abs() / (v as f64) < 0.01, "{v} → {mid}");
         }
+    }
+
+    #[test]
+    fn histogram_buckets_bound_their_values() {
+        let mut h = Histogram::default();
+        assert!(h.buckets_us().is_empty());
+        for ns in [5, 5, 1000, 1001, 2_000_000] {
+            h.record(ns);
+        }
+        let b = h.buckets_us();
+        let total: u64 = b.iter().map(|&(_, c)| c).sum();
+        assert_eq!(total, 5);
+        assert!(b.windows(2).all(|w| w[0].0 < w[1].0), "{b:?}");
+        // Each value lies above the previous bound and up to its bucket's own.
+        for ns in [5u64, 1000, 1001, 2_000_000] {
+            let us = ns as f64 / 1e3;
+            let k = b
+                .iter()
+                .position(|&(upper, c)| c > 0 && us <= upper)
+                .unwrap();
+            assert!(k > 0 && b[k - 1].0 < us, "{ns} ns in {b:?}");
+        }
+        // Bucket 4 (exactly 4 ns) is empty and bounds the bucket of 5 ns from below.
+        assert_eq!(b[0], (0.004, 0));
+        assert_eq!(b[1], (0.005, 2));
     }
 
     #[test]
