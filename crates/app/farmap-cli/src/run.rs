@@ -23,6 +23,7 @@ use anyhow::{bail, Context};
 use clap::Args;
 use farmap::{open_store_async, StoreSpec};
 use farmap_cli_kit::args::{parse_local_max, parse_size_arg};
+use farmap_cli_kit::metrics::{Metrics, MetricsArgs};
 use farmap_run_proto::TOKEN_LEN;
 use farmap_uffd::foreign::{
     handshake, trash_len, Expected, ForeignOptions, ForeignRegion, FOREIGN_FEATURES,
@@ -82,6 +83,8 @@ pub struct RunArgs {
     /// this Unix socket (mode 0600) while the program runs (its newest program image).
     #[arg(long, value_name = "SOCKET")]
     agent: Option<PathBuf>,
+    #[command(flatten)]
+    metrics: MetricsArgs,
     /// The program and its arguments.
     #[arg(
         required = true,
@@ -103,6 +106,124 @@ struct Served {
     /// Connections being handled (a handshake, a session, its last report).
     active: std::sync::atomic::AtomicUsize,
     stats: bool,
+    metrics: Metrics,
+    /// The counters of the program images that ended ([`HEAP_COUNTERS`], in order): the
+    /// metrics add them to the live sessions' (both read under the `sessions` lock).
+    ended: Mutex<[u64; HEAP_COUNTERS.len()]>,
+}
+
+/// A counter of the heap's regions: its name (`_total` is added), help, and how to read it.
+type HeapCounter = (&'static str, &'static str, fn(&RegionStats) -> u64);
+
+/// The heap's counters in the metrics, summed over every program image.
+const HEAP_COUNTERS: [HeapCounter; 6] = [
+    (
+        "farmap_region_faults",
+        "Page faults the heap's handler resolved.",
+        |s| s.faults,
+    ),
+    (
+        "farmap_region_evictions",
+        "Pages dropped from local memory (written back first).",
+        |s| {
+            s.paging
+                .as_ref()
+                .map_or(0, |p| p.evictions_reactive + p.evictions_proactive)
+        },
+    ),
+    (
+        "farmap_region_staged_refaults",
+        "Faults served from a page still held locally (no store read).",
+        |s| s.paging.as_ref().map_or(0, |p| p.staged_refaults),
+    ),
+    (
+        "farmap_region_prefetched",
+        "Pages fetched ahead of their faults.",
+        |s| s.paging.as_ref().map_or(0, |p| p.prefetched),
+    ),
+    (
+        "farmap_region_prefetch_hits",
+        "Prefetched pages touched before they were dropped.",
+        |s| s.paging.as_ref().map_or(0, |p| p.prefetch_hits),
+    ),
+    (
+        "farmap_region_pushed_bytes",
+        "Bytes written back to the heap's store.",
+        |s| s.pushed_bytes,
+    ),
+];
+
+impl Served {
+    /// A heap counter over every program image, ended or running.
+    fn total(&self, i: usize) -> u64 {
+        let sessions = self.sessions.lock();
+        let live: u64 = sessions
+            .iter()
+            .map(|r| HEAP_COUNTERS[i].2(&r.stats()))
+            .sum();
+        live + self.ended.lock()[i]
+    }
+
+    /// A program image ended: its counters join the ended ones as it leaves the sessions.
+    fn end_session(&self, region: &Arc<ForeignRegion>) {
+        let mut sessions = self.sessions.lock();
+        let stats = region.stats();
+        let mut ended = self.ended.lock();
+        for (total, (_, _, read)) in ended.iter_mut().zip(HEAP_COUNTERS) {
+            *total += read(&stats);
+        }
+        sessions.retain(|r| !Arc::ptr_eq(r, region));
+    }
+
+    /// Resident heap memory and the bound, over the running program images.
+    fn paging_sum(&self, read: fn(&farmap_uffd::PagingStats) -> u64) -> u64 {
+        let sessions = self.sessions.lock();
+        sessions
+            .iter()
+            .filter_map(|r| r.stats().paging.map(|p| read(&p) * HEAP_CHUNK))
+            .sum()
+    }
+}
+
+/// The heap's metrics (`--metrics-listen`): counters over every program image, gauges of
+/// the running ones, read at each scrape through a weak reference.
+fn heap_metrics(metrics: &Metrics, served: &Arc<Served>) {
+    for (i, (name, help, _)) in HEAP_COUNTERS.iter().enumerate() {
+        let weak = Arc::downgrade(served);
+        metrics.counter(name, help, Vec::new(), move || {
+            weak.upgrade().map_or(0, |s| s.total(i))
+        });
+    }
+    type Gauge = (
+        &'static str,
+        &'static str,
+        fn(&farmap_uffd::PagingStats) -> u64,
+    );
+    let gauges: [Gauge; 2] = [
+        (
+            "farmap_region_resident_bytes",
+            "Heap memory held locally now (mapped and staged), over the running program images.",
+            |p| p.resident_chunks,
+        ),
+        (
+            "farmap_region_limit_bytes",
+            "The bound on the heap's local memory, over the running program images.",
+            |p| p.limit_chunks,
+        ),
+    ];
+    for (name, help, read) in gauges {
+        let weak = Arc::downgrade(served);
+        metrics.gauge(name, help, Vec::new(), move || {
+            weak.upgrade().map_or(0, |s| s.paging_sum(read))
+        });
+    }
+    let weak = Arc::downgrade(served);
+    metrics.gauge(
+        "farmap_run_programs",
+        "Program images whose heap is served now.",
+        Vec::new(),
+        move || weak.upgrade().map_or(0, |s| s.sessions.lock().len() as u64),
+    );
 }
 
 pub async fn run(args: RunArgs) -> anyhow::Result<ExitCode> {
@@ -130,7 +251,11 @@ pub async fn run(args: RunArgs) -> anyhow::Result<ExitCode> {
         sessions: Mutex::new(Vec::new()),
         active: Default::default(),
         stats: args.stats,
+        metrics: args.metrics.metrics(),
+        ended: Mutex::new([0; HEAP_COUNTERS.len()]),
     });
+    heap_metrics(&served.metrics, &served);
+    let _endpoint = args.metrics.serve("run", &served.metrics).await?;
     let _agent = match &args.agent {
         Some(path) => {
             let served = served.clone();
@@ -296,7 +421,7 @@ fn serve_program(
         .rt
         .block_on(async move { open_store_async(&spec).await });
     let store = match store {
-        Ok(s) => s,
+        Ok(s) => served.metrics.meter("heap", &served.spec, s),
         Err(e) => {
             let why = format!("opening the heap's store: {e}");
             return Err(applicant.refuse(&why).into());
@@ -323,7 +448,7 @@ fn serve_program(
             stats_line(pid, served.heap_max, &end, &region.stats())
         );
     }
-    served.sessions.lock().retain(|r| !Arc::ptr_eq(r, &region));
+    served.end_session(&region);
     Ok(())
 }
 

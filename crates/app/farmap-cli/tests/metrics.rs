@@ -475,3 +475,103 @@ fn a_managed_mount_counts_its_store_and_its_pushes() {
     assert!(present >= 256.0, "present {present}");
     farmap_testkit::process::terminate(&mut child.0, Duration::from_secs(60));
 }
+
+/// The interposition library `farmap run` loads, from this build (skipped without it or
+/// without bounded userfaultfd regions).
+fn preload(test: &str) -> Option<std::path::PathBuf> {
+    let bin = Path::new(env!("CARGO_BIN_EXE_farmap"));
+    let so = [
+        bin.with_file_name("libfarmap_preload.so"),
+        bin.with_file_name("deps").join("libfarmap_preload.so"),
+    ]
+    .into_iter()
+    .find(|p| p.is_file());
+    if so.is_none() {
+        skip(
+            test,
+            "libfarmap_preload.so is missing (cargo build -p farmap-preload)",
+        );
+        return None;
+    }
+    if farmap_uffd::probe_paging().is_err() {
+        skip(test, "bounded userfaultfd regions are not available here");
+        return None;
+    }
+    so
+}
+
+/// `farmap run --metrics-listen`: a Python program touching 48 MiB of heap at an 8 MiB
+/// bound, scraped while it runs: faults, evictions and the bytes written back, the heap's
+/// store counted as `store="heap"`, resident memory within the bound (plus `min_free`).
+#[test]
+fn farmap_run_counts_its_programs_heap() {
+    let test = "farmap_run_counts_its_programs_heap";
+    let Some(python) = python_with_parser() else {
+        return skip(
+            test,
+            "no Python with prometheus_client (python3-prometheus-client)",
+        );
+    };
+    let Some(so) = preload(test) else { return };
+    let script = "import time\n\
+                  b = [bytearray(1 << 20) for _ in range(48)]\n\
+                  for x in b: x[::4096] = b'\\x01' * (len(x) // 4096)\n\
+                  print('ready', flush=True)\n\
+                  time.sleep(60)\n";
+    let mut child = farmap()
+        .command()
+        .args(["run", "--preload", so.to_str().unwrap()])
+        .args(["--heap-max", "256MiB", "--local-max", "8MiB"])
+        .args([
+            "--metrics-listen",
+            "127.0.0.1:0",
+            "--",
+            "/usr/bin/python3",
+            "-c",
+            script,
+        ])
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .expect("start farmap run");
+    let (stdout, stderr) = (child.stdout.take().unwrap(), child.stderr.take().unwrap());
+    let mut child = KillOnDrop(child);
+    let (tx, rx) = std::sync::mpsc::channel();
+    std::thread::spawn(move || {
+        for line in BufReader::new(stderr).lines().map_while(Result::ok) {
+            if let Some(url) = line.split("metrics on http://").nth(1) {
+                let _ = tx.send(url.trim_end_matches("/metrics").to_owned());
+            }
+        }
+    });
+    let metrics = rx
+        .recv_timeout(Duration::from_secs(20))
+        .expect("the metrics line");
+    let mut ready = String::new();
+    BufReader::new(stdout).read_line(&mut ready).unwrap();
+    assert_eq!(ready.trim(), "ready", "the program did not get ready");
+    let s = parse(python, &scrape(&metrics));
+    // Every page of the 48 MiB was touched: faulted in, or prefetched with a fault's window.
+    let faults = value(&s, "farmap_region_faults_total", "counter", &[]);
+    let prefetched = value(&s, "farmap_region_prefetched_total", "counter", &[]);
+    assert!(faults > 0.0, "faults {faults}");
+    assert!(
+        faults + prefetched >= 48.0 * 256.0,
+        "faults {faults} prefetched {prefetched}"
+    );
+    // At most 8 MiB (and min_free) of them stay.
+    let evictions = value(&s, "farmap_region_evictions_total", "counter", &[]);
+    assert!(evictions >= 39.0 * 256.0, "evictions {evictions}");
+    let pushed = value(&s, "farmap_region_pushed_bytes_total", "counter", &[]);
+    assert!(pushed > 0.0, "pushed {pushed}");
+    let heap = [("store", "heap"), ("kind", "memory")];
+    let written = value(&s, "farmap_store_written_bytes_total", "counter", &heap);
+    assert!(written > 0.0, "written {written}");
+    assert_eq!(value(&s, "farmap_run_programs", "gauge", &[]), 1.0);
+    let limit = value(&s, "farmap_region_limit_bytes", "gauge", &[]);
+    assert_eq!(limit, (8 << 20) as f64);
+    let resident = value(&s, "farmap_region_resident_bytes", "gauge", &[]);
+    // At most the limit plus min_free (a 32nd of it).
+    assert!(resident <= limit * 33.0 / 32.0, "resident {resident}");
+    farmap_testkit::process::terminate(&mut child.0, Duration::from_secs(60));
+}
