@@ -403,6 +403,8 @@ impl Drop for ForeignRegion {
         if let Some(w) = self.watcher.take() {
             let _ = w.join();
         }
+        // Nothing serves the program from here on, whether or not the watcher saw it go.
+        s.space.end_serving();
         s.stop();
         if s.space.ended().is_none() {
             s.space.finish(End::Killed {

@@ -268,6 +268,14 @@ impl ForeignSpace {
         }
     }
 
+    /// Ends the session for everything that reads or moves the program's memory (they fail
+    /// with `ESRCH` from now on), as the watcher does when it sees the end: for the region's
+    /// drop, whose watcher may have been stopped before it saw the program it killed go (a
+    /// write-back would otherwise retry its reads of the dead program forever).
+    pub fn end_serving(&self) {
+        self.alive.store(false, Ordering::Release);
+    }
+
     /// Makes [`watch`](Self::watch) return `None` soon.
     pub fn stop_watch(&self) {
         self.stop.store(true, Ordering::Release);
