@@ -38,7 +38,6 @@
 use std::net::SocketAddr;
 use std::path::PathBuf;
 use std::process::ExitCode;
-use std::sync::atomic::Ordering;
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -56,7 +55,7 @@ use serde::Serialize;
 
 use super::common::{parse_duration, parse_size_arg};
 use super::net::Link;
-use super::paging_app::{interrupted, App, AppConfig, AppReport, Budget, Pattern, INTERRUPTED};
+use super::paging_app::{interrupted, App, AppConfig, AppReport, Budget, Pattern};
 use super::paging_swap::{self, KernelRun, SwapEnv};
 use super::uffd_raw::PAGE_SIZE;
 use crate::output;
@@ -654,19 +653,8 @@ pub async fn run(args: PagingArgs) -> anyhow::Result<ExitCode> {
     } else {
         format!("swap-readahead:{}", 1u64 << page_cluster.min(20))
     };
-    INTERRUPTED.store(false, Ordering::Relaxed);
-    // Ctrl-C and SIGTERM stop the application and kill the kernel-swap child; the runs
-    // then end with an error and everything set up is torn down.
-    let mut term = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate())
-        .context("catching SIGTERM")?;
-    let ctrl_c = tokio::spawn(async move {
-        tokio::select! {
-            r = tokio::signal::ctrl_c() => if r.is_err() { return },
-            _ = term.recv() => {}
-        }
-        INTERRUPTED.store(true, Ordering::Relaxed);
-        paging_swap::kill_child();
-    });
+    // Ctrl-C and SIGTERM stop the application and kill the kernel-swap child.
+    let ctrl_c = super::paging_app::on_interrupt(paging_swap::kill_child)?;
     let want_kernel = args.system.contains(&System::KernelSwap);
     let bench = Bench {
         args,

@@ -69,6 +69,23 @@ pub const ZIPF_THETA: f64 = 0.99;
 /// Set by Ctrl-C: every thread of the application stops at its next access.
 pub static INTERRUPTED: AtomicBool = AtomicBool::new(false);
 
+/// Sets [`INTERRUPTED`] and calls `kill` (which ends the benchmark's children) on Ctrl-C
+/// or SIGTERM; the runs then end with an error and tear down what they set up. Abort the
+/// task when the benchmark is done.
+pub(super) fn on_interrupt(kill: fn()) -> anyhow::Result<tokio::task::JoinHandle<()>> {
+    INTERRUPTED.store(false, Ordering::Relaxed);
+    let mut term = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate())
+        .context("catching SIGTERM")?;
+    Ok(tokio::spawn(async move {
+        tokio::select! {
+            r = tokio::signal::ctrl_c() => if r.is_err() { return },
+            _ = term.recv() => {}
+        }
+        INTERRUPTED.store(true, Ordering::Relaxed);
+        kill();
+    }))
+}
+
 /// Fails once Ctrl-C has come ([`INTERRUPTED`]).
 pub(super) fn interrupted() -> anyhow::Result<()> {
     if INTERRUPTED.load(Ordering::Relaxed) {

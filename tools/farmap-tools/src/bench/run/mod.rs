@@ -25,13 +25,11 @@
 
 use std::path::PathBuf;
 use std::process::ExitCode;
-use std::sync::atomic::Ordering;
 
 use anyhow::{bail, Context};
 use clap::Args;
 
 use super::paging::parse_percent;
-use super::paging_app::INTERRUPTED;
 use super::paging_swap;
 use crate::output;
 
@@ -117,19 +115,9 @@ pub async fn run(mut args: RunArgs) -> anyhow::Result<ExitCode> {
     let classpath = tokio::task::spawn_blocking(move || ycsb::classpath(explicit.as_deref()))
         .await
         .context("the classpath thread panicked")??;
-    INTERRUPTED.store(false, Ordering::Relaxed);
-    // Ctrl-C and SIGTERM kill the load generator; the session then ends with an error, and
-    // the servers and the kernel-swap environment are torn down.
-    let mut term = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate())
-        .context("catching SIGTERM")?;
-    let ctrl_c = tokio::spawn(async move {
-        tokio::select! {
-            r = tokio::signal::ctrl_c() => if r.is_err() { return },
-            _ = term.recv() => {}
-        }
-        INTERRUPTED.store(true, Ordering::Relaxed);
-        kill_clients();
-    });
+    // Ctrl-C and SIGTERM kill the load generator; the servers and the kernel-swap
+    // environment are torn down as the session ends with an error.
+    let ctrl_c = super::paging_app::on_interrupt(kill_clients)?;
     let handle = tokio::runtime::Handle::current();
     let result = tokio::task::spawn_blocking(move || run_all(&args, &handle, &classpath)).await;
     ctrl_c.abort();
