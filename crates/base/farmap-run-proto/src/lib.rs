@@ -16,6 +16,10 @@
 //!                                     ───────▶  Done {id, errno, bytes}
 //! ```
 //!
+//! The handler may send up to [`MAX_PIPELINE`] requests before it reads their answers (one
+//! write for a group of moves, one read for their outcomes): the reaper serves them in order
+//! and answers each, in order, after the last of those it has read.
+//!
 //! Every message is a 16-byte header and a body whose length each kind fixes; all integers
 //! are little-endian:
 //!
@@ -48,6 +52,13 @@ pub const VERSION: u16 = 1;
 pub const HEADER_LEN: usize = 16;
 /// Length of the longest message.
 pub const MAX_MSG_LEN: usize = HEADER_LEN + 40;
+/// Most requests the handler sends before it reads their answers; the reaper reads and
+/// answers that many at once.
+pub const MAX_PIPELINE: usize = 64;
+/// Length of a [`Request`] message.
+pub const REQUEST_LEN: usize = HEADER_LEN + 32;
+/// Length of a [`Done`] message.
+pub const DONE_LEN: usize = HEADER_LEN + 16;
 /// Length of a token.
 pub const TOKEN_LEN: usize = 32;
 /// The page size addresses and lengths are multiples of.

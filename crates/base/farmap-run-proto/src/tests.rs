@@ -217,3 +217,23 @@ fn refusal_codes_name_their_refusals() {
     assert_eq!(Refusal::from_status(0), None);
     assert_eq!(Refusal::from_status(99), None);
 }
+
+#[test]
+fn requests_and_answers_have_their_announced_lengths() {
+    let mut out = [0u8; MAX_MSG_LEN];
+    let req = Msg::Request(Request {
+        id: 7,
+        op: Op::Move {
+            src: PAGE,
+            dst: 4 * PAGE,
+            len: PAGE,
+        },
+    });
+    assert_eq!(req.encode(&mut out), Ok(REQUEST_LEN));
+    let done = Msg::Done(Done {
+        id: 7,
+        errno: 0,
+        bytes: PAGE,
+    });
+    assert_eq!(done.encode(&mut out), Ok(DONE_LEN));
+}

@@ -22,7 +22,8 @@ use core::time::Duration;
 use std::os::fd::{AsFd, AsRawFd, BorrowedFd, OwnedFd};
 
 use farmap_run_proto::{
-    decode, Config, Done, Hello, Msg, Op, Refusal, Registered, Request, MAX_MSG_LEN,
+    decode, Config, Done, Hello, Msg, Op, Refusal, Registered, Request, DONE_LEN, MAX_MSG_LEN,
+    MAX_PIPELINE,
 };
 use rustix::io::Errno;
 use rustix::mm::Advice;
@@ -128,7 +129,8 @@ pub(crate) fn validate(areas: &[Area; 2], op: Op) -> Result<Action, i32> {
 #[derive(Debug)]
 struct Conn {
     fd: OwnedFd,
-    buf: [u8; 4 * MAX_MSG_LEN],
+    /// Room for a whole group of pipelined requests (read at once, answered at once).
+    buf: [u8; MAX_PIPELINE * MAX_MSG_LEN],
     len: usize,
 }
 
@@ -136,7 +138,10 @@ impl Conn {
     fn send(&self, msg: &Msg) -> Result<(), SessionError> {
         let mut out = [0u8; MAX_MSG_LEN];
         let n = msg.encode(&mut out).map_err(SessionError::Proto)?;
-        let mut bytes = &out[..n];
+        self.send_bytes(&out[..n])
+    }
+
+    fn send_bytes(&self, mut bytes: &[u8]) -> Result<(), SessionError> {
         while !bytes.is_empty() {
             // NOSIGNAL: a closed peer is an error here, not a SIGPIPE for the program.
             let k = match rustix::net::send(&self.fd, bytes, SendFlags::NOSIGNAL) {
@@ -148,11 +153,19 @@ impl Conn {
         Ok(())
     }
 
+    /// The next message already read, if a whole one is.
+    fn buffered(&mut self) -> Result<Option<Msg>, SessionError> {
+        let Some((msg, used)) = decode(&self.buf[..self.len]).map_err(SessionError::Proto)? else {
+            return Ok(None);
+        };
+        self.buf.copy_within(used..self.len, 0);
+        self.len -= used;
+        Ok(Some(msg))
+    }
+
     fn recv(&mut self) -> Result<Msg, SessionError> {
         loop {
-            if let Some((msg, used)) = decode(&self.buf[..self.len]).map_err(SessionError::Proto)? {
-                self.buf.copy_within(used..self.len, 0);
-                self.len -= used;
+            if let Some(msg) = self.buffered()? {
                 return Ok(msg);
             }
             let n = loop {
@@ -272,7 +285,7 @@ pub(crate) fn open(
     timeout(Some(HANDSHAKE_WAIT)).map_err(sys_err("setting the socket's timeout"))?;
     let mut conn = Conn {
         fd,
-        buf: [0; 4 * MAX_MSG_LEN],
+        buf: [0; MAX_PIPELINE * MAX_MSG_LEN],
         len: 0,
     };
     let pid = rustix::process::getpid().as_raw_nonzero().get() as u32;
@@ -488,15 +501,36 @@ pub(crate) fn start_reaper(session: Session) -> Result<(), Errno> {
 extern "C" fn reaper_main(_: *mut c_void) -> *mut c_void {
     // SAFETY: `start_reaper` wrote the slot before creating this thread, the only user.
     let session = unsafe { (*REAPER.0.get()).assume_init_mut() };
+    // The answers to the requests read so far, sent with one write: the handler sends a
+    // group of requests at once (up to MAX_PIPELINE) and waits for all their answers.
+    let mut out = [0u8; MAX_PIPELINE * DONE_LEN];
     loop {
-        let req = match session.conn.recv() {
+        let mut req = match session.conn.recv() {
             Ok(Msg::Request(req)) => req,
             // The handler is gone (or speaks out of turn): nobody serves this program's
             // faults any more, and it must not run on reading zeros.
             _ => sys::kill_self(),
         };
-        let done = session.serve(req);
-        if session.conn.send(&Msg::Done(done)).is_err() {
+        let mut len = 0;
+        loop {
+            let done = session.serve(req);
+            let mut one = [0u8; MAX_MSG_LEN];
+            match Msg::Done(done).encode(&mut one) {
+                Ok(DONE_LEN) => out[len..len + DONE_LEN].copy_from_slice(&one[..DONE_LEN]),
+                _ => sys::kill_self(),
+            }
+            len += DONE_LEN;
+            if len == out.len() {
+                break;
+            }
+            req = match session.conn.buffered() {
+                Ok(Some(Msg::Request(req))) => req,
+                // Nothing more read yet: answer what was.
+                Ok(None) => break,
+                _ => sys::kill_self(),
+            };
+        }
+        if session.conn.send_bytes(&out[..len]).is_err() {
             sys::kill_self();
         }
     }

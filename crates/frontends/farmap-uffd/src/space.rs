@@ -104,6 +104,16 @@ fn check_inside(offset: usize, len: usize, area_len: usize) {
     );
 }
 
+/// One move of [`Moves::move_many`]: `len` bytes at `from_off` of `from` to `to_off` of `to`.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct Move<'a> {
+    pub from: &'a UffdRange,
+    pub from_off: usize,
+    pub to: &'a UffdRange,
+    pub to_off: usize,
+    pub len: usize,
+}
+
 /// Who issues the region's `UFFDIO_MOVE`s: this process, or the program's reaper.
 #[derive(Debug, Clone)]
 pub(crate) enum Moves {
@@ -144,6 +154,66 @@ impl Moves {
                     .map_err(|(n, e)| (n as usize, e))
             }
         }
+    }
+
+    /// [`move_pages`](Self::move_pages) of each of `moves`, in order, each whatever the ones
+    /// before it came to (`mode` for this process's moves): through the reaper, a group of
+    /// them to a round trip.
+    ///
+    /// # Panics
+    /// If a range is unaligned or outside its area.
+    pub fn move_many(&self, moves: &[Move<'_>], mode: u64) -> Vec<Result<usize, (usize, i32)>> {
+        match self {
+            Moves::Local => moves
+                .iter()
+                .map(|m| m.from.move_to(m.from_off, m.to, m.to_off, m.len, mode))
+                .collect(),
+            Moves::Reaper(space) => {
+                let ops: Vec<farmap_run_proto::Op> = moves
+                    .iter()
+                    .map(|m| {
+                        check_inside(m.from_off, m.len, m.from.len());
+                        check_inside(m.to_off, m.len, m.to.len());
+                        farmap_run_proto::Op::Move {
+                            src: (m.from.base() + m.from_off) as u64,
+                            dst: (m.to.base() + m.to_off) as u64,
+                            len: m.len as u64,
+                        }
+                    })
+                    .collect();
+                space
+                    .run(&ops)
+                    .into_iter()
+                    .map(|r| r.map(|n| n as usize).map_err(|(n, e)| (n as usize, e)))
+                    .collect()
+            }
+        }
+    }
+
+    /// Discards `len` bytes at `off` of `area` for each of `ranges` (page-aligned, inside
+    /// it) through the program's reaper, a group of them to a round trip: each one's
+    /// outcome (an errno). `None` for this process's moves: discard the mapping itself.
+    pub fn discard_many(&self, area: &UffdRange, ranges: &[(usize, usize)]) -> Option<Vec<i32>> {
+        let Moves::Reaper(space) = self else {
+            return None;
+        };
+        let ops: Vec<farmap_run_proto::Op> = ranges
+            .iter()
+            .map(|&(off, len)| {
+                check_inside(off, len, area.len());
+                farmap_run_proto::Op::Discard {
+                    start: (area.base() + off) as u64,
+                    len: len as u64,
+                }
+            })
+            .collect();
+        Some(
+            space
+                .run(&ops)
+                .into_iter()
+                .map(|r| r.err().map_or(0, |(_, e)| e))
+                .collect(),
+        )
     }
 
     /// Whether the moves are issued in this process, so that a staged chunk's fault can move
@@ -241,5 +311,59 @@ mod tests {
         assert!(there.discard(0, page).is_none());
         assert_eq!(here.while_mapped(|| 1), None);
         assert_eq!(mv(page), Err((0, libc::ESRCH)));
+    }
+
+    #[test]
+    fn a_group_of_moves_or_discards_through_the_reaper_has_an_outcome_each() {
+        let test = "space::a_group_of_moves_or_discards_through_the_reaper_has_an_outcome_each";
+        let uffd = match Uffd::open(0) {
+            Ok(u) => Arc::new(u),
+            Err(e) => return farmap_testkit::skip(test, format!("userfaultfd: {e}")),
+        };
+        let Some((space, peer)) = space_of(test, std::process::id(), 0, Duration::from_secs(10))
+        else {
+            return;
+        };
+        let space = Arc::new(space);
+        let page = crate::sys::page_size();
+        let p = page as u64;
+        let (close, served) = serve(
+            peer,
+            vec![
+                (0, p),
+                (libc::EAGAIN, 0),
+                (0, 2 * p),
+                (0, 2 * p),
+                (libc::EINVAL, 0),
+            ],
+        );
+        let (r, s) = (1usize << 30, 1usize << 31);
+        let region = UffdRange::new(uffd.clone(), r, 4 * page);
+        let staging = UffdRange::new(uffd, s, 4 * page);
+        let mv = |off, len| Move {
+            from: &region,
+            from_off: off,
+            to: &staging,
+            to_off: off,
+            len,
+        };
+        let moves = Moves::Reaper(space.clone());
+        let group = [mv(0, page), mv(page, page), mv(2 * page, 2 * page)];
+        assert_eq!(
+            moves.move_many(&group, 0),
+            vec![Ok(page), Err((0, libc::EAGAIN)), Ok(2 * page)]
+        );
+        assert_eq!(
+            moves.discard_many(&staging, &[(0, 2 * page), (2 * page, page)]),
+            Some(vec![0, libc::EINVAL])
+        );
+        assert_eq!(Moves::Local.discard_many(&staging, &[(0, page)]), None);
+        drop(close);
+        served.join().unwrap();
+        assert_eq!(
+            moves.move_many(&group, 0),
+            vec![Err((0, libc::ESRCH)); 3],
+            "the reaper is lost"
+        );
     }
 }

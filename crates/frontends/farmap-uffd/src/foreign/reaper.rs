@@ -1,12 +1,16 @@
 //! [`Reaper`]: asks a program's reaper thread to move or discard pages of its own address
-//! space, one request at a time, over a Unix socket, in farmap-run-proto's messages.
+//! space over a Unix socket, in farmap-run-proto's messages: one request, or a group of up
+//! to [`MAX_PIPELINE`] sent with one write and answered with one (a round trip is two
+//! context switches on a CPU the program shares: a group of moves pays them once).
 
 use std::io::{self, Read, Write};
 use std::os::fd::{AsFd, BorrowedFd};
 use std::os::unix::net::UnixStream;
 use std::time::Duration;
 
-use farmap_run_proto::{decode, Done, Msg, Op, Request, MAX_MSG_LEN};
+use farmap_run_proto::{
+    decode, Done, Msg, Op, Request, DONE_LEN, MAX_MSG_LEN, MAX_PIPELINE, REQUEST_LEN,
+};
 use parking_lot::Mutex;
 
 /// Why a request to the reaper failed.
@@ -82,51 +86,102 @@ impl Reaper {
     }
 
     fn call(&self, op: Op) -> Result<u64, ReaperError> {
+        self.run(&[op])
+            .pop()
+            .unwrap_or_else(|| Err(lost("no answer")))
+    }
+
+    /// Does `ops` in order, [`MAX_PIPELINE`] to a round trip: each one's outcome (the bytes
+    /// done, or why it stopped). Each is done whatever the ones before it came to; a request
+    /// out of the protocol's limits is not sent (`Invalid`); once the reaper is lost, every
+    /// request after is lost too.
+    pub fn run(&self, ops: &[Op]) -> Vec<Result<u64, ReaperError>> {
+        let mut outcomes = Vec::with_capacity(ops.len());
         let mut conn = self.conn.lock();
-        if conn.broken {
-            return Err(lost("an earlier request failed"));
+        let mut bytes = Vec::with_capacity(ops.len().min(MAX_PIPELINE) * REQUEST_LEN);
+        for group in ops.chunks(MAX_PIPELINE) {
+            if conn.broken {
+                outcomes.extend(group.iter().map(|_| Err(lost("an earlier request failed"))));
+                continue;
+            }
+            // Encoded first: a request that does not encode is answered here, not sent.
+            bytes.clear();
+            let first_id = conn.next_id;
+            let at = outcomes.len();
+            let mut sent = 0u32;
+            for &op in group {
+                let id = first_id.wrapping_add(sent);
+                let mut out = [0u8; MAX_MSG_LEN];
+                match Msg::Request(Request { id, op }).encode(&mut out) {
+                    Ok(n) => {
+                        bytes.extend_from_slice(&out[..n]);
+                        sent += 1;
+                        outcomes.push(Ok(0));
+                    }
+                    Err(e) => outcomes.push(Err(ReaperError::Invalid(e))),
+                }
+            }
+            if sent == 0 {
+                continue;
+            }
+            conn.next_id = first_id.wrapping_add(sent);
+            let mut answers = match conn.exchange(first_id, sent as usize, &bytes) {
+                Ok(a) => a.into_iter(),
+                Err(e) => {
+                    conn.broken = true;
+                    let why = e.to_string();
+                    let mut first = Some(e);
+                    for o in outcomes[at..].iter_mut().filter(|o| o.is_ok()) {
+                        *o = Err(first.take().unwrap_or_else(|| lost(why.clone())));
+                    }
+                    continue;
+                }
+            };
+            for o in outcomes[at..].iter_mut().filter(|o| o.is_ok()) {
+                *o = match answers.next() {
+                    Some(Done {
+                        errno: 0, bytes, ..
+                    }) => Ok(bytes),
+                    Some(Done { errno, bytes, .. }) => Err(ReaperError::Stopped { bytes, errno }),
+                    None => Err(lost("no answer")),
+                };
+            }
         }
-        let id = conn.next_id;
-        let mut out = [0u8; MAX_MSG_LEN];
-        let n = Msg::Request(Request { id, op })
-            .encode(&mut out)
-            .map_err(ReaperError::Invalid)?;
-        conn.next_id = conn.next_id.wrapping_add(1);
-        let done = conn.exchange(id, &out[..n]);
-        if done.is_err() {
-            conn.broken = true;
-        }
-        match done? {
-            Done {
-                errno: 0, bytes, ..
-            } => Ok(bytes),
-            Done { errno, bytes, .. } => Err(ReaperError::Stopped { bytes, errno }),
-        }
+        outcomes
     }
 }
 
 impl Conn {
-    /// Sends request `id` (encoded: `request`) and reads its `Done`.
-    fn exchange(&mut self, id: u32, request: &[u8]) -> Result<Done, ReaperError> {
-        self.sock.write_all(request).map_err(ReaperError::Lost)?;
-        // The answer is a Done, of a fixed length: exactly that is read, never past it.
-        let mut buf = [0u8; DONE_LEN];
-        self.sock.read_exact(&mut buf).map_err(|e| match e.kind() {
+    /// Sends `n` requests numbered from `first_id` (encoded: `requests`) and reads their
+    /// `Done`s, in order.
+    fn exchange(
+        &mut self,
+        first_id: u32,
+        n: usize,
+        requests: &[u8],
+    ) -> Result<Vec<Done>, ReaperError> {
+        self.sock.write_all(requests).map_err(ReaperError::Lost)?;
+        // The answers are `Done`s, of a fixed length: exactly those are read, never past.
+        let mut buf = [0u8; MAX_PIPELINE * DONE_LEN];
+        let buf = &mut buf[..n * DONE_LEN];
+        self.sock.read_exact(buf).map_err(|e| match e.kind() {
             io::ErrorKind::UnexpectedEof => {
                 lost("the reaper closed its socket (the program ended)")
             }
             _ => ReaperError::Lost(e),
         })?;
-        match decode(&buf) {
-            Ok(Some((Msg::Done(d), DONE_LEN))) if d.id == id => Ok(d),
-            Ok(other) => Err(lost(format!("an answer out of turn: {other:?}"))),
-            Err(e) => Err(lost(format!("a bad answer: {e}"))),
+        let mut answers = Vec::with_capacity(n);
+        for (k, one) in buf.chunks_exact(DONE_LEN).enumerate() {
+            let id = first_id.wrapping_add(k as u32);
+            match decode(one) {
+                Ok(Some((Msg::Done(d), DONE_LEN))) if d.id == id => answers.push(d),
+                Ok(other) => return Err(lost(format!("an answer out of turn: {other:?}"))),
+                Err(e) => return Err(lost(format!("a bad answer: {e}"))),
+            }
         }
+        Ok(answers)
     }
 }
-
-/// A `Done`'s length: the header and its 16-byte body.
-const DONE_LEN: usize = farmap_run_proto::HEADER_LEN + 16;
 
 fn lost(why: impl Into<String>) -> ReaperError {
     ReaperError::Lost(io::Error::other(why.into()))
@@ -200,5 +255,89 @@ mod tests {
                 errno: libc::EBUSY
             })
         ));
+    }
+
+    #[test]
+    fn a_group_goes_in_one_write_and_each_request_has_its_outcome() {
+        let (r, mut peer) = reaper(Duration::from_secs(5));
+        // The stand-in reads all three requests before it answers any: a handler that
+        // waited for the first answer would be stuck until its deadline.
+        let peer_side = std::thread::spawn(move || {
+            let mut reqs = [0u8; 3 * REQUEST_LEN];
+            peer.read_exact(&mut reqs).unwrap();
+            let mut answers = Vec::new();
+            for (k, one) in reqs.chunks_exact(REQUEST_LEN).enumerate() {
+                let Ok(Some((Msg::Request(q), _))) = decode(one) else {
+                    panic!("not a request")
+                };
+                let errno = if k == 1 { libc::EAGAIN } else { 0 };
+                answers.extend(done(q.id, errno, if k == 1 { 4096 } else { 8192 }));
+            }
+            peer.write_all(&answers).unwrap();
+            peer
+        });
+        let ops = [
+            Op::Move {
+                src: 1 << 20,
+                dst: 1 << 30,
+                len: 8192,
+            },
+            Op::Move {
+                src: 2 << 20,
+                dst: (1 << 30) + 8192,
+                len: 8192,
+            },
+            // Unaligned: answered here, never sent.
+            Op::Discard {
+                start: 4097,
+                len: 4096,
+            },
+            Op::Discard {
+                start: 1 << 20,
+                len: 8192,
+            },
+        ];
+        let out = r.run(&ops);
+        assert!(matches!(out[0], Ok(8192)), "{out:?}");
+        assert!(
+            matches!(
+                out[1],
+                Err(ReaperError::Stopped {
+                    bytes: 4096,
+                    errno: libc::EAGAIN
+                })
+            ),
+            "{out:?}"
+        );
+        assert!(matches!(out[2], Err(ReaperError::Invalid(_))), "{out:?}");
+        assert!(matches!(out[3], Ok(8192)), "{out:?}");
+        let _peer = peer_side.join().unwrap();
+    }
+
+    #[test]
+    fn a_bad_answer_in_a_group_loses_every_request_of_it() {
+        let (r, mut peer) = reaper(Duration::from_secs(5));
+        std::thread::spawn(move || {
+            let mut reqs = [0u8; 2 * REQUEST_LEN];
+            peer.read_exact(&mut reqs).unwrap();
+            let Ok(Some((Msg::Request(q), _))) = decode(&reqs) else {
+                panic!("not a request")
+            };
+            // The first answer is right, the second names a request never sent.
+            let mut answers = done(q.id, 0, 4096);
+            answers.extend(done(q.id + 7, 0, 4096));
+            peer.write_all(&answers).unwrap();
+            std::thread::sleep(Duration::from_millis(200));
+        });
+        let op = Op::Discard {
+            start: 4096,
+            len: 4096,
+        };
+        let out = r.run(&[op, op]);
+        assert!(
+            out.iter().all(|o| matches!(o, Err(ReaperError::Lost(_)))),
+            "{out:?}"
+        );
+        assert!(matches!(r.discard(4096, 4096), Err(ReaperError::Lost(_))));
     }
 }

@@ -26,6 +26,7 @@ use std::os::fd::OwnedFd;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::{Duration, Instant};
 
+use farmap_run_proto::Op;
 use parking_lot::{Condvar, Mutex};
 use rustix::event::{eventfd, poll, EventfdFlags, PollFd, PollFlags, Timespec};
 use rustix::process::Signal;
@@ -182,6 +183,20 @@ impl ForeignSpace {
         self.reaper
             .move_pages(src, dst, len)
             .map_err(|e| self.errno_of(e))
+    }
+
+    /// Does `ops` in order through the reaper, a group of them to a round trip
+    /// ([`Reaper::run`]): each one's bytes, or those done before it stopped and the errno (as
+    /// for [`move_pages`](Self::move_pages)).
+    pub fn run(&self, ops: &[Op]) -> Vec<Result<u64, (u64, i32)>> {
+        if !self.is_alive() {
+            return ops.iter().map(|_| Err((0, libc::ESRCH))).collect();
+        }
+        self.reaper
+            .run(ops)
+            .into_iter()
+            .map(|r| r.map_err(|e| self.errno_of(e)))
+            .collect()
     }
 
     /// A reaper's failure as `(bytes done, errno)`; a lost reaper is noted, and kicks the

@@ -21,25 +21,43 @@ const GROUP_BYTES: u64 = 256 << 10;
 /// µs, at 30% of a 256 MiB region in 4 KiB chunks): faults would wait for all of it.
 const SCAN_PER_HOLD: usize = 1024;
 
+/// Whether a deactivation first scans the region for written chunks (their referenced
+/// flags): the scan reads the page tables of the whole region (half a million entries for
+/// a 2 GiB heap), and reclaim passes come hundreds of times a second under a tight limit.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(super) enum Refresh {
+    /// Scan.
+    Now,
+    /// Scan if the last scan is [`REFRESH_EVERY`] old.
+    IfOld,
+    /// Do not.
+    No,
+}
+
+/// How old the last scan for written chunks may be before a reclaim pass scans again: the
+/// clock's hand takes about a second to go round at 20,000 evictions a second over 30,000
+/// chunks, so a flag 20 ms stale changes few of its choices.
+const REFRESH_EVERY: std::time::Duration = std::time::Duration::from_millis(20);
+
 impl Pager {
     /// Moves up to `n` victims from the active FIFO to staging; returns how many.
     pub(crate) fn deactivate(&self, n: u64) -> u64 {
-        self.deactivate_inner(n, true)
+        self.deactivate_inner(n, Refresh::Now)
     }
 
-    /// [`deactivate`](Self::deactivate); `refresh`: scan for written chunks first (once per
-    /// reclaim pass is enough: a scan reads the whole region's page tables).
+    /// [`deactivate`](Self::deactivate); `refresh`: whether to scan for written chunks first
+    /// (see [`Refresh`]).
     ///
     /// Victims are taken a group at a time (at most [`GROUP_BYTES`]), and each run of
     /// consecutive chunks in a group moves with one page-table scan and one `UFFDIO_MOVE`
     /// per run of present pages: the kernel flushes the TLB once per move, not once per
     /// page, and a flush is an interrupt of every CPU the application runs on.
-    pub(super) fn deactivate_inner(&self, n: u64, refresh: bool) -> u64 {
+    pub(super) fn deactivate_inner(&self, n: u64, refresh: Refresh) -> u64 {
         if n == 0 {
             return 0;
         }
-        if refresh {
-            self.refresh_referenced();
+        if refresh != Refresh::No {
+            self.refresh_referenced(refresh == Refresh::Now);
         }
         let per_group = (GROUP_BYTES / u64::from(self.geometry.chunk_size()).max(1)).max(1);
         let mut st = self.state.lock_yielding();
@@ -146,14 +164,16 @@ impl Pager {
     }
 
     /// Moves the pages of `group` (sorted, `Moving`) to their staging slots, one move per
-    /// run of consecutive chunks, outside the state lock (`epoch`: the state's, for the
+    /// run of consecutive chunks, all issued together (one round trip to a program's reaper
+    /// for the group), outside the state lock (`epoch`: the state's, for the
     /// trace); a run whose move stops part way is undone chunk by chunk. Sets `outcomes` to
     /// each chunk with whether it is staged now.
     fn move_group(&self, group: &[u64], epoch: u64, outcomes: &mut Vec<(u64, bool)>) {
         outcomes.clear();
-        for run in consecutive_runs(group) {
-            let (off, len) = self.run_span(run);
-            let r = self.move_present(&self.region, &self.staging, off, len);
+        let runs: Vec<&[u64]> = consecutive_runs(group).collect();
+        let spans: Vec<(usize, usize)> = runs.iter().map(|run| self.run_span(run)).collect();
+        let moved = self.move_present_spans(&self.region, &self.staging, &spans);
+        for (run, r) in runs.into_iter().zip(moved) {
             if r.is_err() {
                 Counters::add(&self.counters.partial_moves, 1);
             }
@@ -276,9 +296,16 @@ impl Pager {
         }
     }
 
-    /// Sets the referenced flag of chunks with written pages (a look that changes nothing).
-    fn refresh_referenced(&self) {
+    /// Sets the referenced flag of chunks with written pages (a look that changes nothing);
+    /// unless `now`, only if the last look is [`REFRESH_EVERY`] old.
+    fn refresh_referenced(&self, now: bool) {
         self.protect_moved_back();
+        let at = self.born.elapsed().as_micros() as u64 + 1;
+        let last = self.refreshed_at.load(Ordering::Relaxed);
+        if !now && last != 0 && at.saturating_sub(last) < REFRESH_EVERY.as_micros() as u64 {
+            return;
+        }
+        self.refreshed_at.store(at, Ordering::Relaxed);
         let base = self.region.base();
         let shift = self.geometry.chunk_shift();
         let mut hits = Vec::new();

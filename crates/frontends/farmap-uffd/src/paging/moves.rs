@@ -3,6 +3,7 @@
 //! a move that stops part way is finished, or undone, by the next one).
 
 use super::Pager;
+use crate::space::Move;
 use crate::sys;
 use crate::uffd::UffdRange;
 
@@ -45,30 +46,88 @@ impl Pager {
         to_off: usize,
         len: usize,
     ) -> Result<(), i32> {
+        let mut moves = Vec::new();
+        self.present_moves(from, from_off, to, to_off, len, &mut moves)?;
+        for m in moves {
+            self.moves
+                .move_pages(
+                    m.from,
+                    m.from_off,
+                    m.to,
+                    m.to_off,
+                    m.len,
+                    sys::UFFDIO_MOVE_MODE_DONTWAKE,
+                )
+                .map_err(|(_, e)| e)?;
+        }
+        Ok(())
+    }
+
+    /// [`move_present`](Self::move_present) of each `(off, len)` of `spans` from `from` to
+    /// the same offset of `to`, all moves issued together (through a program's reaper, a
+    /// group of them to a round trip, not one each): each span's outcome, the first errno of
+    /// its moves (each move is tried whatever the others came to, so a span that failed may
+    /// be partly moved, as after [`move_present`](Self::move_present)).
+    pub(super) fn move_present_spans(
+        &self,
+        from: &UffdRange,
+        to: &UffdRange,
+        spans: &[(usize, usize)],
+    ) -> Vec<Result<(), i32>> {
+        let mut outcomes: Vec<Result<(), i32>> = Vec::with_capacity(spans.len());
+        let mut moves = Vec::with_capacity(spans.len());
+        // The span each move belongs to.
+        let mut owner = Vec::with_capacity(spans.len());
+        for (k, &(off, len)) in spans.iter().enumerate() {
+            let before = moves.len();
+            let scanned = self.present_moves(from, off, to, off, len, &mut moves);
+            if scanned.is_err() {
+                // Nothing of a span whose scan failed moves.
+                moves.truncate(before);
+            }
+            outcomes.push(scanned);
+            owner.resize(moves.len(), k);
+        }
+        let done = self.moves.move_many(&moves, sys::UFFDIO_MOVE_MODE_DONTWAKE);
+        for (k, r) in owner.into_iter().zip(done) {
+            if let (Ok(()), Err((_, e))) = (&outcomes[k], r) {
+                outcomes[k] = Err(e);
+            }
+        }
+        outcomes
+    }
+
+    /// Appends to `moves` one move per run of pages present in `from_off..from_off+len` of
+    /// `from` (to the same place relative to `to_off` of `to`), from a scan of the page
+    /// tables.
+    fn present_moves<'a>(
+        &self,
+        from: &'a UffdRange,
+        from_off: usize,
+        to: &'a UffdRange,
+        to_off: usize,
+        len: usize,
+        moves: &mut Vec<Move<'a>>,
+    ) -> Result<(), i32> {
         let base = from.base();
-        let mut runs = Vec::new();
         let mut scratch = Vec::new();
         self.pagemap
             .in_memory(
                 base + from_off,
                 base + from_off + len,
                 &mut scratch,
-                |run| runs.push((run.start - base, run.end - run.start)),
+                |run| {
+                    let o = run.start - base;
+                    moves.push(Move {
+                        from,
+                        from_off: o,
+                        to,
+                        to_off: to_off + (o - from_off),
+                        len: run.end - run.start,
+                    })
+                },
             )
-            .map_err(|e| e.raw_os_error().unwrap_or(libc::EIO))?;
-        for (o, l) in runs {
-            self.moves
-                .move_pages(
-                    from,
-                    o,
-                    to,
-                    to_off + (o - from_off),
-                    l,
-                    sys::UFFDIO_MOVE_MODE_DONTWAKE,
-                )
-                .map_err(|(_, e)| e)?;
-        }
-        Ok(())
+            .map_err(|e| e.raw_os_error().unwrap_or(libc::EIO))
     }
 
     /// Moves the pages of the staging slot at `off..off+len` back into the region with one

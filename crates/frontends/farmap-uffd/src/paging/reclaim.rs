@@ -9,6 +9,7 @@ use std::time::Duration;
 use farmap_core::{ChunkIdx, StoreError, StoreResult};
 use tokio::runtime::Handle;
 
+use super::deactivate::Refresh;
 use super::moves::consecutive_runs;
 use super::state::St;
 use super::{Pager, Reclaimer};
@@ -102,6 +103,10 @@ impl Pager {
         let chunk = self.geometry.chunk_size() as usize;
         let mut sorted = victims.to_vec();
         sorted.sort_unstable();
+        if !self.moves.in_process() {
+            self.discard_slots_by_reaper(&sorted);
+            return;
+        }
         let mut in_trash = 0;
         // Each run of consecutive slots goes with one move (one TLB flush, as in
         // `deactivate_inner`).
@@ -146,6 +151,33 @@ impl Pager {
             }
             self.events.bump();
         }
+    }
+
+    /// [`discard_slots`](Self::discard_slots) of a program's region: each run of
+    /// consecutive slots (`sorted`) is discarded where it is, all in one round trip to the
+    /// reaper (moving them into the trash first would cost a scan and a move per run, and
+    /// a round trip more).
+    fn discard_slots_by_reaper(&self, sorted: &[u64]) {
+        let runs: Vec<&[u64]> = consecutive_runs(sorted).collect();
+        let spans: Vec<(usize, usize)> = runs.iter().map(|run| self.run_span(run)).collect();
+        let Some(done) = self.moves.discard_many(&self.staging, &spans) else {
+            return;
+        };
+        for (run, errno) in runs.into_iter().zip(done) {
+            for &i in run {
+                self.tr(i, || format!("discarded by the reaper: errno {errno}"));
+            }
+            // A program that ended: its memory is gone with it.
+            if errno != 0 && errno != libc::ESRCH {
+                self.region_counters.error(format!(
+                    "dropping staged chunks {}..{}: {}",
+                    run[0],
+                    run[run.len() - 1] + 1,
+                    std::io::Error::from_raw_os_error(errno)
+                ));
+            }
+        }
+        self.events.bump();
     }
 
     /// Writes back up to `n` staged chunks not yet in the store (oldest first), and only
@@ -231,7 +263,12 @@ impl Pager {
             let batch = (need - dropped).max(self.min_free()).min(step).max(1);
             let staged = staged.saturating_sub(dropped);
             if staged < batch {
-                self.deactivate_inner(batch - staged, !refreshed);
+                let refresh = if refreshed {
+                    Refresh::No
+                } else {
+                    Refresh::IfOld
+                };
+                self.deactivate_inner(batch - staged, refresh);
                 refreshed = true;
             }
             if rounds >= max_rounds {
