@@ -35,7 +35,7 @@ use tokio::runtime::Handle;
 /// The chunk of a program's heap: one page (a discarded page reads as zeros, page by page).
 const HEAP_CHUNK: u64 = 4096;
 
-/// How long a program may take over each step of its handshake.
+/// How long a program may take over its handshake, in all.
 const HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(10);
 
 const RUN_HELP: &str = "\
@@ -385,35 +385,65 @@ fn find_preload(explicit: Option<&Path>) -> anyhow::Result<PathBuf> {
 
 /// Accepts programs' connections until the process ends: each handshake on a thread of
 /// its own (a slow program does not hold up another), then its region served.
+///
+/// At most [`MAX_HANDSHAKES`] handshakes run at once: a connection past that is closed at
+/// once (a process of the program that floods the socket gets no thread per connection).
 fn accept_loop(listener: UnixListener, expected: Expected, served: Arc<Served>) {
+    use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+    let handshaking = Arc::new(AtomicUsize::new(0));
+    let mut said = false;
     for conn in listener.incoming() {
         let Ok(conn) = conn else { continue };
+        if handshaking.load(Ordering::Acquire) >= MAX_HANDSHAKES {
+            if !std::mem::replace(&mut said, true) {
+                status!(
+                    "farmap run: more than {MAX_HANDSHAKES} connections at once in their \
+                     handshake: closing the others"
+                );
+            }
+            continue;
+        }
         let (expected, served) = (expected.clone(), served.clone());
-        use std::sync::atomic::Ordering;
         served.active.fetch_add(1, Ordering::AcqRel);
-        let counted = served.clone();
+        handshaking.fetch_add(1, Ordering::AcqRel);
+        let counted = (served.clone(), handshaking.clone());
+        let pending = handshaking.clone();
         let spawned = std::thread::Builder::new()
             .name("farmap-run-session".into())
             .spawn(move || {
-                if let Err(e) = serve_program(conn, &expected, &served) {
+                let shaken = AtomicBool::new(false);
+                let done_shaking = || {
+                    if !shaken.swap(true, Ordering::AcqRel) {
+                        pending.fetch_sub(1, Ordering::AcqRel);
+                    }
+                };
+                if let Err(e) = serve_program(conn, &expected, &served, &done_shaking) {
                     status!("farmap run: {}", farmap_cli_kit::output::error_chain(&e));
                 }
+                done_shaking();
                 served.active.fetch_sub(1, Ordering::AcqRel);
             });
         if let Err(e) = spawned {
-            counted.active.fetch_sub(1, Ordering::AcqRel);
+            counted.0.active.fetch_sub(1, Ordering::AcqRel);
+            counted.1.fetch_sub(1, Ordering::AcqRel);
             status!("farmap run: cannot start a session thread: {e}");
         }
     }
 }
+
+/// Most handshakes running at once (see [`accept_loop`]).
+const MAX_HANDSHAKES: usize = 16;
 
 /// One program image: its handshake, its region, its end.
 fn serve_program(
     conn: std::os::unix::net::UnixStream,
     expected: &Expected,
     served: &Served,
+    handshake_done: &dyn Fn(),
 ) -> anyhow::Result<()> {
-    let applicant = handshake(conn, expected, HANDSHAKE_TIMEOUT)?;
+    let applicant = handshake(conn, expected, HANDSHAKE_TIMEOUT);
+    handshake_done();
+    let applicant = applicant?;
     let pid = applicant.pid();
     let _span = tracing::info_span!("run", pid).entered();
     let spec = served.spec.clone();

@@ -241,6 +241,104 @@ print("status", status, "garbage answered", len(rest), "ok", all(d.count(b"x") =
     );
 }
 
+/// Processes of the program that connect and say nothing, trickle a hello a byte a second,
+/// or say hello with the right token and are killed before they register: none of them
+/// holds `farmap run` past its handshake deadline (10 s) once the program is done, and the
+/// program's own session goes on.
+#[test]
+fn silent_trickling_or_killed_peers_do_not_hold_farmap_run() {
+    let test = "silent_trickling_or_killed_peers_do_not_hold_farmap_run";
+    let Some(so) = preload(test) else { return };
+    // The peers are other processes of the program, without the library (which would open
+    // sessions of their own): fork + exec, as `subprocess` does.
+    let script = r#"
+import os, subprocess, sys
+PEER = r"""
+import os, signal, socket, struct, sys, time
+s = socket.socket(socket.AF_UNIX); s.connect(os.environ["FARMAP_RUN_SOCK"])
+token = bytes.fromhex(os.environ["FARMAP_RUN_TOKEN"])
+body = token + struct.pack("<II", os.getpid(), 0)
+hello = b"FMRN" + struct.pack("<HHII", 1, 1, len(body), 0) + body
+how = sys.argv[1]
+if how == "silent":
+    time.sleep(120)
+elif how == "trickle":
+    for b in hello * 4:
+        try:
+            s.send(bytes([b]))
+        except OSError:
+            sys.exit(3)
+        time.sleep(1)
+else:
+    s.sendall(hello)
+    s.recv(64)
+    os.kill(os.getpid(), signal.SIGKILL)
+"""
+env = dict(os.environ)
+env.pop("LD_PRELOAD", None)
+null = subprocess.DEVNULL
+daemons = [subprocess.Popen([sys.executable, "-c", PEER, how], env=env, stdin=null,
+                            stdout=null, stderr=null, start_new_session=True)
+           for how in ("silent", "trickle")]
+killed = subprocess.run([sys.executable, "-c", PEER, "killed"], env=env)
+data = [bytearray(b"y" * 100000) for _ in range(64)]
+print("daemons", *[d.pid for d in daemons], "killed", killed.returncode == -9,
+      "ok", all(d.count(b"y") == 100000 for d in data), flush=True)
+"#;
+    let t = std::time::Instant::now();
+    let out = run(&so, &["--", PYTHON, "-c", script]);
+    let took = t.elapsed();
+    let stdout = String::from_utf8_lossy(&out.stdout).to_string();
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    // The daemons go, whatever the asserts say.
+    for pid in stdout
+        .split_whitespace()
+        .skip_while(|w| *w != "daemons")
+        .skip(1)
+        .take(2)
+        .filter_map(|w| w.parse::<i32>().ok())
+    {
+        // SAFETY: kill(2) of a pid this test's program started.
+        unsafe { libc::kill(pid, libc::SIGKILL) };
+    }
+    assert!(out.status.success(), "{out:?}");
+    assert!(stdout.contains("killed True ok True"), "{stdout} {stderr}");
+    assert!(
+        took < Duration::from_secs(30),
+        "farmap run took {took:?}: {stderr}"
+    );
+    assert!(stderr.contains("handshake took longer"), "{stderr}");
+}
+
+/// Another user cannot reach the control socket (its directory is private to this user):
+/// a process of the program that drops to `nobody` is refused by the kernel.
+#[test]
+fn another_user_cannot_reach_the_control_socket() {
+    let test = "another_user_cannot_reach_the_control_socket";
+    let Some(so) = preload(test) else { return };
+    if !rustix::process::geteuid().is_root() {
+        return skip(test, "switching to another user needs root");
+    }
+    let Some(setpriv) = ["/usr/bin/setpriv", "/bin/setpriv"]
+        .into_iter()
+        .find(|p| std::path::Path::new(p).is_file())
+    else {
+        return skip(test, "setpriv is missing (util-linux)");
+    };
+    let connect = "import os, socket\n\
+        s = socket.socket(socket.AF_UNIX)\n\
+        try:\n    s.connect(os.environ['FARMAP_RUN_SOCK']); print('connected')\n\
+        except PermissionError:\n    print('refused')\n";
+    let script = format!(
+        "env -u LD_PRELOAD {setpriv} --reuid=65534 --regid=65534 --clear-groups \
+         {PYTHON} -c \"{connect}\""
+    );
+    let out = run(&so, &["--", "/bin/sh", "-c", &script]);
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(out.status.success(), "{out:?}");
+    assert_eq!(stdout.trim(), "refused", "{out:?}");
+}
+
 /// redis-server under `farmap run` at a 16 MiB bound keeps 40,000 keys of 1 KiB (about
 /// 45 MB with redis's overhead): every key reads back with its value; `farmap region stats`
 /// and `limit` reach the running program through `--agent`.

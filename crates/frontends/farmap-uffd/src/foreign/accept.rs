@@ -17,7 +17,7 @@
 use std::io::{self, Read, Write};
 use std::os::fd::{AsFd, AsRawFd, OwnedFd};
 use std::os::unix::net::UnixStream;
-use std::sync::Arc;
+use std::sync::{mpsc, Arc};
 use std::time::Duration;
 
 use farmap_core::Store;
@@ -125,8 +125,9 @@ impl Applicant {
 }
 
 /// Runs the handshake on `sock` (a connection a program made) up to its verdict: checks
-/// its hello, tells it `expected.config`, receives and checks what it registered. Each
-/// read waits at most `timeout`.
+/// its hello, tells it `expected.config`, receives and checks what it registered, all
+/// within `timeout` (a peer that says nothing, or trickles its messages a byte at a time,
+/// is cut off then: the socket is shut down and the handshake fails).
 pub fn handshake(
     mut sock: UnixStream,
     expected: &Expected,
@@ -134,48 +135,16 @@ pub fn handshake(
 ) -> Result<Applicant, HandshakeError> {
     sock.set_read_timeout(Some(timeout))?;
     sock.set_write_timeout(Some(timeout))?;
-    let Msg::Hello(hello) = read_msg(&mut sock)? else {
-        return Err(HandshakeError::Protocol(
-            "the first message is not a hello".into(),
-        ));
-    };
-    if !same_token(&hello.token, &expected.token) {
-        return Err(refuse(&mut sock, Refusal::Token, "a wrong token".into()));
+    let deadline = Deadline::arm(&sock, timeout)?;
+    let steps = handshake_steps(&mut sock, expected);
+    if !deadline.disarm() {
+        return Err(io::Error::new(
+            io::ErrorKind::TimedOut,
+            format!("the handshake took longer than {timeout:?}"),
+        )
+        .into());
     }
-    if let Err(why) = check_peer(&sock, hello.pid, expected.ancestor) {
-        return Err(refuse(&mut sock, Refusal::Stranger, why));
-    }
-    send(&mut sock, Msg::Config(expected.config))?;
-    let (registered, fds) = read_registered(&sock)?;
-    let c = &expected.config;
-    let staging_len = c.region_len + c.trash_len;
-    if registered.region_len != c.region_len
-        || registered.staging_len != staging_len
-        || registered.features != c.features
-    {
-        let why = format!(
-            "registered {registered:?}, configured {} bytes, staging {staging_len}, features {:#x}",
-            c.region_len, c.features
-        );
-        return Err(refuse(&mut sock, Refusal::Areas, why));
-    }
-    let fds = match check_fds(fds, hello.pid) {
-        Ok(fds) => fds,
-        Err(why) => return Err(refuse(&mut sock, Refusal::Descriptors, why)),
-    };
-    let pidfd = match rustix::process::Pid::from_raw(hello.pid as i32)
-        .ok_or(rustix::io::Errno::SRCH)
-        .and_then(|pid| rustix::process::pidfd_open(pid, rustix::process::PidfdFlags::empty()))
-    {
-        Ok(fd) => fd,
-        Err(e) => {
-            return Err(refuse(
-                &mut sock,
-                Refusal::Stranger,
-                format!("pidfd_open: {e}"),
-            ))
-        }
-    };
+    let (hello, registered, fds, pidfd) = steps?;
     // From here on the reaper's requests have their own deadline.
     sock.set_read_timeout(None)?;
     sock.set_write_timeout(None)?;
@@ -189,6 +158,97 @@ pub fn handshake(
         },
         sock,
     })
+}
+
+/// The steps of [`handshake`] up to its verdict: the hello, what was registered, the
+/// descriptors, a pidfd of the program.
+fn handshake_steps(
+    sock: &mut UnixStream,
+    expected: &Expected,
+) -> Result<(Hello, Registered, ForeignFds, OwnedFd), HandshakeError> {
+    let Msg::Hello(hello) = read_msg(sock)? else {
+        return Err(HandshakeError::Protocol(
+            "the first message is not a hello".into(),
+        ));
+    };
+    if !same_token(&hello.token, &expected.token) {
+        return Err(refuse(sock, Refusal::Token, "a wrong token".into()));
+    }
+    if let Err(why) = check_peer(sock, hello.pid, expected.ancestor) {
+        return Err(refuse(sock, Refusal::Stranger, why));
+    }
+    send(sock, Msg::Config(expected.config))?;
+    let (registered, fds) = read_registered(sock)?;
+    let c = &expected.config;
+    let staging_len = c.region_len + c.trash_len;
+    if registered.region_len != c.region_len
+        || registered.staging_len != staging_len
+        || registered.features != c.features
+    {
+        let why = format!(
+            "registered {registered:?}, configured {} bytes, staging {staging_len}, features {:#x}",
+            c.region_len, c.features
+        );
+        return Err(refuse(sock, Refusal::Areas, why));
+    }
+    let fds = match check_fds(fds, hello.pid) {
+        Ok(fds) => fds,
+        Err(why) => return Err(refuse(sock, Refusal::Descriptors, why)),
+    };
+    let pidfd = match rustix::process::Pid::from_raw(hello.pid as i32)
+        .ok_or(rustix::io::Errno::SRCH)
+        .and_then(|pid| rustix::process::pidfd_open(pid, rustix::process::PidfdFlags::empty()))
+    {
+        Ok(fd) => fd,
+        Err(e) => return Err(refuse(sock, Refusal::Stranger, format!("pidfd_open: {e}"))),
+    };
+    Ok((hello, registered, fds, pidfd))
+}
+
+/// Shuts a handshake's socket down (both ways) unless disarmed in time: every read after
+/// that ends at once. Each read has its own timeout too, but that restarts with every byte.
+struct Deadline {
+    disarm: Option<mpsc::Sender<()>>,
+    thread: Option<std::thread::JoinHandle<bool>>,
+}
+
+impl Deadline {
+    fn arm(sock: &UnixStream, limit: Duration) -> io::Result<Deadline> {
+        let sock = sock.try_clone()?;
+        let (tx, rx) = mpsc::channel::<()>();
+        let thread = std::thread::Builder::new()
+            .name("farmap-run-deadline".into())
+            .spawn(move || match rx.recv_timeout(limit) {
+                Err(mpsc::RecvTimeoutError::Timeout) => {
+                    let _ = sock.shutdown(std::net::Shutdown::Both);
+                    true
+                }
+                _ => false,
+            })?;
+        Ok(Deadline {
+            disarm: Some(tx),
+            thread: Some(thread),
+        })
+    }
+
+    /// Stops the clock; whether it had not run out yet (the socket is untouched).
+    fn disarm(mut self) -> bool {
+        self.stop()
+    }
+
+    fn stop(&mut self) -> bool {
+        drop(self.disarm.take());
+        match self.thread.take() {
+            Some(t) => !t.join().unwrap_or(true),
+            None => true,
+        }
+    }
+}
+
+impl Drop for Deadline {
+    fn drop(&mut self) {
+        self.stop();
+    }
 }
 
 /// Sends `refusal` (best effort) and returns the error.
@@ -346,6 +406,40 @@ mod tests {
             features: 0,
         };
         assert_eq!(Msg::Registered(r).encode(&mut out).unwrap(), REGISTERED_LEN);
+    }
+
+    #[test]
+    fn a_peer_that_trickles_its_hello_is_cut_off_at_the_deadline() {
+        let (ours, mut theirs) = UnixStream::pair().unwrap();
+        let trickle = std::thread::spawn(move || {
+            // A hello's header, then its body, a byte every 50 ms: each read gets a byte
+            // well within its own timeout (the whole message would take 2.8 s).
+            let mut hello = b"FMRN\x01\x00\x01\x00".to_vec();
+            hello.extend((TOKEN_LEN as u32 + 8).to_le_bytes());
+            hello.extend([0u8; 4 + TOKEN_LEN + 8]);
+            for b in hello {
+                if theirs.write_all(&[b]).is_err() {
+                    return true;
+                }
+                std::thread::sleep(Duration::from_millis(50));
+            }
+            false
+        });
+        let expected = Expected {
+            token: [1; TOKEN_LEN],
+            config: Config {
+                region_len: 1 << 20,
+                chunk_size: 4096,
+                trash_len: 1 << 18,
+                features: 0,
+            },
+            ancestor: None,
+        };
+        let t = std::time::Instant::now();
+        let err = handshake(ours, &expected, Duration::from_millis(400)).unwrap_err();
+        assert!(t.elapsed() < Duration::from_secs(3), "{:?}", t.elapsed());
+        assert!(matches!(err, HandshakeError::Io(_)), "{err}");
+        assert!(trickle.join().unwrap(), "the peer's socket was shut down");
     }
 
     #[test]

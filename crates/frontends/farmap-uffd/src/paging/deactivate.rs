@@ -7,7 +7,7 @@ use std::sync::atomic::Ordering;
 use farmap_core::ChunkIdx;
 
 use super::moves::consecutive_runs;
-use super::state::{St, State};
+use super::state::{Moved, St, State};
 use super::Pager;
 use crate::stats::Counters;
 
@@ -64,7 +64,7 @@ impl Pager {
         let mut done = 0;
         let mut budget = 2 * st.active.len() + 1;
         let mut group: Vec<u64> = Vec::with_capacity(per_group as usize);
-        let mut outcomes: Vec<(u64, bool)> = Vec::with_capacity(per_group as usize);
+        let mut outcomes: Vec<(u64, Moved)> = Vec::with_capacity(per_group as usize);
         while done < n && budget > 0 {
             group.clear();
             let want = per_group.min(n - done) as usize;
@@ -168,7 +168,7 @@ impl Pager {
     /// for the group), outside the state lock (`epoch`: the state's, for the
     /// trace); a run whose move stops part way is undone chunk by chunk. Sets `outcomes` to
     /// each chunk with whether it is staged now.
-    fn move_group(&self, group: &[u64], epoch: u64, outcomes: &mut Vec<(u64, bool)>) {
+    fn move_group(&self, group: &[u64], epoch: u64, outcomes: &mut Vec<(u64, Moved)>) {
         outcomes.clear();
         let runs: Vec<&[u64]> = consecutive_runs(group).collect();
         let spans: Vec<(usize, usize)> = runs.iter().map(|run| self.run_span(run)).collect();
@@ -179,11 +179,12 @@ impl Pager {
             }
             for &i in run {
                 self.tr(i, || format!("deactivate {r:?} epoch {epoch}"));
-                let staged = match r {
-                    Ok(()) => true,
-                    Err(e) => self.undo_deactivation(i, e),
+                let moved = match r {
+                    Ok(whole) => Moved::Staged { whole },
+                    Err(e) if self.undo_deactivation(i, e) => Moved::Staged { whole: false },
+                    Err(_) => Moved::Active,
                 };
-                outcomes.push((i, staged));
+                outcomes.push((i, moved));
             }
         }
     }
@@ -191,17 +192,19 @@ impl Pager {
     /// Records the `outcomes` of [`move_group`](Self::move_group): staged chunks as staged,
     /// the others active again (and referenced), removed ones zero (a slot with their pages
     /// stale); returns how many were staged.
-    pub(super) fn record_moves(&self, st: &mut State, outcomes: &[(u64, bool)]) -> u64 {
+    pub(super) fn record_moves(&self, st: &mut State, outcomes: &[(u64, Moved)]) -> u64 {
         let mut staged_now = 0;
         let mut freed = false;
-        for &(i, staged) in outcomes {
+        for &(i, moved) in outcomes {
+            let staged = moved != Moved::Active;
             if st.is_removed(i) {
                 // The unit goes to the stale slot, or is freed (pages left in the region,
                 // or moved back before the event was read, are zapped by the remover).
                 self.end_removed(st, i, staged, u64::from(!staged));
                 freed |= !staged;
-            } else if staged {
+            } else if let Moved::Staged { whole } = moved {
                 self.active_to_staged(st, i);
+                st.whole_slot[i as usize] = whole;
                 self.evict_from_cache(ChunkIdx(i));
                 Counters::add(&self.counters.deactivations, 1);
                 staged_now += 1;

@@ -65,16 +65,17 @@ impl Pager {
 
     /// [`move_present`](Self::move_present) of each `(off, len)` of `spans` from `from` to
     /// the same offset of `to`, all moves issued together (through a program's reaper, a
-    /// group of them to a round trip, not one each): each span's outcome, the first errno of
-    /// its moves (each move is tried whatever the others came to, so a span that failed may
-    /// be partly moved, as after [`move_present`](Self::move_present)).
+    /// group of them to a round trip, not one each): each span's outcome, whether every page
+    /// of it was present (and moved), or the first errno of its moves (each move is tried
+    /// whatever the others came to, so a span that failed may be partly moved, as after
+    /// [`move_present`](Self::move_present)).
     pub(super) fn move_present_spans(
         &self,
         from: &UffdRange,
         to: &UffdRange,
         spans: &[(usize, usize)],
-    ) -> Vec<Result<(), i32>> {
-        let mut outcomes: Vec<Result<(), i32>> = Vec::with_capacity(spans.len());
+    ) -> Vec<Result<bool, i32>> {
+        let mut outcomes: Vec<Result<bool, i32>> = Vec::with_capacity(spans.len());
         let mut moves = Vec::with_capacity(spans.len());
         // The span each move belongs to.
         let mut owner = Vec::with_capacity(spans.len());
@@ -85,12 +86,13 @@ impl Pager {
                 // Nothing of a span whose scan failed moves.
                 moves.truncate(before);
             }
-            outcomes.push(scanned);
+            let present: usize = moves[before..].iter().map(|m| m.len).sum();
+            outcomes.push(scanned.map(|()| present == len));
             owner.resize(moves.len(), k);
         }
         let done = self.moves.move_many(&moves, sys::UFFDIO_MOVE_MODE_DONTWAKE);
         for (k, r) in owner.into_iter().zip(done) {
-            if let (Ok(()), Err((_, e))) = (&outcomes[k], r) {
+            if let (Ok(_), Err((_, e))) = (&outcomes[k], r) {
                 outcomes[k] = Err(e);
             }
         }

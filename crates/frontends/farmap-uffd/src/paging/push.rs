@@ -36,6 +36,14 @@ impl Pager {
             }
             Some(St::Staged) => {
                 let (off, len) = self.chunk_span(idx.0);
+                // Staged whole: nothing to finish, nothing missing (see `whole_slot`).
+                if st.whole_slot[i] {
+                    return if self.staging_map.read(off, &mut buf[..len]) {
+                        PushRead::Copied
+                    } else {
+                        PushRead::NotLocal
+                    };
+                }
                 if self
                     .move_present(&self.region, &self.staging, off, len)
                     .is_err()

@@ -126,7 +126,7 @@ impl Pager {
 mod tests {
     use farmap_core::ChunkIdx;
 
-    use super::super::state::St;
+    use super::super::state::{Moved, St};
     use super::super::testing::{pager, push_read, Fixture, CHUNKS, PAGE};
     use super::super::Admit;
     use crate::memory::{Landed, PushRead};
@@ -266,7 +266,8 @@ mod tests {
         remove_all(&f);
         let mut st = pager.state.lock();
         // Chunk 2's pages are in its slot, chunk 3's were put back in the region.
-        assert_eq!(pager.record_moves(&mut st, &[(2, true), (3, false)]), 0);
+        let moved = [(2, Moved::Staged { whole: true }), (3, Moved::Active)];
+        assert_eq!(pager.record_moves(&mut st, &moved), 0);
         assert_eq!((st.chunk[2], st.chunk[3]), (St::Zero, St::Zero));
         assert_eq!(st.stale, [1, 2]);
         assert_eq!((st.resident, st.n_staged), (2, 0), "two stale slots");

@@ -28,11 +28,25 @@ pub(super) enum St {
     },
 }
 
+/// What a deactivation's move came to for one chunk.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(super) enum Moved {
+    /// Its pages are in its staging slot; `whole`: every page of it was present and moved
+    /// (see [`State::whole_slot`]).
+    Staged { whole: bool },
+    /// Back in the region (the move stopped part way and was undone).
+    Active,
+}
+
 /// The state of every chunk of the region, under the pager's lock.
 pub(super) struct State {
     pub(super) chunk: Vec<St>,
     /// The staging slot holds pages (staged, or being dropped).
     pub(super) slot_busy: Vec<bool>,
+    /// The chunk's last deactivation found every page of it in the region and moved them
+    /// all: while it is staged, its slot holds all its pages and the region none (a push
+    /// reads the slot with no scan of the page tables). Set at each staging.
+    pub(super) whole_slot: Vec<bool>,
     /// The epoch when the chunk was last staged.
     pub(super) staged_epoch: Vec<u64>,
     /// The epoch at the start of the chunk's last successful write-back: a staged chunk whose
@@ -80,6 +94,7 @@ impl State {
         State {
             chunk: vec![if fresh { St::Zero } else { St::Remote }; n],
             slot_busy: vec![false; n],
+            whole_slot: vec![false; n],
             staged_epoch: vec![0; n],
             written_back: vec![0; n],
             referenced: vec![false; n],
