@@ -17,8 +17,10 @@
 //!    share × working set through the agent (`farmap region limit`), waiting until resident
 //!    memory is down, and each workload runs.
 //!
-//! The load generator runs on CPU 0 and the server (with `farmap run`) on CPU 1 when there
-//! are two CPUs or more (`--no-pin` leaves placement to the kernel). Every row is
+//! The load generator runs on CPU 0 and the server on CPU 1 when there are two CPUs or more
+//! (`--no-pin` leaves placement to the kernel). `farmap run`'s own threads are not pinned,
+//! as the kernel's reclaim thread (kswapd) is not: its fault readers follow the program's
+//! CPUs by themselves, its reclaim goes where the kernel puts it. Every row is
 //! `verified` when each of the load generator's operations returned OK (YCSB checks every
 //! value it reads) and, for redis, the keyspace's digest at the end equals the unlimited
 //! run's.

@@ -137,15 +137,18 @@ impl Server {
     ) -> anyhow::Result<Server> {
         let port = free_port()?;
         let mut argv: Vec<String> = Vec::new();
-        if let Some(cpu) = cpu {
-            argv.extend(["taskset".into(), "-c".into(), cpu.to_string()]);
-        }
+        // The server's threads are pinned; under farmap run, only the server's: farmap run's
+        // own threads are placed by the kernel, as the kernel's reclaim (kswapd) is (its fault
+        // readers follow the program's CPUs by themselves).
         if let Launch::Farmap(opts) = &launch {
             let exe = std::env::current_exe().context("finding the farmap binary")?;
             argv.push(exe.to_string_lossy().into_owned());
             argv.push("run".into());
             argv.extend(opts.iter().cloned());
             argv.push("--".into());
+        }
+        if let Some(cpu) = cpu {
+            argv.extend(["taskset".into(), "-c".into(), cpu.to_string()]);
         }
         argv.extend(program.command_line(port, dir));
         let farmap = matches!(launch, Launch::Farmap(_));

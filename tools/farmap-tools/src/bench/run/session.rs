@@ -48,6 +48,8 @@ struct Snapshot {
 }
 
 impl Ctx<'_> {
+    /// Where the client and the server ran (`farmap run`'s own threads are never pinned,
+    /// like the kernel's reclaim: see [`Server::start`]).
     fn cpu_pinning(&self) -> String {
         self.pin.map_or_else(
             || "none".to_owned(),
