@@ -142,18 +142,16 @@ impl Moves {
         len: usize,
         mode: u64,
     ) -> Result<usize, (usize, i32)> {
-        match self {
-            Moves::Local => from.move_to(from_off, to, to_off, len, mode),
-            Moves::Reaper(space) => {
-                check_inside(from_off, len, from.len());
-                check_inside(to_off, len, to.len());
-                let (src, dst) = ((from.base() + from_off) as u64, (to.base() + to_off) as u64);
-                space
-                    .move_pages(src, dst, len as u64)
-                    .map(|n| n as usize)
-                    .map_err(|(n, e)| (n as usize, e))
-            }
-        }
+        let one = Move {
+            from,
+            from_off,
+            to,
+            to_off,
+            len,
+        };
+        self.move_many(&[one], mode)
+            .pop()
+            .expect("one outcome per move")
     }
 
     /// [`move_pages`](Self::move_pages) of each of `moves`, in order, each whatever the ones

@@ -165,29 +165,17 @@ impl ForeignSpace {
     /// reaper's refusal comes back as its errno (`EINVAL` for a request out of the
     /// protocol's limits); a lost reaper as `ESRCH`, and the session ends.
     pub fn discard(&self, addr: u64, len: u64) -> io::Result<()> {
-        if !self.is_alive() {
-            return Err(io::Error::from_raw_os_error(libc::ESRCH));
+        let op = Op::Discard { start: addr, len };
+        match self.run(&[op]).pop().expect("one outcome per request") {
+            Ok(_) => Ok(()),
+            Err((_, errno)) => Err(io::Error::from_raw_os_error(errno)),
         }
-        self.reaper
-            .discard(addr, len)
-            .map_err(|e| io::Error::from_raw_os_error(self.errno_of(e).1))
-    }
-
-    /// `UFFDIO_MOVE` of `len` bytes from `src` to `dst` in the program, by its reaper: the
-    /// bytes moved, or those moved before it stopped and the errno (`EINVAL` for a request
-    /// out of the protocol's limits; `ESRCH` for a lost reaper, and the session ends).
-    pub fn move_pages(&self, src: u64, dst: u64, len: u64) -> Result<u64, (u64, i32)> {
-        if !self.is_alive() {
-            return Err((0, libc::ESRCH));
-        }
-        self.reaper
-            .move_pages(src, dst, len)
-            .map_err(|e| self.errno_of(e))
     }
 
     /// Does `ops` in order through the reaper, a group of them to a round trip
-    /// ([`Reaper::run`]): each one's bytes, or those done before it stopped and the errno (as
-    /// for [`move_pages`](Self::move_pages)).
+    /// ([`Reaper::run`]): each one's bytes, or those done before it stopped and the errno
+    /// (`EINVAL` for a request out of the protocol's limits; `ESRCH` once the session ended
+    /// or the reaper is lost, which ends it).
     pub fn run(&self, ops: &[Op]) -> Vec<Result<u64, (u64, i32)>> {
         if !self.is_alive() {
             return ops.iter().map(|_| Err((0, libc::ESRCH))).collect();
@@ -558,14 +546,24 @@ mod tests {
         let (close, served) = serve(peer, vec![(0, PAGE), (libc::EAGAIN, PAGE)]);
         let (a, b) = (16 * PAGE, 64 * PAGE);
         space.discard(a, PAGE).unwrap();
-        assert_eq!(space.move_pages(a, b, 2 * PAGE), Err((PAGE, libc::EAGAIN)));
+        let mv = |len| {
+            space
+                .run(&[Op::Move {
+                    src: a,
+                    dst: b,
+                    len,
+                }])
+                .pop()
+                .unwrap()
+        };
+        assert_eq!(mv(2 * PAGE), Err((PAGE, libc::EAGAIN)));
         // Out of the protocol's limits: not sent.
         let e = space.discard(a + 1, PAGE).unwrap_err();
         assert_eq!(e.raw_os_error(), Some(libc::EINVAL));
         assert!(!space.reaper_lost.load(Ordering::Acquire));
         drop(close);
         served.join().unwrap();
-        assert_eq!(space.move_pages(a, b, PAGE), Err((0, libc::ESRCH)));
+        assert_eq!(mv(PAGE), Err((0, libc::ESRCH)));
         assert!(space.reaper_lost.load(Ordering::Acquire));
         assert!(space.last_error().unwrap().contains("lost"));
         let e = space.discard(a, PAGE).unwrap_err();
