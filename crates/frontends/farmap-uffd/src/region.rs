@@ -3,6 +3,7 @@
 
 use std::fmt;
 use std::future::Future;
+use std::ops::Range;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
@@ -427,6 +428,24 @@ impl Region {
     /// them (migration), or calls [`sync`](Self::sync) after writing them again.
     pub fn take_dirty(&self) -> Result<DirtyReport, RegionError> {
         self.inner.tracker.take()
+    }
+
+    /// Like [`take_dirty`](Self::take_dirty), for the chunks of `runs` (ascending runs of
+    /// chunk indices) only: a scan of part of the region (an arena's slot) costs that part.
+    /// Writes elsewhere stay recorded for a later scan.
+    pub fn take_dirty_within(&self, runs: &[Range<u64>]) -> Result<DirtyReport, RegionError> {
+        self.inner.tracker.take_within(runs)
+    }
+
+    /// The runs of pages (page indices, ascending, merged) within `pages` that are present
+    /// in memory, from the page tables; changes nothing. The page set of an arena's object is
+    /// these runs of its slot.
+    ///
+    /// Pages the kernel swapped out are not included: `PAGEMAP_SCAN` reports them, and the
+    /// write-protect markers that asynchronous tracking leaves on empty entries, alike as
+    /// "swapped". A caller that needs every page with data keeps the range out of swap.
+    pub fn pages_in_memory(&self, pages: Range<u64>) -> Result<Vec<Range<u64>>, RegionError> {
+        self.inner.tracker.in_memory_within(pages)
     }
 
     /// The pages written since the previous call, and their chunks, for a consumer that

@@ -281,6 +281,39 @@ impl Tracker {
         Ok(report)
     }
 
+    /// The runs of pages (page indices, ascending, merged) of `pages` that are present in
+    /// memory, from the page tables; changes nothing. Only while the region is mapped.
+    pub fn in_memory_within(&self, pages: Range<u64>) -> Result<Vec<Range<u64>>, RegionError> {
+        let page = self.range.page_size();
+        let base = self.range.base();
+        let total = (self.range.len() / page) as u64;
+        let (first, last) = (pages.start.min(total), pages.end.min(total));
+        let mut runs: Vec<Range<u64>> = Vec::new();
+        if first >= last {
+            return Ok(runs);
+        }
+        self.mapping
+            .while_mapped(|| {
+                let mut scratch = self.scratch.lock();
+                self.pagemap.in_memory(
+                    base + first as usize * page,
+                    base + last as usize * page,
+                    &mut scratch,
+                    |run| {
+                        let r =
+                            ((run.start - base) / page) as u64..((run.end - base) / page) as u64;
+                        match runs.last_mut() {
+                            Some(p) if p.end == r.start => p.end = r.end,
+                            _ => runs.push(r),
+                        }
+                    },
+                )
+            })
+            .map(|r| r.map_err(|e| RegionError::sys("PAGEMAP_SCAN of pages in memory", e)))
+            .unwrap_or(Err(RegionError::Closed))?;
+        Ok(runs)
+    }
+
     /// The pages written since the last scan, and their chunks.
     pub fn take(&self) -> Result<DirtyReport, RegionError> {
         let mut report = DirtyReport::default();

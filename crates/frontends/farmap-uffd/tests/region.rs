@@ -178,6 +178,61 @@ fn writes_are_tracked_per_page_in_both_modes() {
     }
 }
 
+/// A scan of part of the region reports the writes there only and leaves the others for a
+/// later scan; the runs in memory of a sparse range are the chunks touched, merged.
+#[test]
+fn a_scan_within_chunks_sees_writes_there_only_and_runs_in_memory_are_exact() {
+    for tracking in tracking_modes_if_uffd("a_scan_within_chunks_sees_writes_there_only") {
+        if tracking == WriteTracking::SyncFaults {
+            continue; // synchronous tracking takes every recorded page (documented)
+        }
+        let g = Geometry::new(4 << 20, 64 << 10).unwrap();
+        let region = Region::open(Arc::new(MemoryStore::new(g)), direct(tracking)).unwrap();
+        assert!(region.take_dirty().unwrap().is_empty());
+        let mem = region.memory();
+        for p in [1, 2, 3, 20, 33, 700, 1000] {
+            mem.store_u8(p * PAGE, 1).unwrap();
+        }
+        let _ = mem.load_u8(34 * PAGE).unwrap(); // read: present, not written
+                                                 // Chunks 1..3 are pages 16..48.
+        let chunks_1_2 = std::slice::from_ref(&(1..3));
+        let d = region.take_dirty_within(chunks_1_2).unwrap();
+        assert_eq!(d.pages, vec![20..21, 33..34], "{tracking:?}");
+        assert_eq!(d.chunks, [1, 2].map(ChunkIdx).to_vec());
+        assert!(region.take_dirty_within(chunks_1_2).unwrap().is_empty());
+        // Two runs at once; the writes outside are still there for a whole scan.
+        let d = region.take_dirty_within(&[0..1, 62..63]).unwrap();
+        assert_eq!(d.pages, vec![1..4, 1000..1001], "{tracking:?}");
+        let d = region.take_dirty().unwrap();
+        assert_eq!(d.pages, vec![700..701], "{tracking:?}");
+        // A fault installs its whole chunk (16 pages): chunks 0, 1, 2, 43 and 62, where
+        // chunks 1 and 2 merge; the range cuts the runs it crosses. Write-protect markers
+        // on the pages never touched (asynchronous tracking) are not in memory.
+        assert_eq!(
+            region.pages_in_memory(0..1024).unwrap(),
+            vec![0..48, 688..704, 992..1008]
+        );
+        assert_eq!(region.pages_in_memory(2..20).unwrap(), vec![2..20]);
+        assert_eq!(
+            region.pages_in_memory(40..690).unwrap(),
+            vec![40..48, 688..690]
+        );
+        assert_eq!(
+            region.pages_in_memory(1001..5000).unwrap(),
+            vec![1001..1008]
+        );
+        assert_eq!(
+            region.pages_in_memory(1008..5000).unwrap(),
+            Vec::<std::ops::Range<u64>>::new()
+        );
+        assert_eq!(
+            region.pages_in_memory(5..5).unwrap(),
+            Vec::<std::ops::Range<u64>>::new()
+        );
+        region.close().unwrap();
+    }
+}
+
 /// `take_written` (a migration's view) and the pusher each see every write: a push round
 /// does not hide a page from the next `take_written`, and `take_written` leaves the chunks
 /// it reports to the pusher (the store still gets them).

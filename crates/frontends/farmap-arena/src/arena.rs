@@ -1,0 +1,183 @@
+//! [`Arena`]: the region at its fixed address, its slots and leases.
+
+use std::ops::Range;
+use std::sync::Arc;
+
+use farmap_pipeline::PushOptions;
+use farmap_uffd::{DirtyReport, Region, RegionError, RegionOptions, WriteTracking};
+use parking_lot::Mutex;
+
+use crate::config::ArenaConfig;
+use crate::error::ArenaError;
+use crate::image::{fixed_image, BuildId};
+use crate::maps;
+use crate::slots::{LeaseBook, Member, SlotState, SlotTable};
+use crate::store::ArenaStore;
+
+/// An arena: one userfaultfd region mapped at the configuration's base in this process,
+/// with asynchronous write tracking and no write-back (its memory lives here, and moves
+/// between processes by object migration, never through a store), cut into slots.
+pub struct Arena {
+    cfg: ArenaConfig,
+    store: Arc<ArenaStore>,
+    slots: SlotTable,
+    leases: Mutex<LeaseBook>,
+    build_id: BuildId,
+    fixed_image: bool,
+    // Dropped last: the slots' memory.
+    region: Region,
+}
+
+impl std::fmt::Debug for Arena {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Arena")
+            .field("cfg", &self.cfg)
+            .field("build_id", &self.build_id.to_string())
+            .field("fixed_image", &self.fixed_image)
+            .finish_non_exhaustive()
+    }
+}
+
+impl Arena {
+    /// Maps the arena at `cfg.base` in this process, as `member` of its processes (which
+    /// decides the leases it starts with). Refused with [`ArenaError::RangeTaken`], naming
+    /// the mapping in the way, if anything is mapped in the range.
+    pub fn open(cfg: ArenaConfig, member: Member) -> Result<Arena, ArenaError> {
+        let page = rustix::param::page_size();
+        cfg.check(page)?;
+        if member.count == 0 || member.index >= member.count {
+            return Err(ArenaError::Config(format!(
+                "member {} of {} does not exist",
+                member.index, member.count
+            )));
+        }
+        let range = cfg.base..cfg.base + cfg.size;
+        let taken = |by| ArenaError::RangeTaken {
+            base: cfg.base,
+            size: cfg.size,
+            by,
+        };
+        let io = |what, source| ArenaError::Io { what, source };
+        if let Some(line) =
+            maps::taken_in_self(range.clone()).map_err(|e| io("reading /proc/self/maps", e))?
+        {
+            return Err(taken(line));
+        }
+        let store = Arc::new(
+            ArenaStore::new(cfg.size as u64, cfg.chunk, cfg.slot_shift)
+                .map_err(|e| ArenaError::Config(e.to_string()))?,
+        );
+        let opts = RegionOptions {
+            tracking: WriteTracking::Async,
+            push: PushOptions {
+                interval: None,
+                ..PushOptions::default()
+            },
+            address: Some(cfg.base),
+            share_clean_pages: false,
+            ..RegionOptions::direct()
+        };
+        let region = Region::open(store.clone(), opts).map_err(|e| {
+            // Mapped in between (another thread): name it as the check above would.
+            match maps::taken_in_self(range.clone()) {
+                Ok(Some(line)) => taken(line),
+                _ => ArenaError::Region(e),
+            }
+        })?;
+        Ok(Arena {
+            slots: SlotTable::new(cfg.slots()),
+            leases: Mutex::new(LeaseBook::genesis(&cfg, member)),
+            build_id: BuildId::of_self()?,
+            fixed_image: fixed_image(),
+            cfg,
+            store,
+            region,
+        })
+    }
+
+    /// The configuration.
+    pub fn config(&self) -> &ArenaConfig {
+        &self.cfg
+    }
+
+    /// The region under the arena.
+    pub fn region(&self) -> &Region {
+        &self.region
+    }
+
+    /// The store the region reads on a fault (zeros, or a migration's route).
+    pub fn store(&self) -> &Arc<ArenaStore> {
+        &self.store
+    }
+
+    /// The slots' states.
+    pub fn slots(&self) -> &SlotTable {
+        &self.slots
+    }
+
+    /// The leases this process holds.
+    pub fn leases(&self) -> parking_lot::MutexGuard<'_, LeaseBook> {
+        self.leases.lock()
+    }
+
+    /// This executable's build, and whether this process runs with ASLR off: objects may
+    /// move only between processes that agree on the first and both have the second.
+    pub fn image(&self) -> (BuildId, bool) {
+        (self.build_id, self.fixed_image)
+    }
+
+    /// The slot that holds address `addr`, if it is in the arena.
+    pub fn slot_of(&self, addr: usize) -> Option<u32> {
+        let off = addr.checked_sub(self.cfg.base)?;
+        (off < self.cfg.size).then_some((off >> self.cfg.slot_shift) as u32)
+    }
+
+    /// The addresses of `slot`.
+    pub fn slot_addrs(&self, slot: u32) -> Range<usize> {
+        let start = self.cfg.base + ((slot as usize) << self.cfg.slot_shift);
+        start..start + self.cfg.slot_size()
+    }
+
+    /// The region's chunks of `slot`.
+    pub fn slot_chunks(&self, slot: u32) -> Range<u64> {
+        let per = self.store.chunks_per_slot();
+        u64::from(slot) * per..(u64::from(slot) + 1) * per
+    }
+
+    /// The region's pages of `slot`.
+    pub fn slot_pages(&self, slot: u32) -> Range<u64> {
+        let shift = self.cfg.slot_shift - rustix::param::page_size().trailing_zeros();
+        u64::from(slot) << shift..(u64::from(slot) + 1) << shift
+    }
+
+    /// Takes a free slot of a lease this process holds, now [`SlotState::Local`].
+    pub fn take_slot(&self) -> Result<u32, ArenaError> {
+        let leases = self.leases.lock();
+        for lease in leases.held() {
+            for slot in leases.slots_of(lease) {
+                if self
+                    .slots
+                    .transition(slot, SlotState::Free, SlotState::Local)
+                {
+                    return Ok(slot);
+                }
+            }
+        }
+        Err(ArenaError::NoFreeSlot {
+            held: leases.held().count(),
+        })
+    }
+
+    /// The pages of `slot` in memory (region page indices, ascending runs): its object's
+    /// page set.
+    pub fn page_set(&self, slot: u32) -> Result<Vec<Range<u64>>, RegionError> {
+        self.region.pages_in_memory(self.slot_pages(slot))
+    }
+
+    /// The pages of `slot` written since its last scan, write-protected again (the region's
+    /// other slots keep theirs).
+    pub fn take_written(&self, slot: u32) -> Result<DirtyReport, RegionError> {
+        self.region
+            .take_dirty_within(std::slice::from_ref(&self.slot_chunks(slot)))
+    }
+}
