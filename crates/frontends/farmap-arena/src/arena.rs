@@ -7,12 +7,14 @@ use farmap_pipeline::PushOptions;
 use farmap_uffd::{DirtyReport, Region, RegionError, RegionOptions, WriteTracking};
 use parking_lot::Mutex;
 
+use crate::alloc::{retire, Shared};
 use crate::config::ArenaConfig;
 use crate::error::ArenaError;
 use crate::image::{fixed_image, BuildId};
 use crate::maps;
 use crate::slots::{LeaseBook, Member, SlotState, SlotTable};
 use crate::store::ArenaStore;
+use std::sync::atomic::{AtomicU64, Ordering};
 
 /// An arena: one userfaultfd region mapped at the configuration's base in this process,
 /// with asynchronous write tracking and no write-back (its memory lives here, and moves
@@ -20,7 +22,7 @@ use crate::store::ArenaStore;
 pub struct Arena {
     cfg: ArenaConfig,
     store: Arc<ArenaStore>,
-    slots: SlotTable,
+    shared: &'static Shared,
     leases: Mutex<LeaseBook>,
     build_id: BuildId,
     fixed_image: bool,
@@ -84,8 +86,14 @@ impl Arena {
                 _ => ArenaError::Region(e),
             }
         })?;
-        Ok(Arena {
+        let shared = Box::leak(Box::new(Shared {
+            cfg,
             slots: SlotTable::new(cfg.slots()),
+            dealloc_foreign: AtomicU64::new(0),
+            purges_refused: AtomicU64::new(0),
+        }));
+        Ok(Arena {
+            shared,
             leases: Mutex::new(LeaseBook::genesis(&cfg, member)),
             build_id: BuildId::of_self()?,
             fixed_image: fixed_image(),
@@ -112,7 +120,28 @@ impl Arena {
 
     /// The slots' states.
     pub fn slots(&self) -> &SlotTable {
-        &self.slots
+        &self.shared.slots
+    }
+
+    pub(crate) fn shared(&self) -> &'static Shared {
+        self.shared
+    }
+
+    /// Frees of arena pointers this process could not free (their object lives elsewhere),
+    /// and heap purges refused because an object was not `Local`.
+    pub fn counters(&self) -> (u64, u64) {
+        (
+            self.shared.dealloc_foreign.load(Ordering::Relaxed),
+            self.shared.purges_refused.load(Ordering::Relaxed),
+        )
+    }
+
+    /// Discards every page of `slot` (the region reads it as zeros again).
+    pub(crate) fn discard_slot(&self, slot: u32) {
+        let r = self.slot_addrs(slot);
+        // SAFETY: the slot lies in the arena's mapping, which lives as long as `self`; its
+        // object is gone (the caller's), so nothing uses its pages.
+        unsafe { libc::madvise(r.start as *mut libc::c_void, r.len(), libc::MADV_DONTNEED) };
     }
 
     /// The leases this process holds.
@@ -156,6 +185,7 @@ impl Arena {
         for lease in leases.held() {
             for slot in leases.slots_of(lease) {
                 if self
+                    .shared
                     .slots
                     .transition(slot, SlotState::Free, SlotState::Local)
                 {
@@ -179,5 +209,11 @@ impl Arena {
     pub fn take_written(&self, slot: u32) -> Result<DirtyReport, RegionError> {
         self.region
             .take_dirty_within(std::slice::from_ref(&self.slot_chunks(slot)))
+    }
+}
+
+impl Drop for Arena {
+    fn drop(&mut self) {
+        retire(self.shared);
     }
 }

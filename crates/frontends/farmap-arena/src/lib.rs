@@ -18,20 +18,34 @@
 //! every process of an arena runs the same build ([`BuildId`]) with address-space
 //! randomization off ([`ensure_fixed_image`]).
 
+mod alloc;
 mod arena;
 mod config;
 mod error;
+mod gate;
 mod image;
 mod maps;
+mod obj;
+mod portable;
 mod slots;
 mod store;
 
+pub use alloc::{context, ArenaAlloc, MAX_CONTEXT_DEPTH};
 pub use arena::Arena;
 pub use config::{
     ArenaConfig, DEFAULT_BASE, DEFAULT_CHUNK, DEFAULT_LEASE_SLOTS, DEFAULT_SIZE,
     DEFAULT_SLOT_SHIFT, MIN_SLOT_SHIFT,
 };
 pub use error::ArenaError;
+pub use gate::{Closed, Gate, READS_CLOSED, RETIRED, WRITES_CLOSED};
 pub use image::{ensure_fixed_image, fixed_image, BuildId};
+pub use obj::{Moved, Obj, ObjError, ObjMut, ObjRef};
+pub use portable::{type_tag, Portable};
 pub use slots::{LeaseBook, Member, SlotState, SlotTable};
 pub use store::ArenaStore;
+
+/// The collections and hasher objects use, re-exported so that users get the versions
+/// this crate's [`Portable`] impls name.
+pub use allocator_api2;
+pub use foldhash;
+pub use hashbrown;

@@ -8,6 +8,7 @@ use std::ops::Range;
 use std::sync::atomic::{AtomicU32, Ordering};
 
 use crate::config::ArenaConfig;
+use crate::gate::Gate;
 
 /// Where a slot's object is, from this process's point of view.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -43,40 +44,55 @@ impl SlotState {
     }
 }
 
-/// The state of every slot, changed by compare-and-swap only.
+/// What this process keeps of one slot, outside the slot's memory.
+#[derive(Debug, Default)]
+pub(crate) struct SlotEntry {
+    state: AtomicU32,
+    /// Reader and writer passes of the slot's object.
+    pub(crate) gate: Gate,
+    /// Held by a `write()` guard: one writer at a time with `&mut`.
+    pub(crate) lock: parking_lot::RwLock<()>,
+}
+
+/// The state of every slot (changed by compare-and-swap only), with each slot's gate.
 #[derive(Debug)]
 pub struct SlotTable {
-    states: Box<[AtomicU32]>,
+    entries: Box<[SlotEntry]>,
 }
 
 impl SlotTable {
     /// `slots` slots, all free.
     pub fn new(slots: u32) -> SlotTable {
         SlotTable {
-            states: (0..slots).map(|_| AtomicU32::new(0)).collect(),
+            entries: (0..slots).map(|_| SlotEntry::default()).collect(),
         }
     }
 
     /// Slots in the table.
     pub fn len(&self) -> u32 {
-        self.states.len() as u32
+        self.entries.len() as u32
     }
 
     /// Whether the table has no slot.
     pub fn is_empty(&self) -> bool {
-        self.states.is_empty()
+        self.entries.is_empty()
+    }
+
+    pub(crate) fn entry(&self, slot: u32) -> Option<&SlotEntry> {
+        self.entries.get(slot as usize)
     }
 
     /// The state of `slot` (`None`: no such slot).
     pub fn state(&self, slot: u32) -> Option<SlotState> {
-        let s = self.states.get(slot as usize)?;
-        Some(SlotState::from_u32(s.load(Ordering::Acquire)))
+        let e = self.entries.get(slot as usize)?;
+        Some(SlotState::from_u32(e.state.load(Ordering::Acquire)))
     }
 
     /// Moves `slot` from `from` to `to`; false if it was not in `from` (or does not exist).
     pub fn transition(&self, slot: u32, from: SlotState, to: SlotState) -> bool {
-        self.states.get(slot as usize).is_some_and(|s| {
-            s.compare_exchange(from as u32, to as u32, Ordering::AcqRel, Ordering::Acquire)
+        self.entries.get(slot as usize).is_some_and(|e| {
+            e.state
+                .compare_exchange(from as u32, to as u32, Ordering::AcqRel, Ordering::Acquire)
                 .is_ok()
         })
     }
@@ -84,8 +100,8 @@ impl SlotTable {
     /// Counts of slots per state, in the order of [`SlotState`]'s values.
     pub fn counts(&self) -> [u32; 7] {
         let mut c = [0u32; 7];
-        for s in self.states.iter() {
-            c[SlotState::from_u32(s.load(Ordering::Relaxed)) as usize] += 1;
+        for e in self.entries.iter() {
+            c[SlotState::from_u32(e.state.load(Ordering::Relaxed)) as usize] += 1;
         }
         c
     }
