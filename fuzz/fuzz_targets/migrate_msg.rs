@@ -18,9 +18,9 @@ fuzz_target!(|data: &[u8]| {
                 let payload = &data[HEADER_LEN..];
                 (h.kind, &payload[..payload.len().min(h.len as usize)])
             }
-            Err(_) => (kind % 14, rest),
+            Err(_) => (kind % 18, rest),
         },
-        None => (kind % 14, rest),
+        None => (kind % 18, rest),
     };
     let Ok(msg) = Msg::decode(kind, payload) else {
         return;

@@ -136,8 +136,15 @@ impl Arena {
         )
     }
 
-    /// Discards every page of `slot` (the region reads it as zeros again).
-    pub(crate) fn discard_slot(&self, slot: u32) {
+    /// The gate of `slot`'s object: its reader and writer passes here.
+    pub fn gate(&self, slot: u32) -> Option<&crate::gate::Gate> {
+        self.shared.slots.entry(slot).map(|e| &e.gate)
+    }
+
+    /// Discards every page of `slot` (the region reads it as zeros again). Only for a slot
+    /// whose object is not in use here: one that migrated away, or one a migration into
+    /// this process abandoned.
+    pub fn discard_slot(&self, slot: u32) {
         let r = self.slot_addrs(slot);
         // SAFETY: the slot lies in the arena's mapping, which lives as long as `self`; its
         // object is gone (the caller's), so nothing uses its pages.

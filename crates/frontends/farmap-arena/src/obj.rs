@@ -239,6 +239,11 @@ impl<T: Portable> Obj<T> {
         })
     }
 
+    /// The arena the object lives in.
+    pub fn arena(&self) -> &Arc<Arena> {
+        &self.arena
+    }
+
     /// The object's slot.
     pub fn slot(&self) -> u32 {
         self.slot

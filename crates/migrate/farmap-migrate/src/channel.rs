@@ -44,6 +44,14 @@ impl Channel {
         self.received.clone()
     }
 
+    /// Accepts payloads up to `cap` (at most [`MAX_PAYLOAD`](crate::msg::MAX_PAYLOAD)) from
+    /// now on: for an accepted channel whose peer, once authenticated, sends big messages
+    /// (an object migration's destination receives the pages). Never before the peer has
+    /// proved its key.
+    pub fn accept_payloads_up_to(&mut self, cap: u32) {
+        self.max_payload = cap.min(crate::msg::MAX_PAYLOAD);
+    }
+
     /// Sends one message.
     pub async fn send(&mut self, m: &Msg) -> io::Result<()> {
         self.stream.write_all(&m.encode()).await?;

@@ -134,6 +134,7 @@ pub fn max_payload(kind: u8) -> u32 {
         14 => 16 + 32,
         15 => 64,
         16 => 32,
+        17 => MAX_PAYLOAD,
         _ => 0,
     }
 }
@@ -257,6 +258,10 @@ pub enum Msg {
         /// Why, as a sentence.
         reason: String,
     },
+    /// Either way: a message of an object migration (farmap-slope), opaque here: this
+    /// protocol frames, authenticates and caps it (at most [`MAX_PAYLOAD`]), the object
+    /// protocol decodes it. A region migration refuses it as unexpected.
+    Object(Bytes),
 }
 
 /// Why bytes could not be decoded.
@@ -313,7 +318,7 @@ pub fn decode_header(h: &[u8; HEADER_LEN]) -> Result<Header, DecodeError> {
             cap: MAX_PAYLOAD.into(),
         });
     }
-    if !(1..=16).contains(&kind) {
+    if !(1..=17).contains(&kind) {
         return Err(DecodeError::Kind(kind));
     }
     if len > max_payload(kind) {
@@ -345,6 +350,7 @@ impl Msg {
             Msg::AuthHello { .. } => 14,
             Msg::AuthChallenge { .. } => 15,
             Msg::AuthProof { .. } => 16,
+            Msg::Object(_) => 17,
         }
     }
 
@@ -367,6 +373,7 @@ impl Msg {
             Msg::AuthHello { .. } => "AuthHello",
             Msg::AuthChallenge { .. } => "AuthChallenge",
             Msg::AuthProof { .. } => "AuthProof",
+            Msg::Object(_) => "Object",
         }
     }
 
@@ -433,6 +440,7 @@ impl Msg {
             }
             Msg::Finalize | Msg::Resumed | Msg::Installed | Msg::Done | Msg::Bye => {}
             Msg::Abort { reason } => put_text(&mut p, reason),
+            Msg::Object(b) => p.put_slice(b),
         }
         let mut f = BytesMut::with_capacity(HEADER_LEN + p.len());
         f.put_slice(&MAGIC);
@@ -507,6 +515,11 @@ impl Msg {
             10 => Msg::Abort {
                 reason: get_text(p, "a reason")?,
             },
+            17 => {
+                let b = Bytes::copy_from_slice(p);
+                p.advance(p.len());
+                Msg::Object(b)
+            }
             11 => {
                 let n = capped(get_u32(p)?, MAX_MANIFEST_RUNS, "manifest runs")?;
                 need(p, n * 17)?;
@@ -866,6 +879,8 @@ mod tests {
         roundtrip(Msg::Abort {
             reason: "gone".into(),
         });
+        roundtrip(Msg::Object(Bytes::from_static(b"\x01anything")));
+        roundtrip(Msg::Object(Bytes::new()));
     }
 
     #[test]
