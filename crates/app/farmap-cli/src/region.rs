@@ -78,6 +78,7 @@ pub async fn run(cmd: RegionCommand) -> anyhow::Result<ExitCode> {
             let req = Request::SetLocalMax(SetLocalMaxRequest {
                 local_max: LocalMax::from(a.limit),
                 wait_ms: a.wait.as_millis() as u64,
+                budget: None,
             });
             let r = ask(&a.app, &req, a.wait).await?;
             print(&r, a.json)?;

@@ -266,7 +266,7 @@ pub async fn run(args: RunArgs) -> anyhow::Result<ExitCode> {
                     .map(|r| r.clone() as Arc<dyn farmap_uffd::BoundedRegion>)
             };
             Some(
-                farmap_migrate::agent::serve_bounded(path, newest)
+                farmap_migrate::agent::serve_bounded(path, newest, None)
                     .await
                     .with_context(|| format!("--agent {}", path.display()))?,
             )
