@@ -146,11 +146,20 @@ fn print(r: &PagingReport, json: bool) -> anyhow::Result<()> {
         r.prefetch_hits,
         r.prefetch_wasted,
     );
+    if let Some(b) = &r.budget {
+        println!(
+            "budget {}: share {} of {} ({})",
+            b.name,
+            bytes(b.share_bytes),
+            bytes(b.total_bytes),
+            b.reason
+        );
+    }
     Ok(())
 }
 
 /// Bytes in binary units (KiB, MiB, GiB), one decimal where it matters.
-fn bytes(b: u64) -> String {
+pub(crate) fn bytes(b: u64) -> String {
     const UNITS: [&str; 5] = ["B", "KiB", "MiB", "GiB", "TiB"];
     let mut v = b as f64;
     let mut u = 0;

@@ -388,16 +388,17 @@ pub async fn serve<A: App>(path: impl AsRef<Path>, app: Arc<A>) -> io::Result<Ag
 /// refused. On the Unix socket `path`, as [`serve`].
 ///
 /// `budget`: the budget the program's bound is a share of (`farmap run --budget`), shown in
-/// every report; a [`SetLocalMaxRequest`] with a note replaces it.
+/// every report; a [`SetLocalMaxRequest`] with a note replaces it (the caller shares the
+/// cell, to see the latest share).
 pub async fn serve_bounded(
     path: impl AsRef<Path>,
     region: impl Fn() -> Option<Arc<dyn BoundedRegion>> + Send + Sync + 'static,
-    budget: Option<paging::BudgetNote>,
+    budget: Arc<parking_lot::Mutex<Option<paging::BudgetNote>>>,
 ) -> io::Result<Agent> {
     let path = path.as_ref().to_path_buf();
     let listener = bind_agent(&path).await?;
     let region = Arc::new(region);
-    let note = Arc::new(parking_lot::Mutex::new(budget));
+    let note = budget;
     let task = tokio::spawn(async move {
         loop {
             let Ok((stream, _)) = listener.accept().await else {
@@ -420,17 +421,17 @@ pub async fn serve_bounded(
                     Err(e) => refuse(format!("a bad request: {e}")),
                     Ok(Some(l)) => match serde_json::from_str::<Request>(&l) {
                         Err(e) => refuse(format!("a bad request: {e}")),
-                        Ok(Request::SetLocalMax(mut r)) => {
-                            let budget = r.budget.take();
+                        Ok(Request::SetLocalMax(r)) => {
+                            let budget = r.budget.clone();
                             let set = paging::set_local_max(r, region()).await;
                             if set.is_ok() && budget.is_some() {
                                 *note.lock() = budget;
                             }
                             set.map_or_else(refuse, noted)
                         }
-                        Ok(Request::PagingState) => paging::state(region())
-                            .await
-                            .map_or_else(refuse, noted),
+                        Ok(Request::PagingState) => {
+                            paging::state(region()).await.map_or_else(refuse, noted)
+                        }
                         Ok(_) => refuse(
                             "this agent only bounds a program's memory (farmap run): its \
                              heap does not migrate"

@@ -242,7 +242,12 @@ pub(super) async fn set_local_max(
         // A bounded region stays bounded; said rather than assumed.
         return Err("the region lost its local-memory limit".into());
     }
-    tracing::info!(?limit, "local-memory limit changed by the agent");
+    if req.budget.is_some() {
+        // A budget's step, every few seconds: not news.
+        tracing::debug!(?limit, "local-memory limit changed by a budget");
+    } else {
+        tracing::info!(?limit, "local-memory limit changed by the agent");
+    }
     let deadline = Instant::now() + wait;
     while Instant::now() < deadline && !settled(&*region) {
         tokio::time::sleep(SETTLE_POLL).await;
