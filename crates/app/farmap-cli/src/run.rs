@@ -63,7 +63,8 @@ pub struct RunArgs {
     /// size is --heap-max.
     #[arg(long, value_name = "SPEC")]
     store: Option<String>,
-    /// The bound on the heap's local memory: SIZE (e.g. 256MiB) or N% of --heap-max.
+    /// The bound on the heap's local memory: SIZE (e.g. 256MiB) or N% of --heap-max (with
+    /// --budget, the budget sets it).
     #[arg(long, value_name = "SIZE|N%", default_value = "25%", value_parser = parse_local_max)]
     local_max: LocalLimit,
     /// The heap's size: the most the program can allocate through farmap.
@@ -268,35 +269,7 @@ pub async fn run(args: RunArgs) -> anyhow::Result<ExitCode> {
     heap_metrics(&served.metrics, &served);
     let _endpoint = args.metrics.serve("run", &served.metrics).await?;
     let dir = PrivateDir::new()?;
-    // A budget needs an agent to reach: the one asked for, or one in the private directory.
-    let agent_path = match (&args.agent, &args.budget) {
-        (Some(path), _) => Some(path.clone()),
-        (None, Some(_)) => Some(dir.path.join("agent.sock")),
-        (None, None) => None,
-    };
-    let _agent = match &agent_path {
-        Some(path) => {
-            let newest = {
-                let served = served.clone();
-                move || {
-                    let sessions = served.sessions.lock();
-                    sessions
-                        .last()
-                        .map(|r| r.clone() as Arc<dyn farmap_uffd::BoundedRegion>)
-                }
-            };
-            Some(
-                farmap_migrate::agent::serve_bounded(path, newest, served.budget.clone())
-                    .await
-                    .with_context(|| format!("--agent {}", path.display()))?,
-            )
-        }
-        None => None,
-    };
-    if let (Some(name), Some(agent)) = (&args.budget, &agent_path) {
-        let note = crate::budget::member::join(name, agent, args.heap_max).await?;
-        *served.budget.lock() = Some(note);
-    }
+    let _agent = agent_and_budget(&args, &dir, &served).await?;
     let sock_path = dir.path.join("run.sock");
     let listener = UnixListener::bind(&sock_path)
         .with_context(|| format!("listening on {}", sock_path.display()))?;
@@ -339,6 +312,37 @@ pub async fn run(args: RunArgs) -> anyhow::Result<ExitCode> {
     drop(dir);
     drop(accepting);
     Ok(exit_code(status))
+}
+
+/// The agent (`--agent`, or one in `dir` for a budget), and the budget joined (`--budget`).
+async fn agent_and_budget(
+    args: &RunArgs,
+    dir: &PrivateDir,
+    served: &Arc<Served>,
+) -> anyhow::Result<Option<farmap_migrate::agent::Agent>> {
+    // A budget needs an agent to reach: the one asked for, or one in the private directory.
+    let path = match (&args.agent, &args.budget) {
+        (Some(path), _) => path.clone(),
+        (None, Some(_)) => dir.path.join("agent.sock"),
+        (None, None) => return Ok(None),
+    };
+    let newest = {
+        let served = served.clone();
+        move || {
+            let sessions = served.sessions.lock();
+            sessions
+                .last()
+                .map(|r| r.clone() as Arc<dyn farmap_uffd::BoundedRegion>)
+        }
+    };
+    let agent = farmap_migrate::agent::serve_bounded(&path, newest, served.budget.clone())
+        .await
+        .with_context(|| format!("--agent {}", path.display()))?;
+    if let Some(name) = &args.budget {
+        let note = crate::budget::member::join(name, &path, args.heap_max).await?;
+        *served.budget.lock() = Some(note);
+    }
+    Ok(Some(agent))
 }
 
 /// The features the program's region userfaultfd is opened with.

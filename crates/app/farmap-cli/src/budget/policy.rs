@@ -170,24 +170,7 @@ pub fn divide(policy: &Policy, members: &[Member]) -> Vec<Share> {
         &mut reason,
     );
     // 2. Steps and hysteresis for those that hold a share.
-    let mut out: Vec<f64> = target.clone();
-    for (i, m) in members.iter().enumerate() {
-        let Some(prev) = m.share else { continue };
-        let prev = prev as f64;
-        let step = policy.max_step * prev.max(equal as f64);
-        let t = target[i];
-        if (t - prev).abs() < policy.dead_band as f64 {
-            out[i] = prev;
-            if reason[i] != Reason::Idle {
-                reason[i] = Reason::Held;
-            }
-        } else if t > prev + step || t < prev - step {
-            out[i] = t.clamp(prev - step, prev + step);
-            if reason[i] != Reason::Idle {
-                reason[i] = Reason::Step;
-            }
-        }
-    }
+    let mut out = bound_steps(policy, members, equal, &target, &mut reason);
     // 3. At most the total: take back increases first, then from the old members above
     // the floor (faster than a step: a newcomer's start comes first), then from the new.
     let lows: Vec<f64> = members.iter().map(|m| floor.min(heap(m)) as f64).collect();
@@ -255,6 +238,37 @@ fn trim(bytes: &mut [u64], lows: &[f64], total: u64, unit: u64) {
 
 fn round_up(v: u64, unit: u64) -> u64 {
     v.div_ceil(unit.max(1)).saturating_mul(unit.max(1))
+}
+
+/// The targets moved at most a step from the shares held, and not at all within the dead
+/// band.
+fn bound_steps(
+    policy: &Policy,
+    members: &[Member],
+    equal: u64,
+    target: &[f64],
+    reason: &mut [Reason],
+) -> Vec<f64> {
+    let mut out = target.to_vec();
+    for (i, m) in members.iter().enumerate() {
+        let Some(prev) = m.share else { continue };
+        let prev = prev as f64;
+        let step = policy.max_step * prev.max(equal as f64);
+        let t = target[i];
+        let why = if (t - prev).abs() < policy.dead_band as f64 {
+            out[i] = prev;
+            Reason::Held
+        } else if t > prev + step || t < prev - step {
+            out[i] = t.clamp(prev - step, prev + step);
+            Reason::Step
+        } else {
+            continue;
+        };
+        if reason[i] != Reason::Idle {
+            reason[i] = why;
+        }
+    }
+    out
 }
 
 /// Gives the weighted members `floor` plus parts of `pool` in proportion to their weights,
