@@ -10,6 +10,7 @@ use clap::{CommandFactory, Parser, Subcommand};
 #[macro_use]
 extern crate farmap_cli_kit;
 
+mod budget;
 mod cache_max;
 mod cp;
 mod doctor;
@@ -150,6 +151,10 @@ enum Command {
     Region(region::RegionCommand),
     /// Run a program with its heap served by farmap, its local memory bounded.
     Run(run::RunArgs),
+    /// Share a total of local memory among programs under `farmap run --budget NAME`,
+    /// divided by their recent faults and active memory, again every --interval (runs
+    /// until Ctrl-C); or list a running budget's programs and shares (--status).
+    Budget(budget::BudgetArgs),
     /// Live migration, shown: a region that a deterministic writer keeps changing moves to
     /// another process over loopback (through an emulated link), is verified, and moves back.
     #[cfg(feature = "tools")]
@@ -264,6 +269,7 @@ fn main() -> ExitCode {
             Command::Demo(args) => demo::run(args).await,
             Command::Region(cmd) => region::run(cmd).await,
             Command::Run(args) => run::run(args).await,
+            Command::Budget(args) => budget::run(args).await,
             Command::Stores => {
                 println!("{STORES_HELP}");
                 Ok(ExitCode::SUCCESS)

@@ -78,6 +78,7 @@ pub async fn run(cmd: RegionCommand) -> anyhow::Result<ExitCode> {
             let req = Request::SetLocalMax(SetLocalMaxRequest {
                 local_max: LocalMax::from(a.limit),
                 wait_ms: a.wait.as_millis() as u64,
+                budget: None,
             });
             let r = ask(&a.app, &req, a.wait).await?;
             print(&r, a.json)?;
@@ -145,11 +146,20 @@ fn print(r: &PagingReport, json: bool) -> anyhow::Result<()> {
         r.prefetch_hits,
         r.prefetch_wasted,
     );
+    if let Some(b) = &r.budget {
+        println!(
+            "budget {}: share {} of {} ({})",
+            b.name,
+            bytes(b.share_bytes),
+            bytes(b.total_bytes),
+            b.reason
+        );
+    }
     Ok(())
 }
 
 /// Bytes in binary units (KiB, MiB, GiB), one decimal where it matters.
-fn bytes(b: u64) -> String {
+pub(crate) fn bytes(b: u64) -> String {
     const UNITS: [&str; 5] = ["B", "KiB", "MiB", "GiB", "TiB"];
     let mut v = b as f64;
     let mut u = 0;

@@ -24,6 +24,7 @@ use clap::Args;
 use farmap::{open_store_async, StoreSpec};
 use farmap_cli_kit::args::{parse_local_max, parse_size_arg};
 use farmap_cli_kit::metrics::{Metrics, MetricsArgs};
+use farmap_migrate::agent::BudgetNote;
 use farmap_run_proto::TOKEN_LEN;
 use farmap_uffd::foreign::{
     handshake, trash_len, Expected, ForeignOptions, ForeignRegion, FOREIGN_FEATURES,
@@ -62,7 +63,8 @@ pub struct RunArgs {
     /// size is --heap-max.
     #[arg(long, value_name = "SPEC")]
     store: Option<String>,
-    /// The bound on the heap's local memory: SIZE (e.g. 256MiB) or N% of --heap-max.
+    /// The bound on the heap's local memory: SIZE (e.g. 256MiB) or N% of --heap-max (with
+    /// --budget, the budget sets it).
     #[arg(long, value_name = "SIZE|N%", default_value = "25%", value_parser = parse_local_max)]
     local_max: LocalLimit,
     /// The heap's size: the most the program can allocate through farmap.
@@ -83,6 +85,12 @@ pub struct RunArgs {
     /// this Unix socket (mode 0600) while the program runs (its newest program image).
     #[arg(long, value_name = "SOCKET")]
     agent: Option<PathBuf>,
+    /// Share local memory with the other programs of a budget (`farmap budget NAME --total
+    /// SIZE`, running): the budget sets the bound, in place of --local-max, and changes it
+    /// as the programs' needs change. Needs an agent: --agent, or one in a private
+    /// directory.
+    #[arg(long, value_name = "NAME")]
+    budget: Option<String>,
     #[command(flatten)]
     metrics: MetricsArgs,
     /// The program and its arguments.
@@ -110,6 +118,9 @@ struct Served {
     /// The counters of the program images that ended ([`HEAP_COUNTERS`], in order): the
     /// metrics add them to the live sessions' (both read under the `sessions` lock).
     ended: Mutex<[u64; HEAP_COUNTERS.len()]>,
+    /// The budget the bound is a share of (`--budget`), as it last said: a new program
+    /// image starts at that share.
+    budget: Arc<Mutex<Option<BudgetNote>>>,
 }
 
 /// A counter of the heap's regions: its name (`_total` is added), help, and how to read it.
@@ -253,27 +264,12 @@ pub async fn run(args: RunArgs) -> anyhow::Result<ExitCode> {
         stats: args.stats,
         metrics: args.metrics.metrics(),
         ended: Mutex::new([0; HEAP_COUNTERS.len()]),
+        budget: Arc::new(Mutex::new(None)),
     });
     heap_metrics(&served.metrics, &served);
     let _endpoint = args.metrics.serve("run", &served.metrics).await?;
-    let _agent = match &args.agent {
-        Some(path) => {
-            let served = served.clone();
-            let newest = move || {
-                let sessions = served.sessions.lock();
-                sessions
-                    .last()
-                    .map(|r| r.clone() as Arc<dyn farmap_uffd::BoundedRegion>)
-            };
-            Some(
-                farmap_migrate::agent::serve_bounded(path, newest)
-                    .await
-                    .with_context(|| format!("--agent {}", path.display()))?,
-            )
-        }
-        None => None,
-    };
     let dir = PrivateDir::new()?;
+    let _agent = agent_and_budget(&args, &dir, &served).await?;
     let sock_path = dir.path.join("run.sock");
     let listener = UnixListener::bind(&sock_path)
         .with_context(|| format!("listening on {}", sock_path.display()))?;
@@ -316,6 +312,37 @@ pub async fn run(args: RunArgs) -> anyhow::Result<ExitCode> {
     drop(dir);
     drop(accepting);
     Ok(exit_code(status))
+}
+
+/// The agent (`--agent`, or one in `dir` for a budget), and the budget joined (`--budget`).
+async fn agent_and_budget(
+    args: &RunArgs,
+    dir: &PrivateDir,
+    served: &Arc<Served>,
+) -> anyhow::Result<Option<farmap_migrate::agent::Agent>> {
+    // A budget needs an agent to reach: the one asked for, or one in the private directory.
+    let path = match (&args.agent, &args.budget) {
+        (Some(path), _) => path.clone(),
+        (None, Some(_)) => dir.path.join("agent.sock"),
+        (None, None) => return Ok(None),
+    };
+    let newest = {
+        let served = served.clone();
+        move || {
+            let sessions = served.sessions.lock();
+            sessions
+                .last()
+                .map(|r| r.clone() as Arc<dyn farmap_uffd::BoundedRegion>)
+        }
+    };
+    let agent = farmap_migrate::agent::serve_bounded(&path, newest, served.budget.clone())
+        .await
+        .with_context(|| format!("--agent {}", path.display()))?;
+    if let Some(name) = &args.budget {
+        let note = crate::budget::member::join(name, &path, args.heap_max).await?;
+        *served.budget.lock() = Some(note);
+    }
+    Ok(Some(agent))
 }
 
 /// The features the program's region userfaultfd is opened with.
@@ -462,8 +489,12 @@ fn serve_program(
             .refuse("a --store serves one program image at a time")
             .into());
     }
+    let mut opts = served.opts.clone();
+    if let Some(note) = served.budget.lock().as_ref() {
+        opts.paging.local_max = LocalLimit::Bytes(note.share_bytes.max(HEAP_CHUNK));
+    }
     let region = applicant
-        .accept(store, served.opts.clone(), served.rt.clone())
+        .accept(store, opts, served.rt.clone())
         .with_context(|| format!("serving process {pid}'s heap"))?;
     let region = Arc::new(region);
     served.sessions.lock().push(region.clone());

@@ -19,6 +19,10 @@ pub trait BoundedRegion: Send + Sync {
     fn stats(&self) -> RegionStats;
     /// Pages present now: `(in the region, staged)`; `None` when not bounded.
     fn local_pages(&self) -> Option<Result<(u64, u64), RegionError>>;
+    /// Mapped chunks touched since the eviction clock last passed them (the working set as
+    /// the pager sees it); `None` when not bounded. Takes time in proportion to the
+    /// region's chunks.
+    fn referenced_chunks(&self) -> Option<u64>;
     /// Changes the bound; `false` when the region has none.
     fn set_local_max(&self, limit: LocalLimit) -> bool;
     /// Whether its local memory is bounded.
@@ -37,6 +41,9 @@ impl BoundedRegion for Region {
     }
     fn local_pages(&self) -> Option<Result<(u64, u64), RegionError>> {
         Region::local_pages(self)
+    }
+    fn referenced_chunks(&self) -> Option<u64> {
+        Region::referenced_chunks(self)
     }
     fn set_local_max(&self, limit: LocalLimit) -> bool {
         Region::set_local_max(self, limit)
@@ -58,6 +65,9 @@ impl BoundedRegion for ForeignRegion {
     }
     fn local_pages(&self) -> Option<Result<(u64, u64), RegionError>> {
         ForeignRegion::local_pages(self)
+    }
+    fn referenced_chunks(&self) -> Option<u64> {
+        Some(ForeignRegion::referenced_chunks(self))
     }
     fn set_local_max(&self, limit: LocalLimit) -> bool {
         ForeignRegion::set_local_max(self, limit)

@@ -607,6 +607,13 @@ impl Region {
         self.inner.pager.as_ref().map(|p| p.deactivate(max))
     }
 
+    /// A bounded region's mapped chunks touched since the eviction clock last passed them
+    /// (its working set as the pager sees it; counted in blocks, not at one instant);
+    /// `None` for an unbounded region.
+    pub fn referenced_chunks(&self) -> Option<u64> {
+        Some(self.inner.pager.as_ref()?.referenced_chunks())
+    }
+
     /// Pages of a bounded region present in memory now, from the page tables: `(in the
     /// region, in its staging area)`; `None` for an unbounded region.
     pub fn local_pages(&self) -> Option<Result<(u64, u64), RegionError>> {

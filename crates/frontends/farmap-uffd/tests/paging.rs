@@ -189,6 +189,7 @@ fn resident_memory_stays_under_limit() {
     let start = Instant::now();
     let mut samples = 0;
     let mut max_pages = 0;
+    let mut max_referenced = 0;
     while start.elapsed() < Duration::from_millis(400) {
         let (in_region, staged) = region.local_pages().unwrap().unwrap();
         let resident = region.stats().paging.unwrap().resident_chunks;
@@ -201,6 +202,14 @@ fn resident_memory_stays_under_limit() {
             resident <= bound_chunks,
             "{resident} chunks resident > {bound_chunks}"
         );
+        // The working set as the pager sees it: mapped chunks touched since the clock
+        // passed them, never more than the limit allows.
+        let referenced = region.referenced_chunks().unwrap();
+        assert!(
+            referenced <= bound_chunks,
+            "{referenced} chunks referenced > {bound_chunks}"
+        );
+        max_referenced = max_referenced.max(referenced);
         max_pages = max_pages.max(in_region + staged);
         samples += 1;
         std::thread::sleep(Duration::from_millis(1));
@@ -215,6 +224,7 @@ fn resident_memory_stays_under_limit() {
         "nothing was evicted: {paging:?}"
     );
     assert!(max_pages > 0);
+    assert!(max_referenced > 0, "no chunk was ever referenced");
 }
 
 /// A fresh bounded region: the first touch of every chunk maps zero pages and reads nothing

@@ -52,7 +52,7 @@ use farmap_net::auth::Key;
 
 pub mod paging;
 
-pub use paging::{LocalMax, LocalMaxError, PagingReport, SetLocalMaxRequest};
+pub use paging::{BudgetNote, LocalMax, LocalMaxError, PagingReport, SetLocalMaxRequest};
 
 /// Longest request or reply line.
 pub const MAX_LINE: usize = 64 * 1024;
@@ -386,19 +386,25 @@ pub async fn serve<A: App>(path: impl AsRef<Path>, app: Arc<A>) -> io::Result<Ag
 /// ([`Request::SetLocalMax`], [`Request::PagingState`]) for the region `region` returns
 /// (`farmap run`'s: a program's heap, which does not migrate); every other request is
 /// refused. On the Unix socket `path`, as [`serve`].
+///
+/// `budget`: the budget the program's bound is a share of (`farmap run --budget`), shown in
+/// every report; a [`SetLocalMaxRequest`] with a note replaces it (the caller shares the
+/// cell, to see the latest share).
 pub async fn serve_bounded(
     path: impl AsRef<Path>,
     region: impl Fn() -> Option<Arc<dyn BoundedRegion>> + Send + Sync + 'static,
+    budget: Arc<parking_lot::Mutex<Option<paging::BudgetNote>>>,
 ) -> io::Result<Agent> {
     let path = path.as_ref().to_path_buf();
     let listener = bind_agent(&path).await?;
     let region = Arc::new(region);
+    let note = budget;
     let task = tokio::spawn(async move {
         loop {
             let Ok((stream, _)) = listener.accept().await else {
                 continue;
             };
-            let region = region.clone();
+            let (region, note) = (region.clone(), note.clone());
             tokio::spawn(async move {
                 let (rd, mut wr) = stream.into_split();
                 let mut rd = BufReader::new(rd);
@@ -406,17 +412,26 @@ pub async fn serve_bounded(
                     kind: FailKind::Refused,
                     message,
                 };
+                let noted = |mut r: PagingReport| {
+                    r.budget = note.lock().clone();
+                    Reply::Paging(r)
+                };
                 let reply = match read_line(&mut rd).await {
                     Ok(None) => return,
                     Err(e) => refuse(format!("a bad request: {e}")),
                     Ok(Some(l)) => match serde_json::from_str::<Request>(&l) {
                         Err(e) => refuse(format!("a bad request: {e}")),
-                        Ok(Request::SetLocalMax(r)) => paging::set_local_max(r, region())
-                            .await
-                            .map_or_else(refuse, Reply::Paging),
-                        Ok(Request::PagingState) => paging::state(region())
-                            .await
-                            .map_or_else(refuse, Reply::Paging),
+                        Ok(Request::SetLocalMax(r)) => {
+                            let budget = r.budget.clone();
+                            let set = paging::set_local_max(r, region()).await;
+                            if set.is_ok() && budget.is_some() {
+                                *note.lock() = budget;
+                            }
+                            set.map_or_else(refuse, noted)
+                        }
+                        Ok(Request::PagingState) => {
+                            paging::state(region()).await.map_or_else(refuse, noted)
+                        }
                         Ok(_) => refuse(
                             "this agent only bounds a program's memory (farmap run): its \
                              heap does not migrate"

@@ -362,6 +362,12 @@ impl ForeignRegion {
         )
     }
 
+    /// Mapped chunks touched since the eviction clock last passed them (see
+    /// [`Region::referenced_chunks`](crate::Region::referenced_chunks)).
+    pub fn referenced_chunks(&self) -> u64 {
+        self.session.pager.referenced_chunks()
+    }
+
     /// Changes the bound on local memory (see [`Region::set_local_max`](crate::Region::set_local_max)).
     pub fn set_local_max(&self, limit: LocalLimit) -> bool {
         let g = self.geometry;

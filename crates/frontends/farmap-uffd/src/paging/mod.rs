@@ -223,7 +223,7 @@ use crate::space::{Area, Moves};
 use crate::stats::Counters;
 use crate::uffd::UffdRange;
 use lock::SleepLock;
-use state::State;
+use state::{St, State};
 use stream::Stream;
 
 /// Writes back the given chunks through the region's pusher, ordered with its rounds and
@@ -522,6 +522,28 @@ impl Pager {
     pub(crate) fn resident(&self) -> (u64, u64) {
         let st = self.state.lock();
         (st.resident, st.n_staged)
+    }
+
+    /// Mapped chunks whose referenced flag is set now: touched (faulted in, moved back,
+    /// found written) since the clock hand last passed them, the pager's view of the
+    /// working set (there is no accessed bit to read here). The flags are counted in
+    /// blocks, the state lock taken once per block: faults wait for one block at most, and
+    /// the count is not a snapshot of one instant.
+    pub(crate) fn referenced_chunks(&self) -> u64 {
+        const BLOCK: usize = 16 * 1024;
+        let n = self.geometry.chunk_count() as usize;
+        let mut count = 0u64;
+        let mut start = 0;
+        while start < n {
+            let end = (start + BLOCK).min(n);
+            let st = self.state.lock();
+            count += (start..end)
+                .filter(|&i| st.referenced[i] && st.chunk[i] == St::Active)
+                .count() as u64;
+            drop(st);
+            start = end;
+        }
+        count
     }
 
     fn evict_from_cache(&self, idx: ChunkIdx) {

@@ -75,6 +75,26 @@ pub struct SetLocalMaxRequest {
     /// `min_free`) before replying; 0 replies at once. At most [`MAX_SETTLE_WAIT`].
     #[serde(default)]
     pub wait_ms: u64,
+    /// Who chose the bound: a budget shared with other programs (`farmap budget`), which
+    /// the agent keeps and shows in its reports. Left out by people (`farmap region limit`):
+    /// the note kept stays, though the bound is theirs until the budget's next step.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub budget: Option<BudgetNote>,
+}
+
+/// A share of a budget that programs divide (`farmap budget NAME`): the part of
+/// [`PagingReport`] that says why the bound is what it is.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct BudgetNote {
+    /// The budget's name.
+    pub name: String,
+    /// The local memory all its programs share.
+    pub total_bytes: u64,
+    /// This program's share, the bound the budget set last.
+    pub share_bytes: u64,
+    /// Why the share is what it is (`new`, `idle`, `demand`, `working_set`, `step`,
+    /// `held`, `floor`: see `farmap budget --help`).
+    pub reason: String,
 }
 
 /// The paging state of the region held here (the answer to both local-memory requests).
@@ -127,6 +147,14 @@ pub struct PagingReport {
     /// Of those, chunks dropped before any touch.
     #[serde(default)]
     pub prefetch_wasted: u64,
+    /// Mapped memory touched since the eviction clock last passed it: the working set as
+    /// the pager sees it (`None` from an agent that does not count it).
+    #[serde(default)]
+    pub referenced_bytes: Option<u64>,
+    /// The budget this program's bound is a share of, if it is in one (`farmap run
+    /// --budget`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub budget: Option<BudgetNote>,
 }
 
 impl PagingReport {
@@ -165,6 +193,8 @@ impl PagingReport {
             prefetched: p.prefetched,
             prefetch_hits: p.prefetch_hits,
             prefetch_wasted: p.prefetch_wasted,
+            referenced_bytes: region.referenced_chunks().map(|c| c * chunk),
+            budget: None,
         })
     }
 }
@@ -212,7 +242,12 @@ pub(super) async fn set_local_max(
         // A bounded region stays bounded; said rather than assumed.
         return Err("the region lost its local-memory limit".into());
     }
-    tracing::info!(?limit, "local-memory limit changed by the agent");
+    if req.budget.is_some() {
+        // A budget's step, every few seconds: not news.
+        tracing::debug!(?limit, "local-memory limit changed by a budget");
+    } else {
+        tracing::info!(?limit, "local-memory limit changed by the agent");
+    }
     let deadline = Instant::now() + wait;
     while Instant::now() < deadline && !settled(&*region) {
         tokio::time::sleep(SETTLE_POLL).await;
@@ -266,6 +301,7 @@ mod tests {
         let r = Request::SetLocalMax(SetLocalMaxRequest {
             local_max: LocalMax::Percent(30.0),
             wait_ms: 500,
+            budget: None,
         });
         let s = serde_json::to_string(&r).unwrap();
         assert_eq!(
@@ -280,7 +316,8 @@ mod tests {
             r,
             Request::SetLocalMax(SetLocalMaxRequest {
                 local_max: LocalMax::Bytes(65536),
-                wait_ms: 0
+                wait_ms: 0,
+                budget: None,
             })
         );
         for bad in [
@@ -315,6 +352,8 @@ mod tests {
             prefetched: 8,
             prefetch_hits: 9,
             prefetch_wasted: 10,
+            referenced_bytes: Some(40960),
+            budget: None,
         };
         let s = serde_json::to_string(&Reply::Paging(report.clone())).unwrap();
         // An older agent's report, without the fault and prefetch counters, still reads.
@@ -333,7 +372,34 @@ mod tests {
         );
         assert_eq!(
             serde_json::from_str::<Reply>(&s).unwrap(),
-            Reply::Paging(report)
+            Reply::Paging(report.clone())
         );
+        // A program in a budget: the note, as the budget sent it with its bound.
+        let note = BudgetNote {
+            name: "web".into(),
+            total_bytes: 64 << 20,
+            share_bytes: 40 << 20,
+            reason: "demand".into(),
+        };
+        let noted = PagingReport {
+            budget: Some(note.clone()),
+            ..report
+        };
+        let s = serde_json::to_string(&Reply::Paging(noted.clone())).unwrap();
+        assert!(
+            s.ends_with(r#""referenced_bytes":40960,"budget":{"name":"web","total_bytes":67108864,"share_bytes":41943040,"reason":"demand"}}"#),
+            "{s}"
+        );
+        assert_eq!(
+            serde_json::from_str::<Reply>(&s).unwrap(),
+            Reply::Paging(noted)
+        );
+        let r = Request::SetLocalMax(SetLocalMaxRequest {
+            local_max: LocalMax::Bytes(40 << 20),
+            wait_ms: 0,
+            budget: Some(note),
+        });
+        let s = serde_json::to_string(&r).unwrap();
+        assert_eq!(serde_json::from_str::<Request>(&s).unwrap(), r);
     }
 }

@@ -291,6 +291,7 @@ impl Ctx<'_> {
                     Request::SetLocalMax(SetLocalMaxRequest {
                         local_max: LocalMax::Bytes(local_bytes),
                         wait_ms: wait.as_millis() as u64,
+                        budget: None,
                     }),
                     wait,
                 )?;
