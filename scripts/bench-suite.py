@@ -220,6 +220,40 @@ def _clones(out):
     return (one(r, "host_memory_bytes", case="clones"), one(r, "one_clone_bytes", case="clones"))
 
 
+def _slope_flat(out):
+    r = out["slope"]
+    return (one(r, "no_owner_us", object="vector-clean", pages_asked=100000, page_bytes=4096),
+            one(r, "no_owner_us", object="vector-clean", pages_asked=1000, page_bytes=4096))
+
+
+def _slope_no_owner(out):
+    r = out["slope"]
+    return (one(r, "no_owner_us", object="vector-clean", pages_asked=100000, page_bytes=4096),
+            1000.0)
+
+
+def _slope_prefill(page):
+    def figure(out):
+        r = out["slope"]
+        return (one(r, "prefill_mb_per_s", object="vector-clean", pages_asked=100000,
+                    page_bytes=page),
+                one(r, "tcp_raw_mb_per_s", object="vector-clean", pages_asked=100000,
+                    page_bytes=page))
+    return figure
+
+
+def _slope_writer(out):
+    r = out["slope"]
+    return (one(r, "writer_ops_ratio_during_prefill", object="vector-dirty", pages_asked=100000,
+                page_bytes=4096), 1.0)
+
+
+def _slope_bytes(out):
+    r = out["slope"]
+    return (one(r, "bytes_moved", object="vector-dirty", pages_asked=100000, page_bytes=4096),
+            one(r, "bytes_expected", object="vector-dirty", pages_asked=100000, page_bytes=4096))
+
+
 def have_root_cgroup_v1():
     if os.geteuid() != 0:
         return "needs root"
@@ -240,6 +274,7 @@ def have_nbd_tools():
 
 
 ZIPF = ["paging", "--pattern", "zipf", "--local", "30%"]
+SLOPE = {"slope": ["slope", "--runs", "1"]}
 RUN = ["run", "--workload", "ycsb-b", "--local", "30%"]
 RUN_QUICK = {"run": RUN + ["--records", "50000", "--operations", "50000"]}
 SEQ = ["paging", "--pattern", "seq", "--local", "30%", "--system", "farmap"]
@@ -335,6 +370,18 @@ CASES = [
     Case("nbd seq-read (nbdcopy)", "MB/s",
          {"nbd": ["nbd", "--servers", "farmap,nbdkit"]}, _nbd, "nbdkit memory",
          needs=(have_nbd_tools,), better="higher"),
+    Case("slope no-owner, 100k pages vs 1k (clean vector)", "µs", SLOPE, _slope_flat,
+         "the same at 1k pages", bar=("<=", 1.5)),
+    Case("slope no-owner, 100k pages (clean vector)", "µs", SLOPE, _slope_no_owner,
+         "the bar's 1 ms", bar=("<=", 1000.0), on="farmap"),
+    Case("slope prefill 4 KiB chunks, 100k pages", "MB/s", SLOPE, _slope_prefill(4096),
+         "raw loopback TCP", bar=(">=", 125.0), on="farmap", better="higher"),
+    Case("slope prefill 64 KiB chunks, 100k pages", "MB/s", SLOPE, _slope_prefill(65536),
+         "raw loopback TCP", bar=(">=", 1000.0), on="farmap", better="higher"),
+    Case("slope writer during prefill (per CPU s)", "×", SLOPE, _slope_writer,
+         "the writer before", bar=(">=", 0.9), better="higher"),
+    Case("slope bytes moved (dirty vector)", "bytes", SLOPE, _slope_bytes,
+         "owned + re-sent dirty pages", bar=("<=", 1.05)),
 ]
 
 
@@ -549,6 +596,11 @@ def self_test():
     uniform = [{"system": "farmap", "pattern": "uniform", "prefetched": 10,
                 "prefetch_wasted": 5, "faults": 90}]
     assert _waste({"paging-uniform": uniform}) == (0.05, 100.0)
+    slope = [{"object": "vector-clean", "pages_asked": n, "page_bytes": 4096,
+              "no_owner_us": us, "prefill_mb_per_s": 200.0, "tcp_raw_mb_per_s": 4000.0}
+             for n, us in ((1000, 100.0), (100000, 300.0))]
+    assert _slope_flat({"slope": slope}) == (300.0, 100.0)
+    assert _slope_prefill(4096)({"slope": slope}) == (200.0, 4000.0)
     rows = [{"case": "fault-4k", "p50_us": 10.0, "baseline_p50_us": 50.0}]
     assert _fault_4k({"uffd-fault": rows}) == (10.0, 50.0)
     clones = [{"case": "clones", "host_memory_bytes": 300, "one_clone_bytes": 256}]

@@ -195,6 +195,10 @@ enum Command {
     #[cfg(feature = "tools")]
     #[command(name = "__paging-app", hide = true)]
     PagingApp(bench::PagingAppArgs),
+    /// A process of `farmap bench slope` (internal).
+    #[cfg(feature = "tools")]
+    #[command(name = "__slope-node", hide = true)]
+    SlopeNode(bench::SlopeNodeArgs),
 }
 
 impl Command {
@@ -217,6 +221,12 @@ fn main() -> ExitCode {
         matches!(&cli.command, Command::Serve(args) if args.quiet),
         cli.log_format,
     );
+    // A node of `farmap bench slope` re-executes itself without ASLR and runs its own
+    // runtime: before farmap's exists.
+    #[cfg(feature = "tools")]
+    if let Command::SlopeNode(args) = cli.command {
+        return bench::slope_node(args);
+    }
     // Before the runtime's threads exist: they inherit it (see `swap`).
     let swap_prepared =
         matches!(&cli.command, Command::Swap(swap::SwapCommand::On(_))).then(swap::prepare);
@@ -280,6 +290,8 @@ fn main() -> ExitCode {
             Command::Guest(args) => guest::run(args),
             #[cfg(feature = "tools")]
             Command::PagingApp(args) => bench::paging_app(args),
+            #[cfg(feature = "tools")]
+            Command::SlopeNode(_) => unreachable!("run before the runtime"),
             Command::MountUblk(args) => mount_ublk::run_args(args).await,
             Command::Mount(args) => mount::run(args).await,
             Command::Umount(args) => mount::umount(args).await,

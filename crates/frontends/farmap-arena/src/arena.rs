@@ -217,6 +217,38 @@ impl Arena {
         self.region
             .take_dirty_within(std::slice::from_ref(&self.slot_chunks(slot)))
     }
+
+    /// The pages of `pages` (region page indices) written since their last scan,
+    /// write-protected again; the scan costs the chunks that cover `pages`.
+    pub fn take_written_in(&self, pages: Range<u64>) -> Result<DirtyReport, RegionError> {
+        let per_chunk = u64::from(self.cfg.chunk) / rustix::param::page_size() as u64;
+        let chunks = pages.start / per_chunk..pages.end.div_ceil(per_chunk);
+        self.region.take_dirty_within(std::slice::from_ref(&chunks))
+    }
+
+    /// The pages of `slot` its object can have used (region page indices): from the slot's
+    /// start to the highest page its heap ever handed out. Every page of the object lies
+    /// here, so scans of this range see all of them and cost no more than the object.
+    /// `None` if the slot holds no object here.
+    pub fn object_extent(&self, slot: u32) -> Option<Range<u64>> {
+        let state = self.shared.slots.state(slot)?;
+        if !matches!(
+            state,
+            SlotState::Local | SlotState::Outbound | SlotState::Installed
+        ) {
+            return None;
+        }
+        // SAFETY: a slot in these states holds an object whose header this process can read.
+        let header = unsafe { self.shared.header(slot) };
+        if header.magic != crate::alloc::MAGIC {
+            return None;
+        }
+        let (heap_base, _) = header.heap.region();
+        let end = heap_base.addr() + (header.heap.stats().high_water_pages << 16);
+        let page = rustix::param::page_size();
+        let pages = self.slot_pages(slot);
+        Some(pages.start..pages.start + ((end - self.slot_addrs(slot).start) / page) as u64)
+    }
 }
 
 impl Drop for Arena {

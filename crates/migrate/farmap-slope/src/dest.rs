@@ -205,12 +205,20 @@ async fn receive(
     let writes_stopped_ns = loop {
         match recv(ch).await? {
             ObjMsg::Pages { runs, data, .. } => pages += install(&runs, &data)?,
+            ObjMsg::Flush { round } => send(ch, &ObjMsg::Flushed { round }).await?,
             ObjMsg::HandOver {
                 runs,
                 data,
                 writes_stopped_ns,
             } => {
+                let t = monotonic_ns();
                 pages += install(&runs, &data)?;
+                tracing::debug!(
+                    slot,
+                    received_us = t.saturating_sub(writes_stopped_ns) / 1000,
+                    install_us = (monotonic_ns() - t) / 1000,
+                    "object hand-over installed"
+                );
                 break writes_stopped_ns;
             }
             m => {
@@ -245,7 +253,15 @@ async fn receive(
         .transition(slot, SlotState::Installed, SlotState::Local);
     let owned_ns = monotonic_ns();
     *taken = None;
-    let _ = send(ch, &ObjMsg::Done { owned_ns }).await;
+    let received_bytes = ch.received().load(std::sync::atomic::Ordering::Relaxed);
+    let _ = send(
+        ch,
+        &ObjMsg::Done {
+            owned_ns,
+            received_bytes,
+        },
+    )
+    .await;
     Ok(Arrival {
         slot,
         tag,

@@ -82,6 +82,20 @@ pub enum ObjMsg {
     Done {
         /// CLOCK_MONOTONIC when the destination took ownership (ns).
         owned_ns: u64,
+        /// Bytes of every frame the destination received on this connection.
+        received_bytes: u64,
+    },
+    /// S→D: answer with `Flushed` once every page sent before this is installed (the source
+    /// stops writes only once the destination has caught up, so the window holds only the
+    /// last pages).
+    Flush {
+        /// The last round sent.
+        round: u32,
+    },
+    /// D→S: every page sent before the `Flush` is installed.
+    Flushed {
+        /// The round of the `Flush`.
+        round: u32,
     },
     /// Either way: abandoned.
     Abort {
@@ -135,6 +149,8 @@ impl ObjMsg {
             ObjMsg::Installed { .. } => "Installed",
             ObjMsg::Released { .. } => "Released",
             ObjMsg::Done { .. } => "Done",
+            ObjMsg::Flush { .. } => "Flush",
+            ObjMsg::Flushed { .. } => "Flushed",
             ObjMsg::Abort { .. } => "Abort",
         }
     }
@@ -184,9 +200,21 @@ impl ObjMsg {
                 p.put_u8(6);
                 p.put_u64(*released_ns);
             }
-            ObjMsg::Done { owned_ns } => {
+            ObjMsg::Done {
+                owned_ns,
+                received_bytes,
+            } => {
                 p.put_u8(7);
                 p.put_u64(*owned_ns);
+                p.put_u64(*received_bytes);
+            }
+            ObjMsg::Flush { round } => {
+                p.put_u8(9);
+                p.put_u32(*round);
+            }
+            ObjMsg::Flushed { round } => {
+                p.put_u8(10);
+                p.put_u32(*round);
             }
             ObjMsg::Abort { reason } => {
                 p.put_u8(8);
@@ -238,6 +266,7 @@ impl ObjMsg {
             },
             7 => ObjMsg::Done {
                 owned_ns: get_u64(p)?,
+                received_bytes: get_u64(p)?,
             },
             8 => {
                 let b = get_data(p, MAX_REASON)?;
@@ -245,6 +274,8 @@ impl ObjMsg {
                     reason: String::from_utf8_lossy(&b).into_owned(),
                 }
             }
+            9 => ObjMsg::Flush { round: get_u32(p)? },
+            10 => ObjMsg::Flushed { round: get_u32(p)? },
             k => return Err(ObjDecodeError::Kind(k)),
         };
         if !p.is_empty() {
@@ -377,10 +408,15 @@ mod tests {
             },
             ObjMsg::Installed { installed_ns: 6 },
             ObjMsg::Released { released_ns: 7 },
-            ObjMsg::Done { owned_ns: 8 },
+            ObjMsg::Done {
+                owned_ns: 8,
+                received_bytes: 9,
+            },
             ObjMsg::Abort {
                 reason: "no".into(),
             },
+            ObjMsg::Flush { round: 3 },
+            ObjMsg::Flushed { round: 3 },
         ]
     }
 
@@ -400,7 +436,7 @@ mod tests {
             long.push(0);
             assert!(ObjMsg::decode(&long).is_err());
         }
-        assert_eq!(ObjMsg::decode(&[9]), Err(ObjDecodeError::Kind(9)));
+        assert_eq!(ObjMsg::decode(&[11]), Err(ObjDecodeError::Kind(11)));
     }
 
     #[test]
@@ -464,7 +500,7 @@ mod tests {
                 n += 1;
             }
         }
-        assert_eq!(n, 8);
+        assert_eq!(n, 10);
     }
 
     proptest! {

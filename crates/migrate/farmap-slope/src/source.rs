@@ -78,6 +78,8 @@ pub struct MigrationReport {
     pub final_dirty_pages: u64,
     /// Page bytes sent in all.
     pub bytes_moved: u64,
+    /// Bytes of every frame the destination received (pages, runs, headers, messages).
+    pub wire_bytes: u64,
     /// Bytes of the page set.
     pub owned_bytes: u64,
     /// Page bytes sent again (dirty rounds and the hand-over).
@@ -256,22 +258,47 @@ async fn exchange(
         page_bytes: page as u32,
         ..MigrationReport::default()
     };
-    // Tracking starts with this scan: a write after it is found by a later one.
-    arena.take_written(slot)?;
-    let set = relative(arena, slot, arena.page_set(slot)?);
+    // Tracking starts with this scan: a write after it is found by a later one. Scans cover
+    // the object's extent (up to its heap's high water, which only grows), not the slot.
+    let extent = || {
+        arena.object_extent(slot).ok_or(SlopeError::NotHere {
+            slot,
+            state: "gone",
+        })
+    };
+    arena.take_written_in(extent()?)?;
+    let set = relative(arena, slot, arena.region().pages_in_memory(extent()?)?);
     report.pages = pages_in(&set);
     report.owned_bytes = report.pages * page as u64;
     send_runs(arena, slot, ch, 0, &set, &mut report).await?;
     let converged_pages = opts.converged_bytes / page as u64;
     let mut pending = Vec::new();
     for round in 1..=opts.max_rounds {
-        let dirty = relative(arena, slot, arena.take_written(slot)?.pages);
+        let dirty = relative(arena, slot, arena.take_written_in(extent()?)?.pages);
         if pages_in(&dirty) <= converged_pages || round == opts.max_rounds {
             pending = dirty;
             break;
         }
         report.rounds = round;
         send_runs(arena, slot, ch, round, &dirty, &mut report).await?;
+    }
+    // Wait for the destination to install what is in flight: the window then holds only
+    // the pages written since.
+    send(
+        ch,
+        &ObjMsg::Flush {
+            round: report.rounds,
+        },
+    )
+    .await?;
+    match recv(ch).await? {
+        ObjMsg::Flushed { .. } => {}
+        m => {
+            return Err(SlopeError::Protocol(format!(
+                "expected Flushed, got {}",
+                m.name()
+            )))
+        }
     }
     let gate = arena.gate(slot).expect("the object's slot exists");
     let mut tries = 0;
@@ -280,15 +307,20 @@ async fn exchange(
         if tries >= opts.drain_tries {
             return Err(SlopeError::WritersBusy(opts.drain_patience));
         }
-        let dirty = relative(arena, slot, arena.take_written(slot)?.pages);
+        let dirty = relative(arena, slot, arena.take_written_in(extent()?)?.pages);
         pending = union(&pending, &dirty);
     }
     // No owner from here: writes are stopped and not yet allowed at the destination.
     let writes_stopped_ns = monotonic_ns();
+    let mark = |what: &str| {
+        let since_us = (monotonic_ns() - writes_stopped_ns) / 1000;
+        tracing::debug!(slot, since_us, "object migration: {what}");
+    };
     report.prefill_ms = started.elapsed().as_secs_f64() * 1e3;
-    let last = relative(arena, slot, arena.take_written(slot)?.pages);
+    let last = relative(arena, slot, arena.take_written_in(extent()?)?.pages);
     let runs = union(&pending, &last);
     report.final_dirty_pages = pages_in(&runs);
+    mark("final scan");
     // All but the last batch go as pages of a last round; the hand-over carries the last.
     let mut parts = batches(&runs);
     let tail = parts.pop().unwrap_or_default();
@@ -307,6 +339,7 @@ async fn exchange(
         },
     )
     .await?;
+    mark("hand-over sent");
     match recv(ch).await? {
         ObjMsg::Installed { .. } => {}
         m => {
@@ -316,6 +349,7 @@ async fn exchange(
             )))
         }
     }
+    mark("installed");
     // Reads move to the destination: close them here and wait for the readers to leave.
     gate.close(READS_CLOSED);
     let reads_closed_ns = monotonic_ns();
@@ -337,7 +371,13 @@ async fn exchange(
     )
     .await?;
     let owned_ns = match recv(ch).await? {
-        ObjMsg::Done { owned_ns } => owned_ns,
+        ObjMsg::Done {
+            owned_ns,
+            received_bytes,
+        } => {
+            report.wire_bytes = received_bytes;
+            owned_ns
+        }
         m => {
             return Err(SlopeError::Protocol(format!(
                 "expected Done, got {}",

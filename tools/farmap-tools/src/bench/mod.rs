@@ -18,6 +18,8 @@ mod proxy;
 mod pull;
 mod push;
 mod run;
+mod slope;
+pub mod slope_node;
 mod stores;
 mod timer;
 mod uffd;
@@ -86,9 +88,15 @@ pub enum BenchCommand {
     /// latency percentiles, faults, evictions, the server's largest resident memory, and
     /// whether every value read back was right.
     Run(run::RunArgs),
+    /// Object migration (farmap-slope) between two processes of one arena: a vector of
+    /// words, quiet or written during the migration, at several sizes: prefill rate against
+    /// a raw loopback TCP copy, the no-owner window, read and write unavailability, the
+    /// writer's rate during prefill, bytes moved; the destination's copy is checked.
+    Slope(slope::SlopeArgs),
 }
 
 pub use paging_app::{run_child as paging_app, AppArgs as PagingAppArgs};
+pub use slope_node::{run as slope_node, NodeArgs as SlopeNodeArgs};
 
 pub async fn run(cmd: BenchCommand) -> anyhow::Result<ExitCode> {
     match cmd {
@@ -105,5 +113,6 @@ pub async fn run(cmd: BenchCommand) -> anyhow::Result<ExitCode> {
         BenchCommand::Migrate(args) => migrate::run(args).await,
         BenchCommand::Versions(args) => versions::run(args).await,
         BenchCommand::Run(args) => run::run(args).await,
+        BenchCommand::Slope(args) => slope::run(args).await,
     }
 }
