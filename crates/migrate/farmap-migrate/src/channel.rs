@@ -52,6 +52,13 @@ impl Channel {
         self.max_payload = cap.min(crate::msg::MAX_PAYLOAD);
     }
 
+    /// Sends one frame built with [`put_header`](crate::msg::put_header) (whose payload the
+    /// peer decodes as any other).
+    pub async fn send_frame(&mut self, frame: &[u8]) -> io::Result<()> {
+        self.stream.write_all(frame).await?;
+        self.stream.flush().await
+    }
+
     /// Sends one message.
     pub async fn send(&mut self, m: &Msg) -> io::Result<()> {
         self.stream.write_all(&m.encode()).await?;
@@ -95,6 +102,10 @@ impl Channel {
         }
         self.received
             .fetch_add((HEADER_LEN + len) as u64, Ordering::Relaxed);
+        if h.kind == crate::msg::OBJECT_KIND {
+            // Opaque here: handed over without a copy (its pages can be megabytes).
+            return Ok(Some(Msg::Object(bytes::Bytes::from(p))));
+        }
         Msg::decode(h.kind, &p)
             .map(Some)
             .map_err(|e| io::Error::new(io::ErrorKind::InvalidData, e))

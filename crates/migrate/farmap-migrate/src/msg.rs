@@ -300,6 +300,19 @@ pub struct Header {
     pub len: u32,
 }
 
+/// Appends a frame header for a payload of `kind` and `len` bytes: for a sender that builds
+/// a frame's payload in place (an object migration's `Object` frames, whose pages are read
+/// straight into the frame) and sends it with [`Channel::send_frame`](crate::channel::Channel::send_frame).
+pub fn put_header(f: &mut BytesMut, kind: u8, len: u32) {
+    f.put_slice(&MAGIC);
+    f.put_u16(VERSION);
+    f.put_u8(kind);
+    f.put_u32(len);
+}
+
+/// The kind of [`Msg::Object`] frames.
+pub const OBJECT_KIND: u8 = 17;
+
 /// Checks a frame header.
 pub fn decode_header(h: &[u8; HEADER_LEN]) -> Result<Header, DecodeError> {
     if h[..4] != MAGIC {
@@ -350,7 +363,7 @@ impl Msg {
             Msg::AuthHello { .. } => 14,
             Msg::AuthChallenge { .. } => 15,
             Msg::AuthProof { .. } => 16,
-            Msg::Object(_) => 17,
+            Msg::Object(_) => OBJECT_KIND,
         }
     }
 
@@ -443,10 +456,7 @@ impl Msg {
             Msg::Object(b) => p.put_slice(b),
         }
         let mut f = BytesMut::with_capacity(HEADER_LEN + p.len());
-        f.put_slice(&MAGIC);
-        f.put_u16(VERSION);
-        f.put_u8(self.kind());
-        f.put_u32(p.len() as u32);
+        put_header(&mut f, self.kind(), p.len() as u32);
         f.put_slice(&p);
         f.freeze()
     }

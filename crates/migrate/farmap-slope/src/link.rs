@@ -22,7 +22,7 @@ pub(crate) async fn recv(ch: &mut Channel) -> Result<ObjMsg, SlopeError> {
         .map_err(SlopeError::io("receiving an object message"))?
     {
         Some(Msg::Object(b)) => {
-            match ObjMsg::decode(&b).map_err(|e| SlopeError::Protocol(e.to_string()))? {
+            match ObjMsg::decode_shared(&b).map_err(|e| SlopeError::Protocol(e.to_string()))? {
                 ObjMsg::Abort { reason } => Err(SlopeError::Refused(reason)),
                 m => Ok(m),
             }
@@ -36,6 +36,13 @@ pub(crate) async fn recv(ch: &mut Channel) -> Result<ObjMsg, SlopeError> {
             "the peer closed the connection".into(),
         )),
     }
+}
+
+/// Sends a whole `Object` frame built in place (see `source::page_frame`).
+pub(crate) async fn send_frame(ch: &mut Channel, frame: &[u8]) -> Result<(), SlopeError> {
+    ch.send_frame(frame)
+        .await
+        .map_err(SlopeError::io("sending an object message"))
 }
 
 /// Tells the peer why we give up (best effort) and returns `e`.

@@ -125,7 +125,7 @@ pub enum ObjDecodeError {
     Malformed(&'static str),
 }
 
-fn put_runs(p: &mut BytesMut, runs: &[Range<u64>]) {
+pub(crate) fn put_runs(p: &mut BytesMut, runs: &[Range<u64>]) {
     p.put_u32(runs.len() as u32);
     for r in runs {
         p.put_u64(r.start);
@@ -225,9 +225,31 @@ impl ObjMsg {
         p.freeze()
     }
 
-    /// Decodes a `Msg::Object` payload.
-    pub fn decode(mut p: &[u8]) -> Result<ObjMsg, ObjDecodeError> {
-        let p = &mut p;
+    /// Decodes a `Msg::Object` payload (page data is copied out of `p`).
+    pub fn decode(p: &[u8]) -> Result<ObjMsg, ObjDecodeError> {
+        Self::decode_with(p, &|at, len| Bytes::copy_from_slice(&p[at..at + len]))
+    }
+
+    /// [`decode`](Self::decode) of a payload held in `Bytes`: page data is a slice of it, not
+    /// a copy.
+    pub fn decode_shared(b: &Bytes) -> Result<ObjMsg, ObjDecodeError> {
+        Self::decode_with(b, &|at, len| b.slice(at..at + len))
+    }
+
+    /// Decodes `whole`; `data(at, len)` makes the page data found at offset `at`.
+    fn decode_with(
+        whole: &[u8],
+        data: &dyn Fn(usize, usize) -> Bytes,
+    ) -> Result<ObjMsg, ObjDecodeError> {
+        let mut rest = whole;
+        let p = &mut rest;
+        let total = whole.len();
+        let get_data = |p: &mut &[u8], cap: u32| -> Result<Bytes, ObjDecodeError> {
+            let n = get_len(p, cap)?;
+            let b = data(total - p.len(), n);
+            p.advance(n);
+            Ok(b)
+        };
         let kind = get_u8(p)?;
         let m = match kind {
             1 => ObjMsg::Hello {
@@ -360,7 +382,8 @@ fn get_runs(p: &mut &[u8]) -> Result<Vec<Range<u64>>, ObjDecodeError> {
     Ok(runs)
 }
 
-fn get_data(p: &mut &[u8], cap: u32) -> Result<Bytes, ObjDecodeError> {
+/// A data length (capped) whose bytes are all there.
+fn get_len(p: &mut &[u8], cap: u32) -> Result<usize, ObjDecodeError> {
     let n = get_u32(p)?;
     if n > cap {
         return Err(ObjDecodeError::TooLong {
@@ -370,9 +393,7 @@ fn get_data(p: &mut &[u8], cap: u32) -> Result<Bytes, ObjDecodeError> {
         });
     }
     need(p, n as usize)?;
-    let b = Bytes::copy_from_slice(&p[..n as usize]);
-    p.advance(n as usize);
-    Ok(b)
+    Ok(n as usize)
 }
 
 #[cfg(test)]

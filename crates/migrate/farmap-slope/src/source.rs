@@ -5,16 +5,17 @@ use std::ops::Range;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use bytes::Bytes;
+use bytes::{BufMut, Bytes, BytesMut};
 use farmap_arena::{type_tag, Arena, Obj, Portable, SlotState, READS_CLOSED, RETIRED};
 use farmap_migrate::channel::{self, Channel};
+use farmap_migrate::msg::{put_header, HEADER_LEN, OBJECT_KIND};
 use farmap_migrate::{auth, monotonic_ns};
 use farmap_net::auth::Key;
 use farmap_net::RemoteAddr;
 
 use crate::error::SlopeError;
-use crate::link::{abort, recv, send};
-use crate::msg::{ArenaShape, ObjMsg};
+use crate::link::{abort, recv, send, send_frame};
+use crate::msg::{put_runs, ArenaShape, ObjMsg};
 
 /// Pages per `Pages` message (4 MiB of 4 KiB pages).
 const BATCH_PAGES: u64 = 1024;
@@ -139,20 +140,6 @@ fn relative(arena: &Arena, slot: u32, runs: Vec<Range<u64>>) -> Vec<Range<u64>> 
     runs.into_iter()
         .map(|r| r.start - first..r.end - first)
         .collect()
-}
-
-/// Reads the bytes of slot-relative `runs` out of the object.
-fn read_pages(arena: &Arena, slot: u32, runs: &[Range<u64>]) -> Result<Bytes, SlopeError> {
-    let page = arena.region().page_size();
-    let slot_off = arena.slot_addrs(slot).start - arena.config().base;
-    let total: u64 = runs.iter().map(|r| r.end - r.start).sum();
-    let mut data = Vec::with_capacity(total as usize * page);
-    for r in runs {
-        let off = slot_off + r.start as usize * page;
-        let len = (r.end - r.start) as usize * page;
-        data.extend_from_slice(&arena.region().read_vec_at(off, len)?);
-    }
-    Ok(Bytes::from(data))
 }
 
 /// Splits `runs` into batches of at most `BATCH_PAGES` pages.
@@ -327,18 +314,10 @@ async fn exchange(
     for part in parts {
         send_runs(arena, slot, ch, u32::MAX, &part, &mut report).await?;
     }
-    let data = read_pages(arena, slot, &tail)?;
-    report.bytes_moved += data.len() as u64;
-    report.resent_dirty_bytes += data.len() as u64;
-    send(
-        ch,
-        &ObjMsg::HandOver {
-            runs: tail,
-            data,
-            writes_stopped_ns,
-        },
-    )
-    .await?;
+    let (frame, data) = page_frame(arena, slot, &tail, |f| f.put_u8(4), Some(writes_stopped_ns))?;
+    report.bytes_moved += data;
+    report.resent_dirty_bytes += data;
+    send_frame(ch, &frame).await?;
     mark("hand-over sent");
     match recv(ch).await? {
         ObjMsg::Installed { .. } => {}
@@ -407,22 +386,59 @@ async fn send_runs(
     report: &mut MigrationReport,
 ) -> Result<(), SlopeError> {
     for batch in batches(runs) {
-        let data = read_pages(arena, slot, &batch)?;
-        report.bytes_moved += data.len() as u64;
-        if round > 0 {
-            report.resent_dirty_bytes += data.len() as u64;
-        }
-        send(
-            ch,
-            &ObjMsg::Pages {
-                round,
-                runs: batch,
-                data,
+        let (frame, data) = page_frame(
+            arena,
+            slot,
+            &batch,
+            |f| {
+                f.put_u8(3);
+                f.put_u32(round);
             },
-        )
-        .await?;
+            None,
+        )?;
+        report.bytes_moved += data;
+        if round > 0 {
+            report.resent_dirty_bytes += data;
+        }
+        send_frame(ch, &frame).await?;
     }
     Ok(())
+}
+
+/// A whole `Object` frame carrying the pages of `runs`, read straight from the object into
+/// the frame (one copy): `head` writes the message's kind and fields before its runs,
+/// `tail` (a `HandOver`'s time) follows the data. Returns the frame and its data bytes.
+fn page_frame(
+    arena: &Arena,
+    slot: u32,
+    runs: &[Range<u64>],
+    head: impl FnOnce(&mut BytesMut),
+    tail: Option<u64>,
+) -> Result<(Bytes, u64), SlopeError> {
+    let page = arena.region().page_size();
+    let data_len = pages_in(runs) as usize * page;
+    let mut body = BytesMut::new();
+    head(&mut body);
+    put_runs(&mut body, runs);
+    body.put_u32(data_len as u32);
+    let payload = body.len() + data_len + tail.map_or(0, |_| 8);
+    let mut f = BytesMut::with_capacity(HEADER_LEN + payload);
+    put_header(&mut f, OBJECT_KIND, payload as u32);
+    f.put_slice(&body);
+    let mut at = f.len();
+    f.resize(at + data_len, 0);
+    let slot_off = arena.slot_addrs(slot).start - arena.config().base;
+    for r in runs {
+        let len = (r.end - r.start) as usize * page;
+        arena
+            .region()
+            .read_at(slot_off + r.start as usize * page, &mut f[at..at + len])?;
+        at += len;
+    }
+    if let Some(t) = tail {
+        f.put_u64(t);
+    }
+    Ok((f.freeze(), data_len as u64))
 }
 
 #[cfg(test)]
