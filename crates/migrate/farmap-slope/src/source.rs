@@ -260,12 +260,18 @@ async fn exchange(
     send_runs(arena, slot, ch, 0, &set, &mut report).await?;
     let converged_pages = opts.converged_bytes / page as u64;
     let mut pending = Vec::new();
+    let mut previous = u64::MAX;
     for round in 1..=opts.max_rounds {
         let dirty = relative(arena, slot, arena.take_written_in(extent()?)?.pages);
-        if pages_in(&dirty) <= converged_pages || round == opts.max_rounds {
+        let n = pages_in(&dirty);
+        // Stop when the rest fits the hand-over, or when a round did not shrink the
+        // written set by a fifth: the writers keep up with the rounds, and every further
+        // round would only cost them a write-protect fault per page again.
+        if n <= converged_pages || round == opts.max_rounds || n * 5 > previous * 4 {
             pending = dirty;
             break;
         }
+        previous = n;
         report.rounds = round;
         send_runs(arena, slot, ch, round, &dirty, &mut report).await?;
     }
