@@ -44,7 +44,7 @@ impl Channel {
         self.received.clone()
     }
 
-    /// Accepts payloads up to `cap` (at most [`MAX_PAYLOAD`](crate::msg::MAX_PAYLOAD)) from
+    /// Accepts payloads up to `cap` (at most [`MAX_PAYLOAD`]) from
     /// now on: for an accepted channel whose peer, once authenticated, sends big messages
     /// (an object migration's destination receives the pages). Never before the peer has
     /// proved its key.
