@@ -21,31 +21,7 @@ const MIB: u64 = 1 << 20;
 /// The interposition library of this build, or `None` (a recorded skip) when it, bounded
 /// userfaultfd regions or python3 are missing.
 fn preload(test: &str) -> Option<PathBuf> {
-    let bin = PathBuf::from(env!("CARGO_BIN_EXE_farmap"));
-    let beside = bin.with_file_name("libfarmap_preload.so");
-    let deps = bin.with_file_name("deps").join("libfarmap_preload.so");
-    let so = if !beside.is_file() && deps.is_file() {
-        deps
-    } else {
-        beside
-    };
-    if !so.is_file() {
-        skip(
-            test,
-            format!(
-                "{} is missing: build it with `cargo build -p farmap-preload`",
-                so.display()
-            ),
-        );
-        return None;
-    }
-    if let Err(e) = farmap_uffd::probe_paging() {
-        skip(
-            test,
-            format!("bounded userfaultfd regions are not available here: {e}"),
-        );
-        return None;
-    }
+    let so = common::preload_library(test)?;
     if !Path::new(PYTHON).is_file() {
         skip(test, format!("{PYTHON} is missing"));
         return None;

@@ -479,25 +479,7 @@ fn a_managed_mount_counts_its_store_and_its_pushes() {
 /// The interposition library `farmap run` loads, from this build (skipped without it or
 /// without bounded userfaultfd regions).
 fn preload(test: &str) -> Option<std::path::PathBuf> {
-    let bin = Path::new(env!("CARGO_BIN_EXE_farmap"));
-    let so = [
-        bin.with_file_name("libfarmap_preload.so"),
-        bin.with_file_name("deps").join("libfarmap_preload.so"),
-    ]
-    .into_iter()
-    .find(|p| p.is_file());
-    if so.is_none() {
-        skip(
-            test,
-            "libfarmap_preload.so is missing (cargo build -p farmap-preload)",
-        );
-        return None;
-    }
-    if farmap_uffd::probe_paging().is_err() {
-        skip(test, "bounded userfaultfd regions are not available here");
-        return None;
-    }
-    so
+    common::preload_library(test)
 }
 
 /// `farmap run --metrics-listen`: a Python program touching 48 MiB of heap at an 8 MiB

@@ -16,32 +16,10 @@ use serde_json::Value;
 
 const PYTHON: &str = "/usr/bin/python3";
 
-/// The interposition library of this build (`cargo test --workspace` builds it, `cargo build
-/// -p farmap-preload` too), or `None` (a recorded skip).
+/// The interposition library of this build, or `None` (a recorded skip) when it, bounded
+/// userfaultfd regions or python3 are missing.
 fn preload(test: &str) -> Option<PathBuf> {
-    let bin = PathBuf::from(env!("CARGO_BIN_EXE_farmap"));
-    // Where farmap run looks by default: beside the binary, or in the build's `deps`.
-    let beside = bin.with_file_name("libfarmap_preload.so");
-    let deps = bin.with_file_name("deps").join("libfarmap_preload.so");
-    let so = if !beside.is_file() && deps.is_file() {
-        deps
-    } else {
-        beside
-    };
-    if !so.is_file() {
-        skip(
-            test,
-            format!(
-                "{} is missing: build it with `cargo build -p farmap-preload`",
-                so.display()
-            ),
-        );
-        return None;
-    }
-    if farmap_uffd::probe_paging().is_err() {
-        skip(test, "bounded userfaultfd regions are not available here");
-        return None;
-    }
+    let so = common::preload_library(test)?;
     if !std::path::Path::new(PYTHON).is_file() {
         skip(test, format!("{PYTHON} is missing"));
         return None;

@@ -54,7 +54,7 @@ impl MigrateOptions {
 
 /// What an object migration did and how long each part took (the keys of `farmap bench
 /// slope`).
-#[derive(Debug, Clone, Default, PartialEq)]
+#[derive(Debug, Clone, Default, PartialEq, serde::Serialize, serde::Deserialize)]
 pub struct MigrationReport {
     /// Pages of the object's page set when the migration began.
     pub pages: u64,
@@ -260,14 +260,15 @@ async fn exchange(
     send_runs(arena, slot, ch, 0, &set, &mut report).await?;
     let converged_pages = opts.converged_bytes / page as u64;
     let mut pending = Vec::new();
-    let mut previous = u64::MAX;
+    // Round 0 sent the page set.
+    let mut previous = report.pages;
     for round in 1..=opts.max_rounds {
         let dirty = relative(arena, slot, arena.take_written_in(extent()?)?.pages);
         let n = pages_in(&dirty);
         // Stop when the rest fits the hand-over, or when a round did not shrink the
         // written set by a fifth: the writers keep up with the rounds, and every further
         // round would only cost them a write-protect fault per page again.
-        if n <= converged_pages || round == opts.max_rounds || n * 5 > previous * 4 {
+        if n <= converged_pages || round == opts.max_rounds || n.saturating_mul(5) > previous.saturating_mul(4) {
             pending = dirty;
             break;
         }

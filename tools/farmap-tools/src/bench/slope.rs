@@ -199,30 +199,31 @@ fn one(case: Case, pages: u64, chunk: u64, run: u32, tcp: f64) -> anyhow::Result
     if !dest.wait()?.success() {
         bail!("the destination node failed");
     }
-    let expected = s.owned_bytes + s.resent_dirty_bytes;
+    let r = &s.report;
+    let expected = r.owned_bytes + r.resent_dirty_bytes;
     Ok(Row {
         bench: "slope",
         object: case.name(),
-        pages: s.pages,
+        pages: r.pages,
         pages_asked: pages,
         page_bytes: chunk,
         run,
-        prefill_ms: s.prefill_ms,
-        prefill_mb_per_s: s.prefill_mb_per_s,
+        prefill_ms: r.prefill_ms,
+        prefill_mb_per_s: r.prefill_mb_per_s,
         tcp_raw_mb_per_s: tcp,
-        no_owner_us: s.no_owner_us,
-        read_unavailable_ms: s.read_unavailable_ms,
-        write_unavailable_ms: s.write_unavailable_ms,
+        no_owner_us: r.no_owner_us,
+        read_unavailable_ms: r.read_unavailable_ms,
+        write_unavailable_ms: r.write_unavailable_ms,
         writer_ops_ratio_during_prefill: s.writer_ops_ratio_during_prefill,
         writer_wall_ratio: s.writer_wall_ratio,
-        end_to_end_ms: s.end_to_end_ms,
-        rounds: s.rounds,
-        final_dirty_pages: s.final_dirty_pages,
-        bytes_moved: s.wire_bytes,
+        end_to_end_ms: r.end_to_end_ms,
+        rounds: r.rounds,
+        final_dirty_pages: r.final_dirty_pages,
+        bytes_moved: r.wire_bytes,
         bytes_expected: expected,
-        owned_bytes: s.owned_bytes,
-        resent_dirty_bytes: s.resent_dirty_bytes,
-        bytes_ratio: s.wire_bytes as f64 / expected.max(1) as f64,
+        owned_bytes: r.owned_bytes,
+        resent_dirty_bytes: r.resent_dirty_bytes,
+        bytes_ratio: r.wire_bytes as f64 / expected.max(1) as f64,
         verified: d.digest.as_deref() == Some(s.digest.as_str()),
     })
 }

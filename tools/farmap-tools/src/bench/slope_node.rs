@@ -14,7 +14,7 @@ use farmap_arena::allocator_api2::vec::Vec as AVec;
 use farmap_arena::{ensure_fixed_image, Arena, ArenaAlloc, ArenaConfig, Member, Obj};
 use farmap_net::auth::Key;
 use farmap_net::{ListenAddr, RemoteAddr};
-use farmap_slope::{migrate, MigrateOptions, ObjListener};
+use farmap_slope::{migrate, MigrateOptions, MigrationReport, ObjListener};
 use serde::{Deserialize, Serialize};
 
 /// The object of the vector cases.
@@ -46,22 +46,11 @@ pub struct NodeArgs {
     pub cpu: usize,
 }
 
-/// What the source prints.
+/// What the source prints: the migration's report, and the writer's rates.
 #[derive(Debug, Default, Serialize, Deserialize)]
 pub struct SourceLine {
-    pub pages: u64,
-    pub prefill_ms: f64,
-    pub prefill_mb_per_s: f64,
-    pub no_owner_us: f64,
-    pub read_unavailable_ms: f64,
-    pub write_unavailable_ms: f64,
-    pub end_to_end_ms: f64,
-    pub rounds: u32,
-    pub final_dirty_pages: u64,
-    pub bytes_moved: u64,
-    pub wire_bytes: u64,
-    pub owned_bytes: u64,
-    pub resent_dirty_bytes: u64,
+    #[serde(flatten)]
+    pub report: MigrationReport,
     /// Writer ops per thread-CPU second during prefill ÷ before (dirty case).
     pub writer_ops_ratio_during_prefill: Option<f64>,
     /// The same per wall-clock second.
@@ -261,19 +250,7 @@ fn source(args: &NodeArgs) -> anyhow::Result<()> {
         None => (None, None, d_clean.unwrap_or_default()),
     };
     line(&SourceLine {
-        pages: report.pages,
-        prefill_ms: report.prefill_ms,
-        prefill_mb_per_s: report.prefill_mb_per_s,
-        no_owner_us: report.no_owner_us,
-        read_unavailable_ms: report.read_unavailable_ms,
-        write_unavailable_ms: report.write_unavailable_ms,
-        end_to_end_ms: report.end_to_end_ms,
-        rounds: report.rounds,
-        final_dirty_pages: report.final_dirty_pages,
-        bytes_moved: report.bytes_moved,
-        wire_bytes: report.wire_bytes,
-        owned_bytes: report.owned_bytes,
-        resent_dirty_bytes: report.resent_dirty_bytes,
+        report,
         writer_ops_ratio_during_prefill: ratio,
         writer_wall_ratio: wall_ratio,
         digest,
