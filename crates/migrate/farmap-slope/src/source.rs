@@ -268,7 +268,10 @@ async fn exchange(
         // Stop when the rest fits the hand-over, or when a round did not shrink the
         // written set by a fifth: the writers keep up with the rounds, and every further
         // round would only cost them a write-protect fault per page again.
-        if n <= converged_pages || round == opts.max_rounds || n.saturating_mul(5) > previous.saturating_mul(4) {
+        if n <= converged_pages
+            || round == opts.max_rounds
+            || n.saturating_mul(5) > previous.saturating_mul(4)
+        {
             pending = dirty;
             break;
         }
