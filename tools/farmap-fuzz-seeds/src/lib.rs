@@ -55,6 +55,7 @@ pub fn seeds() -> Vec<Seed> {
     all.extend(genl_reply());
     all.extend(version_manifest());
     all.extend(run_msg());
+    all.extend(slope_msg());
     all
 }
 
@@ -383,6 +384,10 @@ fn migrate_msg() -> Vec<Seed> {
                 reason: "the source stopped".into(),
             },
         ),
+        (
+            "object",
+            Msg::Object(farmap_slope::msg::ObjMsg::Welcome.encode()),
+        ),
     ];
     msgs.into_iter()
         .map(|(name, m)| Seed::new("migrate_msg", name, m.encode().to_vec()))
@@ -426,6 +431,66 @@ fn handover_hello() -> Vec<Seed> {
             encode_reply(Some(Refusal::Store)),
         ),
     ]
+}
+
+/// Every kind of object migration message (farmap-slope).
+fn slope_msg() -> Vec<Seed> {
+    use bytes::Bytes;
+    use farmap_slope::msg::{ArenaShape, ObjMsg};
+    let msgs = [
+        (
+            "hello",
+            ObjMsg::Hello {
+                slot: 3,
+                tag: 9,
+                build_id: [7; 32],
+                arena: ArenaShape {
+                    base: 1 << 44,
+                    size: 1 << 34,
+                    slot_shift: 30,
+                    chunk: 65536,
+                    page: 4096,
+                },
+            },
+        ),
+        ("welcome", ObjMsg::Welcome),
+        (
+            "pages",
+            ObjMsg::Pages {
+                round: 1,
+                runs: vec![0..1, 5..6],
+                data: Bytes::from(vec![1u8; 8192]),
+            },
+        ),
+        (
+            "handover",
+            ObjMsg::HandOver {
+                runs: vec![2..3],
+                data: Bytes::from(vec![2u8; 4096]),
+                writes_stopped_ns: 5,
+            },
+        ),
+        ("installed", ObjMsg::Installed { installed_ns: 6 }),
+        ("released", ObjMsg::Released { released_ns: 7 }),
+        (
+            "done",
+            ObjMsg::Done {
+                owned_ns: 8,
+                received_bytes: 9,
+            },
+        ),
+        (
+            "abort",
+            ObjMsg::Abort {
+                reason: "no room".into(),
+            },
+        ),
+        ("flush", ObjMsg::Flush { round: 3 }),
+        ("flushed", ObjMsg::Flushed { round: 3 }),
+    ];
+    msgs.into_iter()
+        .map(|(name, m)| Seed::new("slope_msg", name, m.encode().to_vec()))
+        .collect()
 }
 
 /// Every kind of `farmap run` message, and two back to back.
@@ -722,7 +787,7 @@ mod tests {
                     .into_owned()
             })
             .collect();
-        assert_eq!(targets.len(), 11, "{targets:?}");
+        assert_eq!(targets.len(), 12, "{targets:?}");
         let all = seeds();
         for t in &targets {
             let n = all.iter().filter(|s| s.target == t).count();
