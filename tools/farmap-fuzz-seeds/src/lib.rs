@@ -465,8 +465,8 @@ fn slope_msg() -> Vec<Seed> {
         (
             "handover",
             ObjMsg::HandOver {
-                runs: vec![2..3],
-                data: Bytes::from(vec![2u8; 4096]),
+                runs: vec![2..3, 6..7],
+                data: Bytes::from(vec![2u8; 8192]),
                 writes_stopped_ns: 5,
             },
         ),
