@@ -20,7 +20,6 @@ use std::sync::atomic::{AtomicU64, Ordering};
 /// with asynchronous write tracking and no write-back (its memory lives here, and moves
 /// between processes by object migration, never through a store), cut into slots.
 pub struct Arena {
-    cfg: ArenaConfig,
     store: Arc<ArenaStore>,
     shared: &'static Shared,
     leases: Mutex<LeaseBook>,
@@ -33,7 +32,7 @@ pub struct Arena {
 impl std::fmt::Debug for Arena {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("Arena")
-            .field("cfg", &self.cfg)
+            .field("cfg", &self.shared.cfg)
             .field("build_id", &self.build_id.to_string())
             .field("fixed_image", &self.fixed_image)
             .finish_non_exhaustive()
@@ -97,7 +96,6 @@ impl Arena {
             leases: Mutex::new(LeaseBook::genesis(&cfg, member)),
             build_id: BuildId::of_self()?,
             fixed_image: fixed_image(),
-            cfg,
             store,
             region,
         })
@@ -105,7 +103,7 @@ impl Arena {
 
     /// The configuration.
     pub fn config(&self) -> &ArenaConfig {
-        &self.cfg
+        &self.shared.cfg
     }
 
     /// The region under the arena.
@@ -164,25 +162,18 @@ impl Arena {
 
     /// The slot that holds address `addr`, if it is in the arena.
     pub fn slot_of(&self, addr: usize) -> Option<u32> {
-        let off = addr.checked_sub(self.cfg.base)?;
-        (off < self.cfg.size).then_some((off >> self.cfg.slot_shift) as u32)
+        self.shared.slot_of(addr)
     }
 
     /// The addresses of `slot`.
     pub fn slot_addrs(&self, slot: u32) -> Range<usize> {
-        let start = self.cfg.base + ((slot as usize) << self.cfg.slot_shift);
-        start..start + self.cfg.slot_size()
-    }
-
-    /// The region's chunks of `slot`.
-    pub fn slot_chunks(&self, slot: u32) -> Range<u64> {
-        let per = self.store.chunks_per_slot();
-        u64::from(slot) * per..(u64::from(slot) + 1) * per
+        let start = self.shared.slot_base(slot);
+        start..start + self.shared.cfg.slot_size()
     }
 
     /// The region's pages of `slot`.
     pub fn slot_pages(&self, slot: u32) -> Range<u64> {
-        let shift = self.cfg.slot_shift - rustix::param::page_size().trailing_zeros();
+        let shift = self.shared.cfg.slot_shift - rustix::param::page_size().trailing_zeros();
         u64::from(slot) << shift..(u64::from(slot) + 1) << shift
     }
 
@@ -214,14 +205,13 @@ impl Arena {
     /// The pages of `slot` written since its last scan, write-protected again (the region's
     /// other slots keep theirs).
     pub fn take_written(&self, slot: u32) -> Result<DirtyReport, RegionError> {
-        self.region
-            .take_dirty_within(std::slice::from_ref(&self.slot_chunks(slot)))
+        self.take_written_in(self.slot_pages(slot))
     }
 
     /// The pages of `pages` (region page indices) written since their last scan,
     /// write-protected again; the scan costs the chunks that cover `pages`.
     pub fn take_written_in(&self, pages: Range<u64>) -> Result<DirtyReport, RegionError> {
-        let per_chunk = u64::from(self.cfg.chunk) / rustix::param::page_size() as u64;
+        let per_chunk = u64::from(self.shared.cfg.chunk) / rustix::param::page_size() as u64;
         let chunks = pages.start / per_chunk..pages.end.div_ceil(per_chunk);
         self.region.take_dirty_within(std::slice::from_ref(&chunks))
     }

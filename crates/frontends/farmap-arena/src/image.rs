@@ -97,19 +97,10 @@ impl BuildId {
 }
 
 impl std::fmt::Display for BuildId {
+    /// Hexadecimal, without the zero padding after a shorter id (SHA-1 ids are 20 bytes).
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        for b in self
-            .0
-            .iter()
-            .rev()
-            .skip_while(|b| **b == 0)
-            .collect::<Vec<_>>()
-            .iter()
-            .rev()
-        {
-            write!(f, "{b:02x}")?;
-        }
-        Ok(())
+        let len = self.0.iter().rposition(|b| *b != 0).map_or(0, |i| i + 1);
+        self.0[..len].iter().try_for_each(|b| write!(f, "{b:02x}"))
     }
 }
 

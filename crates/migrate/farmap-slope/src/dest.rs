@@ -110,13 +110,9 @@ impl ObjListener {
     }
 }
 
-/// Why a `Hello` cannot be taken here, if it cannot.
-fn refuse_hello(
-    arena: &Arena,
-    slot: u32,
-    build_id: &[u8; 32],
-    shape: &ArenaShape,
-) -> Option<String> {
+/// Checks a `Hello` against this arena and, if it can be taken, claims its slot (`Free` →
+/// `Inbound`); otherwise says why not, and changes nothing.
+fn claim_slot(arena: &Arena, slot: u32, build_id: &[u8; 32], shape: &ArenaShape) -> Option<String> {
     let cfg = arena.config();
     let page = arena.region().page_size() as u32;
     let ours = ArenaShape {
@@ -170,7 +166,7 @@ async fn receive(
             build_id,
             arena: shape,
         } => {
-            if let Some(why) = refuse_hello(arena, slot, &build_id, &shape) {
+            if let Some(why) = claim_slot(arena, slot, &build_id, &shape) {
                 // `accept` tells the source (an error that is not the peer's own `Abort`).
                 return Err(SlopeError::Incompatible(why));
             }
