@@ -2,7 +2,7 @@
 //! arena, at the same address.
 
 use std::sync::Arc;
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
 use farmap_arena::{Arena, SlotState};
 use farmap_migrate::channel::{Channel, ControlListener};
@@ -12,7 +12,7 @@ use farmap_net::auth::Key;
 use farmap_net::ListenAddr;
 
 use crate::error::SlopeError;
-use crate::link::{abort, recv, send};
+use crate::link::{abort, recv_within, send};
 use crate::msg::{check_runs, ArenaShape, ObjMsg};
 
 /// An object that arrived: attach it with [`Obj::attach`](farmap_arena::Obj::attach).
@@ -35,7 +35,14 @@ pub struct ObjListener {
     rt: tokio::runtime::Runtime,
     listener: ControlListener,
     keys: auth::SeederKeys,
+    handshake_limit: Duration,
+    idle_limit: Duration,
 }
+
+/// How long a connection may take to prove the key ([`ObjListener::set_limits`]).
+pub const HANDSHAKE_LIMIT: Duration = Duration::from_secs(10);
+/// How long a migration may go without a message from its source.
+pub const IDLE_LIMIT: Duration = Duration::from_secs(30);
 
 impl std::fmt::Debug for ObjListener {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
@@ -60,6 +67,8 @@ impl ObjListener {
             rt,
             listener,
             keys: auth::SeederKeys::new(key),
+            handshake_limit: HANDSHAKE_LIMIT,
+            idle_limit: IDLE_LIMIT,
         })
     }
 
@@ -68,6 +77,14 @@ impl ObjListener {
         self.listener
             .local_addr()
             .map_err(SlopeError::io("reading the listener's address"))
+    }
+
+    /// How long a connection may take to prove the key, and a migration may go without a
+    /// message (default [`HANDSHAKE_LIMIT`], [`IDLE_LIMIT`]): a peer that never speaks or
+    /// stops is cut off, and the slot it had is free again.
+    pub fn set_limits(&mut self, handshake: Duration, idle: Duration) {
+        self.handshake_limit = handshake;
+        self.idle_limit = idle;
     }
 
     /// Takes the next object migrating into `arena`; blocks until it is this process's (or
@@ -79,17 +96,27 @@ impl ObjListener {
                 .accept_raw()
                 .await
                 .map_err(SlopeError::io("accepting"))?;
-            let mut ch = accepted
-                .handshake()
-                .await
-                .map_err(|e| SlopeError::Protocol(format!("handshake: {e}")))?;
-            auth::seeder(&mut ch, &self.keys)
-                .await
-                .map_err(SlopeError::Auth)?;
+            let proven = tokio::time::timeout(self.handshake_limit, async {
+                let mut ch = accepted
+                    .handshake()
+                    .await
+                    .map_err(|e| SlopeError::Protocol(format!("handshake: {e}")))?;
+                auth::seeder(&mut ch, &self.keys)
+                    .await
+                    .map_err(SlopeError::Auth)?;
+                Ok(ch)
+            })
+            .await;
+            let mut ch = proven.unwrap_or_else(|_| {
+                Err(SlopeError::Auth(format!(
+                    "the peer did not prove the key within {:?}",
+                    self.handshake_limit
+                )))
+            })?;
             // Proven: the pages may come in big frames now.
             ch.accept_payloads_up_to(MAX_PAYLOAD);
             let mut slot = None;
-            let r = receive(arena, &mut ch, &mut slot).await;
+            let r = receive(arena, &mut ch, &mut slot, self.idle_limit).await;
             if r.is_err() {
                 if let Some(s) = slot {
                     arena.discard_slot(s);
@@ -157,9 +184,10 @@ async fn receive(
     arena: &Arc<Arena>,
     ch: &mut Channel,
     taken: &mut Option<u32>,
+    idle: Duration,
 ) -> Result<Arrival, SlopeError> {
     let started = Instant::now();
-    let (slot, tag) = match recv(ch).await? {
+    let (slot, tag) = match recv_within(ch, idle).await? {
         ObjMsg::Hello {
             slot,
             tag,
@@ -199,7 +227,7 @@ async fn receive(
     };
     let mut pages = 0;
     let writes_stopped_ns = loop {
-        match recv(ch).await? {
+        match recv_within(ch, idle).await? {
             ObjMsg::Pages { runs, data, .. } => pages += install(&runs, &data)?,
             ObjMsg::Flush { round } => send(ch, &ObjMsg::Flushed { round }).await?,
             ObjMsg::HandOver {
@@ -235,7 +263,7 @@ async fn receive(
         },
     )
     .await?;
-    match recv(ch).await? {
+    match recv_within(ch, idle).await? {
         ObjMsg::Released { .. } => {}
         m => {
             return Err(SlopeError::Protocol(format!(

@@ -20,6 +20,6 @@ mod link;
 pub mod msg;
 mod source;
 
-pub use dest::{Arrival, ObjListener};
+pub use dest::{Arrival, ObjListener, HANDSHAKE_LIMIT, IDLE_LIMIT};
 pub use error::SlopeError;
 pub use source::{migrate, MigrateOptions, MigrationReport};

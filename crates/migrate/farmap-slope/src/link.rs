@@ -45,6 +45,21 @@ pub(crate) async fn send_frame(ch: &mut Channel, frame: &[u8]) -> Result<(), Slo
         .map_err(SlopeError::io("sending an object message"))
 }
 
+/// [`recv`], or a protocol error when nothing comes within `limit` (a peer that stops
+/// sending must not hold a slot, or the listener, for good).
+pub(crate) async fn recv_within(
+    ch: &mut Channel,
+    limit: std::time::Duration,
+) -> Result<ObjMsg, SlopeError> {
+    tokio::time::timeout(limit, recv(ch))
+        .await
+        .unwrap_or_else(|_| {
+            Err(SlopeError::Protocol(format!(
+                "the peer sent nothing for {limit:?}"
+            )))
+        })
+}
+
 /// Tells the peer why we give up (best effort) and returns `e`.
 pub(crate) async fn abort(ch: &mut Channel, e: SlopeError) -> SlopeError {
     let _ = send(
