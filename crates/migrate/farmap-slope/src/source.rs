@@ -14,7 +14,7 @@ use farmap_net::auth::Key;
 use farmap_net::RemoteAddr;
 
 use crate::error::SlopeError;
-use crate::link::{abort, recv, send, send_frame};
+use crate::link::{abort, recv_within, send, send_frame};
 use crate::msg::{put_runs, ArenaShape, ObjMsg};
 
 /// Pages per `Pages` message (4 MiB of 4 KiB pages).
@@ -35,11 +35,15 @@ pub struct MigrateOptions {
     pub drain_patience: Duration,
     /// Tries of the hand-over (a dirty round between two) before giving up.
     pub drain_tries: u32,
+    /// How long to wait for an answer of the destination: a destination that stops
+    /// answering before the release fails the migration, and the object stays here,
+    /// writable again.
+    pub idle_limit: Duration,
 }
 
 impl MigrateOptions {
     /// Defaults around `key`: 10 s to connect, up to 8 rounds, hand over at ≤ 256 KiB
-    /// written, 100 ms of patience for writers, 5 tries.
+    /// written, 100 ms of patience for writers, 5 tries, 30 s for each answer.
     pub fn new(key: Key) -> MigrateOptions {
         MigrateOptions {
             key,
@@ -48,6 +52,7 @@ impl MigrateOptions {
             converged_bytes: 256 << 10,
             drain_patience: Duration::from_millis(100),
             drain_tries: 5,
+            idle_limit: crate::dest::IDLE_LIMIT,
         }
     }
 }
@@ -232,7 +237,7 @@ async fn exchange(
         },
     )
     .await?;
-    match recv(ch).await? {
+    match recv_within(ch, opts.idle_limit).await? {
         ObjMsg::Welcome => {}
         m => {
             return Err(SlopeError::Protocol(format!(
@@ -288,7 +293,7 @@ async fn exchange(
         },
     )
     .await?;
-    match recv(ch).await? {
+    match recv_within(ch, opts.idle_limit).await? {
         ObjMsg::Flushed { .. } => {}
         m => {
             return Err(SlopeError::Protocol(format!(
@@ -329,7 +334,7 @@ async fn exchange(
     report.resent_dirty_bytes += data;
     send_frame(ch, &frame).await?;
     mark("hand-over sent");
-    match recv(ch).await? {
+    match recv_within(ch, opts.idle_limit).await? {
         ObjMsg::Installed { .. } => {}
         m => {
             return Err(SlopeError::Protocol(format!(
@@ -359,7 +364,7 @@ async fn exchange(
         },
     )
     .await?;
-    let owned_ns = match recv(ch).await? {
+    let owned_ns = match recv_within(ch, opts.idle_limit).await? {
         ObjMsg::Done {
             owned_ns,
             received_bytes,
