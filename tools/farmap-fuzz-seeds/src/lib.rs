@@ -496,7 +496,7 @@ fn slope_msg() -> Vec<Seed> {
 /// Every kind of `farmap run` message, and two back to back.
 fn run_msg() -> Vec<Seed> {
     use farmap_run_proto::{
-        Config, Done, Hello, Msg, Op, Registered, Request, Verdict, MAX_MSG_LEN,
+        Config, Done, ForkPrepare, Hello, Msg, Op, Registered, Request, Verdict, MAX_MSG_LEN,
     };
     let base = 0x7f00_0000_0000u64;
     let msgs = [
@@ -527,6 +527,14 @@ fn run_msg() -> Vec<Seed> {
             }),
         ),
         ("verdict", Msg::Verdict(Verdict { status: 3 })),
+        (
+            "fork_prepare",
+            Msg::ForkPrepare(ForkPrepare {
+                token: [7; 32],
+                pid: 4243,
+                region: base,
+            }),
+        ),
         (
             "discard",
             Msg::Request(Request {

@@ -27,7 +27,8 @@ use farmap_cli_kit::metrics::{Metrics, MetricsArgs};
 use farmap_migrate::agent::BudgetNote;
 use farmap_run_proto::TOKEN_LEN;
 use farmap_uffd::foreign::{
-    handshake, trash_len, Expected, ForeignOptions, ForeignRegion, FOREIGN_FEATURES,
+    handshake, trash_len, Contact, Expected, ForeignOptions, ForeignRegion, ForkCall, ForkStats,
+    FOREIGN_FEATURES,
 };
 use farmap_uffd::{LocalLimit, PagingOptions, Prefetch, RegionStats};
 use parking_lot::Mutex;
@@ -91,6 +92,14 @@ pub struct RunArgs {
     /// directory.
     #[arg(long, value_name = "NAME")]
     budget: Option<String>,
+    /// What a forked child gets of the heap. `copy`: all of it, as memory of its own (the
+    /// parent pauses its paging during the fork; what is staged or in the store is copied
+    /// into the child, which is not bounded). `none`: nothing; fork + exec, vfork and
+    /// posix_spawn work, and a child that touches the heap gets SIGSEGV (no copy for
+    /// programs that fork a big heap only to exec). `copy` needs CAP_SYS_PTRACE in the
+    /// program (root); without it a program gets `none`.
+    #[arg(long, value_enum, value_name = "copy|none", default_value = "copy")]
+    forks: Forks,
     #[command(flatten)]
     metrics: MetricsArgs,
     /// The program and its arguments.
@@ -101,6 +110,15 @@ pub struct RunArgs {
         value_name = "PROGRAM"
     )]
     command: Vec<OsString>,
+}
+
+/// What a forked child gets of the heap (`--forks`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+enum Forks {
+    /// A whole copy.
+    Copy,
+    /// Nothing (touching the heap faults).
+    None,
 }
 
 /// What the program's sessions share.
@@ -293,7 +311,7 @@ pub async fn run(args: RunArgs) -> anyhow::Result<ExitCode> {
             region_len: args.heap_max,
             chunk_size: HEAP_CHUNK as u32,
             trash_len: trash_len(geometry),
-            features: region_features(),
+            features: region_features(args.forks),
         },
         ancestor: Some(pid),
     };
@@ -346,12 +364,16 @@ async fn agent_and_budget(
 }
 
 /// The features the program's region userfaultfd is opened with.
-fn region_features() -> u64 {
+fn region_features(forks: Forks) -> u64 {
     let thread_id = farmap_uffd::sys::UFFD_FEATURE_THREAD_ID;
-    match farmap_uffd::probe() {
-        Ok(s) if s.features & thread_id != 0 => FOREIGN_FEATURES | thread_id,
-        _ => FOREIGN_FEATURES,
-    }
+    // Fork events let a forked child keep the heap; a program without the privilege they
+    // need (CAP_SYS_PTRACE) goes without, and its children cannot touch the heap.
+    let fork = match forks {
+        Forks::Copy => farmap_uffd::sys::UFFD_FEATURE_EVENT_FORK,
+        Forks::None => 0,
+    };
+    let supported = farmap_uffd::probe().map_or(0, |s| s.features);
+    FOREIGN_FEATURES | (supported & (thread_id | fork))
 }
 
 /// The store spec of a heap of `heap_max` bytes: `spec` (its size, if any, must be
@@ -468,9 +490,12 @@ fn serve_program(
     served: &Served,
     handshake_done: &dyn Fn(),
 ) -> anyhow::Result<()> {
-    let applicant = handshake(conn, expected, HANDSHAKE_TIMEOUT);
+    let contact = handshake(conn, expected, HANDSHAKE_TIMEOUT);
     handshake_done();
-    let applicant = applicant?;
+    let applicant = match contact? {
+        Contact::Program(applicant) => applicant,
+        Contact::Fork(call) => return serve_fork(call, served),
+    };
     let pid = applicant.pid();
     let _span = tracing::info_span!("run", pid).entered();
     let spec = served.spec.clone();
@@ -506,15 +531,67 @@ fn serve_program(
     if served.stats {
         status!(
             "{}",
-            stats_line(pid, served.heap_max, &end, &region.stats())
+            stats_line(
+                pid,
+                served.heap_max,
+                &end,
+                &region.stats(),
+                &region.fork_stats()
+            )
         );
     }
     served.end_session(&region);
     Ok(())
 }
 
+/// A program image about to fork: its pager paused until the child's heap is whole.
+fn serve_fork(call: ForkCall, served: &Served) -> anyhow::Result<()> {
+    let (pid, base) = (call.pid(), call.region());
+    // The program runs as soon as it has its verdict, which may be a moment before its
+    // session is listed here.
+    let find = || {
+        served
+            .sessions
+            .lock()
+            .iter()
+            .find(|r| r.pid() == pid && r.base() as u64 == base)
+            .cloned()
+    };
+    let mut region = find();
+    let start = std::time::Instant::now();
+    while region.is_none() && start.elapsed() < Duration::from_secs(2) {
+        std::thread::sleep(Duration::from_millis(1));
+        region = find();
+    }
+    let Some(region) = region else {
+        return Err(call
+            .refuse(&format!(
+                "process {pid} announced a fork but has no heap served"
+            ))
+            .into());
+    };
+    let copied = call
+        .serve(&region)
+        .with_context(|| format!("the fork of process {pid}"))?;
+    if let Some(c) = copied {
+        tracing::debug!(
+            pid,
+            from_slots = c.from_slots,
+            from_store = c.from_store,
+            "a forked child's heap is whole"
+        );
+    }
+    Ok(())
+}
+
 /// One JSON line of a program image's heap counters.
-fn stats_line(pid: u32, heap_max: u64, end: &farmap_uffd::foreign::End, s: &RegionStats) -> String {
+fn stats_line(
+    pid: u32,
+    heap_max: u64,
+    end: &farmap_uffd::foreign::End,
+    s: &RegionStats,
+    forks: &ForkStats,
+) -> String {
     let p = s.paging.clone().unwrap_or_default();
     serde_json::json!({
         "pid": pid,
@@ -529,6 +606,10 @@ fn stats_line(pid: u32, heap_max: u64, end: &farmap_uffd::foreign::End, s: &Regi
         "prefetch_hits": p.prefetch_hits,
         "pushed_bytes": s.pushed_bytes,
         "remove_events": s.remove_events,
+        "forks": forks.forks,
+        "forks_unpaused": forks.unpaused,
+        "forks_failed": forks.failed,
+        "fork_copied_bytes": forks.copied_bytes,
     })
     .to_string()
 }

@@ -183,6 +183,100 @@ fn an_exec_starts_a_new_session() {
     assert_eq!(ends, ["Replaced", "Exited"], "{stderr}");
 }
 
+/// Python: 48 MiB of random 1 MiB blocks; three forked children each hash the whole heap
+/// while the parent flips a byte of a third of the blocks and flips it back, and report
+/// whether they saw what the parent had at the fork.
+const FORKS: &str = r#"
+import os, sys, hashlib
+blocks = [bytearray(os.urandom(16)) * 65536 for _ in range(48)]
+digest = hashlib.sha256(b"".join(blocks)).hexdigest()
+pids = []
+for k in range(3):
+    pid = os.fork()
+    if pid == 0:
+        os._exit(0 if hashlib.sha256(b"".join(blocks)).hexdigest() == digest else 3)
+    pids.append(pid)
+    for b in blocks[k::3]:
+        b[0] ^= 0xff
+    for b in blocks[k::3]:
+        b[0] ^= 0xff
+bad = [pid for pid in pids if os.waitpid(pid, 0)[1] != 0]
+same = hashlib.sha256(b"".join(blocks)).hexdigest() == digest
+print("children bad", len(bad), "parent same", same)
+sys.exit(0 if not bad and same else 1)
+"#;
+
+/// A forked child keeps its parent's heap (fork events: `farmap run` is root here): three
+/// Python children read the whole heap, most of it written back to the store or staged at
+/// an 8 MiB bound, while the parent changes it; a shell's pipelines and command
+/// substitutions (children that fork before they exec) work.
+#[test]
+fn forked_children_read_their_parents_whole_heap_while_it_changes() {
+    let test = "forked_children_read_their_parents_whole_heap_while_it_changes";
+    let Some(so) = preload(test) else { return };
+    if !rustix::process::geteuid().is_root() {
+        // Fork events need CAP_SYS_PTRACE in the program.
+        return skip(test, "fork events need root (CAP_SYS_PTRACE)");
+    }
+    let out = run(
+        &so,
+        &["--local-max", "8MiB", "--stats", "--", PYTHON, "-c", FORKS],
+    );
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success(), "{out:?}");
+    assert_eq!(
+        String::from_utf8_lossy(&out.stdout).trim(),
+        "children bad 0 parent same True",
+        "{stderr}"
+    );
+    let stats = stats_lines(&out.stderr);
+    assert_eq!(stats.len(), 1, "{stderr}");
+    let s = &stats[0];
+    assert_eq!(s["forks"], 3, "{s}");
+    assert_eq!(s["forks_failed"], 0, "{s}");
+    assert_eq!(s["forks_unpaused"], 0, "{s}");
+    // Most of the 48 MiB was away from the region at each fork (the bound is 8 MiB).
+    assert!(
+        s["fork_copied_bytes"].as_u64().unwrap() > 3 * (32 << 20),
+        "{s}"
+    );
+    assert!(s["evictions"].as_u64().unwrap() > 0, "{s}");
+    let shell = "ls / >/dev/null; x=$(echo hi | tr a-z A-Z); for i in 1 2 3; do echo $i; done | wc -l; echo $x";
+    let out = run(&so, &["--", "/bin/bash", "-c", shell]);
+    assert!(out.status.success(), "{out:?}");
+    assert_eq!(String::from_utf8_lossy(&out.stdout), "3\nHI\n", "{out:?}");
+}
+
+/// `--forks none` (and what a program without CAP_SYS_PTRACE gets): the heap is not
+/// inherited, so a forked child that touches it is killed (SIGSEGV), loudly, rather than
+/// reading zeros; fork + exec works.
+#[test]
+fn without_fork_copies_a_child_that_touches_the_heap_dies_loudly() {
+    let test = "without_fork_copies_a_child_that_touches_the_heap_dies_loudly";
+    let Some(so) = preload(test) else { return };
+    let script = "import os, subprocess\n\
+        b = bytearray(b'x' * (1 << 20))\n\
+        pid = os.fork()\n\
+        if pid == 0:\n    os._exit(b.count(b'x') == (1 << 20))\n\
+        st = os.waitpid(pid, 0)[1]\n\
+        print('signal', os.WTERMSIG(st) if os.WIFSIGNALED(st) else 0)\n\
+        print(subprocess.run(['/bin/echo', 'exec ok'], capture_output=True).stdout.decode().strip())\n";
+    let out = run(
+        &so,
+        &["--forks", "none", "--stats", "--", PYTHON, "-c", script],
+    );
+    assert!(out.status.success(), "{out:?}");
+    assert_eq!(
+        String::from_utf8_lossy(&out.stdout),
+        "signal 11\nexec ok\n",
+        "{out:?}"
+    );
+    // Python's image and the echo's (the child's exec opens a session of its own).
+    let stats = stats_lines(&out.stderr);
+    assert_eq!(stats.len(), 2, "{out:?}");
+    assert!(stats.iter().all(|s| s["forks"] == 0), "{out:?}");
+}
+
 /// A process of the program that connects with a wrong token, or speaks nonsense, is
 /// refused and changes nothing: the program's own session goes on.
 #[test]
@@ -319,7 +413,8 @@ fn another_user_cannot_reach_the_control_socket() {
 
 /// redis-server under `farmap run` at a 16 MiB bound keeps 40,000 keys of 1 KiB (about
 /// 45 MB with redis's overhead): every key reads back with its value; `farmap region stats`
-/// and `limit` reach the running program through `--agent`.
+/// and `limit` reach the running program through `--agent`; a `BGSAVE` (a fork) saves
+/// every key as it was at the fork.
 #[test]
 fn redis_keeps_its_keys_under_farmap_run_at_a_small_bound() {
     let test = "redis_keeps_its_keys_under_farmap_run_at_a_small_bound";
@@ -349,6 +444,8 @@ fn redis_keeps_its_keys_under_farmap_run_at_a_small_bound() {
             "",
             "--appendonly",
             "no",
+            "--enable-debug-command",
+            "yes",
         ])
         .arg("--unixsocket")
         .arg(&redis_sock)
@@ -397,8 +494,54 @@ fn redis_keeps_its_keys_under_farmap_run_at_a_small_bound() {
         "0",
         "a key read back wrong at 8 MiB"
     );
+    // BGSAVE: redis forks, and the child writes every key from its copy of the heap (most
+    // of which was staged or in the store at the fork) while the parent takes writes.
+    let digest = cli(&["DEBUG", "DIGEST"]);
+    assert_eq!(digest.len(), 40, "{digest}");
+    assert_eq!(cli(&["BGSAVE"]), "Background saving started");
+    assert_eq!(cli(&["SET", "during", "the save"]), "OK");
+    let deadline = std::time::Instant::now() + Duration::from_secs(60);
+    while cli(&["INFO", "persistence"]).contains("rdb_bgsave_in_progress:1") {
+        assert!(std::time::Instant::now() < deadline, "BGSAVE never ended");
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    let info = cli(&["INFO", "persistence"]);
+    assert!(info.contains("rdb_last_bgsave_status:ok"), "{info}");
     let _ = cli(&["SHUTDOWN", "NOSAVE"]);
-    ended_with_evictions(runner);
+    let stats = ended_with_evictions(runner);
+    assert_eq!(stats["forks"], 1, "{stats}");
+    assert_eq!(stats["forks_failed"], 0, "{stats}");
+    assert_eq!(stats["forks_unpaused"], 0, "{stats}");
+    // The saved keys, loaded by a redis of its own, have the digest of the keys at the fork.
+    let plain_sock = dir.path().join("plain.sock");
+    let mut plain = std::process::Command::new("redis-server");
+    plain
+        .args(["--port", "0", "--save", "", "--appendonly", "no"])
+        .args(["--enable-debug-command", "yes", "--unixsocket"])
+        .arg(&plain_sock)
+        .current_dir(dir.path())
+        .stdout(Stdio::null());
+    let _plain = farmap_testkit::process::KillOnDrop(plain.spawn().unwrap());
+    let plain_cli = |args: &[&str]| {
+        let out = std::process::Command::new("redis-cli")
+            .arg("-s")
+            .arg(&plain_sock)
+            .args(args)
+            .output()
+            .unwrap();
+        String::from_utf8_lossy(&out.stdout).trim().to_owned()
+    };
+    let deadline = std::time::Instant::now() + Duration::from_secs(60);
+    while plain_cli(&["PING"]) != "PONG" {
+        assert!(
+            std::time::Instant::now() < deadline,
+            "the plain redis never answered"
+        );
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    assert_eq!(plain_cli(&["DBSIZE"]), "40000");
+    assert_eq!(plain_cli(&["DEBUG", "DIGEST"]), digest);
+    let _ = plain_cli(&["SHUTDOWN", "NOSAVE"]);
 }
 
 /// memcached under `farmap run` at a 16 MiB bound keeps 20,000 items of 2 KB (41 MB of
@@ -495,8 +638,8 @@ fn installed(test: &str, program: &str) -> bool {
 }
 
 /// Waits for a `farmap run --stats` started with its stderr piped: it succeeded, printed
-/// one program image's report, and that image's heap evicted something.
-fn ended_with_evictions(mut runner: farmap_testkit::process::KillOnDrop) {
+/// one program image's report, and that image's heap evicted something. Returns the report.
+fn ended_with_evictions(mut runner: farmap_testkit::process::KillOnDrop) -> Value {
     let status = runner.0.wait().unwrap();
     let mut stderr = String::new();
     std::io::Read::read_to_string(runner.0.stderr.as_mut().unwrap(), &mut stderr).unwrap();
@@ -505,6 +648,7 @@ fn ended_with_evictions(mut runner: farmap_testkit::process::KillOnDrop) {
     assert_eq!(stats.len(), 1, "{stderr}");
     eprintln!("{}", stats[0]);
     assert!(stats[0]["evictions"].as_u64().unwrap() > 0, "{stderr}");
+    stats[0].clone()
 }
 
 /// The pids of `pid`'s children.

@@ -14,6 +14,13 @@
 //!                                     ◀───────  Verdict {0: serving, else a refusal}
 //!  reaper thread                      ◀───────  Request {id, Discard | Move, ...}
 //!                                     ───────▶  Done {id, errno, bytes}
+//!
+//!  before a fork, on a new connection:
+//!  ForkPrepare {token, pid, region}   ───────▶  checks as for a hello; pauses the pager
+//!                                     ◀───────  Verdict {0: paused, else a refusal}
+//!  fork (the child inherits this connection; the parent closes its copy)
+//!                                     ◀───────  Verdict {0: the child's heap is whole}
+//!  the child closes it, and runs on
 //! ```
 //!
 //! The handler may send up to [`MAX_PIPELINE`] requests before it reads their answers (one
@@ -27,7 +34,8 @@
 //! offset size field
 //!      0    4 magic         "FMRN"
 //!      4    2 version       1 (0 is never valid)
-//!      6    2 kind          1 Hello, 2 Config, 3 Registered, 4 Verdict, 5 Request, 6 Done
+//!      6    2 kind          1 Hello, 2 Config, 3 Registered, 4 Verdict, 5 Request, 6 Done,
+//!                           7 ForkPrepare
 //!      8    4 body length   exactly the kind's (below)
 //!     12    4 reserved      zero
 //!     16      body
@@ -51,7 +59,7 @@ pub const VERSION: u16 = 1;
 /// Length of the header.
 pub const HEADER_LEN: usize = 16;
 /// Length of the longest message.
-pub const MAX_MSG_LEN: usize = HEADER_LEN + 40;
+pub const MAX_MSG_LEN: usize = HEADER_LEN + 48;
 /// Most requests the handler sends before it reads their answers; the reaper reads and
 /// answers that many at once.
 pub const MAX_PIPELINE: usize = 64;
@@ -119,6 +127,21 @@ pub struct Hello {
     pub token: [u8; TOKEN_LEN],
     /// The program's process id.
     pub pid: u32,
+}
+
+/// Program → handler, first on a connection of its own, just before the program forks: who
+/// is asking (as in a [`Hello`]) and which of its regions (an exec makes a new one under the
+/// same pid). The handler pauses that region's pager (nothing the program wrote moves or is
+/// dropped) and answers with a [`Verdict`]; once the child's heap is whole, a second
+/// `Verdict` goes to the child, which inherited the connection.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct ForkPrepare {
+    /// The token `farmap run` put in the program's environment.
+    pub token: [u8; TOKEN_LEN],
+    /// The program's process id.
+    pub pid: u32,
+    /// The region's address (as in its [`Registered`]).
+    pub region: u64,
 }
 
 /// Handler → program: what to map and register (`farmap run` decides every size).
@@ -242,6 +265,8 @@ pub enum Msg {
     Request(Request),
     /// See [`Done`].
     Done(Done),
+    /// See [`ForkPrepare`].
+    ForkPrepare(ForkPrepare),
 }
 
 const HELLO: u16 = 1;
@@ -250,6 +275,7 @@ const REGISTERED: u16 = 3;
 const VERDICT: u16 = 4;
 const REQUEST: u16 = 5;
 const DONE: u16 = 6;
+const FORK_PREPARE: u16 = 7;
 
 const OP_DISCARD: u16 = 1;
 const OP_MOVE: u16 = 2;
@@ -258,6 +284,7 @@ const OP_MOVE: u16 = 2;
 fn body_len(kind: u16) -> Option<usize> {
     Some(match kind {
         HELLO => TOKEN_LEN + 8,
+        FORK_PREPARE => TOKEN_LEN + 16,
         CONFIG => 32,
         REGISTERED => 40,
         VERDICT => 8,
@@ -343,6 +370,7 @@ impl Msg {
             Msg::Verdict(_) => VERDICT,
             Msg::Request(_) => REQUEST,
             Msg::Done(_) => DONE,
+            Msg::ForkPrepare(_) => FORK_PREPARE,
         }
     }
 
@@ -351,6 +379,10 @@ impl Msg {
     pub fn validate(&self) -> Result<(), Error> {
         match *self {
             Msg::Hello(h) => check("pid", h.pid > 0 && h.pid <= i32::MAX as u32),
+            Msg::ForkPrepare(f) => {
+                check("pid", f.pid > 0 && f.pid <= i32::MAX as u32)?;
+                check_area("region", f.region, PAGE)
+            }
             Msg::Config(c) => {
                 check(
                     "chunk_size",
@@ -400,6 +432,12 @@ impl Msg {
         w.u32(len as u32);
         w.u32(0);
         match *self {
+            Msg::ForkPrepare(f) => {
+                w.put(&f.token);
+                w.u32(f.pid);
+                w.u32(0);
+                w.u64(f.region);
+            }
             Msg::Hello(h) => {
                 w.put(&h.token);
                 w.u32(h.pid);
@@ -489,6 +527,16 @@ fn decode_body(kind: u16, r: &mut Reader<'_>) -> Result<Msg, Error> {
             let pid = r.u32();
             r.zeros(4)?;
             Msg::Hello(Hello { token, pid })
+        }
+        FORK_PREPARE => {
+            let token = r.bytes();
+            let pid = r.u32();
+            r.zeros(4)?;
+            Msg::ForkPrepare(ForkPrepare {
+                token,
+                pid,
+                region: r.u64(),
+            })
         }
         CONFIG => {
             let region_len = r.u64();

@@ -12,6 +12,16 @@ fn msg() -> impl Strategy<Value = Msg> {
     prop_oneof![
         (any::<[u8; TOKEN_LEN]>(), 1u32..=i32::MAX as u32)
             .prop_map(|(token, pid)| Msg::Hello(Hello { token, pid })),
+        (
+            any::<[u8; TOKEN_LEN]>(),
+            1u32..=i32::MAX as u32,
+            page_range()
+        )
+            .prop_map(|(token, pid, (region, _))| Msg::ForkPrepare(ForkPrepare {
+                token,
+                pid,
+                region
+            })),
         (12u32..=22, 1u64..1 << 20, 0u64..1 << 20, any::<u64>()).prop_map(
             |(shift, chunks, trash, features)| Msg::Config(Config {
                 region_len: chunks << shift,

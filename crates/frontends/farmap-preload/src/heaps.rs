@@ -5,10 +5,13 @@
 //!   every allocation until [`init`] has read the environment. Never moved, never closed.
 //! - **main**: set once by [`init`]: farmap-heap over the session's region (region mode),
 //!   or over 64 GiB of plain `MAP_NORESERVE` memory (plain mode, no `FARMAP_RUN_SOCK`).
-//! - **child**: in a process forked from a region-mode program (whose region and staging
-//!   area are `MADV_DONTFORK`, so not in the child), new allocations come from a plain heap
-//!   made by the atfork child handler; the parent's objects are gone in the child (touching
-//!   them faults: SIGSEGV), but freeing them is harmless (only metadata is touched).
+//! - **child**: in a process forked from a region-mode program whose region has no fork
+//!   events (the region and staging area are `MADV_DONTFORK`, so not in the child), new
+//!   allocations come from a plain heap made by the atfork child handler; the parent's
+//!   objects are gone in the child (touching them faults: SIGSEGV), but freeing them is
+//!   harmless (only metadata is touched). With fork events the child keeps the main heap:
+//!   `farmap run` makes its copy of the region whole before the child runs on
+//!   (`session::fork_child`), and the region is then plain memory of the child's.
 //!
 //! `free`, `realloc` and `malloc_usable_size` find the owner by address; a pointer no heap
 //! owns (ld.so's own early memory) is ignored by `free`.
@@ -118,6 +121,8 @@ static MODE: AtomicU8 = AtomicU8::new(MODE_NONE);
 const MODE_NONE: u8 = 0;
 const MODE_PLAIN: u8 = 1;
 const MODE_REGION: u8 = 2;
+/// A forked child's copy of a region-mode heap: whole, plain memory of its own.
+const MODE_INHERITED: u8 = 3;
 /// `FARMAP_PRELOAD_DEBUG=1`.
 static DEBUG: AtomicBool = AtomicBool::new(false);
 
@@ -316,22 +321,37 @@ fn each_heap(f: impl Fn(&H)) {
 
 extern "C" fn before_fork() {
     each_heap(|h| h.lock_all());
+    if MODE.load(Ordering::Relaxed) == MODE_REGION {
+        // With every heap lock held, nothing of ours discards region pages until the fork.
+        session::fork_prepare();
+    }
 }
 
 extern "C" fn after_fork_parent() {
+    if MODE.load(Ordering::Relaxed) == MODE_REGION {
+        session::fork_parent();
+    }
     // SAFETY: this thread took every lock in `before_fork`.
     each_heap(|h| unsafe { h.unlock_all() });
 }
 
 extern "C" fn after_fork_child() {
+    if MODE.load(Ordering::Relaxed) == MODE_REGION {
+        if session::fork_events() {
+            // This child inherited the region; farmap run copies what it lacks, then lets
+            // go of it: from then on it is this process's plain memory, served by nobody.
+            session::fork_child();
+            session::close_inherited();
+            MODE.store(MODE_INHERITED, Ordering::Relaxed);
+        } else {
+            // The region is not in this child (MADV_DONTFORK), and no reaper serves it.
+            session::close_inherited();
+            let _ = CHILD.get_or_make(|| plain_heap(PLAIN_LEN, 4));
+        }
+    }
     // SAFETY: the parent's forking thread (this thread's original) took every lock in
     // `before_fork`.
     each_heap(|h| unsafe { h.unlock_all() });
-    if MODE.load(Ordering::Relaxed) == MODE_REGION {
-        // The region is not in this child (MADV_DONTFORK), and no reaper serves it.
-        session::close_inherited();
-        let _ = CHILD.get_or_make(|| plain_heap(PLAIN_LEN, 4));
-    }
 }
 
 /// The stats line of `FARMAP_PRELOAD_DEBUG=1`, printed at exit.
@@ -342,6 +362,7 @@ pub(crate) fn report() {
     let mode = match MODE.load(Ordering::Relaxed) {
         MODE_PLAIN => "plain",
         MODE_REGION => "region",
+        MODE_INHERITED => "inherited",
         _ => "none",
     };
     let in_use = |s: &Slot| s.get().map_or(0, |h| h.stats().bytes_in_use);

@@ -20,11 +20,12 @@
 //!   hex digits: the 32-byte token), `FARMAP_RUN_OPTIONAL=1` (a failed handshake falls back
 //!   to plain mode instead of exiting with status 127 after one line on stderr).
 //! - Handshake: send `Hello{token, pid}`; read `Config{region_len, chunk_size, trash_len,
-//!   features}`; open the region's userfaultfd with `Config.features` and the staging
+//!   features}`; open the region's userfaultfd with `Config.features` (without fork events
+//!   if the program may not have them) and the staging
 //!   area's with `UFFD_FEATURE_MOVE` only (both `O_CLOEXEC | O_NONBLOCK`); map the region
 //!   (`region_len`) and the staging area (`region_len + trash_len`), both private anonymous
 //!   `MAP_NORESERVE`; register the region `MISSING | WP` and the staging area `WP`;
-//!   `MADV_DONTFORK` both; open `/proc/self/pagemap` and `/proc/self/mem`; send
+//!   `MADV_DONTFORK` the staging area (and the region, unless it has fork events); open `/proc/self/pagemap` and `/proc/self/mem`; send
 //!   `Registered{region, region_len, staging, staging_len, features}` with four fds (region
 //!   uffd, staging uffd, pagemap, mem: SCM_RIGHTS); read the `Verdict`. Requests that come
 //!   before the verdict are served by the handshake itself. The program keeps its own
@@ -60,14 +61,17 @@
 //!   processes.
 //!
 //! # Limits (this step)
-//! - **fork**: the region and the staging area are `MADV_DONTFORK`. A child of a
-//!   region-mode program gets a plain heap of its own for new allocations (so fork + exec,
-//!   and children that allocate, work); an object of the parent's heap does not exist in
-//!   the child: touching it faults (SIGSEGV), loudly. No `UFFD_EVENT_FORK` session yet.
-//!   A shell's fork child reads the shell's heap between `fork` and `exec`, so pipelines
-//!   and commands run by a shell that is itself in region mode die that way: run the
-//!   shell outside and `exec` the program (`sh -c 'exec prog'` starts one session for
-//!   `prog`). Children made with `vfork` or `posix_spawn` share or skip the heap and work.
+//! - **fork**: with fork events (`Config.features` has `UFFD_FEATURE_EVENT_FORK`, and the
+//!   program may have them: CAP_SYS_PTRACE), the region is inherited. The atfork prepare
+//!   handler (every heap lock held) announces the fork on a connection of its own
+//!   (`ForkPrepare`) and waits until `farmap run` has paused the pager; the parent closes
+//!   that connection after the fork; the child waits on its copy for a second `Verdict`
+//!   (its heap is whole), then closes the session's fds and runs on with the main heap, now
+//!   plain memory of its own (mode `inherited`). Without fork events the region and the
+//!   staging area are `MADV_DONTFORK`: a child gets a plain heap of its own for new
+//!   allocations (so fork + exec, and children that allocate, work); an object of the
+//!   parent's heap does not exist in the child: touching it faults (SIGSEGV), loudly.
+//!   Children made with `vfork` or `posix_spawn` share or skip the heap and work.
 //! - **Statically linked programs** and programs that call the `mmap`/`brk` system calls
 //!   themselves are not interposed; **setuid** programs ignore `LD_PRELOAD`.
 //! - `mmap`, `munmap`, `mremap` and `madvise` are not interposed yet (step 7): `MAP_SHARED`

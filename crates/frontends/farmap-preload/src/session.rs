@@ -3,7 +3,8 @@
 //!
 //! ```text
 //! Hello{token, pid} ──▶            ◀── Config{region_len, chunk_size, trash_len, features}
-//! map + register region (MISSING|WP) and staging+trash (WP), MADV_DONTFORK both
+//! map + register region (MISSING|WP) and staging+trash (WP), MADV_DONTFORK (region: unless
+//! it has fork events)
 //! Registered{areas} + [region uffd, staging uffd, pagemap, mem] ──▶
 //!                                  ◀── Verdict{0} (or a refusal)
 //! reaper:                          ◀── Request{id, Discard|Move}
@@ -19,11 +20,11 @@ use core::mem::MaybeUninit;
 use core::ptr;
 use core::sync::atomic::{AtomicI32, Ordering};
 use core::time::Duration;
-use std::os::fd::{AsFd, AsRawFd, BorrowedFd, OwnedFd};
+use std::os::fd::{AsFd, AsRawFd, BorrowedFd, IntoRawFd, OwnedFd};
 
 use farmap_run_proto::{
-    decode, Config, Done, Hello, Msg, Op, Refusal, Registered, Request, DONE_LEN, MAX_MSG_LEN,
-    MAX_PIPELINE,
+    decode, Config, Done, ForkPrepare, Hello, Msg, Op, Refusal, Registered, Request, Verdict,
+    DONE_LEN, MAX_MSG_LEN, MAX_PIPELINE, TOKEN_LEN,
 };
 use rustix::io::Errno;
 use rustix::mm::Advice;
@@ -189,6 +190,8 @@ pub(crate) struct Session {
     areas: [Area; 2],
     uffds: [OwnedFd; 2],
     conn: Conn,
+    /// The region's userfaultfd has fork events: a forked child inherits the region.
+    fork_events: bool,
 }
 
 impl Session {
@@ -295,6 +298,13 @@ pub(crate) fn open(
     };
     let (session, mapped) = register(conn, &config, fd_base)?;
     let session = finish(session)?;
+    if session.fork_events {
+        let _ = FORK_TARGET.set(ForkTarget {
+            addr: addr.clone(),
+            token,
+            region: session.areas[0].start,
+        });
+    }
     // Serving: the areas are the session's for the rest of the process.
     core::mem::forget(mapped);
     let timeout = |v| {
@@ -314,8 +324,17 @@ fn register(
     config: &Config,
     fd_base: Option<i32>,
 ) -> Result<(Session, Mapped), SessionError> {
-    let region_uffd =
-        sys::uffd_open(config.features).map_err(sys_err("the region's userfaultfd"))?;
+    // Fork events need CAP_SYS_PTRACE: without it, go without them (the region is then not
+    // inherited by a forked child, which gets a heap of its own).
+    let fork = sys::UFFD_FEATURE_EVENT_FORK;
+    let (region_uffd, features) = match sys::uffd_open(config.features) {
+        Err(Errno::PERM) if config.features & fork != 0 => {
+            let features = config.features & !fork;
+            (sys::uffd_open(features), features)
+        }
+        r => (r, config.features),
+    };
+    let region_uffd = region_uffd.map_err(sys_err("the region's userfaultfd"))?;
     let region_uffd = placed(region_uffd, fd_base)?;
     let staging_uffd = sys::uffd_open(sys::UFFD_FEATURE_MOVE)
         .map_err(sys_err("the staging area's userfaultfd"))?;
@@ -354,7 +373,11 @@ fn register(
         )
         .map_err(sys_err("registering the staging area"))?;
     }
-    for (p, len) in mapped.0 {
+    for (i, (p, len)) in mapped.0.into_iter().enumerate() {
+        if i == 0 && features & fork != 0 {
+            // A forked child inherits the region: farmap run makes its copy whole.
+            continue;
+        }
         // SAFETY: DONTFORK changes only what a forked child inherits (not these areas).
         unsafe { sys::madvise(p, len, Advice::LinuxDontFork) }.map_err(sys_err("MADV_DONTFORK"))?;
     }
@@ -384,7 +407,7 @@ fn register(
         region_len: areas[0].len,
         staging: areas[1].start,
         staging_len: areas[1].len,
-        features: config.features,
+        features,
     });
     let fds = [
         region_uffd.as_fd(),
@@ -399,6 +422,7 @@ fn register(
             areas,
             uffds: [region_uffd, staging_uffd],
             conn,
+            fork_events: features & fork != 0,
         },
         mapped,
     ))
@@ -532,6 +556,134 @@ extern "C" fn reaper_main(_: *mut c_void) -> *mut c_void {
         }
         if session.conn.send_bytes(&out[..len]).is_err() {
             sys::kill_self();
+        }
+    }
+}
+
+/// Where to announce a fork (the session's socket path and token), set when the region has
+/// fork events.
+struct ForkTarget {
+    /// A copy: the environment's own string may be gone by the time of a fork (redis
+    /// writes its process title over the original environment).
+    addr: rustix::net::SocketAddrUnix,
+    token: [u8; TOKEN_LEN],
+    region: u64,
+}
+
+static FORK_TARGET: std::sync::OnceLock<ForkTarget> = std::sync::OnceLock::new();
+
+/// The connection of the fork in progress, announced and paused for (-1: none).
+static FORK_CONN: AtomicI32 = AtomicI32::new(-1);
+
+/// How long a fork's announcement waits for farmap run to pause the pager; past it, the
+/// fork goes on unannounced (farmap run still copies the child, from what it finds then).
+const FORK_PREPARE_WAIT: Duration = Duration::from_secs(10);
+/// How long a forked child waits for its heap to be whole (farmap run waits 600 s).
+const FORK_CHILD_WAIT: Duration = Duration::from_secs(610);
+
+/// Whether a forked child inherits the region (the session has fork events).
+pub(crate) fn fork_events() -> bool {
+    FORK_TARGET.get().is_some()
+}
+
+/// Before a fork (every heap lock held, nothing allocated): tells farmap run on a
+/// connection of its own, and waits until it has paused the pager. On any failure the fork
+/// goes on unannounced.
+pub(crate) fn fork_prepare() {
+    let Some(target) = FORK_TARGET.get() else {
+        return;
+    };
+    match announce_fork(target) {
+        Ok(fd) => FORK_CONN.store(fd.into_raw_fd(), Ordering::Relaxed),
+        Err(e) => sys::say(format_args!(
+            "announcing a fork to farmap run: {e}; forking unannounced"
+        )),
+    }
+}
+
+fn announce_fork(target: &ForkTarget) -> Result<OwnedFd, SessionError> {
+    let fd = rustix::net::socket_with(
+        AddressFamily::UNIX,
+        SocketType::STREAM,
+        rustix::net::SocketFlags::CLOEXEC,
+        None,
+    )
+    .map_err(sys_err("creating a socket"))?;
+    rustix::net::connect(&fd, &target.addr).map_err(sys_err("connecting to FARMAP_RUN_SOCK"))?;
+    rustix::net::sockopt::set_socket_timeout(
+        &fd,
+        rustix::net::sockopt::Timeout::Recv,
+        Some(FORK_PREPARE_WAIT),
+    )
+    .map_err(sys_err("setting the socket's timeout"))?;
+    let mut conn = Conn {
+        fd,
+        buf: [0; MAX_PIPELINE * MAX_MSG_LEN],
+        len: 0,
+    };
+    let pid = rustix::process::getpid().as_raw_nonzero().get() as u32;
+    conn.send(&Msg::ForkPrepare(ForkPrepare {
+        token: target.token,
+        pid,
+        region: target.region,
+    }))?;
+    match conn.recv()? {
+        Msg::Verdict(Verdict { status: 0 }) => Ok(conn.fd),
+        Msg::Verdict(v) => Err(SessionError::Refused(v.status)),
+        _ => Err(SessionError::Unexpected("a Verdict")),
+    }
+}
+
+/// After a fork, in the parent: the announcement is over (its connection closes here; the
+/// child holds its own copy until its heap is whole).
+pub(crate) fn fork_parent() {
+    let fd = FORK_CONN.swap(-1, Ordering::Relaxed);
+    if fd >= 0 {
+        // SAFETY: the fd `fork_prepare` stored, owned by nobody else in this process.
+        drop(unsafe { <OwnedFd as std::os::fd::FromRawFd>::from_raw_fd(fd) });
+    }
+}
+
+/// After a fork, in the child of an announced fork: waits until farmap run says the heap is
+/// whole. If it cannot say so, the child must not run on a heap with holes: one line on
+/// stderr, and exit status 127.
+pub(crate) fn fork_child() {
+    let fd = FORK_CONN.swap(-1, Ordering::Relaxed);
+    if fd < 0 {
+        return;
+    }
+    // SAFETY: this process's copy of the fd `fork_prepare` stored, owned by nobody else.
+    let fd = unsafe { <OwnedFd as std::os::fd::FromRawFd>::from_raw_fd(fd) };
+    let _ = rustix::net::sockopt::set_socket_timeout(
+        &fd,
+        rustix::net::sockopt::Timeout::Recv,
+        Some(FORK_CHILD_WAIT),
+    );
+    let mut conn = Conn {
+        fd,
+        buf: [0; MAX_PIPELINE * MAX_MSG_LEN],
+        len: 0,
+    };
+    match conn.recv() {
+        Ok(Msg::Verdict(Verdict { status: 0 })) => {}
+        Ok(Msg::Verdict(v)) => {
+            sys::say(format_args!(
+                "farmap run could not copy this forked child's heap ({})",
+                SessionError::Refused(v.status)
+            ));
+            sys::exit_now(127);
+        }
+        Ok(_) => {
+            sys::say(format_args!(
+                "farmap run sent a forked child something other than a Verdict"
+            ));
+            sys::exit_now(127);
+        }
+        Err(e) => {
+            sys::say(format_args!(
+                "waiting for this forked child's heap to be copied: {e}"
+            ));
+            sys::exit_now(127);
         }
     }
 }

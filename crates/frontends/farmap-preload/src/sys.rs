@@ -144,6 +144,8 @@ const _: () = assert!(UFFDIO_MOVE as u64 == 0xC028_AA05);
 
 /// `UFFD_FEATURE_MOVE`.
 pub(crate) const UFFD_FEATURE_MOVE: u64 = 1 << 16;
+/// `UFFD_FEATURE_EVENT_FORK`.
+pub(crate) const UFFD_FEATURE_EVENT_FORK: u64 = 1 << 1;
 /// `UFFDIO_REGISTER_MODE_MISSING`.
 pub(crate) const MODE_MISSING: u64 = 1 << 0;
 /// `UFFDIO_REGISTER_MODE_WP`.

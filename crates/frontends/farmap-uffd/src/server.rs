@@ -66,6 +66,10 @@ use crate::uffd::UffdRange;
 
 type FaultFuture = Pin<Box<dyn Future<Output = ()> + Send>>;
 
+/// Takes a forked child's userfaultfd (see [`Server::fork`]); called by the reader under the
+/// events' order, so it must not wait.
+pub(crate) type ForkHook = Box<dyn Fn(OwnedFd) + Send + Sync>;
+
 /// Messages read per `read(2)`.
 const BATCH: usize = 64;
 
@@ -123,6 +127,10 @@ pub(crate) struct Server {
     /// The process whose region this is, when it is another one (`farmap run`): where the
     /// faulting threads are looked up, and whose CPUs the readers sit on.
     pub program: Option<u32>,
+    /// What becomes of a forked child's userfaultfd (`UFFD_EVENT_FORK`, a program's region
+    /// only); without it, the fd is closed (the child's copy of the region is no longer
+    /// registered, and reads as it was mapped, zeros where pages were missing).
+    pub fork: std::sync::OnceLock<ForkHook>,
     /// CPU time of the reader threads and companions.
     handler_cpu: HandlerAccounts,
     faults_read: AtomicU64,
@@ -186,6 +194,7 @@ impl Server {
             fault_wait: p.fault_wait,
             signal: p.signal,
             program: p.program,
+            fork: std::sync::OnceLock::new(),
             handler_cpu: HandlerAccounts::default(),
             faults_read: AtomicU64::new(0),
             poison_unsupported: AtomicBool::new(false),
@@ -263,6 +272,11 @@ impl Server {
             events = true;
             if m.event == sys::UFFD_EVENT_REMOVE {
                 self.removed(m.arg0 as usize, m.arg1 as usize);
+            } else if let Some(child) = crate::uffd::fork_event_fd(m) {
+                match self.fork.get() {
+                    Some(hook) => hook(child),
+                    None => drop(child),
+                }
             }
         }
         if events {

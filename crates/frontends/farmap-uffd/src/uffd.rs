@@ -113,6 +113,20 @@ impl Uffd {
     }
 }
 
+/// The child's userfaultfd a `UFFD_EVENT_FORK` message carries (`None` for other messages),
+/// owned from here: the kernel installed it in this process's fd table when the message was
+/// read from a userfaultfd of this process, and only this message names it. Call once per
+/// message read.
+pub(crate) fn fork_event_fd(msg: &UffdMsg) -> Option<OwnedFd> {
+    if msg.event != sys::UFFD_EVENT_FORK {
+        return None;
+    }
+    let fd = msg.arg0 as u32 as RawFd;
+    // SAFETY: see above; a message read once is turned into an OwnedFd once (the callers
+    // hold the only copy of the message).
+    (fd >= 0).then(|| unsafe { OwnedFd::from_raw_fd(fd) })
+}
+
 impl AsFd for Uffd {
     fn as_fd(&self) -> BorrowedFd<'_> {
         self.fd.as_fd()

@@ -26,6 +26,7 @@ use farmap_run_proto::{
 };
 use tokio::runtime::Handle;
 
+use super::fork::ForkCopy;
 use super::reaper::Reaper;
 use super::region::{ForeignFds, ForeignOptions, ForeignRegion, Program};
 use crate::error::RegionError;
@@ -124,15 +125,128 @@ impl Applicant {
     }
 }
 
+/// Who made a connection, once its first message is checked.
+#[derive(Debug)]
+pub enum Contact {
+    /// A program image that wants its heap served.
+    Program(Applicant),
+    /// A program that is about to fork ([`ForkCall::serve`]).
+    Fork(ForkCall),
+}
+
+/// A program about to fork: its token and credentials checked, not answered yet.
+#[derive(Debug)]
+pub struct ForkCall {
+    pid: u32,
+    region: u64,
+    sock: UnixStream,
+}
+
+/// How long a fork's connection waits for the fork's event after it paused the pager.
+const FORK_EVENT_WAIT: Duration = Duration::from_secs(10);
+
+/// How long a fork's connection waits for the fork's child to be copied (the copy of a
+/// large heap from a slow store takes a while; a fork that fails ends it at once).
+pub const FORK_WAIT: Duration = Duration::from_secs(600);
+
+impl ForkCall {
+    /// The forking program's pid.
+    pub fn pid(&self) -> u32 {
+        self.pid
+    }
+
+    /// The address of the forking program's region (an exec makes a new region under the
+    /// same pid: this names the one of the image that forks).
+    pub fn region(&self) -> u64 {
+        self.region
+    }
+
+    /// Serves the fork on `region` (the program's, found by [`pid`](Self::pid) and
+    /// [`region`](Self::region)): pauses its
+    /// pager and says so; once the fork's child is whole, tells it (it waits on the same
+    /// connection, which it inherited). Returns what was copied, or `None` if the fork
+    /// did not happen (the program closed the connection first).
+    pub fn serve(mut self, region: &ForeignRegion) -> Result<Option<ForkCopy>, HandshakeError> {
+        self.sock.set_read_timeout(None)?;
+        let pause = region.pause_for_fork();
+        send(&mut self.sock, Msg::Verdict(Verdict { status: 0 }))?;
+        let start = std::time::Instant::now();
+        while start.elapsed() < FORK_WAIT {
+            match pause.wait_child(Duration::from_millis(20)) {
+                Some(Ok(copy)) => {
+                    // The child may be gone already: nothing to tell then.
+                    let _ = send(&mut self.sock, Msg::Verdict(Verdict { status: 0 }));
+                    return Ok(Some(copy));
+                }
+                Some(Err(why)) => {
+                    let _ = send(
+                        &mut self.sock,
+                        Msg::Verdict(Verdict {
+                            status: Refusal::Setup as u16,
+                        }),
+                    );
+                    return Err(HandshakeError::Protocol(format!(
+                        "copying the forked child's heap: {why}"
+                    )));
+                }
+                None if peer_closed(&self.sock)? => return Ok(None),
+                None if pause.waiting_for_fork() && start.elapsed() > FORK_EVENT_WAIT => {
+                    // A child that waits for a copy that will never come: it is told to
+                    // stop (its heap may have holes).
+                    let _ = send(
+                        &mut self.sock,
+                        Msg::Verdict(Verdict {
+                            status: Refusal::Setup as u16,
+                        }),
+                    );
+                    return Err(HandshakeError::Protocol(format!(
+                        "the program announced a fork, but none came within {FORK_EVENT_WAIT:?}"
+                    )));
+                }
+                None => {}
+            }
+        }
+        Err(io::Error::new(
+            io::ErrorKind::TimedOut,
+            format!("the fork's child was not copied within {FORK_WAIT:?}"),
+        )
+        .into())
+    }
+
+    /// Refuses the fork (the program forks unpaused, or not at all).
+    pub fn refuse(mut self, why: &str) -> HandshakeError {
+        refuse(&mut self.sock, Refusal::Setup, why.to_owned())
+    }
+}
+
+/// Whether the peer closed the connection (every copy of it); bytes it sent are a
+/// protocol error (nothing is expected from it).
+fn peer_closed(sock: &UnixStream) -> Result<bool, HandshakeError> {
+    sock.set_nonblocking(true)?;
+    let mut byte = [0u8; 1];
+    let r = rustix::net::recv(sock, &mut byte, rustix::net::RecvFlags::PEEK);
+    sock.set_nonblocking(false)?;
+    match r {
+        Ok((0, _)) => Ok(true),
+        Ok(_) => Err(HandshakeError::Protocol(
+            "the forking program sent bytes out of turn".into(),
+        )),
+        Err(rustix::io::Errno::AGAIN) | Err(rustix::io::Errno::INTR) => Ok(false),
+        Err(e) => Err(io::Error::from(e).into()),
+    }
+}
+
 /// Runs the handshake on `sock` (a connection a program made) up to its verdict: checks
 /// its hello, tells it `expected.config`, receives and checks what it registered, all
 /// within `timeout` (a peer that says nothing, or trickles its messages a byte at a time,
-/// is cut off then: the socket is shut down and the handshake fails).
+/// is cut off then: the socket is shut down and the handshake fails). A connection that
+/// announces a fork instead is checked the same way (token, credentials) and returned as
+/// [`Contact::Fork`].
 pub fn handshake(
     mut sock: UnixStream,
     expected: &Expected,
     timeout: Duration,
-) -> Result<Applicant, HandshakeError> {
+) -> Result<Contact, HandshakeError> {
     sock.set_read_timeout(Some(timeout))?;
     sock.set_write_timeout(Some(timeout))?;
     let deadline = Deadline::arm(&sock, timeout)?;
@@ -144,11 +258,14 @@ pub fn handshake(
         )
         .into());
     }
-    let (hello, registered, fds, pidfd) = steps?;
+    let (hello, registered, fds, pidfd) = match steps? {
+        Steps::Program(hello, registered, fds, pidfd) => (hello, registered, fds, pidfd),
+        Steps::Fork(pid, region) => return Ok(Contact::Fork(ForkCall { pid, region, sock })),
+    };
     // From here on the reaper's requests have their own deadline.
     sock.set_read_timeout(None)?;
     sock.set_write_timeout(None)?;
-    Ok(Applicant {
+    Ok(Contact::Program(Applicant {
         hello,
         registered,
         fds,
@@ -157,19 +274,33 @@ pub fn handshake(
             pidfd,
         },
         sock,
-    })
+    }))
+}
+
+/// What the handshake's steps found.
+enum Steps {
+    Program(Hello, Registered, ForeignFds, OwnedFd),
+    /// A fork announced by this pid, of its region at this address.
+    Fork(u32, u64),
 }
 
 /// The steps of [`handshake`] up to its verdict: the hello, what was registered, the
 /// descriptors, a pidfd of the program.
-fn handshake_steps(
-    sock: &mut UnixStream,
-    expected: &Expected,
-) -> Result<(Hello, Registered, ForeignFds, OwnedFd), HandshakeError> {
-    let Msg::Hello(hello) = read_msg(sock)? else {
-        return Err(HandshakeError::Protocol(
-            "the first message is not a hello".into(),
-        ));
+fn handshake_steps(sock: &mut UnixStream, expected: &Expected) -> Result<Steps, HandshakeError> {
+    let (hello, fork) = match read_msg(sock)? {
+        Msg::Hello(hello) => (hello, None),
+        Msg::ForkPrepare(f) => (
+            Hello {
+                token: f.token,
+                pid: f.pid,
+            },
+            Some(f.region),
+        ),
+        _ => {
+            return Err(HandshakeError::Protocol(
+                "the first message is not a hello".into(),
+            ))
+        }
     };
     if !same_token(&hello.token, &expected.token) {
         return Err(refuse(sock, Refusal::Token, "a wrong token".into()));
@@ -177,13 +308,20 @@ fn handshake_steps(
     if let Err(why) = check_peer(sock, hello.pid, expected.ancestor) {
         return Err(refuse(sock, Refusal::Stranger, why));
     }
+    if let Some(region) = fork {
+        return Ok(Steps::Fork(hello.pid, region));
+    }
     send(sock, Msg::Config(expected.config))?;
     let (registered, fds) = read_registered(sock)?;
     let c = &expected.config;
     let staging_len = c.region_len + c.trash_len;
+    // Fork events need a privilege the program may lack: it may go without them (its
+    // region is then not inherited by its children).
+    let features_ok = registered.features == c.features
+        || registered.features == c.features & !crate::sys::UFFD_FEATURE_EVENT_FORK;
     if registered.region_len != c.region_len
         || registered.staging_len != staging_len
-        || registered.features != c.features
+        || !features_ok
     {
         let why = format!(
             "registered {registered:?}, configured {} bytes, staging {staging_len}, features {:#x}",
@@ -202,7 +340,7 @@ fn handshake_steps(
         Ok(fd) => fd,
         Err(e) => return Err(refuse(sock, Refusal::Stranger, format!("pidfd_open: {e}"))),
     };
-    Ok((hello, registered, fds, pidfd))
+    Ok(Steps::Program(hello, registered, fds, pidfd))
 }
 
 /// Shuts a handshake's socket down (both ways) unless disarmed in time: every read after

@@ -12,19 +12,24 @@
 //!   for its end (`space.rs`);
 //! - [`ForeignRegion`]: bounded local memory for the program's region, served from here
 //!   (`region.rs`; design: docs/design/foreign-region.md);
+//! - a program's forks: its child's copy of the heap made whole (`fork.rs`);
 //! - [`handshake`]: the handler's side of a program's handshake, checked in full before the
 //!   region is served ([`Applicant::accept`]; `accept.rs`).
 
 mod accept;
+mod fork;
 pub(crate) mod reaper;
 mod region;
 pub(crate) mod space;
 
-pub use accept::{handshake, Applicant, Expected, HandshakeError, REAPER_DEADLINE};
+pub use accept::{
+    handshake, Applicant, Contact, Expected, ForkCall, HandshakeError, FORK_WAIT, REAPER_DEADLINE,
+};
+pub use fork::ForkCopy;
 pub use reaper::{Reaper, ReaperError};
 pub use region::{
-    trash_len, ForeignFds, ForeignOptions, ForeignRegion, Program, FOREIGN_FEATURES,
-    FOREIGN_REFUSED_FEATURES,
+    trash_len, ForeignFds, ForeignOptions, ForeignRegion, ForkPause, ForkStats, Program,
+    FOREIGN_FEATURES, FOREIGN_REFUSED_FEATURES,
 };
 #[cfg(test)]
 pub(crate) use space::testing;

@@ -29,6 +29,7 @@ use farmap_run_proto::Registered;
 use parking_lot::Mutex;
 use tokio::runtime::Handle;
 
+use super::fork::{ForkCopy, Forks};
 use super::reaper::Reaper;
 use super::space::{End, ForeignSpace};
 use crate::error::RegionError;
@@ -52,9 +53,8 @@ pub const FOREIGN_FEATURES: u64 = sys::UFFD_FEATURE_MOVE
     | sys::UFFD_FEATURE_WP_UNPOPULATED;
 
 /// Features the program's region must not have: faults resolved in the faulting thread
-/// (this side serves them), fork events (a forked child shares pages that cannot move: not
-/// handled yet).
-pub const FOREIGN_REFUSED_FEATURES: u64 = sys::UFFD_FEATURE_SIGBUS | sys::UFFD_FEATURE_EVENT_FORK;
+/// (this side serves them).
+pub const FOREIGN_REFUSED_FEATURES: u64 = sys::UFFD_FEATURE_SIGBUS;
 
 /// How long a dropped region waits for its killed program to be gone.
 const KILL_WAIT: Duration = Duration::from_secs(5);
@@ -160,6 +160,7 @@ struct Session {
     pusher: Arc<RegionPusher>,
     reader: Mutex<Option<Reader>>,
     reclaimer: Mutex<Option<Reclaimer>>,
+    forks: Arc<Forks>,
 }
 
 impl Session {
@@ -278,6 +279,21 @@ impl ForeignRegion {
             area(base, len),
             pagemap,
         ));
+        let forks = Arc::new(Forks::new(
+            pager.clone(),
+            store.clone(),
+            base,
+            registered.features,
+            rt.clone(),
+        ));
+        if registered.features & sys::UFFD_FEATURE_EVENT_FORK != 0 {
+            let forks = Arc::downgrade(&forks);
+            let _ = server.fork.set(Box::new(move |child| {
+                if let Some(forks) = forks.upgrade() {
+                    forks.on_fork(child);
+                }
+            }));
+        }
         let pusher = start_pusher(&memory, store, opts.push, &tracker, &rt)?;
         let reclaimer = connect_pager(&pager, &server, &pusher, Some(&opts.paging), &rt)?;
         let session = Arc::new(Session {
@@ -287,6 +303,7 @@ impl ForeignRegion {
             pusher,
             reader: Mutex::new(None),
             reclaimer: Mutex::new(reclaimer),
+            forks,
         });
         let reader = Reader::spawn(server, rt)
             .map_err(|e| RegionError::sys("starting the fault reader", e))?;
@@ -382,6 +399,28 @@ impl ForeignRegion {
         Some(self.session.pager.deactivate(max))
     }
 
+    /// Pauses the pager for a fork the program announced (its `ForkPrepare`): nothing it
+    /// wrote moves or is dropped until the [`ForkPause`] ends, or, if the fork happens, until
+    /// its child's heap is whole (see `foreign/fork.rs`). Blocks until nothing moves: call
+    /// it outside the runtime.
+    pub fn pause_for_fork(&self) -> ForkPause {
+        let forks = self.session.forks.clone();
+        let (id, done) = forks.prepare();
+        ForkPause { forks, id, done }
+    }
+
+    /// The program's forks so far.
+    pub fn fork_stats(&self) -> ForkStats {
+        let c = &self.session.forks.counters;
+        let get = |a: &std::sync::atomic::AtomicU64| a.load(std::sync::atomic::Ordering::Relaxed);
+        ForkStats {
+            forks: get(&c.forks),
+            unpaused: get(&c.unpaused),
+            failed: get(&c.failed),
+            copied_bytes: get(&c.bytes),
+        }
+    }
+
     /// How the session ended, once it has.
     pub fn ended(&self) -> Option<End> {
         self.session.space.ended()
@@ -391,6 +430,59 @@ impl ForeignRegion {
     pub fn wait_end(&self, timeout: Duration) -> Option<End> {
         self.session.space.wait_end(timeout)
     }
+}
+
+/// A fork announced by the program, its pager paused (see
+/// [`ForeignRegion::pause_for_fork`]); dropping it ends the pause unless the fork's child is
+/// being copied (which holds the pause until it is done).
+pub struct ForkPause {
+    forks: Arc<Forks>,
+    id: u64,
+    done: std::sync::mpsc::Receiver<Result<ForkCopy, String>>,
+}
+
+impl ForkPause {
+    /// Whether the fork's event has not come yet.
+    pub fn waiting_for_fork(&self) -> bool {
+        self.forks.waiting(self.id)
+    }
+
+    /// How the child's copy went, once the fork's event came and the copy ended (`None`
+    /// while not, after `timeout`): its bytes, or why it failed.
+    pub fn wait_child(&self, timeout: Duration) -> Option<Result<ForkCopy, String>> {
+        match self.done.recv_timeout(timeout) {
+            Ok(r) => Some(r),
+            Err(std::sync::mpsc::RecvTimeoutError::Timeout) => None,
+            Err(std::sync::mpsc::RecvTimeoutError::Disconnected) => {
+                Some(Err("the child's copy was abandoned".into()))
+            }
+        }
+    }
+}
+
+impl Drop for ForkPause {
+    fn drop(&mut self) {
+        self.forks.unprepare(self.id);
+    }
+}
+
+impl std::fmt::Debug for ForkPause {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("ForkPause").field("id", &self.id).finish()
+    }
+}
+
+/// A program's forks (see [`ForeignRegion::fork_stats`]).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct ForkStats {
+    /// Fork events (children made whole, or tried).
+    pub forks: u64,
+    /// Of those, forks no `ForkPrepare` announced (copied from a later fence).
+    pub unpaused: u64,
+    /// Children whose copy failed (they are left to fault on zeros, or killed if they wait).
+    pub failed: u64,
+    /// Bytes copied into children.
+    pub copied_bytes: u64,
 }
 
 impl Drop for ForeignRegion {
@@ -557,7 +649,7 @@ mod tests {
             ),
             (
                 Registered {
-                    features: FOREIGN_FEATURES | sys::UFFD_FEATURE_EVENT_FORK,
+                    features: FOREIGN_FEATURES | sys::UFFD_FEATURE_SIGBUS,
                     ..registered(g)
                 },
                 g,

@@ -66,6 +66,10 @@ impl Pager {
         let mut group: Vec<u64> = Vec::with_capacity(per_group as usize);
         let mut outcomes: Vec<(u64, Moved)> = Vec::with_capacity(per_group as usize);
         while done < n && budget > 0 {
+            if self.paused() {
+                // A fork fence: nothing moves until it ends.
+                break;
+            }
             group.clear();
             let want = per_group.min(n - done) as usize;
             self.take_behind(&mut st, &mut group, want);

@@ -189,11 +189,14 @@
 //! - `push.rs`: where a push reads a chunk;
 //! - `prefetch.rs`: sequential prefetch after a fault;
 //! - `deactivate.rs`: active → staged, the eviction policy's victims;
-//! - `reclaim.rs`: write-back and drop of staged chunks, room for faults, the reclaim thread.
+//! - `reclaim.rs`: write-back and drop of staged chunks, room for faults, the reclaim thread;
+//! - `fork.rs`: the fork fence (nothing moves while a program forks) and where each chunk's
+//!   content is under it.
 
 mod copy;
 mod deactivate;
 mod fault;
+mod fork;
 mod lock;
 mod moves;
 mod prefetch;
@@ -223,6 +226,7 @@ use crate::space::{Area, Moves};
 use crate::stats::Counters;
 use crate::uffd::UffdRange;
 use lock::SleepLock;
+pub(crate) use state::{ForkSnapshot, Source};
 use state::{St, State};
 use stream::Stream;
 
@@ -318,8 +322,12 @@ pub(crate) struct Pager {
     cache: OnceLock<Weak<RegionCache>>,
     write_back: OnceLock<WriteBackFn>,
     mark: OnceLock<MarkFn>,
-    /// Serializes reclaim passes (one write-back at a time).
-    reclaim_lock: tokio::sync::Mutex<()>,
+    /// Serializes reclaim passes (one write-back at a time); a fork fence holds it.
+    reclaim_lock: Arc<tokio::sync::Mutex<()>>,
+    /// A fork fence holds ([`ForkFence`]): deactivations do nothing.
+    paused: AtomicBool,
+    /// The fork fence that holds now, if any.
+    fence: Mutex<Weak<ForkFence>>,
     /// Signalled when resident memory goes down or the limit changes.
     changed: Notify,
     /// Wakes the reclaim thread.
@@ -414,7 +422,9 @@ impl Pager {
             cache: OnceLock::new(),
             write_back: OnceLock::new(),
             mark: OnceLock::new(),
-            reclaim_lock: tokio::sync::Mutex::new(()),
+            reclaim_lock: Arc::new(tokio::sync::Mutex::new(())),
+            paused: AtomicBool::new(false),
+            fence: Mutex::new(Weak::new()),
             changed: Notify::new(),
             kick: (Mutex::new(false), Condvar::new()),
             stop: AtomicBool::new(false),
@@ -571,6 +581,21 @@ impl Pager {
     /// Whether [`stop`](Self::stop) was called.
     pub(crate) fn stopped(&self) -> bool {
         self.stop.load(Ordering::Acquire)
+    }
+}
+
+/// A pause of the pager's data movement while a program forks (see `fork.rs`); ends when the
+/// last clone is dropped.
+pub(crate) struct ForkFence {
+    pager: Arc<Pager>,
+    _reclaim: tokio::sync::OwnedMutexGuard<()>,
+}
+
+impl Drop for ForkFence {
+    fn drop(&mut self) {
+        self.pager.paused.store(false, Ordering::SeqCst);
+        self.pager.kick();
+        self.pager.changed.notify_waiters();
     }
 }
 

@@ -127,3 +127,31 @@ impl State {
         }
     }
 }
+
+/// Where a chunk's content was when the fence was taken.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Source {
+    /// Mapped in the region (a forked child shares its pages), or never written (zeros).
+    Region,
+    /// In its staging slot.
+    Slot,
+    /// In the store.
+    Store,
+}
+
+/// Where every chunk's content was when the fence was taken (see the module docs).
+#[derive(Debug, Clone)]
+pub(crate) struct ForkSnapshot {
+    pub(crate) sources: Vec<Source>,
+}
+
+impl ForkSnapshot {
+    /// Chunks whose content is not in the region, with where it is.
+    pub(crate) fn elsewhere(&self) -> impl Iterator<Item = (u64, Source)> + '_ {
+        self.sources
+            .iter()
+            .enumerate()
+            .filter(|(_, s)| **s != Source::Region)
+            .map(|(i, s)| (i as u64, *s))
+    }
+}
