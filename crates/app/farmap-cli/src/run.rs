@@ -92,6 +92,12 @@ pub struct RunArgs {
     /// directory.
     #[arg(long, value_name = "NAME")]
     budget: Option<String>,
+    /// Serve the heap from the region only once the program's heap holds SIZE (0: from the
+    /// start). A program that stays below it (a shell, a short tool) runs on plain memory,
+    /// unbounded, and starts without a session; what it allocated before the region opens
+    /// stays in plain memory (slack outside the bound).
+    #[arg(long, value_name = "SIZE", default_value = "1MiB", value_parser = parse_size_arg)]
+    region_at: u64,
     /// What a forked child gets of the heap. `copy`: all of it, as memory of its own (the
     /// parent pauses its paging during the fork; what is staged or in the store is copied
     /// into the child, which is not bounded). `none`: nothing; fork + exec, vfork and
@@ -302,6 +308,7 @@ pub async fn run(args: RunArgs) -> anyhow::Result<ExitCode> {
         .env("LD_PRELOAD", preload_env)
         .env("FARMAP_RUN_SOCK", &sock_path)
         .env("FARMAP_RUN_TOKEN", hex(&token))
+        .env("FARMAP_RUN_OPEN_AT", args.region_at.to_string())
         .spawn()
         .with_context(|| format!("starting {}", args.command[0].to_string_lossy()))?;
     let pid = child.id().context("the program exited at once")?;

@@ -195,19 +195,35 @@ fn a_busy_program_gets_the_memory_an_idle_one_gives_back() {
     assert_eq!(b["share_bytes"], stats["limit_bytes"], "{stats}");
     assert!(b["reason"].is_string(), "{stats}");
     assert!(stats["referenced_bytes"].is_u64(), "{stats}");
-    let idle_stats = farmap().json(&[
-        "region",
-        "stats",
-        "--app",
-        idle_agent.to_str().unwrap(),
-        "--json",
-    ]);
+    // A share is applied without waiting for reclaim (`wait_ms` 0): the idle program
+    // comes down to it within moments.
+    let settle = Instant::now();
+    let idle_stats = loop {
+        let idle_stats = farmap().json(&[
+            "region",
+            "stats",
+            "--app",
+            idle_agent.to_str().unwrap(),
+            "--json",
+        ]);
+        let within = idle_stats["resident_bytes"].as_u64().unwrap()
+            <= idle_stats["limit_bytes"].as_u64().unwrap()
+                + idle_stats["min_free_bytes"].as_u64().unwrap();
+        if within || settle.elapsed() > Duration::from_secs(2) {
+            eprintln!(
+                "the idle program within its share after {:?}",
+                settle.elapsed()
+            );
+            break idle_stats;
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    };
     assert_eq!(idle_stats["budget"]["reason"], "idle", "{idle_stats}");
     assert!(
         idle_stats["resident_bytes"].as_u64().unwrap()
             <= idle_stats["limit_bytes"].as_u64().unwrap()
                 + idle_stats["min_free_bytes"].as_u64().unwrap(),
-        "the idle program holds more than its share: {idle_stats}"
+        "the idle program holds more than its share 2 s after the status said so: {idle_stats}"
     );
     // Both verify their data, and leave the budget as they end.
     std::fs::write(&stop, b"").unwrap();

@@ -15,6 +15,8 @@ pub(crate) const OPTIONAL: &[u8] = b"FARMAP_RUN_OPTIONAL";
 pub(crate) const DEBUG: &[u8] = b"FARMAP_PRELOAD_DEBUG";
 /// The lowest fd number for the session's long-lived fds (decimal; optional).
 pub(crate) const FD_BASE: &[u8] = b"FARMAP_RUN_FD_BASE";
+/// Bytes of heap in use at which the session opens (decimal; unset or 0: at start-up).
+pub(crate) const OPEN_AT: &[u8] = b"FARMAP_RUN_OPEN_AT";
 
 /// What the environment asks of this library.
 #[derive(Debug, Clone, Copy, Default)]
@@ -29,6 +31,8 @@ pub(crate) struct Settings {
     pub(crate) debug: bool,
     /// `FARMAP_RUN_FD_BASE`, if it is a number from 3 to 1,000,000.
     pub(crate) fd_base: Option<i32>,
+    /// `FARMAP_RUN_OPEN_AT`, if it is a decimal number of bytes (0 when unset or not one).
+    pub(crate) open_at: u64,
 }
 
 /// The value of `name` in one `NAME=value` entry.
@@ -72,6 +76,8 @@ pub(crate) unsafe fn read(envp: *const *const c_char) -> Settings {
             s.debug = v == b"1";
         } else if let Some(v) = value_of(bytes, FD_BASE) {
             s.fd_base = parse_fd_base(v);
+        } else if let Some(v) = value_of(bytes, OPEN_AT) {
+            s.open_at = parse_bytes(v).unwrap_or(0);
         }
     }
 }
@@ -83,6 +89,15 @@ pub(crate) fn parse_fd_base(v: &[u8]) -> Option<i32> {
     }
     let n = v.iter().fold(0i32, |n, d| n * 10 + i32::from(d - b'0'));
     (3..=1_000_000).contains(&n).then_some(n)
+}
+
+/// A byte count in decimal, at most 2^50.
+pub(crate) fn parse_bytes(v: &[u8]) -> Option<u64> {
+    if v.is_empty() || v.len() > 16 || !v.iter().all(u8::is_ascii_digit) {
+        return None;
+    }
+    let n = v.iter().fold(0u64, |n, d| n * 10 + u64::from(d - b'0'));
+    (n <= 1 << 50).then_some(n)
 }
 
 /// A token from exactly 64 hex digits (either case).
@@ -136,6 +151,17 @@ mod tests {
         assert_eq!(parse_fd_base(b"9x"), None);
         assert_eq!(parse_fd_base(b"1000001"), None);
         assert_eq!(parse_fd_base(b"99999999999"), None);
+    }
+
+    #[test]
+    fn byte_counts_are_decimal_and_bounded() {
+        assert_eq!(parse_bytes(b"1048576"), Some(1 << 20));
+        assert_eq!(parse_bytes(b"0"), Some(0));
+        assert_eq!(parse_bytes(b""), None);
+        assert_eq!(parse_bytes(b"1MiB"), None);
+        assert_eq!(parse_bytes(b"-1"), None);
+        assert_eq!(parse_bytes(b"99999999999999999"), None);
+        assert_eq!(parse_bytes(b"9999999999999999"), None, "above 2^50");
     }
 
     #[test]

@@ -26,8 +26,9 @@ fn fail<T>(e: c_int, v: T) -> T {
     v
 }
 
-fn alloc(f: impl FnOnce(&H) -> *mut u8) -> *mut c_void {
-    let p = heaps::with_current(f);
+/// Allocates `size` bytes (the request's, for the heap's choice) with `f`.
+fn alloc(size: usize, f: impl FnOnce(&H) -> *mut u8) -> *mut c_void {
+    let p = heaps::with_current(size, f);
     if p.is_null() {
         set_errno(libc::ENOMEM);
     }
@@ -40,7 +41,7 @@ fn align_up(align: usize) -> Option<usize> {
 
 fn memalign_impl(align: usize, size: usize) -> *mut c_void {
     match align_up(align) {
-        Some(a) => alloc(|h| h.memalign(a, size)),
+        Some(a) => alloc(size, |h| h.memalign(a, size)),
         None => fail(libc::EINVAL, ptr::null_mut()),
     }
 }
@@ -73,7 +74,7 @@ unsafe fn posix_memalign_impl(memptr: *mut *mut c_void, align: usize, size: usiz
     if !align.is_power_of_two() || !align.is_multiple_of(size_of::<*mut c_void>()) {
         return libc::EINVAL;
     }
-    let p = heaps::with_current(|h| h.memalign(align, size));
+    let p = heaps::with_current(size, |h| h.memalign(align, size));
     if p.is_null() {
         return libc::ENOMEM;
     }
@@ -92,7 +93,7 @@ fn new_failed(size: usize) -> ! {
 }
 
 fn new_impl(size: usize) -> *mut c_void {
-    let p = alloc(|h| h.malloc(size));
+    let p = alloc(size, |h| h.malloc(size));
     if p.is_null() {
         new_failed(size);
     }
@@ -112,13 +113,13 @@ fn new_aligned_impl(size: usize, align: usize) -> *mut c_void {
 /// `malloc(3)`.
 #[no_mangle]
 pub extern "C" fn malloc(size: usize) -> *mut c_void {
-    alloc(|h| h.malloc(size))
+    alloc(size, |h| h.malloc(size))
 }
 
 /// `calloc(3)`.
 #[no_mangle]
 pub extern "C" fn calloc(n: usize, size: usize) -> *mut c_void {
-    alloc(|h| h.calloc(n, size))
+    alloc(n.saturating_mul(size), |h| h.calloc(n, size))
 }
 
 /// `free(3)`.

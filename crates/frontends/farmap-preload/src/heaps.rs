@@ -123,6 +123,9 @@ const MODE_PLAIN: u8 = 1;
 const MODE_REGION: u8 = 2;
 /// A forked child's copy of a region-mode heap: whole, plain memory of its own.
 const MODE_INHERITED: u8 = 3;
+/// The session opens once the heap holds enough (`FARMAP_RUN_OPEN_AT`); the boot heap serves
+/// until then.
+const MODE_LAZY: u8 = 4;
 /// `FARMAP_PRELOAD_DEBUG=1`.
 static DEBUG: AtomicBool = AtomicBool::new(false);
 
@@ -158,8 +161,13 @@ pub(crate) fn current() -> Option<(&'static H, &'static Slot)> {
     boot().map(|h| (h, &BOOT))
 }
 
-/// Runs `f` on the current heap and counts the allocation if it succeeded.
-pub(crate) fn with_current(f: impl FnOnce(&H) -> *mut u8) -> *mut u8 {
+/// Runs `f` (an allocation of `size` bytes) on the current heap and counts the allocation if
+/// it succeeded; a pending session opens first if this allocation brings the heap to
+/// `FARMAP_RUN_OPEN_AT`.
+pub(crate) fn with_current(size: usize, f: impl FnOnce(&H) -> *mut u8) -> *mut u8 {
+    if MODE.load(Ordering::Relaxed) == MODE_LAZY {
+        maybe_open(size);
+    }
     let Some((heap, slot)) = current() else {
         return ptr::null_mut();
     };
@@ -205,11 +213,16 @@ pub(crate) fn usable_size(p: *const u8) -> usize {
 /// after this (unless they are equal).
 pub(crate) unsafe fn realloc(p: *mut u8, size: usize) -> *mut u8 {
     if p.is_null() {
-        return with_current(|h| h.malloc(size));
+        return with_current(size, |h| h.malloc(size));
     }
     let Some(owner) = owner(p) else {
         return ptr::null_mut();
     };
+    if MODE.load(Ordering::Relaxed) == MODE_LAZY {
+        // A boot object that grows may bring the heap to the session's threshold: it moves
+        // to the region then.
+        maybe_open(size);
+    }
     if size == 0 {
         // SAFETY: `p` is live in `owner` (the caller's contract).
         unsafe { owner.free(p) };
@@ -222,7 +235,7 @@ pub(crate) unsafe fn realloc(p: *mut u8, size: usize) -> *mut u8 {
         // SAFETY: `p` is live in `owner` (the caller's contract).
         return unsafe { owner.realloc(p, size) };
     }
-    let q = with_current(|h| h.malloc(size));
+    let q = with_current(size, |h| h.malloc(size));
     if !q.is_null() {
         let old = owner.usable_size(p);
         // SAFETY: `p` is live with `old` usable bytes, `q` was just allocated with at least
@@ -236,7 +249,8 @@ pub(crate) unsafe fn realloc(p: *mut u8, size: usize) -> *mut u8 {
     q
 }
 
-/// Reads the environment and sets the main heap (the library's constructor).
+/// Reads the environment and sets the main heap (the library's constructor), or, with
+/// `FARMAP_RUN_OPEN_AT`, leaves the boot heap serving until the heap holds that much.
 ///
 /// # Safety
 /// `envp` is null or the process's environment array (the loader's).
@@ -248,23 +262,75 @@ pub(crate) unsafe fn init(envp: *const *const c_char) {
     let _ = boot();
     let mode = match settings.sock {
         None => MODE_PLAIN,
-        Some(path) => match session::open(path, settings.token, settings.fd_base) {
-            Ok(s) => {
-                start_region(s);
-                MODE_REGION
+        Some(path) => match session::Target::new(path, settings.token, settings.fd_base) {
+            Ok(target) if settings.open_at > 0 => {
+                OPEN_AT.store(settings.open_at, Ordering::Relaxed);
+                let _ = PENDING.set(Pending {
+                    target,
+                    optional: settings.optional,
+                });
+                MODE_LAZY
             }
-            Err(e) if settings.optional => {
-                sys::say(format_args!(
-                    "{e}; running on plain memory (FARMAP_RUN_OPTIONAL)"
-                ));
-                MODE_PLAIN
-            }
-            Err(e) => {
-                sys::say(format_args!("{e}"));
-                sys::exit_now(127);
-            }
+            Ok(target) => open_session(&target, settings.optional),
+            Err(e) => failed(e, settings.optional),
         },
     };
+    plain_if(mode);
+    MODE.store(mode, Ordering::Relaxed);
+    // SAFETY: registering handlers that only take and release heap locks (and, in a child,
+    // make a plain heap with raw system calls); no lock of ours is held, so the allocation
+    // glibc makes here is served as any other.
+    unsafe {
+        libc::pthread_atfork(
+            Some(before_fork),
+            Some(after_fork_parent),
+            Some(after_fork_child),
+        )
+    };
+}
+
+/// A session to open once the heap holds [`OPEN_AT`] bytes.
+struct Pending {
+    target: session::Target,
+    optional: bool,
+}
+
+static PENDING: std::sync::OnceLock<Pending> = std::sync::OnceLock::new();
+/// Bytes of heap in use at which a pending session opens.
+static OPEN_AT: AtomicU64 = AtomicU64::new(0);
+/// Whether a thread has begun to open the pending session.
+static OPENING: AtomicBool = AtomicBool::new(false);
+/// Boot allocations between two looks at how much the heap holds.
+const LOOK_EVERY: u64 = 32;
+/// An allocation at least this large looks at once.
+const LARGE: usize = 64 << 10;
+
+/// Opens the session at `target` and serves the heap from its region: the mode that
+/// results (plain if it failed and `optional`; else the process exits with status 127).
+fn open_session(target: &session::Target, optional: bool) -> u8 {
+    match session::open(target) {
+        Ok(s) => {
+            start_region(s);
+            MODE_REGION
+        }
+        Err(e) => failed(e, optional),
+    }
+}
+
+/// A session that could not open: plain memory if `optional`, else one line and exit 127.
+fn failed(e: session::SessionError, optional: bool) -> u8 {
+    if optional {
+        sys::say(format_args!(
+            "{e}; running on plain memory (FARMAP_RUN_OPTIONAL)"
+        ));
+        return MODE_PLAIN;
+    }
+    sys::say(format_args!("{e}"));
+    sys::exit_now(127);
+}
+
+/// Sets the plain main heap if `mode` is plain.
+fn plain_if(mode: u8) {
     if mode == MODE_PLAIN
         && MAIN
             .get_or_make(|| plain_heap(PLAIN_LEN, arenas()))
@@ -274,17 +340,30 @@ pub(crate) unsafe fn init(envp: *const *const c_char) {
             "could not map the plain heap; serving from the boot heap"
         ));
     }
+}
+
+/// Before an allocation of `size` bytes while the session is pending: when it is large, or
+/// every [`LOOK_EVERY`] allocations, whether the heap would then hold [`OPEN_AT`] bytes, and
+/// if so, the session opens, on this thread (which holds no lock of ours; allocations
+/// meanwhile, the reaper thread's among them, come from the boot heap).
+fn maybe_open(size: usize) {
+    if size < LARGE
+        && !BOOT
+            .served
+            .load(Ordering::Relaxed)
+            .is_multiple_of(LOOK_EVERY)
+    {
+        return;
+    }
+    let Some(boot) = BOOT.get() else { return };
+    let held = (boot.stats().bytes_in_use as u64).saturating_add(size as u64);
+    if held < OPEN_AT.load(Ordering::Relaxed) || OPENING.swap(true, Ordering::AcqRel) {
+        return;
+    }
+    let Some(p) = PENDING.get() else { return };
+    let mode = open_session(&p.target, p.optional);
+    plain_if(mode);
     MODE.store(mode, Ordering::Relaxed);
-    // SAFETY: registering handlers that only take and release heap locks (and, in a child,
-    // make a plain heap with raw system calls); the main heap is set, so the allocation
-    // glibc makes here is served without any lock of ours held.
-    unsafe {
-        libc::pthread_atfork(
-            Some(before_fork),
-            Some(after_fork_parent),
-            Some(after_fork_child),
-        )
-    };
 }
 
 /// Serves the program's heap from the session's region, and starts the reaper.
@@ -363,6 +442,7 @@ pub(crate) fn report() {
         MODE_PLAIN => "plain",
         MODE_REGION => "region",
         MODE_INHERITED => "inherited",
+        MODE_LAZY => "lazy",
         _ => "none",
     };
     let in_use = |s: &Slot| s.get().map_or(0, |h| h.stats().bytes_in_use);
@@ -385,17 +465,17 @@ mod tests {
     /// main heap, and each pointer goes back to (or moves from) the heap that owns it.
     #[test]
     fn calls_go_to_the_heap_that_owns_the_pointer() {
-        let early = with_current(|h| h.malloc(100));
+        let early = with_current(100, |h| h.malloc(100));
         assert!(!early.is_null());
         assert!(ptr::eq(owner(early).unwrap(), BOOT.get().unwrap()));
         assert!(MAIN.get().is_none());
         // SAFETY: `early` has at least 100 usable bytes.
         unsafe { early.write_bytes(0x5a, 100) };
-        let doomed = with_current(|h| h.malloc(10));
+        let doomed = with_current(10, |h| h.malloc(10));
         assert!(MAIN.get_or_make(|| plain_heap(1 << 30, 2)).is_some());
         let (_, slot) = current().unwrap();
         assert!(ptr::eq(slot, &MAIN));
-        let late = with_current(|h| h.malloc(100));
+        let late = with_current(100, |h| h.malloc(100));
         assert!(ptr::eq(owner(late).unwrap(), MAIN.get().unwrap()));
         assert!(usable_size(late) >= 100);
         // A boot object that grows moves to the main heap with its bytes.

@@ -18,7 +18,10 @@
 //! # The contract with `farmap run`
 //! - Environment: `FARMAP_RUN_SOCK` (path of a Unix stream socket), `FARMAP_RUN_TOKEN` (64
 //!   hex digits: the 32-byte token), `FARMAP_RUN_OPTIONAL=1` (a failed handshake falls back
-//!   to plain mode instead of exiting with status 127 after one line on stderr).
+//!   to plain mode instead of exiting with status 127 after one line on stderr),
+//!   `FARMAP_RUN_OPEN_AT=BYTES` (the session opens once the heap would hold that many bytes,
+//!   checked at every allocation of 64 KiB or more and every 32nd smaller one; until then
+//!   the boot heap serves, mode `lazy`; unset or 0: at start-up).
 //! - Handshake: send `Hello{token, pid}`; read `Config{region_len, chunk_size, trash_len,
 //!   features}`; open the region's userfaultfd with `Config.features` (without fork events
 //!   if the program may not have them) and the staging

@@ -262,17 +262,40 @@ fn placed(fd: OwnedFd, base: Option<i32>) -> Result<OwnedFd, SessionError> {
     }
 }
 
-/// Opens a session with the handler at `path` (see the module docs); the long-lived fds
-/// (socket, userfaultfds) are moved to `fd_base` or above if it is set, out of the way of
-/// programs that `dup2` onto low numbers.
-pub(crate) fn open(
-    path: &CStr,
-    token: Option<&[u8]>,
+/// Where and as whom a session opens, read from the environment at start-up: copies, since
+/// the environment's own strings may be overwritten later (redis writes its process title
+/// over them) and the session may open long after start-up.
+pub(crate) struct Target {
+    addr: rustix::net::SocketAddrUnix,
+    token: [u8; TOKEN_LEN],
     fd_base: Option<i32>,
-) -> Result<Session, SessionError> {
-    let token = token
-        .and_then(crate::env::parse_token)
-        .ok_or(SessionError::Token)?;
+}
+
+impl Target {
+    /// The target of `FARMAP_RUN_SOCK` (`path`), `FARMAP_RUN_TOKEN` (`token`, as it is) and
+    /// `FARMAP_RUN_FD_BASE`.
+    pub(crate) fn new(
+        path: &CStr,
+        token: Option<&[u8]>,
+        fd_base: Option<i32>,
+    ) -> Result<Target, SessionError> {
+        let token = token
+            .and_then(crate::env::parse_token)
+            .ok_or(SessionError::Token)?;
+        let addr = rustix::net::SocketAddrUnix::new(path).map_err(sys_err("FARMAP_RUN_SOCK"))?;
+        Ok(Target {
+            addr,
+            token,
+            fd_base,
+        })
+    }
+}
+
+/// Opens a session with the handler at `target` (see the module docs); the long-lived fds
+/// (socket, userfaultfds) are moved to its fd base or above if it has one, out of the way of
+/// programs that `dup2` onto low numbers.
+pub(crate) fn open(target: &Target) -> Result<Session, SessionError> {
+    let (token, fd_base) = (target.token, target.fd_base);
     let fd = rustix::net::socket_with(
         AddressFamily::UNIX,
         SocketType::STREAM,
@@ -281,8 +304,7 @@ pub(crate) fn open(
     )
     .map_err(sys_err("creating a socket"))?;
     let fd = placed(fd, fd_base)?;
-    let addr = rustix::net::SocketAddrUnix::new(path).map_err(sys_err("FARMAP_RUN_SOCK"))?;
-    rustix::net::connect(&fd, &addr).map_err(sys_err("connecting to FARMAP_RUN_SOCK"))?;
+    rustix::net::connect(&fd, &target.addr).map_err(sys_err("connecting to FARMAP_RUN_SOCK"))?;
     let timeout =
         |v| rustix::net::sockopt::set_socket_timeout(&fd, rustix::net::sockopt::Timeout::Recv, v);
     timeout(Some(HANDSHAKE_WAIT)).map_err(sys_err("setting the socket's timeout"))?;
@@ -300,7 +322,7 @@ pub(crate) fn open(
     let session = finish(session)?;
     if session.fork_events {
         let _ = FORK_TARGET.set(ForkTarget {
-            addr: addr.clone(),
+            addr: target.addr.clone(),
             token,
             region: session.areas[0].start,
         });
