@@ -127,6 +127,14 @@ def _run(key, program, reference):
     return figure
 
 
+def _pair(out):
+    """`farmap bench run --budget-pair`: the busy server's throughput sharing a budget and
+    with a static half."""
+    r = out["run-pair"]
+    return (one(r, "ops_per_s", program="redis", budget="shared"),
+            one(r, "ops_per_s", program="redis", budget="static"))
+
+
 def _tail(out):
     r = out["paging-zipf"]
 
@@ -277,6 +285,8 @@ ZIPF = ["paging", "--pattern", "zipf", "--local", "30%"]
 SLOPE = {"slope": ["slope", "--runs", "1"]}
 RUN = ["run", "--workload", "ycsb-b", "--local", "30%"]
 RUN_QUICK = {"run": RUN + ["--records", "50000", "--operations", "50000"]}
+RUN_PAIR = ["run", "--program", "redis", "--workload", "ycsb-b", "--local", "30%",
+            "--budget-pair"]
 SEQ = ["paging", "--pattern", "seq", "--local", "30%", "--system", "farmap"]
 UNIFORM = ["paging", "--pattern", "uniform", "--local", "30%", "--system", "farmap"]
 
@@ -315,6 +325,9 @@ CASES = [
     Case("run memcached ycsb-b 30% p99", "µs", {"run": RUN},
          _run("p99_us", "memcached", "kernel-swap"), "kernel swap p99", bar=("<=", 1.0),
          needs=(have_root_cgroup_v1,), quick=RUN_QUICK),
+    Case("run redis budget pair, busy one's throughput", "ops/s", {"run-pair": RUN_PAIR},
+         _pair, "static half each", bar=(">=", 1.3), better="higher",
+         quick={"run-pair": RUN_PAIR + ["--records", "50000", "--operations", "50000"]}),
     Case("paging seq runtime, default prefetch", "ms",
          {"paging-seq": SEQ, "paging-seq-off": SEQ + ["--prefetch", "off"]},
          _prefetch_runtime, "runtime with --prefetch off", bar=("<=", 0.5),

@@ -107,6 +107,10 @@ pub struct Row {
     pub operations: u64,
     /// `client:N,server:M`, or `none`.
     pub cpu_pinning: String,
+    /// `--budget-pair`: how the pair's local memory was divided (`static`: half each;
+    /// `shared`: a budget).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub budget: Option<&'static str>,
     /// Operations that did not return OK, by kind.
     #[serde(skip_serializing_if = "Vec::is_empty")]
     pub errors: Vec<String>,
@@ -200,6 +204,7 @@ impl Row {
             records,
             operations,
             cpu_pinning: String::new(),
+            budget: None,
             errors: Vec::new(),
         }
     }

@@ -17,6 +17,8 @@
 //!    share × working set through the agent (`farmap region limit`), waiting until resident
 //!    memory is down, and each workload runs.
 //!
+//! `--budget-pair` measures a budget instead (`pair.rs`).
+//!
 //! The load generator runs on CPU 0 and the server on CPU 1 when there are two CPUs or more
 //! (`--no-pin` leaves placement to the kernel). `farmap run`'s own threads are not pinned,
 //! as the kernel's reclaim thread (kswapd) is not: its fault readers follow the program's
@@ -36,6 +38,7 @@ use super::paging_swap;
 use crate::output;
 
 mod kinds;
+mod pair;
 mod redis_benchmark;
 mod server;
 mod session;
@@ -97,6 +100,12 @@ pub struct RunArgs {
     /// scripts/ycsb/build.sh of this checkout prints; it fetches YCSB once).
     #[arg(long, value_name = "CP")]
     ycsb_classpath: Option<String>,
+    /// Instead of the systems: two servers under `farmap run`, one busy (the first YCSB
+    /// workload) and one idle after its load, with twice the smallest --local share of
+    /// local memory between them: shared by a budget (`farmap budget`) against a static
+    /// half each. One row per split (`budget`: static, shared) and the ratio on stderr.
+    #[arg(long)]
+    budget_pair: bool,
     /// One JSON object per program, workload, system and local share on stdout.
     #[arg(long)]
     json: bool,
@@ -166,6 +175,18 @@ fn run_all(
                     Program::Memcached => "memcached",
                 }
             );
+            continue;
+        }
+        if args.budget_pair {
+            let reference = ctx.session(program, System::Unlimited, None, None, |_| Ok(()))?;
+            let workload = args
+                .workloads
+                .iter()
+                .copied()
+                .find(|w| matches!(w, Workload::YcsbA | Workload::YcsbB))
+                .unwrap_or(Workload::YcsbB);
+            let local = locals.last().copied().unwrap_or(30.0);
+            pair::budget_pair(&ctx, program, &reference, local, workload, &mut emit)?;
             continue;
         }
         let show = args.systems.contains(&System::Unlimited);

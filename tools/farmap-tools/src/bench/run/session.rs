@@ -50,14 +50,14 @@ struct Snapshot {
 impl Ctx<'_> {
     /// Where the client and the server ran (`farmap run`'s own threads are never pinned,
     /// like the kernel's reclaim: see [`Server::start`]).
-    fn cpu_pinning(&self) -> String {
+    pub(super) fn cpu_pinning(&self) -> String {
         self.pin.map_or_else(
             || "none".to_owned(),
             |(c, s)| format!("client:{c},server:{s}"),
         )
     }
 
-    fn ycsb(
+    pub(super) fn ycsb(
         &self,
         dir: &Path,
         p: Program,
@@ -83,7 +83,12 @@ impl Ctx<'_> {
         ycsb::Report::parse(&out).context("reading YCSB's report")
     }
 
-    fn agent(&self, sock: &Path, req: Request, wait: Duration) -> anyhow::Result<PagingReport> {
+    pub(super) fn agent(
+        &self,
+        sock: &Path,
+        req: Request,
+        wait: Duration,
+    ) -> anyhow::Result<PagingReport> {
         self.handle.block_on(async {
             let mut c = Controller::connect(sock)
                 .await
@@ -308,17 +313,29 @@ impl Ctx<'_> {
 
     /// Runs one workload against a server: a row with the client's figures and the
     /// server's largest resident memory.
-    fn workload(
+    pub(super) fn workload(
         &self,
         w: Workload,
         p: Program,
         server: &Server,
         dir: &Path,
     ) -> anyhow::Result<Row> {
+        self.workload_ops(w, p, server, dir, self.operations)
+    }
+
+    /// [`workload`](Self::workload) with `operations` operations.
+    pub(super) fn workload_ops(
+        &self,
+        w: Workload,
+        p: Program,
+        server: &Server,
+        dir: &Path,
+        operations: u64,
+    ) -> anyhow::Result<Row> {
         let mut pids = vec![server.pid];
         pids.extend(server.handler);
         let sampler = RssSampler::start(pids);
-        let measured = self.measure(w, p, server, dir);
+        let measured = self.measure(w, p, server, dir, operations);
         let rss = sampler.finish();
         let mut row = measured?;
         row.rss_max_bytes = rss.first().copied().unwrap_or(0);
@@ -326,26 +343,33 @@ impl Ctx<'_> {
         Ok(row)
     }
 
-    fn measure(&self, w: Workload, p: Program, server: &Server, dir: &Path) -> anyhow::Result<Row> {
-        let mut row = Row::new(p, w, self.records, self.operations);
+    fn measure(
+        &self,
+        w: Workload,
+        p: Program,
+        server: &Server,
+        dir: &Path,
+        operations: u64,
+    ) -> anyhow::Result<Row> {
+        let mut row = Row::new(p, w, self.records, operations);
         match w {
             Workload::YcsbA | Workload::YcsbB => {
                 let mix = if w == Workload::YcsbA { Mix::A } else { Mix::B };
-                let r = self.ycsb(dir, p, server.port, Some((mix, self.operations)))?;
+                let r = self.ycsb(dir, p, server.port, Some((mix, operations)))?;
                 row.ops_per_s = r.ops_per_s;
                 row.p50_us = r.percentile_us("READ", "50th");
                 row.p99_us = r.percentile_us("READ", "99th");
                 row.p99_9_us = r.percentile_us("READ", "99.9");
                 row.update_p99_us = r.percentile_us("UPDATE", "99th");
                 row.errors = r.not_ok();
-                let want = self.operations as f64;
+                let want = operations as f64;
                 if r.ok() < want {
                     row.errors
                         .push(format!("{} of {want} operations returned OK", r.ok()));
                 }
             }
             Workload::RedisBenchmark => {
-                let args = redis_benchmark::args(server.port, self.records, self.operations, 50);
+                let args = redis_benchmark::args(server.port, self.records, operations, 50);
                 let out = client(
                     self.pin.map(|p| p.0),
                     "redis-benchmark",
