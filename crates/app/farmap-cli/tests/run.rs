@@ -773,3 +773,53 @@ fn bench_run_rows_are_verified_for_redis_and_memcached() {
         }
     }
 }
+
+/// `farmap bench run --budget-pair --quick` (a smoke test, not a measurement): a row per
+/// split of the pair's memory, each verified, the static one at half the total, and the
+/// ratio said. (Whether the budget moves memory is `tests/budget.rs`'s question.)
+#[test]
+fn bench_run_budget_pair_prints_a_verified_row_per_split() {
+    let test = "bench_run_budget_pair_prints_a_verified_row_per_split";
+    let Some(so) = preload(test) else { return };
+    if !installed(test, "redis-server") || !installed(test, "java") || !installed(test, "mvn") {
+        return;
+    }
+    let out = farmap().run(&[
+        "bench",
+        "run",
+        "--quick",
+        "--program",
+        "redis",
+        "--budget-pair",
+        "--local",
+        "30%",
+        "--preload",
+        so.to_str().unwrap(),
+        "--json",
+    ]);
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success(), "{stderr}");
+    let rows: Vec<Value> = String::from_utf8_lossy(&out.stdout)
+        .lines()
+        .map(|l| serde_json::from_str(l).unwrap())
+        .collect();
+    let splits: Vec<&str> = rows.iter().map(|r| r["budget"].as_str().unwrap()).collect();
+    assert_eq!(splits, ["static", "shared"], "{rows:#?}");
+    for row in &rows {
+        assert_eq!(row["system"], "farmap", "{row}");
+        assert_eq!(row["verified"], true, "{row}");
+        assert!(row["ops_per_s"].as_f64().unwrap() > 0.0, "{row}");
+        let total = row["limit_bytes"].as_u64().unwrap();
+        assert!(row["local_bytes"].as_u64().unwrap() <= total, "{row}");
+    }
+    assert_eq!(
+        rows[0]["local_bytes"].as_u64().unwrap(),
+        rows[0]["limit_bytes"].as_u64().unwrap() / 2,
+        "the static split is half each: {}",
+        rows[0]
+    );
+    assert!(
+        stderr.contains("budget pair: the busy redis ran"),
+        "{stderr}"
+    );
+}
