@@ -546,6 +546,16 @@ fn run_msg() -> Vec<Seed> {
             }),
         ),
         (
+            "touch",
+            Msg::Request(Request {
+                id: 3,
+                op: Op::Touch {
+                    start: base,
+                    len: 8 * 4096,
+                },
+            }),
+        ),
+        (
             "move",
             Msg::Request(Request {
                 id: 2,

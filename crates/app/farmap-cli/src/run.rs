@@ -609,6 +609,8 @@ fn stats_line(
         "zero_fills": p.zero_fills,
         "evictions": p.evictions_reactive + p.evictions_proactive,
         "staged_refaults": p.staged_refaults,
+        "partial_moves": p.partial_moves,
+        "overcommits": p.overcommits,
         "prefetched": p.prefetched,
         "prefetch_hits": p.prefetch_hits,
         "pushed_bytes": s.pushed_bytes,
@@ -617,6 +619,7 @@ fn stats_line(
         "forks_unpaused": forks.unpaused,
         "forks_failed": forks.failed,
         "fork_copied_bytes": forks.copied_bytes,
+        "fork_unshared_bytes": forks.unshared_bytes,
     })
     .to_string()
 }

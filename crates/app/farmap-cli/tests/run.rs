@@ -531,6 +531,13 @@ fn redis_keeps_its_keys_under_farmap_run_at_a_small_bound() {
     assert_eq!(stats["forks"], 1, "{stats}");
     assert_eq!(stats["forks_failed"], 0, "{stats}");
     assert_eq!(stats["forks_unpaused"], 0, "{stats}");
+    // The pages the fork shared were made redis's own again (the kernel moves no shared
+    // page), so no eviction failed on them.
+    assert!(
+        stats["fork_unshared_bytes"].as_u64().unwrap() > 0,
+        "{stats}"
+    );
+    assert_eq!(stats["partial_moves"], 0, "{stats}");
     // The saved keys, loaded by a redis of its own, have the digest of the keys at the fork.
     let plain_sock = dir.path().join("plain.sock");
     let mut plain = std::process::Command::new("redis-server");

@@ -12,7 +12,7 @@
 //!  (region uffd, staging uffd,                  (sizes as configured, alignment, addresses)
 //!   /proc/self/pagemap, /proc/self/mem)
 //!                                     ◀───────  Verdict {0: serving, else a refusal}
-//!  reaper thread                      ◀───────  Request {id, Discard | Move, ...}
+//!  reaper thread                      ◀───────  Request {id, Discard | Move | Touch, ...}
 //!                                     ───────▶  Done {id, errno, bytes}
 //!
 //!  before a fork, on a new connection:
@@ -219,6 +219,16 @@ pub enum Op {
         /// Bytes.
         len: u64,
     },
+    /// A write that changes nothing (a compare-and-swap of its first word with itself) to
+    /// each page of `len` bytes at `start`, in the region: a page a fork left shared with
+    /// the child is the parent's alone again, and can move (`UFFDIO_MOVE` refuses shared
+    /// pages).
+    Touch {
+        /// First byte.
+        start: u64,
+        /// Bytes.
+        len: u64,
+    },
     /// `UFFDIO_MOVE` of `len` bytes from `src` to `dst` (on the destination's userfaultfd).
     Move {
         /// Where the pages are.
@@ -279,6 +289,7 @@ const FORK_PREPARE: u16 = 7;
 
 const OP_DISCARD: u16 = 1;
 const OP_MOVE: u16 = 2;
+const OP_TOUCH: u16 = 3;
 
 /// The body length of each kind.
 fn body_len(kind: u16) -> Option<usize> {
@@ -407,7 +418,9 @@ impl Msg {
             }
             Msg::Verdict(_) => Ok(()),
             Msg::Request(r) => match r.op {
-                Op::Discard { start, len } => check_area("start", start, len),
+                Op::Discard { start, len } | Op::Touch { start, len } => {
+                    check_area("start", start, len)
+                }
                 Op::Move { src, dst, len } => {
                     check_area("src", src, len)?;
                     check_area("dst", dst, len)?;
@@ -463,6 +476,7 @@ impl Msg {
                 w.u32(r.id);
                 let (op, a, b, n) = match r.op {
                     Op::Discard { start, len } => (OP_DISCARD, start, 0, len),
+                    Op::Touch { start, len } => (OP_TOUCH, start, 0, len),
                     Op::Move { src, dst, len } => (OP_MOVE, src, dst, len),
                 };
                 w.u16(op);
@@ -569,6 +583,8 @@ fn decode_body(kind: u16, r: &mut Reader<'_>) -> Result<Msg, Error> {
             let op = match op {
                 OP_DISCARD if b == 0 => Op::Discard { start: a, len },
                 OP_DISCARD => return Err(Error::Reserved),
+                OP_TOUCH if b == 0 => Op::Touch { start: a, len },
+                OP_TOUCH => return Err(Error::Reserved),
                 OP_MOVE => Op::Move {
                     src: a,
                     dst: b,

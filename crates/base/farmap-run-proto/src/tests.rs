@@ -45,6 +45,10 @@ fn msg() -> impl Strategy<Value = Msg> {
             id,
             op: Op::Discard { start, len }
         })),
+        (any::<u32>(), page_range()).prop_map(|(id, (start, len))| Msg::Request(Request {
+            id,
+            op: Op::Touch { start, len }
+        })),
         (any::<u32>(), page_range(), 1u64..64).prop_map(|(id, (src, len), gap)| {
             Msg::Request(Request {
                 id,

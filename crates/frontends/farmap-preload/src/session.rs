@@ -18,7 +18,7 @@ use core::ffi::{c_void, CStr};
 use core::fmt;
 use core::mem::MaybeUninit;
 use core::ptr;
-use core::sync::atomic::{AtomicI32, Ordering};
+use core::sync::atomic::{AtomicI32, AtomicU64, Ordering};
 use core::time::Duration;
 use std::os::fd::{AsFd, AsRawFd, BorrowedFd, IntoRawFd, OwnedFd};
 
@@ -98,6 +98,10 @@ pub(crate) enum Action {
         start: u64,
         len: u64,
     },
+    Touch {
+        start: u64,
+        len: u64,
+    },
     Move {
         src: u64,
         dst: u64,
@@ -113,6 +117,10 @@ pub(crate) fn validate(areas: &[Area; 2], op: Op) -> Result<Action, i32> {
     match op {
         Op::Discard { start, len } => area_of(start, len)
             .map(|_| Action::Discard { start, len })
+            .ok_or(libc::EINVAL),
+        // The region only: the staging area's pages are never shared with a child.
+        Op::Touch { start, len } => (area_of(start, len) == Some(0))
+            .then_some(Action::Touch { start, len })
             .ok_or(libc::EINVAL),
         Op::Move { src, dst, len } => match (area_of(src, len), area_of(dst, len)) {
             (Some(_), Some(dst_area)) => Ok(Action::Move {
@@ -216,6 +224,28 @@ impl Session {
                     Ok(()) => (len, 0),
                     Err(e) => (0, e.raw_os_error()),
                 }
+            }
+            Ok(Action::Touch { start, len }) => {
+                for page in (start..start + len).step_by(farmap_run_proto::PAGE as usize) {
+                    let word = ptr::with_exposed_provenance::<AtomicU64>(page as usize);
+                    // SAFETY: a page of this program's region (checked above), mapped
+                    // read-write for the heap's whole life. A compare-and-swap of a value
+                    // with itself changes no value any thread can see, and is atomic against
+                    // their writes; it is a write to the kernel, which gives this process a
+                    // page of its own if a fork shared it. (Not an atomic add of 0: the
+                    // compiler makes that a fenced load, which writes nothing.) farmap run
+                    // asks only for pages it found present; one discarded meanwhile faults,
+                    // and farmap run serves that fault without this thread (it holds the
+                    // pager still while it asks).
+                    let word = unsafe { &*word };
+                    let mut v = word.load(Ordering::Relaxed);
+                    while let Err(now) =
+                        word.compare_exchange_weak(v, v, Ordering::Relaxed, Ordering::Relaxed)
+                    {
+                        v = now;
+                    }
+                }
+                (len, 0)
             }
             Ok(Action::Move {
                 src,
@@ -774,6 +804,22 @@ mod tests {
                 "{start:#x}+{len:#x}"
             );
         }
+    }
+
+    #[test]
+    fn touches_are_for_the_region_only() {
+        let op = |start, len| Op::Touch { start, len };
+        assert_eq!(
+            validate(&AREAS, op(0x10_0000, 0x2000)),
+            Ok(Action::Touch {
+                start: 0x10_0000,
+                len: 0x2000
+            })
+        );
+        // The staging area's pages are never shared with a child; outside both is refused.
+        assert_eq!(validate(&AREAS, op(0x40_0000, 0x1000)), Err(libc::EINVAL));
+        assert_eq!(validate(&AREAS, op(0x30_0000, 0x1000)), Err(libc::EINVAL));
+        assert_eq!(validate(&AREAS, op(0x1f_f000, 0x2000)), Err(libc::EINVAL));
     }
 
     #[test]

@@ -243,6 +243,17 @@ impl Pagemap {
         self.walk(start, end, Query::IN_MEMORY, vec, f)
     }
 
+    /// The runs of `start..end` present in memory that are not the shared zero page.
+    pub fn data_in_memory(
+        &self,
+        start: usize,
+        end: usize,
+        vec: &mut Vec<PageRegion>,
+        f: impl FnMut(PageRun),
+    ) -> io::Result<()> {
+        self.walk(start, end, Query::NOT_ZERO_PAGE, vec, f)
+    }
+
     /// Whether a page of `start..end` is present in memory and not the shared zero page
     /// (something wrote it, or filled it with data).
     pub fn any_not_zero_page(&self, start: usize, end: usize) -> io::Result<bool> {

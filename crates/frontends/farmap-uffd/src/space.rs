@@ -214,6 +214,33 @@ impl Moves {
         )
     }
 
+    /// Writes nothing to each page of `ranges` of `area` (page-aligned, inside it) through
+    /// the program's reaper ([`Op::Touch`](farmap_run_proto::Op::Touch)): pages a fork
+    /// shared become the program's own again, and can move. Each range's errno; `None` for
+    /// this process's regions (never shared with a child: `MADV_DONTFORK`).
+    pub fn touch_many(&self, area: &UffdRange, ranges: &[(usize, usize)]) -> Option<Vec<i32>> {
+        let Moves::Reaper(space) = self else {
+            return None;
+        };
+        let ops: Vec<farmap_run_proto::Op> = ranges
+            .iter()
+            .map(|&(off, len)| {
+                check_inside(off, len, area.len());
+                farmap_run_proto::Op::Touch {
+                    start: (area.base() + off) as u64,
+                    len: len as u64,
+                }
+            })
+            .collect();
+        Some(
+            space
+                .run(&ops)
+                .into_iter()
+                .map(|r| r.err().map_or(0, |(_, e)| e))
+                .collect(),
+        )
+    }
+
     /// Whether the moves are issued in this process, so that a staged chunk's fault can move
     /// its pages back itself (in the reader, or in the faulting thread's signal handler).
     pub fn in_process(&self) -> bool {

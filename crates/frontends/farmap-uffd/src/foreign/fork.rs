@@ -9,6 +9,10 @@
 //!  copies every chunk the child lacks (staged: from its slot; written back: from the
 //!  store) with UFFDIO_COPY on the child's fd, then closes that fd (the child's region is
 //!  then unregistered: never-written pages fill with zeros as in any private mapping)
+//!  the parent's reaper writes nothing to each of its present pages (a compare-and-swap of a
+//!  word with itself):
+//!  they are its own again (UFFDIO_MOVE refuses a page a fork shared, and reclaim could not
+//!  move them until the parent wrote them)
 //!  child (waits in its atfork handler) ◀── Verdict{0}: runs on; the fence ends
 //! ```
 //!
@@ -49,6 +53,8 @@ pub(crate) struct ForkCounters {
     pub unpaused: AtomicU64,
     pub failed: AtomicU64,
     pub bytes: AtomicU64,
+    /// Bytes of the parent's pages made its own again after forks.
+    pub unshared: AtomicU64,
 }
 
 /// A fork announced and paused for, waiting for its event.
@@ -140,7 +146,6 @@ impl Forks {
                     }
                 };
                 let copied = me.copy(child, &snapshot).map_err(|e| e.to_string());
-                drop(fence);
                 match &copied {
                     Ok(c) => {
                         me.counters
@@ -152,9 +157,19 @@ impl Forks {
                         tracing::warn!("copying a forked child's heap: {e}");
                     }
                 }
+                // The child may run on.
                 if let Some(done) = done {
                     let _ = done.send(copied);
                 }
+                // The pages the fork shared stay the parent's to move: still under the fence
+                // (the reaper's faults, if any, need no reaper then).
+                match me.pager.unshare_present() {
+                    Ok(n) => {
+                        me.counters.unshared.fetch_add(n, Ordering::Relaxed);
+                    }
+                    Err(e) => tracing::warn!("making the parent's pages its own again: {e}"),
+                }
+                drop(fence);
             });
         if let Err(e) = spawned {
             Counters::add(&self.counters.failed);

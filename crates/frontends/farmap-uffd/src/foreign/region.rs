@@ -418,6 +418,7 @@ impl ForeignRegion {
             unpaused: get(&c.unpaused),
             failed: get(&c.failed),
             copied_bytes: get(&c.bytes),
+            unshared_bytes: get(&c.unshared),
         }
     }
 
@@ -483,6 +484,9 @@ pub struct ForkStats {
     pub failed: u64,
     /// Bytes copied into children.
     pub copied_bytes: u64,
+    /// Bytes of the program's pages made its own again after its forks (so that they can
+    /// leave memory).
+    pub unshared_bytes: u64,
 }
 
 impl Drop for ForeignRegion {

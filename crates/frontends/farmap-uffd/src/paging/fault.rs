@@ -82,11 +82,16 @@ impl Pager {
     }
 
     /// Takes one unit of the limit for a fault, if there is room: below the limit, or with
-    /// `overcommit` below the limit plus `min_free`. Wakes the reclaim thread when free
+    /// `overcommit` below the limit plus `min_free`, or under a fork fence (no reclaim can
+    /// run until it ends, and a fault must not wait for it: the fence may be waiting for
+    /// the faulting thread, the program's reaper). Wakes the reclaim thread when free
     /// chunks run low, or when there is no room (then false: the fault reclaims first).
     pub(super) fn take_unit(&self, st: &mut State, overcommit: bool) -> bool {
         let limit = self.limit();
-        if st.resident < limit || (overcommit && st.resident < limit + self.min_free()) {
+        if st.resident < limit
+            || (overcommit && st.resident < limit + self.min_free())
+            || self.paused()
+        {
             if st.resident >= limit {
                 Counters::add(&self.counters.overcommits, 1);
             }

@@ -69,6 +69,39 @@ impl Pager {
         }
     }
 
+    /// Makes the region's pages the program's own again after a fork shared them with the
+    /// child (`UFFDIO_MOVE` refuses a shared page, `EBUSY`, until the program writes it, and
+    /// reclaim could not move them): the program's reaper writes nothing to each page
+    /// present, the shared zero page left out. Under the fork fence only: a page discarded
+    /// meanwhile faults in the reaper, and that fault needs no reaper then (no move runs).
+    /// The bytes asked for, or why not.
+    pub(crate) fn unshare_present(&self) -> std::io::Result<u64> {
+        /// Most bytes one request touches (the reaper answers each within its deadline).
+        const PIECE: usize = 64 << 20;
+        debug_assert!(self.paused(), "under the fork fence");
+        let base = self.region.base();
+        let mut pieces = Vec::new();
+        let mut scratch = Vec::new();
+        self.pagemap
+            .data_in_memory(base, base + self.region.len(), &mut scratch, |run| {
+                let mut at = run.start - base;
+                let end = run.end - base;
+                while at < end {
+                    let len = (end - at).min(PIECE);
+                    pieces.push((at, len));
+                    at += len;
+                }
+            })?;
+        let asked = pieces.iter().map(|&(_, len)| len as u64).sum();
+        let Some(errnos) = self.moves.touch_many(&self.region, &pieces) else {
+            return Ok(0);
+        };
+        match errnos.into_iter().find(|&e| e != 0) {
+            None => Ok(asked),
+            Some(e) => Err(std::io::Error::from_raw_os_error(e)),
+        }
+    }
+
     /// Reads chunks `first..` out of their staging slots into `dst` (whole chunks); false if
     /// the read failed (the program is gone).
     pub(crate) fn read_slots(&self, first: u64, dst: &mut [u8]) -> bool {

@@ -49,6 +49,21 @@ pub fn reaper_thread(sock: UnixStream, areas: [UffdRange; 2]) {
                         )
                     }
                 }
+                Op::Touch { start, len } => {
+                    for page in (start..start + len).step_by(4096) {
+                        // SAFETY: a page of this program's region, which the test's handler
+                        // serves; a compare-and-swap of a value with itself changes nothing
+                        // a thread of it sees (an add of 0 would compile to a load).
+                        let word =
+                            unsafe { &*(page as usize as *const std::sync::atomic::AtomicU64) };
+                        let relaxed = std::sync::atomic::Ordering::Relaxed;
+                        let mut v = word.load(relaxed);
+                        while let Err(now) = word.compare_exchange_weak(v, v, relaxed, relaxed) {
+                            v = now;
+                        }
+                    }
+                    (len, 0)
+                }
                 Op::Move { src, dst, len } => {
                     let find = |a: u64| {
                         areas
