@@ -137,6 +137,8 @@ struct Served {
     sessions: Mutex<Vec<Arc<ForeignRegion>>>,
     /// Connections being handled (a handshake, a session, its last report).
     active: std::sync::atomic::AtomicUsize,
+    /// Announced forks being served now.
+    fork_calls: std::sync::atomic::AtomicUsize,
     stats: bool,
     metrics: Metrics,
     /// The counters of the program images that ended ([`HEAP_COUNTERS`], in order): the
@@ -285,6 +287,7 @@ pub async fn run(args: RunArgs) -> anyhow::Result<ExitCode> {
         rt: Handle::current(),
         sessions: Mutex::new(Vec::new()),
         active: Default::default(),
+        fork_calls: Default::default(),
         stats: args.stats,
         metrics: args.metrics.metrics(),
         ended: Mutex::new([0; HEAP_COUNTERS.len()]),
@@ -551,8 +554,27 @@ fn serve_program(
     Ok(())
 }
 
+/// Most forks served at once (each holds a thread until its child is whole, or 10 s when
+/// no fork follows): a program that announces more forks its children unannounced.
+const MAX_FORK_CALLS: usize = 16;
+
 /// A program image about to fork: its pager paused until the child's heap is whole.
 fn serve_fork(call: ForkCall, served: &Served) -> anyhow::Result<()> {
+    use std::sync::atomic::Ordering;
+    if served.fork_calls.fetch_add(1, Ordering::AcqRel) >= MAX_FORK_CALLS {
+        served.fork_calls.fetch_sub(1, Ordering::AcqRel);
+        return Err(call
+            .refuse(&format!(
+                "more than {MAX_FORK_CALLS} forks announced at once"
+            ))
+            .into());
+    }
+    let r = serve_fork_counted(call, served);
+    served.fork_calls.fetch_sub(1, Ordering::AcqRel);
+    r
+}
+
+fn serve_fork_counted(call: ForkCall, served: &Served) -> anyhow::Result<()> {
     let (pid, base) = (call.pid(), call.region());
     // The program runs as soon as it has its verdict, which may be a moment before its
     // session is listed here.

@@ -320,13 +320,26 @@ except ConnectionResetError:
     rest = b""
 
 data = [bytearray(b"x" * 100000) for _ in range(64)]
-print("status", status, "garbage answered", len(rest), "ok", all(d.count(b"x") == 100000 for d in data))
+def fork_prepare(token, region):
+    body = token + struct.pack("<IIQ", os.getpid(), 0, region)
+    return b"FMRN" + struct.pack("<HHII", 1, 7, len(body), 0) + body
+def verdict_of(msg):
+    s = socket.socket(socket.AF_UNIX); s.connect(path)
+    s.sendall(msg)
+    v = s.recv(64)
+    return struct.unpack("<H", v[16:18])[0] if len(v) >= 18 else None
+token = bytes.fromhex(os.environ["FARMAP_RUN_TOKEN"])
+# A fork announced with a wrong token, or for a region this process does not have, is
+# refused (its pager is not paused); the heap goes on.
+forks = (verdict_of(fork_prepare(b"\x00" * 32, 0x1000)), verdict_of(fork_prepare(token, 0x1000)))
+print("status", status, "garbage answered", len(rest), "forks", forks,
+      "ok", all(d.count(b"x") == 100000 for d in data))
 "#;
     let out = run(&so, &["--", PYTHON, "-c", script]);
     let stdout = String::from_utf8_lossy(&out.stdout);
     assert!(out.status.success(), "{out:?}");
     assert!(
-        stdout.contains("status 1 garbage answered 0 ok True"),
+        stdout.contains("status 1 garbage answered 0 forks (1, 5) ok True"),
         "{stdout} {}",
         String::from_utf8_lossy(&out.stderr)
     );
