@@ -36,7 +36,7 @@ step() { printf '\n=== [%d:%02d] %s\n' $((SECONDS / 60)) $((SECONDS % 60)) "$*" 
 PKGS=(util-linux g++ qemu-system-x86 nbd-client busybox-static cpio xz-utils e2fsprogs libclang-dev
   nbdkit libnbd-bin qemu-utils fio fuse3 openjdk-17-jre-headless maven redis-server redis-tools openssl python3
   python3-prometheus-client memcached python3-venv python3-dev openjdk-17-jdk-headless
-  fonts-dejavu-core)
+  fonts-dejavu-core nginx-light)
 missing=()
 for p in "${PKGS[@]}"; do
   dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")

@@ -52,6 +52,8 @@ STORE SPECS:
                               redis+cluster://H:P,H:P/ for a Redis Cluster)
   s3://BUCKET/PREFIX?endpoint=URL&size=SIZE  an S3 bucket, one object per chunk
                               (credentials from the AWS environment or profile)
+  https://HOST/PATH           a file on a web server, read-only, one range request
+                              per chunk (also http://)
   cql://HOST:PORT/KEYSPACE?table=T&region=R&size=SIZE&create=true   Cassandra/ScyllaDB
   nbd://HOST[:PORT]/EXPORT    an NBD server's export (nbds:// for TLS: ?ca=CA.pem;
                               nbd+unix:///EXPORT?socket=/path)

@@ -16,6 +16,7 @@
 //! | `grpc` | `farmap+grpc://` (feature `grpc`) |
 //! | `redis` | `redis://`, `rediss://`, `redis+cluster://` (feature `redis`) |
 //! | `s3` | `s3://` (feature `s3`) |
+//! | `http` | `http://`, `https://`: a file on a web server, read-only (feature `http`) |
 //! | `cql` | `cql://` (feature `cql`) |
 //! | `nbd` | `nbd://`, `nbds://`, `nbd+unix://`, `nbds+unix://` (feature `nbd`) |
 //! | `tier` | `tier:(SPEC?cap=SIZE)(SPEC)...` |
@@ -40,6 +41,8 @@ mod common;
 mod cql;
 #[cfg(feature = "grpc")]
 mod grpc;
+#[cfg(feature = "http")]
+mod http;
 mod local;
 mod model;
 #[cfg(feature = "nbd")]

@@ -220,6 +220,13 @@ pub enum SpecKind {
         /// Bucket, prefix and how to reach them.
         location: farmap_s3::S3Location,
     },
+    #[cfg(feature = "http")]
+    /// A file on a web server, read-only (`http://HOST/PATH`, `https://`), one range request
+    /// per chunk.
+    Http {
+        /// The file's URL and how to read it.
+        location: farmap_http::HttpLocation,
+    },
     #[cfg(feature = "nbd")]
     /// An NBD server's export (`nbd://`, `nbds://`, `nbd+unix://`, `nbds+unix://`).
     Nbd {

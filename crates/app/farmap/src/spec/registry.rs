@@ -14,6 +14,8 @@ static SCHEMES: &[&dyn Scheme] = &[
     &super::redis::Redis,
     #[cfg(feature = "s3")]
     &super::s3::S3,
+    #[cfg(feature = "http")]
+    &super::http::Http,
     #[cfg(feature = "cql")]
     &super::cql::Cql,
     #[cfg(feature = "nbd")]
@@ -52,6 +54,8 @@ impl SpecKind {
             SpecKind::Redis(_) => &super::redis::Redis,
             #[cfg(feature = "s3")]
             SpecKind::S3 { .. } => &super::s3::S3,
+            #[cfg(feature = "http")]
+            SpecKind::Http { .. } => &super::http::Http,
             #[cfg(feature = "cql")]
             SpecKind::Cql(_) => &super::cql::Cql,
             #[cfg(feature = "nbd")]
