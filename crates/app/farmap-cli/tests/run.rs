@@ -485,15 +485,7 @@ fn redis_keeps_its_keys_under_farmap_run_at_a_small_bound() {
         .stdout(Stdio::null())
         .stderr(Stdio::piped());
     let mut runner = farmap_testkit::process::KillOnDrop(cmd.spawn().unwrap());
-    let cli = |args: &[&str]| {
-        let out = std::process::Command::new("redis-cli")
-            .arg("-s")
-            .arg(&redis_sock)
-            .args(args)
-            .output()
-            .unwrap();
-        String::from_utf8_lossy(&out.stdout).trim().to_owned()
-    };
+    let cli = |args: &[&str]| redis_cli(&redis_sock, args);
     let deadline = std::time::Instant::now() + Duration::from_secs(60);
     while cli(&["PING"]) != "PONG" {
         assert!(
@@ -561,15 +553,7 @@ fn redis_keeps_its_keys_under_farmap_run_at_a_small_bound() {
         .current_dir(dir.path())
         .stdout(Stdio::null());
     let _plain = farmap_testkit::process::KillOnDrop(plain.spawn().unwrap());
-    let plain_cli = |args: &[&str]| {
-        let out = std::process::Command::new("redis-cli")
-            .arg("-s")
-            .arg(&plain_sock)
-            .args(args)
-            .output()
-            .unwrap();
-        String::from_utf8_lossy(&out.stdout).trim().to_owned()
-    };
+    let plain_cli = |args: &[&str]| redis_cli(&plain_sock, args);
     let deadline = std::time::Instant::now() + Duration::from_secs(60);
     while plain_cli(&["PING"]) != "PONG" {
         assert!(
@@ -674,6 +658,17 @@ fn installed(test: &str, program: &str) -> bool {
         skip(test, format!("{program} is not installed"));
     }
     found
+}
+
+/// `redis-cli -s SOCK ARGS...`: its answer, trimmed.
+fn redis_cli(sock: &std::path::Path, args: &[&str]) -> String {
+    let out = std::process::Command::new("redis-cli")
+        .arg("-s")
+        .arg(sock)
+        .args(args)
+        .output()
+        .unwrap();
+    String::from_utf8_lossy(&out.stdout).trim().to_owned()
 }
 
 /// Waits for a `farmap run --stats` started with its stderr piped: it succeeded, printed

@@ -192,26 +192,10 @@ impl Moves {
     /// it) through the program's reaper, a group of them to a round trip: each one's
     /// outcome (an errno). `None` for this process's moves: discard the mapping itself.
     pub fn discard_many(&self, area: &UffdRange, ranges: &[(usize, usize)]) -> Option<Vec<i32>> {
-        let Moves::Reaper(space) = self else {
-            return None;
-        };
-        let ops: Vec<farmap_run_proto::Op> = ranges
-            .iter()
-            .map(|&(off, len)| {
-                check_inside(off, len, area.len());
-                farmap_run_proto::Op::Discard {
-                    start: (area.base() + off) as u64,
-                    len: len as u64,
-                }
-            })
-            .collect();
-        Some(
-            space
-                .run(&ops)
-                .into_iter()
-                .map(|r| r.err().map_or(0, |(_, e)| e))
-                .collect(),
-        )
+        self.reaper_ops(area, ranges, |start, len| farmap_run_proto::Op::Discard {
+            start,
+            len,
+        })
     }
 
     /// Writes nothing to each page of `ranges` of `area` (page-aligned, inside it) through
@@ -219,6 +203,21 @@ impl Moves {
     /// shared become the program's own again, and can move. Each range's errno; `None` for
     /// this process's regions (never shared with a child: `MADV_DONTFORK`).
     pub fn touch_many(&self, area: &UffdRange, ranges: &[(usize, usize)]) -> Option<Vec<i32>> {
+        self.reaper_ops(area, ranges, |start, len| farmap_run_proto::Op::Touch {
+            start,
+            len,
+        })
+    }
+
+    /// `op(address, length)` for each of `ranges` of `area` (page-aligned, inside it),
+    /// through the program's reaper, a group of them to a round trip: each one's errno.
+    /// `None` for this process's regions.
+    fn reaper_ops(
+        &self,
+        area: &UffdRange,
+        ranges: &[(usize, usize)],
+        op: impl Fn(u64, u64) -> farmap_run_proto::Op,
+    ) -> Option<Vec<i32>> {
         let Moves::Reaper(space) = self else {
             return None;
         };
@@ -226,10 +225,7 @@ impl Moves {
             .iter()
             .map(|&(off, len)| {
                 check_inside(off, len, area.len());
-                farmap_run_proto::Op::Touch {
-                    start: (area.base() + off) as u64,
-                    len: len as u64,
-                }
+                op((area.base() + off) as u64, len as u64)
             })
             .collect();
         Some(
