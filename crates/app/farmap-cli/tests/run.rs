@@ -660,6 +660,17 @@ fn installed(test: &str, program: &str) -> bool {
     found
 }
 
+/// A successful `--json` command's rows (one JSON object per stdout line), and its stderr.
+fn json_rows(out: &std::process::Output) -> (Vec<Value>, String) {
+    let stderr = String::from_utf8_lossy(&out.stderr).into_owned();
+    assert!(out.status.success(), "{stderr}");
+    let rows = String::from_utf8_lossy(&out.stdout)
+        .lines()
+        .map(|l| serde_json::from_str(l).unwrap())
+        .collect();
+    (rows, stderr)
+}
+
 /// `redis-cli -s SOCK ARGS...`: its answer, trimmed.
 fn redis_cli(sock: &std::path::Path, args: &[&str]) -> String {
     let out = std::process::Command::new("redis-cli")
@@ -742,12 +753,7 @@ fn bench_run_rows_are_verified_for_redis_and_memcached() {
         so.to_str().unwrap(),
         "--json",
     ]);
-    let stderr = String::from_utf8_lossy(&out.stderr);
-    assert!(out.status.success(), "{stderr}");
-    let rows: Vec<Value> = String::from_utf8_lossy(&out.stdout)
-        .lines()
-        .map(|l| serde_json::from_str(l).unwrap())
-        .collect();
+    let (rows, _) = json_rows(&out);
     let want = [
         ("redis", "ycsb-b"),
         ("redis", "redis-benchmark-hgetall"),
@@ -812,12 +818,7 @@ fn bench_run_budget_pair_prints_a_verified_row_per_split() {
         so.to_str().unwrap(),
         "--json",
     ]);
-    let stderr = String::from_utf8_lossy(&out.stderr);
-    assert!(out.status.success(), "{stderr}");
-    let rows: Vec<Value> = String::from_utf8_lossy(&out.stdout)
-        .lines()
-        .map(|l| serde_json::from_str(l).unwrap())
-        .collect();
+    let (rows, stderr) = json_rows(&out);
     let splits: Vec<&str> = rows.iter().map(|r| r["budget"].as_str().unwrap()).collect();
     assert_eq!(splits, ["static", "shared"], "{rows:#?}");
     for row in &rows {
