@@ -11,9 +11,12 @@ mkdir -p "$CACHE"
 exec 9>"$CACHE/.lock"
 flock 9
 
+# The modules the guest needs (with what they depend on, found below). A cached kernel whose
+# module set differs is extracted again from the cached package.
+want=${FARMAP_VM_MODULES:-failover net_failover virtio_net virtio_blk nbd ublk_drv crc32c_generic ext4}
 if [[ -f $CACHE/current ]]; then
   dir=$CACHE/$(cat "$CACHE/current")
-  if [[ -f $dir/vmlinuz && -f $dir/modules.order ]]; then
+  if [[ -f $dir/vmlinuz && -f $dir/modules.order && $(cat "$dir/modules.want" 2>/dev/null) == "$want" ]]; then
     echo "$dir"
     exit 0
   fi
@@ -90,8 +93,9 @@ add() {
   for d in $deps; do add "$d"; done
   order+=("$name")
 }
-for m in ${FARMAP_VM_MODULES:-failover net_failover virtio_net nbd ublk_drv crc32c_generic ext4}; do add "$m"; done
+for m in $want; do add "$m"; done
 printf '%s\n' "${order[@]}" >"$out/modules.order"
+echo "$want" >"$out/modules.want"
 echo "$KV" >"$CACHE/current"
 log "cached kernel $KV in $out"
 echo "$out"
