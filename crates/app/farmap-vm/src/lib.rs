@@ -12,6 +12,8 @@
 //! The design is docs/design/vm.md (§7 the guest, §8 the flags, §11 the figures).
 #![forbid(unsafe_code)]
 
+pub mod qmp;
 mod version;
 
+pub use qmp::QmpError;
 pub use version::QemuVersion;
