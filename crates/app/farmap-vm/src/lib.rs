@@ -15,5 +15,5 @@
 pub mod qmp;
 mod version;
 
-pub use qmp::QmpError;
+pub use qmp::{Qmp, QmpError};
 pub use version::QemuVersion;

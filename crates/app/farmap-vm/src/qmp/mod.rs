@@ -15,8 +15,12 @@
 //! QEMU:   {"return": {}, "id": 2}
 //! ```
 
+mod client;
 mod codec;
 mod error;
+#[cfg(test)]
+mod fake;
 
+pub use client::{Qmp, DEFAULT_COMMAND_TIMEOUT, MAX_QUEUED_EVENTS};
 pub use codec::{encode_command, parse_line, Event, Greeting, Message, MAX_LINE};
 pub use error::{CodecError, QmpError};
