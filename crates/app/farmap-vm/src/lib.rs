@@ -15,5 +15,5 @@
 pub mod qmp;
 mod version;
 
-pub use qmp::{Qmp, QmpError};
+pub use qmp::{MigrateInfo, Qmp, QmpError};
 pub use version::QemuVersion;

@@ -20,7 +20,9 @@ mod codec;
 mod error;
 #[cfg(test)]
 mod fake;
+mod migration;
 
 pub use client::{Qmp, DEFAULT_COMMAND_TIMEOUT, MAX_QUEUED_EVENTS};
 pub use codec::{encode_command, parse_line, Event, Greeting, Message, MAX_LINE};
 pub use error::{CodecError, QmpError};
+pub use migration::{MigrateInfo, MIGRATION_POLL};
