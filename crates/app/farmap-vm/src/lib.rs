@@ -12,12 +12,16 @@
 //! The design is docs/design/vm.md (§7 the guest, §8 the flags, §11 the figures).
 #![forbid(unsafe_code)]
 
+pub mod console;
 pub mod heartbeat;
 pub mod qemu;
 pub mod qmp;
 mod version;
+pub mod vmcheck;
 
+pub use console::{Console, ConsoleError};
 pub use heartbeat::{analyse, Analysis, Beat, HeartbeatListener, Heartbeats};
 pub use qemu::{qemu_version, Incoming, QemuConfig, QemuError, Ram};
 pub use qmp::{MigrateInfo, Qmp, QmpError};
 pub use version::QemuVersion;
+pub use vmcheck::{Rate, VmcheckLine};
