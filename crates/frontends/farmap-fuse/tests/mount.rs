@@ -331,3 +331,60 @@ fn allow_other_enforces_the_files_mode_and_chmod_changes_it() {
     )));
     drop(m);
 }
+
+/// Kernel facts that guest RAM on a mount rests on (docs/design/vm.md §3, issue 32): a
+/// writer through a `MAP_SHARED` mapping dirties the page cache one 4 KiB page at a time (this
+/// kernel gives FUSE files no large folios, so one byte written costs one page of write-back,
+/// not a folio of up to 1 MiB), and the mount's bdi takes the knobs that lift FUSE's
+/// strict 1 % share of the dirty limit.
+#[test]
+fn mapped_writes_dirty_single_pages_and_the_bdi_takes_the_dirty_knobs() {
+    use std::os::unix::fs::MetadataExt;
+    if !can_mount("mapped_writes_dirty_single_pages_and_the_bdi_takes_the_dirty_knobs") {
+        return;
+    }
+    let dir = tempfile::tempdir().unwrap();
+    let s = store(64 << 20, 64 << 10);
+    let m = FuseMount::mount(s.clone(), dir.path(), MountOptions::default()).unwrap();
+    let map = m.map().unwrap();
+    let mem = map.memory();
+    // Read the whole file first, so that read-ahead has built whatever folios it builds.
+    let mut buf = vec![0; 1 << 20];
+    for mib in 0..64usize {
+        mem.read_into(mib << 20, &mut buf).unwrap();
+    }
+    let _ = m.control().take_dirty();
+    for mib in 0..64usize {
+        mem.write_from((mib << 20) + 4096 * 7 + 17, &[mib as u8 + 1])
+            .unwrap();
+    }
+    map.sync().unwrap();
+    let runs = m.control().take_dirty();
+    let pages: u64 = runs.iter().map(|r| r.end - r.start).sum();
+    assert_eq!(
+        (runs.len(), pages),
+        (64, 64),
+        "64 one-byte writes 1 MiB apart came back as these dirty page runs: {runs:?}"
+    );
+    assert!(runs
+        .iter()
+        .enumerate()
+        .all(|(i, r)| r.start == i as u64 * 256 + 7));
+    assert_eq!(store_bytes(&*s, (63 << 20) + 4096 * 7 + 17, 1), [64]);
+    drop(map);
+
+    let meta = std::fs::metadata(m.path()).unwrap();
+    let bdi = format!(
+        "/sys/class/bdi/{}:{}",
+        rustix::fs::major(meta.dev()),
+        rustix::fs::minor(meta.dev())
+    );
+    let read = |knob: &str| std::fs::read_to_string(format!("{bdi}/{knob}")).unwrap();
+    assert_eq!(read("strict_limit").trim(), "1", "FUSE mounts start strict");
+    assert_eq!(read("max_ratio").trim(), "1", "FUSE mounts start at 1 %");
+    std::fs::write(format!("{bdi}/strict_limit"), "0").unwrap();
+    std::fs::write(format!("{bdi}/max_ratio"), "100").unwrap();
+    assert_eq!(read("strict_limit").trim(), "0");
+    assert_eq!(read("max_ratio").trim(), "100");
+    m.unmount().unwrap();
+}

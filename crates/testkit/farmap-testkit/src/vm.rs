@@ -174,6 +174,62 @@ impl Vm {
     }
 }
 
+/// A kernel and an initramfs whose guest runs `vmcheck` (`scripts/vm/vmcheck.c`, the
+/// self-checking guest of issue 32) with the options given on the kernel command line as
+/// `vmcheck.KEY=VALUE` (`vmcheck.ws-mib=16 vmcheck.rate-mibs=32`), for tests that boot it with
+/// their own QEMU command line (farmap-vm's `QemuConfig`). The files are removed on drop.
+#[derive(Debug)]
+pub struct VmcheckImage {
+    /// The kernel (`-kernel`).
+    pub kernel: PathBuf,
+    /// The initramfs (`-initrd`).
+    pub initrd: PathBuf,
+    dir: tempfile::TempDir,
+}
+
+impl VmcheckImage {
+    /// Builds it with `scripts/vm/initramfs.sh --vmcheck` (the kernel is fetched once and
+    /// cached; the initramfs takes a few seconds). [`VmError::Unavailable`] when this machine
+    /// cannot (no packages, no kernel).
+    pub fn build() -> Result<Self, VmError> {
+        let dir = tempfile::Builder::new()
+            .prefix("farmap-vmcheck")
+            .tempdir()
+            .map_err(|e| VmError::Unavailable(format!("cannot make a temp dir: {e}")))?;
+        let guest = dir.path().join("guest.sh");
+        std::fs::write(&guest, "exec vmcheck\n")
+            .map_err(|e| VmError::Unavailable(format!("cannot write the guest script: {e}")))?;
+        let out = Command::new(repo_root().join("scripts/vm/initramfs.sh"))
+            .arg("--out")
+            .arg(dir.path())
+            .arg("--guest")
+            .arg(&guest)
+            .arg("--vmcheck")
+            .stdin(Stdio::null())
+            .output()
+            .map_err(|e| VmError::Unavailable(format!("cannot run initramfs.sh: {e}")))?;
+        let stderr = String::from_utf8_lossy(&out.stderr).into_owned();
+        match out.status.code() {
+            Some(0) => Ok(Self {
+                kernel: dir.path().join("vmlinuz"),
+                initrd: dir.path().join("initramfs.cpio"),
+                dir,
+            }),
+            Some(3) => Err(VmError::Unavailable(stderr.trim().to_string())),
+            code => Err(VmError::Failed {
+                what: format!("scripts/vm/initramfs.sh failed ({code:?})"),
+                marks: Vec::new(),
+                console_tail: tail(&stderr, 20),
+            }),
+        }
+    }
+
+    /// The folder the files are in.
+    pub fn dir(&self) -> &Path {
+        self.dir.path()
+    }
+}
+
 /// The last `n` lines of `s`.
 fn tail(s: &str, n: usize) -> String {
     let lines: Vec<&str> = s.lines().collect();
