@@ -33,6 +33,7 @@ mod stop;
 mod swap;
 mod verify;
 mod versions;
+mod vm;
 
 use farmap_cli_kit::output;
 #[cfg(feature = "tools")]
@@ -179,6 +180,9 @@ enum Command {
     /// turn it off (`swap off [DEVICE]`).
     #[command(subcommand)]
     Swap(swap::SwapCommand),
+    /// QEMU guests whose RAM is a farmap mount: move one live to another QEMU (`vm migrate`).
+    #[command(subcommand)]
+    Vm(vm::VmCommand),
     /// A node of `farmap demo` (internal).
     #[cfg(feature = "tools")]
     #[command(name = "__demo-node", hide = true)]
@@ -298,6 +302,7 @@ fn main() -> ExitCode {
             Command::Mount(args) => mount::run(args).await,
             Command::Umount(args) => mount::umount(args).await,
             Command::Swap(cmd) => swap::run(cmd, swap_prepared).await,
+            Command::Vm(cmd) => vm::run(cmd).await,
         }
     });
     match result {

@@ -174,7 +174,7 @@ fn finish(
 
 /// The migration key's secret from `given` or the default key file; a seeder creates the file
 /// when there is none.
-fn key_secret(given: Option<PathBuf>, create: bool) -> anyhow::Result<String> {
+pub(crate) fn key_secret(given: Option<PathBuf>, create: bool) -> anyhow::Result<String> {
     use farmap_net::auth::{default_key_file, read_or_create_secret, read_secret};
     let path = match given {
         Some(p) => p,

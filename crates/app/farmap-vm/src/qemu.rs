@@ -171,6 +171,16 @@ impl QemuConfig {
         a.0
     }
 
+    /// The command that starts this VM as one `sh -c` line, every word single-quoted (for
+    /// `farmap vm migrate --dst-launch`).
+    pub fn shell_command(&self, incoming: Option<Incoming>) -> String {
+        let quote = |w: &OsStr| format!("'{}'", w.to_string_lossy().replace('\'', "'\\''"));
+        std::iter::once(quote(self.qemu.as_os_str()))
+            .chain(self.args(incoming).iter().map(|a| quote(a)))
+            .collect::<Vec<_>>()
+            .join(" ")
+    }
+
     /// The command that starts this VM (its standard streams left as they are).
     pub fn command(&self, incoming: Option<Incoming>) -> Command {
         let mut command = Command::new(&self.qemu);
