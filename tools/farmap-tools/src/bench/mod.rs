@@ -26,6 +26,7 @@ mod uffd;
 #[allow(unsafe_code)] // the raw reference: userfaultfd ioctls on its own mappings
 mod uffd_raw;
 mod versions;
+mod vm;
 
 #[derive(Debug, Subcommand)]
 pub enum BenchCommand {
@@ -93,6 +94,12 @@ pub enum BenchCommand {
     /// a raw loopback TCP copy, the no-owner window, read and write unavailability, the
     /// writer's rate during prefill, bytes moved; the destination's copy is checked.
     Slope(slope::SlopeArgs),
+    /// A QEMU guest (TCG) moved live between two QEMUs on this host: by farmap (its RAM on
+    /// a farmap mount; instant and pre-copy) against the shared-file floor (QEMU moving
+    /// device state only) and QEMU's own pre-copy and post-copy, in the same run: the pause
+    /// the guest felt (heartbeats timed on the host), QEMU's downtime, bytes moved, and
+    /// whether the guest found every byte it wrote (needs root, QEMU; builds the guest).
+    Vm(vm::VmArgs),
 }
 
 pub use paging_app::{run_child as paging_app, AppArgs as PagingAppArgs};
@@ -114,5 +121,6 @@ pub async fn run(cmd: BenchCommand) -> anyhow::Result<ExitCode> {
         BenchCommand::Versions(args) => versions::run(args).await,
         BenchCommand::Run(args) => run::run(args).await,
         BenchCommand::Slope(args) => slope::run(args).await,
+        BenchCommand::Vm(args) => vm::run(args).await,
     }
 }
