@@ -262,6 +262,44 @@ def _slope_bytes(out):
             one(r, "bytes_expected", object="vector-dirty", pages_asked=100000, page_bytes=4096))
 
 
+def _vm_size(rows):
+    """The guest size the vm cases read: 1 GiB, else (a quick run) the one there is."""
+    sizes = sorted({r.get("guest_mib") for r in rows if r.get("guest_mib")})
+    if not sizes:
+        raise LookupError("no vm rows")
+    return 1024 if 1024 in sizes else sizes[0]
+
+
+def _vm_gap(system, size=None, **match):
+    def gap(rows):
+        mib = size or _vm_size(rows)
+        return one(rows, "guest_max_gap_ms", system=system, guest_mib=mib, **match)
+    return gap
+
+
+def _vm_floor(out):
+    r = out["vm"]
+    return _vm_gap("farmap-instant")(r), _vm_gap("shared-floor")(r) + 10.0
+
+
+def _vm_qemu(out):
+    r = out["vm"]
+    return _vm_gap("farmap-instant")(r), _vm_gap("qemu-precopy", case="default")(r)
+
+
+def _vm_flat(out):
+    r = out["vm"]
+    sizes = sorted({x["guest_mib"] for x in rows_where(r, system="farmap-instant")})
+    return _vm_gap("farmap-instant", sizes[-1])(r), _vm_gap("farmap-instant", sizes[0])(r)
+
+
+def _vm_bytes(out):
+    r = out["vm"]
+    mib = _vm_size(r)
+    return (one(r, "bytes_before_resume", system="farmap-instant", guest_mib=mib),
+            mib * 1048576 / 100.0)
+
+
 def have_root_cgroup_v1():
     if os.geteuid() != 0:
         return "needs root"
@@ -289,6 +327,9 @@ RUN_PAIR = ["run", "--program", "redis", "--workload", "ycsb-b", "--local", "30%
             "--budget-pair"]
 SEQ = ["paging", "--pattern", "seq", "--local", "30%", "--system", "farmap"]
 UNIFORM = ["paging", "--pattern", "uniform", "--local", "30%", "--system", "farmap"]
+
+VM = {"vm": ["vm", "--sizes", "512MiB,1GiB,2GiB", "--runs", "1"]}
+VM_QUICK = {"vm": ["vm", "--quick"]}
 
 CASES = [
     Case("uffd fault-4k p50", "µs",
@@ -395,6 +436,14 @@ CASES = [
          "the writer before", bar=(">=", 0.9), better="higher"),
     Case("slope bytes moved (dirty vector)", "bytes", SLOPE, _slope_bytes,
          "owned + re-sent dirty pages", bar=("<=", 1.05)),
+    Case("vm instant: guest's largest gap, 1 GiB", "ms", VM, _vm_floor,
+         "shared-file floor + 10 ms", bar=("<=", 1.0), quick=VM_QUICK, needs=(have_root,)),
+    Case("vm instant gap vs QEMU pre-copy, 1 GiB", "ms", VM, _vm_qemu,
+         "QEMU pre-copy's gap", bar=("<=", 0.1), quick=VM_QUICK, needs=(have_root,)),
+    Case("vm instant gap, 2 GiB vs 512 MiB", "ms", VM, _vm_flat,
+         "the gap at 512 MiB", bar=("<=", 1.25), quick=VM_QUICK, needs=(have_root,)),
+    Case("vm instant bytes before resume, 1 GiB", "bytes", VM, _vm_bytes,
+         "1% of the guest's RAM", bar=("<=", 1.0), quick=VM_QUICK, needs=(have_root,)),
 ]
 
 
@@ -614,6 +663,17 @@ def self_test():
              for n, us in ((1000, 100.0), (100000, 300.0))]
     assert _slope_flat({"slope": slope}) == (300.0, 100.0)
     assert _slope_prefill(4096)({"slope": slope}) == (200.0, 4000.0)
+    vm = [{"system": s, "case": c, "guest_mib": m, "guest_max_gap_ms": g,
+           "bytes_before_resume": 1000}
+          for s, c, m, g in (("farmap-instant", "migrate", 512, 40.0),
+                             ("farmap-instant", "migrate", 1024, 44.0),
+                             ("farmap-instant", "migrate", 2048, 48.0),
+                             ("shared-floor", "migrate", 1024, 30.0),
+                             ("qemu-precopy", "default", 1024, 440.0))]
+    assert _vm_floor({"vm": vm}) == (44.0, 40.0)
+    assert _vm_qemu({"vm": vm}) == (44.0, 440.0)
+    assert _vm_flat({"vm": vm}) == (48.0, 40.0)
+    assert _vm_bytes({"vm": vm}) == (1000.0, 1024 * 1048576 / 100.0)
     rows = [{"case": "fault-4k", "p50_us": 10.0, "baseline_p50_us": 50.0}]
     assert _fault_4k({"uffd-fault": rows}) == (10.0, 50.0)
     clones = [{"case": "clones", "host_memory_bytes": 300, "one_clone_bytes": 256}]
