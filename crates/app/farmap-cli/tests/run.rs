@@ -360,6 +360,7 @@ import os, subprocess, sys
 PEER = r"""
 import os, signal, socket, struct, sys, time
 s = socket.socket(socket.AF_UNIX); s.connect(os.environ["FARMAP_RUN_SOCK"])
+open(os.path.join(os.environ["PEERS_READY"], str(os.getpid())), "w").close()
 token = bytes.fromhex(os.environ["FARMAP_RUN_TOKEN"])
 body = token + struct.pack("<II", os.getpid(), 0)
 hello = b"FMRN" + struct.pack("<HHII", 1, 1, len(body), 0) + body
@@ -378,12 +379,19 @@ else:
     s.recv(64)
     os.kill(os.getpid(), signal.SIGKILL)
 """
+import tempfile, time
 env = dict(os.environ)
 env.pop("LD_PRELOAD", None)
+env["PEERS_READY"] = tempfile.mkdtemp()
 null = subprocess.DEVNULL
 daemons = [subprocess.Popen([sys.executable, "-c", PEER, how], env=env, stdin=null,
                             stdout=null, stderr=null, start_new_session=True)
            for how in ("silent", "trickle")]
+# Both connected before this program may end (on a loaded machine they could come after
+# farmap run is done, and never meet its handshake deadline).
+deadline = time.monotonic() + 20
+while len(os.listdir(env["PEERS_READY"])) < 2 and time.monotonic() < deadline:
+    time.sleep(0.01)
 killed = subprocess.run([sys.executable, "-c", PEER, "killed"], env=env)
 data = [bytearray(b"y" * 100000) for _ in range(64)]
 print("daemons", *[d.pid for d in daemons], "killed", killed.returncode == -9,
