@@ -14,9 +14,8 @@ use std::path::{Path, PathBuf};
 use std::process::{Child, Output, Stdio};
 use std::time::{Duration, Instant};
 
-use farmap_testkit::skip;
-use farmap_testkit::vm::{VmError, VmcheckImage};
-use farmap_vm::qemu::{DEFAULT_APPEND, DEFAULT_QEMU};
+use farmap_testkit::vm::VmcheckImage;
+use farmap_vm::qemu::DEFAULT_APPEND;
 use farmap_vm::{
     analyse, Console, HeartbeatListener, Heartbeats, Incoming, QemuConfig, Qmp, Ram, VmcheckLine,
 };
@@ -35,24 +34,6 @@ struct Proc(Child);
 impl Drop for Proc {
     fn drop(&mut self) {
         farmap_testkit::process::terminate(&mut self.0, Duration::from_secs(5));
-    }
-}
-
-fn ready(test: &str) -> Option<VmcheckImage> {
-    if !skip::is_root() {
-        skip::skip(test, "needs root (FUSE mounts, the guest's kernel)");
-        return None;
-    }
-    if !skip::fuse_mountable(test) || !skip::program(test, DEFAULT_QEMU, &["--version"]) {
-        return None;
-    }
-    match VmcheckImage::build() {
-        Ok(image) => Some(image),
-        Err(VmError::Unavailable(why)) => {
-            skip::skip(test, why);
-            None
-        }
-        Err(e) => panic!("{e}"),
     }
 }
 
@@ -224,7 +205,9 @@ fn wait_gone(qmp: &Path) {
 fn a_guest_moves_between_qemus_instantly_and_by_precopy_and_survives_a_lost_destination() {
     let test =
         "a_guest_moves_between_qemus_instantly_and_by_precopy_and_survives_a_lost_destination";
-    let Some(image) = ready(test) else { return };
+    let Some(image) = VmcheckImage::for_test(test) else {
+        return;
+    };
     let tmp = tempfile::tempdir().unwrap();
     let served = farmap().listening(&[
         "serve",

@@ -20,8 +20,7 @@ use std::time::{Duration, Instant};
 use farmap_core::Geometry;
 use farmap_fuse::{FuseMount, MountOptions};
 use farmap_store::MemoryStore;
-use farmap_testkit::skip;
-use farmap_testkit::vm::{VmError, VmcheckImage};
+use farmap_testkit::vm::VmcheckImage;
 use farmap_vm::qemu::{DEFAULT_APPEND, DEFAULT_QEMU};
 use farmap_vm::{
     analyse, qemu_version, Console, HeartbeatListener, Heartbeats, Incoming, QemuConfig, Qmp, Ram,
@@ -134,27 +133,11 @@ impl Guest {
     }
 }
 
-fn ready() -> Option<VmcheckImage> {
-    if !skip::is_root() {
-        skip::skip(TEST, "needs root (FUSE mounts, the guest's kernel)");
-        return None;
-    }
-    if !skip::fuse_mountable(TEST) || !skip::program(TEST, DEFAULT_QEMU, &["--version"]) {
-        return None;
-    }
-    match VmcheckImage::build() {
-        Ok(image) => Some(image),
-        Err(VmError::Unavailable(why)) => {
-            skip::skip(TEST, why);
-            None
-        }
-        Err(e) => panic!("{e}"),
-    }
-}
-
 #[test]
 fn guest_ram_on_a_farmap_mount_migrates_with_x_ignore_shared() {
-    let Some(image) = ready() else { return };
+    let Some(image) = VmcheckImage::for_test(TEST) else {
+        return;
+    };
     let version = qemu_version(DEFAULT_QEMU).unwrap();
     let dir = tempfile::tempdir().unwrap();
     let store = Arc::new(MemoryStore::new(

@@ -224,6 +224,32 @@ impl VmcheckImage {
         }
     }
 
+    /// The image for `test`, or `None` after recording why this machine cannot boot it (see
+    /// [`skip`](fn@crate::skip)): it needs root (the guest's RAM on FUSE mounts), /dev/fuse and
+    /// QEMU.
+    ///
+    /// # Panics
+    /// If the image cannot be built on a machine that has all that.
+    pub fn for_test(test: &str) -> Option<Self> {
+        use crate::skip;
+        if !skip::is_root() {
+            skip::skip(test, "needs root (FUSE mounts, the guest's kernel)");
+            return None;
+        }
+        if !skip::fuse_mountable(test) || !skip::program(test, "qemu-system-x86_64", &["--version"])
+        {
+            return None;
+        }
+        match Self::build() {
+            Ok(image) => Some(image),
+            Err(VmError::Unavailable(why)) => {
+                skip::skip(test, why);
+                None
+            }
+            Err(e) => panic!("{e}"),
+        }
+    }
+
     /// The folder the files are in.
     pub fn dir(&self) -> &Path {
         self.dir.path()

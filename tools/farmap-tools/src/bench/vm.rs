@@ -440,21 +440,7 @@ struct Proc(Child);
 
 impl Drop for Proc {
     fn drop(&mut self) {
-        let pid = i32::try_from(self.0.id())
-            .ok()
-            .and_then(rustix::process::Pid::from_raw);
-        if let Some(pid) = pid {
-            let _ = rustix::process::kill_process(pid, rustix::process::Signal::TERM);
-        }
-        let deadline = Instant::now() + Duration::from_secs(10);
-        while Instant::now() < deadline {
-            if let Ok(Some(_)) = self.0.try_wait() {
-                return;
-            }
-            std::thread::sleep(Duration::from_millis(20));
-        }
-        let _ = self.0.kill();
-        let _ = self.0.wait();
+        farmap_testkit::process::terminate(&mut self.0, Duration::from_secs(10));
     }
 }
 
