@@ -19,7 +19,7 @@ use clap::{Args, Subcommand};
 use farmap_migrate::agent::{Controller, FailKind, LeechRequest, Reply, Request, SeedRequest};
 use farmap_vm::Qmp;
 use serde_json::{json, Map, Value};
-use tokio::io::{AsyncBufReadExt, AsyncWriteExt, BufReader};
+use tokio::io::{AsyncBufReadExt, AsyncReadExt, AsyncWriteExt, BufReader};
 use tokio::net::{UnixListener, UnixStream};
 
 use farmap_cli_kit::args::parse_duration;
@@ -185,6 +185,12 @@ async fn migrate(args: MigrateArgs) -> anyhow::Result<ExitCode> {
     let _ = std::fs::remove_file(&args.control);
     let control = UnixListener::bind(&args.control)
         .with_context(|| format!("listening on {}", args.control.display()))?;
+    // Whoever reaches it can stop the VM: this user only, whatever the umask.
+    {
+        use std::os::unix::fs::PermissionsExt;
+        std::fs::set_permissions(&args.control, std::fs::Permissions::from_mode(0o600))
+            .with_context(|| format!("making {} private", args.control.display()))?;
+    }
     let _unlink = Unlink(args.control.clone());
     let mut src = Qmp::connect(&args.src_qmp, args.timeout)
         .await
@@ -315,9 +321,15 @@ impl Driver<'_> {
                 conn = control.accept() => {
                     let (stream, _) = conn.context("accepting the suspend hook")?;
                     let (read, mut write) = stream.into_split();
+                    // A caller that never speaks (or never ends its line) is dropped: it
+                    // must not hold the migration.
                     let mut line = String::new();
-                    BufReader::new(read).read_line(&mut line).await?;
-                    if line.trim() != "suspend" {
+                    let heard = tokio::time::timeout(
+                        Duration::from_secs(5),
+                        BufReader::new(read).take(64).read_line(&mut line),
+                    )
+                    .await;
+                    if !matches!(heard, Ok(Ok(_))) || line.trim() != "suspend" {
                         continue;
                     }
                     times.stop_asked = Some(Instant::now());
