@@ -300,6 +300,17 @@ def _vm_bytes(out):
             mib * 1048576 / 100.0)
 
 
+def _vm_lazy(key):
+    """A lazy start's figure against QEMU's full restore of the same guest (the time from
+    `migrate-incoming` until its first instruction: every page is in by then)."""
+    def figure(out):
+        r = out["vm"]
+        mib = _vm_size(r)
+        return (one(r, key, system="farmap-lazy-start", guest_mib=mib),
+                one(r, "time_to_first_instruction_ms", system="qemu-restore", guest_mib=mib))
+    return figure
+
+
 def have_root_cgroup_v1():
     if os.geteuid() != 0:
         return "needs root"
@@ -444,6 +455,11 @@ CASES = [
          "the gap at 512 MiB", bar=("<=", 1.25), quick=VM_QUICK, needs=(have_root,)),
     Case("vm instant bytes before resume, 1 GiB", "bytes", VM, _vm_bytes,
          "1% of the guest's RAM", bar=("<=", 1.0), quick=VM_QUICK, needs=(have_root,)),
+    Case("vm lazy start: time to first instruction, 1 GiB", "ms", VM,
+         _vm_lazy("time_to_first_instruction_ms"), "QEMU's full restore", bar=("<=", 0.1),
+         quick=VM_QUICK, needs=(have_root,)),
+    Case("vm lazy start: time to warm, 1 GiB", "ms", VM, _vm_lazy("time_to_warm_ms"),
+         "QEMU's full restore", bar=("<=", 1.0), quick=VM_QUICK, needs=(have_root,)),
 ]
 
 
@@ -674,6 +690,12 @@ def self_test():
     assert _vm_qemu({"vm": vm}) == (44.0, 440.0)
     assert _vm_flat({"vm": vm}) == (48.0, 40.0)
     assert _vm_bytes({"vm": vm}) == (1000.0, 1024 * 1048576 / 100.0)
+    lazy = vm + [{"system": "farmap-lazy-start", "guest_mib": 1024,
+                  "time_to_first_instruction_ms": 30.0, "time_to_warm_ms": 900.0},
+                 {"system": "qemu-restore", "guest_mib": 1024,
+                  "time_to_first_instruction_ms": 1500.0, "time_to_warm_ms": 1600.0}]
+    assert _vm_lazy("time_to_first_instruction_ms")({"vm": lazy}) == (30.0, 1500.0)
+    assert _vm_lazy("time_to_warm_ms")({"vm": lazy}) == (900.0, 1500.0)
     rows = [{"case": "fault-4k", "p50_us": 10.0, "baseline_p50_us": 50.0}]
     assert _fault_4k({"uffd-fault": rows}) == (10.0, 50.0)
     clones = [{"case": "clones", "host_memory_bytes": 300, "one_clone_bytes": 256}]

@@ -96,7 +96,7 @@ rm -f "$fuzz_build_log"
 CARGO_TARGET_DIR="$fuzz_target_dir" scripts/fuzz.sh 12 || fuzz_status=1
 
 # --- tests ---------------------------------------------------------------------------------
-step "cargo test"
+step "cargo test: building"
 log=$(mktemp)
 # Every test that cannot run here appends a line to this file (farmap_testkit::skip).
 export FARMAP_SKIP_LOG
@@ -104,6 +104,9 @@ FARMAP_SKIP_LOG=$(mktemp)
 trap 'rm -f "$log" "$FARMAP_SKIP_LOG"' EXIT
 # --no-fail-fast: one failing test binary must not hide the results of the others.
 status=0
+# Built first, as a step of its own, so that the log tells building from running.
+cargo test --locked --workspace --all-targets --no-run || status=1
+step "cargo test: running"
 cargo test --locked --workspace --all-targets --no-fail-fast 2>&1 | tee "$log" || status=1
 cargo test --locked --workspace --doc --no-fail-fast 2>&1 | tee -a "$log" || status=1
 

@@ -102,6 +102,12 @@ pub struct MountArgs {
     /// processes that have the file open or mapped (it must exit 0).
     #[arg(long, value_name = "CMD", requires = "agent")]
     suspend: Option<String>,
+    /// With --suspend: a command run before the migration heads for the suspension (an
+    /// instant migration's last pushes, a copy's suspension), while the writers run on: a
+    /// controller readies what the suspension needs (`farmap vm prepare`). It must exit 0;
+    /// otherwise the migration is abandoned.
+    #[arg(long, value_name = "CMD", requires = "suspend")]
+    prepare: Option<String>,
     /// With --suspend: the command that lets the writers run again if the migration is
     /// abandoned before the hand-over.
     #[arg(long, value_name = "CMD", requires = "suspend")]
@@ -389,6 +395,7 @@ fn agent_mount(
         opts: mount_options(args),
         how: match &args.suspend {
             Some(cmd) => SuspendHow::Command {
+                prepare: args.prepare.clone(),
                 suspend: cmd.clone(),
                 resume: args.resume.clone(),
             },

@@ -28,6 +28,7 @@ use farmap_cli_kit::output;
 const VM_HELP: &str = "\
 A VM ON FARMAP:
   farmap mount /run/vm/src 'farmap://10.0.0.5:7000' --managed --agent /run/vm/src.agent \\
+      --prepare 'farmap vm prepare --control /run/vm/ctl' \\
       --suspend 'farmap vm suspend --control /run/vm/ctl'
   qemu-system-x86_64 ... -object memory-backend-file,id=ram0,mem-path=/run/vm/src/region,\\
       size=1G,share=on,discard-data=off -machine pc,memory-backend=ram0 -qmp unix:/run/vm/src.qmp,server=on,wait=off
@@ -48,6 +49,77 @@ pub enum VmCommand {
     /// The source mount's suspend hook (`farmap mount --suspend 'farmap vm suspend --control
     /// PATH'`): asks `farmap vm migrate` to stop the guest, and exits 0 once it is stopped.
     Suspend(SuspendArgs),
+    /// The source mount's prepare hook (`farmap mount --prepare 'farmap vm prepare --control
+    /// PATH'`): asks `farmap vm migrate` to start the destination QEMU, and exits 0 once it
+    /// waits for the VM, so that the guest is stopped as soon as farmap asks.
+    Prepare(SuspendArgs),
+    /// Save a guest whose RAM is a farmap mount for a lazy start: its device state into
+    /// --state (QEMU's stream without the RAM, tens of KB), its RAM flushed to the mount's
+    /// store (a `versioned:` store keeps it as a version with the order the guest touched its
+    /// pages). QEMU quits afterwards.
+    #[command(after_help = SAVE_HELP)]
+    Save(SaveArgs),
+    /// Start a saved guest: a QEMU started with `-incoming defer` whose RAM is the file of a
+    /// farmap mount of the saved store loads --state and runs at once; its pages come on
+    /// touch, the working set read ahead.
+    #[command(after_help = SAVE_HELP)]
+    Restore(RestoreArgs),
+}
+
+const SAVE_HELP: &str = "\
+A LAZY START:
+  farmap mount /run/vm/a 'versioned:(dir:/srv/vms)/vm1?size=1GiB' --managed
+  qemu-system-x86_64 ... -object memory-backend-file,id=ram0,mem-path=/run/vm/a/region,\\
+      size=1G,share=on,discard-data=off -machine pc,memory-backend=ram0 -qmp unix:/run/vm/a.qmp,server=on,wait=off
+  farmap vm save --qmp /run/vm/a.qmp --ram /run/vm/a/region --state /srv/vms/vm1.state
+  # later, on a host that reaches /srv/vms (or a copy of it):
+  farmap mount /run/vm/b 'versioned:(dir:/srv/vms)/vm1' --managed
+  qemu-system-x86_64 ...same flags, /run/vm/b paths... -incoming defer
+  farmap vm restore --qmp /run/vm/b.qmp --state /srv/vms/vm1.state
+
+  The state refers to the RAM as it was saved: restore it over the version the save made
+  (the latest, unless the region was written since; `farmap snapshot` names it).";
+
+#[derive(Debug, Args)]
+pub struct SaveArgs {
+    /// The guest's QMP socket.
+    #[arg(long, value_name = "PATH")]
+    qmp: PathBuf,
+    /// The guest's RAM file on a farmap mount (DIR/region): left out of the state, and
+    /// synced once the guest is stopped. Without it the whole guest is saved into --state.
+    #[arg(long, value_name = "PATH")]
+    ram: Option<PathBuf>,
+    /// Where the state goes (written beside it, then renamed into place).
+    #[arg(long, value_name = "PATH")]
+    state: PathBuf,
+    /// Keep QEMU (its guest stopped) instead of quitting it.
+    #[arg(long)]
+    keep: bool,
+    /// How long the save may take.
+    #[arg(long, default_value = "120s", value_parser = parse_duration)]
+    timeout: Duration,
+    /// Print the result as one JSON line.
+    #[arg(long)]
+    json: bool,
+}
+
+#[derive(Debug, Args)]
+pub struct RestoreArgs {
+    /// The QMP socket of a QEMU started with `-incoming defer`.
+    #[arg(long, value_name = "PATH")]
+    qmp: PathBuf,
+    /// The state `farmap vm save` wrote.
+    #[arg(long, value_name = "PATH")]
+    state: PathBuf,
+    /// The state holds the whole guest (saved without --ram).
+    #[arg(long)]
+    whole: bool,
+    /// How long the restore may take.
+    #[arg(long, default_value = "120s", value_parser = parse_duration)]
+    timeout: Duration,
+    /// Print the result as one JSON line.
+    #[arg(long)]
+    json: bool,
 }
 
 #[derive(Debug, Args)]
@@ -111,7 +183,7 @@ pub struct SuspendArgs {
     /// The driver's control socket (`farmap vm migrate --control`).
     #[arg(long, value_name = "PATH")]
     control: PathBuf,
-    /// How long to wait for the guest to stop.
+    /// How long to wait for the driver's answer.
     #[arg(long, default_value = "30s", value_parser = parse_duration)]
     timeout: Duration,
 }
@@ -123,12 +195,75 @@ fn parse_mode(s: &str) -> Result<farmap_migrate::Mode, String> {
 pub async fn run(cmd: VmCommand) -> anyhow::Result<ExitCode> {
     match cmd {
         VmCommand::Migrate(args) => migrate(*args).await,
-        VmCommand::Suspend(args) => suspend(args).await,
+        VmCommand::Suspend(args) => hook(args, "suspend").await,
+        VmCommand::Prepare(args) => hook(args, "prepare").await,
+        VmCommand::Save(args) => save(args).await,
+        VmCommand::Restore(args) => restore(args).await,
     }
 }
 
-/// The hook: one line out (`suspend`), one line back (`ok` or `error: ...`).
-async fn suspend(args: SuspendArgs) -> anyhow::Result<ExitCode> {
+fn secs_ms(d: Duration) -> f64 {
+    (d.as_secs_f64() * 1e6).round() / 1e3
+}
+
+async fn save(args: SaveArgs) -> anyhow::Result<ExitCode> {
+    if let Some(ram) = &args.ram {
+        std::fs::metadata(ram)
+            .with_context(|| format!("the guest's RAM file {}", ram.display()))?;
+    }
+    let mut qmp = Qmp::connect(&args.qmp, Duration::from_secs(10))
+        .await
+        .context("the guest's QMP")?;
+    let t0 = Instant::now();
+    let saved = farmap_vm::save(&mut qmp, &args.state, args.ram.as_deref(), args.timeout)
+        .await
+        .context("saving the guest")?;
+    if !args.keep {
+        qmp.quit().await.context("stopping QEMU after the save")?;
+    }
+    let report = json!({
+        "vm": "save",
+        "state": args.state,
+        "state_bytes": saved.state_bytes,
+        "save_ms": secs_ms(saved.save),
+        "flush_ms": saved.flush.map(secs_ms),
+        "total_ms": secs_ms(t0.elapsed()),
+    });
+    if args.json {
+        output::json_line(&report)?;
+    } else {
+        println!(
+            "saved: {} ({} bytes of state) in {} ms",
+            args.state.display(),
+            saved.state_bytes,
+            report["total_ms"]
+        );
+    }
+    Ok(ExitCode::SUCCESS)
+}
+
+async fn restore(args: RestoreArgs) -> anyhow::Result<ExitCode> {
+    let mut qmp = Qmp::connect(&args.qmp, Duration::from_secs(10))
+        .await
+        .context("the guest's QMP")?;
+    let took = farmap_vm::restore(&mut qmp, &args.state, !args.whole, args.timeout)
+        .await
+        .context("restoring the guest")?;
+    let report = json!({
+        "vm": "restore",
+        "state": args.state,
+        "restore_ms": secs_ms(took),
+    });
+    if args.json {
+        output::json_line(&report)?;
+    } else {
+        println!("restored: the guest runs ({} ms)", report["restore_ms"]);
+    }
+    Ok(ExitCode::SUCCESS)
+}
+
+/// The hooks: one line out (`prepare` or `suspend`), one line back (`ok` or `error: ...`).
+async fn hook(args: SuspendArgs, word: &str) -> anyhow::Result<ExitCode> {
     let work = async {
         let stream = UnixStream::connect(&args.control).await.with_context(|| {
             format!(
@@ -137,19 +272,23 @@ async fn suspend(args: SuspendArgs) -> anyhow::Result<ExitCode> {
             )
         })?;
         let (read, mut write) = stream.into_split();
-        write.write_all(b"suspend\n").await?;
+        write.write_all(format!("{word}\n").as_bytes()).await?;
         let mut line = String::new();
         BufReader::new(read).read_line(&mut line).await?;
         anyhow::Ok(line.trim().to_string())
     };
+    let what = match word {
+        "prepare" => "start the destination QEMU",
+        _ => "stop the guest",
+    };
     let answer = tokio::time::timeout(args.timeout, work)
         .await
-        .with_context(|| format!("the guest did not stop within {:?}", args.timeout))??;
+        .with_context(|| format!("farmap vm migrate did not {what} within {:?}", args.timeout))??;
     if answer == "ok" {
         return Ok(ExitCode::SUCCESS);
     }
     bail!(
-        "farmap vm migrate did not stop the guest: {}",
+        "farmap vm migrate did not {what}: {}",
         answer.strip_prefix("error: ").unwrap_or(&answer)
     )
 }
@@ -158,6 +297,8 @@ async fn suspend(args: SuspendArgs) -> anyhow::Result<ExitCode> {
 #[derive(Debug, Default)]
 struct Times {
     start: Option<Instant>,
+    prepare_asked: Option<Instant>,
+    prepared: Option<Instant>,
     stop_asked: Option<Instant>,
     stopped: Option<Instant>,
     handed_over: Option<Instant>,
@@ -300,6 +441,10 @@ impl Driver<'_> {
     ) -> anyhow::Result<(Map<String, Value>, Map<String, Value>)> {
         let (mut seed_done, mut leech_done) = (None, None);
         let mut hook: Option<tokio::net::unix::OwnedWriteHalf> = None;
+        // At most CALLERS callers are heard at a time; more are dropped at once.
+        const CALLERS: usize = 8;
+        let (heard_tx, mut heard_rx) = tokio::sync::mpsc::channel(CALLERS);
+        let hearing = std::sync::Arc::new(tokio::sync::Semaphore::new(CALLERS));
         let wait_ram = tokio::time::sleep(Duration::ZERO);
         tokio::pin!(wait_ram);
         while seed_done.is_none() || leech_done.is_none() {
@@ -320,17 +465,43 @@ impl Driver<'_> {
                 },
                 conn = control.accept() => {
                     let (stream, _) = conn.context("accepting the suspend hook")?;
-                    let (read, mut write) = stream.into_split();
-                    // A caller that never speaks (or never ends its line) is dropped: it
-                    // must not hold the migration.
-                    let mut line = String::new();
-                    let heard = tokio::time::timeout(
-                        Duration::from_secs(5),
-                        BufReader::new(read).take(64).read_line(&mut line),
-                    )
-                    .await;
-                    if !matches!(heard, Ok(Ok(_))) || line.trim() != "suspend" {
+                    // Each caller's line is read on a task of its own: a caller that never
+                    // speaks (or never ends its line) is dropped after 5 s or 64 bytes, and
+                    // holds nothing meanwhile.
+                    let heard = heard_tx.clone();
+                    let Ok(pass) = hearing.clone().try_acquire_owned() else {
                         continue;
+                    };
+                    tokio::spawn(async move {
+                        let _pass = pass;
+                        let (read, write) = stream.into_split();
+                        let mut line = String::new();
+                        let read = tokio::time::timeout(
+                            Duration::from_secs(5),
+                            BufReader::new(read).take(64).read_line(&mut line),
+                        )
+                        .await;
+                        if matches!(read, Ok(Ok(_))) && line.ends_with('\n') {
+                            let _ = heard.send((line, write)).await;
+                        }
+                    });
+                }
+                Some((line, mut write)) = heard_rx.recv() => {
+                    match line.trim() {
+                        "suspend" => {}
+                        "prepare" => {
+                            times.prepare_asked = Some(Instant::now());
+                            let ready = self.ensure_destination().await;
+                            times.prepared = Some(Instant::now());
+                            let answer = match &ready {
+                                Ok(()) => "ok\n".to_string(),
+                                Err(e) => format!("error: {e:#}\n"),
+                            };
+                            let _ = write.write_all(answer.as_bytes()).await;
+                            ready?;
+                            continue;
+                        }
+                        _ => continue,
                     }
                     times.stop_asked = Some(Instant::now());
                     match self.stop_source(src).await {
@@ -384,8 +555,9 @@ impl Driver<'_> {
         Ok(())
     }
 
-    /// Starts QEMU's migration and returns once the source's vCPUs are stopped.
-    async fn stop_source(&mut self, src: &mut Qmp) -> anyhow::Result<()> {
+    /// Returns once the destination QEMU listens for the device state (started as soon as
+    /// the destination mount has the file).
+    async fn ensure_destination(&mut self) -> anyhow::Result<()> {
         let deadline = Instant::now() + self.args.timeout;
         while self.dst.is_none() {
             if Instant::now() > deadline {
@@ -397,6 +569,12 @@ impl Driver<'_> {
                 tokio::time::sleep(Duration::from_millis(5)).await;
             }
         }
+        Ok(())
+    }
+
+    /// Starts QEMU's migration and returns once the source's vCPUs are stopped.
+    async fn stop_source(&mut self, src: &mut Qmp) -> anyhow::Result<()> {
+        self.ensure_destination().await?;
         src.set_capabilities(&[
             ("x-ignore-shared", true),
             ("events", true),
@@ -480,6 +658,8 @@ async fn finish(
         "qemu_downtime_ms": info.downtime_ms,
         "qemu_total_ms": info.total_time_ms,
         "qemu_bytes": info.ram_transferred,
+        "prepare_ms": ms(times.prepare_asked, times.prepared),
+        "prepared_to_stop_ms": ms(times.prepared, times.stop_asked),
         "stop_ms": ms(times.stop_asked, times.stopped),
         "handover_ms": ms(times.stopped, times.handed_over),
         "paused_ms": ms(times.stopped, times.resumed),

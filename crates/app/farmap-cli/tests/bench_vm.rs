@@ -1,4 +1,5 @@
-//! `farmap bench vm --quick`: the floor and farmap's two rows run, and every guest checks out
+//! `farmap bench vm --quick`: the floor, farmap's two migration rows and its lazy start run,
+//! and every guest checks out
 //! (the QEMU anchors are left to the suite: they add a minute of emulation). Needs root,
 //! /dev/fuse and QEMU: a missing one is a skip with its reason (never under CI=true).
 
@@ -22,14 +23,29 @@ fn bench_vm_quick_rows_are_verified() {
         "--quick",
         "--json",
         "--systems",
-        "shared-floor,farmap-instant,farmap-precopy",
+        "shared-floor,farmap-instant,farmap-precopy,farmap-lazy-start",
     ]);
     let systems: Vec<&str> = rows.iter().map(|r| r["system"].as_str().unwrap()).collect();
     assert_eq!(
         systems,
-        ["shared-floor", "farmap-instant", "farmap-precopy"]
+        [
+            "shared-floor",
+            "farmap-instant",
+            "farmap-precopy",
+            "farmap-lazy-start"
+        ]
     );
-    for r in &rows {
+    let (moves, lazy) = rows.split_at(3);
+    // The lazy start: the guest ran again from its saved device state (no RAM in it), and
+    // its first instruction came before it was back to full speed.
+    let l = &lazy[0];
+    assert_eq!(l["verified"], true, "{l}");
+    assert!(l["error"].is_null(), "{l}");
+    assert!(l["bytes_moved"].as_u64().unwrap() < 1 << 20, "{l}");
+    let first = l["time_to_first_instruction_ms"].as_f64().unwrap();
+    let warm = l["time_to_warm_ms"].as_f64().unwrap();
+    assert!(first > 0.0 && first <= warm, "{l}");
+    for r in moves {
         assert_eq!(r["bench"], "vm", "{r}");
         assert_eq!(r["guest_mib"], 128, "{r}");
         assert_eq!(r["verified"], true, "{r}");

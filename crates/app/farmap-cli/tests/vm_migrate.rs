@@ -2,6 +2,8 @@
 //! QEMU (issue 32, docs/design/vm.md §12). QEMU moves the device state (`x-ignore-shared`),
 //! farmap the RAM. One boot, three moves, and the self-checking guest
 //! (`scripts/vm/vmcheck.c`) must find every byte it wrote after each:
+//! 0. `farmap vm save` (device state only) and `farmap vm restore` in a new QEMU over a new
+//!    mount of the store; a second restore is refused;
 //! 1. instant, over a shared store (a `farmap serve` of a memory store);
 //! 2. to a destination QEMU that dies at `pre-switchover`: the command fails, nothing is
 //!    handed over, and the source VM runs on;
@@ -94,15 +96,18 @@ impl Setup {
     }
 
     /// A mount named `name` (over the shared store when `source`, else empty and waiting for
-    /// a file), whose suspend hook reaches `farmap vm migrate`; its VM's heartbeats listened to.
-    fn end(&self, name: &str, source: bool) -> End {
+    /// a file), whose suspend hook reaches `farmap vm migrate`; its VM's heartbeats listened to
+    /// (a guest that boots there when `fresh`, else one that continues there).
+    fn end(&self, name: &str, source: bool, fresh: bool) -> End {
         let dir = self.dir(name);
         let agent = self.tmp.path().join(format!("{name}.agent"));
         let mut args = vec![dir.to_str().unwrap()];
         if source {
             args.extend([self.spec.as_str(), "--managed"]);
         }
-        args.extend(["--suspend", &self.hook]);
+        // The prepare hook has the destination QEMU started before the last pushes.
+        let prepare = self.hook.replace(" vm suspend ", " vm prepare ");
+        args.extend(["--suspend", &self.hook, "--prepare", &prepare]);
         let mount = mount(&args, &agent, source);
         let mut config = self
             .base
@@ -112,7 +117,7 @@ impl Setup {
             path: file.clone(),
             share: true,
         };
-        let listener = if source {
+        let listener = if fresh {
             HeartbeatListener::bind(&config.heartbeat)
         } else {
             HeartbeatListener::bind_continued(&config.heartbeat)
@@ -233,8 +238,7 @@ fn a_guest_moves_between_qemus_instantly_and_by_precopy_and_survives_a_lost_dest
         control,
         hook,
     };
-    let a = setup.end("a", true);
-    let b = setup.end("b", false);
+    let a = setup.end("a", true, true);
     let mut qemu_a = Proc(a.config.command(None).spawn().unwrap());
     let console = Console::connect(&a.config.serial, LONG).unwrap();
     console
@@ -242,20 +246,121 @@ fn a_guest_moves_between_qemus_instantly_and_by_precopy_and_survives_a_lost_dest
         .unwrap_or_else(|e| panic!("the guest did not start vmcheck: {e}"));
     assert!(a.beats.wait_for(100, LONG));
 
-    // 1. Instant.
-    let r = report(&setup.migrate(&a, &b, "instant", None));
-    assert_eq!(r["mode"], "instant", "{r}");
-    assert_eq!(r["leech"]["verify_failures"], 0, "{r}");
+    // 0. Saved (device state only: the RAM stays in the store) and started again by a new
+    // QEMU over a new mount of the store.
+    let state = setup.tmp.path().join("vm.state");
+    let out = farmap()
+        .command()
+        .args(["vm", "save", "--json", "--qmp"])
+        .arg(&a.config.qmp)
+        .arg("--ram")
+        .arg(&a.file)
+        .arg("--state")
+        .arg(&state)
+        .stderr(Stdio::inherit())
+        .output()
+        .unwrap();
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(out.status.success(), "farmap vm save failed: {stdout}");
+    let saved: Value = serde_json::from_str(stdout.trim()).unwrap();
+    eprintln!("{saved}");
+    let state_bytes = saved["state_bytes"].as_u64().unwrap();
+    assert!(
+        state_bytes > 0 && state_bytes < 1 << 20,
+        "the state holds no RAM: {saved}"
+    );
+    assert_eq!(std::fs::metadata(&state).unwrap().len(), state_bytes);
     let t0 = Instant::now();
     while qemu_a.0.try_wait().unwrap().is_none() {
-        assert!(t0.elapsed() < LONG, "the source QEMU is still running");
+        assert!(t0.elapsed() < LONG, "QEMU still runs after the save");
         std::thread::sleep(Duration::from_millis(20));
     }
+    let End {
+        _mount: mount_a,
+        beats: a_beats,
+        ..
+    } = a;
+    drop(mount_a); // flushes and unmounts
+    let a = setup.end("a2", true, false);
+    let _qemu_a = Proc(a.config.command(Some(Incoming::Defer)).spawn().unwrap());
+    let restore = |qmp: &Path| {
+        farmap()
+            .command()
+            .args(["vm", "restore", "--json", "--qmp"])
+            .arg(qmp)
+            .arg("--state")
+            .arg(&state)
+            .stderr(Stdio::piped())
+            .output()
+            .unwrap()
+    };
+    let t0 = Instant::now();
+    while std::os::unix::net::UnixStream::connect(&a.config.qmp).is_err() {
+        assert!(t0.elapsed() < LONG, "no QMP for the restored QEMU");
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    let out = restore(&a.config.qmp);
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        out.status.success(),
+        "farmap vm restore failed: {stdout}{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let restored: Value = serde_json::from_str(stdout.trim()).unwrap();
+    assert!(restored["restore_ms"].as_f64().unwrap() > 0.0, "{restored}");
+    let console = Console::connect(&a.config.serial, LONG).unwrap();
+    verify(&a, &console);
+    // A restore into a QEMU whose guest already runs is refused, and the guest runs on.
+    let out = restore(&a.config.qmp);
+    assert!(!out.status.success(), "a second restore succeeded");
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(err.contains("running, not inmigrate"), "{err}");
+    let before = a.beats.count();
+    assert!(a.beats.wait_for(before + 50, LONG), "the guest runs on");
+
+    // 1. Instant, while other callers of the driver's control socket stay silent, send an
+    // endless line or a word it does not know: none of them holds the migration.
+    let b = setup.end("b", false, false);
+    let control = setup.control.clone();
+    let pests = std::thread::spawn(move || {
+        use std::io::Write;
+        let t0 = Instant::now();
+        let mut held = Vec::new();
+        while held.len() < 3 && t0.elapsed() < LONG {
+            match std::os::unix::net::UnixStream::connect(&control) {
+                Ok(mut c) => {
+                    match held.len() {
+                        0 => {}
+                        1 => {
+                            let _ = c.write_all(&[b'x'; 4096]);
+                        }
+                        _ => {
+                            let _ = c.write_all(b"resume\n");
+                        }
+                    }
+                    held.push(c);
+                }
+                Err(_) => std::thread::sleep(Duration::from_millis(5)),
+            }
+        }
+        held
+    });
+    let t0 = Instant::now();
+    let r = report(&setup.migrate(&a, &b, "instant", None));
+    assert!(
+        t0.elapsed() < Duration::from_secs(10),
+        "the migration took {:?}",
+        t0.elapsed()
+    );
+    assert_eq!(pests.join().unwrap().len(), 3, "the callers were heard");
+    assert_eq!(r["mode"], "instant", "{r}");
+    assert_eq!(r["leech"]["verify_failures"], 0, "{r}");
+    wait_gone(&a.config.qmp);
     let console = Console::connect(&b.config.serial, LONG).unwrap();
     verify(&b, &console);
 
     // 2. The destination QEMU dies at pre-switchover: nothing is handed over.
-    let c = setup.end("c", false);
+    let c = setup.end("c", false, false);
     let out = setup.migrate(&b, &c, "precopy", Some("dst-at-pre-switchover"));
     assert!(
         !out.status.success(),
@@ -274,14 +379,19 @@ fn a_guest_moves_between_qemus_instantly_and_by_precopy_and_survives_a_lost_dest
     drop(c);
 
     // 3. Pre-copy, to a third mount.
-    let d = setup.end("d", false);
+    let d = setup.end("d", false, false);
     let r = report(&setup.migrate(&b, &d, "precopy", None));
     assert_eq!(r["mode"], "precopy", "{r}");
     wait_gone(&b.config.qmp);
     let console = Console::connect(&d.config.serial, LONG).unwrap();
     verify(&d, &console);
 
-    let seen = analyse(&[&a.beats.beats(), &b.beats.beats(), &d.beats.beats()]);
+    let seen = analyse(&[
+        &a_beats.beats(),
+        &a.beats.beats(),
+        &b.beats.beats(),
+        &d.beats.beats(),
+    ]);
     eprintln!("heartbeats: {seen:?}");
     assert_eq!(seen.holes, 0, "the heartbeats continue across every move");
 

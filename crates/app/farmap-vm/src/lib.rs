@@ -7,6 +7,8 @@
 //! - [`heartbeat`]: the guest's heartbeat bytes (I/O port 0xe9, `isa-debugcon`), stamped on
 //!   the host as they arrive, and their analysis (holes, the largest gap).
 //! - [`console`]: the guest's serial console, read line by line.
+//! - [`snapshot`]: a guest saved into a file and started from it again (its RAM left on a
+//!   shared file, or the whole guest).
 //! - [`vmcheck`]: the `VMCHECK` lines of the self-checking guest program.
 //!
 //! The design is docs/design/vm.md (§7 the guest, §8 the flags, §11 the figures).
@@ -16,6 +18,7 @@ pub mod console;
 pub mod heartbeat;
 pub mod qemu;
 pub mod qmp;
+pub mod snapshot;
 mod version;
 pub mod vmcheck;
 
@@ -23,5 +26,6 @@ pub use console::{Console, ConsoleError};
 pub use heartbeat::{analyse, Analysis, Beat, HeartbeatListener, Heartbeats};
 pub use qemu::{qemu_version, Incoming, QemuConfig, QemuError, Ram};
 pub use qmp::{MigrateInfo, Qmp, QmpError};
+pub use snapshot::{restore, save, Saved, SnapshotError};
 pub use version::QemuVersion;
 pub use vmcheck::{Rate, VmcheckLine};

@@ -55,6 +55,9 @@ pub enum SuspendHow {
     Holders,
     /// Run `sh -c suspend` (it must exit 0); on abandon, `sh -c resume` if given.
     Command {
+        /// Readies the suspension before the migration heads for it (see
+        /// [`Suspend::prepare`]); it must exit 0.
+        prepare: Option<String>,
         /// Stops the writers.
         suspend: String,
         /// Lets them run again.
@@ -222,6 +225,13 @@ impl fmt::Debug for MountShared {
     }
 }
 
+/// An instant migration's pushes before the draft stop once a round of write-back and
+/// push takes no longer than this: what the programs write in that time is all the draft
+/// leaves at the source.
+const PUSH_SETTLED: Duration = Duration::from_millis(15);
+/// At most this many rounds (a writer faster than the store never settles).
+const PUSH_ROUNDS: usize = 8;
+
 /// A mounted file as a migration source and the hook that suspends its programs (see the
 /// module notes).
 pub struct MountSource {
@@ -387,15 +397,28 @@ impl Source for MountSource {
         let Some(seal) = self.shared.as_ref().and_then(|s| s.seal.clone()) else {
             return Ok(true);
         };
+        // Rounds of write-back and push while the programs write on: each leaves what was
+        // written during it, so the rounds shorten until one takes no longer than
+        // PUSH_SETTLED (what is left then comes from here after the hand-over), or the
+        // budget runs out.
         let t0 = Instant::now();
-        self.write_back().map_err(|e| {
-            format!(
-                "writing the page cache of {} back: {e}",
-                self.path.display()
-            )
-        })?;
-        let left = budget.saturating_sub(t0.elapsed());
-        Ok(Self::block_on(seal.push_for(left))??)
+        for _ in 0..PUSH_ROUNDS {
+            let round = Instant::now();
+            self.write_back().map_err(|e| {
+                format!(
+                    "writing the page cache of {} back: {e}",
+                    self.path.display()
+                )
+            })?;
+            let left = budget.saturating_sub(t0.elapsed());
+            if !Self::block_on(seal.push_for(left))?? {
+                return Ok(false);
+            }
+            if round.elapsed() <= PUSH_SETTLED {
+                break;
+            }
+        }
+        Ok(true)
     }
 
     fn draft(&self) -> Result<Manifest, EndpointError> {
@@ -460,6 +483,15 @@ impl Source for MountSource {
 }
 
 impl Suspend for MountSource {
+    fn prepare(&self) -> Result<(), SuspendError> {
+        match &self.how {
+            SuspendHow::Command {
+                prepare: Some(cmd), ..
+            } => run_sh(cmd, &[], &self.path).map_err(|e| SuspendError::App(e.into())),
+            _ => Ok(()),
+        }
+    }
+
     /// Stops the writers, writes the page cache back and closes the gate to writes. The
     /// state handed over is the CLOCK_MONOTONIC time the suspension began (8 bytes, little
     /// endian), so that the destination can report the freeze the programs saw.

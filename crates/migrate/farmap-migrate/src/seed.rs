@@ -801,14 +801,23 @@ impl SeedRun {
     /// Instant mode, while the application runs: pushes what the shared store lacks (within
     /// the push budget), then drafts the manifest (no push starts after it).
     async fn draft(&mut self) -> Result<(), SeedError> {
-        let r = self.region.clone();
+        let (r, s) = (self.region.clone(), self.suspend.clone());
         let budget = self.opts.push_budget;
-        if !budget.is_zero() {
-            self.rep.note(format!(
-                "instant: pushing what the shared store lacks (at most {budget:?})"
-            ));
-        }
+        let rep = self.rep.clone();
         let drafted = tokio::task::spawn_blocking(move || {
+            // The application readies its suspension first: what is written while it
+            // does is still pushed below, not left at the source.
+            let t0 = Instant::now();
+            s.prepare().map_err(FinalError::Suspend)?;
+            rep.note(format!(
+                "instant: the application was ready to be suspended after {:.1} ms",
+                t0.elapsed().as_secs_f64() * 1e3
+            ));
+            if !budget.is_zero() {
+                rep.note(format!(
+                    "instant: pushing what the shared store lacks (at most {budget:?})"
+                ));
+            }
             let mut pushed = None;
             if !budget.is_zero() {
                 // The application runs on meanwhile; whatever is left is
@@ -871,6 +880,10 @@ impl SeedRun {
     async fn suspend(&mut self, instant: bool) -> Result<(), SeedError> {
         let (r, s) = (self.region.clone(), self.suspend.clone());
         let done = run_blocking(move || {
+            // An instant migration prepared before its draft.
+            if !instant {
+                s.prepare()?;
+            }
             let t0 = Instant::now();
             let state = match s.suspend() {
                 Ok(state) => state,

@@ -50,6 +50,14 @@ pub enum SuspendError {
 
 /// Stops and restarts the application that writes a region.
 pub trait Suspend: Send + Sync + std::fmt::Debug {
+    /// Called once before the migration starts towards its suspension (an instant
+    /// migration's last pushes and draft; a pre-copy's or post-copy's suspension): the
+    /// application readies what its suspension needs (a hypervisor, the destination's
+    /// process), so that the window between the draft and the stop stays short. The
+    /// application runs on; an error abandons the migration. Blocks.
+    fn prepare(&self) -> Result<(), SuspendError> {
+        Ok(())
+    }
     /// Stops every writer; returns once none can write any more, with the application's
     /// state to hand over (opaque bytes, may be empty).
     fn suspend(&self) -> Result<Bytes, SuspendError>;

@@ -10,6 +10,12 @@
 //!   store that `farmap serve` holds on loopback), moved by `farmap vm migrate`.
 //! - `qemu-precopy` (`case` `default`, and `downtime-limit-30ms`), `qemu-postcopy` (one
 //!   pre-copy pass, then post-copy): anonymous RAM, QEMU's own migration.
+//! - `farmap-lazy-start` (`case` `lazy-start`): the guest's RAM on a farmap mount of a
+//!   `versioned:` region on /dev/shm, saved with `farmap vm save` (device state only) and
+//!   started by a new QEMU over a new mount of the saved version (`farmap vm restore`): its
+//!   pages come on touch, the recorded working set read ahead. `qemu-restore`: the same guest
+//!   on anonymous RAM, saved whole and restored by QEMU (`migrate exec:`), its file on
+//!   /dev/shm too.
 //!
 //! Keys: `bench` (`vm`), `system`, `case`, `guest_mib`, `working_set_mib`, `downtime_ms`
 //! (QEMU's figure at the source), `guest_max_gap_ms` (the largest gap between heartbeats from
@@ -17,7 +23,12 @@
 //! guest felt), `guest_clock_max_gap_ms` (the guest's own figure: under TCG its clocks stop
 //! with the VM, so it does not see the stop), `total_ms`, `bytes_moved` (QEMU's stream plus
 //! what farmap moved), `bytes_before_resume`, `handover_ms`, `converged`,
-//! `time_to_first_instruction_ms` and `time_to_warm_ms` (null: lazy start is not built),
+//! `time_to_first_instruction_ms` (lazy starts: from `migrate-incoming` until QEMU reports
+//! the guest running, its vCPUs started; a full restore has every page in by then),
+//! `first_beat_ms` (from the same start to the guest's first heartbeat: 16 pages of its
+//! working set checked and rewritten) and `time_to_warm_ms` (to the first 100 ms whose
+//! heartbeats reach 90 % of the rate before the save), `save_ms`, `prepare_ms` (the mount and QEMU started, before the
+//! clock of the two above starts),
 //! `qemu_version`, `steal_ms` (the host's steal time during the row), `verified` (the guest
 //! checked its whole working set at the destination with no mismatch, and the heartbeats
 //! continued without a hole), `run`, `error` (why a row has no figures).
@@ -49,6 +60,8 @@ const SYSTEMS: &[&str] = &[
     "qemu-precopy",
     "qemu-precopy-limit",
     "qemu-postcopy",
+    "farmap-lazy-start",
+    "qemu-restore",
 ];
 
 #[derive(Debug, Args)]
@@ -66,7 +79,8 @@ pub struct VmArgs {
     #[arg(long, default_value_t = 3)]
     runs: u32,
     /// The systems, comma-separated (default: all): shared-floor, farmap-instant,
-    /// farmap-precopy, qemu-precopy, qemu-precopy-limit, qemu-postcopy.
+    /// farmap-precopy, qemu-precopy, qemu-precopy-limit, qemu-postcopy, farmap-lazy-start,
+    /// qemu-restore.
     #[arg(long, value_delimiter = ',')]
     systems: Vec<String>,
     /// A smoke run: one run of a 128 MiB guest with a 16 MiB working set at 32 MiB/s.
@@ -97,6 +111,9 @@ struct Row {
     converged: bool,
     time_to_first_instruction_ms: Option<f64>,
     time_to_warm_ms: Option<f64>,
+    first_beat_ms: Option<f64>,
+    save_ms: Option<f64>,
+    prepare_ms: Option<f64>,
     qemu_version: String,
     steal_ms: Option<u64>,
     verified: bool,
@@ -314,6 +331,8 @@ async fn one(ctx: &Ctx, system: &str, mib: u64) -> anyhow::Result<Row> {
         "shared-floor" => floor(ctx, mib).await,
         "farmap-instant" => farmap_row(ctx, mib, "instant").await,
         "farmap-precopy" => farmap_row(ctx, mib, "precopy").await,
+        "farmap-lazy-start" => lazy_row(ctx, mib, true).await,
+        "qemu-restore" => lazy_row(ctx, mib, false).await,
         _ => qemu_row(ctx, system, mib).await,
     }
 }
@@ -325,11 +344,36 @@ fn gap(streams: &[&Heartbeats], from: Instant) -> (Option<f64>, bool) {
         .map(|h| h.beats().into_iter().filter(|b| b.at >= from).collect())
         .collect();
     let refs: Vec<&[Beat]> = kept.iter().map(Vec::as_slice).collect();
+    if trace() {
+        let mut all: Vec<Instant> = kept.iter().flatten().map(|b| b.at).collect();
+        all.sort();
+        let mut gaps: Vec<(Duration, Duration)> =
+            all.windows(2).map(|w| (w[1] - w[0], w[0] - from)).collect();
+        gaps.sort_by(|a, b| b.cmp(a));
+        let shown: Vec<String> = gaps
+            .iter()
+            .take(8)
+            .map(|(g, at)| {
+                format!(
+                    "{:.1} ms at +{:.0} ms",
+                    g.as_secs_f64() * 1e3,
+                    at.as_secs_f64() * 1e3
+                )
+            })
+            .collect();
+        eprintln!("bench vm: largest heartbeat gaps: {}", shown.join(", "));
+    }
     let a = analyse(&refs);
     (
         (a.beats > 1).then_some(a.max_gap.as_secs_f64() * 1e3),
         a.holes == 0,
     )
+}
+
+/// `FARMAP_BENCH_VM_TRACE=1`: the largest gaps and `farmap vm migrate`'s log and report go
+/// to stderr (to see where a gap comes from).
+fn trace() -> bool {
+    std::env::var_os("FARMAP_BENCH_VM_TRACE").is_some()
 }
 
 /// A QEMU-driven move of `src` to `dst` (both started), through `uri`; `caps` on both.
@@ -466,13 +510,12 @@ fn serve(exe: &Path, spec: &str) -> anyhow::Result<(Proc, String)> {
     bail!("farmap serve printed no address")
 }
 
-/// `farmap mount DIR [SPEC --managed] --agent AGENT --suspend HOOK`.
+/// `farmap mount DIR [SPEC --managed] [--agent AGENT --suspend HOOK --prepare HOOK']`.
 fn mount(
     exe: &Path,
     dir: &Path,
     spec: Option<&str>,
-    agent: &Path,
-    hook: &str,
+    agent: Option<(&Path, &str)>,
 ) -> anyhow::Result<Proc> {
     std::fs::create_dir_all(dir)?;
     let mut cmd = Command::new(exe);
@@ -480,10 +523,18 @@ fn mount(
     if let Some(spec) = spec {
         cmd.args([spec, "--managed"]);
     }
-    cmd.arg("--agent").arg(agent).args(["--suspend", hook]);
+    if let Some((agent, hook)) = agent {
+        // The prepare hook has the destination QEMU started before the last pushes.
+        let prepare = hook.replace(" vm suspend ", " vm prepare ");
+        cmd.arg("--agent")
+            .arg(agent)
+            .args(["--suspend", hook, "--prepare", &prepare]);
+    }
     let proc = Proc(cmd.stdout(Stdio::null()).spawn()?);
     let t0 = Instant::now();
-    while !agent.exists() || (spec.is_some() && !dir.join("region").exists()) {
+    while agent.is_some_and(|(a, _)| !a.exists())
+        || (spec.is_some() && !dir.join("region").exists())
+    {
         if t0.elapsed() > Duration::from_secs(30) {
             bail!("farmap mount {} did not start", dir.display());
         }
@@ -506,8 +557,8 @@ async fn farmap_row(ctx: &Ctx, mib: u64, mode: &str) -> anyhow::Result<Row> {
     );
     let (src_dir, dst_dir) = (root.join("src"), root.join("dst"));
     let (src_agent, dst_agent) = (root.join("src.agent"), root.join("dst.agent"));
-    let _src_mount = mount(&ctx.exe, &src_dir, Some(&spec), &src_agent, &hook)?;
-    let _dst_mount = mount(&ctx.exe, &dst_dir, None, &dst_agent, &hook)?;
+    let _src_mount = mount(&ctx.exe, &src_dir, Some(&spec), Some((&src_agent, &hook)))?;
+    let _dst_mount = mount(&ctx.exe, &dst_dir, None, Some((&dst_agent, &hook)))?;
     let ram = |dir: &Path| Ram::File {
         path: dir.join("region"),
         share: true,
@@ -534,7 +585,11 @@ async fn farmap_row(ctx: &Ctx, mib: u64, mode: &str) -> anyhow::Result<Row> {
         .arg(&control)
         .arg("--key-file")
         .arg(root.join("key"))
-        .stderr(Stdio::null());
+        .stderr(if trace() {
+            Stdio::inherit()
+        } else {
+            Stdio::null()
+        });
     if mode == "instant" {
         cmd.arg("--store").arg(&spec);
     }
@@ -544,6 +599,9 @@ async fn farmap_row(ctx: &Ctx, mib: u64, mode: &str) -> anyhow::Result<Row> {
         bail!("farmap vm migrate failed ({})", out.status);
     }
     let report: Value = serde_json::from_str(stdout.trim()).context("farmap vm migrate's JSON")?;
+    if trace() {
+        eprintln!("bench vm: farmap vm migrate: {}", stdout.trim());
+    }
     let console = Console::connect(&dst_config.serial, Duration::from_secs(30))?;
     let dst = Guest {
         config: dst_config,
@@ -569,5 +627,146 @@ async fn farmap_row(ctx: &Ctx, mib: u64, mode: &str) -> anyhow::Result<Row> {
     if let Ok(qmp) = Qmp::connect(&dst.config.qmp, Duration::from_secs(5)).await {
         let _ = qmp.quit().await;
     }
+    Ok(row)
+}
+
+/// The heartbeat rate (per second) over the `span` before `at`.
+fn rate_before(beats: &[Beat], at: Instant, span: Duration) -> f64 {
+    let from = at - span;
+    let n = beats.iter().filter(|b| b.at >= from && b.at < at).count();
+    n as f64 / span.as_secs_f64()
+}
+
+/// After a start at `t0`: the first heartbeat's time, and the start of the first
+/// [`WARM_WINDOW`] whose heartbeats reach [`WARM_SHARE`] of `rate` (per second), both from
+/// `t0`.
+fn first_and_warm(beats: &[Beat], t0: Instant, rate: f64) -> (Option<Duration>, Option<Duration>) {
+    let after: Vec<Instant> = beats.iter().map(|b| b.at).filter(|&at| at >= t0).collect();
+    let first = after.first().map(|&at| at - t0);
+    let want = WARM_SHARE * rate * WARM_WINDOW.as_secs_f64();
+    let warm = (0..after.len()).find_map(|i| {
+        let end = after[i] + WARM_WINDOW;
+        let n = after[i..].iter().take_while(|&&at| at < end).count();
+        (n as f64 >= want && want > 0.0).then(|| after[i] - t0)
+    });
+    (first, warm)
+}
+
+/// The window the warm rate is measured over, and the share of the rate before the save it
+/// must reach (docs/design/vm.md §10).
+const WARM_WINDOW: Duration = Duration::from_millis(100);
+const WARM_SHARE: f64 = 0.9;
+
+/// A lazy start: the guest saved and started again in a new QEMU. `farmap`: its RAM on a
+/// farmap mount of a `versioned:` region (the device state only in the saved file; the new
+/// mount reads the working set ahead); otherwise QEMU's own full save and restore
+/// (anonymous RAM). Both keep their files on /dev/shm.
+async fn lazy_row(ctx: &Ctx, mib: u64, farmap: bool) -> anyhow::Result<Row> {
+    let name = if farmap { "lazy" } else { "restore" };
+    let root = ctx.tmp.path().join(format!("{name}-{mib}"));
+    let _ = std::fs::remove_dir_all(&root);
+    std::fs::create_dir_all(&root)?;
+    let shm = tempfile::tempdir_in("/dev/shm").or_else(|_| tempfile::tempdir())?;
+    let spec = format!(
+        "versioned:(dir:{})/vm?size={mib}MiB",
+        shm.path().join("objects").display()
+    );
+    let state = shm.path().join("vm.state");
+    let (src_dir, dst_dir) = (root.join("src"), root.join("dst"));
+    let ram = |dir: &Path| {
+        if farmap {
+            Ram::File {
+                path: dir.join("region"),
+                share: true,
+            }
+        } else {
+            Ram::Anonymous
+        }
+    };
+    let t = Duration::from_secs(30);
+    let mut row = Row::default();
+    // Run and save.
+    let (src_beats, rate) = {
+        let src_mount = if farmap {
+            Some(mount(&ctx.exe, &src_dir, Some(&spec), None)?)
+        } else {
+            None
+        };
+        let mut src = Guest::start(ctx.config(&format!("{name}-s"), mib, ram(&src_dir))?, None)?;
+        src.boot()?;
+        std::thread::sleep(Duration::from_secs(1));
+        let mut qmp = Qmp::connect(&src.config.qmp, t).await?;
+        let at = Instant::now();
+        let rate = rate_before(&src.beats.beats(), at, Duration::from_secs(1));
+        let ram_file = src_dir.join("region");
+        let saved = farmap_vm::save(
+            &mut qmp,
+            &state,
+            farmap.then_some(ram_file.as_path()),
+            ctx.qemu_timeout,
+        )
+        .await
+        .context("saving the guest")?;
+        row.save_ms = Some(
+            saved.save.as_secs_f64() * 1e3 + saved.flush.map_or(0.0, |f| f.as_secs_f64() * 1e3),
+        );
+        row.bytes_moved = Some(saved.state_bytes);
+        qmp.quit().await?;
+        if let Some(mut c) = src.qemu.take() {
+            let _ = c.wait();
+        }
+        // The mount flushes and unmounts.
+        drop(src_mount);
+        (src.beats.beats(), rate)
+    };
+    // Start again, on a new mount of the saved region.
+    let t_prepare = Instant::now();
+    let _dst_mount = if farmap {
+        Some(mount(
+            &ctx.exe,
+            &dst_dir,
+            Some(&spec.replace(&format!("?size={mib}MiB"), "")),
+            None,
+        )?)
+    } else {
+        None
+    };
+    let dst = Guest::start(
+        ctx.config(&format!("{name}-d"), mib, ram(&dst_dir))?,
+        Some(Incoming::Defer),
+    )?;
+    let mut qmp = Qmp::connect(&dst.config.qmp, t).await?;
+    row.prepare_ms = Some(t_prepare.elapsed().as_secs_f64() * 1e3);
+    let t0 = Instant::now();
+    let running = farmap_vm::restore(&mut qmp, &state, farmap, ctx.qemu_timeout)
+        .await
+        .context("restoring the guest")?;
+    // Until it is warm, or 30 s.
+    let (mut first, mut warm) = (None, None);
+    while t0.elapsed() < Duration::from_secs(30) {
+        std::thread::sleep(Duration::from_millis(200));
+        (first, warm) = first_and_warm(&dst.beats.beats(), t0, rate);
+        if warm.is_some() {
+            break;
+        }
+    }
+    let ms = |d: Option<Duration>| d.map(|d| d.as_secs_f64() * 1e3);
+    row.time_to_first_instruction_ms = ms(Some(running));
+    row.first_beat_ms = ms(first);
+    row.time_to_warm_ms = ms(warm);
+    row.converged = warm.is_some();
+    row.case = "lazy-start".into();
+    let dst_beats = dst.beats.beats();
+    let holes = analyse(&[&src_beats, &dst_beats]).holes;
+    let (intact, clock_gap) = dst.verify();
+    row.guest_clock_max_gap_ms = clock_gap;
+    row.verified = intact && holes == 0 && first.is_some();
+    if trace() {
+        eprintln!(
+            "bench vm: {name}: rate before the save {rate:.0}/s, running {running:?}, first beat {:?}, warm {:?}, {} beats after",
+            first, warm, dst_beats.len()
+        );
+    }
+    let _ = qmp.quit().await;
     Ok(row)
 }
