@@ -173,8 +173,12 @@ fn finish(
 }
 
 /// The migration key's secret from `given` or the default key file; a seeder creates the file
-/// when there is none.
-pub(crate) fn key_secret(given: Option<PathBuf>, create: bool) -> anyhow::Result<String> {
+/// when there is none, and says so as `who`.
+pub(crate) fn key_secret(
+    given: Option<PathBuf>,
+    create: bool,
+    who: &str,
+) -> anyhow::Result<String> {
     use farmap_net::auth::{default_key_file, read_or_create_secret, read_secret};
     let path = match given {
         Some(p) => p,
@@ -186,7 +190,7 @@ pub(crate) fn key_secret(given: Option<PathBuf>, create: bool) -> anyhow::Result
     let (secret, created) = read_or_create_secret(&path)?;
     if created {
         status!(
-            "farmap seed: created the migration key {}: copy it to the destination host \
+            "{who}: created the migration key {}: copy it to the destination host \
              (same user, mode 600)",
             path.display()
         );
@@ -195,7 +199,7 @@ pub(crate) fn key_secret(given: Option<PathBuf>, create: bool) -> anyhow::Result
 }
 
 pub async fn seed(args: SeedArgs) -> anyhow::Result<ExitCode> {
-    let key = key_secret(args.key_file, true)?;
+    let key = key_secret(args.key_file, true, "farmap seed")?;
     let request = Request::Seed(SeedRequest {
         listen: args.listen.to_string(),
         data_listen: args.data_listen.to_string(),
@@ -227,7 +231,7 @@ pub async fn leech(args: LeechArgs) -> anyhow::Result<ExitCode> {
     if args.store.is_some() && args.mode != farmap_migrate::Mode::Instant {
         bail!("--store names the shared store of an instant migration: add --mode instant");
     }
-    let key = key_secret(args.key_file, false)?;
+    let key = key_secret(args.key_file, false, "farmap leech")?;
     let request = Request::Leech(LeechRequest {
         from: args.from.to_string(),
         data: args.data.map(|d| d.to_string()),

@@ -318,7 +318,7 @@ async fn migrate(args: MigrateArgs) -> anyhow::Result<ExitCode> {
     if args.mode == farmap_migrate::Mode::Instant && args.store.is_none() {
         bail!("--mode instant needs --store SPEC: the shared store the destination mount opens");
     }
-    let key = crate::migrate::key_secret(args.key_file.clone(), true)?;
+    let key = crate::migrate::key_secret(args.key_file.clone(), true, "farmap vm migrate")?;
     let incoming = args
         .incoming
         .clone()

@@ -150,15 +150,23 @@ impl Setup {
             .arg("--control")
             .arg(&self.control)
             .arg("--key-file")
-            .arg(self.tmp.path().join("key"))
-            .stderr(Stdio::inherit());
+            .arg(self.tmp.path().join("key"));
+        // Into a file, not a pipe: the destination QEMU it starts inherits its stderr and
+        // outlives it.
+        static CALLS: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
+        let n = CALLS.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        let log = self.tmp.path().join(format!("migrate-{n}.err"));
+        cmd.stderr(std::fs::File::create(&log).unwrap());
         if mode == "instant" {
             cmd.arg("--store").arg(&self.spec);
         }
         if let Some(kill) = kill {
             cmd.env("FARMAP_VM_TEST_KILL", kill);
         }
-        cmd.output().unwrap()
+        let mut out = cmd.output().unwrap();
+        out.stderr = std::fs::read(&log).unwrap();
+        eprint!("{}", String::from_utf8_lossy(&out.stderr));
+        out
     }
 }
 
@@ -346,7 +354,13 @@ fn a_guest_moves_between_qemus_instantly_and_by_precopy_and_survives_a_lost_dest
         held
     });
     let t0 = Instant::now();
-    let r = report(&setup.migrate(&a, &b, "instant", None));
+    let out = setup.migrate(&a, &b, "instant", None);
+    assert!(
+        String::from_utf8_lossy(&out.stderr)
+            .contains("farmap vm migrate: created the migration key"),
+        "the new key is announced by the command that made it"
+    );
+    let r = report(&out);
     assert!(
         t0.elapsed() < Duration::from_secs(10),
         "the migration took {:?}",
