@@ -36,6 +36,8 @@ build_minio() {
 }
 
 [ -x "$bin" ] || build_minio
+# `minio.sh DIR --build-only`: the binary only (scripts/test.sh builds it ahead of the tests).
+[ "${2:-}" = --build-only ] && exit 0
 apt_need curl
 
 port=$(free_port 1)
