@@ -202,6 +202,7 @@ pub async fn run(cmd: VmCommand) -> anyhow::Result<ExitCode> {
     }
 }
 
+/// Milliseconds, to the microsecond.
 fn secs_ms(d: Duration) -> f64 {
     (d.as_secs_f64() * 1e6).round() / 1e3
 }
@@ -307,9 +308,7 @@ struct Times {
 
 fn ms(from: Option<Instant>, to: Option<Instant>) -> Value {
     match (from, to) {
-        (Some(a), Some(b)) => {
-            json!((b.saturating_duration_since(a).as_secs_f64() * 1e6).round() / 1e3)
-        }
+        (Some(a), Some(b)) => json!(secs_ms(b.saturating_duration_since(a))),
         _ => Value::Null,
     }
 }

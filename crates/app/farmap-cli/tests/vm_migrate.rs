@@ -85,10 +85,18 @@ struct Setup {
     base: QemuConfig,
     spec: String,
     control: PathBuf,
-    hook: String,
 }
 
 impl Setup {
+    /// `farmap vm WORD --control ...`: a mount's hook that reaches `farmap vm migrate`.
+    fn hook(&self, word: &str) -> String {
+        format!(
+            "{} vm {word} --control {}",
+            env!("CARGO_BIN_EXE_farmap"),
+            self.control.display()
+        )
+    }
+
     fn dir(&self, name: &str) -> PathBuf {
         let d = self.tmp.path().join(name);
         std::fs::create_dir_all(&d).unwrap();
@@ -106,8 +114,8 @@ impl Setup {
             args.extend([self.spec.as_str(), "--managed"]);
         }
         // The prepare hook has the destination QEMU started before the last pushes.
-        let prepare = self.hook.replace(" vm suspend ", " vm prepare ");
-        args.extend(["--suspend", &self.hook, "--prepare", &prepare]);
+        let (suspend, prepare) = (self.hook("suspend"), self.hook("prepare"));
+        args.extend(["--suspend", &suspend, "--prepare", &prepare]);
         let mount = mount(&args, &agent, source);
         let mut config = self
             .base
@@ -229,11 +237,6 @@ fn a_guest_moves_between_qemus_instantly_and_by_precopy_and_survives_a_lost_dest
         "127.0.0.1:0",
     ]);
     let control = tmp.path().join("vm.ctl");
-    let hook = format!(
-        "{} vm suspend --control {}",
-        env!("CARGO_BIN_EXE_farmap"),
-        control.display()
-    );
     let mut base = QemuConfig::new(GUEST_MIB, Ram::Anonymous, tmp.path());
     base.kernel = Some(image.kernel.clone());
     base.initrd = Some(image.initrd.clone());
@@ -244,7 +247,6 @@ fn a_guest_moves_between_qemus_instantly_and_by_precopy_and_survives_a_lost_dest
         tmp,
         base,
         control,
-        hook,
     };
     let a = setup.end("a", true, true);
     let mut qemu_a = Proc(a.config.command(None).spawn().unwrap());

@@ -510,12 +510,13 @@ fn serve(exe: &Path, spec: &str) -> anyhow::Result<(Proc, String)> {
     bail!("farmap serve printed no address")
 }
 
-/// `farmap mount DIR [SPEC --managed] [--agent AGENT --suspend HOOK --prepare HOOK']`.
+/// `farmap mount DIR [SPEC --managed] [--agent AGENT --suspend HOOK --prepare HOOK]`, the
+/// hooks reaching `farmap vm migrate --control CONTROL`.
 fn mount(
     exe: &Path,
     dir: &Path,
     spec: Option<&str>,
-    agent: Option<(&Path, &str)>,
+    agent: Option<(&Path, &Path)>,
 ) -> anyhow::Result<Proc> {
     std::fs::create_dir_all(dir)?;
     let mut cmd = Command::new(exe);
@@ -523,12 +524,22 @@ fn mount(
     if let Some(spec) = spec {
         cmd.args([spec, "--managed"]);
     }
-    if let Some((agent, hook)) = agent {
-        // The prepare hook has the destination QEMU started before the last pushes.
-        let prepare = hook.replace(" vm suspend ", " vm prepare ");
-        cmd.arg("--agent")
-            .arg(agent)
-            .args(["--suspend", hook, "--prepare", &prepare]);
+    if let Some((agent, control)) = agent {
+        // The hooks reach `farmap vm migrate --control`; the prepare hook has the destination
+        // QEMU started before the last pushes.
+        let hook = |word| {
+            format!(
+                "{} vm {word} --control {}",
+                exe.display(),
+                control.display()
+            )
+        };
+        cmd.arg("--agent").arg(agent).args([
+            "--suspend",
+            &hook("suspend"),
+            "--prepare",
+            &hook("prepare"),
+        ]);
     }
     let proc = Proc(cmd.stdout(Stdio::null()).spawn()?);
     let t0 = Instant::now();
@@ -550,15 +561,15 @@ async fn farmap_row(ctx: &Ctx, mib: u64, mode: &str) -> anyhow::Result<Row> {
     let (_server, addr) = serve(&ctx.exe, &format!("memory:{mib}MiB"))?;
     let spec = format!("farmap://{addr}");
     let control = root.join("vm.ctl");
-    let hook = format!(
-        "{} vm suspend --control {}",
-        ctx.exe.display(),
-        control.display()
-    );
     let (src_dir, dst_dir) = (root.join("src"), root.join("dst"));
     let (src_agent, dst_agent) = (root.join("src.agent"), root.join("dst.agent"));
-    let _src_mount = mount(&ctx.exe, &src_dir, Some(&spec), Some((&src_agent, &hook)))?;
-    let _dst_mount = mount(&ctx.exe, &dst_dir, None, Some((&dst_agent, &hook)))?;
+    let _src_mount = mount(
+        &ctx.exe,
+        &src_dir,
+        Some(&spec),
+        Some((&src_agent, &control)),
+    )?;
+    let _dst_mount = mount(&ctx.exe, &dst_dir, None, Some((&dst_agent, &control)))?;
     let ram = |dir: &Path| Ram::File {
         path: dir.join("region"),
         share: true,
