@@ -83,6 +83,12 @@ pub struct MountArgs {
     /// Let other users than this one use the file (allow_other).
     #[arg(long)]
     allow_other: bool,
+    /// Warm the page cache: a `versioned:` region's recorded working set (the chunks its
+    /// last run touched first, in that order) is read through the file as soon as a program
+    /// first reads it, so that its first touches may find the pages cached. Off by default:
+    /// it did not shorten a restored VM's stall here (see docs/vm.md).
+    #[arg(long, conflicts_with_all = ["nbd", "ublk"])]
+    warm_up: bool,
     /// Serve the region as a block device through the kernel's NBD client instead (STORE
     /// only): prints /dev/nbdN when it is ready; needs the kernel's nbd driver and root.
     #[arg(long, conflicts_with = "ublk")]
@@ -378,6 +384,7 @@ fn mount_options(args: &MountArgs) -> MountOptions {
         name: args.name.clone(),
         read_only: args.read_only,
         allow_other: args.allow_other,
+        warm_page_cache: args.warm_up,
         ..MountOptions::default()
     }
 }

@@ -710,6 +710,8 @@ async fn start(
     let opts = MountOptions {
         name: FILE_NAME.to_string(),
         write_buffers: WRITE_BUFFERS,
+        // The kernel's swap reads what it needs; nothing is to be read ahead for it.
+        warm_page_cache: false,
         ..MountOptions::default()
     };
     let mount_dir = setup.dir.clone();

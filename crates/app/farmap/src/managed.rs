@@ -26,8 +26,8 @@ use farmap_core::{
     BoxFuture, Caps, ChunkIdx, ChunkRange, ChunkStatus, Geometry, Store, StoreError, StoreResult,
 };
 use farmap_pipeline::{
-    Cached, EvictStats, PullOptions, PullProgress, PullReport, Puller, PushHold, PushOptions,
-    PushStats, Pusher,
+    Cached, DirtySet, EvictStats, PullOptions, PullProgress, PullReport, Puller, PushHold,
+    PushOptions, PushStats, Pusher,
 };
 use farmap_store::{DenseMemoryStore, MemoryStore};
 
@@ -126,6 +126,9 @@ pub struct Managed {
     pusher: Pusher<Arc<Cache>, Arc<dyn Store>>,
     puller: Option<Puller>,
     readahead: u64,
+    /// Chunks the application read or wrote since the cache opened (reported to the remote,
+    /// see [`Store::reports_touches`]).
+    touched: DirtySet,
 }
 
 /// An instant migration hands a managed store's remote over through its pusher's seal.
@@ -164,6 +167,9 @@ impl Managed {
     /// Outside a tokio runtime (the puller and the push interval run on it).
     pub fn open(remote: Arc<dyn Store>, opts: ManagedOptions) -> StoreResult<Managed> {
         let geometry = remote.geometry();
+        // The pull reads ahead of the application: the remote learns what it touched from
+        // here (a versioned region records it as the working set of its next start).
+        remote.reports_touches();
         let local: Box<dyn Store> = if opts.dense_local {
             Box::new(DenseMemoryStore::new(geometry))
         } else {
@@ -208,6 +214,7 @@ impl Managed {
             pusher,
             puller,
             readahead,
+            touched: DirtySet::new(geometry.chunk_count()),
         })
     }
 
@@ -270,6 +277,13 @@ impl Managed {
         self.pusher.shutdown().await
     }
 
+    /// Reports the application's first touch of `idx` to the remote.
+    fn touch(&self, idx: ChunkIdx) {
+        if self.geometry.contains(idx) && self.touched.mark(idx) {
+            self.remote().touched(idx);
+        }
+    }
+
     fn read_ahead(&self, idx: ChunkIdx) {
         if let Some(p) = &self.puller {
             // `is_present` is false outside the region: check the index first.
@@ -293,11 +307,13 @@ impl Store for Managed {
     }
 
     fn read(&self, idx: ChunkIdx) -> BoxFuture<'_, StoreResult<Bytes>> {
+        self.touch(idx);
         self.read_ahead(idx);
         self.pusher.read(idx)
     }
 
     fn write(&self, idx: ChunkIdx, data: Bytes) -> BoxFuture<'_, StoreResult<()>> {
+        self.touch(idx);
         self.pusher.write(idx, data)
     }
 
@@ -316,6 +332,11 @@ impl Store for Managed {
     /// Pulls the chunk into the local cache (NBD `CACHE` on a managed export).
     fn prefetch(&self, idx: ChunkIdx) -> BoxFuture<'_, StoreResult<()>> {
         Box::pin(async move { self.read(idx).await.map(drop) })
+    }
+
+    /// The remote's: reading it through this store fills the local cache too.
+    fn working_set(&self) -> Option<Arc<[ChunkIdx]>> {
+        self.remote().working_set()
     }
 }
 
@@ -410,6 +431,58 @@ mod tests {
             "shutdown pushed it"
         );
     }
+    /// The working set a versioned region records under a managed cache is the application's
+    /// first touches, in order, not the pull's sweep.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_versioned_remote_records_the_application_s_touches_not_the_pull() {
+        use farmap_versions::{At, Versioned, VersionedOptions};
+        let dir = tempfile::tempdir().unwrap();
+        let objects: Arc<dyn farmap_core::Objects> =
+            Arc::new(farmap_store::DirObjects::open(dir.path()).unwrap());
+        let g = Geometry::new(64 * 4096, 4096).unwrap();
+        let open = || async {
+            Arc::new(
+                Versioned::open(
+                    objects.clone(),
+                    VersionedOptions {
+                        region: "r".into(),
+                        at: At::Latest,
+                        read_only: false,
+                        create: Some(g),
+                        grace: None,
+                        read_ahead: true,
+                    },
+                )
+                .await
+                .unwrap(),
+            )
+        };
+        let v = open().await;
+        for i in 0..64u64 {
+            v.write(ChunkIdx(i), Bytes::from(vec![i as u8 + 1; 4096]))
+                .await
+                .unwrap();
+        }
+        v.flush().await.unwrap();
+        drop(v);
+
+        let m = Managed::open(open().await, ManagedOptions::default()).unwrap();
+        // The pull reads all 64 chunks, in its own order.
+        assert!(m.wait_pull().await.unwrap().is_complete());
+        assert_eq!(m.read(ChunkIdx(40)).await.unwrap()[0], 41);
+        m.write(ChunkIdx(7), Bytes::from(vec![0xee; 4096]))
+            .await
+            .unwrap();
+        assert_eq!(m.read(ChunkIdx(7)).await.unwrap()[0], 0xee);
+        m.read(ChunkIdx(2)).await.unwrap();
+        m.read(ChunkIdx(40)).await.unwrap();
+        m.shutdown().await.unwrap();
+
+        let next = open().await;
+        let set: Vec<u64> = next.working_set().unwrap().iter().map(|c| c.0).collect();
+        assert_eq!(set, [40, 7, 2]);
+    }
+
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn a_bounded_cache_conforms() {
         farmap_testkit::run_conformance(|g| async move {

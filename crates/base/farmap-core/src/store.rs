@@ -149,6 +149,27 @@ pub trait Store: Send + Sync + fmt::Debug + 'static {
     fn memory_base(&self) -> BoxFuture<'_, StoreResult<Option<Arc<dyn MemoryBase>>>> {
         Box::pin(async { Ok(None) })
     }
+
+    /// A hint: the chunks this opening expects to be read first, in the order they were
+    /// first read the last time the region ran (a versioned region's recorded working set),
+    /// so that a front can fetch them ahead (a mount warms the kernel's page cache with
+    /// them). `None` (the default): nothing known. A stage over another store forwards it.
+    fn working_set(&self) -> Option<Arc<[ChunkIdx]>> {
+        None
+    }
+
+    /// A hint from a cache over this store that reads ahead of the application (a managed
+    /// store's pull), sent once as it opens: this store's own reads no longer show what the
+    /// application touched, so the cache reports that with [`touched`](Self::touched). A
+    /// store that records working sets records those reports from now on, not its reads.
+    /// A stage over another store forwards it; others ignore it.
+    fn reports_touches(&self) {}
+
+    /// A hint from a cache that [reports touches](Self::reports_touches): the application
+    /// read or wrote chunk `idx` for the first time since the cache opened.
+    fn touched(&self, idx: ChunkIdx) {
+        let _ = idx;
+    }
 }
 
 /// The content an opening of a store started from, as other openings on the same host see it
@@ -236,6 +257,15 @@ macro_rules! forward_store {
             }
             fn memory_base(&self) -> BoxFuture<'_, StoreResult<Option<Arc<dyn MemoryBase>>>> {
                 (**self).memory_base()
+            }
+            fn working_set(&self) -> Option<Arc<[ChunkIdx]>> {
+                (**self).working_set()
+            }
+            fn reports_touches(&self) {
+                (**self).reports_touches()
+            }
+            fn touched(&self, idx: ChunkIdx) {
+                (**self).touched(idx)
             }
         }
     };

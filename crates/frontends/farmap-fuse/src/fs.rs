@@ -23,6 +23,7 @@ use tokio::runtime::Handle;
 
 use crate::control::MountControl;
 use crate::pool::WritePool;
+use crate::warm::Trigger;
 
 /// The region file's inode.
 pub(crate) const FILE_INO: INodeNo = INodeNo(2);
@@ -53,6 +54,8 @@ pub(crate) struct Shared {
     pub control: Arc<MountControl>,
     /// Where write payloads are copied, if the mount has pre-allocated buffers.
     pub pool: Option<WritePool>,
+    /// Starts warming the page cache at the first read (see [`crate::warm`]).
+    pub warm: Option<Arc<Trigger>>,
 }
 
 impl Shared {
@@ -298,6 +301,9 @@ impl Filesystem for RegionFs {
         let read = async move {
             if let Err(e) = shared.control.readable().await {
                 return reply.error(e);
+            }
+            if let Some(warm) = &shared.warm {
+                warm.fire();
             }
             match shared.store.read_bytes(offset, len).await {
                 Ok(data) => reply.data(&data),

@@ -29,12 +29,18 @@
 //! - Write payloads are copied out of fuser's request buffer into a fresh allocation, or,
 //!   with [`MountOptions::write_buffers`], into a [`WritePool`] of buffers allocated at mount
 //!   (a swap server's write path must not allocate).
+//! - A store that knows its working set ([`Store::working_set`], a versioned region) has it
+//!   read through the file once the file is first read, so that the kernel's page cache
+//!   holds it before the application touches it ([`MountOptions::warm_page_cache`], off by
+//!   default).
 //! - A mount point whose server died (`ENOTCONN`) is detected and lazily unmounted before
 //!   mounting again.
 //!
 //! - Live migration of a mount (`farmap mount --agent`) is `farmap_migrate::mount`, above this
 //!   crate: writes are tracked as they reach the server ([`MountControl`]), the programs
 //!   holding the file are suspended at the hand-over, and the destination mount serves at once.
+//!
+//! [`Store::working_set`]: farmap_core::Store::working_set
 //!
 //! Serving a mapping of the mount from the same process works (the mount has its own runtime
 //! and session thread), but a thread of the mount's runtime must never touch the mapping.
@@ -48,6 +54,7 @@ mod mapping;
 mod mount;
 mod pool;
 mod sys;
+mod warm;
 
 pub use control::{Access, MountControl};
 pub use error::MountError;
@@ -55,3 +62,4 @@ pub use mapping::MappedRegion;
 pub use mount::{find_mount, FuseMount, MountInfo, MountOptions, DEFAULT_FILE_NAME};
 pub use pool::WritePool;
 pub use sys::{cleanup_stale, is_stale};
+pub use warm::WarmStats;

@@ -153,6 +153,14 @@ pub(crate) fn raise_max_pages(pages: u32) -> Result<(), String> {
         .map_err(|e| format!("raising {MAX_PAGES_LIMIT} from {now} to {pages}: {e}"))
 }
 
+/// `MemAvailable` of /proc/meminfo, in bytes.
+pub(crate) fn mem_available() -> Option<u64> {
+    let info = std::fs::read_to_string("/proc/meminfo").ok()?;
+    let line = info.lines().find(|l| l.starts_with("MemAvailable:"))?;
+    let kb: u64 = line.split_whitespace().nth(1)?.parse().ok()?;
+    kb.checked_mul(1024)
+}
+
 /// Sets the read-ahead of the mount whose device is `device` (`major:minor`) to `kb`.
 pub(crate) fn set_read_ahead(device: &str, kb: u32) -> Result<(), String> {
     let path = format!("/sys/class/bdi/{device}/read_ahead_kb");

@@ -388,3 +388,160 @@ fn mapped_writes_dirty_single_pages_and_the_bdi_takes_the_dirty_knobs() {
     assert_eq!(read("max_ratio").trim(), "100");
     m.unmount().unwrap();
 }
+
+/// A store that names a working set and counts the reads of each chunk.
+#[derive(Debug)]
+struct WithWorkingSet {
+    inner: MemoryStore,
+    set: Arc<[ChunkIdx]>,
+    reads: Vec<std::sync::atomic::AtomicU32>,
+}
+
+impl WithWorkingSet {
+    fn reads(&self, idx: u64) -> u32 {
+        self.reads[idx as usize].load(std::sync::atomic::Ordering::SeqCst)
+    }
+}
+
+impl Store for WithWorkingSet {
+    fn geometry(&self) -> Geometry {
+        self.inner.geometry()
+    }
+    fn caps(&self) -> farmap_core::Caps {
+        self.inner.caps()
+    }
+    fn read(
+        &self,
+        idx: ChunkIdx,
+    ) -> farmap_core::BoxFuture<'_, farmap_core::StoreResult<bytes::Bytes>> {
+        if let Some(n) = self.reads.get(idx.0 as usize) {
+            n.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+        }
+        self.inner.read(idx)
+    }
+    fn write(
+        &self,
+        idx: ChunkIdx,
+        data: bytes::Bytes,
+    ) -> farmap_core::BoxFuture<'_, farmap_core::StoreResult<()>> {
+        self.inner.write(idx, data)
+    }
+    fn flush(&self) -> farmap_core::BoxFuture<'_, farmap_core::StoreResult<()>> {
+        self.inner.flush()
+    }
+    fn trim(
+        &self,
+        range: farmap_core::ChunkRange,
+    ) -> farmap_core::BoxFuture<'_, farmap_core::StoreResult<()>> {
+        self.inner.trim(range)
+    }
+    fn status(
+        &self,
+        idx: ChunkIdx,
+    ) -> farmap_core::BoxFuture<'_, farmap_core::StoreResult<farmap_core::ChunkStatus>> {
+        self.inner.status(idx)
+    }
+    fn working_set(&self) -> Option<Arc<[ChunkIdx]>> {
+        Some(self.set.clone())
+    }
+}
+
+#[test]
+fn the_working_set_is_read_into_the_page_cache_at_the_first_read_without_undoing_writes() {
+    if !can_mount(
+        "the_working_set_is_read_into_the_page_cache_at_the_first_read_without_undoing_writes",
+    ) {
+        return;
+    }
+    const CHUNK: u64 = 64 << 10;
+    let set: Vec<u64> = vec![9, 10, 11, 3, 40];
+    for warm in [true, false] {
+        let dir = tempfile::tempdir().unwrap();
+        let s = Arc::new(WithWorkingSet {
+            inner: MemoryStore::new(Geometry::new(128 * CHUNK, CHUNK).unwrap()),
+            set: set.iter().map(|&c| ChunkIdx(c)).collect(),
+            reads: (0..128).map(|_| Default::default()).collect(),
+        });
+        for &c in &set {
+            block_on(
+                s.inner
+                    .write(ChunkIdx(c), pattern(c as u8, CHUNK as usize).into()),
+            )
+            .unwrap();
+        }
+        let opts = MountOptions {
+            warm_page_cache: warm,
+            ..MountOptions::default()
+        };
+        let m = FuseMount::mount(s.clone(), dir.path(), opts).unwrap();
+        let f = m.open().unwrap();
+        assert!(
+            set.iter().all(|&c| s.reads(c) == 0),
+            "nothing is read before the file is"
+        );
+        // Written before the warming: it must not be undone by it.
+        f.write_all_at(b"mine", 10 * CHUNK + 100).unwrap();
+        // The first read starts it.
+        let mut one = [0u8; 1];
+        f.read_exact_at(&mut one, 0).unwrap();
+        if !warm {
+            assert!(m.warm_stats().is_none());
+            std::thread::sleep(std::time::Duration::from_millis(300));
+            assert_eq!(s.reads(40), 0, "no warming when it is off");
+            continue;
+        }
+        let stats = m.warm_stats().expect("a working set to warm").clone();
+        let t0 = std::time::Instant::now();
+        while stats.done_us.load(std::sync::atomic::Ordering::SeqCst) == 0 {
+            assert!(t0.elapsed().as_secs() < 20, "the warming did not finish");
+            std::thread::sleep(std::time::Duration::from_millis(10));
+        }
+        assert_eq!(
+            stats.bytes.load(std::sync::atomic::Ordering::SeqCst),
+            set.len() as u64 * CHUNK
+        );
+        for &c in &[9, 11, 3, 40] {
+            assert!(s.reads(c) >= 1, "chunk {c} was read ahead");
+        }
+        // Now cached: reading them through the file does not reach the store.
+        let before: Vec<u32> = set.iter().map(|&c| s.reads(c)).collect();
+        for &c in &set {
+            let mut back = vec![0u8; CHUNK as usize];
+            f.read_exact_at(&mut back, c * CHUNK).unwrap();
+            let mut want = pattern(c as u8, CHUNK as usize);
+            if c == 10 {
+                want[100..104].copy_from_slice(b"mine");
+            }
+            assert!(back == want, "chunk {c} reads what was stored and written");
+        }
+        let after: Vec<u32> = set.iter().map(|&c| s.reads(c)).collect();
+        assert_eq!(before, after, "the warmed chunks came from the page cache");
+        drop(f);
+        m.unmount().unwrap();
+        let mut back = vec![0u8; 4];
+        back.copy_from_slice(&block_on(s.inner.read(ChunkIdx(10))).unwrap()[100..104]);
+        assert_eq!(&back, b"mine", "the write reached the store");
+    }
+}
+
+#[test]
+fn a_mount_whose_file_is_never_read_unmounts_at_once() {
+    if !can_mount("a_mount_whose_file_is_never_read_unmounts_at_once") {
+        return;
+    }
+    let dir = tempfile::tempdir().unwrap();
+    let s = Arc::new(WithWorkingSet {
+        inner: MemoryStore::new(Geometry::new(1 << 20, 64 << 10).unwrap()),
+        set: vec![ChunkIdx(1)].into(),
+        reads: (0..16).map(|_| Default::default()).collect(),
+    });
+    let opts = MountOptions {
+        warm_page_cache: true,
+        ..MountOptions::default()
+    };
+    let m = FuseMount::mount(s.clone(), dir.path(), opts).unwrap();
+    let t0 = std::time::Instant::now();
+    m.unmount().unwrap();
+    assert!(t0.elapsed().as_secs() < 5);
+    assert_eq!(s.reads(1), 0, "never warmed: nobody read the file");
+}

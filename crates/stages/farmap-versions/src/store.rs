@@ -62,13 +62,24 @@ pub const READ_AHEAD_BYTES: usize = 256 << 20;
 /// Chunks read ahead at once.
 const READ_AHEAD_IN_FLIGHT: usize = 16;
 
-/// The order in which this opening first read each chunk that holds data.
+/// The order in which this opening first read each chunk that holds data, or, once a cache
+/// over it [reports touches](Store::reports_touches), first touched each chunk.
 #[derive(Debug, Default)]
 struct Order {
     seen: HashSet<u64>,
     list: Vec<u64>,
     /// How much of `list` the last save kept.
     saved: usize,
+    /// A cache over this opening reports the application's touches: reads are not recorded.
+    reported: bool,
+}
+
+impl Order {
+    fn record(&mut self, idx: u64) {
+        if self.list.len() < touched::MAX_CHUNKS && self.seen.insert(idx) {
+            self.list.push(idx);
+        }
+    }
 }
 
 /// Chunks read ahead, until the first read of each takes it.
@@ -153,6 +164,8 @@ pub struct Versioned {
     ahead: Arc<Ahead>,
     /// Reads a recorded working set ahead.
     reader: Option<tokio::task::JoinHandle<()>>,
+    /// The recorded working set it reads ahead (see [`Store::working_set`]).
+    working_set: Option<Arc<[ChunkIdx]>>,
     /// One flush at a time.
     flushing: tokio::sync::Mutex<()>,
 }
@@ -232,7 +245,7 @@ impl Versioned {
             _ => None,
         };
         let ahead = Arc::new(Ahead::default());
-        let reader = match (&rt, opts.read_ahead) {
+        let (reader, working_set) = match (&rt, opts.read_ahead) {
             (Some(rt), true) => {
                 let to = Reader {
                     objects: objects.clone(),
@@ -243,7 +256,7 @@ impl Versioned {
                 };
                 start_read_ahead(rt, to, &region, seq).await
             }
-            _ => None,
+            _ => (None, None),
         };
         Ok(Self {
             objects,
@@ -258,6 +271,7 @@ impl Versioned {
             order: (!opts.read_only).then(|| Mutex::new(Order::default())),
             ahead,
             reader,
+            working_set,
             flushing: tokio::sync::Mutex::new(()),
         })
     }
@@ -599,8 +613,8 @@ impl Store for Versioned {
             };
             if let Some(order) = &self.order {
                 let mut o = order.lock();
-                if o.list.len() < touched::MAX_CHUNKS && o.seen.insert(idx.0) {
-                    o.list.push(idx.0);
+                if !o.reported {
+                    o.record(idx.0);
                 }
             }
             if self.reader.is_some() {
@@ -696,6 +710,35 @@ impl Store for Versioned {
 
     fn catch_up(&self) -> BoxFuture<'_, StoreResult<()>> {
         Box::pin(async move { Versioned::catch_up(self).await.map(|_| ()) })
+    }
+
+    fn working_set(&self) -> Option<Arc<[ChunkIdx]>> {
+        self.working_set.clone()
+    }
+
+    /// From now on the order recorded is the cache's reports; what was read so far (the
+    /// cache's pull, likely) is forgotten.
+    fn reports_touches(&self) {
+        if let Some(order) = &self.order {
+            let mut o = order.lock();
+            if !o.reported {
+                *o = Order {
+                    reported: true,
+                    ..Order::default()
+                };
+            }
+        }
+    }
+
+    fn touched(&self, idx: ChunkIdx) {
+        if let Some(order) = &self.order {
+            if self.geometry.contains(idx) {
+                let mut o = order.lock();
+                if o.reported {
+                    o.record(idx.0);
+                }
+            }
+        }
     }
 
     fn memory_base(&self) -> BoxFuture<'_, StoreResult<Option<Arc<dyn MemoryBase>>>> {
@@ -801,16 +844,20 @@ async fn version_to_open(
 }
 
 /// Starts reading ahead the working set recorded for version `seq` (see
-/// [`touched`](crate::touched)), if there is one.
+/// [`touched`](crate::touched)), if there is one: the task, and the working set.
 async fn start_read_ahead(
     rt: &tokio::runtime::Handle,
     to: Reader,
     region: &str,
     seq: u64,
-) -> Option<tokio::task::JoinHandle<()>> {
-    let order = touched::find(&*to.objects, region, seq, to.geometry.chunk_count()).await?;
+) -> (Option<tokio::task::JoinHandle<()>>, Option<Arc<[ChunkIdx]>>) {
+    let Some(order) = touched::find(&*to.objects, region, seq, to.geometry.chunk_count()).await
+    else {
+        return (None, None);
+    };
     tracing::debug!(region, chunks = order.len(), "reading a working set ahead");
-    Some(rt.spawn(read_ahead(to, order)))
+    let set = order.iter().map(|&c| ChunkIdx(c)).collect();
+    (Some(rt.spawn(read_ahead(to, order))), Some(set))
 }
 
 /// Sees each of `hashes` (but zeros) in `chunks/` again unless seen less than `within` ago,

@@ -1,5 +1,7 @@
 //! Working sets: the order in which a run first read each chunk, kept with the version it ran
-//! on, and read ahead in that order when the region opens again.
+//! on, and read ahead in that order when the region opens again. Under a cache that reads
+//! ahead itself (a managed mount's pull), the run's order is the one the cache reports
+//! (`Store::reports_touches`): the application's first reads and writes.
 //!
 //! ```text
 //!   regions/NAME/touched/SEQ.COUNT     magic "FMTOUCH1" | count u64 | count × chunk u64

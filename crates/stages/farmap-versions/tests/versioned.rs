@@ -516,6 +516,60 @@ async fn a_run_s_first_reads_are_read_ahead_in_order_at_the_next_opening() {
 }
 
 #[tokio::test]
+async fn under_a_cache_that_reports_touches_the_working_set_is_the_touches_not_the_reads() {
+    let dir = tempfile::tempdir().unwrap();
+    let o = objects(dir.path());
+    let v = open(&o, "r").await;
+    for i in 0..8 {
+        v.write(ChunkIdx(i), chunk(i as u8 + 1)).await.unwrap();
+    }
+    v.flush().await.unwrap();
+    drop(v);
+    assert_eq!(
+        open(&o, "r").await.working_set(),
+        None,
+        "no run recorded one yet"
+    );
+
+    let run = open(&o, "r").await;
+    // Read before the cache says it reports (its pull starting): forgotten.
+    run.read(ChunkIdx(0)).await.unwrap();
+    run.reports_touches();
+    // The pull's reads are not the application's.
+    for i in 0..8 {
+        run.read(ChunkIdx(i)).await.unwrap();
+    }
+    // The application touched 6, then 3 (twice), then 40 (no data yet: still its touch),
+    // and a report outside the region is dropped.
+    for i in [6, 3, 3, 40, 1000] {
+        run.touched(ChunkIdx(i));
+    }
+    run.reports_touches();
+    run.touched(ChunkIdx(2));
+    run.flush().await.unwrap();
+    drop(run);
+    let again = open(&o, "r").await;
+    let set: Vec<u64> = again.working_set().unwrap().iter().map(|c| c.0).collect();
+    assert_eq!(set, [6, 3, 40, 2], "a second report changes nothing");
+
+    // Without reports, reads are the order again (the next run's, on the next version).
+    let plain = open(&o, "r").await;
+    plain.read(ChunkIdx(7)).await.unwrap();
+    plain.touched(ChunkIdx(5));
+    plain.write(ChunkIdx(9), chunk(9)).await.unwrap();
+    plain.flush().await.unwrap();
+    drop(plain);
+    let set: Vec<u64> = open(&o, "r")
+        .await
+        .working_set()
+        .unwrap()
+        .iter()
+        .map(|c| c.0)
+        .collect();
+    assert_eq!(set, [7], "a touch without the report is not recorded");
+}
+
+#[tokio::test]
 async fn a_fork_names_its_parent_and_a_fork_too_deep_lists_every_chunk() {
     let dir = tempfile::tempdir().unwrap();
     let o = objects(dir.path());

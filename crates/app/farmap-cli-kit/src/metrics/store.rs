@@ -399,4 +399,16 @@ impl Store for Metered {
     fn memory_base(&self) -> BoxFuture<'_, StoreResult<Option<Arc<dyn MemoryBase>>>> {
         self.inner.memory_base()
     }
+
+    fn working_set(&self) -> Option<Arc<[ChunkIdx]>> {
+        self.inner.working_set()
+    }
+
+    fn reports_touches(&self) {
+        self.inner.reports_touches()
+    }
+
+    fn touched(&self, idx: ChunkIdx) {
+        self.inner.touched(idx)
+    }
 }

@@ -105,4 +105,15 @@ impl Store for RuntimeKept {
     fn memory_base(&self) -> BoxFuture<'_, StoreResult<Option<Arc<dyn MemoryBase>>>> {
         self.store.memory_base()
     }
+    fn working_set(&self) -> Option<Arc<[ChunkIdx]>> {
+        self.store.working_set()
+    }
+
+    fn reports_touches(&self) {
+        self.store.reports_touches()
+    }
+
+    fn touched(&self, idx: ChunkIdx) {
+        self.store.touched(idx)
+    }
 }
