@@ -39,7 +39,8 @@ pub struct PullArgs {
     /// keep the link busy (up to 16 MiB); from other stores, 16 MiB of single chunks.
     #[arg(long, value_parser = clap::value_parser!(u32).range(1..=4096))]
     pub workers: Option<u32>,
-    /// Background pull order (managed mode).
+    /// Background pull order (managed mode). Either order pulls a `versioned:` region's
+    /// recorded working set (the chunks its last run touched first) first, in that order.
     #[arg(long, value_enum, default_value = "sequential")]
     pub pull_order: PullOrderArg,
 }

@@ -452,16 +452,20 @@ async fn a_new_host_catches_up_then_takes_over_and_the_old_one_is_fenced() {
     new.flush().await.unwrap();
 }
 
-#[tokio::test]
-async fn a_run_s_first_reads_are_read_ahead_in_order_at_the_next_opening() {
-    let dir = tempfile::tempdir().unwrap();
-    let o = objects(dir.path());
-    let v = open(&o, "r").await;
+/// Region `region` with chunks 0..8 holding 1..=8, saved.
+async fn eight_chunks(o: &Arc<dyn Objects>, region: &str) {
+    let v = open(o, region).await;
     for i in 0..8 {
         v.write(ChunkIdx(i), chunk(i as u8 + 1)).await.unwrap();
     }
     v.flush().await.unwrap();
-    drop(v);
+}
+
+#[tokio::test]
+async fn a_run_s_first_reads_are_read_ahead_in_order_at_the_next_opening() {
+    let dir = tempfile::tempdir().unwrap();
+    let o = objects(dir.path());
+    eight_chunks(&o, "r").await;
     // A run reads 5, 2, 7 (2 twice), and writes nothing: its flush saves the order only.
     let run = open(&o, "r").await;
     for i in [5, 2, 2, 7] {
@@ -519,12 +523,7 @@ async fn a_run_s_first_reads_are_read_ahead_in_order_at_the_next_opening() {
 async fn under_a_cache_that_reports_touches_the_working_set_is_the_touches_not_the_reads() {
     let dir = tempfile::tempdir().unwrap();
     let o = objects(dir.path());
-    let v = open(&o, "r").await;
-    for i in 0..8 {
-        v.write(ChunkIdx(i), chunk(i as u8 + 1)).await.unwrap();
-    }
-    v.flush().await.unwrap();
-    drop(v);
+    eight_chunks(&o, "r").await;
     assert_eq!(
         open(&o, "r").await.working_set(),
         None,
