@@ -286,9 +286,10 @@ impl Managed {
         self.pusher.shutdown().await
     }
 
-    /// Reports the application's first touch of `idx` to the remote.
+    /// Reports the application's first touch of `idx` to the remote. On every read and write:
+    /// a chunk touched before costs one load (`mark` would also write the set's counter).
     fn touch(&self, idx: ChunkIdx) {
-        if self.geometry.contains(idx) && self.touched.mark(idx) {
+        if self.geometry.contains(idx) && !self.touched.is_dirty(idx) && self.touched.mark(idx) {
             self.remote().touched(idx);
             if let Some(p) = &self.puller {
                 p.start();
